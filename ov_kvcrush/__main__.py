@@ -1,0 +1,5 @@
+import sys
+
+from ov_kvcrush.cli import main
+
+sys.exit(main())

