@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_positive_int, default=32)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--model", help="exported model directory (default: the embedded model, exported if needed)")
+    g.add_argument(
+        "--native-gguf",
+        action="store_true",
+        help="backend genai: run --model (a .gguf file; default the embedded one) directly, without export",
+    )
     g.add_argument("--json", dest="json_out", help="write text and metrics as JSON to this file")
 
     for name, issue in PLANNED.items():
@@ -98,7 +103,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     compression = parse_method_budget(args.method, args.budget)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, apply_chat_template=not args.no_chat_template)
     prompt = _read_prompt(args.prompt_file)
-    engine = make_engine(args.backend, _model_dir(args.model), compression)
+    if args.native_gguf:
+        if args.backend != "genai":
+            raise UserError(f"--native-gguf is only for --backend genai, got --backend={args.backend}")
+        from ov_kvcrush.export import resolve_source
+
+        source = resolve_source(args.model)
+        if source.kind != "gguf":
+            raise UserError(f"--native-gguf needs a .gguf file as --model, got a directory: {source.path}")
+        model = source.path
+    else:
+        model = _model_dir(args.model)
+    engine = make_engine(args.backend, model, compression)
     result = engine.generate(prompt, settings)
     print(result.text)
     print(

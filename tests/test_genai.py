@@ -140,6 +140,17 @@ def test_cli_generate_json(model_dir, tmp_path):
     assert "Paris" in data["text"] and data["text"] in proc.stdout
 
 
+def test_native_gguf_runs_without_export(tmp_path):
+    """The GGUF file runs directly in openvino_genai, with the same metrics and KV accounting."""
+    from ov_kvcrush.export import embedded_gguf_path
+
+    engine = GenAIEngine(embedded_gguf_path(), CompressionConfig())
+    assert engine.is_gguf
+    r = engine.generate("What is the capital of France?", GenerationSettings(max_new_tokens=12))
+    assert "Paris" in r.text
+    assert r.kv_bytes == r.full_kv_bytes > 0
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -148,6 +159,7 @@ def test_cli_generate_json(model_dir, tmp_path):
         (["--method", "snapkv", "--budget", "300"], "budget=300 is invalid: allowed a positive multiple"),
         (["--backend", "torch"], "not built yet (issue #4)"),
         (["--backend", "cuda"], "--backend='cuda' is invalid"),
+        (["--native-gguf", "--backend", "torch"], "--native-gguf is only for --backend genai"),
     ],
 )
 def test_cli_generate_bad_input(model_dir, tmp_path, args, needle):

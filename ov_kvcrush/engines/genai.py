@@ -40,7 +40,8 @@ class GenAIEngine:
     """Generate with native ``openvino_genai`` on an exported IR directory.
 
     Args:
-        model_dir: directory written by ``ov-kvcrush export`` / ``optimum-cli export openvino``.
+        model_dir: directory written by ``ov-kvcrush export`` / ``optimum-cli export openvino``,
+            or a ``.gguf`` file, which openvino_genai loads itself (for users who only have the GGUF).
         compression: method and budget (``full``, ``h2o``, ``snapkv``, ``kvcrush``).
         device: OpenVINO device, ``CPU`` by default.
         pool_tokens: tokens the KV block pool is sized for at first; grown on demand.
@@ -60,18 +61,22 @@ class GenAIEngine:
         import openvino_genai as ov_genai
 
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "openvino_model.xml").is_file():
-            raise UserError(f"not an exported OpenVINO model directory (no openvino_model.xml): {self.model_dir}")
+        # A GGUF file runs directly (openvino_genai reads GGUF itself, no export step).
+        self.is_gguf = self.model_dir.is_file() and self.model_dir.suffix.lower() == ".gguf"
+        if not self.is_gguf and not (self.model_dir / "openvino_model.xml").is_file():
+            raise UserError(
+                f"not an exported OpenVINO model directory (no openvino_model.xml) nor a .gguf file: {self.model_dir}"
+            )
         self.compression = compression or CompressionConfig()
         self.device = device
         self.block_size = native_block_size(device)
         self.properties = dict(properties or {})
         # Validates block multiples etc. before any compile work.
         to_native_scheduler_config(self.compression, device)
-        self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
         self._pool_blocks = 0
         self._pipe = None
         self._ensure_pool(pool_tokens)
+        self.tokenizer: ov_genai.Tokenizer = self._pipe.get_tokenizer()
 
     # -- pipeline lifecycle -------------------------------------------------------------------
     def _ensure_pool(self, tokens: int) -> None:
