@@ -140,7 +140,7 @@ def test_cli_generate_json(model_dir, tmp_path):
     assert "Paris" in data["text"] and data["text"] in proc.stdout
 
 
-def test_native_gguf_runs_without_export(tmp_path):
+def test_native_gguf_runs_without_export():
     """The GGUF file runs directly in openvino_genai, with the same metrics and KV accounting."""
     from ov_kvcrush.export import embedded_gguf_path
 
