@@ -1,0 +1,357 @@
+"""Chelsea (seed 002): chunked soft matching and degree-weighted merging of keys and values.
+
+When a layer holds ``budget + merge_interval`` tokens (``s >= B + g`` in the paper's Algorithm 1)
+it is compressed back to ``budget``: the ``sink_tokens`` first and ``recent_tokens`` last tokens
+stay as they are; the tokens between are cut into chunks of ``chunk_size``; inside each chunk,
+tokens alternate between set A (even offsets) and set B (odd offsets), the partition the paper
+proves optimal when similarity decays with distance; each A token is linked to its most similar
+B token of the chunk (cosine of keys, ties to the earlier B). All links of all chunks are ranked
+and only the strongest ``s - budget`` are kept (the weakest are pruned): each kept link merges its
+A token into its B token. A B token with several A tokens forms one cluster. Because one pass
+can at most halve the middle, passes repeat until the target is met.
+
+Merging is degree-weighted: a token carries its degree ``n`` (how many original tokens it stands
+for, 1 at first, summed on merges, tracked across repeated merges) and a cluster's key and value
+are ``sum(n_i k_i) / sum(n_i)``. Attention adds ``log(n)`` to each held token's logit (the paper's
+equation 2), which is exact when a cluster's members had identical keys and values.
+
+Every KV head removes the same number of tokens, so a layer stays one dense tensor. Heads listed
+in ``outlier_heads`` (found offline by :func:`calibrate_outlier_heads`, 4 % of heads in the paper)
+are never merged and keep their full cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ov_kvcrush.config import _check_float, _check_int
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods.base import (
+    LayerCache,
+    MethodConfig,
+    QuantSettings,
+    ShapeError,
+    attend,
+    check_budget,
+    check_kv,
+    check_layer,
+    check_query,
+    tensor_bytes,
+    topk_indices,
+)
+from ov_kvcrush.methods.store import FPStore, make_store
+
+# --------------------------------------------------------------------------------------------
+# algorithm
+
+
+@dataclass
+class Links:
+    """Chunked soft matching links of one token range, per head (``[B, E]`` each, E = A tokens).
+
+    ``a`` and ``b`` index tokens in the range, ``similarity`` is the cosine of their keys
+    (``-inf`` for an A token whose chunk has no B token).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    similarity: torch.Tensor
+
+
+def chunked_soft_matching(keys: torch.Tensor, chunk_size: int) -> Links:
+    """Link every A token (even offset in its chunk) to its most similar B token (odd offset) of the same chunk.
+
+    ``keys`` ``[B, n, d]``; chunks are ``[j * chunk_size, (j + 1) * chunk_size)``, the last one
+    possibly shorter.
+    """
+    if keys.dim() != 3:
+        raise ShapeError(f"chunked_soft_matching needs [B, n, d] keys, got {tuple(keys.shape)}")
+    _check_int("chunk_size", chunk_size, 2, 1 << 16)
+    if chunk_size % 2:
+        raise ConfigError("chunk_size", chunk_size, "an even integer in [2, 65536]")
+    bsz, n, d = keys.shape
+    chunks = -(-n // chunk_size)
+    pad = chunks * chunk_size - n
+    kn = F.pad(F.normalize(keys.float(), dim=-1), (0, 0, 0, pad)).reshape(bsz, chunks, chunk_size, d)
+    a, b = kn[:, :, 0::2], kn[:, :, 1::2]  # [B, chunks, c/2, d]
+    sim = torch.matmul(a, b.transpose(-1, -2))  # [B, chunks, c/2, c/2]
+    half = chunk_size // 2
+    base = torch.arange(chunks, device=keys.device).view(chunks, 1) * chunk_size
+    b_pos = base + 2 * torch.arange(half, device=keys.device) + 1  # [chunks, half]
+    a_pos = base + 2 * torch.arange(half, device=keys.device)
+    sim = sim.masked_fill((b_pos >= n).view(1, chunks, 1, half), float("-inf"))
+    best_sim, best = sim.max(dim=-1)  # first max on ties
+    b_idx = torch.gather(b_pos.expand(bsz, chunks, half), 2, best)
+    a_idx = a_pos.expand(bsz, chunks, half)
+    valid_a = (a_pos < n).view(1, chunks, half).expand(bsz, chunks, half)
+    best_sim = best_sim.masked_fill(~valid_a, float("-inf"))
+    keep = valid_a.reshape(bsz, -1)[0]  # A slots past the end are dropped (same for every head)
+    return Links(a_idx.reshape(bsz, -1)[:, keep], b_idx.reshape(bsz, -1)[:, keep], best_sim.reshape(bsz, -1)[:, keep])
+
+
+def usable_links(links: Links) -> int:
+    """Links that can merge (their chunk has a B token); the same for every head."""
+    return int(torch.isfinite(links.similarity[0]).sum()) if links.similarity.numel() else 0
+
+
+def merge_links(
+    keys: torch.Tensor, values: torch.Tensor, degrees: torch.Tensor, links: Links, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge along the ``count`` strongest links (ties to the earlier link) of every head.
+
+    ``keys``/``values`` ``[B, n, d]``, ``degrees`` ``[B, n]``. Returns the merged
+    ``(keys, values, degrees, kept)`` with ``n - count`` tokens in their original order, ``kept``
+    ``[B, n - count]`` the surviving indices (each merged cluster survives as its B token).
+    """
+    bsz, n, d = keys.shape
+    if not 0 <= count <= usable_links(links):
+        raise ShapeError(f"cannot merge {count} links: only {usable_links(links)} usable")
+    chosen = topk_indices(links.similarity, count)  # [B, count]
+    a = torch.gather(links.a, 1, chosen)
+    b = torch.gather(links.b, 1, chosen)
+    w = degrees.float()
+    wa = torch.gather(w, 1, a)
+    num_k = keys.float() * w.unsqueeze(-1)
+    num_v = values.float() * w.unsqueeze(-1)
+    num_k = num_k.scatter_add(
+        1, b.unsqueeze(-1).expand(bsz, count, d), torch.gather(num_k, 1, a.unsqueeze(-1).expand(bsz, count, d))
+    )
+    num_v = num_v.scatter_add(
+        1, b.unsqueeze(-1).expand(bsz, count, d), torch.gather(num_v, 1, a.unsqueeze(-1).expand(bsz, count, d))
+    )
+    new_w = w.scatter_add(1, b, wa)
+    alive = torch.ones(bsz, n, dtype=torch.bool, device=keys.device).scatter(1, a, False)
+    kept = torch.nonzero(alive)[:, 1].reshape(bsz, n - count)
+    gk = kept.unsqueeze(-1).expand(bsz, n - count, d)
+    out_w = torch.gather(new_w, 1, kept)
+    out_k = (torch.gather(num_k, 1, gk) / out_w.unsqueeze(-1)).to(keys.dtype)
+    out_v = (torch.gather(num_v, 1, gk) / out_w.unsqueeze(-1)).to(values.dtype)
+    return out_k, out_v, out_w.to(degrees.dtype), kept
+
+
+def chelsea_compress(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    degrees: torch.Tensor,
+    target: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Merge ``[B, n, d]`` tokens down to ``target`` with repeated chunked soft matching of the middle range.
+
+    Returns ``(keys, values, degrees, kept, passes)``; ``kept`` ``[B, target]`` are the surviving
+    original indices. ``target`` must leave at least one middle token.
+    """
+    bsz, n = keys.shape[:2]
+    if n <= target:
+        return keys, values, degrees, torch.arange(n, device=keys.device).expand(bsz, n), 0
+    if target < sink_tokens + recent_tokens + 1:
+        raise ConfigError(
+            "budget", target, f"at least sink_tokens + recent_tokens + 1 = {sink_tokens + recent_tokens + 1}"
+        )
+    kept = torch.arange(n, device=keys.device).expand(bsz, n)
+    passes = 0
+    while keys.shape[1] > target:
+        s = keys.shape[1]
+        lo, hi = sink_tokens, s - recent_tokens
+        links = chunked_soft_matching(keys[:, lo:hi], chunk_size)
+        count = min(s - target, usable_links(links))
+        mk, mv, mw, mkept = merge_links(keys[:, lo:hi], values[:, lo:hi], degrees[:, lo:hi], links, count)
+        keys = torch.cat([keys[:, :lo], mk, keys[:, hi:]], dim=1)
+        values = torch.cat([values[:, :lo], mv, values[:, hi:]], dim=1)
+        degrees = torch.cat([degrees[:, :lo], mw, degrees[:, hi:]], dim=1)
+        kept = torch.cat([kept[:, :lo], torch.gather(kept[:, lo:hi], 1, mkept), kept[:, hi:]], dim=1)
+        passes += 1
+    return keys, values, degrees, kept, passes
+
+
+def calibrate_outlier_heads(
+    layer_keys: list[torch.Tensor], *, chunk_size: int = 256, threshold: float = 0.8, ratio: float = 0.04
+) -> tuple[tuple[int, int], ...]:
+    """Find the heads that merge badly (the paper's offline calibration, Appendix B).
+
+    For each layer's keys ``[b, kv_heads, n, d]``, a head's outlier score is the share of its A
+    tokens whose best link has cosine below ``threshold``; the ``round(ratio * heads)`` highest
+    scores over all layers and heads are returned as ``(layer, head)`` pairs.
+    """
+    _check_float("threshold", threshold, -1.0, 1.0)
+    _check_float("ratio", ratio, 0.0, 1.0)
+    scores = []
+    for layer, k in enumerate(layer_keys):
+        b, h, n, d = k.shape
+        links = chunked_soft_matching(k.reshape(b * h, n, d), chunk_size)
+        ok = torch.isfinite(links.similarity)
+        weak = ((links.similarity < threshold) & ok).float().sum(-1) / ok.float().sum(-1).clamp_min(1)
+        for head, v in enumerate(weak.reshape(b, h).mean(0).tolist()):
+            scores.append((v, layer, head))
+    count = int(ratio * len(scores) + 0.5)
+    scores.sort(key=lambda x: (-x[0], x[1], x[2]))
+    return tuple(sorted((layer, head) for _, layer, head in scores[:count]))
+
+
+# --------------------------------------------------------------------------------------------
+# config and layer cache
+
+
+@dataclass(frozen=True)
+class ChelseaConfig(MethodConfig):
+    """Chelsea: merge similar tokens chunk by chunk, attend with ``log(degree)``.
+
+    Attributes:
+        budget: tokens (merged or not) held per layer and KV head after a compression. Required.
+        sink_tokens: first tokens never merged (16 in the paper).
+        recent_tokens: last tokens never merged (64 in the paper).
+        chunk_size: tokens per matching chunk, even (256 in the paper).
+        merge_interval: ``g``: compress when the layer reaches ``budget + g`` tokens, so merging
+            runs every ``g`` decode steps rather than every step.
+        outlier_heads: ``(layer, kv_head)`` pairs kept uncompressed.
+        quant: hold the (merged) tokens in MiniKV's 2-bit format; merged tokens are re-quantized.
+    """
+
+    name: ClassVar[str] = "chelsea"
+    budget: int | None = None
+    sink_tokens: int = 16
+    recent_tokens: int = 64
+    chunk_size: int = 256
+    merge_interval: int = 32
+    outlier_heads: tuple[tuple[int, int], ...] = ()
+    quant: QuantSettings | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("recent_tokens", self.recent_tokens, 0)
+        floor = self.sink_tokens + self.recent_tokens + 1
+        check_budget("budget", self.budget, floor, " for method chelsea (sink_tokens + recent_tokens + 1)")
+        _check_int("chunk_size", self.chunk_size, 2, 1 << 16)
+        if self.chunk_size % 2:
+            raise ConfigError("chunk_size", self.chunk_size, "an even integer in [2, 65536]")
+        _check_int("merge_interval", self.merge_interval, 1, 1 << 16)
+        for pair in self.outlier_heads:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)):
+                raise ConfigError(
+                    "outlier_heads", self.outlier_heads, "a tuple of (layer, kv_head) pairs of integers >= 0"
+                )
+        if self.quant is not None and not isinstance(self.quant, QuantSettings):
+            raise ConfigError("quant", self.quant, "a QuantSettings or None")
+
+    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
+        check_layer(layer_idx, num_layers)
+        heads = tuple(sorted(h for (layer, h) in self.outlier_heads if layer == layer_idx))
+        return ChelseaLayerCache(self, outlier_heads=heads)
+
+
+class ChelseaLayerCache(LayerCache):
+    """Chelsea state of one layer: merged tokens with degrees (compressed heads) and full outlier heads."""
+
+    def __init__(self, config: ChelseaConfig, outlier_heads: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.config = config
+        self.outlier_heads = outlier_heads
+        self.store = make_store(config.quant)
+        self.full = FPStore()
+        self.degrees: torch.Tensor | None = None  # [b, hc, s] float32
+        self.merged_heads: list[int] = []
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[:, self.merged_heads], x[:, list(self.outlier_heads)]
+
+    def _setup(self, kv_heads: int) -> None:
+        bad = [h for h in self.outlier_heads if h >= kv_heads]
+        if bad:
+            raise ConfigError("outlier_heads", self.config.outlier_heads, f"kv_head indices below {kv_heads}")
+        self.merged_heads = [h for h in range(kv_heads) if h not in self.outlier_heads]
+
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if self.seen:
+            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
+        if queries.shape[2] != keys.shape[2]:
+            raise ShapeError(
+                f"prefill needs one query per prompt token: {queries.shape[2]} queries, {keys.shape[2]} keys"
+            )
+        self._setup(keys.shape[1])
+        pos = self._positions(keys.shape[2], keys.device)
+        out = attend(queries, keys, values, q_positions=pos, k_positions=pos).output
+        self._append(keys, values, pos)
+        return out
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
+        mk, fk = self._split(keys)
+        mv, fv = self._split(values)
+        b, t = keys.shape[0], keys.shape[2]
+        ones = torch.ones(b, len(self.merged_heads), t, device=keys.device)
+        self.degrees = ones if self.degrees is None else torch.cat([self.degrees, ones], dim=2)
+        if self.merged_heads:
+            self.store.append(mk, mv, pos)
+        if self.outlier_heads:
+            self.full.append(fk, fv, pos)
+        self._maybe_compress()
+
+    def _maybe_compress(self) -> None:
+        cfg = self.config
+        assert cfg.budget is not None and self.degrees is not None
+        s = self.degrees.shape[2]
+        if not self.merged_heads or s < cfg.budget + cfg.merge_interval:
+            return
+        k, v, p = self.store.dense()
+        b, hc, n, d = k.shape
+        ck, cv, cw, kept, passes = chelsea_compress(
+            k.reshape(b * hc, n, d),
+            v.reshape(b * hc, n, d),
+            self.degrees.reshape(b * hc, n),
+            cfg.budget,
+            cfg.sink_tokens,
+            cfg.recent_tokens,
+            cfg.chunk_size,
+        )
+        m = ck.shape[1]
+        positions = torch.gather(p.reshape(b * hc, n), 1, kept).reshape(b, hc, m)
+        self.store.replace(ck.reshape(b, hc, m, d), cv.reshape(b, hc, m, d), positions)
+        self.degrees = cw.reshape(b, hc, m)
+        self._bump("merges", (n - m) * b * hc)
+        self._bump("compressions")
+        self._bump("matching_passes", passes)
+
+    def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if not self.seen:
+            return self.prefill(queries, keys, values)
+        pos = self._positions(keys.shape[2], keys.device)
+        self._append(keys, values, pos)  # compresses first if the cache reached budget + g
+        g = queries.shape[1] // keys.shape[1]
+        out = torch.empty_like(queries)
+        if self.merged_heads:
+            k, v, p = self.store.dense()
+            qh = [h * g + i for h in self.merged_heads for i in range(g)]
+            assert self.degrees is not None
+            res = attend(queries[:, qh], k, v, q_positions=pos, k_positions=p, bias=self.degrees.log())
+            out[:, qh] = res.output
+        if self.outlier_heads:
+            k, v, p = self.full.dense()
+            qh = [h * g + i for h in self.outlier_heads for i in range(g)]
+            out[:, qh] = attend(queries[:, qh], k, v, q_positions=pos, k_positions=p).output
+        return out
+
+    def tokens_held(self) -> torch.Tensor:
+        assert self.degrees is not None
+        b = self.degrees.shape[0]
+        hk = len(self.merged_heads) + len(self.outlier_heads)
+        held = torch.zeros(b, hk, dtype=torch.long)
+        held[:, self.merged_heads] = self.degrees.shape[2]
+        if self.outlier_heads:
+            held[:, list(self.outlier_heads)] = len(self.full)
+        return held
+
+    def memory(self) -> dict[str, int]:
+        m = self.store.memory() if self.merged_heads else {"kv": 0, "metadata": 0}
+        f = self.full.memory()
+        kv = m["kv"] + f["kv"]
+        meta = m["metadata"] + f["metadata"] + tensor_bytes(self.degrees)
+        return {"kv": kv, "metadata": meta, "total": kv + meta}

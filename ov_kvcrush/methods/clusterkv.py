@@ -1,0 +1,535 @@
+"""ClusterKV (seeds 000/001): recall whole semantic clusters of keys every decode step; Quest as the page baseline.
+
+Nothing is evicted: the full store stays (optionally 2-bit), and each decode step attends only a
+working set of ``budget`` tokens per KV head: the first ``sink_tokens`` (kept out of clustering,
+they are outliers in key space), plus the tokens of the clusters whose centroids score highest
+against the *current* query, plus the generated tokens not clustered yet.
+
+* Clustering: cosine k-means over the keys of every head at once (``[batch * heads, n, d]``),
+  seeded random initial centroids drawn from the keys, assignment by maximum cosine similarity,
+  update by the mean of the assigned (unit-normalised) keys, until assignments stop changing or
+  ``max_iters``. ``C0 = ceil(L / tokens_per_cluster)`` clusters after the prompt (80 in the
+  paper: 400 clusters for 32k tokens); every ``cluster_every`` (m=320) generated tokens are
+  clustered on their own into ``new_clusters`` (C+=4) more.
+* Metadata (as in the paper's Fig. 8): per head, centroids (the plain mean of the cluster's keys,
+  which is what the query's inner product should rank), cluster sizes, their prefix sums and the
+  token indices sorted by label (ties by position).
+* Selection: centroids ranked by ``q . mu`` summed over the query heads of the group (ties to
+  the lower cluster id), whole clusters taken in that order until the recall budget, the last one
+  trimmed (its earliest tokens) so exactly the budget is selected.
+* Cluster cache: the clusters recalled in the last ``recall_cache_steps`` steps are "on device";
+  a selected cluster found there is a hit. The cache changes only the cost, never the result.
+
+Quest keeps per-page channel-wise max/min keys and recalls the pages with the highest upper bound
+``sum_c max(q_c * kmax_c, q_c * kmin_c)``; the page holding the newest token is always included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ov_kvcrush.config import _check_int
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods.base import (
+    LayerCache,
+    MethodConfig,
+    QuantSettings,
+    ShapeError,
+    attend,
+    check_budget,
+    check_kv,
+    check_layer,
+    check_query,
+    gather_tokens,
+    group_heads,
+    tensor_bytes,
+    topk_indices,
+)
+from ov_kvcrush.methods.store import make_store
+
+# --------------------------------------------------------------------------------------------
+# k-means
+
+
+@dataclass
+class KMeansResult:
+    """Output of :func:`kmeans_cosine`.
+
+    Attributes:
+        labels: ``[B, n]`` cluster of each vector.
+        directions: ``[B, k, d]`` unit centroid directions the assignment used.
+        centroids: ``[B, k, d]`` plain mean of each cluster's vectors (zeros for an empty cluster).
+        sizes: ``[B, k]`` members per cluster.
+        iterations: assignment steps run.
+        objective: ``sum(1 - cos(x, direction[label]))`` after each assignment step (non-increasing).
+    """
+
+    labels: torch.Tensor
+    directions: torch.Tensor
+    centroids: torch.Tensor
+    sizes: torch.Tensor
+    iterations: int
+    objective: list[float]
+
+
+def kmeans_cosine(x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0) -> KMeansResult:
+    """Spherical k-means of ``x`` ``[B, n, d]`` into ``min(k, n)`` clusters per batch entry, all batched.
+
+    The initial centroids are ``k`` distinct vectors drawn with a CPU generator seeded by ``seed``
+    (same choice on every device).
+    """
+    if x.dim() != 3 or not x.is_floating_point():
+        raise ShapeError(f"kmeans_cosine needs a float [B, n, d] tensor, got {tuple(x.shape)}")
+    _check_int("k", k, 1, 1 << 20)
+    _check_int("max_iters", max_iters, 1, 10_000)
+    bsz, n, d = x.shape
+    if n == 0:
+        raise ShapeError("kmeans_cosine needs at least one vector")
+    k = min(k, n)
+    xf = x.float()
+    xn = F.normalize(xf, dim=-1)
+    gen = torch.Generator().manual_seed(seed)
+    init = torch.rand(bsz, n, generator=gen).argsort(dim=-1)[:, :k].to(x.device)
+    directions = torch.gather(xn, 1, init.unsqueeze(-1).expand(bsz, k, d))
+    labels = torch.full((bsz, n), -1, dtype=torch.long, device=x.device)
+    objective: list[float] = []
+    it = 0
+    while it < max_iters:
+        it += 1
+        sim = torch.matmul(xn, directions.transpose(1, 2))  # [B, n, k]
+        new = sim.argmax(dim=-1)  # first max on ties
+        objective.append(float((1 - sim.gather(2, new.unsqueeze(-1))).sum()))
+        if torch.equal(new, labels):
+            break
+        labels = new
+        sums = torch.zeros(bsz, k, d, device=x.device).scatter_add_(1, labels.unsqueeze(-1).expand(bsz, n, d), xn)
+        norms = sums.norm(dim=-1, keepdim=True)
+        directions = torch.where(norms > 0, sums / norms.clamp_min(1e-30), directions)
+    sizes = torch.zeros(bsz, k, dtype=torch.long, device=x.device).scatter_add_(1, labels, torch.ones_like(labels))
+    raw = torch.zeros(bsz, k, d, device=x.device).scatter_add_(1, labels.unsqueeze(-1).expand(bsz, n, d), xf)
+    centroids = raw / sizes.clamp_min(1).unsqueeze(-1)
+    return KMeansResult(labels, directions, centroids, sizes, it, objective)
+
+
+# --------------------------------------------------------------------------------------------
+# cluster index and selection
+
+
+@dataclass
+class ClusterIndex:
+    """Per-head clustering metadata over the clustered tokens (paper Fig. 8).
+
+    Attributes:
+        centroids: ``[B, C, d]``.
+        sizes: ``[B, C]`` tokens per cluster.
+        offsets: ``[B, C + 1]`` exclusive prefix sums of ``sizes``.
+        sorted_tokens: ``[B, N]`` store slots of the clustered tokens sorted by label, ties by slot.
+        labels: ``[B, N]`` label of each clustered token, in ``tokens`` order.
+        tokens: ``[N]`` store slots of the clustered tokens (same for every head).
+    """
+
+    centroids: torch.Tensor
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+    sorted_tokens: torch.Tensor
+    labels: torch.Tensor
+    tokens: torch.Tensor
+
+    @staticmethod
+    def build(centroids: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor) -> ClusterIndex:
+        bsz, c = centroids.shape[:2]
+        sizes = torch.zeros(bsz, c, dtype=torch.long, device=labels.device).scatter_add_(
+            1, labels, torch.ones_like(labels)
+        )
+        offsets = torch.cat([torch.zeros(bsz, 1, dtype=torch.long, device=labels.device), sizes.cumsum(1)], dim=1)
+        order = torch.argsort(labels, dim=1, stable=True)
+        return ClusterIndex(centroids, sizes, offsets, tokens[order], labels, tokens)
+
+    def extend(self, centroids: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor) -> ClusterIndex:
+        """Add clusters of newly clustered tokens (their labels count from 0)."""
+        shifted = labels + self.centroids.shape[1]
+        return ClusterIndex.build(
+            torch.cat([self.centroids, centroids], 1),
+            torch.cat([self.labels, shifted], 1),
+            torch.cat([self.tokens, tokens]),
+        )
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.centroids, self.sizes, self.offsets, self.sorted_tokens, self.labels, self.tokens)
+
+
+def rank_clusters(queries: torch.Tensor, centroids: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Cluster order per KV head, best first: ``q . mu`` summed over the group's query heads and tokens.
+
+    ``queries`` ``[b, hq, t, d]``, ``centroids`` ``[b * kv_heads, C, d]`` -> ``[b * kv_heads, C]``.
+    """
+    b, hq, _, d = queries.shape
+    c = centroids.shape[1]
+    mu = centroids.reshape(b, kv_heads, c, d).repeat_interleave(hq // kv_heads, dim=1)
+    s = torch.matmul(queries.float(), mu.float().transpose(-1, -2)).sum(dim=2)  # [b, hq, C]
+    s = group_heads(s, kv_heads).reshape(b * kv_heads, c)
+    return torch.argsort(s, dim=-1, descending=True, stable=True)
+
+
+def select_clusters(
+    index: ClusterIndex, order: torch.Tensor, budget: int
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Take whole clusters in ``order`` until ``budget`` tokens, trimming the last one.
+
+    Uses the prefix sums of the sizes in ranked order, as the paper does. Returns, per head, the
+    selected store slots (exactly ``min(budget, N)``, in selection order) and the cluster ids used.
+    """
+    _check_int("budget", budget, 0, 1 << 30)
+    out_tokens, out_ids = [], []
+    for row in range(order.shape[0]):
+        sizes = index.sizes[row, order[row]]
+        cum = sizes.cumsum(0)
+        total = int(cum[-1]) if cum.numel() else 0
+        take = min(budget, total)
+        # clusters fully inside the budget, plus the one that crosses it (trimmed)
+        n_clusters = int(torch.searchsorted(cum, torch.tensor(take, device=cum.device), right=False)) + 1 if take else 0
+        n_clusters = min(n_clusters, order.shape[1])
+        parts, ids, left = [], [], take
+        for c in order[row, :n_clusters].tolist():
+            start = int(index.offsets[row, c])
+            size = int(index.sizes[row, c])
+            if size == 0:
+                continue
+            parts.append(index.sorted_tokens[row, start : start + min(size, left)])
+            ids.append(c)
+            left -= min(size, left)
+            if left == 0:
+                break
+        out_tokens.append(torch.cat(parts) if parts else index.tokens.new_empty(0))
+        out_ids.append(ids)
+    return out_tokens, out_ids
+
+
+def recall_rate(selected: torch.Tensor, attention: torch.Tensor, budget: int) -> float:
+    """ClusterKV's recall rate: ``|selected ∩ top-B(attention)| / B``, averaged over the leading dims.
+
+    Args:
+        selected: ``[..., k]`` token indices chosen by the method (``-1`` entries are ignored).
+        attention: ``[..., n]`` the true attention weights over the same tokens.
+        budget: ``B``; clipped to ``n``.
+    """
+    n = attention.shape[-1]
+    b = min(budget, n)
+    if b == 0:
+        raise ConfigError("budget", budget, f"an integer in [1, {max(n, 1)}] (and at least one token)")
+    true_top = topk_indices(attention.float(), b)
+    sel = torch.zeros(*attention.shape, dtype=torch.bool, device=attention.device)
+    valid = selected >= 0
+    sel.scatter_(-1, selected.clamp_min(0), valid)
+    hits = torch.gather(sel, -1, true_top).sum(-1).float()
+    return float((hits / b).mean())
+
+
+def quest_select(queries: torch.Tensor, keys: torch.Tensor, page_size: int, budget: int) -> torch.Tensor:
+    """Quest: per KV head, the tokens of the top ``budget // page_size`` pages by their upper-bound score.
+
+    The page holding the newest token is always one of them. Returns ``[b, hk, k]`` ascending
+    token indices (``k = min(n, pages * page_size)`` minus the unfilled part of the last page).
+    """
+    check_query(queries, keys)
+    _check_int("page_size", page_size, 1, 4096)
+    b, hk, n, d = keys.shape
+    pages = -(-n // page_size)
+    want = min(budget // page_size, pages)
+    if want == 0:
+        raise ConfigError("budget", budget, f"at least page_size={page_size}")
+    pad = pages * page_size - n
+    kf = keys.float()
+    kmax = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).reshape(b, hk, pages, page_size, d).amax(3)
+    kmin = F.pad(kf, (0, 0, 0, pad), value=float("inf")).reshape(b, hk, pages, page_size, d).amin(3)
+    g = queries.shape[1] // hk
+    q = queries.float().sum(dim=2).reshape(b, hk, g, 1, d)  # summed over the step's query tokens
+    bound = torch.maximum(q * kmax.unsqueeze(2), q * kmin.unsqueeze(2)).sum(-1).sum(2)  # [b, hk, pages]
+    bound[..., -1] = float("inf")  # the current page
+    top = topk_indices(bound, want)
+    tok = (top.unsqueeze(-1) * page_size + torch.arange(page_size, device=keys.device)).flatten(2)
+    if pad:  # the last (always selected, so last in ascending order) page is partial
+        tok = tok[..., : tok.shape[-1] - pad]
+    return tok
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class ClusterKVConfig(MethodConfig):
+    """ClusterKV: recall semantic clusters of keys with the current query.
+
+    Attributes:
+        budget: tokens attended per decode step and KV head: sinks plus recalled tokens (the
+            generated tokens not clustered yet, at most ``cluster_every``, come on top). Required.
+        sink_tokens: first tokens always attended and never clustered (16 in the paper).
+        tokens_per_cluster: ``C0 = ceil(prompt tokens / tokens_per_cluster)`` (80 in the paper).
+        n_clusters: fixed ``C0`` instead (``None``: derived from ``tokens_per_cluster``).
+        new_clusters: ``C+``, clusters made from each batch of generated tokens (4).
+        cluster_every: ``m``, generated tokens per incremental clustering (320).
+        max_iters: k-means iteration cap.
+        seed: k-means initialisation seed.
+        recall_cache_steps: ``R``, steps whose recalled clusters stay cached (1; 0 disables).
+        dense_layers: first layers left uncompressed (2 in the paper, as Quest).
+        track_recall: also compute, every step, the recall rate against the true top-budget
+            tokens by attention (costs a full attention; for evaluation).
+        quant: keep the full store in MiniKV's 2-bit format.
+    """
+
+    name: ClassVar[str] = "clusterkv"
+    budget: int | None = None
+    sink_tokens: int = 16
+    tokens_per_cluster: int = 80
+    n_clusters: int | None = None
+    new_clusters: int = 4
+    cluster_every: int = 320
+    max_iters: int = 20
+    seed: int = 0
+    recall_cache_steps: int = 1
+    dense_layers: int = 2
+    track_recall: bool = False
+    quant: QuantSettings | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        check_budget("budget", self.budget, self.sink_tokens + 1, " for method clusterkv (sink_tokens + 1)")
+        _check_int("tokens_per_cluster", self.tokens_per_cluster, 1)
+        if self.n_clusters is not None:
+            _check_int("n_clusters", self.n_clusters, 1)
+        _check_int("new_clusters", self.new_clusters, 1)
+        _check_int("cluster_every", self.cluster_every, 1, 1 << 16)
+        _check_int("max_iters", self.max_iters, 1, 10_000)
+        _check_int("seed", self.seed, 0, 2**31 - 1)
+        _check_int("recall_cache_steps", self.recall_cache_steps, 0, 1 << 16)
+        _check_int("dense_layers", self.dense_layers, 0, 4096)
+        if not isinstance(self.track_recall, bool):
+            raise ConfigError("track_recall", self.track_recall, "true or false")
+        if self.quant is not None and not isinstance(self.quant, QuantSettings):
+            raise ConfigError("quant", self.quant, "a QuantSettings or None")
+
+    def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
+        return None if layer_idx < self.dense_layers else self.budget
+
+    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
+        check_layer(layer_idx, num_layers)
+        return ClusterKVLayerCache(self, dense=layer_idx < self.dense_layers)
+
+
+@dataclass(frozen=True)
+class QuestConfig(MethodConfig):
+    """Quest: recall fixed-size pages by per-channel max/min key bounds.
+
+    Attributes:
+        budget: tokens attended per decode step and KV head (whole pages). Required.
+        page_size: tokens per page (16 in Quest).
+        dense_layers: first layers left uncompressed (2 in Quest).
+    """
+
+    name: ClassVar[str] = "quest"
+    budget: int | None = None
+    page_size: int = 16
+    dense_layers: int = 2
+
+    def __post_init__(self) -> None:
+        _check_int("page_size", self.page_size, 1, 4096)
+        check_budget("budget", self.budget, self.page_size, " for method quest (at least page_size)")
+        _check_int("dense_layers", self.dense_layers, 0, 4096)
+
+    def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
+        return None if layer_idx < self.dense_layers else self.budget
+
+    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
+        check_layer(layer_idx, num_layers)
+        return QuestLayerCache(self, dense=layer_idx < self.dense_layers)
+
+
+# --------------------------------------------------------------------------------------------
+# layer caches
+
+
+class _RecallLayerCache(LayerCache):
+    """Shared by ClusterKV and Quest: a full store; each decode step attends a recalled subset."""
+
+    def __init__(self, quant: QuantSettings | None, dense: bool) -> None:
+        super().__init__()
+        self.store = make_store(quant)
+        self.dense_layer = dense
+        self.last_selected: torch.Tensor | None = None  # [b, hk, k] slots attended at the last step
+
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if self.seen:
+            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
+        if queries.shape[2] != keys.shape[2]:
+            raise ShapeError(
+                f"prefill needs one query per prompt token: {queries.shape[2]} queries, {keys.shape[2]} keys"
+            )
+        pos = self._positions(keys.shape[2], keys.device)
+        out = attend(queries, keys, values, q_positions=pos, k_positions=pos).output
+        self.store.append(keys, values, pos)
+        self._after_prefill(keys)
+        return out
+
+    def _after_prefill(self, keys: torch.Tensor) -> None:
+        pass
+
+    def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if not self.seen:
+            return self.prefill(queries, keys, values)
+        self._before_append(keys)
+        pos = self._positions(keys.shape[2], keys.device)
+        self.store.append(keys, values, pos)
+        k, v, p = self.store.dense()
+        if self.dense_layer:
+            return attend(queries, k, v, q_positions=pos, k_positions=p).output
+        slots = self._select(queries, k)  # [b, hk, s]
+        self.last_selected = slots
+        ks, vs = gather_tokens(k, slots), gather_tokens(v, slots)
+        return attend(queries, ks, vs, q_positions=pos, k_positions=torch.gather(p, 2, slots)).output
+
+    def _before_append(self, keys: torch.Tensor) -> None:
+        pass
+
+    def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tokens_held(self) -> torch.Tensor:
+        assert self.store.positions is not None
+        return (self.store.positions >= 0).sum(-1)
+
+    def tokens_attended(self) -> torch.Tensor:
+        """``[b, hk]`` tokens the last decode step attended."""
+        if self.last_selected is None:
+            return self.tokens_held()
+        return torch.full(self.last_selected.shape[:2], self.last_selected.shape[2])
+
+
+class ClusterKVLayerCache(_RecallLayerCache):
+    """ClusterKV state of one layer: full store, cluster index, pending tokens and the recall cache."""
+
+    def __init__(self, config: ClusterKVConfig, dense: bool = False) -> None:
+        super().__init__(config.quant, dense)
+        self.config = config
+        self.index: ClusterIndex | None = None
+        self.sinks = 0
+        self.pending_from = 0  # store slots >= this are generated tokens not clustered yet
+        self.kv_heads = 0
+        self.cache: list[deque[set[int]]] = []
+
+    def _cluster(self, keys: torch.Tensor, start: int, end: int, k: int) -> None:
+        b, hk, _, d = keys.shape
+        x = keys[:, :, start:end].reshape(b * hk, end - start, d)
+        km = kmeans_cosine(x, k, max_iters=self.config.max_iters, seed=self.config.seed + self.seen)
+        tokens = torch.arange(start, end, device=keys.device)
+        if self.index is None:
+            self.index = ClusterIndex.build(km.centroids, km.labels, tokens)
+        else:
+            self.index = self.index.extend(km.centroids, km.labels, tokens)
+        self._bump("clusterings")
+        self._bump("kmeans_iterations", km.iterations)
+        self.pending_from = end
+
+    def _after_prefill(self, keys: torch.Tensor) -> None:
+        n = keys.shape[2]
+        self.kv_heads = keys.shape[1]
+        self.sinks = min(self.config.sink_tokens, n)
+        self.cache = [
+            deque(maxlen=max(self.config.recall_cache_steps, 1)) for _ in range(keys.shape[0] * keys.shape[1])
+        ]
+        self.pending_from = self.sinks
+        if self.dense_layer or n == self.sinks:
+            return
+        c0 = self.config.n_clusters or math.ceil((n - self.sinks) / self.config.tokens_per_cluster)
+        self._cluster(keys, self.sinks, n, c0)
+
+    def _before_append(self, keys: torch.Tensor) -> None:
+        n = len(self.store)
+        if not self.dense_layer and n - self.pending_from >= self.config.cluster_every:
+            k, _, _ = self.store.dense()
+            self._cluster(k, self.pending_from, n, self.config.new_clusters)
+
+    def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        b, hk, n, _ = keys.shape
+        assert self.config.budget is not None
+        dev = keys.device
+        sinks = torch.arange(self.sinks, device=dev)
+        pending = torch.arange(self.pending_from, n, device=dev)
+        if self.index is None:
+            recalled = [torch.empty(0, dtype=torch.long, device=dev)] * (b * hk)
+            ids: list[list[int]] = [[] for _ in range(b * hk)]
+        else:
+            order = rank_clusters(queries, self.index.centroids, hk)
+            recalled, ids = select_clusters(self.index, order, self.config.budget - self.sinks)
+        self._account_cache(ids)
+        rows = [torch.sort(torch.cat([sinks, r, pending])).values for r in recalled]
+        slots = torch.stack(rows).reshape(b, hk, -1)
+        if self.config.track_recall and self.index is not None:
+            self._track_recall(queries, keys, torch.stack(recalled).reshape(b, hk, -1))
+        return slots
+
+    def _account_cache(self, ids: list[list[int]]) -> None:
+        r = self.config.recall_cache_steps
+        assert self.index is not None or not any(ids)
+        for row, chosen in enumerate(ids):
+            cached: set[int] = set().union(*self.cache[row]) if r else set()
+            hits = sum(1 for c in chosen if c in cached)
+            self._bump("cluster_lookups", len(chosen))
+            self._bump("cluster_hits", hits)
+            if self.index is not None:
+                missed = [c for c in chosen if c not in cached]
+                self._bump("tokens_loaded", int(self.index.sizes[row, missed].sum()) if missed else 0)
+            if r:
+                self.cache[row].append(set(chosen))
+        look = self.counters.get("cluster_lookups", 0)
+        self.counters["hit_rate"] = self.counters.get("cluster_hits", 0) / look if look else 0.0
+
+    def _track_recall(self, queries: torch.Tensor, keys: torch.Tensor, recalled: torch.Tensor) -> None:
+        assert self.index is not None and self.config.budget is not None
+        toks = self.index.tokens
+        res = attend(queries, keys[:, :, toks], keys[:, :, toks], return_scores=True)
+        assert res.scores is not None
+        attn = group_heads(res.scores, keys.shape[1])  # [b, hk, N] over the clustered tokens
+        where = torch.full((keys.shape[2],), -1, dtype=torch.long, device=keys.device)
+        where[toks] = torch.arange(toks.numel(), device=keys.device)
+        local = where[recalled]
+        rate = recall_rate(local, attn, self.config.budget - self.sinks)
+        self._bump("recall_sum", rate)
+        self._bump("recall_steps")
+        self.counters["recall_rate"] = self.counters["recall_sum"] / self.counters["recall_steps"]
+
+    def memory(self) -> dict[str, int]:
+        m = self.store.memory()
+        meta = m["metadata"] + (self.index.nbytes() if self.index is not None else 0)
+        return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}
+
+
+class QuestLayerCache(_RecallLayerCache):
+    """Quest state of one layer: full store plus per-page bounds (recomputed from the store here)."""
+
+    def __init__(self, config: QuestConfig, dense: bool = False) -> None:
+        super().__init__(None, dense)
+        self.config = config
+
+    def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        assert self.config.budget is not None
+        return quest_select(queries, keys, self.config.page_size, self.config.budget)
+
+    def memory(self) -> dict[str, int]:
+        m = self.store.memory()
+        n = len(self.store)
+        assert self.store.keys is not None
+        b, hk, _, d = self.store.keys.shape
+        pages = -(-n // self.config.page_size)
+        bounds = 2 * b * hk * pages * d * self.store.keys.element_size()  # kmax + kmin per page
+        return {"kv": m["kv"], "metadata": m["metadata"] + bounds, "total": m["kv"] + m["metadata"] + bounds}

@@ -1,0 +1,492 @@
+"""Importance baselines: StreamingLLM, H2O, SnapKV, PyramidKV (and MiniKV's pyramid), per-head budgets.
+
+Every method here keeps, per layer and KV head, ``sink_tokens`` first tokens, ``recent_tokens``
+last tokens and the highest-scoring tokens in between, ``budget`` in all:
+
+* **StreamingLLM** keeps only sinks and the recent window (no scores).
+* **H2O** scores a token by the attention it has accumulated from every query so far (summed
+  over the query heads that share the KV head).
+* **SnapKV** scores prompt tokens by the attention of the last ``window`` prompt queries only,
+  smoothed with a 1-D pooling over neighbouring tokens (kernel ``pool_kernel``), so a kept token
+  brings its neighbours' context. After the prompt, decode queries keep adding to the scores
+  (H2O-style), so the budget holds during generation too.
+* **PyramidKV** gives lower layers more budget than upper ones, linearly, keeping the total
+  over layers (see :func:`pyramid_budgets`).
+* ``head_budgets="adaptive"`` lets heads of a layer share its budget unevenly (AdaKV): the
+  layer keeps the ``heads x heavy`` tokens with the highest normalised scores over all heads,
+  each head at least ``min_head_tokens`` (see :func:`adaptive_head_budgets`).
+
+Eviction runs after the prompt and whenever the layer holds more than its budget. Over the 2-bit
+store (``quant``) the selection is made once at prefill and then frozen, as in MiniKV: quantized
+key groups cannot lose members, so generated tokens are all kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ov_kvcrush.config import _check_choice, _check_float, _check_int
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods.base import (
+    LayerCache,
+    MethodConfig,
+    QuantSettings,
+    ShapeError,
+    attend,
+    check_budget,
+    check_kv,
+    check_layer,
+    check_query,
+    check_scores,
+    gather_tokens,
+    group_heads,
+    tensor_bytes,
+    topk_indices,
+)
+from ov_kvcrush.methods.store import make_store
+
+SCORINGS = ("h2o", "snapkv")
+HEAD_BUDGETS = ("uniform", "adaptive")
+POOLS = ("max", "avg")
+
+
+# --------------------------------------------------------------------------------------------
+# algorithms (pure functions)
+
+
+def snapkv_scores(
+    queries: torch.Tensor, keys: torch.Tensor, window: int, pool_kernel: int = 7, pool: str = "max"
+) -> torch.Tensor:
+    """SnapKV's per-q-head scores ``[b, hq, n]`` of the ``n`` prompt tokens.
+
+    The last ``window`` queries attend causally to all keys; their probabilities are summed over
+    the window and pooled along tokens (odd ``pool_kernel``, same length; 1 disables pooling).
+    """
+    check_query(queries, keys)
+    _check_int("window", window, 1, 1 << 20)
+    _check_int("pool_kernel", pool_kernel, 1, 129)
+    if pool_kernel % 2 == 0:
+        raise ConfigError("pool_kernel", pool_kernel, "an odd integer in [1, 129]")
+    _check_choice("pool", pool, POOLS)
+    n, t = keys.shape[2], queries.shape[2]
+    w = min(window, t)
+    q_pos = torch.arange(n - w, n, device=keys.device)
+    k_pos = torch.arange(n, device=keys.device)
+    scores = attend(queries[:, :, t - w :], keys, keys, q_positions=q_pos, k_positions=k_pos, return_scores=True).scores
+    return pool_scores(scores, pool_kernel, pool)
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pool: str = "max") -> torch.Tensor:
+    """1-D pooling of ``[b, h, n]`` scores along tokens, same length (SnapKV's clustering of neighbours)."""
+    if kernel == 1 or scores.shape[-1] == 0:
+        return scores
+    b, h, n = scores.shape
+    x = scores.reshape(b * h, 1, n)
+    if pool == "max":
+        y = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        y = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    return y.reshape(b, h, n)
+
+
+def keep_indices(scores: torch.Tensor, budget: int, sink_tokens: int, recent_tokens: int) -> torch.Tensor:
+    """Per-head indices (ascending) of the tokens to keep: sinks, recent, and the top scores between.
+
+    Args:
+        scores: ``[b, h, n]`` importance (higher is kept first; ties go to the earlier token).
+        budget: tokens to keep per head; ``>= n`` keeps everything.
+        sink_tokens, recent_tokens: always kept; their sum must not exceed ``budget``.
+
+    Returns ``[b, h, min(budget, n)]`` long indices.
+    """
+    check_scores(scores)
+    _check_int("budget", budget, 0, 1 << 30)
+    _check_int("sink_tokens", sink_tokens, 0, 1 << 30)
+    _check_int("recent_tokens", recent_tokens, 0, 1 << 30)
+    b, h, n = scores.shape
+    dev = scores.device
+    if budget >= n:
+        return torch.arange(n, device=dev).expand(b, h, n).clone()
+    if sink_tokens + recent_tokens > budget:
+        raise ConfigError("budget", budget, f"at least sink_tokens + recent_tokens = {sink_tokens + recent_tokens}")
+    heavy = budget - sink_tokens - recent_tokens
+    middle = scores[..., sink_tokens : n - recent_tokens]
+    top = topk_indices(middle, heavy) + sink_tokens
+    sinks = torch.arange(sink_tokens, device=dev).expand(b, h, sink_tokens)
+    recent = torch.arange(n - recent_tokens, n, device=dev).expand(b, h, recent_tokens)
+    return torch.cat([sinks, top, recent], dim=-1)
+
+
+def keep_indices_ragged(
+    scores: torch.Tensor, lengths: torch.Tensor, budgets: torch.Tensor, sink_tokens: int, recent_tokens: int
+) -> torch.Tensor:
+    """:func:`keep_indices` when heads hold and keep different numbers of tokens.
+
+    Head ``(b, h)`` holds its first ``lengths[b, h]`` slots (the rest is padding) and keeps
+    ``min(budgets[b, h], lengths[b, h])`` of them: its sinks, its last ``recent_tokens`` held
+    slots, and the top scores between. Returns ``[b, h, w]`` ascending indices padded with ``-1``.
+    """
+    check_scores(scores)
+    n = scores.shape[-1]
+    slot = torch.arange(n, device=scores.device)
+    length = lengths.unsqueeze(-1)
+    valid = slot < length
+    protected = valid & ((slot < sink_tokens) | (slot >= length - recent_tokens))
+    eff = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
+    keep_n = torch.minimum(budgets, lengths)
+    width = int(keep_n.max()) if keep_n.numel() else 0
+    order = torch.argsort(eff, dim=-1, descending=True, stable=True)[..., :width]
+    ok = torch.arange(width, device=scores.device) < keep_n.unsqueeze(-1)
+    order = torch.sort(torch.where(ok, order, torch.full_like(order, n)), dim=-1).values
+    return torch.where(order == n, torch.full_like(order, -1), order)
+
+
+def pyramid_budgets(average: int, num_layers: int, depth: float) -> list[int]:
+    """Per-layer budgets, linear from ``(2 - 1/depth) * average`` (layer 0) to ``average / depth`` (last).
+
+    Their sum is exactly ``average * num_layers`` (largest-remainder rounding), so a pyramid spends
+    the same memory as a uniform allocation. ``depth = 1`` is uniform. Lower layers get more: their
+    attention is spread wider, so the same budget loses more there (PyramidKV; MiniKV's pyramid).
+    """
+    _check_int("average", average, 0, 1 << 30)
+    _check_int("num_layers", num_layers, 1, 4096)
+    _check_float("pyramid_depth", depth, 1.0, 1e6)
+    if num_layers == 1:
+        return [average]
+    top, bottom = average * (2 - 1 / depth), average / depth
+    exact = [top + (bottom - top) * i / (num_layers - 1) for i in range(num_layers)]
+    base = [int(x) for x in exact]
+    short = average * num_layers - sum(base)
+    by_remainder = sorted(range(num_layers), key=lambda i: (-(exact[i] - base[i]), i))
+    for i in by_remainder[:short]:
+        base[i] += 1
+    return base
+
+
+def adaptive_head_budgets(scores: torch.Tensor, total: int, min_per_head: int = 0) -> torch.Tensor:
+    """How many tokens each head keeps when a layer's heads share ``total`` (AdaKV-style).
+
+    Each head's scores are normalised to sum to 1, so heads with concentrated attention need few
+    tokens to cover most of their mass and leave the rest to flatter heads; the ``total`` largest
+    normalised scores over all heads are kept, every head at least ``min_per_head``.
+
+    Returns ``[b, h]`` counts summing to ``min(total, h * n)``.
+    """
+    check_scores(scores)
+    b, h, n = scores.shape
+    _check_int("total", total, 0, 1 << 30)
+    _check_int("min_per_head", min_per_head, 0, 1 << 30)
+    total = min(total, h * n)
+    floor = min(min_per_head, n)
+    if floor * h > total:
+        raise ConfigError("min_per_head", min_per_head, f"at most total/heads = {total // h}")
+    norm = scores.float() / scores.float().sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    if floor:
+        forced = topk_indices(norm, floor)
+        norm = norm.scatter(-1, forced, float("inf"))
+    flat = norm.reshape(b, h * n)
+    chosen = topk_indices(flat, total)
+    counts = torch.zeros(b, h * n, dtype=torch.long, device=scores.device).scatter_(1, chosen, 1)
+    return counts.reshape(b, h, n).sum(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class EvictionConfig(MethodConfig):
+    """Fields shared by the methods that keep ``budget`` tokens per layer and KV head.
+
+    Attributes:
+        budget: tokens kept per layer and KV head, sinks and recent included (for pyramids, the
+            average over layers). Required.
+        sink_tokens: first tokens always kept (attention sinks).
+        recent_tokens: newest tokens always kept.
+        quant: store the kept tokens in MiniKV's 2-bit format (``None``: full precision).
+    """
+
+    budget: int | None = None
+    sink_tokens: int = 16
+    recent_tokens: int = 64
+    quant: QuantSettings | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("recent_tokens", self.recent_tokens, 0)
+        floor = self.sink_tokens + self.recent_tokens
+        check_budget(
+            "budget", self.budget, max(floor, 1), f" for method {self.name} (sink_tokens + recent_tokens = {floor})"
+        )
+        if self.quant is not None and not isinstance(self.quant, QuantSettings):
+            raise ConfigError("quant", self.quant, "a QuantSettings or None")
+
+
+@dataclass(frozen=True)
+class StreamingLLMConfig(EvictionConfig):
+    """StreamingLLM: attention sinks plus a sliding window; ``recent_tokens`` is ``budget - sink_tokens``.
+
+    Attributes:
+        sink_tokens: 4 by default, as in the StreamingLLM paper.
+        recent_tokens: ignored (derived from the budget); kept for a uniform interface.
+    """
+
+    name: ClassVar[str] = "streamingllm"
+    sink_tokens: int = 4
+    recent_tokens: int = 0
+
+    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
+        check_layer(layer_idx, num_layers)
+        assert self.budget is not None
+        return ImportanceLayerCache(
+            self, budget=self.budget, sinks=self.sink_tokens, recent=self.budget - self.sink_tokens, scoring=None
+        )
+
+
+@dataclass(frozen=True)
+class H2OConfig(EvictionConfig):
+    """H2O: heavy hitters by accumulated attention.
+
+    Attributes:
+        head_budgets: ``uniform`` (every head keeps ``budget``) or ``adaptive`` (heads share the
+            layer's budget by their score concentration).
+        min_head_tokens: with adaptive budgets, the fewest heavy tokens a head keeps.
+    """
+
+    name: ClassVar[str] = "h2o"
+    head_budgets: str = "uniform"
+    min_head_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_choice("head_budgets", self.head_budgets, HEAD_BUDGETS)
+        assert self.budget is not None
+        heavy = self.budget - self.sink_tokens - self.recent_tokens
+        _check_int("min_head_tokens", self.min_head_tokens, 0, heavy)
+
+    scoring: ClassVar[str] = "h2o"
+
+    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
+        check_layer(layer_idx, num_layers)
+        return ImportanceLayerCache(
+            self,
+            budget=self.layer_budget(layer_idx, num_layers),
+            sinks=self.sink_tokens,
+            recent=self.recent_tokens,
+            scoring=self.scoring,
+        )
+
+
+@dataclass(frozen=True)
+class SnapKVConfig(H2OConfig):
+    """SnapKV: prompt tokens scored by the last ``window`` queries, pooled.
+
+    Attributes:
+        window: observation window (last prompt queries). 32 as in the SnapKV paper.
+        pool_kernel: odd pooling width over neighbouring tokens (1: none). 7 as in SnapKV.
+        pool: ``max`` or ``avg`` pooling.
+    """
+
+    name: ClassVar[str] = "snapkv"
+    scoring: ClassVar[str] = "snapkv"
+    window: int = 32
+    pool_kernel: int = 7
+    pool: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int("window", self.window, 1, 1 << 16)
+        _check_int("pool_kernel", self.pool_kernel, 1, 129)
+        if self.pool_kernel % 2 == 0:
+            raise ConfigError("pool_kernel", self.pool_kernel, "an odd integer in [1, 129]")
+        _check_choice("pool", self.pool, POOLS)
+
+
+@dataclass(frozen=True)
+class PyramidKVConfig(SnapKVConfig):
+    """PyramidKV: SnapKV scoring with per-layer budgets decreasing linearly with depth.
+
+    Attributes:
+        pyramid_depth: ratio of the average heavy budget to the top layer's (>= 1; 1 is uniform).
+            The bottom layer gets ``2 - 1/depth`` times the average.
+        selection: ``snapkv`` (PyramidKV) or ``h2o`` (MiniKV's cumulative scores).
+    """
+
+    name: ClassVar[str] = "pyramidkv"
+    pyramid_depth: float = 4.0
+    selection: str = "snapkv"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_float("pyramid_depth", self.pyramid_depth, 1.0, 1e6)
+        _check_choice("selection", self.selection, SCORINGS)
+
+    def layer_budget(self, layer_idx: int, num_layers: int) -> int:
+        assert self.budget is not None
+        floor = self.sink_tokens + self.recent_tokens
+        return floor + pyramid_budgets(self.budget - floor, num_layers, self.pyramid_depth)[layer_idx]
+
+    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
+        check_layer(layer_idx, num_layers)
+        return ImportanceLayerCache(
+            self,
+            budget=self.layer_budget(layer_idx, num_layers),
+            sinks=self.sink_tokens,
+            recent=self.recent_tokens,
+            scoring=self.selection,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# per-layer cache
+
+
+class ImportanceLayerCache(LayerCache):
+    """Keeps ``budget`` tokens per KV head by score; subclasses change only :meth:`select`.
+
+    State: a store of kept tokens, and ``acc`` ``[b, hq, n]`` float32, each kept token's
+    accumulated attention per *query* head (KVCrush needs the per-query-head view).
+    """
+
+    def __init__(self, config: EvictionConfig, *, budget: int, sinks: int, recent: int, scoring: str | None) -> None:
+        super().__init__()
+        self.config = config
+        self.budget = budget
+        self.sinks = sinks
+        self.recent = recent
+        self.scoring = scoring
+        self.store = make_store(config.quant)
+        self.acc: torch.Tensor | None = None
+        self.adaptive = getattr(config, "head_budgets", "uniform") == "adaptive"
+        self.head_budget: torch.Tensor | None = None  # [b, hk] per-head budgets (adaptive only)
+        self.frozen = False
+
+    # ---- selection hook
+    def select(self, acc: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """Per-KV-head indices ``[b, hk, k]`` to keep from the ``n`` tokens scored by ``acc`` ``[b, hq, n]``.
+
+        May pad with ``-1`` (adaptive head budgets); padded slots are dropped from attention.
+        """
+        if self.scoring is None:
+            scores = torch.zeros(acc.shape[0], kv_heads, acc.shape[2], device=acc.device)
+        else:
+            scores = group_heads(acc, kv_heads)
+        if not self.adaptive:
+            return keep_indices(scores, self.budget, self.sinks, self.recent)
+        return self._select_adaptive(scores)
+
+    def _select_adaptive(self, scores: torch.Tensor) -> torch.Tensor:
+        b, h, n = scores.shape
+        if self.head_budget is None:  # first eviction (prefill): share the layer budget between heads
+            s, r = self.sinks, self.recent
+            heavy = self.budget - s - r
+            counts = adaptive_head_budgets(
+                scores[..., s : n - r], heavy * h, getattr(self.config, "min_head_tokens", 0)
+            )
+            self.head_budget = counts + s + r
+        lengths = self.store.positions.ge(0).sum(-1) if len(self.store) else torch.full((b, h), n)
+        return keep_indices_ragged(scores, lengths.to(scores.device), self.head_budget, self.sinks, self.recent)
+
+    # ---- protocol
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if self.seen:
+            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
+        t = keys.shape[2]
+        if queries.shape[2] != t:
+            raise ShapeError(f"prefill needs one query per prompt token: {queries.shape[2]} queries, {t} keys")
+        pos = self._positions(t, keys.device)
+        res = attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=True)
+        assert res.scores is not None
+        if self.scoring == "snapkv":
+            cfg = self.config
+            acc = snapkv_scores(queries, keys, cfg.window, cfg.pool_kernel, cfg.pool)  # type: ignore[attr-defined]
+        else:
+            acc = res.scores
+        hk = keys.shape[1]
+        if t > self.budget:
+            index = self.select(acc, hk)
+            keys, values, p, acc = self._gather(keys, values, pos.expand(keys.shape[0], hk, t), acc, index)
+            self._bump("evicted", float((t - (index >= 0).sum(-1)).sum()))
+        else:
+            p = pos
+        self.store.append(keys, values, p)
+        self.acc = acc
+        self.frozen = self.store.quantized or getattr(self.config, "frozen_selection", False)
+        return res.output
+
+    def _gather(self, keys, values, pos, acc, index):
+        valid = index >= 0
+        safe = index.clamp_min(0)
+        k = gather_tokens(keys, safe)
+        v = gather_tokens(values, safe)
+        p = torch.where(valid, torch.gather(pos, 2, safe), torch.full_like(safe, -1))
+        g = acc.shape[1] // keys.shape[1]
+        a = torch.gather(acc, 2, safe.repeat_interleave(g, dim=1))
+        a = torch.where(valid.repeat_interleave(g, dim=1), a, torch.full_like(a, float("-inf")))
+        return k, v, p, a
+
+    def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if not self.seen:
+            return self.prefill(queries, keys, values)
+        t = keys.shape[2]
+        pos = self._positions(t, keys.device)
+        self.store.append(keys, values, pos)
+        k, v, p = self.store.dense()
+        res = attend(queries, k, v, q_positions=pos, k_positions=p, key_mask=p >= 0, return_scores=True)
+        assert res.scores is not None and self.acc is not None
+        grown = torch.zeros(*self.acc.shape[:2], t, device=self.acc.device)
+        self.acc = torch.cat([self.acc, grown], dim=2) + res.scores.masked_fill(
+            ~(p >= 0).repeat_interleave(queries.shape[1] // k.shape[1], dim=1), 0.0
+        )
+        if not self.frozen and self._over_budget(p):
+            self._evict(p)
+        return res.output
+
+    def _over_budget(self, p: torch.Tensor) -> bool:
+        held = (p >= 0).sum(-1)
+        if self.head_budget is not None:
+            return bool((held > self.head_budget).any())
+        return int(held.max()) > self.budget
+
+    def _evict(self, p: torch.Tensor) -> None:
+        """Drop tokens beyond the budget (per head: adaptive budgets are ragged, padded with ``-1``)."""
+        assert self.acc is not None
+        hk = p.shape[1]
+        g = self.acc.shape[1] // hk
+        if self.adaptive:
+            # the new tokens landed after the pads: move valid tokens first, keeping their order
+            order = torch.argsort((p < 0).to(torch.int8), dim=-1, stable=True)
+            self.store.keep(order)
+            self.acc = torch.gather(self.acc, 2, order.repeat_interleave(g, dim=1))
+        acc = self.acc
+        before = int((self.store.positions >= 0).sum())
+        index = self.select(acc, hk)
+        valid = index >= 0
+        self.store.keep(index.clamp_min(0))
+        self.store.positions = torch.where(valid, self.store.positions, torch.full_like(index, -1))
+        a = torch.gather(acc, 2, index.clamp_min(0).repeat_interleave(g, dim=1))
+        self.acc = torch.where(valid.repeat_interleave(g, dim=1), a, torch.full_like(a, float("-inf")))
+        self._bump("evicted", before - int(valid.sum()))
+
+    def tokens_held(self) -> torch.Tensor:
+        if self.store.positions is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return (self.store.positions >= 0).sum(-1)
+
+    def kept_positions(self) -> torch.Tensor:
+        """``[b, hk, n]`` absolute positions of the held tokens (``-1`` for padding)."""
+        assert self.store.positions is not None
+        return self.store.positions
+
+    def memory(self) -> dict[str, int]:
+        m = self.store.memory()
+        meta = m["metadata"] + tensor_bytes(self.acc)
+        return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}

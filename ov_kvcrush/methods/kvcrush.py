@@ -1,0 +1,386 @@
+"""KVCrush (seed 004): binary head-behaviour signatures, Hamming bucketing, one representative per bucket.
+
+For a layer with ``H`` query heads, every token gets an ``H``-bit signature: bit ``h`` is 1 when
+head ``h`` would retain the token on its own (``signature="topk"``: the token is in that head's
+top ``budget - sinks - recent`` by its own scores, i.e. the head's own H2O/SnapKV decision;
+``"threshold"``: its score is at least the head's mean score). Signatures are packed 32 bits per
+integer and compared with popcount Hamming distance.
+
+The budget is split: ``budget - representatives`` tokens are the important ones (sinks, recent
+window and the top scores summed over heads, as H2O/SnapKV would keep), and ``representatives``
+slots go to the evictable tokens (everything else). Those are ordered by their distance to the
+anchor (ties by position) and cut into ``representatives`` contiguous, near-equal ranges of that
+ordering, the buckets; each bucket contributes one token (``representative="max_score"``: its
+highest-scoring token; ``"first"``: the one nearest the anchor). Buckets are ranges of the
+ordering, not distance values: with 9 heads there are only 10 possible distances, but every
+region of the signature space still gets represented.
+
+Anchors: ``random`` (seeded), ``zeros``, ``ones``, ``mean`` (per-bit majority of the evictable
+tokens) and ``alternating`` (1010...). Several anchors (a tuple of modes) order tokens either by
+their distance tuple (lexicographic) or by nearest anchor, then distance.
+
+A signature spans the heads of the layer, so every KV head of the layer keeps the same tokens.
+``block_size`` switches to the paged-attention variant: scores are summed per block of that many
+tokens, whole blocks are kept or evicted, and the trailing partial block always stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ov_kvcrush.config import _check_choice, _check_int
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods.base import LayerCache, ShapeError, check_layer, check_scores, topk_indices
+from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig, keep_indices
+
+ANCHOR_MODES = ("random", "zeros", "ones", "mean", "alternating")
+MULTI_ANCHOR = ("tuple", "nearest")
+SIGNATURES = ("topk", "threshold")
+REPRESENTATIVES = ("max_score", "first")
+WORD_BITS = 32  # bits packed per int64 word (kept non-negative so shifts stay logical)
+
+
+# --------------------------------------------------------------------------------------------
+# signatures and Hamming distance
+
+
+def head_decisions(scores: torch.Tensor, keep: int, mode: str = "topk") -> torch.Tensor:
+    """Bool ``[b, h, n]``: would head ``h`` retain the token on its own?
+
+    ``topk``: the token is among the head's ``keep`` highest scores (ties to the earlier token).
+    ``threshold``: its score is at least the head's mean score over the ``n`` tokens.
+    """
+    check_scores(scores)
+    _check_choice("signature", mode, SIGNATURES)
+    n = scores.shape[-1]
+    if mode == "threshold":
+        return scores >= scores.mean(dim=-1, keepdim=True)
+    k = min(max(keep, 0), n)
+    bits = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return bits.scatter(-1, topk_indices(scores, k), True)
+
+
+def pack_signatures(bits: torch.Tensor) -> torch.Tensor:
+    """Pack bool ``[..., H]`` into int64 ``[..., ceil(H / 32)]`` words.
+
+    Head ``h`` is bit ``h % 32`` of word ``h // 32``; words stay below ``2**32`` so shifts are logical.
+    """
+    h = bits.shape[-1]
+    words = max(1, -(-h // WORD_BITS))
+    padded = torch.zeros((*bits.shape[:-1], words * WORD_BITS), dtype=torch.int64, device=bits.device)
+    padded[..., :h] = bits.to(torch.int64)
+    weights = torch.ones(WORD_BITS, dtype=torch.int64, device=bits.device) << torch.arange(
+        WORD_BITS, device=bits.device, dtype=torch.int64
+    )
+    return (padded.reshape(*bits.shape[:-1], words, WORD_BITS) * weights).sum(dim=-1)
+
+
+def popcount(x: torch.Tensor) -> torch.Tensor:
+    """Set bits of each non-negative int64 below ``2**32`` (SWAR, the same steps as a hardware popcount)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) & 0xFFFFFFFF) >> 24
+
+
+def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Hamming distance between packed signatures (broadcasting over leading dims, summed over words)."""
+    return popcount(torch.bitwise_xor(a, b)).sum(dim=-1)
+
+
+def make_anchors(bits: torch.Tensor, modes: tuple[str, ...], seed: int) -> torch.Tensor:
+    """Anchor signatures ``[b, A, H]`` (bool) for evictable-token signatures ``bits`` ``[b, m, H]``.
+
+    ``random`` anchors come from a CPU generator seeded with ``seed + i`` (``i`` the anchor's
+    index), so they are the same on every device and run.
+    """
+    b, m, h = bits.shape
+    out = []
+    for i, mode in enumerate(modes):
+        _check_choice("anchor", mode, ANCHOR_MODES)
+        if mode == "zeros":
+            a = torch.zeros(b, h, dtype=torch.bool)
+        elif mode == "ones":
+            a = torch.ones(b, h, dtype=torch.bool)
+        elif mode == "alternating":
+            a = (torch.arange(h) % 2 == 0).expand(b, h)
+        elif mode == "mean":
+            a = (bits.float().mean(dim=1) >= 0.5).cpu() if m else torch.zeros(b, h, dtype=torch.bool)
+        else:
+            gen = torch.Generator().manual_seed(seed + i)
+            a = torch.rand(b, h, generator=gen) < 0.5
+        out.append(a.to(bits.device))
+    return torch.stack(out, dim=1)
+
+
+def bucket_order(distances: torch.Tensor, multi: str = "tuple") -> torch.Tensor:
+    """Order of tokens for bucketing: ``[b, m]`` indices into the ``m`` tokens.
+
+    ``distances`` is ``[b, m, A]`` (tokens given in position order). One anchor: by distance, ties
+    by position. Several: ``tuple`` sorts by the distance tuple lexicographically; ``nearest`` by
+    (index of the nearest anchor, its distance); ties by position in both.
+    """
+    _check_choice("multi_anchor", multi, MULTI_ANCHOR)
+    b, m, a = distances.shape
+    if multi == "nearest" and a > 1:
+        d, which = distances.min(dim=-1)  # min returns the first (lowest) anchor on ties
+        keys = [which, d]
+    else:
+        keys = [distances[..., i] for i in range(a)]
+    order = torch.arange(m, device=distances.device).expand(b, m)
+    for key in reversed(keys):  # stable sorts from the least significant key: lexicographic order
+        order = torch.gather(order, 1, torch.argsort(torch.gather(key, 1, order), dim=1, stable=True))
+    return order
+
+
+def bucket_bounds(m: int, buckets: int) -> list[tuple[int, int]]:
+    """Split ``m`` ordered items into ``buckets`` contiguous near-equal ranges ``[start, end)`` (none empty)."""
+    buckets = min(buckets, m)
+    return [(j * m // buckets, (j + 1) * m // buckets) for j in range(buckets)]
+
+
+@dataclass
+class KVCrushSelection:
+    """What :func:`kvcrush_select` decided, for one batch row (tests and diagnostics read it).
+
+    Attributes:
+        keep: ascending token indices kept (``important`` and ``representatives`` together).
+        important: the important tokens (sinks, recent, top summed scores).
+        representatives: one token per bucket, in bucket order.
+        evictable: the other tokens, in position order.
+        order: positions into ``evictable`` in bucketing order.
+        bounds: bucket ranges over ``order``.
+        distances: ``[len(evictable), A]`` Hamming distance of each evictable token to each anchor.
+    """
+
+    keep: torch.Tensor
+    important: torch.Tensor
+    representatives: torch.Tensor
+    evictable: torch.Tensor
+    order: torch.Tensor
+    bounds: list[tuple[int, int]]
+    distances: torch.Tensor
+
+
+def kvcrush_select(
+    scores: torch.Tensor,
+    budget: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    representatives: int,
+    *,
+    signature: str = "topk",
+    anchors: tuple[str, ...] = ("random",),
+    multi_anchor: str = "tuple",
+    seed: int = 0,
+    representative: str = "max_score",
+) -> list[KVCrushSelection]:
+    """KVCrush's token choice for each batch row from per-query-head scores ``[b, H, n]``.
+
+    ``budget`` tokens are kept in all (``min(budget, n)``): ``budget - representatives`` important
+    tokens and up to ``representatives`` bucket representatives.
+    """
+    check_scores(scores)
+    _check_int("budget", budget, 0, 1 << 30)
+    _check_int("representatives", representatives, 0, 1 << 30)
+    _check_choice("representative", representative, REPRESENTATIVES)
+    if not anchors:
+        raise ConfigError("anchor", anchors, "one or more of " + ", ".join(ANCHOR_MODES))
+    b, h, n = scores.shape
+    dev = scores.device
+    if budget >= n:
+        every = torch.arange(n, device=dev)
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        zero_d = torch.empty(0, len(anchors), dtype=torch.long, device=dev)
+        return [KVCrushSelection(every, every, empty, empty, empty, [], zero_d) for _ in range(b)]
+    if representatives > budget - sink_tokens - recent_tokens:
+        raise ConfigError(
+            "representatives",
+            representatives,
+            f"at most budget - sink_tokens - recent_tokens = {budget - sink_tokens - recent_tokens}",
+        )
+    combined = scores.float().sum(dim=1, keepdim=True)  # [b, 1, n]
+    important = keep_indices(combined, budget - representatives, sink_tokens, recent_tokens)[:, 0]
+    per_head_keep = budget - sink_tokens - recent_tokens
+    middle = slice(sink_tokens, n - recent_tokens)
+    bits_all = torch.zeros(b, h, n, dtype=torch.bool, device=dev)
+    bits_all[..., middle] = head_decisions(scores[..., middle].float(), per_head_keep, signature)
+    out = []
+    for row in range(b):
+        mask = torch.ones(n, dtype=torch.bool, device=dev)
+        mask[important[row]] = False
+        evictable = torch.nonzero(mask).flatten()
+        bits = bits_all[row, :, evictable].T.unsqueeze(0)  # [1, m, H]
+        anchor_bits = make_anchors(bits, anchors, seed)  # [1, A, H]
+        sig = pack_signatures(bits)[0]  # [m, W]
+        anc = pack_signatures(anchor_bits)[0]  # [A, W]
+        dist = hamming(sig.unsqueeze(1), anc.unsqueeze(0))  # [m, A]
+        order = bucket_order(dist.unsqueeze(0), multi_anchor)[0]
+        bounds = bucket_bounds(evictable.numel(), representatives)
+        reps = []
+        for start, end in bounds:
+            members = evictable[order[start:end]]
+            if representative == "first":
+                reps.append(members[0])
+            else:
+                reps.append(members[torch.argmax(combined[row, 0, members])])  # first max on ties
+        rep_t = torch.stack(reps) if reps else torch.empty(0, dtype=torch.long, device=dev)
+        keep = torch.sort(torch.cat([important[row], rep_t])).values
+        out.append(KVCrushSelection(keep, important[row], rep_t, evictable, order, bounds, dist))
+    return out
+
+
+def kvcrush_select_blocks(
+    scores: torch.Tensor,
+    block_size: int,
+    budget: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    representatives: int,
+    **kwargs: object,
+) -> list[torch.Tensor]:
+    """Block-wise KVCrush: whole blocks of ``block_size`` tokens kept or evicted, as in paged attention.
+
+    Per-head block scores are the sums over the block's tokens; block signatures, importance and
+    buckets are computed on blocks exactly as :func:`kvcrush_select` does on tokens. Sinks and
+    recent tokens are rounded up to whole blocks; the trailing partial block (the one being
+    filled) is always kept. Budgets in tokens are rounded down to whole blocks. Returns the kept
+    token indices (ascending) per batch row.
+    """
+    check_scores(scores)
+    _check_int("block_size", block_size, 1, 1 << 16)
+    b, h, n = scores.shape
+    dev = scores.device
+    if budget >= n:
+        return [torch.arange(n, device=dev) for _ in range(b)]
+    full = n // block_size
+    partial = n - full * block_size
+    block_scores = scores[..., : full * block_size].reshape(b, h, full, block_size).sum(-1)
+    sink_b = -(-sink_tokens // block_size)
+    recent_b = -(-max(recent_tokens - partial, 0) // block_size)
+    budget_b = (budget - partial) // block_size
+    reps_b = representatives // block_size
+    if sink_b + recent_b + reps_b > budget_b:
+        raise ConfigError(
+            "budget",
+            budget,
+            f"room for sink, recent and representative blocks of {block_size} tokens "
+            f"({(sink_b + recent_b + reps_b) * block_size + partial} tokens here)",
+        )
+    sel = kvcrush_select(block_scores, budget_b, sink_b, recent_b, reps_b, **kwargs)  # type: ignore[arg-type]
+    tail = torch.arange(full * block_size, n, device=dev)
+    out = []
+    for s in sel:
+        tokens = (s.keep.unsqueeze(1) * block_size + torch.arange(block_size, device=dev)).flatten()
+        out.append(torch.cat([tokens, tail]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# config and layer cache
+
+
+@dataclass(frozen=True)
+class KVCrushConfig(SnapKVConfig):
+    """KVCrush over H2O/SnapKV importance, per-head signatures (the faithful version).
+
+    Attributes:
+        representatives: budget slots for bucket representatives (part of ``budget``, not on top).
+            ``None``: a quarter of ``budget - sink_tokens - recent_tokens``.
+        selection: importance scores: ``snapkv`` (window + pooling) or ``h2o`` (accumulated).
+        signature: ``topk`` (each head's own keep decision) or ``threshold`` (score >= head mean).
+        anchor: one mode or a tuple of modes (multi-anchor) among ``random``, ``zeros``, ``ones``,
+            ``mean``, ``alternating``.
+        multi_anchor: with several anchors, order by distance ``tuple`` or ``nearest`` anchor.
+        seed: seed of random anchors.
+        representative: ``max_score`` (the bucket's highest-scoring token) or ``first`` (the
+            bucket's token nearest the anchor).
+        block_size: ``None`` for token granularity, else paged-attention blocks of that size.
+    """
+
+    name: ClassVar[str] = "kvcrush"
+    representatives: int | None = None
+    selection: str = "snapkv"
+    signature: str = "topk"
+    anchor: str | tuple[str, ...] = "random"
+    multi_anchor: str = "tuple"
+    seed: int = 0
+    representative: str = "max_score"
+    block_size: int | None = None
+    anchors: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head_budgets != "uniform":
+            raise ConfigError(
+                "head_budgets", self.head_budgets, "uniform (KVCrush keeps the same tokens in every head)"
+            )
+        assert self.budget is not None
+        room = self.budget - self.sink_tokens - self.recent_tokens
+        if self.representatives is not None:
+            _check_int("representatives", self.representatives, 0, room)
+        _check_choice("selection", self.selection, ("snapkv", "h2o"))
+        _check_choice("signature", self.signature, SIGNATURES)
+        modes = (self.anchor,) if isinstance(self.anchor, str) else tuple(self.anchor)
+        if not modes or len(modes) > 16:
+            raise ConfigError("anchor", self.anchor, "one to 16 of " + ", ".join(ANCHOR_MODES))
+        for m in modes:
+            _check_choice("anchor", m, ANCHOR_MODES)
+        object.__setattr__(self, "anchors", modes)
+        _check_choice("multi_anchor", self.multi_anchor, MULTI_ANCHOR)
+        _check_int("seed", self.seed, 0, 2**31 - 1)
+        _check_choice("representative", self.representative, REPRESENTATIVES)
+        if self.block_size is not None:
+            _check_int("block_size", self.block_size, 1, 4096)
+
+    @property
+    def n_representatives(self) -> int:
+        """Representative slots actually used (the default resolved)."""
+        assert self.budget is not None
+        if self.representatives is not None:
+            return self.representatives
+        return (self.budget - self.sink_tokens - self.recent_tokens) // 4
+
+    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
+        check_layer(layer_idx, num_layers)
+        assert self.budget is not None
+        return KVCrushLayerCache(
+            self, budget=self.budget, sinks=self.sink_tokens, recent=self.recent_tokens, scoring=self.selection
+        )
+
+    def select(self, scores: torch.Tensor) -> list[torch.Tensor]:
+        """Kept token indices per batch row for per-query-head scores ``[b, H, n]`` (budget applied)."""
+        assert self.budget is not None
+        kw = dict(
+            signature=self.signature,
+            anchors=self.anchors,
+            multi_anchor=self.multi_anchor,
+            seed=self.seed,
+            representative=self.representative,
+        )
+        reps = self.n_representatives
+        if self.block_size is None:
+            return [
+                s.keep for s in kvcrush_select(scores, self.budget, self.sink_tokens, self.recent_tokens, reps, **kw)
+            ]
+        return kvcrush_select_blocks(
+            scores, self.block_size, self.budget, self.sink_tokens, self.recent_tokens, reps, **kw
+        )
+
+
+class KVCrushLayerCache(ImportanceLayerCache):
+    """Importance cache whose selection is KVCrush's; every KV head keeps the same tokens."""
+
+    config: KVCrushConfig
+
+    def select(self, acc: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        rows = self.config.select(acc)
+        width = max(r.numel() for r in rows)
+        if any(r.numel() != width for r in rows):
+            raise ShapeError("KVCrush kept different token counts across the batch")  # cannot happen: same n
+        keep = torch.stack(rows)  # [b, k]
+        self._bump("representatives", float(min(self.config.n_representatives, max(acc.shape[2] - self.budget, 0))))
+        return keep.unsqueeze(1).expand(keep.shape[0], kv_heads, width).clone()

@@ -1,0 +1,42 @@
+"""MiniKV (seed 003): heavy hitters chosen once at prefill, stored 2-bit, pyramid budgets across layers.
+
+MiniKV is a composition of pieces defined elsewhere, so this module is only its configuration:
+
+* selection: prompt tokens scored by cumulative attention (``selection="h2o"``: the per-head
+  column sums its selective flash attention returns; ``snapkv`` also works), per KV head, sinks
+  and the recent window kept; the set is chosen once, at the end of prefill, and **frozen**:
+  generated tokens are all kept, nothing is evicted later (so quantized key groups stay intact);
+* budgets: PyramidKV-style linear per-layer budgets (:func:`~ov_kvcrush.methods.importance.pyramid_budgets`);
+* storage: :class:`~ov_kvcrush.methods.store.Int2Store`, bit-packed 2-bit keys per channel and
+  values per token, fp16 scales/zeros per group of 16, the newest ``residual_tokens`` in full
+  precision, flushed every ``residual_tokens`` steps (see :mod:`ov_kvcrush.methods.quant`);
+* attention: dequantizes the store and returns per-head cumulative scores
+  (:func:`~ov_kvcrush.methods.base.attend` with ``return_scores=True``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ov_kvcrush.methods.base import QuantSettings
+from ov_kvcrush.methods.importance import PyramidKVConfig
+
+
+@dataclass(frozen=True)
+class MiniKVConfig(PyramidKVConfig):
+    """MiniKV: frozen prefill heavy hitters in a 2-bit store with pyramid budgets.
+
+    Attributes:
+        selection: ``h2o`` (cumulative attention over the prompt, MiniKV's choice) or ``snapkv``.
+        pyramid_depth: pyramid steepness (see :class:`~ov_kvcrush.methods.importance.PyramidKVConfig`);
+            2 by default.
+        quant: the 2-bit store settings (``None`` keeps full precision, for ablations).
+    """
+
+    name: ClassVar[str] = "minikv"
+    #: the prefill selection is never revisited (see the module docstring)
+    frozen_selection: ClassVar[bool] = True
+    selection: str = "h2o"
+    pyramid_depth: float = 2.0
+    quant: QuantSettings | None = field(default_factory=QuantSettings)

@@ -1,0 +1,186 @@
+"""Where a layer's kept keys/values live: full precision, or MiniKV's bit-packed 2-bit store.
+
+Both stores hold ``[batch, kv_heads, tokens, head_dim]`` tokens in insertion order with their
+absolute positions ``[batch, kv_heads, tokens]`` (heads may hold different positions after
+eviction) and expose the same small interface, so any selection method can run over either
+(the issue's "selection over a MiniKV store" composition):
+
+* ``append`` new tokens, ``dense()`` to read everything back as float tensors,
+* ``keep(index)`` to retain a per-head subset, ``replace`` to overwrite everything (merging),
+* ``memory()`` with the bytes really allocated.
+
+The 2-bit store keeps the newest tokens in full precision (the residual) and quantizes them
+``residual_tokens`` at a time, as MiniKV/KIVI do. Keeping a subset of already-quantized tokens
+would break their per-channel key groups, so :meth:`Int2Store.keep` only accepts subsets of a
+store with nothing quantized yet (selection at prefill, frozen afterwards: MiniKV's design);
+methods that rewrite tokens (Chelsea's merges) use :meth:`replace`, which re-quantizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ov_kvcrush.methods.base import QuantSettings, ShapeError, gather_tokens, tensor_bytes
+from ov_kvcrush.methods.quant import dequantize_groups, pack_2bit, quantize_groups, unpack_2bit
+
+
+class FPStore:
+    """Keys/values in their input dtype."""
+
+    quantized = False
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add tokens at the end; ``positions`` is ``[t]`` (same for every head) or ``[b, h, t]``."""
+        pos = positions.expand(*keys.shape[:2], keys.shape[2]) if positions.dim() == 1 else positions
+        if self.keys is None:
+            self.keys, self.values, self.positions = keys, values, pos.clone()
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+            self.positions = torch.cat([self.positions, pos], dim=2)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, positions)`` of everything held."""
+        assert self.keys is not None and self.values is not None and self.positions is not None
+        return self.keys, self.values, self.positions
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Retain the tokens at per-head ``index`` ``[b, h, k]`` (in that order)."""
+        assert self.keys is not None and self.values is not None and self.positions is not None
+        self.keys = gather_tokens(self.keys, index)
+        self.values = gather_tokens(self.values, index)
+        self.positions = torch.gather(self.positions, 2, index)
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Overwrite the whole content (after merging)."""
+        self.keys, self.values, self.positions = keys, values, positions
+
+    def memory(self) -> dict[str, int]:
+        kv = tensor_bytes(self.keys, self.values)
+        return {"kv": kv, "metadata": tensor_bytes(self.positions)}
+
+
+class Int2Store:
+    """MiniKV's store: bit-packed 2-bit keys (per channel) and values (per token) plus a full-precision residual.
+
+    Layout per ``[batch, head]``, ``G = group_size``:
+
+    * ``qk`` int32 ``[b, h, n_q / 16, d]``: key codes packed along tokens; ``k_scale``/``k_zero``
+      fp16 ``[b, h, n_q / G, d]`` (one per channel per ``G`` tokens);
+    * ``qv`` int32 ``[b, h, n_q, d / 16]``: value codes packed along channels; ``v_scale``/
+      ``v_zero`` fp16 ``[b, h, n_q, d / G]``;
+    * ``rk``/``rv`` ``[b, h, r, d]`` the newest ``r < residual_tokens`` tokens in full precision.
+    """
+
+    quantized = True
+
+    def __init__(self, settings: QuantSettings) -> None:
+        self.settings = settings
+        self.qk = self.k_scale = self.k_zero = None
+        self.qv = self.v_scale = self.v_zero = None
+        self.rk: torch.Tensor | None = None
+        self.rv: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.dtype: torch.dtype = torch.float32
+        self.flushes = 0
+
+    # ---- sizes
+    @property
+    def quantized_tokens(self) -> int:
+        return 0 if self.qv is None else self.qv.shape[2]
+
+    @property
+    def residual_len(self) -> int:
+        return 0 if self.rk is None else self.rk.shape[2]
+
+    def __len__(self) -> int:
+        return self.quantized_tokens + self.residual_len
+
+    # ---- writing
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add tokens to the residual; quantize whole ``residual_tokens`` chunks as they fill."""
+        g = self.settings.group_size
+        if keys.shape[3] % g:
+            raise ShapeError(f"head_dim={keys.shape[3]} must be a multiple of quant.group_size={g} for the 2-bit store")
+        self.dtype = keys.dtype
+        pos = positions.expand(*keys.shape[:2], keys.shape[2]) if positions.dim() == 1 else positions
+        if self.rk is None:
+            self.rk, self.rv = keys, values
+        else:
+            self.rk = torch.cat([self.rk, keys], dim=2)
+            self.rv = torch.cat([self.rv, values], dim=2)
+        self.positions = pos.clone() if self.positions is None else torch.cat([self.positions, pos], dim=2)
+        self._flush()
+
+    def _flush(self) -> None:
+        r = self.settings.residual_tokens
+        assert self.rk is not None and self.rv is not None
+        n = (self.rk.shape[2] // r) * r
+        if n == 0:
+            return
+        self._quantize_append(self.rk[:, :, :n], self.rv[:, :, :n])
+        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+        self.flushes += 1
+
+    def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        g = self.settings.group_size
+        kc, ks, kz = quantize_groups(k, g, dim=2)  # per channel, groups along tokens
+        vc, vs, vz = quantize_groups(v, g, dim=3)  # per token, groups along channels
+        qk, qv = pack_2bit(kc, dim=2), pack_2bit(vc, dim=3)
+        if self.qk is None:
+            self.qk, self.k_scale, self.k_zero = qk, ks, kz
+            self.qv, self.v_scale, self.v_zero = qv, vs, vz
+        else:
+            self.qk = torch.cat([self.qk, qk], dim=2)
+            self.k_scale = torch.cat([self.k_scale, ks], dim=2)
+            self.k_zero = torch.cat([self.k_zero, kz], dim=2)
+            self.qv = torch.cat([self.qv, qv], dim=2)
+            self.v_scale = torch.cat([self.v_scale, vs], dim=2)
+            self.v_zero = torch.cat([self.v_zero, vz], dim=2)
+
+    # ---- reading
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dequantized keys/values (quantized part first, then the residual) and positions."""
+        g = self.settings.group_size
+        parts_k, parts_v = [], []
+        if self.qk is not None:
+            parts_k.append(dequantize_groups(unpack_2bit(self.qk, dim=2), self.k_scale, self.k_zero, g, 2, self.dtype))
+            parts_v.append(dequantize_groups(unpack_2bit(self.qv, dim=3), self.v_scale, self.v_zero, g, 3, self.dtype))
+        if self.rk is not None:
+            parts_k.append(self.rk)
+            parts_v.append(self.rv)
+        assert self.positions is not None
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), self.positions
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Retain a per-head subset; only before anything has been quantized (selection is frozen after)."""
+        if self.qk is not None:
+            raise RuntimeError("Int2Store.keep: quantized tokens are frozen; select before quantizing")
+        assert self.rk is not None and self.rv is not None and self.positions is not None
+        self.rk = gather_tokens(self.rk, index)
+        self.rv = gather_tokens(self.rv, index)
+        self.positions = torch.gather(self.positions, 2, index)
+        self._flush()
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Re-encode everything from full-precision (or dequantized-and-merged) tensors."""
+        self.qk = self.k_scale = self.k_zero = self.qv = self.v_scale = self.v_zero = None
+        self.rk = self.rv = self.positions = None
+        self.append(keys, values, positions)
+
+    def memory(self) -> dict[str, int]:
+        kv = tensor_bytes(self.qk, self.k_scale, self.k_zero, self.qv, self.v_scale, self.v_zero, self.rk, self.rv)
+        return {"kv": kv, "metadata": tensor_bytes(self.positions)}
+
+
+def make_store(quant: QuantSettings | None) -> FPStore | Int2Store:
+    """The store a method uses: full precision, or 2-bit when ``quant`` is set."""
+    return FPStore() if quant is None else Int2Store(quant)

@@ -1,0 +1,115 @@
+"""Chelsea: chunked soft matching, degree-weighted merging, the log(degree) attention identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods import ChelseaConfig, FullConfig
+from ov_kvcrush.methods.base import attend
+from ov_kvcrush.methods.chelsea import calibrate_outlier_heads, chelsea_compress, chunked_soft_matching, merge_links
+from ov_kvcrush.methods.vectors import layer_vectors
+
+
+def test_links_are_the_most_similar_b_token_of_the_same_chunk():
+    keys = torch.randn(2, 37, 8, generator=torch.Generator().manual_seed(0))
+    links = chunked_soft_matching(keys, 8)
+    kn = F.normalize(keys, dim=-1)
+    a_all = [i for i in range(37) if (i % 8) % 2 == 0]
+    assert links.a[0].tolist() == a_all
+    for h in range(2):
+        for e, a in enumerate(a_all):
+            chunk = a // 8
+            bs = [j for j in range(chunk * 8, min(chunk * 8 + 8, 37)) if (j % 8) % 2 == 1]
+            if not bs:
+                assert links.similarity[h, e] == float("-inf")  # token 36 sits alone in its chunk
+                continue
+            sims = [float(kn[h, a] @ kn[h, j]) for j in bs]
+            best = bs[max(range(len(bs)), key=lambda i: (sims[i], -i))]
+            assert int(links.b[h, e]) == best
+            assert float(links.similarity[h, e]) == pytest.approx(max(sims), abs=1e-6)
+
+
+def test_merge_is_degree_weighted_and_keeps_the_strongest_links():
+    keys = torch.randn(1, 8, 4, generator=torch.Generator().manual_seed(1))
+    values = torch.randn(1, 8, 4, generator=torch.Generator().manual_seed(2))
+    degrees = torch.tensor([[1.0, 2.0, 3.0, 1.0, 2.0, 1.0, 1.0, 4.0]])
+    links = chunked_soft_matching(keys, 8)
+    k, v, w, kept = merge_links(keys, values, degrees, links, 2)
+    strongest = sorted(range(4), key=lambda e: (-float(links.similarity[0, e]), e))[:2]
+    gone = {int(links.a[0, e]) for e in strongest}
+    assert kept[0].tolist() == [i for i in range(8) if i not in gone]
+    assert float(w.sum()) == float(degrees.sum())
+    for j, tok in enumerate(kept[0].tolist()):
+        members = [tok] + [int(links.a[0, e]) for e in strongest if int(links.b[0, e]) == tok]
+        wsum = sum(float(degrees[0, m]) for m in members)
+        want_k = sum(degrees[0, m] * keys[0, m] for m in members) / wsum
+        want_v = sum(degrees[0, m] * values[0, m] for m in members) / wsum
+        torch.testing.assert_close(k[0, j], want_k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v[0, j], want_v, rtol=1e-5, atol=1e-6)
+        assert float(w[0, j]) == wsum
+
+
+def test_log_degree_attention_is_exact_when_clusters_hold_identical_tokens():
+    """Paper eq. 2: merging copies of a token and adding log(degree) changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    base_k, base_v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+    rep = torch.tensor([i // 2 for i in range(120)])  # every token twice in a row: A/B twins
+    keys, values = base_k[:, :, rep], base_v[:, :, rep]
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    exact = attend(q, keys, values).output
+    ck, cv, cw, _, _ = chelsea_compress(
+        keys.reshape(2, 120, 16), values.reshape(2, 120, 16), torch.ones(2, 120), 64, 4, 4, 16
+    )
+    assert ck.shape[1] == 64
+    merged = attend(q, ck.reshape(1, 2, 64, 16), cv.reshape(1, 2, 64, 16), bias=cw.reshape(1, 2, 64).log()).output
+    torch.testing.assert_close(merged, exact, rtol=1e-5, atol=1e-6)
+    unbiased = attend(q, ck.reshape(1, 2, 64, 16), cv.reshape(1, 2, 64, 16)).output
+    assert not torch.allclose(unbiased, exact, atol=1e-4)  # the bias is what makes it exact
+
+
+def test_degrees_sum_to_tokens_seen_across_repeated_merges():
+    vec = layer_vectors(4, tokens=400)
+    cfg = ChelseaConfig(budget=100, sink_tokens=8, recent_tokens=16, chunk_size=32, merge_interval=10)
+    cache = cfg.make_layer(0, 1)
+    cache.prefill(*vec.prefix(300))
+    for i in range(300, 400):
+        cache.decode(*vec.step(i))
+        assert torch.allclose(cache.degrees.sum(-1), torch.full((1, 3), float(i + 1)))
+        assert cache.degrees.shape[-1] < 100 + 10
+    pos = cache.store.positions[0]
+    assert all(pos[h, :8].tolist() == list(range(8)) for h in range(3))  # sinks untouched
+    assert all(pos[h, -16:].tolist() == list(range(pos[h, -1] - 15, pos[h, -1] + 1)) for h in range(3))
+    assert cache.counters["merges"] == 3 * (400 - cache.degrees.shape[-1])
+
+
+def test_outlier_heads_keep_their_full_cache():
+    vec = layer_vectors(5, tokens=300)
+    cfg = ChelseaConfig(budget=64, sink_tokens=4, recent_tokens=8, chunk_size=16, outlier_heads=((0, 1),))
+    cache = cfg.make_layer(0, 2)
+    full = FullConfig().make_layer(0, 1)
+    cache.prefill(*vec.prefix(250))
+    full.prefill(*vec.prefix(250))
+    for i in range(250, 300):
+        out, ref = cache.decode(*vec.step(i)), full.decode(*vec.step(i))
+        torch.testing.assert_close(out[:, 3:6], ref[:, 3:6], rtol=1e-5, atol=1e-5)  # q heads of kv head 1
+    assert cache.tokens_held()[0].tolist()[1] == 300 and cache.tokens_held()[0, 0] < 64 + 32
+    assert cfg.make_layer(1, 2).outlier_heads == ()
+
+
+def test_calibration_finds_the_head_whose_keys_do_not_match():
+    vec = layer_vectors(6, tokens=256)
+    keys = vec.keys.clone()
+    keys[:, 2] = torch.randn(1, 256, 64, generator=torch.Generator().manual_seed(9))  # unstructured head
+    assert calibrate_outlier_heads([keys], chunk_size=64, threshold=0.8, ratio=0.34) == ((0, 2),)
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="chunk_size"):
+        ChelseaConfig(budget=256, chunk_size=7)
+    with pytest.raises(ConfigError, match="budget"):
+        ChelseaConfig(budget=80)
+    with pytest.raises(ConfigError, match="outlier_heads"):
+        ChelseaConfig(budget=256, outlier_heads=((0,),))

@@ -1,0 +1,206 @@
+"""StreamingLLM / H2O / SnapKV / PyramidKV / per-head budgets against brute-force oracles."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods import H2OConfig, PyramidKVConfig, SnapKVConfig, StreamingLLMConfig
+from ov_kvcrush.methods.base import attend
+from ov_kvcrush.methods.importance import (
+    adaptive_head_budgets,
+    keep_indices,
+    keep_indices_ragged,
+    pyramid_budgets,
+    snapkv_scores,
+)
+from ov_kvcrush.methods.vectors import layer_vectors
+
+
+def brute_keep(scores: list[float], budget: int, sinks: int, recent: int) -> list[int]:
+    n = len(scores)
+    if budget >= n:
+        return list(range(n))
+    middle = list(range(sinks, n - recent))
+    top = sorted(middle, key=lambda i: (-scores[i], i))[: budget - sinks - recent]
+    return sorted(list(range(sinks)) + top + list(range(n - recent, n)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    budget=st.integers(0, 50),
+    sinks=st.integers(0, 5),
+    recent=st.integers(0, 5),
+    seed=st.integers(0, 99),
+)
+def test_keep_indices_matches_brute_force(n, budget, sinks, recent, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 5, (2, 3, n), generator=g).float()  # many ties
+    if budget < n and sinks + recent > budget:
+        with pytest.raises(ConfigError, match="budget"):
+            keep_indices(scores, budget, sinks, recent)
+        return
+    got = keep_indices(scores, budget, sinks, recent)
+    assert got.shape == (2, 3, min(budget, n))
+    for b in range(2):
+        for h in range(3):
+            assert got[b, h].tolist() == brute_keep(scores[b, h].tolist(), budget, sinks, recent)
+
+
+def test_ragged_selection_with_equal_budgets_is_keep_indices():
+    scores = torch.rand(2, 3, 50)
+    want = keep_indices(scores, 20, 4, 6)
+    got = keep_indices_ragged(scores, torch.full((2, 3), 50), torch.full((2, 3), 20), 4, 6)
+    assert torch.equal(got, want)
+
+
+def test_attention_matches_explicit_softmax_and_returns_cumulative_scores():
+    vec = layer_vectors(5, tokens=40, head_dim=16)
+    q, k, v = vec.queries, vec.keys, vec.values
+    pos = torch.arange(40)
+    res = attend(q, k, v, q_positions=pos, k_positions=pos, return_scores=True)
+    g = q.shape[1] // k.shape[1]
+    for h in range(q.shape[1]):
+        logits = q[0, h] @ k[0, h // g].T / math.sqrt(16)
+        logits = logits.masked_fill(torch.triu(torch.ones(40, 40, dtype=torch.bool), 1), float("-inf"))
+        p = torch.softmax(logits, -1)
+        torch.testing.assert_close(res.output[0, h], p @ v[0, h // g], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(res.scores[0, h], p.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_snapkv_scores_are_pooled_window_attention():
+    vec = layer_vectors(6, tokens=60, head_dim=16)
+    q, k = vec.queries, vec.keys
+    got = snapkv_scores(q, k, window=8, pool_kernel=5, pool="max")
+    g = q.shape[1] // k.shape[1]
+    for h in range(q.shape[1]):
+        logits = q[0, h, -8:] @ k[0, h // g].T / 4.0
+        qpos = torch.arange(52, 60).unsqueeze(1)
+        logits = logits.masked_fill(torch.arange(60).unsqueeze(0) > qpos, float("-inf"))
+        raw = torch.softmax(logits, -1).sum(0)
+        pooled = torch.stack([raw[max(0, i - 2) : i + 3].max() for i in range(60)])
+        torch.testing.assert_close(got[0, h], pooled, rtol=1e-5, atol=1e-6)
+
+
+def test_h2o_keeps_heavy_hitters_of_accumulated_attention():
+    vec = layer_vectors(7, tokens=120, head_dim=16)
+    cfg = H2OConfig(budget=40, sink_tokens=4, recent_tokens=8)
+    cache = cfg.make_layer(0, 1)
+    cache.prefill(*vec.prefix(120))
+    pos = torch.arange(120)
+    scores = attend(vec.queries, vec.keys, vec.values, q_positions=pos, k_positions=pos, return_scores=True).scores
+    per_kv = scores.reshape(1, 3, 3, 120).sum(2)
+    for h in range(3):
+        want = brute_keep(per_kv[0, h].tolist(), 40, 4, 8)
+        assert cache.kept_positions()[0, h].tolist() == want
+
+
+def test_decode_eviction_keeps_budget_sinks_and_recent_every_step():
+    vec = layer_vectors(8, tokens=200, head_dim=16)
+    for cfg in (
+        H2OConfig(budget=48, sink_tokens=4, recent_tokens=8),
+        SnapKVConfig(budget=48, sink_tokens=4, recent_tokens=8),
+    ):
+        cache = cfg.make_layer(0, 1)
+        cache.prefill(*vec.prefix(100))
+        for i in range(100, 200):
+            cache.decode(*vec.step(i))
+            pos = cache.kept_positions()
+            assert pos.shape[-1] == 48
+            for h in range(3):
+                kept = set(pos[0, h].tolist())
+                assert set(range(4)) <= kept
+                assert set(range(i - 7, i + 1)) <= kept
+        assert cache.counters["evicted"] == 3 * (200 - 48)
+
+
+def test_streamingllm_keeps_sinks_and_the_window():
+    vec = layer_vectors(9, tokens=100, head_dim=16)
+    cache = StreamingLLMConfig(budget=20, sink_tokens=4).make_layer(0, 1)
+    cache.prefill(*vec.prefix(60))
+    for i in range(60, 100):
+        cache.decode(*vec.step(i))
+    want = list(range(4)) + list(range(84, 100))
+    assert all(cache.kept_positions()[0, h].tolist() == want for h in range(3))
+
+
+@settings(max_examples=80, deadline=None)
+@given(average=st.integers(0, 5000), layers=st.integers(1, 80), depth=st.floats(1.0, 50.0))
+def test_pyramid_budgets_preserve_the_total_and_decrease(average, layers, depth):
+    b = pyramid_budgets(average, layers, depth)
+    assert len(b) == layers
+    assert sum(b) == average * layers
+    assert all(x >= 0 for x in b)
+    assert all(b[i] >= b[i + 1] - 1 for i in range(layers - 1))  # linear, up to rounding
+    if layers > 1:
+        assert b[0] >= b[-1]
+
+
+def test_pyramid_depth_one_is_uniform_and_layer_budgets_sum():
+    assert pyramid_budgets(100, 7, 1.0) == [100] * 7
+    cfg = PyramidKVConfig(budget=300, sink_tokens=16, recent_tokens=64, pyramid_depth=4.0)
+    budgets = [cfg.layer_budget(i, 30) for i in range(30)]
+    assert sum(budgets) == 300 * 30
+    assert budgets[0] > budgets[-1] >= 80
+    with pytest.raises(ConfigError, match="pyramid_depth"):
+        PyramidKVConfig(budget=300, pyramid_depth=0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    heads=st.integers(1, 4),
+    total=st.integers(0, 150),
+    floor=st.integers(0, 5),
+    seed=st.integers(0, 99),
+)
+def test_adaptive_head_budgets(n, heads, total, floor, seed):
+    scores = torch.rand(2, heads, n, generator=torch.Generator().manual_seed(seed))
+    eff_total = min(total, heads * n)
+    if min(floor, n) * heads > eff_total:
+        with pytest.raises(ConfigError, match="min_per_head"):
+            adaptive_head_budgets(scores, total, floor)
+        return
+    counts = adaptive_head_budgets(scores, total, floor)
+    assert counts.shape == (2, heads)
+    assert (counts.sum(-1) == eff_total).all()
+    assert (counts >= min(floor, n)).all() and (counts <= n).all()
+    if floor == 0:  # brute force: the eff_total largest normalised scores
+        norm = scores / scores.sum(-1, keepdim=True)
+        for b in range(2):
+            flat = sorted((-norm[b, h, i].item(), h * n + i) for h in range(heads) for i in range(n))[:eff_total]
+            want = [sum(1 for _, j in flat if j // n == h) for h in range(heads)]
+            assert counts[b].tolist() == want
+
+
+def test_adaptive_cache_shares_the_layer_budget_between_heads():
+    vec = layer_vectors(10, tokens=180, head_dim=16)
+    cfg = H2OConfig(budget=40, sink_tokens=4, recent_tokens=8, head_budgets="adaptive", min_head_tokens=2)
+    cache = cfg.make_layer(0, 1)
+    cache.prefill(*vec.prefix(150))
+    for i in range(150, 180):
+        cache.decode(*vec.step(i))
+        held = cache.tokens_held()
+        assert int(held.sum()) == 3 * 40
+        assert (held >= 4 + 8 + 2).all()
+        pos = cache.kept_positions()
+        for h in range(3):
+            kept = [p for p in pos[0, h].tolist() if p >= 0]
+            assert set(range(i - 7, i + 1)) <= set(kept) and set(range(4)) <= set(kept)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="budget=10"):
+        H2OConfig(budget=10, sink_tokens=8, recent_tokens=8)
+    with pytest.raises(ConfigError, match="pool_kernel"):
+        SnapKVConfig(budget=256, pool_kernel=4)
+    with pytest.raises(ConfigError, match="head_budgets"):
+        H2OConfig(budget=256, head_budgets="fancy")
+    with pytest.raises(ConfigError, match="window"):
+        SnapKVConfig(budget=256, window=0)

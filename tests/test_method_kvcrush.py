@@ -1,0 +1,200 @@
+"""KVCrush: signatures, Hamming distance, anchors, buckets and representatives against brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods import KVCrushConfig
+from ov_kvcrush.methods.kvcrush import (
+    bucket_order,
+    hamming,
+    head_decisions,
+    kvcrush_select,
+    kvcrush_select_blocks,
+    make_anchors,
+    pack_signatures,
+    popcount,
+)
+from ov_kvcrush.methods.vectors import layer_vectors
+
+
+@settings(max_examples=100, deadline=None)
+@given(heads=st.integers(1, 100), seed=st.integers(0, 10_000))
+def test_popcount_hamming_equals_brute_force(heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.rand(5, heads, generator=g) < 0.5
+    b = torch.rand(5, heads, generator=g) < 0.5
+    got = hamming(pack_signatures(a), pack_signatures(b))
+    want = [sum(int(x != y) for x, y in zip(a[i].tolist(), b[i].tolist(), strict=True)) for i in range(5)]
+    assert got.tolist() == want
+
+
+def test_popcount_of_every_byte_and_large_words():
+    x = torch.arange(256, dtype=torch.int64)
+    assert popcount(x).tolist() == [bin(i).count("1") for i in range(256)]
+    big = torch.tensor([2**32 - 1, 2**31, 0x55555555], dtype=torch.int64)
+    assert popcount(big).tolist() == [32, 1, 16]
+
+
+def test_signature_bit_h_is_head_h():
+    bits = torch.zeros(1, 40, dtype=torch.bool)
+    bits[0, 33] = True
+    words = pack_signatures(bits)
+    assert words.tolist() == [[0, 2]]
+
+
+def test_head_decisions_topk_and_threshold():
+    scores = torch.tensor([[[0.1, 0.5, 0.5, 0.2, 0.9]]])
+    top2 = head_decisions(scores, 2, "topk")[0, 0].tolist()
+    assert top2 == [False, True, False, False, True]  # tie 0.5/0.5 goes to the earlier token
+    thr = head_decisions(scores, 0, "threshold")[0, 0].tolist()
+    assert thr == [False, True, True, False, True]  # mean is 0.44
+
+
+def test_anchor_modes():
+    bits = torch.tensor([[[1, 1, 0, 0], [1, 0, 0, 1], [1, 1, 1, 0]]], dtype=torch.bool)
+    a = make_anchors(bits, ("zeros", "ones", "alternating", "mean", "random"), seed=3)
+    assert a[0, 0].tolist() == [False] * 4
+    assert a[0, 1].tolist() == [True] * 4
+    assert a[0, 2].tolist() == [True, False, True, False]
+    assert a[0, 3].tolist() == [True, True, False, False]  # per-bit majority
+    again = make_anchors(bits, ("zeros", "ones", "alternating", "mean", "random"), seed=3)
+    assert torch.equal(a, again)
+    other = [make_anchors(bits, ("random",), seed=s)[0, 0].tolist() for s in range(8)]
+    assert len({tuple(o) for o in other}) > 1
+
+
+def test_bucket_order_single_and_multi_anchor():
+    d = torch.tensor([[[2, 0], [1, 3], [2, 1], [1, 0], [0, 2]]])
+    assert bucket_order(d[..., :1]).tolist() == [[4, 1, 3, 0, 2]]  # by distance, ties by position
+    assert bucket_order(d, "tuple").tolist() == [[4, 3, 1, 0, 2]]  # lexicographic (d0, d1)
+    # nearest anchor: tokens 0 (a1, 0), 1 (a0, 1), 2 (a1, 1), 3 (a1, 0), 4 (a0, 0)
+    assert bucket_order(d, "nearest").tolist() == [[4, 1, 0, 3, 2]]
+
+
+def selection(seed=0, n=300, budget=96, reps=24, **kw):
+    vec = layer_vectors(seed, tokens=n)
+    pos = torch.arange(n)
+    from ov_kvcrush.methods.base import attend
+
+    scores = attend(vec.queries, vec.keys, vec.values, q_positions=pos, k_positions=pos, return_scores=True).scores
+    return scores, kvcrush_select(scores, budget, 8, 16, reps, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"anchors": ("zeros",), "representative": "first"},
+        {"anchors": ("mean",), "signature": "threshold"},
+        {"anchors": ("zeros", "ones", "alternating"), "multi_anchor": "tuple"},
+        {"anchors": ("random", "random"), "multi_anchor": "nearest"},
+    ],
+)
+def test_one_representative_per_contiguous_bucket_disjoint_from_important(kw):
+    scores, sels = selection(**kw)
+    s = sels[0]
+    n = scores.shape[-1]
+    assert s.keep.numel() == 96
+    assert s.important.numel() == 96 - 24 and s.representatives.numel() == 24
+    assert not set(s.important.tolist()) & set(s.representatives.tolist())
+    assert sorted(s.important.tolist() + s.representatives.tolist()) == s.keep.tolist()
+    assert set(s.evictable.tolist()) == set(range(n)) - set(s.important.tolist())
+    # buckets: contiguous ranges that tile the ordering, one representative inside each
+    bounds = s.bounds
+    assert bounds[0][0] == 0 and bounds[-1][1] == s.evictable.numel()
+    assert all(bounds[i][1] == bounds[i + 1][0] and bounds[i][1] > bounds[i][0] for i in range(len(bounds) - 1))
+    sizes = [e - b for b, e in bounds]
+    assert max(sizes) - min(sizes) <= 1
+    ordered = s.evictable[s.order]
+    for (b, e), rep in zip(bounds, s.representatives.tolist(), strict=True):
+        assert rep in ordered[b:e].tolist()
+    # the ordering is sorted by the distance key(s), ties by position
+    key = [tuple(s.distances[i].tolist()) for i in s.order.tolist()]
+    if kw.get("multi_anchor") == "nearest":
+        key = [(min(range(len(k)), key=lambda a, k=k: (k[a], a)), min(k)) for k in key]
+    assert key == sorted(key)
+    for i in range(len(key) - 1):
+        if key[i] == key[i + 1]:
+            assert s.order[i] < s.order[i + 1]
+
+
+def test_distances_match_brute_force_and_representative_is_bucket_max():
+    scores, sels = selection(anchors=("zeros",))
+    s = sels[0]
+    # zeros anchor: distance = number of heads retaining the token (top-k of the middle per head)
+    middle = scores[0, :, 8 : 300 - 16]
+    per_head = 96 - 8 - 16
+    for j, tok in enumerate(s.evictable.tolist()[:50]):
+        votes = 0
+        for h in range(9):
+            order = sorted(range(middle.shape[1]), key=lambda i, h=h: (-middle[h, i].item(), i))[:per_head]
+            votes += int((tok - 8) in order)
+        assert int(s.distances[j, 0]) == votes
+    combined = scores[0].sum(0)
+    ordered = s.evictable[s.order]
+    for (b, e), rep in zip(s.bounds, s.representatives.tolist(), strict=True):
+        members = ordered[b:e].tolist()
+        assert combined[rep] == max(combined[m] for m in members)
+
+
+def test_seeded_determinism_and_seed_sensitivity():
+    scores, a = selection(seed=4)
+    _, b = selection(seed=4)
+    assert torch.equal(a[0].keep, b[0].keep)
+    by_seed = {tuple(kvcrush_select(scores, 96, 8, 16, 24, seed=s)[0].keep.tolist()) for s in range(6)}
+    assert len(by_seed) > 1  # the random anchor really depends on the seed
+
+
+def test_budget_larger_than_context_keeps_all_and_zero_representatives_is_importance():
+    scores = torch.rand(1, 9, 50)
+    s = kvcrush_select(scores, 80, 4, 4, 10)[0]
+    assert s.keep.tolist() == list(range(50))
+    s0 = kvcrush_select(scores, 30, 4, 4, 0)[0]
+    from ov_kvcrush.methods.importance import keep_indices
+
+    assert s0.keep.tolist() == keep_indices(scores.sum(1, keepdim=True), 30, 4, 4)[0, 0].tolist()
+    with pytest.raises(ConfigError, match="representatives"):
+        kvcrush_select(scores, 30, 4, 4, 23)
+
+
+def test_block_wise_keeps_whole_blocks_and_the_partial_tail():
+    scores = torch.rand(1, 9, 203, generator=torch.Generator().manual_seed(0))
+    keep = kvcrush_select_blocks(scores, 16, 96, 16, 16, 32)[0]
+    tail = list(range(192, 203))
+    assert keep[-11:].tolist() == tail
+    blocks = keep[:-11].reshape(-1, 16)
+    assert all(b.tolist() == list(range(int(b[0]), int(b[0]) + 16)) and int(b[0]) % 16 == 0 for b in blocks)
+    assert keep.numel() <= 96
+    # the same as token-level KVCrush over per-block summed scores
+    block_scores = scores[..., :192].reshape(1, 9, 12, 16).sum(-1)
+    want = kvcrush_select(block_scores, (96 - 11) // 16, 1, 1, 2)[0].keep
+    assert (blocks[:, 0] // 16).tolist() == want.tolist()
+
+
+def test_layer_cache_keeps_the_same_tokens_in_every_head():
+    vec = layer_vectors(11, tokens=260)
+    for block in (None, 16):
+        cfg = KVCrushConfig(budget=96, sink_tokens=16, recent_tokens=16, block_size=block, anchor=("zeros", "ones"))
+        cache = cfg.make_layer(0, 1)
+        cache.prefill(*vec.prefix(200))
+        for i in range(200, 260):
+            cache.decode(*vec.step(i))
+            pos = cache.kept_positions()[0]
+            assert all(torch.equal(pos[0], pos[h]) for h in range(3))
+            assert pos.shape[-1] <= 96
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="anchor"):
+        KVCrushConfig(budget=256, anchor="diagonal")
+    with pytest.raises(ConfigError, match="representatives"):
+        KVCrushConfig(budget=256, representatives=500)
+    with pytest.raises(ConfigError, match="head_budgets"):
+        KVCrushConfig(budget=256, head_budgets="adaptive")
+    assert KVCrushConfig(budget=256).n_representatives == (256 - 80) // 4
+    assert KVCrushConfig(budget=256, anchor=("zeros", "mean")).anchors == ("zeros", "mean")

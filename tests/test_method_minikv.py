@@ -1,0 +1,107 @@
+"""MiniKV: 2-bit packing and quantization, the 2-bit store, frozen heavy hitters, compositions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods import REGISTRY, MiniKVConfig, QuantSettings, method_config
+from ov_kvcrush.methods.quant import dequantize_groups, pack_2bit, quantize_groups, theoretical_bytes, unpack_2bit
+from ov_kvcrush.methods.store import Int2Store
+from ov_kvcrush.methods.vectors import layer_vectors
+
+
+@settings(max_examples=50, deadline=None)
+@given(words=st.integers(1, 8), rows=st.integers(1, 5), seed=st.integers(0, 10_000), dim=st.sampled_from([0, 1]))
+def test_pack_unpack_is_exact(words, rows, seed, dim):
+    codes = torch.randint(0, 4, (rows, 16 * words), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    codes = codes if dim == 1 else codes.T.contiguous()
+    packed = pack_2bit(codes, dim=dim)
+    assert packed.dtype == torch.int32 and packed.shape[dim] == words
+    assert torch.equal(unpack_2bit(packed, dim=dim), codes)
+
+
+def test_packing_layout_is_16_codes_per_int32_low_bits_first():
+    codes = torch.zeros(16, dtype=torch.uint8)
+    codes[0], codes[1], codes[15] = 1, 2, 3
+    assert pack_2bit(codes).tolist() == [1 | (2 << 2) | -(1 << 30)]  # 3 << 30 as a signed int32
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(1e-3, 1e3), dim=st.sampled_from([2, 3]))
+def test_quantization_error_within_half_a_step(seed, scale, dim):
+    x = torch.randn(1, 2, 32, 64, generator=torch.Generator().manual_seed(seed)) * scale
+    x[0, 0, :16, :16] = 1.5  # a constant group
+    codes, s, z = quantize_groups(x, 16, dim)
+    y = dequantize_groups(codes, s, z, 16, dim, torch.float32)
+    step = s.float().repeat_interleave(16, dim=dim)
+    fp16_slack = 2e-3 * x.abs().amax()
+    assert ((x - y).abs() <= step / 2 + fp16_slack).all()
+    assert int(codes.max()) <= 3
+
+
+def test_store_bytes_match_theory_and_residual_flushes():
+    qs = QuantSettings(group_size=16, residual_tokens=32)
+    store = Int2Store(qs)
+    vec = layer_vectors(0, tokens=200)
+    store.append(vec.keys[:, :, :100], vec.values[:, :, :100], torch.arange(100))
+    assert store.quantized_tokens == 96 and store.residual_len == 4
+    for i in range(100, 200):
+        store.append(vec.keys[:, :, i : i + 1], vec.values[:, :, i : i + 1], torch.tensor([i]))
+        assert store.residual_len < 32
+    assert store.quantized_tokens + store.residual_len == 200
+    packed_values = 2 * 3 * store.quantized_tokens * 64  # keys and values
+    packed_bytes = store.memory()["kv"] - store.residual_len * 3 * 64 * 2 * 4
+    assert abs(packed_bytes - theoretical_bytes(packed_values, 16)) <= 0.1 * theoretical_bytes(packed_values, 16)
+    k, _, p = store.dense()
+    assert p[0, 0].tolist() == list(range(200))
+    assert torch.equal(k[:, :, store.quantized_tokens :], vec.keys[:, :, store.quantized_tokens :])
+    err = (k - vec.keys).abs().amax() / (vec.keys.amax() - vec.keys.amin())
+    assert 0 < err < 0.35  # 2 bits over a group's range: at most half of a third
+
+
+def test_minikv_freezes_prefill_heavy_hitters_and_keeps_generated_tokens():
+    vec = layer_vectors(1, tokens=300)
+    cfg = MiniKVConfig(budget=96, sink_tokens=8, recent_tokens=16, quant=QuantSettings(residual_tokens=32))
+    budgets = [cfg.layer_budget(i, 4) for i in range(4)]
+    assert sum(budgets) == 4 * 96 and budgets[0] > budgets[-1]
+    cache = cfg.make_layer(3, 4)
+    cache.prefill(*vec.prefix(250))
+    chosen = cache.kept_positions()[..., : budgets[3]].clone()
+    for i in range(250, 300):
+        cache.decode(*vec.step(i))
+    pos = cache.kept_positions()
+    assert torch.equal(pos[..., : budgets[3]], chosen)
+    assert pos[0, 0, budgets[3] :].tolist() == list(range(250, 300))
+    assert cache.store.quantized_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "kvcrush", "clusterkv", "chelsea", "streamingllm"])
+def test_any_selection_method_runs_over_the_2bit_store(name):
+    vec = layer_vectors(2, tokens=340)
+    kw = {"dense_layers": 0} if name == "clusterkv" else {}
+    cfg_q = method_config(name, budget=128, quant=True, **kw)
+    cfg_f = method_config(name, budget=128, **kw)
+    caches = []
+    for cfg in (cfg_q, cfg_f):
+        c = cfg.make_layer(0, 1)
+        outs = [c.prefill(*vec.prefix(300))] + [c.decode(*vec.step(i)) for i in range(300, 340)]
+        caches.append((c, outs))
+    (cq, oq), (cf, of) = caches
+    assert isinstance(cq.store, Int2Store) and cq.store.quantized_tokens > 0
+    assert cq.memory()["kv"] < cf.memory()["kv"] * cq.tokens_held().sum() / cf.tokens_held().sum() / 2
+    rel = (oq[-1] - of[-1]).norm() / of[-1].norm()
+    assert rel < 0.6  # lossy, but the same attention
+
+
+def test_quant_settings_validation():
+    with pytest.raises(ConfigError, match=r"quant\.bits"):
+        QuantSettings(bits=4)
+    with pytest.raises(ConfigError, match=r"quant\.residual_tokens"):
+        QuantSettings(residual_tokens=40)
+    with pytest.raises(ConfigError, match=r"quant\.group_size"):
+        QuantSettings(group_size=12)
+    assert "minikv" in REGISTRY and MiniKVConfig(budget=256).quant == QuantSettings()

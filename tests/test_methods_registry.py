@@ -1,0 +1,157 @@
+"""Every registered method, driven by the registry: validation, exactness when nothing needs compressing,
+budgets held, memory accounted, odd shapes handled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods import REGISTRY, ShapeError, method_config
+from ov_kvcrush.methods.full import FullConfig
+from ov_kvcrush.methods.vectors import layer_vectors
+
+REQUIRED = {"full", "streamingllm", "h2o", "snapkv", "pyramidkv", "kvcrush", "clusterkv", "quest", "chelsea", "minikv"}
+COMPRESSING = sorted(n for n in REGISTRY if n != "full")
+
+
+def make(name: str, budget: int | None, **kw):
+    if name == "full":
+        return FullConfig()
+    if name in ("clusterkv", "quest"):
+        kw.setdefault("dense_layers", 0)
+    return method_config(name, budget=budget, **kw)
+
+
+def run_layer(cfg, vec, prompt: int, steps: int, layer: int = 0, layers: int = 1):
+    cache = cfg.make_layer(layer, layers)
+    q, k, v = vec.prefix(prompt)
+    outs = [cache.prefill(q, k, v)]
+    for i in range(prompt, prompt + steps):
+        outs.append(cache.decode(*vec.step(i)))
+    return cache, outs
+
+
+def test_registry_has_every_method_with_matching_names():
+    assert set(REGISTRY) >= REQUIRED
+    for name, cls in REGISTRY.items():
+        assert cls.name == name
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_budget_is_required_and_validated(name):
+    with pytest.raises(ConfigError, match="budget"):
+        method_config(name)
+    with pytest.raises(ConfigError, match="budget=0"):
+        method_config(name, budget=0)
+    with pytest.raises(ConfigError, match="budget"):
+        method_config(name, budget="256")
+
+
+def test_unknown_method_and_field_are_named():
+    with pytest.raises(ConfigError, match="method='nope'"):
+        method_config("nope")
+    with pytest.raises(ConfigError, match="colour"):
+        method_config("h2o", budget=256, colour=1)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_budget_at_least_the_sequence_equals_full_attention(name):
+    """Nothing to compress -> the method's outputs are the full cache's, at every step."""
+    vec = layer_vectors(1, tokens=120)
+    kw = {"quant": None} if name == "minikv" else {}
+    _, ref = run_layer(FullConfig(), vec, 100, 20)
+    _, got = run_layer(make(name, 512, **kw), vec, 100, 20)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_compression_holds_the_budget_and_shrinks_memory(name):
+    vec = layer_vectors(2, tokens=400)
+    budget = 128
+    full, _ = run_layer(FullConfig(), vec, 300, 100)
+    cache, outs = run_layer(make(name, budget), vec, 300, 100)
+    assert all(torch.isfinite(o).all() for o in outs)
+    held = cache.tokens_held()
+    if name in ("clusterkv", "quest"):  # recall methods keep everything, attend a budget
+        assert int(held.max()) == 400
+        assert int(cache.tokens_attended().max()) <= budget + (cache.config.cluster_every if name == "clusterkv" else 0)
+    elif name == "minikv":  # frozen prefill selection + every generated token, in 2 bits
+        assert int(held.max()) == budget + 100
+        store = cache.store
+        per_token_fp32 = full.memory()["kv"] // 400
+        quantized = store.quantized_tokens * per_token_fp32 // 8  # 2 bits + fp16 scale/zero per 16 values
+        assert store.quantized_tokens > 0
+        assert cache.memory()["kv"] == quantized + store.residual_len * per_token_fp32
+    elif name == "chelsea":
+        assert int(held.max()) < budget + cache.config.merge_interval
+        assert cache.memory()["kv"] < full.memory()["kv"] / 2
+    else:
+        assert int(held.max()) <= budget
+        assert cache.memory()["kv"] == pytest.approx(full.memory()["kv"] * budget / 400, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_memory_counts_the_tensors_held(name):
+    vec = layer_vectors(3, tokens=200)
+    cache, _ = run_layer(make(name, 96), vec, 180, 20)
+    mem = cache.memory()
+    assert mem["total"] == mem["kv"] + mem["metadata"] > 0
+    assert cache.nbytes() == mem["total"]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_empty_and_malformed_inputs_give_clear_errors(name):
+    cache = make(name, 96).make_layer(0, 1)
+    empty = torch.zeros(1, 2, 0, 16)
+    with pytest.raises(ShapeError, match="at least one"):
+        cache.prefill(torch.zeros(1, 4, 0, 16), empty, empty)
+    with pytest.raises(ShapeError, match="keys must be"):
+        cache.prefill(torch.zeros(1, 4, 3, 16), torch.zeros(2, 3, 16), torch.zeros(2, 3, 16))
+    with pytest.raises(ShapeError, match="multiple of kv_heads"):
+        cache.prefill(torch.zeros(1, 3, 3, 16), torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))
+    with pytest.raises(ConfigError, match="layer_idx"):
+        make(name, 96).make_layer(4, 4)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(sorted(REGISTRY)),
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    prompt=st.integers(1, 70),
+    steps=st.integers(0, 6),
+    budget=st.integers(1, 200),
+)
+def test_any_shape_and_budget_gives_the_right_output_shape(name, batch, kv_heads, group, prompt, steps, budget):
+    """Single tokens, budgets above the context or below the method's floor: right shapes or a ConfigError."""
+    d = 16
+    vec = layer_vectors(
+        prompt * 7 + steps,
+        batch=batch,
+        kv_heads=kv_heads,
+        q_heads=kv_heads * group,
+        tokens=prompt + steps,
+        head_dim=d,
+        clusters=3,
+    )
+    kw = {"sink_tokens": 2, "recent_tokens": 2} if name not in ("full", "quest", "clusterkv", "streamingllm") else {}
+    if name == "clusterkv":
+        kw = {"sink_tokens": 2}
+    if name == "chelsea":
+        kw["chunk_size"] = 8
+    try:
+        cfg = make(name, budget, **kw)
+    except ConfigError as e:
+        assert "budget" in str(e)
+        return
+    cache, outs = run_layer(cfg, vec, prompt, steps)
+    assert outs[0].shape == (batch, kv_heads * group, prompt, d)
+    for o in outs[1:]:
+        assert o.shape == (batch, kv_heads * group, 1, d)
+    assert all(torch.isfinite(o).all() for o in outs)
+    assert cache.tokens_held().shape == (batch, kv_heads)
