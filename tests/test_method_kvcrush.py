@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import KVCrushConfig
+from ov_kvcrush.methods.base import attend
 from ov_kvcrush.methods.kvcrush import (
     bucket_order,
     hamming,
@@ -79,8 +80,6 @@ def test_bucket_order_single_and_multi_anchor():
 def selection(seed=0, n=300, budget=96, reps=24, **kw):
     vec = layer_vectors(seed, tokens=n)
     pos = torch.arange(n)
-    from ov_kvcrush.methods.base import attend
-
     scores = attend(vec.queries, vec.keys, vec.values, q_positions=pos, k_positions=pos, return_scores=True).scores
     return scores, kvcrush_select(scores, budget, 8, 16, reps, **kw)
 

@@ -292,6 +292,18 @@ class LayerCache(ABC):
         """Total bytes held (``memory()['total']``)."""
         return self.memory()["total"]
 
+    def _start_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Validate a prompt (shapes, one query per token, first call) and return its positions."""
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if self.seen:
+            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
+        if queries.shape[2] != keys.shape[2]:
+            raise ShapeError(
+                f"prefill needs one query per prompt token: {queries.shape[2]} queries, {keys.shape[2]} keys"
+            )
+        return self._positions(keys.shape[2], keys.device)
+
     def _positions(self, t: int, device: torch.device) -> torch.Tensor:
         pos = torch.arange(self.seen, self.seen + t, device=device)
         self.seen += t

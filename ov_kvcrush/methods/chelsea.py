@@ -267,16 +267,8 @@ class ChelseaLayerCache(LayerCache):
         self.merged_heads = [h for h in range(kv_heads) if h not in self.outlier_heads]
 
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if self.seen:
-            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
-        if queries.shape[2] != keys.shape[2]:
-            raise ShapeError(
-                f"prefill needs one query per prompt token: {queries.shape[2]} queries, {keys.shape[2]} keys"
-            )
+        pos = self._start_prefill(queries, keys, values)
         self._setup(keys.shape[1])
-        pos = self._positions(keys.shape[2], keys.device)
         out = attend(queries, keys, values, q_positions=pos, k_positions=pos).output
         self._append(keys, values, pos)
         return out

@@ -365,15 +365,7 @@ class _RecallLayerCache(LayerCache):
         self.last_selected: torch.Tensor | None = None  # [b, hk, k] slots attended at the last step
 
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if self.seen:
-            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
-        if queries.shape[2] != keys.shape[2]:
-            raise ShapeError(
-                f"prefill needs one query per prompt token: {queries.shape[2]} queries, {keys.shape[2]} keys"
-            )
-        pos = self._positions(keys.shape[2], keys.device)
+        pos = self._start_prefill(queries, keys, values)
         out = attend(queries, keys, values, q_positions=pos, k_positions=pos).output
         self.store.append(keys, values, pos)
         self._after_prefill(keys)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ov_kvcrush.methods.base import LayerCache, MethodConfig, ShapeError, attend, check_kv, check_layer, check_query
+from ov_kvcrush.methods.base import LayerCache, MethodConfig, attend, check_kv, check_layer, check_query
 from ov_kvcrush.methods.store import FPStore
 
 
@@ -31,20 +31,16 @@ class FullLayerCache(LayerCache):
         self.store = FPStore()
 
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if self.seen:
-            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
-        if queries.shape[2] != keys.shape[2]:
-            raise ShapeError(
-                f"prefill needs one query per prompt token: {queries.shape[2]} queries, {keys.shape[2]} keys"
-            )
-        return self.decode(queries, keys, values)
+        return self._attend_all(queries, keys, values, self._start_prefill(queries, keys, values))
 
     def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_kv(keys, values)
         check_query(queries, keys)
-        pos = self._positions(keys.shape[2], keys.device)
+        return self._attend_all(queries, keys, values, self._positions(keys.shape[2], keys.device))
+
+    def _attend_all(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
         return attend(queries, k, v, q_positions=pos, k_positions=p).output

@@ -35,7 +35,6 @@ from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
     QuantSettings,
-    ShapeError,
     attend,
     check_budget,
     check_kv,
@@ -268,17 +267,25 @@ class H2OConfig(EvictionConfig):
         heavy = self.budget - self.sink_tokens - self.recent_tokens
         _check_int("min_head_tokens", self.min_head_tokens, 0, heavy)
 
+    #: how prompt tokens are scored (subclasses with a ``selection`` field use that instead)
     scoring: ClassVar[str] = "h2o"
+
+    def scoring_mode(self) -> str:
+        """``h2o`` or ``snapkv``: the scores this config's caches evict by."""
+        return getattr(self, "selection", self.scoring)
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
-        return ImportanceLayerCache(
+        return self._layer_cache_type()(
             self,
             budget=self.layer_budget(layer_idx, num_layers),
             sinks=self.sink_tokens,
             recent=self.recent_tokens,
-            scoring=self.scoring,
+            scoring=self.scoring_mode(),
         )
+
+    def _layer_cache_type(self) -> type[ImportanceLayerCache]:
+        return ImportanceLayerCache
 
 
 @dataclass(frozen=True)
@@ -329,16 +336,6 @@ class PyramidKVConfig(SnapKVConfig):
         assert self.budget is not None
         floor = self.sink_tokens + self.recent_tokens
         return floor + pyramid_budgets(self.budget - floor, num_layers, self.pyramid_depth)[layer_idx]
-
-    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
-        check_layer(layer_idx, num_layers)
-        return ImportanceLayerCache(
-            self,
-            budget=self.layer_budget(layer_idx, num_layers),
-            sinks=self.sink_tokens,
-            recent=self.recent_tokens,
-            scoring=self.selection,
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,14 +390,8 @@ class ImportanceLayerCache(LayerCache):
 
     # ---- protocol
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if self.seen:
-            raise RuntimeError("prefill called twice on the same layer cache; use decode for later tokens")
+        pos = self._start_prefill(queries, keys, values)
         t = keys.shape[2]
-        if queries.shape[2] != t:
-            raise ShapeError(f"prefill needs one query per prompt token: {queries.shape[2]} queries, {t} keys")
-        pos = self._positions(t, keys.device)
         res = attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=True)
         assert res.scores is not None
         if self.scoring == "snapkv":
@@ -426,10 +417,14 @@ class ImportanceLayerCache(LayerCache):
         k = gather_tokens(keys, safe)
         v = gather_tokens(values, safe)
         p = torch.where(valid, torch.gather(pos, 2, safe), torch.full_like(safe, -1))
-        g = acc.shape[1] // keys.shape[1]
-        a = torch.gather(acc, 2, safe.repeat_interleave(g, dim=1))
-        a = torch.where(valid.repeat_interleave(g, dim=1), a, torch.full_like(a, float("-inf")))
-        return k, v, p, a
+        return k, v, p, self._gather_scores(acc, index)
+
+    @staticmethod
+    def _gather_scores(acc: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Per-q-head scores ``[b, hq, n]`` of the per-KV-head ``index`` (``-1`` pads get ``-inf``)."""
+        g = acc.shape[1] // index.shape[1]
+        a = torch.gather(acc, 2, index.clamp_min(0).repeat_interleave(g, dim=1))
+        return torch.where((index >= 0).repeat_interleave(g, dim=1), a, torch.full_like(a, float("-inf")))
 
     def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_kv(keys, values)
@@ -460,20 +455,18 @@ class ImportanceLayerCache(LayerCache):
         """Drop tokens beyond the budget (per head: adaptive budgets are ragged, padded with ``-1``)."""
         assert self.acc is not None
         hk = p.shape[1]
-        g = self.acc.shape[1] // hk
         if self.adaptive:
             # the new tokens landed after the pads: move valid tokens first, keeping their order
             order = torch.argsort((p < 0).to(torch.int8), dim=-1, stable=True)
             self.store.keep(order)
-            self.acc = torch.gather(self.acc, 2, order.repeat_interleave(g, dim=1))
+            self.acc = self._gather_scores(self.acc, order)
         acc = self.acc
         before = int((self.store.positions >= 0).sum())
         index = self.select(acc, hk)
         valid = index >= 0
         self.store.keep(index.clamp_min(0))
         self.store.positions = torch.where(valid, self.store.positions, torch.full_like(index, -1))
-        a = torch.gather(acc, 2, index.clamp_min(0).repeat_interleave(g, dim=1))
-        self.acc = torch.where(valid.repeat_interleave(g, dim=1), a, torch.full_like(a, float("-inf")))
+        self.acc = self._gather_scores(acc, index)
         self._bump("evicted", before - int(valid.sum()))
 
     def tokens_held(self) -> torch.Tensor:

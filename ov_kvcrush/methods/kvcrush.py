@@ -33,7 +33,7 @@ import torch
 
 from ov_kvcrush.config import _check_choice, _check_int
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.base import LayerCache, ShapeError, check_layer, check_scores, topk_indices
+from ov_kvcrush.methods.base import ShapeError, check_scores, topk_indices
 from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig, keep_indices
 
 ANCHOR_MODES = ("random", "zeros", "ones", "mean", "alternating")
@@ -344,12 +344,8 @@ class KVCrushConfig(SnapKVConfig):
             return self.representatives
         return (self.budget - self.sink_tokens - self.recent_tokens) // 4
 
-    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
-        check_layer(layer_idx, num_layers)
-        assert self.budget is not None
-        return KVCrushLayerCache(
-            self, budget=self.budget, sinks=self.sink_tokens, recent=self.recent_tokens, scoring=self.selection
-        )
+    def _layer_cache_type(self) -> type[ImportanceLayerCache]:
+        return KVCrushLayerCache
 
     def select(self, scores: torch.Tensor) -> list[torch.Tensor]:
         """Kept token indices per batch row for per-query-head scores ``[b, H, n]`` (budget applied)."""
