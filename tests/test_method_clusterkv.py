@@ -153,3 +153,15 @@ def test_config_validation():
         ClusterKVConfig(budget=256, cluster_every=0)
     with pytest.raises(ConfigError, match="budget"):
         QuestConfig(budget=8, page_size=16)
+
+
+def test_quest_page_bounds_kept_incrementally_equal_recomputed_ones():
+    from ov_kvcrush.methods.clusterkv import page_bounds
+
+    vec = layer_vectors(4, tokens=300)
+    cache = QuestConfig(budget=64, page_size=16, dense_layers=0).make_layer(0, 1)
+    cache.prefill(*vec.prefix(201))
+    for i in range(201, 300):
+        cache.decode(*vec.step(i))
+        kmax, kmin = page_bounds(cache.store.keys, 16)
+        assert torch.equal(cache.kmax, kmax) and torch.equal(cache.kmin, kmin)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import REGISTRY, ShapeError, method_config
+from ov_kvcrush.methods.base import storage_bytes
 from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.vectors import layer_vectors
 
@@ -94,13 +95,25 @@ def test_compression_holds_the_budget_and_shrinks_memory(name):
         assert cache.memory()["kv"] == pytest.approx(full.memory()["kv"] * budget / 400, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", COMPRESSING)
-def test_memory_counts_the_tensors_held(name):
-    vec = layer_vectors(3, tokens=200)
-    cache, _ = run_layer(make(name, 96), vec, 180, 20)
+WITH_QUANT = [(n, False) for n in sorted(REGISTRY)] + [
+    (n, True) for n in sorted(REGISTRY) if "quant" in REGISTRY[n].__dataclass_fields__
+]
+
+
+@pytest.mark.parametrize(("name", "quant"), WITH_QUANT)
+def test_memory_is_what_the_tensors_hold(name, quant):
+    """``memory()`` equals the storage of every tensor the layer holds, measured independently
+    (so nothing is kept unreported, and no kept slice pins a larger tensor)."""
+    vec = layer_vectors(3, tokens=400)
+    cfg = make(name, 96, **({"quant": True} if quant else {}))
+    cache = cfg.make_layer(0, 1)
+    q, k, v = (x.clone() for x in vec.prefix(300))  # fresh tensors, as an engine passes them
+    cache.prefill(q, k, v)
+    for i in range(300, 400):
+        cache.decode(*(x.clone() for x in vec.step(i)))
     mem = cache.memory()
     assert mem["total"] == mem["kv"] + mem["metadata"] > 0
-    assert cache.nbytes() == mem["total"]
+    assert cache.nbytes() == mem["total"] == storage_bytes(cache)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from ov_kvcrush.config import MAX_TOKENS, _check_int
 from ov_kvcrush.errors import ConfigError, UserError
@@ -73,6 +75,10 @@ def check_scores(scores: torch.Tensor, name: str = "scores", dims: int = 3) -> N
 # --------------------------------------------------------------------------------------------
 # reference attention
 
+#: Largest ``[batch, q_heads, q_chunk, keys]`` logits block :func:`attend` materialises at once
+#: (64 Mi floats = 256 MiB in float32); longer prompts are split into query chunks.
+ATTEND_CHUNK_ELEMENTS = 1 << 26
+
 
 def group_heads(per_q_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Sum a ``[batch, q_heads, ...]`` statistic over each KV head's query group -> ``[batch, kv_heads, ...]``."""
@@ -105,6 +111,7 @@ def attend(
     bias: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    window: int | None = None,
     return_scores: bool = False,
 ) -> AttentionOutput:
     """Exact softmax attention with GQA, an optional causal mask, additive bias and key mask.
@@ -118,10 +125,15 @@ def attend(
             differ per head.
         bias: ``[b, hk, n]`` added to every logit of that key (Chelsea's ``log(degree)``).
         key_mask: ``[b, hk, n]`` bool, ``False`` for padding slots.
-        scale: logit scale; ``1/sqrt(head_dim)`` by default.
+        scale: logit scale; ``1/sqrt(head_dim)`` by default (models pass their own, e.g. Gemma's
+            ``query_pre_attn_scalar ** -0.5``).
+        window: sliding-window attention (needs positions): a query sees keys less than
+            ``window`` positions behind it, as transformers' ``sliding_window`` does.
         return_scores: also return per-q-head probabilities summed over query tokens.
 
     Computed in float32 whatever the input dtype, so it can serve as the oracle for fp16/bf16 paths.
+    Long prompts are processed in query chunks (same result) so the logits never need more than
+    about :data:`ATTEND_CHUNK_ELEMENTS` floats, whatever the prompt length.
     A query that can see no key (only possible with an empty cache) gets a zero output.
     """
     g = check_query(queries, keys)
@@ -129,24 +141,106 @@ def attend(
     n = keys.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    q = queries.float()
-    k = keys.float().repeat_interleave(g, dim=1)
-    v = values.float().repeat_interleave(g, dim=1)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, hq, t, n]
+    if window is not None and (q_positions is None or k_positions is None):
+        raise ShapeError("window needs q_positions and k_positions")
+    rows = max(1, ATTEND_CHUNK_ELEMENTS // max(1, b * hq * n))
+    if t > rows:
+        outs, total = [], None
+        for s in range(0, t, rows):
+            part = attend(
+                queries[:, :, s : s + rows],
+                keys,
+                values,
+                q_positions=None if q_positions is None else q_positions[s : s + rows],
+                k_positions=k_positions,
+                bias=bias,
+                key_mask=key_mask,
+                scale=scale,
+                window=window,
+                return_scores=return_scores,
+            )
+            outs.append(part.output)
+            if part.scores is not None:
+                total = part.scores if total is None else total + part.scores
+        return AttentionOutput(torch.cat(outs, dim=2), total)
+    hk = keys.shape[1]
+    if not return_scores:
+        return AttentionOutput(
+            _attend_fused(queries, keys, values, q_positions, k_positions, bias, key_mask, scale, window)
+        )
+    # GQA without copying keys/values: each KV head's g query heads become g*t rows.
+    q = (queries.float() * scale).reshape(b, hk, g * t, d)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, hk, g, t, n)
     if bias is not None:
-        logits = logits + bias.float().repeat_interleave(g, dim=1)[:, :, None, :]
-    allowed = torch.ones((b, hq, t, n), dtype=torch.bool, device=queries.device)
-    if key_mask is not None:
-        allowed &= key_mask.repeat_interleave(g, dim=1)[:, :, None, :]
-    if q_positions is not None and k_positions is not None:
-        kp = k_positions if k_positions.dim() == 3 else k_positions.expand(b, keys.shape[1], n)
-        kp = kp.repeat_interleave(g, dim=1)[:, :, None, :]
-        allowed &= kp <= q_positions.view(1, 1, t, 1)
-    logits = logits.masked_fill(~allowed, float("-inf"))
+        logits += bias.float()[:, :, None, None, :]
+    allowed = _visibility(q_positions, k_positions, key_mask, window, n)  # smallest broadcast shape
+    if allowed is not None:
+        allowed = allowed[:, :, None]  # broadcast over the g query heads of a KV head
+        logits.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
-    out = torch.matmul(probs, v).to(queries.dtype)
-    return AttentionOutput(out, probs.sum(dim=2) if return_scores else None)
+    if allowed is not None and not bool(allowed.any(dim=-1).all()):
+        probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
+    out = torch.matmul(probs.view(b, hk, g * t, n), values.float()).view(b, hq, t, d).to(queries.dtype)
+    return AttentionOutput(out, probs.sum(dim=3).reshape(b, hq, n) if return_scores else None)
+
+
+def _visibility(
+    q_positions: torch.Tensor | None,
+    k_positions: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    window: int | None,
+    n: int,
+) -> torch.Tensor | None:
+    """``[b|1, hk|1, t, n]`` bool, True where a query may see a key (``None``: everything visible)."""
+    allowed: torch.Tensor | None = None
+    if q_positions is not None and k_positions is not None:
+        kp = k_positions.view(1, 1, 1, n) if k_positions.dim() == 1 else k_positions[:, :, None, :]
+        qp = q_positions.view(1, 1, -1, 1)
+        allowed = kp <= qp
+        if window is not None:
+            allowed = allowed & (kp > qp - window)
+    if key_mask is not None:
+        km = key_mask[:, :, None, :]
+        allowed = km if allowed is None else allowed & km
+    return allowed
+
+
+def _attend_fused(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    k_positions: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The same attention through torch's fused SDPA (float32), for callers that need no scores.
+
+    Same mathematics as the explicit path (mask and bias folded into one additive mask), without
+    materialising the probabilities: prefill of methods that do not score tokens is then as fast
+    as transformers' own attention.
+    """
+    b, hq, t, _ = queries.shape
+    hk, n = keys.shape[1], keys.shape[2]
+    g = hq // hk
+    allowed = _visibility(q_positions, k_positions, key_mask, window, n)
+    mask: torch.Tensor | None = None
+    if bias is not None:
+        mask = bias.float()[:, :, None, :].expand(b, hk, t, n)
+        if allowed is not None:
+            mask = mask.masked_fill(~allowed, float("-inf"))
+    elif allowed is not None:
+        mask = allowed
+    if mask is not None and mask.shape[1] != 1:
+        mask = mask.repeat_interleave(g, dim=1)
+    out = F.scaled_dot_product_attention(
+        queries.float(), keys.float(), values.float(), attn_mask=mask, scale=scale, enable_gqa=g > 1
+    )
+    if allowed is not None and not bool(allowed.any(dim=-1).all()):
+        out = torch.nan_to_num(out, nan=0.0)  # rows with no visible key
+    return out.to(queries.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +273,39 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes held by the given tensors (their storage as allocated, not an estimate)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def storage_bytes(obj: Any) -> int:
+    """Bytes of every distinct tensor storage reachable from ``obj`` (an independent measurement).
+
+    Walks attributes, lists, tuples, dicts and sets, and counts each underlying storage once at
+    its allocated size, so a "kept" slice that still pins a full-size tensor is counted in full.
+    This is how tests check that what a cache reports is what it really holds.
+    """
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+            return
+        if isinstance(x, (int, float, str, bool, type(None), torch.dtype, torch.device)) or id(x) in seen_objects:
+            return
+        seen_objects.add(id(x))
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple, set, frozenset, deque)):
+            for v in x:
+                walk(v)
+        elif hasattr(x, "__dict__"):
+            for k, v in vars(x).items():
+                if k != "config":  # frozen configs hold no tensors but may be shared
+                    walk(v)
+
+    walk(obj)
+    return sum(storages.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +397,13 @@ class LayerCache(ABC):
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
         self.seen = 0  # tokens appended so far (the next token's position)
+        #: logit scale of the model's attention (``None``: ``1/sqrt(head_dim)``); engines set it
+        #: from the attention module, since some families (Gemma) scale differently.
+        self.scale: float | None = None
+
+    def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kw: Any) -> AttentionOutput:
+        """:func:`attend` with this layer's logit scale."""
+        return attend(queries, keys, values, scale=self.scale, **kw)
 
     @abstractmethod
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

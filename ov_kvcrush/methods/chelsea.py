@@ -35,7 +35,6 @@ from ov_kvcrush.methods.base import (
     MethodConfig,
     QuantSettings,
     ShapeError,
-    attend,
     check_budget,
     check_kv,
     check_layer,
@@ -269,7 +268,7 @@ class ChelseaLayerCache(LayerCache):
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         pos = self._start_prefill(queries, keys, values)
         self._setup(keys.shape[1])
-        out = attend(queries, keys, values, q_positions=pos, k_positions=pos).output
+        out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos).output
         self._append(keys, values, pos)
         return out
 
@@ -323,12 +322,12 @@ class ChelseaLayerCache(LayerCache):
             k, v, p = self.store.dense()
             qh = [h * g + i for h in self.merged_heads for i in range(g)]
             assert self.degrees is not None
-            res = attend(queries[:, qh], k, v, q_positions=pos, k_positions=p, bias=self.degrees.log())
+            res = self._attend(queries[:, qh], k, v, q_positions=pos, k_positions=p, bias=self.degrees.log())
             out[:, qh] = res.output
         if self.outlier_heads:
             k, v, p = self.full.dense()
             qh = [h * g + i for h in self.outlier_heads for i in range(g)]
-            out[:, qh] = attend(queries[:, qh], k, v, q_positions=pos, k_positions=p).output
+            out[:, qh] = self._attend(queries[:, qh], k, v, q_positions=pos, k_positions=p).output
         return out
 
     def tokens_held(self) -> torch.Tensor:

@@ -41,7 +41,6 @@ from ov_kvcrush.methods.base import (
     MethodConfig,
     QuantSettings,
     ShapeError,
-    attend,
     check_budget,
     check_kv,
     check_layer,
@@ -231,11 +230,29 @@ def recall_rate(selected: torch.Tensor, attention: torch.Tensor, budget: int) ->
     return float((hits / b).mean())
 
 
-def quest_select(queries: torch.Tensor, keys: torch.Tensor, page_size: int, budget: int) -> torch.Tensor:
+def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's page metadata: channel-wise max and min of the keys of each page, ``[b, hk, pages, d]`` float32."""
+    b, hk, n, d = keys.shape
+    pages = -(-n // page_size)
+    pad = pages * page_size - n
+    kf = keys.float()
+    kmax = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).reshape(b, hk, pages, page_size, d).amax(3)
+    kmin = F.pad(kf, (0, 0, 0, pad), value=float("inf")).reshape(b, hk, pages, page_size, d).amin(3)
+    return kmax, kmin
+
+
+def quest_select(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    page_size: int,
+    budget: int,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Quest: per KV head, the tokens of the top ``budget // page_size`` pages by their upper-bound score.
 
     The page holding the newest token is always one of them. Returns ``[b, hk, k]`` ascending
     token indices (``k = min(n, pages * page_size)`` minus the unfilled part of the last page).
+    ``bounds`` are the pages' :func:`page_bounds` when the caller maintains them incrementally.
     """
     check_query(queries, keys)
     _check_int("page_size", page_size, 1, 4096)
@@ -245,9 +262,9 @@ def quest_select(queries: torch.Tensor, keys: torch.Tensor, page_size: int, budg
     if want == 0:
         raise ConfigError("budget", budget, f"at least page_size={page_size}")
     pad = pages * page_size - n
-    kf = keys.float()
-    kmax = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).reshape(b, hk, pages, page_size, d).amax(3)
-    kmin = F.pad(kf, (0, 0, 0, pad), value=float("inf")).reshape(b, hk, pages, page_size, d).amin(3)
+    kmax, kmin = page_bounds(keys, page_size) if bounds is None else bounds
+    if kmax.shape[2] != pages:
+        raise ShapeError(f"bounds cover {kmax.shape[2]} pages, the keys {pages}")
     g = queries.shape[1] // hk
     q = queries.float().sum(dim=2).reshape(b, hk, g, 1, d)  # summed over the step's query tokens
     bound = torch.maximum(q * kmax.unsqueeze(2), q * kmin.unsqueeze(2)).sum(-1).sum(2)  # [b, hk, pages]
@@ -255,7 +272,7 @@ def quest_select(queries: torch.Tensor, keys: torch.Tensor, page_size: int, budg
     top = topk_indices(bound, want)
     tok = (top.unsqueeze(-1) * page_size + torch.arange(page_size, device=keys.device)).flatten(2)
     if pad:  # the last (always selected, so last in ascending order) page is partial
-        tok = tok[..., : tok.shape[-1] - pad]
+        tok = tok[..., : tok.shape[-1] - pad].contiguous()  # a copy: callers keep it, not the padded one
     return tok
 
 
@@ -366,7 +383,7 @@ class _RecallLayerCache(LayerCache):
 
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         pos = self._start_prefill(queries, keys, values)
-        out = attend(queries, keys, values, q_positions=pos, k_positions=pos).output
+        out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos).output
         self.store.append(keys, values, pos)
         self._after_prefill(keys)
         return out
@@ -384,11 +401,11 @@ class _RecallLayerCache(LayerCache):
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
         if self.dense_layer:
-            return attend(queries, k, v, q_positions=pos, k_positions=p).output
+            return self._attend(queries, k, v, q_positions=pos, k_positions=p).output
         slots = self._select(queries, k)  # [b, hk, s]
         self.last_selected = slots
         ks, vs = gather_tokens(k, slots), gather_tokens(v, slots)
-        return attend(queries, ks, vs, q_positions=pos, k_positions=torch.gather(p, 2, slots)).output
+        return self._attend(queries, ks, vs, q_positions=pos, k_positions=torch.gather(p, 2, slots)).output
 
     def _before_append(self, keys: torch.Tensor) -> None:
         pass
@@ -489,7 +506,7 @@ class ClusterKVLayerCache(_RecallLayerCache):
     def _track_recall(self, queries: torch.Tensor, keys: torch.Tensor, recalled: torch.Tensor) -> None:
         assert self.index is not None and self.config.budget is not None
         toks = self.index.tokens
-        res = attend(queries, keys[:, :, toks], keys[:, :, toks], return_scores=True)
+        res = self._attend(queries, keys[:, :, toks], keys[:, :, toks], return_scores=True)
         assert res.scores is not None
         attn = group_heads(res.scores, keys.shape[1])  # [b, hk, N] over the clustered tokens
         where = torch.full((keys.shape[2],), -1, dtype=torch.long, device=keys.device)
@@ -502,26 +519,33 @@ class ClusterKVLayerCache(_RecallLayerCache):
 
     def memory(self) -> dict[str, int]:
         m = self.store.memory()
-        meta = m["metadata"] + (self.index.nbytes() if self.index is not None else 0)
+        meta = m["metadata"] + (self.index.nbytes() if self.index is not None else 0) + tensor_bytes(self.last_selected)
         return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}
 
 
 class QuestLayerCache(_RecallLayerCache):
-    """Quest state of one layer: full store plus per-page bounds (recomputed from the store here)."""
+    """Quest state of one layer: full store plus per-page key bounds, updated as tokens arrive."""
 
     def __init__(self, config: QuestConfig, dense: bool = False) -> None:
         super().__init__(None, dense)
         self.config = config
+        self.kmax: torch.Tensor | None = None  # [b, hk, pages, d] float32
+        self.kmin: torch.Tensor | None = None
+
+    def _after_prefill(self, keys: torch.Tensor) -> None:
+        if not self.dense_layer:
+            self.kmax, self.kmin = page_bounds(keys, self.config.page_size)
 
     def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        assert self.config.budget is not None
-        return quest_select(queries, keys, self.config.page_size, self.config.budget)
+        assert self.config.budget is not None and self.kmax is not None and self.kmin is not None
+        ps = self.config.page_size
+        first = self.kmax.shape[2] - 1  # the last page may have been partial: recompute from it on
+        hi, lo = page_bounds(keys[:, :, first * ps :], ps)
+        self.kmax = torch.cat([self.kmax[:, :, :first], hi], dim=2)
+        self.kmin = torch.cat([self.kmin[:, :, :first], lo], dim=2)
+        return quest_select(queries, keys, ps, self.config.budget, bounds=(self.kmax, self.kmin))
 
     def memory(self) -> dict[str, int]:
         m = self.store.memory()
-        n = len(self.store)
-        assert self.store.keys is not None
-        b, hk, _, d = self.store.keys.shape
-        pages = -(-n // self.config.page_size)
-        bounds = 2 * b * hk * pages * d * self.store.keys.element_size()  # kmax + kmin per page
-        return {"kv": m["kv"], "metadata": m["metadata"] + bounds, "total": m["kv"] + m["metadata"] + bounds}
+        meta = m["metadata"] + tensor_bytes(self.kmax, self.kmin, self.last_selected)
+        return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}

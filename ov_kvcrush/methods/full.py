@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ov_kvcrush.methods.base import LayerCache, MethodConfig, attend, check_kv, check_layer, check_query
+from ov_kvcrush.methods.base import LayerCache, MethodConfig, check_kv, check_layer, check_query
 from ov_kvcrush.methods.store import FPStore
 
 
@@ -43,7 +43,7 @@ class FullLayerCache(LayerCache):
     ) -> torch.Tensor:
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
-        return attend(queries, k, v, q_positions=pos, k_positions=p).output
+        return self._attend(queries, k, v, q_positions=pos, k_positions=p).output
 
     def tokens_held(self) -> torch.Tensor:
         assert self.store.positions is not None
@@ -52,3 +52,27 @@ class FullLayerCache(LayerCache):
     def memory(self) -> dict[str, int]:
         m = self.store.memory()
         return {"kv": m["kv"], "metadata": m["metadata"], "total": m["kv"] + m["metadata"]}
+
+
+class SlidingWindowLayerCache(FullLayerCache):
+    """A sliding-window attention layer (Gemma 3's local layers): keeps only the last ``window`` tokens.
+
+    Such layers are bounded by the model itself, so engines give them this cache whatever the
+    method: compressing them further would change the model, and their memory is already fixed.
+    """
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+
+    def _attend_all(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        self.store.append(keys, values, pos)
+        k, v, p = self.store.dense()
+        out = self._attend(queries, k, v, q_positions=pos, k_positions=p, window=self.window).output
+        excess = len(self.store) - self.window
+        if excess > 0:  # tokens no later query can see; copy so the dropped part is really freed
+            keep = torch.arange(excess, len(self.store), device=k.device).expand(*k.shape[:2], -1)
+            self.store.keep(keep)
+        return out

@@ -58,7 +58,12 @@ POOLS = ("max", "avg")
 
 
 def snapkv_scores(
-    queries: torch.Tensor, keys: torch.Tensor, window: int, pool_kernel: int = 7, pool: str = "max"
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    window: int,
+    pool_kernel: int = 7,
+    pool: str = "max",
+    scale: float | None = None,
 ) -> torch.Tensor:
     """SnapKV's per-q-head scores ``[b, hq, n]`` of the ``n`` prompt tokens.
 
@@ -75,7 +80,9 @@ def snapkv_scores(
     w = min(window, t)
     q_pos = torch.arange(n - w, n, device=keys.device)
     k_pos = torch.arange(n, device=keys.device)
-    scores = attend(queries[:, :, t - w :], keys, keys, q_positions=q_pos, k_positions=k_pos, return_scores=True).scores
+    scores = attend(
+        queries[:, :, t - w :], keys, keys, q_positions=q_pos, k_positions=k_pos, scale=scale, return_scores=True
+    ).scores
     return pool_scores(scores, pool_kernel, pool)
 
 
@@ -392,11 +399,11 @@ class ImportanceLayerCache(LayerCache):
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         pos = self._start_prefill(queries, keys, values)
         t = keys.shape[2]
-        res = attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=True)
+        res = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=True)
         assert res.scores is not None
         if self.scoring == "snapkv":
             cfg = self.config
-            acc = snapkv_scores(queries, keys, cfg.window, cfg.pool_kernel, cfg.pool)  # type: ignore[attr-defined]
+            acc = snapkv_scores(queries, keys, cfg.window, cfg.pool_kernel, cfg.pool, self.scale)  # type: ignore[attr-defined]
         else:
             acc = res.scores
         hk = keys.shape[1]
@@ -435,7 +442,7 @@ class ImportanceLayerCache(LayerCache):
         pos = self._positions(t, keys.device)
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
-        res = attend(queries, k, v, q_positions=pos, k_positions=p, key_mask=p >= 0, return_scores=True)
+        res = self._attend(queries, k, v, q_positions=pos, k_positions=p, key_mask=p >= 0, return_scores=True)
         assert res.scores is not None and self.acc is not None
         grown = torch.zeros(*self.acc.shape[:2], t, device=self.acc.device)
         self.acc = torch.cat([self.acc, grown], dim=2) + res.scores.masked_fill(

@@ -220,17 +220,34 @@ def kvcrush_select(
         dist = hamming(sig.unsqueeze(1), anc.unsqueeze(0))  # [m, A]
         order = bucket_order(dist.unsqueeze(0), multi_anchor)[0]
         bounds = bucket_bounds(evictable.numel(), representatives)
-        reps = []
-        for start, end in bounds:
-            members = evictable[order[start:end]]
-            if representative == "first":
-                reps.append(members[0])
-            else:
-                reps.append(members[torch.argmax(combined[row, 0, members])])  # first max on ties
-        rep_t = torch.stack(reps) if reps else torch.empty(0, dtype=torch.long, device=dev)
+        rep_t = _representatives(evictable[order], combined[row, 0], bounds, representative)
         keep = torch.sort(torch.cat([important[row], rep_t])).values
         out.append(KVCrushSelection(keep, important[row], rep_t, evictable, order, bounds, dist))
     return out
+
+
+def _representatives(
+    members: torch.Tensor, score: torch.Tensor, bounds: list[tuple[int, int]], representative: str
+) -> torch.Tensor:
+    """One token per bucket (contiguous ``bounds`` over ``members``, the bucket ordering).
+
+    ``first``: the bucket's first token; ``max_score``: its highest-scoring token, the first one
+    on ties. Vectorised over buckets (a segment max), as this runs at every eviction.
+    """
+    dev = members.device
+    if not bounds:
+        return torch.empty(0, dtype=torch.long, device=dev)
+    starts = torch.tensor([b for b, _ in bounds], device=dev)
+    if representative == "first":
+        return members[starts]
+    sizes = torch.tensor([e - b for b, e in bounds], device=dev)
+    bucket = torch.repeat_interleave(torch.arange(len(bounds), device=dev), sizes)
+    vals = score[members].float()
+    best = torch.full((len(bounds),), float("-inf"), device=dev).scatter_reduce(0, bucket, vals, "amax")
+    where = torch.arange(members.numel(), device=dev)
+    first = torch.where(vals == best[bucket], where, torch.full_like(where, members.numel()))
+    pos = torch.full((len(bounds),), members.numel(), device=dev).scatter_reduce(0, bucket, first, "amin")
+    return members[pos]
 
 
 def kvcrush_select_blocks(
@@ -378,5 +395,7 @@ class KVCrushLayerCache(ImportanceLayerCache):
         if any(r.numel() != width for r in rows):
             raise ShapeError("KVCrush kept different token counts across the batch")  # cannot happen: same n
         keep = torch.stack(rows)  # [b, k]
-        self._bump("representatives", float(min(self.config.n_representatives, max(acc.shape[2] - self.budget, 0))))
+        self._bump(
+            "representatives_chosen", float(min(self.config.n_representatives, max(acc.shape[2] - self.budget, 0)))
+        )
         return keep.unsqueeze(1).expand(keep.shape[0], kv_heads, width).clone()
