@@ -225,6 +225,51 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+_HF_MARKER = ".ov_kvcrush_hf_complete.json"
+
+
+def _hf_complete(out: Path) -> bool:
+    """True when ``out`` holds a finished HF checkpoint written by :func:`hf_checkpoint`."""
+    marker = out / _HF_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        files = json.loads(marker.read_text()).get("files", {})
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(files) and all((out / n).is_file() and (out / n).stat().st_size == sz for n, sz in files.items())
+
+
+def hf_checkpoint(model: str | os.PathLike | None = None, force: bool = False, progress: bool = True) -> Path:
+    """The Hugging Face checkpoint of ``model`` (default: the embedded GGUF), for the torch engine.
+
+    A local HF directory is returned as is. A GGUF is converted once (dequantised weights and the
+    repaired tokenizer, as for the OpenVINO export) and cached beside the IR exports, keyed like
+    them by the file's identity; the same staged write + completion marker guards against a
+    half-written checkpoint being trusted.
+    """
+    source = resolve_source(model)
+    if source.kind == "hf":
+        return source.path
+    st = source.path.stat()
+    key = f"{source.path}|{st.st_size}|{int(st.st_mtime)}|{_RECIPE_VERSION}"
+    out = cache_root() / "models" / f"{source.name}-hf-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not force and _hf_complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"converting {source.path.name} to a Hugging Face checkpoint (once) ...", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".tmp-hf-") as tmp:
+        stage = Path(tmp) / "hf"
+        gguf_to_hf(source.path, stage)
+        files = {p.name: p.stat().st_size for p in stage.iterdir() if p.is_file()}
+        (stage / _HF_MARKER).write_text(json.dumps({"source": str(source.path), "files": files}, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        stage.rename(out)
+    return out
+
+
 def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
     cmd = [
         sys.executable,
@@ -280,11 +325,7 @@ def export_model(
         tmp_path = Path(tmp)
         stage = tmp_path / "ir"
         bar.set_postfix_str(steps[0])
-        if source.kind == "gguf":
-            hf_dir = tmp_path / "hf"
-            gguf_to_hf(source.path, hf_dir)
-        else:
-            hf_dir = source.path
+        hf_dir = hf_checkpoint(source.path, progress=False) if source.kind == "gguf" else source.path
         bar.update()
         bar.set_postfix_str(steps[1])
         _run_optimum(hf_dir, stage, weight_format)

@@ -70,15 +70,19 @@ def test_planned_subcommands_name_their_issue():
 
 def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):
     """Cache logic with the heavy steps replaced: a complete export is reused untouched, a partial
-    or corrupt one (missing marker, truncated file) is rebuilt."""
+    or corrupt one (missing marker, truncated file) is rebuilt; the GGUF → HF conversion is cached
+    separately and done once."""
     calls = []
+    monkeypatch.setenv("OV_KVCRUSH_CACHE", str(tmp_path / "cache"))
 
     def fake_hf(gguf, out):
         calls.append("hf")
         Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
 
     def fake_optimum(hf_dir, out, weight_format):
         calls.append("optimum")
+        assert (hf_dir / "config.json").is_file()
         out.mkdir(parents=True)
         for name in export.IR_FILES:
             (out / name).write_text(f"{name} {weight_format}")
@@ -95,11 +99,15 @@ def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):
     (out / "openvino_model.bin").write_text("trunc")  # corrupt: size differs from the marker
     assert not export.is_complete(out)
     export.export_model(gguf, output=out, progress=False)
-    assert calls == ["hf", "optimum"] * 2 and export.is_complete(out)
+    assert calls == ["hf", "optimum", "optimum"] and export.is_complete(out), "the HF checkpoint is cached"
     (out / export._MARKER).unlink()  # partial: no marker
     export.export_model(gguf, output=out, progress=False)
-    assert len(calls) == 6 and export.is_complete(out)
+    assert len(calls) == 4 and export.is_complete(out)
+    hf = export.hf_checkpoint(gguf, progress=False)
+    (hf / "config.json").write_text("{} ")  # a corrupt checkpoint is rebuilt, never trusted
+    assert export.hf_checkpoint(gguf, progress=False) == hf and calls[-1] == "hf"
     assert not list(tmp_path.glob(".tmp-export-*")), "temporary export dirs must be cleaned up"
+    assert not list((tmp_path / "cache" / "models").glob(".tmp-*")), "temporary HF dirs must be cleaned up"
 
 
 def test_default_output_is_in_user_cache(monkeypatch, tmp_path):
