@@ -5,12 +5,14 @@ range, so a bad CLI flag or a bad library call fails before any model is loaded.
 
 :class:`CompressionConfig` is the one object users change to switch methods; each engine maps it
 to its own mechanism (for the native engine: :func:`to_native_scheduler_config`, an
-``openvino_genai.SchedulerConfig`` with ``CacheEvictionConfig`` / ``KVCrushConfig``). Later method
-issues add their own per-method configs beside :class:`KVCrushSettings`.
+``openvino_genai.SchedulerConfig`` with ``CacheEvictionConfig`` / ``KVCrushConfig``; for the torch
+engine: the method's reference config from :mod:`ov_kvcrush.methods`, whose fields are the
+method's options).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +20,9 @@ from ov_kvcrush.errors import ConfigError, UserError
 
 #: Methods the native ``openvino_genai`` engine can run, mapped onto its cache eviction.
 NATIVE_METHODS = ("full", "h2o", "snapkv", "kvcrush")
+#: Native defaults for sinks and the recent window: whole CPU KV blocks (32 tokens each).
+NATIVE_SINK_TOKENS = 32
+NATIVE_RECENT_TOKENS = 128
 #: Anchor modes the native KVCrush understands (ours adds multi-anchor in the methods package).
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternating")
 #: Native importance aggregation modes we expose. ADAPTIVE_RKV is refused: in openvino_genai
@@ -74,36 +79,61 @@ class KVCrushSettings:
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Which KV-cache compression to run and within what budget.
+    """Which KV-cache compression to run and within what budget: the one object users change.
+
+    Every engine reads the same object. The method's own semantics (and every option of it) are
+    those of its reference config in :mod:`ov_kvcrush.methods` (``method_config()`` builds it);
+    the native ``genai`` engine maps the subset it can run onto ``openvino_genai``'s eviction.
 
     Attributes:
-        method: ``full`` (no compression) or a method name; the native engine runs ``h2o``,
-            ``snapkv`` and ``kvcrush``.
-        budget: KV tokens kept per sequence (per layer, per KV head), sinks and recent window
-            included. Required for every method but ``full``.
-        sink_tokens: first tokens always kept (attention sinks). Default 32: one CPU KV block.
-        recent_tokens: last tokens always kept. Default 128: four CPU KV blocks.
-        snapkv_window: observation window (last prompt tokens) whose attention scores the
-            prompt tokens for SnapKV/KVCrush. ``h2o`` ignores it and uses every query.
-        aggregation: ``sum`` accumulates attention; ``norm_sum`` divides by each token's lifetime.
-        apply_rotation: re-rotate keys after eviction (native engine). Off by default: native
+        method: ``full`` (no compression) or any name in :data:`ov_kvcrush.methods.REGISTRY`:
+            ``streamingllm``, ``h2o``, ``snapkv``, ``pyramidkv``, ``kvcrush``, ``clusterkv``,
+            ``quest``, ``chelsea``, ``minikv``. The ``genai`` backend runs ``h2o``, ``snapkv``
+            and ``kvcrush`` natively.
+        budget: KV tokens kept per layer and KV head (sinks and recent window included; for
+            recall methods, tokens attended per step). Required for every method but ``full``.
+        sink_tokens: first tokens always kept. ``None``: the method's default (16 in the
+            reference methods, 4 for StreamingLLM; 32, one KV block, on the ``genai`` backend).
+        recent_tokens: newest tokens always kept. ``None``: the method's default (64; 128, four
+            KV blocks, on ``genai``).
+        options: any other field of the method's reference config, e.g.
+            ``{"representatives": 64, "multi_anchor": "nearest"}`` for KVCrush,
+            ``{"recall_cache_steps": 4}`` for ClusterKV or ``{"quant": True}`` (MiniKV's 2-bit
+            store under any selection method). Unknown fields are refused by name.
+        snapkv_window: ``genai`` only: observation window of native SnapKV/KVCrush scoring
+            (the reference methods take ``window`` in ``options``).
+        aggregation: ``genai`` only: ``sum`` accumulates attention; ``norm_sum`` divides by
+            each token's lifetime.
+        apply_rotation: ``genai`` only: re-rotate keys after eviction. Off by default: native
             rotation degrades output and fails on prompts past about twice the budget.
-        kvcrush: KVCrush settings, used when ``method == "kvcrush"``.
+        kvcrush: ``genai`` only: native KVCrush's share and anchor (the reference KVCrush takes
+            ``representatives``, ``anchor``, ``multi_anchor`` ... in ``options``).
     """
 
     method: str = "full"
     budget: int | None = None
-    sink_tokens: int = 32
-    recent_tokens: int = 128
+    sink_tokens: int | None = None
+    recent_tokens: int | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
     snapkv_window: int = 8
     aggregation: str = "sum"
     apply_rotation: bool = False
     kvcrush: KVCrushSettings = field(default_factory=KVCrushSettings)
 
     def __post_init__(self) -> None:
-        _check_choice("method", self.method, NATIVE_METHODS)
-        _check_int("sink_tokens", self.sink_tokens, 0)
-        _check_int("recent_tokens", self.recent_tokens, 1)
+        from ov_kvcrush.methods import REGISTRY
+
+        _check_choice("method", self.method, tuple(REGISTRY))
+        if self.sink_tokens is not None:
+            _check_int("sink_tokens", self.sink_tokens, 0)
+        if self.recent_tokens is not None:
+            _check_int("recent_tokens", self.recent_tokens, 1)
+        if not isinstance(self.options, Mapping):
+            raise ConfigError("options", self.options, "a mapping of method fields to values")
+        for name in ("method", "budget", "sink_tokens", "recent_tokens"):
+            if name in self.options:
+                raise ConfigError(f"options.{name}", self.options[name], f"set through CompressionConfig.{name}")
+        object.__setattr__(self, "options", dict(self.options))
         _check_int("snapkv_window", self.snapkv_window, 1, 4096)
         _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         if not isinstance(self.apply_rotation, bool):
@@ -113,18 +143,44 @@ class CompressionConfig:
         if self.method == "full":
             if self.budget is not None:
                 _check_int("budget", self.budget, 1)
+            if self.sink_tokens is not None or self.recent_tokens is not None or self.options:
+                field_name = (
+                    "options" if self.options else "sink_tokens" if self.sink_tokens is not None else "recent_tokens"
+                )
+                raise ConfigError(field_name, getattr(self, field_name), "unset for method full (nothing to tune)")
             return
-        floor = self.sink_tokens + self.recent_tokens
         if self.budget is None:
-            raise ConfigError("budget", None, f"an integer in [{floor + 1}, {MAX_TOKENS}] for method {self.method}")
-        _check_int("budget", self.budget, floor + 1)
-        if self.method == "kvcrush" and self.kvcrush.budget is not None:
-            evictable = self.budget - floor
-            _check_int("kvcrush.budget", self.kvcrush.budget, 0, evictable - 1)
+            raise ConfigError("budget", None, f"an integer in [1, {MAX_TOKENS}] for method {self.method}")
+        _check_int("budget", self.budget, 1)
+        self.method_config()  # the method validates its own fields, naming any bad one
 
     @property
     def compresses(self) -> bool:
         return self.method != "full"
+
+    def method_config(self):
+        """The reference config of the method (:class:`ov_kvcrush.methods.MethodConfig`) this describes."""
+        from ov_kvcrush.methods import REGISTRY, method_config
+
+        cls = REGISTRY[self.method]
+        fields: dict[str, Any] = dict(self.options)
+        if cls.needs_budget:
+            fields["budget"] = self.budget
+        if self.sink_tokens is not None:
+            fields["sink_tokens"] = self.sink_tokens
+        if self.recent_tokens is not None:
+            fields["recent_tokens"] = self.recent_tokens
+        return method_config(self.method, **fields)
+
+    @property
+    def native_sink_tokens(self) -> int:
+        """Sinks on the ``genai`` backend (default one CPU KV block)."""
+        return NATIVE_SINK_TOKENS if self.sink_tokens is None else self.sink_tokens
+
+    @property
+    def native_recent_tokens(self) -> int:
+        """Recent window on the ``genai`` backend (default four CPU KV blocks)."""
+        return NATIVE_RECENT_TOKENS if self.recent_tokens is None else self.recent_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,7 +224,7 @@ def native_block_size(device: str = "CPU") -> int:
 
 def native_kvcrush_budget(config: CompressionConfig, block_size: int) -> int:
     """Tokens the native KVCrush gets: the configured share, or a quarter of the evictable area."""
-    evictable = config.budget - config.sink_tokens - config.recent_tokens
+    evictable = config.budget - config.native_sink_tokens - config.native_recent_tokens
     if config.kvcrush.budget is not None:
         return config.kvcrush.budget
     return (evictable // 4) // block_size * block_size
@@ -183,14 +239,31 @@ def check_native(config: CompressionConfig, block_size: int) -> None:
     """
     if not config.compresses:
         return
-    for name in ("sink_tokens", "recent_tokens", "budget"):
-        value = getattr(config, name)
+    if config.method not in NATIVE_METHODS:
+        raise ConfigError("method", config.method, "one of " + ", ".join(NATIVE_METHODS) + " (backend genai)")
+    if config.options:
+        raise ConfigError(
+            "options",
+            config.options,
+            "empty on backend genai (native settings are snapkv_window, aggregation, apply_rotation, kvcrush)",
+        )
+    sinks, recent = config.native_sink_tokens, config.native_recent_tokens
+    for name, value in (("sink_tokens", sinks), ("recent_tokens", recent), ("budget", config.budget)):
         if value <= 0 or value % block_size:
             raise ConfigError(
                 name, value, f"a positive multiple of the native KV block size {block_size} (backend genai)"
             )
+    if config.budget <= sinks + recent:
+        raise ConfigError(
+            "budget",
+            config.budget,
+            f"an integer in [{sinks + recent + 1}, {MAX_TOKENS}] (backend genai: above sink_tokens + recent_tokens)",
+        )
     if config.method == "kvcrush":
         kb = native_kvcrush_budget(config, block_size)
+        evictable = config.budget - sinks - recent
+        if not 0 <= kb < evictable:
+            raise ConfigError("kvcrush.budget", kb, f"an integer in [0, {evictable - 1}] (backend genai)")
         if kb % block_size:
             raise ConfigError(
                 "kvcrush.budget", kb, f"a multiple of the native KV block size {block_size} (backend genai)"
@@ -238,8 +311,8 @@ def to_native_scheduler_config(
     window = config.snapkv_window if config.method in ("snapkv", "kvcrush") else 0
     sc.use_cache_eviction = True
     sc.cache_eviction_config = ov_genai.CacheEvictionConfig(
-        start_size=config.sink_tokens,
-        recent_size=config.recent_tokens,
+        start_size=config.native_sink_tokens,
+        recent_size=config.native_recent_tokens,
         max_cache_size=config.budget - (native_kvcrush_budget(config, block) if kvcrush is not None else 0),
         aggregation_mode=agg,
         apply_rotation=config.apply_rotation,

@@ -15,9 +15,16 @@ from ov_kvcrush.config import (
 from ov_kvcrush.errors import ConfigError
 
 BAD_COMPRESSION = [
-    ({"method": "bogus"}, "method", "one of full"),
-    ({"method": "snapkv", "budget": None}, "budget", "an integer in [161,"),
-    ({"method": "snapkv", "budget": 100}, "budget", "an integer in [161,"),
+    ({"method": "bogus"}, "method", "one of full, streamingllm"),
+    ({"method": "snapkv", "budget": None}, "budget", "an integer in [1,"),
+    # the reference SnapKV's own floor: its default sinks (16) + recent window (64)
+    ({"method": "snapkv", "budget": 60}, "budget", "an integer in [80,"),
+    ({"method": "snapkv", "budget": 200, "sink_tokens": 100, "recent_tokens": 150}, "budget", "[250,"),
+    ({"method": "kvcrush", "budget": 256, "options": {"representatives": 500}}, "representatives", "[0,"),
+    ({"method": "clusterkv", "budget": 256, "options": {"bogus": 1}}, "bogus", "a field of clusterkv"),
+    ({"method": "clusterkv", "budget": 256, "options": {"budget": 1}}, "options.budget", "CompressionConfig.budget"),
+    ({"method": "full", "options": {"quant": True}}, "options", "unset for method full"),
+    ({"method": "h2o", "budget": 256, "options": [("quant", True)]}, "options", "a mapping"),
     ({"method": "snapkv", "budget": 2**21}, "budget", "1048576]"),
     ({"method": "snapkv", "budget": 256.0}, "budget", "an integer"),
     ({"method": "full", "budget": 0}, "budget", "[1,"),
@@ -27,11 +34,6 @@ BAD_COMPRESSION = [
     ({"aggregation": "adaptive_rkv"}, "aggregation", "one of sum, norm_sum"),
     ({"apply_rotation": "yes"}, "apply_rotation", "true or false"),
     ({"kvcrush": {"budget": 3}}, "kvcrush", "a KVCrushSettings"),
-    (
-        {"method": "kvcrush", "budget": 256, "kvcrush": KVCrushSettings(budget=96)},
-        "kvcrush.budget",
-        "[0, 95]",
-    ),
 ]
 
 
@@ -87,6 +89,10 @@ def test_defaults_are_valid_and_full_needs_no_budget():
         ({"method": "snapkv", "budget": 300}, "budget"),  # not a multiple of 32
         ({"method": "snapkv", "budget": 512, "sink_tokens": 20}, "sink_tokens"),
         ({"method": "kvcrush", "budget": 512, "kvcrush": KVCrushSettings(budget=40)}, "kvcrush.budget"),
+        ({"method": "kvcrush", "budget": 256, "kvcrush": KVCrushSettings(budget=96)}, "kvcrush.budget"),
+        ({"method": "snapkv", "budget": 128}, "budget"),  # not above the native sinks + recent (160)
+        ({"method": "chelsea", "budget": 256}, "method"),  # not a native method
+        ({"method": "h2o", "budget": 256, "options": {"quant": True}}, "options"),
     ],
 )
 def test_native_block_constraints(kwargs, field):
@@ -116,3 +122,24 @@ def test_native_mapping_full_and_h2o():
         CompressionConfig(method="snapkv", budget=256, snapkv_window=16)
     ).cache_eviction_config
     assert ev.snapkv_window_size == 16
+
+
+def test_every_registered_method_is_a_compression_config_and_builds_its_reference():
+    from ov_kvcrush.methods import REGISTRY
+
+    for name, cls in REGISTRY.items():
+        cfg = CompressionConfig(method=name, budget=256 if cls.needs_budget else None)
+        ref = cfg.method_config()
+        assert type(ref) is cls and getattr(ref, "budget", 256) == 256
+
+
+def test_options_and_sinks_reach_the_reference_config():
+    cfg = CompressionConfig(
+        method="kvcrush", budget=300, sink_tokens=8, recent_tokens=32, options={"representatives": 40, "quant": True}
+    )
+    ref = cfg.method_config()
+    assert (ref.sink_tokens, ref.recent_tokens, ref.representatives) == (8, 32, 40)
+    assert ref.quant is not None and ref.quant.bits == 2
+    # sinks/recent left unset: the method's own defaults, not the native ones
+    assert CompressionConfig(method="h2o", budget=256).method_config().sink_tokens == 16
+    assert CompressionConfig(method="h2o", budget=256).native_sink_tokens == 32
