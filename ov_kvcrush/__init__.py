@@ -11,4 +11,13 @@ from ov_kvcrush.errors import UserError
 
 __version__ = "0.1.0"
 
-__all__ = ["CompressionConfig", "GenerationSettings", "KVCrushSettings", "UserError", "__version__"]
+__all__ = ["CompressionConfig", "GenerationSettings", "KVCrushSettings", "LLMPipeline", "UserError", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLMPipeline pulls in the engines; load it on first use only.
+    if name == "LLMPipeline":
+        from ov_kvcrush.pipeline import LLMPipeline
+
+        return LLMPipeline
+    raise AttributeError(f"module 'ov_kvcrush' has no attribute {name!r}")

@@ -14,6 +14,8 @@ from ov_kvcrush.errors import UserError
 
 #: Subcommands planned but not built yet → the issue that brings them.
 PLANNED = {"chat": 6, "eval": 5, "bench": 8}
+#: The demo's compressed runs: (backend, method, extra options).
+DEMO_RUNS = (("genai", "kvcrush", {}), ("torch", "kvcrush", {}), ("torch", "chelsea", {}), ("torch", "minikv", {}))
 DEMO_TOKENS = 2000
 
 
@@ -48,13 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=_positive_int, default=512, help="KV budget for the compressed run")
 
     g = sub.add_parser("generate", help="one generation, printing text (and --json metrics)")
-    g.add_argument("--backend", default="genai", help="genai (native openvino_genai); torch, openvino later")
-    g.add_argument("--method", default="full", help="full, h2o, snapkv or kvcrush (genai backend)")
-    g.add_argument("--budget", type=_positive_int, help="KV tokens kept per sequence (required unless full)")
+    g.add_argument("--backend", default="genai", help="genai (native openvino_genai, default) or torch")
+    g.add_argument(
+        "--method",
+        default="full",
+        help="full, streamingllm, h2o, snapkv, pyramidkv, kvcrush, clusterkv, quest, chelsea, minikv "
+        "(genai: full, h2o, snapkv, kvcrush)",
+    )
+    g.add_argument("--budget", type=_positive_int, help="KV tokens kept per layer and KV head (required unless full)")
+    g.add_argument("--sink-tokens", type=_positive_int, help="first tokens always kept (default: the method's)")
+    g.add_argument("--recent-tokens", type=_positive_int, help="newest tokens always kept (default: the method's)")
+    g.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of the method's config, VALUE in JSON (e.g. representatives=64, quant=true, "
+        'anchor=\'["random","zeros"]\'); repeatable; backend torch',
+    )
     g.add_argument("--prompt-file", required=True, help="text file with the prompt ('-' for stdin)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=32)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    g.add_argument("--model", help="exported model directory (default: the embedded model, exported if needed)")
+    g.add_argument(
+        "--model",
+        help="genai: exported IR directory; torch: HF checkpoint directory; either: a GGUF file or HF directory "
+        "(converted once and cached). Default: the embedded model",
+    )
+    g.add_argument("--device", default="CPU", help="CPU (default); cuda for --backend torch on a GPU")
+    g.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU, bf16 on CUDA), float32 ...")
     g.add_argument(
         "--native-gguf",
         action="store_true",
@@ -66,17 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
-
-
-def _model_dir(model: str | None) -> Path:
-    from ov_kvcrush.export import ensure_default_model, export_model
-
-    if model is None:
-        return ensure_default_model()
-    path = Path(model).expanduser()
-    if (path / "openvino_model.xml").is_file():
-        return path
-    return export_model(path)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -96,13 +108,44 @@ def _read_prompt(path: str) -> str:
     return p.read_text(encoding="utf-8")
 
 
+def _parse_options(items: list[str]) -> dict:
+    """``KEY=VALUE`` pairs with JSON values (bare words stay strings; lists become tuples)."""
+    import json
+
+    def tuples(v):
+        return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--option {item!r} is invalid: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip().replace("-", "_")] = tuples(value)
+    return out
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import GenerationSettings, parse_method_budget
-    from ov_kvcrush.engines import make_engine
+    from ov_kvcrush.engines import make_engine, resolve_model
 
-    compression = parse_method_budget(args.method, args.budget)
+    compression = parse_method_budget(
+        args.method,
+        args.budget,
+        sink_tokens=args.sink_tokens,
+        recent_tokens=args.recent_tokens,
+        options=_parse_options(args.option),
+    )
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, apply_chat_template=not args.no_chat_template)
     prompt = _read_prompt(args.prompt_file)
+    extra = {}
+    if args.backend == "torch":
+        extra["dtype"] = args.dtype
+    elif args.dtype != "auto":
+        raise UserError(f"--dtype is for --backend torch, got --backend={args.backend}")
     if args.native_gguf:
         if args.backend != "genai":
             raise UserError(f"--native-gguf is only for --backend genai, got --backend={args.backend}")
@@ -113,8 +156,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UserError(f"--native-gguf needs a .gguf file as --model, got a directory: {source.path}")
         model = source.path
     else:
-        model = _model_dir(args.model)
-    engine = make_engine(args.backend, model, compression)
+        model = resolve_model(args.backend, args.model)
+    engine = make_engine(args.backend, model, compression, args.device, **extra)
     result = engine.generate(prompt, settings)
     print(result.text)
     print(
@@ -130,31 +173,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
-    from ov_kvcrush.engines.genai import GenAIEngine
-    from ov_kvcrush.export import ensure_default_model
+    from ov_kvcrush.engines import make_engine, resolve_model
     from ov_kvcrush.tasks import passkey_prompt
 
-    model = ensure_default_model()
-    configs = [CompressionConfig(), CompressionConfig(method="kvcrush", budget=args.budget)]
-    settings = GenerationSettings(max_new_tokens=32)
+    settings = GenerationSettings(max_new_tokens=24)
+    runs = [("genai", CompressionConfig()), ("torch", CompressionConfig())]
+    runs += [(b, CompressionConfig(method=m, budget=args.budget, options=o)) for b, m, o in DEMO_RUNS]
+    models = {b: resolve_model(b, None) for b in ("genai", "torch")}
+    print(f"model: {models['genai']} (genai), {models['torch']} (torch)")
     sample = None
-    print(f"model: {model}")
-    for cfg in configs:
-        engine = GenAIEngine(model, cfg)
+    torch_engine = None
+    for backend, cfg in runs:
+        if backend == "genai":
+            engine = make_engine(backend, models[backend], cfg)  # native config is fixed per pipeline
+        else:
+            torch_engine = torch_engine or make_engine(backend, models[backend], cfg)
+            torch_engine.set_compression(cfg)  # same weights, another method
+            engine = torch_engine
         if sample is None:
             sample = passkey_prompt(args.tokens, lambda t, e=engine: len(e.encode(t)), seed=7)
             print(f"passkey prompt: {len(engine.encode(sample.prompt))} tokens, key {sample.answer}\n")
         r = engine.generate(sample.prompt, settings)
-        label = "genai full" if cfg.method == "full" else f"genai kvcrush budget={cfg.budget}"
+        label = f"{backend} {cfg.method}" + ("" if cfg.method == "full" else f" budget={cfg.budget}")
         ok = "correct" if sample.score(r.text) else "WRONG"
-        print(f"{label:28s} answer: {r.text.strip()!r} ({ok})")
+        print(f"{label:30s} answer: {r.text.strip()[:60]!r} ({ok})")
         print(
-            f"{'':28s} TTFT {r.ttft_ms:7.0f} ms  TPOT {r.tpot_ms:6.1f} ms  KV held {r.kv_bytes / 2**20:6.2f} MiB "
-            f"of {r.full_kv_bytes / 2**20:.2f} MiB full ({100 * r.kv_ratio:.0f} %), "
-            f"peak {r.peak_kv_bytes / 2**20:.2f} MiB"
+            f"{'':30s} TTFT {r.ttft_ms:7.0f} ms  TPOT {r.tpot_ms:6.1f} ms  KV held {r.kv_bytes / 2**20:6.2f} MiB "
+            f"of {r.full_kv_bytes / 2**20:.2f} MiB full ({100 * r.kv_ratio:.0f} %)"
         )
-        del engine
-    print("\nLater issues add the torch and openvino engines and the seed methods to this demo.")
+    print(
+        "\ngenai holds KV in u8 (its CPU default), torch in the model's fp32: compare ratios across backends, "
+        "bytes within one."
+    )
     return 0
 
 

@@ -37,6 +37,10 @@ class GenerationResult:
     backend: str
     counters: dict[str, Any] = field(default_factory=dict)
 
+    def __str__(self) -> str:
+        # Prints as its text, like openvino_genai's DecodedResults.
+        return self.text
+
     @property
     def generated_tokens(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,222 @@
+"""transformers integration: a ``Cache`` that holds each layer's compressed state, and the attention over it.
+
+How a forward pass flows through it (transformers 5 attention modules do, per layer: project,
+apply RoPE, ``past_key_values.update(k, v, layer_idx)``, then the registered attention function):
+
+1. :meth:`CompressedCache.update` receives the step's new keys/values (after RoPE) and parks them;
+   it returns them unchanged, so nothing full-size is ever built.
+2. :func:`compressed_attention` (registered as ``attn_implementation="ov_kvcrush"``) takes the
+   parked keys/values and the **current** queries and hands them to the layer's
+   :class:`~ov_kvcrush.methods.LayerCache`: ``prefill`` for the prompt, ``decode`` afterwards.
+   The method appends, evicts, merges, quantizes or recalls, and computes attention over exactly
+   what it holds (with the per-head scores, Chelsea's ``log(degree)`` bias, the 2-bit
+   dequantisation ... all inside the method).
+
+Keys are stored after RoPE at their original positions (as in H2O, SnapKV, KVCrush, ClusterKV), so
+a kept token never needs re-rotation; new tokens take positions from ``get_seq_length()``, the
+number of tokens *seen*, not held.
+
+The cache and the attention function meet through a thread-local set by ``update``: the
+attention call follows its layer's ``update`` in the same thread, so a plain
+``model.generate(..., past_key_values=CompressedCache(...))`` works without extra arguments.
+
+Sliding-window layers of hybrid models (Gemma 3's local layers) get a
+:class:`~ov_kvcrush.methods.full.SlidingWindowLayerCache`: the model already bounds them, and the
+method (with its per-layer budgets, pyramids, dense layers) is laid over the global layers only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.methods import LayerCache, MethodConfig
+from ov_kvcrush.methods.base import storage_bytes
+from ov_kvcrush.methods.full import SlidingWindowLayerCache
+
+#: Name to pass as ``attn_implementation`` when loading a model.
+ATTN_IMPLEMENTATION = "ov_kvcrush"
+
+_CURRENT = threading.local()
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One decoder layer's slot in :class:`CompressedCache`: a method's :class:`LayerCache` plus the
+    keys/values parked between ``update`` and the attention call."""
+
+    is_compileable = False
+
+    def __init__(self, method: LayerCache, sliding: bool = False) -> None:
+        super().__init__()
+        self.method = method
+        self.is_sliding = sliding
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending is not None:
+            raise RuntimeError(
+                "the previous keys/values of this layer were never attended: load the model with "
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} (see ov_kvcrush.engines.hf_cache.load_model)"
+            )
+        self.pending = (key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.method.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (the next position), not tokens held: positions never shift."""
+        return self.method.seen
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise UserError("a compressed cache cannot be reset in place; create a new CompressedCache per sequence")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UserError("beam search is not supported with a compressed KV cache (use greedy or sampling)")
+
+    def crop(self, max_length: int) -> None:
+        raise UserError("a compressed KV cache cannot be cropped (assisted/speculative decoding is not supported)")
+
+    def offload(self) -> None:
+        raise UserError("cache offloading is not supported with a compressed KV cache")
+
+    def prefetch(self) -> None:
+        return None
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` whose layers hold a KV-cache method's compressed state.
+
+    Args:
+        method: the method's reference config (``CompressionConfig.method_config()``).
+        model_config: the model's config (``model.config``); gives the layer count and which
+            layers are sliding-window layers.
+    """
+
+    def __init__(self, method: MethodConfig, model_config: Any) -> None:
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        n = int(text.num_hidden_layers)
+        types = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
+        sliding = [t == "sliding_attention" for t in types]
+        if all(sliding):
+            sliding = [False] * n  # nothing global: the method runs everywhere (window checked per step)
+        global_layers = [i for i in range(n) if not sliding[i]]
+        layers: list[CompressedLayer] = []
+        for i in range(n):
+            if sliding[i]:
+                layers.append(CompressedLayer(SlidingWindowLayerCache(int(text.sliding_window)), sliding=True))
+            else:
+                layers.append(CompressedLayer(method.make_layer(global_layers.index(i), len(global_layers))))
+        super().__init__(layers=layers)
+        self.method_config = method
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _CURRENT.cache = self
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    # -- what the cache holds -----------------------------------------------------------------
+    def method_layers(self) -> Iterator[LayerCache]:
+        """The per-layer method caches (sliding-window layers included)."""
+        for layer in self.layers:
+            yield layer.method
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held over all layers, as the methods report them: ``kv`` payload, ``metadata``, ``total``."""
+        out = {"kv": 0, "metadata": 0, "total": 0}
+        for lc in self.method_layers():
+            if lc.seen:
+                for key, value in lc.memory().items():
+                    out[key] += value
+        return out
+
+    def counters(self) -> dict[str, float]:
+        """Per-method counters summed over layers; rates recomputed from the summed counts."""
+        total: dict[str, float] = {}
+        for lc in self.method_layers():
+            for key, value in lc.counters.items():
+                total[key] = total.get(key, 0) + value
+        if "cluster_lookups" in total:
+            look = total["cluster_lookups"]
+            total["hit_rate"] = total.get("cluster_hits", 0) / look if look else 0.0
+        if "recall_steps" in total:
+            total["recall_rate"] = total["recall_sum"] / total["recall_steps"] if total["recall_steps"] else 0.0
+        return total
+
+    def tokens_held(self) -> float:
+        """Mean tokens (or merged tokens) held per KV head over the method's (non-sliding) layers."""
+        held = [
+            layer.method.tokens_held().float().mean().item()
+            for layer in self.layers
+            if not layer.is_sliding and layer.method.seen
+        ]
+        return sum(held) / len(held) if held else 0.0
+
+
+def compressed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of ``query`` over what the layer's method keeps; returns ``[b, t, heads, d]``.
+
+    The causal structure comes from positions inside the method, so ``attention_mask`` (which
+    transformers does not build for this implementation) must be ``None``: left-padded batches are
+    not supported.
+    """
+    cache = getattr(_CURRENT, "cache", None)
+    _CURRENT.cache = None  # never keep a finished sequence's cache alive from here
+    idx = getattr(module, "layer_idx", None)
+    layer = cache.layers[idx] if isinstance(cache, CompressedCache) and idx is not None else None
+    if layer is None or layer.pending is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs past_key_values=CompressedCache(...) in every "
+            "forward pass (this one used another cache or none) and attention modules with a layer_idx"
+        )
+    if attention_mask is not None:
+        raise UserError("padded batches are not supported by the compressed cache: generate one sequence at a time")
+    if softcap is not None or getattr(module, "attn_logit_softcapping", None):
+        raise UserError("attention logit soft-capping (Gemma 2) is not supported by the compressed cache")
+    if dropout:
+        raise UserError("the compressed cache is for inference: attention dropout must be 0 (call model.eval())")
+    k, v = layer.pending
+    layer.pending = None
+    lc = layer.method
+    if sliding_window is not None and not layer.is_sliding and lc.seen + k.shape[2] > sliding_window:
+        raise UserError(
+            f"layer {idx} uses sliding-window attention ({sliding_window} tokens) on every layer; sequences "
+            "longer than the window are not supported by the compressed cache"
+        )
+    lc.scale = scaling
+    out = lc.prefill(query, k, v) if lc.seen == 0 else lc.decode(query, k, v)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, compressed_attention)
+
+__all__ = ["ATTN_IMPLEMENTATION", "CompressedCache", "CompressedLayer", "compressed_attention", "storage_bytes"]

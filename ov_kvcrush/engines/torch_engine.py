@@ -1,0 +1,250 @@
+"""Torch engine: a Hugging Face model generating through the compressed cache (CPU, or CUDA).
+
+It is the end-to-end oracle of the project (every method's reference, on a real model) and the
+CUDA path. The model is loaded once with ``attn_implementation="ov_kvcrush"``; every
+:meth:`TorchEngine.generate` builds a fresh :class:`~ov_kvcrush.engines.hf_cache.CompressedCache`
+for the sequence, runs the prompt in one forward pass, then decodes one token per forward pass.
+
+Metrics, as in :class:`~ov_kvcrush.engines.base.GenerationResult`:
+
+* ``kv_bytes``: everything the compressed cache holds at the end, read from the methods
+  (payload incl. 2-bit scales, plus their metadata: scores, positions, centroids, degrees);
+  tests check it against the tensors' storage measured independently
+  (:func:`~ov_kvcrush.engines.hf_cache.storage_bytes`).
+* ``full_kv_bytes``: what transformers' own ``DynamicCache`` would hold for the same tokens
+  (keys and values in the model dtype; sliding-window layers at most their window).
+* ``peak_kv_bytes``: the most the cache held after any forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
+from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache
+from ov_kvcrush.errors import ConfigError, UserError
+
+#: Model families whose attention modules call the cache and the attention interface the way
+#: :mod:`~ov_kvcrush.engines.hf_cache` expects (rotary position embeddings, ``layer_idx``).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``cpu``/``CPU`` or ``cuda``/``cuda:N``/``GPU``; a clear error when CUDA is not there."""
+    name = device.lower()
+    if name == "gpu":
+        name = "cuda"
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device", device, "cpu (no CUDA device is available on this machine)")
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise ConfigError("device", device, "cpu, cuda or cuda:N") from None
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError("device", device, f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        return dev
+    raise ConfigError("device", device, "cpu, cuda or cuda:N (backend torch)")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (what the exported checkpoint holds), bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ConfigError("dtype", dtype, "auto, " + ", ".join(DTYPES))
+    return DTYPES[dtype]
+
+
+def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "auto", attn: str = ATTN_IMPLEMENTATION):
+    """Load an HF causal LM for the compressed cache; returns ``(model, tokenizer)``.
+
+    ``attn`` can be any transformers attention implementation (``sdpa``, ``eager``): tests load
+    the same checkpoint both ways to compare.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)  # refuse a bad device/dtype before any loading work
+    dt = resolve_dtype(dtype, dev)
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise UserError(f"not a Hugging Face model directory (no config.json): {path}")
+    cfg = AutoConfig.from_pretrained(path)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(
+            f"model type {model_type!r} is not supported by the torch engine: supported "
+            + ", ".join(SUPPORTED_MODEL_TYPES)
+        )
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise UserError("models with attention logit soft-capping are not supported by the compressed cache")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn).to(dev).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+class TorchEngine:
+    """Generate with transformers through the project's compressed KV cache.
+
+    Args:
+        model_dir: a Hugging Face checkpoint directory (``ov_kvcrush.export.hf_checkpoint()``
+            gives the embedded model's).
+        compression: method and budget; any method of the registry.
+        device: ``cpu`` (default) or ``cuda``.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``float16`` or ``bfloat16``.
+        keep_cache: keep the last generation's cache in :attr:`last_cache` for inspection (tests
+            measure its tensors); off by default so the KV memory is freed after each call.
+    """
+
+    backend = "torch"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        compression: CompressionConfig | None = None,
+        device: str = "cpu",
+        dtype: str = "auto",
+        keep_cache: bool = False,
+    ) -> None:
+        self.keep_cache = keep_cache
+        self.last_cache: CompressedCache | None = None
+        self.set_compression(compression or CompressionConfig())
+        self.model, self.tokenizer = load_model(model_dir, device, dtype)
+        self.device = self.model.device
+        self.model_dir = Path(model_dir)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+        text = self.model.config.get_text_config()
+        self._layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+        self._window = getattr(text, "sliding_window", None)
+        self._kv_heads = text.num_key_value_heads
+        self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._elem = torch.empty((), dtype=self.model.dtype).element_size()
+
+    def set_compression(self, compression: CompressionConfig) -> None:
+        """Switch method/budget for the next generations (the model stays loaded)."""
+        if not isinstance(compression, CompressionConfig):
+            raise ConfigError("compression", compression, "a CompressionConfig")
+        self.method = compression.method_config()
+        self.compression = compression
+
+    # -- prompts ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
+        """Token ids of ``prompt``; strings get the chat template (as openvino_genai does)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise UserError("prompt is empty")
+            messages = [{"role": "user", "content": prompt}] if apply_chat_template else None
+        else:
+            messages = list(prompt)
+            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise UserError("prompt messages must be a non-empty list of {'role', 'content'} dicts")
+        if messages is not None:
+            if not self.tokenizer.chat_template:
+                raise UserError(f"the model at {self.model_dir} has no chat template: pass apply_chat_template=False")
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = prompt
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def full_kv_bytes(self, tokens: int) -> int:
+        """Bytes transformers' ``DynamicCache`` holds for ``tokens`` tokens (sliding layers capped)."""
+        total = 0
+        for kind in self._layer_types:
+            n = min(tokens, self._window) if kind == "sliding_attention" and self._window else tokens
+            total += 2 * self._kv_heads * n * self._head_dim * self._elem
+        return total
+
+    # -- generation ---------------------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor, settings: GenerationSettings, gen: torch.Generator | None) -> int:
+        if not settings.do_sample:
+            return int(torch.argmax(logits))
+        x = logits.float() / settings.temperature
+        if settings.top_k:
+            kth = torch.topk(x, min(settings.top_k, x.numel())).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if settings.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            drop = probs.cumsum(-1) - probs > settings.top_p  # keep the smallest prefix reaching top_p
+            x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(x, dim=-1).cpu()
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    def generate(
+        self,
+        prompt: Prompt,
+        settings: GenerationSettings | None = None,
+        streamer: Streamer | None = None,
+    ) -> GenerationResult:
+        """Generate for one prompt; see :class:`GenerationResult` for the metrics."""
+        settings = settings or GenerationSettings()
+        ids = self.encode(prompt, settings.apply_chat_template)
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if limit and len(ids) + settings.max_new_tokens > limit:
+            raise UserError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
+                f"context of {limit} tokens"
+            )
+        gen = torch.Generator().manual_seed(settings.seed) if settings.do_sample else None
+        cache = CompressedCache(self.method, self.model.config)
+        tokens: list[int] = []
+        stamps: list[float] = []
+        peak = 0
+        streamed = ""
+        x = torch.tensor([ids], device=self.device)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for _ in range(settings.max_new_tokens):
+                out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                nxt = self._pick(out.logits[0, -1], settings, gen)
+                stamps.append(time.perf_counter() - t0)
+                peak = max(peak, cache.memory()["total"])
+                if nxt in self.eos_ids:
+                    break
+                tokens.append(nxt)
+                if streamer is not None:
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    if len(text) > len(streamed) and streamer(text[len(streamed) :]):
+                        break
+                    streamed = text
+                x = torch.tensor([[nxt]], device=self.device)
+        mem = cache.memory()
+        self.last_cache = cache if self.keep_cache else None
+        seen = next(iter(cache.method_layers())).seen
+        ttft = stamps[0] if stamps else 0.0
+        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+        counters: dict[str, Any] = {
+            **cache.counters(),
+            "kv_payload_bytes": mem["kv"],
+            "kv_metadata_bytes": mem["metadata"],
+            "tokens_seen": seen,
+            "tokens_held_per_head": round(cache.tokens_held(), 2),
+        }
+        return GenerationResult(
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            token_ids=tokens,
+            prompt_tokens=len(ids),
+            ttft_ms=ttft * 1e3,
+            tpot_ms=tpot * 1e3,
+            kv_bytes=mem["total"],
+            full_kv_bytes=self.full_kv_bytes(seen),
+            peak_kv_bytes=max(peak, mem["total"]),
+            method=self.compression.method,
+            budget=self.compression.budget,
+            backend=self.backend,
+            counters={
+                k: (round(v, 6) if isinstance(v, float) and not math.isnan(v) else v) for k, v in counters.items()
+            },
+        )
