@@ -399,13 +399,18 @@ class ImportanceLayerCache(LayerCache):
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         pos = self._start_prefill(queries, keys, values)
         t = keys.shape[2]
-        res = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=True)
-        assert res.scores is not None
+        # Only H2O scores the prompt with every query; SnapKV scores it with its window, and
+        # StreamingLLM not at all, so they skip materialising the prompt's attention matrix.
+        full_scores = self.scoring == "h2o"
+        res = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=full_scores)
         if self.scoring == "snapkv":
             cfg = self.config
             acc = snapkv_scores(queries, keys, cfg.window, cfg.pool_kernel, cfg.pool, self.scale)  # type: ignore[attr-defined]
-        else:
+        elif full_scores:
+            assert res.scores is not None
             acc = res.scores
+        else:
+            acc = torch.zeros(queries.shape[0], queries.shape[1], t, device=queries.device)
         hk = keys.shape[1]
         if t > self.budget:
             index = self.select(acc, hk)
