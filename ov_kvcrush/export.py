@@ -223,6 +223,30 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
         model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    check_saved_tokenizer(tok, out, gguf.name)
+
+
+#: Text whose encoding must survive save/reload (words, digits, punctuation, accents, spaces).
+TOKENIZER_PROBE = "The pass key is 52445. Remember it!  Naïve café, 3.14 — done.\n\tEnd"
+
+
+def check_saved_tokenizer(tokenizer, out: Path, source: str) -> None:
+    """Refuse a checkpoint whose saved tokenizer encodes differently from the one in memory.
+
+    transformers' GGUF conversion does not always write a tokenizer that reloads the same (seen:
+    a Gemma 3 GGUF's SentencePiece tokenizer reloads as a per-character Unigram), and a model fed
+    such ids talks nonsense without any error. Better a clear refusal than a silent one.
+    """
+    from transformers import AutoTokenizer
+
+    want = tokenizer(TOKENIZER_PROBE, add_special_tokens=False).input_ids
+    got = AutoTokenizer.from_pretrained(out)(TOKENIZER_PROBE, add_special_tokens=False).input_ids
+    if got != want:
+        raise UserError(
+            f"the tokenizer converted from {source} does not reload faithfully ({len(want)} tokens in memory, "
+            f"{len(got)} after save/reload), so the model would be fed wrong ids; convert the model to a Hugging "
+            "Face directory with a working tokenizer and pass that directory as --model"
+        )
 
 
 _HF_MARKER = ".ov_kvcrush_hf_complete.json"

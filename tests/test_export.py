@@ -169,3 +169,14 @@ def test_broken_tokenizer_is_what_we_repair(gguf_tokenizer, tmp_path):
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
     ids = reloaded("a b c", add_special_tokens=False).input_ids
     assert reloaded.decode(ids) != "a b c"
+
+
+@pytest.mark.model
+def test_a_tokenizer_that_does_not_reload_faithfully_is_refused(gguf_tokenizer, tmp_path):
+    """The guard behind every GGUF conversion: the unrepaired tokenizer is refused, the repaired passes."""
+    gguf_tokenizer.save_pretrained(tmp_path / "broken")
+    with pytest.raises(UserError, match="does not reload faithfully"):
+        export.check_saved_tokenizer(gguf_tokenizer, tmp_path / "broken", "m.gguf")
+    fixed = export.repair_tokenizer(gguf_tokenizer, 49152)
+    fixed.save_pretrained(tmp_path / "fixed")
+    export.check_saved_tokenizer(fixed, tmp_path / "fixed", "m.gguf")
