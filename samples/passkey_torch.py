@@ -35,6 +35,7 @@ def main() -> None:
         passkey_prompt(args.tokens, lambda t: len(engine.encode(t)), seed=s, depth=d) for s, d in enumerate(depths)
     ]
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens)
+    engine.generate(samples[0].prompt, GenerationSettings(max_new_tokens=2))  # warm-up: first-call costs
     rows = []
     print(f"{'method':16s} found  TTFT ms  TPOT ms  KV MiB  of full  counters")
     for spec in args.methods.split(","):

@@ -130,7 +130,9 @@ class GenAIEngine:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         else:
             text = prompt
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).input_ids.data[0]]
+        # a chat template writes its own BOS; raw text gets the tokenizer's special tokens
+        ids = self.tokenizer.encode(text, add_special_tokens=messages is None).input_ids.data[0]
+        return [int(i) for i in ids]
 
     def _check_request(self, prompt_tokens: int, settings: GenerationSettings) -> None:
         """Refuse requests the native pipeline is known to fail on, before it can fail."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +151,16 @@ class TorchEngine:
             messages = list(prompt)
             if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
                 raise UserError("prompt messages must be a non-empty list of {'role', 'content'} dicts")
+        if messages is not None and not self.tokenizer.chat_template:
+            if not isinstance(prompt, str):
+                raise UserError(f"{self.model_dir} has no chat template: chat messages cannot be formatted")
+            # as openvino_genai does for base models: the string goes in as raw text
+            warnings.warn(f"{self.model_dir.name} has no chat template: the prompt is used as raw text", stacklevel=3)
+            messages = None
         if messages is not None:
-            if not self.tokenizer.chat_template:
-                raise UserError(f"the model at {self.model_dir} has no chat template: pass apply_chat_template=False")
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        else:
-            text = prompt
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)  # the template has the BOS
+        return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
 
     def full_kv_bytes(self, tokens: int) -> int:
         """Bytes transformers' ``DynamicCache`` holds for ``tokens`` tokens (sliding layers capped)."""
