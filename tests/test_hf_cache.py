@@ -139,3 +139,24 @@ def test_beam_search_is_refused_with_a_clear_error():
     cache = CompressedCache(CompressionConfig().method_config(), ours.config)
     with pytest.raises(UserError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
+
+
+@pytest.mark.parametrize("steps", [[1, 1, 1], [5, 1, 7], [12]])
+def test_sliding_window_layer_equals_windowed_attention_over_everything(steps):
+    """Multi-token steps included: each query sees exactly the keys of the last ``window`` positions."""
+    from ov_kvcrush.methods.base import attend
+    from ov_kvcrush.methods.vectors import layer_vectors
+
+    vec = layer_vectors(5, tokens=60)
+    lc = SlidingWindowLayerCache(8)
+    start = 20
+    lc.prefill(*(x.clone() for x in vec.prefix(start)))
+    for t in steps:
+        q, k, v = (x[:, :, start : start + t].clone() for x in (vec.queries, vec.keys, vec.values))
+        got = lc.decode(q, k, v)
+        pos = torch.arange(start + t)
+        want = attend(q, vec.keys[:, :, : start + t], vec.values[:, :, : start + t],
+                      q_positions=pos[start:], k_positions=pos, window=8).output  # fmt: skip
+        torch.testing.assert_close(got, want)
+        start += t
+        assert len(lc.store) == 8 and storage_bytes(lc) == lc.memory()["total"]

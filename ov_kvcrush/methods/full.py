@@ -26,24 +26,35 @@ class FullConfig(MethodConfig):
 class FullLayerCache(LayerCache):
     """Concatenates keys/values and attends over all of them (causal within a step)."""
 
+    #: sliding-window attention span (``None``: the whole past), see :class:`SlidingWindowLayerCache`
+    window: int | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self.store = FPStore()
 
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return self._attend_all(queries, keys, values, self._start_prefill(queries, keys, values))
+        pos = self._start_prefill(queries, keys, values)
+        # the prompt over itself, with one position vector for every head: the cheapest mask
+        out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, window=self.window).output
+        self.store.append(keys, values, pos)
+        self._trim()
+        return out
 
     def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_kv(keys, values)
         check_query(queries, keys)
-        return self._attend_all(queries, keys, values, self._positions(keys.shape[2], keys.device))
-
-    def _attend_all(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor
-    ) -> torch.Tensor:
+        if not self.seen:
+            return self.prefill(queries, keys, values)
+        pos = self._positions(keys.shape[2], keys.device)
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
-        return self._attend(queries, k, v, q_positions=pos, k_positions=p).output
+        out = self._attend(queries, k, v, q_positions=pos, k_positions=p, window=self.window).output
+        self._trim()  # after attending: the step's earlier queries still needed the older keys
+        return out
+
+    def _trim(self) -> None:
+        """Drop what no later query can see (nothing, without a window)."""
 
     def tokens_held(self) -> torch.Tensor:
         assert self.store.positions is not None
@@ -59,20 +70,18 @@ class SlidingWindowLayerCache(FullLayerCache):
 
     Such layers are bounded by the model itself, so engines give them this cache whatever the
     method: compressing them further would change the model, and their memory is already fixed.
+    Queries see keys less than ``window`` positions behind them, so after each step (multi-token
+    steps included, trimmed only once the step has attended) the last ``window`` tokens are kept.
     """
 
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = window
 
-    def _attend_all(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor
-    ) -> torch.Tensor:
-        self.store.append(keys, values, pos)
-        k, v, p = self.store.dense()
-        out = self._attend(queries, k, v, q_positions=pos, k_positions=p, window=self.window).output
+    def _trim(self) -> None:
         excess = len(self.store) - self.window
-        if excess > 0:  # tokens no later query can see; copy so the dropped part is really freed
+        if excess > 0:  # tokens no later query can see; copied so the dropped part is really freed
+            k = self.store.keys
+            assert k is not None
             keep = torch.arange(excess, len(self.store), device=k.device).expand(*k.shape[:2], -1)
             self.store.keep(keep)
-        return out
