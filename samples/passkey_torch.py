@@ -1,6 +1,7 @@
 """Every method on the torch engine: passkey found?, TTFT, TPOT and KV held, at one budget.
 
 python samples/passkey_torch.py --tokens 2000 --budget 256 [--device cuda] [--json out.json]
+python samples/passkey_torch.py --plot out.json   # redraw out.png
 
 Several seeds (key depths) per method give a small hit rate rather than one lucky answer. The
 model is loaded once; only the method changes between runs.
@@ -11,12 +12,43 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import textwrap
 
 from ov_kvcrush import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.export import hf_checkpoint
 from ov_kvcrush.methods import REGISTRY
 from ov_kvcrush.tasks import passkey_prompt
+
+
+def plot(json_path: str) -> str:
+    """Bars per method: passkey hits, KV held (% of full) and TPOT; written beside the JSON as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as fh:
+        data = json.load(fh)
+    rows = data["rows"]
+    names = [r["method"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    series = [
+        ("passkey found", [r["found"] / r["prompts"] for r in rows], "share of prompts"),
+        ("KV held", [100 * r["kv_ratio"] for r in rows], "% of the full cache"),
+        ("TPOT", [r["tpot_ms"] for r in rows], "ms per token"),
+    ]
+    for ax, (title, values, unit) in zip(axes, series, strict=True):
+        ax.bar(names, values, color="tab:blue")
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.tick_params(axis="x", rotation=60)
+    title = f"torch engine, {data['prompt_tokens']}-token passkey prompts ({data['machine']}): {data['command']}"
+    fig.suptitle("\n".join(textwrap.wrap(title, 160)), fontsize=9)
+    fig.tight_layout()
+    out = json_path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    return out
 
 
 def main() -> None:
@@ -27,8 +59,12 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(REGISTRY), help="comma-separated; name+2bit adds the 2-bit store")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-new-tokens", type=int, default=20)
-    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--json", dest="json_out", help="write the rows as JSON (and a PNG beside it)")
+    ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an earlier --json file")
     args = ap.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return
     engine = TorchEngine(hf_checkpoint(), device=args.device)
     depths = [0.25 + 0.5 * i / max(args.seeds - 1, 1) for i in range(args.seeds)]
     samples = [
@@ -69,7 +105,9 @@ def main() -> None:
             }
         )
     if args.json_out:
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json_out" and v)
+        flags = " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("json_out", "plot") and v
+        )
         meta = {
             "command": f"python samples/passkey_torch.py {flags}",
             "machine": platform.processor() or platform.machine(),
@@ -77,6 +115,7 @@ def main() -> None:
         }
         with open(args.json_out, "w") as fh:
             json.dump({**meta, "rows": rows}, fh, indent=1)
+        print(plot(args.json_out))
 
 
 if __name__ == "__main__":
