@@ -409,9 +409,21 @@ class LayerCache(ABC):
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of the prompt over itself (causal), then the method's compression."""
 
-    @abstractmethod
     def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Append the step's keys/values, attend the step's queries over what is held."""
+        """Append the step's keys/values, attend the step's queries over what is held.
+
+        Validates the step; on a cache that has seen nothing yet, the step is the prompt
+        (:meth:`prefill`). Methods implement :meth:`_decode_step`.
+        """
+        check_kv(keys, values)
+        check_query(queries, keys)
+        if not self.seen:
+            return self.prefill(queries, keys, values)
+        return self._decode_step(queries, keys, values)
+
+    @abstractmethod
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One validated decode step on a cache that already holds the prompt."""
 
     @abstractmethod
     def tokens_held(self) -> torch.Tensor:

@@ -36,9 +36,7 @@ from ov_kvcrush.methods.base import (
     QuantSettings,
     ShapeError,
     check_budget,
-    check_kv,
     check_layer,
-    check_query,
     tensor_bytes,
     topk_indices,
 )
@@ -309,11 +307,7 @@ class ChelseaLayerCache(LayerCache):
         self._bump("compressions")
         self._bump("matching_passes", passes)
 
-    def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if not self.seen:
-            return self.prefill(queries, keys, values)
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         pos = self._positions(keys.shape[2], keys.device)
         self._append(keys, values, pos)  # compresses first if the cache reached budget + g
         g = queries.shape[1] // keys.shape[1]

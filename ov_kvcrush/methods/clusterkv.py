@@ -42,7 +42,6 @@ from ov_kvcrush.methods.base import (
     QuantSettings,
     ShapeError,
     check_budget,
-    check_kv,
     check_layer,
     check_query,
     gather_tokens,
@@ -391,11 +390,7 @@ class _RecallLayerCache(LayerCache):
     def _after_prefill(self, keys: torch.Tensor) -> None:
         pass
 
-    def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if not self.seen:
-            return self.prefill(queries, keys, values)
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         self._before_append(keys)
         pos = self._positions(keys.shape[2], keys.device)
         self.store.append(keys, values, pos)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ov_kvcrush.methods.base import LayerCache, MethodConfig, check_kv, check_layer, check_query
+from ov_kvcrush.methods.base import LayerCache, MethodConfig, check_layer
 from ov_kvcrush.methods.store import FPStore
 
 
@@ -41,11 +41,7 @@ class FullLayerCache(LayerCache):
         self._trim()
         return out
 
-    def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if not self.seen:
-            return self.prefill(queries, keys, values)
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         pos = self._positions(keys.shape[2], keys.device)
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()

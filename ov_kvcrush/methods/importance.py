@@ -37,7 +37,6 @@ from ov_kvcrush.methods.base import (
     QuantSettings,
     attend,
     check_budget,
-    check_kv,
     check_layer,
     check_query,
     check_scores,
@@ -438,11 +437,7 @@ class ImportanceLayerCache(LayerCache):
         a = torch.gather(acc, 2, index.clamp_min(0).repeat_interleave(g, dim=1))
         return torch.where((index >= 0).repeat_interleave(g, dim=1), a, torch.full_like(a, float("-inf")))
 
-    def decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_kv(keys, values)
-        check_query(queries, keys)
-        if not self.seen:
-            return self.prefill(queries, keys, values)
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         t = keys.shape[2]
         pos = self._positions(t, keys.device)
         self.store.append(keys, values, pos)
