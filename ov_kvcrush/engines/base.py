@@ -1,4 +1,4 @@
-"""What every engine returns, so CLI, evaluation and benchmarks treat engines alike."""
+"""What every engine shares: the result type, the prompt and streamer types, and prompt validation."""
 
 from __future__ import annotations
 
@@ -7,10 +7,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ov_kvcrush.errors import UserError
+
 #: A prompt: plain text (the chat template is applied by default) or chat messages.
 Prompt = str | Sequence[dict]
 #: Called with each decoded text chunk; return True to stop generation early.
 Streamer = Callable[[str], bool | None]
+
+
+def chat_messages(prompt: Prompt, apply_chat_template: bool = True) -> list[dict] | None:
+    """The messages an engine formats with the chat template, or ``None`` for raw text.
+
+    A string becomes one user message (as openvino_genai does) unless ``apply_chat_template`` is
+    off; messages must be a non-empty list of ``{'role', 'content'}`` dicts. Bad prompts raise
+    :class:`~ov_kvcrush.errors.UserError`, the same in every engine.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise UserError("prompt is empty")
+        return [{"role": "user", "content": prompt}] if apply_chat_template else None
+    messages = list(prompt)
+    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise UserError("prompt messages must be a non-empty list of {'role', 'content'} dicts")
+    return messages
 
 
 @dataclass

@@ -25,7 +25,7 @@ from ov_kvcrush.config import (
     native_block_size,
     to_native_scheduler_config,
 )
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
 from ov_kvcrush.errors import UserError
 
 #: Context the block pool is first sized for; it grows (the pipeline is rebuilt) for longer prompts.
@@ -118,14 +118,7 @@ class GenAIEngine:
     # -- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise UserError("prompt is empty")
-            messages = [{"role": "user", "content": prompt}] if apply_chat_template else None
-        else:
-            messages = list(prompt)
-            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise UserError("prompt messages must be a non-empty list of {'role', 'content'} dicts")
+        messages = chat_messages(prompt, apply_chat_template)
         if messages is not None:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         else:

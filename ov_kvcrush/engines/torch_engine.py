@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache
 from ov_kvcrush.errors import ConfigError, UserError
 
@@ -143,14 +143,7 @@ class TorchEngine:
     # -- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """Token ids of ``prompt``; strings get the chat template (as openvino_genai does)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise UserError("prompt is empty")
-            messages = [{"role": "user", "content": prompt}] if apply_chat_template else None
-        else:
-            messages = list(prompt)
-            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise UserError("prompt messages must be a non-empty list of {'role', 'content'} dicts")
+        messages = chat_messages(prompt, apply_chat_template)
         if messages is not None and not self.tokenizer.chat_template:
             if not isinstance(prompt, str):
                 raise UserError(f"{self.model_dir} has no chat template: chat messages cannot be formatted")
