@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.methods import LayerCache, MethodConfig
-from ov_kvcrush.methods.base import storage_bytes
+from ov_kvcrush.methods.base import PromptMemo, storage_bytes
 from ov_kvcrush.methods.full import SlidingWindowLayerCache
 
 #: Name to pass as ``attn_implementation`` when loading a model.
@@ -57,6 +57,9 @@ class CompressedLayer(CacheLayerMixin):
         self.method = method
         self.is_sliding = sliding
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the same layer of other caches that take this prompt too (see
+        #: :meth:`CompressedCache.share_prefill`); emptied once the prompt has been attended.
+        self.followers: list[CompressedLayer] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -132,6 +135,24 @@ class CompressedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _CURRENT.cache = self
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def share_prefill(self, others: list[CompressedCache]) -> None:
+        """Let ``others`` take the same prompt in this cache's next (prefill) forward pass.
+
+        Every method's prefill output is exact attention over the prompt, so the model's hidden
+        states during prefill do not depend on the method: one forward pass can fill several
+        caches. Each follower's method receives the same queries/keys/values and compresses them
+        as its own prefill would; only this cache's attention output drives the model. Used to
+        compare many methods on one prompt without re-running the whole model per method.
+        """
+        if any(layer.method.seen for layer in self.layers) or any(
+            layer.method.seen for other in others for layer in other.layers
+        ):
+            raise RuntimeError("share_prefill needs caches that have not seen any token yet")
+        if any(len(other.layers) != len(self.layers) for other in others):
+            raise RuntimeError("share_prefill needs caches built for the same model")
+        for i, layer in enumerate(self.layers):
+            layer.followers = [other.layers[i] for other in others]
 
     # -- what the cache holds -----------------------------------------------------------------
     def method_layers(self) -> Iterator[LayerCache]:
@@ -213,7 +234,19 @@ def compressed_attention(
             "longer than the window are not supported by the compressed cache"
         )
     lc.scale = scaling
-    out = lc.prefill(query, k, v) if lc.seen == 0 else lc.decode(query, k, v)
+    if lc.seen == 0:
+        out = lc.prefill(query, k, v)
+        memo = PromptMemo(query, k, v, out)  # the prompt's attention, reused by the followers
+        for follower in layer.followers:  # same prompt, other methods (CompressedCache.share_prefill)
+            follower.method.scale = scaling
+            follower.method.prompt_memo = memo
+            try:
+                follower.method.prefill(query, k, v)
+            finally:
+                follower.method.prompt_memo = None
+        layer.followers = []
+    else:
+        out = lc.decode(query, k, v)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.methods import MethodConfig
 
 #: Model families whose attention modules call the cache and the attention interface the way
 #: :mod:`~ov_kvcrush.engines.hf_cache` expects (rotary position embeddings, ``layer_idx``).
@@ -179,6 +181,47 @@ class TorchEngine:
         probs = torch.softmax(x, dim=-1).cpu()
         return int(torch.multinomial(probs, 1, generator=gen))
 
+    def _prompt_ids(self, prompt: Prompt, settings: GenerationSettings) -> list[int]:
+        ids = self.encode(prompt, settings.apply_chat_template)
+        self._check_length(len(ids), settings.max_new_tokens)
+        return ids
+
+    def _check_length(self, prompt_tokens: int, new_tokens: int) -> None:
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if limit and prompt_tokens + new_tokens > limit:
+            raise UserError(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the model's "
+                f"context of {limit} tokens"
+            )
+
+    def _prefill(
+        self, ids: list[int], methods: list[MethodConfig]
+    ) -> tuple[list[CompressedCache], torch.Tensor, float]:
+        """One forward pass over the prompt filling one cache per method.
+
+        Returns the caches, the last position's logits and the seconds the pass took. With more
+        than one method the first cache leads and the others follow
+        (:meth:`CompressedCache.share_prefill`): every method compresses the same prompt as its
+        own prefill would, without running the model once per method.
+        """
+        caches = [CompressedCache(m, self.model.config) for m in methods]
+        caches[0].share_prefill(caches[1:])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                past_key_values=caches[0],
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            return caches, out.logits[0, -1], time.perf_counter() - t0
+
+    def _step(self, cache: CompressedCache, token: int) -> torch.Tensor:
+        """Feed one token through ``cache``; the next-token logits."""
+        with torch.inference_mode():
+            x = torch.tensor([[token]], device=self.device)
+            return self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+
     def generate(
         self,
         prompt: Prompt,
@@ -187,36 +230,107 @@ class TorchEngine:
     ) -> GenerationResult:
         """Generate for one prompt; see :class:`GenerationResult` for the metrics."""
         settings = settings or GenerationSettings()
-        ids = self.encode(prompt, settings.apply_chat_template)
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        if limit and len(ids) + settings.max_new_tokens > limit:
-            raise UserError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
-                f"context of {limit} tokens"
+        ids = self._prompt_ids(prompt, settings)
+        caches, logits, prefill_s = self._prefill(ids, [self.method])
+        return self._decode(ids, caches[0], self.compression, logits, prefill_s, settings, streamer)
+
+    def generate_each(
+        self,
+        prompt: Prompt,
+        compressions: list[CompressionConfig],
+        settings: GenerationSettings | None = None,
+    ) -> list[GenerationResult]:
+        """:meth:`generate` under each compression, sharing one forward pass over the prompt.
+
+        The results are those of calling :meth:`generate` once per compression (prefill is exact
+        attention for every method, so only the compressed caches differ); each result's
+        ``ttft_ms`` is the shared pass. Evaluations use this to compare many methods per prompt.
+        """
+        settings = settings or GenerationSettings()
+        configs = _check_compressions(compressions)
+        ids = self._prompt_ids(prompt, settings)
+        caches, logits, prefill_s = self._prefill(ids, [c.method_config() for c in configs])
+        results = []
+        for cfg in configs:
+            cache = caches.pop(0)  # each cache is freed once decoded
+            results.append(self._decode(ids, cache, cfg, logits, prefill_s, settings, None, shared=len(configs) > 1))
+        return results
+
+    def score_continuation_each(
+        self,
+        context: list[int],
+        continuation: list[int],
+        compressions: list[CompressionConfig],
+    ) -> list[ContinuationScore]:
+        """Teacher-force ``continuation`` after ``context`` through each compression's cache.
+
+        The context is prefilled once (shared, as in :meth:`generate_each`); then every
+        continuation token is fed one decode step at a time, the way generation sees the
+        compressed cache, and its negative log-likelihood and the greedy prediction at each step
+        are recorded. This is the perplexity of long text under compression.
+        """
+        configs = _check_compressions(compressions)
+        if not context or not continuation:
+            raise UserError("score_continuation_each needs a non-empty context and continuation")
+        self._check_length(len(context), len(continuation))
+        caches, first, _ = self._prefill(list(context), [c.method_config() for c in configs])
+        out = []
+        for cfg in configs:
+            cache = caches.pop(0)
+            logits, nll, pred = first, [], []
+            for j, tok in enumerate(continuation):
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                nll.append(float(-logp[tok]))
+                pred.append(int(torch.argmax(logits)))
+                if j + 1 < len(continuation):
+                    logits = self._step(cache, tok)
+            mem = cache.memory()
+            seen = next(iter(cache.method_layers())).seen
+            out.append(
+                ContinuationScore(
+                    method=cfg.method,
+                    budget=cfg.budget,
+                    nll=nll,
+                    predicted=pred,
+                    kv_bytes=mem["total"],
+                    full_kv_bytes=self.full_kv_bytes(seen),
+                    counters=_clean(cache.counters()),
+                )
             )
+        return out
+
+    def _decode(
+        self,
+        ids: list[int],
+        cache: CompressedCache,
+        compression: CompressionConfig,
+        logits: torch.Tensor,
+        prefill_s: float,
+        settings: GenerationSettings,
+        streamer: Streamer | None,
+        shared: bool = False,
+    ) -> GenerationResult:
+        """Decode from the prompt's last logits until EOS, the token limit or the streamer stops."""
         gen = torch.Generator().manual_seed(settings.seed) if settings.do_sample else None
-        cache = CompressedCache(self.method, self.model.config)
         tokens: list[int] = []
         stamps: list[float] = []
         peak = 0
         streamed = ""
-        x = torch.tensor([ids], device=self.device)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            for _ in range(settings.max_new_tokens):
-                out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                nxt = self._pick(out.logits[0, -1], settings, gen)
-                stamps.append(time.perf_counter() - t0)
-                peak = max(peak, cache.memory()["total"])
-                if nxt in self.eos_ids:
+        t0 = time.perf_counter() - prefill_s  # the first token is due after the prefill
+        for step in range(settings.max_new_tokens):
+            if step:
+                logits = self._step(cache, tokens[-1])
+            nxt = self._pick(logits, settings, gen)
+            stamps.append(time.perf_counter() - t0)
+            peak = max(peak, cache.memory()["total"])
+            if nxt in self.eos_ids:
+                break
+            tokens.append(nxt)
+            if streamer is not None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                if len(text) > len(streamed) and streamer(text[len(streamed) :]):
                     break
-                tokens.append(nxt)
-                if streamer is not None:
-                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                    if len(text) > len(streamed) and streamer(text[len(streamed) :]):
-                        break
-                    streamed = text
-                x = torch.tensor([[nxt]], device=self.device)
+                streamed = text
         mem = cache.memory()
         self.last_cache = cache if self.keep_cache else None
         seen = next(iter(cache.method_layers())).seen
@@ -229,6 +343,8 @@ class TorchEngine:
             "tokens_seen": seen,
             "tokens_held_per_head": round(cache.tokens_held(), 2),
         }
+        if shared:
+            counters["shared_prefill"] = 1
         return GenerationResult(
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             token_ids=tokens,
@@ -238,10 +354,46 @@ class TorchEngine:
             kv_bytes=mem["total"],
             full_kv_bytes=self.full_kv_bytes(seen),
             peak_kv_bytes=max(peak, mem["total"]),
-            method=self.compression.method,
-            budget=self.compression.budget,
+            method=compression.method,
+            budget=compression.budget,
             backend=self.backend,
-            counters={
-                k: (round(v, 6) if isinstance(v, float) and not math.isnan(v) else v) for k, v in counters.items()
-            },
+            counters=_clean(counters),
         )
+
+
+@dataclass
+class ContinuationScore:
+    """How one compression predicts a known continuation (see :meth:`TorchEngine.score_continuation_each`).
+
+    Attributes:
+        nll: negative log-likelihood (nats) of each continuation token.
+        predicted: the greedy (argmax) token at each step, to compare with the full cache's.
+        kv_bytes / full_kv_bytes: as in :class:`GenerationResult`, after the last step.
+    """
+
+    method: str
+    budget: int | None
+    nll: list[float]
+    predicted: list[int]
+    kv_bytes: int
+    full_kv_bytes: int
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(sum(self.nll) / len(self.nll))
+
+
+def _check_compressions(compressions: list[CompressionConfig]) -> list[CompressionConfig]:
+    configs = list(compressions)
+    if not configs:
+        raise ConfigError("compressions", compressions, "a non-empty list of CompressionConfig")
+    for c in configs:
+        if not isinstance(c, CompressionConfig):
+            raise ConfigError("compressions", c, "CompressionConfig items")
+    return configs
+
+
+def _clean(counters: dict[str, Any]) -> dict[str, Any]:
+    """Counters rounded for JSON (NaN left as is)."""
+    return {k: (round(v, 6) if isinstance(v, float) and not math.isnan(v) else v) for k, v in counters.items()}

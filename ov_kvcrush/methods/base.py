@@ -382,6 +382,24 @@ def check_budget(name: str, budget: Any, floor: int, what: str = "") -> None:
 # per-layer cache protocol
 
 
+@dataclass
+class PromptMemo:
+    """The prompt's attention, computed once and offered to other methods' prefill of the same prompt.
+
+    Every method's prefill attends the prompt exactly (causal, no bias), so when several methods
+    take the same prompt (an evaluation comparing them) the output, and the per-head scores once
+    one method has asked for them, need computing only once. :meth:`LayerCache._attend` uses the
+    memo only for a call on the very tensors it was built from (same objects), without bias, key
+    mask or window, so no other attention can be served from it.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    output: torch.Tensor
+    with_scores: AttentionOutput | None = None
+
+
 class LayerCache(ABC):
     """The compressed KV state of one layer of one batch, plus the attention over it.
 
@@ -401,8 +419,28 @@ class LayerCache(ABC):
         #: from the attention module, since some families (Gemma) scale differently.
         self.scale: float | None = None
 
+    #: set by an engine around a prefill whose prompt attention is already known (:class:`PromptMemo`).
+    prompt_memo: PromptMemo | None = None
+
     def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kw: Any) -> AttentionOutput:
-        """:func:`attend` with this layer's logit scale."""
+        """:func:`attend` with this layer's logit scale (served from :attr:`prompt_memo` when it applies)."""
+        memo = self.prompt_memo
+        if (
+            memo is not None
+            and queries is memo.queries
+            and keys is memo.keys
+            and values is memo.values
+            and kw.get("bias") is None
+            and kw.get("key_mask") is None
+            and kw.get("window") is None
+        ):
+            if not kw.get("return_scores"):
+                return AttentionOutput(memo.output)
+            if memo.with_scores is None:
+                memo.with_scores = attend(queries, keys, values, scale=self.scale, **kw)
+            scores = memo.with_scores.scores
+            # each method gets its own scores: accumulators are updated in place while decoding
+            return AttentionOutput(memo.with_scores.output, None if scores is None else scores.clone())
         return attend(queries, keys, values, scale=self.scale, **kw)
 
     @abstractmethod
