@@ -13,7 +13,7 @@ from pathlib import Path
 from ov_kvcrush.errors import UserError
 
 #: Subcommands planned but not built yet → the issue that brings them.
-PLANNED = {"chat": 6, "eval": 5, "bench": 8}
+PLANNED = {"chat": 6, "bench": 8}
 #: The demo's compressed runs: (backend, method, extra options).
 DEMO_RUNS = (("genai", "kvcrush", {}), ("torch", "kvcrush", {}), ("torch", "chelsea", {}), ("torch", "minikv", {}))
 DEMO_TOKENS = 2000
@@ -85,10 +85,116 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", dest="json_out", help="write text and metrics as JSON to this file")
 
+    v = sub.add_parser(
+        "eval",
+        help="offline long-context evaluation: score vs KV memory per method and budget (tables, JSON, plot)",
+        description="Runs generated long-context tasks (or --data FILE.jsonl) with the full cache and every "
+        "method/budget on one engine, and reports score, agreement with the full cache and KV bytes held.",
+    )
+    v.add_argument("--tasks", default=",".join(_TASKS), help=f"comma-separated; default {','.join(_TASKS)}")
+    v.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens (default 1024,2048,4096)")
+    v.add_argument("--methods", help="comma-separated registry names, name+2bit for the 2-bit store (default: all)")
+    v.add_argument("--budgets", default="128,256,512", help="token budgets (default 128,256,512)")
+    mem = v.add_mutually_exclusive_group()
+    mem.add_argument(
+        "--kv-bytes", help="equal memory: each method gets the budget holding at most N bytes (e.g. 4MiB,8MiB)"
+    )
+    mem.add_argument("--kv-ratio", help="equal memory as fractions of the full cache (e.g. 0.1,0.2)")
+    v.add_argument("--samples", type=_positive_int, default=1, help="samples per task and length (default 1)")
+    v.add_argument("--seed", type=_positive_int, default=0)
+    v.add_argument("--backend", default="torch", help="torch (every method, default) or genai (native methods)")
+    v.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    v.add_argument("--ppl-tokens", type=_positive_int, default=64, help="tokens scored by the ppl task (default 64)")
+    v.add_argument("--data", help="JSONL of {'prompt': str, 'answers': [str]} (replaces --tasks/--lengths)")
+    v.add_argument("--model", help="model for the backend (default: the embedded model)")
+    v.add_argument("--device", default="cpu")
+    v.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU), float32, bfloat16 ...")
+    v.add_argument("--json", dest="json_out", help="write results (and per-sample outputs) as JSON")
+    v.add_argument("--plot", help="write a PNG of score vs KV bytes")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     for name, issue in PLANNED.items():
         sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
+
+
+_TASKS = ("passkey", "niah_single", "niah_multikey", "vt", "ppl")
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
+
+
+def _split(flag: str, text: str, convert):
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            out.append(convert(item))
+        except ValueError:
+            raise UserError(f"{flag}: {item!r} is not valid ({convert.__doc__})") from None
+    if not out:
+        raise UserError(f"{flag}: empty list")
+    return tuple(out)
+
+
+def _size(text: str) -> int:
+    """a byte count, optionally with KiB/MiB/GiB/KB/MB/GB"""
+    low = text.lower()
+    num = low.rstrip("kmgib")
+    unit = low[len(num) :]
+    if unit not in _SIZE_UNITS:
+        raise ValueError(text)
+    return round(float(num) * _SIZE_UNITS[unit])
+
+
+def _int(text: str) -> int:
+    """an integer"""
+    return int(text)
+
+
+def _float(text: str) -> float:
+    """a number"""
+    return float(text)
+
+
+def _name(text: str) -> str:
+    """a name"""
+    return text
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ov_kvcrush.eval.report import format_table, plot, write_json
+    from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
+
+    methods = tuple(MethodSpec.parse(m) for m in _split("--methods", args.methods, _name)) if args.methods else ()
+    plan = EvalPlan(
+        tasks=_split("--tasks", args.tasks, _name),
+        lengths=_split("--lengths", args.lengths, _int),
+        methods=methods,
+        budgets=_split("--budgets", args.budgets, _int),
+        kv_bytes=_split("--kv-bytes", args.kv_bytes, _size) if args.kv_bytes else (),
+        kv_ratio=_split("--kv-ratio", args.kv_ratio, _float) if args.kv_ratio else (),
+        samples=args.samples,
+        seed=args.seed,
+        backend=args.backend,
+        max_new_tokens=args.max_new_tokens,
+        ppl_tokens=args.ppl_tokens,
+        data=args.data,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    report = run_eval(plan, progress=not args.no_progress, log=lambda line: print(line, flush=True))
+    print(format_table(report))
+    command = "ov-kvcrush " + " ".join(shlex.quote(a) for a in args.argv)
+    if args.json_out:
+        print(f"\nJSON: {write_json(report, args.json_out, command)}")
+    if args.plot:
+        print(f"plot: {plot(report, args.plot, title=command)}")
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -174,7 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
     from ov_kvcrush.engines import make_engine, resolve_model
-    from ov_kvcrush.tasks import passkey_prompt
+    from ov_kvcrush.eval.tasks import passkey_prompt
 
     settings = GenerationSettings(max_new_tokens=24)
     runs = [("genai", CompressionConfig()), ("torch", CompressionConfig())]
@@ -210,18 +316,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.command is None:
         parser.print_help()
         return 0
     if args.command in PLANNED:
         print(
             f"ov-kvcrush {args.command}: not built yet (issue #{PLANNED[args.command]}); "
-            "available now: export, demo, generate",
+            "available now: export, demo, generate, eval",
             file=sys.stderr,
         )
         return 2
-    handler = {"export": cmd_export, "generate": cmd_generate, "demo": cmd_demo}[args.command]
+    handler = {"export": cmd_export, "generate": cmd_generate, "demo": cmd_demo, "eval": cmd_eval}[args.command]
     try:
         return handler(args)
     except UserError as exc:

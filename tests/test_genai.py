@@ -12,7 +12,7 @@ import pytest
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.genai import GenAIEngine
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.tasks import passkey_prompt
+from ov_kvcrush.eval.tasks import passkey_prompt
 
 pytestmark = pytest.mark.model
 SETTINGS = GenerationSettings(max_new_tokens=24)

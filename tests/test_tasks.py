@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ov_kvcrush.tasks import FILLER, INTRO, passkey_prompt
+from ov_kvcrush.eval.tasks import FILLER, INTRO, passkey_prompt
 
 
 def count_words(text: str) -> int:

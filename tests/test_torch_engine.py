@@ -41,7 +41,7 @@ def engine(hf_dir):
 
 @pytest.fixture(scope="module")
 def passkey(engine):
-    from ov_kvcrush.tasks import passkey_prompt
+    from ov_kvcrush.eval.tasks import passkey_prompt
 
     return passkey_prompt(PASSKEY_TOKENS, lambda t: len(engine.encode(t)), seed=3)
 

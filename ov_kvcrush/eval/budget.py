@@ -1,0 +1,194 @@
+"""Equal-memory budgets: the token budget at which each method holds a given number of KV bytes.
+
+Methods spend bytes differently: a 2-bit store holds about seven times more tokens than float32
+in the same bytes, ClusterKV and Quest keep every token and only bound what is attended, MiniKV
+keeps every generated token, scores and positions cost metadata. Comparing methods "at budget
+256" therefore compares different memory. :func:`solve_budget` finds, per method, the largest
+budget whose cache holds at most the target bytes at the end of a generation of the given size.
+
+The bytes are **measured, not modelled**: :func:`held_bytes` builds the method's real per-layer
+caches for the model's shapes, feeds them a prompt of random keys/values and the decode steps,
+and reads :meth:`~ov_kvcrush.methods.base.LayerCache.memory` (the same number the engine
+reports, which tests check against the tensors' storage). What a cache holds depends on token
+counts, not values, so random data gives the model's numbers; the prompt's attention output
+and scores are supplied (:class:`~ov_kvcrush.methods.base.PromptMemo`) instead of computed,
+which makes a probe cheap. Memory grows with the budget, so a bisection needs about
+``log2(tokens)`` probes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods.base import AttentionOutput, PromptMemo
+
+#: Tokens in one KV block (OpenVINO's CPU paged-attention block is 32 tokens, its GPU block 16);
+#: the solver's precision is stated in blocks of this many tokens of full-precision KV over all layers.
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV memory of a model depends on."""
+
+    num_layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    element_bytes: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype) -> ModelShape:
+        """From a transformers config and the dtype the engine stores keys/values in."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = int(text.num_hidden_layers)
+        types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * n)
+        return cls(
+            num_layers=n,
+            q_heads=int(text.num_attention_heads),
+            kv_heads=int(text.num_key_value_heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+            element_bytes=torch.empty((), dtype=dtype).element_size(),
+            layer_types=types,
+            sliding_window=getattr(text, "sliding_window", None),
+        )
+
+    def full_kv_bytes(self, tokens: int) -> int:
+        """Bytes of an uncompressed cache holding ``tokens`` tokens (sliding layers capped at their window)."""
+        total = 0
+        for kind in self.layer_types:
+            n = min(tokens, self.sliding_window) if kind == "sliding_attention" and self.sliding_window else tokens
+            total += 2 * self.kv_heads * n * self.head_dim * self.element_bytes
+        return total
+
+    def block_bytes(self) -> int:
+        """One block: :data:`BLOCK_TOKENS` tokens of full-precision KV in every layer."""
+        return self.full_kv_bytes(BLOCK_TOKENS)
+
+    def _model_config(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            num_hidden_layers=self.num_layers, layer_types=list(self.layer_types), sliding_window=self.sliding_window
+        )
+
+
+def held_bytes(
+    compression: CompressionConfig, shape: ModelShape, prompt_tokens: int, new_tokens: int, seed: int = 0
+) -> int:
+    """Bytes the method's cache holds after a ``prompt_tokens`` prompt and ``new_tokens`` decode steps.
+
+    Measured on the method's real layer caches (see the module docstring).
+    """
+    from ov_kvcrush.engines.hf_cache import CompressedCache
+
+    if prompt_tokens < 1 or new_tokens < 0:
+        raise ValueError(f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}: allowed >= 1 and >= 0")
+    cache = CompressedCache(compression.method_config(), shape._model_config())
+    gen = torch.Generator().manual_seed(seed)
+    dtype = {4: torch.float32, 2: torch.float16}.get(shape.element_bytes, torch.float32)
+    hq, hk, d = shape.q_heads, shape.kv_heads, shape.head_dim
+
+    def rand(heads: int, tokens: int) -> torch.Tensor:
+        return torch.randn(1, heads, tokens, d, generator=gen).to(dtype)
+
+    for layer in cache.layers:
+        lc = layer.method
+        q, k, v = rand(hq, prompt_tokens), rand(hk, prompt_tokens), rand(hk, prompt_tokens)
+        scores = torch.rand(1, hq, prompt_tokens, generator=gen)
+        lc.prompt_memo = PromptMemo(q, k, v, torch.zeros_like(q), AttentionOutput(torch.zeros_like(q), scores))
+        try:
+            lc.prefill(q, k, v)
+        finally:
+            lc.prompt_memo = None
+        for _ in range(new_tokens):
+            lc.decode(rand(hq, 1), rand(hk, 1), rand(hk, 1))
+    return cache.memory()["total"]
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The budget the solver gave one method.
+
+    Attributes:
+        label: the method as reported (e.g. ``kvcrush+2bit``).
+        budget: the token budget (``None`` when no budget reaches the target).
+        kv_bytes: bytes the method holds at that budget (at the smallest budget when unreachable).
+        target_bytes: the target.
+        status: ``ok`` (within one block below the target), ``all`` (even an uncompressed
+            budget fits), ``fixed`` (its bytes do not depend on the budget: recall methods keep
+            every token), ``unreachable`` (its smallest cache is larger than the target).
+    """
+
+    label: str
+    budget: int | None
+    kv_bytes: int
+    target_bytes: int
+    status: str
+
+    def describe(self, block_bytes: int) -> str:
+        mib = self.kv_bytes / 2**20
+        if self.status == "unreachable":
+            return f"{self.label}: no budget fits (smallest cache {mib:.2f} MiB)"
+        gap = (self.target_bytes - self.kv_bytes) / block_bytes
+        extra = {"all": " (holds every token)", "fixed": " (bytes do not depend on the budget)"}.get(self.status, "")
+        return f"{self.label}: budget {self.budget} -> {mib:.2f} MiB, {gap:.2f} blocks under the target{extra}"
+
+
+def solve_budget(
+    label: str,
+    make: Callable[[int], CompressionConfig],
+    shape: ModelShape,
+    prompt_tokens: int,
+    new_tokens: int,
+    target_bytes: int,
+    probe: Callable[[CompressionConfig], int] | None = None,
+) -> BudgetChoice:
+    """The largest budget whose cache holds at most ``target_bytes`` (see :class:`BudgetChoice`).
+
+    ``make(budget)`` builds the method's config (it may refuse small budgets with a
+    :class:`~ov_kvcrush.errors.ConfigError`, e.g. below sinks + recent window: the search starts
+    at the smallest accepted one). ``probe`` measures a config's bytes; :func:`held_bytes` by
+    default.
+    """
+    if target_bytes < 1:
+        raise ConfigError("kv_bytes", target_bytes, "a positive number of bytes")
+    measure = probe or (lambda c: held_bytes(c, shape, prompt_tokens, new_tokens))
+    memo: dict[int, int] = {}
+
+    def nbytes(budget: int) -> int:
+        if budget not in memo:
+            memo[budget] = measure(make(budget))
+        return memo[budget]
+
+    def valid(budget: int) -> bool:
+        try:
+            make(budget)
+        except ConfigError:
+            return False
+        return True
+
+    hi = prompt_tokens + new_tokens  # no method compresses below this many tokens seen
+    if not valid(hi):
+        return BudgetChoice(label, None, 0, target_bytes, "unreachable")
+    lo_bad, lo = 0, hi  # smallest accepted budget: validity is monotone in the budget
+    while lo - lo_bad > 1:
+        mid = (lo + lo_bad) // 2
+        lo, lo_bad = (mid, lo_bad) if valid(mid) else (lo, mid)
+    if nbytes(lo) > target_bytes:
+        return BudgetChoice(label, None, nbytes(lo), target_bytes, "unreachable")
+    fixed = nbytes(hi) - nbytes(lo) < shape.block_bytes()
+    if nbytes(hi) <= target_bytes:
+        return BudgetChoice(label, hi, nbytes(hi), target_bytes, "fixed" if fixed else "all")
+    good, bad = lo, hi  # nbytes(good) <= target < nbytes(bad)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if nbytes(mid) <= target_bytes else (good, mid)
+    return BudgetChoice(label, good, nbytes(good), target_bytes, "fixed" if fixed else "ok")

@@ -1,0 +1,208 @@
+"""How an evaluation is shown: a table on stdout, a JSON file and a plot of score against KV bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ov_kvcrush.eval.runner import EvalReport
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _order(r: dict[str, Any], methods: Sequence[str]) -> tuple:
+    m = r["method"]
+    return (
+        r["task"],
+        r["length"] or 0,
+        methods.index(m) if m in methods else len(methods),
+        m,
+        r["budget"] or 0,
+        r.get("target_kv_bytes") or 0,
+    )
+
+
+def _methods(results: list[dict[str, Any]]) -> list[str]:
+    seen: list[str] = []
+    for r in results:
+        if r["method"] not in seen:
+            seen.append(r["method"])
+    return seen
+
+
+def format_table(report: EvalReport) -> str:
+    """One row per (task, length, method, budget): score, agreement, KV bytes and their share of full."""
+    results = report.results
+    methods = _methods(results)
+    head = ["task", "length", "method", "budget", "score", "agree", "KV MiB", "% full", "recall", "n"]
+    rows = [head]
+    for r in sorted(results, key=lambda r: _order(r, methods)):
+        score_spec = ".2f" if r["metric"] == "perplexity" else ".3f"
+        rows.append(
+            [
+                r["task"] + (" (ppl)" if r["metric"] == "perplexity" else ""),
+                _fmt(r["length"], "d"),
+                r["method"],
+                _fmt(r["budget"], "d"),
+                _fmt(r["score"], score_spec),
+                _fmt(r["agreement"], ".3f"),
+                _fmt(r["kv_bytes"] / 2**20, ".2f"),
+                _fmt(100 * r["kv_bytes"] / r["full_kv_bytes"] if r["full_kv_bytes"] else None, ".1f"),
+                _fmt(r.get("recall_rate"), ".3f"),
+                str(r["n"]),
+            ]
+        )
+    lines = [_line(rows[0], rows)] + ["-" * len(_line(rows[0], rows))] + [_line(row, rows) for row in rows[1:]]
+    return "\n".join(lines) + "\n\n" + format_summary(report)
+
+
+def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, budget or memory target): means over every accuracy task and length, and the perplexity ratio.
+
+    ``ppl_ratio`` is the compressed perplexity over the full cache's for the same text (1.0 is
+    lossless); ``kv_share`` the mean fraction of the full cache held.
+    """
+    full_ppl = {
+        (r["task"], r["length"]): r["score"] for r in results if r["method"] == "full" and r["metric"] == "perplexity"
+    }
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["method"], r["budget"], r.get("target_kv_bytes")), []).append(r)
+    out = []
+    for (method, budget, target), rows in groups.items():
+        acc = [r for r in rows if r["metric"] == "accuracy"]
+        ppl = [r["score"] / full_ppl[(r["task"], r["length"])] for r in rows if r["metric"] == "perplexity"]
+        out.append(
+            {
+                "method": method,
+                "budget": budget,
+                "target_kv_bytes": target,
+                "score": _mean([r["score"] for r in acc]),
+                "agreement": _mean([r["agreement"] for r in acc]),
+                "ppl_ratio": _mean(ppl),
+                "kv_share": _mean([r["kv_bytes"] / r["full_kv_bytes"] for r in rows if r["full_kv_bytes"]]),
+                "cells": len(acc),
+            }
+        )
+    return out
+
+
+def format_summary(report: EvalReport) -> str:
+    rows_data = summary_rows(report.results)
+    methods = _methods(report.results)
+    rows_data.sort(key=lambda r: (methods.index(r["method"]), r["budget"] or 0, r["target_kv_bytes"] or 0))
+    head = ["method", "budget", "mean score", "agree", "ppl / full", "% of full KV", "cells"]
+    rows = [head]
+    for r in rows_data:
+        rows.append(
+            [
+                r["method"],
+                _fmt(r["budget"], "d"),
+                _fmt(r["score"], ".3f"),
+                _fmt(r["agreement"], ".3f"),
+                _fmt(r["ppl_ratio"], ".3f"),
+                _fmt(100 * r["kv_share"], ".1f"),
+                str(r["cells"]),
+            ]
+        )
+    title = "summary over accuracy tasks and lengths (ppl / full: perplexity relative to the full cache)"
+    body = [_line(rows[0], rows), "-" * len(_line(rows[0], rows))] + [_line(row, rows) for row in rows[1:]]
+    return title + "\n" + "\n".join(body)
+
+
+def _line(row: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(row))]
+    return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def write_json(report: EvalReport, path: str | Path, command: str | None = None) -> Path:
+    """Write ``{"results": [...], "summary": [...], "budgets": [...], "meta": {...}, "samples": [...]}``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = report.to_dict()
+    payload["summary"] = summary_rows(report.results)
+    if command:
+        payload["meta"] = {**payload["meta"], "command": command}
+    path.write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n", encoding="utf-8")
+    return path
+
+
+def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path:
+    """Score against KV MiB held, one line per method (its budgets as points), one panel per (length, task).
+
+    The full cache is a star; perplexity panels have their own y axis (lower is better).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report.results
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    lengths = list(dict.fromkeys(r["length"] for r in results))
+    methods = [m for m in _methods(results) if m != "full"]
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    cmap = plt.get_cmap("tab10")
+    colors = {m: cmap(i % 10) for i, m in enumerate(methods)}
+    styles = {m: ("-", "--", ":")[(i // 10) % 3] for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(
+        len(lengths), len(tasks), figsize=(3.6 * len(tasks) + 2.2, 2.9 * len(lengths)), squeeze=False
+    )
+    for i, length in enumerate(lengths):
+        for j, task in enumerate(tasks):
+            ax = axes[i][j]
+            cell = [r for r in results if r["task"] == task and r["length"] == length]
+            if not cell:
+                ax.set_visible(False)
+                continue
+            ppl = cell[0]["metric"] == "perplexity"
+            for m in methods:
+                pts = sorted((r["kv_bytes"] / 2**20, r["score"]) for r in cell if r["method"] == m)
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", ms=3.5, lw=1.2, color=colors[m], ls=styles[m], label=m)
+            for r in cell:
+                if r["method"] == "full":
+                    ax.plot(r["kv_bytes"] / 2**20, r["score"], marker="*", ms=11, color="black", ls="", label="full")
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            if ppl:
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+                ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+            else:
+                ax.set_ylim(-0.05, 1.05)
+            ax.set_title(f"{task} @ {length} tok" if length else task, fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            ax.tick_params(labelsize=7)
+            if i == len(lengths) - 1:
+                ax.set_xlabel("KV MiB held (log)", fontsize=8)
+            if j == 0 or ppl:
+                ax.set_ylabel("perplexity (lower is better)" if ppl else "score", fontsize=8)
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in handles:
+                handles[label] = h
+                labels.append(label)
+    fig.legend([handles[label] for label in labels], labels, loc="center right", fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.9 / (3.6 * len(tasks) + 2.2), 0.97 if title else 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
