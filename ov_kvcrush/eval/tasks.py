@@ -161,7 +161,7 @@ def passkey_prompt(
         return INTRO + FILLER * before + needle + FILLER * (units - before) + QUESTION
 
     per_unit = max(1, count_tokens(FILLER * 8) // 8)
-    units = _fit(target_tokens, count_tokens, build, per_unit, "passkey")
+    units = _fit(target_tokens, count_tokens, build, per_unit, "passkey", "target_tokens")
     return PasskeySample(
         task="passkey", prompt=build(units), answers=(key,), depth=depth, filler_units=units, meta={"key": key}
     )

@@ -347,17 +347,22 @@ class QuestConfig(MethodConfig):
         budget: tokens attended per decode step and KV head (whole pages). Required.
         page_size: tokens per page (16 in Quest).
         dense_layers: first layers left uncompressed (2 in Quest).
+        track_recall: also compute, every step, the recall rate of the selected tokens against
+            the true top-``budget`` tokens by attention (costs a full attention; for evaluation).
     """
 
     name: ClassVar[str] = "quest"
     budget: int | None = None
     page_size: int = 16
     dense_layers: int = 2
+    track_recall: bool = False
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 1, 4096)
         check_budget("budget", self.budget, self.page_size, " for method quest (at least page_size)")
         _check_int("dense_layers", self.dense_layers, 0, 4096)
+        if not isinstance(self.track_recall, bool):
+            raise ConfigError("track_recall", self.track_recall, "true or false")
 
     def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
         return None if layer_idx < self.dense_layers else self.budget
@@ -538,7 +543,15 @@ class QuestLayerCache(_RecallLayerCache):
         hi, lo = page_bounds(keys[:, :, first * ps :], ps)
         self.kmax = torch.cat([self.kmax[:, :, :first], hi], dim=2)
         self.kmin = torch.cat([self.kmin[:, :, :first], lo], dim=2)
-        return quest_select(queries, keys, ps, self.config.budget, bounds=(self.kmax, self.kmin))
+        slots = quest_select(queries, keys, ps, self.config.budget, bounds=(self.kmax, self.kmin))
+        if self.config.track_recall:
+            res = self._attend(queries, keys, keys, return_scores=True)
+            assert res.scores is not None
+            rate = recall_rate(slots, group_heads(res.scores, keys.shape[1]), self.config.budget)
+            self._bump("recall_sum", rate)
+            self._bump("recall_steps")
+            self.counters["recall_rate"] = self.counters["recall_sum"] / self.counters["recall_steps"]
+        return slots
 
     def memory(self) -> dict[str, int]:
         m = self.store.memory()
