@@ -97,12 +97,19 @@ def _rng(seed: int, task: str, length: int, index: int) -> random.Random:
     return random.Random(f"{seed}:{task}:{length}:{index}")
 
 
-def _fit(target_tokens: int, count_tokens: CountTokens, build: Callable[[int], str], per_unit: float, what: str) -> int:
+def _fit(
+    target_tokens: int,
+    count_tokens: CountTokens,
+    build: Callable[[int], str],
+    per_unit: float,
+    what: str,
+    field_name: str = "length",
+) -> int:
     """The largest number of filler units whose prompt fits ``target_tokens`` (estimate, then exact steps)."""
     fixed = count_tokens(build(0))
     if target_tokens < fixed:
         raise ValueError(
-            f"length={target_tokens} is invalid for {what}: allowed >= {fixed} (the prompt without filler)"
+            f"{field_name}={target_tokens} is invalid for {what}: allowed >= {fixed} (the prompt without filler)"
         )
     units = max(0, int((target_tokens - fixed) / max(per_unit, 1e-9)))
     while units > 0 and count_tokens(build(units)) > target_tokens:
