@@ -74,7 +74,8 @@ class ModelShape:
         """One block: :data:`BLOCK_TOKENS` tokens of full-precision KV in every layer."""
         return self.full_kv_bytes(BLOCK_TOKENS)
 
-    def _model_config(self) -> SimpleNamespace:
+    def model_config(self) -> SimpleNamespace:
+        """A stand-in for the model's config, enough to build its caches (``CompressedCache``)."""
         return SimpleNamespace(
             num_hidden_layers=self.num_layers, layer_types=list(self.layer_types), sliding_window=self.sliding_window
         )
@@ -91,7 +92,7 @@ def held_bytes(
 
     if prompt_tokens < 1 or new_tokens < 0:
         raise ValueError(f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}: allowed >= 1 and >= 0")
-    cache = CompressedCache(compression.method_config(), shape._model_config())
+    cache = CompressedCache(compression.method_config(), shape.model_config())
     gen = torch.Generator().manual_seed(seed)
     dtype = {4: torch.float32, 2: torch.float16}.get(shape.element_bytes, torch.float32)
     hq, hk, d = shape.q_heads, shape.kv_heads, shape.head_dim
