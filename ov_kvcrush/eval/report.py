@@ -66,9 +66,11 @@ def format_table(report: EvalReport) -> str:
 def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (method, budget or memory target): means over every accuracy task and length, and the perplexity ratio.
 
-    ``ppl_ratio`` is the compressed perplexity over the full cache's for the same text (1.0 is
+    ``score_kept`` is the mean score over the full cache's on the same cells; ``ppl_ratio`` is
+    the compressed perplexity over the full cache's for the same text (1.0 is
     lossless); ``kv_share`` the mean fraction of the full cache held.
     """
+    full_score = {(r["task"], r["length"]): r["score"] for r in results if r["method"] == "full"}
     full_ppl = {
         (r["task"], r["length"]): r["score"] for r in results if r["method"] == "full" and r["metric"] == "perplexity"
     }
@@ -79,12 +81,14 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (method, budget, target), rows in groups.items():
         acc = [r for r in rows if r["metric"] == "accuracy"]
         ppl = [r["score"] / full_ppl[(r["task"], r["length"])] for r in rows if r["metric"] == "perplexity"]
+        reference = _mean([full_score[(r["task"], r["length"])] for r in acc if (r["task"], r["length"]) in full_score])
         out.append(
             {
                 "method": method,
                 "budget": budget,
                 "target_kv_bytes": target,
                 "score": _mean([r["score"] for r in acc]),
+                "score_kept": _mean([r["score"] for r in acc]) / reference if reference > 0 else float("nan"),
                 "agreement": _mean([r["agreement"] for r in acc]),
                 "ppl_ratio": _mean(ppl),
                 "kv_share": _mean([r["kv_bytes"] / r["full_kv_bytes"] for r in rows if r["full_kv_bytes"]]),
@@ -98,7 +102,7 @@ def format_summary(report: EvalReport) -> str:
     rows_data = summary_rows(report.results)
     methods = _methods(report.results)
     rows_data.sort(key=lambda r: (methods.index(r["method"]), r["budget"] or 0, r["target_kv_bytes"] or 0))
-    head = ["method", "budget", "mean score", "agree", "ppl / full", "% of full KV", "cells"]
+    head = ["method", "budget", "mean score", "kept", "agree", "ppl / full", "% of full KV", "cells"]
     rows = [head]
     for r in rows_data:
         rows.append(
@@ -106,13 +110,17 @@ def format_summary(report: EvalReport) -> str:
                 r["method"],
                 _fmt(r["budget"], "d"),
                 _fmt(r["score"], ".3f"),
+                _fmt(r["score_kept"], ".2f"),
                 _fmt(r["agreement"], ".3f"),
                 _fmt(r["ppl_ratio"], ".3f"),
                 _fmt(100 * r["kv_share"], ".1f"),
                 str(r["cells"]),
             ]
         )
-    title = "summary over accuracy tasks and lengths (ppl / full: perplexity relative to the full cache)"
+    title = (
+        "summary over accuracy tasks and lengths (kept: score relative to the full cache's; "
+        "ppl / full: perplexity relative to the full cache's)"
+    )
     body = [_line(rows[0], rows), "-" * len(_line(rows[0], rows))] + [_line(row, rows) for row in rows[1:]]
     return title + "\n" + "\n".join(body)
 
@@ -157,6 +165,7 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
     cmap = plt.get_cmap("tab10")
     colors = {m: cmap(i % 10) for i, m in enumerate(methods)}
     styles = {m: ("-", "--", ":")[(i // 10) % 3] for i, m in enumerate(methods)}
+    markers = {m: "osD^vP<>Xh"[i % 10] for i, m in enumerate(methods)}  # overlapping lines stay readable
     fig, axes = plt.subplots(
         len(lengths), len(tasks), figsize=(3.6 * len(tasks) + 2.2, 2.9 * len(lengths)), squeeze=False
     )
@@ -171,7 +180,16 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
             for m in methods:
                 pts = sorted((r["kv_bytes"] / 2**20, r["score"]) for r in cell if r["method"] == m)
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", ms=3.5, lw=1.2, color=colors[m], ls=styles[m], label=m)
+                    ax.plot(
+                        *zip(*pts, strict=True),
+                        marker=markers[m],
+                        ms=4,
+                        mfc="none",
+                        lw=1.2,
+                        color=colors[m],
+                        ls=styles[m],
+                        label=m,
+                    )
             for r in cell:
                 if r["method"] == "full":
                     ax.plot(r["kv_bytes"] / 2**20, r["score"], marker="*", ms=11, color="black", ls="", label="full")
@@ -199,10 +217,37 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
                 labels.append(label)
     fig.legend([handles[label] for label in labels], labels, loc="center right", fontsize=8, frameon=False)
     if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1 - 1.9 / (3.6 * len(tasks) + 2.2), 0.97 if title else 1))
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 40 * len(tasks) + 20)), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1 - 1.9 / (3.6 * len(tasks) + 2.2), 0.95 if title else 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def load(path: str | Path) -> EvalReport:
+    """Read a report written by :func:`write_json` (to re-render tables and plots without re-running)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return EvalReport(data["results"], data.get("samples", []), data.get("budgets", []), data.get("meta", {}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ov_kvcrush.eval.report RESULTS.json [--plot OUT.png]``: print the tables again, re-plot."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m ov_kvcrush.eval.report", description=main.__doc__)
+    ap.add_argument("json_path")
+    ap.add_argument("--plot", help="write the plot here")
+    args = ap.parse_args(argv)
+    report = load(args.json_path)
+    print(format_table(report))
+    if args.plot:
+        print(f"plot: {plot(report, args.plot, title=report.meta.get('command'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
