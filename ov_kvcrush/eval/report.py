@@ -166,12 +166,15 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
     colors = {m: cmap(i % 10) for i, m in enumerate(methods)}
     styles = {m: ("-", "--", ":")[(i // 10) % 3] for i, m in enumerate(methods)}
     markers = {m: "osD^vP<>Xh"[i % 10] for i, m in enumerate(methods)}  # overlapping lines stay readable
-    fig, axes = plt.subplots(
-        len(lengths), len(tasks), figsize=(3.6 * len(tasks) + 2.2, 2.9 * len(lengths)), squeeze=False
-    )
+    # one row per length, one column per task; a single task lays its lengths out in a row
+    one_task = len(tasks) == 1
+    n_rows, n_cols = (1, len(lengths)) if one_task else (len(lengths), len(tasks))
+    width = 3.6 * n_cols + 2.2
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width, 2.9 * n_rows + 0.4), squeeze=False)
     for i, length in enumerate(lengths):
         for j, task in enumerate(tasks):
-            ax = axes[i][j]
+            row, col = (0, i) if one_task else (i, j)
+            ax = axes[row][col]
             cell = [r for r in results if r["task"] == task and r["length"] == length]
             if not cell:
                 ax.set_visible(False)
@@ -205,9 +208,9 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
             ax.set_title(f"{task} @ {length} tok" if length else task, fontsize=9)
             ax.grid(alpha=0.3, which="both")
             ax.tick_params(labelsize=7)
-            if i == len(lengths) - 1:
+            if row == n_rows - 1:
                 ax.set_xlabel("KV MiB held (log)", fontsize=8)
-            if j == 0 or ppl:
+            if col == 0 or ppl:
                 ax.set_ylabel("perplexity (lower is better)" if ppl else "score", fontsize=8)
     handles, labels = {}, []
     for ax in axes.flat:
@@ -219,8 +222,8 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
     if title:
         import textwrap
 
-        fig.suptitle("\n".join(textwrap.wrap(title, 40 * len(tasks) + 20)), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1 - 1.9 / (3.6 * len(tasks) + 2.2), 0.95 if title else 1))
+        fig.suptitle("\n".join(textwrap.wrap(title, int(40 * n_cols + 20))), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1 - 1.9 / width, 0.93 if title else 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
