@@ -89,7 +89,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "target_kv_bytes": target,
                 "score": _mean([r["score"] for r in acc]),
                 "score_kept": _mean([r["score"] for r in acc]) / reference if reference > 0 else float("nan"),
-                "agreement": _mean([r["agreement"] for r in acc]),
+                "agreement": _mean([r["agreement"] for r in rows]),  # ppl rows: argmax along the text
                 "ppl_ratio": _mean(ppl),
                 "kv_share": _mean([r["kv_bytes"] / r["full_kv_bytes"] for r in rows if r["full_kv_bytes"]]),
                 "cells": len(acc),
