@@ -8,7 +8,7 @@ import torch
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines.hf_cache import CompressedCache
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.eval.budget import ModelShape, held_bytes, solve_budget
+from ov_kvcrush.eval.budget import ModelShape, block_bytes, held_bytes, solve_budget
 from ov_kvcrush.eval.runner import MethodSpec
 from ov_kvcrush.methods import REGISTRY
 from ov_kvcrush.methods.base import storage_bytes
@@ -40,7 +40,7 @@ def test_synthetic_probe_picks_the_largest_budget_under_the_target():
             raise ConfigError("budget", b, ">= 100")
         return CompressionConfig("snapkv", b)
 
-    step = SHAPE.block_bytes() // 8  # bytes per budget token
+    step = block_bytes(SHAPE) // 8  # bytes per budget token
     probe = lambda c: 1000 + step * c.budget  # noqa: E731
     shape = SHAPE
     choice = solve_budget("snapkv", make, shape, 500, 0, 1000 + 200 * step + 5, probe=probe)
@@ -62,7 +62,7 @@ SPECS = [MethodSpec(m) for m in REGISTRY if m != "full"] + [MethodSpec("kvcrush"
 @pytest.mark.parametrize("ratio", [0.2, 0.45])
 def test_every_method_gets_bytes_within_one_block_of_the_target(spec, ratio):
     target = round(ratio * SHAPE.full_kv_bytes(PROMPT + NEW))
-    block = SHAPE.block_bytes()
+    block = block_bytes(SHAPE)
 
     def make(b: int) -> CompressionConfig:
         return spec.compression(b, track_recall=False)

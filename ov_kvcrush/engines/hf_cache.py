@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -102,6 +104,50 @@ class CompressedLayer(CacheLayerMixin):
 
     def prefetch(self) -> None:
         return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV memory of a model depends on: the engine's full-cache bytes and the
+    evaluation's equal-memory probes (:mod:`ov_kvcrush.eval.budget`) read the same numbers."""
+
+    num_layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    element_bytes: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype) -> ModelShape:
+        """From a transformers config and the dtype the engine stores keys/values in."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = int(text.num_hidden_layers)
+        types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * n)
+        return cls(
+            num_layers=n,
+            q_heads=int(text.num_attention_heads),
+            kv_heads=int(text.num_key_value_heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+            element_bytes=torch.empty((), dtype=dtype).element_size(),
+            layer_types=types,
+            sliding_window=getattr(text, "sliding_window", None),
+        )
+
+    def full_kv_bytes(self, tokens: int) -> int:
+        """Bytes of an uncompressed cache holding ``tokens`` tokens (sliding layers capped at their window)."""
+        total = 0
+        for kind in self.layer_types:
+            n = min(tokens, self.sliding_window) if kind == "sliding_attention" and self.sliding_window else tokens
+            total += 2 * self.kv_heads * n * self.head_dim * self.element_bytes
+        return total
+
+    def model_config(self) -> SimpleNamespace:
+        """A stand-in for the model's config, enough to build its caches (``CompressedCache``)."""
+        return SimpleNamespace(
+            num_hidden_layers=self.num_layers, layer_types=list(self.layer_types), sliding_window=self.sliding_window
+        )
 
 
 class CompressedCache(Cache):
@@ -252,4 +298,11 @@ def compressed_attention(
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, compressed_attention)
 
-__all__ = ["ATTN_IMPLEMENTATION", "CompressedCache", "CompressedLayer", "compressed_attention", "storage_bytes"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CompressedCache",
+    "CompressedLayer",
+    "ModelShape",
+    "compressed_attention",
+    "storage_bytes",
+]

@@ -29,7 +29,7 @@ import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
-from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache
+from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.methods import MethodConfig
 
@@ -128,12 +128,8 @@ class TorchEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
-        text = self.model.config.get_text_config()
-        self._layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-        self._window = getattr(text, "sliding_window", None)
-        self._kv_heads = text.num_key_value_heads
-        self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self._elem = torch.empty((), dtype=self.model.dtype).element_size()
+        #: layer count, heads, dtype ... : what the KV memory of this model depends on
+        self.shape = ModelShape.from_config(self.model.config, self.model.dtype)
 
     def set_compression(self, compression: CompressionConfig) -> None:
         """Switch method/budget for the next generations (the model stays loaded)."""
@@ -159,11 +155,7 @@ class TorchEngine:
 
     def full_kv_bytes(self, tokens: int) -> int:
         """Bytes transformers' ``DynamicCache`` holds for ``tokens`` tokens (sliding layers capped)."""
-        total = 0
-        for kind in self._layer_types:
-            n = min(tokens, self._window) if kind == "sliding_attention" and self._window else tokens
-            total += 2 * self._kv_heads * n * self._head_dim * self._elem
-        return total
+        return self.shape.full_kv_bytes(tokens)
 
     # -- generation ---------------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor, settings: GenerationSettings, gen: torch.Generator | None) -> int:

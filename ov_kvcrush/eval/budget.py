@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
 
 import torch
 
 from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.engines.hf_cache import CompressedCache, ModelShape
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.base import AttentionOutput, PromptMemo
 
@@ -34,51 +33,9 @@ from ov_kvcrush.methods.base import AttentionOutput, PromptMemo
 BLOCK_TOKENS = 16
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the KV memory of a model depends on."""
-
-    num_layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    element_bytes: int
-    layer_types: tuple[str, ...]
-    sliding_window: int | None = None
-
-    @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype) -> ModelShape:
-        """From a transformers config and the dtype the engine stores keys/values in."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        n = int(text.num_hidden_layers)
-        types = tuple(getattr(text, "layer_types", None) or ["full_attention"] * n)
-        return cls(
-            num_layers=n,
-            q_heads=int(text.num_attention_heads),
-            kv_heads=int(text.num_key_value_heads),
-            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
-            element_bytes=torch.empty((), dtype=dtype).element_size(),
-            layer_types=types,
-            sliding_window=getattr(text, "sliding_window", None),
-        )
-
-    def full_kv_bytes(self, tokens: int) -> int:
-        """Bytes of an uncompressed cache holding ``tokens`` tokens (sliding layers capped at their window)."""
-        total = 0
-        for kind in self.layer_types:
-            n = min(tokens, self.sliding_window) if kind == "sliding_attention" and self.sliding_window else tokens
-            total += 2 * self.kv_heads * n * self.head_dim * self.element_bytes
-        return total
-
-    def block_bytes(self) -> int:
-        """One block: :data:`BLOCK_TOKENS` tokens of full-precision KV in every layer."""
-        return self.full_kv_bytes(BLOCK_TOKENS)
-
-    def model_config(self) -> SimpleNamespace:
-        """A stand-in for the model's config, enough to build its caches (``CompressedCache``)."""
-        return SimpleNamespace(
-            num_hidden_layers=self.num_layers, layer_types=list(self.layer_types), sliding_window=self.sliding_window
-        )
+def block_bytes(shape: ModelShape) -> int:
+    """One block: :data:`BLOCK_TOKENS` tokens of full-precision KV in every layer."""
+    return shape.full_kv_bytes(BLOCK_TOKENS)
 
 
 def held_bytes(
@@ -88,8 +45,6 @@ def held_bytes(
 
     Measured on the method's real layer caches (see the module docstring).
     """
-    from ov_kvcrush.engines.hf_cache import CompressedCache
-
     if prompt_tokens < 1 or new_tokens < 0:
         raise ValueError(f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}: allowed >= 1 and >= 0")
     cache = CompressedCache(compression.method_config(), shape.model_config())
@@ -185,7 +140,7 @@ def solve_budget(
         lo, lo_bad = (mid, lo_bad) if valid(mid) else (lo, mid)
     if nbytes(lo) > target_bytes:
         return BudgetChoice(label, None, nbytes(lo), target_bytes, "unreachable")
-    fixed = nbytes(hi) - nbytes(lo) < shape.block_bytes()
+    fixed = nbytes(hi) - nbytes(lo) < block_bytes(shape)
     if nbytes(hi) <= target_bytes:
         return BudgetChoice(label, hi, nbytes(hi), target_bytes, "fixed" if fixed else "all")
     good, bad = lo, hi  # nbytes(good) <= target < nbytes(bad)

@@ -24,7 +24,7 @@ from typing import Any
 from ov_kvcrush.config import MAX_TOKENS, CompressionConfig, GenerationSettings, _check_int
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval import tasks as T
-from ov_kvcrush.eval.budget import BudgetChoice, ModelShape, solve_budget
+from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
 from ov_kvcrush.eval.data import DATA_TASK, read_jsonl
 from ov_kvcrush.eval.scoring import agreement
 
@@ -199,7 +199,7 @@ class _Runner:
             from ov_kvcrush.engines.torch_engine import TorchEngine
 
             self.torch = TorchEngine(self.model_dir, device=plan.device, dtype=plan.dtype)
-            self.shape = ModelShape.from_config(self.torch.model.config, self.torch.model.dtype)
+            self.shape = self.torch.shape
             self._count = lambda text: len(self.torch.tokenizer(text, add_special_tokens=False).input_ids)
         else:
             self.torch = None
@@ -255,7 +255,7 @@ def _budgets(
     targets = list(plan.kv_bytes) or [round(r * full) for r in plan.kv_ratio]
     out: dict[str, list[tuple[int, int | None]]] = {s.label: [] for s in specs}
     chosen: list[dict[str, Any]] = []
-    block = runner.shape.block_bytes()
+    block = block_bytes(runner.shape)
     for target in targets:
         log(f"equal memory at length {length}: target {target / 2**20:.2f} MiB ({target / full:.1%} of full)")
         for s in specs:
