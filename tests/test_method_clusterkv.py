@@ -165,3 +165,16 @@ def test_quest_page_bounds_kept_incrementally_equal_recomputed_ones():
         cache.decode(*vec.step(i))
         kmax, kmin = page_bounds(cache.store.keys, 16)
         assert torch.equal(cache.kmax, kmax) and torch.equal(cache.kmin, kmin)
+
+
+def test_quest_tracks_recall_without_changing_results():
+    vec = layer_vectors(6, tokens=260)
+    base = dict(dense_layers=0, page_size=16)
+    plain, o_plain = run(QuestConfig(budget=64, **base), vec, 220, 40)
+    tracked, o_tracked = run(QuestConfig(budget=64, track_recall=True, **base), vec, 220, 40)
+    for a, b in zip(o_plain, o_tracked, strict=True):
+        assert torch.equal(a, b)
+    assert "recall_rate" not in plain.counters
+    assert tracked.counters["recall_steps"] == 40 and 0.0 < tracked.counters["recall_rate"] < 1.0
+    every, _ = run(QuestConfig(budget=512, track_recall=True, **base), vec, 220, 40)  # all pages recalled
+    assert every.counters["recall_rate"] == 1.0

@@ -417,6 +417,12 @@ class _RecallLayerCache(LayerCache):
         assert self.store.positions is not None
         return (self.store.positions >= 0).sum(-1)
 
+    def _record_recall(self, rate: float) -> None:
+        """Count one step's top-B recall rate; ``recall_rate`` is the mean over the steps so far."""
+        self._bump("recall_sum", rate)
+        self._bump("recall_steps")
+        self.counters["recall_rate"] = self.counters["recall_sum"] / self.counters["recall_steps"]
+
     def tokens_attended(self) -> torch.Tensor:
         """``[b, hk]`` tokens the last decode step attended."""
         if self.last_selected is None:
@@ -512,10 +518,7 @@ class ClusterKVLayerCache(_RecallLayerCache):
         where = torch.full((keys.shape[2],), -1, dtype=torch.long, device=keys.device)
         where[toks] = torch.arange(toks.numel(), device=keys.device)
         local = where[recalled]
-        rate = recall_rate(local, attn, self.config.budget - self.sinks)
-        self._bump("recall_sum", rate)
-        self._bump("recall_steps")
-        self.counters["recall_rate"] = self.counters["recall_sum"] / self.counters["recall_steps"]
+        self._record_recall(recall_rate(local, attn, self.config.budget - self.sinks))
 
     def memory(self) -> dict[str, int]:
         m = self.store.memory()
@@ -547,10 +550,7 @@ class QuestLayerCache(_RecallLayerCache):
         if self.config.track_recall:
             res = self._attend(queries, keys, keys, return_scores=True)
             assert res.scores is not None
-            rate = recall_rate(slots, group_heads(res.scores, keys.shape[1]), self.config.budget)
-            self._bump("recall_sum", rate)
-            self._bump("recall_steps")
-            self.counters["recall_rate"] = self.counters["recall_sum"] / self.counters["recall_steps"]
+            self._record_recall(recall_rate(slots, group_heads(res.scores, keys.shape[1]), self.config.budget))
         return slots
 
     def memory(self) -> dict[str, int]:
