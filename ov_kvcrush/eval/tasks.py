@@ -112,8 +112,11 @@ def _fit(
             f"{field_name}={target_tokens} is invalid for {what}: allowed >= {fixed} (the prompt without filler)"
         )
     units = max(0, int((target_tokens - fixed) / max(per_unit, 1e-9)))
-    while units > 0 and count_tokens(build(units)) > target_tokens:
-        units = max(0, units - max(1, (count_tokens(build(units)) - target_tokens) // max(1, int(per_unit)) // 2))
+    while units > 0:  # step down by about half the overshoot, each candidate tokenized once
+        over = count_tokens(build(units)) - target_tokens
+        if over <= 0:
+            break
+        units = max(0, units - max(1, over // max(1, int(per_unit)) // 2))
     while count_tokens(build(units + 1)) <= target_tokens:
         units += 1
     return units
