@@ -17,3 +17,11 @@ def full_engine(model_dir):
     from ov_kvcrush.engines.genai import GenAIEngine
 
     return GenAIEngine(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_dir():
+    """The embedded model as a Hugging Face checkpoint (the torch engine's input), converted once and cached."""
+    from ov_kvcrush.export import hf_checkpoint
+
+    return hf_checkpoint(progress=False)

@@ -26,13 +26,6 @@ BUDGET = 256
 
 
 @pytest.fixture(scope="module")
-def hf_dir():
-    from ov_kvcrush.export import hf_checkpoint
-
-    return hf_checkpoint(progress=False)
-
-
-@pytest.fixture(scope="module")
 def engine(hf_dir):
     from ov_kvcrush.engines.torch_engine import TorchEngine
 
