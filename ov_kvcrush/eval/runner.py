@@ -129,6 +129,10 @@ class EvalPlan:
                 raise ConfigError("kv_ratio", r, "numbers in (0, 1] (fractions of the full cache)")
         if self.kv_bytes and self.kv_ratio:
             raise ConfigError("kv_bytes", self.kv_bytes, "unset when kv_ratio is set (one equal-memory target kind)")
+        if self.data is not None and self.equal_memory:
+            # the budget solver needs a prompt length; custom samples have their own lengths
+            name, value = ("kv_bytes", self.kv_bytes) if self.kv_bytes else ("kv_ratio", self.kv_ratio)
+            raise ConfigError(name, value, "unset with data (equal-memory budgets are solved per --lengths)")
         if not (self.budgets or self.kv_bytes or self.kv_ratio):
             raise ConfigError("budgets", "(none)", "at least one budget, or kv_bytes / kv_ratio")
         _check_int("samples", self.samples, 1, 10_000)
