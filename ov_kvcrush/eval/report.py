@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.eval.runner import EvalReport
+from ov_kvcrush.eval.runner import EvalReport, mean
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -81,17 +81,17 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (method, budget, target), rows in groups.items():
         acc = [r for r in rows if r["metric"] == "accuracy"]
         ppl = [r["score"] / full_ppl[(r["task"], r["length"])] for r in rows if r["metric"] == "perplexity"]
-        reference = _mean([full_score[(r["task"], r["length"])] for r in acc if (r["task"], r["length"]) in full_score])
+        reference = mean([full_score[(r["task"], r["length"])] for r in acc if (r["task"], r["length"]) in full_score])
         out.append(
             {
                 "method": method,
                 "budget": budget,
                 "target_kv_bytes": target,
-                "score": _mean([r["score"] for r in acc]),
-                "score_kept": _mean([r["score"] for r in acc]) / reference if reference > 0 else float("nan"),
-                "agreement": _mean([r["agreement"] for r in rows]),  # ppl rows: argmax along the text
-                "ppl_ratio": _mean(ppl),
-                "kv_share": _mean([r["kv_bytes"] / r["full_kv_bytes"] for r in rows if r["full_kv_bytes"]]),
+                "score": mean([r["score"] for r in acc]),
+                "score_kept": mean([r["score"] for r in acc]) / reference if reference > 0 else float("nan"),
+                "agreement": mean([r["agreement"] for r in rows]),  # ppl rows: argmax along the text
+                "ppl_ratio": mean(ppl),
+                "kv_share": mean([r["kv_bytes"] / r["full_kv_bytes"] for r in rows if r["full_kv_bytes"]]),
                 "cells": len(acc),
             }
         )
@@ -128,10 +128,6 @@ def format_summary(report: EvalReport) -> str:
 def _line(row: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(row))]
     return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def write_json(report: EvalReport, path: str | Path, command: str | None = None) -> Path:

@@ -248,13 +248,16 @@ class _Runner:
 
 
 def _budgets(
-    plan: EvalPlan, runner: _Runner, length: int, log: Callable[[str], None]
+    plan: EvalPlan, runner: _Runner, length: int | None, log: Callable[[str], None]
 ) -> tuple[dict[str, list[tuple[int, int | None]]], list[dict[str, Any]]]:
-    """Per method label: ``(budget, target_bytes or None)`` pairs to run at ``length``; and the choices made."""
+    """Per method label: ``(budget, target_bytes or None)`` pairs to run at ``length``; and the choices made.
+
+    ``length`` is ``None`` for custom data, where the plan refuses equal-memory targets.
+    """
     specs = plan.compressed()
     if not plan.equal_memory:
         return {s.label: [(b, None) for b in plan.budgets] for s in specs}, []
-    assert runner.shape is not None
+    assert runner.shape is not None and length is not None
     full = runner.shape.full_kv_bytes(length + plan.max_new_tokens)
     targets = list(plan.kv_bytes) or [round(r * full) for r in plan.kv_ratio]
     out: dict[str, list[tuple[int, int | None]]] = {s.label: [] for s in specs}
@@ -290,11 +293,8 @@ def run_eval(plan: EvalPlan, progress: bool = True, log: Callable[[str], None] =
     per_length = {}
     budget_log: list[dict[str, Any]] = []
     for length in lengths:
-        if length is None:
-            per_length[None] = {s.label: [(b, None) for b in plan.budgets] for s in plan.compressed()}
-        else:
-            per_length[length], chosen = _budgets(plan, runner, length, log)
-            budget_log += chosen
+        per_length[length], chosen = _budgets(plan, runner, length, log)
+        budget_log += chosen
     specs = {s.label: s for s in plan.compressed()}
     n_samples = len(data) if data is not None else plan.samples
     total = sum(
@@ -399,24 +399,25 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "budget": budget,
             "backend": backend,
             "metric": rows[0]["metric"],
-            "score": _mean(r["score"] for r in rows),
-            "agreement": _mean(r["agreement"] for r in rows),
-            "kv_bytes": round(_mean(r["kv_bytes"] for r in rows)),
-            "full_kv_bytes": round(_mean(r["full_kv_bytes"] for r in rows)),
+            "score": mean(r["score"] for r in rows),
+            "agreement": mean(r["agreement"] for r in rows),
+            "kv_bytes": round(mean(r["kv_bytes"] for r in rows)),
+            "full_kv_bytes": round(mean(r["full_kv_bytes"] for r in rows)),
             "n": len(rows),
-            "prompt_tokens": round(_mean(r["prompt_tokens"] for r in rows)),
+            "prompt_tokens": round(mean(r["prompt_tokens"] for r in rows)),
         }
         if rows[0]["metric"] == "perplexity":
-            entry["log_perplexity"] = _mean(math.log(r["score"]) for r in rows)
+            entry["log_perplexity"] = mean(math.log(r["score"]) for r in rows)
         if recall:
-            entry["recall_rate"] = _mean(recall)
+            entry["recall_rate"] = mean(recall)
         if target is not None:
             entry["target_kv_bytes"] = target
         out.append(entry)
     return out
 
 
-def _mean(values) -> float:
+def mean(values) -> float:
+    """Arithmetic mean; NaN for no values (a cell with nothing to average shows as ``-``)."""
     vals = list(values)
     return sum(vals) / len(vals) if vals else float("nan")
 
