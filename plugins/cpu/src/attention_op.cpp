@@ -1,0 +1,250 @@
+#include "attention_op.hpp"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "kernels.hpp"
+#include "paged_cache.hpp"
+
+namespace ovkc {
+
+namespace {
+// Decode splits each head's cache into chunks of this many blocks so that all cores share the
+// work even when there are fewer KV heads than cores (the partial softmaxes are then combined).
+constexpr int64_t kDecodeChunkBlocks = 8;
+
+std::string shape_str(const ov::Shape& s) {
+    std::string out = "[";
+    for (size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+    return out + "]";
+}
+}  // namespace
+
+PagedAttention::PagedAttention(const ov::OutputVector& args, int64_t layer, float scale)
+    : Op(args), m_layer(layer), m_scale(scale) {
+    constructor_validate_and_infer_types();
+}
+
+void PagedAttention::validate_and_infer_types() {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 4, "PagedAttention takes 4 inputs (q, k, v, sequence handles), got ",
+                          get_input_size());
+    const auto& q = get_input_partial_shape(0);
+    NODE_VALIDATION_CHECK(this, q.rank().compatible(4), "query must be [B, Hq, L, D], got ", q);
+    for (size_t i = 1; i < 3; ++i)
+        NODE_VALIDATION_CHECK(this, get_input_partial_shape(i).rank().compatible(4), "key/value must be [B, Hkv, L, D]");
+    // The CPU plugin runs i64 tensors as i32; handles stay far below 2^31.
+    const auto& ht = get_input_element_type(3);
+    NODE_VALIDATION_CHECK(this, ht.is_dynamic() || ht == ov::element::i64 || ht == ov::element::i32,
+                          "sequence handles must be i64 (or i32), got ", ht);
+    NODE_VALIDATION_CHECK(this, m_layer >= 0, "layer must be >= 0, got ", m_layer);
+    set_output_type(0, get_input_element_type(0), q);
+}
+
+std::shared_ptr<ov::Node> PagedAttention::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    return std::make_shared<PagedAttention>(new_args, m_layer, m_scale);
+}
+
+bool PagedAttention::visit_attributes(ov::AttributeVisitor& visitor) {
+    visitor.on_attribute("layer", m_layer);
+    visitor.on_attribute("scale", m_scale);
+    return true;
+}
+
+bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const auto& q = inputs[0];
+    const auto& k = inputs[1];
+    const auto& v = inputs[2];
+    const auto& ids = inputs[3];
+    for (size_t i = 0; i < 3; ++i)
+        OPENVINO_ASSERT(inputs[i].get_element_type() == ov::element::f32,
+                        "ov_kvcrush PagedAttention: inputs must be f32, input ", i, " is ",
+                        inputs[i].get_element_type());
+    const ov::Shape qs = q.get_shape(), ks = k.get_shape(), vs = v.get_shape();
+    OPENVINO_ASSERT(qs.size() == 4 && ks.size() == 4 && vs == ks && ks[0] == qs[0] && ks[2] == qs[2] && ks[3] == qs[3],
+                    "ov_kvcrush PagedAttention: shapes q ", shape_str(qs), " k ", shape_str(ks), " v ", shape_str(vs),
+                    " are not [B,Hq,L,D], [B,Hkv,L,D], [B,Hkv,L,D]");
+    const int64_t B = qs[0], Hq = qs[1], L = qs[2], D = qs[3], Hkv = ks[1];
+    const auto ht = ids.get_element_type();
+    OPENVINO_ASSERT((ht == ov::element::i64 || ht == ov::element::i32) && ids.get_size() == static_cast<size_t>(B),
+                    "ov_kvcrush PagedAttention: sequence handles must be i64 [", B, "], got ", ht, " ",
+                    shape_str(ids.get_shape()));
+    outputs[0].set_shape(qs);
+    float* out = outputs[0].data<float>();
+    if (B == 0 || L == 0) return true;
+    const float* qd = q.data<float>();
+    const float* kd = k.data<float>();
+    const float* vd = v.data<float>();
+    std::vector<int64_t> handles(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b)
+        handles[static_cast<size_t>(b)] = ht == ov::element::i64 ? ids.data<int64_t>()[b] : ids.data<int32_t>()[b];
+    const int layer = static_cast<int>(m_layer);
+
+    for (int64_t b = 0; b < B; ++b) {
+        std::shared_ptr<Sequence> seq;
+        try {
+            seq = Registry::get().sequence(handles[b]);
+        } catch (const Error& e) {
+            OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
+        }
+        std::lock_guard<std::mutex> lock(seq->mu);
+        const PoolConfig& cfg = seq->pool().config();
+        OPENVINO_ASSERT(layer < cfg.layers && Hq == cfg.q_heads && Hkv == cfg.kv_heads && D == cfg.head_dim,
+                        "ov_kvcrush PagedAttention: layer ", layer, " with q_heads=", Hq, " kv_heads=", Hkv,
+                        " head_dim=", D, " does not match the KV pool (layers=", cfg.layers, " q_heads=", cfg.q_heads,
+                        " kv_heads=", cfg.kv_heads, " head_dim=", cfg.head_dim, ")");
+        const int G = cfg.group();
+        const int64_t past = seq->seen(layer);
+
+        // 1. append the step's keys and values (and zeroed score slots) to every head
+        for (int64_t g = 0; g < Hkv; ++g) {
+            HeadCache& hc = seq->head(layer, static_cast<int>(g));
+            try {
+                seq->reserve(hc, L);
+            } catch (const Error& e) {
+                OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
+            }
+            const int64_t base = hc.size();
+            hc.pos.resize(static_cast<size_t>(base + L));
+            if (cfg.scores) hc.scores.resize(static_cast<size_t>(base + L) * G, 0.0f);
+            const float* kh = kd + ((b * Hkv + g) * L) * D;
+            const float* vh = vd + ((b * Hkv + g) * L) * D;
+            for (int64_t i = 0; i < L; ++i) {
+                hc.pos[static_cast<size_t>(base + i)] = past + i;
+                store_token(cfg, seq->pool(), hc, base + i, kh + i * D, vh + i * D);
+            }
+        }
+        seq->seen(layer) = past + L;
+
+        const float* qb = qd + b * Hq * L * D;
+        float* ob = out + b * Hq * L * D;
+        std::fill(ob, ob + Hq * L * D, 0.0f);
+        // log-sum-exp of each (head, query) row, for the score pass
+        std::vector<float> lse(cfg.scores ? static_cast<size_t>(Hq * L) : 0);
+
+        if (L == 1) {
+            // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
+            const int row_tiles = (G + kMaxRows - 1) / kMaxRows;
+            std::vector<int64_t> chunks(static_cast<size_t>(Hkv));
+            int64_t max_chunks = 1;
+            for (int64_t g = 0; g < Hkv; ++g) {
+                const int64_t nb = static_cast<int64_t>(seq->head(layer, static_cast<int>(g)).blocks.size());
+                chunks[static_cast<size_t>(g)] = std::max<int64_t>(1, (nb + kDecodeChunkBlocks - 1) / kDecodeChunkBlocks);
+                max_chunks = std::max(max_chunks, chunks[static_cast<size_t>(g)]);
+            }
+            const int64_t tasks = Hkv * row_tiles * max_chunks;
+            // partial results: per task, per row: m, l, out[D]
+            std::vector<float> part(static_cast<size_t>(tasks) * kMaxRows * (D + 2));
+            tbb::parallel_for(tbb::blocked_range<int64_t>(0, tasks, 1), [&](const tbb::blocked_range<int64_t>& range) {
+                for (int64_t t = range.begin(); t < range.end(); ++t) {
+                    const int64_t g = t / (row_tiles * max_chunks);
+                    const int64_t tile = (t / max_chunks) % row_tiles;
+                    const int64_t chunk = t % max_chunks;
+                    float* pt = part.data() + static_cast<size_t>(t) * kMaxRows * (D + 2);
+                    RowSet rows;
+                    rows.start();
+                    rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, G - tile * kMaxRows));
+                    for (int r = 0; r < rows.n; ++r) {
+                        const int64_t h = g * G + tile * kMaxRows + r;
+                        rows.q[r] = qb + h * D;
+                        rows.qpos[r] = past;
+                        rows.out[r] = pt + r * (D + 2) + 2;
+                        std::fill(rows.out[r], rows.out[r] + D, 0.0f);
+                    }
+                    if (chunk < chunks[static_cast<size_t>(g)]) {
+                        const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                        const int64_t span = kDecodeChunkBlocks * cfg.block_size;
+                        attend_range(cfg, seq->pool(), hc, rows, m_scale, chunk * span, (chunk + 1) * span);
+                    }
+                    for (int r = 0; r < rows.n; ++r) {
+                        pt[r * (D + 2)] = rows.m[r];
+                        pt[r * (D + 2) + 1] = rows.l[r];
+                    }
+                }
+            });
+            // combine the chunks of each row
+            for (int64_t h = 0; h < Hq; ++h) {
+                const int64_t g = h / G, tile = (h % G) / kMaxRows, r = (h % G) % kMaxRows;
+                float M = -std::numeric_limits<float>::infinity();
+                for (int64_t c = 0; c < max_chunks; ++c) {
+                    const float* pr = part.data() + static_cast<size_t>((g * row_tiles + tile) * max_chunks + c) * kMaxRows * (D + 2) + r * (D + 2);
+                    M = std::max(M, pr[0]);
+                }
+                float lsum = 0.0f;
+                float* o = ob + h * D;
+                for (int64_t c = 0; c < max_chunks; ++c) {
+                    const float* pr = part.data() + static_cast<size_t>((g * row_tiles + tile) * max_chunks + c) * kMaxRows * (D + 2) + r * (D + 2);
+                    if (pr[1] == 0.0f) continue;
+                    const float w = std::exp(pr[0] - M);
+                    lsum += pr[1] * w;
+                    for (int64_t d = 0; d < D; ++d) o[d] += w * pr[2 + d];
+                }
+                const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+                for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+                if (cfg.scores) lse[static_cast<size_t>(h)] = M + std::log(lsum);
+            }
+        } else {
+            // 2b. prefill (or a chunk of a chat turn): rows = kMaxRows consecutive queries of one head
+            const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
+            tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
+                for (int64_t t = range.begin(); t < range.end(); ++t) {
+                    // largest tiles (latest queries, most keys) first for a better balance
+                    const int64_t h = t % Hq;
+                    const int64_t tile = tiles - 1 - t / Hq;
+                    const HeadCache& hc = seq->head(layer, static_cast<int>(h / G));
+                    RowSet rows;
+                    rows.start();
+                    rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, L - tile * kMaxRows));
+                    for (int r = 0; r < rows.n; ++r) {
+                        const int64_t i = tile * kMaxRows + r;
+                        rows.q[r] = qb + (h * L + i) * D;
+                        rows.qpos[r] = past + i;
+                        rows.out[r] = ob + (h * L + i) * D;
+                    }
+                    attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, hc.size());
+                    finish_rows(rows, static_cast<int>(D));
+                    if (cfg.scores)
+                        for (int r = 0; r < rows.n; ++r)
+                            lse[static_cast<size_t>(h * L + tile * kMaxRows + r)] = rows.m[r] + std::log(rows.l[r]);
+                }
+            });
+        }
+
+        // 3. per-head scores: each task owns one block of one KV head, so no two tasks add to
+        //    the same slot; it recomputes the probabilities of every query row of the group.
+        if (cfg.scores) {
+            int64_t max_blocks = 0;
+            for (int64_t g = 0; g < Hkv; ++g)
+                max_blocks = std::max<int64_t>(max_blocks, seq->head(layer, static_cast<int>(g)).blocks.size());
+            const int64_t rows_total = G * L;
+            tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hkv * max_blocks, 1), [&](const tbb::blocked_range<int64_t>& range) {
+                for (int64_t t = range.begin(); t < range.end(); ++t) {
+                    const int64_t g = t / max_blocks, blk = t % max_blocks;
+                    HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                    if (blk >= static_cast<int64_t>(hc.blocks.size())) continue;
+                    for (int64_t r0 = 0; r0 < rows_total; r0 += kMaxRows) {
+                        RowSet rows;
+                        float row_lse[kMaxRows];
+                        rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r0));
+                        for (int r = 0; r < rows.n; ++r) {
+                            const int64_t gi = (r0 + r) / L, i = (r0 + r) % L, h = g * G + gi;
+                            rows.q[r] = qb + (h * L + i) * D;
+                            rows.qpos[r] = past + i;
+                            rows.group_index[r] = static_cast<int>(gi);
+                            row_lse[r] = lse[static_cast<size_t>(h * L + i)];
+                        }
+                        accumulate_scores(cfg, seq->pool(), hc, rows, row_lse, m_scale, blk);
+                    }
+                }
+            });
+        }
+    }
+    return true;
+}
+
+}  // namespace ovkc

@@ -1,0 +1,37 @@
+// ov_kvcrush::PagedAttention: causal attention over the op's own paged KV cache.
+//
+// Inputs:  0 query [B, Hq, L, D] f32 (after RoPE), 1 key [B, Hkv, L, D] f32 (after RoPE, the
+//          step's new tokens only), 2 value [B, Hkv, L, D] f32, 3 sequence handles [B] i64.
+// Output:  0 attention [B, Hq, L, D] f32.
+// Attributes: layer (which layer's cache of the sequence), scale (logit scale).
+//
+// Each call appends the step's keys/values to the sequence's cache for this layer, then every
+// query token attends every held token at or before its own position. Batch rows are
+// independent sequences (no padding). Replaces ScaledDotProductAttention together with the
+// ReadValue/Concat/Assign state of optimum's stateful IR (see transformations/).
+#pragma once
+
+#include <openvino/op/op.hpp>
+
+namespace ovkc {
+
+class PagedAttention : public ov::op::Op {
+public:
+    OPENVINO_OP("PagedAttention", "ov_kvcrush");
+
+    PagedAttention() = default;
+    PagedAttention(const ov::OutputVector& args, int64_t layer, float scale);
+
+    void validate_and_infer_types() override;
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override;
+    bool visit_attributes(ov::AttributeVisitor& visitor) override;
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override;
+    bool has_evaluate() const override { return true; }
+    bool can_constant_fold(const ov::OutputVector&) const override { return false; }
+
+private:
+    int64_t m_layer = 0;
+    float m_scale = 1.0f;
+};
+
+}  // namespace ovkc

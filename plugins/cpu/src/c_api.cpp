@@ -1,0 +1,169 @@
+// C API of the KV cache, for Python (ctypes) in the same process as the OpenVINO runtime that
+// loaded this library: create/free pools and sequences, reset a sequence, read statistics.
+//
+// Every function returns 0 (or a handle > 0) on success and -1 on error; ovkc_last_error() then
+// gives the message. No exception crosses this boundary.
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kernels.hpp"
+#include "paged_cache.hpp"
+
+#define OVKC_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+thread_local std::string g_error;
+
+template <class F>
+int64_t guarded(F&& f) {
+    try {
+        return f();
+    } catch (const std::exception& e) {
+        g_error = e.what();
+    } catch (...) {
+        g_error = "unknown error";
+    }
+    return -1;
+}
+}  // namespace
+
+using ovkc::Registry;
+
+OVKC_API const char* ovkc_last_error() { return g_error.c_str(); }
+
+OVKC_API const char* ovkc_kernel_isa() { return ovkc::kernel_isa(); }
+
+OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
+                                  int32_t block_size, int32_t precision, int64_t max_blocks, int32_t scores) {
+    return guarded([&]() -> int64_t {
+        if (precision != 0 && precision != 1)
+            throw ovkc::Error("precision=" + std::to_string(precision) + " is invalid: allowed 0 (f32), 1 (f16)");
+        ovkc::PoolConfig cfg;
+        cfg.layers = layers;
+        cfg.q_heads = q_heads;
+        cfg.kv_heads = kv_heads;
+        cfg.head_dim = head_dim;
+        cfg.block_size = block_size;
+        cfg.precision = static_cast<ovkc::Precision>(precision);
+        cfg.max_blocks = max_blocks;
+        cfg.scores = scores != 0;
+        return Registry::get().create_pool(cfg);
+    });
+}
+
+OVKC_API int64_t ovkc_pool_free(int64_t pool) {
+    return guarded([&]() -> int64_t {
+        Registry::get().free_pool(pool);
+        return 0;
+    });
+}
+
+// out[0] blocks in use, [1] blocks allocated, [2] peak blocks in use, [3] bytes per block,
+// [4] live sequences of this pool.
+OVKC_API int64_t ovkc_pool_stats(int64_t pool, int64_t* out) {
+    return guarded([&]() -> int64_t {
+        auto p = Registry::get().pool(pool);
+        out[0] = p->blocks_in_use();
+        out[1] = p->blocks_allocated();
+        out[2] = p->peak_blocks();
+        out[3] = static_cast<int64_t>(p->config().block_bytes());
+        out[4] = Registry::get().sequences_of(p.get());
+        return 0;
+    });
+}
+
+OVKC_API int64_t ovkc_seq_create(int64_t pool) {
+    return guarded([&]() -> int64_t { return Registry::get().create_sequence(pool); });
+}
+
+OVKC_API int64_t ovkc_seq_free(int64_t seq) {
+    return guarded([&]() -> int64_t {
+        Registry::get().free_sequence(seq);
+        return 0;
+    });
+}
+
+OVKC_API int64_t ovkc_seq_reset(int64_t seq) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->reset();
+        return 0;
+    });
+}
+
+OVKC_API int64_t ovkc_seq_truncate(int64_t seq, int64_t tokens) {
+    return guarded([&]() -> int64_t {
+        if (tokens < 0) throw ovkc::Error("tokens=" + std::to_string(tokens) + " is invalid: allowed >= 0");
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->truncate(tokens);
+        return 0;
+    });
+}
+
+// out[0] blocks held, out[1] tokens seen by layer 0, out[2] tokens held summed over all layers
+// and KV heads.
+OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        const auto& cfg = s->pool().config();
+        out[0] = s->blocks_held();
+        out[1] = s->seen(0);
+        int64_t held = 0;
+        for (int l = 0; l < cfg.layers; ++l)
+            for (int g = 0; g < cfg.kv_heads; ++g) held += s->head(l, g).size();
+        out[2] = held;
+        return 0;
+    });
+}
+
+// Tokens held per (layer, KV head): out has layers * kv_heads entries.
+OVKC_API int64_t ovkc_seq_head_tokens(int64_t seq, int64_t* out, int64_t capacity) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        const auto& cfg = s->pool().config();
+        const int64_t n = static_cast<int64_t>(cfg.layers) * cfg.kv_heads;
+        if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
+        for (int l = 0; l < cfg.layers; ++l)
+            for (int g = 0; g < cfg.kv_heads; ++g) out[l * cfg.kv_heads + g] = s->head(l, g).size();
+        return n;
+    });
+}
+
+// One (layer, KV head) in full: positions [n], keys and values [n][head_dim] as floats, and the
+// accumulated scores [n][group] (zeros when the pool does not collect scores). Any pointer may be
+// null to skip it. Returns n, or -1 when capacity (slots) is too small.
+OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head, int64_t capacity, int64_t* positions,
+                                    float* keys, float* values, float* scores) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        const auto& cfg = s->pool().config();
+        if (layer < 0 || layer >= cfg.layers)
+            throw ovkc::Error("layer=" + std::to_string(layer) + " is invalid: allowed 0.." + std::to_string(cfg.layers - 1));
+        if (kv_head < 0 || kv_head >= cfg.kv_heads)
+            throw ovkc::Error("kv_head=" + std::to_string(kv_head) + " is invalid: allowed 0.." + std::to_string(cfg.kv_heads - 1));
+        const auto& hc = s->head(layer, kv_head);
+        const int64_t n = hc.size();
+        if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
+        const int D = cfg.head_dim, G = cfg.group();
+        std::vector<float> kbuf(D), vbuf(D);
+        for (int64_t i = 0; i < n; ++i) {
+            if (positions) positions[i] = hc.pos[static_cast<size_t>(i)];
+            if (keys || values) {
+                ovkc::load_token(cfg, s->pool(), hc, i, kbuf.data(), vbuf.data());
+                if (keys) std::memcpy(keys + i * D, kbuf.data(), sizeof(float) * D);
+                if (values) std::memcpy(values + i * D, vbuf.data(), sizeof(float) * D);
+            }
+            if (scores)
+                for (int g = 0; g < G; ++g)
+                    scores[i * G + g] = cfg.scores ? hc.scores[static_cast<size_t>(i * G + g)] : 0.0f;
+        }
+        return n;
+    });
+}

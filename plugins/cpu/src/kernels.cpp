@@ -1,0 +1,396 @@
+#include "kernels.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#    include <immintrin.h>
+#    define OVKC_AVX512 1
+#else
+#    define OVKC_AVX512 0
+#endif
+
+namespace ovkc {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- half precision -------------------------------------------------------------------------
+inline uint16_t to_half(float f) {
+#if OVKC_AVX512
+    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
+    if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+    if (absx < 0x38800000u) {                                                // subnormal half or zero
+        if (absx < 0x33000000u) return static_cast<uint16_t>(sign);
+        const uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
+        const int shift = 126 - static_cast<int>(absx >> 23);
+        uint32_t h = mant >> (shift + 1);
+        const uint32_t rem = mant & ((1u << (shift + 1)) - 1u);
+        const uint32_t half = 1u << shift;
+        if (rem > half || (rem == half && (h & 1u))) ++h;
+        return static_cast<uint16_t>(sign | h);
+    }
+    uint32_t h = ((absx - 0x38000000u) >> 13);
+    const uint32_t rem = absx & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+#endif
+}
+
+inline float from_half(uint16_t h) {
+#if OVKC_AVX512
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t x;
+    if (exp == 0) {
+        if (mant == 0) {
+            x = sign;
+        } else {
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                --exp;
+            }
+            x = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        x = sign | 0x7f800000u | (mant << 13);
+    } else {
+        x = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &x, 4);
+    return f;
+#endif
+}
+
+void half_to_float(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+#if OVKC_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = from_half(src[i]);
+}
+
+// ---- float views of a block -------------------------------------------------------------------
+struct Scratch {
+    std::vector<float> k, v, s;
+};
+thread_local Scratch tls;
+
+// Keys (transposed, [D][bs]) and values ([bs][D]) of a block as floats: the block itself for
+// f32, a converted copy in thread-local scratch for f16.
+void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int ntok, const float*& kt,
+                  const float*& v) {
+    const size_t kv_elems = static_cast<size_t>(cfg.block_size) * cfg.head_dim;
+    uint8_t* base = pool.block(block);
+    if (cfg.precision == Precision::f32) {
+        kt = reinterpret_cast<const float*>(base);
+        v = kt + kv_elems;
+        return;
+    }
+    if (tls.k.size() < kv_elems) {
+        tls.k.resize(kv_elems);
+        tls.v.resize(kv_elems);
+    }
+    const auto* h = reinterpret_cast<const uint16_t*>(base);
+    half_to_float(h, tls.k.data(), static_cast<int64_t>(kv_elems));
+    half_to_float(h + kv_elems, tls.v.data(), static_cast<int64_t>(ntok) * cfg.head_dim);
+    kt = tls.k.data();
+    v = tls.v.data();
+}
+
+// ---- exp --------------------------------------------------------------------------------------
+#if OVKC_AVX512
+// Cephes expf on 16 lanes (about 1 ulp); lanes below -87 (and -inf) give exactly 0.
+inline __m512 exp512(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 r2 = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    y = _mm512_scalef_ps(y, n);
+    return _mm512_maskz_mov_ps(live, y);
+}
+
+// S[r][c..) = q[r] . K[:, c..) for R rows and `cols` columns (a multiple of 16).
+template <int R>
+void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+    int c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        __m512 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            const __m512 k0 = _mm512_loadu_ps(kt + static_cast<size_t>(d) * bs + c);
+            const __m512 k1 = _mm512_loadu_ps(kt + static_cast<size_t>(d) * bs + c + 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512 qb = _mm512_set1_ps(q[r][d]);
+                acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            _mm512_storeu_ps(S + r * bs + c, acc[r][0]);
+            _mm512_storeu_ps(S + r * bs + c + 16, acc[r][1]);
+        }
+    }
+    for (; c < cols; c += 16) {
+        __m512 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            const __m512 k0 = _mm512_loadu_ps(kt + static_cast<size_t>(d) * bs + c);
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, acc[r]);
+        }
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * bs + c, acc[r]);
+    }
+}
+
+// out[r][c..c+16*NV) += sum_j P[r][j] * V[j][c..) for RR rows.
+template <int RR, int NV>
+void pv_rows(const float* P, int bs, const float* v, int ntok, int D, int c, float* const* out) {
+    __m512 acc[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_loadu_ps(out[r] + c + 16 * u);
+    for (int j = 0; j < ntok; ++j) {
+        __m512 vv[NV];
+        for (int u = 0; u < NV; ++u) vv[u] = _mm512_loadu_ps(v + static_cast<size_t>(j) * D + c + 16 * u);
+        for (int r = 0; r < RR; ++r) {
+            const __m512 p = _mm512_set1_ps(P[r * bs + j]);
+            for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_fmadd_ps(p, vv[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) _mm512_storeu_ps(out[r] + c + 16 * u, acc[r][u]);
+}
+
+template <int RR>
+void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+    int c = 0;
+    for (; c + 64 <= D; c += 64) pv_rows<RR, 4>(P, bs, v, ntok, D, c, out);
+    for (; c < D; c += 16) pv_rows<RR, 1>(P, bs, v, ntok, D, c, out);
+}
+#endif
+
+void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+#if OVKC_AVX512
+    switch (R) {
+        case 1: return qk_rows<1>(q, kt, D, bs, cols, S);
+        case 2: return qk_rows<2>(q, kt, D, bs, cols, S);
+        case 3: return qk_rows<3>(q, kt, D, bs, cols, S);
+        case 4: return qk_rows<4>(q, kt, D, bs, cols, S);
+        case 5: return qk_rows<5>(q, kt, D, bs, cols, S);
+        case 6: return qk_rows<6>(q, kt, D, bs, cols, S);
+        case 7: return qk_rows<7>(q, kt, D, bs, cols, S);
+        default: return qk_rows<8>(q, kt, D, bs, cols, S);
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        float* s = S + r * bs;
+        for (int j = 0; j < cols; ++j) s[j] = 0.0f;
+        for (int d = 0; d < D; ++d) {
+            const float qd = q[r][d];
+            const float* krow = kt + static_cast<size_t>(d) * bs;
+            for (int j = 0; j < cols; ++j) s[j] += qd * krow[j];
+        }
+    }
+#endif
+}
+
+void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+#if OVKC_AVX512
+    int r = 0;
+    for (; r + 4 <= R; r += 4) pv_group<4>(P + r * bs, bs, v, ntok, D, out + r);
+    switch (R - r) {
+        case 1: pv_group<1>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 2: pv_group<2>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 3: pv_group<3>(P + r * bs, bs, v, ntok, D, out + r); break;
+        default: break;
+    }
+#else
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < ntok; ++j) {
+            const float p = P[r * bs + j];
+            if (p == 0.0f) continue;
+            const float* vr = v + static_cast<size_t>(j) * D;
+            for (int d = 0; d < D; ++d) out[r][d] += p * vr[d];
+        }
+#endif
+}
+
+// s[0..cols) = exp(s - m) in place; returns the sum. Lanes at -inf give 0.
+float exp_sum(float* s, int cols, float m) {
+#if OVKC_AVX512
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mm = _mm512_set1_ps(m);
+    for (int j = 0; j < cols; j += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mm));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
+    float sum = 0.0f;
+    for (int j = 0; j < cols; ++j) {
+        s[j] = s[j] == kNegInf ? 0.0f : std::exp(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+#endif
+}
+
+// Scale the logits and mask the slots that are not held or are after each row's position.
+// Returns the number of columns (a multiple of 16) that must be processed.
+int scale_and_mask(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float scale, float* S) {
+    const int cols = (ntok + 15) / 16 * 16;
+    const int64_t last_pos = hc.pos[static_cast<size_t>(slot0 + ntok - 1)];
+    for (int r = 0; r < rows.n; ++r) {
+        float* s = S + r * bs;
+        for (int j = 0; j < cols; ++j) s[j] *= scale;
+        if (last_pos <= rows.qpos[r]) {
+            for (int j = ntok; j < cols; ++j) s[j] = kNegInf;
+            continue;
+        }
+        for (int j = 0; j < cols; ++j)
+            if (j >= ntok || hc.pos[static_cast<size_t>(slot0 + j)] > rows.qpos[r]) s[j] = kNegInf;
+    }
+    return cols;
+}
+
+}  // namespace
+
+void RowSet::start() {
+    for (int r = 0; r < kMaxRows; ++r) {
+        m[r] = kNegInf;
+        l[r] = 0.0f;
+    }
+}
+
+void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
+                  int64_t slot_begin, int64_t slot_end) {
+    const int bs = cfg.block_size;
+    const int D = cfg.head_dim;
+    int64_t max_q = rows.qpos[0];
+    for (int r = 1; r < rows.n; ++r) max_q = std::max(max_q, rows.qpos[r]);
+    if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
+    float* S = tls.s.data();
+    slot_end = std::min(slot_end, hc.size());
+    for (int64_t slot0 = slot_begin; slot0 < slot_end; slot0 += bs) {
+        if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;  // positions ascend: nothing further is causal
+        const int ntok = static_cast<int>(std::min<int64_t>(bs, slot_end - slot0));
+        const float *kt, *v;
+        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], ntok, kt, v);
+        const int cols = (ntok + 15) / 16 * 16;
+        qk(rows.n, rows.q, kt, D, bs, cols, S);
+        scale_and_mask(hc, rows, slot0, ntok, bs, scale, S);
+        for (int r = 0; r < rows.n; ++r) {
+            float* s = S + r * bs;
+            float mx = kNegInf;
+            for (int j = 0; j < cols; ++j) mx = std::max(mx, s[j]);
+            if (mx == kNegInf) {  // nothing causal for this row in this block
+                std::fill(s, s + cols, 0.0f);
+                continue;
+            }
+            const float m_new = std::max(rows.m[r], mx);
+            const float alpha = rows.m[r] == kNegInf ? 0.0f : std::exp(rows.m[r] - m_new);
+            const float sum = exp_sum(s, cols, m_new);
+            rows.l[r] = rows.l[r] * alpha + sum;
+            if (alpha != 1.0f)
+                for (int d = 0; d < D; ++d) rows.out[r][d] *= alpha;
+            rows.m[r] = m_new;
+        }
+        pv(rows.n, S, bs, v, ntok, D, rows.out);
+    }
+}
+
+void finish_rows(RowSet& rows, int head_dim) {
+    for (int r = 0; r < rows.n; ++r) {
+        if (rows.l[r] <= 0.0f) continue;
+        const float inv = 1.0f / rows.l[r];
+        for (int d = 0; d < head_dim; ++d) rows.out[r][d] *= inv;
+    }
+}
+
+void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, const RowSet& rows, const float* lse,
+                       float scale, int64_t block_index) {
+    const int bs = cfg.block_size;
+    const int G = cfg.group();
+    const int64_t slot0 = block_index * bs;
+    if (slot0 >= hc.size()) return;
+    const int ntok = static_cast<int>(std::min<int64_t>(bs, hc.size() - slot0));
+    if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
+    float* S = tls.s.data();
+    const float *kt, *v;
+    block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], ntok, kt, v);
+    const int cols = (ntok + 15) / 16 * 16;
+    qk(rows.n, rows.q, kt, cfg.head_dim, bs, cols, S);
+    scale_and_mask(hc, rows, slot0, ntok, bs, scale, S);
+    for (int r = 0; r < rows.n; ++r) {
+        float* s = S + r * bs;
+        exp_sum(s, cols, lse[r]);
+        float* dst = hc.scores.data() + static_cast<size_t>(slot0) * G + rows.group_index[r];
+        for (int j = 0; j < ntok; ++j) dst[static_cast<size_t>(j) * G] += s[j];
+    }
+}
+
+void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, const float* k,
+                 const float* v) {
+    const int bs = cfg.block_size;
+    const int D = cfg.head_dim;
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
+    uint8_t* base = pool.block(hc.blocks[static_cast<size_t>(slot / bs)]);
+    const int j = static_cast<int>(slot % bs);
+    if (cfg.precision == Precision::f32) {
+        auto* kt = reinterpret_cast<float*>(base);
+        for (int d = 0; d < D; ++d) kt[static_cast<size_t>(d) * bs + j] = k[d];
+        std::memcpy(kt + kv_elems + static_cast<size_t>(j) * D, v, sizeof(float) * D);
+    } else {
+        auto* kt = reinterpret_cast<uint16_t*>(base);
+        for (int d = 0; d < D; ++d) kt[static_cast<size_t>(d) * bs + j] = to_half(k[d]);
+        uint16_t* vr = kt + kv_elems + static_cast<size_t>(j) * D;
+        for (int d = 0; d < D; ++d) vr[d] = to_half(v[d]);
+    }
+}
+
+void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, float* k, float* v) {
+    const int bs = cfg.block_size;
+    const int D = cfg.head_dim;
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
+    const uint8_t* base = pool.block(hc.blocks[static_cast<size_t>(slot / bs)]);
+    const int j = static_cast<int>(slot % bs);
+    if (cfg.precision == Precision::f32) {
+        const auto* kt = reinterpret_cast<const float*>(base);
+        for (int d = 0; d < D; ++d) k[d] = kt[static_cast<size_t>(d) * bs + j];
+        std::memcpy(v, kt + kv_elems + static_cast<size_t>(j) * D, sizeof(float) * D);
+    } else {
+        const auto* kt = reinterpret_cast<const uint16_t*>(base);
+        for (int d = 0; d < D; ++d) k[d] = from_half(kt[static_cast<size_t>(d) * bs + j]);
+        for (int d = 0; d < D; ++d) v[d] = from_half(kt[kv_elems + static_cast<size_t>(j) * D + d]);
+    }
+}
+
+const char* kernel_isa() { return OVKC_AVX512 ? "avx512" : "scalar"; }
+
+}  // namespace ovkc

@@ -1,0 +1,54 @@
+// Attention kernels over one (layer, KV head) of the paged cache.
+//
+// A RowSet is up to kMaxRows query rows that attend the same KV head: in prefill, consecutive
+// positions of one query head (the keys of a block are loaded once for all of them); in decode,
+// the query heads of one GQA group. Keys are stored transposed per block ([head_dim][block]) so
+// the q.k products vectorise across tokens, values row-major so p.v vectorises across channels.
+// Softmax is computed online (flash-attention style) block by block, so no [rows x tokens] logit
+// matrix is ever materialised.
+#pragma once
+
+#include <cstdint>
+
+#include "paged_cache.hpp"
+
+namespace ovkc {
+
+constexpr int kMaxRows = 8;
+
+struct RowSet {
+    int n = 0;
+    const float* q[kMaxRows] = {};  // query rows (head_dim floats, unscaled)
+    int64_t qpos[kMaxRows] = {};    // absolute position: keys at a later position are masked
+    float* out[kMaxRows] = {};      // accumulator rows (head_dim floats), unnormalised until finish
+    float m[kMaxRows] = {};         // running max of the scaled logits
+    float l[kMaxRows] = {};         // running sum of exp(logit - m)
+    int group_index[kMaxRows] = {}; // which query head of the KV group (for scores)
+
+    void start();  // m = -inf, l = 0, out = 0
+};
+
+// Attend the slots [slot_begin, slot_end) of `hc` (slot_begin a multiple of the block size),
+// updating each row's (m, l, out). Stops at the first block wholly after every row's position.
+void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
+                  int64_t slot_begin, int64_t slot_end);
+
+// out /= l for every row (rows with l == 0 saw no key: out stays 0).
+void finish_rows(RowSet& rows, int head_dim);
+
+// Add each row's softmax probabilities exp(scale*q.k - lse[r]) of the slots in block `block_index`
+// to hc.scores[slot * group + group_index[r]] (causal keys only).
+void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, const RowSet& rows,
+                       const float* lse, float scale, int64_t block_index);
+
+// Write one token's key and value (head_dim floats each) into slot `slot` of `hc`.
+void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, const float* k,
+                 const float* v);
+
+// Read slot `slot` back as floats (tests and stats).
+void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, float* k, float* v);
+
+// The name of the compiled kernel path ("avx512" or "scalar").
+const char* kernel_isa();
+
+}  // namespace ovkc

@@ -1,0 +1,196 @@
+#include "paged_cache.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace ovkc {
+
+namespace {
+std::string range(const char* field, int64_t value, const char* allowed) {
+    return std::string(field) + "=" + std::to_string(value) + " is invalid: allowed " + allowed;
+}
+}  // namespace
+
+void PoolConfig::validate() const {
+    if (layers < 1 || layers > 4096) throw Error(range("layers", layers, "1..4096"));
+    if (kv_heads < 1 || kv_heads > 1024) throw Error(range("kv_heads", kv_heads, "1..1024"));
+    if (q_heads < kv_heads || q_heads % kv_heads != 0 || q_heads > 8192)
+        throw Error(range("q_heads", q_heads, "a multiple of kv_heads, at most 8192"));
+    if (head_dim < 16 || head_dim > 512 || head_dim % 16 != 0)
+        throw Error(range("head_dim", head_dim, "a multiple of 16 in 16..512"));
+    if (block_size < 16 || block_size > 256 || block_size % 16 != 0)
+        throw Error(range("block_size", block_size, "a multiple of 16 in 16..256"));
+    if (max_blocks < 0) throw Error(range("max_blocks", max_blocks, ">= 0 (0: unlimited)"));
+}
+
+Pool::Pool(const PoolConfig& cfg) : cfg_(cfg) { cfg_.validate(); }
+
+Pool::~Pool() {
+    for (auto* p : storage_) std::free(p);
+}
+
+int32_t Pool::acquire() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int32_t id;
+    if (!free_.empty()) {
+        id = free_.back();
+        free_.pop_back();
+    } else {
+        if (cfg_.max_blocks && static_cast<int64_t>(storage_.size()) >= cfg_.max_blocks)
+            throw Error("KV block pool exhausted: max_blocks=" + std::to_string(cfg_.max_blocks) +
+                        " blocks of " + std::to_string(cfg_.block_size) +
+                        " tokens are all in use; raise max_kv_blocks or free sequences");
+        if (storage_.size() >= static_cast<size_t>(INT32_MAX)) throw Error("KV block pool: too many blocks");
+        void* p = std::aligned_alloc(64, (cfg_.block_bytes() + 63) / 64 * 64);
+        if (!p) throw Error("KV block pool: out of memory allocating a block");
+        storage_.push_back(static_cast<uint8_t*>(p));
+        id = static_cast<int32_t>(storage_.size() - 1);
+    }
+    ++in_use_;
+    peak_ = std::max(peak_, in_use_);
+    return id;
+}
+
+void Pool::release(int32_t block) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(block);
+    --in_use_;
+}
+
+int64_t Pool::blocks_in_use() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return in_use_;
+}
+
+int64_t Pool::blocks_allocated() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(storage_.size());
+}
+
+int64_t Pool::peak_blocks() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peak_;
+}
+
+Sequence::Sequence(int64_t id, std::shared_ptr<Pool> pool)
+    : id_(id),
+      pool_(std::move(pool)),
+      heads_(static_cast<size_t>(pool_->config().layers) * pool_->config().kv_heads),
+      seen_(static_cast<size_t>(pool_->config().layers), 0) {}
+
+Sequence::~Sequence() { reset(); }
+
+int64_t Sequence::blocks_held() const {
+    int64_t n = 0;
+    for (const auto& h : heads_) n += static_cast<int64_t>(h.blocks.size());
+    return n;
+}
+
+void Sequence::reserve(HeadCache& hc, int64_t n) {
+    const int64_t bs = pool_->config().block_size;
+    const int64_t need = (hc.size() + n + bs - 1) / bs;
+    while (static_cast<int64_t>(hc.blocks.size()) < need) hc.blocks.push_back(pool_->acquire());
+}
+
+void Sequence::reset() {
+    for (auto& h : heads_) {
+        for (int32_t b : h.blocks) pool_->release(b);
+        h.blocks.clear();
+        h.pos.clear();
+        h.scores.clear();
+    }
+    std::fill(seen_.begin(), seen_.end(), 0);
+}
+
+void Sequence::truncate(int64_t tokens) {
+    const int64_t bs = pool_->config().block_size;
+    const int G = pool_->config().group();
+    for (auto& h : heads_) {
+        const auto keep = std::lower_bound(h.pos.begin(), h.pos.end(), tokens) - h.pos.begin();
+        h.pos.resize(static_cast<size_t>(keep));
+        if (!h.scores.empty()) h.scores.resize(static_cast<size_t>(keep) * G);
+        const size_t blocks = static_cast<size_t>((keep + bs - 1) / bs);
+        while (h.blocks.size() > blocks) {
+            pool_->release(h.blocks.back());
+            h.blocks.pop_back();
+        }
+    }
+    for (auto& s : seen_) s = std::min(s, tokens);
+}
+
+Registry& Registry::get() {
+    static Registry r;
+    return r;
+}
+
+int64_t Registry::create_pool(const PoolConfig& cfg) {
+    auto p = std::make_shared<Pool>(cfg);
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t id = next_++;
+    pools_.emplace_back(id, std::move(p));
+    return id;
+}
+
+void Registry::free_pool(int64_t id) {
+    std::shared_ptr<Pool> victim;
+    std::vector<std::shared_ptr<Sequence>> seqs;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = std::find_if(pools_.begin(), pools_.end(), [&](auto& e) { return e.first == id; });
+        if (it == pools_.end()) throw Error("unknown KV pool handle " + std::to_string(id));
+        victim = it->second;
+        pools_.erase(it);
+        // sequences of a freed pool go with it
+        for (auto s = seqs_.begin(); s != seqs_.end();) {
+            if (s->second->pool_ptr() == victim) {
+                seqs.push_back(s->second);
+                s = seqs_.erase(s);
+            } else {
+                ++s;
+            }
+        }
+    }
+}
+
+std::shared_ptr<Pool> Registry::pool(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& e : pools_)
+        if (e.first == id) return e.second;
+    throw Error("unknown KV pool handle " + std::to_string(id));
+}
+
+int64_t Registry::create_sequence(int64_t pool_id) {
+    auto p = pool(pool_id);
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t id = next_++;
+    seqs_.emplace_back(id, std::make_shared<Sequence>(id, std::move(p)));
+    return id;
+}
+
+void Registry::free_sequence(int64_t id) {
+    std::shared_ptr<Sequence> victim;  // destroyed (blocks released) outside the registry lock
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(seqs_.begin(), seqs_.end(), [&](auto& e) { return e.first == id; });
+    if (it == seqs_.end()) throw Error("unknown KV sequence handle " + std::to_string(id));
+    victim = it->second;
+    seqs_.erase(it);
+}
+
+std::shared_ptr<Sequence> Registry::sequence(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& e : seqs_)
+        if (e.first == id) return e.second;
+    throw Error("unknown KV sequence handle " + std::to_string(id) +
+                " (create one with the pipeline's session API before running the model)");
+}
+
+int64_t Registry::sequences_of(const Pool* pool) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t n = 0;
+    for (auto& e : seqs_)
+        if (&e.second->pool() == pool) ++n;
+    return n;
+}
+
+}  // namespace ovkc

@@ -1,0 +1,130 @@
+// The paged KV cache owned by the attention op.
+//
+// A Pool is one pipeline's block store: fixed-size blocks (block_size tokens of one KV head of
+// one layer: keys transposed [head_dim][block_size], then values [block_size][head_dim]) handed
+// out from a free list. A Sequence holds, per layer and KV head, its own block table and token
+// map (the absolute position of each slot), so that heads can later keep different tokens, plus
+// optional per-query-head accumulated attention scores for the eviction policies.
+//
+// Pools and sequences live in a process-wide registry addressed by 64-bit handles: the op finds
+// a sequence by the handle the pipeline feeds as an input tensor, and Python reaches the same
+// objects through the C API (c_api.cpp). Each pipeline creates its own pool, so pipelines never
+// share state unless they pass each other's handles.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ovkc {
+
+enum class Precision : int { f32 = 0, f16 = 1 };
+
+struct PoolConfig {
+    int layers = 0;
+    int q_heads = 0;
+    int kv_heads = 0;
+    int head_dim = 0;
+    int block_size = 32;
+    Precision precision = Precision::f32;
+    int64_t max_blocks = 0;  // 0: unlimited
+    bool scores = false;     // accumulate per-q-head attention scores per token
+
+    void validate() const;
+    size_t elem_bytes() const { return precision == Precision::f32 ? 4 : 2; }
+    size_t block_bytes() const { return 2 * static_cast<size_t>(block_size) * head_dim * elem_bytes(); }
+    int group() const { return q_heads / kv_heads; }
+};
+
+// A user-facing error (bad handle, bad shape, pool exhausted): the message names what is wrong.
+struct Error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+class Pool {
+public:
+    explicit Pool(const PoolConfig& cfg);
+    ~Pool();
+    Pool(const Pool&) = delete;
+    Pool& operator=(const Pool&) = delete;
+
+    const PoolConfig& config() const { return cfg_; }
+    int32_t acquire();
+    void release(int32_t block);
+    uint8_t* block(int32_t id) const { return storage_[static_cast<size_t>(id)]; }
+
+    int64_t blocks_in_use() const;
+    int64_t blocks_allocated() const;
+    int64_t peak_blocks() const;
+
+private:
+    PoolConfig cfg_;
+    mutable std::mutex mu_;
+    std::vector<uint8_t*> storage_;
+    std::vector<int32_t> free_;
+    int64_t in_use_ = 0;
+    int64_t peak_ = 0;
+};
+
+// One (layer, KV head) of a sequence.
+struct HeadCache {
+    std::vector<int32_t> blocks;  // block table
+    std::vector<int64_t> pos;     // absolute position of each held slot, ascending
+    std::vector<float> scores;    // [slot][group] accumulated probabilities (when enabled)
+    int64_t size() const { return static_cast<int64_t>(pos.size()); }
+};
+
+class Sequence {
+public:
+    Sequence(int64_t id, std::shared_ptr<Pool> pool);
+    ~Sequence();
+    Sequence(const Sequence&) = delete;
+    Sequence& operator=(const Sequence&) = delete;
+
+    int64_t id() const { return id_; }
+    Pool& pool() { return *pool_; }
+    const std::shared_ptr<Pool>& pool_ptr() const { return pool_; }
+    HeadCache& head(int layer, int kv_head) { return heads_[static_cast<size_t>(layer) * pool_->config().kv_heads + kv_head]; }
+    int64_t& seen(int layer) { return seen_[static_cast<size_t>(layer)]; }
+    int64_t blocks_held() const;
+
+    // Make room for n more slots in this head (acquires blocks from the pool).
+    void reserve(HeadCache& hc, int64_t n);
+    // Return every block to the pool and forget all tokens.
+    void reset();
+    // Forget the tokens at position >= tokens (their blocks go back to the pool).
+    void truncate(int64_t tokens);
+
+    std::mutex mu;  // one inference at a time per sequence
+
+private:
+    int64_t id_;
+    std::shared_ptr<Pool> pool_;
+    std::vector<HeadCache> heads_;
+    std::vector<int64_t> seen_;
+};
+
+// Process-wide registry of pools and sequences, addressed by handles (never reused).
+class Registry {
+public:
+    static Registry& get();
+    int64_t create_pool(const PoolConfig& cfg);
+    void free_pool(int64_t id);
+    std::shared_ptr<Pool> pool(int64_t id);
+    int64_t create_sequence(int64_t pool_id);
+    void free_sequence(int64_t id);
+    std::shared_ptr<Sequence> sequence(int64_t id);
+    int64_t sequences_of(const Pool* pool);
+
+private:
+    std::mutex mu_;
+    int64_t next_ = 1;
+    std::vector<std::pair<int64_t, std::shared_ptr<Pool>>> pools_;
+    std::vector<std::pair<int64_t, std::shared_ptr<Sequence>>> seqs_;
+};
+
+}  // namespace ovkc

@@ -1,0 +1,226 @@
+"""The C++ PagedAttention op and its block cache against the torch reference attention.
+
+Each case feeds random queries/keys/values through a one-op OpenVINO model step by step
+(prefill chunks and single-token decode steps), and compares every step's output with
+:func:`ov_kvcrush.methods.base.attend` over all keys fed so far (causal), and the per-head
+scores with the reference's ``return_scores`` summed over the steps. Block accounting is checked
+against the token counts, and every error path must raise a Python exception naming the problem.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ov_kvcrush import plugin
+from ov_kvcrush.methods.base import attend
+
+
+@pytest.fixture(scope="module")
+def ov_core():
+    import openvino as ov
+
+    core = ov.Core()
+    core.add_extension(str(plugin.loaded_path()))
+    return core
+
+
+def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None):
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino.utils.node_factory import NodeFactory
+
+    factory = NodeFactory()
+    factory.add_extension(str(plugin.loaded_path()))
+    q = ops.parameter([-1, hq, -1, d], np.float32, name="q")
+    k = ops.parameter([-1, hkv, -1, d], np.float32, name="k")
+    v = ops.parameter([-1, hkv, -1, d], np.float32, name="v")
+    s = ops.parameter([-1], np.int64, name="kvc_sequence")
+    node = factory.create(
+        "PagedAttention",
+        [q.output(0), k.output(0), v.output(0), s.output(0)],
+        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(d)},
+    )
+    return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
+
+
+def run_steps(req, seqs, steps, hq, hkv, d, rng):
+    """Feed each step (its token count) to every sequence; yield (q, k_all, v_all, out) per step."""
+    b = len(seqs)
+    ks, vs = [], []
+    for n in steps:
+        q = rng.standard_normal((b, hq, n, d), dtype=np.float32)
+        k = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
+        v = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
+        out = req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([s.handle for s in seqs])})[0]
+        ks.append(k)
+        vs.append(v)
+        yield q, np.concatenate(ks, 2), np.concatenate(vs, 2), np.array(out)
+
+
+def reference(q, k, v, precision, scale=None):
+    """Causal reference attention of the last q tokens over all keys, with per-head scores."""
+    if precision == "f16":  # the cache stores keys/values in half precision
+        k = k.astype(np.float16).astype(np.float32)
+        v = v.astype(np.float16).astype(np.float32)
+    n, t = k.shape[2], q.shape[2]
+    res = attend(
+        torch.from_numpy(q),
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        q_positions=torch.arange(n - t, n),
+        k_positions=torch.arange(n),
+        scale=scale,
+        return_scores=True,
+    )
+    return res.output.numpy(), res.scores.numpy()
+
+
+CASES = [
+    # (hq, hkv, d, block_size, steps)
+    (9, 3, 64, 32, [100, 1, 1, 37, 1, 1]),  # the embedded model's shape; chunks across block edges
+    (4, 4, 64, 16, [33, 1, 16, 1]),  # no GQA, the smallest block
+    (12, 1, 128, 64, [70, 1, 1]),  # 12 query heads per KV head: more rows than one kernel tile
+    (8, 2, 48, 32, [5, 1, 40, 1]),  # head size not a multiple of 32, prompt shorter than a block
+    (2, 2, 16, 32, [1, 1, 1]),  # decode from an empty cache
+]
+
+
+@pytest.mark.parametrize("precision", ["f32", "f16"])
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "steps"), CASES)
+def test_op_matches_reference_attention_and_scores(ov_core, precision, hq, hkv, d, bs, steps):
+    rng = np.random.default_rng(hq * 100 + d)
+    req = op_model(ov_core, hq, hkv, d)
+    pool = plugin.KVPool(1, hq, hkv, d, block_size=bs, precision=precision, scores=True)
+    seqs = [pool.new_sequence(), pool.new_sequence()]  # batch of two independent sequences
+    scores = [np.zeros((hq, 0)), np.zeros((hq, 0))]
+    tol = 2e-5 if precision == "f32" else 5e-5
+    for q, k, v, out in run_steps(req, seqs, steps, hq, hkv, d, rng):
+        for b in range(2):
+            ref, sc = reference(q[b : b + 1], k[b : b + 1], v[b : b + 1], precision)
+            np.testing.assert_allclose(out[b : b + 1], ref, atol=tol, rtol=0)
+            prev = np.pad(scores[b], ((0, 0), (0, sc.shape[-1] - scores[b].shape[1])))
+            scores[b] = prev + sc[0]
+    n = sum(steps)
+    for b, seq in enumerate(seqs):
+        st = seq.stats()
+        assert st.tokens_seen == n and st.tokens_held == n * hkv
+        assert st.blocks_held == hkv * math.ceil(n / bs)
+        assert (seq.head_tokens() == n).all()
+        for g in range(hkv):
+            pos, keys, values, sc = seq.read_head(0, g)
+            np.testing.assert_array_equal(pos, np.arange(n))
+            want = k[b, g] if precision == "f32" else k[b, g].astype(np.float16).astype(np.float32)
+            np.testing.assert_array_equal(keys, want)
+            # scores [n, group] vs reference [hq, n] for the heads of this group
+            np.testing.assert_allclose(sc.T, scores[b][g * (hq // hkv) : (g + 1) * (hq // hkv)], atol=2e-5)
+    assert pool.stats().blocks_in_use == 2 * hkv * math.ceil(n / bs)
+    assert pool.stats().kv_bytes == pool.stats().blocks_in_use * 2 * bs * d * plugin.PRECISION_BYTES[precision]
+
+
+def test_custom_scale_and_other_layers_are_independent(ov_core):
+    """Two layers of one sequence keep separate caches; the scale attribute is honoured."""
+    rng = np.random.default_rng(5)
+    pool = plugin.KVPool(2, 4, 2, 32, precision="f32")
+    seq = pool.new_sequence()
+    req1 = op_model(ov_core, 4, 2, 32, layer=1, scale=0.3)
+    for q, k, v, out in run_steps(req1, [seq], [20, 1], 4, 2, 32, rng):
+        np.testing.assert_allclose(out, reference(q, k, v, "f32", scale=0.3)[0], atol=2e-5)
+    assert seq.head_tokens()[0].tolist() == [0, 0] and seq.head_tokens()[1].tolist() == [21, 21]
+
+
+def test_reset_truncate_free_return_blocks(ov_core):
+    rng = np.random.default_rng(1)
+    req = op_model(ov_core, 4, 2, 32)
+    pool = plugin.KVPool(1, 4, 2, 32, block_size=16)
+
+    def feed(seq, q, k, v):
+        return np.array(req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])})[0])
+
+    q, k, v = (rng.standard_normal((1, h, 40, 32), dtype=np.float32) for h in (4, 2, 2))
+    a, b = pool.new_sequence(), pool.new_sequence()
+    feed(a, q[:, :, :17], k[:, :, :17], v[:, :, :17])
+    want = feed(a, q[:, :, 17:20], k[:, :, 17:20], v[:, :, 17:20])
+    feed(b, q[:, :, :40], k[:, :, :40], v[:, :, :40])  # 40 tokens: 3 blocks per head
+    assert b.stats().blocks_held == 2 * 3
+    b.truncate(17)  # positions 0..16 stay: 2 blocks per head
+    assert b.stats().tokens_seen == 17 and (b.head_tokens() == 17).all() and b.stats().blocks_held == 2 * 2
+    # the next step continues at position 17, exactly as on a sequence that never saw more
+    np.testing.assert_array_equal(feed(b, q[:, :, 17:20], k[:, :, 17:20], v[:, :, 17:20]), want)
+    assert pool.stats().blocks_in_use == 4 + 4
+    b.reset()
+    assert b.stats().blocks_held == 0 and b.stats().tokens_seen == 0
+    assert pool.stats().blocks_in_use == 4
+    a.free()
+    a.free()  # idempotent
+    stats = pool.stats()
+    assert stats.blocks_in_use == 0 and stats.sequences == 1
+    assert stats.blocks_allocated == stats.peak_blocks == 10  # freed blocks are reused, not reallocated
+    from ov_kvcrush.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tokens=-1"):
+        b.truncate(-1)
+
+
+def test_pool_limit_is_a_clear_error_and_the_process_survives(ov_core):
+    rng = np.random.default_rng(2)
+    req = op_model(ov_core, 4, 2, 32)
+    pool = plugin.KVPool(1, 4, 2, 32, block_size=16, max_blocks=4)
+    seq = pool.new_sequence()
+    list(run_steps(req, [seq], [32], 4, 2, 32, rng))  # 2 heads x 2 blocks: the whole pool
+    with pytest.raises(RuntimeError, match="max_blocks=4"):
+        list(run_steps(req, [seq], [1], 4, 2, 32, rng))
+    seq.reset()
+    list(run_steps(req, [seq], [10], 4, 2, 32, rng))  # usable again
+    assert pool.stats().blocks_in_use == 2
+
+
+def test_bad_handles_and_shapes_raise(ov_core):
+    rng = np.random.default_rng(3)
+    req = op_model(ov_core, 4, 2, 32)
+    q = rng.standard_normal((1, 4, 2, 32), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 2, 32), dtype=np.float32)
+    with pytest.raises(RuntimeError, match="unknown KV sequence handle 987654"):
+        req.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([987654])})
+    other = plugin.KVPool(1, 8, 2, 32).new_sequence()  # pool shaped for 8 query heads
+    with pytest.raises(RuntimeError, match="does not match the KV pool"):
+        req.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([other.handle])})
+    wrong_layer = op_model(ov_core, 4, 2, 32, layer=3)
+    seq = plugin.KVPool(2, 4, 2, 32).new_sequence()
+    with pytest.raises(RuntimeError, match="layer 3"):
+        wrong_layer.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([seq.handle])})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"head_dim": 40}, "head_dim"),
+        ({"block_size": 24}, "block_size"),
+        ({"q_heads": 5}, "q_heads"),
+        ({"layers": 0}, "layers"),
+        ({"max_blocks": -1}, "max_blocks"),
+    ],
+)
+def test_bad_pool_config_names_the_field(kwargs, field):
+    args = {"layers": 1, "q_heads": 4, "kv_heads": 2, "head_dim": 32}
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    extra = {k: v for k, v in kwargs.items() if k not in args}
+    with pytest.raises(plugin.PluginError, match=f"^{field}="):
+        plugin.KVPool(args["layers"], args["q_heads"], args["kv_heads"], args["head_dim"], **extra)
+
+
+def test_bad_precision_and_handles_from_python():
+    from ov_kvcrush.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kv_precision"):
+        plugin.KVPool(1, 4, 2, 32, precision="u8")
+    pool = plugin.KVPool(1, 4, 2, 32)
+    seq = pool.new_sequence()
+    pool.close()  # freeing the pool frees its sequences
+    with pytest.raises(plugin.PluginError, match="unknown KV sequence handle"):
+        seq.stats()
+    with pytest.raises(plugin.PluginError, match="unknown KV pool handle"):
+        plugin._check(pool.lib.ovkc_pool_free(10**9))

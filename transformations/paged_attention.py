@@ -1,0 +1,272 @@
+"""Replace SDPA + KV state in optimum's stateful IR with ``ov_kvcrush::PagedAttention``.
+
+``optimum-cli export openvino`` writes, per layer::
+
+    ReadValue(past_key) -> Gather(beam_idx) -> Concat(axis=-2) <- key of this step (after RoPE)
+                                                  |-> Assign(past_key)
+                                                  '-> [Unsqueeze -> Broadcast -> Reshape] (GQA) -> SDPA.key
+
+and the same for values. :func:`convert_model` finds each SDPA, follows its key and value back
+through the GQA expansion to those Concats, and wires the step's own keys/values (the Concat's
+second input) into a ``PagedAttention`` node together with the query and a new ``kvc_sequence``
+input (the cache handle). The Assigns are removed, and so are the variables, the attention mask
+sub-graph and any input nothing reads any more (``beam_idx``; ``attention_mask`` on the models
+tested). Everything else stays OpenVINO's. With ``last_token_logits`` the LM head sees only the
+last position, as openvino_genai does, so a 4k-token prefill does not compute 4k × vocab logits.
+
+Conversion happens in memory, on a model read by ``core.read_model``: the converted model can
+be serialised and read back only by a Core that has the extension added.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ov_kvcrush.errors import UserError
+
+#: Name of the input the converted model adds: one cache sequence handle per batch row.
+SEQUENCE_INPUT = "kvc_sequence"
+#: Ops between the KV Concat and the SDPA that only expand KV heads for grouped-query attention.
+_GQA_OPS = ("Reshape", "Broadcast", "Unsqueeze", "Convert", "Tile", "Squeeze")
+#: Ops between ReadValue and the Concat (beam reordering, precision).
+_STATE_OPS = ("Gather", "Convert")
+#: Element-wise ops allowed between the LM head's MatMul and the logits Result.
+_HEAD_TAIL_OPS = ("Convert", "Multiply", "Divide", "Tanh", "Add")
+
+
+class ConversionError(UserError):
+    """The model does not have the pattern the pass converts; the message names what is missing."""
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the KV pool must be sized for, read from the converted SDPAs."""
+
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class ConvertedModel:
+    """The converted model, its attention shape, the per-layer logit scales and what was removed."""
+
+    model: object
+    shape: AttentionShape
+    scales: list[float]
+    removed_inputs: list[str] = field(default_factory=list)
+    removed_variables: int = 0
+
+
+def _src(node, i: int = 0):
+    return node.input(i).get_source_output()
+
+
+def _static_dim(ps, idx: int, what: str, layer: int) -> int:
+    dim = ps[idx]
+    if dim.is_dynamic:
+        raise ConversionError(f"layer {layer}: the {what} of ScaledDotProductAttention is dynamic ({ps}); need static")
+    return dim.get_length()
+
+
+def _find_state_concat(sdpa, port: int, layer: int):
+    """The Concat(past, new) feeding SDPA input ``port`` through the GQA expansion, with its Assign."""
+    what = "key" if port == 1 else "value"
+    out = _src(sdpa, port)
+    seen = []
+    node = out.get_node()
+    while node.get_type_name() in _GQA_OPS:
+        seen.append(node.get_type_name())
+        node = _src(node).get_node()
+    if node.get_type_name() != "Concat":
+        chain = " <- ".join([*seen, node.get_type_name()])
+        raise ConversionError(
+            f"layer {layer}: the {what} of ScaledDotProductAttention '{sdpa.get_friendly_name()}' does not come "
+            f"from a KV-state Concat (found SDPA <- {chain}); export a stateful model with optimum-cli export openvino"
+        )
+    concat = node
+    if concat.get_input_size() != 2:
+        raise ConversionError(f"layer {layer}: the {what} Concat has {concat.get_input_size()} inputs, expected 2")
+    axis = int(concat.get_attributes()["axis"])
+    rank = concat.get_output_partial_shape(0).rank.get_length()
+    if axis not in (rank - 2, -2):
+        raise ConversionError(f"layer {layer}: the {what} Concat joins axis {axis}, expected the sequence axis -2")
+    past = _src(concat, 0).get_node()
+    while past.get_type_name() in _STATE_OPS:
+        past = _src(past).get_node()
+    if past.get_type_name() != "ReadValue":
+        raise ConversionError(
+            f"layer {layer}: the past {what} is not read from a ReadValue (found {past.get_type_name()}); "
+            "the model is not a stateful KV-cache export"
+        )
+    assigns = [t.get_node() for t in concat.output(0).get_target_inputs() if t.get_node().get_type_name() == "Assign"]
+    if not assigns:
+        raise ConversionError(f"layer {layer}: the {what} Concat has no Assign: not a stateful KV-cache export")
+    return concat, past, assigns
+
+
+def _scale(sdpa, head_dim: int, layer: int) -> float:
+    if sdpa.get_input_size() < 5:
+        return 1.0 / math.sqrt(head_dim)
+    node = _src(sdpa, 4).get_node()
+    while node.get_type_name() == "Convert":
+        node = _src(node).get_node()
+    if node.get_type_name() != "Constant":
+        raise ConversionError(f"layer {layer}: the ScaledDotProductAttention scale is not a constant")
+    return float(np.asarray(node.get_data()).reshape(-1)[0])
+
+
+def _reachable(model) -> set:
+    """Nodes the results and sinks depend on."""
+    seen: set = set()
+    stack = [r for r in model.get_results()] + list(model.get_sinks())
+    while stack:
+        n = stack.pop()
+        key = n.get_instance_id() if hasattr(n, "get_instance_id") else id(n)
+        if key in seen:
+            continue
+        seen.add(key)
+        stack.extend(i.get_source_output().get_node() for i in n.inputs())
+    return seen
+
+
+def _node_key(node) -> int:
+    return node.get_instance_id() if hasattr(node, "get_instance_id") else id(node)
+
+
+def _slice_last_token(model) -> bool:
+    """Feed the LM head only the last position: ``Slice(hidden, -1:, axis=1)`` before its MatMul."""
+    import openvino.opset13 as ops
+
+    result = model.get_results()[0]
+    node = _src(result).get_node()
+    while node.get_type_name() in _HEAD_TAIL_OPS and node.get_type_name() != "MatMul":
+        node = _src(node).get_node()
+    if node.get_type_name() != "MatMul":
+        return False
+    hidden = _src(node, 0)
+    if hidden.get_partial_shape().rank.is_dynamic or hidden.get_partial_shape().rank.get_length() != 3:
+        return False
+    sliced = ops.slice(
+        hidden,
+        np.array([-1], dtype=np.int64),
+        np.array([np.iinfo(np.int64).max], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+    )
+    node.input(0).replace_source_output(sliced.output(0))
+    return True
+
+
+def convert_model(model, library: str | Path, *, last_token_logits: bool = True) -> ConvertedModel:
+    """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place.
+
+    Args:
+        model: read with ``core.read_model``; modified in place and returned in the result.
+        library: path of the CPU extension library (:func:`ov_kvcrush.plugin.loaded_path`).
+        last_token_logits: compute logits for the last position only.
+
+    Raises:
+        ConversionError: no ScaledDotProductAttention, or a key/value that does not come from
+            the ReadValue → Concat → Assign state, or shapes the op cannot take; the message
+            names the layer and what was found instead.
+    """
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino.utils.node_factory import NodeFactory
+
+    sdpas = [op for op in model.get_ordered_ops() if op.get_type_name() == "ScaledDotProductAttention"]
+    if not sdpas:
+        kinds = sorted({op.get_type_name() for op in model.get_ordered_ops()})
+        hint = (
+            " (it already has PagedAttention: convert the exported IR, not a converted model)"
+            if any(k == "PagedAttention" for k in kinds)
+            else ""
+        )
+        raise ConversionError(
+            "no ScaledDotProductAttention op found in the model: the pass converts the stateful IR of "
+            f"`optimum-cli export openvino` (SDPA attention){hint}"
+        )
+    if any(p.get_friendly_name() == SEQUENCE_INPUT for p in model.get_parameters()):
+        raise ConversionError(f"the model already has a '{SEQUENCE_INPUT}' input: it was converted before")
+
+    plans = []
+    shape = None
+    for layer, sdpa in enumerate(sdpas):
+        q_ps = _src(sdpa, 0).get_partial_shape()
+        if q_ps.rank.is_dynamic or q_ps.rank.get_length() != 4:
+            raise ConversionError(f"layer {layer}: the query of ScaledDotProductAttention is not 4-D [B, H, L, D]")
+        k_concat, k_state, k_assigns = _find_state_concat(sdpa, 1, layer)
+        v_concat, v_state, v_assigns = _find_state_concat(sdpa, 2, layer)
+        k_ps = _src(k_concat, 1).get_partial_shape()
+        v_ps = _src(v_concat, 1).get_partial_shape()
+        s = AttentionShape(
+            layers=len(sdpas),
+            q_heads=_static_dim(q_ps, 1, "query heads", layer),
+            kv_heads=_static_dim(k_ps, 1, "key heads", layer),
+            head_dim=_static_dim(q_ps, 3, "query head size", layer),
+        )
+        if (
+            _static_dim(k_ps, 3, "key head size", layer) != s.head_dim
+            or _static_dim(v_ps, 3, "value head size", layer) != s.head_dim
+            or _static_dim(v_ps, 1, "value heads", layer) != s.kv_heads
+        ):
+            raise ConversionError(f"layer {layer}: query/key/value head sizes differ ({q_ps}, {k_ps}, {v_ps})")
+        if s.q_heads % s.kv_heads:
+            raise ConversionError(f"layer {layer}: {s.q_heads} query heads are not a multiple of {s.kv_heads} KV heads")
+        if s.head_dim % 16 or not 16 <= s.head_dim <= 512:
+            raise ConversionError(f"layer {layer}: head size {s.head_dim} is not supported (a multiple of 16, 16..512)")
+        if shape is not None and s != shape:
+            raise ConversionError(f"layer {layer}: attention shape {s} differs from layer 0's {shape}")
+        shape = s
+        plans.append((layer, sdpa, k_concat, v_concat, k_assigns + v_assigns, _scale(sdpa, s.head_dim, layer)))
+
+    factory = NodeFactory()
+    factory.add_extension(str(library))
+    seq = ops.parameter([-1], ov.Type.i64, name=SEQUENCE_INPUT)
+    seq.output(0).get_tensor().set_names({SEQUENCE_INPUT})
+    scales = []
+    for layer, sdpa, k_concat, v_concat, assigns, scale in plans:
+        node = factory.create(
+            "PagedAttention",
+            [_src(sdpa, 0), _src(k_concat, 1), _src(v_concat, 1), seq.output(0)],
+            {"layer": layer, "scale": scale},
+        )
+        node.set_friendly_name(f"{sdpa.get_friendly_name()}/ov_kvcrush_paged")
+        sdpa.output(0).replace(node.output(0))
+        for a in assigns:
+            model.remove_sink(a)
+        scales.append(scale)
+    model.add_parameters([seq])
+
+    live = _reachable(model)
+    removed_vars = 0
+    live_vars = set()
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == "ReadValue" and _node_key(op) in live:
+            live_vars.add(
+                op.get_variable_id() if hasattr(op, "get_variable_id") else op.get_attributes()["variable_id"]
+            )
+    for var in list(model.get_variables()):
+        if var.get_info().variable_id not in live_vars:
+            model.remove_variable(var)
+            removed_vars += 1
+    removed = []
+    for p in list(model.get_parameters()):
+        if p.get_friendly_name() == SEQUENCE_INPUT:
+            continue
+        if not any(_node_key(t.get_node()) in live for t in p.output(0).get_target_inputs()):
+            removed.append(p.get_friendly_name())
+            model.remove_parameter(p)
+    if last_token_logits:
+        _slice_last_token(model)
+    model.validate_nodes_and_infer_types()
+    assert shape is not None
+    return ConvertedModel(
+        model=model, shape=shape, scales=scales, removed_inputs=removed, removed_variables=removed_vars
+    )
