@@ -111,7 +111,7 @@ def test_op_matches_reference_attention_and_scores(ov_core, precision, hq, hkv, 
         assert st.blocks_held == hkv * math.ceil(n / bs)
         assert (seq.head_tokens() == n).all()
         for g in range(hkv):
-            pos, keys, values, sc = seq.read_head(0, g)
+            pos, keys, _values, sc = seq.read_head(0, g)
             np.testing.assert_array_equal(pos, np.arange(n))
             want = k[b, g] if precision == "f32" else k[b, g].astype(np.float16).astype(np.float32)
             np.testing.assert_array_equal(keys, want)

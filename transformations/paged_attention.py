@@ -201,8 +201,8 @@ def convert_model(model, library: str | Path, *, last_token_logits: bool = True)
         q_ps = _src(sdpa, 0).get_partial_shape()
         if q_ps.rank.is_dynamic or q_ps.rank.get_length() != 4:
             raise ConversionError(f"layer {layer}: the query of ScaledDotProductAttention is not 4-D [B, H, L, D]")
-        k_concat, k_state, k_assigns = _find_state_concat(sdpa, 1, layer)
-        v_concat, v_state, v_assigns = _find_state_concat(sdpa, 2, layer)
+        k_concat, _k_state, k_assigns = _find_state_concat(sdpa, 1, layer)
+        v_concat, _v_state, v_assigns = _find_state_concat(sdpa, 2, layer)
         k_ps = _src(k_concat, 1).get_partial_shape()
         v_ps = _src(v_concat, 1).get_partial_shape()
         s = AttentionShape(

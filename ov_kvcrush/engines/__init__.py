@@ -3,7 +3,8 @@
 * ``genai``: native ``openvino_genai`` (the anchor we compare against), on an exported IR;
 * ``torch``: transformers through the project's compressed cache (the oracle, and the CUDA path),
   on a Hugging Face checkpoint;
-* ``openvino``: our custom attention op inside the OpenVINO graph (issue #6).
+* ``openvino``: the exported IR with our paged-attention op (``plugins/cpu``) in place of each
+  layer's SDPA and KV state, on the CPU plugin.
 
 :func:`make_engine` resolves the model for the backend: by default the embedded model (exported to
 IR or converted to an HF checkpoint once, then cached), or a user path.
@@ -18,12 +19,12 @@ from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import UserError
 
 #: Backend name → the issue that brings it, for those not built yet.
-PLANNED_BACKENDS = {"openvino": 6}
-BACKENDS = ("genai", "torch")
+PLANNED_BACKENDS: dict[str, int] = {}
+BACKENDS = ("genai", "torch", "openvino")
 
 
 def resolve_model(backend: str, model: str | Path | None) -> Path:
-    """The model path ``backend`` runs: an IR directory (genai) or an HF checkpoint (torch).
+    """The model path ``backend`` runs: an IR directory (genai, openvino) or an HF checkpoint (torch).
 
     ``None`` is the embedded model. A GGUF file or an HF directory is exported (genai) or
     converted (torch) once and cached; an exported IR directory is used as is by genai.
@@ -31,7 +32,7 @@ def resolve_model(backend: str, model: str | Path | None) -> Path:
     from ov_kvcrush.export import ensure_default_model, export_model, hf_checkpoint
 
     _check_backend(backend)
-    if backend == "genai":
+    if backend in ("genai", "openvino"):
         if model is None:
             return ensure_default_model()
         path = Path(model).expanduser()
@@ -66,6 +67,10 @@ def make_engine(
         from ov_kvcrush.engines.genai import GenAIEngine
 
         return GenAIEngine(model_dir, compression, device=device, **options)
+    if backend == "openvino":
+        from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+        return OpenVINOEngine(model_dir, compression, device=device, **options)
     from ov_kvcrush.engines.torch_engine import TorchEngine
 
     return TorchEngine(model_dir, compression, device=device, **options)

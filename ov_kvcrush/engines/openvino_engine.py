@@ -1,0 +1,416 @@
+"""OpenVINO engine: the exported IR with our paged-attention op, on CPU.
+
+The IR written by ``optimum-cli export openvino`` is read, converted in memory by
+:func:`ov_kvcrush.transformations.convert_model` (each layer's SDPA and KV state become
+``ov_kvcrush::PagedAttention``), and compiled on the CPU plugin with the extension library. The
+KV cache lives in the extension: a :class:`~ov_kvcrush.plugin.KVPool` per engine and one
+:class:`~ov_kvcrush.plugin.KVSequence` for the current generation (or chat), whose handle is fed
+as the model's ``kvc_sequence`` input. Everything else (weights, matmuls, RoPE, sampling inputs)
+is OpenVINO's, so this engine runs at the speed of the plugin plus our attention.
+
+Tokenisation is openvino_tokenizers' (through ``openvino_genai.Tokenizer``, which runs the
+``openvino_tokenizer.xml``/``openvino_detokenizer.xml`` models written by the export).
+
+Metrics as in :class:`~ov_kvcrush.engines.base.GenerationResult`: ``kv_bytes`` is the blocks the
+sequence holds (all layers, K and V) × bytes per block, read from the extension after each step;
+``full_kv_bytes`` is what a full cache in the same precision and block size holds for the tokens
+seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
+from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.plugin import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
+
+#: Methods this engine runs inside the op today; the others arrive with issue #7.
+OPENVINO_METHODS = ("full",)
+#: KV precision of the op's cache by default: f16 halves the bytes every decode step reads.
+DEFAULT_KV_PRECISION = "f16"
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """Block-pool limits from an ``openvino_genai.SchedulerConfig`` (0: unlimited)."""
+
+    max_blocks: int = 0
+
+
+def from_scheduler_config(sc, layers: int, kv_heads: int, block_bytes: int) -> tuple[CompressionConfig, PoolLimits]:
+    """Map an ``openvino_genai.SchedulerConfig`` onto a :class:`CompressionConfig` and pool limits.
+
+    ``num_kv_blocks`` counts native blocks (32 tokens of every layer and KV head), so it becomes
+    ``num_kv_blocks × layers × kv_heads`` of ours; ``cache_size`` (GB) becomes the blocks that fit
+    in it. With ``use_cache_eviction`` the ``CacheEvictionConfig`` (and its ``KVCrushConfig``)
+    become the matching method: ``snapkv_window_size > 0`` is SnapKV (KVCrush with a KVCrush
+    config), otherwise H2O; sinks, recent window, budget and the KVCrush share are carried over.
+    """
+    limits = 0
+    if sc.num_kv_blocks:
+        limits = int(sc.num_kv_blocks) * layers * kv_heads
+    elif sc.cache_size:
+        limits = max(1, int(sc.cache_size) * (1 << 30) // block_bytes)
+    if not sc.use_cache_eviction:
+        return CompressionConfig(), PoolLimits(limits)
+    from ov_kvcrush.config import KVCrushSettings
+
+    ev = sc.cache_eviction_config
+    kv = ev.kvcrush_config
+    kv_blocks = int(kv.budget) if kv is not None else 0
+    window = int(ev.snapkv_window_size)
+    method = "kvcrush" if kv_blocks else ("snapkv" if window else "h2o")
+    agg = str(ev.aggregation_mode).rsplit(".", 1)[-1].lower()
+    anchor = str(kv.anchor_point_mode).rsplit(".", 1)[-1].lower() if kv is not None else "random"
+    cfg = CompressionConfig(
+        method=method,
+        budget=int(ev.get_max_cache_size()) + kv_blocks * DEFAULT_BLOCK_SIZE,
+        sink_tokens=int(ev.get_start_size()),
+        recent_tokens=int(ev.get_recent_size()),
+        snapkv_window=window or 8,
+        aggregation=agg if agg in ("sum", "norm_sum") else "sum",
+        apply_rotation=bool(ev.apply_rotation),
+        kvcrush=KVCrushSettings(
+            budget=kv_blocks * DEFAULT_BLOCK_SIZE if kv_blocks else None,
+            anchor=anchor,
+            seed=int(kv.rng_seed) if kv is not None else 0,
+        ),
+    )
+    return cfg, PoolLimits(limits)
+
+
+def sample_token(logits: np.ndarray, settings: GenerationSettings, rng: np.random.Generator | None) -> int:
+    """Greedy argmax, or temperature / top-k / top-p sampling (the torch engine's rules)."""
+    if not settings.do_sample:
+        return int(np.argmax(logits))
+    x = logits.astype(np.float64) / settings.temperature
+    if settings.top_k:
+        k = min(settings.top_k, x.size)
+        kth = np.partition(x, -k)[-k]
+        x = np.where(x < kth, -np.inf, x)
+    if settings.top_p < 1.0:
+        order = np.argsort(-x, kind="stable")
+        sx = x[order]
+        p = np.exp(sx - sx[0])
+        p /= p.sum()
+        drop = np.cumsum(p) - p > settings.top_p  # keep the smallest prefix reaching top_p
+        sx[drop] = -np.inf
+        x = np.empty_like(x)
+        x[order] = sx
+    p = np.exp(x - np.max(x))
+    p /= p.sum()
+    assert rng is not None
+    return int(rng.choice(p.size, p=p))
+
+
+class OpenVINOEngine:
+    """Generate with the exported IR whose attention is our paged-attention op.
+
+    Args:
+        model_dir: directory written by ``ov-kvcrush export`` / ``optimum-cli export openvino``.
+        compression: method and budget (``full`` today; the methods arrive inside the op with
+            issue #7).
+        device: ``CPU`` (the op is a CPU extension).
+        kv_precision: ``f16`` (default) or ``f32`` storage of keys and values in the op's cache.
+        block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
+        max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited).
+        scheduler_config: an ``openvino_genai.SchedulerConfig``: its cache eviction settings give
+            the compression and its ``num_kv_blocks`` / ``cache_size`` the pool limit (instead of
+            ``compression`` and ``max_kv_blocks``).
+        properties: OpenVINO compile properties (e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``);
+            the plugin's defaults otherwise, as openvino_genai uses.
+    """
+
+    backend = "openvino"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        compression: CompressionConfig | None = None,
+        device: str = "CPU",
+        kv_precision: str = DEFAULT_KV_PRECISION,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_kv_blocks: int = 0,
+        scheduler_config: Any = None,
+        properties: dict | None = None,
+    ) -> None:
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        from ov_kvcrush import plugin
+        from ov_kvcrush.transformations import convert_model
+
+        if str(device).upper() != "CPU":
+            raise ConfigError("device", device, "CPU (backend openvino: the op is a CPU extension)")
+        if kv_precision not in PRECISIONS:
+            raise ConfigError("kv_precision", kv_precision, "one of " + ", ".join(PRECISIONS))
+        if (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+            or block_size % 16
+            or not 16 <= block_size <= 256
+        ):
+            raise ConfigError("block_size", block_size, "a multiple of 16 in [16, 256]")
+        if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
+            raise ConfigError("max_kv_blocks", max_kv_blocks, "an integer >= 0 (0: unlimited)")
+        self.model_dir = Path(model_dir)
+        xml = self.model_dir / "openvino_model.xml"
+        if not xml.is_file():
+            raise UserError(f"not an exported OpenVINO model directory (no openvino_model.xml): {self.model_dir}")
+        self.hf_config = _read_json(self.model_dir / "config.json")
+        _check_attention_kind(self.hf_config, self.model_dir)
+
+        self.library = plugin.loaded_path()
+        self.core = ov.Core()
+        self.core.add_extension(str(self.library))
+        converted = convert_model(self.core.read_model(xml), self.library)
+        self.shape = converted.shape
+        self.kv_precision = kv_precision
+        self.block_size = block_size
+        self.block_bytes = 2 * block_size * self.shape.head_dim * plugin.PRECISION_BYTES[kv_precision]
+
+        if scheduler_config is not None:
+            if compression is not None or max_kv_blocks:
+                raise UserError("pass either scheduler_config or compression/max_kv_blocks, not both")
+            compression, limits = from_scheduler_config(
+                scheduler_config, self.shape.layers, self.shape.kv_heads, self.block_bytes
+            )
+            max_kv_blocks = limits.max_blocks
+        self.compression = compression or CompressionConfig()
+        if self.compression.method not in OPENVINO_METHODS:
+            raise UserError(
+                f"method={self.compression.method} does not run inside the OpenVINO op yet (issue #7); "
+                f"backend openvino runs: {', '.join(OPENVINO_METHODS)}; backend torch runs every method"
+            )
+        self.properties = dict(properties or {})
+        self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
+        self.request = self.compiled.create_infer_request()
+        self.input_names = {p.get_any_name() for p in self.compiled.inputs}
+        self.pool = KVPool(
+            self.shape.layers,
+            self.shape.q_heads,
+            self.shape.kv_heads,
+            self.shape.head_dim,
+            block_size=block_size,
+            precision=kv_precision,
+            max_blocks=max_kv_blocks,
+        )
+        self.sequence: KVSequence = self.pool.new_sequence()
+        self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
+        eos = self.hf_config.get("eos_token_id", self.tokenizer.get_eos_token_id())
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+        gen_cfg = _read_json(self.model_dir / "generation_config.json")
+        if gen_cfg.get("eos_token_id") is not None:
+            g = gen_cfg["eos_token_id"]
+            self.eos_ids |= {int(e) for e in (g if isinstance(g, list) else [g])}
+        self.max_context = int(self.hf_config.get("max_position_embeddings") or 0)
+        self._cached: list[int] = []  # token ids whose K/V the sequence holds, in order
+        self._history: list[dict] | None = None  # chat messages while a chat is open
+
+    # -- chat -----------------------------------------------------------------------------------
+    def start_chat(self, system_message: str = "") -> None:
+        """Open a conversation: later ``generate`` calls add turns and keep the cache across them."""
+        self._history = [{"role": "system", "content": system_message}] if system_message else []
+        self._reset_sequence()
+
+    def finish_chat(self) -> None:
+        """Close the conversation and free its cache."""
+        self._history = None
+        self._reset_sequence()
+
+    @property
+    def chat_history(self) -> list[dict] | None:
+        return None if self._history is None else list(self._history)
+
+    # -- state ----------------------------------------------------------------------------------
+    def _reset_sequence(self) -> None:
+        self.sequence.reset()
+        self._cached = []
+
+    def close(self) -> None:
+        """Free the sequence and the pool (the engine cannot generate afterwards)."""
+        if getattr(self, "sequence", None) is not None:
+            self.sequence.free()
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- prompts ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
+        """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
+        messages = chat_messages(prompt, apply_chat_template)
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        else:
+            text = prompt
+        ids = self.tokenizer.encode(text, add_special_tokens=messages is None).input_ids.data[0]
+        return [int(i) for i in ids]
+
+    def full_kv_bytes(self, tokens: int) -> int:
+        """Bytes a full cache in this engine's precision and block size holds for ``tokens`` tokens."""
+        blocks = math.ceil(tokens / self.block_size) * self.shape.layers * self.shape.kv_heads
+        return blocks * self.block_bytes
+
+    # -- model steps ----------------------------------------------------------------------------
+    def forward(self, ids: list[int]) -> np.ndarray:
+        """Feed ``ids`` after the cached tokens; the next-token logits (last position)."""
+        if not ids:
+            raise UserError("forward needs at least one token")
+        past = len(self._cached)
+        n = len(ids)
+        feed: dict[str, np.ndarray] = {
+            "input_ids": np.asarray([ids], dtype=np.int64),
+            "kvc_sequence": np.asarray([self.sequence.handle], dtype=np.int64),
+        }
+        if "position_ids" in self.input_names:
+            feed["position_ids"] = np.arange(past, past + n, dtype=np.int64)[None, :]
+        if "attention_mask" in self.input_names:
+            feed["attention_mask"] = np.ones((1, past + n), dtype=np.int64)
+        if "beam_idx" in self.input_names:
+            feed["beam_idx"] = np.zeros(1, dtype=np.int32)
+        try:
+            self.request.infer(feed)
+        except RuntimeError as exc:
+            self._reset_sequence()  # a failed step leaves the layers out of step: start clean
+            raise UserError(
+                f"backend openvino failed on a {n}-token step after {past} tokens: {_last_line(exc)}"
+            ) from None
+        self._cached.extend(ids)
+        logits = self.request.get_output_tensor(0).data
+        return np.array(logits[0, -1], dtype=np.float32)
+
+    def _check_length(self, tokens: int, new_tokens: int) -> None:
+        if self.max_context and tokens + new_tokens > self.max_context:
+            raise UserError(
+                f"prompt ({tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the model's context of "
+                f"{self.max_context} tokens"
+            )
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt,
+        settings: GenerationSettings | None = None,
+        streamer: Streamer | None = None,
+    ) -> GenerationResult:
+        """Generate for one prompt (one chat turn while a chat is open)."""
+        settings = settings or GenerationSettings()
+        if self._history is not None:
+            if not isinstance(prompt, str):
+                raise UserError("in a chat, generate takes the user's message as a string")
+            messages = [*self._history, {"role": "user", "content": prompt}]
+            ids = self.encode(messages)
+            # keep the longest cached prefix of the re-tokenised conversation (at least one new token)
+            common = 0
+            limit = min(len(self._cached), len(ids) - 1)
+            while common < limit and self._cached[common] == ids[common]:
+                common += 1
+            if common < len(self._cached):
+                self.sequence.truncate(common)
+                self._cached = self._cached[:common]
+        else:
+            messages = None
+            ids = self.encode(prompt, settings.apply_chat_template)
+            self._reset_sequence()
+        self._check_length(len(ids), settings.max_new_tokens)
+        new = ids[len(self._cached) :]
+        try:
+            result = self._run(ids, new, settings, streamer)
+        finally:
+            if messages is None:
+                self._reset_sequence()  # outside a chat the cache is not reused: its blocks go back now
+        if messages is not None:
+            assert self._history is not None
+            self._history = [*messages, {"role": "assistant", "content": result.text}]
+        return result
+
+    def _run(
+        self, ids: list[int], new: list[int], settings: GenerationSettings, streamer: Streamer | None
+    ) -> GenerationResult:
+        rng = np.random.default_rng(settings.seed) if settings.do_sample else None
+        tokens: list[int] = []
+        stamps: list[float] = []
+        peak = 0
+        streamed = ""
+        t0 = time.perf_counter()
+        logits = self.forward(new)
+        for step in range(settings.max_new_tokens):
+            if step:
+                logits = self.forward([tokens[-1]])
+            nxt = sample_token(logits, settings, rng)
+            stamps.append(time.perf_counter() - t0)
+            peak = max(peak, self.sequence.stats().kv_bytes)
+            if nxt in self.eos_ids:
+                break
+            tokens.append(nxt)
+            if streamer is not None:
+                text = self.tokenizer.decode(tokens)
+                if len(text) > len(streamed) and streamer(text[len(streamed) :]):
+                    break
+                streamed = text
+        stats = self.sequence.stats()
+        ttft = stamps[0] if stamps else 0.0
+        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+        return GenerationResult(
+            text=self.tokenizer.decode(tokens) if tokens else "",
+            token_ids=tokens,
+            prompt_tokens=len(ids),
+            ttft_ms=ttft * 1e3,
+            tpot_ms=tpot * 1e3,
+            kv_bytes=stats.kv_bytes,
+            full_kv_bytes=self.full_kv_bytes(stats.tokens_seen),
+            peak_kv_bytes=max(peak, stats.kv_bytes),
+            method=self.compression.method,
+            budget=self.compression.budget,
+            backend=self.backend,
+            counters={
+                "kv_blocks_held": stats.blocks_held,
+                "kv_block_bytes": stats.block_bytes,
+                "kv_precision": self.kv_precision,
+                "tokens_seen": stats.tokens_seen,
+                "prefill_tokens": len(new),
+                "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
+            },
+        )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _check_attention_kind(cfg: dict, model_dir: Path) -> None:
+    """Refuse attention variants the op does not implement (it is plain causal softmax attention)."""
+    text = cfg.get("text_config") or cfg
+    layer_types = text.get("layer_types") or []
+    if any("sliding" in str(t) for t in layer_types) or text.get("use_sliding_window"):
+        raise UserError(
+            f"{model_dir.name}: model type {text.get('model_type')!r} uses sliding-window attention, which backend "
+            "openvino's op does not implement; use backend genai or torch"
+        )
+    if text.get("attn_logit_softcapping"):
+        raise UserError(f"{model_dir.name}: attention logit soft-capping is not supported by backend openvino")
+
+
+def _last_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "ov_kvcrush" in ln or "exhausted" in ln:
+            return ln
+    return lines[-1] if lines else type(exc).__name__

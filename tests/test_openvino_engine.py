@@ -1,0 +1,216 @@
+"""The OpenVINO engine on the embedded model: exact against OpenVINO's own SDPA and the torch engine.
+
+* every decode step's logits equal the unmodified stateful IR's (``KV_CACHE_PRECISION`` = what
+  our cache stores) on a ~1k-token prompt, and 64 greedy tokens are identical;
+* greedy generation equals the torch engine's on an fp32 export of the same model;
+* a 3-turn chat (cache kept across turns) gives the tokens of feeding each whole conversation;
+* 100 generations leave no block in use; pipelines do not share state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ovsteps import F32, converted_steps, native_steps
+
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.errors import ConfigError, UserError
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    return OpenVINOEngine(model_dir, kv_precision="f32", properties=F32)
+
+
+@pytest.fixture(scope="module")
+def essay_prompt():
+    """~1k tokens of essay prose and a request for a long answer (so greedy runs 64 tokens)."""
+    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+
+    text = essay_text(haystack_essays()[0])[:4200]
+    return text + "\n\nRewrite the text above as a long, detailed list of its main points."
+
+
+def test_logits_match_unmodified_model_every_step(model_dir, engine, essay_prompt):
+    ids = engine.encode(essay_prompt)
+    assert 900 <= len(ids) <= 1300
+    xml = model_dir / "openvino_model.xml"
+    for kv in ("f32", "f16"):
+        ref, tokens = native_steps(xml, ids, 64, kv)
+        got, _, pool, seq = converted_steps(xml, ids, tokens[:-1], kv)
+        scale = np.abs(ref).max()
+        err = np.abs(got - ref).max(axis=1) / scale
+        assert err.max() < (2e-5 if kv == "f32" else 1e-3), (kv, err.max())
+        # the 64 greedy tokens are identical (each step's argmax, fed the same history)
+        assert [int(np.argmax(x)) for x in got] == tokens
+        assert seq.stats().tokens_seen == len(ids) + 64
+        seq.free()
+        assert pool.stats().blocks_in_use == 0
+
+
+def test_engine_generate_equals_unmodified_greedy(model_dir, engine, essay_prompt):
+    ids = engine.encode(essay_prompt)
+    _, tokens = native_steps(model_dir / "openvino_model.xml", ids, 63, "f32")
+    res = engine.generate(essay_prompt, GenerationSettings(max_new_tokens=64))
+    assert res.token_ids == tokens[: len(res.token_ids)]
+    assert len(res.token_ids) == 64 or tokens[len(res.token_ids)] in engine.eos_ids
+    assert res.backend == "openvino" and res.prompt_tokens == len(ids)
+    assert res.kv_bytes == res.full_kv_bytes  # full cache
+    # blocks: ceil(tokens / 32) per layer and KV head, f32 K and V
+    assert res.full_kv_bytes == -(-(len(ids) + 63) // 32) * 30 * 3 * 2 * 32 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def fp32_ir():
+    from ov_kvcrush.export import ensure_default_model
+
+    return ensure_default_model("fp32", progress=False)
+
+
+def test_greedy_equals_torch_engine(fp32_ir, hf_dir, essay_prompt):
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+
+    ov_engine = OpenVINOEngine(fp32_ir, kv_precision="f32", properties=F32)
+    torch_engine = TorchEngine(hf_dir)
+    assert ov_engine.encode(essay_prompt) == torch_engine.encode(essay_prompt)
+    settings = GenerationSettings(max_new_tokens=64)
+    a = ov_engine.generate(essay_prompt, settings)
+    b = torch_engine.generate(essay_prompt, settings)
+    assert len(a.token_ids) >= 32
+    assert a.token_ids == b.token_ids
+    assert a.text == b.text
+    # the same KV bytes for the same tokens: both f32, ours rounded up to whole 32-token blocks
+    tokens = a.prompt_tokens + len(a.token_ids)
+    assert b.full_kv_bytes <= a.full_kv_bytes < b.full_kv_bytes * (tokens + 32) / tokens
+
+
+def test_chat_turns_equal_whole_conversation(engine):
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    questions = [
+        "My name is Ada and I keep bees. What is a good first hive?",
+        "How many bees live in it?",
+        "What was my name again, and what do I keep?",
+    ]
+    settings = GenerationSettings(max_new_tokens=40)
+    engine.start_chat("You are a helpful assistant.")
+    turns = [engine.generate(q, settings) for q in questions]
+    history = engine.chat_history
+    assert engine.sequence.stats().tokens_seen > sum(t.prompt_tokens for t in turns[:1])
+    engine.finish_chat()
+    assert engine.pool.stats().blocks_in_use == 0
+    # later turns fed only the new tokens: the cache was kept
+    assert turns[1].counters["prefill_tokens"] < turns[1].prompt_tokens
+    assert turns[2].counters["prefill_tokens"] < turns[2].prompt_tokens
+    # each turn again, as one prompt holding the whole conversation so far
+    assert isinstance(engine, OpenVINOEngine)
+    for i, turn in enumerate(turns):
+        messages = history[: 1 + 2 * i + 1]  # system, (user, assistant) * i, user
+        assert messages[-1] == {"role": "user", "content": questions[i]}
+        whole = engine.generate(messages, settings)
+        assert whole.token_ids == turn.token_ids, i
+        assert whole.prompt_tokens == turn.prompt_tokens
+
+
+def test_hundred_generations_leak_no_blocks(engine):
+    settings = GenerationSettings(max_new_tokens=3)
+    allocated = None
+    for i in range(100):
+        engine.generate(f"Count to {i}.", settings)
+        stats = engine.pool.stats()
+        assert stats.blocks_in_use == 0 and stats.sequences == 1
+        allocated = allocated or stats.blocks_allocated
+        assert stats.blocks_allocated == allocated  # blocks are reused, the pool does not grow
+
+
+def test_pipelines_do_not_share_state(model_dir, engine):
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    other = OpenVINOEngine(model_dir, kv_precision="f32", properties=F32)
+    settings = GenerationSettings(max_new_tokens=12)
+    alone = [engine.generate(q, settings).token_ids for q in ("Name a fruit.", "Name a color.")]
+    engine.start_chat()
+    other.start_chat()
+    a1 = engine.generate("Name a fruit.", settings).token_ids
+    b1 = other.generate("Name a color.", settings).token_ids
+    a2 = engine.generate("Another one?", settings).token_ids
+    b2 = other.generate("Another one?", settings).token_ids
+    assert [a1, b1] == alone
+    assert engine.pool.handle != other.pool.handle
+    engine.finish_chat()
+    other.finish_chat()
+    engine.start_chat()
+    engine.generate("Name a fruit.", settings)
+    assert engine.generate("Another one?", settings).token_ids == a2
+    engine.finish_chat()
+    other.start_chat()
+    other.generate("Name a color.", settings)
+    assert other.generate("Another one?", settings).token_ids == b2
+    other.close()
+
+
+def test_sampling_is_seeded_and_streams(engine):
+    settings = GenerationSettings(max_new_tokens=16, do_sample=True, temperature=1.2, top_k=50, top_p=0.95, seed=7)
+    pieces: list[str] = []
+    a = engine.generate("Tell me a story.", settings, streamer=lambda s: pieces.append(s) and False)
+    b = engine.generate("Tell me a story.", settings)
+    c = engine.generate("Tell me a story.", GenerationSettings(max_new_tokens=16, do_sample=True, seed=8))
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    assert "".join(pieces) == a.text
+
+
+def test_pool_limit_from_scheduler_config_is_honoured(model_dir):
+    import openvino_genai as ov_genai
+
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    sc = ov_genai.SchedulerConfig()
+    sc.num_kv_blocks = 2  # two native blocks: 64 tokens of every layer
+    small = OpenVINOEngine(model_dir, scheduler_config=sc)
+    assert small.generate("Hi.", GenerationSettings(max_new_tokens=4)).text
+    with pytest.raises(UserError, match="max_blocks=180"):
+        small.generate("word " * 80, GenerationSettings(max_new_tokens=4))
+    assert small.pool.stats().blocks_in_use == 0  # the failed sequence was released
+    assert small.generate("Hi.", GenerationSettings(max_new_tokens=4)).text  # and the engine still works
+    small.close()
+
+
+def test_scheduler_config_eviction_maps_to_methods():
+    import openvino_genai as ov_genai
+
+    from ov_kvcrush.config import to_native_scheduler_config
+    from ov_kvcrush.engines.openvino_engine import from_scheduler_config
+
+    for cfg in (
+        CompressionConfig(method="h2o", budget=512),
+        CompressionConfig(method="snapkv", budget=512, sink_tokens=64, snapkv_window=16),
+        CompressionConfig(method="kvcrush", budget=512, aggregation="norm_sum"),
+    ):
+        sc = to_native_scheduler_config(cfg)
+        back, limits = from_scheduler_config(sc, layers=30, kv_heads=3, block_bytes=8192)
+        assert back.method == cfg.method and back.budget == cfg.budget
+        assert back.native_sink_tokens == cfg.native_sink_tokens
+        assert back.native_recent_tokens == cfg.native_recent_tokens
+        assert back.aggregation == cfg.aggregation and limits.max_blocks == 0
+    full, limits = from_scheduler_config(ov_genai.SchedulerConfig(), 30, 3, 8192)
+    assert full.method == "full" and limits.max_blocks == 0
+
+
+def test_bad_engine_arguments(model_dir, tmp_path):
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    with pytest.raises(ConfigError, match="device"):
+        OpenVINOEngine(model_dir, device="GPU")
+    with pytest.raises(ConfigError, match="kv_precision"):
+        OpenVINOEngine(model_dir, kv_precision="u4")
+    with pytest.raises(ConfigError, match="block_size"):
+        OpenVINOEngine(model_dir, block_size=20)
+    with pytest.raises(UserError, match="no openvino_model.xml"):
+        OpenVINOEngine(tmp_path)
+    with pytest.raises(UserError, match="issue #7"):
+        OpenVINOEngine(model_dir, CompressionConfig(method="kvcrush", budget=256))

@@ -1,0 +1,113 @@
+"""The graph pass on real exports: tiny random llama / qwen2 models written by optimum-intel.
+
+The converted model must give the logits of the unmodified stateful IR (OpenVINO's own SDPA and
+KV state, ``KV_CACHE_PRECISION`` set to what our cache stores) at every step, and models the pass
+cannot convert must fail with a message naming what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ovsteps import converted_steps, native_steps
+
+from ov_kvcrush import plugin
+from ov_kvcrush.transformations import SEQUENCE_INPUT, ConversionError, convert_model
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_ir(model_type: str) -> Path:
+    """A 2-layer random model of ``model_type`` exported with optimum-intel (cached per machine)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ov_kvcrush.export import cache_root
+
+    key = hashlib.sha256(repr((model_type, sorted(TINY.items()))).encode()).hexdigest()[:10]
+    out = cache_root() / "tests" / f"tiny-{model_type}-{key}"
+    if (out / "openvino_model.xml").is_file():
+        return out
+    from optimum.intel import OVModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY))
+    hf = out.with_name(out.name + "-hf")
+    model.save_pretrained(hf)
+    OVModelForCausalLM.from_pretrained(hf, export=True, compile=False, load_in_8bit=False).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request):
+    return tiny_ir(request.param)
+
+
+@pytest.mark.parametrize("kv_precision", ["f32", "f16"])
+def test_converted_logits_match_the_unmodified_model(tiny, kv_precision):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 500, size=150).tolist()
+    ref, tokens = native_steps(tiny / "openvino_model.xml", prompt, 24, kv_precision)
+    got, conv, pool, seq = converted_steps(tiny / "openvino_model.xml", prompt, tokens[:-1], kv_precision)
+    tol = 1e-4 if kv_precision == "f32" else 2e-3
+    np.testing.assert_allclose(got, ref, atol=tol * np.abs(ref).max(), rtol=0)
+    assert [int(np.argmax(x)) for x in got] == tokens
+    assert conv.shape.layers == 2 and conv.shape.q_heads == 4 and conv.shape.kv_heads == 2
+    assert seq.stats().tokens_seen == 150 + 24
+    assert pool.stats().blocks_in_use == 2 * 2 * -(-(150 + 24) // 32)
+
+
+def test_converted_graph_has_no_kv_state(tiny):
+    import openvino as ov
+
+    core = ov.Core()
+    conv = convert_model(core.read_model(tiny / "openvino_model.xml"), plugin.loaded_path())
+    kinds = [op.get_type_name() for op in conv.model.get_ordered_ops()]
+    assert kinds.count("PagedAttention") == 2
+    assert "ScaledDotProductAttention" not in kinds and "ReadValue" not in kinds and "Assign" not in kinds
+    assert not conv.model.get_sinks() and not conv.model.get_variables()
+    names = {p.get_friendly_name() for p in conv.model.get_parameters()}
+    assert SEQUENCE_INPUT in names and "beam_idx" not in names and "beam_idx" in conv.removed_inputs
+    assert conv.removed_variables == 4
+    assert conv.scales == pytest.approx([32**-0.5] * 2)
+    # converting again is refused: there is no SDPA left
+    with pytest.raises(ConversionError, match="already has PagedAttention"):
+        convert_model(conv.model, plugin.loaded_path())
+
+
+def test_model_without_sdpa_is_refused():
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    x = ops.parameter([1, 8], np.float32, name="x")
+    y = ops.matmul(x, ops.constant(np.ones((8, 4), np.float32)), False, False)
+    with pytest.raises(ConversionError, match="no ScaledDotProductAttention op found"):
+        convert_model(ov.Model([y], [x]), plugin.loaded_path())
+
+
+def test_stateless_sdpa_is_refused_naming_the_pattern():
+    """SDPA whose keys are plain inputs (a stateless export): the message names what was found."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    q = ops.parameter([1, 4, -1, 32], np.float32, name="q")
+    k = ops.parameter([1, 4, -1, 32], np.float32, name="k")
+    v = ops.parameter([1, 4, -1, 32], np.float32, name="v")
+    k4 = ops.reshape(k, ops.constant(np.array([1, 4, -1, 32])), False)
+    sdpa = ops.scaled_dot_product_attention(q, k4, v, causal=True)
+    pattern = r"layer 0: the key .* does not come from a KV-state Concat \(found SDPA <- Reshape <- Parameter\)"
+    with pytest.raises(ConversionError, match=pattern):
+        convert_model(ov.Model([sdpa], [q, k, v]), plugin.loaded_path())
