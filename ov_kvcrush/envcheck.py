@@ -2,7 +2,8 @@
 
 Checks the two pitfalls seen on this machine: a CUDA ``torchvision`` (pulled in by optimum-intel)
 that breaks transformers with ``operator torchvision::nms does not exist``, and a torch that is
-not the pinned CPU build.
+not the pinned CPU build; then that the evaluation data is there and that the CPU extension
+(``plugins/cpu``) builds and loads into OpenVINO.
 """
 
 from __future__ import annotations
@@ -35,10 +36,20 @@ def main() -> int:
     except Exception as exc:
         problems.append(f"evaluation data: {exc}")
 
+    isa = "?"
+    try:  # the CPU extension (plugins/cpu): built here if needed, then loaded by OpenVINO and ctypes
+        from ov_kvcrush import plugin
+
+        core = openvino.Core()
+        core.add_extension(str(plugin.loaded_path()))
+        isa = plugin.kernel_isa()
+    except Exception as exc:
+        problems.append(f"CPU extension: {exc}")
+
     for p in problems:
         print(f"envcheck: {p}", file=sys.stderr)
     if not problems:
-        print(f"envcheck: ok (torch {torch.__version__}, openvino {openvino.__version__})")
+        print(f"envcheck: ok (torch {torch.__version__}, openvino {openvino.__version__}, CPU extension: {isa})")
     return 1 if problems else 0
 
 

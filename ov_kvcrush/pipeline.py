@@ -17,6 +17,11 @@ Users of openvino_genai change a constructor argument, not their code::
 chat messages, or a list of strings (one result each), plus either a
 :class:`~ov_kvcrush.config.GenerationSettings` or its fields as keyword arguments, and an
 optional streamer called with each new piece of text (return ``True`` to stop).
+
+``start_chat()`` / ``finish_chat()`` work as in openvino_genai: between them each ``generate``
+is one user turn. The ``openvino`` backend keeps the KV cache across turns and feeds only the new
+tokens; the other backends are given the whole conversation at every turn (same answers, more
+prefill).
 """
 
 from __future__ import annotations
@@ -38,13 +43,17 @@ class LLMPipeline:
     """Generate text with KV-cache compression on any engine.
 
     Args:
-        model: model path for the backend (an exported IR directory for ``genai``; an HF
-            checkpoint or a GGUF file for ``torch``); ``None``: the embedded SmolLM2-135M.
+        model: model path for the backend (an exported IR directory for ``genai`` and
+            ``openvino``; an HF checkpoint or a GGUF file for ``torch``); ``None``: the embedded
+            SmolLM2-135M.
         device: ``CPU`` (default); ``cuda`` for the torch backend on a GPU.
-        backend: ``genai`` (native openvino_genai, default) or ``torch``.
+        backend: ``genai`` (native openvino_genai, default), ``openvino`` (the exported IR with
+            our paged-attention op) or ``torch``.
         compression: a :class:`CompressionConfig`, or a method name (``"full"`` needs no budget).
         budget: shortcut for ``CompressionConfig(method=compression, budget=budget)``.
-        **engine_options: passed to the engine (``dtype`` for torch, ``properties`` for genai).
+        **engine_options: passed to the engine (``dtype`` for torch, ``properties`` for genai and
+            openvino; ``kv_precision``, ``block_size``, ``max_kv_blocks`` and
+            ``scheduler_config`` — an ``openvino_genai.SchedulerConfig`` — for openvino).
     """
 
     def __init__(
@@ -57,15 +66,46 @@ class LLMPipeline:
         budget: int | None = None,
         **engine_options: Any,
     ) -> None:
-        if compression is None or isinstance(compression, str):
+        scheduler_config = engine_options.get("scheduler_config")
+        if scheduler_config is not None:
+            # openvino_genai's way of configuring the cache: the compression and (openvino) the pool limit
+            if compression is not None or budget is not None:
+                raise UserError("pass either scheduler_config or compression/budget, not both")
+            if backend != "openvino":  # genai/torch take the compression it describes
+                from ov_kvcrush.engines.openvino_engine import compression_from_scheduler_config
+
+                compression = compression_from_scheduler_config(engine_options.pop("scheduler_config"))
+        elif compression is None or isinstance(compression, str):
             compression = CompressionConfig(method=compression or "full", budget=budget)
         elif budget is not None:
             raise UserError("pass budget inside the CompressionConfig, not beside it")
-        if not isinstance(compression, CompressionConfig):
+        if compression is not None and not isinstance(compression, CompressionConfig):
             raise ConfigError("compression", compression, "a CompressionConfig or a method name")
-        self.compression = compression
         self.backend = backend
         self.engine = make_engine(backend, resolve_model(backend, model), compression, device, **engine_options)
+        self.compression: CompressionConfig = self.engine.compression
+        self._history: list[dict] | None = None  # chat on engines without their own chat state
+
+    # -- chat -----------------------------------------------------------------------------------
+    def start_chat(self, system_message: str = "") -> None:
+        """Start a conversation: each later ``generate(str)`` is a user turn answered in context."""
+        if hasattr(self.engine, "start_chat"):
+            self.engine.start_chat(system_message)
+        else:
+            self._history = [{"role": "system", "content": system_message}] if system_message else []
+
+    def finish_chat(self) -> None:
+        """End the conversation (and free the cache it kept)."""
+        if hasattr(self.engine, "finish_chat"):
+            self.engine.finish_chat()
+        self._history = None
+
+    @property
+    def chat_history(self) -> list[dict] | None:
+        """The conversation so far (``None`` outside a chat)."""
+        if hasattr(self.engine, "chat_history"):
+            return self.engine.chat_history
+        return None if self._history is None else list(self._history)
 
     def generate(
         self,
@@ -85,6 +125,13 @@ class LLMPipeline:
                 unknown[0], kwargs[unknown[0]], "a GenerationSettings field: " + ", ".join(_SETTINGS_FIELDS)
             )
         settings = replace(generation_config or GenerationSettings(), **kwargs)
+        if self._history is not None:
+            if not isinstance(inputs, str):
+                raise UserError("in a chat, generate takes the user's message as a string")
+            messages = [*self._history, {"role": "user", "content": inputs}]
+            result = self.engine.generate(messages, settings, streamer)
+            self._history = [*messages, {"role": "assistant", "content": result.text}]
+            return result
         if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(p, str) for p in inputs):
             return [self.engine.generate(p, settings, streamer) for p in inputs]
         return self.engine.generate(inputs, settings, streamer)  # type: ignore[arg-type]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from ov_kvcrush.transformations import convert_model
 
 from ov_kvcrush import plugin
-from ov_kvcrush.transformations import convert_model
 
 #: Exact f32 execution on both sides: no bf16 matmuls, and no dynamic quantization of activations
 #: for int8 weights (the plugin picks it per graph, so the two graphs would differ by ~2 % in the

@@ -64,8 +64,8 @@ def test_planned_subcommands_name_their_issue():
     proc = _cli("--help")
     for name in ("export", "demo", "generate", "chat", "eval", "bench"):
         assert name in proc.stdout
-    proc = _cli("chat")
-    assert proc.returncode == 2 and "issue #6" in proc.stderr
+    proc = _cli("bench")
+    assert proc.returncode == 2 and "issue #8" in proc.stderr
 
 
 def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):

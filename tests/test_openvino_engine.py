@@ -9,6 +9,11 @@
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from ovsteps import F32, converted_steps, native_steps
@@ -184,7 +189,10 @@ def test_scheduler_config_eviction_maps_to_methods():
     import openvino_genai as ov_genai
 
     from ov_kvcrush.config import to_native_scheduler_config
-    from ov_kvcrush.engines.openvino_engine import from_scheduler_config
+    from ov_kvcrush.engines.openvino_engine import (
+        compression_from_scheduler_config,
+        pool_blocks_from_scheduler_config,
+    )
 
     for cfg in (
         CompressionConfig(method="h2o", budget=512),
@@ -192,13 +200,23 @@ def test_scheduler_config_eviction_maps_to_methods():
         CompressionConfig(method="kvcrush", budget=512, aggregation="norm_sum"),
     ):
         sc = to_native_scheduler_config(cfg)
-        back, limits = from_scheduler_config(sc, layers=30, kv_heads=3, block_bytes=8192)
+        back = compression_from_scheduler_config(sc)
         assert back.method == cfg.method and back.budget == cfg.budget
         assert back.native_sink_tokens == cfg.native_sink_tokens
         assert back.native_recent_tokens == cfg.native_recent_tokens
-        assert back.aggregation == cfg.aggregation and limits.max_blocks == 0
-    full, limits = from_scheduler_config(ov_genai.SchedulerConfig(), 30, 3, 8192)
-    assert full.method == "full" and limits.max_blocks == 0
+        assert back.aggregation == cfg.aggregation
+        assert back.kvcrush.anchor == cfg.kvcrush.anchor
+        # and back again: the same native configuration
+        again = to_native_scheduler_config(back).cache_eviction_config
+        assert again.get_max_cache_size() == sc.cache_eviction_config.get_max_cache_size()
+        assert again.snapkv_window_size == sc.cache_eviction_config.snapkv_window_size
+    sc = ov_genai.SchedulerConfig()
+    assert compression_from_scheduler_config(sc).method == "full"
+    assert pool_blocks_from_scheduler_config(sc, 30, 3, 8192) == 0
+    sc.num_kv_blocks = 5
+    assert pool_blocks_from_scheduler_config(sc, 30, 3, 8192) == 5 * 30 * 3
+    sc.num_kv_blocks, sc.cache_size = 0, 1
+    assert pool_blocks_from_scheduler_config(sc, 30, 3, 8192) == (1 << 30) // 8192
 
 
 def test_bad_engine_arguments(model_dir, tmp_path):
@@ -210,7 +228,96 @@ def test_bad_engine_arguments(model_dir, tmp_path):
         OpenVINOEngine(model_dir, kv_precision="u4")
     with pytest.raises(ConfigError, match="block_size"):
         OpenVINOEngine(model_dir, block_size=20)
-    with pytest.raises(UserError, match="no openvino_model.xml"):
+    with pytest.raises(UserError, match=r"no openvino_model\.xml"):
         OpenVINOEngine(tmp_path)
     with pytest.raises(UserError, match="issue #7"):
         OpenVINOEngine(model_dir, CompressionConfig(method="kvcrush", budget=256))
+
+
+def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ov_kvcrush", *args], input=stdin, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_cli_chat_keeps_context_across_turns(model_dir):
+    """Scripted stdin: the second answer uses the first turn; /stats reads the op's cache; /reset forgets."""
+    proc = _cli(
+        "chat",
+        "--model",
+        str(model_dir),
+        "--max-new-tokens",
+        "24",
+        stdin="My name is Ada. Say hello to me.\nWhat is my name?\n/stats\n/reset\n/stats\n",
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    turns = [tuple(map(int, m)) for m in re.findall(r"\[(\d+) tokens in context, (\d+) prefilled", proc.stderr)]
+    assert len(turns) == 2
+    (ctx1, fed1), (ctx2, fed2) = turns
+    assert fed1 == ctx1  # first turn: the whole prompt
+    assert ctx2 > ctx1 and fed2 < ctx2 - ctx1 + 24  # second turn: only what the cache did not hold
+    stats = [ln for ln in lines if ln.startswith("cache:")]
+    assert len(stats) == 2 and stats[1].startswith("cache: 0 tokens, 0 blocks")
+    held = int(stats[0].split()[1])
+    assert ctx2 <= held <= ctx2 + 24  # the conversation and the second answer
+    assert "(new conversation)" in proc.stdout
+
+
+def test_cli_generate_openvino_backend(model_dir, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("What is the capital of France?")
+    out = tmp_path / "r.json"
+    proc = _cli(
+        "generate",
+        "--backend",
+        "openvino",
+        "--model",
+        str(model_dir),
+        "--prompt-file",
+        str(prompt),
+        "--max-new-tokens",
+        "8",
+        "--kv-precision",
+        "f32",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert res["backend"] == "openvino" and res["counters"]["kv_precision"] == "f32"
+    assert res["kv_bytes"] == res["full_kv_bytes"] > 0 and "Paris" in res["text"]
+    bad = _cli(
+        "generate",
+        "--backend",
+        "openvino",
+        "--model",
+        str(model_dir),
+        "--prompt-file",
+        str(prompt),
+        "--method",
+        "kvcrush",
+        "--budget",
+        "128",
+    )
+    assert bad.returncode == 2 and "issue #7" in bad.stderr and "Traceback" not in bad.stderr
+    bad = _cli("generate", "--backend", "torch", "--prompt-file", str(prompt), "--kv-precision", "f16")
+    assert bad.returncode == 2 and "--kv-precision is for --backend openvino" in bad.stderr
+
+
+def test_pipeline_chat_on_every_backend_matches_whole_conversation(model_dir):
+    """LLMPipeline chat: openvino keeps its cache, genai is given the whole conversation; same answers."""
+    import ov_kvcrush
+
+    settings = GenerationSettings(max_new_tokens=16)
+    for backend in ("openvino", "genai"):
+        pipe = ov_kvcrush.LLMPipeline(model_dir, "CPU", backend=backend)
+        pipe.start_chat("Be brief.")
+        first, second = (pipe.generate(q, settings) for q in ("Hi, I am Ada.", "What is my name?"))
+        history = pipe.chat_history
+        assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
+        assert history[2]["content"] == first.text and history[4]["content"] == second.text
+        # the second turn is answered with the whole conversation in context
+        assert second.prompt_tokens == len(pipe.engine.encode(history[:4]))
+        pipe.finish_chat()
+        assert pipe.chat_history is None

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ov_kvcrush.transformations import SEQUENCE_INPUT, ConversionError, convert_model
 from ovsteps import converted_steps, native_steps
 
 from ov_kvcrush import plugin
-from ov_kvcrush.transformations import SEQUENCE_INPUT, ConversionError, convert_model
 
 TINY = dict(
     vocab_size=512,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,45 +38,49 @@ OPENVINO_METHODS = ("full",)
 DEFAULT_KV_PRECISION = "f16"
 
 
-@dataclass(frozen=True)
-class PoolLimits:
-    """Block-pool limits from an ``openvino_genai.SchedulerConfig`` (0: unlimited)."""
-
-    max_blocks: int = 0
-
-
-def from_scheduler_config(sc, layers: int, kv_heads: int, block_bytes: int) -> tuple[CompressionConfig, PoolLimits]:
-    """Map an ``openvino_genai.SchedulerConfig`` onto a :class:`CompressionConfig` and pool limits.
+def pool_blocks_from_scheduler_config(sc, layers: int, kv_heads: int, block_bytes: int) -> int:
+    """The block limit an ``openvino_genai.SchedulerConfig`` sets (0: none).
 
     ``num_kv_blocks`` counts native blocks (32 tokens of every layer and KV head), so it becomes
-    ``num_kv_blocks × layers × kv_heads`` of ours; ``cache_size`` (GB) becomes the blocks that fit
-    in it. With ``use_cache_eviction`` the ``CacheEvictionConfig`` (and its ``KVCrushConfig``)
-    become the matching method: ``snapkv_window_size > 0`` is SnapKV (KVCrush with a KVCrush
-    config), otherwise H2O; sinks, recent window, budget and the KVCrush share are carried over.
+    ``num_kv_blocks × layers × kv_heads`` of ours; ``cache_size`` (GB) becomes the blocks of
+    ``block_bytes`` that fit in it.
     """
-    limits = 0
     if sc.num_kv_blocks:
-        limits = int(sc.num_kv_blocks) * layers * kv_heads
-    elif sc.cache_size:
-        limits = max(1, int(sc.cache_size) * (1 << 30) // block_bytes)
-    if not sc.use_cache_eviction:
-        return CompressionConfig(), PoolLimits(limits)
+        return int(sc.num_kv_blocks) * layers * kv_heads
+    if sc.cache_size:
+        return max(1, int(sc.cache_size) * (1 << 30) // block_bytes)
+    return 0
+
+
+def compression_from_scheduler_config(sc) -> CompressionConfig:
+    """The :class:`CompressionConfig` an ``openvino_genai.SchedulerConfig`` describes.
+
+    Without ``use_cache_eviction``: the full cache. With it, the ``CacheEvictionConfig`` (and
+    its ``KVCrushConfig``) become the matching method: a KVCrush config is KVCrush,
+    ``snapkv_window_size > 0`` SnapKV, otherwise H2O; sinks, recent window, budget (KVCrush's
+    share included, as :func:`~ov_kvcrush.config.to_native_scheduler_config` carves it out),
+    aggregation, rotation and the KVCrush anchor are carried over.
+    """
     from ov_kvcrush.config import KVCrushSettings
 
+    if not sc.use_cache_eviction:
+        return CompressionConfig()
     ev = sc.cache_eviction_config
     kv = ev.kvcrush_config
     kv_blocks = int(kv.budget) if kv is not None else 0
     window = int(ev.snapkv_window_size)
     method = "kvcrush" if kv_blocks else ("snapkv" if window else "h2o")
     agg = str(ev.aggregation_mode).rsplit(".", 1)[-1].lower()
+    if agg not in ("sum", "norm_sum"):
+        raise ConfigError("cache_eviction_config.aggregation_mode", agg, "SUM or NORM_SUM")
     anchor = str(kv.anchor_point_mode).rsplit(".", 1)[-1].lower() if kv is not None else "random"
-    cfg = CompressionConfig(
+    return CompressionConfig(
         method=method,
         budget=int(ev.get_max_cache_size()) + kv_blocks * DEFAULT_BLOCK_SIZE,
         sink_tokens=int(ev.get_start_size()),
         recent_tokens=int(ev.get_recent_size()),
         snapkv_window=window or 8,
-        aggregation=agg if agg in ("sum", "norm_sum") else "sum",
+        aggregation=agg,
         apply_rotation=bool(ev.apply_rotation),
         kvcrush=KVCrushSettings(
             budget=kv_blocks * DEFAULT_BLOCK_SIZE if kv_blocks else None,
@@ -85,7 +88,6 @@ def from_scheduler_config(sc, layers: int, kv_heads: int, block_bytes: int) -> t
             seed=int(kv.rng_seed) if kv is not None else 0,
         ),
     )
-    return cfg, PoolLimits(limits)
 
 
 def sample_token(logits: np.ndarray, settings: GenerationSettings, rng: np.random.Generator | None) -> int:
@@ -181,10 +183,10 @@ class OpenVINOEngine:
         if scheduler_config is not None:
             if compression is not None or max_kv_blocks:
                 raise UserError("pass either scheduler_config or compression/max_kv_blocks, not both")
-            compression, limits = from_scheduler_config(
+            compression = compression_from_scheduler_config(scheduler_config)
+            max_kv_blocks = pool_blocks_from_scheduler_config(
                 scheduler_config, self.shape.layers, self.shape.kv_heads, self.block_bytes
             )
-            max_kv_blocks = limits.max_blocks
         self.compression = compression or CompressionConfig()
         if self.compression.method not in OPENVINO_METHODS:
             raise UserError(
