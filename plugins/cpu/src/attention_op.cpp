@@ -193,9 +193,10 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
                 for (int64_t t = range.begin(); t < range.end(); ++t) {
-                    // largest tiles (latest queries, most keys) first for a better balance
-                    const int64_t h = t % Hq;
-                    const int64_t tile = tiles - 1 - t / Hq;
+                    // consecutive tasks share a head (its keys stay in cache); within a head the
+                    // largest tiles (latest queries, most keys) come first for a better balance
+                    const int64_t h = t / tiles;
+                    const int64_t tile = tiles - 1 - t % tiles;
                     const HeadCache& hc = seq->head(layer, static_cast<int>(h / G));
                     RowSet rows;
                     rows.start();

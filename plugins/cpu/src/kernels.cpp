@@ -88,7 +88,7 @@ void half_to_float(const uint16_t* src, float* dst, int64_t n) {
 
 // ---- float views of a block -------------------------------------------------------------------
 struct Scratch {
-    std::vector<float> k, v, s;
+    std::vector<float> k, v, s, q;
 };
 thread_local Scratch tls;
 
@@ -261,22 +261,42 @@ float exp_sum(float* s, int cols, float m) {
 #endif
 }
 
-// Scale the logits and mask the slots that are not held or are after each row's position.
-// Returns the number of columns (a multiple of 16) that must be processed.
-int scale_and_mask(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float scale, float* S) {
+// Mask the slots that are not held or are after each row's position (logits already scaled).
+void mask_logits(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float* S) {
     const int cols = (ntok + 15) / 16 * 16;
     const int64_t last_pos = hc.pos[static_cast<size_t>(slot0 + ntok - 1)];
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * bs;
-        for (int j = 0; j < cols; ++j) s[j] *= scale;
-        if (last_pos <= rows.qpos[r]) {
+        if (last_pos <= rows.qpos[r]) {  // every held slot is visible: only the padding goes
             for (int j = ntok; j < cols; ++j) s[j] = kNegInf;
             continue;
         }
         for (int j = 0; j < cols; ++j)
             if (j >= ntok || hc.pos[static_cast<size_t>(slot0 + j)] > rows.qpos[r]) s[j] = kNegInf;
     }
-    return cols;
+}
+
+float row_max(const float* s, int cols) {
+#if OVKC_AVX512
+    __m512 m = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < cols; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    return _mm512_reduce_max_ps(m);
+#else
+    float m = kNegInf;
+    for (int j = 0; j < cols; ++j) m = std::max(m, s[j]);
+    return m;
+#endif
+}
+
+// Query rows multiplied by the logit scale, in thread-local scratch (the kernels then produce
+// scaled logits directly).
+void scaled_queries(const RowSet& rows, int D, float scale, std::vector<float>& buf, const float* out[kMaxRows]) {
+    if (buf.size() < static_cast<size_t>(kMaxRows) * D) buf.resize(static_cast<size_t>(kMaxRows) * D);
+    for (int r = 0; r < rows.n; ++r) {
+        float* dst = buf.data() + static_cast<size_t>(r) * D;
+        for (int d = 0; d < D; ++d) dst[d] = rows.q[r][d] * scale;
+        out[r] = dst;
+    }
 }
 
 }  // namespace
@@ -296,6 +316,8 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     for (int r = 1; r < rows.n; ++r) max_q = std::max(max_q, rows.qpos[r]);
     if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
     float* S = tls.s.data();
+    const float* q[kMaxRows];
+    scaled_queries(rows, D, scale, tls.q, q);
     slot_end = std::min(slot_end, hc.size());
     for (int64_t slot0 = slot_begin; slot0 < slot_end; slot0 += bs) {
         if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;  // positions ascend: nothing further is causal
@@ -303,12 +325,11 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         const float *kt, *v;
         block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], ntok, kt, v);
         const int cols = (ntok + 15) / 16 * 16;
-        qk(rows.n, rows.q, kt, D, bs, cols, S);
-        scale_and_mask(hc, rows, slot0, ntok, bs, scale, S);
+        qk(rows.n, q, kt, D, bs, cols, S);
+        mask_logits(hc, rows, slot0, ntok, bs, S);
         for (int r = 0; r < rows.n; ++r) {
             float* s = S + r * bs;
-            float mx = kNegInf;
-            for (int j = 0; j < cols; ++j) mx = std::max(mx, s[j]);
+            const float mx = row_max(s, cols);
             if (mx == kNegInf) {  // nothing causal for this row in this block
                 std::fill(s, s + cols, 0.0f);
                 continue;
@@ -342,11 +363,13 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
     const int ntok = static_cast<int>(std::min<int64_t>(bs, hc.size() - slot0));
     if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
     float* S = tls.s.data();
+    const float* q[kMaxRows];
+    scaled_queries(rows, cfg.head_dim, scale, tls.q, q);
     const float *kt, *v;
     block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], ntok, kt, v);
     const int cols = (ntok + 15) / 16 * 16;
-    qk(rows.n, rows.q, kt, cfg.head_dim, bs, cols, S);
-    scale_and_mask(hc, rows, slot0, ntok, bs, scale, S);
+    qk(rows.n, q, kt, cfg.head_dim, bs, cols, S);
+    mask_logits(hc, rows, slot0, ntok, bs, S);
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * bs;
         exp_sum(s, cols, lse[r]);
