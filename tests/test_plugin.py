@@ -28,7 +28,7 @@ def ov_core():
     return core
 
 
-def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None):
+def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
     import openvino as ov
     import openvino.opset13 as ops
     from openvino.utils.node_factory import NodeFactory
@@ -42,7 +42,7 @@ def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | Non
     node = factory.create(
         "PagedAttention",
         [q.output(0), k.output(0), v.output(0), s.output(0)],
-        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(d)},
+        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(d), "compute": compute},
     )
     return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
 
@@ -119,6 +119,24 @@ def test_op_matches_reference_attention_and_scores(ov_core, precision, hq, hkv, 
             np.testing.assert_allclose(sc.T, scores[b][g * (hq // hkv) : (g + 1) * (hq // hkv)], atol=2e-5)
     assert pool.stats().blocks_in_use == 2 * hkv * math.ceil(n / bs)
     assert pool.stats().kv_bytes == pool.stats().blocks_in_use * 2 * bs * d * plugin.PRECISION_BYTES[precision]
+
+
+@pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "steps"), CASES)
+def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
+    """compute=bf16: prefill in bf16 dot products (fp32 accumulation), decode in f32."""
+    rng = np.random.default_rng(d)
+    req = op_model(ov_core, hq, hkv, d, compute="bf16")
+    pool = plugin.KVPool(1, hq, hkv, d, block_size=bs, precision="f32")
+    seq = pool.new_sequence()
+    for q, k, v, out in run_steps(req, [seq], steps, hq, hkv, d, rng):
+        ref, _ = reference(q, k, v, "f32")
+        err = np.abs(out - ref).max()
+        if q.shape[2] == 1:
+            assert err < 2e-5  # decode is exact f32
+        else:
+            # bf16 keeps 8 mantissa bits: errors of a few 1e-3 of the output scale, never more
+            assert err < 2e-2 * np.abs(ref).max(), err
 
 
 def test_custom_scale_and_other_layers_are_independent(ov_core):

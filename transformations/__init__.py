@@ -6,6 +6,7 @@
 """
 
 from ov_kvcrush.transformations.paged_attention import (
+    COMPUTE,
     SEQUENCE_INPUT,
     AttentionShape,
     ConversionError,
@@ -13,4 +14,4 @@ from ov_kvcrush.transformations.paged_attention import (
     convert_model,
 )
 
-__all__ = ["SEQUENCE_INPUT", "AttentionShape", "ConversionError", "ConvertedModel", "convert_model"]
+__all__ = ["COMPUTE", "SEQUENCE_INPUT", "AttentionShape", "ConversionError", "ConvertedModel", "convert_model"]

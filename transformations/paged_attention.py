@@ -163,13 +163,22 @@ def _slice_last_token(model) -> bool:
     return True
 
 
-def convert_model(model, library: str | Path, *, last_token_logits: bool = True) -> ConvertedModel:
+#: Arithmetic of the op's prefill dot products (decode is always f32).
+COMPUTE = ("f32", "bf16")
+
+
+def convert_model(
+    model, library: str | Path, *, last_token_logits: bool = True, compute: str = "f32"
+) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place.
 
     Args:
         model: read with ``core.read_model``; modified in place and returned in the result.
         library: path of the CPU extension library (:func:`ov_kvcrush.plugin.loaded_path`).
         last_token_logits: compute logits for the last position only.
+        compute: ``f32``, or ``bf16`` for prefill dot products in bf16 with fp32 accumulation (what
+            OpenVINO's own SDPA does under a bf16 inference precision; the engine picks it from the
+            plugin's ``INFERENCE_PRECISION_HINT``). Needs AVX512-BF16; otherwise f32 is used.
 
     Raises:
         ConversionError: no ScaledDotProductAttention, or a key/value that does not come from
@@ -180,6 +189,8 @@ def convert_model(model, library: str | Path, *, last_token_logits: bool = True)
     import openvino.opset13 as ops
     from openvino.utils.node_factory import NodeFactory
 
+    if compute not in COMPUTE:
+        raise ConversionError(f"compute={compute!r} is invalid: allowed {', '.join(COMPUTE)}")
     sdpas = [op for op in model.get_ordered_ops() if op.get_type_name() == "ScaledDotProductAttention"]
     if not sdpas:
         kinds = sorted({op.get_type_name() for op in model.get_ordered_ops()})
@@ -235,7 +246,7 @@ def convert_model(model, library: str | Path, *, last_token_logits: bool = True)
         node = factory.create(
             "PagedAttention",
             [_src(sdpa, 0), _src(k_concat, 1), _src(v_concat, 1), seq.output(0)],
-            {"layer": layer, "scale": scale},
+            {"layer": layer, "scale": scale, "compute": compute},
         )
         node.set_friendly_name(f"{sdpa.get_friendly_name()}/ov_kvcrush_paged")
         sdpa.output(0).replace(node.output(0))

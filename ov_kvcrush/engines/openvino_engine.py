@@ -174,7 +174,13 @@ class OpenVINOEngine:
         self.library = plugin.loaded_path()
         self.core = ov.Core()
         self.core.add_extension(str(self.library))
-        converted = convert_model(self.core.read_model(xml), self.library)
+        self.properties = dict(properties or {})
+        # prefill arithmetic follows the plugin's inference precision, as its own SDPA does
+        hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(
+            "CPU", "INFERENCE_PRECISION_HINT"
+        )
+        self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
+        converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
         self.shape = converted.shape
         self.kv_precision = kv_precision
         self.block_size = block_size
@@ -193,7 +199,6 @@ class OpenVINOEngine:
                 f"method={self.compression.method} does not run inside the OpenVINO op yet (issue #7); "
                 f"backend openvino runs: {', '.join(OPENVINO_METHODS)}; backend torch runs every method"
             )
-        self.properties = dict(properties or {})
         self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
         self.request = self.compiled.create_infer_request()
         self.input_names = {p.get_any_name() for p in self.compiled.inputs}

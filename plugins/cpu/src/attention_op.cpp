@@ -26,8 +26,8 @@ std::string shape_str(const ov::Shape& s) {
 }
 }  // namespace
 
-PagedAttention::PagedAttention(const ov::OutputVector& args, int64_t layer, float scale)
-    : Op(args), m_layer(layer), m_scale(scale) {
+PagedAttention::PagedAttention(const ov::OutputVector& args, int64_t layer, float scale, std::string compute)
+    : Op(args), m_layer(layer), m_scale(scale), m_compute(std::move(compute)) {
     constructor_validate_and_infer_types();
 }
 
@@ -43,16 +43,18 @@ void PagedAttention::validate_and_infer_types() {
     NODE_VALIDATION_CHECK(this, ht.is_dynamic() || ht == ov::element::i64 || ht == ov::element::i32,
                           "sequence handles must be i64 (or i32), got ", ht);
     NODE_VALIDATION_CHECK(this, m_layer >= 0, "layer must be >= 0, got ", m_layer);
+    NODE_VALIDATION_CHECK(this, m_compute == "f32" || m_compute == "bf16", "compute must be f32 or bf16, got ", m_compute);
     set_output_type(0, get_input_element_type(0), q);
 }
 
 std::shared_ptr<ov::Node> PagedAttention::clone_with_new_inputs(const ov::OutputVector& new_args) const {
-    return std::make_shared<PagedAttention>(new_args, m_layer, m_scale);
+    return std::make_shared<PagedAttention>(new_args, m_layer, m_scale, m_compute);
 }
 
 bool PagedAttention::visit_attributes(ov::AttributeVisitor& visitor) {
     visitor.on_attribute("layer", m_layer);
     visitor.on_attribute("scale", m_scale);
+    visitor.on_attribute("compute", m_compute);
     return true;
 }
 
@@ -191,6 +193,12 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         } else {
             // 2b. prefill (or a chunk of a chat turn): rows = kMaxRows consecutive queries of one head
             const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
+            const bool bf16 = m_compute == "bf16" && has_bf16();
+            std::vector<Bf16Head> staged(bf16 ? static_cast<size_t>(Hkv) : 0);
+            if (bf16)
+                tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) {
+                    stage_bf16(cfg, seq->pool(), seq->head(layer, static_cast<int>(g)), staged[static_cast<size_t>(g)]);
+                });
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
                 for (int64_t t = range.begin(); t < range.end(); ++t) {
                     // consecutive tasks share a head (its keys stay in cache); within a head the
@@ -207,8 +215,12 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         rows.qpos[r] = past + i;
                         rows.out[r] = ob + (h * L + i) * D;
                     }
-                    attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, hc.size());
-                    finish_rows(rows, static_cast<int>(D));
+                    if (bf16) {
+                        attend_bf16(cfg, hc, staged[static_cast<size_t>(h / G)], rows, m_scale);
+                    } else {
+                        attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, hc.size());
+                        finish_rows(rows, static_cast<int>(D));
+                    }
                     if (cfg.scores)
                         for (int r = 0; r < rows.n; ++r)
                             lse[static_cast<size_t>(h * L + tile * kMaxRows + r)] = rows.m[r] + std::log(rows.l[r]);

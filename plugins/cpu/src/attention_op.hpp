@@ -3,7 +3,9 @@
 // Inputs:  0 query [B, Hq, L, D] f32 (after RoPE), 1 key [B, Hkv, L, D] f32 (after RoPE, the
 //          step's new tokens only), 2 value [B, Hkv, L, D] f32, 3 sequence handles [B] i64.
 // Output:  0 attention [B, Hq, L, D] f32.
-// Attributes: layer (which layer's cache of the sequence), scale (logit scale).
+// Attributes: layer (which layer's cache of the sequence), scale (logit scale), compute ("f32",
+// or "bf16": prefill dot products in bf16 with fp32 accumulation, as OpenVINO's SDPA does when
+// the model runs with a bf16 inference precision; decode is always f32).
 //
 // Each call appends the step's keys/values to the sequence's cache for this layer, then every
 // query token attends every held token at or before its own position. Batch rows are
@@ -12,6 +14,7 @@
 #pragma once
 
 #include <openvino/op/op.hpp>
+#include <string>
 
 namespace ovkc {
 
@@ -20,7 +23,7 @@ public:
     OPENVINO_OP("PagedAttention", "ov_kvcrush");
 
     PagedAttention() = default;
-    PagedAttention(const ov::OutputVector& args, int64_t layer, float scale);
+    PagedAttention(const ov::OutputVector& args, int64_t layer, float scale, std::string compute = "f32");
 
     void validate_and_infer_types() override;
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override;
@@ -32,6 +35,7 @@ public:
 private:
     int64_t m_layer = 0;
     float m_scale = 1.0f;
+    std::string m_compute = "f32";
 };
 
 }  // namespace ovkc

@@ -48,7 +48,19 @@ void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, i
 // Read slot `slot` back as floats (tests and stats).
 void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, float* k, float* v);
 
-// The name of the compiled kernel path ("avx512" or "scalar").
+// bf16 prefill (AVX512-BF16 dot products, fp32 accumulation), used when the model runs with a
+// bf16 inference precision as OpenVINO's own SDPA then does: the head's keys/values are staged
+// once per step in bf16 pair layouts (keys [token/16][d/2][16][2], values [token/2][d][2]).
+struct Bf16Head {
+    std::vector<uint16_t> k, v;
+    int64_t n = 0;
+};
+bool has_bf16();
+void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out);
+// Same contract as attend_range over all slots of the head, then finish_rows.
+void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale);
+
+// The name of the compiled kernel path ("avx512", "avx512+bf16" or "scalar").
 const char* kernel_isa();
 
 }  // namespace ovkc
