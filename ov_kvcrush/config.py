@@ -197,6 +197,8 @@ class GenerationSettings:
         seed: sampling seed.
         apply_chat_template: wrap a string prompt in the model's chat template, as
             ``openvino_genai`` does by default.
+        ignore_eos: keep generating past the end-of-sequence token, up to ``max_new_tokens``
+            (benchmarks time the same number of decode steps on every engine).
     """
 
     max_new_tokens: int = 32
@@ -206,6 +208,7 @@ class GenerationSettings:
     top_k: int = 0
     seed: int = 0
     apply_chat_template: bool = True
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 16)
@@ -215,6 +218,9 @@ class GenerationSettings:
         _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_int("top_k", self.top_k, 0, 1 << 20)
         _check_int("seed", self.seed, 0, 2**31 - 1)
+        for name in ("apply_chat_template", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "true or false")
 
 
 def native_block_size(device: str = "CPU") -> int:

@@ -321,3 +321,12 @@ def test_pipeline_chat_on_every_backend_matches_whole_conversation(model_dir):
         assert second.prompt_tokens == len(pipe.engine.encode(history[:4]))
         pipe.finish_chat()
         assert pipe.chat_history is None
+
+
+def test_ignore_eos_runs_every_step(engine):
+    short = engine.generate("Say yes.", GenerationSettings(max_new_tokens=40))
+    full = engine.generate("Say yes.", GenerationSettings(max_new_tokens=40, ignore_eos=True))
+    assert len(short.token_ids) < 40 and len(full.token_ids) == 40
+    assert full.token_ids[: len(short.token_ids)] == short.token_ids
+    with pytest.raises(ConfigError, match="ignore_eos"):
+        GenerationSettings(ignore_eos="yes")

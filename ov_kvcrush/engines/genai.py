@@ -162,6 +162,7 @@ class GenAIEngine:
         gc.apply_chat_template = False
         eos = self.tokenizer.get_eos_token_id()
         gc.eos_token_id = eos
+        gc.ignore_eos = settings.ignore_eos
         if settings.do_sample:
             gc.do_sample = True
             gc.temperature = settings.temperature
@@ -206,7 +207,7 @@ class GenAIEngine:
                 f"openvino_genai failed for method={self.compression.method} budget={self.compression.budget} "
                 f"on a {len(ids)}-token prompt: {detail}"
             ) from None
-        if tokens and tokens[-1] == eos:
+        if tokens and tokens[-1] == eos and not settings.ignore_eos:
             tokens = tokens[:-1]
         text = self.tokenizer.decode(tokens) if tokens else ""
         ttft = step_times[0] if step_times else 0.0

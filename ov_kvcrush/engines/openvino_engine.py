@@ -361,7 +361,7 @@ class OpenVINOEngine:
             nxt = sample_token(logits, settings, rng)
             stamps.append(time.perf_counter() - t0)
             peak = max(peak, self.sequence.stats().kv_bytes)
-            if nxt in self.eos_ids:
+            if nxt in self.eos_ids and not settings.ignore_eos:
                 break
             tokens.append(nxt)
             if streamer is not None:

@@ -315,7 +315,7 @@ class TorchEngine:
             nxt = self._pick(logits, settings, gen)
             stamps.append(time.perf_counter() - t0)
             peak = max(peak, cache.memory()["total"])
-            if nxt in self.eos_ids:
+            if nxt in self.eos_ids and not settings.ignore_eos:
                 break
             tokens.append(nxt)
             if streamer is not None:
