@@ -157,7 +157,7 @@ def test_native_gguf_runs_without_export():
         (["--method", "kvcrush"], "budget=None is invalid"),
         (["--method", "magic", "--budget", "256"], "method='magic' is invalid"),
         (["--method", "snapkv", "--budget", "300"], "budget=300 is invalid: allowed a positive multiple"),
-        (["--backend", "openvino"], "not built yet (issue #6)"),
+        (["--backend", "vulkan"], "--backend='vulkan' is invalid: allowed genai, torch, openvino"),
         (["--method", "chelsea", "--budget", "256"], "method='chelsea' is invalid: allowed one of full, h2o"),
         (["--method", "h2o", "--budget", "256", "--option", "quant=true"], "options={'quant': True} is invalid"),
         (["--method", "h2o", "--budget", "256", "--dtype", "float16"], "--dtype is for --backend torch"),
