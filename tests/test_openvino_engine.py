@@ -324,8 +324,8 @@ def test_pipeline_chat_on_every_backend_matches_whole_conversation(model_dir):
 
 
 def test_ignore_eos_runs_every_step(engine):
-    short = engine.generate("Say yes.", GenerationSettings(max_new_tokens=40))
-    full = engine.generate("Say yes.", GenerationSettings(max_new_tokens=40, ignore_eos=True))
+    short = engine.generate("What is the capital of France?", GenerationSettings(max_new_tokens=40))
+    full = engine.generate("What is the capital of France?", GenerationSettings(max_new_tokens=40, ignore_eos=True))
     assert len(short.token_ids) < 40 and len(full.token_ids) == 40
     assert full.token_ids[: len(short.token_ids)] == short.token_ids
     with pytest.raises(ConfigError, match="ignore_eos"):
