@@ -330,3 +330,10 @@ def test_ignore_eos_runs_every_step(engine):
     assert full.token_ids[: len(short.token_ids)] == short.token_ids
     with pytest.raises(ConfigError, match="ignore_eos"):
         GenerationSettings(ignore_eos="yes")
+
+
+def test_request_past_the_context_is_refused(engine):
+    assert engine.max_context > 0
+    with pytest.raises(UserError, match=r"exceeds the model's context of \d+ tokens"):
+        engine.generate("Hi.", GenerationSettings(max_new_tokens=engine.max_context))
+    assert engine.pool.stats().blocks_in_use == 0  # refused before any step

@@ -32,6 +32,15 @@ def chat_messages(prompt: Prompt, apply_chat_template: bool = True) -> list[dict
     return messages
 
 
+def check_context(prompt_tokens: int, new_tokens: int, limit: int | None) -> None:
+    """Refuse a request longer than the model's context (``limit``; ``None``/0: unknown, no check)."""
+    if limit and prompt_tokens + new_tokens > limit:
+        raise UserError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the model's "
+            f"context of {limit} tokens"
+        )
+
+
 @dataclass
 class GenerationResult:
     """One generation and what it cost.

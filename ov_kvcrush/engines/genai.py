@@ -32,6 +32,22 @@ from ov_kvcrush.errors import UserError
 DEFAULT_POOL_TOKENS = 8192
 
 
+def encode_prompt(tokenizer, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
+    """Token ids of ``prompt`` with an ``openvino_genai.Tokenizer`` (openvino_tokenizers' models).
+
+    Strings get the chat template, as openvino_genai does; the openvino engine shares this, so both
+    engines feed the model the same tokens.
+    """
+    messages = chat_messages(prompt, apply_chat_template)
+    if messages is not None:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        text = prompt
+    # a chat template writes its own BOS; raw text gets the tokenizer's special tokens
+    ids = tokenizer.encode(text, add_special_tokens=messages is None).input_ids.data[0]
+    return [int(i) for i in ids]
+
+
 class NativeFailure(UserError):
     """openvino_genai raised during generation; the message names the configuration."""
 
@@ -118,14 +134,7 @@ class GenAIEngine:
     # -- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
-        messages = chat_messages(prompt, apply_chat_template)
-        if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        else:
-            text = prompt
-        # a chat template writes its own BOS; raw text gets the tokenizer's special tokens
-        ids = self.tokenizer.encode(text, add_special_tokens=messages is None).input_ids.data[0]
-        return [int(i) for i in ids]
+        return encode_prompt(self.tokenizer, prompt, apply_chat_template)
 
     def _check_request(self, prompt_tokens: int, settings: GenerationSettings) -> None:
         """Refuse requests the native pipeline is known to fail on, before it can fail."""

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, check_context
+from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.plugin import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
 
@@ -259,13 +260,7 @@ class OpenVINOEngine:
     # -- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
-        messages = chat_messages(prompt, apply_chat_template)
-        if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        else:
-            text = prompt
-        ids = self.tokenizer.encode(text, add_special_tokens=messages is None).input_ids.data[0]
-        return [int(i) for i in ids]
+        return encode_prompt(self.tokenizer, prompt, apply_chat_template)
 
     def full_kv_bytes(self, tokens: int) -> int:
         """Bytes a full cache in this engine's precision and block size holds for ``tokens`` tokens."""
@@ -300,13 +295,6 @@ class OpenVINOEngine:
         logits = self.request.get_output_tensor(0).data
         return np.array(logits[0, -1], dtype=np.float32)
 
-    def _check_length(self, tokens: int, new_tokens: int) -> None:
-        if self.max_context and tokens + new_tokens > self.max_context:
-            raise UserError(
-                f"prompt ({tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the model's context of "
-                f"{self.max_context} tokens"
-            )
-
     # -- generation ---------------------------------------------------------------------------
     def generate(
         self,
@@ -333,7 +321,7 @@ class OpenVINOEngine:
             messages = None
             ids = self.encode(prompt, settings.apply_chat_template)
             self._reset_sequence()
-        self._check_length(len(ids), settings.max_new_tokens)
+        check_context(len(ids), settings.max_new_tokens, self.max_context)
         new = ids[len(self._cached) :]
         try:
             result = self._run(ids, new, settings, streamer)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages, check_context
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.methods import MethodConfig
@@ -180,11 +180,7 @@ class TorchEngine:
 
     def _check_length(self, prompt_tokens: int, new_tokens: int) -> None:
         limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        if limit and prompt_tokens + new_tokens > limit:
-            raise UserError(
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the model's "
-                f"context of {limit} tokens"
-            )
+        check_context(prompt_tokens, new_tokens, limit)
 
     def _prefill(
         self, ids: list[int], methods: list[MethodConfig]
