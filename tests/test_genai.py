@@ -174,3 +174,13 @@ def test_cli_generate_bad_input(model_dir, tmp_path, args, needle):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_streamer_sees_the_text_and_can_stop(full_engine):
+    chunks: list[str] = []
+    r = full_engine.generate("Count from one to ten.", GenerationSettings(max_new_tokens=16), streamer=chunks.append)
+    assert len(chunks) > 1 and "".join(chunks) == r.text
+    stopped = full_engine.generate(
+        "Count from one to ten.", GenerationSettings(max_new_tokens=16), streamer=lambda s: True
+    )
+    assert len(stopped.token_ids) < len(r.token_ids)

@@ -32,6 +32,35 @@ def chat_messages(prompt: Prompt, apply_chat_template: bool = True) -> list[dict
     return messages
 
 
+class TextStream:
+    """Hands a streamer the new text each time tokens are added.
+
+    The whole token list is decoded every time, so a character spread over several tokens is sent
+    once it is complete, never half.
+    """
+
+    def __init__(self, streamer: Streamer | None, decode: Callable[[list[int]], str]) -> None:
+        self.streamer = streamer
+        self.decode = decode
+        self.sent = ""
+
+    def push(self, tokens: list[int]) -> bool:
+        """Send what ``tokens`` add to the text so far; ``True`` when the streamer asks to stop."""
+        if self.streamer is None:
+            return False
+        text = self.decode(tokens)
+        stop = len(text) > len(self.sent) and bool(self.streamer(text[len(self.sent) :]))
+        self.sent = text
+        return stop
+
+
+def ttft_tpot_ms(stamps: Sequence[float]) -> tuple[float, float]:
+    """TTFT and TPOT in ms from the seconds at which each new token was ready (0 if none / one)."""
+    ttft = stamps[0] if stamps else 0.0
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+    return ttft * 1e3, tpot * 1e3
+
+
 def check_context(prompt_tokens: int, new_tokens: int, limit: int | None) -> None:
     """Refuse a request longer than the model's context (``limit``; ``None``/0: unknown, no check)."""
     if limit and prompt_tokens + new_tokens > limit:

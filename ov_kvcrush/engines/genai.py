@@ -25,7 +25,7 @@ from ov_kvcrush.config import (
     native_block_size,
     to_native_scheduler_config,
 )
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, chat_messages, ttft_tpot_ms
 from ov_kvcrush.errors import UserError
 
 #: Context the block pool is first sized for; it grows (the pipeline is rebuilt) for longer prompts.
@@ -184,7 +184,7 @@ class GenAIEngine:
         step_times: list[float] = []
         blocks_held: list[int] = []
         tokens: list[int] = []
-        streamed = ""
+        stream = TextStream(streamer, self.tokenizer.decode)
         try:
             t0 = time.perf_counter()
             handle = pipe.add_request(0, input_ids, gc)
@@ -201,11 +201,8 @@ class GenAIEngine:
                 if new:
                     step_times.append(now - t0)
                     tokens.extend(new)
-                    if streamer is not None:
-                        text = self.tokenizer.decode(tokens)
-                        if len(text) > len(streamed) and streamer(text[len(streamed) :]):
-                            handle.stop()
-                        streamed = text
+                    if stream.push(tokens):
+                        handle.stop()
         except RuntimeError as exc:
             self._pipe = None  # the native pipeline leaks blocks after a failure: rebuild next call
             self._pool_blocks = 0
@@ -219,16 +216,15 @@ class GenAIEngine:
         if tokens and tokens[-1] == eos and not settings.ignore_eos:
             tokens = tokens[:-1]
         text = self.tokenizer.decode(tokens) if tokens else ""
-        ttft = step_times[0] if step_times else 0.0
-        tpot = (step_times[-1] - step_times[0]) / (len(step_times) - 1) if len(step_times) > 1 else 0.0
+        ttft_ms, tpot_ms = ttft_tpot_ms(step_times)
         # Blocks the full cache would hold for the same sequence: every prompt and generated token.
         full_blocks = math.ceil((len(ids) + len(step_times)) / self.block_size)
         return GenerationResult(
             text=text,
             token_ids=tokens,
             prompt_tokens=len(ids),
-            ttft_ms=ttft * 1e3,
-            tpot_ms=tpot * 1e3,
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot_ms,
             kv_bytes=blocks_held[-1] * self._block_bytes if blocks_held else 0,
             full_kv_bytes=full_blocks * self._block_bytes,
             peak_kv_bytes=max(blocks_held, default=0) * self._block_bytes,

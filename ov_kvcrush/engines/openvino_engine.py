@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, check_context
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, ttft_tpot_ms
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.plugin import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
@@ -340,7 +340,7 @@ class OpenVINOEngine:
         tokens: list[int] = []
         stamps: list[float] = []
         peak = 0
-        streamed = ""
+        stream = TextStream(streamer, self.tokenizer.decode)
         t0 = time.perf_counter()
         logits = self.forward(new)
         for step in range(settings.max_new_tokens):
@@ -352,20 +352,16 @@ class OpenVINOEngine:
             if nxt in self.eos_ids and not settings.ignore_eos:
                 break
             tokens.append(nxt)
-            if streamer is not None:
-                text = self.tokenizer.decode(tokens)
-                if len(text) > len(streamed) and streamer(text[len(streamed) :]):
-                    break
-                streamed = text
+            if stream.push(tokens):
+                break
         stats = self.sequence.stats()
-        ttft = stamps[0] if stamps else 0.0
-        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+        ttft_ms, tpot_ms = ttft_tpot_ms(stamps)
         return GenerationResult(
             text=self.tokenizer.decode(tokens) if tokens else "",
             token_ids=tokens,
             prompt_tokens=len(ids),
-            ttft_ms=ttft * 1e3,
-            tpot_ms=tpot * 1e3,
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot_ms,
             kv_bytes=stats.kv_bytes,
             full_kv_bytes=self.full_kv_bytes(stats.tokens_seen),
             peak_kv_bytes=max(peak, stats.kv_bytes),

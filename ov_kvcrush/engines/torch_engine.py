@@ -28,7 +28,15 @@ from typing import Any
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, chat_messages, check_context
+from ov_kvcrush.engines.base import (
+    GenerationResult,
+    Prompt,
+    Streamer,
+    TextStream,
+    chat_messages,
+    check_context,
+    ttft_tpot_ms,
+)
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.methods import MethodConfig
@@ -303,7 +311,7 @@ class TorchEngine:
         tokens: list[int] = []
         stamps: list[float] = []
         peak = 0
-        streamed = ""
+        stream = TextStream(streamer, lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         t0 = time.perf_counter() - prefill_s  # the first token is due after the prefill
         for step in range(settings.max_new_tokens):
             if step:
@@ -314,16 +322,12 @@ class TorchEngine:
             if nxt in self.eos_ids and not settings.ignore_eos:
                 break
             tokens.append(nxt)
-            if streamer is not None:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                if len(text) > len(streamed) and streamer(text[len(streamed) :]):
-                    break
-                streamed = text
+            if stream.push(tokens):
+                break
         mem = cache.memory()
         self.last_cache = cache if self.keep_cache else None
         seen = next(iter(cache.method_layers())).seen
-        ttft = stamps[0] if stamps else 0.0
-        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+        ttft_ms, tpot_ms = ttft_tpot_ms(stamps)
         counters: dict[str, Any] = {
             **cache.counters(),
             "kv_payload_bytes": mem["kv"],
@@ -337,8 +341,8 @@ class TorchEngine:
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             token_ids=tokens,
             prompt_tokens=len(ids),
-            ttft_ms=ttft * 1e3,
-            tpot_ms=tpot * 1e3,
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot_ms,
             kv_bytes=mem["total"],
             full_kv_bytes=self.full_kv_bytes(seen),
             peak_kv_bytes=max(peak, mem["total"]),
