@@ -40,6 +40,13 @@ LIBRARY_NAME = "libov_kvcrush_cpu.so"
 PRECISIONS = {"f32": 0, "f16": 1}
 #: Element size of each precision, in bytes.
 PRECISION_BYTES = {"f32": 4, "f16": 2}
+
+
+def block_bytes(block_size: int, head_dim: int, precision: str) -> int:
+    """Bytes of one block (keys and values of ``block_size`` tokens of one KV head), as the pool allocates."""
+    return 2 * block_size * head_dim * PRECISION_BYTES[precision]
+
+
 DEFAULT_BLOCK_SIZE = 32
 
 _lock = threading.Lock()
@@ -279,6 +286,8 @@ class KVPool:
                 layers, q_heads, kv_heads, head_dim, block_size, PRECISIONS[precision], max_blocks, int(scores)
             )
         )
+        #: bytes per block as the library allocates them (read once: it never changes)
+        self.block_bytes = self.stats().block_bytes
 
     def new_sequence(self) -> KVSequence:
         return KVSequence(self)
@@ -327,7 +336,7 @@ class KVSequence:
     def stats(self) -> SequenceStats:
         buf = (ctypes.c_int64 * 3)()
         _check(self.pool.lib.ovkc_seq_stats(self.handle, buf))
-        return SequenceStats(int(buf[0]), int(buf[1]), int(buf[2]), self.pool.stats().block_bytes)
+        return SequenceStats(int(buf[0]), int(buf[1]), int(buf[2]), self.pool.block_bytes)
 
     def head_tokens(self) -> np.ndarray:
         """Tokens held per layer and KV head, ``[layers, kv_heads]``."""

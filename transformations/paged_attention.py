@@ -127,7 +127,7 @@ def _reachable(model) -> set:
     stack = [r for r in model.get_results()] + list(model.get_sinks())
     while stack:
         n = stack.pop()
-        key = n.get_instance_id() if hasattr(n, "get_instance_id") else id(n)
+        key = _node_key(n)
         if key in seen:
             continue
         seen.add(key)
@@ -136,7 +136,8 @@ def _reachable(model) -> set:
 
 
 def _node_key(node) -> int:
-    return node.get_instance_id() if hasattr(node, "get_instance_id") else id(node)
+    """Identity of a graph node (Python wrappers are new objects on every access, so ``id`` is not)."""
+    return node.get_instance_id()
 
 
 def _slice_last_token(model) -> bool:

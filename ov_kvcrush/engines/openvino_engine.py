@@ -185,7 +185,7 @@ class OpenVINOEngine:
         self.shape = converted.shape
         self.kv_precision = kv_precision
         self.block_size = block_size
-        self.block_bytes = 2 * block_size * self.shape.head_dim * plugin.PRECISION_BYTES[kv_precision]
+        self.block_bytes = plugin.block_bytes(block_size, self.shape.head_dim, kv_precision)
 
         if scheduler_config is not None:
             if compression is not None or max_kv_blocks:

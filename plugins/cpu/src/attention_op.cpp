@@ -141,13 +141,14 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             }
             const int64_t tasks = Hkv * row_tiles * max_chunks;
             // partial results: per task, per row: m, l, out[D]
-            std::vector<float> part(static_cast<size_t>(tasks) * kMaxRows * (D + 2));
+            const size_t row_floats = static_cast<size_t>(D + 2);
+            std::vector<float> part(static_cast<size_t>(tasks) * kMaxRows * row_floats);
+            auto partial = [&](int64_t task, int64_t r) { return part.data() + (static_cast<size_t>(task) * kMaxRows + r) * row_floats; };
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, tasks, 1), [&](const tbb::blocked_range<int64_t>& range) {
                 for (int64_t t = range.begin(); t < range.end(); ++t) {
                     const int64_t g = t / (row_tiles * max_chunks);
                     const int64_t tile = (t / max_chunks) % row_tiles;
                     const int64_t chunk = t % max_chunks;
-                    float* pt = part.data() + static_cast<size_t>(t) * kMaxRows * (D + 2);
                     RowSet rows;
                     rows.start();
                     rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, G - tile * kMaxRows));
@@ -155,7 +156,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         const int64_t h = g * G + tile * kMaxRows + r;
                         rows.q[r] = qb + h * D;
                         rows.qpos[r] = past;
-                        rows.out[r] = pt + r * (D + 2) + 2;
+                        rows.out[r] = partial(t, r) + 2;
                         std::fill(rows.out[r], rows.out[r] + D, 0.0f);
                     }
                     if (chunk < chunks[static_cast<size_t>(g)]) {
@@ -164,23 +165,21 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         attend_range(cfg, seq->pool(), hc, rows, m_scale, chunk * span, (chunk + 1) * span);
                     }
                     for (int r = 0; r < rows.n; ++r) {
-                        pt[r * (D + 2)] = rows.m[r];
-                        pt[r * (D + 2) + 1] = rows.l[r];
+                        partial(t, r)[0] = rows.m[r];
+                        partial(t, r)[1] = rows.l[r];
                     }
                 }
             });
             // combine the chunks of each row
             for (int64_t h = 0; h < Hq; ++h) {
                 const int64_t g = h / G, tile = (h % G) / kMaxRows, r = (h % G) % kMaxRows;
+                const int64_t first = (g * row_tiles + tile) * max_chunks;  // this row's chunk tasks
                 float M = -std::numeric_limits<float>::infinity();
-                for (int64_t c = 0; c < max_chunks; ++c) {
-                    const float* pr = part.data() + static_cast<size_t>((g * row_tiles + tile) * max_chunks + c) * kMaxRows * (D + 2) + r * (D + 2);
-                    M = std::max(M, pr[0]);
-                }
+                for (int64_t c = 0; c < max_chunks; ++c) M = std::max(M, partial(first + c, r)[0]);
                 float lsum = 0.0f;
                 float* o = ob + h * D;
                 for (int64_t c = 0; c < max_chunks; ++c) {
-                    const float* pr = part.data() + static_cast<size_t>((g * row_tiles + tile) * max_chunks + c) * kMaxRows * (D + 2) + r * (D + 2);
+                    const float* pr = partial(first + c, r);
                     if (pr[1] == 0.0f) continue;
                     const float w = std::exp(pr[0] - M);
                     lsum += pr[1] * w;

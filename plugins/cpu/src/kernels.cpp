@@ -437,7 +437,6 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
     out.n = n;
     out.k.assign(static_cast<size_t>(groups) * D * 16, 0);
     out.v.assign(static_cast<size_t>(pairs) * D * 2, 0);
-    std::vector<float> kbuf(static_cast<size_t>(bs) * D), vbuf(static_cast<size_t>(bs) * D);
     for (int64_t slot0 = 0; slot0 < n; slot0 += bs) {
         const int ntok = static_cast<int>(std::min<int64_t>(bs, n - slot0));
         const float *kt, *v;
