@@ -99,20 +99,3 @@ def _stats(pipe: LLMPipeline, last) -> str:
     if last is None:
         return "cache: empty"
     return f"last turn: KV {last.kv_bytes / 2**20:.2f} MiB (backend {pipe.backend} re-reads the whole conversation)"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="chat", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return chat(args)
-    except UserError as exc:
-        print(f"chat: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
