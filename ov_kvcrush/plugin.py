@@ -171,7 +171,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs = {
         "ovkc_last_error": ([], ctypes.c_char_p),
         "ovkc_kernel_isa": ([], ctypes.c_char_p),
-        "ovkc_pool_create": ([i32, i32, i32, i32, i32, i32, i64, i32], i64),
+        "ovkc_pool_create": ([i32, i32, i32, i32, i32, i32, i64, i32, ctypes.c_char_p], i64),
         "ovkc_pool_free": ([i64], i64),
         "ovkc_pool_stats": ([i64, p_i64], i64),
         "ovkc_seq_create": ([i64], i64),
@@ -181,6 +181,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_seq_stats": ([i64, p_i64], i64),
         "ovkc_seq_head_tokens": ([i64, p_i64, i64], i64),
         "ovkc_seq_read_head": ([i64, i32, i32, i64, p_i64, p_f32, p_f32, p_f32], i64),
+        "ovkc_keep_indices": ([p_f32, i64, i64, i64, i64, p_i64], i64),
+        "ovkc_pool_scores": ([p_f32, i64, i64, i32], i64),
+        "ovkc_kvcrush_select": ([p_f32, i32, i64, i64, i64, i64, i64, i64, ctypes.c_char_p, p_i64], i64),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
@@ -262,6 +265,8 @@ class KVPool:
         max_blocks: refuse to grow past this many blocks (0: no limit); a sequence that needs
             more fails with an error naming the limit.
         scores: accumulate per-head attention scores (the eviction policies read them).
+        method: the compression method spec (:func:`ov_kvcrush.policy.method_spec` builds it from
+            a :class:`~ov_kvcrush.config.CompressionConfig`); empty: the full cache.
     """
 
     def __init__(
@@ -275,15 +280,24 @@ class KVPool:
         precision: str = "f32",
         max_blocks: int = 0,
         scores: bool = False,
+        method: str = "",
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError("kv_precision", precision, "one of " + ", ".join(PRECISIONS))
         self.lib = load()
         self.layers, self.q_heads, self.kv_heads, self.head_dim = layers, q_heads, kv_heads, head_dim
-        self.block_size, self.precision, self.scores = block_size, precision, scores
+        self.block_size, self.precision, self.scores, self.method = block_size, precision, scores, method
         self.handle = _check(
             self.lib.ovkc_pool_create(
-                layers, q_heads, kv_heads, head_dim, block_size, PRECISIONS[precision], max_blocks, int(scores)
+                layers,
+                q_heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                PRECISIONS[precision],
+                max_blocks,
+                int(scores),
+                method.encode(),
             )
         )
         #: bytes per block as the library allocates them (read once: it never changes)

@@ -31,10 +31,9 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, ttft_tpot_ms
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.plugin import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
 
-#: Methods this engine runs inside the op today; the others arrive with issue #7.
-OPENVINO_METHODS = ("full",)
 #: KV precision of the op's cache by default: f16 halves the bytes every decode step reads.
 DEFAULT_KV_PRECISION = "f16"
 
@@ -120,8 +119,9 @@ class OpenVINOEngine:
 
     Args:
         model_dir: directory written by ``ov-kvcrush export`` / ``optimum-cli export openvino``.
-        compression: method and budget (``full`` today; the methods arrive inside the op with
-            issue #7).
+        compression: method and budget; every method of :data:`~ov_kvcrush.method_spec.OPENVINO_METHODS`
+            runs inside the op (selection, eviction, the 2-bit store ...), as the torch reference
+            defines it.
         device: ``CPU`` (the op is a CPU extension).
         kv_precision: ``f16`` (default) or ``f32`` storage of keys and values in the op's cache.
         block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
@@ -195,11 +195,12 @@ class OpenVINOEngine:
                 scheduler_config, self.shape.layers, self.shape.kv_heads, self.block_bytes
             )
         self.compression = compression or CompressionConfig()
-        if self.compression.method not in OPENVINO_METHODS:
-            raise UserError(
-                f"method={self.compression.method} does not run inside the OpenVINO op yet (issue #7); "
-                f"backend openvino runs: {', '.join(OPENVINO_METHODS)}; backend torch runs every method"
-            )
+        self.method = self.compression.method_config()
+        if getattr(self.method, "block_size", None) is not None and block_size == DEFAULT_BLOCK_SIZE:
+            block_size = int(self.method.block_size)  # block-wise KVCrush evicts whole blocks of the pool
+            self.block_size = block_size
+            self.block_bytes = plugin.block_bytes(block_size, self.shape.head_dim, kv_precision)
+        spec = method_spec(self.method, self.shape.layers, self.shape.q_heads, block_size)
         self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
         self.request = self.compiled.create_infer_request()
         self.input_names = {p.get_any_name() for p in self.compiled.inputs}
@@ -211,6 +212,7 @@ class OpenVINOEngine:
             block_size=block_size,
             precision=kv_precision,
             max_blocks=max_kv_blocks,
+            method=spec,
         )
         self.sequence: KVSequence = self.pool.new_sequence()
         self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))

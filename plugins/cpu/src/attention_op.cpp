@@ -11,6 +11,7 @@
 
 #include "kernels.hpp"
 #include "paged_cache.hpp"
+#include "policy.hpp"
 
 namespace ovkc {
 
@@ -113,7 +114,11 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             }
             const int64_t base = hc.size();
             hc.pos.resize(static_cast<size_t>(base + L));
-            if (cfg.scores) hc.scores.resize(static_cast<size_t>(base + L) * G, 0.0f);
+            if (cfg.keeps_scores()) hc.scores.resize(static_cast<size_t>(base + L) * G, 0.0f);
+            if (!hc.degree.empty()) {
+                hc.degree.resize(static_cast<size_t>(base + L), 1.0f);
+                hc.bias.resize(static_cast<size_t>(base + L), 0.0f);
+            }
             const float* kh = kd + ((b * Hkv + g) * L) * D;
             const float* vh = vd + ((b * Hkv + g) * L) * D;
             for (int64_t i = 0; i < L; ++i) {
@@ -122,12 +127,19 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             }
         }
         seq->seen(layer) = past + L;
+        const bool prefill = past == 0;
+        const bool scores = step_scores(cfg, prefill);
+        try {
+            before_attention(*seq, layer, prefill);
+        } catch (const Error& e) {
+            OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
+        }
 
         const float* qb = qd + b * Hq * L * D;
         float* ob = out + b * Hq * L * D;
         std::fill(ob, ob + Hq * L * D, 0.0f);
         // log-sum-exp of each (head, query) row, for the score pass
-        std::vector<float> lse(cfg.scores ? static_cast<size_t>(Hq * L) : 0);
+        std::vector<float> lse(scores ? static_cast<size_t>(Hq * L) : 0);
 
         if (L == 1) {
             // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
@@ -187,7 +199,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 }
                 const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
                 for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-                if (cfg.scores) lse[static_cast<size_t>(h)] = M + std::log(lsum);
+                if (scores) lse[static_cast<size_t>(h)] = M + std::log(lsum);
             }
         } else {
             // 2b. prefill (or a chunk of a chat turn): rows = kMaxRows consecutive queries of one head
@@ -220,7 +232,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, hc.size());
                         finish_rows(rows, static_cast<int>(D));
                     }
-                    if (cfg.scores)
+                    if (scores)
                         for (int r = 0; r < rows.n; ++r)
                             lse[static_cast<size_t>(h * L + tile * kMaxRows + r)] = rows.m[r] + std::log(rows.l[r]);
                 }
@@ -229,11 +241,13 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
 
         // 3. per-head scores: each task owns one block of one KV head, so no two tasks add to
         //    the same slot; it recomputes the probabilities of every query row of the group.
-        if (cfg.scores) {
+        if (scores) {
             int64_t max_blocks = 0;
             for (int64_t g = 0; g < Hkv; ++g)
                 max_blocks = std::max<int64_t>(max_blocks, seq->head(layer, static_cast<int>(g)).blocks.size());
-            const int64_t rows_total = G * L;
+            // SnapKV's prefill scores only the last window of queries
+            const int64_t from = score_rows_from(cfg, prefill, L), Lw = L - from;
+            const int64_t rows_total = G * Lw;
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hkv * max_blocks, 1), [&](const tbb::blocked_range<int64_t>& range) {
                 for (int64_t t = range.begin(); t < range.end(); ++t) {
                     const int64_t g = t / max_blocks, blk = t % max_blocks;
@@ -244,7 +258,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         float row_lse[kMaxRows];
                         rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r0));
                         for (int r = 0; r < rows.n; ++r) {
-                            const int64_t gi = (r0 + r) / L, i = (r0 + r) % L, h = g * G + gi;
+                            const int64_t gi = (r0 + r) / Lw, i = from + (r0 + r) % Lw, h = g * G + gi;
                             rows.q[r] = qb + (h * L + i) * D;
                             rows.qpos[r] = past + i;
                             rows.group_index[r] = static_cast<int>(gi);
@@ -254,6 +268,13 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                     }
                 }
             });
+        }
+
+        // 4. the method's eviction (prefill selection, decode budget) and the 2-bit store's flush
+        try {
+            after_attention(*seq, layer, prefill);
+        } catch (const Error& e) {
+            OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }
     }
     return true;

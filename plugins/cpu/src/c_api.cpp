@@ -3,6 +3,7 @@
 //
 // Every function returns 0 (or a handle > 0) on success and -1 on error; ovkc_last_error() then
 // gives the message. No exception crosses this boundary.
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "kernels.hpp"
 #include "paged_cache.hpp"
+#include "policy.hpp"
 
 #define OVKC_API extern "C" __attribute__((visibility("default")))
 
@@ -36,7 +38,8 @@ OVKC_API const char* ovkc_last_error() { return g_error.c_str(); }
 OVKC_API const char* ovkc_kernel_isa() { return ovkc::kernel_isa(); }
 
 OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
-                                  int32_t block_size, int32_t precision, int64_t max_blocks, int32_t scores) {
+                                  int32_t block_size, int32_t precision, int64_t max_blocks, int32_t scores,
+                                  const char* method) {
     return guarded([&]() -> int64_t {
         if (precision != 0 && precision != 1)
             throw ovkc::Error("precision=" + std::to_string(precision) + " is invalid: allowed 0 (f32), 1 (f16)");
@@ -49,6 +52,9 @@ OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_he
         cfg.precision = static_cast<ovkc::Precision>(precision);
         cfg.max_blocks = max_blocks;
         cfg.scores = scores != 0;
+        cfg.validate();
+        cfg.method = std::make_shared<ovkc::MethodParams>(ovkc::MethodParams::parse(
+            method ? method : "", layers, q_heads, kv_heads, block_size, head_dim));
         return Registry::get().create_pool(cfg);
     });
 }
@@ -162,8 +168,43 @@ OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head,
             }
             if (scores)
                 for (int g = 0; g < G; ++g)
-                    scores[i * G + g] = cfg.scores ? hc.scores[static_cast<size_t>(i * G + g)] : 0.0f;
+                    scores[i * G + g] = cfg.keeps_scores() ? hc.scores[static_cast<size_t>(i * G + g)] : 0.0f;
         }
         return n;
+    });
+}
+
+// ---- the selection functions alone, for the shared test vectors ------------------------------
+
+// Importance keep_indices over scores[n]; out receives min(budget, n) ascending indices.
+OVKC_API int64_t ovkc_keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent,
+                                   int64_t* out) {
+    return guarded([&]() -> int64_t {
+        if (budget < sinks + recent && budget < n)
+            throw ovkc::Error("budget=" + std::to_string(budget) + " is invalid: allowed at least sinks + recent");
+        const auto keep = ovkc::keep_indices(scores, n, budget, sinks, recent);
+        std::copy(keep.begin(), keep.end(), out);
+        return static_cast<int64_t>(keep.size());
+    });
+}
+
+// SnapKV pooling of scores[n] in place.
+OVKC_API int64_t ovkc_pool_scores(float* scores, int64_t n, int64_t kernel, int32_t avg) {
+    return guarded([&]() -> int64_t {
+        ovkc::pool_scores(scores, n, 1, kernel, avg != 0);
+        return 0;
+    });
+}
+
+// KVCrush's choice from per-query-head scores [H][n] under a method spec (its budgets entry is
+// ignored: budget is given); block > 0 selects whole blocks of that size. Returns the count.
+OVKC_API int64_t ovkc_kvcrush_select(const float* scores, int32_t H, int64_t n, int64_t budget, int64_t sinks,
+                                     int64_t recent, int64_t reps, int64_t block, const char* spec, int64_t* out) {
+    return guarded([&]() -> int64_t {
+        const auto p = ovkc::MethodParams::parse(spec ? spec : "", 1, H, 1, 16, 16);
+        const auto keep = block > 0 ? ovkc::kvcrush_select_blocks(scores, H, n, block, budget, sinks, recent, reps, p)
+                                    : ovkc::kvcrush_select(scores, H, n, budget, sinks, recent, reps, p);
+        std::copy(keep.begin(), keep.end(), out);
+        return static_cast<int64_t>(keep.size());
     });
 }

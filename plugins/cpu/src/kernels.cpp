@@ -121,10 +121,12 @@ void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int nt
 
 // ---- exp --------------------------------------------------------------------------------------
 #if OVKC_AVX512
-// Cephes expf on 16 lanes (about 1 ulp); lanes below -87 (and -inf) give exactly 0.
+// Cephes expf on 16 lanes (about 1 ulp), down into the denormal range as libm's expf (scalef
+// rounds 2^n scaling to a denormal): the per-head scores then rank tokens with almost no
+// attention the way the torch reference does; lanes below -104 (and -inf) give exactly 0.
 inline __m512 exp512(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_GE_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -400,6 +402,26 @@ void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, i
         uint16_t* vr = kt + kv_elems + static_cast<size_t>(j) * D;
         for (int d = 0; d < D; ++d) vr[d] = to_half(v[d]);
     }
+}
+
+void copy_slot(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to) {
+    const int bs = cfg.block_size;
+    const int D = cfg.head_dim;
+    const size_t es = cfg.elem_bytes();
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
+    const uint8_t* src = pool.block(hc.blocks[static_cast<size_t>(from / bs)]);
+    uint8_t* dst = pool.block(hc.blocks[static_cast<size_t>(to / bs)]);
+    const size_t js = static_cast<size_t>(from % bs), jd = static_cast<size_t>(to % bs);
+    if (es == 4) {
+        const auto* ks = reinterpret_cast<const float*>(src);
+        auto* kd = reinterpret_cast<float*>(dst);
+        for (int d = 0; d < D; ++d) kd[static_cast<size_t>(d) * bs + jd] = ks[static_cast<size_t>(d) * bs + js];
+    } else {
+        const auto* ks = reinterpret_cast<const uint16_t*>(src);
+        auto* kd = reinterpret_cast<uint16_t*>(dst);
+        for (int d = 0; d < D; ++d) kd[static_cast<size_t>(d) * bs + jd] = ks[static_cast<size_t>(d) * bs + js];
+    }
+    std::memmove(dst + (kv_elems + jd * D) * es, src + (kv_elems + js * D) * es, D * es);
 }
 
 void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, float* k, float* v) {

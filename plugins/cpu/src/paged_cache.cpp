@@ -99,6 +99,8 @@ void Sequence::reset() {
         h.blocks.clear();
         h.pos.clear();
         h.scores.clear();
+        h.degree.clear();
+        h.bias.clear();
     }
     std::fill(seen_.begin(), seen_.end(), 0);
 }
@@ -110,6 +112,8 @@ void Sequence::truncate(int64_t tokens) {
         const auto keep = std::lower_bound(h.pos.begin(), h.pos.end(), tokens) - h.pos.begin();
         h.pos.resize(static_cast<size_t>(keep));
         if (!h.scores.empty()) h.scores.resize(static_cast<size_t>(keep) * G);
+        if (!h.degree.empty()) h.degree.resize(static_cast<size_t>(keep));
+        if (!h.bias.empty()) h.bias.resize(static_cast<size_t>(keep));
         const size_t blocks = static_cast<size_t>((keep + bs - 1) / bs);
         while (h.blocks.size() > blocks) {
             pool_->release(h.blocks.back());

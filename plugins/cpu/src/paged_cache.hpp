@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "method.hpp"
+
 namespace ovkc {
 
 enum class Precision : int { f32 = 0, f16 = 1 };
@@ -33,11 +35,15 @@ struct PoolConfig {
     Precision precision = Precision::f32;
     int64_t max_blocks = 0;  // 0: unlimited
     bool scores = false;     // accumulate per-q-head attention scores per token
+    // the compression method (never null: "full" by default); shared, read-only once created
+    std::shared_ptr<const MethodParams> method = std::make_shared<MethodParams>();
 
     void validate() const;
     size_t elem_bytes() const { return precision == Precision::f32 ? 4 : 2; }
     size_t block_bytes() const { return 2 * static_cast<size_t>(block_size) * head_dim * elem_bytes(); }
     int group() const { return q_heads / kv_heads; }
+    // scores are kept per slot when asked for or when the method selects by them
+    bool keeps_scores() const { return scores || method->needs_scores(); }
 };
 
 // A user-facing error (bad handle, bad shape, pool exhausted): the message names what is wrong.
@@ -75,6 +81,8 @@ struct HeadCache {
     std::vector<int32_t> blocks;  // block table
     std::vector<int64_t> pos;     // absolute position of each held slot, ascending
     std::vector<float> scores;    // [slot][group] accumulated probabilities (when enabled)
+    std::vector<float> degree;    // Chelsea: original tokens each slot stands for (empty: all 1)
+    std::vector<float> bias;      // Chelsea: log(degree), added to the slot's logits
     int64_t size() const { return static_cast<int64_t>(pos.size()); }
 };
 

@@ -1,0 +1,202 @@
+// KVCrush (ov_kvcrush/methods/kvcrush.py), the faithful per-head version, at token or block
+// granularity.
+//
+// Every token gets an H-bit signature, one bit per query head of the layer: would that head keep
+// it on its own (its top budget - sinks - recent by its own scores, or score >= its mean)?
+// `budget - representatives` important tokens (sinks, recent, top scores summed over heads) are
+// kept; the other tokens are ordered by their Hamming distance (hardware popcount) to the
+// anchor(s), ties by position, cut into `representatives` contiguous near-equal buckets, and each
+// bucket keeps one token (its highest-scoring, or its first). Every KV head of the layer keeps the
+// same tokens. Block-wise: scores are summed per block, whole blocks are kept, the trailing
+// partial block always stays, and eviction just rewrites the block table.
+#include <algorithm>
+#include <numeric>
+
+#include "policy.hpp"
+
+namespace ovkc {
+
+namespace {
+
+using Words = std::vector<uint64_t>;
+
+Words pack(const std::vector<uint8_t>& bits) {
+    Words w((bits.size() + 63) / 64, 0);
+    for (size_t h = 0; h < bits.size(); ++h)
+        if (bits[h]) w[h / 64] |= uint64_t(1) << (h % 64);
+    return w;
+}
+
+int64_t hamming(const uint64_t* a, const uint64_t* b, size_t words) {
+    int64_t d = 0;
+    for (size_t i = 0; i < words; ++i) d += __builtin_popcountll(a[i] ^ b[i]);
+    return d;
+}
+
+}  // namespace
+
+std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64_t budget, int64_t sinks,
+                                    int64_t recent, int64_t reps, const MethodParams& p) {
+    std::vector<int64_t> all(static_cast<size_t>(n));
+    std::iota(all.begin(), all.end(), int64_t(0));
+    if (budget >= n) return all;
+    if (reps > budget - sinks - recent)
+        throw Error("method.representatives=" + std::to_string(reps) +
+                    " is invalid: allowed at most budget - sinks - recent = " + std::to_string(budget - sinks - recent));
+    std::vector<float> combined(static_cast<size_t>(n), 0.0f);
+    for (int h = 0; h < H; ++h)
+        for (int64_t i = 0; i < n; ++i) combined[static_cast<size_t>(i)] += scores[h * n + i];
+    const std::vector<int64_t> important = keep_indices(combined.data(), n, budget - reps, sinks, recent);
+
+    // per-head decisions on the middle range
+    const int64_t per_head_keep = budget - sinks - recent;
+    const int64_t lo = sinks, hi = n - recent, mid = hi - lo;
+    std::vector<uint8_t> bit(static_cast<size_t>(H) * n, 0);  // [h][token]
+    for (int h = 0; h < H; ++h) {
+        const float* s = scores + h * n + lo;
+        if (p.signature_threshold) {
+            float mean = 0.0f;
+            for (int64_t i = 0; i < mid; ++i) mean += s[i];
+            mean /= static_cast<float>(mid);
+            for (int64_t i = 0; i < mid; ++i) bit[static_cast<size_t>(h * n + lo + i)] = s[i] >= mean;
+        } else {
+            for (int64_t i : topk_indices(s, mid, std::min(std::max<int64_t>(per_head_keep, 0), mid)))
+                bit[static_cast<size_t>(h * n + lo + i)] = 1;
+        }
+    }
+    std::vector<char> is_important(static_cast<size_t>(n), 0);
+    for (int64_t i : important) is_important[static_cast<size_t>(i)] = 1;
+    std::vector<int64_t> evictable;
+    for (int64_t i = 0; i < n; ++i)
+        if (!is_important[static_cast<size_t>(i)]) evictable.push_back(i);
+    const int64_t m = static_cast<int64_t>(evictable.size());
+
+    // signatures and anchors
+    const size_t W = (static_cast<size_t>(H) + 63) / 64;
+    std::vector<uint64_t> sig(static_cast<size_t>(m) * W, 0);
+    std::vector<int64_t> ones(static_cast<size_t>(H), 0);
+    for (int64_t e = 0; e < m; ++e)
+        for (int h = 0; h < H; ++h)
+            if (bit[static_cast<size_t>(h * n + evictable[static_cast<size_t>(e)])]) {
+                sig[static_cast<size_t>(e) * W + h / 64] |= uint64_t(1) << (h % 64);
+                ++ones[static_cast<size_t>(h)];
+            }
+    const size_t A = p.anchors.size();
+    std::vector<Words> anchors;
+    for (const Anchor& a : p.anchors) {
+        if (a.mean) {
+            std::vector<uint8_t> bits(static_cast<size_t>(H));
+            for (int h = 0; h < H; ++h) bits[static_cast<size_t>(h)] = m > 0 && 2 * ones[static_cast<size_t>(h)] >= m;
+            anchors.push_back(pack(bits));
+        } else {
+            if (static_cast<int>(a.bits.size()) != H)
+                throw Error("method.anchors has " + std::to_string(a.bits.size()) + " bits: allowed one per query head (" +
+                            std::to_string(H) + ")");
+            anchors.push_back(pack(a.bits));
+        }
+    }
+    std::vector<int64_t> dist(static_cast<size_t>(m) * A);
+    for (int64_t e = 0; e < m; ++e)
+        for (size_t a = 0; a < A; ++a)
+            dist[static_cast<size_t>(e) * A + a] = hamming(sig.data() + static_cast<size_t>(e) * W, anchors[a].data(), W);
+
+    // bucket order: by distance (tuple of distances, or nearest anchor then its distance), ties by position
+    std::vector<int64_t> order(static_cast<size_t>(m));
+    std::iota(order.begin(), order.end(), int64_t(0));
+    const int64_t* D = dist.data();
+    if (p.multi_nearest && A > 1) {
+        std::vector<int64_t> which(static_cast<size_t>(m)), dmin(static_cast<size_t>(m));
+        for (int64_t e = 0; e < m; ++e) {
+            size_t best = 0;
+            for (size_t a = 1; a < A; ++a)
+                if (D[e * A + a] < D[e * A + best]) best = a;
+            which[static_cast<size_t>(e)] = static_cast<int64_t>(best);
+            dmin[static_cast<size_t>(e)] = D[e * A + best];
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+            if (which[x] != which[y]) return which[x] < which[y];
+            return dmin[x] < dmin[y];
+        });
+    } else {
+        std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+            for (size_t a = 0; a < A; ++a)
+                if (D[x * A + a] != D[y * A + a]) return D[x * A + a] < D[y * A + a];
+            return false;
+        });
+    }
+
+    // one representative per bucket
+    std::vector<int64_t> keep = important;
+    const int64_t buckets = std::min(reps, m);
+    for (int64_t j = 0; j < buckets; ++j) {
+        const int64_t s = j * m / buckets, e = (j + 1) * m / buckets;
+        int64_t best = s;
+        if (!p.representative_first)
+            for (int64_t i = s + 1; i < e; ++i)
+                if (combined[static_cast<size_t>(evictable[static_cast<size_t>(order[static_cast<size_t>(i)])])] >
+                    combined[static_cast<size_t>(evictable[static_cast<size_t>(order[static_cast<size_t>(best)])])])
+                    best = i;
+        keep.push_back(evictable[static_cast<size_t>(order[static_cast<size_t>(best)])]);
+    }
+    std::sort(keep.begin(), keep.end());
+    return keep;
+}
+
+std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n, int64_t block, int64_t budget,
+                                           int64_t sinks, int64_t recent, int64_t reps, const MethodParams& p) {
+    std::vector<int64_t> all(static_cast<size_t>(n));
+    std::iota(all.begin(), all.end(), int64_t(0));
+    if (budget >= n) return all;
+    const int64_t full = n / block, partial = n - full * block;
+    std::vector<float> bscores(static_cast<size_t>(H) * full, 0.0f);
+    for (int h = 0; h < H; ++h)
+        for (int64_t b = 0; b < full; ++b) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < block; ++i) s += scores[h * n + b * block + i];
+            bscores[static_cast<size_t>(h * full + b)] = s;
+        }
+    const int64_t sink_b = (sinks + block - 1) / block;
+    const int64_t recent_b = (std::max<int64_t>(recent - partial, 0) + block - 1) / block;
+    const int64_t budget_b = (budget - partial) / block;
+    const int64_t reps_b = reps / block;
+    if (sink_b + recent_b + reps_b > budget_b)
+        throw Error("method.budgets=" + std::to_string(budget) + " is invalid: allowed room for sink, recent and representative blocks of " +
+                    std::to_string(block) + " tokens (" + std::to_string((sink_b + recent_b + reps_b) * block + partial) +
+                    " tokens here)");
+    std::vector<int64_t> keep;
+    for (int64_t b : kvcrush_select(bscores.data(), H, full, budget_b, sink_b, recent_b, reps_b, p))
+        for (int64_t i = 0; i < block; ++i) keep.push_back(b * block + i);
+    for (int64_t i = full * block; i < n; ++i) keep.push_back(i);
+    return keep;
+}
+
+void kvcrush_step(Sequence& seq, int layer, bool prefill) {
+    const PoolConfig& cfg = seq.pool().config();
+    const MethodParams& p = *cfg.method;
+    const int G = cfg.group(), H = cfg.q_heads;
+    const int64_t budget = p.budget(layer);
+    const int64_t n = seq.head(layer, 0).size();
+    if (prefill && p.scoring == Scoring::snapkv)
+        for (int g = 0; g < cfg.kv_heads; ++g)
+            for (int gi = 0; gi < G; ++gi)
+                pool_scores(seq.head(layer, g).scores.data() + gi, n, G, p.pool_kernel, p.pool_avg);
+    if (!budget || n <= budget || (!prefill && p.frozen)) return;
+    std::vector<float> scores(static_cast<size_t>(H) * n);  // [q head][token], q head = kv head * G + gi
+    for (int g = 0; g < cfg.kv_heads; ++g) {
+        const HeadCache& hc = seq.head(layer, g);
+        if (hc.size() != n) throw Error("KVCrush: KV heads of layer " + std::to_string(layer) + " hold different tokens");
+        for (int gi = 0; gi < G; ++gi)
+            for (int64_t i = 0; i < n; ++i)
+                scores[static_cast<size_t>((g * G + gi) * n + i)] = hc.scores[static_cast<size_t>(i * G + gi)];
+    }
+    if (p.block_wise) {
+        const auto keep =
+            kvcrush_select_blocks(scores.data(), H, n, cfg.block_size, budget, p.sinks, p.recent, p.representatives, p);
+        for (int g = 0; g < cfg.kv_heads; ++g) keep_blocks(seq, seq.head(layer, g), keep);
+    } else {
+        const auto keep = kvcrush_select(scores.data(), H, n, budget, p.sinks, p.recent, p.representatives, p);
+        for (int g = 0; g < cfg.kv_heads; ++g) keep_slots(seq, seq.head(layer, g), keep);
+    }
+}
+
+}  // namespace ovkc

@@ -1,0 +1,91 @@
+#include "policy.hpp"
+
+#include <algorithm>
+
+#include "kernels.hpp"
+
+namespace ovkc {
+
+void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {
+    const PoolConfig& cfg = seq.pool().config();
+    const int G = cfg.group();
+    const int64_t k = static_cast<int64_t>(keep.size());
+    for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = keep[static_cast<size_t>(j)];
+        if (i == j) continue;
+        copy_slot(cfg, seq.pool(), hc, i, j);
+        hc.pos[static_cast<size_t>(j)] = hc.pos[static_cast<size_t>(i)];
+        if (!hc.scores.empty())
+            std::copy_n(hc.scores.begin() + i * G, G, hc.scores.begin() + j * G);
+        if (!hc.degree.empty()) hc.degree[static_cast<size_t>(j)] = hc.degree[static_cast<size_t>(i)];
+        if (!hc.bias.empty()) hc.bias[static_cast<size_t>(j)] = hc.bias[static_cast<size_t>(i)];
+    }
+    hc.pos.resize(static_cast<size_t>(k));
+    if (!hc.scores.empty()) hc.scores.resize(static_cast<size_t>(k) * G);
+    if (!hc.degree.empty()) hc.degree.resize(static_cast<size_t>(k));
+    if (!hc.bias.empty()) hc.bias.resize(static_cast<size_t>(k));
+    const size_t blocks = static_cast<size_t>((k + cfg.block_size - 1) / cfg.block_size);
+    while (hc.blocks.size() > blocks) {
+        seq.pool().release(hc.blocks.back());
+        hc.blocks.pop_back();
+    }
+}
+
+void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {
+    const PoolConfig& cfg = seq.pool().config();
+    const int64_t bs = cfg.block_size;
+    const int G = cfg.group();
+    std::vector<char> kept(hc.blocks.size(), 0);
+    std::vector<int32_t> table;
+    for (size_t j = 0; j < keep.size(); j += static_cast<size_t>(bs)) {
+        const int64_t blk = keep[j] / bs;
+        kept[static_cast<size_t>(blk)] = 1;
+        table.push_back(hc.blocks[static_cast<size_t>(blk)]);
+    }
+    for (size_t b = 0; b < hc.blocks.size(); ++b)
+        if (!kept[b]) seq.pool().release(hc.blocks[b]);
+    hc.blocks = std::move(table);
+    std::vector<int64_t> pos(keep.size());
+    std::vector<float> scores(hc.scores.empty() ? 0 : keep.size() * G);
+    for (size_t j = 0; j < keep.size(); ++j) {
+        const size_t i = static_cast<size_t>(keep[j]);
+        pos[j] = hc.pos[i];
+        if (!scores.empty()) std::copy_n(hc.scores.begin() + i * G, G, scores.begin() + j * G);
+    }
+    hc.pos = std::move(pos);
+    hc.scores = std::move(scores);
+}
+
+bool step_scores(const PoolConfig& cfg, bool prefill) {
+    if (cfg.scores) return true;
+    const MethodParams& p = *cfg.method;
+    return p.needs_scores() && (prefill || !p.frozen);
+}
+
+int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {
+    const MethodParams& p = *cfg.method;
+    if (!cfg.scores && prefill && p.scoring == Scoring::snapkv) return std::max<int64_t>(0, L - p.window);
+    return 0;
+}
+
+void before_attention(Sequence&, int, bool) {}
+
+void after_attention(Sequence& seq, int layer, bool prefill) {
+    const MethodParams& p = *seq.pool().config().method;
+    switch (p.method) {
+        case Method::streamingllm:
+        case Method::h2o:
+        case Method::snapkv:
+        case Method::pyramidkv:
+        case Method::minikv:
+            importance_step(seq, layer, prefill);
+            break;
+        case Method::kvcrush:
+            kvcrush_step(seq, layer, prefill);
+            break;
+        default:
+            break;
+    }
+}
+
+}  // namespace ovkc

@@ -1,0 +1,46 @@
+// What the op does around attention for the pool's method, and the cache edits methods share.
+//
+// The op calls before_attention() once the step's tokens are appended (Chelsea merges here when
+// a decode step brings the layer to budget + g, as the reference does before attending) and
+// after_attention() once the attention and the per-head scores are done (eviction: prefill
+// selection and decode-time budget enforcement; the 2-bit store's flush). Each method lives in
+// its own file named like its reference module in ov_kvcrush/methods/.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "paged_cache.hpp"
+
+namespace ovkc {
+
+// Keep the slots `keep` (ascending) of a head, in that order: tokens move down, their position,
+// scores and degree with them; blocks past the new end go back to the pool.
+void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
+
+// Keep whole blocks: `keep` lists token slots made of complete blocks (ascending) plus, possibly,
+// the trailing partial block. The block table is rewritten, no key/value is copied.
+void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
+
+// Rows of the step whose probabilities feed the scores (SnapKV's prefill: the last window).
+int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L);
+// Whether this step accumulates scores at all.
+bool step_scores(const PoolConfig& cfg, bool prefill);
+
+void before_attention(Sequence& seq, int layer, bool prefill);
+void after_attention(Sequence& seq, int layer, bool prefill);
+
+// importance.cpp
+std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k);
+std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent);
+void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool avg);
+void importance_step(Sequence& seq, int layer, bool prefill);
+
+// kvcrush.cpp
+std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64_t budget, int64_t sinks,
+                                    int64_t recent, int64_t reps, const MethodParams& p);
+std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n, int64_t block, int64_t budget,
+                                           int64_t sinks, int64_t recent, int64_t reps, const MethodParams& p);
+void kvcrush_step(Sequence& seq, int layer, bool prefill);
+
+}  // namespace ovkc

@@ -1,0 +1,280 @@
+"""The methods inside the C++ op against their torch references, on the shared test vectors.
+
+A one-op OpenVINO model (``ov_kvcrush::PagedAttention``) and the reference ``LayerCache`` of the
+same method config take the same queries/keys/values (:func:`ov_kvcrush.methods.vectors.layer_vectors`):
+a prompt, then single-token decode steps. After every step the tokens each KV head holds (their
+positions, read back through the op's stats API) must be the reference's, the attention output
+must match, the head must hold no more than its budget, and the pool's bytes must be its blocks'.
+The selection functions are also compared alone, on identical scores (ties included).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ov_kvcrush import plugin
+from ov_kvcrush.method_spec import OPENVINO_METHODS, method_spec
+from ov_kvcrush.methods import REGISTRY, method_config
+from ov_kvcrush.methods.importance import keep_indices, pool_scores
+from ov_kvcrush.methods.kvcrush import kvcrush_select, kvcrush_select_blocks
+from ov_kvcrush.methods.vectors import layer_vectors
+from tests.test_plugin import op_model
+
+HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
+
+
+@pytest.fixture(scope="module")
+def ov_core():
+    import openvino as ov
+
+    core = ov.Core()
+    core.add_extension(str(plugin.loaded_path()))
+    return core
+
+
+def held_positions(seq: plugin.KVSequence, layer: int) -> list[np.ndarray]:
+    return [seq.read_head(layer, g)[0] for g in range(HKV)]
+
+
+def reference_positions(lc) -> list[np.ndarray]:
+    """Positions each KV head of a reference layer cache holds (ascending, padding dropped)."""
+    p = lc.store.positions[0]
+    return [np.sort(p[g][p[g] >= 0].numpy()) for g in range(p.shape[0])]
+
+
+def run_both(core, cfg, *, layer=0, layers=1, prompt=192, decode=40, seed=0, block_size=32, precision="f32", keep=None):
+    """Run the op and the reference step by step; yield (step, op positions, ref positions, op out, ref out, seq)."""
+    lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=prompt + decode, head_dim=D)
+    spec = method_spec(cfg, layers, HQ, block_size)
+    pool = plugin.KVPool(layers, HQ, HKV, D, block_size=block_size, precision=precision, method=spec)
+    seq = pool.new_sequence()
+    req = op_model(core, HQ, HKV, D, layer=layer)
+    lc = cfg.make_layer(layer, layers)
+    if keep is not None:
+        keep["lc"] = lc
+    steps = [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(decode)]
+    for s, (a, b) in enumerate(steps):
+        q, k, v = lv.queries[:, :, a:b], lv.keys[:, :, a:b], lv.values[:, :, a:b]
+        out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
+        ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
+        yield s, held_positions(seq, layer), reference_positions(lc), np.array(out), ref.numpy(), seq, pool
+
+
+# one config per method (and the variants that change the op's code path), at small budgets so
+# that eviction runs at the prompt and during decode
+CASES = {
+    "streamingllm": dict(budget=96),
+    "h2o": dict(budget=96, sink_tokens=4, recent_tokens=16),
+    "snapkv": dict(budget=96, sink_tokens=4, recent_tokens=16, window=16),
+    "snapkv-avg": dict(method="snapkv", budget=96, sink_tokens=4, recent_tokens=16, pool="avg", pool_kernel=5),
+    "pyramidkv": dict(budget=96, sink_tokens=4, recent_tokens=16, window=16),
+    "kvcrush": dict(budget=96, sink_tokens=4, recent_tokens=16, representatives=24),
+    "kvcrush-h2o-threshold-first": dict(
+        method="kvcrush",
+        budget=96,
+        sink_tokens=4,
+        recent_tokens=16,
+        selection="h2o",
+        signature="threshold",
+        representative="first",
+    ),
+    "kvcrush-multi-tuple": dict(
+        method="kvcrush", budget=96, sink_tokens=4, recent_tokens=16, anchor=("random", "mean", "alternating")
+    ),
+    "kvcrush-multi-nearest": dict(
+        method="kvcrush", budget=96, sink_tokens=4, recent_tokens=16, anchor=("zeros", "ones"), multi_anchor="nearest"
+    ),
+    "kvcrush-blocks": dict(
+        method="kvcrush", budget=128, sink_tokens=16, recent_tokens=32, representatives=32, block_size=16
+    ),
+}
+
+
+def make(case: str):
+    fields = dict(CASES[case])
+    name = fields.pop("method", case)
+    return method_config(name, **fields)
+
+
+def scores_by_position(positions, scores) -> dict[int, float]:
+    return {int(p): float(v) for p, v in zip(positions, scores, strict=True) if p >= 0}
+
+
+def op_scores(seq, layer, shared: bool) -> list[dict[int, float]]:
+    """Per KV head: position -> score the op holds (group-summed; KVCrush: summed over all heads)."""
+    per_head = []
+    for g in range(HKV):
+        pos, _, _, sc = seq.read_head(layer, g)
+        per_head.append(scores_by_position(pos, sc.sum(1)))
+    if shared:
+        total = {p: sum(h[p] for h in per_head) for p in per_head[0]}
+        return [total] * HKV
+    return per_head
+
+
+def ref_scores(lc, shared: bool) -> list[dict[int, float]]:
+    acc = lc.acc[0].reshape(HKV, HQ // HKV, -1).sum(1)  # [hk, n]
+    pos = lc.store.positions[0]
+    per_head = [scores_by_position(pos[g].tolist(), acc[g].tolist()) for g in range(HKV)]
+    if shared:
+        total = {p: sum(h[p] for h in per_head) for p in per_head[0]}
+        return [total] * HKV
+    return per_head
+
+
+def assert_near_tie(got, want, op_sc, ref_sc, what):
+    """The op and the reference kept different tokens: only allowed between scores equal within float noise."""
+    only_op = sorted(set(got.tolist()) - set(want.tolist()))
+    only_ref = sorted(set(want.tolist()) - set(got.tolist()))
+    assert len(only_op) == len(only_ref), what
+    a = sorted(op_sc[p] for p in only_op)
+    b = sorted(ref_sc[p] for p in only_ref)
+    scale = max(ref_sc.values())
+    np.testing.assert_allclose(
+        a, b, atol=2e-6 * scale, rtol=0, err_msg=f"{what}: not a near-tie {only_op} vs {only_ref}"
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("layer", [0, 3])
+def test_op_keeps_the_reference_tokens(ov_core, case, layer):
+    """Same tokens kept as the reference at every step, until a float near-tie splits them (then justified)."""
+    cfg = make(case)
+    layers = 4
+    bs = getattr(cfg, "block_size", None) or 32
+    budget = cfg.layer_budget(layer, layers)
+    shared = cfg.name == "kvcrush"
+    diverged, last = False, None
+    decode_evictions_compared = 0
+    lc_holder = {}
+    for step, got, want, out, ref, seq, pool in run_both(
+        ov_core, cfg, layer=layer, layers=layers, block_size=bs, keep=lc_holder
+    ):
+        held = seq.head_tokens()[layer]
+        if not diverged:
+            same = all(np.array_equal(got[g], want[g]) for g in range(HKV))
+            if same:
+                np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0, err_msg=f"{case} step {step}")
+                if last is not None and (held < last + 1).any():
+                    decode_evictions_compared += 1
+            else:
+                diverged = True
+                o, r = op_scores(seq, layer, shared), ref_scores(lc_holder["lc"], shared)
+                for g in range(HKV):
+                    if not np.array_equal(got[g], want[g]):
+                        assert_near_tie(got[g], want[g], o[g], r[g], f"{case} step {step} head {g}")
+        last = held
+        for g in range(HKV):
+            assert got[g].size <= budget, f"{case} step {step} head {g} holds {got[g].size} > budget {budget}"
+        st = seq.stats()
+        assert st.blocks_held == sum(math.ceil(n / bs) for n in held)
+        assert pool.stats().kv_bytes == st.blocks_held * pool.block_bytes == st.kv_bytes
+    if not diverged:
+        assert decode_evictions_compared > 0  # the decode-time eviction was exercised and matched
+
+
+def test_registry_methods_are_mapped_or_refused():
+    """Every registry method either maps to an op spec or is refused by name (never silently full)."""
+    from ov_kvcrush.errors import UserError
+
+    for name in REGISTRY:
+        cfg = method_config(name) if name == "full" else method_config(name, budget=256)
+        if name in OPENVINO_METHODS:
+            spec = method_spec(cfg, 4, HQ, 32)
+            assert name == "full" or f"method={name}" in spec
+        else:
+            with pytest.raises(UserError, match=name):
+                method_spec(cfg, 4, HQ, 32)
+
+
+# --------------------------------------------------------------------------------------------
+# the selection functions alone: identical scores in, identical indices out
+
+
+def _p(a: np.ndarray, t):
+    return a.ctypes.data_as(ctypes.POINTER(t))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_keep_indices_matches_reference(ties):
+    lib = plugin.load()
+    rng = np.random.default_rng(1)
+    for n, budget, sinks, recent in [(300, 100, 8, 20), (64, 64, 4, 4), (1000, 33, 0, 1), (50, 10, 5, 5)]:
+        s = rng.integers(0, 5, n).astype(np.float32) if ties else rng.random(n, dtype=np.float32)
+        out = np.zeros(n, dtype=np.int64)
+        k = plugin._check(
+            lib.ovkc_keep_indices(_p(s, ctypes.c_float), n, budget, sinks, recent, _p(out, ctypes.c_int64))
+        )
+        want = keep_indices(torch.from_numpy(s)[None, None], budget, sinks, recent)[0, 0].numpy()
+        np.testing.assert_array_equal(out[:k], want)
+
+
+@pytest.mark.parametrize(("kernel", "pool"), [(7, "max"), (5, "avg"), (1, "max")])
+def test_pool_scores_matches_reference(kernel, pool):
+    lib = plugin.load()
+    s = np.random.default_rng(2).random(77, dtype=np.float32)
+    want = pool_scores(torch.from_numpy(s)[None, None], kernel, pool)[0, 0].numpy()
+    plugin._check(lib.ovkc_pool_scores(_p(s, ctypes.c_float), s.size, kernel, int(pool == "avg")))
+    np.testing.assert_allclose(s, want, rtol=1e-6)
+
+
+KV_CASES = [
+    dict(),
+    dict(signature="threshold"),
+    dict(representative="first"),
+    dict(anchor=("random", "mean")),
+    dict(anchor=("ones", "zeros", "alternating"), multi_anchor="nearest"),
+    dict(anchor="mean", seed=7),
+]
+
+
+@pytest.mark.parametrize("fields", KV_CASES)
+@pytest.mark.parametrize("block", [0, 16])
+@pytest.mark.parametrize("ties", [False, True])
+def test_kvcrush_select_matches_reference(fields, block, ties):
+    lib = plugin.load()
+    rng = np.random.default_rng(3)
+    n, budget, sinks, recent, reps = 300, 128, 16, 32, 32
+    s = (rng.integers(0, 4, (HQ, n)) if ties else rng.random((HQ, n))).astype(np.float32)
+    cfg = method_config(
+        "kvcrush", budget=budget, sink_tokens=sinks, recent_tokens=recent, representatives=reps, **fields
+    )
+    spec = method_spec(cfg, 1, HQ, 32)
+    out = np.zeros(n, dtype=np.int64)
+    k = plugin._check(
+        lib.ovkc_kvcrush_select(
+            _p(s, ctypes.c_float), HQ, n, budget, sinks, recent, reps, block, spec.encode(), _p(out, ctypes.c_int64)
+        )
+    )
+    kw = dict(
+        signature=cfg.signature,
+        anchors=cfg.anchors,
+        multi_anchor=cfg.multi_anchor,
+        seed=cfg.seed,
+        representative=cfg.representative,
+    )
+    t = torch.from_numpy(s)[None]
+    if block:
+        want = kvcrush_select_blocks(t, block, budget, sinks, recent, reps, **kw)[0]
+    else:
+        want = kvcrush_select(t, budget, sinks, recent, reps, **kw)[0].keep
+    np.testing.assert_array_equal(out[:k], want.numpy())
+
+
+def test_bad_method_specs_name_the_field():
+    for spec, field in [
+        ("method=h2o", "budgets"),
+        ("method=h2o;budgets=10,10", "budgets"),
+        ("method=h2o;budgets=64;sinks=40;recent=40", "budgets"),
+        ("method=nope;budgets=64", "method"),
+        ("method=h2o;budgets=64;pool_kernel=4", "pool_kernel"),
+        ("method=kvcrush;budgets=64;anchors=101", "anchors"),
+        ("method=h2o;budgets=64;colour=red", "colour"),
+    ]:
+        with pytest.raises(plugin.PluginError, match=field):
+            plugin.KVPool(1, HQ, HKV, D, method=spec)
