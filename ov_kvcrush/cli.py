@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         default="full",
         help="full, streamingllm, h2o, snapkv, pyramidkv, kvcrush, clusterkv, quest, chelsea, minikv "
-        "(genai: full, h2o, snapkv, kvcrush; openvino: full until issue #7)",
+        "(genai: full, h2o, snapkv, kvcrush; openvino: full, streamingllm, h2o, snapkv, pyramidkv, kvcrush, minikv)",
     )
     g.add_argument("--budget", type=_positive_int, help="KV tokens kept per layer and KV head (required unless full)")
     g.add_argument("--sink-tokens", type=_positive_int, help="first tokens always kept (default: the method's)")

@@ -29,6 +29,7 @@ OPENVINO_METHODS = (
     "snapkv",
     "pyramidkv",
     "kvcrush",
+    "minikv",
 )
 
 
@@ -67,7 +68,14 @@ def method_spec(config: MethodConfig, layers: int, q_heads: int, block_size: int
     items["budgets"] = ",".join(str(b) for b in budgets)
     quant = getattr(config, "quant", None)
     if quant is not None:
-        raise UserError(f"method={config.name} with quant (the 2-bit store) does not run inside the OpenVINO op yet")
+        # MiniKV's store under any method; the selection above it is frozen at prefill, as in the reference
+        items.update(quant=1, group=quant.group_size, residual=quant.residual_tokens)
+        if quant.residual_tokens % block_size or block_size % quant.group_size:
+            raise ConfigError(
+                "options.quant.residual_tokens",
+                quant.residual_tokens,
+                f"a multiple of the KV block size {block_size}, with quant.group_size dividing it (backend openvino)",
+            )
     if isinstance(config, StreamingLLMConfig):
         assert config.budget is not None
         items.update(sinks=config.sink_tokens, recent=config.budget - config.sink_tokens, scoring="none")
@@ -77,7 +85,7 @@ def method_spec(config: MethodConfig, layers: int, q_heads: int, block_size: int
         items.update(sinks=config.sink_tokens, recent=config.recent_tokens, scoring=config.scoring_mode())
         if isinstance(config, SnapKVConfig):
             items.update(window=config.window, pool_kernel=config.pool_kernel, pool=config.pool)
-        if isinstance(config, MiniKVConfig) or getattr(config, "frozen_selection", False):
+        if isinstance(config, MiniKVConfig) or getattr(config, "frozen_selection", False) or quant is not None:
             items["frozen"] = 1
         if isinstance(config, KVCrushConfig):
             items.update(
@@ -88,6 +96,8 @@ def method_spec(config: MethodConfig, layers: int, q_heads: int, block_size: int
                 anchors=",".join(_anchor_bits(config, q_heads)),
             )
             if config.block_size is not None:
+                if quant is not None:
+                    raise ConfigError("options.block_size", config.block_size, "None with quant (backend openvino)")
                 if config.block_size != block_size:
                     raise ConfigError(
                         "options.block_size",

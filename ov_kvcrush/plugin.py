@@ -228,31 +228,33 @@ def _check(result: int) -> int:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """Block store occupancy: ``kv_bytes`` is blocks in use × bytes per block (K and V)."""
+    """Block store occupancy: ``kv_bytes`` is the bytes of the blocks in use (full-precision K/V
+    blocks and MiniKV's 2-bit blocks)."""
 
     blocks_in_use: int
     blocks_allocated: int
     peak_blocks: int
     block_bytes: int
     sequences: int
+    qblocks_in_use: int = 0
+    qblock_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
-        return self.blocks_in_use * self.block_bytes
+        return self.blocks_in_use * self.block_bytes + self.qblocks_in_use * self.qblock_bytes
 
 
 @dataclass(frozen=True)
 class SequenceStats:
-    """One sequence: blocks it holds (all layers and KV heads), tokens seen, tokens held."""
+    """One sequence: blocks it holds (all layers and KV heads), tokens seen, tokens held, and the
+    bytes of its blocks (``kv_bytes``: full-precision blocks and 2-bit blocks)."""
 
     blocks_held: int
     tokens_seen: int
     tokens_held: int
+    kv_bytes: int
+    qblocks_held: int
     block_bytes: int
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.blocks_held * self.block_bytes
 
 
 class KVPool:
@@ -307,7 +309,7 @@ class KVPool:
         return KVSequence(self)
 
     def stats(self) -> PoolStats:
-        buf = (ctypes.c_int64 * 5)()
+        buf = (ctypes.c_int64 * 7)()
         _check(self.lib.ovkc_pool_stats(self.handle, buf))
         return PoolStats(*[int(x) for x in buf])
 
@@ -348,9 +350,9 @@ class KVSequence:
         self.handle = 0
 
     def stats(self) -> SequenceStats:
-        buf = (ctypes.c_int64 * 3)()
+        buf = (ctypes.c_int64 * 5)()
         _check(self.pool.lib.ovkc_seq_stats(self.handle, buf))
-        return SequenceStats(int(buf[0]), int(buf[1]), int(buf[2]), self.pool.block_bytes)
+        return SequenceStats(*[int(x) for x in buf], self.pool.block_bytes)
 
     def head_tokens(self) -> np.ndarray:
         """Tokens held per layer and KV head, ``[layers, kv_heads]``."""

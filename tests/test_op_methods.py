@@ -19,7 +19,7 @@ import torch
 
 from ov_kvcrush import plugin
 from ov_kvcrush.method_spec import OPENVINO_METHODS, method_spec
-from ov_kvcrush.methods import REGISTRY, method_config
+from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config
 from ov_kvcrush.methods.importance import keep_indices, pool_scores
 from ov_kvcrush.methods.kvcrush import kvcrush_select, kvcrush_select_blocks
 from ov_kvcrush.methods.vectors import layer_vectors
@@ -89,6 +89,13 @@ CASES = {
     "kvcrush-multi-nearest": dict(
         method="kvcrush", budget=96, sink_tokens=4, recent_tokens=16, anchor=("zeros", "ones"), multi_anchor="nearest"
     ),
+    "minikv": dict(budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(residual_tokens=32)),
+    "snapkv-quant": dict(
+        method="snapkv", budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(residual_tokens=64)
+    ),
+    "kvcrush-quant": dict(
+        method="kvcrush", budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(group_size=32)
+    ),
     "kvcrush-blocks": dict(
         method="kvcrush", budget=128, sink_tokens=16, recent_tokens=32, representatives=32, block_size=16
     ),
@@ -149,7 +156,9 @@ def test_op_keeps_the_reference_tokens(ov_core, case, layer):
     bs = getattr(cfg, "block_size", None) or 32
     budget = cfg.layer_budget(layer, layers)
     shared = cfg.name == "kvcrush"
-    diverged, last = False, None
+    quant = getattr(cfg, "quant", None) is not None
+    frozen = quant or cfg.name == "minikv"
+    diverged, last, first_qblocks = False, None, 0
     decode_evictions_compared = 0
     lc_holder = {}
     for step, got, want, out, ref, seq, pool in run_both(
@@ -169,13 +178,22 @@ def test_op_keeps_the_reference_tokens(ov_core, case, layer):
                     if not np.array_equal(got[g], want[g]):
                         assert_near_tie(got[g], want[g], o[g], r[g], f"{case} step {step} head {g}")
         last = held
+        # a frozen selection (MiniKV, any method over the 2-bit store) keeps every generated token
+        cap = budget + (step if frozen else 0)
         for g in range(HKV):
-            assert got[g].size <= budget, f"{case} step {step} head {g} holds {got[g].size} > budget {budget}"
+            assert got[g].size <= cap, f"{case} step {step} head {g} holds {got[g].size} > {cap}"
         st = seq.stats()
-        assert st.blocks_held == sum(math.ceil(n / bs) for n in held)
-        assert pool.stats().kv_bytes == st.blocks_held * pool.block_bytes == st.kv_bytes
-    if not diverged:
+        # 2-bit blocks are always full and the residual starts on a block edge
+        assert st.blocks_held + st.qblocks_held == sum(math.ceil(n / bs) for n in held)
+        ps = pool.stats()
+        assert ps.kv_bytes == st.kv_bytes == st.blocks_held * pool.block_bytes + st.qblocks_held * ps.qblock_bytes
+        if step == 0:
+            first_qblocks = st.qblocks_held
+    if not diverged and not frozen:
         assert decode_evictions_compared > 0  # the decode-time eviction was exercised and matched
+    if quant:
+        assert st.qblocks_held > first_qblocks  # decode tokens were flushed into the 2-bit store
+        assert pool.stats().qblock_bytes * 4 <= pool.block_bytes  # f32 here: 2 bits + scales is < 1/4
 
 
 def test_registry_methods_are_mapped_or_refused():
@@ -278,3 +296,20 @@ def test_bad_method_specs_name_the_field():
     ]:
         with pytest.raises(plugin.PluginError, match=field):
             plugin.KVPool(1, HQ, HKV, D, method=spec)
+
+
+def test_two_bit_store_holds_the_reference_codes(ov_core):
+    """The op's 2-bit tokens dequantize to the reference Int2Store's values (same codes, scales, zeros)."""
+    cfg = method_config("minikv", budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(residual_tokens=32))
+    holder: dict = {}
+    seq = list(run_both(ov_core, cfg, decode=20, keep=holder))[-1][5]
+    k_ref, v_ref, p_ref = holder["lc"].store.dense()
+    nq = holder["lc"].store.quantized_tokens
+    assert nq > 0 and seq.stats().qblocks_held * 32 == nq * HKV
+    for g in range(HKV):
+        pos, keys, values, _ = seq.read_head(0, g)
+        np.testing.assert_array_equal(pos, p_ref[0, g].numpy())
+        # the quantized part: same codes and fp16 scale/zero, so equal up to fused multiply-add rounding
+        np.testing.assert_allclose(keys[:nq], k_ref[0, g, :nq].numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(values[:nq], v_ref[0, g, :nq].numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(keys[nq:], k_ref[0, g, nq:].numpy())  # the full-precision residual

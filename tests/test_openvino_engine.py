@@ -230,8 +230,10 @@ def test_bad_engine_arguments(model_dir, tmp_path):
         OpenVINOEngine(model_dir, block_size=20)
     with pytest.raises(UserError, match=r"no openvino_model\.xml"):
         OpenVINOEngine(tmp_path)
-    with pytest.raises(UserError, match="issue #7"):
-        OpenVINOEngine(model_dir, CompressionConfig(method="kvcrush", budget=256))
+    with pytest.raises(UserError, match="quest"):  # a recall baseline kept to the torch engine
+        OpenVINOEngine(model_dir, CompressionConfig(method="quest", budget=256))
+    with pytest.raises(ConfigError, match="head_budgets"):
+        OpenVINOEngine(model_dir, CompressionConfig(method="h2o", budget=256, options={"head_budgets": "adaptive"}))
 
 
 def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
@@ -296,11 +298,11 @@ def test_cli_generate_openvino_backend(model_dir, tmp_path):
         "--prompt-file",
         str(prompt),
         "--method",
-        "kvcrush",
+        "quest",
         "--budget",
         "128",
     )
-    assert bad.returncode == 2 and "issue #7" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "quest" in bad.stderr and "Traceback" not in bad.stderr
     bad = _cli("generate", "--backend", "torch", "--prompt-file", str(prompt), "--kv-precision", "f16")
     assert bad.returncode == 2 and "--kv-precision is for --backend openvino" in bad.stderr
 

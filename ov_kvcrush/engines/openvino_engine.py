@@ -32,7 +32,7 @@ from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStre
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.method_spec import method_spec
-from ov_kvcrush.plugin import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
+from ov_kvcrush.plugin import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence, PluginError
 
 #: KV precision of the op's cache by default: f16 halves the bytes every decode step reads.
 DEFAULT_KV_PRECISION = "f16"
@@ -317,7 +317,11 @@ class OpenVINOEngine:
             while common < limit and self._cached[common] == ids[common]:
                 common += 1
             if common < len(self._cached):
-                self.sequence.truncate(common)
+                try:
+                    self.sequence.truncate(common)
+                except PluginError:  # the 2-bit store cannot drop tokens: feed the conversation again
+                    self.sequence.reset()
+                    common = 0
                 self._cached = self._cached[:common]
         else:
             messages = None
@@ -377,6 +381,7 @@ class OpenVINOEngine:
                 "tokens_seen": stats.tokens_seen,
                 "prefill_tokens": len(new),
                 "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
+                "kv_2bit_blocks_held": stats.qblocks_held,
             },
         )
 

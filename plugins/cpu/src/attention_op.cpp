@@ -144,11 +144,16 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         if (L == 1) {
             // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
             const int row_tiles = (G + kMaxRows - 1) / kMaxRows;
-            std::vector<int64_t> chunks(static_cast<size_t>(Hkv));
+            // chunks of 2-bit blocks first (MiniKV's store), then of full-precision blocks
+            std::vector<int64_t> chunks(static_cast<size_t>(Hkv)), qchunks(static_cast<size_t>(Hkv));
             int64_t max_chunks = 1;
             for (int64_t g = 0; g < Hkv; ++g) {
-                const int64_t nb = static_cast<int64_t>(seq->head(layer, static_cast<int>(g)).blocks.size());
-                chunks[static_cast<size_t>(g)] = std::max<int64_t>(1, (nb + kDecodeChunkBlocks - 1) / kDecodeChunkBlocks);
+                const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                const int64_t nb = static_cast<int64_t>(hc.blocks.size());
+                const int64_t nqb = static_cast<int64_t>(hc.qblocks.size());
+                qchunks[static_cast<size_t>(g)] = (nqb + kDecodeChunkBlocks - 1) / kDecodeChunkBlocks;
+                chunks[static_cast<size_t>(g)] = qchunks[static_cast<size_t>(g)] +
+                                                 std::max<int64_t>(1, (nb + kDecodeChunkBlocks - 1) / kDecodeChunkBlocks);
                 max_chunks = std::max(max_chunks, chunks[static_cast<size_t>(g)]);
             }
             const int64_t tasks = Hkv * row_tiles * max_chunks;
@@ -173,8 +178,14 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                     }
                     if (chunk < chunks[static_cast<size_t>(g)]) {
                         const HeadCache& hc = seq->head(layer, static_cast<int>(g));
-                        const int64_t span = kDecodeChunkBlocks * cfg.block_size;
-                        attend_range(cfg, seq->pool(), hc, rows, m_scale, chunk * span, (chunk + 1) * span);
+                        const int64_t qc = qchunks[static_cast<size_t>(g)];
+                        if (chunk < qc) {
+                            attend_quant(cfg, seq->pool(), hc, rows, m_scale, chunk * kDecodeChunkBlocks,
+                                         (chunk + 1) * kDecodeChunkBlocks);
+                        } else {
+                            const int64_t span = kDecodeChunkBlocks * cfg.block_size;
+                            attend_range(cfg, seq->pool(), hc, rows, m_scale, (chunk - qc) * span, (chunk - qc + 1) * span);
+                        }
                     }
                     for (int r = 0; r < rows.n; ++r) {
                         partial(t, r)[0] = rows.m[r];
@@ -226,9 +237,11 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         rows.qpos[r] = past + i;
                         rows.out[r] = ob + (h * L + i) * D;
                     }
-                    if (bf16) {
+                    if (bf16 && hc.qblocks.empty()) {
                         attend_bf16(cfg, hc, staged[static_cast<size_t>(h / G)], rows, m_scale);
                     } else {
+                        if (!hc.qblocks.empty())
+                            attend_quant(cfg, seq->pool(), hc, rows, m_scale, 0, static_cast<int64_t>(hc.qblocks.size()));
                         attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, hc.size());
                         finish_rows(rows, static_cast<int>(D));
                     }

@@ -67,7 +67,7 @@ OVKC_API int64_t ovkc_pool_free(int64_t pool) {
 }
 
 // out[0] blocks in use, [1] blocks allocated, [2] peak blocks in use, [3] bytes per block,
-// [4] live sequences of this pool.
+// [4] live sequences of this pool, [5] 2-bit blocks in use, [6] bytes per 2-bit block.
 OVKC_API int64_t ovkc_pool_stats(int64_t pool, int64_t* out) {
     return guarded([&]() -> int64_t {
         auto p = Registry::get().pool(pool);
@@ -76,6 +76,8 @@ OVKC_API int64_t ovkc_pool_stats(int64_t pool, int64_t* out) {
         out[2] = p->peak_blocks();
         out[3] = static_cast<int64_t>(p->config().block_bytes());
         out[4] = Registry::get().sequences_of(p.get());
+        out[5] = p->qblocks_in_use();
+        out[6] = static_cast<int64_t>(p->config().qblock_bytes());
         return 0;
     });
 }
@@ -111,7 +113,7 @@ OVKC_API int64_t ovkc_seq_truncate(int64_t seq, int64_t tokens) {
 }
 
 // out[0] blocks held, out[1] tokens seen by layer 0, out[2] tokens held summed over all layers
-// and KV heads.
+// and KV heads, out[3] bytes of the blocks held (full precision and 2-bit), out[4] 2-bit blocks.
 OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
     return guarded([&]() -> int64_t {
         auto s = Registry::get().sequence(seq);
@@ -121,8 +123,10 @@ OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
         out[1] = s->seen(0);
         int64_t held = 0;
         for (int l = 0; l < cfg.layers; ++l)
-            for (int g = 0; g < cfg.kv_heads; ++g) held += s->head(l, g).size();
+            for (int g = 0; g < cfg.kv_heads; ++g) held += s->head(l, g).held();
         out[2] = held;
+        out[3] = s->bytes_held();
+        out[4] = s->qblocks_held();
         return 0;
     });
 }
@@ -136,7 +140,7 @@ OVKC_API int64_t ovkc_seq_head_tokens(int64_t seq, int64_t* out, int64_t capacit
         const int64_t n = static_cast<int64_t>(cfg.layers) * cfg.kv_heads;
         if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
         for (int l = 0; l < cfg.layers; ++l)
-            for (int g = 0; g < cfg.kv_heads; ++g) out[l * cfg.kv_heads + g] = s->head(l, g).size();
+            for (int g = 0; g < cfg.kv_heads; ++g) out[l * cfg.kv_heads + g] = s->head(l, g).held();
         return n;
     });
 }
@@ -155,20 +159,27 @@ OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head,
         if (kv_head < 0 || kv_head >= cfg.kv_heads)
             throw ovkc::Error("kv_head=" + std::to_string(kv_head) + " is invalid: allowed 0.." + std::to_string(cfg.kv_heads - 1));
         const auto& hc = s->head(layer, kv_head);
-        const int64_t n = hc.size();
+        const int64_t nq = static_cast<int64_t>(hc.qpos.size());
+        const int64_t n = hc.held();
         if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
         const int D = cfg.head_dim, G = cfg.group();
         std::vector<float> kbuf(D), vbuf(D);
         for (int64_t i = 0; i < n; ++i) {
-            if (positions) positions[i] = hc.pos[static_cast<size_t>(i)];
+            const bool q = i < nq;  // 2-bit tokens first (dequantized), then the full-precision slots
+            const int64_t slot = i - nq;
+            if (positions) positions[i] = q ? hc.qpos[static_cast<size_t>(i)] : hc.pos[static_cast<size_t>(slot)];
             if (keys || values) {
-                ovkc::load_token(cfg, s->pool(), hc, i, kbuf.data(), vbuf.data());
+                if (q)
+                    ovkc::dequantize_token(cfg, s->pool().qblock(hc.qblocks[static_cast<size_t>(i / cfg.block_size)]),
+                                           static_cast<int>(i % cfg.block_size), kbuf.data(), vbuf.data());
+                else
+                    ovkc::load_token(cfg, s->pool(), hc, slot, kbuf.data(), vbuf.data());
                 if (keys) std::memcpy(keys + i * D, kbuf.data(), sizeof(float) * D);
                 if (values) std::memcpy(values + i * D, vbuf.data(), sizeof(float) * D);
             }
             if (scores)
                 for (int g = 0; g < G; ++g)
-                    scores[i * G + g] = cfg.keeps_scores() ? hc.scores[static_cast<size_t>(i * G + g)] : 0.0f;
+                    scores[i * G + g] = cfg.keeps_scores() && !q ? hc.scores[static_cast<size_t>(slot * G + g)] : 0.0f;
         }
         return n;
     });

@@ -63,6 +63,20 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
 // Same contract as attend_range over all slots of the head, then finish_rows.
 void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale);
 
+// ---- MiniKV's 2-bit blocks (layout: PoolConfig::qblock_bytes) --------------------------------
+// Quantize block_size tokens (keys and values [bs][D] floats) into a 2-bit block: keys per
+// channel in groups of `group` tokens, values per token in groups of `group` channels, fp16
+// scale and zero (the group's minimum), codes round((x - zero) / scale) in 0..3, as
+// ov_kvcrush/methods/quant.py computes them.
+void quantize_block(const PoolConfig& cfg, uint8_t* dst, const float* k, const float* v);
+// Token `t` of a 2-bit block, dequantized (zero + code * scale).
+void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k, float* v);
+// Attend the 2-bit blocks [qb_begin, qb_end) of `hc` (all older than every row), dequantizing
+// inside the dot products: q.k = q.zero + (q*scale).codes per key group, p.v likewise; updates
+// each row's (m, l, out) like attend_range.
+void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
+                  int64_t qb_begin, int64_t qb_end);
+
 // The name of the compiled kernel path ("avx512", "avx512+bf16" or "scalar").
 const char* kernel_isa();
 

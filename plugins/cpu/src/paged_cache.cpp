@@ -28,6 +28,7 @@ Pool::Pool(const PoolConfig& cfg) : cfg_(cfg) { cfg_.validate(); }
 
 Pool::~Pool() {
     for (auto* p : storage_) std::free(p);
+    for (auto* p : qstorage_) std::free(p);
 }
 
 int32_t Pool::acquire() {
@@ -50,6 +51,34 @@ int32_t Pool::acquire() {
     ++in_use_;
     peak_ = std::max(peak_, in_use_);
     return id;
+}
+
+int32_t Pool::acquire_q() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int32_t id;
+    if (!qfree_.empty()) {
+        id = qfree_.back();
+        qfree_.pop_back();
+    } else {
+        if (qstorage_.size() >= static_cast<size_t>(INT32_MAX)) throw Error("KV block pool: too many 2-bit blocks");
+        void* p = std::aligned_alloc(64, (cfg_.qblock_bytes() + 63) / 64 * 64);
+        if (!p) throw Error("KV block pool: out of memory allocating a 2-bit block");
+        qstorage_.push_back(static_cast<uint8_t*>(p));
+        id = static_cast<int32_t>(qstorage_.size() - 1);
+    }
+    ++q_in_use_;
+    return id;
+}
+
+void Pool::release_q(int32_t block) {
+    std::lock_guard<std::mutex> lock(mu_);
+    qfree_.push_back(block);
+    --q_in_use_;
+}
+
+int64_t Pool::qblocks_in_use() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return q_in_use_;
 }
 
 void Pool::release(int32_t block) {
@@ -87,6 +116,18 @@ int64_t Sequence::blocks_held() const {
     return n;
 }
 
+int64_t Sequence::qblocks_held() const {
+    int64_t n = 0;
+    for (const auto& h : heads_) n += static_cast<int64_t>(h.qblocks.size());
+    return n;
+}
+
+int64_t Sequence::bytes_held() const {
+    const auto& cfg = pool_->config();
+    return blocks_held() * static_cast<int64_t>(cfg.block_bytes()) +
+           qblocks_held() * static_cast<int64_t>(cfg.qblock_bytes());
+}
+
 void Sequence::reserve(HeadCache& hc, int64_t n) {
     const int64_t bs = pool_->config().block_size;
     const int64_t need = (hc.size() + n + bs - 1) / bs;
@@ -96,7 +137,10 @@ void Sequence::reserve(HeadCache& hc, int64_t n) {
 void Sequence::reset() {
     for (auto& h : heads_) {
         for (int32_t b : h.blocks) pool_->release(b);
+        for (int32_t b : h.qblocks) pool_->release_q(b);
         h.blocks.clear();
+        h.qblocks.clear();
+        h.qpos.clear();
         h.pos.clear();
         h.scores.clear();
         h.degree.clear();
@@ -108,6 +152,10 @@ void Sequence::reset() {
 void Sequence::truncate(int64_t tokens) {
     const int64_t bs = pool_->config().block_size;
     const int G = pool_->config().group();
+    for (auto& h : heads_)
+        if (!h.qpos.empty() && h.qpos.back() >= tokens)
+            throw Error("cannot truncate to " + std::to_string(tokens) +
+                        " tokens: the 2-bit store holds later tokens (reset and prefill again)");
     for (auto& h : heads_) {
         const auto keep = std::lower_bound(h.pos.begin(), h.pos.end(), tokens) - h.pos.begin();
         h.pos.resize(static_cast<size_t>(keep));

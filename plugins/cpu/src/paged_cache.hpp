@@ -41,6 +41,13 @@ struct PoolConfig {
     void validate() const;
     size_t elem_bytes() const { return precision == Precision::f32 ? 4 : 2; }
     size_t block_bytes() const { return 2 * static_cast<size_t>(block_size) * head_dim * elem_bytes(); }
+    // A 2-bit block (MiniKV's store) of block_size tokens: key codes [D][bs/16] u32, key scale
+    // and zero fp16 [bs/g][D], value codes [bs][D/16] u32, value scale and zero fp16 [bs][D/g].
+    size_t qblock_bytes() const {
+        const size_t bs = static_cast<size_t>(block_size), D = static_cast<size_t>(head_dim);
+        const size_t g = static_cast<size_t>(method->quant ? method->group : 16);
+        return D * bs / 4 + 4 * (bs / g) * D + bs * D / 4 + 4 * bs * (D / g);
+    }
     int group() const { return q_heads / kv_heads; }
     // scores are kept per slot when asked for or when the method selects by them
     bool keeps_scores() const { return scores || method->needs_scores(); }
@@ -62,10 +69,15 @@ public:
     int32_t acquire();
     void release(int32_t block);
     uint8_t* block(int32_t id) const { return storage_[static_cast<size_t>(id)]; }
+    // 2-bit blocks (the quantized store), counted separately
+    int32_t acquire_q();
+    void release_q(int32_t block);
+    uint8_t* qblock(int32_t id) const { return qstorage_[static_cast<size_t>(id)]; }
 
     int64_t blocks_in_use() const;
     int64_t blocks_allocated() const;
     int64_t peak_blocks() const;
+    int64_t qblocks_in_use() const;
 
 private:
     PoolConfig cfg_;
@@ -74,6 +86,9 @@ private:
     std::vector<int32_t> free_;
     int64_t in_use_ = 0;
     int64_t peak_ = 0;
+    std::vector<uint8_t*> qstorage_;
+    std::vector<int32_t> qfree_;
+    int64_t q_in_use_ = 0;
 };
 
 // One (layer, KV head) of a sequence.
@@ -83,7 +98,13 @@ struct HeadCache {
     std::vector<float> scores;    // [slot][group] accumulated probabilities (when enabled)
     std::vector<float> degree;    // Chelsea: original tokens each slot stands for (empty: all 1)
     std::vector<float> bias;      // Chelsea: log(degree), added to the slot's logits
+    // MiniKV's 2-bit store: full 2-bit blocks of tokens older than every slot above
+    std::vector<int32_t> qblocks;
+    std::vector<int64_t> qpos;
+    // slots of the full-precision blocks (the residual, when there is a 2-bit store)
     int64_t size() const { return static_cast<int64_t>(pos.size()); }
+    // every token held: 2-bit and full precision
+    int64_t held() const { return static_cast<int64_t>(pos.size() + qpos.size()); }
 };
 
 class Sequence {
@@ -99,6 +120,8 @@ public:
     HeadCache& head(int layer, int kv_head) { return heads_[static_cast<size_t>(layer) * pool_->config().kv_heads + kv_head]; }
     int64_t& seen(int layer) { return seen_[static_cast<size_t>(layer)]; }
     int64_t blocks_held() const;
+    int64_t qblocks_held() const;
+    int64_t bytes_held() const;
 
     // Make room for n more slots in this head (acquires blocks from the pool).
     void reserve(HeadCache& hc, int64_t n);

@@ -68,7 +68,10 @@ int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {
     return 0;
 }
 
-void before_attention(Sequence&, int, bool) {}
+void before_attention(Sequence& seq, int layer, bool prefill) {
+    const MethodParams& p = *seq.pool().config().method;
+    if (p.quant && !prefill) quant_flush(seq, layer);
+}
 
 void after_attention(Sequence& seq, int layer, bool prefill) {
     const MethodParams& p = *seq.pool().config().method;
@@ -86,6 +89,7 @@ void after_attention(Sequence& seq, int layer, bool prefill) {
         default:
             break;
     }
+    if (p.quant && prefill) quant_flush(seq, layer);
 }
 
 }  // namespace ovkc

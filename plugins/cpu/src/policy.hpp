@@ -43,4 +43,7 @@ std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n
                                            int64_t sinks, int64_t recent, int64_t reps, const MethodParams& p);
 void kvcrush_step(Sequence& seq, int layer, bool prefill);
 
+// minikv.cpp: move every whole `residual` chunk of full-precision tokens into 2-bit blocks
+void quant_flush(Sequence& seq, int layer);
+
 }  // namespace ovkc
