@@ -254,6 +254,12 @@ class SequenceStats:
     tokens_held: int
     kv_bytes: int
     qblocks_held: int
+    #: ns in the method's own work (selection, eviction, merging, 2-bit flush): prefill, decode steps
+    policy_prefill_ns: int
+    policy_decode_ns: int
+    #: ns in the per-head score pass (the attention probabilities eviction ranks by)
+    scores_prefill_ns: int
+    scores_decode_ns: int
     block_bytes: int
 
 
@@ -350,7 +356,7 @@ class KVSequence:
         self.handle = 0
 
     def stats(self) -> SequenceStats:
-        buf = (ctypes.c_int64 * 5)()
+        buf = (ctypes.c_int64 * 9)()
         _check(self.pool.lib.ovkc_seq_stats(self.handle, buf))
         return SequenceStats(*[int(x) for x in buf], self.pool.block_bytes)
 

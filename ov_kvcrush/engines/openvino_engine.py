@@ -382,6 +382,10 @@ class OpenVINOEngine:
                 "prefill_tokens": len(new),
                 "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
                 "kv_2bit_blocks_held": stats.qblocks_held,
+                "policy_prefill_ms": round(stats.policy_prefill_ns / 1e6, 3),
+                "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
+                "scores_prefill_ms": round(stats.scores_prefill_ns / 1e6, 3),
+                "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
             },
         )
 

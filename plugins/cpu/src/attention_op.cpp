@@ -4,6 +4,7 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -129,11 +130,18 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         seq->seen(layer) = past + L;
         const bool prefill = past == 0;
         const bool scores = step_scores(cfg, prefill);
+        using Clock = std::chrono::steady_clock;
+        auto since = [](Clock::time_point t0) {
+            return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+        };
+        const int phase = prefill ? 0 : 1;
+        auto t_policy = Clock::now();
         try {
             before_attention(*seq, layer, prefill);
         } catch (const Error& e) {
             OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }
+        seq->policy_ns[phase] += since(t_policy);
 
         const float* qb = qd + b * Hq * L * D;
         float* ob = out + b * Hq * L * D;
@@ -254,6 +262,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
 
         // 3. per-head scores: each task owns one block of one KV head, so no two tasks add to
         //    the same slot; it recomputes the probabilities of every query row of the group.
+        const auto t_scores = Clock::now();
         if (scores) {
             int64_t max_blocks = 0;
             for (int64_t g = 0; g < Hkv; ++g)
@@ -283,12 +292,15 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             });
         }
 
+        seq->scores_ns[phase] += since(t_scores);
         // 4. the method's eviction (prefill selection, decode budget) and the 2-bit store's flush
+        t_policy = Clock::now();
         try {
             after_attention(*seq, layer, prefill);
         } catch (const Error& e) {
             OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }
+        seq->policy_ns[phase] += since(t_policy);
     }
     return true;
 }

@@ -113,7 +113,8 @@ OVKC_API int64_t ovkc_seq_truncate(int64_t seq, int64_t tokens) {
 }
 
 // out[0] blocks held, out[1] tokens seen by layer 0, out[2] tokens held summed over all layers
-// and KV heads, out[3] bytes of the blocks held (full precision and 2-bit), out[4] 2-bit blocks.
+// and KV heads, out[3] bytes of the blocks held (full precision and 2-bit), out[4] 2-bit blocks,
+// out[5..8] ns in the method's own work (prefill, decode) and in the score pass (prefill, decode).
 OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
     return guarded([&]() -> int64_t {
         auto s = Registry::get().sequence(seq);
@@ -127,6 +128,10 @@ OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
         out[2] = held;
         out[3] = s->bytes_held();
         out[4] = s->qblocks_held();
+        out[5] = s->policy_ns[0];
+        out[6] = s->policy_ns[1];
+        out[7] = s->scores_ns[0];
+        out[8] = s->scores_ns[1];
         return 0;
     });
 }

@@ -404,24 +404,24 @@ void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, i
     }
 }
 
-void copy_slot(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to) {
-    const int bs = cfg.block_size;
+void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to, int64_t count) {
+    const int64_t bs = cfg.block_size;
     const int D = cfg.head_dim;
     const size_t es = cfg.elem_bytes();
     const size_t kv_elems = static_cast<size_t>(bs) * D;
-    const uint8_t* src = pool.block(hc.blocks[static_cast<size_t>(from / bs)]);
-    uint8_t* dst = pool.block(hc.blocks[static_cast<size_t>(to / bs)]);
-    const size_t js = static_cast<size_t>(from % bs), jd = static_cast<size_t>(to % bs);
-    if (es == 4) {
-        const auto* ks = reinterpret_cast<const float*>(src);
-        auto* kd = reinterpret_cast<float*>(dst);
-        for (int d = 0; d < D; ++d) kd[static_cast<size_t>(d) * bs + jd] = ks[static_cast<size_t>(d) * bs + js];
-    } else {
-        const auto* ks = reinterpret_cast<const uint16_t*>(src);
-        auto* kd = reinterpret_cast<uint16_t*>(dst);
-        for (int d = 0; d < D; ++d) kd[static_cast<size_t>(d) * bs + jd] = ks[static_cast<size_t>(d) * bs + js];
+    while (count > 0) {
+        const int64_t js = from % bs, jd = to % bs;
+        const int64_t seg = std::min({count, bs - js, bs - jd});  // neither side crosses a block edge
+        const uint8_t* src = pool.block(hc.blocks[static_cast<size_t>(from / bs)]);
+        uint8_t* dst = pool.block(hc.blocks[static_cast<size_t>(to / bs)]);
+        for (int d = 0; d < D; ++d)
+            std::memmove(dst + (static_cast<size_t>(d) * bs + jd) * es, src + (static_cast<size_t>(d) * bs + js) * es,
+                         static_cast<size_t>(seg) * es);
+        std::memmove(dst + (kv_elems + jd * D) * es, src + (kv_elems + js * D) * es, static_cast<size_t>(seg) * D * es);
+        from += seg;
+        to += seg;
+        count -= seg;
     }
-    std::memmove(dst + (kv_elems + jd * D) * es, src + (kv_elems + js * D) * es, D * es);
 }
 
 void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, float* k, float* v) {

@@ -45,8 +45,8 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
 void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, const float* k,
                  const float* v);
 
-// Copy the key and value of slot `from` to slot `to` (compaction after eviction or merging).
-void copy_slot(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to);
+// Compaction after eviction: move `count` consecutive slots from `from` down to `to` (to < from), block segment by segment.
+void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to, int64_t count);
 
 // Read slot `slot` back as floats (tests and stats).
 void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, float* k, float* v);

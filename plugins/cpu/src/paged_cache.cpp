@@ -147,6 +147,7 @@ void Sequence::reset() {
         h.bias.clear();
     }
     std::fill(seen_.begin(), seen_.end(), 0);
+    policy_ns[0] = policy_ns[1] = scores_ns[0] = scores_ns[1] = 0;
 }
 
 void Sequence::truncate(int64_t tokens) {

@@ -132,6 +132,11 @@ public:
 
     std::mutex mu;  // one inference at a time per sequence
 
+    // time spent in the method's own work (selection, eviction, merging, the 2-bit flush) and in
+    // the per-head score pass, in prefill and in decode steps (ns, summed over layers)
+    int64_t policy_ns[2] = {0, 0};
+    int64_t scores_ns[2] = {0, 0};
+
 private:
     int64_t id_;
     std::shared_ptr<Pool> pool_;

@@ -10,15 +10,21 @@ void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) 
     const PoolConfig& cfg = seq.pool().config();
     const int G = cfg.group();
     const int64_t k = static_cast<int64_t>(keep.size());
-    for (int64_t j = 0; j < k; ++j) {
+    // runs of consecutive kept slots move together (one memmove per channel and block segment):
+    // evicting one token from a full head then costs a shift of the slots after it
+    for (int64_t j = 0; j < k;) {
         const int64_t i = keep[static_cast<size_t>(j)];
-        if (i == j) continue;
-        copy_slot(cfg, seq.pool(), hc, i, j);
-        hc.pos[static_cast<size_t>(j)] = hc.pos[static_cast<size_t>(i)];
-        if (!hc.scores.empty())
-            std::copy_n(hc.scores.begin() + i * G, G, hc.scores.begin() + j * G);
-        if (!hc.degree.empty()) hc.degree[static_cast<size_t>(j)] = hc.degree[static_cast<size_t>(i)];
-        if (!hc.bias.empty()) hc.bias[static_cast<size_t>(j)] = hc.bias[static_cast<size_t>(i)];
+        int64_t run = 1;
+        while (j + run < k && keep[static_cast<size_t>(j + run)] == i + run) ++run;
+        if (i != j) {
+            move_slots(cfg, seq.pool(), hc, i, j, run);
+            std::copy_n(hc.pos.begin() + i, run, hc.pos.begin() + j);
+            if (!hc.scores.empty())
+                std::copy_n(hc.scores.begin() + i * G, run * G, hc.scores.begin() + j * G);
+            if (!hc.degree.empty()) std::copy_n(hc.degree.begin() + i, run, hc.degree.begin() + j);
+            if (!hc.bias.empty()) std::copy_n(hc.bias.begin() + i, run, hc.bias.begin() + j);
+        }
+        j += run;
     }
     hc.pos.resize(static_cast<size_t>(k));
     if (!hc.scores.empty()) hc.scores.resize(static_cast<size_t>(k) * G);
