@@ -55,16 +55,26 @@ void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool 
     }
 }
 
+void pool_prompt_scores(Sequence& seq, int layer) {
+    const PoolConfig& cfg = seq.pool().config();
+    const MethodParams& p = *cfg.method;
+    if (p.scoring != Scoring::snapkv) return;
+    const int G = cfg.group();
+    for (int g = 0; g < cfg.kv_heads; ++g) {
+        HeadCache& hc = seq.head(layer, g);
+        for (int gi = 0; gi < G; ++gi) pool_scores(hc.scores.data() + gi, hc.size(), G, p.pool_kernel, p.pool_avg);
+    }
+}
+
 void importance_step(Sequence& seq, int layer, bool prefill) {
     const PoolConfig& cfg = seq.pool().config();
     const MethodParams& p = *cfg.method;
     const int64_t budget = p.budget(layer);
     const int G = cfg.group();
+    if (prefill) pool_prompt_scores(seq, layer);
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
         const int64_t n = hc.size();
-        if (prefill && p.scoring == Scoring::snapkv)
-            for (int gi = 0; gi < G; ++gi) pool_scores(hc.scores.data() + gi, n, G, p.pool_kernel, p.pool_avg);
         if (!budget || n <= budget || (!prefill && p.frozen)) continue;
         std::vector<float> combined(static_cast<size_t>(n), 0.0f);
         if (p.scoring != Scoring::none)

@@ -306,6 +306,22 @@ void scaled_queries(const RowSet& rows, int D, float scale, std::vector<float>& 
     }
 }
 
+// One online-softmax step of row r over the next `cols` scaled logits in s (masked ones -inf):
+// rescales the row's running output and sum to the new maximum and turns s into exp(s - m).
+// Returns false, leaving s as it is, when none of these keys is visible to the row.
+bool softmax_step(RowSet& rows, int r, float* s, int cols, int D) {
+    const float mx = row_max(s, cols);
+    if (mx == kNegInf) return false;
+    const float m_new = std::max(rows.m[r], mx);
+    const float alpha = rows.m[r] == kNegInf ? 0.0f : std::exp(rows.m[r] - m_new);
+    const float sum = exp_sum(s, cols, m_new);
+    rows.l[r] = rows.l[r] * alpha + sum;
+    if (alpha != 1.0f)
+        for (int d = 0; d < D; ++d) rows.out[r][d] *= alpha;
+    rows.m[r] = m_new;
+    return true;
+}
+
 }  // namespace
 
 void RowSet::start() {
@@ -336,18 +352,7 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         mask_logits(hc, rows, slot0, ntok, bs, S);
         for (int r = 0; r < rows.n; ++r) {
             float* s = S + r * bs;
-            const float mx = row_max(s, cols);
-            if (mx == kNegInf) {  // nothing causal for this row in this block
-                std::fill(s, s + cols, 0.0f);
-                continue;
-            }
-            const float m_new = std::max(rows.m[r], mx);
-            const float alpha = rows.m[r] == kNegInf ? 0.0f : std::exp(rows.m[r] - m_new);
-            const float sum = exp_sum(s, cols, m_new);
-            rows.l[r] = rows.l[r] * alpha + sum;
-            if (alpha != 1.0f)
-                for (int d = 0; d < D; ++d) rows.out[r][d] *= alpha;
-            rows.m[r] = m_new;
+            if (!softmax_step(rows, r, s, cols, D)) std::fill(s, s + cols, 0.0f);  // nothing causal here
         }
         pv(rows.n, S, bs, v, ntok, D, rows.out);
     }
@@ -551,19 +556,11 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
         mask_logits(hc, rows, slot0, ntok, kChunk, S);
         for (int r = 0; r < rows.n; ++r) {
             float* s = S + r * kChunk;
-            const float mx = row_max(s, cols);
-            if (mx == kNegInf) {  // nothing causal for this row here: zero probabilities
+            if (!softmax_step(rows, r, s, cols, D)) {  // nothing causal for this row here: zero probabilities
                 std::fill(pp + r * 16, pp + r * 16 + 16, 0u);
                 continue;
             }
-            const float m_new = std::max(rows.m[r], mx);
-            const float alpha = rows.m[r] == kNegInf ? 0.0f : std::exp(rows.m[r] - m_new);
-            const float sum = exp_sum(s, cols, m_new);
             std::fill(s + cols, s + kChunk, 0.0f);
-            rows.l[r] = rows.l[r] * alpha + sum;
-            if (alpha != 1.0f)
-                for (int d = 0; d < D; ++d) rows.out[r][d] *= alpha;
-            rows.m[r] = m_new;
             const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
             _mm512_store_si512(pp + r * 16, (__m512i)pb);
         }
@@ -740,17 +737,8 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
             }
         }
         // online softmax (every token of a 2-bit block is older than the step's queries)
-        for (int r = 0; r < R; ++r) {
-            float* s = S + r * T;
-            const float mx = row_max(s, T);
-            const float m_new = std::max(rows.m[r], mx);
-            const float alpha = rows.m[r] == kNegInf ? 0.0f : std::exp(rows.m[r] - m_new);
-            const float sum = exp_sum(s, T, m_new);
-            rows.l[r] = rows.l[r] * alpha + sum;
-            if (alpha != 1.0f)
-                for (int d = 0; d < D; ++d) rows.out[r][d] *= alpha;
-            rows.m[r] = m_new;
-        }
+        for (int r = 0; r < R; ++r)
+            if (!softmax_step(rows, r, S + r * T, T, D)) std::fill(S + r * T, S + (r + 1) * T, 0.0f);
         // p.v: out += (p * scale) * codes + p * zero, per value group
         for (int t = 0; t < T; ++t) {
             const uint32_t* words = vc + t * (D / 16);

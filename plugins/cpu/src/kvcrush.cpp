@@ -176,10 +176,7 @@ void kvcrush_step(Sequence& seq, int layer, bool prefill) {
     const int G = cfg.group(), H = cfg.q_heads;
     const int64_t budget = p.budget(layer);
     const int64_t n = seq.head(layer, 0).size();
-    if (prefill && p.scoring == Scoring::snapkv)
-        for (int g = 0; g < cfg.kv_heads; ++g)
-            for (int gi = 0; gi < G; ++gi)
-                pool_scores(seq.head(layer, g).scores.data() + gi, n, G, p.pool_kernel, p.pool_avg);
+    if (prefill) pool_prompt_scores(seq, layer);
     if (!budget || n <= budget || (!prefill && p.frozen)) return;
     std::vector<float> scores(static_cast<size_t>(H) * n);  // [q head][token], q head = kv head * G + gi
     for (int g = 0; g < cfg.kv_heads; ++g) {

@@ -27,79 +27,60 @@ void PoolConfig::validate() const {
 Pool::Pool(const PoolConfig& cfg) : cfg_(cfg) { cfg_.validate(); }
 
 Pool::~Pool() {
-    for (auto* p : storage_) std::free(p);
-    for (auto* p : qstorage_) std::free(p);
+    for (auto* p : fp_.storage) std::free(p);
+    for (auto* p : q_.storage) std::free(p);
 }
 
-int32_t Pool::acquire() {
+int32_t Pool::take(Blocks& b, size_t bytes, int64_t limit, const char* what) {
     std::lock_guard<std::mutex> lock(mu_);
     int32_t id;
-    if (!free_.empty()) {
-        id = free_.back();
-        free_.pop_back();
+    if (!b.free.empty()) {
+        id = b.free.back();
+        b.free.pop_back();
     } else {
-        if (cfg_.max_blocks && static_cast<int64_t>(storage_.size()) >= cfg_.max_blocks)
-            throw Error("KV block pool exhausted: max_blocks=" + std::to_string(cfg_.max_blocks) +
-                        " blocks of " + std::to_string(cfg_.block_size) +
-                        " tokens are all in use; raise max_kv_blocks or free sequences");
-        if (storage_.size() >= static_cast<size_t>(INT32_MAX)) throw Error("KV block pool: too many blocks");
-        void* p = std::aligned_alloc(64, (cfg_.block_bytes() + 63) / 64 * 64);
-        if (!p) throw Error("KV block pool: out of memory allocating a block");
-        storage_.push_back(static_cast<uint8_t*>(p));
-        id = static_cast<int32_t>(storage_.size() - 1);
+        if (limit && static_cast<int64_t>(b.storage.size()) >= limit)
+            throw Error("KV block pool exhausted: max_blocks=" + std::to_string(limit) + " blocks of " +
+                        std::to_string(cfg_.block_size) + " tokens are all in use; raise max_kv_blocks or free sequences");
+        if (b.storage.size() >= static_cast<size_t>(INT32_MAX)) throw Error(std::string("KV block pool: too many ") + what + "s");
+        void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!p) throw Error(std::string("KV block pool: out of memory allocating a ") + what);
+        b.storage.push_back(static_cast<uint8_t*>(p));
+        id = static_cast<int32_t>(b.storage.size() - 1);
     }
-    ++in_use_;
-    peak_ = std::max(peak_, in_use_);
+    ++b.in_use;
+    b.peak = std::max(b.peak, b.in_use);
     return id;
 }
 
-int32_t Pool::acquire_q() {
+void Pool::give(Blocks& b, int32_t id) {
     std::lock_guard<std::mutex> lock(mu_);
-    int32_t id;
-    if (!qfree_.empty()) {
-        id = qfree_.back();
-        qfree_.pop_back();
-    } else {
-        if (qstorage_.size() >= static_cast<size_t>(INT32_MAX)) throw Error("KV block pool: too many 2-bit blocks");
-        void* p = std::aligned_alloc(64, (cfg_.qblock_bytes() + 63) / 64 * 64);
-        if (!p) throw Error("KV block pool: out of memory allocating a 2-bit block");
-        qstorage_.push_back(static_cast<uint8_t*>(p));
-        id = static_cast<int32_t>(qstorage_.size() - 1);
-    }
-    ++q_in_use_;
-    return id;
+    b.free.push_back(id);
+    --b.in_use;
 }
 
-void Pool::release_q(int32_t block) {
+int32_t Pool::acquire() { return take(fp_, cfg_.block_bytes(), cfg_.max_blocks, "block"); }
+void Pool::release(int32_t block) { give(fp_, block); }
+int32_t Pool::acquire_q() { return take(q_, cfg_.qblock_bytes(), 0, "2-bit block"); }
+void Pool::release_q(int32_t block) { give(q_, block); }
+
+int64_t Pool::blocks_in_use() const {
     std::lock_guard<std::mutex> lock(mu_);
-    qfree_.push_back(block);
-    --q_in_use_;
+    return fp_.in_use;
 }
 
 int64_t Pool::qblocks_in_use() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return q_in_use_;
-}
-
-void Pool::release(int32_t block) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(block);
-    --in_use_;
-}
-
-int64_t Pool::blocks_in_use() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return in_use_;
+    return q_.in_use;
 }
 
 int64_t Pool::blocks_allocated() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return static_cast<int64_t>(storage_.size());
+    return static_cast<int64_t>(fp_.storage.size());
 }
 
 int64_t Pool::peak_blocks() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return peak_;
+    return fp_.peak;
 }
 
 Sequence::Sequence(int64_t id, std::shared_ptr<Pool> pool)

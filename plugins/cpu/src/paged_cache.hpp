@@ -68,11 +68,11 @@ public:
     const PoolConfig& config() const { return cfg_; }
     int32_t acquire();
     void release(int32_t block);
-    uint8_t* block(int32_t id) const { return storage_[static_cast<size_t>(id)]; }
+    uint8_t* block(int32_t id) const { return fp_.storage[static_cast<size_t>(id)]; }
     // 2-bit blocks (the quantized store), counted separately
     int32_t acquire_q();
     void release_q(int32_t block);
-    uint8_t* qblock(int32_t id) const { return qstorage_[static_cast<size_t>(id)]; }
+    uint8_t* qblock(int32_t id) const { return q_.storage[static_cast<size_t>(id)]; }
 
     int64_t blocks_in_use() const;
     int64_t blocks_allocated() const;
@@ -82,13 +82,18 @@ public:
 private:
     PoolConfig cfg_;
     mutable std::mutex mu_;
-    std::vector<uint8_t*> storage_;
-    std::vector<int32_t> free_;
-    int64_t in_use_ = 0;
-    int64_t peak_ = 0;
-    std::vector<uint8_t*> qstorage_;
-    std::vector<int32_t> qfree_;
-    int64_t q_in_use_ = 0;
+    // one kind of block (full-precision K/V, or 2-bit): allocations, free list, counters
+    struct Blocks {
+        std::vector<uint8_t*> storage;
+        std::vector<int32_t> free;
+        int64_t in_use = 0;
+        int64_t peak = 0;
+    };
+    // take a block of `bytes` from `b` (the free list first); `limit` > 0 caps the allocations
+    int32_t take(Blocks& b, size_t bytes, int64_t limit, const char* what);
+    void give(Blocks& b, int32_t id);
+    Blocks fp_;
+    Blocks q_;
 };
 
 // One (layer, KV head) of a sequence.

@@ -34,6 +34,8 @@ void after_attention(Sequence& seq, int layer, bool prefill);
 std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k);
 std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent);
 void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool avg);
+// SnapKV: pool the prompt's window scores of every query head of the layer (no-op for other scorings)
+void pool_prompt_scores(Sequence& seq, int layer);
 void importance_step(Sequence& seq, int layer, bool prefill);
 
 // kvcrush.cpp
