@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from run_info import run_info
 
 #: (label, backend, method, options, engine kwargs)
 CONFIGS = [
@@ -47,9 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
-
-    import openvino
-    import openvino_genai
 
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
     from ov_kvcrush.engines import make_engine, resolve_model
@@ -134,14 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'' if share is None else f'{100 * share:7.2f}%'}"
         )
     doc = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": _cores(),
-            "python": sys.version.split()[0],
-        },
-        "versions": {"openvino": openvino.__version__, "openvino_genai": openvino_genai.__version__},
-        "kernels": __import__("ov_kvcrush.plugin", fromlist=["kernel_isa"]).kernel_isa(),
+        **run_info(argv),
         "kv_precision": {"genai": "u8 (CPU plugin default)", "openvino": "f16 (2-bit blocks for minikv / quant)"},
         "wall_s": round(time.time() - t_start, 1),
         "results": results,
@@ -152,12 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(results, args.plot)
     return 0
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
 
 
 def _plot(results: list[dict], out: str) -> None:

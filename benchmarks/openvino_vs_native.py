@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from run_info import run_info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
-
-    import openvino
-    import openvino_genai
 
     from ov_kvcrush.config import GenerationSettings
     from ov_kvcrush.engines import make_engine, resolve_model
@@ -96,14 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{g['tpot_ms']:5.1f} / {o['tpot_ms']:5.1f} ms ({row['tpot_ratio']:.2f}x)"
         )
     doc = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": _cores(),
-            "python": sys.version.split()[0],
-        },
-        "versions": {"openvino": openvino.__version__, "openvino_genai": openvino_genai.__version__},
-        "kernels": __import__("ov_kvcrush.plugin", fromlist=["kernel_isa"]).kernel_isa(),
+        **run_info(argv),
         "attention_compute": ours.attention_compute,
         "kv_precision": {"genai": "u8 (CPU plugin default)", "openvino": args.kv_precision},
         "wall_s": round(time.time() - t_start, 1),
@@ -115,12 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(results, args.plot)
     return 0
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
 
 
 def _plot(results: list[dict], out: str) -> None:
