@@ -232,6 +232,8 @@ def test_bad_engine_arguments(model_dir, tmp_path):
         OpenVINOEngine(tmp_path)
     with pytest.raises(UserError, match="quest"):  # a recall baseline kept to the torch engine
         OpenVINOEngine(model_dir, CompressionConfig(method="quest", budget=256))
+    with pytest.raises(ConfigError, match=r"options\.block_size"):  # block-wise KVCrush sets the pool's blocks
+        OpenVINOEngine(model_dir, CompressionConfig(method="kvcrush", budget=256, options={"block_size": 8}))
     with pytest.raises(ConfigError, match="head_budgets"):
         OpenVINOEngine(model_dir, CompressionConfig(method="h2o", budget=256, options={"head_budgets": "adaptive"}))
 

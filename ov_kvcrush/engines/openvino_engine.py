@@ -156,13 +156,7 @@ class OpenVINOEngine:
             raise ConfigError("device", device, "CPU (backend openvino: the op is a CPU extension)")
         if kv_precision not in PRECISIONS:
             raise ConfigError("kv_precision", kv_precision, "one of " + ", ".join(PRECISIONS))
-        if (
-            isinstance(block_size, bool)
-            or not isinstance(block_size, int)
-            or block_size % 16
-            or not 16 <= block_size <= 256
-        ):
-            raise ConfigError("block_size", block_size, "a multiple of 16 in [16, 256]")
+        _check_block_size("block_size", block_size)
         if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
             raise ConfigError("max_kv_blocks", max_kv_blocks, "an integer >= 0 (0: unlimited)")
         self.model_dir = Path(model_dir)
@@ -184,22 +178,25 @@ class OpenVINOEngine:
         converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
         self.shape = converted.shape
         self.kv_precision = kv_precision
-        self.block_size = block_size
-        self.block_bytes = plugin.block_bytes(block_size, self.shape.head_dim, kv_precision)
 
         if scheduler_config is not None:
             if compression is not None or max_kv_blocks:
                 raise UserError("pass either scheduler_config or compression/max_kv_blocks, not both")
-            compression = compression_from_scheduler_config(scheduler_config)
+            compression = compression_from_scheduler_config(scheduler_config)  # never block-wise KVCrush
             max_kv_blocks = pool_blocks_from_scheduler_config(
-                scheduler_config, self.shape.layers, self.shape.kv_heads, self.block_bytes
+                scheduler_config,
+                self.shape.layers,
+                self.shape.kv_heads,
+                plugin.block_bytes(block_size, self.shape.head_dim, kv_precision),
             )
         self.compression = compression or CompressionConfig()
         self.method = self.compression.method_config()
-        if getattr(self.method, "block_size", None) is not None and block_size == DEFAULT_BLOCK_SIZE:
-            block_size = int(self.method.block_size)  # block-wise KVCrush evicts whole blocks of the pool
-            self.block_size = block_size
-            self.block_bytes = plugin.block_bytes(block_size, self.shape.head_dim, kv_precision)
+        method_block = getattr(self.method, "block_size", None)
+        if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
+            _check_block_size("options.block_size", method_block)
+            block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
+        self.block_size = block_size
+        self.block_bytes = plugin.block_bytes(block_size, self.shape.head_dim, kv_precision)
         spec = method_spec(self.method, self.shape.layers, self.shape.q_heads, block_size)
         self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
         self.request = self.compiled.create_infer_request()
@@ -388,6 +385,12 @@ class OpenVINOEngine:
                 "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
             },
         )
+
+
+def _check_block_size(name: str, value: Any) -> None:
+    """The op's blocks: a multiple of 16 tokens in [16, 256]."""
+    if isinstance(value, bool) or not isinstance(value, int) or value % 16 or not 16 <= value <= 256:
+        raise ConfigError(name, value, "a multiple of 16 in [16, 256]")
 
 
 def _read_json(path: Path) -> dict:
