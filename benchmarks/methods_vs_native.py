@@ -33,6 +33,7 @@ CONFIGS = [
     ("ours pyramidkv", "openvino", "pyramidkv", {}, {}),
     ("ours kvcrush", "openvino", "kvcrush", {}, {}),
     ("ours kvcrush blocks", "openvino", "kvcrush", {"block_size": 32}, {}),
+    ("ours clusterkv", "openvino", "clusterkv", {}, {}),
     ("ours minikv (2-bit)", "openvino", "minikv", {}, {}),
     ("ours snapkv + 2-bit", "openvino", "snapkv", {"quant": True}, {}),
 ]
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 "policy_decode_share": c.get("policy_decode_ms", 0.0) / decode_ms if backend == "openvino" else None,
                 "policy_prefill_share": c.get("policy_prefill_ms", 0.0) / r.ttft_ms if backend == "openvino" else None,
                 "scores_decode_share": c.get("scores_decode_ms", 0.0) / decode_ms if backend == "openvino" else None,
+                "hit_rate": c.get("hit_rate"),
             }
             runs.append(run)
             print(

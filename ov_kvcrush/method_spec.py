@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.methods import (
+    ChelseaConfig,
+    ClusterKVConfig,
     FullConfig,
     H2OConfig,
     KVCrushConfig,
@@ -29,6 +31,8 @@ OPENVINO_METHODS = (
     "snapkv",
     "pyramidkv",
     "kvcrush",
+    "clusterkv",
+    "chelsea",
     "minikv",
 )
 
@@ -105,6 +109,30 @@ def method_spec(config: MethodConfig, layers: int, q_heads: int, block_size: int
                         f"the engine's KV block size {block_size} (backend openvino evicts whole blocks of the pool)",
                     )
                 items["block_wise"] = 1
+    elif isinstance(config, ClusterKVConfig):
+        if config.track_recall:
+            raise ConfigError("options.track_recall", True, "false (backend openvino; the torch engine tracks recall)")
+        items.update(
+            sinks=config.sink_tokens,
+            tokens_per_cluster=config.tokens_per_cluster,
+            n_clusters=config.n_clusters or 0,
+            new_clusters=config.new_clusters,
+            cluster_every=config.cluster_every,
+            max_iters=config.max_iters,
+            seed=config.seed,
+            cache_steps=config.recall_cache_steps,
+        )
+    elif isinstance(config, ChelseaConfig):
+        if quant is not None:
+            raise ConfigError("options.quant", "set", "None for chelsea (backend openvino; the torch engine runs it)")
+        items.update(
+            sinks=config.sink_tokens,
+            recent=config.recent_tokens,
+            chunk=config.chunk_size,
+            merge_interval=config.merge_interval,
+        )
+        if config.outlier_heads:
+            items["outliers"] = ",".join(f"{layer},{head}" for layer, head in config.outlier_heads)
     else:  # a method listed in OPENVINO_METHODS without a mapping here
         raise UserError(f"method={config.name} is not mapped to the OpenVINO op")
     return ";".join(f"{k}={v}" for k, v in items.items())

@@ -168,6 +168,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i32, i64 = ctypes.c_int32, ctypes.c_int64
     p_i64 = ctypes.POINTER(ctypes.c_int64)
     p_f32 = ctypes.POINTER(ctypes.c_float)
+    p_i32 = ctypes.POINTER(ctypes.c_int32)
     sigs = {
         "ovkc_last_error": ([], ctypes.c_char_p),
         "ovkc_kernel_isa": ([], ctypes.c_char_p),
@@ -184,6 +185,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_keep_indices": ([p_f32, i64, i64, i64, i64, p_i64], i64),
         "ovkc_pool_scores": ([p_f32, i64, i64, i32], i64),
         "ovkc_kvcrush_select": ([p_f32, i32, i64, i64, i64, i64, i64, i64, ctypes.c_char_p, p_i64], i64),
+        "ovkc_cluster_stats": ([i64, i32, i32, p_i64], i64),
+        "ovkc_cluster_read": ([i64, i32, i32, i32, i64, p_i64], i64),
+        "ovkc_kmeans": ([p_f32, i64, i32, i64, i64, i64, i64, p_i32, p_f32, p_i64], i64),
+        "ovkc_seq_read_degrees": ([i64, i32, i32, i64, p_f32], i64),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
@@ -261,6 +266,62 @@ class SequenceStats:
     scores_prefill_ns: int
     scores_decode_ns: int
     block_bytes: int
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    """ClusterKV's state of one (layer, KV head) in the op (all zero where it has none: other
+    methods, dense layers).
+
+    ``lookups``/``hits``/``tokens_loaded`` count as the reference does (a recalled cluster is a
+    hit when it was recalled within the last ``recall_cache_steps`` steps); ``gathered`` is the
+    tokens the op actually copied into its working set (misses, sinks, pending tokens, and slabs
+    reloaded because their tokens went into the 2-bit store).
+    """
+
+    clusters: int
+    steps: int
+    clusterings: int
+    kmeans_iterations: int
+    lookups: int
+    hits: int
+    tokens_loaded: int
+    gathered: int
+    pending_from: int
+    sinks: int
+    working_set_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+def kmeans(x: np.ndarray, k: int, *, max_iters: int = 20, seed: int = 0, row: int = 0):
+    """The op's ``kmeans_cosine`` of ``x`` ``[n, d]`` as batch row ``row``.
+
+    Returns ``(labels, centroids, sizes, iterations)``; for the tests against the reference.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, d = x.shape
+    kk = min(k, n)
+    labels = np.zeros(n, dtype=np.int32)
+    centroids = np.zeros((kk, d), dtype=np.float32)
+    sizes = np.zeros(kk, dtype=np.int64)
+    it = _check(
+        load().ovkc_kmeans(
+            _ptr(x, ctypes.c_float),
+            n,
+            d,
+            k,
+            max_iters,
+            seed,
+            row,
+            _ptr(labels, ctypes.c_int32),
+            _ptr(centroids, ctypes.c_float),
+            _ptr(sizes, ctypes.c_int64),
+        )
+    )
+    return labels, centroids, sizes, it
 
 
 class KVPool:
@@ -387,6 +448,34 @@ class KVSequence:
             )
         )
         return pos, keys, values, scores
+
+    def read_degrees(self, layer: int, kv_head: int) -> np.ndarray:
+        """Chelsea: how many original tokens each held token of one head stands for (slot order, as
+        :meth:`read_head` lists the full-precision tokens; all 1 where nothing was merged)."""
+        out = np.zeros(max(int(self.head_tokens()[layer, kv_head]), 1), dtype=np.float32)
+        lib = self.pool.lib
+        n = _check(lib.ovkc_seq_read_degrees(self.handle, layer, kv_head, out.size, _ptr(out, ctypes.c_float)))
+        return out[:n]
+
+    def cluster_stats(self, layer: int, kv_head: int) -> ClusterStats:
+        """ClusterKV's counters of one head (zeros where it keeps no cluster state)."""
+        buf = (ctypes.c_int64 * 11)()
+        _check(self.pool.lib.ovkc_cluster_stats(self.handle, layer, kv_head, buf))
+        return ClusterStats(*[int(x) for x in buf])
+
+    def recalled(self, layer: int, kv_head: int) -> np.ndarray:
+        """Positions ClusterKV's last decode step attended in this head (ascending; empty if none)."""
+        return self._cluster_read(layer, kv_head, 0, int(self.head_tokens()[layer, kv_head]))
+
+    def cluster_labels(self, layer: int, kv_head: int) -> np.ndarray:
+        """Cluster of each clustered token (from the first token after the sinks), as ClusterKV's op holds them."""
+        return self._cluster_read(layer, kv_head, 1, int(self.head_tokens()[layer, kv_head]))
+
+    def _cluster_read(self, layer: int, kv_head: int, what: int, cap: int) -> np.ndarray:
+        out = np.zeros(max(cap, 1), dtype=np.int64)
+        lib = self.pool.lib
+        n = _check(lib.ovkc_cluster_read(self.handle, layer, kv_head, what, out.size, _ptr(out, ctypes.c_int64)))
+        return out[:n]
 
     def __del__(self) -> None:
         try:

@@ -383,8 +383,28 @@ class OpenVINOEngine:
                 "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
                 "scores_prefill_ms": round(stats.scores_prefill_ns / 1e6, 3),
                 "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
+                **self._cluster_counters(),
             },
         )
+
+    def _cluster_counters(self) -> dict[str, Any]:
+        """ClusterKV's recall counters summed over layers and KV heads (empty for other methods)."""
+        if self.compression.method != "clusterkv":
+            return {}
+        cs = [
+            self.sequence.cluster_stats(layer, g)
+            for layer in range(self.shape.layers)
+            for g in range(self.shape.kv_heads)
+        ]
+        lookups = sum(c.lookups for c in cs)
+        return {
+            "clusters": sum(c.clusters for c in cs),
+            "cluster_lookups": lookups,
+            "hit_rate": round(sum(c.hits for c in cs) / lookups, 4) if lookups else 0.0,
+            "tokens_gathered": sum(c.gathered for c in cs),
+            "kmeans_iterations": sum(c.kmeans_iterations for c in cs),
+            "working_set_bytes": sum(c.working_set_bytes for c in cs),
+        }
 
 
 def _check_block_size(name: str, value: Any) -> None:

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -76,11 +77,37 @@ class KMeansResult:
     objective: list[float]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on uint64 arrays (wrapping arithmetic)."""
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def init_order(seed: int, rows: int, n: int) -> torch.Tensor:
+    """``[rows, n]``: each row a seeded random permutation of ``range(n)`` (k-means' initial picks).
+
+    Key of element ``i`` of row ``r``: ``splitmix64(splitmix64(seed * 2^32 + r) + i)``; a row is
+    its elements sorted by key (ties to the lower index). A counter-based hash rather than a
+    generator's stream, so that the C++ op (``plugins/cpu/src/clusterkv.cpp``) and any device
+    draw the very same initial centroids.
+    """
+    _check_int("seed", seed, 0, 2**40)
+    with np.errstate(over="ignore"):
+        base = _splitmix64(np.uint64((seed << 32) & _MASK64) + np.arange(rows, dtype=np.uint64))
+        keys = _splitmix64(base[:, None] + np.arange(n, dtype=np.uint64)[None, :])
+    return torch.from_numpy(np.argsort(keys, axis=1, kind="stable"))
+
+
 def kmeans_cosine(x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0) -> KMeansResult:
     """Spherical k-means of ``x`` ``[B, n, d]`` into ``min(k, n)`` clusters per batch entry, all batched.
 
-    The initial centroids are ``k`` distinct vectors drawn with a CPU generator seeded by ``seed``
-    (same choice on every device).
+    The initial centroids are the first ``k`` vectors of each row's :func:`init_order` (the same
+    choice on every device and in the C++ op).
     """
     if x.dim() != 3 or not x.is_floating_point():
         raise ShapeError(f"kmeans_cosine needs a float [B, n, d] tensor, got {tuple(x.shape)}")
@@ -92,8 +119,7 @@ def kmeans_cosine(x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0
     k = min(k, n)
     xf = x.float()
     xn = F.normalize(xf, dim=-1)
-    gen = torch.Generator().manual_seed(seed)
-    init = torch.rand(bsz, n, generator=gen).argsort(dim=-1)[:, :k].to(x.device)
+    init = init_order(seed, bsz, n)[:, :k].to(x.device)
     directions = torch.gather(xn, 1, init.unsqueeze(-1).expand(bsz, k, d))
     labels = torch.full((bsz, n), -1, dtype=torch.long, device=x.device)
     objective: list[float] = []

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <vector>
 
+#include "clusterkv.hpp"
 #include "kernels.hpp"
 #include "paged_cache.hpp"
 #include "policy.hpp"
@@ -137,7 +138,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         const int phase = prefill ? 0 : 1;
         auto t_policy = Clock::now();
         try {
-            before_attention(*seq, layer, prefill);
+            before_attention(*seq, layer, prefill, L);
         } catch (const Error& e) {
             OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }
@@ -149,7 +150,10 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         // log-sum-exp of each (head, query) row, for the score pass
         std::vector<float> lse(scores ? static_cast<size_t>(Hq * L) : 0);
 
-        if (L == 1) {
+        if (clusterkv_recalls(*seq, layer, prefill)) {
+            // 2c. ClusterKV: attend only the recalled working set (its selection time goes to policy_ns)
+            clusterkv_attend(*seq, layer, qb, L, past, m_scale, ob);
+        } else if (L == 1) {
             // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
             const int row_tiles = (G + kMaxRows - 1) / kMaxRows;
             // chunks of 2-bit blocks first (MiniKV's store), then of full-precision blocks
@@ -205,20 +209,9 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             for (int64_t h = 0; h < Hq; ++h) {
                 const int64_t g = h / G, tile = (h % G) / kMaxRows, r = (h % G) % kMaxRows;
                 const int64_t first = (g * row_tiles + tile) * max_chunks;  // this row's chunk tasks
-                float M = -std::numeric_limits<float>::infinity();
-                for (int64_t c = 0; c < max_chunks; ++c) M = std::max(M, partial(first + c, r)[0]);
-                float lsum = 0.0f;
-                float* o = ob + h * D;
-                for (int64_t c = 0; c < max_chunks; ++c) {
-                    const float* pr = partial(first + c, r);
-                    if (pr[1] == 0.0f) continue;
-                    const float w = std::exp(pr[0] - M);
-                    lsum += pr[1] * w;
-                    for (int64_t d = 0; d < D; ++d) o[d] += w * pr[2 + d];
-                }
-                const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-                for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-                if (scores) lse[static_cast<size_t>(h)] = M + std::log(lsum);
+                const float l = merge_partials(partial(first, r), kMaxRows * row_floats, static_cast<int>(max_chunks),
+                                               static_cast<int>(D), ob + h * D);
+                if (scores) lse[static_cast<size_t>(h)] = l;
             }
         } else {
             // 2b. prefill (or a chunk of a chat turn): rows = kMaxRows consecutive queries of one head
@@ -245,7 +238,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         rows.qpos[r] = past + i;
                         rows.out[r] = ob + (h * L + i) * D;
                     }
-                    if (bf16 && hc.qblocks.empty()) {
+                    if (bf16 && hc.qblocks.empty() && hc.bias.empty()) {
                         attend_bf16(cfg, hc, staged[static_cast<size_t>(h / G)], rows, m_scale);
                     } else {
                         if (!hc.qblocks.empty())

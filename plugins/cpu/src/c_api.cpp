@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <vector>
 
+#include "clusterkv.hpp"
 #include "kernels.hpp"
 #include "paged_cache.hpp"
 #include "policy.hpp"
@@ -28,6 +30,15 @@ int64_t guarded(F&& f) {
         g_error = "unknown error";
     }
     return -1;
+}
+// One (layer, KV head) of a sequence, both indices checked.
+ovkc::HeadCache& head_of(ovkc::Sequence& s, int32_t layer, int32_t kv_head) {
+    const auto& cfg = s.pool().config();
+    if (layer < 0 || layer >= cfg.layers)
+        throw ovkc::Error("layer=" + std::to_string(layer) + " is invalid: allowed 0.." + std::to_string(cfg.layers - 1));
+    if (kv_head < 0 || kv_head >= cfg.kv_heads)
+        throw ovkc::Error("kv_head=" + std::to_string(kv_head) + " is invalid: allowed 0.." + std::to_string(cfg.kv_heads - 1));
+    return s.head(layer, kv_head);
 }
 }  // namespace
 
@@ -159,11 +170,7 @@ OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head,
         auto s = Registry::get().sequence(seq);
         std::lock_guard<std::mutex> lock(s->mu);
         const auto& cfg = s->pool().config();
-        if (layer < 0 || layer >= cfg.layers)
-            throw ovkc::Error("layer=" + std::to_string(layer) + " is invalid: allowed 0.." + std::to_string(cfg.layers - 1));
-        if (kv_head < 0 || kv_head >= cfg.kv_heads)
-            throw ovkc::Error("kv_head=" + std::to_string(kv_head) + " is invalid: allowed 0.." + std::to_string(cfg.kv_heads - 1));
-        const auto& hc = s->head(layer, kv_head);
+        const auto& hc = head_of(*s, layer, kv_head);
         const int64_t nq = static_cast<int64_t>(hc.qpos.size());
         const int64_t n = hc.held();
         if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
@@ -222,5 +229,83 @@ OVKC_API int64_t ovkc_kvcrush_select(const float* scores, int32_t H, int64_t n, 
                                     : ovkc::kvcrush_select(scores, H, n, budget, sinks, recent, reps, p);
         std::copy(keep.begin(), keep.end(), out);
         return static_cast<int64_t>(keep.size());
+    });
+}
+
+// ---- ClusterKV ----------------------------------------------------------------------------------
+
+// Counters of one (layer, KV head): out[11] = clusters, decode steps, clusterings, k-means
+// iterations, cluster lookups, cache hits, tokens loaded (the reference's accounting), tokens
+// gathered into the working set, first pending token, sinks, working-set bytes. Returns 0, or 1
+// when the head has no cluster state (other methods, dense layers, before the prompt).
+OVKC_API int64_t ovkc_cluster_stats(int64_t seq, int32_t layer, int32_t kv_head, int64_t* out) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        const auto& hc = head_of(*s, layer, kv_head);
+        std::fill(out, out + 11, 0);
+        if (!hc.cluster) return 1;
+        const auto& c = *hc.cluster;
+        size_t ws = c.sink_slab.bytes() + c.pending_slab.bytes();
+        for (const auto& sl : c.slabs) ws += sl.bytes();
+        const int64_t vals[11] = {c.C,           c.steps,     c.clusterings, c.iterations,
+                                  c.lookups,     c.hits,      c.tokens_loaded, c.ws_loads,
+                                  c.pending_from, c.sinks,    static_cast<int64_t>(ws)};
+        std::copy(vals, vals + 11, out);
+        return 0;
+    });
+}
+
+// The tokens the last decode step attended (ascending), or the labels of the clustered tokens
+// (what == 1: label of token sinks + i). Returns the count; -1 when capacity is too small.
+OVKC_API int64_t ovkc_cluster_read(int64_t seq, int32_t layer, int32_t kv_head, int32_t what, int64_t capacity,
+                                   int64_t* out) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        const auto& hc = head_of(*s, layer, kv_head);
+        if (what != 0 && what != 1) throw ovkc::Error("what=" + std::to_string(what) + " is invalid: allowed 0, 1");
+        if (!hc.cluster) return 0;
+        std::vector<int64_t> v;
+        if (what == 0) {
+            v = ovkc::recalled_tokens(*hc.cluster);
+        } else {
+            v.assign(hc.cluster->labels.begin(), hc.cluster->labels.end());
+        }
+        if (capacity < static_cast<int64_t>(v.size()))
+            throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(v.size()));
+        std::copy(v.begin(), v.end(), out);
+        return static_cast<int64_t>(v.size());
+    });
+}
+
+// kmeans_cosine of x [n][D] (one batch row `row`): labels [n], centroids [min(k,n)][D], sizes
+// [min(k,n)]. Returns the iterations run.
+OVKC_API int64_t ovkc_kmeans(const float* x, int64_t n, int32_t D, int64_t k, int64_t max_iters, int64_t seed,
+                             int64_t row, int32_t* labels, float* centroids, int64_t* sizes) {
+    return guarded([&]() -> int64_t {
+        if (D < 1 || k < 1 || max_iters < 1 || seed < 0 || row < 0)
+            throw ovkc::Error("kmeans: D, k and max_iters must be >= 1, seed and row >= 0");
+        const auto km = ovkc::kmeans_cosine(x, n, D, k, max_iters, seed, row);
+        std::copy(km.labels.begin(), km.labels.end(), labels);
+        std::copy(km.centroids.begin(), km.centroids.end(), centroids);
+        std::copy(km.sizes.begin(), km.sizes.end(), sizes);
+        return km.iterations;
+    });
+}
+
+// ---- Chelsea --------------------------------------------------------------------------------------
+
+// Degree (original tokens merged into it) of each full-precision slot of one head, in slot order
+// (1 where the head merges nothing). Returns the count; -1 when capacity is too small.
+OVKC_API int64_t ovkc_seq_read_degrees(int64_t seq, int32_t layer, int32_t kv_head, int64_t capacity, float* out) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        const auto& hc = head_of(*s, layer, kv_head);
+        const int64_t n = hc.size();
+        if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
+        for (int64_t i = 0; i < n; ++i) out[i] = hc.degree.empty() ? 1.0f : hc.degree[static_cast<size_t>(i)];
+        return n;
     });
 }

@@ -283,6 +283,13 @@ void mask_logits(const HeadCache& hc, const RowSet& rows, int64_t slot0, int nto
     }
 }
 
+// Chelsea: add each slot's log(degree) to its (scaled) logits.
+void add_bias(const HeadCache& hc, int R, int64_t slot0, int ntok, int bs, float* S) {
+    const float* b = hc.bias.data() + slot0;
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < ntok; ++j) S[r * bs + j] += b[j];
+}
+
 float row_max(const float* s, int cols) {
 #if OVKC_AVX512
     __m512 m = _mm512_set1_ps(kNegInf);
@@ -342,20 +349,82 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     const float* q[kMaxRows];
     scaled_queries(rows, D, scale, tls.q, q);
     slot_end = std::min(slot_end, hc.size());
-    for (int64_t slot0 = slot_begin; slot0 < slot_end; slot0 += bs) {
-        if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;  // positions ascend: nothing further is causal
+    for (int64_t slot0 = slot_begin / bs * bs; slot0 < slot_end; slot0 += bs) {
+        const int j0 = static_cast<int>(std::max<int64_t>(slot_begin - slot0, 0));  // a range may start mid-block
+        if (hc.pos[static_cast<size_t>(slot0 + j0)] > max_q) break;  // positions ascend: nothing further is causal
         const int ntok = static_cast<int>(std::min<int64_t>(bs, slot_end - slot0));
         const float *kt, *v;
         block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], ntok, kt, v);
         const int cols = (ntok + 15) / 16 * 16;
         qk(rows.n, q, kt, D, bs, cols, S);
+        if (!hc.bias.empty()) add_bias(hc, rows.n, slot0, ntok, bs, S);
         mask_logits(hc, rows, slot0, ntok, bs, S);
         for (int r = 0; r < rows.n; ++r) {
             float* s = S + r * bs;
+            std::fill(s, s + j0, kNegInf);
             if (!softmax_step(rows, r, s, cols, D)) std::fill(s, s + cols, 0.0f);  // nothing causal here
         }
         pv(rows.n, S, bs, v, ntok, D, rows.out);
     }
+}
+
+void Slab::clear() {
+    kt.clear();
+    v.clear();
+    kt.shrink_to_fit();
+    v.shrink_to_fit();
+    count = 0;
+    max_token = -1;
+}
+
+void Slab::resize(int64_t n, int D) {
+    const int64_t tiles = (n + kSlabTile - 1) / kSlabTile;
+    kt.resize(static_cast<size_t>(tiles * D * kSlabTile), 0.0f);
+    v.resize(static_cast<size_t>(n * D));
+}
+
+void Slab::put(int64_t j, const float* k, const float* val, int D) {
+    float* tile = kt.data() + static_cast<size_t>(j / kSlabTile) * D * kSlabTile + j % kSlabTile;
+    for (int d = 0; d < D; ++d) tile[static_cast<size_t>(d) * kSlabTile] = k[d];
+    std::memcpy(v.data() + static_cast<size_t>(j) * D, val, sizeof(float) * D);
+}
+
+void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, int64_t pos0) {
+    constexpr int bs = kSlabTile;
+    if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
+    float* S = tls.s.data();
+    const float* q[kMaxRows];
+    scaled_queries(rows, D, scale, tls.q, q);
+    n = std::min(n, slab.count);
+    for (int64_t j0 = 0; j0 < n; j0 += bs) {
+        const int ntok = static_cast<int>(std::min<int64_t>(bs, n - j0));
+        qk(rows.n, q, slab.kt.data() + static_cast<size_t>(j0 / bs) * D * bs, D, bs, bs, S);
+        for (int r = 0; r < rows.n; ++r) {
+            float* s = S + r * bs;
+            // padding, and (for consecutive positions from pos0) the keys after the row's own
+            int visible = ntok;
+            if (pos0 >= 0) visible = static_cast<int>(std::clamp<int64_t>(rows.qpos[r] - (pos0 + j0) + 1, 0, ntok));
+            for (int j = visible; j < bs; ++j) s[j] = kNegInf;
+            if (!softmax_step(rows, r, s, bs, D)) std::fill(s, s + bs, 0.0f);
+        }
+        pv(rows.n, S, bs, slab.v.data() + static_cast<size_t>(j0) * D, ntok, D, rows.out);
+    }
+}
+
+float merge_partials(const float* first, size_t stride, int n, int D, float* out) {
+    float M = kNegInf;
+    for (int c = 0; c < n; ++c) M = std::max(M, first[c * stride]);
+    float lsum = 0.0f;
+    for (int c = 0; c < n; ++c) {
+        const float* pr = first + c * stride;
+        if (pr[1] == 0.0f) continue;
+        const float w = std::exp(pr[0] - M);
+        lsum += pr[1] * w;
+        for (int d = 0; d < D; ++d) out[d] += w * pr[2 + d];
+    }
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    for (int d = 0; d < D; ++d) out[d] *= inv;
+    return M + std::log(lsum);
 }
 
 void finish_rows(RowSet& rows, int head_dim) {
@@ -381,6 +450,7 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
     block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], ntok, kt, v);
     const int cols = (ntok + 15) / 16 * 16;
     qk(rows.n, q, kt, cfg.head_dim, bs, cols, S);
+    if (!hc.bias.empty()) add_bias(hc, rows.n, slot0, ntok, bs, S);
     mask_logits(hc, rows, slot0, ntok, bs, S);
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * bs;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "paged_cache.hpp"
 
@@ -28,10 +29,15 @@ struct RowSet {
     void start();  // m = -inf, l = 0, out = 0
 };
 
-// Attend the slots [slot_begin, slot_end) of `hc` (slot_begin a multiple of the block size),
-// updating each row's (m, l, out). Stops at the first block wholly after every row's position.
+// Attend the slots [slot_begin, slot_end) of `hc` (any range: a partial first or last block is
+// masked), updating each row's (m, l, out). Positions must ascend within the range where rows
+// need the causal mask; stops at the first block wholly after every row's position.
 void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
                   int64_t slot_begin, int64_t slot_end);
+
+// Combine n partial results of one row, each (m, l, out[D]) at first + c * stride, into out
+// (accumulated, then normalised); returns the row's log-sum-exp.
+float merge_partials(const float* first, size_t stride, int n, int D, float* out);
 
 // out /= l for every row (rows with l == 0 saw no key: out stays 0).
 void finish_rows(RowSet& rows, int head_dim);
@@ -76,6 +82,27 @@ void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k
 // each row's (m, l, out) like attend_range.
 void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
                   int64_t qb_begin, int64_t qb_end);
+
+// ---- ClusterKV's working set -----------------------------------------------------------------
+// Tokens gathered out of the store as f32: keys transposed in tiles of kSlabTile tokens
+// ([tile][D][kSlabTile], zero padded), values row-major [token][D]. A recalled cluster, the sinks
+// and the pending tokens are one slab each.
+constexpr int kSlabTile = 32;
+struct Slab {
+    std::vector<float> kt, v;
+    int64_t count = 0;       // tokens loaded
+    int64_t max_token = -1;  // the latest store index among them
+    int64_t q_at_load = 0;   // tokens in the 2-bit store when they were loaded
+    int64_t last_step = -1;  // decode step that last recalled it
+    void clear();                     // drop the tokens and free the memory
+    void resize(int64_t n, int D);    // room for n tokens
+    void put(int64_t j, const float* k, const float* v, int D);  // token j of the slab
+    size_t bytes() const { return (kt.capacity() + v.capacity()) * sizeof(float); }
+};
+// Attend the first n tokens of a slab, updating each row's (m, l, out) like attend_range.
+// pos0 >= 0: the slab's tokens sit at consecutive positions from pos0 and are masked causally;
+// pos0 < 0: every token is older than every row.
+void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, int64_t pos0);
 
 // The name of the compiled kernel path ("avx512", "avx512+bf16" or "scalar").
 const char* kernel_isa();

@@ -157,6 +157,14 @@ MethodParams MethodParams::parse(const std::string& spec, int layers, int q_head
         if (b && b < p.sinks + p.recent)
             throw Error(invalid("budgets", std::to_string(b), "at least sinks + recent = " + std::to_string(p.sinks + p.recent)));
     }
+    for (int l = 0; l < layers; ++l) {
+        const int64_t b = p.budget(l);
+        if (b && p.method == Method::clusterkv && b < p.sinks + 1)
+            throw Error(invalid("budgets", std::to_string(b), "at least sinks + 1 = " + std::to_string(p.sinks + 1)));
+        if (b && p.method == Method::chelsea && b < p.sinks + p.recent + 1)
+            throw Error(invalid("budgets", std::to_string(b),
+                                "at least sinks + recent + 1 = " + std::to_string(p.sinks + p.recent + 1)));
+    }
     if (p.method == Method::kvcrush) {
         if (p.anchors.empty()) throw Error(invalid("anchors", "(none)", "one or more anchors"));
         if (p.frozen && p.block_wise) throw Error(invalid("block_wise", "1", "0 with the 2-bit store"));

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "clusterkv.hpp"
+
 namespace ovkc {
 
 namespace {
@@ -22,6 +24,9 @@ void PoolConfig::validate() const {
     if (block_size < 16 || block_size > 256 || block_size % 16 != 0)
         throw Error(range("block_size", block_size, "a multiple of 16 in 16..256"));
     if (max_blocks < 0) throw Error(range("max_blocks", max_blocks, ">= 0 (0: unlimited)"));
+    if (scores && method->method == Method::clusterkv)
+        throw Error("scores=1 is invalid with method clusterkv: allowed 0 (its decode steps attend a recalled subset, "
+                    "not every held token)");
 }
 
 Pool::Pool(const PoolConfig& cfg) : cfg_(cfg) { cfg_.validate(); }
@@ -126,6 +131,7 @@ void Sequence::reset() {
         h.scores.clear();
         h.degree.clear();
         h.bias.clear();
+        h.cluster.reset();
     }
     std::fill(seen_.begin(), seen_.end(), 0);
     policy_ns[0] = policy_ns[1] = scores_ns[0] = scores_ns[1] = 0;
@@ -138,12 +144,23 @@ void Sequence::truncate(int64_t tokens) {
         if (!h.qpos.empty() && h.qpos.back() >= tokens)
             throw Error("cannot truncate to " + std::to_string(tokens) +
                         " tokens: the 2-bit store holds later tokens (reset and prefill again)");
+    for (auto& h : heads_)
+        if (std::any_of(h.degree.begin(), h.degree.end(), [](float w) { return w != 1.0f; }))
+            throw Error("cannot truncate to " + std::to_string(tokens) +
+                        " tokens: Chelsea has merged tokens (reset and prefill again)");
+    for (auto& h : heads_)
+        if (h.cluster && h.cluster->pending_from > tokens)
+            throw Error("cannot truncate to " + std::to_string(tokens) +
+                        " tokens: ClusterKV has clustered later tokens (reset and prefill again)");
     for (auto& h : heads_) {
-        const auto keep = std::lower_bound(h.pos.begin(), h.pos.end(), tokens) - h.pos.begin();
+        // every kept token is in the slots before every dropped one (positions ascend, but for
+        // ClusterKV's cluster-ordered slots, which are all older than the pending ones it may drop)
+        const auto keep = std::count_if(h.pos.begin(), h.pos.end(), [&](int64_t p) { return p < tokens; });
         h.pos.resize(static_cast<size_t>(keep));
         if (!h.scores.empty()) h.scores.resize(static_cast<size_t>(keep) * G);
         if (!h.degree.empty()) h.degree.resize(static_cast<size_t>(keep));
         if (!h.bias.empty()) h.bias.resize(static_cast<size_t>(keep));
+        if (h.cluster) h.cluster->pending_slab.clear();
         const size_t blocks = static_cast<size_t>((keep + bs - 1) / bs);
         while (h.blocks.size() > blocks) {
             pool_->release(h.blocks.back());

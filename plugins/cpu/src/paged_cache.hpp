@@ -96,6 +96,8 @@ private:
     Blocks q_;
 };
 
+struct ClusterHead;  // clusterkv.hpp
+
 // One (layer, KV head) of a sequence.
 struct HeadCache {
     std::vector<int32_t> blocks;  // block table
@@ -106,6 +108,8 @@ struct HeadCache {
     // MiniKV's 2-bit store: full 2-bit blocks of tokens older than every slot above
     std::vector<int32_t> qblocks;
     std::vector<int64_t> qpos;
+    // ClusterKV: cluster index and working set (null for other methods and dense layers)
+    std::shared_ptr<ClusterHead> cluster;
     // slots of the full-precision blocks (the residual, when there is a 2-bit store)
     int64_t size() const { return static_cast<int64_t>(pos.size()); }
     // every token held: 2-bit and full precision

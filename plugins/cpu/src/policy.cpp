@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "clusterkv.hpp"
 #include "kernels.hpp"
 
 namespace ovkc {
@@ -74,8 +75,12 @@ int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {
     return 0;
 }
 
-void before_attention(Sequence& seq, int layer, bool prefill) {
+void before_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
     const MethodParams& p = *seq.pool().config().method;
+    // ClusterKV clusters the pending tokens as the store was before this step (and its flush)
+    if (p.method == Method::clusterkv && !prefill) clusterkv_before_decode(seq, layer, L);
+    // Chelsea merges once a decode step brings a head to budget + g, before attending
+    if (p.method == Method::chelsea && !prefill) chelsea_step(seq, layer, false);
     if (p.quant && !prefill) quant_flush(seq, layer);
 }
 
@@ -91,6 +96,12 @@ void after_attention(Sequence& seq, int layer, bool prefill) {
             break;
         case Method::kvcrush:
             kvcrush_step(seq, layer, prefill);
+            break;
+        case Method::chelsea:  // the prompt attends whole, then is merged
+            if (prefill) chelsea_step(seq, layer, true);
+            break;
+        case Method::clusterkv:  // the prompt's keys are clustered before the flush quantizes them
+            if (prefill) clusterkv_after_prefill(seq, layer);
             break;
         default:
             break;

@@ -27,7 +27,7 @@ int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L);
 // Whether this step accumulates scores at all.
 bool step_scores(const PoolConfig& cfg, bool prefill);
 
-void before_attention(Sequence& seq, int layer, bool prefill);
+void before_attention(Sequence& seq, int layer, bool prefill, int64_t L);
 void after_attention(Sequence& seq, int layer, bool prefill);
 
 // importance.cpp
@@ -44,6 +44,10 @@ std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64
 std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n, int64_t block, int64_t budget,
                                            int64_t sinks, int64_t recent, int64_t reps, const MethodParams& p);
 void kvcrush_step(Sequence& seq, int layer, bool prefill);
+
+// chelsea.cpp: merge a head down to `target` tokens (returns the matching passes); the layer's step
+int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target);
+void chelsea_step(Sequence& seq, int layer, bool prefill);
 
 // minikv.cpp: move every whole `residual` chunk of full-precision tokens into 2-bit blocks
 void quant_flush(Sequence& seq, int layer);

@@ -1,0 +1,528 @@
+// ClusterKV (ov_kvcrush/methods/clusterkv.py): nothing is evicted; the full store stays in the
+// pool (full precision, or MiniKV's 2-bit blocks) and each decode step attends only a working
+// set per KV head: the sinks, the tokens of the clusters whose centroids score highest against
+// the step's queries (whole clusters, the last one trimmed to its earliest tokens, exactly the
+// budget), and the generated tokens not clustered yet.
+//
+// The working set lives in slabs (kernels.hpp): gathered f32 copies of a cluster's tokens. A
+// cluster recalled within the last recall_cache_steps steps is still in its slab and is not
+// gathered again (a cache hit, counted as the reference counts it); a slab whose full-precision
+// tokens were flushed into the 2-bit store since it was loaded is gathered again, so the values
+// attended are always the store's own, as in the reference.
+#include "clusterkv.hpp"
+
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "policy.hpp"
+
+#if defined(__AVX512F__)
+#    include <immintrin.h>
+#endif
+
+namespace ovkc {
+
+namespace {
+
+uint64_t splitmix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Token t of a head's store as floats: the 2-bit blocks hold tokens [0, qpos.size()), the
+// full-precision slots the rest (ClusterKV keeps every token, so the index is the position).
+void load_any(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t t, float* k, float* v) {
+    const int64_t nq = static_cast<int64_t>(hc.qpos.size());
+    if (t < nq) {
+        dequantize_token(cfg, pool.qblock(hc.qblocks[static_cast<size_t>(t / cfg.block_size)]),
+                         static_cast<int>(t % cfg.block_size), k, v);
+    } else {
+        load_token(cfg, pool, hc, t - nq, k, v);
+    }
+}
+
+// First index of the maximum of st[0..k) (st padded to kp, a multiple of 16).
+int64_t first_argmax(const float* st, int64_t k, int64_t kp) {
+#if defined(__AVX512F__)
+    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < kp; c += 16) {
+        const __mmask16 valid = c + 16 <= k ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(k - c, 0)) - 1);
+        best = _mm512_mask_max_ps(best, valid, best, _mm512_loadu_ps(st + c));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+    for (int64_t c = 0; c < kp; c += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(st + c), m, _CMP_EQ_OQ);
+        if (hit) return std::min<int64_t>(c + __builtin_ctz(hit), k - 1);
+    }
+    return 0;
+#else
+    (void)kp;
+    int64_t best = 0;
+    for (int64_t c = 1; c < k; ++c)
+        if (st[c] > st[best]) best = c;
+    return best;
+#endif
+}
+
+// For the rows idx[0..m) of xn: label (first maximum), best and second-best similarity against
+// the directions transposed, dT [D][kp] (kp a multiple of 16, k real columns).
+void assign_rows(const float* xn, const int64_t* idx, int64_t m, int D, const float* dT, int64_t k, int64_t kp,
+                 int32_t* labels, float* best, float* second) {
+    std::vector<float> s(static_cast<size_t>(4 * kp));
+    const float kNegInf = -std::numeric_limits<float>::infinity();
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+        const float* x[4];
+        for (int t = 0; t < 4; ++t) x[t] = xn + idx[std::min(i0 + t, m - 1)] * D;
+#if defined(__AVX512F__)
+        int64_t c0 = 0;
+        for (; c0 + 64 <= kp; c0 += 64) {
+            __m512 acc[4][4];
+            for (auto& a : acc)
+                for (auto& u : a) u = _mm512_setzero_ps();
+            for (int d = 0; d < D; ++d) {
+                const float* row = dT + static_cast<size_t>(d) * kp + c0;
+                const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
+                const __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);
+                for (int t = 0; t < 4; ++t) {
+                    const __m512 b = _mm512_set1_ps(x[t][d]);
+                    acc[t][0] = _mm512_fmadd_ps(b, w0, acc[t][0]);
+                    acc[t][1] = _mm512_fmadd_ps(b, w1, acc[t][1]);
+                    acc[t][2] = _mm512_fmadd_ps(b, w2, acc[t][2]);
+                    acc[t][3] = _mm512_fmadd_ps(b, w3, acc[t][3]);
+                }
+            }
+            for (int t = 0; t < 4; ++t)
+                for (int u = 0; u < 4; ++u) _mm512_storeu_ps(s.data() + t * kp + c0 + 16 * u, acc[t][u]);
+        }
+        for (; c0 < kp; c0 += 16) {
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int d = 0; d < D; ++d) {
+                const __m512 w = _mm512_loadu_ps(dT + static_cast<size_t>(d) * kp + c0);
+                for (int t = 0; t < 4; ++t) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(x[t][d]), w, acc[t]);
+            }
+            for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s.data() + t * kp + c0, acc[t]);
+        }
+#else
+        for (int t = 0; t < 4; ++t) {
+            float* st = s.data() + t * kp;
+            std::fill(st, st + kp, 0.0f);
+            for (int d = 0; d < D; ++d) {
+                const float* row = dT + static_cast<size_t>(d) * kp;
+                for (int64_t c = 0; c < kp; ++c) st[c] += x[t][d] * row[c];
+            }
+        }
+#endif
+        for (int t = 0; t < 4 && i0 + t < m; ++t) {
+            float* st = s.data() + t * kp;
+            const int64_t i = idx[i0 + t];
+            const int64_t b = first_argmax(st, k, kp);
+            labels[i] = static_cast<int32_t>(b);
+            best[i] = st[b];
+            st[b] = kNegInf;
+            second[i] = k > 1 ? st[first_argmax(st, k, kp)] : kNegInf;
+        }
+    }
+}
+
+// assign_rows over the listed rows, chunks of them in parallel (a layer has fewer KV heads than
+// a machine has cores, often).
+void assign(const float* xn, const std::vector<int64_t>& idx, int D, const float* dT, int64_t k, int64_t kp,
+            int32_t* labels, float* best, float* second) {
+    constexpr int64_t kChunk = 512;
+    const int64_t m = static_cast<int64_t>(idx.size());
+    tbb::parallel_for(int64_t(0), (m + kChunk - 1) / kChunk, [&](int64_t c) {
+        assign_rows(xn, idx.data() + c * kChunk, std::min(kChunk, m - c * kChunk), D, dT, k, kp, labels, best, second);
+    });
+}
+
+}  // namespace
+
+std::vector<int64_t> init_order(int64_t seed, int64_t row, int64_t n, int64_t k) {
+    const uint64_t base = splitmix64((static_cast<uint64_t>(seed) << 32) + static_cast<uint64_t>(row));
+    std::vector<uint64_t> key(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) key[static_cast<size_t>(i)] = splitmix64(base + static_cast<uint64_t>(i));
+    std::vector<int64_t> idx(static_cast<size_t>(n));
+    std::iota(idx.begin(), idx.end(), 0);
+    k = std::min(k, n);
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int64_t a, int64_t b) {
+        const uint64_t ka = key[static_cast<size_t>(a)], kb = key[static_cast<size_t>(b)];
+        return ka != kb ? ka < kb : a < b;
+    });
+    idx.resize(static_cast<size_t>(k));
+    return idx;
+}
+
+KMeans kmeans_cosine(const float* x, int64_t n, int D, int64_t k, int64_t max_iters, int64_t seed, int64_t row) {
+    if (n <= 0) throw Error("kmeans_cosine needs at least one vector");
+    KMeans km;
+    k = std::min(k, n);
+    km.k = k;
+    const int64_t np = (n + 3) / 4 * 4, kp = (k + 15) / 16 * 16;
+    std::vector<float> xn(static_cast<size_t>(np) * D, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+        const float* xi = x + i * D;
+        float ss = 0.0f;
+        for (int d = 0; d < D; ++d) ss += xi[d] * xi[d];
+        const float inv = 1.0f / std::max(std::sqrt(ss), 1e-12f);  // F.normalize
+        for (int d = 0; d < D; ++d) xn[static_cast<size_t>(i * D + d)] = xi[d] * inv;
+    }
+    std::vector<float> dir(static_cast<size_t>(k) * D), old(static_cast<size_t>(k) * D);
+    std::vector<float> dT(static_cast<size_t>(D) * kp, 0.0f);
+    const auto init = init_order(seed, row, n, k);
+    for (int64_t c = 0; c < k; ++c)
+        std::copy_n(xn.data() + init[static_cast<size_t>(c)] * D, D, dir.data() + c * D);
+    km.labels.assign(static_cast<size_t>(n), -1);
+    std::vector<int32_t> fresh(static_cast<size_t>(n));
+    std::vector<float> sums(static_cast<size_t>(k) * D), drift(static_cast<size_t>(k), 0.0f);
+    // Hamerly's bounds, for unit vectors: lo[i] <= x_i . dir[label_i], hi[i] >= x_i . dir[c] for
+    // every other c. A direction moving by |delta| changes any similarity by at most |delta|, so
+    // after an update a row whose bounds stay apart (by more than float noise) keeps its label and
+    // is not recomputed: the same labels as recomputing every row, at a fraction of the work.
+    std::vector<float> lo(static_cast<size_t>(n)), hi(static_cast<size_t>(n));
+    std::vector<int64_t> todo(static_cast<size_t>(n));
+    std::iota(todo.begin(), todo.end(), 0);
+    constexpr float kMargin = 1e-4f;  // well above the rounding of a D-term float dot product
+    while (km.iterations < max_iters) {
+        ++km.iterations;
+        for (int64_t c = 0; c < k; ++c)
+            for (int d = 0; d < D; ++d) dT[static_cast<size_t>(d) * kp + c] = dir[static_cast<size_t>(c * D + d)];
+        if (km.iterations > 1) {
+            const float maxdrift = *std::max_element(drift.begin(), drift.end());
+            todo.clear();
+            for (int64_t i = 0; i < n; ++i) {
+                lo[static_cast<size_t>(i)] -= drift[static_cast<size_t>(fresh[static_cast<size_t>(i)])];
+                hi[static_cast<size_t>(i)] += maxdrift;
+                if (lo[static_cast<size_t>(i)] - hi[static_cast<size_t>(i)] <= kMargin) todo.push_back(i);
+            }
+        }
+        assign(xn.data(), todo, D, dT.data(), k, kp, fresh.data(), lo.data(), hi.data());
+        if (fresh == km.labels) break;
+        km.labels = fresh;
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t i = 0; i < n; ++i) {
+            float* sc = sums.data() + static_cast<size_t>(km.labels[static_cast<size_t>(i)]) * D;
+            const float* xi = xn.data() + i * D;
+            for (int d = 0; d < D; ++d) sc[d] += xi[d];
+        }
+        old = dir;
+        for (int64_t c = 0; c < k; ++c) {
+            float* sc = sums.data() + c * D;
+            float ss = 0.0f;
+            for (int d = 0; d < D; ++d) ss += sc[d] * sc[d];
+            const float norm = std::sqrt(ss);
+            if (norm > 0.0f)
+                for (int d = 0; d < D; ++d) dir[static_cast<size_t>(c * D + d)] = sc[d] / std::max(norm, 1e-30f);
+            float dd = 0.0f;
+            for (int d = 0; d < D; ++d) {
+                const float e = dir[static_cast<size_t>(c * D + d)] - old[static_cast<size_t>(c * D + d)];
+                dd += e * e;
+            }
+            drift[static_cast<size_t>(c)] = std::sqrt(dd) * 1.0001f + 1e-7f;  // rounded up
+        }
+    }
+    km.sizes.assign(static_cast<size_t>(k), 0);
+    km.centroids.assign(static_cast<size_t>(k) * D, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t c = km.labels[static_cast<size_t>(i)];
+        ++km.sizes[static_cast<size_t>(c)];
+        float* mu = km.centroids.data() + static_cast<size_t>(c) * D;
+        for (int d = 0; d < D; ++d) mu[d] += x[i * D + d];
+    }
+    for (int64_t c = 0; c < k; ++c) {
+        const float inv = 1.0f / static_cast<float>(std::max<int64_t>(km.sizes[static_cast<size_t>(c)], 1));
+        for (int d = 0; d < D; ++d) km.centroids[static_cast<size_t>(c * D + d)] *= inv;
+    }
+    return km;
+}
+
+namespace {
+
+// Cluster tokens [from, to) of one head into k more clusters (ids counting on from ch.C).
+void cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, int64_t k, int64_t seen) {
+    const PoolConfig& cfg = seq.pool().config();
+    const MethodParams& p = *cfg.method;
+    const int D = cfg.head_dim;
+    HeadCache& hc = seq.head(layer, g);
+    ClusterHead& ch = *hc.cluster;
+    const int64_t n = to - from;
+    std::vector<float> x(static_cast<size_t>(n) * D), vals(static_cast<size_t>(n) * D);
+    for (int64_t i = 0; i < n; ++i) load_any(cfg, seq.pool(), hc, from + i, x.data() + i * D, vals.data() + i * D);
+    // the reference seeds with seed + tokens seen before the clustering step, row = the KV head
+    const KMeans km = kmeans_cosine(x.data(), n, D, k, p.max_iters, p.seed + seen, g);
+    const int64_t base = ch.C;
+    ch.C += km.k;
+    ch.centroids.insert(ch.centroids.end(), km.centroids.begin(), km.centroids.end());
+    for (int32_t lab : km.labels) ch.labels.push_back(static_cast<int32_t>(lab + base));
+    // sizes, offsets and the label-sorted token order (a counting sort keeps tokens ascending)
+    ch.sizes.assign(static_cast<size_t>(ch.C), 0);
+    for (int32_t lab : ch.labels) ++ch.sizes[static_cast<size_t>(lab)];
+    ch.offsets.assign(static_cast<size_t>(ch.C + 1), 0);
+    for (int64_t c = 0; c < ch.C; ++c)
+        ch.offsets[static_cast<size_t>(c + 1)] = ch.offsets[static_cast<size_t>(c)] + ch.sizes[static_cast<size_t>(c)];
+    ch.sorted.assign(ch.labels.size(), 0);
+    std::vector<int64_t> fill(ch.offsets.begin(), ch.offsets.end() - 1);
+    for (size_t i = 0; i < ch.labels.size(); ++i)
+        ch.sorted[static_cast<size_t>(fill[static_cast<size_t>(ch.labels[i])]++)] = ch.sinks + static_cast<int64_t>(i);
+    ch.slabs.resize(static_cast<size_t>(ch.C));
+    // A full-precision store is rewritten cluster by cluster (each cluster's tokens ascending in
+    // consecutive slots), so that a recalled cluster is attended in place, a slot range of the
+    // pool's blocks, with nothing gathered. Slots [from, to) hold tokens [from, to) until now.
+    // (A 2-bit store keeps its order: its key groups are the reference's; recalls go to slabs.)
+    if (!p.quant) {
+        std::vector<int64_t> start(static_cast<size_t>(km.k) + 1, 0);
+        for (int32_t lab : km.labels) ++start[static_cast<size_t>(lab) + 1];
+        for (int64_t c = 0; c < km.k; ++c) {
+            start[static_cast<size_t>(c + 1)] += start[static_cast<size_t>(c)];
+            ch.slot_begin.push_back(from + start[static_cast<size_t>(c)]);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t slot = from + start[static_cast<size_t>(km.labels[static_cast<size_t>(i)])]++;
+            store_token(cfg, seq.pool(), hc, slot, x.data() + i * D, vals.data() + i * D);
+            hc.pos[static_cast<size_t>(slot)] = from + i;
+        }
+    }
+    ch.pending_from = to;
+    ch.pending_slab.clear();
+    ++ch.clusterings;
+    ch.iterations += km.iterations;
+}
+
+// Gather tokens[0..n) into slab rows [at, at + n).
+void gather(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Slab& slab, const int64_t* tokens,
+            int64_t n, int64_t at) {
+    const int D = cfg.head_dim;
+    std::vector<float> k(static_cast<size_t>(D)), v(static_cast<size_t>(D));
+    slab.resize(at + n, D);
+    for (int64_t j = 0; j < n; ++j) {
+        load_any(cfg, pool, hc, tokens[j], k.data(), v.data());
+        slab.put(at + j, k.data(), v.data(), D);
+    }
+    slab.count = at + n;
+    slab.max_token = std::max(slab.max_token, n ? tokens[n - 1] : slab.max_token);
+    slab.q_at_load = static_cast<int64_t>(hc.qpos.size());
+}
+
+// Whether a slab's full-precision tokens went into the 2-bit store since it was loaded.
+bool stale(const Slab& s, const HeadCache& hc) {
+    return s.max_token >= s.q_at_load && static_cast<int64_t>(hc.qpos.size()) != s.q_at_load;
+}
+
+}  // namespace
+
+bool clusterkv_recalls(Sequence& seq, int layer, bool prefill) {
+    const MethodParams& p = *seq.pool().config().method;
+    return !prefill && p.method == Method::clusterkv && p.budget(layer) > 0 && seq.head(layer, 0).cluster;
+}
+
+void clusterkv_after_prefill(Sequence& seq, int layer) {
+    const PoolConfig& cfg = seq.pool().config();
+    const MethodParams& p = *cfg.method;
+    if (p.method != Method::clusterkv || p.budget(layer) == 0) return;
+    tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
+        HeadCache& hc = seq.head(layer, g);
+        hc.cluster = std::make_shared<ClusterHead>();
+        ClusterHead& ch = *hc.cluster;
+        const int64_t n = hc.held();
+        ch.sinks = std::min<int64_t>(p.sinks, n);
+        ch.pending_from = ch.sinks;
+        if (n == ch.sinks) return;
+        const int64_t c0 = p.n_clusters ? p.n_clusters : (n - ch.sinks + p.tokens_per_cluster - 1) / p.tokens_per_cluster;
+        cluster_range(seq, layer, g, ch.sinks, n, c0, seq.seen(layer));
+    });
+}
+
+void clusterkv_before_decode(Sequence& seq, int layer, int64_t L) {
+    const PoolConfig& cfg = seq.pool().config();
+    const MethodParams& p = *cfg.method;
+    if (!clusterkv_recalls(seq, layer, false)) return;
+    tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
+        HeadCache& hc = seq.head(layer, g);
+        ClusterHead& ch = *hc.cluster;
+        const int64_t before = hc.held() - L;  // the store before this step's tokens
+        if (before - ch.pending_from < p.cluster_every) return;
+        cluster_range(seq, layer, g, ch.pending_from, before, p.new_clusters, before);
+    });
+}
+
+void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, float scale, float* out) {
+    using Clock = std::chrono::steady_clock;
+    const auto t0 = Clock::now();
+    const PoolConfig& cfg = seq.pool().config();
+    const MethodParams& p = *cfg.method;
+    const int G = cfg.group(), D = cfg.head_dim, Hkv = cfg.kv_heads;
+    const int64_t budget = p.budget(layer), R = p.cache_steps;
+    // a segment: n tokens of a slab (2-bit store), or the slots [a, a + n) of the head (full precision)
+    struct Seg {
+        const Slab* slab;
+        int64_t a;
+        int64_t n;
+        int64_t pos0;
+    };
+    std::vector<std::vector<Seg>> segs(static_cast<size_t>(Hkv));
+    tbb::parallel_for(0, Hkv, [&](int g) {
+        HeadCache& hc = seq.head(layer, g);
+        ClusterHead& ch = *hc.cluster;
+        const int64_t step = ch.steps++;
+        const int64_t n = hc.held();
+        // rank the clusters: q . mu summed over the group's query heads and the step's tokens,
+        // computed as (sum of those queries) . mu: one dot product per cluster
+        std::vector<float> qsum(static_cast<size_t>(D), 0.0f), score(static_cast<size_t>(ch.C));
+        for (int64_t r = 0; r < G * L; ++r) {
+            const float* qr = q + (static_cast<int64_t>(g) * G * L + r) * D;
+            for (int d = 0; d < D; ++d) qsum[static_cast<size_t>(d)] += qr[d];
+        }
+        for (int64_t c = 0; c < ch.C; ++c) {
+            const float* mu = ch.centroids.data() + c * D;
+            float dot = 0.0f;
+            for (int d = 0; d < D; ++d) dot += qsum[static_cast<size_t>(d)] * mu[d];
+            score[static_cast<size_t>(c)] = dot;
+        }
+        std::vector<int32_t> order(static_cast<size_t>(ch.C));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int32_t a, int32_t b) { return score[static_cast<size_t>(a)] > score[static_cast<size_t>(b)]; });
+        // whole clusters in rank order, the last one trimmed to its earliest tokens
+        int64_t left = std::min<int64_t>(budget - ch.sinks, static_cast<int64_t>(ch.labels.size()));
+        std::vector<int32_t> chosen;
+        std::vector<int64_t> take;
+        for (int32_t c : order) {
+            if (left == 0) break;
+            const int64_t size = ch.sizes[static_cast<size_t>(c)];
+            if (size == 0) continue;
+            chosen.push_back(c);
+            take.push_back(std::min(size, left));
+            left -= take.back();
+        }
+        // the reference's cache accounting: clusters recalled in the last R steps are hits
+        std::vector<char> cached(static_cast<size_t>(ch.C), 0);
+        if (R)
+            for (const auto& ids : ch.recent)
+                for (int32_t c : ids) cached[static_cast<size_t>(c)] = 1;
+        for (int32_t c : chosen) {
+            ++ch.lookups;
+            if (cached[static_cast<size_t>(c)]) ++ch.hits;
+            else ch.tokens_loaded += ch.sizes[static_cast<size_t>(c)];
+        }
+        if (R) {
+            ch.recent.push_back(chosen);
+            while (static_cast<int64_t>(ch.recent.size()) > R) ch.recent.pop_front();
+        }
+        auto& sg = segs[static_cast<size_t>(g)];
+        sg.clear();
+        if (!p.quant) {
+            // the full-precision store is cluster-contiguous: attend in place
+            if (ch.sinks) sg.push_back({nullptr, 0, ch.sinks, -1});
+            for (size_t j = 0; j < chosen.size(); ++j)
+                sg.push_back({nullptr, ch.slot_begin[static_cast<size_t>(chosen[j])], take[j], -1});
+            sg.push_back({nullptr, ch.pending_from, n - ch.pending_from, -1});
+        } else {
+            // the 2-bit store: recalled clusters are dequantized into slabs, kept while recalled
+            const Pool& pool = seq.pool();
+            for (auto& s : ch.slabs)  // slabs not recalled within the last R steps leave the working set
+                if (s.count && s.last_step < step - R) s.clear();
+            if (ch.sink_slab.count != ch.sinks || stale(ch.sink_slab, hc)) {
+                std::vector<int64_t> toks(static_cast<size_t>(ch.sinks));
+                std::iota(toks.begin(), toks.end(), 0);
+                ch.sink_slab.clear();
+                gather(cfg, pool, hc, ch.sink_slab, toks.data(), ch.sinks, 0);
+                ch.ws_loads += ch.sinks;
+            }
+            if (ch.sinks) sg.push_back({&ch.sink_slab, 0, ch.sinks, -1});
+            for (size_t j = 0; j < chosen.size(); ++j) {
+                const int32_t c = chosen[j];
+                Slab& s = ch.slabs[static_cast<size_t>(c)];
+                const int64_t size = ch.sizes[static_cast<size_t>(c)];
+                if (s.count != size || stale(s, hc)) {
+                    s.clear();
+                    gather(cfg, pool, hc, s, ch.sorted.data() + ch.offsets[static_cast<size_t>(c)], size, 0);
+                    ch.ws_loads += size;
+                }
+                s.last_step = step;
+                sg.push_back({&s, 0, take[j], -1});
+            }
+            Slab& pend = ch.pending_slab;
+            if (stale(pend, hc)) pend.clear();
+            const int64_t have = ch.pending_from + pend.count;
+            if (have < n) {
+                std::vector<int64_t> toks(static_cast<size_t>(n - have));
+                std::iota(toks.begin(), toks.end(), have);
+                gather(cfg, pool, hc, pend, toks.data(), n - have, pend.count);
+                ch.ws_loads += n - have;
+            }
+            sg.push_back({&pend, 0, pend.count, ch.pending_from});
+        }
+        // what this step attends, for the stats API and the tests (listed on request)
+        ch.last_chosen = std::move(chosen);
+        ch.last_take = std::move(take);
+        ch.last_n = n;
+    });
+    seq.policy_ns[1] += static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+
+    // attend: one task per (KV head, tile of its G*L query rows, segment); partial softmaxes merged
+    const int64_t rows_per_head = G * L;
+    const int64_t row_tiles = (rows_per_head + kMaxRows - 1) / kMaxRows;
+    int64_t max_segs = 1;
+    for (const auto& sg : segs) max_segs = std::max<int64_t>(max_segs, static_cast<int64_t>(sg.size()));
+    const int64_t tasks = Hkv * row_tiles * max_segs;
+    const size_t row_floats = static_cast<size_t>(D + 2);
+    std::vector<float> part(static_cast<size_t>(tasks) * kMaxRows * row_floats);
+    auto partial = [&](int64_t task, int64_t r) { return part.data() + (static_cast<size_t>(task) * kMaxRows + r) * row_floats; };
+    tbb::parallel_for(int64_t(0), tasks, [&](int64_t t) {
+        const int64_t g = t / (row_tiles * max_segs), tile = (t / max_segs) % row_tiles, sj = t % max_segs;
+        RowSet rows;
+        rows.start();
+        rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, rows_per_head - tile * kMaxRows));
+        for (int r = 0; r < rows.n; ++r) {
+            const int64_t ri = tile * kMaxRows + r, gi = ri / L, i = ri % L;
+            rows.q[r] = q + ((g * G + gi) * L + i) * D;
+            rows.qpos[r] = past + i;
+            rows.out[r] = partial(t, r) + 2;
+            std::fill(rows.out[r], rows.out[r] + D, 0.0f);
+        }
+        const auto& sg = segs[static_cast<size_t>(g)];
+        if (sj < static_cast<int64_t>(sg.size())) {
+            const Seg& e = sg[static_cast<size_t>(sj)];
+            if (e.slab)
+                attend_slab(*e.slab, e.n, D, rows, scale, e.pos0);
+            else if (e.n)
+                attend_range(cfg, seq.pool(), seq.head(layer, static_cast<int>(g)), rows, scale, e.a, e.a + e.n);
+        }
+        for (int r = 0; r < rows.n; ++r) {
+            partial(t, r)[0] = rows.m[r];
+            partial(t, r)[1] = rows.l[r];
+        }
+    });
+    for (int64_t g = 0; g < Hkv; ++g)
+        for (int64_t ri = 0; ri < rows_per_head; ++ri) {
+            const int64_t gi = ri / L, i = ri % L, tile = ri / kMaxRows, r = ri % kMaxRows;
+            const int64_t first = (g * row_tiles + tile) * max_segs;
+            merge_partials(partial(first, r), kMaxRows * row_floats, static_cast<int>(max_segs), D,
+                           out + ((g * G + gi) * L + i) * D);
+        }
+}
+
+}  // namespace ovkc
+
+namespace ovkc {
+
+std::vector<int64_t> recalled_tokens(const ClusterHead& ch) {
+    std::vector<int64_t> out;
+    if (ch.last_n < 0) return out;
+    for (int64_t t = 0; t < ch.sinks; ++t) out.push_back(t);
+    for (size_t j = 0; j < ch.last_chosen.size(); ++j) {
+        const int64_t* st = ch.sorted.data() + ch.offsets[static_cast<size_t>(ch.last_chosen[j])];
+        out.insert(out.end(), st, st + ch.last_take[j]);
+    }
+    for (int64_t t = ch.pending_from; t < ch.last_n; ++t) out.push_back(t);
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+}  // namespace ovkc
