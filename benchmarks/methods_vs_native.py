@@ -34,6 +34,7 @@ CONFIGS = [
     ("ours kvcrush", "openvino", "kvcrush", {}, {}),
     ("ours kvcrush blocks", "openvino", "kvcrush", {"block_size": 32}, {}),
     ("ours clusterkv", "openvino", "clusterkv", {}, {}),
+    ("ours chelsea", "openvino", "chelsea", {}, {}),
     ("ours minikv (2-bit)", "openvino", "minikv", {}, {}),
     ("ours snapkv + 2-bit", "openvino", "snapkv", {"quant": True}, {}),
 ]

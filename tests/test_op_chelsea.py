@@ -95,16 +95,11 @@ def test_merges_are_exact_for_duplicated_tokens(ov_core):
     from tests.test_plugin import op_model
 
     req = op_model(ov_core, HQ, HKV, D)
-    feed = (
-        lambda s, a, b: req.infer(  # noqa: E731
-            {
-                "q": q[:, :, a:b].numpy(),
-                "k": k[:, :, a:b].numpy(),
-                "v": v[:, :, a:b].numpy(),
-                "kvc_sequence": [s.handle],
-            }
-        )[0]
-    )
+
+    def feed(s, a, b):
+        inputs = {"q": q[:, :, a:b].numpy(), "k": k[:, :, a:b].numpy(), "v": v[:, :, a:b].numpy()}
+        return req.infer({**inputs, "kvc_sequence": [s.handle]})[0]
+
     feed(seq, 0, 120)
     feed(full, 0, 120)
     assert seq.head_tokens()[0].tolist() == [100] * HKV

@@ -7,6 +7,8 @@
 // keys and values averaged with the tokens' degrees as weights; passes repeat until the target is
 // met. Each slot carries its degree and log(degree), which the attention kernels add to its
 // logits. Outlier heads are never merged. Every merged head of a layer removes the same count.
+#include <tbb/parallel_for.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -151,15 +153,16 @@ void chelsea_step(Sequence& seq, int layer, bool prefill) {
     const MethodParams& p = *cfg.method;
     const int64_t budget = p.budget(layer);
     if (p.method != Method::chelsea || budget == 0) return;
-    for (int g = 0; g < cfg.kv_heads; ++g) {
-        if (p.outlier(layer, g)) continue;  // kept whole, no degrees
+    // heads merge independently (each its own slots; the pool's free list is locked), in parallel
+    tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
+        if (p.outlier(layer, g)) return;  // kept whole, no degrees
         HeadCache& hc = seq.head(layer, g);
         if (prefill && hc.degree.empty()) {
             hc.degree.assign(static_cast<size_t>(hc.size()), 1.0f);
             hc.bias.assign(static_cast<size_t>(hc.size()), 0.0f);
         }
         if (hc.size() >= budget + p.merge_interval) chelsea_compress(seq, hc, budget);
-    }
+    });
 }
 
 }  // namespace ovkc
