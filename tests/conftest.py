@@ -25,3 +25,15 @@ def hf_dir():
     from ov_kvcrush.export import hf_checkpoint
 
     return hf_checkpoint(progress=False)
+
+
+@pytest.fixture(scope="module")
+def ov_core():
+    """An OpenVINO core with the CPU extension (the op) added, as the pipelines load it."""
+    import openvino as ov
+
+    from ov_kvcrush import plugin
+
+    core = ov.Core()
+    core.add_extension(str(plugin.loaded_path()))
+    return core

@@ -20,16 +20,6 @@ from ov_kvcrush.methods import QuantSettings, method_config
 from tests.test_op_clusterkv import drive
 from tests.test_op_methods import HKV, HQ, D
 
-
-@pytest.fixture(scope="module")
-def ov_core():
-    import openvino as ov
-
-    core = ov.Core()
-    core.add_extension(str(plugin.loaded_path()))
-    return core
-
-
 BASE = dict(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32, merge_interval=8)
 CASES = {
     "chelsea": {},

@@ -22,16 +22,6 @@ from ov_kvcrush.methods.vectors import layer_vectors
 from tests.test_op_methods import HKV, HQ, D, held_positions
 from tests.test_plugin import op_model
 
-
-@pytest.fixture(scope="module")
-def ov_core():
-    import openvino as ov
-
-    core = ov.Core()
-    core.add_extension(str(plugin.loaded_path()))
-    return core
-
-
 BASE = dict(budget=96, sink_tokens=4, tokens_per_cluster=16, new_clusters=2, cluster_every=12, dense_layers=1)
 CASES = {
     "clusterkv": {},

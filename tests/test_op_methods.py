@@ -28,15 +28,6 @@ from tests.test_plugin import op_model
 HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
 
 
-@pytest.fixture(scope="module")
-def ov_core():
-    import openvino as ov
-
-    core = ov.Core()
-    core.add_extension(str(plugin.loaded_path()))
-    return core
-
-
 def held_positions(seq: plugin.KVSequence, layer: int) -> list[np.ndarray]:
     return [seq.read_head(layer, g)[0] for g in range(HKV)]
 

@@ -19,15 +19,6 @@ from ov_kvcrush import plugin
 from ov_kvcrush.methods.base import attend
 
 
-@pytest.fixture(scope="module")
-def ov_core():
-    import openvino as ov
-
-    core = ov.Core()
-    core.add_extension(str(plugin.loaded_path()))
-    return core
-
-
 def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
     import openvino as ov
     import openvino.opset13 as ops

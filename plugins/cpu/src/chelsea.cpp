@@ -31,13 +31,7 @@ struct Tokens {
 int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chunk, int D) {
     const int64_t m = hi - lo;
     std::vector<float> kn(static_cast<size_t>(m) * D);
-    for (int64_t i = 0; i < m; ++i) {  // F.normalize
-        const float* x = t.k.data() + (lo + i) * D;
-        float ss = 0.0f;
-        for (int d = 0; d < D; ++d) ss += x[d] * x[d];
-        const float inv = 1.0f / std::max(std::sqrt(ss), 1e-12f);
-        for (int d = 0; d < D; ++d) kn[static_cast<size_t>(i * D + d)] = x[d] * inv;
-    }
+    normalize_rows(t.k.data() + lo * D, m, D, kn.data());
     // links in order: chunk by chunk, A tokens ascending
     std::vector<int64_t> la, lb;
     std::vector<float> ls;
@@ -77,18 +71,18 @@ int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chun
             nv[static_cast<size_t>(i * D + d)] = t.v[static_cast<size_t>((lo + i) * D + d)] * w;
         }
     }
+    // an A token (even offset) is never a B token (odd offset): the sums read below are never
+    // among those written, so they are the pre-merge ones, as the reference gathers them
     std::vector<char> alive(static_cast<size_t>(m), 1);
-    std::vector<float> addk(nk), addv(nv);  // the A sums as they were before any merge (gathered first)
     for (int64_t j : chosen) {
         const int64_t a = la[static_cast<size_t>(j)], b = lb[static_cast<size_t>(j)];
         for (int d = 0; d < D; ++d) {
-            nk[static_cast<size_t>(b * D + d)] += addk[static_cast<size_t>(a * D + d)];
-            nv[static_cast<size_t>(b * D + d)] += addv[static_cast<size_t>(a * D + d)];
+            nk[static_cast<size_t>(b * D + d)] += nk[static_cast<size_t>(a * D + d)];
+            nv[static_cast<size_t>(b * D + d)] += nv[static_cast<size_t>(a * D + d)];
         }
+        nw[static_cast<size_t>(b)] += nw[static_cast<size_t>(a)];
         alive[static_cast<size_t>(a)] = 0;
     }
-    std::vector<float> w0(nw);
-    for (int64_t j : chosen) nw[static_cast<size_t>(lb[static_cast<size_t>(j)])] += w0[static_cast<size_t>(la[static_cast<size_t>(j)])];
     // compact: kept middle tokens (divided by their new degree), then the recent ones move down
     int64_t out = lo;
     for (int64_t i = 0; i < m; ++i) {
@@ -140,11 +134,7 @@ int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target) {
     hc.degree = std::move(t.w);
     hc.bias.resize(hc.degree.size());
     for (size_t i = 0; i < hc.degree.size(); ++i) hc.bias[i] = std::log(hc.degree[i]);
-    const size_t blocks = static_cast<size_t>((t.n + cfg.block_size - 1) / cfg.block_size);
-    while (hc.blocks.size() > blocks) {
-        seq.pool().release(hc.blocks.back());
-        hc.blocks.pop_back();
-    }
+    seq.trim_blocks(hc);
     return passes;
 }
 

@@ -166,13 +166,7 @@ KMeans kmeans_cosine(const float* x, int64_t n, int D, int64_t k, int64_t max_it
     km.k = k;
     const int64_t np = (n + 3) / 4 * 4, kp = (k + 15) / 16 * 16;
     std::vector<float> xn(static_cast<size_t>(np) * D, 0.0f);
-    for (int64_t i = 0; i < n; ++i) {
-        const float* xi = x + i * D;
-        float ss = 0.0f;
-        for (int d = 0; d < D; ++d) ss += xi[d] * xi[d];
-        const float inv = 1.0f / std::max(std::sqrt(ss), 1e-12f);  // F.normalize
-        for (int d = 0; d < D; ++d) xn[static_cast<size_t>(i * D + d)] = xi[d] * inv;
-    }
+    normalize_rows(x, n, D, xn.data());  // rows past n stay zero (the 4-row padding)
     std::vector<float> dir(static_cast<size_t>(k) * D), old(static_cast<size_t>(k) * D);
     std::vector<float> dT(static_cast<size_t>(D) * kp, 0.0f);
     const auto init = init_order(seed, row, n, k);

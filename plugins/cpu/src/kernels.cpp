@@ -411,6 +411,16 @@ void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, 
     }
 }
 
+void normalize_rows(const float* x, int64_t n, int D, float* out) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float* xi = x + i * D;
+        float ss = 0.0f;
+        for (int d = 0; d < D; ++d) ss += xi[d] * xi[d];
+        const float inv = 1.0f / std::max(std::sqrt(ss), 1e-12f);
+        for (int d = 0; d < D; ++d) out[i * D + d] = xi[d] * inv;
+    }
+}
+
 float merge_partials(const float* first, size_t stride, int n, int D, float* out) {
     float M = kNegInf;
     for (int c = 0; c < n; ++c) M = std::max(M, first[c * stride]);

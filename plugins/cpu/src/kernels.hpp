@@ -104,6 +104,10 @@ struct Slab {
 // pos0 < 0: every token is older than every row.
 void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, int64_t pos0);
 
+// out[i] = x[i] / max(|x[i]|, 1e-12) for n rows of D floats (torch's F.normalize): the cosine
+// similarities of ClusterKV's k-means and Chelsea's matching.
+void normalize_rows(const float* x, int64_t n, int D, float* out);
+
 // The name of the compiled kernel path ("avx512", "avx512+bf16" or "scalar").
 const char* kernel_isa();
 

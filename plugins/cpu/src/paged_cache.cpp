@@ -120,6 +120,15 @@ void Sequence::reserve(HeadCache& hc, int64_t n) {
     while (static_cast<int64_t>(hc.blocks.size()) < need) hc.blocks.push_back(pool_->acquire());
 }
 
+void Sequence::trim_blocks(HeadCache& hc) {
+    const int64_t bs = pool_->config().block_size;
+    const size_t blocks = static_cast<size_t>((hc.size() + bs - 1) / bs);
+    while (hc.blocks.size() > blocks) {
+        pool_->release(hc.blocks.back());
+        hc.blocks.pop_back();
+    }
+}
+
 void Sequence::reset() {
     for (auto& h : heads_) {
         for (int32_t b : h.blocks) pool_->release(b);
@@ -138,7 +147,6 @@ void Sequence::reset() {
 }
 
 void Sequence::truncate(int64_t tokens) {
-    const int64_t bs = pool_->config().block_size;
     const int G = pool_->config().group();
     for (auto& h : heads_)
         if (!h.qpos.empty() && h.qpos.back() >= tokens)
@@ -161,11 +169,7 @@ void Sequence::truncate(int64_t tokens) {
         if (!h.degree.empty()) h.degree.resize(static_cast<size_t>(keep));
         if (!h.bias.empty()) h.bias.resize(static_cast<size_t>(keep));
         if (h.cluster) h.cluster->pending_slab.clear();
-        const size_t blocks = static_cast<size_t>((keep + bs - 1) / bs);
-        while (h.blocks.size() > blocks) {
-            pool_->release(h.blocks.back());
-            h.blocks.pop_back();
-        }
+        trim_blocks(h);
     }
     for (auto& s : seen_) s = std::min(s, tokens);
 }

@@ -134,6 +134,8 @@ public:
 
     // Make room for n more slots in this head (acquires blocks from the pool).
     void reserve(HeadCache& hc, int64_t n);
+    // Return the blocks past the head's held slots (after eviction, merging or truncation).
+    void trim_blocks(HeadCache& hc);
     // Return every block to the pool and forget all tokens.
     void reset();
     // Forget the tokens at position >= tokens (their blocks go back to the pool).

@@ -31,11 +31,7 @@ void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) 
     if (!hc.scores.empty()) hc.scores.resize(static_cast<size_t>(k) * G);
     if (!hc.degree.empty()) hc.degree.resize(static_cast<size_t>(k));
     if (!hc.bias.empty()) hc.bias.resize(static_cast<size_t>(k));
-    const size_t blocks = static_cast<size_t>((k + cfg.block_size - 1) / cfg.block_size);
-    while (hc.blocks.size() > blocks) {
-        seq.pool().release(hc.blocks.back());
-        hc.blocks.pop_back();
-    }
+    seq.trim_blocks(hc);
 }
 
 void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {
