@@ -213,7 +213,10 @@ def _p(a: np.ndarray, t):
 def test_keep_indices_matches_reference(ties):
     lib = plugin.load()
     rng = np.random.default_rng(1)
-    for n, budget, sinks, recent in [(300, 100, 8, 20), (64, 64, 4, 4), (1000, 33, 0, 1), (50, 10, 5, 5)]:
+    # budgets from far below n (a prompt's selection) to n - 1 .. n - 8 (a decode step's few drops)
+    cases = [(300, 100, 8, 20), (64, 64, 4, 4), (1000, 33, 0, 1), (50, 10, 5, 5)]
+    cases += [(1025, 1025 - d, 4, 32) for d in (1, 2, 3, 7, 8, 9)] + [(40, 39, 0, 0), (40, 0, 0, 0)]
+    for n, budget, sinks, recent in cases:
         s = rng.integers(0, 5, n).astype(np.float32) if ties else rng.random(n, dtype=np.float32)
         out = np.zeros(n, dtype=np.int64)
         k = plugin._check(

@@ -6,24 +6,90 @@
 // prompt and whenever a step leaves the head above its budget, unless the selection is frozen
 // (MiniKV, the 2-bit store): then only the prompt is selected.
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <numeric>
+
+#if defined(__AVX512F__)
+#    include <immintrin.h>
+#endif
 
 #include "policy.hpp"
 
 namespace ovkc {
 
+namespace {
+
+float min_value(const float* x, int64_t n) {
+    float v = std::numeric_limits<float>::infinity();
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(v);
+    for (; i + 16 <= n; i += 16) m = _mm512_min_ps(m, _mm512_loadu_ps(x + i));
+    v = _mm512_reduce_min_ps(m);
+#endif
+    for (; i < n; ++i) v = x[i] < v ? x[i] : v;
+    return v;
+}
+
+}  // namespace
+
+void worst_tokens(const float* scores, int64_t n, int64_t count, int64_t* out) {
+    // the worst each time: the lowest score, the latest token on ties; a vector min, then a
+    // backward scan for its token
+    std::vector<float> work;  // the scores with the tokens already taken at +inf (count > 1)
+    const float* x = scores;
+    for (int64_t r = 0; r < count; ++r) {
+        const float v = min_value(x, n);
+        int64_t i = n - 1;
+        while (i > 0 && !(x[i] == v && std::find(out, out + r, i) == out + r)) --i;
+        out[r] = i;
+        if (r + 1 < count) {
+            if (work.empty()) work.assign(scores, scores + n);
+            x = work.data();
+            work[static_cast<size_t>(i)] = std::numeric_limits<float>::infinity();
+        }
+    }
+}
+
+void topk_mask(const float* scores, int64_t n, int64_t k, uint8_t* mask) {
+    // the reference's order: highest score first, ties to the lower index
+    k = std::clamp<int64_t>(k, 0, n);
+    const int64_t drop = n - k;
+    if (k == 0 || drop == 0) {
+        std::fill(mask, mask + n, static_cast<uint8_t>(drop == 0));
+        return;
+    }
+    if (drop <= kFewDrops) {  // a decode step of a full head drops one token, or a few
+        int64_t worst[kFewDrops];
+        worst_tokens(scores, n, drop, worst);
+        std::fill(mask, mask + n, uint8_t(1));
+        for (int64_t r = 0; r < drop; ++r) mask[worst[r]] = 0;
+        return;
+    }
+    // otherwise everything above the k-th highest value is kept, then the equal ones in index order
+    std::vector<float> copy(scores, scores + n);
+    std::nth_element(copy.begin(), copy.begin() + (k - 1), copy.end(), std::greater<float>());
+    const float t = copy[static_cast<size_t>(k - 1)];
+    int64_t equal = k;  // how many tokens at the threshold value are kept
+    for (int64_t i = 0; i < n; ++i) {
+        mask[i] = scores[i] > t;
+        equal -= mask[i];
+    }
+    for (int64_t i = 0; i < n && equal > 0; ++i)
+        if (scores[i] == t) {
+            mask[i] = 1;
+            --equal;
+        }
+}
+
 std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k) {
-    // the reference's order: highest score first, ties to the lower index; returned ascending
-    std::vector<int64_t> idx(static_cast<size_t>(n));
-    std::iota(idx.begin(), idx.end(), int64_t(0));
-    auto better = [scores](int64_t a, int64_t b) {
-        return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-    };
-    k = std::min(k, n);
-    if (k < n) std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-    idx.resize(static_cast<size_t>(k));
-    std::sort(idx.begin(), idx.end());
+    std::vector<uint8_t> mask(static_cast<size_t>(n));
+    topk_mask(scores, n, k, mask.data());
+    std::vector<int64_t> idx;
+    idx.reserve(static_cast<size_t>(std::clamp<int64_t>(k, 0, n)));
+    for (int64_t i = 0; i < n; ++i)
+        if (mask[static_cast<size_t>(i)]) idx.push_back(i);
     return idx;
 }
 

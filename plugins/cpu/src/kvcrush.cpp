@@ -37,50 +37,68 @@ int64_t hamming(const uint64_t* a, const uint64_t* b, size_t words) {
 
 std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64_t budget, int64_t sinks,
                                     int64_t recent, int64_t reps, const MethodParams& p) {
+    // Runs at every decode step of a full head (n = budget + 1), so every stage is linear in n but
+    // the ordering of the evictable tokens (about `reps` of them): no sort of the whole head.
     std::vector<int64_t> all(static_cast<size_t>(n));
     std::iota(all.begin(), all.end(), int64_t(0));
     if (budget >= n) return all;
     if (reps > budget - sinks - recent)
         throw Error("method.representatives=" + std::to_string(reps) +
                     " is invalid: allowed at most budget - sinks - recent = " + std::to_string(budget - sinks - recent));
-    std::vector<float> combined(static_cast<size_t>(n), 0.0f);
-    for (int h = 0; h < H; ++h)
+    std::vector<float> combined(scores, scores + n);
+    for (int h = 1; h < H; ++h)
         for (int64_t i = 0; i < n; ++i) combined[static_cast<size_t>(i)] += scores[h * n + i];
-    const std::vector<int64_t> important = keep_indices(combined.data(), n, budget - reps, sinks, recent);
+    std::vector<uint8_t> kept(static_cast<size_t>(n), 0);
+    for (int64_t i : keep_indices(combined.data(), n, budget - reps, sinks, recent)) kept[static_cast<size_t>(i)] = 1;
 
-    // per-head decisions on the middle range
-    const int64_t per_head_keep = budget - sinks - recent;
-    const int64_t lo = sinks, hi = n - recent, mid = hi - lo;
-    std::vector<uint8_t> bit(static_cast<size_t>(H) * n, 0);  // [h][token]
-    for (int h = 0; h < H; ++h) {
-        const float* s = scores + h * n + lo;
-        if (p.signature_threshold) {
-            float mean = 0.0f;
-            for (int64_t i = 0; i < mid; ++i) mean += s[i];
-            mean /= static_cast<float>(mid);
-            for (int64_t i = 0; i < mid; ++i) bit[static_cast<size_t>(h * n + lo + i)] = s[i] >= mean;
-        } else {
-            for (int64_t i : topk_indices(s, mid, std::min(std::max<int64_t>(per_head_keep, 0), mid)))
-                bit[static_cast<size_t>(h * n + lo + i)] = 1;
+    // signatures: bit h of a middle token = head h's own decision (sinks and recent stay 0). A
+    // decode step's head keeps all middle tokens but one (or a few): start from all ones and
+    // clear the few it drops.
+    const int64_t per_head_keep = std::max<int64_t>(budget - sinks - recent, 0);
+    const int64_t lo = sinks, mid = n - recent - sinks;
+    const size_t W = (static_cast<size_t>(H) + 63) / 64;
+    std::vector<uint64_t> token_sig(static_cast<size_t>(n) * W, 0);
+    auto bit_of = [&](int64_t i, int h) -> uint64_t& { return token_sig[(static_cast<size_t>(lo + i)) * W + h / 64]; };
+    const int64_t few = mid - std::min(per_head_keep, mid);
+    if (!p.signature_threshold && few <= kFewDrops) {
+        for (size_t w = 0; w < W; ++w) {
+            const int bits = std::min(64, H - static_cast<int>(w) * 64);
+            const uint64_t full = bits == 64 ? ~uint64_t(0) : (uint64_t(1) << bits) - 1;
+            for (int64_t i = 0; i < mid; ++i) token_sig[static_cast<size_t>(lo + i) * W + w] = full;
+        }
+        int64_t worst[kFewDrops];
+        for (int h = 0; h < H; ++h) {
+            worst_tokens(scores + h * n + lo, mid, few, worst);
+            for (int64_t r = 0; r < few; ++r) bit_of(worst[r], h) &= ~(uint64_t(1) << (h % 64));
+        }
+    } else {
+        std::vector<uint8_t> decision(static_cast<size_t>(mid));
+        for (int h = 0; h < H; ++h) {
+            const float* s = scores + h * n + lo;
+            if (p.signature_threshold) {
+                float mean = 0.0f;
+                for (int64_t i = 0; i < mid; ++i) mean += s[i];
+                mean /= static_cast<float>(mid);
+                for (int64_t i = 0; i < mid; ++i) decision[static_cast<size_t>(i)] = s[i] >= mean;
+            } else {
+                topk_mask(s, mid, per_head_keep, decision.data());
+            }
+            for (int64_t i = 0; i < mid; ++i) bit_of(i, h) |= uint64_t(decision[static_cast<size_t>(i)]) << (h % 64);
         }
     }
-    std::vector<char> is_important(static_cast<size_t>(n), 0);
-    for (int64_t i : important) is_important[static_cast<size_t>(i)] = 1;
     std::vector<int64_t> evictable;
+    evictable.reserve(static_cast<size_t>(n - budget + reps));
     for (int64_t i = 0; i < n; ++i)
-        if (!is_important[static_cast<size_t>(i)]) evictable.push_back(i);
+        if (!kept[static_cast<size_t>(i)]) evictable.push_back(i);
     const int64_t m = static_cast<int64_t>(evictable.size());
+    auto sig = [&](int64_t e) { return token_sig.data() + static_cast<size_t>(evictable[static_cast<size_t>(e)]) * W; };
 
-    // signatures and anchors
-    const size_t W = (static_cast<size_t>(H) + 63) / 64;
-    std::vector<uint64_t> sig(static_cast<size_t>(m) * W, 0);
+    // anchors (the mean anchor: per-bit majority of the evictable tokens)
     std::vector<int64_t> ones(static_cast<size_t>(H), 0);
-    for (int64_t e = 0; e < m; ++e)
-        for (int h = 0; h < H; ++h)
-            if (bit[static_cast<size_t>(h * n + evictable[static_cast<size_t>(e)])]) {
-                sig[static_cast<size_t>(e) * W + h / 64] |= uint64_t(1) << (h % 64);
-                ++ones[static_cast<size_t>(h)];
-            }
+    const bool mean_anchor = std::any_of(p.anchors.begin(), p.anchors.end(), [](const Anchor& a) { return a.mean; });
+    for (int64_t e = 0; e < m && mean_anchor; ++e)
+        for (size_t w = 0; w < W; ++w)
+            for (uint64_t x = sig(e)[w]; x; x &= x - 1) ++ones[w * 64 + static_cast<size_t>(__builtin_ctzll(x))];
     const size_t A = p.anchors.size();
     std::vector<Words> anchors;
     for (const Anchor& a : p.anchors) {
@@ -97,48 +115,66 @@ std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64
     }
     std::vector<int64_t> dist(static_cast<size_t>(m) * A);
     for (int64_t e = 0; e < m; ++e)
-        for (size_t a = 0; a < A; ++a)
-            dist[static_cast<size_t>(e) * A + a] = hamming(sig.data() + static_cast<size_t>(e) * W, anchors[a].data(), W);
+        for (size_t a = 0; a < A; ++a) dist[static_cast<size_t>(e) * A + a] = hamming(sig(e), anchors[a].data(), W);
 
-    // bucket order: by distance (tuple of distances, or nearest anchor then its distance), ties by position
-    std::vector<int64_t> order(static_cast<size_t>(m));
-    std::iota(order.begin(), order.end(), int64_t(0));
+    // bucket order: by distance (tuple of distances, or nearest anchor then its distance), ties by
+    // position. Distances are at most H, so the order is a counting sort on one small integer key
+    // whenever the key range is small; a comparison sort otherwise (many heads and anchors).
     const int64_t* D = dist.data();
+    const int64_t base = H + 1;
+    std::vector<int64_t> key(static_cast<size_t>(m));
+    int64_t key_range = 1;
+    bool small = true;
     if (p.multi_nearest && A > 1) {
-        std::vector<int64_t> which(static_cast<size_t>(m)), dmin(static_cast<size_t>(m));
+        key_range = static_cast<int64_t>(A) * base;
         for (int64_t e = 0; e < m; ++e) {
             size_t best = 0;
             for (size_t a = 1; a < A; ++a)
                 if (D[e * A + a] < D[e * A + best]) best = a;
-            which[static_cast<size_t>(e)] = static_cast<int64_t>(best);
-            dmin[static_cast<size_t>(e)] = D[e * A + best];
+            key[static_cast<size_t>(e)] = static_cast<int64_t>(best) * base + D[e * A + best];
         }
-        std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-            if (which[x] != which[y]) return which[x] < which[y];
-            return dmin[x] < dmin[y];
-        });
     } else {
-        std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-            for (size_t a = 0; a < A; ++a)
-                if (D[x * A + a] != D[y * A + a]) return D[x * A + a] < D[y * A + a];
-            return false;
-        });
+        for (size_t a = 0; a < A && small; ++a) small = (key_range *= base) <= (int64_t(1) << 20);
+        if (small)
+            for (int64_t e = 0; e < m; ++e) {
+                int64_t k = 0;
+                for (size_t a = 0; a < A; ++a) k = k * base + D[e * A + a];
+                key[static_cast<size_t>(e)] = k;
+            }
+    }
+    std::vector<int64_t> order(static_cast<size_t>(m));
+    if (small && key_range <= 4 * m + 1024) {
+        std::vector<int64_t> start(static_cast<size_t>(key_range) + 1, 0);
+        for (int64_t k : key) ++start[static_cast<size_t>(k) + 1];
+        for (int64_t k = 0; k < key_range; ++k) start[static_cast<size_t>(k) + 1] += start[static_cast<size_t>(k)];
+        for (int64_t e = 0; e < m; ++e) order[static_cast<size_t>(start[static_cast<size_t>(key[static_cast<size_t>(e)])]++)] = e;
+    } else {
+        std::iota(order.begin(), order.end(), int64_t(0));
+        if (small)
+            std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
+        else
+            std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+                for (size_t a = 0; a < A; ++a)
+                    if (D[x * A + a] != D[y * A + a]) return D[x * A + a] < D[y * A + a];
+                return false;
+            });
     }
 
     // one representative per bucket
-    std::vector<int64_t> keep = important;
     const int64_t buckets = std::min(reps, m);
+    auto member = [&](int64_t i) { return evictable[static_cast<size_t>(order[static_cast<size_t>(i)])]; };
     for (int64_t j = 0; j < buckets; ++j) {
         const int64_t s = j * m / buckets, e = (j + 1) * m / buckets;
         int64_t best = s;
         if (!p.representative_first)
             for (int64_t i = s + 1; i < e; ++i)
-                if (combined[static_cast<size_t>(evictable[static_cast<size_t>(order[static_cast<size_t>(i)])])] >
-                    combined[static_cast<size_t>(evictable[static_cast<size_t>(order[static_cast<size_t>(best)])])])
-                    best = i;
-        keep.push_back(evictable[static_cast<size_t>(order[static_cast<size_t>(best)])]);
+                if (combined[static_cast<size_t>(member(i))] > combined[static_cast<size_t>(member(best))]) best = i;
+        kept[static_cast<size_t>(member(best))] = 1;
     }
-    std::sort(keep.begin(), keep.end());
+    std::vector<int64_t> keep;
+    keep.reserve(static_cast<size_t>(budget));
+    for (int64_t i = 0; i < n; ++i)
+        if (kept[static_cast<size_t>(i)]) keep.push_back(i);
     return keep;
 }
 

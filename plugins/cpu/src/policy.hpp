@@ -31,6 +31,13 @@ void before_attention(Sequence& seq, int layer, bool prefill, int64_t L);
 void after_attention(Sequence& seq, int layer, bool prefill);
 
 // importance.cpp
+// The `count` (<= kFewDrops) lowest-ranked tokens, worst first, in the reference's order (the
+// lowest score, the latest token on ties): what a decode step drops from a full head.
+constexpr int64_t kFewDrops = 8;
+void worst_tokens(const float* scores, int64_t n, int64_t count, int64_t* out);
+// mask[i] = 1 for the k highest scores (ties to the lower index), the reference's top-k; O(n)
+void topk_mask(const float* scores, int64_t n, int64_t k, uint8_t* mask);
+// the same tokens as ascending indices
 std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k);
 std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent);
 void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool avg);
