@@ -187,7 +187,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_kvcrush_select": ([p_f32, i32, i64, i64, i64, i64, i64, i64, ctypes.c_char_p, p_i64], i64),
         "ovkc_cluster_stats": ([i64, i32, i32, p_i64], i64),
         "ovkc_cluster_read": ([i64, i32, i32, i32, i64, p_i64], i64),
-        "ovkc_kmeans": ([p_f32, i64, i32, i64, i64, i64, i64, p_i32, p_f32, p_i64], i64),
+        "ovkc_kmeans": ([p_f32, i64, i32, i64, i64, i64, i64, i32, p_i32, p_f32, p_i64, p_i64], i64),
         "ovkc_seq_read_degrees": ([i64, i32, i32, i64, p_f32], i64),
     }
     for name, (args, res) in sigs.items():
@@ -296,10 +296,25 @@ class ClusterStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
-def kmeans(x: np.ndarray, k: int, *, max_iters: int = 20, seed: int = 0, row: int = 0):
+@dataclass(frozen=True)
+class KMeansResult:
+    """The op's k-means of one head: what the tests compare with the reference (and brute force)."""
+
+    labels: np.ndarray  #: [n] int32
+    centroids: np.ndarray  #: [min(k, n), d]: the plain mean of each cluster's vectors
+    sizes: np.ndarray  #: [min(k, n)] int64
+    iterations: int
+    #: rows whose similarities were computed, summed over the iterations (the bounds skip the rest)
+    rows_assigned: int
+
+
+def kmeans(
+    x: np.ndarray, k: int, *, max_iters: int = 20, seed: int = 0, row: int = 0, bounded: bool = True
+) -> KMeansResult:
     """The op's ``kmeans_cosine`` of ``x`` ``[n, d]`` as batch row ``row``.
 
-    Returns ``(labels, centroids, sizes, iterations)``; for the tests against the reference.
+    ``bounded=False`` recomputes every similarity at every iteration: the brute-force oracle the
+    bounded assignment must equal exactly.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, d = x.shape
@@ -307,6 +322,7 @@ def kmeans(x: np.ndarray, k: int, *, max_iters: int = 20, seed: int = 0, row: in
     labels = np.zeros(n, dtype=np.int32)
     centroids = np.zeros((kk, d), dtype=np.float32)
     sizes = np.zeros(kk, dtype=np.int64)
+    assigned = np.zeros(1, dtype=np.int64)
     it = _check(
         load().ovkc_kmeans(
             _ptr(x, ctypes.c_float),
@@ -316,12 +332,14 @@ def kmeans(x: np.ndarray, k: int, *, max_iters: int = 20, seed: int = 0, row: in
             max_iters,
             seed,
             row,
+            int(bounded),
             _ptr(labels, ctypes.c_int32),
             _ptr(centroids, ctypes.c_float),
             _ptr(sizes, ctypes.c_int64),
+            _ptr(assigned, ctypes.c_int64),
         )
     )
-    return labels, centroids, sizes, it
+    return KMeansResult(labels, centroids, sizes, it, int(assigned[0]))
 
 
 class KVPool:

@@ -58,17 +58,38 @@ def test_init_order_and_kmeans_match_the_reference():
         # the op's init_order is only reachable through k-means: k-means with one iteration keeps
         # the initial directions, so each picked vector is labelled with its own cluster
         x = np.random.default_rng(seed % 97).standard_normal((n, 8)).astype(np.float32)
-        labels, _, _, it = plugin.kmeans(x, k, max_iters=1, seed=seed, row=row)
-        assert it == 1
-        assert [int(labels[i]) for i in want] == list(range(len(want)))
+        km1 = plugin.kmeans(x, k, max_iters=1, seed=seed, row=row)
+        assert km1.iterations == 1
+        assert [int(km1.labels[i]) for i in want] == list(range(len(want)))
     keys = layer_vectors(3, tokens=700).keys[0]  # [3, 700, 64]
     km = kmeans_cosine(keys, 20, max_iters=40, seed=9)
     for h in range(3):
-        labels, centroids, sizes, it = plugin.kmeans(keys[h].numpy(), 20, max_iters=40, seed=9, row=h)
-        assert it <= km.iterations
-        np.testing.assert_array_equal(labels, km.labels[h].numpy())
-        np.testing.assert_array_equal(sizes, km.sizes[h].numpy())
-        np.testing.assert_allclose(centroids, km.centroids[h].numpy(), atol=2e-6)
+        op = plugin.kmeans(keys[h].numpy(), 20, max_iters=40, seed=9, row=h)
+        assert op.iterations <= km.iterations
+        np.testing.assert_array_equal(op.labels, km.labels[h].numpy())
+        np.testing.assert_array_equal(op.sizes, km.sizes[h].numpy())
+        np.testing.assert_allclose(op.centroids, km.centroids[h].numpy(), atol=2e-6)
+
+
+@pytest.mark.parametrize(("n", "k", "d"), [(3000, 40, 64), (2000, 300, 64), (900, 7, 16), (5000, 1100, 32)])
+def test_kmeans_bounds_equal_brute_force(n, k, d):
+    """The group bounds skip rows and centroid groups without changing a label, an iteration count
+    or a centroid: the same result as recomputing every similarity at every iteration. Clustered
+    keys (a few directions plus noise) keep labels moving for many iterations, near-ties included;
+    k = 1100 makes several tiles per bound group."""
+    rng = np.random.default_rng(n + k)
+    centres = rng.standard_normal((12, d)).astype(np.float32)
+    x = centres[rng.integers(0, 12, n)] + 0.6 * rng.standard_normal((n, d)).astype(np.float32)
+    x[::97] = x[1::97][: len(x[::97])]  # exact duplicates: equal similarities, ties by index
+    fast = plugin.kmeans(x, k, max_iters=20, seed=3)
+    brute = plugin.kmeans(x, k, max_iters=20, seed=3, bounded=False)
+    assert fast.iterations == brute.iterations
+    np.testing.assert_array_equal(fast.labels, brute.labels)
+    np.testing.assert_array_equal(fast.sizes, brute.sizes)
+    np.testing.assert_array_equal(fast.centroids, brute.centroids)
+    assert brute.rows_assigned == n * brute.iterations
+    if brute.iterations > 3:  # the bounds must actually save work once labels settle
+        assert fast.rows_assigned < brute.rows_assigned
 
 
 def test_kmeans_rejects_bad_arguments():

@@ -149,6 +149,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         std::fill(ob, ob + Hq * L * D, 0.0f);
         // log-sum-exp of each (head, query) row, for the score pass
         std::vector<float> lse(scores ? static_cast<size_t>(Hq * L) : 0);
+        bool fused_scores = false;  // a decode step adds its probabilities during the attention
 
         if (clusterkv_recalls(*seq, layer, prefill)) {
             // 2c. ClusterKV: attend only the recalled working set (its selection time goes to policy_ns)
@@ -169,6 +170,12 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 max_chunks = std::max(max_chunks, chunks[static_cast<size_t>(g)]);
             }
             const int64_t tasks = Hkv * row_tiles * max_chunks;
+            // scores: the attention keeps each row's logits, turned into probabilities below
+            int64_t logit_stride = 0;
+            if (scores)
+                for (int64_t g = 0; g < Hkv; ++g)
+                    logit_stride = std::max(logit_stride, (seq->head(layer, static_cast<int>(g)).size() + 15) / 16 * 16);
+            std::vector<float> logits(static_cast<size_t>(Hq * logit_stride), -std::numeric_limits<float>::infinity());
             // partial results: per task, per row: m, l, out[D]
             const size_t row_floats = static_cast<size_t>(D + 2);
             std::vector<float> part(static_cast<size_t>(tasks) * kMaxRows * row_floats);
@@ -186,6 +193,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         rows.q[r] = qb + h * D;
                         rows.qpos[r] = past;
                         rows.out[r] = partial(t, r) + 2;
+                        if (scores) rows.logits[r] = logits.data() + h * logit_stride;
                         std::fill(rows.out[r], rows.out[r] + D, 0.0f);
                     }
                     if (chunk < chunks[static_cast<size_t>(g)]) {
@@ -212,6 +220,18 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 const float l = merge_partials(partial(first, r), kMaxRows * row_floats, static_cast<int>(max_chunks),
                                                static_cast<int>(D), ob + h * D);
                 if (scores) lse[static_cast<size_t>(h)] = l;
+            }
+            if (scores) {
+                const auto t_scores = Clock::now();
+                tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) {
+                    HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                    for (int gi = 0; gi < G; ++gi) {
+                        const int64_t h = g * G + gi;
+                        add_probabilities(hc, G, gi, logits.data() + h * logit_stride, hc.size(), lse[static_cast<size_t>(h)]);
+                    }
+                });
+                seq->scores_ns[phase] += since(t_scores);
+                fused_scores = true;
             }
         } else {
             // 2b. prefill (or a chunk of a chat turn): rows = kMaxRows consecutive queries of one head
@@ -256,7 +276,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         // 3. per-head scores: each task owns one block of one KV head, so no two tasks add to
         //    the same slot; it recomputes the probabilities of every query row of the group.
         const auto t_scores = Clock::now();
-        if (scores) {
+        if (scores && !fused_scores) {
             int64_t max_blocks = 0;
             for (int64_t g = 0; g < Hkv; ++g)
                 max_blocks = std::max<int64_t>(max_blocks, seq->head(layer, static_cast<int>(g)).blocks.size());

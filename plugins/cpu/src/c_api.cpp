@@ -280,16 +280,19 @@ OVKC_API int64_t ovkc_cluster_read(int64_t seq, int32_t layer, int32_t kv_head, 
 }
 
 // kmeans_cosine of x [n][D] (one batch row `row`): labels [n], centroids [min(k,n)][D], sizes
-// [min(k,n)]. Returns the iterations run.
+// [min(k,n)], and the rows whose similarities were computed over all iterations (bounded = 0:
+// every row every iteration). Returns the iterations run.
 OVKC_API int64_t ovkc_kmeans(const float* x, int64_t n, int32_t D, int64_t k, int64_t max_iters, int64_t seed,
-                             int64_t row, int32_t* labels, float* centroids, int64_t* sizes) {
+                             int64_t row, int32_t bounded, int32_t* labels, float* centroids, int64_t* sizes,
+                             int64_t* rows_assigned) {
     return guarded([&]() -> int64_t {
         if (D < 1 || k < 1 || max_iters < 1 || seed < 0 || row < 0)
             throw ovkc::Error("kmeans: D, k and max_iters must be >= 1, seed and row >= 0");
-        const auto km = ovkc::kmeans_cosine(x, n, D, k, max_iters, seed, row);
+        const auto km = ovkc::kmeans_cosine(x, n, D, k, max_iters, seed, row, bounded != 0);
         std::copy(km.labels.begin(), km.labels.end(), labels);
         std::copy(km.centroids.begin(), km.centroids.end(), centroids);
         std::copy(km.sizes.begin(), km.sizes.end(), sizes);
+        *rows_assigned = km.rows_assigned;
         return km.iterations;
     });
 }

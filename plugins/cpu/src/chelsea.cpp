@@ -13,6 +13,10 @@
 #include <cmath>
 #include <limits>
 
+#if defined(__AVX512F__)
+#    include <immintrin.h>
+#endif
+
 #include "kernels.hpp"
 #include "policy.hpp"
 
@@ -25,35 +29,82 @@ struct Tokens {
     std::vector<float> k, v, w;
     std::vector<int64_t> pos;
     int64_t n = 0;
+    int64_t first_changed;  // slots before it hold what the store holds
 };
+
+// sim[j] = sum over d of a[d] * bt[d][j] (bt: [D][nb], nb a multiple of 16), each lane summing
+// over d in order. Up to 8 registers of 16 B tokens advance together: one FMA chain per register
+// would wait on its own latency.
+#if defined(__AVX512F__)
+template <int T>
+void similarity_tiles(const float* a, const float* bt, int64_t nb, int D, float* sim) {
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        const __m512 x = _mm512_set1_ps(a[d]);
+        const float* row = bt + static_cast<size_t>(d) * nb;
+        for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row + 16 * t), acc[t]);
+    }
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(sim + 16 * t, acc[t]);
+}
+#endif
+
+void similarities(const float* a, const float* bt, int64_t nb, int D, float* sim) {
+#if defined(__AVX512F__)
+    for (int64_t j0 = 0; j0 < nb; j0 += 128) {
+        const float* b = bt + j0;
+        float* out = sim + j0;
+        switch (std::min<int64_t>(8, (nb - j0) / 16)) {
+            case 8: similarity_tiles<8>(a, b, nb, D, out); break;
+            case 7: similarity_tiles<7>(a, b, nb, D, out); break;
+            case 6: similarity_tiles<6>(a, b, nb, D, out); break;
+            case 5: similarity_tiles<5>(a, b, nb, D, out); break;
+            case 4: similarity_tiles<4>(a, b, nb, D, out); break;
+            case 3: similarity_tiles<3>(a, b, nb, D, out); break;
+            case 2: similarity_tiles<2>(a, b, nb, D, out); break;
+            default: similarity_tiles<1>(a, b, nb, D, out); break;
+        }
+    }
+#else
+    std::fill(sim, sim + nb, 0.0f);
+    for (int d = 0; d < D; ++d)
+        for (int64_t j = 0; j < nb; ++j) sim[j] += a[d] * bt[static_cast<size_t>(d) * nb + j];
+#endif
+}
 
 // One matching pass over the slots [lo, hi) of t, merging at most `want` links. Returns the merges.
 int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chunk, int D) {
     const int64_t m = hi - lo;
     std::vector<float> kn(static_cast<size_t>(m) * D);
     normalize_rows(t.k.data() + lo * D, m, D, kn.data());
-    // links in order: chunk by chunk, A tokens ascending
+    // links in order: chunk by chunk, A tokens ascending. A chunk's B keys are transposed
+    // ([D][nb]) so that one A token's similarities to every B token are nb-wide FMAs, each lane
+    // summing over d in order.
     std::vector<int64_t> la, lb;
     std::vector<float> ls;
     const float kNegInf = -std::numeric_limits<float>::infinity();
+    std::vector<float> bt, sim;
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
         const int64_t c1 = std::min(c0 + chunk, m);
+        const int64_t nb = (c1 - c0) / 2;  // B tokens: odd offsets
+        const int64_t nbp = (nb + 15) / 16 * 16;  // rows padded with zeros to whole vectors
+        bt.assign(static_cast<size_t>(nbp) * D, 0.0f);
+        sim.resize(static_cast<size_t>(nbp));
+        for (int64_t j = 0; j < nb; ++j)
+            for (int d = 0; d < D; ++d) bt[static_cast<size_t>(d * nbp + j)] = kn[static_cast<size_t>((c0 + 1 + 2 * j) * D + d)];
         for (int64_t a = c0; a < c1; a += 2) {
-            float best = kNegInf;
-            int64_t bi = -1;
-            const float* ka = kn.data() + a * D;
-            for (int64_t b = c0 + 1; b < c1; b += 2) {
-                const float* kb = kn.data() + b * D;
-                float sim = 0.0f;
-                for (int d = 0; d < D; ++d) sim += ka[d] * kb[d];
-                if (bi < 0 || sim > best) {
-                    best = sim;
-                    bi = b;
-                }
-            }
             la.push_back(a);
-            lb.push_back(bi);
-            ls.push_back(bi < 0 ? kNegInf : best);
+            if (nb == 0) {
+                lb.push_back(-1);
+                ls.push_back(kNegInf);
+                continue;
+            }
+            similarities(kn.data() + a * D, bt.data(), nbp, D, sim.data());
+            int64_t bj = 0;  // the first maximum: the earlier B on ties
+            for (int64_t j = 1; j < nb; ++j)
+                if (sim[static_cast<size_t>(j)] > sim[static_cast<size_t>(bj)]) bj = j;
+            lb.push_back(c0 + 1 + 2 * bj);
+            ls.push_back(sim[static_cast<size_t>(bj)]);
         }
     }
     int64_t usable = 0;
@@ -76,6 +127,7 @@ int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chun
     std::vector<char> alive(static_cast<size_t>(m), 1);
     for (int64_t j : chosen) {
         const int64_t a = la[static_cast<size_t>(j)], b = lb[static_cast<size_t>(j)];
+        t.first_changed = std::min(t.first_changed, lo + std::min(a, b));
         for (int d = 0; d < D; ++d) {
             nk[static_cast<size_t>(b * D + d)] += nk[static_cast<size_t>(a * D + d)];
             nv[static_cast<size_t>(b * D + d)] += nv[static_cast<size_t>(a * D + d)];
@@ -114,10 +166,10 @@ int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target) {
     const int D = cfg.head_dim;
     Tokens t;
     t.n = hc.size();
+    t.first_changed = t.n;
     t.k.resize(static_cast<size_t>(t.n) * D);
     t.v.resize(static_cast<size_t>(t.n) * D);
-    for (int64_t i = 0; i < t.n; ++i)
-        load_token(cfg, seq.pool(), hc, i, t.k.data() + i * D, t.v.data() + i * D);
+    load_tokens(cfg, seq.pool(), hc, 0, t.n, t.k.data(), t.v.data());
     t.w = hc.degree;
     t.pos = hc.pos;
     int64_t passes = 0;
@@ -126,8 +178,9 @@ int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target) {
         if (!merged) break;  // cannot happen with target >= sinks + recent + 1; never loop forever
         ++passes;
     }
-    // write back from the first sink-free slot; blocks past the end go back to the pool
-    for (int64_t i = p.sinks; i < t.n; ++i) store_token(cfg, seq.pool(), hc, i, t.k.data() + i * D, t.v.data() + i * D);
+    // write back from the first slot a merge changed; blocks past the end go back to the pool
+    const int64_t from = std::min(t.first_changed, t.n);
+    store_tokens(cfg, seq.pool(), hc, from, t.n, t.k.data() + from * D, t.v.data() + from * D);
     t.pos.resize(static_cast<size_t>(t.n));
     t.w.resize(static_cast<size_t>(t.n));
     hc.pos = std::move(t.pos);

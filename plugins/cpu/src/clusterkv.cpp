@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -68,6 +70,21 @@ int64_t first_argmax(const float* st, int64_t k, int64_t kp) {
     for (int64_t c = 1; c < k; ++c)
         if (st[c] > st[best]) best = c;
     return best;
+#endif
+}
+
+// The maximum of st[0..k) (st padded to kp, a multiple of 16).
+float max_value(const float* st, int64_t k, int64_t kp) {
+#if defined(__AVX512F__)
+    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < kp; c += 16) {
+        const __mmask16 valid = c + 16 <= k ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(k - c, 0)) - 1);
+        best = _mm512_mask_max_ps(best, valid, best, _mm512_loadu_ps(st + c));
+    }
+    return _mm512_reduce_max_ps(best);
+#else
+    (void)kp;
+    return *std::max_element(st, st + k);
 #endif
 }
 
@@ -126,7 +143,7 @@ void assign_rows(const float* xn, const int64_t* idx, int64_t m, int D, const fl
             labels[i] = static_cast<int32_t>(b);
             best[i] = st[b];
             st[b] = kNegInf;
-            second[i] = k > 1 ? st[first_argmax(st, k, kp)] : kNegInf;
+            second[i] = k > 1 ? max_value(st, k, kp) : kNegInf;
         }
     }
 }
@@ -159,7 +176,8 @@ std::vector<int64_t> init_order(int64_t seed, int64_t row, int64_t n, int64_t k)
     return idx;
 }
 
-KMeans kmeans_cosine(const float* x, int64_t n, int D, int64_t k, int64_t max_iters, int64_t seed, int64_t row) {
+KMeans kmeans_cosine(const float* x, int64_t n, int D, int64_t k, int64_t max_iters, int64_t seed, int64_t row,
+                     bool bounded) {
     if (n <= 0) throw Error("kmeans_cosine needs at least one vector");
     KMeans km;
     k = std::min(k, n);
@@ -187,16 +205,24 @@ KMeans kmeans_cosine(const float* x, int64_t n, int D, int64_t k, int64_t max_it
         ++km.iterations;
         for (int64_t c = 0; c < k; ++c)
             for (int d = 0; d < D; ++d) dT[static_cast<size_t>(d) * kp + c] = dir[static_cast<size_t>(c * D + d)];
-        if (km.iterations > 1) {
-            const float maxdrift = *std::max_element(drift.begin(), drift.end());
+        if (km.iterations > 1 && bounded) {
+            // the other centroids' largest drift: the two largest, as a row's own may be the first
+            int64_t top = 0;
+            for (int64_t c = 1; c < k; ++c)
+                if (drift[static_cast<size_t>(c)] > drift[static_cast<size_t>(top)]) top = c;
+            float next = 0.0f;
+            for (int64_t c = 0; c < k; ++c)
+                if (c != top) next = std::max(next, drift[static_cast<size_t>(c)]);
             todo.clear();
             for (int64_t i = 0; i < n; ++i) {
-                lo[static_cast<size_t>(i)] -= drift[static_cast<size_t>(fresh[static_cast<size_t>(i)])];
-                hi[static_cast<size_t>(i)] += maxdrift;
+                const int32_t own = fresh[static_cast<size_t>(i)];
+                lo[static_cast<size_t>(i)] -= drift[static_cast<size_t>(own)];
+                hi[static_cast<size_t>(i)] += own == top ? next : drift[static_cast<size_t>(top)];
                 if (lo[static_cast<size_t>(i)] - hi[static_cast<size_t>(i)] <= kMargin) todo.push_back(i);
             }
         }
         assign(xn.data(), todo, D, dT.data(), k, kp, fresh.data(), lo.data(), hi.data());
+        km.rows_assigned += static_cast<int64_t>(todo.size());
         if (fresh == km.labels) break;
         km.labels = fresh;
         std::fill(sums.begin(), sums.end(), 0.0f);
@@ -206,6 +232,7 @@ KMeans kmeans_cosine(const float* x, int64_t n, int D, int64_t k, int64_t max_it
             for (int d = 0; d < D; ++d) sc[d] += xi[d];
         }
         old = dir;
+        drift.assign(static_cast<size_t>(k), 0.0f);
         for (int64_t c = 0; c < k; ++c) {
             float* sc = sums.data() + c * D;
             float ss = 0.0f;
@@ -247,7 +274,10 @@ void cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, in
     ClusterHead& ch = *hc.cluster;
     const int64_t n = to - from;
     std::vector<float> x(static_cast<size_t>(n) * D), vals(static_cast<size_t>(n) * D);
-    for (int64_t i = 0; i < n; ++i) load_any(cfg, seq.pool(), hc, from + i, x.data() + i * D, vals.data() + i * D);
+    if (hc.qpos.empty())  // a full-precision store: slot == token, read block by block
+        load_tokens(cfg, seq.pool(), hc, from, to, x.data(), vals.data());
+    else
+        for (int64_t i = 0; i < n; ++i) load_any(cfg, seq.pool(), hc, from + i, x.data() + i * D, vals.data() + i * D);
     // the reference seeds with seed + tokens seen before the clustering step, row = the KV head
     const KMeans km = kmeans_cosine(x.data(), n, D, k, p.max_iters, p.seed + seen, g);
     const int64_t base = ch.C;
@@ -276,11 +306,14 @@ void cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, in
             start[static_cast<size_t>(c + 1)] += start[static_cast<size_t>(c)];
             ch.slot_begin.push_back(from + start[static_cast<size_t>(c)]);
         }
+        std::vector<float> xs(x.size()), vs(vals.size());  // the tokens in slot order
         for (int64_t i = 0; i < n; ++i) {
-            const int64_t slot = from + start[static_cast<size_t>(km.labels[static_cast<size_t>(i)])]++;
-            store_token(cfg, seq.pool(), hc, slot, x.data() + i * D, vals.data() + i * D);
-            hc.pos[static_cast<size_t>(slot)] = from + i;
+            const int64_t j = start[static_cast<size_t>(km.labels[static_cast<size_t>(i)])]++;
+            std::copy_n(x.data() + i * D, D, xs.data() + j * D);
+            std::copy_n(vals.data() + i * D, D, vs.data() + j * D);
+            hc.pos[static_cast<size_t>(from + j)] = from + i;
         }
+        store_tokens(cfg, seq.pool(), hc, from, to, xs.data(), vs.data());
     }
     ch.pending_from = to;
     ch.pending_slab.clear();
@@ -336,12 +369,18 @@ void clusterkv_before_decode(Sequence& seq, int layer, int64_t L) {
     const PoolConfig& cfg = seq.pool().config();
     const MethodParams& p = *cfg.method;
     if (!clusterkv_recalls(seq, layer, false)) return;
+    auto due = [&](int g) {  // the store before this step's tokens holds cluster_every pending ones
+        const HeadCache& hc = seq.head(layer, g);
+        return hc.held() - L - hc.cluster->pending_from >= p.cluster_every;
+    };
+    bool any = false;  // most steps cluster nothing: no parallel dispatch for them
+    for (int g = 0; g < cfg.kv_heads; ++g) any = any || due(g);
+    if (!any) return;
     tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
+        if (!due(g)) return;
         HeadCache& hc = seq.head(layer, g);
-        ClusterHead& ch = *hc.cluster;
-        const int64_t before = hc.held() - L;  // the store before this step's tokens
-        if (before - ch.pending_from < p.cluster_every) return;
-        cluster_range(seq, layer, g, ch.pending_from, before, p.new_clusters, before);
+        const int64_t before = hc.held() - L;
+        cluster_range(seq, layer, g, hc.cluster->pending_from, before, p.new_clusters, before);
     });
 }
 
@@ -360,7 +399,9 @@ void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64
         int64_t pos0;
     };
     std::vector<std::vector<Seg>> segs(static_cast<size_t>(Hkv));
-    tbb::parallel_for(0, Hkv, [&](int g) {
+    // a few microseconds per head: serial (a parallel dispatch would cost as much as the work),
+    // but for the 2-bit store, which may dequantize clusters into slabs
+    auto select = [&](int g) {
         HeadCache& hc = seq.head(layer, g);
         ClusterHead& ch = *hc.cluster;
         const int64_t step = ch.steps++;
@@ -372,22 +413,25 @@ void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64
             const float* qr = q + (static_cast<int64_t>(g) * G * L + r) * D;
             for (int d = 0; d < D; ++d) qsum[static_cast<size_t>(d)] += qr[d];
         }
+        for (int64_t c = 0; c < ch.C; ++c) score[static_cast<size_t>(c)] = dot(qsum.data(), ch.centroids.data() + c * D, D);
+        // whole clusters in rank order (score descending, the lower id on ties), the last one
+        // trimmed to its earliest tokens. Only the first ranks are needed: a min-heap of integer
+        // keys (the score mapped to an order-preserving integer, then the id) yields them in order.
+        std::vector<uint64_t> heap(static_cast<size_t>(ch.C));
         for (int64_t c = 0; c < ch.C; ++c) {
-            const float* mu = ch.centroids.data() + c * D;
-            float dot = 0.0f;
-            for (int d = 0; d < D; ++d) dot += qsum[static_cast<size_t>(d)] * mu[d];
-            score[static_cast<size_t>(c)] = dot;
+            const float x = score[static_cast<size_t>(c)] + 0.0f;  // -0 ranks as +0
+            uint32_t u;
+            std::memcpy(&u, &x, 4);
+            u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending with the float
+            heap[static_cast<size_t>(c)] = (static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(c);
         }
-        std::vector<int32_t> order(static_cast<size_t>(ch.C));
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int32_t a, int32_t b) { return score[static_cast<size_t>(a)] > score[static_cast<size_t>(b)]; });
-        // whole clusters in rank order, the last one trimmed to its earliest tokens
+        std::make_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
         int64_t left = std::min<int64_t>(budget - ch.sinks, static_cast<int64_t>(ch.labels.size()));
         std::vector<int32_t> chosen;
         std::vector<int64_t> take;
-        for (int32_t c : order) {
-            if (left == 0) break;
+        for (auto end = heap.end(); left > 0 && end != heap.begin(); --end) {
+            std::pop_heap(heap.begin(), end, std::greater<uint64_t>());
+            const auto c = static_cast<int32_t>(*(end - 1) & 0xffffffffu);
             const int64_t size = ch.sizes[static_cast<size_t>(c)];
             if (size == 0) continue;
             chosen.push_back(c);
@@ -456,7 +500,11 @@ void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64
         ch.last_chosen = std::move(chosen);
         ch.last_take = std::move(take);
         ch.last_n = n;
-    });
+    };
+    if (p.quant)
+        tbb::parallel_for(0, Hkv, select);
+    else
+        for (int g = 0; g < Hkv; ++g) select(g);
     seq.policy_ns[1] += static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
 
     // attend: one task per (KV head, tile of its G*L query rows, segment); partial softmaxes merged

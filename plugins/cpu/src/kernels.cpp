@@ -91,6 +91,16 @@ void half_to_float(const uint16_t* src, float* dst, int64_t n) {
     for (; i < n; ++i) dst[i] = from_half(src[i]);
 }
 
+void float_to_half(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+#if OVKC_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; ++i) dst[i] = to_half(src[i]);
+}
+
 // ---- float views of a block -------------------------------------------------------------------
 struct Scratch {
     std::vector<float> k, v, s, q;
@@ -99,22 +109,29 @@ thread_local Scratch tls;
 
 // Keys (transposed, [D][bs]) and values ([bs][D]) of a block as floats: the block itself for
 // f32, a converted copy in thread-local scratch for f16.
-void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int ntok, const float*& kt,
+void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0, int j1, const float*& kt,
                   const float*& v) {
-    const size_t kv_elems = static_cast<size_t>(cfg.block_size) * cfg.head_dim;
+    const int bs = cfg.block_size, D = cfg.head_dim;
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
     uint8_t* base = pool.block(block);
     if (cfg.precision == Precision::f32) {
         kt = reinterpret_cast<const float*>(base);
         v = kt + kv_elems;
         return;
     }
-    if (tls.k.size() < kv_elems) {
-        tls.k.resize(kv_elems);
+    if (tls.k.size() < kv_elems + 16) {  // + 16: a window's last padded vector may run past row D - 1
+        tls.k.resize(kv_elems + 16);
         tls.v.resize(kv_elems);
     }
     const auto* h = reinterpret_cast<const uint16_t*>(base);
-    half_to_float(h, tls.k.data(), static_cast<int64_t>(kv_elems));
-    half_to_float(h + kv_elems, tls.v.data(), static_cast<int64_t>(ntok) * cfg.head_dim);
+    if (j0 == 0 && j1 == bs) {
+        half_to_float(h, tls.k.data(), static_cast<int64_t>(kv_elems));
+    } else {  // only the window's columns (padded to whole vectors) of each channel
+        const int w = std::min((j1 - j0 + 15) / 16 * 16, bs - j0);
+        for (int d = 0; d < D; ++d) half_to_float(h + d * bs + j0, tls.k.data() + d * bs + j0, w);
+    }
+    half_to_float(h + kv_elems + static_cast<size_t>(j0) * D, tls.v.data() + static_cast<size_t>(j0) * D,
+                  static_cast<int64_t>(j1 - j0) * D);
     kt = tls.k.data();
     v = tls.v.data();
 }
@@ -350,21 +367,24 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     scaled_queries(rows, D, scale, tls.q, q);
     slot_end = std::min(slot_end, hc.size());
     for (int64_t slot0 = slot_begin / bs * bs; slot0 < slot_end; slot0 += bs) {
-        const int j0 = static_cast<int>(std::max<int64_t>(slot_begin - slot0, 0));  // a range may start mid-block
-        if (hc.pos[static_cast<size_t>(slot0 + j0)] > max_q) break;  // positions ascend: nothing further is causal
-        const int ntok = static_cast<int>(std::min<int64_t>(bs, slot_end - slot0));
+        // the range's part of this block: slots [w0, w0 + ntok), handled as a window starting at
+        // its first slot (a recalled cluster may start and end mid-block: no work on the rest)
+        const int j0 = static_cast<int>(std::max<int64_t>(slot_begin - slot0, 0));
+        const int64_t w0 = slot0 + j0;
+        if (hc.pos[static_cast<size_t>(w0)] > max_q) break;  // positions ascend: nothing further is causal
+        const int ntok = static_cast<int>(std::min<int64_t>(bs, slot_end - slot0)) - j0;
         const float *kt, *v;
-        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], ntok, kt, v);
+        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], j0, j0 + ntok, kt, v);
         const int cols = (ntok + 15) / 16 * 16;
-        qk(rows.n, q, kt, D, bs, cols, S);
-        if (!hc.bias.empty()) add_bias(hc, rows.n, slot0, ntok, bs, S);
-        mask_logits(hc, rows, slot0, ntok, bs, S);
+        qk(rows.n, q, kt + j0, D, bs, cols, S);
+        if (!hc.bias.empty()) add_bias(hc, rows.n, w0, ntok, bs, S);
+        mask_logits(hc, rows, w0, ntok, bs, S);
         for (int r = 0; r < rows.n; ++r) {
             float* s = S + r * bs;
-            std::fill(s, s + j0, kNegInf);
+            if (rows.logits[r]) std::copy(s, s + ntok, rows.logits[r] + w0);
             if (!softmax_step(rows, r, s, cols, D)) std::fill(s, s + cols, 0.0f);  // nothing causal here
         }
-        pv(rows.n, S, bs, v, ntok, D, rows.out);
+        pv(rows.n, S, bs, v + static_cast<size_t>(j0) * D, ntok, D, rows.out);
     }
 }
 
@@ -409,6 +429,18 @@ void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, 
         }
         pv(rows.n, S, bs, slab.v.data() + static_cast<size_t>(j0) * D, ntok, D, rows.out);
     }
+}
+
+float dot(const float* a, const float* b, int n) {
+    int d = 0;
+    float acc = 0.0f;
+#if OVKC_AVX512
+    __m512 v = _mm512_setzero_ps();
+    for (; d + 16 <= n; d += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), v);
+    acc = _mm512_reduce_add_ps(v);
+#endif
+    for (; d < n; ++d) acc += a[d] * b[d];
+    return acc;
 }
 
 void normalize_rows(const float* x, int64_t n, int D, float* out) {
@@ -457,7 +489,7 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
     const float* q[kMaxRows];
     scaled_queries(rows, cfg.head_dim, scale, tls.q, q);
     const float *kt, *v;
-    block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], ntok, kt, v);
+    block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], 0, ntok, kt, v);
     const int cols = (ntok + 15) / 16 * 16;
     qk(rows.n, q, kt, cfg.head_dim, bs, cols, S);
     if (!hc.bias.empty()) add_bias(hc, rows.n, slot0, ntok, bs, S);
@@ -468,6 +500,13 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
         float* dst = hc.scores.data() + static_cast<size_t>(slot0) * G + rows.group_index[r];
         for (int j = 0; j < ntok; ++j) dst[static_cast<size_t>(j) * G] += s[j];
     }
+}
+
+void add_probabilities(HeadCache& hc, int group, int gi, float* logits, int64_t n, float lse) {
+    const int64_t cols = (n + 15) / 16 * 16;
+    for (int64_t j0 = 0; j0 < cols; j0 += 1024) exp_sum(logits + j0, static_cast<int>(std::min<int64_t>(1024, cols - j0)), lse);
+    float* dst = hc.scores.data() + gi;
+    for (int64_t j = 0; j < n; ++j) dst[j * group] += logits[j];
 }
 
 void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, const float* k,
@@ -489,12 +528,74 @@ void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, i
     }
 }
 
+void load_tokens(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t begin, int64_t end, float* k,
+                 float* v) {
+    const int64_t bs = cfg.block_size;
+    const int D = cfg.head_dim;
+    for (int64_t slot0 = begin / bs * bs; slot0 < end; slot0 += bs) {
+        const int64_t j0 = std::max<int64_t>(begin - slot0, 0), j1 = std::min<int64_t>(bs, end - slot0);
+        const float *kt, *vb;
+        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], static_cast<int>(j0), static_cast<int>(j1), kt, vb);
+        float* kr = k + (slot0 + j0 - begin) * D;
+        for (int64_t j = j0; j < j1; ++j, kr += D)
+            for (int d = 0; d < D; ++d) kr[d] = kt[static_cast<size_t>(d) * bs + j];
+        std::copy(vb + j0 * D, vb + j1 * D, v + (slot0 + j0 - begin) * D);
+    }
+}
+
+void store_tokens(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t begin, int64_t end,
+                  const float* k, const float* v) {
+    const int64_t bs = cfg.block_size;
+    const int D = cfg.head_dim;
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
+    std::vector<float> row(static_cast<size_t>(bs));
+    for (int64_t slot0 = begin / bs * bs; slot0 < end; slot0 += bs) {
+        const int64_t j0 = std::max<int64_t>(begin - slot0, 0), j1 = std::min<int64_t>(bs, end - slot0);
+        uint8_t* base = pool.block(hc.blocks[static_cast<size_t>(slot0 / bs)]);
+        const float* kr = k + (slot0 - begin) * D;  // token j of this block: kr + j * D
+        const float* vr = v + (slot0 - begin) * D;
+        if (cfg.precision == Precision::f32) {
+            auto* kt = reinterpret_cast<float*>(base);
+            for (int d = 0; d < D; ++d)
+                for (int64_t j = j0; j < j1; ++j) kt[static_cast<size_t>(d) * bs + j] = kr[j * D + d];
+            std::copy(vr + j0 * D, vr + j1 * D, kt + kv_elems + j0 * D);
+        } else {
+            auto* kt = reinterpret_cast<uint16_t*>(base);
+            for (int d = 0; d < D; ++d) {  // one channel's run of slots, converted together
+                for (int64_t j = j0; j < j1; ++j) row[static_cast<size_t>(j - j0)] = kr[j * D + d];
+                float_to_half(row.data(), kt + static_cast<size_t>(d) * bs + j0, j1 - j0);
+            }
+            float_to_half(vr + j0 * D, kt + kv_elems + j0 * D, (j1 - j0) * D);
+        }
+    }
+}
+
 void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to, int64_t count) {
     const int64_t bs = cfg.block_size;
     const int D = cfg.head_dim;
     const size_t es = cfg.elem_bytes();
     const size_t kv_elems = static_cast<size_t>(bs) * D;
     while (count > 0) {
+        const int64_t delta = from - to;
+        if (to % bs == 0 && delta > 0 && delta < bs && count >= bs) {
+            // a whole destination block fed by its own tail and the next block's head (a decode
+            // step's eviction shifts every later block by one slot): one memmove of each of K^T
+            // and V, then the `delta` slots that cross the block edge, instead of a memmove per
+            // channel and block segment
+            uint8_t* dst = pool.block(hc.blocks[static_cast<size_t>(to / bs)]);
+            const uint8_t* next = pool.block(hc.blocks[static_cast<size_t>(to / bs + 1)]);
+            const size_t tail = static_cast<size_t>(bs - delta);
+            std::memmove(dst, dst + delta * es, (kv_elems - delta) * es);  // rows' last delta slots fixed below
+            for (int d = 0; d < D; ++d)
+                std::memcpy(dst + (static_cast<size_t>(d) * bs + tail) * es, next + static_cast<size_t>(d) * bs * es,
+                            static_cast<size_t>(delta) * es);
+            std::memmove(dst + kv_elems * es, dst + (kv_elems + delta * D) * es, tail * D * es);
+            std::memcpy(dst + (kv_elems + tail * D) * es, next + kv_elems * es, static_cast<size_t>(delta) * D * es);
+            from += bs;
+            to += bs;
+            count -= bs;
+            continue;
+        }
         const int64_t js = from % bs, jd = to % bs;
         const int64_t seg = std::min({count, bs - js, bs - jd});  // neither side crosses a block edge
         const uint8_t* src = pool.block(hc.blocks[static_cast<size_t>(from / bs)]);
@@ -547,7 +648,7 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
     for (int64_t slot0 = 0; slot0 < n; slot0 += bs) {
         const int ntok = static_cast<int>(std::min<int64_t>(bs, n - slot0));
         const float *kt, *v;
-        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], ntok, kt, v);
+        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], 0, ntok, kt, v);
         for (int j = 0; j < ntok; ++j) {
             const int64_t t = slot0 + j;
             uint16_t* kd = out.k.data() + static_cast<size_t>(t / 16) * D * 16 + (t % 16) * 2;

@@ -25,6 +25,7 @@ struct RowSet {
     float m[kMaxRows] = {};         // running max of the scaled logits
     float l[kMaxRows] = {};         // running sum of exp(logit - m)
     int group_index[kMaxRows] = {}; // which query head of the KV group (for scores)
+    float* logits[kMaxRows] = {};   // if set, attend_range stores the row's logits here, by slot
 
     void start();  // m = -inf, l = 0, out = 0
 };
@@ -47,9 +48,21 @@ void finish_rows(RowSet& rows, int head_dim);
 void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, const RowSet& rows,
                        const float* lse, float scale, int64_t block_index);
 
+// The decode step's score pass, fused: attend_range left each row's logits (masked ones -inf)
+// in `logits` (slots [0, n), padded with -inf to a multiple of 16); once the row's log-sum-exp is
+// known, add exp(logit - lse) to hc.scores[slot * group + gi]. The keys are not read again.
+void add_probabilities(HeadCache& hc, int group, int gi, float* logits, int64_t n, float lse);
+
 // Write one token's key and value (head_dim floats each) into slot `slot` of `hc`.
 void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, const float* k,
                  const float* v);
+
+// Slots [begin, end) of `hc` as token-major floats (k and v: (end - begin) * head_dim each), and
+// back: block by block, whole channel runs converted at once (merging rewrites most of a head).
+void load_tokens(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t begin, int64_t end, float* k,
+                 float* v);
+void store_tokens(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t begin, int64_t end,
+                  const float* k, const float* v);
 
 // Compaction after eviction: move `count` consecutive slots from `from` down to `to` (to < from), block segment by segment.
 void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to, int64_t count);
@@ -103,6 +116,10 @@ struct Slab {
 // pos0 >= 0: the slab's tokens sit at consecutive positions from pos0 and are masked causally;
 // pos0 < 0: every token is older than every row.
 void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, int64_t pos0);
+
+// sum of a[d] * b[d] over d < n (16 lanes, then reduced): a short dot product not bound by the
+// latency of one serial chain of adds.
+float dot(const float* a, const float* b, int n);
 
 // out[i] = x[i] / max(|x[i]|, 1e-12) for n rows of D floats (torch's F.normalize): the cosine
 // similarities of ClusterKV's k-means and Chelsea's matching.
