@@ -79,34 +79,35 @@ int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chun
     normalize_rows(t.k.data() + lo * D, m, D, kn.data());
     // links in order: chunk by chunk, A tokens ascending. A chunk's B keys are transposed
     // ([D][nb]) so that one A token's similarities to every B token are nb-wide FMAs, each lane
-    // summing over d in order.
-    std::vector<int64_t> la, lb;
-    std::vector<float> ls;
+    // summing over d in order. Chunks are independent: they run in parallel (nested in the heads'
+    // loop, so an idle core takes chunks of another head).
     const float kNegInf = -std::numeric_limits<float>::infinity();
-    std::vector<float> bt, sim;
-    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-        const int64_t c1 = std::min(c0 + chunk, m);
+    const int64_t chunks = (m + chunk - 1) / chunk;
+    const int64_t links = (m + 1) / 2;  // A tokens: the even offsets (chunks are even-sized)
+    std::vector<int64_t> la(static_cast<size_t>(links)), lb(static_cast<size_t>(links));
+    std::vector<float> ls(static_cast<size_t>(links));
+    tbb::parallel_for(int64_t(0), chunks, [&](int64_t ci) {
+        const int64_t c0 = ci * chunk, c1 = std::min(c0 + chunk, m);
         const int64_t nb = (c1 - c0) / 2;  // B tokens: odd offsets
         const int64_t nbp = (nb + 15) / 16 * 16;  // rows padded with zeros to whole vectors
-        bt.assign(static_cast<size_t>(nbp) * D, 0.0f);
-        sim.resize(static_cast<size_t>(nbp));
+        std::vector<float> bt(static_cast<size_t>(nbp) * D, 0.0f), sim(static_cast<size_t>(nbp));
         for (int64_t j = 0; j < nb; ++j)
             for (int d = 0; d < D; ++d) bt[static_cast<size_t>(d * nbp + j)] = kn[static_cast<size_t>((c0 + 1 + 2 * j) * D + d)];
-        for (int64_t a = c0; a < c1; a += 2) {
-            la.push_back(a);
+        for (int64_t a = c0, l = c0 / 2; a < c1; a += 2, ++l) {  // link l is A token 2l
+            la[static_cast<size_t>(l)] = a;
             if (nb == 0) {
-                lb.push_back(-1);
-                ls.push_back(kNegInf);
+                lb[static_cast<size_t>(l)] = -1;
+                ls[static_cast<size_t>(l)] = kNegInf;
                 continue;
             }
             similarities(kn.data() + a * D, bt.data(), nbp, D, sim.data());
             int64_t bj = 0;  // the first maximum: the earlier B on ties
             for (int64_t j = 1; j < nb; ++j)
                 if (sim[static_cast<size_t>(j)] > sim[static_cast<size_t>(bj)]) bj = j;
-            lb.push_back(c0 + 1 + 2 * bj);
-            ls.push_back(sim[static_cast<size_t>(bj)]);
+            lb[static_cast<size_t>(l)] = c0 + 1 + 2 * bj;
+            ls[static_cast<size_t>(l)] = sim[static_cast<size_t>(bj)];
         }
-    }
+    });
     int64_t usable = 0;
     for (int64_t i = 0; i < static_cast<int64_t>(lb.size()); ++i) usable += lb[static_cast<size_t>(i)] >= 0;
     const int64_t count = std::min(want, usable);
