@@ -180,7 +180,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_seq_reset": ([i64], i64),
         "ovkc_seq_truncate": ([i64, i64], i64),
         "ovkc_seq_stats": ([i64, p_i64], i64),
-        "ovkc_seq_head_tokens": ([i64, p_i64, i64], i64),
+        "ovkc_seq_head_tokens": ([i64, i32, p_i64, i64], i64),
         "ovkc_seq_read_head": ([i64, i32, i32, i64, p_i64, p_f32, p_f32, p_f32], i64),
         "ovkc_keep_indices": ([p_f32, i64, i64, i64, i64, p_i64], i64),
         "ovkc_pool_scores": ([p_f32, i64, i64, i32], i64),
@@ -441,8 +441,17 @@ class KVSequence:
 
     def head_tokens(self) -> np.ndarray:
         """Tokens held per layer and KV head, ``[layers, kv_heads]``."""
+        return self._per_head(0)
+
+    def head_holes(self) -> np.ndarray:
+        """Holes per layer and KV head, ``[layers, kv_heads]``: tokens a decode step evicted whose
+        slots still occupy blocks until a block's worth has gathered and the head is compacted
+        (fewer than ``block_size`` per head; attention skips them, ``head_tokens`` excludes them)."""
+        return self._per_head(1)
+
+    def _per_head(self, what: int) -> np.ndarray:
         out = np.zeros(self.pool.layers * self.pool.kv_heads, dtype=np.int64)
-        _check(self.pool.lib.ovkc_seq_head_tokens(self.handle, _ptr(out, ctypes.c_int64), out.size))
+        _check(self.pool.lib.ovkc_seq_head_tokens(self.handle, what, _ptr(out, ctypes.c_int64), out.size))
         return out.reshape(self.pool.layers, self.pool.kv_heads)
 
     def read_head(self, layer: int, kv_head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -174,8 +174,11 @@ def test_op_keeps_the_reference_tokens(ov_core, case, layer):
         for g in range(HKV):
             assert got[g].size <= cap, f"{case} step {step} head {g} holds {got[g].size} > {cap}"
         st = seq.stats()
-        # 2-bit blocks are always full and the residual starts on a block edge
-        assert st.blocks_held + st.qblocks_held == sum(math.ceil(n / bs) for n in held)
+        # 2-bit blocks are always full and the residual starts on a block edge; a decode step's
+        # evictions leave fewer than a block of holes per head before it is compacted
+        holes = seq.head_holes()
+        assert (holes < bs).all() and (holes[:layer].sum() + holes[layer + 1 :].sum()) == 0
+        assert st.blocks_held + st.qblocks_held == sum(math.ceil(n / bs) for n in held + holes[layer])
         ps = pool.stats()
         assert ps.kv_bytes == st.kv_bytes == st.blocks_held * pool.block_bytes + st.qblocks_held * ps.qblock_bytes
         if step == 0:
@@ -185,6 +188,29 @@ def test_op_keeps_the_reference_tokens(ov_core, case, layer):
     if quant:
         assert st.qblocks_held > first_qblocks  # decode tokens were flushed into the 2-bit store
         assert pool.stats().qblock_bytes * 4 <= pool.block_bytes  # f32 here: 2 bits + scales is < 1/4
+
+
+def test_decode_evictions_wait_as_holes_until_a_block_gathers(ov_core):
+    """A decode step's eviction leaves a hole (not held, attention skips it, the reference's output
+    still matches: the test above), compaction comes once a block's worth has gathered, and
+    truncating a head with holes keeps exactly the earlier tokens it held."""
+    cfg = make("h2o")
+    prompt, bs = 192, 32
+    seen_holes, before = [], None
+    for _step, got, want, _out, _ref, seq, _pool in run_both(ov_core, cfg, prompt=prompt, decode=45, block_size=bs):
+        holes = seq.head_holes()[0]
+        seen_holes.append(int(holes.max()))
+        assert all(np.array_equal(got[g], want[g]) for g in range(HKV))
+        before = got
+    assert max(seen_holes) == bs - 1 and 0 in seen_holes[2:], seen_holes  # gathered, then compacted
+    assert seen_holes[-1] > 0  # the run ends with holes pending
+    cut = prompt + 20
+    seq.truncate(cut)
+    for g in range(HKV):
+        np.testing.assert_array_equal(seq.read_head(0, g)[0], before[g][before[g] < cut])
+    st = seq.stats()
+    slots = seq.head_tokens() + seq.head_holes()
+    assert st.blocks_held == sum(math.ceil(n / bs) for n in slots.flat)
 
 
 def test_registry_methods_are_mapped_or_refused():

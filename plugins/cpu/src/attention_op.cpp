@@ -110,6 +110,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         for (int64_t g = 0; g < Hkv; ++g) {
             HeadCache& hc = seq->head(layer, static_cast<int>(g));
             try {
+                if (L > 1) compact(*seq, hc);  // a chat turn's tokens attend a hole-free head (bf16 path)
                 seq->reserve(hc, L);
             } catch (const Error& e) {
                 OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
@@ -117,10 +118,8 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             const int64_t base = hc.size();
             hc.pos.resize(static_cast<size_t>(base + L));
             if (cfg.keeps_scores()) hc.scores.resize(static_cast<size_t>(base + L) * G, 0.0f);
-            if (!hc.degree.empty()) {
-                hc.degree.resize(static_cast<size_t>(base + L), 1.0f);
-                hc.bias.resize(static_cast<size_t>(base + L), 0.0f);
-            }
+            if (!hc.degree.empty()) hc.degree.resize(static_cast<size_t>(base + L), 1.0f);
+            if (!hc.bias.empty()) hc.bias.resize(static_cast<size_t>(base + L), 0.0f);
             const float* kh = kd + ((b * Hkv + g) * L) * D;
             const float* vh = vd + ((b * Hkv + g) * L) * D;
             for (int64_t i = 0; i < L; ++i) {

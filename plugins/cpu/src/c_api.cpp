@@ -147,16 +147,22 @@ OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
     });
 }
 
-// Tokens held per (layer, KV head): out has layers * kv_heads entries.
-OVKC_API int64_t ovkc_seq_head_tokens(int64_t seq, int64_t* out, int64_t capacity) {
+// Per (layer, KV head), out has layers * kv_heads entries: what = 0, the tokens held; what = 1,
+// the holes (tokens a decode step evicted whose slots are compacted away once a block's worth
+// has gathered: they still occupy their blocks).
+OVKC_API int64_t ovkc_seq_head_tokens(int64_t seq, int32_t what, int64_t* out, int64_t capacity) {
     return guarded([&]() -> int64_t {
         auto s = Registry::get().sequence(seq);
         std::lock_guard<std::mutex> lock(s->mu);
         const auto& cfg = s->pool().config();
         const int64_t n = static_cast<int64_t>(cfg.layers) * cfg.kv_heads;
         if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
+        if (what != 0 && what != 1) throw ovkc::Error("what=" + std::to_string(what) + " is invalid: allowed 0 (tokens), 1 (holes)");
         for (int l = 0; l < cfg.layers; ++l)
-            for (int g = 0; g < cfg.kv_heads; ++g) out[l * cfg.kv_heads + g] = s->head(l, g).held();
+            for (int g = 0; g < cfg.kv_heads; ++g) {
+                const auto& h = s->head(l, g);
+                out[l * cfg.kv_heads + g] = what ? h.holes : h.held();
+            }
         return n;
     });
 }
@@ -176,14 +182,16 @@ OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head,
         if (capacity < n) throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(n));
         const int D = cfg.head_dim, G = cfg.group();
         std::vector<float> kbuf(D), vbuf(D);
-        for (int64_t i = 0; i < n; ++i) {
-            const bool q = i < nq;  // 2-bit tokens first (dequantized), then the full-precision slots
-            const int64_t slot = i - nq;
-            if (positions) positions[i] = q ? hc.qpos[static_cast<size_t>(i)] : hc.pos[static_cast<size_t>(slot)];
+        int64_t i = 0;  // output row; holes (evicted, not yet compacted) are skipped
+        for (int64_t at = 0; at < nq + hc.size(); ++at) {
+            const bool q = at < nq;  // 2-bit tokens first (dequantized), then the full-precision slots
+            const int64_t slot = at - nq;
+            if (!q && hc.hole(slot)) continue;
+            if (positions) positions[i] = q ? hc.qpos[static_cast<size_t>(at)] : hc.pos[static_cast<size_t>(slot)];
             if (keys || values) {
                 if (q)
-                    ovkc::dequantize_token(cfg, s->pool().qblock(hc.qblocks[static_cast<size_t>(i / cfg.block_size)]),
-                                           static_cast<int>(i % cfg.block_size), kbuf.data(), vbuf.data());
+                    ovkc::dequantize_token(cfg, s->pool().qblock(hc.qblocks[static_cast<size_t>(at / cfg.block_size)]),
+                                           static_cast<int>(at % cfg.block_size), kbuf.data(), vbuf.data());
                 else
                     ovkc::load_token(cfg, s->pool(), hc, slot, kbuf.data(), vbuf.data());
                 if (keys) std::memcpy(keys + i * D, kbuf.data(), sizeof(float) * D);
@@ -192,6 +200,7 @@ OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head,
             if (scores)
                 for (int g = 0; g < G; ++g)
                     scores[i * G + g] = cfg.keeps_scores() && !q ? hc.scores[static_cast<size_t>(slot * G + g)] : 0.0f;
+            ++i;
         }
         return n;
     });

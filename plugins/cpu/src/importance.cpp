@@ -140,16 +140,23 @@ void importance_step(Sequence& seq, int layer, bool prefill) {
     if (prefill) pool_prompt_scores(seq, layer);
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
-        const int64_t n = hc.size();
+        const int64_t n = hc.size() - hc.holes;  // the tokens held, in slot (= position) order
         if (!budget || n <= budget || (!prefill && p.frozen)) continue;
+        const std::vector<int64_t> live = live_slots(hc);
         std::vector<float> combined(static_cast<size_t>(n), 0.0f);
         if (p.scoring != Scoring::none)
             for (int64_t i = 0; i < n; ++i) {
-                float s = 0.0f;
-                for (int gi = 0; gi < G; ++gi) s += hc.scores[static_cast<size_t>(i * G + gi)];
-                combined[static_cast<size_t>(i)] = s;
+                const float* s = hc.scores.data() + live[static_cast<size_t>(i)] * G;
+                float sum = 0.0f;
+                for (int gi = 0; gi < G; ++gi) sum += s[gi];
+                combined[static_cast<size_t>(i)] = sum;
             }
-        keep_slots(seq, hc, keep_indices(combined.data(), n, budget, p.sinks, p.recent));
+        std::vector<int64_t> keep = keep_indices(combined.data(), n, budget, p.sinks, p.recent);
+        for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
+        if (prefill)
+            keep_slots(seq, hc, keep);
+        else
+            evict_slots(seq, hc, keep);
     }
 }
 

@@ -211,24 +211,33 @@ void kvcrush_step(Sequence& seq, int layer, bool prefill) {
     const MethodParams& p = *cfg.method;
     const int G = cfg.group(), H = cfg.q_heads;
     const int64_t budget = p.budget(layer);
-    const int64_t n = seq.head(layer, 0).size();
+    const HeadCache& first = seq.head(layer, 0);
+    const int64_t n = first.size() - first.holes;  // every KV head holds the same tokens (and holes)
     if (prefill) pool_prompt_scores(seq, layer);
     if (!budget || n <= budget || (!prefill && p.frozen)) return;
+    const std::vector<int64_t> live = live_slots(first);
     std::vector<float> scores(static_cast<size_t>(H) * n);  // [q head][token], q head = kv head * G + gi
     for (int g = 0; g < cfg.kv_heads; ++g) {
         const HeadCache& hc = seq.head(layer, g);
-        if (hc.size() != n) throw Error("KVCrush: KV heads of layer " + std::to_string(layer) + " hold different tokens");
+        if (hc.size() != first.size() || hc.holes != first.holes)
+            throw Error("KVCrush: KV heads of layer " + std::to_string(layer) + " hold different tokens");
         for (int gi = 0; gi < G; ++gi)
             for (int64_t i = 0; i < n; ++i)
-                scores[static_cast<size_t>((g * G + gi) * n + i)] = hc.scores[static_cast<size_t>(i * G + gi)];
+                scores[static_cast<size_t>((g * G + gi) * n + i)] = hc.scores[static_cast<size_t>(live[static_cast<size_t>(i)] * G + gi)];
     }
-    if (p.block_wise) {
+    if (p.block_wise) {  // no holes: blocks are dropped whole
         const auto keep =
             kvcrush_select_blocks(scores.data(), H, n, cfg.block_size, budget, p.sinks, p.recent, p.representatives, p);
         for (int g = 0; g < cfg.kv_heads; ++g) keep_blocks(seq, seq.head(layer, g), keep);
     } else {
-        const auto keep = kvcrush_select(scores.data(), H, n, budget, p.sinks, p.recent, p.representatives, p);
-        for (int g = 0; g < cfg.kv_heads; ++g) keep_slots(seq, seq.head(layer, g), keep);
+        auto keep = kvcrush_select(scores.data(), H, n, budget, p.sinks, p.recent, p.representatives, p);
+        for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
+        for (int g = 0; g < cfg.kv_heads; ++g) {
+            if (prefill)
+                keep_slots(seq, seq.head(layer, g), keep);
+            else
+                evict_slots(seq, seq.head(layer, g), keep);
+        }
     }
 }
 

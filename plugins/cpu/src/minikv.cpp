@@ -19,6 +19,7 @@ void quant_flush(Sequence& seq, int layer) {
     const int T = cfg.block_size, D = cfg.head_dim, G = cfg.group();
     std::vector<float> k(static_cast<size_t>(T) * D), v(static_cast<size_t>(T) * D);
     for (int g = 0; g < cfg.kv_heads; ++g) {
+        compact(seq, seq.head(layer, g));  // (a frozen selection leaves no holes; never quantize one)
         HeadCache& hc = seq.head(layer, g);
         const int64_t chunk = hc.size() / p.residual * p.residual;  // a multiple of the block size
         if (!chunk) continue;

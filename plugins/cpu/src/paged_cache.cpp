@@ -140,6 +140,7 @@ void Sequence::reset() {
         h.scores.clear();
         h.degree.clear();
         h.bias.clear();
+        h.holes = 0;
         h.cluster.reset();
     }
     std::fill(seen_.begin(), seen_.end(), 0);
@@ -168,6 +169,7 @@ void Sequence::truncate(int64_t tokens) {
         if (!h.scores.empty()) h.scores.resize(static_cast<size_t>(keep) * G);
         if (!h.degree.empty()) h.degree.resize(static_cast<size_t>(keep));
         if (!h.bias.empty()) h.bias.resize(static_cast<size_t>(keep));
+        h.holes = std::count(h.bias.begin(), h.bias.end(), HeadCache::kHole);  // holes stay masked
         if (h.cluster) h.cluster->pending_slab.clear();
         trim_blocks(h);
     }

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -104,7 +105,10 @@ struct HeadCache {
     std::vector<int64_t> pos;     // absolute position of each held slot, ascending
     std::vector<float> scores;    // [slot][group] accumulated probabilities (when enabled)
     std::vector<float> degree;    // Chelsea: original tokens each slot stands for (empty: all 1)
-    std::vector<float> bias;      // Chelsea: log(degree), added to the slot's logits
+    // added to the slot's logits: Chelsea's log(degree); -inf marks a hole, a token evicted by a
+    // decode step but not yet compacted away (empty: no Chelsea, no holes)
+    std::vector<float> bias;
+    int64_t holes = 0;
     // MiniKV's 2-bit store: full 2-bit blocks of tokens older than every slot above
     std::vector<int32_t> qblocks;
     std::vector<int64_t> qpos;
@@ -112,8 +116,10 @@ struct HeadCache {
     std::shared_ptr<ClusterHead> cluster;
     // slots of the full-precision blocks (the residual, when there is a 2-bit store)
     int64_t size() const { return static_cast<int64_t>(pos.size()); }
-    // every token held: 2-bit and full precision
-    int64_t held() const { return static_cast<int64_t>(pos.size() + qpos.size()); }
+    bool hole(int64_t slot) const { return holes && bias[static_cast<size_t>(slot)] == kHole; }
+    // every token held: 2-bit and full precision, holes not counted
+    int64_t held() const { return static_cast<int64_t>(pos.size() + qpos.size()) - holes; }
+    static constexpr float kHole = -std::numeric_limits<float>::infinity();
 };
 
 class Sequence {

@@ -31,7 +31,35 @@ void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) 
     if (!hc.scores.empty()) hc.scores.resize(static_cast<size_t>(k) * G);
     if (!hc.degree.empty()) hc.degree.resize(static_cast<size_t>(k));
     if (!hc.bias.empty()) hc.bias.resize(static_cast<size_t>(k));
+    hc.holes = 0;  // kept slots are live ones
+    if (hc.degree.empty()) hc.bias.clear();  // no Chelsea: the bias only marked holes
     seq.trim_blocks(hc);
+}
+
+std::vector<int64_t> live_slots(const HeadCache& hc) {
+    std::vector<int64_t> live;
+    live.reserve(static_cast<size_t>(hc.size() - hc.holes));
+    for (int64_t i = 0; i < hc.size(); ++i)
+        if (!hc.hole(i)) live.push_back(i);
+    return live;
+}
+
+void compact(Sequence& seq, HeadCache& hc) {
+    if (hc.holes) keep_slots(seq, hc, live_slots(hc));
+}
+
+void evict_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {
+    if (hc.bias.empty()) hc.bias.assign(static_cast<size_t>(hc.size()), 0.0f);
+    size_t j = 0;
+    for (int64_t i = 0; i < hc.size(); ++i) {
+        if (j < keep.size() && keep[j] == i) {
+            ++j;
+        } else if (!hc.hole(i)) {
+            hc.bias[static_cast<size_t>(i)] = HeadCache::kHole;
+            ++hc.holes;
+        }
+    }
+    if (hc.holes >= seq.pool().config().block_size) compact(seq, hc);
 }
 
 void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {

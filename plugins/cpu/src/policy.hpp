@@ -18,6 +18,16 @@ namespace ovkc {
 // scores and degree with them; blocks past the new end go back to the pool.
 void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
 
+// Drop the slots of a head not in `keep` (ascending), after a decode step's eviction: they become
+// holes (masked in the attention, not counted as held) and the head is compacted with keep_slots
+// only once a block's worth of holes has gathered. One eviction per step would otherwise shift
+// every later slot of the head, step after step: a copy of about half the head per step.
+void evict_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
+// Compact the holes away (before a multi-token step, a flush or a merge); no-op without holes.
+void compact(Sequence& seq, HeadCache& hc);
+// The slots of a head that are not holes, ascending.
+std::vector<int64_t> live_slots(const HeadCache& hc);
+
 // Keep whole blocks: `keep` lists token slots made of complete blocks (ascending) plus, possibly,
 // the trailing partial block. The block table is rewritten, no key/value is copied.
 void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
