@@ -20,6 +20,38 @@ namespace ovkc {
 
 namespace {
 
+// out[i] = s[i][0] + s[i][1] + ... (in that order, as the reference sums a group's heads), for
+// rows of G floats; G known at compile time for the usual group sizes, so the loop vectorizes.
+template <int G>
+void group_sums_of(const float* s, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; ++i) {
+        float sum = s[i * G];
+        for (int gi = 1; gi < G; ++gi) sum += s[i * G + gi];
+        out[i] = sum;
+    }
+}
+
+void group_sums(const float* s, int64_t n, int G, float* out) {
+    switch (G) {
+        case 1: return group_sums_of<1>(s, n, out);
+        case 2: return group_sums_of<2>(s, n, out);
+        case 3: return group_sums_of<3>(s, n, out);
+        case 4: return group_sums_of<4>(s, n, out);
+        case 8: return group_sums_of<8>(s, n, out);
+        default:
+            for (int64_t i = 0; i < n; ++i) {
+                float sum = s[i * G];
+                for (int gi = 1; gi < G; ++gi) sum += s[i * G + gi];
+                out[i] = sum;
+            }
+    }
+}
+
+std::vector<float>& tls_combined() {
+    thread_local std::vector<float> buf;
+    return buf;
+}
+
 float min_value(const float* x, int64_t n) {
     float v = std::numeric_limits<float>::infinity();
     int64_t i = 0;
@@ -142,15 +174,29 @@ void importance_step(Sequence& seq, int layer, bool prefill) {
         HeadCache& hc = seq.head(layer, g);
         const int64_t n = hc.size() - hc.holes;  // the tokens held, in slot (= position) order
         if (!budget || n <= budget || (!prefill && p.frozen)) continue;
+        if (!prefill && n - budget <= kFewDrops) {
+            // a decode step drops one token (or a few): the worst of the middle, straight from the
+            // slots, no index lists. The middle: after the first `sinks` and before the last
+            // `recent` tokens held; holes score +inf there, so they are never picked again.
+            int64_t lo = 0, hi = hc.size();
+            for (int64_t c = 0; c < p.sinks; ++lo) c += !hc.hole(lo);
+            for (int64_t c = 0; c < p.recent;) c += !hc.hole(--hi);
+            std::vector<float>& mid = tls_combined();
+            mid.assign(static_cast<size_t>(hi - lo), 0.0f);
+            if (p.scoring != Scoring::none) group_sums(hc.scores.data() + lo * G, hi - lo, G, mid.data());
+            if (hc.holes)
+                for (int64_t i = lo; i < hi; ++i)
+                    if (hc.bias[static_cast<size_t>(i)] == HeadCache::kHole) mid[static_cast<size_t>(i - lo)] = std::numeric_limits<float>::infinity();
+            int64_t worst[kFewDrops];
+            worst_tokens(mid.data(), hi - lo, n - budget, worst);
+            for (int64_t r = 0; r < n - budget; ++r) worst[r] += lo;
+            make_holes(seq, hc, worst, n - budget);
+            continue;
+        }
         const std::vector<int64_t> live = live_slots(hc);
         std::vector<float> combined(static_cast<size_t>(n), 0.0f);
         if (p.scoring != Scoring::none)
-            for (int64_t i = 0; i < n; ++i) {
-                const float* s = hc.scores.data() + live[static_cast<size_t>(i)] * G;
-                float sum = 0.0f;
-                for (int gi = 0; gi < G; ++gi) sum += s[gi];
-                combined[static_cast<size_t>(i)] = sum;
-            }
+            for (int64_t i = 0; i < n; ++i) group_sums(hc.scores.data() + live[static_cast<size_t>(i)] * G, 1, G, &combined[static_cast<size_t>(i)]);
         std::vector<int64_t> keep = keep_indices(combined.data(), n, budget, p.sinks, p.recent);
         for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
         if (prefill)

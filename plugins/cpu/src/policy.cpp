@@ -1,6 +1,7 @@
 #include "policy.hpp"
 
 #include <algorithm>
+#include <numeric>
 
 #include "clusterkv.hpp"
 #include "kernels.hpp"
@@ -37,10 +38,14 @@ void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) 
 }
 
 std::vector<int64_t> live_slots(const HeadCache& hc) {
-    std::vector<int64_t> live;
-    live.reserve(static_cast<size_t>(hc.size() - hc.holes));
+    std::vector<int64_t> live(static_cast<size_t>(hc.size() - hc.holes));
+    if (!hc.holes) {
+        std::iota(live.begin(), live.end(), int64_t(0));
+        return live;
+    }
+    size_t j = 0;
     for (int64_t i = 0; i < hc.size(); ++i)
-        if (!hc.hole(i)) live.push_back(i);
+        if (hc.bias[static_cast<size_t>(i)] != HeadCache::kHole) live[j++] = i;
     return live;
 }
 
@@ -48,18 +53,28 @@ void compact(Sequence& seq, HeadCache& hc) {
     if (hc.holes) keep_slots(seq, hc, live_slots(hc));
 }
 
-void evict_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {
+void make_holes(Sequence& seq, HeadCache& hc, const int64_t* slots, int64_t count) {
     if (hc.bias.empty()) hc.bias.assign(static_cast<size_t>(hc.size()), 0.0f);
-    size_t j = 0;
-    for (int64_t i = 0; i < hc.size(); ++i) {
-        if (j < keep.size() && keep[j] == i) {
-            ++j;
-        } else if (!hc.hole(i)) {
-            hc.bias[static_cast<size_t>(i)] = HeadCache::kHole;
+    for (int64_t r = 0; r < count; ++r) {
+        float& b = hc.bias[static_cast<size_t>(slots[r])];
+        if (b != HeadCache::kHole) {
+            b = HeadCache::kHole;
             ++hc.holes;
         }
     }
     if (hc.holes >= seq.pool().config().block_size) compact(seq, hc);
+}
+
+void evict_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {
+    std::vector<int64_t> drop;
+    size_t j = 0;
+    for (int64_t i = 0; i < hc.size(); ++i) {
+        if (j < keep.size() && keep[j] == i)
+            ++j;
+        else if (!hc.hole(i))
+            drop.push_back(i);
+    }
+    make_holes(seq, hc, drop.data(), static_cast<int64_t>(drop.size()));
 }
 
 void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep) {

@@ -23,6 +23,8 @@ void keep_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
 // only once a block's worth of holes has gathered. One eviction per step would otherwise shift
 // every later slot of the head, step after step: a copy of about half the head per step.
 void evict_slots(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
+// Turn `count` live slots of a head into holes (then compact if a block's worth has gathered).
+void make_holes(Sequence& seq, HeadCache& hc, const int64_t* slots, int64_t count);
 // Compact the holes away (before a multi-token step, a flush or a merge); no-op without holes.
 void compact(Sequence& seq, HeadCache& hc);
 // The slots of a head that are not holes, ascending.
