@@ -50,29 +50,6 @@ void load_any(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int6
     }
 }
 
-// First index of the maximum of st[0..k) (st padded to kp, a multiple of 16).
-int64_t first_argmax(const float* st, int64_t k, int64_t kp) {
-#if defined(__AVX512F__)
-    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t c = 0; c < kp; c += 16) {
-        const __mmask16 valid = c + 16 <= k ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(k - c, 0)) - 1);
-        best = _mm512_mask_max_ps(best, valid, best, _mm512_loadu_ps(st + c));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-    for (int64_t c = 0; c < kp; c += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(st + c), m, _CMP_EQ_OQ);
-        if (hit) return std::min<int64_t>(c + __builtin_ctz(hit), k - 1);
-    }
-    return 0;
-#else
-    (void)kp;
-    int64_t best = 0;
-    for (int64_t c = 1; c < k; ++c)
-        if (st[c] > st[best]) best = c;
-    return best;
-#endif
-}
-
 // The maximum of st[0..k) (st padded to kp, a multiple of 16).
 float max_value(const float* st, int64_t k, int64_t kp) {
 #if defined(__AVX512F__)
@@ -85,6 +62,24 @@ float max_value(const float* st, int64_t k, int64_t kp) {
 #else
     (void)kp;
     return *std::max_element(st, st + k);
+#endif
+}
+
+// First index of the maximum of st[0..k) (st padded to kp, a multiple of 16).
+int64_t first_argmax(const float* st, int64_t k, int64_t kp) {
+#if defined(__AVX512F__)
+    const __m512 m = _mm512_set1_ps(max_value(st, k, kp));
+    for (int64_t c = 0; c < kp; c += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(st + c), m, _CMP_EQ_OQ);
+        if (hit) return std::min<int64_t>(c + __builtin_ctz(hit), k - 1);
+    }
+    return 0;
+#else
+    (void)kp;
+    int64_t best = 0;
+    for (int64_t c = 1; c < k; ++c)
+        if (st[c] > st[best]) best = c;
+    return best;
 #endif
 }
 
