@@ -15,7 +15,7 @@ from ov_kvcrush.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.errors import UserError
 
 #: Subcommands planned but not built yet → the issue that brings them.
-PLANNED = {"bench": 8}
+PLANNED: dict[str, int] = {}
 #: The demo's compressed runs: (backend, method, extra options).
 DEMO_RUNS = (("genai", "kvcrush", {}), ("torch", "kvcrush", {}), ("torch", "chelsea", {}), ("torch", "minikv", {}))
 DEMO_TOKENS = 2000
@@ -125,6 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_chat_arguments(c)
 
+    bn = sub.add_parser(
+        "bench",
+        help="speed and memory: backends x methods x budgets x lengths vs native full cache and the bandwidth floor",
+        description="Interleaved, repeated runs on fresh passkey prompts; reports TTFT, TPOT (median, p90), "
+        "decode tokens/s, peak RSS, KV bytes and the ratios to native openvino_genai full cache and to the "
+        "memory-bandwidth floor measured in the same run.",
+    )
+    bn.add_argument("--backends", default="genai,openvino", help="genai, openvino, torch (default genai,openvino)")
+    bn.add_argument("--methods", default="full,kvcrush,snapkv", help="methods (default full,kvcrush,snapkv)")
+    bn.add_argument("--budgets", default="1024", help="token budgets (default 1024)")
+    bn.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt tokens (default 1024,2048,4096,8192)")
+    bn.add_argument("--repeats", type=_positive_int, default=2, help="interleaved repeats (default 2)")
+    bn.add_argument("--new-tokens", type=_positive_int, default=32, help="decode steps per run (default 32)")
+    bn.add_argument("--seed", type=_positive_int, default=0)
+    bn.add_argument("--model", help="model for every backend (default: the embedded model)")
+    bn.add_argument("--json", dest="json_out", help="write the results as JSON")
+    bn.add_argument("--plot", help="write a PNG: TPOT and KV bytes vs length")
+
     for name, issue in PLANNED.items():
         sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
         sp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -206,6 +224,33 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"\nJSON: {write_json(report, args.json_out, command)}")
     if args.plot:
         print(f"plot: {plot(report, args.plot, title=command)}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from ov_kvcrush.bench import BenchPlan, format_table, plot, run_bench
+
+    plan = BenchPlan(
+        backends=_split("--backends", args.backends, _name),
+        methods=_split("--methods", args.methods, _name),
+        budgets=_split("--budgets", args.budgets, _int),
+        lengths=_split("--lengths", args.lengths, _int),
+        repeats=args.repeats,
+        new_tokens=args.new_tokens,
+        seed=args.seed,
+        model=args.model,
+    )
+    doc = run_bench(plan, progress=lambda line: print(line, flush=True))
+    doc["command"] = "ov-kvcrush " + " ".join(args.argv)
+    print()
+    print(format_table(doc))
+    print(f"\nmemory bandwidth (copy, read + write): {doc['bandwidth_gbps']:.1f} GB/s")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=2))
+    if args.plot:
+        plot(doc, args.plot)
     return 0
 
 
@@ -347,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in PLANNED:
         print(
             f"ov-kvcrush {args.command}: not built yet (issue #{PLANNED[args.command]}); "
-            "available now: export, demo, generate, eval, chat",
+            "available now: export, demo, generate, eval, chat, bench",
             file=sys.stderr,
         )
         return 2
@@ -357,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo": cmd_demo,
         "eval": cmd_eval,
         "chat": cmd_chat,
+        "bench": cmd_bench,
     }[args.command]
     try:
         return handler(args)

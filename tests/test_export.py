@@ -60,12 +60,14 @@ def test_cli_not_a_gguf(tmp_path):
     assert proc.returncode == 2 and "bad magic" in proc.stderr
 
 
-def test_planned_subcommands_name_their_issue():
+def test_subcommands_are_listed_and_bench_refuses_bad_input():
     proc = _cli("--help")
     for name in ("export", "demo", "generate", "chat", "eval", "bench"):
         assert name in proc.stdout
-    proc = _cli("bench")
-    assert proc.returncode == 2 and "issue #8" in proc.stderr
+    proc = _cli("bench", "--backends", "nope")
+    assert proc.returncode == 2 and "backend" in proc.stderr and "genai" in proc.stderr
+    proc = _cli("bench", "--methods", "bogus")
+    assert proc.returncode == 2 and "method" in proc.stderr and "bogus" in proc.stderr
 
 
 def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,11 @@ def ttft_tpot_ms(stamps: Sequence[float]) -> tuple[float, float]:
     return ttft * 1e3, tpot * 1e3
 
 
+def step_ms(stamps: Sequence[float]) -> list[float]:
+    """The decode steps' durations in ms (between consecutive new tokens): for medians and p90."""
+    return [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+
+
 def check_context(prompt_tokens: int, new_tokens: int, limit: int | None) -> None:
     """Refuse a request longer than the model's context (``limit``; ``None``/0: unknown, no check)."""
     if limit and prompt_tokens + new_tokens > limit:
@@ -93,6 +99,8 @@ class GenerationResult:
     budget: int | None
     backend: str
     counters: dict[str, Any] = field(default_factory=dict)
+    #: each decode step's duration in ms (their mean is ``tpot_ms``)
+    step_ms: list[float] = field(default_factory=list)
 
     def __str__(self) -> str:
         # Prints as its text, like openvino_genai's DecodedResults.

@@ -25,7 +25,7 @@ from ov_kvcrush.config import (
     native_block_size,
     to_native_scheduler_config,
 )
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, chat_messages, ttft_tpot_ms
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, chat_messages, step_ms, ttft_tpot_ms
 from ov_kvcrush.errors import UserError
 
 #: Context the block pool is first sized for; it grows (the pipeline is rebuilt) for longer prompts.
@@ -225,6 +225,7 @@ class GenAIEngine:
             prompt_tokens=len(ids),
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
+            step_ms=step_ms(step_times),
             kv_bytes=blocks_held[-1] * self._block_bytes if blocks_held else 0,
             full_kv_bytes=full_blocks * self._block_bytes,
             peak_kv_bytes=max(blocks_held, default=0) * self._block_bytes,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, ttft_tpot_ms
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, step_ms, ttft_tpot_ms
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.method_spec import method_spec
@@ -365,6 +365,7 @@ class OpenVINOEngine:
             prompt_tokens=len(ids),
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
+            step_ms=step_ms(stamps),
             kv_bytes=stats.kv_bytes,
             full_kv_bytes=self.full_kv_bytes(stats.tokens_seen),
             peak_kv_bytes=max(peak, stats.kv_bytes),

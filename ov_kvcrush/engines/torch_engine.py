@@ -35,6 +35,7 @@ from ov_kvcrush.engines.base import (
     TextStream,
     chat_messages,
     check_context,
+    step_ms,
     ttft_tpot_ms,
 )
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
@@ -343,6 +344,7 @@ class TorchEngine:
             prompt_tokens=len(ids),
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
+            step_ms=step_ms(stamps),
             kv_bytes=mem["total"],
             full_kv_bytes=self.full_kv_bytes(seen),
             peak_kv_bytes=max(peak, mem["total"]),

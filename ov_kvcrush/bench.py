@@ -1,0 +1,448 @@
+"""``ov-kvcrush bench``: speed and memory of every backend x method x budget x context length.
+
+One run measures every configuration on the same machine, in an interleaved order (repeat ``r``
+runs the configurations forward when ``r`` is even, backward when odd, each length in turn), so
+that machine noise hits every configuration alike and the ratios between them are meaningful.
+Every run gets a fresh prompt (passkey prompts with a per-run seed): native ``openvino_genai``
+caches prefixes on CPU by default, and a repeated prompt would time the cache, not the prefill
+(our ``genai`` engine also turns prefix caching off).
+
+Reported per configuration and length (medians over the repeats): TTFT, TPOT (median and p90 of
+the decode steps), decode tokens/s, peak process RSS during the run, KV bytes held at the end, the
+share of prefill/decode time the method's own work took (measured inside our op), and:
+
+* ratios to native ``openvino_genai`` with the full cache at the same length;
+* the **bandwidth floor**: a decode step must at least read every weight and every KV byte once,
+  so ``floor_ms = (weight_bytes + kv_bytes) / bandwidth``, with the bandwidth measured in the same
+  run (a large array copy, bytes read + written); ``tpot_vs_floor`` is TPOT / floor.
+
+The JSON keeps every run too (``runs``), the machine, the package versions and the command.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ov_kvcrush.errors import ConfigError
+
+#: backends the harness runs (``genai``: native openvino_genai, the anchor)
+BENCH_BACKENDS = ("genai", "openvino", "torch")
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+#: keys every entry of ``results`` carries (the JSON schema's required part; more keys are added)
+RESULT_KEYS = ("backend", "method", "budget", "length", "ttft_ms", "tpot_ms", "kv_bytes", "peak_rss_bytes")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration: a backend running a method at a budget (``None`` for the full cache)."""
+
+    backend: str
+    method: str
+    budget: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        tail = "" if self.budget is None else f" @{self.budget}"
+        opts = "".join(f" {k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.backend} {self.method}{opts}{tail}"
+
+
+def backend_methods(backend: str) -> tuple[str, ...]:
+    """The methods ``backend`` runs (``full`` included)."""
+    from ov_kvcrush.config import NATIVE_METHODS
+    from ov_kvcrush.method_spec import OPENVINO_METHODS
+    from ov_kvcrush.methods import REGISTRY
+
+    if backend not in BENCH_BACKENDS:
+        raise ConfigError("backend", backend, "one of " + ", ".join(BENCH_BACKENDS))
+    return {"genai": NATIVE_METHODS, "openvino": OPENVINO_METHODS, "torch": ("full", *REGISTRY)}[backend]
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """Refuse a configuration the backend cannot run, naming the field and what is allowed."""
+    allowed = backend_methods(cfg.backend)
+    if cfg.method not in allowed:
+        raise ConfigError("method", cfg.method, f"one of {', '.join(allowed)} (backend {cfg.backend})")
+    if cfg.method == "full" and cfg.budget is not None:
+        raise ConfigError("budget", cfg.budget, "none for method full")
+    if cfg.method != "full" and (cfg.budget is None or cfg.budget < 1):
+        raise ConfigError("budget", cfg.budget, f"a positive token count for method {cfg.method}")
+    if cfg.backend == "genai" and cfg.method != "full":  # native constraints (block multiples ...)
+        from ov_kvcrush.config import CompressionConfig, to_native_scheduler_config
+
+        to_native_scheduler_config(
+            CompressionConfig(method=cfg.method, budget=cfg.budget, options=dict(cfg.options)), "CPU"
+        )
+
+
+def plan_configs(
+    backends: Sequence[str], methods: Sequence[str], budgets: Sequence[int], *, anchors: bool = True
+) -> list[BenchConfig]:
+    """Every backend x method x budget, where the backend has the method, plus (``anchors``) native
+    full cache, the configuration every ratio divides by.
+
+    A method a listed backend does not have is left out for that backend (e.g. ClusterKV on the
+    native backend), but a method no listed backend has, an unknown backend, or a budget a backend
+    refuses for a method it has is an error naming the field. ``full`` runs once per backend.
+    """
+    for b in backends:
+        backend_methods(b)
+    configs: list[BenchConfig] = [BenchConfig("genai", "full")] if anchors else []
+    for m in methods:
+        where = [b for b in backends if m in backend_methods(b)]
+        if not where:
+            check_config(BenchConfig(backends[0], m, None if m == "full" else budgets[0]))  # raises, naming it
+        for b in where:
+            for c in [BenchConfig(b, m)] if m == "full" else [BenchConfig(b, m, budget) for budget in budgets]:
+                check_config(c)
+                if c not in configs:
+                    configs.append(c)
+    return configs
+
+
+def schedule(
+    configs: Sequence[BenchConfig], lengths: Sequence[int], repeats: int
+) -> list[tuple[int, int, BenchConfig]]:
+    """The order of the runs: ``(repeat, length, config)``; forward on even repeats, backward on odd."""
+    if repeats < 1:
+        raise ConfigError("repeats", repeats, "an integer >= 1")
+    order = []
+    for r in range(repeats):
+        for n in lengths:
+            for c in configs if r % 2 == 0 else list(reversed(configs)):
+                order.append((r, n, c))
+    return order
+
+
+def measure_bandwidth_gbps(mib: int = 256, repeats: int = 5) -> float:
+    """This machine's memory bandwidth: the best of ``repeats`` copies of a ``mib`` MiB array,
+    counting the bytes read and the bytes written (GB/s, 1e9 bytes)."""
+    import numpy as np
+
+    src = np.ones(mib * (1 << 20) // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+def floor_ms(weight_bytes: int, kv_bytes: int, bandwidth_gbps: float) -> float:
+    """The least time a decode step can take: read every weight and every KV byte once."""
+    if bandwidth_gbps <= 0:
+        raise ConfigError("bandwidth_gbps", bandwidth_gbps, "a positive number")
+    return (weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9) * 1e3
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation between order statistics."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+class RssSampler:
+    """Peak resident memory of this process while a run lasts (sampled every ``period`` s)."""
+
+    def __init__(self, period: float = 0.01) -> None:
+        self.period = period
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # not Linux: the process's peak so far
+            scale = 1 if sys.platform == "darwin" else 1024
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def summarize(
+    runs: Iterable[dict[str, Any]], weight_bytes: dict[str, int], bandwidth_gbps: float
+) -> list[dict[str, Any]]:
+    """One result per (configuration, length): medians over the repeats, and the ratios.
+
+    ``weight_bytes`` maps a backend to the bytes of weights one decode step reads.
+    """
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["label"], run["length"]), []).append(run)
+    results = []
+    for (label, length), mine in groups.items():
+        first = mine[0]
+        tpot = statistics.median(r["tpot_ms"] for r in mine)
+        kv = statistics.median(r["kv_bytes"] for r in mine)
+        row = {
+            "label": label,
+            "backend": first["backend"],
+            "method": first["method"],
+            "budget": first["budget"],
+            "options": first["options"],
+            "length": length,
+            "prompt_tokens": first["prompt_tokens"],
+            "runs": len(mine),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in mine),
+            "tpot_ms": tpot,
+            "tpot_p90_ms": statistics.median(r["tpot_p90_ms"] for r in mine),
+            "decode_tokens_per_s": 1e3 / tpot if tpot else 0.0,
+            "kv_bytes": int(kv),
+            "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in mine)),
+            "correct": sum(bool(r["correct"]) for r in mine),
+        }
+        for key in ("policy_decode_share", "policy_prefill_share"):
+            vals = [r[key] for r in mine if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
+        row["floor_ms"] = floor_ms(weight_bytes[first["backend"]], row["kv_bytes"], bandwidth_gbps)
+        row["tpot_vs_floor"] = tpot / row["floor_ms"] if row["floor_ms"] else None
+        results.append(row)
+    anchors = {r["length"]: r for r in results if r["backend"] == "genai" and r["method"] == "full"}
+    for r in results:
+        base = anchors.get(r["length"])
+        r["tpot_vs_native_full"] = r["tpot_ms"] / base["tpot_ms"] if base and base["tpot_ms"] else None
+        r["kv_vs_native_full"] = r["kv_bytes"] / base["kv_bytes"] if base and base["kv_bytes"] else None
+    return results
+
+
+def validate_doc(doc: dict[str, Any]) -> None:
+    """Check a bench JSON document's schema (the keys and types other tools may rely on)."""
+    for key, kind in (("results", list), ("bandwidth_gbps", (int, float)), ("machine", dict), ("runs", list)):
+        if not isinstance(doc.get(key), kind):
+            raise ValueError(f"bench JSON: {key!r} missing or not a {getattr(kind, '__name__', kind)}")
+    for i, r in enumerate(doc["results"]):
+        missing = [k for k in RESULT_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"bench JSON: results[{i}] lacks {', '.join(missing)}")
+        for k in ("length", "kv_bytes", "peak_rss_bytes"):
+            if not isinstance(r[k], int) or r[k] < 0:
+                raise ValueError(f"bench JSON: results[{i}].{k} must be a non-negative integer")
+        for k in ("ttft_ms", "tpot_ms"):
+            if not isinstance(r[k], (int, float)) or r[k] < 0:
+                raise ValueError(f"bench JSON: results[{i}].{k} must be a non-negative number")
+        if r["budget"] is not None and not isinstance(r["budget"], int):
+            raise ValueError(f"bench JSON: results[{i}].budget must be an integer or null")
+
+
+@dataclass
+class BenchPlan:
+    """What ``ov-kvcrush bench`` runs (see the module docstring)."""
+
+    backends: tuple[str, ...] = ("genai", "openvino")
+    methods: tuple[str, ...] = ("full", "kvcrush", "snapkv")
+    budgets: tuple[int, ...] = (1024,)
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    repeats: int = 2
+    new_tokens: int = 32
+    seed: int = 0
+    model: str | None = None
+
+
+def run_bench(
+    plan: BenchPlan,
+    *,
+    progress: Callable[[str], None] | None = None,
+    engine_factory: Callable[[BenchConfig], Any] | None = None,
+) -> dict[str, Any]:
+    """Run the plan; return the JSON document (``results``, ``runs``, ``bandwidth_gbps``, ...)."""
+    from ov_kvcrush.config import CompressionConfig, GenerationSettings
+    from ov_kvcrush.eval.tasks import passkey_prompt
+
+    configs = plan_configs(plan.backends, plan.methods, plan.budgets)
+    order = schedule(configs, plan.lengths, plan.repeats)
+    if plan.new_tokens < 2:
+        raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
+    engines: dict[str, Any] = {}  # by label: one engine per configuration, kept across its runs
+
+    def engine(c: BenchConfig):
+        if c.label not in engines:
+            if engine_factory is not None:
+                engines[c.label] = engine_factory(c)
+            else:
+                from ov_kvcrush.engines import make_engine, resolve_model
+
+                comp = (
+                    CompressionConfig()
+                    if c.method == "full"
+                    else CompressionConfig(method=c.method, budget=c.budget, options=dict(c.options))
+                )
+                engines[c.label] = make_engine(c.backend, resolve_model(c.backend, plan.model), comp)
+        return engines[c.label]
+
+    bandwidth = measure_bandwidth_gbps()
+    settings = GenerationSettings(max_new_tokens=plan.new_tokens, ignore_eos=True)
+    counter = engine(configs[0])
+    runs = []
+    t_start = time.time()
+    for i, (rep, length, c) in enumerate(order):
+        sample = passkey_prompt(length, lambda t: len(counter.encode(t)), seed=plan.seed + 1000 * rep + length)
+        eng = engine(c)
+        with RssSampler() as rss:
+            r = eng.generate(sample.prompt, settings)
+        steps = list(getattr(r, "step_ms", []) or [])
+        decode_ms = r.tpot_ms * max(len(r.token_ids) - 1, 1)
+        counters = r.counters or {}
+        run = {
+            "label": c.label,
+            "backend": c.backend,
+            "method": c.method,
+            "budget": c.budget,
+            "options": dict(c.options),
+            "length": length,
+            "repeat": rep,
+            "prompt_tokens": r.prompt_tokens,
+            "ttft_ms": r.ttft_ms,
+            "tpot_ms": statistics.median(steps) if steps else r.tpot_ms,
+            "tpot_mean_ms": r.tpot_ms,
+            "tpot_p90_ms": percentile(steps, 90) if steps else r.tpot_ms,
+            "kv_bytes": int(r.kv_bytes),
+            "peak_rss_bytes": int(rss.peak),
+            "correct": bool(sample.score(r.text)),
+            "policy_decode_share": counters["policy_decode_ms"] / decode_ms if "policy_decode_ms" in counters else None,
+            "policy_prefill_share": counters["policy_prefill_ms"] / r.ttft_ms
+            if "policy_prefill_ms" in counters and r.ttft_ms
+            else None,
+        }
+        runs.append(run)
+        if progress:
+            progress(
+                f"[{i + 1}/{len(order)}] rep {rep} {length:6d} tok  {c.label:32s} TTFT {r.ttft_ms:8.0f} ms  "
+                f"TPOT {run['tpot_ms']:6.1f} ms  KV {run['kv_bytes'] / 2**20:8.2f} MiB"
+            )
+    weights = {c.backend: weight_bytes(engine(c)) for c in configs}
+    return {
+        **describe_run(),
+        "bandwidth_gbps": bandwidth,
+        "prefix_caching": "off in the genai engine, and every run has a fresh prompt",
+        "plan": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(plan).items()},
+        "weight_bytes": weights,
+        "wall_s": round(time.time() - t_start, 1),
+        "results": summarize(runs, weights, bandwidth),
+        "runs": runs,
+    }
+
+
+def weight_bytes(engine: Any) -> int:
+    """Bytes of weights a decode step reads: the torch model's parameters, else the IR's (or
+    GGUF's) weight file(s) as stored (int8 weights count one byte each)."""
+    model = getattr(engine, "model", None)
+    if model is not None and hasattr(model, "parameters"):
+        return int(sum(p.numel() * p.element_size() for p in model.parameters()))
+    d = Path(getattr(engine, "model_dir", ""))
+    if d.is_file():
+        return d.stat().st_size
+    return int(sum(f.stat().st_size for f in d.glob("openvino_model*.bin")))
+
+
+def plot(doc: dict[str, Any], out: str | Path) -> None:
+    """TPOT vs length and KV bytes vs length, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = list(dict.fromkeys(r["label"] for r in doc["results"]))
+    for label in labels:
+        rows = sorted((r for r in doc["results"] if r["label"] == label), key=lambda r: r["length"])
+        xs = [r["length"] for r in rows]
+        style = "--" if rows[0]["backend"] == "genai" else "-"
+        a.plot(xs, [r["tpot_ms"] for r in rows], style, marker="o", label=label)
+        b.plot(xs, [r["kv_bytes"] / 2**20 for r in rows], style, marker="o", label=label)
+    a.set(xlabel="context length (tokens)", ylabel="TPOT (ms, median)", title="decode time per token")
+    b.set(xlabel="context length (tokens)", ylabel="KV cache held (MiB)", title="KV memory", yscale="log")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.set_xscale("log", base=2)
+    b.legend(fontsize=7, loc="best")
+    fig.suptitle(f"ov-kvcrush bench ({doc['machine']['cpu']}, {doc['bandwidth_gbps']:.1f} GB/s copy bandwidth)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The results as a text table (one line per configuration and length)."""
+    head = (
+        f"{'configuration':34s} {'tokens':>6s} {'TTFT ms':>8s} {'TPOT ms':>8s} {'p90':>6s} {'tok/s':>6s} "
+        f"{'KV MiB':>8s} {'xTPOT':>6s} {'xKV':>6s} {'xfloor':>6s} {'RSS MiB':>8s}"
+    )
+    lines = [head]
+
+    def ratio(x: float | None, digits: int = 2) -> str:
+        return f"{x:6.{digits}f}" if x is not None else f"{'':6s}"
+
+    for r in doc["results"]:
+        lines.append(
+            f"{r['label']:34s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
+            f"{r['decode_tokens_per_s']:6.1f} {r['kv_bytes'] / 2**20:8.2f} {ratio(r['tpot_vs_native_full'])} "
+            f"{ratio(r['kv_vs_native_full'], 3)} {ratio(r['tpot_vs_floor'])} {r['peak_rss_bytes'] / 2**20:8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def describe_run() -> dict[str, Any]:
+    """The command, the machine and the package versions of this run."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for pkg in ("openvino", "openvino-genai", "torch", "transformers", "ov-kvcrush"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "command": " ".join(["ov-kvcrush", *sys.argv[1:]]) if sys.argv else "",
+        "machine": {
+            "cpu": _cpu_name(),
+            "arch": platform.machine(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "python": sys.version.split()[0],
+            "system": platform.platform(),
+        },
+        "versions": versions,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,237 @@
+"""The benchmark harness (``ov-kvcrush bench``): its plan, order, arithmetic and JSON, fast.
+
+The measuring itself is exercised with fake engines (known timings and bytes, so every reported
+number has an exact expected value) and once, briefly, with the real engines on the embedded model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+import pytest
+
+from ov_kvcrush import bench
+from ov_kvcrush.bench import BenchConfig, BenchPlan
+from ov_kvcrush.engines.base import GenerationResult
+from ov_kvcrush.errors import ConfigError
+
+
+def test_schedule_interleaves_and_alternates_direction():
+    a, b, c = (BenchConfig("genai", "full"), BenchConfig("openvino", "full"), BenchConfig("torch", "full"))
+    order = bench.schedule([a, b, c], [100, 200], repeats=3)
+    assert order[:6] == [(0, 100, a), (0, 100, b), (0, 100, c), (0, 200, a), (0, 200, b), (0, 200, c)]
+    assert order[6:12] == [(1, 100, c), (1, 100, b), (1, 100, a), (1, 200, c), (1, 200, b), (1, 200, a)]
+    assert [(n, x) for _, n, x in order[12:]] == [(n, x) for _, n, x in order[:6]]
+    assert all(r == 2 for r, _, _ in order[12:])
+    assert len(order) == 3 * 2 * 3
+    with pytest.raises(ConfigError, match="repeats"):
+        bench.schedule([a], [100], repeats=0)
+
+
+def test_plan_refuses_unknown_backends_and_methods_by_name():
+    """Before any model loads: a bad backend, method or budget is named with what is allowed."""
+    with pytest.raises(ConfigError, match=r"backend=.?nope.? is invalid: allowed one of genai, openvino, torch"):
+        bench.plan_configs(["nope"], ["full"], [256])
+    with pytest.raises(ConfigError, match=r"method=.?bogus"):
+        bench.plan_configs(["genai", "openvino"], ["bogus"], [256])
+    with pytest.raises(ConfigError, match="budget"):
+        bench.check_config(BenchConfig("openvino", "snapkv", 0))
+    with pytest.raises(ConfigError, match="budget"):
+        bench.check_config(BenchConfig("genai", "full", 128))
+    # a budget the native backend refuses for a method it has is an error, not a silent skip
+    with pytest.raises(ConfigError, match="budget=128"):
+        bench.plan_configs(["genai", "openvino"], ["snapkv"], [128])
+
+
+def test_plan_runs_each_method_where_it_can_and_anchors_on_native_full():
+    cfgs = bench.plan_configs(["genai", "openvino"], ["full", "kvcrush", "chelsea"], [256, 512])
+    labels = [c.label for c in cfgs]
+    assert labels[0] == "genai full"  # the anchor every ratio divides by
+    assert labels.count("genai full") == 1 and "openvino full" in labels
+    assert {"genai kvcrush @256", "genai kvcrush @512", "openvino kvcrush @256", "openvino kvcrush @512"} <= set(labels)
+    # Chelsea is not a native openvino_genai method: only ours runs it
+    assert "openvino chelsea @256" in labels and not any(x.startswith("genai chelsea") for x in labels)
+
+
+def test_percentile_and_floor_arithmetic():
+    assert bench.percentile([5.0], 90) == 5.0
+    assert bench.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 50) == pytest.approx(5.5)
+    assert bench.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == pytest.approx(9.1)
+    assert bench.percentile([10, 0], 100) == 10
+    # 100 MB of weights + 20 MB of KV at 12 GB/s: 10 ms
+    assert bench.floor_ms(100_000_000, 20_000_000, 12.0) == pytest.approx(10.0)
+    with pytest.raises(ConfigError, match="bandwidth"):
+        bench.floor_ms(1, 1, 0.0)
+
+
+def _run(label, backend, method, budget, length, rep, ttft, tpot, kv, rss=1000, correct=True):
+    return {
+        "label": label,
+        "backend": backend,
+        "method": method,
+        "budget": budget,
+        "options": {},
+        "length": length,
+        "repeat": rep,
+        "prompt_tokens": length - 3,
+        "ttft_ms": ttft,
+        "tpot_ms": tpot,
+        "tpot_p90_ms": tpot * 1.5,
+        "kv_bytes": kv,
+        "peak_rss_bytes": rss,
+        "correct": correct,
+        "policy_decode_share": None if backend == "genai" else 0.01,
+        "policy_prefill_share": None,
+    }
+
+
+def test_summarize_takes_medians_and_divides_by_native_full_at_the_same_length():
+    runs = [
+        _run("genai full", "genai", "full", None, 1000, 0, 100.0, 20.0, 8_000_000, rss=5),
+        _run("genai full", "genai", "full", None, 1000, 1, 120.0, 24.0, 8_000_000, rss=7),
+        _run("genai full", "genai", "full", None, 1000, 2, 110.0, 40.0, 8_000_000, rss=6),
+        _run("genai full", "genai", "full", None, 2000, 0, 300.0, 30.0, 16_000_000),
+        _run("openvino snapkv @256", "openvino", "snapkv", 256, 1000, 0, 90.0, 10.0, 2_000_000),
+        _run("openvino snapkv @256", "openvino", "snapkv", 256, 1000, 1, 95.0, 12.0, 2_000_000, correct=False),
+        _run("openvino snapkv @256", "openvino", "snapkv", 256, 2000, 0, 150.0, 15.0, 2_000_000),
+    ]
+    res = bench.summarize(runs, {"genai": 40_000_000, "openvino": 40_000_000}, bandwidth_gbps=10.0)
+    by = {(r["label"], r["length"]): r for r in res}
+    full = by[("genai full", 1000)]
+    assert full["tpot_ms"] == 24.0 and full["ttft_ms"] == 110.0 and full["runs"] == 3
+    assert full["peak_rss_bytes"] == 7 and full["decode_tokens_per_s"] == pytest.approx(1000 / 24)
+    assert full["tpot_vs_native_full"] == 1.0 and full["kv_vs_native_full"] == 1.0
+    # floor: (40 MB + 8 MB) / 10 GB/s = 4.8 ms
+    assert full["floor_ms"] == pytest.approx(4.8) and full["tpot_vs_floor"] == pytest.approx(24 / 4.8)
+    snap = by[("openvino snapkv @256", 1000)]
+    assert snap["tpot_ms"] == 11.0 and snap["correct"] == 1
+    assert snap["tpot_vs_native_full"] == pytest.approx(11 / 24) and snap["kv_vs_native_full"] == 0.25
+    assert snap["policy_decode_share"] == 0.01 and full["policy_decode_share"] is None
+    snap2 = by[("openvino snapkv @256", 2000)]
+    assert snap2["tpot_vs_native_full"] == pytest.approx(15 / 30) and snap2["kv_vs_native_full"] == 0.125
+
+
+def test_validate_doc_names_what_is_wrong():
+    good = {"results": [], "runs": [], "bandwidth_gbps": 10.0, "machine": {}}
+    bench.validate_doc(good)
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        bench.validate_doc({**good, "bandwidth_gbps": None})
+    row = {k: 0 for k in bench.RESULT_KEYS} | {"backend": "genai", "method": "full", "budget": None}
+    bench.validate_doc({**good, "results": [row]})
+    with pytest.raises(ValueError, match=r"results\[0\] lacks peak_rss_bytes"):
+        bench.validate_doc({**good, "results": [{k: v for k, v in row.items() if k != "peak_rss_bytes"}]})
+    with pytest.raises(ValueError, match="kv_bytes"):
+        bench.validate_doc({**good, "results": [row | {"kv_bytes": -1}]})
+
+
+class FakeEngine:
+    """Answers the passkey with known timings: TTFT = length / 10 ms, steps of `step` ms."""
+
+    def __init__(self, cfg: BenchConfig, step: float, kv_per_token: int, log: list):
+        self.cfg, self.step, self.kv, self.log = cfg, step, kv_per_token, log
+        self.model_dir = "/nonexistent"
+
+    def encode(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    def generate(self, prompt: str, settings) -> GenerationResult:
+        n = len(self.encode(prompt))
+        self.log.append((self.cfg.label, n))
+        key = re.search(r"pass key is (\d+)", prompt).group(1)
+        steps = [self.step] * (settings.max_new_tokens - 1)
+        steps[-1] = 5 * self.step  # one slow step: median and p90 differ from the mean
+        held = n if self.cfg.budget is None else min(n, self.cfg.budget)
+        return GenerationResult(
+            text=f"The pass key is {key}.",
+            token_ids=list(range(settings.max_new_tokens)),
+            prompt_tokens=n,
+            ttft_ms=n / 10,
+            tpot_ms=statistics.mean(steps),
+            kv_bytes=held * self.kv,
+            full_kv_bytes=n * self.kv,
+            peak_kv_bytes=n * self.kv,
+            method=self.cfg.method,
+            budget=self.cfg.budget,
+            backend=self.cfg.backend,
+            counters={"policy_decode_ms": 1.0, "policy_prefill_ms": 2.0} if self.cfg.backend == "openvino" else {},
+            step_ms=steps,
+        )
+
+
+def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypatch):
+    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench, "weight_bytes", lambda engine: 50_000_000)
+    log: list = []
+    speed = {"genai": 4.0, "openvino": 2.0}
+    plan = BenchPlan(backends=("genai", "openvino"), methods=("full", "snapkv"), budgets=(256,), lengths=(300, 600))
+    plan.repeats, plan.new_tokens = 2, 6
+    doc = bench.run_bench(plan, engine_factory=lambda c: FakeEngine(c, speed[c.backend], 100, log))
+    bench.validate_doc(json.loads(json.dumps(doc)))  # plain JSON, the schema holds
+    configs = bench.plan_configs(plan.backends, plan.methods, plan.budgets)
+    assert [lab for lab, _ in log] == [c.label for _, _, c in bench.schedule(configs, plan.lengths, plan.repeats)]
+    assert len(doc["runs"]) == len(log) == 2 * 2 * len(configs)
+    assert doc["bandwidth_gbps"] == 20.0 and doc["machine"]["cores"] >= 1 and "openvino" in doc["versions"]
+    res = {(r["label"], r["length"]): r for r in doc["results"]}
+    for (label, length), r in res.items():
+        step = speed[r["backend"]]
+        assert r["tpot_ms"] == step  # the median step, not the mean the slow step pulls up
+        assert r["tpot_p90_ms"] > r["tpot_ms"]
+        assert r["correct"] == 2 and r["runs"] == 2
+        assert r["peak_rss_bytes"] > 0
+        assert r["tpot_vs_native_full"] == pytest.approx(step / speed["genai"])
+        held = r["prompt_tokens"] if r["budget"] is None else min(r["prompt_tokens"], 256)
+        assert r["kv_bytes"] == held * 100
+        assert r["floor_ms"] == pytest.approx((50_000_000 + held * 100) / 20e9 * 1e3)
+        assert length in (300, 600) and label
+    # 1 ms of method work over 5 decode steps whose mean is (4 * 2 + 10) / 5 ms
+    assert res[("openvino snapkv @256", 600)]["policy_decode_share"] == pytest.approx(1.0 / 18.0)
+    assert res[("genai snapkv @256", 600)]["policy_decode_share"] is None
+    # the report and the plot are made from the document
+    assert "openvino snapkv @256" in bench.format_table(doc)
+
+
+def test_run_bench_uses_a_fresh_prompt_every_repeat(monkeypatch):
+    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench, "weight_bytes", lambda engine: 1)
+    prompts: list[str] = []
+
+    class Recorder(FakeEngine):
+        def generate(self, prompt, settings):
+            prompts.append(prompt)
+            return super().generate(prompt, settings)
+
+    plan = BenchPlan(backends=("genai",), methods=("full",), budgets=(128,), lengths=(400,), repeats=3, new_tokens=3)
+    bench.run_bench(plan, engine_factory=lambda c: Recorder(c, 1.0, 1, []))
+    assert len(prompts) == 3 and len(set(prompts)) == 3
+
+
+def test_bench_plot_writes_a_png(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench, "weight_bytes", lambda engine: 1)
+    plan = BenchPlan(backends=("genai", "openvino"), methods=("full",), budgets=(128,), lengths=(200, 400))
+    plan.repeats, plan.new_tokens = 1, 3
+    doc = bench.run_bench(plan, engine_factory=lambda c: FakeEngine(c, 1.0, 1, []))
+    out = tmp_path / "bench.png"
+    bench.plot(doc, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_on_the_real_engines_briefly(tmp_path):
+    """Native full cache and our op's SnapKV on the embedded model, one short run each: the
+    harness drives the real engines and the numbers it reports are consistent."""
+    plan = BenchPlan(backends=("genai", "openvino"), methods=("full", "snapkv"), budgets=(256,), lengths=(700,))
+    plan.repeats, plan.new_tokens = 1, 4
+    doc = bench.run_bench(plan)
+    bench.validate_doc(doc)
+    res = {r["label"]: r for r in doc["results"]}
+    assert set(res) == {"genai full", "genai snapkv @256", "openvino full", "openvino snapkv @256"}
+    assert doc["bandwidth_gbps"] > 0.1 and doc["weight_bytes"]["genai"] > 10_000_000
+    for r in res.values():
+        assert 0 < r["prompt_tokens"] <= 700 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0
+        assert r["tpot_vs_floor"] > 1.0  # nothing beats reading the weights once
+        assert r["peak_rss_bytes"] > 100 * 2**20
+    # the op's SnapKV holds its budget per layer and KV head; the full cache all tokens
+    assert res["openvino snapkv @256"]["kv_bytes"] < res["openvino full"]["kv_bytes"]
+    assert res["genai snapkv @256"]["kv_vs_native_full"] < 1.0
