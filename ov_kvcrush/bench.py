@@ -416,14 +416,8 @@ def format_table(doc: dict[str, Any]) -> str:
 
 def describe_run() -> dict[str, Any]:
     """The command, the machine and the package versions of this run."""
-    from importlib.metadata import PackageNotFoundError, version
+    from ov_kvcrush.eval.runner import package_versions
 
-    versions = {}
-    for pkg in ("openvino", "openvino-genai", "torch", "transformers", "ov-kvcrush"):
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            versions[pkg] = None
     return {
         "command": " ".join(["ov-kvcrush", *sys.argv[1:]]) if sys.argv else "",
         "machine": {
@@ -434,7 +428,7 @@ def describe_run() -> dict[str, Any]:
             "python": sys.version.split()[0],
             "system": platform.platform(),
         },
-        "versions": versions,
+        "versions": package_versions(),
     }
 
 

@@ -323,7 +323,7 @@ def run_eval(plan: EvalPlan, progress: bool = True, log: Callable[[str], None] =
             "processor": platform.processor(),
             "python": platform.python_version(),
         },
-        "versions": _versions(),
+        "versions": package_versions(),
     }
     return EvalReport(results=aggregate(records), samples=records, budgets=budget_log, meta=meta)
 
@@ -422,7 +422,8 @@ def mean(values) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def _versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
+    """Versions of the packages a result depends on (results carry them; bench and eval alike)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
