@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -769,9 +770,28 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
 
 // ---- 2-bit blocks ------------------------------------------------------------------------------
 namespace {
+// The six arrays of a 2-bit block (key codes, key scales, key zeros, value codes, value scales,
+// value zeros), typed; const or writable as the block is.
+template <typename Byte>
+struct QArrays {
+    using U32 = std::conditional_t<std::is_const_v<Byte>, const uint32_t, uint32_t>;
+    using U16 = std::conditional_t<std::is_const_v<Byte>, const uint16_t, uint16_t>;
+    U32* kc;
+    U16 *ks, *kz;
+    U32* vc;
+    U16 *vs, *vz;
+};
+
 struct QLayout {
     int T, D, g;
     size_t kc, ks, kz, vc, vs, vz;
+    template <typename Byte>
+    QArrays<Byte> arrays(Byte* blk) const {
+        using A = QArrays<Byte>;
+        return {reinterpret_cast<typename A::U32*>(blk + kc), reinterpret_cast<typename A::U16*>(blk + ks),
+                reinterpret_cast<typename A::U16*>(blk + kz), reinterpret_cast<typename A::U32*>(blk + vc),
+                reinterpret_cast<typename A::U16*>(blk + vs), reinterpret_cast<typename A::U16*>(blk + vz)};
+    }
     explicit QLayout(const PoolConfig& cfg)
         : T(cfg.block_size), D(cfg.head_dim), g(static_cast<int>(cfg.method->quant ? cfg.method->group : 16)) {
         kc = 0;
@@ -816,12 +836,7 @@ inline __m512 expand_codes(uint32_t word) {
 
 void quantize_block(const PoolConfig& cfg, uint8_t* dst, const float* k, const float* v) {
     const QLayout L(cfg);
-    auto* kc = reinterpret_cast<uint32_t*>(dst + L.kc);
-    auto* ks = reinterpret_cast<uint16_t*>(dst + L.ks);
-    auto* kz = reinterpret_cast<uint16_t*>(dst + L.kz);
-    auto* vc = reinterpret_cast<uint32_t*>(dst + L.vc);
-    auto* vs = reinterpret_cast<uint16_t*>(dst + L.vs);
-    auto* vz = reinterpret_cast<uint16_t*>(dst + L.vz);
+    const auto [kc, ks, kz, vc, vs, vz] = L.arrays(dst);
     const int T = L.T, D = L.D, g = L.g;
     std::vector<uint8_t> codes(static_cast<size_t>(std::max(T, D)));
     std::fill(kc, kc + static_cast<size_t>(D) * T / 16, 0u);
@@ -847,12 +862,7 @@ void quantize_block(const PoolConfig& cfg, uint8_t* dst, const float* k, const f
 
 void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k, float* v) {
     const QLayout L(cfg);
-    const auto* kc = reinterpret_cast<const uint32_t*>(blk + L.kc);
-    const auto* ks = reinterpret_cast<const uint16_t*>(blk + L.ks);
-    const auto* kz = reinterpret_cast<const uint16_t*>(blk + L.kz);
-    const auto* vc = reinterpret_cast<const uint32_t*>(blk + L.vc);
-    const auto* vs = reinterpret_cast<const uint16_t*>(blk + L.vs);
-    const auto* vz = reinterpret_cast<const uint16_t*>(blk + L.vz);
+    const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
     const int T = L.T, D = L.D, g = L.g, tg = t / g;
     for (int c = 0; c < D; ++c) {
         const float code = static_cast<float>((kc[c * (T / 16) + t / 16] >> (2 * (t % 16))) & 3u);
@@ -876,12 +886,7 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     qb_end = std::min<int64_t>(qb_end, static_cast<int64_t>(hc.qblocks.size()));
     for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
         const uint8_t* blk = pool.qblock(hc.qblocks[static_cast<size_t>(qb)]);
-        const auto* kc = reinterpret_cast<const uint32_t*>(blk + L.kc);
-        const auto* ks = reinterpret_cast<const uint16_t*>(blk + L.ks);
-        const auto* kz = reinterpret_cast<const uint16_t*>(blk + L.kz);
-        const auto* vc = reinterpret_cast<const uint32_t*>(blk + L.vc);
-        const auto* vs = reinterpret_cast<const uint16_t*>(blk + L.vs);
-        const auto* vz = reinterpret_cast<const uint16_t*>(blk + L.vz);
+        const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
         // logits: per key group, q.k = q.zero + sum_c (q_c * scale_c) * code_c
         for (int tg = 0; tg < T / g; ++tg) {
             half_to_float(ks + tg * D, sf.data(), D);
