@@ -15,13 +15,11 @@ the ratios to native full cache.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from run_info import run_info
+from run_info import write_results
 
 #: (label, backend, method, options, engine kwargs)
 CONFIGS = [
@@ -134,17 +132,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['kv_bytes'] / 2**20:8.2f} {r.get('kv_vs_native_full', 0):6.3f} "
             f"{'' if share is None else f'{100 * share:7.2f}%'}"
         )
-    doc = {
-        **run_info(argv),
-        "kv_precision": {"genai": "u8 (CPU plugin default)", "openvino": "f16 (2-bit blocks for minikv / quant)"},
-        "wall_s": round(time.time() - t_start, 1),
-        "results": results,
-        "runs": runs,
-    }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2))
-    if args.plot:
-        _plot(results, args.plot)
+    write_results(
+        argv,
+        t_start,
+        results,
+        runs,
+        args.json_out,
+        args.plot,
+        _plot,
+        kv_precision={"genai": "u8 (CPU plugin default)", "openvino": "f16 (2-bit blocks for minikv / quant)"},
+    )
     return 0
 
 

@@ -14,13 +14,11 @@ bytes each holds (native: u8 with scales; ours: f16 by default).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from run_info import run_info
+from run_info import write_results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,18 +91,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['length']:6d}  {g['ttft_ms']:6.0f} / {o['ttft_ms']:6.0f} ms ({row['ttft_ratio']:.2f}x)   "
             f"{g['tpot_ms']:5.1f} / {o['tpot_ms']:5.1f} ms ({row['tpot_ratio']:.2f}x)"
         )
-    doc = {
-        **run_info(argv),
-        "attention_compute": ours.attention_compute,
-        "kv_precision": {"genai": "u8 (CPU plugin default)", "openvino": args.kv_precision},
-        "wall_s": round(time.time() - t_start, 1),
-        "results": results,
-        "runs": runs,
-    }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2))
-    if args.plot:
-        _plot(results, args.plot)
+    write_results(
+        argv,
+        t_start,
+        results,
+        runs,
+        args.json_out,
+        args.plot,
+        _plot,
+        attention_compute=ours.attention_compute,
+        kv_precision={"genai": "u8 (CPU plugin default)", "openvino": args.kv_precision},
+    )
     return 0
 
 
