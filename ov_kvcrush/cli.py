@@ -243,7 +243,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model,
     )
     doc = run_bench(plan, progress=lambda line: print(line, flush=True))
-    doc["command"] = "ov-kvcrush " + " ".join(args.argv)
     print()
     print(format_table(doc))
     print(f"\nmemory bandwidth (copy, read + write): {doc['bandwidth_gbps']:.1f} GB/s")
