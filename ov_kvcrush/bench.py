@@ -16,11 +16,17 @@ share of prefill/decode time the method's own work took (measured inside our op)
   so ``floor_ms = (weight_bytes + kv_bytes) / bandwidth``, with the bandwidth measured in the same
   run (a large array copy, bytes read + written); ``tpot_vs_floor`` is TPOT / floor.
 
+Each configuration runs in its own worker process (``BenchPlan.isolate``, on by default), so
+its peak RSS is its own: the engine, its compiled model and its KV cache, not every other
+configuration's engines too. The parent only builds prompts and keeps time order; a worker that
+dies (a crash inside native code) is reported as an error naming the configuration.
+
 The JSON keeps every run too (``runs``), the machine, the package versions and the command.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import platform
 import resource
@@ -33,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.errors import ConfigError, UserError
 
 #: backends the harness runs (``genai``: native openvino_genai, the anchor)
 BENCH_BACKENDS = ("genai", "openvino", "torch")
@@ -71,19 +77,42 @@ def backend_methods(backend: str) -> tuple[str, ...]:
 
 def check_config(cfg: BenchConfig) -> None:
     """Refuse a configuration the backend cannot run, naming the field and what is allowed."""
+    from ov_kvcrush.config import to_native_scheduler_config
+
     allowed = backend_methods(cfg.backend)
     if cfg.method not in allowed:
         raise ConfigError("method", cfg.method, f"one of {', '.join(allowed)} (backend {cfg.backend})")
-    if cfg.method == "full" and cfg.budget is not None:
-        raise ConfigError("budget", cfg.budget, "none for method full")
-    if cfg.method != "full" and (cfg.budget is None or cfg.budget < 1):
+    if cfg.method == "full":
+        if cfg.budget is not None:
+            raise ConfigError("budget", cfg.budget, "none for method full")
+        if cfg.options:
+            raise ConfigError("options", cfg.options, "none for method full")
+        return
+    if cfg.budget is None or cfg.budget < 1:
         raise ConfigError("budget", cfg.budget, f"a positive token count for method {cfg.method}")
-    if cfg.backend == "genai" and cfg.method != "full":  # native constraints (block multiples ...)
-        from ov_kvcrush.config import CompressionConfig, to_native_scheduler_config
+    comp = compression(cfg)  # the method checks its own options and ranges
+    if cfg.backend == "genai":  # native constraints (block multiples ...)
+        to_native_scheduler_config(comp, "CPU")
 
-        to_native_scheduler_config(
-            CompressionConfig(method=cfg.method, budget=cfg.budget, options=dict(cfg.options)), "CPU"
-        )
+
+def compression(cfg: BenchConfig) -> Any:
+    """The :class:`~ov_kvcrush.config.CompressionConfig` a configuration runs."""
+    from ov_kvcrush.config import CompressionConfig, parse_method_budget
+
+    if cfg.method == "full":
+        return CompressionConfig()
+    return parse_method_budget(cfg.method, cfg.budget, options=dict(cfg.options))
+
+
+def parse_method(item: str) -> tuple[str, dict[str, Any]]:
+    """A ``--methods`` item: a method name, optionally with method options after colons
+    (``kvcrush:block_size=32``, ``snapkv:quant=true``; values as in ``--option``)."""
+    from ov_kvcrush.config import parse_options
+
+    name, *opts = item.split(":")
+    if not name.strip():
+        raise ConfigError("methods", item, "a method name, optionally followed by :KEY=VALUE options")
+    return name.strip(), parse_options(opts, flag=f"--methods {name.strip()}:")
 
 
 def plan_configs(
@@ -92,19 +121,22 @@ def plan_configs(
     """Every backend x method x budget, where the backend has the method, plus (``anchors``) native
     full cache, the configuration every ratio divides by.
 
-    A method a listed backend does not have is left out for that backend (e.g. ClusterKV on the
-    native backend), but a method no listed backend has, an unknown backend, or a budget a backend
-    refuses for a method it has is an error naming the field. ``full`` runs once per backend.
+    ``methods`` items may carry options (see :func:`parse_method`). A method a listed backend
+    does not have is left out for that backend (e.g. ClusterKV on the native backend), but a
+    method no listed backend has, an unknown backend, a bad option, or a budget a backend refuses
+    for a method it has is an error naming the field. ``full`` runs once per backend.
     """
     for b in backends:
         backend_methods(b)
     configs: list[BenchConfig] = [BenchConfig("genai", "full")] if anchors else []
-    for m in methods:
+    for item in methods:
+        m, options = parse_method(item)
         where = [b for b in backends if m in backend_methods(b)]
         if not where:
             check_config(BenchConfig(backends[0], m, None if m == "full" else budgets[0]))  # raises, naming it
+        per_budget: Sequence[int | None] = [None] if m == "full" else budgets
         for b in where:
-            for c in [BenchConfig(b, m)] if m == "full" else [BenchConfig(b, m, budget) for budget in budgets]:
+            for c in [BenchConfig(b, m, x, options) for x in per_budget]:
                 check_config(c)
                 if c not in configs:
                     configs.append(c)
@@ -125,9 +157,23 @@ def schedule(
     return order
 
 
-def measure_bandwidth_gbps(mib: int = 256, repeats: int = 5) -> float:
-    """This machine's memory bandwidth: the best of ``repeats`` copies of a ``mib`` MiB array,
-    counting the bytes read and the bytes written (GB/s, 1e9 bytes)."""
+def measure_bandwidth_gbps(mib: int = 256, repeats: int = 5, device: str = "cpu") -> float:
+    """The memory bandwidth of ``device``: the best of ``repeats`` copies of a ``mib`` MiB array,
+    counting the bytes read and the bytes written (GB/s, 1e9 bytes). ``cuda[:N]`` measures that
+    GPU's memory (the floor of the torch engine running there)."""
+    if device.lower().startswith("cuda"):
+        import torch
+
+        src = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first copy warms the allocator and the driver up
+            torch.cuda.synchronize(src.device)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(src.device)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * src.numel() * 4 / best / 1e9
     import numpy as np
 
     src = np.ones(mib * (1 << 20) // 8, dtype=np.float64)
@@ -193,12 +239,15 @@ class RssSampler:
 
 
 def summarize(
-    runs: Iterable[dict[str, Any]], weight_bytes: dict[str, int], bandwidth_gbps: float
+    runs: Iterable[dict[str, Any]], weight_bytes: dict[str, int], bandwidth_gbps: float | dict[str, float]
 ) -> list[dict[str, Any]]:
     """One result per (configuration, length): medians over the repeats, and the ratios.
 
-    ``weight_bytes`` maps a backend to the bytes of weights one decode step reads.
+    ``weight_bytes`` maps a backend to the bytes of weights one decode step reads;
+    ``bandwidth_gbps`` is the CPU's, or a mapping from device (a run's ``device``, default
+    ``cpu``) to its bandwidth.
     """
+    bandwidths = bandwidth_gbps if isinstance(bandwidth_gbps, dict) else {"cpu": bandwidth_gbps}
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault((run["label"], run["length"]), []).append(run)
@@ -222,12 +271,14 @@ def summarize(
             "decode_tokens_per_s": 1e3 / tpot if tpot else 0.0,
             "kv_bytes": int(kv),
             "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in mine)),
+            "engine_rss_bytes": first.get("engine_rss_bytes"),
+            "device": first.get("device", "cpu"),
             "correct": sum(bool(r["correct"]) for r in mine),
         }
         for key in ("policy_decode_share", "policy_prefill_share"):
             vals = [r[key] for r in mine if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
-        row["floor_ms"] = floor_ms(weight_bytes[first["backend"]], row["kv_bytes"], bandwidth_gbps)
+        row["floor_ms"] = floor_ms(weight_bytes[first["backend"]], row["kv_bytes"], bandwidths[row["device"]])
         row["tpot_vs_floor"] = tpot / row["floor_ms"] if row["floor_ms"] else None
         results.append(row)
     anchors = {r["length"]: r for r in results if r["backend"] == "genai" and r["method"] == "full"}
@@ -259,7 +310,13 @@ def validate_doc(doc: dict[str, Any]) -> None:
 
 @dataclass
 class BenchPlan:
-    """What ``ov-kvcrush bench`` runs (see the module docstring)."""
+    """What ``ov-kvcrush bench`` runs (see the module docstring).
+
+    ``methods`` items may carry options (``kvcrush:block_size=32``). ``device`` is where the torch
+    backend runs (``cpu``, ``cuda``, ``cuda:N``); the OpenVINO backends run on the CPU. ``isolate``
+    runs every configuration in its own worker process (its peak RSS is its own); without it, one
+    process holds every engine and the RSS column is that process's.
+    """
 
     backends: tuple[str, ...] = ("genai", "openvino")
     methods: tuple[str, ...] = ("full", "kvcrush", "snapkv")
@@ -269,6 +326,125 @@ class BenchPlan:
     new_tokens: int = 32
     seed: int = 0
     model: str | None = None
+    device: str = "cpu"
+    isolate: bool = True
+
+
+def device_of(cfg: BenchConfig, plan: BenchPlan) -> str:
+    """Where a configuration runs: the plan's device for the torch backend, else the CPU."""
+    return plan.device.lower() if cfg.backend == "torch" else "cpu"
+
+
+def build_engine(cfg: BenchConfig, model: str | Path, device: str) -> Any:
+    """The engine a configuration runs, on an already resolved model."""
+    from ov_kvcrush.engines import make_engine
+
+    # the OpenVINO backends name their device as OpenVINO does
+    return make_engine(cfg.backend, model, compression(cfg), device=device if cfg.backend == "torch" else "CPU")
+
+
+class _Local:
+    """A configuration's engine in this process."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.engine_rss = RssSampler.rss()
+        self.weight_bytes = weight_bytes(engine)
+
+    def count(self, text: str) -> int:
+        return len(self.engine.encode(text))
+
+    def generate(self, prompt: str, settings: Any) -> tuple[Any, int]:
+        with RssSampler() as rss:
+            r = self.engine.generate(prompt, settings)
+        return r, rss.peak
+
+    def close(self) -> None:
+        self.engine = None
+
+
+class WorkerError(UserError):
+    """A configuration's worker process failed: its engine raised, or the process died."""
+
+
+def _serve(conn: Any, cfg: BenchConfig, model: str | Path | None, device: str, factory: Any) -> None:
+    """A worker process: build one configuration's engine, then count tokens and generate on request."""
+
+    def failure(exc: BaseException) -> tuple[str, tuple[bool, str]]:
+        return "error", (isinstance(exc, UserError), f"{type(exc).__name__}: {exc}")
+
+    try:
+        engine = factory(cfg) if factory is not None else build_engine(cfg, model, device)
+        conn.send(("ok", (RssSampler.rss(), weight_bytes(engine))))
+    except BaseException as exc:  # the parent reports it, naming the configuration
+        conn.send(failure(exc))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if msg[0] == "stop":
+            return
+        try:
+            if msg[0] == "count":
+                conn.send(("ok", len(engine.encode(msg[1]))))
+            else:
+                with RssSampler() as rss:
+                    r = engine.generate(msg[1], msg[2])
+                conn.send(("ok", (r, rss.peak)))
+        except Exception as exc:
+            conn.send(failure(exc))
+
+
+class _Worker:
+    """A configuration's engine in its own process (spawned, so no thread pool is forked)."""
+
+    def __init__(self, cfg: BenchConfig, model: str | Path | None, device: str, factory: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.label = cfg.label
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, cfg, model, device, factory), daemon=True)
+        self.proc.start()
+        child.close()
+        self.engine_rss, self.weight_bytes = self._reply()
+
+    def _reply(self) -> Any:
+        try:
+            kind, payload = self.conn.recv()
+        except (EOFError, ConnectionError):
+            self.proc.join(10)
+            raise WorkerError(
+                f"bench: the worker process running {self.label!r} died (exit code {self.proc.exitcode})"
+            ) from None
+        if kind == "error":
+            user, text = payload
+            raise WorkerError(f"bench: {self.label!r} failed: {text}" if not user else f"{self.label}: {text}")
+        return payload
+
+    def _ask(self, *msg: Any) -> Any:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionError):
+            pass  # the reply reports the dead process
+        return self._reply()
+
+    def count(self, text: str) -> int:
+        return self._ask("count", text)
+
+    def generate(self, prompt: str, settings: Any) -> tuple[Any, int]:
+        return self._ask("generate", prompt, settings)
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, ConnectionError, OSError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        self.conn.close()
 
 
 def run_bench(
@@ -277,41 +453,88 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     engine_factory: Callable[[BenchConfig], Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the plan; return the JSON document (``results``, ``runs``, ``bandwidth_gbps``, ...)."""
-    from ov_kvcrush.config import CompressionConfig, GenerationSettings
+    """Run the plan; return the JSON document (``results``, ``runs``, ``bandwidth_gbps``, ...).
+
+    ``engine_factory`` replaces the real engines (tests); with ``plan.isolate`` it must be picklable
+    (a module-level function), since it runs in the worker processes.
+    """
+    from ov_kvcrush.config import GenerationSettings
     from ov_kvcrush.eval.tasks import passkey_prompt
 
     configs = plan_configs(plan.backends, plan.methods, plan.budgets)
     order = schedule(configs, plan.lengths, plan.repeats)
     if plan.new_tokens < 2:
         raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
-    engines: dict[str, Any] = {}  # by label: one engine per configuration, kept across its runs
+    for n in plan.lengths:
+        if not isinstance(n, int) or n < 64:
+            raise ConfigError("lengths", n, "prompt lengths of at least 64 tokens")
+    devices = {device_of(c, plan) for c in configs}
+    if engine_factory is None and "torch" in plan.backends:
+        from ov_kvcrush.engines.torch_engine import resolve_device
 
-    def engine(c: BenchConfig):
-        if c.label not in engines:
-            if engine_factory is not None:
-                engines[c.label] = engine_factory(c)
-            else:
-                from ov_kvcrush.engines import make_engine, resolve_model
+        resolve_device(plan.device)  # a bad or missing device is refused before any model loads
+    say = progress or (lambda line: None)
+    models: dict[str, Any] = {}
+    if engine_factory is None:  # export/convert once, here, before the workers share the cache
+        from ov_kvcrush.engines import resolve_model
 
-                comp = (
-                    CompressionConfig()
-                    if c.method == "full"
-                    else CompressionConfig(method=c.method, budget=c.budget, options=dict(c.options))
-                )
-                engines[c.label] = make_engine(c.backend, resolve_model(c.backend, plan.model), comp)
-        return engines[c.label]
-
-    bandwidth = measure_bandwidth_gbps()
-    settings = GenerationSettings(max_new_tokens=plan.new_tokens, ignore_eos=True)
-    counter = engine(configs[0])
-    runs = []
+        models = {c.backend: resolve_model(c.backend, plan.model) for c in configs}
+    runners: dict[str, Any] = {}
     t_start = time.time()
+    try:
+        for i, c in enumerate(configs):
+            say(f"loading {c.label} ({i + 1}/{len(configs)})")
+            if plan.isolate:
+                runners[c.label] = _Worker(c, models.get(c.backend), device_of(c, plan), engine_factory)
+            else:
+                engine = engine_factory(c) if engine_factory else build_engine(c, models[c.backend], device_of(c, plan))
+                runners[c.label] = _Local(engine)
+        bandwidths = {d: measure_bandwidth_gbps() if d == "cpu" else measure_bandwidth_gbps(device=d) for d in devices}
+        bandwidths.setdefault("cpu", measure_bandwidth_gbps())
+        runs = _timed_runs(plan, order, runners, runners[configs[0].label], passkey_prompt, GenerationSettings, say)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    weights = {c.backend: runners[c.label].weight_bytes for c in configs}
+    for run in runs:
+        run["device"] = plan.device.lower() if run["backend"] == "torch" else "cpu"
+        run["engine_rss_bytes"] = int(runners[run["label"]].engine_rss)
+    return {
+        **describe_run(),
+        "bandwidth_gbps": bandwidths["cpu"],
+        "device_bandwidth_gbps": bandwidths,
+        "prefix_caching": "off in the genai engine, and every run has a fresh prompt",
+        "isolation": "one worker process per configuration: peak_rss_bytes is that process's"
+        if plan.isolate
+        else "one process holds every configuration: peak_rss_bytes is the whole process's",
+        "plan": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(plan).items()},
+        "weight_bytes": weights,
+        "wall_s": round(time.time() - t_start, 1),
+        "results": summarize(runs, weights, bandwidths),
+        "runs": runs,
+    }
+
+
+def _timed_runs(
+    plan: BenchPlan,
+    order: Sequence[tuple[int, int, BenchConfig]],
+    runners: dict[str, Any],
+    counter: Any,
+    passkey_prompt: Callable[..., Any],
+    settings_cls: Any,
+    say: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """The runs in ``order``: one fresh passkey prompt per repeat and length, every configuration."""
+    settings = settings_cls(max_new_tokens=plan.new_tokens, ignore_eos=True)
+    samples: dict[tuple[int, int], Any] = {}
+    runs = []
     for i, (rep, length, c) in enumerate(order):
-        sample = passkey_prompt(length, lambda t: len(counter.encode(t)), seed=plan.seed + 1000 * rep + length)
-        eng = engine(c)
-        with RssSampler() as rss:
-            r = eng.generate(sample.prompt, settings)
+        if (rep, length) not in samples:
+            samples[rep, length] = passkey_prompt(length, counter.count, seed=plan.seed + 1000 * rep + length)
+        sample = samples[rep, length]
+        t0 = time.perf_counter()
+        r, peak_rss = runners[c.label].generate(sample.prompt, settings)
+        wall_ms = (time.perf_counter() - t0) * 1e3
         steps = list(getattr(r, "step_ms", []) or [])
         decode_ms = r.tpot_ms * max(len(r.token_ids) - 1, 1)
         counters = r.counters or {}
@@ -329,30 +552,21 @@ def run_bench(
             "tpot_mean_ms": r.tpot_ms,
             "tpot_p90_ms": percentile(steps, 90) if steps else r.tpot_ms,
             "kv_bytes": int(r.kv_bytes),
-            "peak_rss_bytes": int(rss.peak),
+            "peak_rss_bytes": int(peak_rss),
             "correct": bool(sample.score(r.text)),
             "policy_decode_share": counters["policy_decode_ms"] / decode_ms if "policy_decode_ms" in counters else None,
             "policy_prefill_share": counters["policy_prefill_ms"] / r.ttft_ms
             if "policy_prefill_ms" in counters and r.ttft_ms
             else None,
+            "wall_ms": wall_ms,
         }
         runs.append(run)
-        if progress:
-            progress(
-                f"[{i + 1}/{len(order)}] rep {rep} {length:6d} tok  {c.label:32s} TTFT {r.ttft_ms:8.0f} ms  "
-                f"TPOT {run['tpot_ms']:6.1f} ms  KV {run['kv_bytes'] / 2**20:8.2f} MiB"
-            )
-    weights = {c.backend: weight_bytes(engine(c)) for c in configs}
-    return {
-        **describe_run(),
-        "bandwidth_gbps": bandwidth,
-        "prefix_caching": "off in the genai engine, and every run has a fresh prompt",
-        "plan": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(plan).items()},
-        "weight_bytes": weights,
-        "wall_s": round(time.time() - t_start, 1),
-        "results": summarize(runs, weights, bandwidth),
-        "runs": runs,
-    }
+        say(
+            f"[{i + 1}/{len(order)}] rep {rep} {length:6d} tok  {c.label:32s} TTFT {r.ttft_ms:8.0f} ms  "
+            f"TPOT {run['tpot_ms']:6.1f} ms  KV {run['kv_bytes'] / 2**20:8.2f} MiB  "
+            f"RSS {peak_rss / 2**20:6.0f} MiB"
+        )
+    return runs
 
 
 def weight_bytes(engine: Any) -> int:
@@ -395,21 +609,55 @@ def plot(doc: dict[str, Any], out: str | Path) -> None:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    """The results as a text table (one line per configuration and length)."""
+    """The results as a text table (one line per configuration and length).
+
+    ``xTPOT``/``xKV``: ratios to native full cache at that length; ``xfloor``: TPOT over the
+    bandwidth floor; ``pre%``/``dec%``: the method's own share of prefill/decode time (selection,
+    clustering, merging, quantising; measured inside our op and the torch cache); ``RSS``: peak
+    resident memory of the configuration's process during its runs."""
     head = (
         f"{'configuration':34s} {'tokens':>6s} {'TTFT ms':>8s} {'TPOT ms':>8s} {'p90':>6s} {'tok/s':>6s} "
-        f"{'KV MiB':>8s} {'xTPOT':>6s} {'xKV':>6s} {'xfloor':>6s} {'RSS MiB':>8s}"
+        f"{'KV MiB':>8s} {'xTPOT':>6s} {'xKV':>6s} {'xfloor':>6s} {'pre%':>5s} {'dec%':>5s} {'RSS MiB':>8s}"
     )
     lines = [head]
 
     def ratio(x: float | None, digits: int = 2) -> str:
         return f"{x:6.{digits}f}" if x is not None else f"{'':6s}"
 
+    def share(x: float | None) -> str:
+        return f"{100 * x:5.1f}" if x is not None else f"{'':5s}"
+
     for r in doc["results"]:
         lines.append(
             f"{r['label']:34s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
             f"{r['decode_tokens_per_s']:6.1f} {r['kv_bytes'] / 2**20:8.2f} {ratio(r['tpot_vs_native_full'])} "
-            f"{ratio(r['kv_vs_native_full'], 3)} {ratio(r['tpot_vs_floor'])} {r['peak_rss_bytes'] / 2**20:8.0f}"
+            f"{ratio(r['kv_vs_native_full'], 3)} {ratio(r['tpot_vs_floor'])} "
+            f"{share(r.get('policy_prefill_share'))} {share(r.get('policy_decode_share'))} "
+            f"{r['peak_rss_bytes'] / 2**20:8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def format_markdown(doc: dict[str, Any]) -> str:
+    """The results as a Markdown table, for the committed results page."""
+
+    def x(v: float | None, digits: int = 2) -> str:
+        return "" if v is None else f"{v:.{digits}f}×"
+
+    def pct(v: float | None) -> str:
+        return "" if v is None else f"{100 * v:.1f} %"
+
+    lines = [
+        "| configuration | tokens | TTFT ms | TPOT ms (median) | p90 | tok/s | KV MiB | TPOT vs native full "
+        "| KV vs native full | TPOT vs floor | method share of prefill | of decode | peak RSS MiB | passkey |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['label']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | {r['tpot_ms']:.1f} | {r['tpot_p90_ms']:.1f} "
+            f"| {r['decode_tokens_per_s']:.1f} | {r['kv_bytes'] / 2**20:.2f} | {x(r['tpot_vs_native_full'])} "
+            f"| {x(r['kv_vs_native_full'], 3)} | {x(r['tpot_vs_floor'])} | {pct(r.get('policy_prefill_share'))} "
+            f"| {pct(r.get('policy_decode_share'))} | {r['peak_rss_bytes'] / 2**20:.0f} | {r['correct']}/{r['runs']} |"
         )
     return "\n".join(lines)
 

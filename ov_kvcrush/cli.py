@@ -133,13 +133,25 @@ def build_parser() -> argparse.ArgumentParser:
         "memory-bandwidth floor measured in the same run.",
     )
     bn.add_argument("--backends", default="genai,openvino", help="genai, openvino, torch (default genai,openvino)")
-    bn.add_argument("--methods", default="full,kvcrush,snapkv", help="methods (default full,kvcrush,snapkv)")
+    bn.add_argument(
+        "--methods",
+        default="full,kvcrush,snapkv",
+        help="methods, each optionally with options after colons, e.g. kvcrush:block_size=32 (default "
+        "full,kvcrush,snapkv)",
+    )
     bn.add_argument("--budgets", default="1024", help="token budgets (default 1024)")
     bn.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt tokens (default 1024,2048,4096,8192)")
     bn.add_argument("--repeats", type=_positive_int, default=2, help="interleaved repeats (default 2)")
     bn.add_argument("--new-tokens", type=_positive_int, default=32, help="decode steps per run (default 32)")
     bn.add_argument("--seed", type=_positive_int, default=0)
     bn.add_argument("--model", help="model for every backend (default: the embedded model)")
+    bn.add_argument("--device", default="cpu", help="where the torch backend runs: cpu (default), cuda, cuda:N")
+    bn.add_argument(
+        "--no-isolate",
+        action="store_true",
+        help="run every configuration in this process (default: one worker process each, so each "
+        "configuration's peak RSS is its own)",
+    )
     bn.add_argument("--json", dest="json_out", help="write the results as JSON")
     bn.add_argument("--plot", help="write a PNG: TPOT and KV bytes vs length")
 
@@ -234,13 +246,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     plan = BenchPlan(
         backends=_split("--backends", args.backends, _name),
-        methods=_split("--methods", args.methods, _name),
+        methods=_split("--methods", args.methods, str),
         budgets=_split("--budgets", args.budgets, _int),
         lengths=_split("--lengths", args.lengths, _int),
         repeats=args.repeats,
         new_tokens=args.new_tokens,
         seed=args.seed,
         model=args.model,
+        device=args.device,
+        isolate=not args.no_isolate,
     )
     doc = run_bench(plan, progress=lambda line: print(line, flush=True))
     print()
@@ -270,28 +284,8 @@ def _read_prompt(path: str) -> str:
     return p.read_text(encoding="utf-8")
 
 
-def _parse_options(items: list[str]) -> dict:
-    """``KEY=VALUE`` pairs with JSON values (bare words stay strings; lists become tuples)."""
-    import json
-
-    def tuples(v):
-        return tuple(tuples(x) for x in v) if isinstance(v, list) else v
-
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--option {item!r} is invalid: expected KEY=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out[key.strip().replace("-", "_")] = tuples(value)
-    return out
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ov_kvcrush.config import GenerationSettings, parse_method_budget
+    from ov_kvcrush.config import GenerationSettings, parse_method_budget, parse_options
     from ov_kvcrush.engines import make_engine, resolve_model
 
     compression = parse_method_budget(
@@ -299,7 +293,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.budget,
         sink_tokens=args.sink_tokens,
         recent_tokens=args.recent_tokens,
-        options=_parse_options(args.option),
+        options=parse_options(args.option),
     )
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, apply_chat_template=not args.no_chat_template)
     prompt = _read_prompt(args.prompt_file)

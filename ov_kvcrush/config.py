@@ -12,7 +12,7 @@ method's options).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -334,3 +334,24 @@ def parse_method_budget(method: str, budget: int | None, **overrides: Any) -> Co
         return CompressionConfig(method=method, budget=budget, **overrides)
     except TypeError as exc:
         raise UserError(str(exc)) from None
+
+
+def parse_options(items: Iterable[str], flag: str = "--option") -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as method options: JSON values (bare words stay strings, lists become
+    tuples, ``-`` in keys becomes ``_``). A malformed pair is an error naming ``flag``."""
+    import json
+
+    def tuples(v: Any) -> Any:
+        return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"{flag} {item!r} is invalid: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip().replace("-", "_")] = tuples(value)
+    return out

@@ -7,6 +7,8 @@ number has an exact expected value) and once, briefly, with the real engines on 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
 import statistics
 
@@ -15,7 +17,7 @@ import pytest
 from ov_kvcrush import bench
 from ov_kvcrush.bench import BenchConfig, BenchPlan
 from ov_kvcrush.engines.base import GenerationResult
-from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.errors import ConfigError, UserError
 
 
 def test_schedule_interleaves_and_alternates_direction():
@@ -166,7 +168,7 @@ def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypat
     log: list = []
     speed = {"genai": 4.0, "openvino": 2.0}
     plan = BenchPlan(backends=("genai", "openvino"), methods=("full", "snapkv"), budgets=(256,), lengths=(300, 600))
-    plan.repeats, plan.new_tokens = 2, 6
+    plan.repeats, plan.new_tokens, plan.isolate = 2, 6, False
     doc = bench.run_bench(plan, engine_factory=lambda c: FakeEngine(c, speed[c.backend], 100, log))
     bench.validate_doc(json.loads(json.dumps(doc)))  # plain JSON, the schema holds
     configs = bench.plan_configs(plan.backends, plan.methods, plan.budgets)
@@ -203,6 +205,7 @@ def test_run_bench_uses_a_fresh_prompt_every_repeat(monkeypatch):
             return super().generate(prompt, settings)
 
     plan = BenchPlan(backends=("genai",), methods=("full",), budgets=(128,), lengths=(400,), repeats=3, new_tokens=3)
+    plan.isolate = False
     bench.run_bench(plan, engine_factory=lambda c: Recorder(c, 1.0, 1, []))
     assert len(prompts) == 3 and len(set(prompts)) == 3
 
@@ -211,27 +214,112 @@ def test_bench_plot_writes_a_png(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
     monkeypatch.setattr(bench, "weight_bytes", lambda engine: 1)
     plan = BenchPlan(backends=("genai", "openvino"), methods=("full",), budgets=(128,), lengths=(200, 400))
-    plan.repeats, plan.new_tokens = 1, 3
+    plan.repeats, plan.new_tokens, plan.isolate = 1, 3, False
     doc = bench.run_bench(plan, engine_factory=lambda c: FakeEngine(c, 1.0, 1, []))
     out = tmp_path / "bench.png"
     bench.plot(doc, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_method_items_carry_options_checked_by_the_method():
+    cfgs = bench.plan_configs(["openvino"], ["kvcrush:block_size=32", "snapkv:quant=true", "snapkv"], [256])
+    by = {c.label: c for c in cfgs}
+    assert by["openvino kvcrush block_size=32 @256"].options == {"block_size": 32}
+    assert by["openvino snapkv quant=True @256"].options == {"quant": True}
+    assert "openvino snapkv @256" in by  # the same method without options is another configuration
+    with pytest.raises(UserError, match="bogus"):
+        bench.plan_configs(["openvino"], ["kvcrush:bogus=1"], [256])
+    with pytest.raises(UserError, match=r"--methods kvcrush: 'block_size' is invalid: expected KEY=VALUE"):
+        bench.plan_configs(["openvino"], ["kvcrush:block_size"], [256])
+    with pytest.raises(ConfigError, match="options"):
+        bench.plan_configs(["openvino"], ["full:block_size=32"], [256])
+
+
+#: bytes each fake configuration keeps allocated from its first run on (a KV cache stand-in)
+HELD = {"openvino snapkv @256": 96 << 20}
+
+
+class HoldingEngine(FakeEngine):
+    """A fake engine that keeps ``HELD[label]`` bytes resident after generating."""
+
+    def generate(self, prompt: str, settings) -> GenerationResult:
+        self.held = b"\x01" * HELD.get(self.cfg.label, 0)  # written, so resident
+        return super().generate(prompt, settings)
+
+
+def holding_engine(cfg: BenchConfig) -> HoldingEngine:
+    """Module level: the worker processes unpickle it by name."""
+    return HoldingEngine(cfg, 1.0, 10, [])
+
+
+def test_isolated_configurations_report_their_own_memory(monkeypatch):
+    """In worker processes, one configuration's 96 MiB shows in its own peak RSS and not in the
+    other's; in one process, the other configuration's peak includes them (why isolation is on)."""
+    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
+    plan = BenchPlan(backends=("genai", "openvino"), methods=("snapkv",), budgets=(256,), lengths=(300,))
+    plan.repeats, plan.new_tokens = 2, 3
+    doc = bench.run_bench(plan, engine_factory=holding_engine)
+    res = {r["label"]: r for r in doc["results"]}
+    grew = {label: r["peak_rss_bytes"] - r["engine_rss_bytes"] for label, r in res.items()}
+    assert grew["openvino snapkv @256"] >= HELD["openvino snapkv @256"]
+    assert grew["genai full"] < 32 << 20 and grew["genai snapkv @256"] < 32 << 20
+    assert doc["isolation"].startswith("one worker process per configuration")
+    assert [r["correct"] for r in res.values()] == [2, 2, 2]
+
+    plan.isolate = False
+    doc = bench.run_bench(plan, engine_factory=holding_engine)
+    res = {r["label"]: r for r in doc["results"]}
+    # backward on repeat 1: the 96 MiB are held when native full runs
+    assert res["genai full"]["peak_rss_bytes"] - res["genai full"]["engine_rss_bytes"] >= 96 << 20
+
+
+class CrashingEngine(FakeEngine):
+    def generate(self, prompt: str, settings) -> GenerationResult:
+        if self.cfg.method == "snapkv":
+            os._exit(7)  # what a native abort looks like from outside
+        return super().generate(prompt, settings)
+
+
+def crashing_engine(cfg: BenchConfig) -> CrashingEngine:
+    return CrashingEngine(cfg, 1.0, 10, [])
+
+
+def refusing_engine(cfg: BenchConfig) -> FakeEngine:
+    if cfg.backend == "openvino":
+        raise ConfigError("kv_precision", "f8", "f16 or f32")
+    return FakeEngine(cfg, 1.0, 10, [])
+
+
+def test_a_dying_or_failing_worker_is_a_clear_error_naming_the_configuration(monkeypatch):
+    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
+    plan = BenchPlan(backends=("openvino",), methods=("snapkv",), budgets=(256,), lengths=(300,))
+    plan.repeats, plan.new_tokens = 1, 3
+    with pytest.raises(bench.WorkerError, match=r"'openvino snapkv @256' died \(exit code 7\)"):
+        bench.run_bench(plan, engine_factory=crashing_engine)
+    with pytest.raises(bench.WorkerError, match=r"openvino snapkv @256: ConfigError: kv_precision='f8' is invalid"):
+        bench.run_bench(plan, engine_factory=refusing_engine)
+    assert not multiprocessing.active_children()  # every worker was stopped
+
+
 def test_bench_on_the_real_engines_briefly(tmp_path):
-    """Native full cache and our op's SnapKV on the embedded model, one short run each: the
-    harness drives the real engines and the numbers it reports are consistent."""
-    plan = BenchPlan(backends=("genai", "openvino"), methods=("full", "snapkv"), budgets=(256,), lengths=(700,))
-    plan.repeats, plan.new_tokens = 1, 4
+    """Native full cache and SnapKV in our op and in the torch engine on the embedded model, one
+    short run each, each configuration in its own worker: the harness drives the real engines and
+    the numbers it reports are consistent."""
+    plan = BenchPlan(backends=("genai", "openvino", "torch"), methods=("full", "snapkv"), budgets=(256,))
+    plan.lengths, plan.repeats, plan.new_tokens = (700,), 1, 4
     doc = bench.run_bench(plan)
     bench.validate_doc(doc)
     res = {r["label"]: r for r in doc["results"]}
-    assert set(res) == {"genai full", "genai snapkv @256", "openvino full", "openvino snapkv @256"}
+    assert set(res) == {f"{b} {m}" for b in plan.backends for m in ("full", "snapkv @256")}
     assert doc["bandwidth_gbps"] > 0.1 and doc["weight_bytes"]["genai"] > 10_000_000
     for r in res.values():
         assert 0 < r["prompt_tokens"] <= 700 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0
         assert r["tpot_vs_floor"] > 1.0  # nothing beats reading the weights once
-        assert r["peak_rss_bytes"] > 100 * 2**20
-    # the op's SnapKV holds its budget per layer and KV head; the full cache all tokens
-    assert res["openvino snapkv @256"]["kv_bytes"] < res["openvino full"]["kv_bytes"]
+        assert 100 * 2**20 < r["engine_rss_bytes"] <= r["peak_rss_bytes"]
+    # the compressing methods hold their budget per layer and KV head; the full cache all tokens
+    for b in ("openvino", "torch"):
+        assert res[f"{b} snapkv @256"]["kv_bytes"] < res[f"{b} full"]["kv_bytes"]
+        # the method's own share of prefill, measured inside our op and the torch cache
+        assert 0.0 < res[f"{b} snapkv @256"]["policy_prefill_share"] < 1.0
     assert res["genai snapkv @256"]["kv_vs_native_full"] < 1.0
+    assert res["genai snapkv @256"]["policy_prefill_share"] is None  # native: not measurable

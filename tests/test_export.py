@@ -68,6 +68,10 @@ def test_subcommands_are_listed_and_bench_refuses_bad_input():
     assert proc.returncode == 2 and "backend" in proc.stderr and "genai" in proc.stderr
     proc = _cli("bench", "--methods", "bogus")
     assert proc.returncode == 2 and "method" in proc.stderr and "bogus" in proc.stderr
+    proc = _cli("bench", "--methods", "kvcrush:block_size=-3")
+    assert proc.returncode == 2 and "block_size" in proc.stderr
+    proc = _cli("bench", "--backends", "torch", "--device", "cuda:7")
+    assert proc.returncode == 2 and "device" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):

@@ -119,6 +119,44 @@ def test_eviction_really_shrinks_what_is_held():
     assert small.get_seq_length() == 300  # positions keep counting seen tokens
 
 
+def test_policy_time_is_the_method_calls_less_their_attention(monkeypatch):
+    """The cache reports the method's own work per phase (what ``ov-kvcrush bench`` shows for the
+    torch engine). On a clock that only the attention (3 ms) and H2O's selection (2 ms) advance,
+    the split is exact: prefill = one selection per layer, decode = the decode steps' selections,
+    and no attention time is counted as the method's."""
+    import time as time_module
+
+    from ov_kvcrush.methods.base import LayerCache
+    from ov_kvcrush.methods.importance import ImportanceLayerCache
+
+    clock = [0.0]
+    selects = {"prefill": 0, "decode": 0}
+    attend, select = LayerCache._attend_untimed, ImportanceLayerCache.select
+
+    def slow_attend(self, *a, **kw):
+        clock[0] += 0.003
+        return attend(self, *a, **kw)
+
+    def slow_select(self, *a, **kw):
+        clock[0] += 0.002
+        selects["decode" if len(self.store) else "prefill"] += 1
+        return select(self, *a, **kw)
+
+    monkeypatch.setattr(time_module, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(LayerCache, "_attend_untimed", slow_attend)
+    monkeypatch.setattr(ImportanceLayerCache, "select", slow_select)
+    _, ours = _tiny("llama")
+    ids = torch.randint(3, 128, (1, 200))
+    cache = CompressedCache(CompressionConfig(method="h2o", budget=120).method_config(), ours.config)
+    _greedy(ours, ids, 6, cache)
+    layers = ours.config.num_hidden_layers
+    assert selects["prefill"] == layers
+    spent = cache.policy_ms()
+    assert spent["policy_prefill_ms"] == pytest.approx(2.0 * layers)
+    assert spent["policy_decode_ms"] == pytest.approx(2.0 * selects["decode"])
+    assert sum(lc.attend_ms for lc in cache.method_layers()) == pytest.approx(3.0 * layers * 6)
+
+
 def test_storage_bytes_counts_a_pinned_full_tensor():
     big = torch.zeros(1000)
     assert storage_bytes({"slice": big[:10]}) == 4000

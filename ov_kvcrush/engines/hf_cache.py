@@ -28,6 +28,7 @@ method (with its per-layer budgets, pyramids, dense layers) is laid over the glo
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -62,6 +63,8 @@ class CompressedLayer(CacheLayerMixin):
         #: the same layer of other caches that take this prompt too (see
         #: :meth:`CompressedCache.share_prefill`); emptied once the prompt has been attended.
         self.followers: list[CompressedLayer] = []
+        #: ms of the method's own work (its calls' time less their attention), CPU only
+        self.policy_ms = {"prefill": 0.0, "decode": 0.0}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -228,6 +231,16 @@ class CompressedCache(Cache):
             total["recall_rate"] = total["recall_sum"] / total["recall_steps"] if total["recall_steps"] else 0.0
         return total
 
+    def policy_ms(self) -> dict[str, float]:
+        """The method's own work (selection, clustering, merging, quantising: the time of its
+        prefill/decode calls less their attention) summed over layers, as ``policy_prefill_ms``
+        and ``policy_decode_ms``; the same split our op reports. Empty on CUDA, where the calls
+        return before the work ends."""
+        if not any(layer.is_initialized and layer.device.type == "cpu" for layer in self.layers):
+            return {}
+        phases = ("prefill", "decode")
+        return {f"policy_{ph}_ms": sum(layer.policy_ms[ph] for layer in self.layers) for ph in phases}
+
     def tokens_held(self) -> float:
         """Mean tokens (or merged tokens) held per KV head over the method's (non-sliding) layers."""
         held = [
@@ -280,6 +293,9 @@ def compressed_attention(
             "longer than the window are not supported by the compressed cache"
         )
     lc.scale = scaling
+    phase = "decode" if lc.seen else "prefill"
+    timed = query.device.type == "cpu"
+    attended, t0 = lc.attend_ms, time.perf_counter()
     if lc.seen == 0:
         out = lc.prefill(query, k, v)
         memo = PromptMemo(query, k, v, out)  # the prompt's attention, reused by the followers
@@ -293,6 +309,8 @@ def compressed_attention(
         layer.followers = []
     else:
         out = lc.decode(query, k, v)
+    if timed:  # the followers' prefills (share_prefill) are not this cache's work
+        layer.policy_ms[phase] += max(0.0, (time.perf_counter() - t0) * 1e3 - (lc.attend_ms - attended))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -331,6 +331,7 @@ class TorchEngine:
         ttft_ms, tpot_ms = ttft_tpot_ms(stamps)
         counters: dict[str, Any] = {
             **cache.counters(),
+            **cache.policy_ms(),
             "kv_payload_bytes": mem["kv"],
             "kv_metadata_bytes": mem["metadata"],
             "tokens_seen": seen,
@@ -338,6 +339,7 @@ class TorchEngine:
         }
         if shared:
             counters["shared_prefill"] = 1
+            counters.pop("policy_prefill_ms", None)  # another cache's prefill ran the prompt
         return GenerationResult(
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             token_ids=tokens,

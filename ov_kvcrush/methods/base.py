@@ -15,6 +15,7 @@ code is the oracle on CPU and the CUDA path on a GPU.
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -418,12 +419,27 @@ class LayerCache(ABC):
         #: logit scale of the model's attention (``None``: ``1/sqrt(head_dim)``); engines set it
         #: from the attention module, since some families (Gemma) scale differently.
         self.scale: float | None = None
+        #: wall time (ms) spent in :meth:`_attend` on CPU tensors: the engine subtracts it from a
+        #: step's time to report the method's own work (selection, clustering, merging ...).
+        self.attend_ms = 0.0
 
     #: set by an engine around a prefill whose prompt attention is already known (:class:`PromptMemo`).
     prompt_memo: PromptMemo | None = None
 
     def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kw: Any) -> AttentionOutput:
-        """:func:`attend` with this layer's logit scale (served from :attr:`prompt_memo` when it applies)."""
+        """:func:`attend` with this layer's logit scale (served from :attr:`prompt_memo` when it
+        applies), timed into :attr:`attend_ms` on the CPU (CUDA calls return before the work ends)."""
+        if queries.device.type != "cpu":
+            return self._attend_untimed(queries, keys, values, **kw)
+        t0 = time.perf_counter()
+        try:
+            return self._attend_untimed(queries, keys, values, **kw)
+        finally:
+            self.attend_ms += (time.perf_counter() - t0) * 1e3
+
+    def _attend_untimed(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kw: Any
+    ) -> AttentionOutput:
         memo = self.prompt_memo
         if (
             memo is not None
