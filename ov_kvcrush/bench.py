@@ -588,20 +588,24 @@ def plot(doc: dict[str, Any], out: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5.5))
     labels = list(dict.fromkeys(r["label"] for r in doc["results"]))
+    # one colour per method and options (the same across backends), one line style per backend
+    kinds = list(dict.fromkeys(label.split(" ", 1)[1] for label in labels))
+    colours = plt.get_cmap("tab20" if len(kinds) > 10 else "tab10")
+    styles = {"genai": "--", "openvino": "-", "torch": ":"}
     for label in labels:
         rows = sorted((r for r in doc["results"] if r["label"] == label), key=lambda r: r["length"])
         xs = [r["length"] for r in rows]
-        style = "--" if rows[0]["backend"] == "genai" else "-"
-        a.plot(xs, [r["tpot_ms"] for r in rows], style, marker="o", label=label)
-        b.plot(xs, [r["kv_bytes"] / 2**20 for r in rows], style, marker="o", label=label)
+        kw = {"color": colours(kinds.index(label.split(" ", 1)[1])), "marker": "o", "label": label}
+        a.plot(xs, [r["tpot_ms"] for r in rows], styles.get(rows[0]["backend"], "-"), **kw)
+        b.plot(xs, [r["kv_bytes"] / 2**20 for r in rows], styles.get(rows[0]["backend"], "-"), **kw)
     a.set(xlabel="context length (tokens)", ylabel="TPOT (ms, median)", title="decode time per token")
     b.set(xlabel="context length (tokens)", ylabel="KV cache held (MiB)", title="KV memory", yscale="log")
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.set_xscale("log", base=2)
-    b.legend(fontsize=7, loc="best")
+    b.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"ov-kvcrush bench ({doc['machine']['cpu']}, {doc['bandwidth_gbps']:.1f} GB/s copy bandwidth)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bn.add_argument("--json", dest="json_out", help="write the results as JSON")
     bn.add_argument("--plot", help="write a PNG: TPOT and KV bytes vs length")
+    bn.add_argument("--markdown", help="write the results table as Markdown (for a results page)")
 
     for name, issue in PLANNED.items():
         sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
@@ -242,7 +243,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from ov_kvcrush.bench import BenchPlan, format_table, plot, run_bench
+    from ov_kvcrush.bench import BenchPlan, format_markdown, format_table, plot, run_bench
 
     plan = BenchPlan(
         backends=_split("--backends", args.backends, _name),
@@ -264,6 +265,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Path(args.json_out).write_text(json.dumps(doc, indent=2))
     if args.plot:
         plot(doc, args.plot)
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(doc) + "\n")
     return 0
 
 

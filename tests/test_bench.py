@@ -192,6 +192,11 @@ def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypat
     assert res[("genai snapkv @256", 600)]["policy_decode_share"] is None
     # the report and the plot are made from the document
     assert "openvino snapkv @256" in bench.format_table(doc)
+    md = bench.format_markdown(doc).splitlines()
+    assert len(md) == 2 + len(doc["results"]) and all(line.count("|") == md[0].count("|") for line in md)
+    snap = res[("openvino snapkv @256", 600)]
+    line = f"| openvino snapkv @256 | {snap['prompt_tokens']} | {snap['ttft_ms']:.0f} | 2.0 | 6.8 | 500.0 |"
+    assert any(x.startswith(line) and x.endswith("| 2/2 |") for x in md)
 
 
 def test_run_bench_uses_a_fresh_prompt_every_repeat(monkeypatch):
