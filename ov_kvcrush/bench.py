@@ -122,9 +122,10 @@ def plan_configs(
     full cache, the configuration every ratio divides by.
 
     ``methods`` items may carry options (see :func:`parse_method`). A method a listed backend
-    does not have is left out for that backend (e.g. ClusterKV on the native backend), but a
-    method no listed backend has, an unknown backend, a bad option, or a budget a backend refuses
-    for a method it has is an error naming the field. ``full`` runs once per backend.
+    does not have, or options it does not take, are left out for that backend (ClusterKV, or
+    KVCrush's ``block_size``, on the native backend); but a method or options no listed backend
+    takes, an unknown backend, or a budget a backend refuses for a method it has is an error
+    naming the field. ``full`` runs once per backend.
     """
     for b in backends:
         backend_methods(b)
@@ -135,6 +136,16 @@ def plan_configs(
         if not where:
             check_config(BenchConfig(backends[0], m, None if m == "full" else budgets[0]))  # raises, naming it
         per_budget: Sequence[int | None] = [None] if m == "full" else budgets
+        if options:  # options are the backend's: kept where they are accepted, an error nowhere
+            refused = []
+            for b in list(where):
+                try:
+                    check_config(BenchConfig(b, m, per_budget[0], options))
+                except UserError as exc:
+                    refused.append(exc)
+                    where.remove(b)
+            if not where:
+                raise refused[0]
         for b in where:
             for c in [BenchConfig(b, m, x, options) for x in per_budget]:
                 check_config(c)

@@ -232,6 +232,9 @@ def test_method_items_carry_options_checked_by_the_method():
     assert by["openvino kvcrush block_size=32 @256"].options == {"block_size": 32}
     assert by["openvino snapkv quant=True @256"].options == {"quant": True}
     assert "openvino snapkv @256" in by  # the same method without options is another configuration
+    # options a backend does not take leave it out for that backend (native KVCrush has no block_size)
+    labels = [c.label for c in bench.plan_configs(["genai", "openvino"], ["kvcrush:block_size=32"], [256])]
+    assert labels == ["genai full", "openvino kvcrush block_size=32 @256"]
     with pytest.raises(UserError, match="bogus"):
         bench.plan_configs(["openvino"], ["kvcrush:bogus=1"], [256])
     with pytest.raises(UserError, match=r"--methods kvcrush: 'block_size' is invalid: expected KEY=VALUE"):
