@@ -510,8 +510,14 @@ def run_bench(
     for run in runs:
         run["device"] = plan.device.lower() if run["backend"] == "torch" else "cpu"
         run["engine_rss_bytes"] = int(runners[run["label"]].engine_rss)
+    info = describe_run()
+    gpus = sorted(d for d in devices if d != "cpu")
+    if gpus:  # the results name the device they were measured on
+        import torch
+
+        info["machine"]["gpus"] = {d: torch.cuda.get_device_name(torch.device(d)) for d in gpus}
     return {
-        **describe_run(),
+        **info,
         "bandwidth_gbps": bandwidths["cpu"],
         "device_bandwidth_gbps": bandwidths,
         "prefix_caching": "off in the genai engine, and every run has a fresh prompt",
@@ -631,7 +637,7 @@ def format_table(doc: dict[str, Any]) -> str:
     clustering, merging, quantising; measured inside our op and the torch cache); ``RSS``: peak
     resident memory of the configuration's process during its runs."""
     head = (
-        f"{'configuration':34s} {'tokens':>6s} {'TTFT ms':>8s} {'TPOT ms':>8s} {'p90':>6s} {'tok/s':>6s} "
+        f"{'configuration':38s} {'tokens':>6s} {'TTFT ms':>8s} {'TPOT ms':>8s} {'p90':>6s} {'tok/s':>6s} "
         f"{'KV MiB':>8s} {'xTPOT':>6s} {'xKV':>6s} {'xfloor':>6s} {'pre%':>5s} {'dec%':>5s} {'RSS MiB':>8s}"
     )
     lines = [head]
@@ -644,7 +650,7 @@ def format_table(doc: dict[str, Any]) -> str:
 
     for r in doc["results"]:
         lines.append(
-            f"{r['label']:34s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
+            f"{r['label']:38s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
             f"{r['decode_tokens_per_s']:6.1f} {r['kv_bytes'] / 2**20:8.2f} {ratio(r['tpot_vs_native_full'])} "
             f"{ratio(r['kv_vs_native_full'], 3)} {ratio(r['tpot_vs_floor'])} "
             f"{share(r.get('policy_prefill_share'))} {share(r.get('policy_decode_share'))} "

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Regenerate every committed CPU benchmark result under docs/results/bench/ (JSON with the machine,
+# versions and command; PNG; Markdown table), one `ov-kvcrush bench` run each. About 25 minutes on
+# a 2-core machine. Run it on an idle machine: every number is a ratio within one run, but a busy
+# machine widens the spread. Usage: bash benchmarks/cpu.sh [main|full|torch ...] (default: all).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OV_KVCRUSH=${OV_KVCRUSH:-ov-kvcrush}
+out=docs/results/bench
+mkdir -p "$out"
+
+bench() {  # bench NAME ARGS...: one run, its three files named NAME.*
+    local name=$1
+    shift
+    "$OV_KVCRUSH" bench "$@" --json "$out/$name.json" --plot "$out/$name.png" --markdown "$out/$name.md"
+}
+
+runs=("$@")
+[ ${#runs[@]} -eq 0 ] && runs=(main full torch)
+for run in "${runs[@]}"; do
+    case $run in
+    main)  # every method of native openvino_genai and of our op, 1k-8k tokens, budget 1024
+        bench bench_cpu --backends genai,openvino \
+            --methods full,h2o,snapkv,pyramidkv,kvcrush,kvcrush:block_size=32,clusterkv,chelsea,minikv,snapkv:quant=true \
+            --budgets 1024 --lengths 1024,2048,4096,8000 --repeats 2 --new-tokens 32 ;;
+    full)  # full cache, our op against native: more repeats and decode steps, fewer lengths
+        bench bench_cpu_full_cache --backends genai,openvino --methods full \
+            --lengths 2048,4096 --repeats 5 --new-tokens 64 ;;
+    torch)  # the torch engine (the reference methods over transformers), native full as the anchor
+        bench bench_cpu_torch --backends torch --methods full,snapkv,kvcrush,clusterkv,chelsea,minikv \
+            --budgets 1024 --lengths 2048,4096 --repeats 2 --new-tokens 32 ;;
+    *)
+        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch)" >&2
+        exit 2 ;;
+    esac
+done
