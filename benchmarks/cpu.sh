@@ -3,16 +3,21 @@
 # versions and command; PNG; Markdown table), one `ov-kvcrush bench` run each. About 25 minutes on
 # a 2-core machine. Run it on an idle machine: every number is a ratio within one run, but a busy
 # machine widens the spread. Usage: bash benchmarks/cpu.sh [main|full|torch ...] (default: all).
+# DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OV_KVCRUSH=${OV_KVCRUSH:-ov-kvcrush}
 out=docs/results/bench
-mkdir -p "$out"
+[ -n "${DRY_RUN:-}" ] || mkdir -p "$out"
 
 bench() {  # bench NAME ARGS...: one run, its three files named NAME.*
     local name=$1
     shift
-    "$OV_KVCRUSH" bench "$@" --json "$out/$name.json" --plot "$out/$name.png" --markdown "$out/$name.md"
+    if [ -n "${DRY_RUN:-}" ]; then
+        "$OV_KVCRUSH" bench "$@" --dry-run
+    else
+        "$OV_KVCRUSH" bench "$@" --json "$out/$name.json" --plot "$out/$name.png" --markdown "$out/$name.md"
+    fi
 }
 
 runs=("$@")

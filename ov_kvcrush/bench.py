@@ -472,13 +472,9 @@ def run_bench(
     from ov_kvcrush.config import GenerationSettings
     from ov_kvcrush.eval.tasks import passkey_prompt
 
+    dry_run(plan)  # every check before anything loads
     configs = plan_configs(plan.backends, plan.methods, plan.budgets)
     order = schedule(configs, plan.lengths, plan.repeats)
-    if plan.new_tokens < 2:
-        raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
-    for n in plan.lengths:
-        if not isinstance(n, int) or n < 64:
-            raise ConfigError("lengths", n, "prompt lengths of at least 64 tokens")
     devices = {device_of(c, plan) for c in configs}
     if engine_factory is None and "torch" in plan.backends:
         from ov_kvcrush.engines.torch_engine import resolve_device
@@ -530,6 +526,23 @@ def run_bench(
         "results": summarize(runs, weights, bandwidths),
         "runs": runs,
     }
+
+
+def dry_run(plan: BenchPlan) -> str:
+    """What :func:`run_bench` would run, checked as it would be (configurations, lengths, runs),
+    without loading a model: a committed benchmark command can be checked in a test."""
+    configs = plan_configs(plan.backends, plan.methods, plan.budgets)
+    order = schedule(configs, plan.lengths, plan.repeats)
+    if plan.new_tokens < 2:
+        raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
+    for n in plan.lengths:
+        if not isinstance(n, int) or n < 64:
+            raise ConfigError("lengths", n, "prompt lengths of at least 64 tokens")
+    n = len(configs)
+    lines = [f"{n} configurations x {len(plan.lengths)} lengths x {plan.repeats} repeats = {len(order)} runs"]
+    lines += [f"  {c.label}" for c in configs]
+    lines.append("lengths: " + ", ".join(str(n) for n in plan.lengths))
+    return "\n".join(lines)
 
 
 def _timed_runs(

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--json", dest="json_out", help="write the results as JSON")
     bn.add_argument("--plot", help="write a PNG: TPOT and KV bytes vs length")
     bn.add_argument("--markdown", help="write the results table as Markdown (for a results page)")
+    bn.add_argument(
+        "--dry-run", action="store_true", help="check the plan and list the configurations and runs; load nothing"
+    )
 
     for name, issue in PLANNED.items():
         sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
@@ -243,7 +246,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from ov_kvcrush.bench import BenchPlan, format_markdown, format_table, plot, run_bench
+    from ov_kvcrush.bench import BenchPlan, dry_run, format_markdown, format_table, plot, run_bench
 
     plan = BenchPlan(
         backends=_split("--backends", args.backends, _name),
@@ -257,6 +260,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         isolate=not args.no_isolate,
     )
+    if args.dry_run:
+        print(dry_run(plan))
+        return 0
     doc = run_bench(plan, progress=lambda line: print(line, flush=True))
     print()
     print(format_table(doc))

@@ -11,6 +11,9 @@ import multiprocessing
 import os
 import re
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -331,3 +334,30 @@ def test_bench_on_the_real_engines_briefly(tmp_path):
         assert 0.0 < res[f"{b} snapkv @256"]["policy_prefill_share"] < 1.0
     assert res["genai snapkv @256"]["kv_vs_native_full"] < 1.0
     assert res["genai snapkv @256"]["policy_prefill_share"] is None  # native: not measurable
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "run, name", [("main", "bench_cpu"), ("full", "bench_cpu_full_cache"), ("torch", "bench_cpu_torch")]
+)
+def test_committed_results_are_what_their_benchmark_command_runs(run, name):
+    """`benchmarks/cpu.sh` still plans (checked as a real run would be, nothing loaded), and the
+    committed JSON holds its configurations and lengths and passes the schema."""
+    cli = Path(sys.executable).with_name("ov-kvcrush")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "cpu.sh"), run],
+        env={**os.environ, "DRY_RUN": "1", "OV_KVCRUSH": str(cli)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    planned = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  ")]
+    lengths = [int(x) for x in proc.stdout.split("lengths: ")[1].split(",")]
+    doc = json.loads((ROOT / "docs" / "results" / "bench" / f"{name}.json").read_text())
+    bench.validate_doc(doc)
+    assert list(dict.fromkeys(r["label"] for r in doc["results"])) == planned
+    assert sorted({r["length"] for r in doc["results"]}) == lengths
+    assert doc["command"].startswith("ov-kvcrush bench ")
