@@ -418,7 +418,11 @@ class _Worker:
         self.proc = ctx.Process(target=_serve, args=(child, cfg, model, device, factory), daemon=True)
         self.proc.start()
         child.close()
-        self.engine_rss, self.weight_bytes = self._reply()
+        try:
+            self.engine_rss, self.weight_bytes = self._reply()
+        except BaseException:
+            self.close()  # the engine failed to build: nothing to keep alive
+            raise
 
     def _reply(self) -> Any:
         try:
