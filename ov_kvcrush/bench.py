@@ -385,8 +385,8 @@ def _serve(conn: Any, cfg: BenchConfig, model: str | Path | None, device: str, f
         return "error", (isinstance(exc, UserError), f"{type(exc).__name__}: {exc}")
 
     try:
-        engine = factory(cfg) if factory is not None else build_engine(cfg, model, device)
-        conn.send(("ok", (RssSampler.rss(), weight_bytes(engine))))
+        local = _Local(factory(cfg) if factory is not None else build_engine(cfg, model, device))
+        conn.send(("ok", (local.engine_rss, local.weight_bytes)))
     except BaseException as exc:  # the parent reports it, naming the configuration
         conn.send(failure(exc))
         return
@@ -398,12 +398,7 @@ def _serve(conn: Any, cfg: BenchConfig, model: str | Path | None, device: str, f
         if msg[0] == "stop":
             return
         try:
-            if msg[0] == "count":
-                conn.send(("ok", len(engine.encode(msg[1]))))
-            else:
-                with RssSampler() as rss:
-                    r = engine.generate(msg[1], msg[2])
-                conn.send(("ok", (r, rss.peak)))
+            conn.send(("ok", local.count(msg[1]) if msg[0] == "count" else local.generate(msg[1], msg[2])))
         except Exception as exc:
             conn.send(failure(exc))
 
@@ -473,12 +468,7 @@ def run_bench(
     ``engine_factory`` replaces the real engines (tests); with ``plan.isolate`` it must be picklable
     (a module-level function), since it runs in the worker processes.
     """
-    from ov_kvcrush.config import GenerationSettings
-    from ov_kvcrush.eval.tasks import passkey_prompt
-
-    dry_run(plan)  # every check before anything loads
-    configs = plan_configs(plan.backends, plan.methods, plan.budgets)
-    order = schedule(configs, plan.lengths, plan.repeats)
+    configs, order = _checked(plan)  # every check before anything loads
     devices = {device_of(c, plan) for c in configs}
     if engine_factory is None and "torch" in plan.backends:
         from ov_kvcrush.engines.torch_engine import resolve_device
@@ -500,16 +490,13 @@ def run_bench(
             else:
                 engine = engine_factory(c) if engine_factory else build_engine(c, models[c.backend], device_of(c, plan))
                 runners[c.label] = _Local(engine)
-        bandwidths = {d: measure_bandwidth_gbps() if d == "cpu" else measure_bandwidth_gbps(device=d) for d in devices}
-        bandwidths.setdefault("cpu", measure_bandwidth_gbps())
-        runs = _timed_runs(plan, order, runners, runners[configs[0].label], passkey_prompt, GenerationSettings, say)
+        bandwidths = {"cpu": measure_bandwidth_gbps()}  # the floor of every CPU backend, and the anchor's
+        bandwidths.update({d: measure_bandwidth_gbps(device=d) for d in sorted(devices - {"cpu"})})
+        runs = _timed_runs(plan, order, runners, runners[configs[0].label], say)
     finally:
         for runner in runners.values():
             runner.close()
     weights = {c.backend: runners[c.label].weight_bytes for c in configs}
-    for run in runs:
-        run["device"] = plan.device.lower() if run["backend"] == "torch" else "cpu"
-        run["engine_rss_bytes"] = int(runners[run["label"]].engine_rss)
     info = describe_run()
     gpus = sorted(d for d in devices if d != "cpu")
     if gpus:  # the results name the device they were measured on
@@ -532,9 +519,8 @@ def run_bench(
     }
 
 
-def dry_run(plan: BenchPlan) -> str:
-    """What :func:`run_bench` would run, checked as it would be (configurations, lengths, runs),
-    without loading a model: a committed benchmark command can be checked in a test."""
+def _checked(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, int, BenchConfig]]]:
+    """The plan's configurations and run order, every field checked; nothing is loaded."""
     configs = plan_configs(plan.backends, plan.methods, plan.budgets)
     order = schedule(configs, plan.lengths, plan.repeats)
     if plan.new_tokens < 2:
@@ -542,9 +528,15 @@ def dry_run(plan: BenchPlan) -> str:
     for n in plan.lengths:
         if not isinstance(n, int) or n < 64:
             raise ConfigError("lengths", n, "prompt lengths of at least 64 tokens")
-    n = len(configs)
-    lines = [f"{n} configurations x {len(plan.lengths)} lengths x {plan.repeats} repeats = {len(order)} runs"]
-    lines += [f"  {c.label}" for c in configs]
+    return configs, order
+
+
+def dry_run(plan: BenchPlan) -> str:
+    """What :func:`run_bench` would run, checked as it would be (configurations, lengths, runs),
+    without loading a model: a committed benchmark command can be checked in a test."""
+    configs, order = _checked(plan)
+    head = f"{len(configs)} configurations x {len(plan.lengths)} lengths x {plan.repeats} repeats"
+    lines = [f"{head} = {len(order)} runs", *(f"  {c.label}" for c in configs)]
     lines.append("lengths: " + ", ".join(str(n) for n in plan.lengths))
     return "\n".join(lines)
 
@@ -554,12 +546,13 @@ def _timed_runs(
     order: Sequence[tuple[int, int, BenchConfig]],
     runners: dict[str, Any],
     counter: Any,
-    passkey_prompt: Callable[..., Any],
-    settings_cls: Any,
     say: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     """The runs in ``order``: one fresh passkey prompt per repeat and length, every configuration."""
-    settings = settings_cls(max_new_tokens=plan.new_tokens, ignore_eos=True)
+    from ov_kvcrush.config import GenerationSettings
+    from ov_kvcrush.eval.tasks import passkey_prompt
+
+    settings = GenerationSettings(max_new_tokens=plan.new_tokens, ignore_eos=True)
     samples: dict[tuple[int, int], Any] = {}
     runs = []
     for i, (rep, length, c) in enumerate(order):
@@ -587,6 +580,8 @@ def _timed_runs(
             "tpot_p90_ms": percentile(steps, 90) if steps else r.tpot_ms,
             "kv_bytes": int(r.kv_bytes),
             "peak_rss_bytes": int(peak_rss),
+            "engine_rss_bytes": int(runners[c.label].engine_rss),
+            "device": device_of(c, plan),
             "correct": bool(sample.score(r.text)),
             "policy_decode_share": counters["policy_decode_ms"] / decode_ms if "policy_decode_ms" in counters else None,
             "policy_prefill_share": counters["policy_prefill_ms"] / r.ttft_ms

@@ -14,8 +14,6 @@ from ov_kvcrush.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.errors import UserError
 
-#: Subcommands planned but not built yet → the issue that brings them.
-PLANNED: dict[str, int] = {}
 #: The demo's compressed runs: (backend, method, extra options).
 DEMO_RUNS = (("genai", "kvcrush", {}), ("torch", "kvcrush", {}), ("torch", "chelsea", {}), ("torch", "minikv", {}))
 DEMO_TOKENS = 2000
@@ -158,10 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument(
         "--dry-run", action="store_true", help="check the plan and list the configurations and runs; load nothing"
     )
-
-    for name, issue in PLANNED.items():
-        sp = sub.add_parser(name, help=f"(not built yet: issue #{issue})")
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
 
@@ -391,13 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command in PLANNED:
-        print(
-            f"ov-kvcrush {args.command}: not built yet (issue #{PLANNED[args.command]}); "
-            "available now: export, demo, generate, eval, chat, bench",
-            file=sys.stderr,
-        )
-        return 2
     handler = {
         "export": cmd_export,
         "generate": cmd_generate,
