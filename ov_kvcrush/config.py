@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.validation import MAX_TOKENS, check_choice, check_float, check_int
 
 #: Methods the native ``openvino_genai`` engine can run, mapped onto its cache eviction.
 NATIVE_METHODS = ("full", "h2o", "snapkv", "kvcrush")
@@ -28,31 +29,6 @@ KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternating")
 #: Native importance aggregation modes we expose. ADAPTIVE_RKV is refused: in openvino_genai
 #: 2026.4 it aborts with "Token diversity must be registered before each eviction".
 AGGREGATIONS = ("sum", "norm_sum")
-#: Largest value accepted for token counts, far above any context these models handle; it keeps
-#: typos (an extra zero) from turning into multi-GB allocations.
-MAX_TOKENS = 1 << 20
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int = MAX_TOKENS) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, value, f"an integer in [{lo}, {hi}]")
-    if not lo <= value <= hi:
-        raise ConfigError(name, value, f"an integer in [{lo}, {hi}]")
-
-
-def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
-    ok = (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(name, value, "one of " + ", ".join(choices))
-
-
 @dataclass(frozen=True)
 class KVCrushSettings:
     """KVCrush's share of the budget and how its anchor is formed.
@@ -72,9 +48,9 @@ class KVCrushSettings:
 
     def __post_init__(self) -> None:
         if self.budget is not None:
-            _check_int("kvcrush.budget", self.budget, 0)
-        _check_choice("kvcrush.anchor", self.anchor, KVCRUSH_ANCHORS)
-        _check_int("kvcrush.seed", self.seed, 0, 2**31 - 1)
+            check_int("kvcrush.budget", self.budget, 0)
+        check_choice("kvcrush.anchor", self.anchor, KVCRUSH_ANCHORS)
+        check_int("kvcrush.seed", self.seed, 0, 2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -123,26 +99,26 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         from ov_kvcrush.methods import REGISTRY
 
-        _check_choice("method", self.method, tuple(REGISTRY))
+        check_choice("method", self.method, tuple(REGISTRY))
         if self.sink_tokens is not None:
-            _check_int("sink_tokens", self.sink_tokens, 0)
+            check_int("sink_tokens", self.sink_tokens, 0)
         if self.recent_tokens is not None:
-            _check_int("recent_tokens", self.recent_tokens, 1)
+            check_int("recent_tokens", self.recent_tokens, 1)
         if not isinstance(self.options, Mapping):
             raise ConfigError("options", self.options, "a mapping of method fields to values")
         for name in ("method", "budget", "sink_tokens", "recent_tokens"):
             if name in self.options:
                 raise ConfigError(f"options.{name}", self.options[name], f"set through CompressionConfig.{name}")
         object.__setattr__(self, "options", dict(self.options))
-        _check_int("snapkv_window", self.snapkv_window, 1, 4096)
-        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_int("snapkv_window", self.snapkv_window, 1, 4096)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
         if not isinstance(self.apply_rotation, bool):
             raise ConfigError("apply_rotation", self.apply_rotation, "true or false")
         if not isinstance(self.kvcrush, KVCrushSettings):
             raise ConfigError("kvcrush", self.kvcrush, "a KVCrushSettings")
         if self.method == "full":
             if self.budget is not None:
-                _check_int("budget", self.budget, 1)
+                check_int("budget", self.budget, 1)
             if self.sink_tokens is not None or self.recent_tokens is not None or self.options:
                 field_name = (
                     "options" if self.options else "sink_tokens" if self.sink_tokens is not None else "recent_tokens"
@@ -151,7 +127,7 @@ class CompressionConfig:
             return
         if self.budget is None:
             raise ConfigError("budget", None, f"an integer in [1, {MAX_TOKENS}] for method {self.method}")
-        _check_int("budget", self.budget, 1)
+        check_int("budget", self.budget, 1)
         self.method_config()  # the method validates its own fields, naming any bad one
 
     @property
@@ -211,13 +187,13 @@ class GenerationSettings:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 16)
+        check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 16)
         if not isinstance(self.do_sample, bool):
             raise ConfigError("do_sample", self.do_sample, "true or false")
-        _check_float("temperature", self.temperature, 0.0, 100.0, lo_open=True)
-        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_int("top_k", self.top_k, 0, 1 << 20)
-        _check_int("seed", self.seed, 0, 2**31 - 1)
+        check_float("temperature", self.temperature, 0.0, 100.0, lo_open=True)
+        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_int("top_k", self.top_k, 0, 1 << 20)
+        check_int("seed", self.seed, 0, 2**31 - 1)
         for name in ("apply_chat_template", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "true or false")

@@ -12,13 +12,12 @@ import math
 
 import numpy as np
 import pytest
+from helpers import HKV, HQ, D, drive
 
 from ov_kvcrush import plugin
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
-from tests.test_op_clusterkv import drive
-from tests.test_op_methods import HKV, HQ, D
 
 BASE = dict(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32, merge_interval=8)
 CASES = {

@@ -13,14 +13,13 @@ import math
 
 import numpy as np
 import pytest
+from helpers import HKV, HQ, D, drive, held_positions
 
 from ov_kvcrush import plugin
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
 from ov_kvcrush.methods.clusterkv import init_order, kmeans_cosine
 from ov_kvcrush.methods.vectors import layer_vectors
-from tests.test_op_methods import HKV, HQ, D, held_positions
-from tests.test_plugin import op_model
 
 BASE = dict(budget=96, sink_tokens=4, tokens_per_cluster=16, new_clusters=2, cluster_every=12, dense_layers=1)
 CASES = {
@@ -31,24 +30,6 @@ CASES = {
     "quant": dict(quant=QuantSettings(residual_tokens=32)),
     "budget-above-context": dict(budget=4000),
 }
-
-
-def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_size=32):
-    """Feed ``steps`` (token counts; the first is the prompt) to the op and the reference layer cache."""
-    lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=sum(steps), head_dim=D)
-    pool = plugin.KVPool(
-        layers, HQ, HKV, D, block_size=block_size, precision=precision, method=method_spec(cfg, layers, HQ, block_size)
-    )
-    seq = pool.new_sequence()
-    req = op_model(core, HQ, HKV, D, layer=layer)
-    lc = cfg.make_layer(layer, layers)
-    a = 0
-    for s, n in enumerate(steps):
-        q, k, v = lv.queries[:, :, a : a + n], lv.keys[:, :, a : a + n], lv.values[:, :, a : a + n]
-        a += n
-        out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
-        ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
-        yield s, np.array(out), ref.numpy(), seq, pool, lc
 
 
 def test_init_order_and_kmeans_match_the_reference():

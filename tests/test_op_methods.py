@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import HKV, HQ, D, held_positions, op_model
 
 from ov_kvcrush import plugin
 from ov_kvcrush.method_spec import OPENVINO_METHODS, method_spec
@@ -23,13 +24,6 @@ from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config
 from ov_kvcrush.methods.importance import keep_indices, pool_scores
 from ov_kvcrush.methods.kvcrush import kvcrush_select, kvcrush_select_blocks
 from ov_kvcrush.methods.vectors import layer_vectors
-from tests.test_plugin import op_model
-
-HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
-
-
-def held_positions(seq: plugin.KVSequence, layer: int) -> list[np.ndarray]:
-    return [seq.read_head(layer, g)[0] for g in range(HKV)]
 
 
 def reference_positions(lc) -> list[np.ndarray]:

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from ovsteps import F32, converted_steps, native_steps
+from helpers import F32, converted_steps, native_steps
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError, UserError

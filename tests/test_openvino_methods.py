@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from ovsteps import F32
+from helpers import F32
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.method_spec import OPENVINO_METHODS

@@ -14,28 +14,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import op_model
 
 from ov_kvcrush import plugin
 from ov_kvcrush.methods.base import attend
-
-
-def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
-    import openvino as ov
-    import openvino.opset13 as ops
-    from openvino.utils.node_factory import NodeFactory
-
-    factory = NodeFactory()
-    factory.add_extension(str(plugin.loaded_path()))
-    q = ops.parameter([-1, hq, -1, d], np.float32, name="q")
-    k = ops.parameter([-1, hkv, -1, d], np.float32, name="k")
-    v = ops.parameter([-1, hkv, -1, d], np.float32, name="v")
-    s = ops.parameter([-1], np.int64, name="kvc_sequence")
-    node = factory.create(
-        "PagedAttention",
-        [q.output(0), k.output(0), v.output(0), s.output(0)],
-        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(d), "compute": compute},
-    )
-    return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
 
 
 def run_steps(req, seqs, steps, hq, hkv, d, rng):

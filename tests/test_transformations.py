@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import converted_steps, native_steps
 from ov_kvcrush.transformations import SEQUENCE_INPUT, ConversionError, convert_model
-from ovsteps import converted_steps, native_steps
 
 from ov_kvcrush import plugin
 

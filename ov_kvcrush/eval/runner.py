@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ov_kvcrush.config import MAX_TOKENS, CompressionConfig, GenerationSettings, _check_int
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
 from ov_kvcrush.eval.data import DATA_TASK, read_jsonl
 from ov_kvcrush.eval.scoring import agreement
+from ov_kvcrush.validation import MAX_TOKENS, check_int
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_BUDGETS = (128, 256, 512)
@@ -119,11 +120,11 @@ class EvalPlan:
         if not self.lengths:
             raise ConfigError("lengths", "(none)", "at least one length")
         for n in self.lengths:
-            _check_int("lengths", n, 64, MAX_TOKENS)
+            check_int("lengths", n, 64, MAX_TOKENS)
         for b in self.budgets:
-            _check_int("budgets", b, 1, MAX_TOKENS)
+            check_int("budgets", b, 1, MAX_TOKENS)
         for b in self.kv_bytes:
-            _check_int("kv_bytes", b, 1, 1 << 50)
+            check_int("kv_bytes", b, 1, 1 << 50)
         for r in self.kv_ratio:
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
                 raise ConfigError("kv_ratio", r, "numbers in (0, 1] (fractions of the full cache)")
@@ -135,10 +136,10 @@ class EvalPlan:
             raise ConfigError(name, value, "unset with data (equal-memory budgets are solved per --lengths)")
         if not (self.budgets or self.kv_bytes or self.kv_ratio):
             raise ConfigError("budgets", "(none)", "at least one budget, or kv_bytes / kv_ratio")
-        _check_int("samples", self.samples, 1, 10_000)
-        _check_int("seed", self.seed, 0, 2**63 - 1)
-        _check_int("max_new_tokens", self.max_new_tokens, 1, 4096)
-        _check_int("ppl_tokens", self.ppl_tokens, 1, 4096)
+        check_int("samples", self.samples, 1, 10_000)
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("max_new_tokens", self.max_new_tokens, 1, 4096)
+        check_int("ppl_tokens", self.ppl_tokens, 1, 4096)
         if not all(isinstance(m, MethodSpec) for m in self.methods):
             raise ConfigError("methods", self.methods, "MethodSpec items (MethodSpec.parse('kvcrush+2bit'))")
         if self.backend == "genai":

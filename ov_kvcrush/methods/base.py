@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ov_kvcrush.config import MAX_TOKENS, _check_int
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.validation import check_int
 
 
 class ShapeError(UserError):
@@ -335,7 +335,7 @@ class QuantSettings:
             raise ConfigError("quant.bits", self.bits, "2 (the only packed width implemented)")
         if self.group_size not in (16, 32, 64, 128):
             raise ConfigError("quant.group_size", self.group_size, "one of 16, 32, 64, 128")
-        _check_int("quant.residual_tokens", self.residual_tokens, self.group_size, 1 << 16)
+        check_int("quant.residual_tokens", self.residual_tokens, self.group_size, 1 << 16)
         if self.residual_tokens % self.group_size:
             raise ConfigError(
                 "quant.residual_tokens", self.residual_tokens, f"a multiple of quant.group_size={self.group_size}"
@@ -369,14 +369,8 @@ class MethodConfig:
 
 def check_layer(layer_idx: int, num_layers: int) -> None:
     """Validate a layer index against the layer count."""
-    _check_int("num_layers", num_layers, 1, 4096)
-    _check_int("layer_idx", layer_idx, 0, num_layers - 1)
-
-
-def check_budget(name: str, budget: Any, floor: int, what: str = "") -> None:
-    """``budget`` must be an int in ``[floor, MAX_TOKENS]``; ``what`` explains the floor."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or not floor <= budget <= MAX_TOKENS:
-        raise ConfigError(name, budget, f"an integer in [{floor}, {MAX_TOKENS}]{what}")
+    check_int("num_layers", num_layers, 1, 4096)
+    check_int("layer_idx", layer_idx, 0, num_layers - 1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,19 +28,18 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ov_kvcrush.config import _check_float, _check_int
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
     QuantSettings,
     ShapeError,
-    check_budget,
     check_layer,
     tensor_bytes,
     topk_indices,
 )
 from ov_kvcrush.methods.store import FPStore, make_store
+from ov_kvcrush.validation import check_budget, check_float, check_int
 
 # --------------------------------------------------------------------------------------------
 # algorithm
@@ -67,7 +66,7 @@ def chunked_soft_matching(keys: torch.Tensor, chunk_size: int) -> Links:
     """
     if keys.dim() != 3:
         raise ShapeError(f"chunked_soft_matching needs [B, n, d] keys, got {tuple(keys.shape)}")
-    _check_int("chunk_size", chunk_size, 2, 1 << 16)
+    check_int("chunk_size", chunk_size, 2, 1 << 16)
     if chunk_size % 2:
         raise ConfigError("chunk_size", chunk_size, "an even integer in [2, 65536]")
     bsz, n, d = keys.shape
@@ -176,8 +175,8 @@ def calibrate_outlier_heads(
     tokens whose best link has cosine below ``threshold``; the ``round(ratio * heads)`` highest
     scores over all layers and heads are returned as ``(layer, head)`` pairs.
     """
-    _check_float("threshold", threshold, -1.0, 1.0)
-    _check_float("ratio", ratio, 0.0, 1.0)
+    check_float("threshold", threshold, -1.0, 1.0)
+    check_float("ratio", ratio, 0.0, 1.0)
     scores = []
     for layer, k in enumerate(layer_keys):
         b, h, n, d = k.shape
@@ -220,14 +219,14 @@ class ChelseaConfig(MethodConfig):
     quant: QuantSettings | None = None
 
     def __post_init__(self) -> None:
-        _check_int("sink_tokens", self.sink_tokens, 0)
-        _check_int("recent_tokens", self.recent_tokens, 0)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("recent_tokens", self.recent_tokens, 0)
         floor = self.sink_tokens + self.recent_tokens + 1
         check_budget("budget", self.budget, floor, " for method chelsea (sink_tokens + recent_tokens + 1)")
-        _check_int("chunk_size", self.chunk_size, 2, 1 << 16)
+        check_int("chunk_size", self.chunk_size, 2, 1 << 16)
         if self.chunk_size % 2:
             raise ConfigError("chunk_size", self.chunk_size, "an even integer in [2, 65536]")
-        _check_int("merge_interval", self.merge_interval, 1, 1 << 16)
+        check_int("merge_interval", self.merge_interval, 1, 1 << 16)
         for pair in self.outlier_heads:
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)):
                 raise ConfigError(

@@ -35,14 +35,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ov_kvcrush.config import _check_int
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
     QuantSettings,
     ShapeError,
-    check_budget,
     check_layer,
     check_query,
     gather_tokens,
@@ -51,6 +49,7 @@ from ov_kvcrush.methods.base import (
     topk_indices,
 )
 from ov_kvcrush.methods.store import make_store
+from ov_kvcrush.validation import check_budget, check_int
 
 # --------------------------------------------------------------------------------------------
 # k-means
@@ -96,7 +95,7 @@ def init_order(seed: int, rows: int, n: int) -> torch.Tensor:
     generator's stream, so that the C++ op (``plugins/cpu/src/clusterkv.cpp``) and any device
     draw the very same initial centroids.
     """
-    _check_int("seed", seed, 0, 2**40)
+    check_int("seed", seed, 0, 2**40)
     with np.errstate(over="ignore"):
         base = _splitmix64(np.uint64((seed << 32) & _MASK64) + np.arange(rows, dtype=np.uint64))
         keys = _splitmix64(base[:, None] + np.arange(n, dtype=np.uint64)[None, :])
@@ -111,8 +110,8 @@ def kmeans_cosine(x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0
     """
     if x.dim() != 3 or not x.is_floating_point():
         raise ShapeError(f"kmeans_cosine needs a float [B, n, d] tensor, got {tuple(x.shape)}")
-    _check_int("k", k, 1, 1 << 20)
-    _check_int("max_iters", max_iters, 1, 10_000)
+    check_int("k", k, 1, 1 << 20)
+    check_int("max_iters", max_iters, 1, 10_000)
     bsz, n, d = x.shape
     if n == 0:
         raise ShapeError("kmeans_cosine needs at least one vector")
@@ -209,7 +208,7 @@ def select_clusters(
     Uses the prefix sums of the sizes in ranked order, as the paper does. Returns, per head, the
     selected store slots (exactly ``min(budget, N)``, in selection order) and the cluster ids used.
     """
-    _check_int("budget", budget, 0, 1 << 30)
+    check_int("budget", budget, 0, 1 << 30)
     out_tokens, out_ids = [], []
     for row in range(order.shape[0]):
         sizes = index.sizes[row, order[row]]
@@ -280,7 +279,7 @@ def quest_select(
     ``bounds`` are the pages' :func:`page_bounds` when the caller maintains them incrementally.
     """
     check_query(queries, keys)
-    _check_int("page_size", page_size, 1, 4096)
+    check_int("page_size", page_size, 1, 4096)
     b, hk, n, d = keys.shape
     pages = -(-n // page_size)
     want = min(budget // page_size, pages)
@@ -341,17 +340,17 @@ class ClusterKVConfig(MethodConfig):
     quant: QuantSettings | None = None
 
     def __post_init__(self) -> None:
-        _check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("sink_tokens", self.sink_tokens, 0)
         check_budget("budget", self.budget, self.sink_tokens + 1, " for method clusterkv (sink_tokens + 1)")
-        _check_int("tokens_per_cluster", self.tokens_per_cluster, 1)
+        check_int("tokens_per_cluster", self.tokens_per_cluster, 1)
         if self.n_clusters is not None:
-            _check_int("n_clusters", self.n_clusters, 1)
-        _check_int("new_clusters", self.new_clusters, 1)
-        _check_int("cluster_every", self.cluster_every, 1, 1 << 16)
-        _check_int("max_iters", self.max_iters, 1, 10_000)
-        _check_int("seed", self.seed, 0, 2**31 - 1)
-        _check_int("recall_cache_steps", self.recall_cache_steps, 0, 1 << 16)
-        _check_int("dense_layers", self.dense_layers, 0, 4096)
+            check_int("n_clusters", self.n_clusters, 1)
+        check_int("new_clusters", self.new_clusters, 1)
+        check_int("cluster_every", self.cluster_every, 1, 1 << 16)
+        check_int("max_iters", self.max_iters, 1, 10_000)
+        check_int("seed", self.seed, 0, 2**31 - 1)
+        check_int("recall_cache_steps", self.recall_cache_steps, 0, 1 << 16)
+        check_int("dense_layers", self.dense_layers, 0, 4096)
         if not isinstance(self.track_recall, bool):
             raise ConfigError("track_recall", self.track_recall, "true or false")
         if self.quant is not None and not isinstance(self.quant, QuantSettings):
@@ -384,9 +383,9 @@ class QuestConfig(MethodConfig):
     track_recall: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("page_size", self.page_size, 1, 4096)
+        check_int("page_size", self.page_size, 1, 4096)
         check_budget("budget", self.budget, self.page_size, " for method quest (at least page_size)")
-        _check_int("dense_layers", self.dense_layers, 0, 4096)
+        check_int("dense_layers", self.dense_layers, 0, 4096)
         if not isinstance(self.track_recall, bool):
             raise ConfigError("track_recall", self.track_recall, "true or false")
 

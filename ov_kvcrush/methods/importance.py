@@ -29,14 +29,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ov_kvcrush.config import _check_choice, _check_float, _check_int
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
     QuantSettings,
     attend,
-    check_budget,
     check_layer,
     check_query,
     check_scores,
@@ -46,6 +44,7 @@ from ov_kvcrush.methods.base import (
     topk_indices,
 )
 from ov_kvcrush.methods.store import make_store
+from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
 
 SCORINGS = ("h2o", "snapkv")
 HEAD_BUDGETS = ("uniform", "adaptive")
@@ -70,11 +69,11 @@ def snapkv_scores(
     the window and pooled along tokens (odd ``pool_kernel``, same length; 1 disables pooling).
     """
     check_query(queries, keys)
-    _check_int("window", window, 1, 1 << 20)
-    _check_int("pool_kernel", pool_kernel, 1, 129)
+    check_int("window", window, 1, 1 << 20)
+    check_int("pool_kernel", pool_kernel, 1, 129)
     if pool_kernel % 2 == 0:
         raise ConfigError("pool_kernel", pool_kernel, "an odd integer in [1, 129]")
-    _check_choice("pool", pool, POOLS)
+    check_choice("pool", pool, POOLS)
     n, t = keys.shape[2], queries.shape[2]
     w = min(window, t)
     q_pos = torch.arange(n - w, n, device=keys.device)
@@ -109,9 +108,9 @@ def keep_indices(scores: torch.Tensor, budget: int, sink_tokens: int, recent_tok
     Returns ``[b, h, min(budget, n)]`` long indices.
     """
     check_scores(scores)
-    _check_int("budget", budget, 0, 1 << 30)
-    _check_int("sink_tokens", sink_tokens, 0, 1 << 30)
-    _check_int("recent_tokens", recent_tokens, 0, 1 << 30)
+    check_int("budget", budget, 0, 1 << 30)
+    check_int("sink_tokens", sink_tokens, 0, 1 << 30)
+    check_int("recent_tokens", recent_tokens, 0, 1 << 30)
     b, h, n = scores.shape
     dev = scores.device
     if budget >= n:
@@ -157,9 +156,9 @@ def pyramid_budgets(average: int, num_layers: int, depth: float) -> list[int]:
     the same memory as a uniform allocation. ``depth = 1`` is uniform. Lower layers get more: their
     attention is spread wider, so the same budget loses more there (PyramidKV; MiniKV's pyramid).
     """
-    _check_int("average", average, 0, 1 << 30)
-    _check_int("num_layers", num_layers, 1, 4096)
-    _check_float("pyramid_depth", depth, 1.0, 1e6)
+    check_int("average", average, 0, 1 << 30)
+    check_int("num_layers", num_layers, 1, 4096)
+    check_float("pyramid_depth", depth, 1.0, 1e6)
     if num_layers == 1:
         return [average]
     top, bottom = average * (2 - 1 / depth), average / depth
@@ -183,8 +182,8 @@ def adaptive_head_budgets(scores: torch.Tensor, total: int, min_per_head: int = 
     """
     check_scores(scores)
     b, h, n = scores.shape
-    _check_int("total", total, 0, 1 << 30)
-    _check_int("min_per_head", min_per_head, 0, 1 << 30)
+    check_int("total", total, 0, 1 << 30)
+    check_int("min_per_head", min_per_head, 0, 1 << 30)
     total = min(total, h * n)
     floor = min(min_per_head, n)
     if floor * h > total:
@@ -221,8 +220,8 @@ class EvictionConfig(MethodConfig):
     quant: QuantSettings | None = None
 
     def __post_init__(self) -> None:
-        _check_int("sink_tokens", self.sink_tokens, 0)
-        _check_int("recent_tokens", self.recent_tokens, 0)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("recent_tokens", self.recent_tokens, 0)
         floor = self.sink_tokens + self.recent_tokens
         check_budget(
             "budget", self.budget, max(floor, 1), f" for method {self.name} (sink_tokens + recent_tokens = {floor})"
@@ -268,10 +267,10 @@ class H2OConfig(EvictionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_choice("head_budgets", self.head_budgets, HEAD_BUDGETS)
+        check_choice("head_budgets", self.head_budgets, HEAD_BUDGETS)
         assert self.budget is not None
         heavy = self.budget - self.sink_tokens - self.recent_tokens
-        _check_int("min_head_tokens", self.min_head_tokens, 0, heavy)
+        check_int("min_head_tokens", self.min_head_tokens, 0, heavy)
 
     #: how prompt tokens are scored (subclasses with a ``selection`` field use that instead)
     scoring: ClassVar[str] = "h2o"
@@ -312,11 +311,11 @@ class SnapKVConfig(H2OConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("window", self.window, 1, 1 << 16)
-        _check_int("pool_kernel", self.pool_kernel, 1, 129)
+        check_int("window", self.window, 1, 1 << 16)
+        check_int("pool_kernel", self.pool_kernel, 1, 129)
         if self.pool_kernel % 2 == 0:
             raise ConfigError("pool_kernel", self.pool_kernel, "an odd integer in [1, 129]")
-        _check_choice("pool", self.pool, POOLS)
+        check_choice("pool", self.pool, POOLS)
 
 
 @dataclass(frozen=True)
@@ -335,8 +334,8 @@ class PyramidKVConfig(SnapKVConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_float("pyramid_depth", self.pyramid_depth, 1.0, 1e6)
-        _check_choice("selection", self.selection, SCORINGS)
+        check_float("pyramid_depth", self.pyramid_depth, 1.0, 1e6)
+        check_choice("selection", self.selection, SCORINGS)
 
     def layer_budget(self, layer_idx: int, num_layers: int) -> int:
         assert self.budget is not None

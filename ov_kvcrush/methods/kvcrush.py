@@ -31,10 +31,10 @@ from typing import ClassVar
 
 import torch
 
-from ov_kvcrush.config import _check_choice, _check_int
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.base import ShapeError, check_scores, topk_indices
 from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig, keep_indices
+from ov_kvcrush.validation import check_choice, check_int
 
 ANCHOR_MODES = ("random", "zeros", "ones", "mean", "alternating")
 MULTI_ANCHOR = ("tuple", "nearest")
@@ -54,7 +54,7 @@ def head_decisions(scores: torch.Tensor, keep: int, mode: str = "topk") -> torch
     ``threshold``: its score is at least the head's mean score over the ``n`` tokens.
     """
     check_scores(scores)
-    _check_choice("signature", mode, SIGNATURES)
+    check_choice("signature", mode, SIGNATURES)
     n = scores.shape[-1]
     if mode == "threshold":
         return scores >= scores.mean(dim=-1, keepdim=True)
@@ -100,7 +100,7 @@ def make_anchors(bits: torch.Tensor, modes: tuple[str, ...], seed: int) -> torch
     b, m, h = bits.shape
     out = []
     for i, mode in enumerate(modes):
-        _check_choice("anchor", mode, ANCHOR_MODES)
+        check_choice("anchor", mode, ANCHOR_MODES)
         if mode == "zeros":
             a = torch.zeros(b, h, dtype=torch.bool)
         elif mode == "ones":
@@ -123,7 +123,7 @@ def bucket_order(distances: torch.Tensor, multi: str = "tuple") -> torch.Tensor:
     by position. Several: ``tuple`` sorts by the distance tuple lexicographically; ``nearest`` by
     (index of the nearest anchor, its distance); ties by position in both.
     """
-    _check_choice("multi_anchor", multi, MULTI_ANCHOR)
+    check_choice("multi_anchor", multi, MULTI_ANCHOR)
     b, m, a = distances.shape
     if multi == "nearest" and a > 1:
         d, which = distances.min(dim=-1)  # min returns the first (lowest) anchor on ties
@@ -184,9 +184,9 @@ def kvcrush_select(
     tokens and up to ``representatives`` bucket representatives.
     """
     check_scores(scores)
-    _check_int("budget", budget, 0, 1 << 30)
-    _check_int("representatives", representatives, 0, 1 << 30)
-    _check_choice("representative", representative, REPRESENTATIVES)
+    check_int("budget", budget, 0, 1 << 30)
+    check_int("representatives", representatives, 0, 1 << 30)
+    check_choice("representative", representative, REPRESENTATIVES)
     if not anchors:
         raise ConfigError("anchor", anchors, "one or more of " + ", ".join(ANCHOR_MODES))
     b, h, n = scores.shape
@@ -268,7 +268,7 @@ def kvcrush_select_blocks(
     token indices (ascending) per batch row.
     """
     check_scores(scores)
-    _check_int("block_size", block_size, 1, 1 << 16)
+    check_int("block_size", block_size, 1, 1 << 16)
     b, h, n = scores.shape
     dev = scores.device
     if budget >= n:
@@ -338,20 +338,20 @@ class KVCrushConfig(SnapKVConfig):
         assert self.budget is not None
         room = self.budget - self.sink_tokens - self.recent_tokens
         if self.representatives is not None:
-            _check_int("representatives", self.representatives, 0, room)
-        _check_choice("selection", self.selection, ("snapkv", "h2o"))
-        _check_choice("signature", self.signature, SIGNATURES)
+            check_int("representatives", self.representatives, 0, room)
+        check_choice("selection", self.selection, ("snapkv", "h2o"))
+        check_choice("signature", self.signature, SIGNATURES)
         modes = (self.anchor,) if isinstance(self.anchor, str) else tuple(self.anchor)
         if not modes or len(modes) > 16:
             raise ConfigError("anchor", self.anchor, "one to 16 of " + ", ".join(ANCHOR_MODES))
         for m in modes:
-            _check_choice("anchor", m, ANCHOR_MODES)
+            check_choice("anchor", m, ANCHOR_MODES)
         object.__setattr__(self, "anchors", modes)
-        _check_choice("multi_anchor", self.multi_anchor, MULTI_ANCHOR)
-        _check_int("seed", self.seed, 0, 2**31 - 1)
-        _check_choice("representative", self.representative, REPRESENTATIVES)
+        check_choice("multi_anchor", self.multi_anchor, MULTI_ANCHOR)
+        check_int("seed", self.seed, 0, 2**31 - 1)
+        check_choice("representative", self.representative, REPRESENTATIVES)
         if self.block_size is not None:
-            _check_int("block_size", self.block_size, 1, 4096)
+            check_int("block_size", self.block_size, 1, 4096)
 
     @property
     def n_representatives(self) -> int:

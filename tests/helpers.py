@@ -1,17 +1,23 @@
-"""Step-by-step runners shared by the OpenVINO tests: the unmodified stateful IR vs the converted one.
+"""Helpers shared by the test modules (no test module imports another; they import this).
 
-Both are fed the same tokens (a prompt, then the greedy token of the *reference* at each step, so
-one divergence cannot cascade) and return the last position's logits after every step.
+* Step-by-step runners for the OpenVINO tests: the unmodified stateful IR vs the converted one.
+  Both are fed the same tokens (a prompt, then the greedy token of the *reference* at each step,
+  so one divergence cannot cascade) and return the last position's logits after every step.
+* A one-op model of our ``PagedAttention`` and drivers that feed it and a reference layer cache
+  the same vectors (the op-vs-reference parity tests of every method).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 from ov_kvcrush.transformations import convert_model
 
 from ov_kvcrush import plugin
+from ov_kvcrush.method_spec import method_spec
+from ov_kvcrush.methods.vectors import layer_vectors
 
 #: Exact f32 execution on both sides: no bf16 matmuls, and no dynamic quantization of activations
 #: for int8 weights (the plugin picks it per graph, so the two graphs would differ by ~2 % in the
@@ -74,3 +80,47 @@ def converted_steps(xml: Path, prompt: list[int], feed: list[int], kv_precision:
         if step < len(feed):
             ids = [feed[step]]
     return np.stack(out), conv, pool, seq
+
+
+HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
+
+
+def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino.utils.node_factory import NodeFactory
+
+    factory = NodeFactory()
+    factory.add_extension(str(plugin.loaded_path()))
+    q = ops.parameter([-1, hq, -1, d], np.float32, name="q")
+    k = ops.parameter([-1, hkv, -1, d], np.float32, name="k")
+    v = ops.parameter([-1, hkv, -1, d], np.float32, name="v")
+    s = ops.parameter([-1], np.int64, name="kvc_sequence")
+    node = factory.create(
+        "PagedAttention",
+        [q.output(0), k.output(0), v.output(0), s.output(0)],
+        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(d), "compute": compute},
+    )
+    return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
+
+
+def held_positions(seq: plugin.KVSequence, layer: int) -> list[np.ndarray]:
+    return [seq.read_head(layer, g)[0] for g in range(HKV)]
+
+
+def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_size=32):
+    """Feed ``steps`` (token counts; the first is the prompt) to the op and the reference layer cache."""
+    lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=sum(steps), head_dim=D)
+    pool = plugin.KVPool(
+        layers, HQ, HKV, D, block_size=block_size, precision=precision, method=method_spec(cfg, layers, HQ, block_size)
+    )
+    seq = pool.new_sequence()
+    req = op_model(core, HQ, HKV, D, layer=layer)
+    lc = cfg.make_layer(layer, layers)
+    a = 0
+    for s, n in enumerate(steps):
+        q, k, v = lv.queries[:, :, a : a + n], lv.keys[:, :, a : a + n], lv.values[:, :, a : a + n]
+        a += n
+        out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
+        ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
+        yield s, np.array(out), ref.numpy(), seq, pool, lc

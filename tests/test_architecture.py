@@ -1,0 +1,153 @@
+"""The shape of the package, checked: one-way imports, no private names across modules, small files.
+
+The import graph is read from the sources (every ``import``, including the lazy ones inside
+functions, since a lazy import is still a dependency), so a cycle is caught even where Python
+would happen to resolve it at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ov_kvcrush"
+#: source trees outside tests/ whose files must stay small (the house style's ~500 lines)
+SOURCE_TREES = ("ov_kvcrush", "transformations", "plugins", "samples", "benchmarks")
+MAX_LINES = 600
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for the package and the graph passes installed inside it."""
+    out = {}
+    for base, prefix in ((PACKAGE, "ov_kvcrush"), (ROOT / "transformations", "ov_kvcrush.transformations")):
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([prefix, *parts])] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """``(module imported, names taken from it)`` for every import of the package in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name.startswith("ov_kvcrush")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if not target.startswith("ov_kvcrush"):
+                continue
+            names = [a.name for a in node.names]
+            # ``from pkg import submodule`` is an import of the submodule
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            out += [(s, []) for s in subs]
+            rest = [n for n in names if f"{target}.{n}" not in modules]
+            if rest or not subs:
+                out.append((target, rest))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for target, _ in imports_of(name, path, modules):
+            if target in modules and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 30  # the walk found the package
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_a_private_name_of_another():
+    modules = module_files()
+    bad = []
+    for name, path in modules.items():
+        for target, names in imports_of(name, path, modules):
+            bad += [f"{name} imports {target}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    assert bad == []
+
+
+def test_validation_is_a_leaf():
+    modules = module_files()
+    targets = {t for t, _ in imports_of("ov_kvcrush.validation", modules["ov_kvcrush.validation"], modules)}
+    assert targets == {"ov_kvcrush.errors"}
+
+
+def test_no_source_file_outside_tests_is_over_the_line_limit():
+    long = []
+    for tree in SOURCE_TREES:
+        for path in (ROOT / tree).rglob("*"):
+            if path.suffix in (".py", ".cpp", ".hpp", ".sh") and path.is_file():
+                n = len(path.read_text().splitlines())
+                if n > MAX_LINES:
+                    long.append(f"{path.relative_to(ROOT)}: {n} lines")
+    assert long == []
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in ``tests/helpers.py`` (and fixtures in ``conftest.py``)."""
+    tests = ROOT / "tests"
+    own = {p.stem for p in tests.glob("*.py")} - {"helpers", "conftest", "ovsteps"}
+    bad = []
+    for path in tests.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            bad += [f"{path.name} imports {n}" for n in names if n.split(".")[-1] in own or n.split(".")[0] in own]
+    assert bad == []
