@@ -29,6 +29,8 @@ KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternating")
 #: Native importance aggregation modes we expose. ADAPTIVE_RKV is refused: in openvino_genai
 #: 2026.4 it aborts with "Token diversity must be registered before each eviction".
 AGGREGATIONS = ("sum", "norm_sum")
+
+
 @dataclass(frozen=True)
 class KVCrushSettings:
     """KVCrush's share of the budget and how its anchor is formed.

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ov_kvcrush.methods.base as base
-from ov_kvcrush.methods.base import ShapeError, attend
+import ov_kvcrush.methods.attention as attention
+from ov_kvcrush.methods.attention import ShapeError, attend
 
 
 def brute(q, k, v, qpos, kpos, bias, key_mask, scale, window):
@@ -72,7 +72,7 @@ def test_attend_equals_brute_force(seed, hk, g, t, extra, window, use_bias, use_
     scale = 0.3
     want_out, want_scores = brute(q, k, v, qpos, kpos, bias, key_mask, scale, window)
     # a tiny chunk size forces one query per chunk: same result
-    monkeypatch_module.setattr(base, "ATTEND_CHUNK_ELEMENTS", 1 if chunk else 1 << 26)
+    monkeypatch_module.setattr(attention, "ATTEND_CHUNK_ELEMENTS", 1 if chunk else 1 << 26)
     kw = dict(q_positions=qpos, k_positions=kpos, bias=bias, key_mask=key_mask, scale=scale, window=window)
     explicit = attend(q, k, v, return_scores=True, **kw)
     fused = attend(q, k, v, **kw).output  # torch SDPA path

@@ -182,7 +182,7 @@ def test_beam_search_is_refused_with_a_clear_error():
 @pytest.mark.parametrize("steps", [[1, 1, 1], [5, 1, 7], [12]])
 def test_sliding_window_layer_equals_windowed_attention_over_everything(steps):
     """Multi-token steps included: each query sees exactly the keys of the last ``window`` positions."""
-    from ov_kvcrush.methods.base import attend
+    from ov_kvcrush.methods.attention import attend
     from ov_kvcrush.methods.vectors import layer_vectors
 
     vec = layer_vectors(5, tokens=60)

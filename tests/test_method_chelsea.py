@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import ChelseaConfig, FullConfig
-from ov_kvcrush.methods.base import attend
+from ov_kvcrush.methods.attention import attend
 from ov_kvcrush.methods.chelsea import calibrate_outlier_heads, chelsea_compress, chunked_soft_matching, merge_links
 from ov_kvcrush.methods.vectors import layer_vectors
 

@@ -10,14 +10,9 @@ import torch.nn.functional as F
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import ClusterKVConfig, QuestConfig
-from ov_kvcrush.methods.clusterkv import (
-    ClusterIndex,
-    kmeans_cosine,
-    quest_select,
-    rank_clusters,
-    recall_rate,
-    select_clusters,
-)
+from ov_kvcrush.methods.clusterkv import ClusterIndex, kmeans_cosine, rank_clusters, select_clusters
+from ov_kvcrush.methods.quest import quest_select
+from ov_kvcrush.methods.recall import recall_rate
 from ov_kvcrush.methods.vectors import layer_vectors
 
 
@@ -156,7 +151,7 @@ def test_config_validation():
 
 
 def test_quest_page_bounds_kept_incrementally_equal_recomputed_ones():
-    from ov_kvcrush.methods.clusterkv import page_bounds
+    from ov_kvcrush.methods.quest import page_bounds
 
     vec = layer_vectors(4, tokens=300)
     cache = QuestConfig(budget=64, page_size=16, dense_layers=0).make_layer(0, 1)

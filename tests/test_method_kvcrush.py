@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import KVCrushConfig
-from ov_kvcrush.methods.base import attend
+from ov_kvcrush.methods.attention import attend
 from ov_kvcrush.methods.kvcrush import (
     bucket_order,
     hamming,

@@ -2,7 +2,7 @@
 
 Each case feeds random queries/keys/values through a one-op OpenVINO model step by step
 (prefill chunks and single-token decode steps), and compares every step's output with
-:func:`ov_kvcrush.methods.base.attend` over all keys fed so far (causal), and the per-head
+:func:`ov_kvcrush.methods.attention.attend` over all keys fed so far (causal), and the per-head
 scores with the reference's ``return_scores`` summed over the steps. Block accounting is checked
 against the token counts, and every error path must raise a Python exception naming the problem.
 """
@@ -17,7 +17,7 @@ import torch
 from helpers import op_model
 
 from ov_kvcrush import plugin
-from ov_kvcrush.methods.base import attend
+from ov_kvcrush.methods.attention import attend
 
 
 def run_steps(req, seqs, steps, hq, hkv, d, rng):

@@ -26,7 +26,8 @@ import torch
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines.hf_cache import CompressedCache, ModelShape
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.base import AttentionOutput, PromptMemo
+from ov_kvcrush.methods.attention import AttentionOutput
+from ov_kvcrush.methods.base import PromptMemo
 
 #: Tokens in one KV block (OpenVINO's CPU paged-attention block is 32 tokens, its GPU block 16);
 #: the solver's precision is stated in blocks of this many tokens of full-precision KV over all layers.

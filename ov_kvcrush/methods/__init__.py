@@ -14,13 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.base import AttentionOutput, LayerCache, MethodConfig, QuantSettings, ShapeError, attend
+from ov_kvcrush.methods.attention import AttentionOutput, ShapeError, attend
+from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings
 from ov_kvcrush.methods.chelsea import ChelseaConfig
-from ov_kvcrush.methods.clusterkv import ClusterKVConfig, QuestConfig
+from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.importance import H2OConfig, PyramidKVConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.minikv import MiniKVConfig
+from ov_kvcrush.methods.quest import QuestConfig
 
 REGISTRY: dict[str, type[MethodConfig]] = {
     "full": FullConfig,

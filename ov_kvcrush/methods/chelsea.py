@@ -29,15 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.base import (
-    LayerCache,
-    MethodConfig,
-    QuantSettings,
-    ShapeError,
-    check_layer,
-    tensor_bytes,
-    topk_indices,
-)
+from ov_kvcrush.methods.attention import ShapeError
+from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings, check_layer, tensor_bytes, topk_indices
 from ov_kvcrush.methods.store import FPStore, make_store
 from ov_kvcrush.validation import check_budget, check_float, check_int
 

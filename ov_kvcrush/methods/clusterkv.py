@@ -1,4 +1,4 @@
-"""ClusterKV (seeds 000/001): recall whole semantic clusters of keys every decode step; Quest as the page baseline.
+"""ClusterKV (seeds 000/001): recall whole semantic clusters of keys every decode step.
 
 Nothing is evicted: the full store stays (optionally 2-bit), and each decode step attends only a
 working set of ``budget`` tokens per KV head: the first ``sink_tokens`` (kept out of clustering,
@@ -19,9 +19,6 @@ against the *current* query, plus the generated tokens not clustered yet.
   trimmed (its earliest tokens) so exactly the budget is selected.
 * Cluster cache: the clusters recalled in the last ``recall_cache_steps`` steps are "on device";
   a selected cluster found there is a hit. The cache changes only the cost, never the result.
-
-Quest keeps per-page channel-wise max/min keys and recalls the pages with the highest upper bound
-``sum_c max(q_c * kmax_c, q_c * kmin_c)``; the page holding the newest token is always included.
 """
 
 from __future__ import annotations
@@ -36,19 +33,15 @@ import torch
 import torch.nn.functional as F
 
 from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods.attention import ShapeError, group_heads
 from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
     QuantSettings,
-    ShapeError,
     check_layer,
-    check_query,
-    gather_tokens,
-    group_heads,
     tensor_bytes,
-    topk_indices,
 )
-from ov_kvcrush.methods.store import make_store
+from ov_kvcrush.methods.recall import RecallLayerCache, recall_rate
 from ov_kvcrush.validation import check_budget, check_int
 
 # --------------------------------------------------------------------------------------------
@@ -234,72 +227,6 @@ def select_clusters(
     return out_tokens, out_ids
 
 
-def recall_rate(selected: torch.Tensor, attention: torch.Tensor, budget: int) -> float:
-    """ClusterKV's recall rate: ``|selected ∩ top-B(attention)| / B``, averaged over the leading dims.
-
-    Args:
-        selected: ``[..., k]`` token indices chosen by the method (``-1`` entries are ignored).
-        attention: ``[..., n]`` the true attention weights over the same tokens.
-        budget: ``B``; clipped to ``n``.
-    """
-    n = attention.shape[-1]
-    b = min(budget, n)
-    if b == 0:
-        raise ConfigError("budget", budget, f"an integer in [1, {max(n, 1)}] (and at least one token)")
-    true_top = topk_indices(attention.float(), b)
-    sel = torch.zeros(*attention.shape, dtype=torch.bool, device=attention.device)
-    valid = selected >= 0
-    sel.scatter_(-1, selected.clamp_min(0), valid)
-    hits = torch.gather(sel, -1, true_top).sum(-1).float()
-    return float((hits / b).mean())
-
-
-def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quest's page metadata: channel-wise max and min of the keys of each page, ``[b, hk, pages, d]`` float32."""
-    b, hk, n, d = keys.shape
-    pages = -(-n // page_size)
-    pad = pages * page_size - n
-    kf = keys.float()
-    kmax = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).reshape(b, hk, pages, page_size, d).amax(3)
-    kmin = F.pad(kf, (0, 0, 0, pad), value=float("inf")).reshape(b, hk, pages, page_size, d).amin(3)
-    return kmax, kmin
-
-
-def quest_select(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    page_size: int,
-    budget: int,
-    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Quest: per KV head, the tokens of the top ``budget // page_size`` pages by their upper-bound score.
-
-    The page holding the newest token is always one of them. Returns ``[b, hk, k]`` ascending
-    token indices (``k = min(n, pages * page_size)`` minus the unfilled part of the last page).
-    ``bounds`` are the pages' :func:`page_bounds` when the caller maintains them incrementally.
-    """
-    check_query(queries, keys)
-    check_int("page_size", page_size, 1, 4096)
-    b, hk, n, d = keys.shape
-    pages = -(-n // page_size)
-    want = min(budget // page_size, pages)
-    if want == 0:
-        raise ConfigError("budget", budget, f"at least page_size={page_size}")
-    pad = pages * page_size - n
-    kmax, kmin = page_bounds(keys, page_size) if bounds is None else bounds
-    if kmax.shape[2] != pages:
-        raise ShapeError(f"bounds cover {kmax.shape[2]} pages, the keys {pages}")
-    g = queries.shape[1] // hk
-    q = queries.float().sum(dim=2).reshape(b, hk, g, 1, d)  # summed over the step's query tokens
-    bound = torch.maximum(q * kmax.unsqueeze(2), q * kmin.unsqueeze(2)).sum(-1).sum(2)  # [b, hk, pages]
-    bound[..., -1] = float("inf")  # the current page
-    top = topk_indices(bound, want)
-    tok = (top.unsqueeze(-1) * page_size + torch.arange(page_size, device=keys.device)).flatten(2)
-    if pad:  # the last (always selected, so last in ascending order) page is partial
-        tok = tok[..., : tok.shape[-1] - pad].contiguous()  # a copy: callers keep it, not the padded one
-    return tok
-
-
 # --------------------------------------------------------------------------------------------
 # configs
 
@@ -364,98 +291,11 @@ class ClusterKVConfig(MethodConfig):
         return ClusterKVLayerCache(self, dense=layer_idx < self.dense_layers)
 
 
-@dataclass(frozen=True)
-class QuestConfig(MethodConfig):
-    """Quest: recall fixed-size pages by per-channel max/min key bounds.
-
-    Attributes:
-        budget: tokens attended per decode step and KV head (whole pages). Required.
-        page_size: tokens per page (16 in Quest).
-        dense_layers: first layers left uncompressed (2 in Quest).
-        track_recall: also compute, every step, the recall rate of the selected tokens against
-            the true top-``budget`` tokens by attention (costs a full attention; for evaluation).
-    """
-
-    name: ClassVar[str] = "quest"
-    budget: int | None = None
-    page_size: int = 16
-    dense_layers: int = 2
-    track_recall: bool = False
-
-    def __post_init__(self) -> None:
-        check_int("page_size", self.page_size, 1, 4096)
-        check_budget("budget", self.budget, self.page_size, " for method quest (at least page_size)")
-        check_int("dense_layers", self.dense_layers, 0, 4096)
-        if not isinstance(self.track_recall, bool):
-            raise ConfigError("track_recall", self.track_recall, "true or false")
-
-    def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
-        return None if layer_idx < self.dense_layers else self.budget
-
-    def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
-        check_layer(layer_idx, num_layers)
-        return QuestLayerCache(self, dense=layer_idx < self.dense_layers)
-
-
 # --------------------------------------------------------------------------------------------
 # layer caches
 
 
-class _RecallLayerCache(LayerCache):
-    """Shared by ClusterKV and Quest: a full store; each decode step attends a recalled subset."""
-
-    def __init__(self, quant: QuantSettings | None, dense: bool) -> None:
-        super().__init__()
-        self.store = make_store(quant)
-        self.dense_layer = dense
-        self.last_selected: torch.Tensor | None = None  # [b, hk, k] slots attended at the last step
-
-    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        pos = self._start_prefill(queries, keys, values)
-        out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos).output
-        self.store.append(keys, values, pos)
-        self._after_prefill(keys)
-        return out
-
-    def _after_prefill(self, keys: torch.Tensor) -> None:
-        pass
-
-    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        self._before_append(keys)
-        pos = self._positions(keys.shape[2], keys.device)
-        self.store.append(keys, values, pos)
-        k, v, p = self.store.dense()
-        if self.dense_layer:
-            return self._attend(queries, k, v, q_positions=pos, k_positions=p).output
-        slots = self._select(queries, k)  # [b, hk, s]
-        self.last_selected = slots
-        ks, vs = gather_tokens(k, slots), gather_tokens(v, slots)
-        return self._attend(queries, ks, vs, q_positions=pos, k_positions=torch.gather(p, 2, slots)).output
-
-    def _before_append(self, keys: torch.Tensor) -> None:
-        pass
-
-    def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def tokens_held(self) -> torch.Tensor:
-        assert self.store.positions is not None
-        return (self.store.positions >= 0).sum(-1)
-
-    def _record_recall(self, rate: float) -> None:
-        """Count one step's top-B recall rate; ``recall_rate`` is the mean over the steps so far."""
-        self._bump("recall_sum", rate)
-        self._bump("recall_steps")
-        self.counters["recall_rate"] = self.counters["recall_sum"] / self.counters["recall_steps"]
-
-    def tokens_attended(self) -> torch.Tensor:
-        """``[b, hk]`` tokens the last decode step attended."""
-        if self.last_selected is None:
-            return self.tokens_held()
-        return torch.full(self.last_selected.shape[:2], self.last_selected.shape[2])
-
-
-class ClusterKVLayerCache(_RecallLayerCache):
+class ClusterKVLayerCache(RecallLayerCache):
     """ClusterKV state of one layer: full store, cluster index, pending tokens and the recall cache."""
 
     def __init__(self, config: ClusterKVConfig, dense: bool = False) -> None:
@@ -548,37 +388,4 @@ class ClusterKVLayerCache(_RecallLayerCache):
     def memory(self) -> dict[str, int]:
         m = self.store.memory()
         meta = m["metadata"] + (self.index.nbytes() if self.index is not None else 0) + tensor_bytes(self.last_selected)
-        return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}
-
-
-class QuestLayerCache(_RecallLayerCache):
-    """Quest state of one layer: full store plus per-page key bounds, updated as tokens arrive."""
-
-    def __init__(self, config: QuestConfig, dense: bool = False) -> None:
-        super().__init__(None, dense)
-        self.config = config
-        self.kmax: torch.Tensor | None = None  # [b, hk, pages, d] float32
-        self.kmin: torch.Tensor | None = None
-
-    def _after_prefill(self, keys: torch.Tensor) -> None:
-        if not self.dense_layer:
-            self.kmax, self.kmin = page_bounds(keys, self.config.page_size)
-
-    def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        assert self.config.budget is not None and self.kmax is not None and self.kmin is not None
-        ps = self.config.page_size
-        first = self.kmax.shape[2] - 1  # the last page may have been partial: recompute from it on
-        hi, lo = page_bounds(keys[:, :, first * ps :], ps)
-        self.kmax = torch.cat([self.kmax[:, :, :first], hi], dim=2)
-        self.kmin = torch.cat([self.kmin[:, :, :first], lo], dim=2)
-        slots = quest_select(queries, keys, ps, self.config.budget, bounds=(self.kmax, self.kmin))
-        if self.config.track_recall:
-            res = self._attend(queries, keys, keys, return_scores=True)
-            assert res.scores is not None
-            self._record_recall(recall_rate(slots, group_heads(res.scores, keys.shape[1]), self.config.budget))
-        return slots
-
-    def memory(self) -> dict[str, int]:
-        m = self.store.memory()
-        meta = m["metadata"] + tensor_bytes(self.kmax, self.kmin, self.last_selected)
         return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}

@@ -30,16 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods.attention import attend, check_query, check_scores, group_heads
 from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
     QuantSettings,
-    attend,
     check_layer,
-    check_query,
-    check_scores,
     gather_tokens,
-    group_heads,
     tensor_bytes,
     topk_indices,
 )

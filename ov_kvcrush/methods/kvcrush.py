@@ -32,7 +32,8 @@ from typing import ClassVar
 import torch
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.base import ShapeError, check_scores, topk_indices
+from ov_kvcrush.methods.attention import ShapeError, check_scores
+from ov_kvcrush.methods.base import topk_indices
 from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig, keep_indices
 from ov_kvcrush.validation import check_choice, check_int
 

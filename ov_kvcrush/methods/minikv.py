@@ -11,7 +11,7 @@ MiniKV is a composition of pieces defined elsewhere, so this module is only its 
   values per token, fp16 scales/zeros per group of 16, the newest ``residual_tokens`` in full
   precision, flushed every ``residual_tokens`` steps (see :mod:`ov_kvcrush.methods.quant`);
 * attention: dequantizes the store and returns per-head cumulative scores
-  (:func:`~ov_kvcrush.methods.base.attend` with ``return_scores=True``).
+  (:func:`~ov_kvcrush.methods.attention.attend` with ``return_scores=True``).
 """
 
 from __future__ import annotations

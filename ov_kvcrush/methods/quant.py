@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ov_kvcrush.methods.base import ShapeError
+from ov_kvcrush.methods.attention import ShapeError
 
 BITS = 2
 LEVELS = (1 << BITS) - 1  # codes 0..3

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ov_kvcrush.methods.base import QuantSettings, ShapeError, gather_tokens, tensor_bytes
+from ov_kvcrush.methods.attention import ShapeError
+from ov_kvcrush.methods.base import QuantSettings, gather_tokens, tensor_bytes
 from ov_kvcrush.methods.quant import dequantize_groups, pack_2bit, quantize_groups, unpack_2bit
 
 
