@@ -66,13 +66,11 @@ class BenchConfig:
 
 def backend_methods(backend: str) -> tuple[str, ...]:
     """The methods ``backend`` runs (``full`` included)."""
-    from ov_kvcrush.config import NATIVE_METHODS
-    from ov_kvcrush.method_spec import OPENVINO_METHODS
-    from ov_kvcrush.methods import REGISTRY
+    from ov_kvcrush.methods import methods_for
 
     if backend not in BENCH_BACKENDS:
         raise ConfigError("backend", backend, "one of " + ", ".join(BENCH_BACKENDS))
-    return {"genai": NATIVE_METHODS, "openvino": OPENVINO_METHODS, "torch": ("full", *REGISTRY)}[backend]
+    return methods_for(backend)
 
 
 def check_config(cfg: BenchConfig) -> None:

@@ -19,14 +19,17 @@ from ov_kvcrush.errors import UserError
 from ov_kvcrush.pipeline import LLMPipeline
 
 
+def methods_help() -> str:
+    """The ``--method`` help: the methods each backend runs, from the registry (shown with ``--help``)."""
+    from ov_kvcrush.methods import methods_by_engine
+
+    return "compression method, by backend: " + methods_by_engine()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The chat's flags (shared by ``ov-kvcrush chat`` and ``samples/chat.py``)."""
     p.add_argument("--backend", default="openvino", help="openvino (default: cache kept across turns), genai, torch")
-    p.add_argument(
-        "--method",
-        default="full",
-        help="compression method (backend openvino: full, streamingllm, h2o, snapkv, pyramidkv, kvcrush, minikv)",
-    )
+    p.add_argument("--method", default="full").help_from = methods_help
     p.add_argument("--budget", type=int, help="KV tokens kept per layer and KV head (required unless full)")
     p.add_argument("--model", help="model for the backend (default: the embedded SmolLM2-135M)")
     p.add_argument("--system", default="", help="system message")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ov_kvcrush.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.chat import add_arguments as add_chat_arguments
+from ov_kvcrush.chat import methods_help
 from ov_kvcrush.errors import UserError
 
 #: The demo's compressed runs: (backend, method, extra options).
@@ -20,7 +21,18 @@ DEMO_TOKENS = 2000
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that exits with code 2 and one line (its default prints usage + message)."""
+    """argparse that exits with code 2 and one line (its default prints usage + message).
+
+    An argument may carry ``help_from``, a function giving its help text when help is shown (the
+    methods each backend runs, derived from the registry, which imports torch: ``--help`` of
+    another command, and every real run, stay fast)."""
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            fill = getattr(action, "help_from", None)
+            if fill is not None:
+                action.help = fill()
+        return super().format_help()
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"ov-kvcrush: error: {message}", file=sys.stderr)
@@ -55,12 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="genai",
         help="genai (native openvino_genai, default), openvino (our paged-attention op in the IR) or torch",
     )
-    g.add_argument(
-        "--method",
-        default="full",
-        help="full, streamingllm, h2o, snapkv, pyramidkv, kvcrush, clusterkv, quest, chelsea, minikv "
-        "(genai: full, h2o, snapkv, kvcrush; openvino: full, streamingllm, h2o, snapkv, pyramidkv, kvcrush, minikv)",
-    )
+    g.add_argument("--method", default="full").help_from = methods_help
     g.add_argument("--budget", type=_positive_int, help="KV tokens kept per layer and KV head (required unless full)")
     g.add_argument("--sink-tokens", type=_positive_int, help="first tokens always kept (default: the method's)")
     g.add_argument("--recent-tokens", type=_positive_int, help="newest tokens always kept (default: the method's)")
@@ -70,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a field of the method's config, VALUE in JSON (e.g. representatives=64, quant=true, "
-        'anchor=\'["random","zeros"]\'); repeatable; backend torch',
+        'anchor=\'["random","zeros"]\'); repeatable; backends torch and openvino (genai: the native fields)',
     )
     g.add_argument("--prompt-file", required=True, help="text file with the prompt ('-' for stdin)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=32)

@@ -19,8 +19,6 @@ from typing import Any
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.validation import MAX_TOKENS, check_choice, check_float, check_int
 
-#: Methods the native ``openvino_genai`` engine can run, mapped onto its cache eviction.
-NATIVE_METHODS = ("full", "h2o", "snapkv", "kvcrush")
 #: Native defaults for sinks and the recent window: whole CPU KV blocks (32 tokens each).
 NATIVE_SINK_TOKENS = 32
 NATIVE_RECENT_TOKENS = 128
@@ -223,8 +221,11 @@ def check_native(config: CompressionConfig, block_size: int) -> None:
     """
     if not config.compresses:
         return
-    if config.method not in NATIVE_METHODS:
-        raise ConfigError("method", config.method, "one of " + ", ".join(NATIVE_METHODS) + " (backend genai)")
+    from ov_kvcrush.methods import methods_for
+
+    native = methods_for("genai")  # the methods mapped onto openvino_genai's cache eviction
+    if config.method not in native:
+        raise ConfigError("method", config.method, "one of " + ", ".join(native) + " (backend genai)")
     if config.options:
         raise ConfigError(
             "options",

@@ -3,13 +3,17 @@ budgets held, memory accounted, odd shapes handled."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods import REGISTRY, ShapeError, method_config
+from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.method_spec import method_spec
+from ov_kvcrush.methods import ENGINES, REGISTRY, ShapeError, method_config, methods_for, methods_table
 from ov_kvcrush.methods.base import storage_bytes
 from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.vectors import layer_vectors
@@ -168,3 +172,73 @@ def test_any_shape_and_budget_gives_the_right_output_shape(name, batch, kv_heads
         assert o.shape == (batch, kv_heads * group, 1, d)
     assert all(torch.isfinite(o).all() for o in outs)
     assert cache.tokens_held().shape == (batch, kv_heads)
+
+
+# --------------------------------------------------------------------------------------------
+# the registry drives every list of methods per engine
+
+
+def test_every_method_declares_its_own_engines():
+    """A subclass does not inherit its parent's engines (PyramidKV is SnapKV's subclass, but native
+    openvino_genai has no PyramidKV): every registered class names them itself."""
+    for name, cls in REGISTRY.items():
+        assert "engines" in vars(cls), name
+        assert "torch" in cls.engines and set(cls.engines) <= set(ENGINES), name
+
+
+def test_methods_for_each_engine_are_the_declared_ones():
+    for engine in ENGINES:
+        assert methods_for(engine) == tuple(n for n, c in REGISTRY.items() if engine in c.engines)
+    assert methods_for("torch") == tuple(REGISTRY)
+    assert "quest" not in methods_for("openvino") and "pyramidkv" not in methods_for("genai")
+    with pytest.raises(ConfigError, match="engine"):
+        methods_for("cuda")
+
+
+@pytest.mark.parametrize("name", [n for n in REGISTRY if n != "full"])
+def test_the_op_spec_is_built_by_the_method_or_refused_by_name(name):
+    cfg = method_config(name, budget=256)
+    if "openvino" in cfg.engines:
+        spec = dict(item.split("=", 1) for item in method_spec(cfg, 4, 9, 32).split(";"))
+        assert spec["method"] == name and len(spec["budgets"].split(",")) == 4
+        assert spec["quant"] == ("1" if getattr(cfg, "quant", None) is not None else "0")
+    else:
+        with pytest.raises(UserError, match=f"method={name} does not run inside the OpenVINO op"):
+            method_spec(cfg, 4, 9, 32)
+
+
+def test_bench_eval_and_config_lists_are_the_registry():
+    from ov_kvcrush.bench import backend_methods
+    from ov_kvcrush.config import CompressionConfig, check_native
+    from ov_kvcrush.eval.runner import EvalPlan
+
+    for backend in ("genai", "openvino", "torch"):
+        assert backend_methods(backend) == methods_for(backend)
+    for name in REGISTRY:
+        cfg = CompressionConfig(name, None if name == "full" else 256)
+        if name in methods_for("genai"):
+            check_native(cfg, 32)
+        else:
+            with pytest.raises(ConfigError, match="backend genai"):
+                check_native(cfg, 32)
+    assert {m.method for m in EvalPlan(tasks=("passkey",), backend="genai").compressed()} == set(methods_for("genai")) - {"full"}
+
+
+def test_cli_help_lists_exactly_the_methods_of_each_backend(capsys):
+    from ov_kvcrush.cli import build_parser
+
+    for command in ("generate", "chat"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for engine in ENGINES:
+            listed = re.search(rf"{engine}: ([a-z0-9, ]+?)(;|$| --)", text).group(1)
+            assert tuple(listed.replace(",", " ").split()) == methods_for(engine), (command, engine)
+
+
+def test_readme_methods_table_is_the_registry():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert methods_table() in readme
+    for name, cls in REGISTRY.items():
+        row = next(line for line in methods_table().splitlines() if line.startswith(f"| `{name}` "))
+        assert row.count("| yes ") == len(cls.engines)

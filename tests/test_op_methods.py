@@ -19,8 +19,8 @@ import torch
 from helpers import HKV, HQ, D, held_positions, op_model
 
 from ov_kvcrush import plugin
-from ov_kvcrush.method_spec import OPENVINO_METHODS, method_spec
-from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config
+from ov_kvcrush.method_spec import method_spec
+from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config, methods_for
 from ov_kvcrush.methods.importance import keep_indices, pool_scores
 from ov_kvcrush.methods.kvcrush import kvcrush_select, kvcrush_select_blocks
 from ov_kvcrush.methods.vectors import layer_vectors
@@ -213,7 +213,7 @@ def test_registry_methods_are_mapped_or_refused():
 
     for name in REGISTRY:
         cfg = method_config(name) if name == "full" else method_config(name, budget=256)
-        if name in OPENVINO_METHODS:
+        if name in methods_for("openvino"):
             spec = method_spec(cfg, 4, HQ, 32)
             assert name == "full" or f"method={name}" in spec
         else:

@@ -15,13 +15,13 @@ import pytest
 from helpers import F32
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.method_spec import OPENVINO_METHODS
+from ov_kvcrush.methods import methods_for
 
 pytestmark = pytest.mark.model
 
 BUDGET = 256
 #: (method, options): every method of the op, plus block-wise KVCrush and an importance method over the 2-bit store
-VARIANTS = [(m, {}) for m in OPENVINO_METHODS if m != "full"] + [
+VARIANTS = [(m, {}) for m in methods_for("openvino") if m != "full"] + [
     ("kvcrush", {"block_size": 32}),
     ("snapkv", {"quant": True}),
 ]

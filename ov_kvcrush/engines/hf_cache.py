@@ -219,17 +219,12 @@ class CompressedCache(Cache):
         return out
 
     def counters(self) -> dict[str, float]:
-        """Per-method counters summed over layers; rates recomputed from the summed counts."""
+        """Per-method counters summed over layers; the method recomputes its rates from the sums."""
         total: dict[str, float] = {}
         for lc in self.method_layers():
             for key, value in lc.counters.items():
                 total[key] = total.get(key, 0) + value
-        if "cluster_lookups" in total:
-            look = total["cluster_lookups"]
-            total["hit_rate"] = total.get("cluster_hits", 0) / look if look else 0.0
-        if "recall_steps" in total:
-            total["recall_rate"] = total["recall_sum"] / total["recall_steps"] if total["recall_steps"] else 0.0
-        return total
+        return self.method_config.summarize_counters(total)
 
     def policy_ms(self) -> dict[str, float]:
         """The method's own work (selection, clustering, merging, quantising: the time of its

@@ -27,15 +27,12 @@ from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
 from ov_kvcrush.eval.data import DATA_TASK, read_jsonl
 from ov_kvcrush.eval.scoring import agreement
+from ov_kvcrush.methods import REGISTRY, methods_for
 from ov_kvcrush.validation import MAX_TOKENS, check_int
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_BUDGETS = (128, 256, 512)
-#: Methods whose selection is a recall (everything stays in memory): they report ``recall_rate``.
-RECALL_METHODS = ("clusterkv", "quest")
 EVAL_BACKENDS = ("torch", "genai")
-#: Methods the native genai engine runs.
-GENAI_METHODS = ("full", "h2o", "snapkv", "kvcrush")
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,6 @@ class MethodSpec:
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
-        from ov_kvcrush.methods import REGISTRY
 
         name, quant = (text[: -len("+2bit")], True) if text.endswith("+2bit") else (text, False)
         if name not in REGISTRY:
@@ -67,7 +63,7 @@ class MethodSpec:
         options: dict[str, Any] = {}
         if self.quant:
             options["quant"] = True
-        if track_recall and self.method in RECALL_METHODS:
+        if track_recall and "track_recall" in REGISTRY[self.method].__dataclass_fields__:  # a recall method
             options["track_recall"] = True
         return CompressionConfig(self.method, budget, options=options)
 
@@ -143,9 +139,9 @@ class EvalPlan:
         if not all(isinstance(m, MethodSpec) for m in self.methods):
             raise ConfigError("methods", self.methods, "MethodSpec items (MethodSpec.parse('kvcrush+2bit'))")
         if self.backend == "genai":
-            bad = [m.label for m in self.methods if m.method not in GENAI_METHODS or m.quant]
+            bad = [m.label for m in self.methods if m.method not in methods_for("genai") or m.quant]
             if bad:
-                raise ConfigError("methods", ",".join(bad), "on backend genai: " + ", ".join(GENAI_METHODS))
+                raise ConfigError("methods", ",".join(bad), "on backend genai: " + ", ".join(methods_for("genai")))
             if self.equal_memory:
                 raise ConfigError("kv_bytes", self.kv_bytes or self.kv_ratio, "unset on backend genai (torch only)")
             if "ppl" in self.tasks and self.data is None:
@@ -161,11 +157,10 @@ class EvalPlan:
 
     def compressed(self) -> list[MethodSpec]:
         """The compressing methods of the plan (the default: every method the backend runs)."""
-        from ov_kvcrush.methods import REGISTRY
 
         specs = list(self.methods) or [MethodSpec(m) for m in REGISTRY]
         if self.backend == "genai":
-            specs = [s for s in specs if s.method in GENAI_METHODS]
+            specs = [s for s in specs if s.method in methods_for("genai")]
         return [s for s in specs if s.method != "full"]
 
     def to_dict(self) -> dict[str, Any]:

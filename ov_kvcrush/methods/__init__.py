@@ -6,7 +6,9 @@ engines drive. These define the semantics every fast path (the C++ OpenVINO op, 
 against.
 
 ``REGISTRY`` maps the method names used everywhere (configs, CLI flags, reports) to their config
-classes; adding a method costs one module, one test file and one line here.
+classes. Each class declares the engines that run it (:attr:`MethodConfig.engines`), and every
+list of methods per engine is derived here (:func:`methods_for`, :func:`methods_table`). How to
+add a method, file by file: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import AttentionOutput, ShapeError, attend
-from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings
+from ov_kvcrush.methods.base import ENGINES, LayerCache, MethodConfig, QuantSettings
 from ov_kvcrush.methods.chelsea import ChelseaConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.full import FullConfig
@@ -23,6 +25,7 @@ from ov_kvcrush.methods.importance import H2OConfig, PyramidKVConfig, SnapKVConf
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.minikv import MiniKVConfig
 from ov_kvcrush.methods.quest import QuestConfig
+from ov_kvcrush.validation import check_choice
 
 REGISTRY: dict[str, type[MethodConfig]] = {
     "full": FullConfig,
@@ -55,7 +58,37 @@ def method_config(name: str, **fields: Any) -> MethodConfig:
     return cls(**fields)
 
 
+def methods_for(engine: str) -> tuple[str, ...]:
+    """The registry names ``engine`` runs (``torch``, ``openvino`` or ``genai``), in registry order."""
+    check_choice("engine", engine, ENGINES)
+    return tuple(name for name, cls in REGISTRY.items() if engine in cls.engines)
+
+
+def methods_by_engine() -> str:
+    """``genai: ...; openvino: ...; torch: ...``: the methods each engine runs, for help texts."""
+    return "; ".join(f"{engine}: " + ", ".join(methods_for(engine)) for engine in sorted(ENGINES))
+
+
+def methods_table() -> str:
+    """The README's methods table (Markdown): each method, what it does, its module and its engines.
+
+    The README holds it verbatim (a test compares); regenerate with
+    ``python -c "from ov_kvcrush.methods import methods_table; print(methods_table())"``.
+    """
+    rows = [
+        "| name | what it keeps / does | module | " + " | ".join(ENGINES) + " |",
+        "|---|---|---|" + "---|" * len(ENGINES),
+    ]
+    for name, cls in REGISTRY.items():
+        summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
+        module = cls.__module__.rsplit(".", 1)[-1] + ".py"
+        marks = " | ".join("yes" if e in cls.engines else "" for e in ENGINES)
+        rows.append(f"| `{name}` | {summary} | `{module}` | {marks} |")
+    return "\n".join(rows)
+
+
 __all__ = [
+    "ENGINES",
     "REGISTRY",
     "AttentionOutput",
     "ChelseaConfig",
@@ -74,4 +107,7 @@ __all__ = [
     "StreamingLLMConfig",
     "attend",
     "method_config",
+    "methods_by_engine",
+    "methods_for",
+    "methods_table",
 ]

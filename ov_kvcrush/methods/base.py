@@ -87,6 +87,9 @@ def storage_bytes(obj: Any) -> int:
 # --------------------------------------------------------------------------------------------
 # config base
 
+#: The engines a method can declare (:attr:`MethodConfig.engines`).
+ENGINES = ("torch", "openvino", "genai")
+
 
 @dataclass(frozen=True)
 class QuantSettings:
@@ -128,6 +131,26 @@ class MethodConfig:
     name: ClassVar[str] = ""
     #: whether the method keeps a bounded number of tokens (``budget`` is required).
     needs_budget: ClassVar[bool] = True
+    #: the engines that run this method, from :data:`ENGINES`: ``torch`` (this reference, through
+    #: transformers), ``openvino`` (our op: the class builds its :meth:`op_fields`), ``genai``
+    #: (native ``openvino_genai`` eviction). Every registered class declares its own: a subclass
+    #: does not inherit its parent's engines (a test checks it). Every list of methods per engine
+    #: (configs, eval, bench, CLI help, README) is derived from these.
+    engines: ClassVar[tuple[str, ...]] = ("torch",)
+
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        """This method's own fields of the op's spec, for a model with ``layers`` layers, ``q_heads``
+        query heads and the pool's ``block_size``: exactly the keys its C++ policy reads (the op
+        has no defaults of its own; :mod:`ov_kvcrush.method_spec` adds the method's name, its
+        per-layer budgets and the store). Raises :class:`~ov_kvcrush.errors.ConfigError` naming
+        an option the op does not run."""
+        raise NotImplementedError(f"method {self.name} declares no op fields")
+
+    def summarize_counters(self, total: dict[str, float]) -> dict[str, float]:
+        """The method's counters summed over layers, as a report shows them: a method whose
+        counters include rates recomputes them from the summed counts here (engines sum counters
+        without knowing what they mean)."""
+        return total
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         """A fresh cache for one layer (``layer_idx`` in ``[0, num_layers)``)."""

@@ -203,6 +203,7 @@ class ChelseaConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "chelsea"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     budget: int | None = None
     sink_tokens: int = 16
     recent_tokens: int = 64
@@ -227,6 +228,17 @@ class ChelseaConfig(MethodConfig):
                 )
         if self.quant is not None and not isinstance(self.quant, QuantSettings):
             raise ConfigError("quant", self.quant, "a QuantSettings or None")
+
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        if self.quant is not None:
+            raise ConfigError("options.quant", "set", "None for chelsea (backend openvino; the torch engine runs it)")
+        return {
+            "sinks": self.sink_tokens,
+            "recent": self.recent_tokens,
+            "chunk": self.chunk_size,
+            "merge_interval": self.merge_interval,
+            "outliers": ",".join(f"{layer},{head}" for layer, head in self.outlier_heads),
+        }
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)

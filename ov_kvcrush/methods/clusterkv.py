@@ -41,7 +41,7 @@ from ov_kvcrush.methods.base import (
     check_layer,
     tensor_bytes,
 )
-from ov_kvcrush.methods.recall import RecallLayerCache, recall_rate
+from ov_kvcrush.methods.recall import RecallLayerCache, recall_rate, summarize_recall
 from ov_kvcrush.validation import check_budget, check_int
 
 # --------------------------------------------------------------------------------------------
@@ -253,6 +253,7 @@ class ClusterKVConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "clusterkv"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     budget: int | None = None
     sink_tokens: int = 16
     tokens_per_cluster: int = 80
@@ -285,6 +286,26 @@ class ClusterKVConfig(MethodConfig):
 
     def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
         return None if layer_idx < self.dense_layers else self.budget
+
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        if self.track_recall:
+            raise ConfigError("options.track_recall", True, "false (backend openvino; the torch engine tracks recall)")
+        return {
+            "sinks": self.sink_tokens,
+            "tokens_per_cluster": self.tokens_per_cluster,
+            "n_clusters": self.n_clusters or 0,
+            "new_clusters": self.new_clusters,
+            "cluster_every": self.cluster_every,
+            "max_iters": self.max_iters,
+            "seed": self.seed,
+            "cache_steps": self.recall_cache_steps,
+        }
+
+    def summarize_counters(self, total: dict[str, float]) -> dict[str, float]:
+        if "cluster_lookups" in total:
+            look = total["cluster_lookups"]
+            total["hit_rate"] = total.get("cluster_hits", 0) / look if look else 0.0
+        return summarize_recall(total)
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)

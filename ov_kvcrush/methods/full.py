@@ -17,6 +17,10 @@ class FullConfig(MethodConfig):
 
     name: ClassVar[str] = "full"
     needs_budget: ClassVar[bool] = False
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
+
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        return {}
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)

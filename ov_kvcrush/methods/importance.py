@@ -226,6 +226,10 @@ class EvictionConfig(MethodConfig):
         if self.quant is not None and not isinstance(self.quant, QuantSettings):
             raise ConfigError("quant", self.quant, "a QuantSettings or None")
 
+    def selection_frozen(self) -> bool:
+        """Whether the prefill selection is final (MiniKV; any selection over the 2-bit store)."""
+        return bool(getattr(self, "frozen_selection", False)) or self.quant is not None
+
 
 @dataclass(frozen=True)
 class StreamingLLMConfig(EvictionConfig):
@@ -237,8 +241,14 @@ class StreamingLLMConfig(EvictionConfig):
     """
 
     name: ClassVar[str] = "streamingllm"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     sink_tokens: int = 4
     recent_tokens: int = 0
+
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        assert self.budget is not None
+        recent = self.budget - self.sink_tokens
+        return {"sinks": self.sink_tokens, "recent": recent, "scoring": "none", "frozen": int(self.selection_frozen())}
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
@@ -259,6 +269,7 @@ class H2OConfig(EvictionConfig):
     """
 
     name: ClassVar[str] = "h2o"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
     head_budgets: str = "uniform"
     min_head_tokens: int = 0
 
@@ -275,6 +286,16 @@ class H2OConfig(EvictionConfig):
     def scoring_mode(self) -> str:
         """``h2o`` or ``snapkv``: the scores this config's caches evict by."""
         return getattr(self, "selection", self.scoring)
+
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        if self.head_budgets != "uniform":
+            raise ConfigError("options.head_budgets", self.head_budgets, "uniform (backend openvino)")
+        return {
+            "sinks": self.sink_tokens,
+            "recent": self.recent_tokens,
+            "scoring": self.scoring_mode(),
+            "frozen": int(self.selection_frozen()),
+        }
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
@@ -301,6 +322,7 @@ class SnapKVConfig(H2OConfig):
     """
 
     name: ClassVar[str] = "snapkv"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
     scoring: ClassVar[str] = "snapkv"
     window: int = 32
     pool_kernel: int = 7
@@ -314,6 +336,12 @@ class SnapKVConfig(H2OConfig):
             raise ConfigError("pool_kernel", self.pool_kernel, "an odd integer in [1, 129]")
         check_choice("pool", self.pool, POOLS)
 
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        fields = super().op_fields(layers, q_heads, block_size)
+        if self.scoring_mode() == "snapkv":  # the window and pooling score the prompt
+            fields.update(window=self.window, pool_kernel=self.pool_kernel, pool=self.pool)
+        return fields
+
 
 @dataclass(frozen=True)
 class PyramidKVConfig(SnapKVConfig):
@@ -326,6 +354,7 @@ class PyramidKVConfig(SnapKVConfig):
     """
 
     name: ClassVar[str] = "pyramidkv"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     pyramid_depth: float = 4.0
     selection: str = "snapkv"
 

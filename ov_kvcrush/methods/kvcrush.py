@@ -320,6 +320,7 @@ class KVCrushConfig(SnapKVConfig):
     """
 
     name: ClassVar[str] = "kvcrush"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
     representatives: int | None = None
     selection: str = "snapkv"
     signature: str = "topk"
@@ -364,6 +365,39 @@ class KVCrushConfig(SnapKVConfig):
 
     def _layer_cache_type(self) -> type[ImportanceLayerCache]:
         return KVCrushLayerCache
+
+    def anchor_bits(self, q_heads: int) -> list[str]:
+        """Each anchor as ``mean`` or its bit string (one bit per query head), drawn as the reference draws it."""
+        out = []
+        for i, mode in enumerate(self.anchors):
+            if mode == "mean":
+                out.append("mean")
+                continue
+            # make_anchors draws anchor i with seed + i; only its position in the tuple matters
+            bits = make_anchors(torch.zeros(1, 0, q_heads, dtype=torch.bool), (mode,), self.seed + i)[0, 0]
+            out.append("".join("1" if b else "0" for b in bits.tolist()))
+        return out
+
+    def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
+        fields = super().op_fields(layers, q_heads, block_size)
+        if self.block_size is not None:
+            if self.quant is not None:
+                raise ConfigError("options.block_size", self.block_size, "None with quant (backend openvino)")
+            if self.block_size != block_size:
+                raise ConfigError(
+                    "options.block_size",
+                    self.block_size,
+                    f"the engine's KV block size {block_size} (backend openvino evicts whole blocks of the pool)",
+                )
+        fields.update(
+            representatives=self.n_representatives,
+            signature=self.signature,
+            multi_anchor=self.multi_anchor,
+            representative=self.representative,
+            anchors=",".join(self.anchor_bits(q_heads)),
+            block_wise=int(self.block_size is not None),
+        )
+        return fields
 
     def select(self, scores: torch.Tensor) -> list[torch.Tensor]:
         """Kept token indices per batch row for per-query-head scores ``[b, H, n]`` (budget applied)."""

@@ -35,6 +35,7 @@ class MiniKVConfig(PyramidKVConfig):
     """
 
     name: ClassVar[str] = "minikv"
+    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     #: the prefill selection is never revisited (see the module docstring)
     frozen_selection: ClassVar[bool] = True
     selection: str = "h2o"

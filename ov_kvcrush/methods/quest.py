@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, check_query, group_heads
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, check_layer, tensor_bytes, topk_indices
-from ov_kvcrush.methods.recall import RecallLayerCache, recall_rate
+from ov_kvcrush.methods.recall import RecallLayerCache, recall_rate, summarize_recall
 from ov_kvcrush.validation import check_budget, check_int
 
 
@@ -84,6 +84,7 @@ class QuestConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "quest"
+    engines: ClassVar[tuple[str, ...]] = ("torch",)
     budget: int | None = None
     page_size: int = 16
     dense_layers: int = 2
@@ -98,6 +99,9 @@ class QuestConfig(MethodConfig):
 
     def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
         return None if layer_idx < self.dense_layers else self.budget
+
+    def summarize_counters(self, total: dict[str, float]) -> dict[str, float]:
+        return summarize_recall(total)
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)

@@ -86,3 +86,10 @@ class RecallLayerCache(LayerCache):
         if self.last_selected is None:
             return self.tokens_held()
         return torch.full(self.last_selected.shape[:2], self.last_selected.shape[2])
+
+
+def summarize_recall(total: dict[str, float]) -> dict[str, float]:
+    """``recall_rate`` of counters summed over layers: the summed rates over the summed steps."""
+    if "recall_steps" in total:
+        total["recall_rate"] = total["recall_sum"] / total["recall_steps"] if total["recall_steps"] else 0.0
+    return total
