@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from ov_kvcrush.transformations import convert_model
 
-from ov_kvcrush import plugin
+from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods.vectors import layer_vectors
 
@@ -61,7 +61,7 @@ def converted_steps(xml: Path, prompt: list[int], feed: list[int], kv_precision:
     conv = convert_model(core.read_model(xml), plugin.loaded_path())
     req = core.compile_model(conv.model, "CPU", F32).create_infer_request()
     s = conv.shape
-    pool = plugin.KVPool(s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=kv_precision)
+    pool = kvcache.KVPool(s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=kv_precision)
     seq = pool.new_sequence()
     names = {i.get_any_name() for i in req.model_inputs}
     out, past, ids = [], 0, list(prompt)
@@ -104,14 +104,14 @@ def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | Non
     return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
 
 
-def held_positions(seq: plugin.KVSequence, layer: int) -> list[np.ndarray]:
+def held_positions(seq: kvcache.KVSequence, layer: int) -> list[np.ndarray]:
     return [seq.read_head(layer, g)[0] for g in range(HKV)]
 
 
 def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_size=32):
     """Feed ``steps`` (token counts; the first is the prompt) to the op and the reference layer cache."""
     lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=sum(steps), head_dim=D)
-    pool = plugin.KVPool(
+    pool = kvcache.KVPool(
         layers, HQ, HKV, D, block_size=block_size, precision=precision, method=method_spec(cfg, layers, HQ, block_size)
     )
     seq = pool.new_sequence()
@@ -124,3 +124,119 @@ def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_s
         out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
         ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
         yield s, np.array(out), ref.numpy(), seq, pool, lc
+
+
+def reference_positions(lc) -> list[np.ndarray]:
+    """Positions each KV head of a reference layer cache holds (ascending, padding dropped)."""
+    p = lc.store.positions[0]
+    return [np.sort(p[g][p[g] >= 0].numpy()) for g in range(p.shape[0])]
+
+
+def run_both(core, cfg, *, layer=0, layers=1, prompt=192, decode=40, seed=0, block_size=32, precision="f32", keep=None):
+    """Run the op and the reference step by step; yield (step, op positions, ref positions, op out, ref out, seq)."""
+    lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=prompt + decode, head_dim=D)
+    spec = method_spec(cfg, layers, HQ, block_size)
+    pool = kvcache.KVPool(layers, HQ, HKV, D, block_size=block_size, precision=precision, method=spec)
+    seq = pool.new_sequence()
+    req = op_model(core, HQ, HKV, D, layer=layer)
+    lc = cfg.make_layer(layer, layers)
+    if keep is not None:
+        keep["lc"] = lc
+    steps = [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(decode)]
+    for s, (a, b) in enumerate(steps):
+        q, k, v = lv.queries[:, :, a:b], lv.keys[:, :, a:b], lv.values[:, :, a:b]
+        out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
+        ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
+        yield s, held_positions(seq, layer), reference_positions(lc), np.array(out), ref.numpy(), seq, pool
+
+
+def scores_by_position(positions, scores) -> dict[int, float]:
+    return {int(p): float(v) for p, v in zip(positions, scores, strict=True) if p >= 0}
+
+
+def op_scores(seq, layer, shared: bool) -> list[dict[int, float]]:
+    """Per KV head: position -> score the op holds (group-summed; KVCrush: summed over all heads)."""
+    per_head = []
+    for g in range(HKV):
+        pos, _, _, sc = seq.read_head(layer, g)
+        per_head.append(scores_by_position(pos, sc.sum(1)))
+    if shared:
+        total = {p: sum(h[p] for h in per_head) for p in per_head[0]}
+        return [total] * HKV
+    return per_head
+
+
+def ref_scores(lc, shared: bool) -> list[dict[int, float]]:
+    acc = lc.acc[0].reshape(HKV, HQ // HKV, -1).sum(1)  # [hk, n]
+    pos = lc.store.positions[0]
+    per_head = [scores_by_position(pos[g].tolist(), acc[g].tolist()) for g in range(HKV)]
+    if shared:
+        total = {p: sum(h[p] for h in per_head) for p in per_head[0]}
+        return [total] * HKV
+    return per_head
+
+
+def assert_near_tie(got, want, op_sc, ref_sc, what):
+    """The op and the reference kept different tokens: only allowed between scores equal within float noise."""
+    only_op = sorted(set(got.tolist()) - set(want.tolist()))
+    only_ref = sorted(set(want.tolist()) - set(got.tolist()))
+    assert len(only_op) == len(only_ref), what
+    a = sorted(op_sc[p] for p in only_op)
+    b = sorted(ref_sc[p] for p in only_ref)
+    scale = max(ref_sc.values())
+    np.testing.assert_allclose(
+        a, b, atol=2e-6 * scale, rtol=0, err_msg=f"{what}: not a near-tie {only_op} vs {only_ref}"
+    )
+
+
+def check_op_keeps_the_reference_tokens(core, cfg, layer: int, case: str = "", layers: int = 4) -> None:
+    """The op and the reference layer cache of ``cfg`` on the shared test vectors, step by step:
+    same tokens kept at every step until a float near-tie splits them (then justified), the same
+    attention output while they agree, every head within its budget (a frozen selection keeps
+    every generated token), the block accounting and the pool's bytes exact, and (unless frozen
+    or diverged) a decode-time eviction compared at least once."""
+    case = case or cfg.name
+    bs = getattr(cfg, "block_size", None) or 32
+    budget = cfg.layer_budget(layer, layers)
+    shared = cfg.name == "kvcrush"
+    quant = getattr(cfg, "quant", None) is not None
+    frozen = quant or cfg.name == "minikv"
+    diverged, last, first_qblocks = False, None, 0
+    decode_evictions_compared = 0
+    lc_holder = {}
+    for step, got, want, out, ref, seq, pool in run_both(
+        core, cfg, layer=layer, layers=layers, block_size=bs, keep=lc_holder
+    ):
+        held = seq.head_tokens()[layer]
+        if not diverged:
+            same = all(np.array_equal(got[g], want[g]) for g in range(HKV))
+            if same:
+                np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0, err_msg=f"{case} step {step}")
+                if last is not None and (held < last + 1).any():
+                    decode_evictions_compared += 1
+            else:
+                diverged = True
+                o, r = op_scores(seq, layer, shared), ref_scores(lc_holder["lc"], shared)
+                for g in range(HKV):
+                    if not np.array_equal(got[g], want[g]):
+                        assert_near_tie(got[g], want[g], o[g], r[g], f"{case} step {step} head {g}")
+        last = held
+        # a frozen selection (MiniKV, any method over the 2-bit store) keeps every generated token
+        cap = budget + (step if frozen else 0)
+        for g in range(HKV):
+            assert got[g].size <= cap, f"{case} step {step} head {g} holds {got[g].size} > {cap}"
+        st = seq.stats()
+        # 2-bit blocks are always full and the residual starts on a block edge; a decode step's
+        # evictions leave fewer than a block of holes per head before it is compacted
+        holes = seq.head_holes()
+        assert (holes < bs).all() and (holes[:layer].sum() + holes[layer + 1 :].sum()) == 0
+        assert st.blocks_held + st.qblocks_held == sum(math.ceil(n / bs) for n in held + holes[layer])
+        ps = pool.stats()
+        assert ps.kv_bytes == st.kv_bytes == st.blocks_held * pool.block_bytes + st.qblocks_held * ps.qblock_bytes
+        if step == 0:
+            first_qblocks = st.qblocks_held
+    if not diverged and not frozen:
+        assert decode_evictions_compared > 0  # the decode-time eviction was exercised and matched
+    if quant:
+        assert st.qblocks_held > first_qblocks  # decode tokens were flushed into the 2-bit store
+        assert pool.stats().qblock_bytes * 4 <= pool.block_bytes  # f32 here: 2 bits + scales is < 1/4

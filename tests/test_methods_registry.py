@@ -221,7 +221,9 @@ def test_bench_eval_and_config_lists_are_the_registry():
         else:
             with pytest.raises(ConfigError, match="backend genai"):
                 check_native(cfg, 32)
-    assert {m.method for m in EvalPlan(tasks=("passkey",), backend="genai").compressed()} == set(methods_for("genai")) - {"full"}
+    assert {m.method for m in EvalPlan(tasks=("passkey",), backend="genai").compressed()} == set(
+        methods_for("genai")
+    ) - {"full"}
 
 
 def test_cli_help_lists_exactly_the_methods_of_each_backend(capsys):
@@ -242,3 +244,14 @@ def test_readme_methods_table_is_the_registry():
     for name, cls in REGISTRY.items():
         row = next(line for line in methods_table().splitlines() if line.startswith(f"| `{name}` "))
         assert row.count("| yes ") == len(cls.engines)
+
+
+def test_each_method_module_cites_its_paper_and_its_departures():
+    import importlib
+
+    for name, cls in REGISTRY.items():
+        doc = importlib.import_module(cls.__module__).__doc__ or ""
+        if name == "full":
+            continue
+        assert re.search(r"arXiv \d{4}\.\d{4,5}", doc), name
+        assert "depart" in doc.lower(), name

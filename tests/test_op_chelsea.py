@@ -12,9 +12,9 @@ import math
 
 import numpy as np
 import pytest
-from helpers import HKV, HQ, D, drive
+from helpers import HKV, HQ, D, drive, op_model
 
-from ov_kvcrush import plugin
+from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
@@ -78,10 +78,9 @@ def test_merges_are_exact_for_duplicated_tokens(ov_core):
     v = lv.values.repeat_interleave(2, dim=2)
     q = lv.queries.repeat_interleave(2, dim=2)
     cfg = method_config("chelsea", budget=100, sink_tokens=0, recent_tokens=0, chunk_size=2, merge_interval=1)
-    pool = plugin.KVPool(1, HQ, HKV, D, method=method_spec(cfg, 1, HQ, 32))
+    pool = kvcache.KVPool(1, HQ, HKV, D, method=method_spec(cfg, 1, HQ, 32))
     seq = pool.new_sequence()
-    full = plugin.KVPool(1, HQ, HKV, D).new_sequence()
-    from tests.test_plugin import op_model
+    full = kvcache.KVPool(1, HQ, HKV, D).new_sequence()
 
     req = op_model(ov_core, HQ, HKV, D)
 
@@ -98,10 +97,11 @@ def test_merges_are_exact_for_duplicated_tokens(ov_core):
 def test_refusals(ov_core):
     with pytest.raises(ConfigError, match="quant"):
         method_spec(method_config("chelsea", budget=96, quant=QuantSettings()), 4, HQ, 32)
+    one_layer = method_spec(method_config("chelsea", budget=96, sink_tokens=4, recent_tokens=16), 1, HQ, 32)
     with pytest.raises(plugin.PluginError, match="budgets"):
-        plugin.KVPool(1, HQ, HKV, D, method="method=chelsea;budgets=20;sinks=4;recent=16")
+        kvcache.KVPool(1, HQ, HKV, D, method=one_layer.replace("budgets=96", "budgets=20"))
     with pytest.raises(plugin.PluginError, match="outliers"):
-        plugin.KVPool(1, HQ, HKV, D, method="method=chelsea;budgets=96;outliers=0,3")
+        kvcache.KVPool(1, HQ, HKV, D, method=one_layer.replace("outliers=", "outliers=0,3"))
     cfg = method_config("chelsea", **BASE)
     seq = list(drive(ov_core, cfg, layer=1, steps=[200, 1]))[-1][3]
     with pytest.raises(plugin.PluginError, match="Chelsea"):

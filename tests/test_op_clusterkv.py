@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import HKV, HQ, D, drive, held_positions
 
-from ov_kvcrush import plugin
+from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
 from ov_kvcrush.methods.clusterkv import init_order, kmeans_cosine
@@ -39,13 +39,13 @@ def test_init_order_and_kmeans_match_the_reference():
         # the op's init_order is only reachable through k-means: k-means with one iteration keeps
         # the initial directions, so each picked vector is labelled with its own cluster
         x = np.random.default_rng(seed % 97).standard_normal((n, 8)).astype(np.float32)
-        km1 = plugin.kmeans(x, k, max_iters=1, seed=seed, row=row)
+        km1 = kvcache.kmeans(x, k, max_iters=1, seed=seed, row=row)
         assert km1.iterations == 1
         assert [int(km1.labels[i]) for i in want] == list(range(len(want)))
     keys = layer_vectors(3, tokens=700).keys[0]  # [3, 700, 64]
     km = kmeans_cosine(keys, 20, max_iters=40, seed=9)
     for h in range(3):
-        op = plugin.kmeans(keys[h].numpy(), 20, max_iters=40, seed=9, row=h)
+        op = kvcache.kmeans(keys[h].numpy(), 20, max_iters=40, seed=9, row=h)
         assert op.iterations <= km.iterations
         np.testing.assert_array_equal(op.labels, km.labels[h].numpy())
         np.testing.assert_array_equal(op.sizes, km.sizes[h].numpy())
@@ -62,8 +62,8 @@ def test_kmeans_bounds_equal_brute_force(n, k, d):
     centres = rng.standard_normal((12, d)).astype(np.float32)
     x = centres[rng.integers(0, 12, n)] + 0.6 * rng.standard_normal((n, d)).astype(np.float32)
     x[::97] = x[1::97][: len(x[::97])]  # exact duplicates: equal similarities, ties by index
-    fast = plugin.kmeans(x, k, max_iters=20, seed=3)
-    brute = plugin.kmeans(x, k, max_iters=20, seed=3, bounded=False)
+    fast = kvcache.kmeans(x, k, max_iters=20, seed=3)
+    brute = kvcache.kmeans(x, k, max_iters=20, seed=3, bounded=False)
     assert fast.iterations == brute.iterations
     np.testing.assert_array_equal(fast.labels, brute.labels)
     np.testing.assert_array_equal(fast.sizes, brute.sizes)
@@ -75,9 +75,9 @@ def test_kmeans_bounds_equal_brute_force(n, k, d):
 
 def test_kmeans_rejects_bad_arguments():
     with pytest.raises(plugin.PluginError, match="at least one vector"):
-        plugin.kmeans(np.zeros((0, 8), np.float32), 3)
+        kvcache.kmeans(np.zeros((0, 8), np.float32), 3)
     with pytest.raises(plugin.PluginError, match="max_iters"):
-        plugin.kmeans(np.ones((4, 8), np.float32), 3, max_iters=0)
+        kvcache.kmeans(np.ones((4, 8), np.float32), 3, max_iters=0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -174,9 +174,10 @@ def test_truncate_into_clustered_tokens_is_refused(ov_core):
 def test_scores_and_bad_budgets_are_refused():
     spec = method_spec(method_config("clusterkv", **BASE), 4, HQ, 32)
     with pytest.raises(plugin.PluginError, match="scores"):
-        plugin.KVPool(4, HQ, HKV, D, method=spec, scores=True)
+        kvcache.KVPool(4, HQ, HKV, D, method=spec, scores=True)
     with pytest.raises(plugin.PluginError, match="budgets"):
-        plugin.KVPool(1, HQ, HKV, D, method="method=clusterkv;budgets=4;sinks=4")
+        one_layer = method_spec(method_config("clusterkv", **dict(BASE, dense_layers=0)), 1, HQ, 32)
+        kvcache.KVPool(1, HQ, HKV, D, method=one_layer.replace("budgets=96", "budgets=4"))
     with pytest.raises(Exception, match="track_recall"):
         method_spec(method_config("clusterkv", budget=64, track_recall=True), 4, HQ, 32)
 

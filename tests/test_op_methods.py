@@ -16,39 +16,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import HKV, HQ, D, held_positions, op_model
+from helpers import HKV, HQ, D, check_op_keeps_the_reference_tokens, run_both
 
-from ov_kvcrush import plugin
+from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config, methods_for
 from ov_kvcrush.methods.importance import keep_indices, pool_scores
 from ov_kvcrush.methods.kvcrush import kvcrush_select, kvcrush_select_blocks
-from ov_kvcrush.methods.vectors import layer_vectors
-
-
-def reference_positions(lc) -> list[np.ndarray]:
-    """Positions each KV head of a reference layer cache holds (ascending, padding dropped)."""
-    p = lc.store.positions[0]
-    return [np.sort(p[g][p[g] >= 0].numpy()) for g in range(p.shape[0])]
-
-
-def run_both(core, cfg, *, layer=0, layers=1, prompt=192, decode=40, seed=0, block_size=32, precision="f32", keep=None):
-    """Run the op and the reference step by step; yield (step, op positions, ref positions, op out, ref out, seq)."""
-    lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=prompt + decode, head_dim=D)
-    spec = method_spec(cfg, layers, HQ, block_size)
-    pool = plugin.KVPool(layers, HQ, HKV, D, block_size=block_size, precision=precision, method=spec)
-    seq = pool.new_sequence()
-    req = op_model(core, HQ, HKV, D, layer=layer)
-    lc = cfg.make_layer(layer, layers)
-    if keep is not None:
-        keep["lc"] = lc
-    steps = [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(decode)]
-    for s, (a, b) in enumerate(steps):
-        q, k, v = lv.queries[:, :, a:b], lv.keys[:, :, a:b], lv.values[:, :, a:b]
-        out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
-        ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
-        yield s, held_positions(seq, layer), reference_positions(lc), np.array(out), ref.numpy(), seq, pool
-
 
 # one config per method (and the variants that change the op's code path), at small budgets so
 # that eviction runs at the prompt and during decode
@@ -93,95 +67,11 @@ def make(case: str):
     return method_config(name, **fields)
 
 
-def scores_by_position(positions, scores) -> dict[int, float]:
-    return {int(p): float(v) for p, v in zip(positions, scores, strict=True) if p >= 0}
-
-
-def op_scores(seq, layer, shared: bool) -> list[dict[int, float]]:
-    """Per KV head: position -> score the op holds (group-summed; KVCrush: summed over all heads)."""
-    per_head = []
-    for g in range(HKV):
-        pos, _, _, sc = seq.read_head(layer, g)
-        per_head.append(scores_by_position(pos, sc.sum(1)))
-    if shared:
-        total = {p: sum(h[p] for h in per_head) for p in per_head[0]}
-        return [total] * HKV
-    return per_head
-
-
-def ref_scores(lc, shared: bool) -> list[dict[int, float]]:
-    acc = lc.acc[0].reshape(HKV, HQ // HKV, -1).sum(1)  # [hk, n]
-    pos = lc.store.positions[0]
-    per_head = [scores_by_position(pos[g].tolist(), acc[g].tolist()) for g in range(HKV)]
-    if shared:
-        total = {p: sum(h[p] for h in per_head) for p in per_head[0]}
-        return [total] * HKV
-    return per_head
-
-
-def assert_near_tie(got, want, op_sc, ref_sc, what):
-    """The op and the reference kept different tokens: only allowed between scores equal within float noise."""
-    only_op = sorted(set(got.tolist()) - set(want.tolist()))
-    only_ref = sorted(set(want.tolist()) - set(got.tolist()))
-    assert len(only_op) == len(only_ref), what
-    a = sorted(op_sc[p] for p in only_op)
-    b = sorted(ref_sc[p] for p in only_ref)
-    scale = max(ref_sc.values())
-    np.testing.assert_allclose(
-        a, b, atol=2e-6 * scale, rtol=0, err_msg=f"{what}: not a near-tie {only_op} vs {only_ref}"
-    )
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layer", [0, 3])
 def test_op_keeps_the_reference_tokens(ov_core, case, layer):
     """Same tokens kept as the reference at every step, until a float near-tie splits them (then justified)."""
-    cfg = make(case)
-    layers = 4
-    bs = getattr(cfg, "block_size", None) or 32
-    budget = cfg.layer_budget(layer, layers)
-    shared = cfg.name == "kvcrush"
-    quant = getattr(cfg, "quant", None) is not None
-    frozen = quant or cfg.name == "minikv"
-    diverged, last, first_qblocks = False, None, 0
-    decode_evictions_compared = 0
-    lc_holder = {}
-    for step, got, want, out, ref, seq, pool in run_both(
-        ov_core, cfg, layer=layer, layers=layers, block_size=bs, keep=lc_holder
-    ):
-        held = seq.head_tokens()[layer]
-        if not diverged:
-            same = all(np.array_equal(got[g], want[g]) for g in range(HKV))
-            if same:
-                np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0, err_msg=f"{case} step {step}")
-                if last is not None and (held < last + 1).any():
-                    decode_evictions_compared += 1
-            else:
-                diverged = True
-                o, r = op_scores(seq, layer, shared), ref_scores(lc_holder["lc"], shared)
-                for g in range(HKV):
-                    if not np.array_equal(got[g], want[g]):
-                        assert_near_tie(got[g], want[g], o[g], r[g], f"{case} step {step} head {g}")
-        last = held
-        # a frozen selection (MiniKV, any method over the 2-bit store) keeps every generated token
-        cap = budget + (step if frozen else 0)
-        for g in range(HKV):
-            assert got[g].size <= cap, f"{case} step {step} head {g} holds {got[g].size} > {cap}"
-        st = seq.stats()
-        # 2-bit blocks are always full and the residual starts on a block edge; a decode step's
-        # evictions leave fewer than a block of holes per head before it is compacted
-        holes = seq.head_holes()
-        assert (holes < bs).all() and (holes[:layer].sum() + holes[layer + 1 :].sum()) == 0
-        assert st.blocks_held + st.qblocks_held == sum(math.ceil(n / bs) for n in held + holes[layer])
-        ps = pool.stats()
-        assert ps.kv_bytes == st.kv_bytes == st.blocks_held * pool.block_bytes + st.qblocks_held * ps.qblock_bytes
-        if step == 0:
-            first_qblocks = st.qblocks_held
-    if not diverged and not frozen:
-        assert decode_evictions_compared > 0  # the decode-time eviction was exercised and matched
-    if quant:
-        assert st.qblocks_held > first_qblocks  # decode tokens were flushed into the 2-bit store
-        assert pool.stats().qblock_bytes * 4 <= pool.block_bytes  # f32 here: 2 bits + scales is < 1/4
+    check_op_keeps_the_reference_tokens(ov_core, make(case), layer, case)
 
 
 def test_decode_evictions_wait_as_holes_until_a_block_gathers(ov_core):
@@ -239,7 +129,7 @@ def test_keep_indices_matches_reference(ties):
     for n, budget, sinks, recent in cases:
         s = rng.integers(0, 5, n).astype(np.float32) if ties else rng.random(n, dtype=np.float32)
         out = np.zeros(n, dtype=np.int64)
-        k = plugin._check(
+        k = plugin.check_result(
             lib.ovkc_keep_indices(_p(s, ctypes.c_float), n, budget, sinks, recent, _p(out, ctypes.c_int64))
         )
         want = keep_indices(torch.from_numpy(s)[None, None], budget, sinks, recent)[0, 0].numpy()
@@ -251,7 +141,7 @@ def test_pool_scores_matches_reference(kernel, pool):
     lib = plugin.load()
     s = np.random.default_rng(2).random(77, dtype=np.float32)
     want = pool_scores(torch.from_numpy(s)[None, None], kernel, pool)[0, 0].numpy()
-    plugin._check(lib.ovkc_pool_scores(_p(s, ctypes.c_float), s.size, kernel, int(pool == "avg")))
+    plugin.check_result(lib.ovkc_pool_scores(_p(s, ctypes.c_float), s.size, kernel, int(pool == "avg")))
     np.testing.assert_allclose(s, want, rtol=1e-6)
 
 
@@ -278,7 +168,7 @@ def test_kvcrush_select_matches_reference(fields, block, ties):
     )
     spec = method_spec(cfg, 1, HQ, 32)
     out = np.zeros(n, dtype=np.int64)
-    k = plugin._check(
+    k = plugin.check_result(
         lib.ovkc_kvcrush_select(
             _p(s, ctypes.c_float), HQ, n, budget, sinks, recent, reps, block, spec.encode(), _p(out, ctypes.c_int64)
         )
@@ -298,18 +188,43 @@ def test_kvcrush_select_matches_reference(fields, block, ties):
     np.testing.assert_array_equal(out[:k], want.numpy())
 
 
+def _spec(**fields) -> str:
+    return ";".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+
+
+H2O = dict(method="h2o", budgets="64", quant=0, sinks=4, recent=4, scoring="h2o", frozen=0)
+SNAP = dict(H2O, scoring="snapkv", window=8, pool_kernel=7, pool="max")
+
+
 def test_bad_method_specs_name_the_field():
+    """The op has no defaults: a missing, unknown, repeated or bad field is an error naming it."""
+    kvcache.KVPool(1, HQ, HKV, D, method=_spec(**H2O)).close()  # the baseline is valid
     for spec, field in [
-        ("method=h2o", "budgets"),
-        ("method=h2o;budgets=10,10", "budgets"),
-        ("method=h2o;budgets=64;sinks=40;recent=40", "budgets"),
-        ("method=nope;budgets=64", "method"),
-        ("method=h2o;budgets=64;pool_kernel=4", "pool_kernel"),
-        ("method=kvcrush;budgets=64;anchors=101", "anchors"),
-        ("method=h2o;budgets=64;colour=red", "colour"),
+        (_spec(**dict(H2O, budgets=None)), "budgets"),
+        (_spec(**dict(H2O, budgets="10,10")), "budgets"),
+        (_spec(**dict(H2O, sinks=40, recent=40)), "budgets"),
+        (_spec(**dict(H2O, method="nope")), "method"),
+        (_spec(**dict(H2O, frozen=None)), "frozen"),
+        (_spec(**dict(H2O, quant=None)), "quant"),
+        (_spec(**dict(SNAP, pool_kernel=4)), "pool_kernel"),
+        (_spec(**dict(SNAP, window=None)), "window"),
+        (_spec(**dict(H2O, window=8)), "window"),  # h2o scoring reads no window: unread is an error
+        (_spec(**dict(H2O, colour="red")), "colour"),
+        (_spec(**H2O) + ";sinks=4", "sinks"),
+        (_spec(**dict(H2O, method="minikv")), "frozen"),  # MiniKV's selection is frozen
+        (_spec(method="full", budgets="0", quant=1, group=16), "residual"),
+        ("", "method"),
     ]:
         with pytest.raises(plugin.PluginError, match=field):
-            plugin.KVPool(1, HQ, HKV, D, method=spec)
+            kvcache.KVPool(1, HQ, HKV, D, method=spec)
+    bad_anchor = method_spec(method_config("kvcrush", budget=64, sink_tokens=4, recent_tokens=4), 1, HQ, 32)
+    with pytest.raises(plugin.PluginError, match="anchors"):
+        kvcache.KVPool(1, HQ, HKV, D, method=bad_anchor.replace("anchors=", "anchors=101"))
+
+
+def test_the_op_runs_exactly_the_registry_methods_marked_openvino():
+    """The op's policy table and the registry agree: a method is marked ``openvino`` iff the op has it."""
+    assert kvcache.policy_names() == sorted(methods_for("openvino"))
 
 
 def test_two_bit_store_holds_the_reference_codes(ov_core):

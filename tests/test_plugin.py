@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import op_model
 
-from ov_kvcrush import plugin
+from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.methods.attention import attend
 
 
@@ -67,7 +67,7 @@ CASES = [
 def test_op_matches_reference_attention_and_scores(ov_core, precision, hq, hkv, d, bs, steps):
     rng = np.random.default_rng(hq * 100 + d)
     req = op_model(ov_core, hq, hkv, d)
-    pool = plugin.KVPool(1, hq, hkv, d, block_size=bs, precision=precision, scores=True)
+    pool = kvcache.KVPool(1, hq, hkv, d, block_size=bs, precision=precision, scores=True)
     seqs = [pool.new_sequence(), pool.new_sequence()]  # batch of two independent sequences
     scores = [np.zeros((hq, 0)), np.zeros((hq, 0))]
     tol = 2e-5 if precision == "f32" else 5e-5
@@ -91,7 +91,7 @@ def test_op_matches_reference_attention_and_scores(ov_core, precision, hq, hkv, 
             # scores [n, group] vs reference [hq, n] for the heads of this group
             np.testing.assert_allclose(sc.T, scores[b][g * (hq // hkv) : (g + 1) * (hq // hkv)], atol=2e-5)
     assert pool.stats().blocks_in_use == 2 * hkv * math.ceil(n / bs)
-    assert pool.stats().kv_bytes == pool.stats().blocks_in_use * 2 * bs * d * plugin.PRECISION_BYTES[precision]
+    assert pool.stats().kv_bytes == pool.stats().blocks_in_use * 2 * bs * d * kvcache.PRECISION_BYTES[precision]
 
 
 @pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
@@ -100,7 +100,7 @@ def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
     """compute=bf16: prefill in bf16 dot products (fp32 accumulation), decode in f32."""
     rng = np.random.default_rng(d)
     req = op_model(ov_core, hq, hkv, d, compute="bf16")
-    pool = plugin.KVPool(1, hq, hkv, d, block_size=bs, precision="f32")
+    pool = kvcache.KVPool(1, hq, hkv, d, block_size=bs, precision="f32")
     seq = pool.new_sequence()
     for q, k, v, out in run_steps(req, [seq], steps, hq, hkv, d, rng):
         ref, _ = reference(q, k, v, "f32")
@@ -115,7 +115,7 @@ def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
 def test_custom_scale_and_other_layers_are_independent(ov_core):
     """Two layers of one sequence keep separate caches; the scale attribute is honoured."""
     rng = np.random.default_rng(5)
-    pool = plugin.KVPool(2, 4, 2, 32, precision="f32")
+    pool = kvcache.KVPool(2, 4, 2, 32, precision="f32")
     seq = pool.new_sequence()
     req1 = op_model(ov_core, 4, 2, 32, layer=1, scale=0.3)
     for q, k, v, out in run_steps(req1, [seq], [20, 1], 4, 2, 32, rng):
@@ -126,7 +126,7 @@ def test_custom_scale_and_other_layers_are_independent(ov_core):
 def test_reset_truncate_free_return_blocks(ov_core):
     rng = np.random.default_rng(1)
     req = op_model(ov_core, 4, 2, 32)
-    pool = plugin.KVPool(1, 4, 2, 32, block_size=16)
+    pool = kvcache.KVPool(1, 4, 2, 32, block_size=16)
 
     def feed(seq, q, k, v):
         return np.array(req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])})[0])
@@ -159,7 +159,7 @@ def test_reset_truncate_free_return_blocks(ov_core):
 def test_pool_limit_is_a_clear_error_and_the_process_survives(ov_core):
     rng = np.random.default_rng(2)
     req = op_model(ov_core, 4, 2, 32)
-    pool = plugin.KVPool(1, 4, 2, 32, block_size=16, max_blocks=4)
+    pool = kvcache.KVPool(1, 4, 2, 32, block_size=16, max_blocks=4)
     seq = pool.new_sequence()
     list(run_steps(req, [seq], [32], 4, 2, 32, rng))  # 2 heads x 2 blocks: the whole pool
     with pytest.raises(RuntimeError, match="max_blocks=4"):
@@ -176,11 +176,11 @@ def test_bad_handles_and_shapes_raise(ov_core):
     k = rng.standard_normal((1, 2, 2, 32), dtype=np.float32)
     with pytest.raises(RuntimeError, match="unknown KV sequence handle 987654"):
         req.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([987654])})
-    other = plugin.KVPool(1, 8, 2, 32).new_sequence()  # pool shaped for 8 query heads
+    other = kvcache.KVPool(1, 8, 2, 32).new_sequence()  # pool shaped for 8 query heads
     with pytest.raises(RuntimeError, match="does not match the KV pool"):
         req.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([other.handle])})
     wrong_layer = op_model(ov_core, 4, 2, 32, layer=3)
-    seq = plugin.KVPool(2, 4, 2, 32).new_sequence()
+    seq = kvcache.KVPool(2, 4, 2, 32).new_sequence()
     with pytest.raises(RuntimeError, match="layer 3"):
         wrong_layer.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([seq.handle])})
 
@@ -200,18 +200,18 @@ def test_bad_pool_config_names_the_field(kwargs, field):
     args.update({k: v for k, v in kwargs.items() if k in args})
     extra = {k: v for k, v in kwargs.items() if k not in args}
     with pytest.raises(plugin.PluginError, match=f"^{field}="):
-        plugin.KVPool(args["layers"], args["q_heads"], args["kv_heads"], args["head_dim"], **extra)
+        kvcache.KVPool(args["layers"], args["q_heads"], args["kv_heads"], args["head_dim"], **extra)
 
 
 def test_bad_precision_and_handles_from_python():
     from ov_kvcrush.errors import ConfigError
 
     with pytest.raises(ConfigError, match="kv_precision"):
-        plugin.KVPool(1, 4, 2, 32, precision="u8")
-    pool = plugin.KVPool(1, 4, 2, 32)
+        kvcache.KVPool(1, 4, 2, 32, precision="u8")
+    pool = kvcache.KVPool(1, 4, 2, 32)
     seq = pool.new_sequence()
     pool.close()  # freeing the pool frees its sequences
     with pytest.raises(plugin.PluginError, match="unknown KV sequence handle"):
         seq.stats()
     with pytest.raises(plugin.PluginError, match="unknown KV pool handle"):
-        plugin._check(pool.lib.ovkc_pool_free(10**9))
+        plugin.check_result(pool.lib.ovkc_pool_free(10**9))

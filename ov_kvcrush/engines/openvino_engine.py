@@ -3,8 +3,8 @@
 The IR written by ``optimum-cli export openvino`` is read, converted in memory by
 :func:`ov_kvcrush.transformations.convert_model` (each layer's SDPA and KV state become
 ``ov_kvcrush::PagedAttention``), and compiled on the CPU plugin with the extension library. The
-KV cache lives in the extension: a :class:`~ov_kvcrush.plugin.KVPool` per engine and one
-:class:`~ov_kvcrush.plugin.KVSequence` for the current generation (or chat), whose handle is fed
+KV cache lives in the extension: a :class:`~ov_kvcrush.kvcache.KVPool` per engine and one
+:class:`~ov_kvcrush.kvcache.KVSequence` for the current generation (or chat), whose handle is fed
 as the model's ``kvc_sequence`` input. Everything else (weights, matmuls, RoPE, sampling inputs)
 is OpenVINO's, so this engine runs at the speed of the plugin plus our attention.
 
@@ -31,8 +31,10 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, step_ms, ttft_tpot_ms
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
+from ov_kvcrush.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.method_spec import method_spec
-from ov_kvcrush.plugin import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence, PluginError
+from ov_kvcrush.plugin import PluginError
 
 #: KV precision of the op's cache by default: f16 halves the bytes every decode step reads.
 DEFAULT_KV_PRECISION = "f16"
@@ -119,9 +121,9 @@ class OpenVINOEngine:
 
     Args:
         model_dir: directory written by ``ov-kvcrush export`` / ``optimum-cli export openvino``.
-        compression: method and budget; every method of :data:`~ov_kvcrush.method_spec.OPENVINO_METHODS`
-            runs inside the op (selection, eviction, the 2-bit store ...), as the torch reference
-            defines it.
+        compression: method and budget; every method whose config declares the ``openvino``
+            engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
+            eviction, the 2-bit store ...), as the torch reference defines it.
         device: ``CPU`` (the op is a CPU extension).
         kv_precision: ``f16`` (default) or ``f32`` storage of keys and values in the op's cache.
         block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
@@ -187,7 +189,7 @@ class OpenVINOEngine:
                 scheduler_config,
                 self.shape.layers,
                 self.shape.kv_heads,
-                plugin.block_bytes(block_size, self.shape.head_dim, kv_precision),
+                kv_block_bytes(block_size, self.shape.head_dim, kv_precision),
             )
         self.compression = compression or CompressionConfig()
         self.method = self.compression.method_config()
@@ -196,7 +198,7 @@ class OpenVINOEngine:
             _check_block_size("options.block_size", method_block)
             block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
         self.block_size = block_size
-        self.block_bytes = plugin.block_bytes(block_size, self.shape.head_dim, kv_precision)
+        self.block_bytes = kv_block_bytes(block_size, self.shape.head_dim, kv_precision)
         spec = method_spec(self.method, self.shape.layers, self.shape.q_heads, block_size)
         self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
         self.request = self.compiled.create_infer_request()
@@ -384,28 +386,9 @@ class OpenVINOEngine:
                 "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
                 "scores_prefill_ms": round(stats.scores_prefill_ns / 1e6, 3),
                 "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
-                **self._cluster_counters(),
+                **self.sequence.method_counters(),
             },
         )
-
-    def _cluster_counters(self) -> dict[str, Any]:
-        """ClusterKV's recall counters summed over layers and KV heads (empty for other methods)."""
-        if self.compression.method != "clusterkv":
-            return {}
-        cs = [
-            self.sequence.cluster_stats(layer, g)
-            for layer in range(self.shape.layers)
-            for g in range(self.shape.kv_heads)
-        ]
-        lookups = sum(c.lookups for c in cs)
-        return {
-            "clusters": sum(c.clusters for c in cs),
-            "cluster_lookups": lookups,
-            "hit_rate": round(sum(c.hits for c in cs) / lookups, 4) if lookups else 0.0,
-            "tokens_gathered": sum(c.gathered for c in cs),
-            "kmeans_iterations": sum(c.kmeans_iterations for c in cs),
-            "working_set_bytes": sum(c.working_set_bytes for c in cs),
-        }
 
 
 def _check_block_size(name: str, value: Any) -> None:

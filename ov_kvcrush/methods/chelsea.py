@@ -18,6 +18,18 @@ equation 2), which is exact when a cluster's members had identical keys and valu
 Every KV head removes the same number of tokens, so a layer stays one dense tensor. Heads listed
 in ``outlier_heads`` (found offline by :func:`calibrate_outlier_heads`, 4 % of heads in the paper)
 are never merged and keep their full cache.
+
+Paper: Hu et al., "Efficient Long-Context LLM Inference via KV Cache Clustering" (Chelsea),
+arXiv 2506.11418 (seed 002).
+
+Where this departs from it:
+
+* Each pass merges every usable link up to the target (the paper schedules the merge ratio
+  ``r = r_init - alpha * min(m, i)``, at most 0.45 per pass); repeated passes reach the same
+  budget.
+* Outlier heads are none by default and nothing calls the calibration automatically; listed ones
+  stay whole and are not counted against the budget (the paper counts them).
+* Decode-time merging runs every ``merge_interval`` tokens per layer, as the paper's ``g``.
 """
 
 from __future__ import annotations

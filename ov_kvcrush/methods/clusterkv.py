@@ -19,6 +19,21 @@ against the *current* query, plus the generated tokens not clustered yet.
   trimmed (its earliest tokens) so exactly the budget is selected.
 * Cluster cache: the clusters recalled in the last ``recall_cache_steps`` steps are "on device";
   a selected cluster found there is a hit. The cache changes only the cost, never the result.
+
+Paper: Liu et al., "ClusterKV: Manipulating LLM KV Cache in Semantic Space for Recallable
+Compression", arXiv 2412.03213 (seeds 000/001).
+
+Where this departs from it:
+
+* Ranking is per KV head with the query summed over the head's query group (GQA); the paper
+  ranks per attention head.
+* ``budget`` counts the sinks and the recalled tokens; the generated tokens not yet clustered (at
+  most ``cluster_every``) are attended on top, as the paper's pending tokens are.
+* Nothing is offloaded: the whole store stays in memory (CPU here); the recall cache only counts
+  what a GPU/CPU split would have to move. The op keeps the full-precision store cluster by
+  cluster so a recalled cluster is attended in place.
+* k-means is initialised from a portable seeded permutation (identical in the op) and capped at
+  ``max_iters``; the paper does not fix either.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""``full``: the uncompressed baseline, with the same per-layer interface as every method."""
+"""``full``: the uncompressed baseline, with the same per-layer interface as every method.
+
+No paper: every token is kept in full precision (the reference every method is compared to).
+"""
 
 from __future__ import annotations
 

@@ -19,6 +19,31 @@ last tokens and the highest-scoring tokens in between, ``budget`` in all:
 Eviction runs after the prompt and whenever the layer holds more than its budget. Over the 2-bit
 store (``quant``) the selection is made once at prefill and then frozen, as in MiniKV: quantized
 key groups cannot lose members, so generated tokens are all kept.
+
+Papers:
+
+* StreamingLLM: Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
+  arXiv 2309.17453.
+* H2O: Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+  Language Models", arXiv 2306.14048.
+* SnapKV: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation",
+  arXiv 2404.14469.
+* PyramidKV: Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
+  Funneling", arXiv 2406.02069.
+* Adaptive head budgets: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
+  Allocation for Efficient LLM Inference", arXiv 2407.11550.
+
+Where this departs from them:
+
+* Every method keeps ``sink_tokens`` and ``recent_tokens`` (H2O's paper keeps only a recent
+  window; SnapKV keeps its observation window, which is our recent window).
+* H2O scores are summed over the query heads sharing a KV head (grouped-query models; the paper
+  predates GQA) and never decay.
+* SnapKV keeps evicting during decoding with the accumulated scores (the paper compresses the
+  prompt once), so the budget holds for long generations too.
+* PyramidKV's per-layer budgets are linear in depth (the paper's arithmetic schedule) with the
+  total preserved exactly by largest-remainder rounding; its attention-entropy variant is not
+  implemented.
 """
 
 from __future__ import annotations
@@ -30,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.attention import attend, check_query, check_scores, group_heads
+from ov_kvcrush.methods.attention import AttentionOutput, attend, check_query, check_scores, group_heads
 from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
@@ -425,16 +450,8 @@ class ImportanceLayerCache(LayerCache):
         t = keys.shape[2]
         # Only H2O scores the prompt with every query; SnapKV scores it with its window, and
         # StreamingLLM not at all, so they skip materialising the prompt's attention matrix.
-        full_scores = self.scoring == "h2o"
-        res = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=full_scores)
-        if self.scoring == "snapkv":
-            cfg = self.config
-            acc = snapkv_scores(queries, keys, cfg.window, cfg.pool_kernel, cfg.pool, self.scale)  # type: ignore[attr-defined]
-        elif full_scores:
-            assert res.scores is not None
-            acc = res.scores
-        else:
-            acc = torch.zeros(queries.shape[0], queries.shape[1], t, device=queries.device)
+        res = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=self.scoring == "h2o")
+        acc = self._prompt_scores(queries, keys, res)
         hk = keys.shape[1]
         if t > self.budget:
             index = self.select(acc, hk)
@@ -446,6 +463,24 @@ class ImportanceLayerCache(LayerCache):
         self.acc = acc
         self.frozen = self.store.quantized or getattr(self.config, "frozen_selection", False)
         return res.output
+
+    #: whether decode steps add their attention to the scores (a method that scores tokens by
+    #: something else, e.g. Knorm's key norms, attends without them)
+    decode_attention_scores: ClassVar[bool] = True
+
+    def _prompt_scores(self, queries: torch.Tensor, keys: torch.Tensor, res: AttentionOutput) -> torch.Tensor:
+        """``[b, hq, t]`` scores of the prompt's tokens, the selection's input (per query head)."""
+        if self.scoring == "snapkv":
+            cfg = self.config
+            return snapkv_scores(queries, keys, cfg.window, cfg.pool_kernel, cfg.pool, self.scale)  # type: ignore[attr-defined]
+        if self.scoring == "h2o":
+            assert res.scores is not None
+            return res.scores
+        return torch.zeros(queries.shape[0], queries.shape[1], keys.shape[2], device=queries.device)
+
+    def _new_token_scores(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[b, hq, t]`` starting scores of a decode step's tokens (their attention comes on top)."""
+        return torch.zeros(queries.shape[0], queries.shape[1], keys.shape[2], device=keys.device)
 
     def _gather(self, keys, values, pos, acc, index):
         valid = index >= 0
@@ -467,12 +502,15 @@ class ImportanceLayerCache(LayerCache):
         pos = self._positions(t, keys.device)
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
-        res = self._attend(queries, k, v, q_positions=pos, k_positions=p, key_mask=p >= 0, return_scores=True)
-        assert res.scores is not None and self.acc is not None
-        grown = torch.zeros(*self.acc.shape[:2], t, device=self.acc.device)
-        self.acc = torch.cat([self.acc, grown], dim=2) + res.scores.masked_fill(
-            ~(p >= 0).repeat_interleave(queries.shape[1] // k.shape[1], dim=1), 0.0
+        res = self._attend(
+            queries, k, v, q_positions=pos, k_positions=p, key_mask=p >= 0, return_scores=self.decode_attention_scores
         )
+        assert self.acc is not None
+        self.acc = torch.cat([self.acc, self._new_token_scores(queries, keys)], dim=2)
+        if res.scores is not None:
+            self.acc = self.acc + res.scores.masked_fill(
+                ~(p >= 0).repeat_interleave(queries.shape[1] // k.shape[1], dim=1), 0.0
+            )
         if not self.frozen and self._over_budget(p):
             self._evict(p)
         return res.output

@@ -22,6 +22,20 @@ their distance tuple (lexicographic) or by nearest anchor, then distance.
 A signature spans the heads of the layer, so every KV head of the layer keeps the same tokens.
 ``block_size`` switches to the paged-attention variant: scores are summed per block of that many
 tokens, whole blocks are kept or evicted, and the trailing partial block always stays.
+
+Paper: Jha et al., "KVCrush: Key value cache size-reduction using similarity in head-behaviour",
+arXiv 2503.00022 (and the OpenVINO article, seed 004).
+
+Where this departs from it:
+
+* Buckets are contiguous near-equal ranges of the distance ordering, not one bucket per distance
+  value: with few heads (9 here) distances take only 10 values, which would leave most of the
+  ``representatives`` budget unused.
+* The representatives are part of ``budget`` (not on top of it), so methods compare at equal
+  memory; native openvino_genai keeps its KVCrush blocks on top of ``max_cache_size``.
+* Multi-anchor ordering (``tuple``/``nearest``) and the ``threshold`` signature are options the
+  paper mentions without fixing; the defaults (one random anchor, top-k signatures) follow it.
+* The decode-time budget is enforced every step (the paper compresses after the prompt).
 """
 
 from __future__ import annotations

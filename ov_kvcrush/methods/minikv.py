@@ -12,6 +12,19 @@ MiniKV is a composition of pieces defined elsewhere, so this module is only its 
   precision, flushed every ``residual_tokens`` steps (see :mod:`ov_kvcrush.methods.quant`);
 * attention: dequantizes the store and returns per-head cumulative scores
   (:func:`~ov_kvcrush.methods.attention.attend` with ``return_scores=True``).
+
+Paper: Sharma et al., "MiniKV: Pushing the Limits of LLM Inference via 2-Bit Layer-Discriminative
+KV Cache", arXiv 2411.18077 (seed 003); the 2-bit format follows KIVI (Liu et al., "KIVI: A
+Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv 2402.02750).
+
+Where this departs from it:
+
+* The selective flash-attention kernel is the reference attention with ``return_scores`` (and, in
+  the op, a score pass fused into the decode attention); the scores are the same.
+* Sinks and a recent window are always kept besides the heavy hitters; the pyramid is linear
+  (``pyramid_depth``), as PyramidKV's.
+* Generated tokens are all kept (quantized every ``residual_tokens``), as in the paper; the 2-bit
+  store also serves under any other selection method (``quant``), which the paper does not do.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@
 #include <mutex>
 #include <vector>
 
-#include "clusterkv.hpp"
 #include "kernels.hpp"
 #include "paged_cache.hpp"
 #include "policy.hpp"
@@ -137,7 +136,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         const int phase = prefill ? 0 : 1;
         auto t_policy = Clock::now();
         try {
-            before_attention(*seq, layer, prefill, L);
+            run_before_attention(*seq, layer, prefill, L);
         } catch (const Error& e) {
             OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }
@@ -150,9 +149,11 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         std::vector<float> lse(scores ? static_cast<size_t>(Hq * L) : 0);
         bool fused_scores = false;  // a decode step adds its probabilities during the attention
 
-        if (clusterkv_recalls(*seq, layer, prefill)) {
-            // 2c. ClusterKV: attend only the recalled working set (its selection time goes to policy_ns)
-            clusterkv_attend(*seq, layer, qb, L, past, m_scale, ob);
+        const Policy& policy = *cfg.policy;
+        if (policy.recalls(*seq, layer, prefill)) {
+            // 2c. a recall method (ClusterKV): attend only the recalled working set (its selection
+            //     time goes to policy_ns)
+            policy.attend_recalled(*seq, layer, qb, L, past, m_scale, ob);
         } else if (L == 1) {
             // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
             const int row_tiles = (G + kMaxRows - 1) / kMaxRows;
@@ -308,7 +309,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         // 4. the method's eviction (prefill selection, decode budget) and the 2-bit store's flush
         t_policy = Clock::now();
         try {
-            after_attention(*seq, layer, prefill);
+            run_after_attention(*seq, layer, prefill, L);
         } catch (const Error& e) {
             OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }

@@ -4,6 +4,7 @@
 // Every function returns 0 (or a handle > 0) on success and -1 on error; ovkc_last_error() then
 // gives the message. No exception crosses this boundary.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -13,7 +14,9 @@
 #include "clusterkv.hpp"
 #include "kernels.hpp"
 #include "paged_cache.hpp"
+#include "kvcrush.hpp"
 #include "policy.hpp"
+#include "selection.hpp"
 
 #define OVKC_API extern "C" __attribute__((visibility("default")))
 
@@ -63,9 +66,9 @@ OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_he
         cfg.precision = static_cast<ovkc::Precision>(precision);
         cfg.max_blocks = max_blocks;
         cfg.scores = scores != 0;
+        cfg.validate();  // the shape first: the policy's fields are checked against it
+        cfg.policy = ovkc::make_policy(method ? method : "", {layers, q_heads, kv_heads, head_dim, block_size});
         cfg.validate();
-        cfg.method = std::make_shared<ovkc::MethodParams>(ovkc::MethodParams::parse(
-            method ? method : "", layers, q_heads, kv_heads, block_size, head_dim));
         return Registry::get().create_pool(cfg);
     });
 }
@@ -206,6 +209,37 @@ OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head,
     });
 }
 
+// The method's own counters for the sequence (summed over layers and heads), as
+// "name=value;name=value" into buf (NUL-terminated). Returns the length; -1 when capacity is too small.
+OVKC_API int64_t ovkc_seq_method_counters(int64_t seq, char* buf, int64_t capacity) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        std::string text;
+        for (const auto& [name, value] : s->pool().config().policy->counters(*s)) {
+            char num[64];
+            std::snprintf(num, sizeof num, "%.17g", value);
+            text += (text.empty() ? "" : ";") + name + "=" + num;
+        }
+        if (capacity < static_cast<int64_t>(text.size()) + 1)
+            throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(text.size() + 1));
+        std::memcpy(buf, text.c_str(), text.size() + 1);
+        return static_cast<int64_t>(text.size());
+    });
+}
+
+// The names of the methods the op runs (its policy table), comma-separated, into buf.
+OVKC_API int64_t ovkc_policy_names(char* buf, int64_t capacity) {
+    return guarded([&]() -> int64_t {
+        std::string text;
+        for (const auto& n : ovkc::policy_names()) text += (text.empty() ? "" : ",") + n;
+        if (capacity < static_cast<int64_t>(text.size()) + 1)
+            throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(text.size() + 1));
+        std::memcpy(buf, text.c_str(), text.size() + 1);
+        return static_cast<int64_t>(text.size());
+    });
+}
+
 // ---- the selection functions alone, for the shared test vectors ------------------------------
 
 // Importance keep_indices over scores[n]; out receives min(budget, n) ascending indices.
@@ -233,7 +267,10 @@ OVKC_API int64_t ovkc_pool_scores(float* scores, int64_t n, int64_t kernel, int3
 OVKC_API int64_t ovkc_kvcrush_select(const float* scores, int32_t H, int64_t n, int64_t budget, int64_t sinks,
                                      int64_t recent, int64_t reps, int64_t block, const char* spec, int64_t* out) {
     return guarded([&]() -> int64_t {
-        const auto p = ovkc::MethodParams::parse(spec ? spec : "", 1, H, 1, 16, 16);
+        const auto policy = ovkc::make_policy(spec ? spec : "", {1, H, 1, 16, 16});
+        const auto* kvcrush = dynamic_cast<const ovkc::KVCrushPolicy*>(policy.get());
+        if (!kvcrush) throw ovkc::Error("kvcrush_select needs a kvcrush spec, got method " + policy->name());
+        const auto& p = kvcrush->kv;
         const auto keep = block > 0 ? ovkc::kvcrush_select_blocks(scores, H, n, block, budget, sinks, recent, reps, p)
                                     : ovkc::kvcrush_select(scores, H, n, budget, sinks, recent, reps, p);
         std::copy(keep.begin(), keep.end(), out);
@@ -253,10 +290,10 @@ OVKC_API int64_t ovkc_cluster_stats(int64_t seq, int32_t layer, int32_t kv_head,
         std::lock_guard<std::mutex> lock(s->mu);
         const auto& hc = head_of(*s, layer, kv_head);
         std::fill(out, out + 11, 0);
-        if (!hc.cluster) return 1;
-        const auto& c = *hc.cluster;
-        size_t ws = c.sink_slab.bytes() + c.pending_slab.bytes();
-        for (const auto& sl : c.slabs) ws += sl.bytes();
+        const ovkc::ClusterHead* ch = ovkc::cluster_of(hc);
+        if (!ch) return 1;
+        const auto& c = *ch;
+        const size_t ws = c.working_set_bytes();
         const int64_t vals[11] = {c.C,           c.steps,     c.clusterings, c.iterations,
                                   c.lookups,     c.hits,      c.tokens_loaded, c.ws_loads,
                                   c.pending_from, c.sinks,    static_cast<int64_t>(ws)};
@@ -274,12 +311,13 @@ OVKC_API int64_t ovkc_cluster_read(int64_t seq, int32_t layer, int32_t kv_head, 
         std::lock_guard<std::mutex> lock(s->mu);
         const auto& hc = head_of(*s, layer, kv_head);
         if (what != 0 && what != 1) throw ovkc::Error("what=" + std::to_string(what) + " is invalid: allowed 0, 1");
-        if (!hc.cluster) return 0;
+        const ovkc::ClusterHead* ch = ovkc::cluster_of(hc);
+        if (!ch) return 0;
         std::vector<int64_t> v;
         if (what == 0) {
-            v = ovkc::recalled_tokens(*hc.cluster);
+            v = ovkc::recalled_tokens(*ch);
         } else {
-            v.assign(hc.cluster->labels.begin(), hc.cluster->labels.end());
+            v.assign(ch->labels.begin(), ch->labels.end());
         }
         if (capacity < static_cast<int64_t>(v.size()))
             throw ovkc::Error("capacity=" + std::to_string(capacity) + " is too small: need " + std::to_string(v.size()));

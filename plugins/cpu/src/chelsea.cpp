@@ -19,6 +19,7 @@
 
 #include "kernels.hpp"
 #include "policy.hpp"
+#include "selection.hpp"
 
 namespace ovkc {
 
@@ -161,9 +162,55 @@ int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chun
 
 }  // namespace
 
-int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target) {
+namespace {
+
+class ChelseaPolicy : public Policy {
+public:
+    ChelseaPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common);
+    // the prompt attends whole, then is merged; a decode step merges before it attends
+    void before_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const override {
+        if (!prefill) merge_layer(seq, layer, false);
+    }
+    void after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const override {
+        if (prefill) merge_layer(seq, layer, true);
+    }
+
+private:
+    // merge a head down to `target` tokens (returns the matching passes)
+    int64_t compress(Sequence& seq, HeadCache& hc, int64_t target) const;
+    void merge_layer(Sequence& seq, int layer, bool prefill) const;
+    bool outlier(int layer, int kv_head) const {
+        for (size_t i = 0; i + 1 < outliers.size(); i += 2)
+            if (outliers[i] == layer && outliers[i + 1] == kv_head) return true;
+        return false;
+    }
+    int64_t sinks = 0, recent = 0, chunk = 0, merge_interval = 0;
+    std::vector<int64_t> outliers;  // flattened (layer, kv_head) pairs
+};
+
+ChelseaPolicy::ChelseaPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common) : Policy(std::move(common)) {
+    const int64_t kMax = int64_t(1) << 20;
+    sinks = spec.integer("sinks", 0, kMax);
+    recent = spec.integer("recent", 0, kMax);
+    chunk = spec.integer("chunk", 2, 1 << 16);
+    if (chunk % 2) throw Error(Spec::invalid("chunk", std::to_string(chunk), "an even integer in [2, 65536]"));
+    merge_interval = spec.integer("merge_interval", 1, 1 << 16);
+    outliers = spec.integers("outliers", 0, 1 << 16);
+    if (outliers.size() % 2) throw Error(Spec::invalid("outliers", std::to_string(outliers.size()) + " numbers", "(layer, kv_head) pairs"));
+    for (size_t i = 0; i < outliers.size(); i += 2)
+        if (outliers[i] >= shape.layers || outliers[i + 1] >= shape.kv_heads)
+            throw Error(Spec::invalid("outliers", std::to_string(outliers[i]) + "," + std::to_string(outliers[i + 1]),
+                                      "layer < " + std::to_string(shape.layers) + " and kv_head < " + std::to_string(shape.kv_heads)));
+    if (quant()) throw Error(Spec::invalid("quant", "1", "0 for chelsea (the torch engine runs it over the 2-bit store)"));
+    for (int l = 0; l < shape.layers; ++l) {
+        const int64_t b = budget(l);
+        if (b && b < sinks + recent + 1)
+            throw Error(Spec::invalid("budgets", std::to_string(b), "at least sinks + recent + 1 = " + std::to_string(sinks + recent + 1)));
+    }
+}
+
+int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) const {
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
     const int D = cfg.head_dim;
     Tokens t;
     t.n = hc.size();
@@ -175,7 +222,7 @@ int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target) {
     t.pos = hc.pos;
     int64_t passes = 0;
     while (t.n > target) {
-        const int64_t merged = merge_pass(t, p.sinks, t.n - p.recent, t.n - target, p.chunk, D);
+        const int64_t merged = merge_pass(t, sinks, t.n - recent, t.n - target, chunk, D);
         if (!merged) break;  // cannot happen with target >= sinks + recent + 1; never loop forever
         ++passes;
     }
@@ -192,21 +239,28 @@ int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target) {
     return passes;
 }
 
-void chelsea_step(Sequence& seq, int layer, bool prefill) {
+void ChelseaPolicy::merge_layer(Sequence& seq, int layer, bool prefill) const {
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
-    const int64_t budget = p.budget(layer);
-    if (p.method != Method::chelsea || budget == 0) return;
+    const int64_t budget = this->budget(layer);
+    if (budget == 0) return;
     // heads merge independently (each its own slots; the pool's free list is locked), in parallel
     tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
-        if (p.outlier(layer, g)) return;  // kept whole, no degrees
+        if (outlier(layer, g)) return;  // kept whole, no degrees
         HeadCache& hc = seq.head(layer, g);
         if (prefill && hc.degree.empty()) {
             hc.degree.assign(static_cast<size_t>(hc.size()), 1.0f);
             hc.bias.assign(static_cast<size_t>(hc.size()), 0.0f);
         }
-        if (hc.size() >= budget + p.merge_interval) chelsea_compress(seq, hc, budget);
+        if (hc.size() >= budget + merge_interval) compress(seq, hc, budget);
     });
 }
+
+std::unique_ptr<Policy> make_chelsea(Spec& spec, const ModelShape& shape, PolicyCommon common) {
+    return std::make_unique<ChelseaPolicy>(spec, shape, std::move(common));
+}
+
+}  // namespace
+
+OVKC_REGISTER_POLICY("chelsea", make_chelsea);
 
 }  // namespace ovkc

@@ -31,13 +31,6 @@ namespace ovkc {
 
 namespace {
 
-uint64_t splitmix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 // Token t of a head's store as floats: the 2-bit blocks hold tokens [0, qpos.size()), the
 // full-precision slots the rest (ClusterKV keeps every token, so the index is the position).
 void load_any(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t t, float* k, float* v) {
@@ -50,223 +43,37 @@ void load_any(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int6
     }
 }
 
-// The maximum of st[0..k) (st padded to kp, a multiple of 16).
-float max_value(const float* st, int64_t k, int64_t kp) {
-#if defined(__AVX512F__)
-    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t c = 0; c < kp; c += 16) {
-        const __mmask16 valid = c + 16 <= k ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(k - c, 0)) - 1);
-        best = _mm512_mask_max_ps(best, valid, best, _mm512_loadu_ps(st + c));
-    }
-    return _mm512_reduce_max_ps(best);
-#else
-    (void)kp;
-    return *std::max_element(st, st + k);
-#endif
-}
-
-// First index of the maximum of st[0..k) (st padded to kp, a multiple of 16).
-int64_t first_argmax(const float* st, int64_t k, int64_t kp) {
-#if defined(__AVX512F__)
-    const __m512 m = _mm512_set1_ps(max_value(st, k, kp));
-    for (int64_t c = 0; c < kp; c += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(st + c), m, _CMP_EQ_OQ);
-        if (hit) return std::min<int64_t>(c + __builtin_ctz(hit), k - 1);
-    }
-    return 0;
-#else
-    (void)kp;
-    int64_t best = 0;
-    for (int64_t c = 1; c < k; ++c)
-        if (st[c] > st[best]) best = c;
-    return best;
-#endif
-}
-
-// For the rows idx[0..m) of xn: label (first maximum), best and second-best similarity against
-// the directions transposed, dT [D][kp] (kp a multiple of 16, k real columns).
-void assign_rows(const float* xn, const int64_t* idx, int64_t m, int D, const float* dT, int64_t k, int64_t kp,
-                 int32_t* labels, float* best, float* second) {
-    std::vector<float> s(static_cast<size_t>(4 * kp));
-    const float kNegInf = -std::numeric_limits<float>::infinity();
-    for (int64_t i0 = 0; i0 < m; i0 += 4) {
-        const float* x[4];
-        for (int t = 0; t < 4; ++t) x[t] = xn + idx[std::min(i0 + t, m - 1)] * D;
-#if defined(__AVX512F__)
-        int64_t c0 = 0;
-        for (; c0 + 64 <= kp; c0 += 64) {
-            __m512 acc[4][4];
-            for (auto& a : acc)
-                for (auto& u : a) u = _mm512_setzero_ps();
-            for (int d = 0; d < D; ++d) {
-                const float* row = dT + static_cast<size_t>(d) * kp + c0;
-                const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
-                const __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);
-                for (int t = 0; t < 4; ++t) {
-                    const __m512 b = _mm512_set1_ps(x[t][d]);
-                    acc[t][0] = _mm512_fmadd_ps(b, w0, acc[t][0]);
-                    acc[t][1] = _mm512_fmadd_ps(b, w1, acc[t][1]);
-                    acc[t][2] = _mm512_fmadd_ps(b, w2, acc[t][2]);
-                    acc[t][3] = _mm512_fmadd_ps(b, w3, acc[t][3]);
-                }
-            }
-            for (int t = 0; t < 4; ++t)
-                for (int u = 0; u < 4; ++u) _mm512_storeu_ps(s.data() + t * kp + c0 + 16 * u, acc[t][u]);
-        }
-        for (; c0 < kp; c0 += 16) {
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int d = 0; d < D; ++d) {
-                const __m512 w = _mm512_loadu_ps(dT + static_cast<size_t>(d) * kp + c0);
-                for (int t = 0; t < 4; ++t) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(x[t][d]), w, acc[t]);
-            }
-            for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s.data() + t * kp + c0, acc[t]);
-        }
-#else
-        for (int t = 0; t < 4; ++t) {
-            float* st = s.data() + t * kp;
-            std::fill(st, st + kp, 0.0f);
-            for (int d = 0; d < D; ++d) {
-                const float* row = dT + static_cast<size_t>(d) * kp;
-                for (int64_t c = 0; c < kp; ++c) st[c] += x[t][d] * row[c];
-            }
-        }
-#endif
-        for (int t = 0; t < 4 && i0 + t < m; ++t) {
-            float* st = s.data() + t * kp;
-            const int64_t i = idx[i0 + t];
-            const int64_t b = first_argmax(st, k, kp);
-            labels[i] = static_cast<int32_t>(b);
-            best[i] = st[b];
-            st[b] = kNegInf;
-            second[i] = k > 1 ? max_value(st, k, kp) : kNegInf;
-        }
-    }
-}
-
-// assign_rows over the listed rows, chunks of them in parallel (a layer has fewer KV heads than
-// a machine has cores, often).
-void assign(const float* xn, const std::vector<int64_t>& idx, int D, const float* dT, int64_t k, int64_t kp,
-            int32_t* labels, float* best, float* second) {
-    constexpr int64_t kChunk = 512;
-    const int64_t m = static_cast<int64_t>(idx.size());
-    tbb::parallel_for(int64_t(0), (m + kChunk - 1) / kChunk, [&](int64_t c) {
-        assign_rows(xn, idx.data() + c * kChunk, std::min(kChunk, m - c * kChunk), D, dT, k, kp, labels, best, second);
-    });
-}
-
 }  // namespace
-
-std::vector<int64_t> init_order(int64_t seed, int64_t row, int64_t n, int64_t k) {
-    const uint64_t base = splitmix64((static_cast<uint64_t>(seed) << 32) + static_cast<uint64_t>(row));
-    std::vector<uint64_t> key(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) key[static_cast<size_t>(i)] = splitmix64(base + static_cast<uint64_t>(i));
-    std::vector<int64_t> idx(static_cast<size_t>(n));
-    std::iota(idx.begin(), idx.end(), 0);
-    k = std::min(k, n);
-    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int64_t a, int64_t b) {
-        const uint64_t ka = key[static_cast<size_t>(a)], kb = key[static_cast<size_t>(b)];
-        return ka != kb ? ka < kb : a < b;
-    });
-    idx.resize(static_cast<size_t>(k));
-    return idx;
-}
-
-KMeans kmeans_cosine(const float* x, int64_t n, int D, int64_t k, int64_t max_iters, int64_t seed, int64_t row,
-                     bool bounded) {
-    if (n <= 0) throw Error("kmeans_cosine needs at least one vector");
-    KMeans km;
-    k = std::min(k, n);
-    km.k = k;
-    const int64_t np = (n + 3) / 4 * 4, kp = (k + 15) / 16 * 16;
-    std::vector<float> xn(static_cast<size_t>(np) * D, 0.0f);
-    normalize_rows(x, n, D, xn.data());  // rows past n stay zero (the 4-row padding)
-    std::vector<float> dir(static_cast<size_t>(k) * D), old(static_cast<size_t>(k) * D);
-    std::vector<float> dT(static_cast<size_t>(D) * kp, 0.0f);
-    const auto init = init_order(seed, row, n, k);
-    for (int64_t c = 0; c < k; ++c)
-        std::copy_n(xn.data() + init[static_cast<size_t>(c)] * D, D, dir.data() + c * D);
-    km.labels.assign(static_cast<size_t>(n), -1);
-    std::vector<int32_t> fresh(static_cast<size_t>(n));
-    std::vector<float> sums(static_cast<size_t>(k) * D), drift(static_cast<size_t>(k), 0.0f);
-    // Hamerly's bounds, for unit vectors: lo[i] <= x_i . dir[label_i], hi[i] >= x_i . dir[c] for
-    // every other c. A direction moving by |delta| changes any similarity by at most |delta|, so
-    // after an update a row whose bounds stay apart (by more than float noise) keeps its label and
-    // is not recomputed: the same labels as recomputing every row, at a fraction of the work.
-    std::vector<float> lo(static_cast<size_t>(n)), hi(static_cast<size_t>(n));
-    std::vector<int64_t> todo(static_cast<size_t>(n));
-    std::iota(todo.begin(), todo.end(), 0);
-    constexpr float kMargin = 1e-4f;  // well above the rounding of a D-term float dot product
-    while (km.iterations < max_iters) {
-        ++km.iterations;
-        for (int64_t c = 0; c < k; ++c)
-            for (int d = 0; d < D; ++d) dT[static_cast<size_t>(d) * kp + c] = dir[static_cast<size_t>(c * D + d)];
-        if (km.iterations > 1 && bounded) {
-            // the other centroids' largest drift: the two largest, as a row's own may be the first
-            int64_t top = 0;
-            for (int64_t c = 1; c < k; ++c)
-                if (drift[static_cast<size_t>(c)] > drift[static_cast<size_t>(top)]) top = c;
-            float next = 0.0f;
-            for (int64_t c = 0; c < k; ++c)
-                if (c != top) next = std::max(next, drift[static_cast<size_t>(c)]);
-            todo.clear();
-            for (int64_t i = 0; i < n; ++i) {
-                const int32_t own = fresh[static_cast<size_t>(i)];
-                lo[static_cast<size_t>(i)] -= drift[static_cast<size_t>(own)];
-                hi[static_cast<size_t>(i)] += own == top ? next : drift[static_cast<size_t>(top)];
-                if (lo[static_cast<size_t>(i)] - hi[static_cast<size_t>(i)] <= kMargin) todo.push_back(i);
-            }
-        }
-        assign(xn.data(), todo, D, dT.data(), k, kp, fresh.data(), lo.data(), hi.data());
-        km.rows_assigned += static_cast<int64_t>(todo.size());
-        if (fresh == km.labels) break;
-        km.labels = fresh;
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        for (int64_t i = 0; i < n; ++i) {
-            float* sc = sums.data() + static_cast<size_t>(km.labels[static_cast<size_t>(i)]) * D;
-            const float* xi = xn.data() + i * D;
-            for (int d = 0; d < D; ++d) sc[d] += xi[d];
-        }
-        old = dir;
-        drift.assign(static_cast<size_t>(k), 0.0f);
-        for (int64_t c = 0; c < k; ++c) {
-            float* sc = sums.data() + c * D;
-            float ss = 0.0f;
-            for (int d = 0; d < D; ++d) ss += sc[d] * sc[d];
-            const float norm = std::sqrt(ss);
-            if (norm > 0.0f)
-                for (int d = 0; d < D; ++d) dir[static_cast<size_t>(c * D + d)] = sc[d] / std::max(norm, 1e-30f);
-            float dd = 0.0f;
-            for (int d = 0; d < D; ++d) {
-                const float e = dir[static_cast<size_t>(c * D + d)] - old[static_cast<size_t>(c * D + d)];
-                dd += e * e;
-            }
-            drift[static_cast<size_t>(c)] = std::sqrt(dd) * 1.0001f + 1e-7f;  // rounded up
-        }
-    }
-    km.sizes.assign(static_cast<size_t>(k), 0);
-    km.centroids.assign(static_cast<size_t>(k) * D, 0.0f);
-    for (int64_t i = 0; i < n; ++i) {
-        const int32_t c = km.labels[static_cast<size_t>(i)];
-        ++km.sizes[static_cast<size_t>(c)];
-        float* mu = km.centroids.data() + static_cast<size_t>(c) * D;
-        for (int d = 0; d < D; ++d) mu[d] += x[i * D + d];
-    }
-    for (int64_t c = 0; c < k; ++c) {
-        const float inv = 1.0f / static_cast<float>(std::max<int64_t>(km.sizes[static_cast<size_t>(c)], 1));
-        for (int d = 0; d < D; ++d) km.centroids[static_cast<size_t>(c * D + d)] *= inv;
-    }
-    return km;
-}
 
 namespace {
 
-// Cluster tokens [from, to) of one head into k more clusters (ids counting on from ch.C).
-void cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, int64_t k, int64_t seen) {
+// ClusterKV's fields (ClusterKVConfig.op_fields) and hooks.
+class ClusterKVPolicy : public Policy {
+public:
+    ClusterKVPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common);
+    // the slot scores would miss what a decode step does not attend
+    bool allows_score_output() const override { return false; }
+    void before_attention(Sequence& seq, int layer, bool prefill, int64_t L) const override;
+    bool recalls(Sequence& seq, int layer, bool prefill) const override;
+    void attend_recalled(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, float scale,
+                         float* out) const override;
+    void after_attention(Sequence& seq, int layer, bool prefill, int64_t L) const override;
+    Counters counters(Sequence& seq) const override;
+
+    int64_t sinks = 0, tokens_per_cluster = 0, n_clusters = 0, new_clusters = 0, cluster_every = 0, max_iters = 0,
+            seed = 0, cache_steps = 0;
+
+private:
+    // Cluster tokens [from, to) of one head into k more clusters (ids counting on from ch.C).
+    void cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, int64_t k, int64_t seen) const;
+};
+
+void ClusterKVPolicy::cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, int64_t k, int64_t seen) const {
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
+    const ClusterKVPolicy& p = *this;
     const int D = cfg.head_dim;
     HeadCache& hc = seq.head(layer, g);
-    ClusterHead& ch = *hc.cluster;
+    ClusterHead& ch = *cluster_of(hc);
     const int64_t n = to - from;
     std::vector<float> x(static_cast<size_t>(n) * D), vals(static_cast<size_t>(n) * D);
     if (hc.qpos.empty())  // a full-precision store: slot == token, read block by block
@@ -294,7 +101,7 @@ void cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, in
     // consecutive slots), so that a recalled cluster is attended in place, a slot range of the
     // pool's blocks, with nothing gathered. Slots [from, to) hold tokens [from, to) until now.
     // (A 2-bit store keeps its order: its key groups are the reference's; recalls go to slabs.)
-    if (!p.quant) {
+    if (!p.quant()) {
         std::vector<int64_t> start(static_cast<size_t>(km.k) + 1, 0);
         for (int32_t lab : km.labels) ++start[static_cast<size_t>(lab) + 1];
         for (int64_t c = 0; c < km.k; ++c) {
@@ -338,19 +145,19 @@ bool stale(const Slab& s, const HeadCache& hc) {
 
 }  // namespace
 
-bool clusterkv_recalls(Sequence& seq, int layer, bool prefill) {
-    const MethodParams& p = *seq.pool().config().method;
-    return !prefill && p.method == Method::clusterkv && p.budget(layer) > 0 && seq.head(layer, 0).cluster;
+bool ClusterKVPolicy::recalls(Sequence& seq, int layer, bool prefill) const {
+    return !prefill && budget(layer) > 0 && cluster_of(seq.head(layer, 0));
 }
 
-void clusterkv_after_prefill(Sequence& seq, int layer) {
+void ClusterKVPolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {
+    // the prompt's keys are clustered (before the 2-bit flush reads them away)
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
-    if (p.method != Method::clusterkv || p.budget(layer) == 0) return;
+    const ClusterKVPolicy& p = *this;
+    if (!prefill || p.budget(layer) == 0) return;
     tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
         HeadCache& hc = seq.head(layer, g);
-        hc.cluster = std::make_shared<ClusterHead>();
-        ClusterHead& ch = *hc.cluster;
+        hc.state = std::make_shared<ClusterHead>();
+        ClusterHead& ch = *cluster_of(hc);
         const int64_t n = hc.held();
         ch.sinks = std::min<int64_t>(p.sinks, n);
         ch.pending_from = ch.sinks;
@@ -360,13 +167,14 @@ void clusterkv_after_prefill(Sequence& seq, int layer) {
     });
 }
 
-void clusterkv_before_decode(Sequence& seq, int layer, int64_t L) {
+void ClusterKVPolicy::before_attention(Sequence& seq, int layer, bool prefill, int64_t L) const {
+    // cluster the pending tokens as the store was before this step (and its flush)
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
-    if (!clusterkv_recalls(seq, layer, false)) return;
+    const ClusterKVPolicy& p = *this;
+    if (!recalls(seq, layer, prefill)) return;
     auto due = [&](int g) {  // the store before this step's tokens holds cluster_every pending ones
         const HeadCache& hc = seq.head(layer, g);
-        return hc.held() - L - hc.cluster->pending_from >= p.cluster_every;
+        return hc.held() - L - cluster_of(hc)->pending_from >= p.cluster_every;
     };
     bool any = false;  // most steps cluster nothing: no parallel dispatch for them
     for (int g = 0; g < cfg.kv_heads; ++g) any = any || due(g);
@@ -375,15 +183,16 @@ void clusterkv_before_decode(Sequence& seq, int layer, int64_t L) {
         if (!due(g)) return;
         HeadCache& hc = seq.head(layer, g);
         const int64_t before = hc.held() - L;
-        cluster_range(seq, layer, g, hc.cluster->pending_from, before, p.new_clusters, before);
+        cluster_range(seq, layer, g, cluster_of(hc)->pending_from, before, p.new_clusters, before);
     });
 }
 
-void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, float scale, float* out) {
+void ClusterKVPolicy::attend_recalled(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, float scale,
+                                      float* out) const {
     using Clock = std::chrono::steady_clock;
     const auto t0 = Clock::now();
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
+    const ClusterKVPolicy& p = *this;
     const int G = cfg.group(), D = cfg.head_dim, Hkv = cfg.kv_heads;
     const int64_t budget = p.budget(layer), R = p.cache_steps;
     // a segment: n tokens of a slab (2-bit store), or the slots [a, a + n) of the head (full precision)
@@ -398,7 +207,7 @@ void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64
     // but for the 2-bit store, which may dequantize clusters into slabs
     auto select = [&](int g) {
         HeadCache& hc = seq.head(layer, g);
-        ClusterHead& ch = *hc.cluster;
+        ClusterHead& ch = *cluster_of(hc);
         const int64_t step = ch.steps++;
         const int64_t n = hc.held();
         // rank the clusters: q . mu summed over the group's query heads and the step's tokens,
@@ -449,7 +258,7 @@ void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64
         }
         auto& sg = segs[static_cast<size_t>(g)];
         sg.clear();
-        if (!p.quant) {
+        if (!p.quant()) {
             // the full-precision store is cluster-contiguous: attend in place
             if (ch.sinks) sg.push_back({nullptr, 0, ch.sinks, -1});
             for (size_t j = 0; j < chosen.size(); ++j)
@@ -496,7 +305,7 @@ void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64
         ch.last_take = std::move(take);
         ch.last_n = n;
     };
-    if (p.quant)
+    if (p.quant())
         tbb::parallel_for(0, Hkv, select);
     else
         for (int g = 0; g < Hkv; ++g) select(g);
@@ -545,9 +354,64 @@ void clusterkv_attend(Sequence& seq, int layer, const float* q, int64_t L, int64
         }
 }
 
-}  // namespace ovkc
+Counters ClusterKVPolicy::counters(Sequence& seq) const {
+    const PoolConfig& cfg = seq.pool().config();
+    double clusters = 0, lookups = 0, hits = 0, gathered = 0, iterations = 0, ws = 0;
+    for (int l = 0; l < cfg.layers; ++l)
+        for (int g = 0; g < cfg.kv_heads; ++g) {
+            const ClusterHead* ch = cluster_of(seq.head(l, g));
+            if (!ch) continue;
+            clusters += static_cast<double>(ch->C);
+            lookups += static_cast<double>(ch->lookups);
+            hits += static_cast<double>(ch->hits);
+            gathered += static_cast<double>(ch->ws_loads);
+            iterations += static_cast<double>(ch->iterations);
+            ws += static_cast<double>(ch->working_set_bytes());
+        }
+    return {{"clusters", clusters},
+            {"cluster_lookups", lookups},
+            {"hit_rate", lookups ? hits / lookups : 0.0},
+            {"tokens_gathered", gathered},
+            {"kmeans_iterations", iterations},
+            {"working_set_bytes", ws}};
+}
 
-namespace ovkc {
+ClusterKVPolicy::ClusterKVPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common) : Policy(std::move(common)) {
+    const int64_t kMax = int64_t(1) << 20;
+    sinks = spec.integer("sinks", 0, kMax);
+    tokens_per_cluster = spec.integer("tokens_per_cluster", 1, kMax);
+    n_clusters = spec.integer("n_clusters", 0, kMax);  // 0: derived from tokens_per_cluster
+    new_clusters = spec.integer("new_clusters", 1, kMax);
+    cluster_every = spec.integer("cluster_every", 1, 1 << 16);
+    max_iters = spec.integer("max_iters", 1, 10000);
+    seed = spec.integer("seed", 0, (int64_t(1) << 31) - 1);
+    cache_steps = spec.integer("cache_steps", 0, 1 << 16);
+    for (int l = 0; l < shape.layers; ++l) {
+        const int64_t b = budget(l);
+        if (b && b < sinks + 1)
+            throw Error(Spec::invalid("budgets", std::to_string(b), "at least sinks + 1 = " + std::to_string(sinks + 1)));
+    }
+}
+
+namespace {
+std::unique_ptr<Policy> make_clusterkv(Spec& spec, const ModelShape& shape, PolicyCommon common) {
+    return std::make_unique<ClusterKVPolicy>(spec, shape, std::move(common));
+}
+}  // namespace
+
+OVKC_REGISTER_POLICY("clusterkv", make_clusterkv);
+
+size_t ClusterHead::working_set_bytes() const {
+    size_t ws = sink_slab.bytes() + pending_slab.bytes();
+    for (const auto& sl : slabs) ws += sl.bytes();
+    return ws;
+}
+
+void ClusterHead::check_truncate(int64_t tokens) const {
+    if (pending_from > tokens)
+        throw Error("cannot truncate to " + std::to_string(tokens) +
+                    " tokens: ClusterKV has clustered later tokens (reset and prefill again)");
+}
 
 std::vector<int64_t> recalled_tokens(const ClusterHead& ch) {
     std::vector<int64_t> out;

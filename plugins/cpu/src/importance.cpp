@@ -5,185 +5,48 @@
 // max/avg-pooled along tokens; decode queries keep adding to the scores. Eviction runs after the
 // prompt and whenever a step leaves the head above its budget, unless the selection is frozen
 // (MiniKV, the 2-bit store): then only the prompt is selected.
+#include "importance.hpp"
+
 #include <algorithm>
-#include <functional>
 #include <limits>
-#include <numeric>
 
-#if defined(__AVX512F__)
-#    include <immintrin.h>
-#endif
-
-#include "policy.hpp"
+#include "selection.hpp"
 
 namespace ovkc {
 
-namespace {
-
-// out[i] = s[i][0] + s[i][1] + ... (in that order, as the reference sums a group's heads), for
-// rows of G floats; G known at compile time for the usual group sizes, so the loop vectorizes.
-template <int G>
-void group_sums_of(const float* s, int64_t n, float* out) {
-    for (int64_t i = 0; i < n; ++i) {
-        float sum = s[i * G];
-        for (int gi = 1; gi < G; ++gi) sum += s[i * G + gi];
-        out[i] = sum;
-    }
-}
-
-void group_sums(const float* s, int64_t n, int G, float* out) {
-    switch (G) {
-        case 1: return group_sums_of<1>(s, n, out);
-        case 2: return group_sums_of<2>(s, n, out);
-        case 3: return group_sums_of<3>(s, n, out);
-        case 4: return group_sums_of<4>(s, n, out);
-        case 8: return group_sums_of<8>(s, n, out);
-        default:
-            for (int64_t i = 0; i < n; ++i) {
-                float sum = s[i * G];
-                for (int gi = 1; gi < G; ++gi) sum += s[i * G + gi];
-                out[i] = sum;
-            }
-    }
-}
-
-std::vector<float>& tls_combined() {
-    thread_local std::vector<float> buf;
-    return buf;
-}
-
-float min_value(const float* x, int64_t n) {
-    float v = std::numeric_limits<float>::infinity();
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 m = _mm512_set1_ps(v);
-    for (; i + 16 <= n; i += 16) m = _mm512_min_ps(m, _mm512_loadu_ps(x + i));
-    v = _mm512_reduce_min_ps(m);
-#endif
-    for (; i < n; ++i) v = x[i] < v ? x[i] : v;
-    return v;
-}
-
-}  // namespace
-
-void worst_tokens(const float* scores, int64_t n, int64_t count, int64_t* out) {
-    // the worst each time: the lowest score, the latest token on ties; a vector min, then a
-    // backward scan for its token
-    std::vector<float> work;  // the scores with the tokens already taken at +inf (count > 1)
-    const float* x = scores;
-    for (int64_t r = 0; r < count; ++r) {
-        const float v = min_value(x, n);
-        int64_t i = n - 1;
-        while (i > 0 && !(x[i] == v && std::find(out, out + r, i) == out + r)) --i;
-        out[r] = i;
-        if (r + 1 < count) {
-            if (work.empty()) work.assign(scores, scores + n);
-            x = work.data();
-            work[static_cast<size_t>(i)] = std::numeric_limits<float>::infinity();
-        }
-    }
-}
-
-void topk_mask(const float* scores, int64_t n, int64_t k, uint8_t* mask) {
-    // the reference's order: highest score first, ties to the lower index
-    k = std::clamp<int64_t>(k, 0, n);
-    const int64_t drop = n - k;
-    if (k == 0 || drop == 0) {
-        std::fill(mask, mask + n, static_cast<uint8_t>(drop == 0));
-        return;
-    }
-    if (drop <= kFewDrops) {  // a decode step of a full head drops one token, or a few
-        int64_t worst[kFewDrops];
-        worst_tokens(scores, n, drop, worst);
-        std::fill(mask, mask + n, uint8_t(1));
-        for (int64_t r = 0; r < drop; ++r) mask[worst[r]] = 0;
-        return;
-    }
-    // otherwise everything above the k-th highest value is kept, then the equal ones in index order
-    std::vector<float> copy(scores, scores + n);
-    std::nth_element(copy.begin(), copy.begin() + (k - 1), copy.end(), std::greater<float>());
-    const float t = copy[static_cast<size_t>(k - 1)];
-    int64_t equal = k;  // how many tokens at the threshold value are kept
-    for (int64_t i = 0; i < n; ++i) {
-        mask[i] = scores[i] > t;
-        equal -= mask[i];
-    }
-    for (int64_t i = 0; i < n && equal > 0; ++i)
-        if (scores[i] == t) {
-            mask[i] = 1;
-            --equal;
-        }
-}
-
-std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k) {
-    std::vector<uint8_t> mask(static_cast<size_t>(n));
-    topk_mask(scores, n, k, mask.data());
-    std::vector<int64_t> idx;
-    idx.reserve(static_cast<size_t>(std::clamp<int64_t>(k, 0, n)));
-    for (int64_t i = 0; i < n; ++i)
-        if (mask[static_cast<size_t>(i)]) idx.push_back(i);
-    return idx;
-}
-
-std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent) {
-    std::vector<int64_t> keep;
-    if (budget >= n) {
-        keep.resize(static_cast<size_t>(n));
-        std::iota(keep.begin(), keep.end(), int64_t(0));
-        return keep;
-    }
-    const int64_t heavy = budget - sinks - recent;
-    keep.reserve(static_cast<size_t>(budget));
-    for (int64_t i = 0; i < sinks; ++i) keep.push_back(i);
-    for (int64_t i : topk_indices(scores + sinks, n - recent - sinks, heavy)) keep.push_back(i + sinks);
-    for (int64_t i = n - recent; i < n; ++i) keep.push_back(i);
-    return keep;
-}
-
-void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool avg) {
-    if (kernel <= 1 || n == 0) return;
-    const int64_t half = kernel / 2;
-    std::vector<float> src(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) src[static_cast<size_t>(i)] = scores[i * stride];
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t lo = std::max<int64_t>(0, i - half), hi = std::min<int64_t>(n - 1, i + half);
-        float acc = avg ? 0.0f : -std::numeric_limits<float>::infinity();
-        for (int64_t j = lo; j <= hi; ++j) acc = avg ? acc + src[static_cast<size_t>(j)] : std::max(acc, src[static_cast<size_t>(j)]);
-        scores[i * stride] = avg ? acc / static_cast<float>(hi - lo + 1) : acc;
-    }
-}
-
-void pool_prompt_scores(Sequence& seq, int layer) {
+void ImportancePolicy::pool_prompt_scores(Sequence& seq, int layer) const {
+    if (scoring != Scoring::snapkv) return;
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
-    if (p.scoring != Scoring::snapkv) return;
     const int G = cfg.group();
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
-        for (int gi = 0; gi < G; ++gi) pool_scores(hc.scores.data() + gi, hc.size(), G, p.pool_kernel, p.pool_avg);
+        for (int gi = 0; gi < G; ++gi) pool_scores(hc.scores.data() + gi, hc.size(), G, pool_kernel, pool_avg);
     }
 }
 
-void importance_step(Sequence& seq, int layer, bool prefill) {
-    const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
-    const int64_t budget = p.budget(layer);
-    const int G = cfg.group();
+void ImportancePolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {
     if (prefill) pool_prompt_scores(seq, layer);
+    if (prefill || !frozen) evict_by_slot_scores(seq, layer, prefill, budget(layer), sinks, recent, scoring != Scoring::none);
+}
+
+void evict_by_slot_scores(Sequence& seq, int layer, bool prefill, int64_t budget, int64_t sinks, int64_t recent,
+                          bool by_scores) {
+    const PoolConfig& cfg = seq.pool().config();
+    const int G = cfg.group();
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
         const int64_t n = hc.size() - hc.holes;  // the tokens held, in slot (= position) order
-        if (!budget || n <= budget || (!prefill && p.frozen)) continue;
+        if (!budget || n <= budget) continue;
         if (!prefill && n - budget <= kFewDrops) {
             // a decode step drops one token (or a few): the worst of the middle, straight from the
             // slots, no index lists. The middle: after the first `sinks` and before the last
             // `recent` tokens held; holes score +inf there, so they are never picked again.
             int64_t lo = 0, hi = hc.size();
-            for (int64_t c = 0; c < p.sinks; ++lo) c += !hc.hole(lo);
-            for (int64_t c = 0; c < p.recent;) c += !hc.hole(--hi);
+            for (int64_t c = 0; c < sinks; ++lo) c += !hc.hole(lo);
+            for (int64_t c = 0; c < recent;) c += !hc.hole(--hi);
             std::vector<float>& mid = tls_combined();
             mid.assign(static_cast<size_t>(hi - lo), 0.0f);
-            if (p.scoring != Scoring::none) group_sums(hc.scores.data() + lo * G, hi - lo, G, mid.data());
+            if (by_scores) group_sums(hc.scores.data() + lo * G, hi - lo, G, mid.data());
             if (hc.holes)
                 for (int64_t i = lo; i < hi; ++i)
                     if (hc.bias[static_cast<size_t>(i)] == HeadCache::kHole) mid[static_cast<size_t>(i - lo)] = std::numeric_limits<float>::infinity();
@@ -195,9 +58,9 @@ void importance_step(Sequence& seq, int layer, bool prefill) {
         }
         const std::vector<int64_t> live = live_slots(hc);
         std::vector<float> combined(static_cast<size_t>(n), 0.0f);
-        if (p.scoring != Scoring::none)
+        if (by_scores)
             for (int64_t i = 0; i < n; ++i) group_sums(hc.scores.data() + live[static_cast<size_t>(i)] * G, 1, G, &combined[static_cast<size_t>(i)]);
-        std::vector<int64_t> keep = keep_indices(combined.data(), n, budget, p.sinks, p.recent);
+        std::vector<int64_t> keep = keep_indices(combined.data(), n, budget, sinks, recent);
         for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
         if (prefill)
             keep_slots(seq, hc, keep);
@@ -205,5 +68,48 @@ void importance_step(Sequence& seq, int layer, bool prefill) {
             evict_slots(seq, hc, keep);
     }
 }
+
+// ---- the table: StreamingLLM, H2O, SnapKV, PyramidKV (MiniKV: minikv.cpp) ---------------------
+
+ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& shape, PolicyCommon common)
+    : Policy(std::move(common)) {
+    const int64_t kMax = int64_t(1) << 20;
+    sinks = spec.integer("sinks", 0, kMax);
+    recent = spec.integer("recent", 0, kMax);
+    const std::string s = spec.choice("scoring", {"none", "h2o", "snapkv"});
+    scoring = s == "h2o" ? Scoring::h2o : s == "snapkv" ? Scoring::snapkv : Scoring::none;
+    frozen = spec.flag("frozen");
+    if (scoring == Scoring::snapkv) {  // the window and pooling score the prompt
+        window = spec.integer("window", 1, 1 << 16);
+        pool_kernel = spec.integer("pool_kernel", 1, 129);
+        if (pool_kernel % 2 == 0)
+            throw Error(Spec::invalid("pool_kernel", std::to_string(pool_kernel), "an odd integer in [1, 129]"));
+        pool_avg = spec.choice("pool", {"max", "avg"}) == "avg";
+    }
+    for (int l = 0; l < shape.layers; ++l) {
+        const int64_t b = budget(l);
+        if (b && b < sinks + recent)
+            throw Error(Spec::invalid("budgets", std::to_string(b), "at least sinks + recent = " + std::to_string(sinks + recent)));
+    }
+}
+
+bool ImportancePolicy::keeps_slot_scores() const { return scoring != Scoring::none; }
+
+bool ImportancePolicy::scores_step(bool prefill) const { return scoring != Scoring::none && (prefill || !frozen); }
+
+int64_t ImportancePolicy::score_rows_from(bool prefill, int64_t L) const {
+    return prefill && scoring == Scoring::snapkv ? std::max<int64_t>(0, L - window) : 0;
+}
+
+namespace {
+std::unique_ptr<Policy> make_importance(Spec& spec, const ModelShape& shape, PolicyCommon common) {
+    return std::make_unique<ImportancePolicy>(spec, shape, std::move(common));
+}
+}  // namespace
+
+OVKC_REGISTER_POLICY("streamingllm", make_importance);
+OVKC_REGISTER_POLICY("h2o", make_importance);
+OVKC_REGISTER_POLICY("snapkv", make_importance);
+OVKC_REGISTER_POLICY("pyramidkv", make_importance);
 
 }  // namespace ovkc

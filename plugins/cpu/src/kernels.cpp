@@ -793,7 +793,7 @@ struct QLayout {
                 reinterpret_cast<typename A::U16*>(blk + vs), reinterpret_cast<typename A::U16*>(blk + vz)};
     }
     explicit QLayout(const PoolConfig& cfg)
-        : T(cfg.block_size), D(cfg.head_dim), g(static_cast<int>(cfg.method->quant ? cfg.method->group : 16)) {
+        : T(cfg.block_size), D(cfg.head_dim), g(cfg.quant_group()) {
         kc = 0;
         ks = kc + static_cast<size_t>(D) * T / 4;
         kz = ks + static_cast<size_t>(T / g) * D * 2;

@@ -9,10 +9,12 @@
 // bucket keeps one token (its highest-scoring, or its first). Every KV head of the layer keeps the
 // same tokens. Block-wise: scores are summed per block, whole blocks are kept, the trailing
 // partial block always stays, and eviction just rewrites the block table.
+#include "kvcrush.hpp"
+
 #include <algorithm>
 #include <numeric>
 
-#include "policy.hpp"
+#include "selection.hpp"
 
 namespace ovkc {
 
@@ -36,7 +38,7 @@ int64_t hamming(const uint64_t* a, const uint64_t* b, size_t words) {
 }  // namespace
 
 std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64_t budget, int64_t sinks,
-                                    int64_t recent, int64_t reps, const MethodParams& p) {
+                                    int64_t recent, int64_t reps, const KVCrushParams& p) {
     // Runs at every decode step of a full head (n = budget + 1), so every stage is linear in n but
     // the ordering of the evictable tokens (about `reps` of them): no sort of the whole head.
     std::vector<int64_t> all(static_cast<size_t>(n));
@@ -179,7 +181,7 @@ std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64
 }
 
 std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n, int64_t block, int64_t budget,
-                                           int64_t sinks, int64_t recent, int64_t reps, const MethodParams& p) {
+                                           int64_t sinks, int64_t recent, int64_t reps, const KVCrushParams& p) {
     std::vector<int64_t> all(static_cast<size_t>(n));
     std::iota(all.begin(), all.end(), int64_t(0));
     if (budget >= n) return all;
@@ -206,15 +208,14 @@ std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n
     return keep;
 }
 
-void kvcrush_step(Sequence& seq, int layer, bool prefill) {
+void KVCrushPolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {
     const PoolConfig& cfg = seq.pool().config();
-    const MethodParams& p = *cfg.method;
     const int G = cfg.group(), H = cfg.q_heads;
-    const int64_t budget = p.budget(layer);
+    const int64_t budget = this->budget(layer);
     const HeadCache& first = seq.head(layer, 0);
     const int64_t n = first.size() - first.holes;  // every KV head holds the same tokens (and holes)
     if (prefill) pool_prompt_scores(seq, layer);
-    if (!budget || n <= budget || (!prefill && p.frozen)) return;
+    if (!budget || n <= budget || (!prefill && frozen)) return;
     const std::vector<int64_t> live = live_slots(first);
     std::vector<float> scores(static_cast<size_t>(H) * n);  // [q head][token], q head = kv head * G + gi
     for (int g = 0; g < cfg.kv_heads; ++g) {
@@ -225,12 +226,12 @@ void kvcrush_step(Sequence& seq, int layer, bool prefill) {
             for (int64_t i = 0; i < n; ++i)
                 scores[static_cast<size_t>((g * G + gi) * n + i)] = hc.scores[static_cast<size_t>(live[static_cast<size_t>(i)] * G + gi)];
     }
-    if (p.block_wise) {  // no holes: blocks are dropped whole
+    if (kv.block_wise) {  // no holes: blocks are dropped whole
         const auto keep =
-            kvcrush_select_blocks(scores.data(), H, n, cfg.block_size, budget, p.sinks, p.recent, p.representatives, p);
+            kvcrush_select_blocks(scores.data(), H, n, cfg.block_size, budget, sinks, recent, kv.representatives, kv);
         for (int g = 0; g < cfg.kv_heads; ++g) keep_blocks(seq, seq.head(layer, g), keep);
     } else {
-        auto keep = kvcrush_select(scores.data(), H, n, budget, p.sinks, p.recent, p.representatives, p);
+        auto keep = kvcrush_select(scores.data(), H, n, budget, sinks, recent, kv.representatives, kv);
         for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
         for (int g = 0; g < cfg.kv_heads; ++g) {
             if (prefill)
@@ -240,5 +241,36 @@ void kvcrush_step(Sequence& seq, int layer, bool prefill) {
         }
     }
 }
+
+KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common)
+    : ImportancePolicy(spec, shape, std::move(common)) {
+    kv.representatives = spec.integer("representatives", 0, int64_t(1) << 20);
+    kv.signature_threshold = spec.choice("signature", {"topk", "threshold"}) == "threshold";
+    kv.multi_nearest = spec.choice("multi_anchor", {"tuple", "nearest"}) == "nearest";
+    kv.representative_first = spec.choice("representative", {"max_score", "first"}) == "first";
+    kv.block_wise = spec.flag("block_wise");
+    for (const auto& a : spec.words("anchors")) {
+        Anchor anchor;
+        if (a == "mean") {
+            anchor.mean = true;
+        } else {
+            if (static_cast<int>(a.size()) != shape.q_heads || a.find_first_not_of("01") != std::string::npos)
+                throw Error(Spec::invalid("anchors", a, "mean or a string of " + std::to_string(shape.q_heads) +
+                                                            " bits (one per query head)"));
+            for (char c : a) anchor.bits.push_back(c == '1');
+        }
+        kv.anchors.push_back(anchor);
+    }
+    if (kv.anchors.empty()) throw Error(Spec::invalid("anchors", "(none)", "one or more anchors"));
+    if (frozen && kv.block_wise) throw Error(Spec::invalid("block_wise", "1", "0 with the 2-bit store"));
+}
+
+namespace {
+std::unique_ptr<Policy> make_kvcrush(Spec& spec, const ModelShape& shape, PolicyCommon common) {
+    return std::make_unique<KVCrushPolicy>(spec, shape, std::move(common));
+}
+}  // namespace
+
+OVKC_REGISTER_POLICY("kvcrush", make_kvcrush);
 
 }  // namespace ovkc

@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "clusterkv.hpp"
+#include "policy.hpp"
 
 namespace ovkc {
 
@@ -24,12 +24,25 @@ void PoolConfig::validate() const {
     if (block_size < 16 || block_size > 256 || block_size % 16 != 0)
         throw Error(range("block_size", block_size, "a multiple of 16 in 16..256"));
     if (max_blocks < 0) throw Error(range("max_blocks", max_blocks, ">= 0 (0: unlimited)"));
-    if (scores && method->method == Method::clusterkv)
-        throw Error("scores=1 is invalid with method clusterkv: allowed 0 (its decode steps attend a recalled subset, "
-                    "not every held token)");
+    if (policy && scores && !policy->allows_score_output())
+        throw Error("scores=1 is invalid with method " + policy->name() +
+                    ": allowed 0 (its slot scores are its own, or its decode steps attend a recalled subset)");
 }
 
-Pool::Pool(const PoolConfig& cfg) : cfg_(cfg) { cfg_.validate(); }
+int PoolConfig::quant_group() const { return policy && policy->quant() ? static_cast<int>(policy->quant_group()) : 16; }
+
+size_t PoolConfig::qblock_bytes() const {
+    const size_t bs = static_cast<size_t>(block_size), D = static_cast<size_t>(head_dim);
+    const size_t g = static_cast<size_t>(quant_group());
+    return D * bs / 4 + 4 * (bs / g) * D + bs * D / 4 + 4 * bs * (D / g);
+}
+
+bool PoolConfig::keeps_scores() const { return scores || policy->keeps_slot_scores(); }
+
+Pool::Pool(const PoolConfig& cfg) : cfg_(cfg) {
+    if (!cfg_.policy) throw Error("a KV pool needs a method (policy)");
+    cfg_.validate();
+}
 
 Pool::~Pool() {
     for (auto* p : fp_.storage) std::free(p);
@@ -141,7 +154,7 @@ void Sequence::reset() {
         h.degree.clear();
         h.bias.clear();
         h.holes = 0;
-        h.cluster.reset();
+        h.state.reset();
     }
     std::fill(seen_.begin(), seen_.end(), 0);
     policy_ns[0] = policy_ns[1] = scores_ns[0] = scores_ns[1] = 0;
@@ -158,19 +171,17 @@ void Sequence::truncate(int64_t tokens) {
             throw Error("cannot truncate to " + std::to_string(tokens) +
                         " tokens: Chelsea has merged tokens (reset and prefill again)");
     for (auto& h : heads_)
-        if (h.cluster && h.cluster->pending_from > tokens)
-            throw Error("cannot truncate to " + std::to_string(tokens) +
-                        " tokens: ClusterKV has clustered later tokens (reset and prefill again)");
+        if (h.state) h.state->check_truncate(tokens);
     for (auto& h : heads_) {
         // every kept token is in the slots before every dropped one (positions ascend, but for
-        // ClusterKV's cluster-ordered slots, which are all older than the pending ones it may drop)
+        // a method that reorders older slots, e.g. ClusterKV's clusters, all older than the pending ones)
         const auto keep = std::count_if(h.pos.begin(), h.pos.end(), [&](int64_t p) { return p < tokens; });
         h.pos.resize(static_cast<size_t>(keep));
         if (!h.scores.empty()) h.scores.resize(static_cast<size_t>(keep) * G);
         if (!h.degree.empty()) h.degree.resize(static_cast<size_t>(keep));
         if (!h.bias.empty()) h.bias.resize(static_cast<size_t>(keep));
         h.holes = std::count(h.bias.begin(), h.bias.end(), HeadCache::kHole);  // holes stay masked
-        if (h.cluster) h.cluster->pending_slab.clear();
+        if (h.state) h.state->truncated();
         trim_blocks(h);
     }
     for (auto& s : seen_) s = std::min(s, tokens);

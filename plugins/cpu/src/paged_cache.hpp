@@ -21,11 +21,12 @@
 #include <string>
 #include <vector>
 
-#include "method.hpp"
 
 namespace ovkc {
 
 enum class Precision : int { f32 = 0, f16 = 1 };
+
+class Policy;  // policy.hpp: the compression method
 
 struct PoolConfig {
     int layers = 0;
@@ -36,22 +37,20 @@ struct PoolConfig {
     Precision precision = Precision::f32;
     int64_t max_blocks = 0;  // 0: unlimited
     bool scores = false;     // accumulate per-q-head attention scores per token
-    // the compression method (never null: "full" by default); shared, read-only once created
-    std::shared_ptr<const MethodParams> method = std::make_shared<MethodParams>();
+    // the compression method (set before the pool is made); shared, read-only once created
+    std::shared_ptr<const Policy> policy;
 
     void validate() const;
     size_t elem_bytes() const { return precision == Precision::f32 ? 4 : 2; }
     size_t block_bytes() const { return 2 * static_cast<size_t>(block_size) * head_dim * elem_bytes(); }
     // A 2-bit block (MiniKV's store) of block_size tokens: key codes [D][bs/16] u32, key scale
     // and zero fp16 [bs/g][D], value codes [bs][D/16] u32, value scale and zero fp16 [bs][D/g].
-    size_t qblock_bytes() const {
-        const size_t bs = static_cast<size_t>(block_size), D = static_cast<size_t>(head_dim);
-        const size_t g = static_cast<size_t>(method->quant ? method->group : 16);
-        return D * bs / 4 + 4 * (bs / g) * D + bs * D / 4 + 4 * bs * (D / g);
-    }
+    size_t qblock_bytes() const;
+    // the 2-bit store's group (16 when the method keeps no 2-bit store)
+    int quant_group() const;
     int group() const { return q_heads / kv_heads; }
     // scores are kept per slot when asked for or when the method selects by them
-    bool keeps_scores() const { return scores || method->needs_scores(); }
+    bool keeps_scores() const;
 };
 
 // A user-facing error (bad handle, bad shape, pool exhausted): the message names what is wrong.
@@ -97,7 +96,14 @@ private:
     Blocks q_;
 };
 
-struct ClusterHead;  // clusterkv.hpp
+// A method's own state of one (layer, KV head), beside the slots (e.g. clusterkv.hpp: ClusterHead).
+struct HeadState {
+    virtual ~HeadState() = default;
+    // Throw (naming why) when the head cannot drop the tokens at position >= tokens.
+    virtual void check_truncate(int64_t /*tokens*/) const {}
+    // The head has dropped them.
+    virtual void truncated() {}
+};
 
 // One (layer, KV head) of a sequence.
 struct HeadCache {
@@ -112,8 +118,8 @@ struct HeadCache {
     // MiniKV's 2-bit store: full 2-bit blocks of tokens older than every slot above
     std::vector<int32_t> qblocks;
     std::vector<int64_t> qpos;
-    // ClusterKV: cluster index and working set (null for other methods and dense layers)
-    std::shared_ptr<ClusterHead> cluster;
+    // a method's own per-head state (ClusterKV's cluster index and working set; null otherwise)
+    std::shared_ptr<HeadState> state;
     // slots of the full-precision blocks (the residual, when there is a 2-bit store)
     int64_t size() const { return static_cast<int64_t>(pos.size()); }
     bool hole(int64_t slot) const { return holes && bias[static_cast<size_t>(slot)] == kHole; }

@@ -1,9 +1,9 @@
 #include "policy.hpp"
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 
-#include "clusterkv.hpp"
 #include "kernels.hpp"
 
 namespace ovkc {
@@ -102,50 +102,75 @@ void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep)
     hc.scores = std::move(scores);
 }
 
-bool step_scores(const PoolConfig& cfg, bool prefill) {
-    if (cfg.scores) return true;
-    const MethodParams& p = *cfg.method;
-    return p.needs_scores() && (prefill || !p.frozen);
-}
+bool step_scores(const PoolConfig& cfg, bool prefill) { return cfg.scores || cfg.policy->scores_step(prefill); }
 
 int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {
-    const MethodParams& p = *cfg.method;
-    if (!cfg.scores && prefill && p.scoring == Scoring::snapkv) return std::max<int64_t>(0, L - p.window);
-    return 0;
+    return cfg.scores ? 0 : cfg.policy->score_rows_from(prefill, L);
 }
 
-void before_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
-    const MethodParams& p = *seq.pool().config().method;
-    // ClusterKV clusters the pending tokens as the store was before this step (and its flush)
-    if (p.method == Method::clusterkv && !prefill) clusterkv_before_decode(seq, layer, L);
-    // Chelsea merges once a decode step brings a head to budget + g, before attending
-    if (p.method == Method::chelsea && !prefill) chelsea_step(seq, layer, false);
-    if (p.quant && !prefill) quant_flush(seq, layer);
+void run_before_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
+    const Policy& p = *seq.pool().config().policy;
+    p.before_attention(seq, layer, prefill, L);
+    if (p.quant() && !prefill) quant_flush(seq, layer);
 }
 
-void after_attention(Sequence& seq, int layer, bool prefill) {
-    const MethodParams& p = *seq.pool().config().method;
-    switch (p.method) {
-        case Method::streamingllm:
-        case Method::h2o:
-        case Method::snapkv:
-        case Method::pyramidkv:
-        case Method::minikv:
-            importance_step(seq, layer, prefill);
-            break;
-        case Method::kvcrush:
-            kvcrush_step(seq, layer, prefill);
-            break;
-        case Method::chelsea:  // the prompt attends whole, then is merged
-            if (prefill) chelsea_step(seq, layer, true);
-            break;
-        case Method::clusterkv:  // the prompt's keys are clustered before the flush quantizes them
-            if (prefill) clusterkv_after_prefill(seq, layer);
-            break;
-        default:
-            break;
+void run_after_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
+    const Policy& p = *seq.pool().config().policy;
+    p.after_attention(seq, layer, prefill, L);
+    if (p.quant() && prefill) quant_flush(seq, layer);
+}
+
+// ---- the table ------------------------------------------------------------------------------------
+
+namespace {
+std::map<std::string, PolicyFactory>& table() {
+    static std::map<std::string, PolicyFactory> t;  // filled at load time, read-only afterwards
+    return t;
+}
+}  // namespace
+
+bool register_policy(const char* name, PolicyFactory make) {
+    table()[name] = make;
+    return true;
+}
+
+std::vector<std::string> policy_names() {
+    std::vector<std::string> out;
+    for (const auto& [name, make] : table()) out.push_back(name);
+    return out;
+}
+
+std::shared_ptr<const Policy> make_policy(const std::string& text, const ModelShape& shape) {
+    Spec spec(text);
+    const int64_t kMax = int64_t(1) << 20;
+    PolicyCommon common;
+    common.name = spec.text("method");
+    auto it = table().find(common.name);
+    if (it == table().end()) {
+        std::string names;
+        for (const auto& n : policy_names()) names += (names.empty() ? "" : ", ") + n;
+        throw Error(Spec::invalid("method", common.name, names));
     }
-    if (p.quant && prefill) quant_flush(seq, layer);
+    common.budgets = spec.integers("budgets", 0, kMax);
+    if (static_cast<int>(common.budgets.size()) != shape.layers)
+        throw Error(Spec::invalid("budgets", std::to_string(common.budgets.size()) + " entries",
+                                  "one per layer (" + std::to_string(shape.layers) + ")"));
+    common.quant = spec.flag("quant");
+    if (common.quant) {
+        common.group = spec.integer("group", 16, 128);
+        const std::string g = std::to_string(common.group);
+        common.residual = spec.integer("residual", 16, 1 << 16);
+        if (shape.head_dim % common.group)
+            throw Error(Spec::invalid("group", g, "a divisor of head_dim=" + std::to_string(shape.head_dim)));
+        if (shape.block_size % common.group)
+            throw Error(Spec::invalid("group", g, "a divisor of the KV block size " + std::to_string(shape.block_size)));
+        if (common.residual % shape.block_size)
+            throw Error(Spec::invalid("residual", std::to_string(common.residual),
+                                      "a multiple of the KV block size " + std::to_string(shape.block_size)));
+    }
+    std::shared_ptr<const Policy> policy = it->second(spec, shape, std::move(common));
+    spec.finish();
+    return policy;
 }
 
 }  // namespace ovkc

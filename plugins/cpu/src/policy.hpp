@@ -1,18 +1,108 @@
-// What the op does around attention for the pool's method, and the cache edits methods share.
+// The compression method a KV pool runs: a Policy, made by name from a table that each method's
+// source file fills (one file per method, named like its reference module in ov_kvcrush/methods/).
 //
-// The op calls before_attention() once the step's tokens are appended (Chelsea merges here when
-// a decode step brings the layer to budget + g, as the reference does before attending) and
-// after_attention() once the attention and the per-head scores are done (eviction: prefill
-// selection and decode-time budget enforcement; the 2-bit store's flush). Each method lives in
-// its own file named like its reference module in ov_kvcrush/methods/.
+// The op calls the policy's hooks around its attention (attention_op.cpp, through
+// run_before_attention / run_after_attention below, which add the 2-bit store's flush):
+//   before_attention  once the step's tokens are appended (ClusterKV clusters pending tokens,
+//                     Chelsea merges when a decode step brings a head to budget + g);
+//   recalls/attend_recalled  a decode step that attends a recalled subset instead of the head
+//                     (ClusterKV);
+//   after_attention   once the attention and the per-head scores are done (prefill selection,
+//                     decode-time budget enforcement).
+// A policy is shared read-only by every sequence of its pool: per-sequence state lives in the
+// sequence's HeadCache (slots, scores, degrees, and a method's own HeadState).
+//
+// Adding a method: a source file that defines a Policy subclass and a factory that reads exactly
+// the fields its Python config's op_fields() sends, registered with OVKC_REGISTER_POLICY; see
+// docs/architecture.md. No file here names a method.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "paged_cache.hpp"
+#include "spec.hpp"
 
 namespace ovkc {
+
+// What every policy has: its name, the tokens each layer keeps per KV head (0: unbounded, e.g. a
+// dense layer), and the store its tokens live in (MiniKV's 2-bit blocks under any method).
+struct PolicyCommon {
+    std::string name;
+    std::vector<int64_t> budgets;
+    bool quant = false;    // the 2-bit store
+    int64_t group = 0;     // its quantization group (tokens per key group, channels per value group)
+    int64_t residual = 0;  // tokens kept in full precision before a flush into 2-bit blocks
+};
+
+// Named counters a method contributes to a sequence's statistics (summed over layers and heads).
+using Counters = std::vector<std::pair<std::string, double>>;
+
+class Policy {
+public:
+    explicit Policy(PolicyCommon common) : common_(std::move(common)) {}
+    virtual ~Policy() = default;
+
+    const std::string& name() const { return common_.name; }
+    int64_t budget(int layer) const {
+        return layer < static_cast<int>(common_.budgets.size()) ? common_.budgets[static_cast<size_t>(layer)] : 0;
+    }
+    bool quant() const { return common_.quant; }
+    int64_t quant_group() const { return common_.group; }
+    int64_t quant_residual() const { return common_.residual; }
+
+    // Slots carry G floats each (hc.scores), moved with their tokens by every cache edit.
+    virtual bool keeps_slot_scores() const { return false; }
+    // This step's attention probabilities are added to the slot scores.
+    virtual bool scores_step(bool /*prefill*/) const { return false; }
+    // The first query row of the step whose probabilities count (SnapKV's prefill: its window).
+    virtual int64_t score_rows_from(bool /*prefill*/, int64_t /*L*/) const { return 0; }
+    // Whether a pool may also ask for the attention scores of every step (PoolConfig::scores):
+    // not when the slot scores hold something else, or a decode step attends a subset.
+    virtual bool allows_score_output() const { return true; }
+
+    virtual void before_attention(Sequence& /*seq*/, int /*layer*/, bool /*prefill*/, int64_t /*L*/) const {}
+    virtual bool recalls(Sequence& /*seq*/, int /*layer*/, bool /*prefill*/) const { return false; }
+    // Attend the step's queries q [Hq][L][D] over the recalled subset into out [Hq][L][D].
+    virtual void attend_recalled(Sequence& /*seq*/, int /*layer*/, const float* /*q*/, int64_t /*L*/,
+                                 int64_t /*past*/, float /*scale*/, float* /*out*/) const {}
+    // L: the step's tokens, the last L slots of every head of the layer.
+    virtual void after_attention(Sequence& /*seq*/, int /*layer*/, bool /*prefill*/, int64_t /*L*/) const {}
+    // The method's counters for the sequence, summed over its layers and heads.
+    virtual Counters counters(Sequence& /*seq*/) const { return {}; }
+
+private:
+    PolicyCommon common_;
+};
+
+// A method's factory: reads its own fields from the spec (each exactly once, no defaults) and
+// checks them against the model and the common fields.
+using PolicyFactory = std::unique_ptr<Policy> (*)(Spec& spec, const ModelShape& shape, PolicyCommon common);
+
+// Add a method to the table (each method file does, at load time); returns true.
+bool register_policy(const char* name, PolicyFactory make);
+// The policy a spec describes; every field read exactly once, else an error naming it.
+std::shared_ptr<const Policy> make_policy(const std::string& spec, const ModelShape& shape);
+// The names in the table, sorted.
+std::vector<std::string> policy_names();
+
+#define OVKC_CONCAT_(a, b) a##b
+#define OVKC_CONCAT(a, b) OVKC_CONCAT_(a, b)
+#define OVKC_REGISTER_POLICY(name, factory) \
+    static const bool OVKC_CONCAT(ovkc_registered_, __LINE__) = ::ovkc::register_policy(name, factory)
+
+// The op's calls: the policy's hooks plus the 2-bit store's flush (a decode step's tokens are
+// flushed before it attends, the prompt's after its selection, as in the reference).
+void run_before_attention(Sequence& seq, int layer, bool prefill, int64_t L);
+void run_after_attention(Sequence& seq, int layer, bool prefill, int64_t L);
+// Whether this step accumulates scores at all, and from which query row.
+bool step_scores(const PoolConfig& cfg, bool prefill);
+int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L);
+
+// ---- cache edits the methods share --------------------------------------------------------------
 
 // Keep the slots `keep` (ascending) of a head, in that order: tokens move down, their position,
 // scores and degree with them; blocks past the new end go back to the pool.
@@ -34,41 +124,7 @@ std::vector<int64_t> live_slots(const HeadCache& hc);
 // the trailing partial block. The block table is rewritten, no key/value is copied.
 void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
 
-// Rows of the step whose probabilities feed the scores (SnapKV's prefill: the last window).
-int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L);
-// Whether this step accumulates scores at all.
-bool step_scores(const PoolConfig& cfg, bool prefill);
-
-void before_attention(Sequence& seq, int layer, bool prefill, int64_t L);
-void after_attention(Sequence& seq, int layer, bool prefill);
-
-// importance.cpp
-// The `count` (<= kFewDrops) lowest-ranked tokens, worst first, in the reference's order (the
-// lowest score, the latest token on ties): what a decode step drops from a full head.
-constexpr int64_t kFewDrops = 8;
-void worst_tokens(const float* scores, int64_t n, int64_t count, int64_t* out);
-// mask[i] = 1 for the k highest scores (ties to the lower index), the reference's top-k; O(n)
-void topk_mask(const float* scores, int64_t n, int64_t k, uint8_t* mask);
-// the same tokens as ascending indices
-std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k);
-std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent);
-void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool avg);
-// SnapKV: pool the prompt's window scores of every query head of the layer (no-op for other scorings)
-void pool_prompt_scores(Sequence& seq, int layer);
-void importance_step(Sequence& seq, int layer, bool prefill);
-
-// kvcrush.cpp
-std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64_t budget, int64_t sinks,
-                                    int64_t recent, int64_t reps, const MethodParams& p);
-std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n, int64_t block, int64_t budget,
-                                           int64_t sinks, int64_t recent, int64_t reps, const MethodParams& p);
-void kvcrush_step(Sequence& seq, int layer, bool prefill);
-
-// chelsea.cpp: merge a head down to `target` tokens (returns the matching passes); the layer's step
-int64_t chelsea_compress(Sequence& seq, HeadCache& hc, int64_t target);
-void chelsea_step(Sequence& seq, int layer, bool prefill);
-
-// minikv.cpp: move every whole `residual` chunk of full-precision tokens into 2-bit blocks
+// quant_store.cpp: move every whole `residual` chunk of full-precision tokens into 2-bit blocks
 void quant_flush(Sequence& seq, int layer);
 
 }  // namespace ovkc
