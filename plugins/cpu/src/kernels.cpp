@@ -1,3 +1,5 @@
+// Attention kernels over the full-precision (f32/f16) blocks of the paged cache, the token loads
+// and stores the methods use, and what the other kernel files share (kernels_detail.hpp).
 #include "kernels.hpp"
 
 #include <algorithm>
@@ -7,81 +9,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#    include <immintrin.h>
-#    define OVKC_AVX512 1
-#else
-#    define OVKC_AVX512 0
-#endif
-#if OVKC_AVX512 && defined(__AVX512BF16__)
-#    define OVKC_BF16 1
-#else
-#    define OVKC_BF16 0
-#endif
+#include "kernels_detail.hpp"
 
 namespace ovkc {
 
-namespace {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// ---- half precision -------------------------------------------------------------------------
-inline uint16_t to_half(float f) {
-#if OVKC_AVX512
-    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
-#else
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000u;
-    const uint32_t absx = x & 0x7fffffffu;
-    if (absx >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
-    if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
-    if (absx < 0x38800000u) {                                                // subnormal half or zero
-        if (absx < 0x33000000u) return static_cast<uint16_t>(sign);
-        const uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
-        const int shift = 126 - static_cast<int>(absx >> 23);
-        uint32_t h = mant >> (shift + 1);
-        const uint32_t rem = mant & ((1u << (shift + 1)) - 1u);
-        const uint32_t half = 1u << shift;
-        if (rem > half || (rem == half && (h & 1u))) ++h;
-        return static_cast<uint16_t>(sign | h);
-    }
-    uint32_t h = ((absx - 0x38000000u) >> 13);
-    const uint32_t rem = absx & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-    return static_cast<uint16_t>(sign | h);
-#endif
-}
-
-inline float from_half(uint16_t h) {
-#if OVKC_AVX512
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t mant = h & 0x3ffu;
-    uint32_t x;
-    if (exp == 0) {
-        if (mant == 0) {
-            x = sign;
-        } else {
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400u)) {
-                mant <<= 1;
-                --exp;
-            }
-            x = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        x = sign | 0x7f800000u | (mant << 13);
-    } else {
-        x = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    std::memcpy(&f, &x, 4);
-    return f;
-#endif
-}
+namespace detail {
 
 void half_to_float(const uint16_t* src, float* dst, int64_t n) {
     int64_t i = 0;
@@ -103,11 +35,6 @@ void float_to_half(const float* src, uint16_t* dst, int64_t n) {
 }
 
 // ---- float views of a block -------------------------------------------------------------------
-struct Scratch {
-    std::vector<float> k, v, s, q;
-};
-thread_local Scratch tls;
-
 // Keys (transposed, [D][bs]) and values ([bs][D]) of a block as floats: the block itself for
 // f32, a converted copy in thread-local scratch for f16.
 void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0, int j1, const float*& kt,
@@ -120,6 +47,7 @@ void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0
         v = kt + kv_elems;
         return;
     }
+    Scratch& tls = scratch();
     if (tls.k.size() < kv_elems + 16) {  // + 16: a window's last padded vector may run past row D - 1
         tls.k.resize(kv_elems + 16);
         tls.v.resize(kv_elems);
@@ -347,7 +275,9 @@ bool softmax_step(RowSet& rows, int r, float* s, int cols, int D) {
     return true;
 }
 
-}  // namespace
+}  // namespace detail
+
+using namespace detail;
 
 void RowSet::start() {
     for (int r = 0; r < kMaxRows; ++r) {
@@ -362,6 +292,7 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     const int D = cfg.head_dim;
     int64_t max_q = rows.qpos[0];
     for (int r = 1; r < rows.n; ++r) max_q = std::max(max_q, rows.qpos[r]);
+    Scratch& tls = scratch();
     if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
     float* S = tls.s.data();
     const float* q[kMaxRows];
@@ -412,6 +343,7 @@ void Slab::put(int64_t j, const float* k, const float* val, int D) {
 
 void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, int64_t pos0) {
     constexpr int bs = kSlabTile;
+    Scratch& tls = scratch();
     if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
     float* S = tls.s.data();
     const float* q[kMaxRows];
@@ -485,6 +417,7 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
     const int64_t slot0 = block_index * bs;
     if (slot0 >= hc.size()) return;
     const int ntok = static_cast<int>(std::min<int64_t>(bs, hc.size() - slot0));
+    Scratch& tls = scratch();
     if (tls.s.size() < static_cast<size_t>(kMaxRows) * bs) tls.s.resize(static_cast<size_t>(kMaxRows) * bs);
     float* S = tls.s.data();
     const float* q[kMaxRows];
@@ -627,329 +560,5 @@ void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, in
         for (int d = 0; d < D; ++d) v[d] = from_half(kt[kv_elems + static_cast<size_t>(j) * D + d]);
     }
 }
-
-namespace {
-inline uint16_t to_bf16(float f) {
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest even
-    return static_cast<uint16_t>(x >> 16);
-}
-}  // namespace
-
-bool has_bf16() { return OVKC_BF16; }
-
-void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out) {
-    const int D = cfg.head_dim, bs = cfg.block_size;
-    const int64_t n = hc.size();
-    const int64_t groups = (n + 15) / 16, pairs = groups * 8;
-    out.n = n;
-    out.k.assign(static_cast<size_t>(groups) * D * 16, 0);
-    out.v.assign(static_cast<size_t>(pairs) * D * 2, 0);
-    for (int64_t slot0 = 0; slot0 < n; slot0 += bs) {
-        const int ntok = static_cast<int>(std::min<int64_t>(bs, n - slot0));
-        const float *kt, *v;
-        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], 0, ntok, kt, v);
-        for (int j = 0; j < ntok; ++j) {
-            const int64_t t = slot0 + j;
-            uint16_t* kd = out.k.data() + static_cast<size_t>(t / 16) * D * 16 + (t % 16) * 2;
-            for (int d = 0; d < D; ++d) kd[(d / 2) * 32 + (d % 2)] = to_bf16(kt[static_cast<size_t>(d) * bs + j]);
-            uint16_t* vd = out.v.data() + static_cast<size_t>(t / 2) * D * 2 + (t % 2);
-            for (int d = 0; d < D; ++d) vd[d * 2] = to_bf16(v[static_cast<size_t>(j) * D + d]);
-        }
-    }
-}
-
-#if OVKC_BF16
-namespace {
-template <int R>
-void qk_bf16(const uint32_t* qp, int D, const uint16_t* kg, float* S, int stride) {
-    // S[r][0..16) for one 16-token group; qp: [R][D/2] bf16 pairs of the scaled query rows
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int d2 = 0; d2 < D / 2; ++d2) {
-        const __m512bh kz = (__m512bh)_mm512_loadu_si512(kg + static_cast<size_t>(d2) * 32);
-        for (int r = 0; r < R; ++r)
-            acc[r] = _mm512_dpbf16_ps(acc[r], kz, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (D / 2) + d2])));
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * stride, acc[r]);
-}
-
-template <int RR, int NV>
-void pv_bf16(const uint32_t* pp, int npairs, const uint16_t* vst, int D, int c, float* const* out) {
-    // out[r][c..c+16NV) += sum over token pairs; pp: [RR][16] bf16 pairs of probabilities
-    __m512 acc[RR][NV];
-    for (int r = 0; r < RR; ++r)
-        for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_loadu_ps(out[r] + c + 16 * u);
-    for (int jp = 0; jp < npairs; ++jp) {
-        __m512bh vz[NV];
-        for (int u = 0; u < NV; ++u)
-            vz[u] = (__m512bh)_mm512_loadu_si512(vst + (static_cast<size_t>(jp) * D + c + 16 * u) * 2);
-        for (int r = 0; r < RR; ++r) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * 16 + jp]));
-            for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], vz[u], p);
-        }
-    }
-    for (int r = 0; r < RR; ++r)
-        for (int u = 0; u < NV; ++u) _mm512_storeu_ps(out[r] + c + 16 * u, acc[r][u]);
-}
-
-template <int RR>
-void pv_bf16_rows(const uint32_t* pp, int npairs, const uint16_t* vst, int D, float* const* out) {
-    int c = 0;
-    for (; c + 64 <= D; c += 64) pv_bf16<RR, 4>(pp, npairs, vst, D, c, out);
-    for (; c < D; c += 16) pv_bf16<RR, 1>(pp, npairs, vst, D, c, out);
-}
-
-void qk_bf16_rows(int R, const uint32_t* qp, int D, const uint16_t* kg, float* S, int stride) {
-    switch (R) {
-        case 1: return qk_bf16<1>(qp, D, kg, S, stride);
-        case 2: return qk_bf16<2>(qp, D, kg, S, stride);
-        case 3: return qk_bf16<3>(qp, D, kg, S, stride);
-        case 4: return qk_bf16<4>(qp, D, kg, S, stride);
-        case 5: return qk_bf16<5>(qp, D, kg, S, stride);
-        case 6: return qk_bf16<6>(qp, D, kg, S, stride);
-        case 7: return qk_bf16<7>(qp, D, kg, S, stride);
-        default: return qk_bf16<8>(qp, D, kg, S, stride);
-    }
-}
-}  // namespace
-#endif
-
-void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale) {
-#if OVKC_BF16
-    constexpr int kChunk = 32;  // tokens per softmax update: two 16-token key groups
-    const int D = cfg.head_dim;
-    int64_t max_q = rows.qpos[0];
-    for (int r = 1; r < rows.n; ++r) max_q = std::max(max_q, rows.qpos[r]);
-    uint32_t qp[kMaxRows * 256];
-    for (int r = 0; r < rows.n; ++r)
-        for (int d2 = 0; d2 < D / 2; ++d2)
-            qp[r * (D / 2) + d2] = static_cast<uint32_t>(to_bf16(rows.q[r][2 * d2] * scale)) |
-                                   (static_cast<uint32_t>(to_bf16(rows.q[r][2 * d2 + 1] * scale)) << 16);
-    alignas(64) float S[kMaxRows * kChunk];
-    alignas(64) uint32_t pp[kMaxRows * 16];
-    for (int64_t slot0 = 0; slot0 < st.n; slot0 += kChunk) {
-        if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;
-        const int ntok = static_cast<int>(std::min<int64_t>(kChunk, st.n - slot0));
-        const int cols = (ntok + 15) / 16 * 16;
-        for (int g = 0; g < cols / 16; ++g)
-            qk_bf16_rows(rows.n, qp, D, st.k.data() + static_cast<size_t>(slot0 / 16 + g) * D * 16, S + g * 16, kChunk);
-        mask_logits(hc, rows, slot0, ntok, kChunk, S);
-        for (int r = 0; r < rows.n; ++r) {
-            float* s = S + r * kChunk;
-            if (!softmax_step(rows, r, s, cols, D)) {  // nothing causal for this row here: zero probabilities
-                std::fill(pp + r * 16, pp + r * 16 + 16, 0u);
-                continue;
-            }
-            std::fill(s + cols, s + kChunk, 0.0f);
-            const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
-            _mm512_store_si512(pp + r * 16, (__m512i)pb);
-        }
-        const int npairs = (ntok + 1) / 2;
-        const uint16_t* vst = st.v.data() + static_cast<size_t>(slot0 / 2) * D * 2;
-        int r = 0;
-        for (; r + 4 <= rows.n; r += 4) pv_bf16_rows<4>(pp + r * 16, npairs, vst, D, rows.out + r);
-        switch (rows.n - r) {
-            case 1: pv_bf16_rows<1>(pp + r * 16, npairs, vst, D, rows.out + r); break;
-            case 2: pv_bf16_rows<2>(pp + r * 16, npairs, vst, D, rows.out + r); break;
-            case 3: pv_bf16_rows<3>(pp + r * 16, npairs, vst, D, rows.out + r); break;
-            default: break;
-        }
-    }
-    finish_rows(rows, D);
-#else
-    (void)cfg;
-    (void)hc;
-    (void)st;
-    (void)rows;
-    (void)scale;
-    throw Error("bf16 attention is not compiled in (no AVX512-BF16 on the build machine)");
-#endif
-}
-
-// ---- 2-bit blocks ------------------------------------------------------------------------------
-namespace {
-// The six arrays of a 2-bit block (key codes, key scales, key zeros, value codes, value scales,
-// value zeros), typed; const or writable as the block is.
-template <typename Byte>
-struct QArrays {
-    using U32 = std::conditional_t<std::is_const_v<Byte>, const uint32_t, uint32_t>;
-    using U16 = std::conditional_t<std::is_const_v<Byte>, const uint16_t, uint16_t>;
-    U32* kc;
-    U16 *ks, *kz;
-    U32* vc;
-    U16 *vs, *vz;
-};
-
-struct QLayout {
-    int T, D, g;
-    size_t kc, ks, kz, vc, vs, vz;
-    template <typename Byte>
-    QArrays<Byte> arrays(Byte* blk) const {
-        using A = QArrays<Byte>;
-        return {reinterpret_cast<typename A::U32*>(blk + kc), reinterpret_cast<typename A::U16*>(blk + ks),
-                reinterpret_cast<typename A::U16*>(blk + kz), reinterpret_cast<typename A::U32*>(blk + vc),
-                reinterpret_cast<typename A::U16*>(blk + vs), reinterpret_cast<typename A::U16*>(blk + vz)};
-    }
-    explicit QLayout(const PoolConfig& cfg)
-        : T(cfg.block_size), D(cfg.head_dim), g(cfg.quant_group()) {
-        kc = 0;
-        ks = kc + static_cast<size_t>(D) * T / 4;
-        kz = ks + static_cast<size_t>(T / g) * D * 2;
-        vc = kz + static_cast<size_t>(T / g) * D * 2;
-        vs = vc + static_cast<size_t>(T) * D / 4;
-        vz = vs + static_cast<size_t>(T) * (D / g) * 2;
-    }
-};
-
-// One group's (scale, zero) and codes, exactly as quant.quantize_groups: zero = fp16(min), scale =
-// fp16((max - min(zero, min)) / 3), code = round_half_even((x - zero) / scale) clamped to 0..3.
-void quantize_group(const float* x, int n, int stride, uint16_t& scale_out, uint16_t& zero_out, uint8_t* codes) {
-    float lo = x[0], hi = x[0];
-    for (int i = 1; i < n; ++i) {
-        lo = std::min(lo, x[i * stride]);
-        hi = std::max(hi, x[i * stride]);
-    }
-    const uint16_t zero = to_half(lo);
-    const float zf = from_half(zero);
-    const uint16_t scale = to_half((hi - std::min(zf, lo)) / 3.0f);
-    const float sf = from_half(scale);
-    for (int i = 0; i < n; ++i) {
-        float c = 0.0f;
-        if (sf > 0.0f) c = std::min(3.0f, std::max(0.0f, std::nearbyint((x[i * stride] - zf) / sf)));
-        codes[i] = static_cast<uint8_t>(c);
-    }
-    scale_out = scale;
-    zero_out = zero;
-}
-
-#if OVKC_AVX512
-inline __m512 expand_codes(uint32_t word) {
-    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts),
-                                       _mm512_set1_epi32(3));
-    return _mm512_cvtepi32_ps(c);
-}
-#endif
-}  // namespace
-
-void quantize_block(const PoolConfig& cfg, uint8_t* dst, const float* k, const float* v) {
-    const QLayout L(cfg);
-    const auto [kc, ks, kz, vc, vs, vz] = L.arrays(dst);
-    const int T = L.T, D = L.D, g = L.g;
-    std::vector<uint8_t> codes(static_cast<size_t>(std::max(T, D)));
-    std::fill(kc, kc + static_cast<size_t>(D) * T / 16, 0u);
-    std::fill(vc, vc + static_cast<size_t>(T) * D / 16, 0u);
-    for (int c = 0; c < D; ++c)
-        for (int tg = 0; tg < T / g; ++tg) {
-            quantize_group(k + static_cast<size_t>(tg) * g * D + c, g, D, ks[tg * D + c], kz[tg * D + c], codes.data());
-            for (int i = 0; i < g; ++i) {
-                const int t = tg * g + i;
-                kc[c * (T / 16) + t / 16] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)]) << (2 * (t % 16));
-            }
-        }
-    for (int t = 0; t < T; ++t)
-        for (int cg = 0; cg < D / g; ++cg) {
-            quantize_group(v + static_cast<size_t>(t) * D + cg * g, g, 1, vs[t * (D / g) + cg], vz[t * (D / g) + cg],
-                           codes.data());
-            for (int i = 0; i < g; ++i) {
-                const int c = cg * g + i;
-                vc[t * (D / 16) + c / 16] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)]) << (2 * (c % 16));
-            }
-        }
-}
-
-void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k, float* v) {
-    const QLayout L(cfg);
-    const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
-    const int T = L.T, D = L.D, g = L.g, tg = t / g;
-    for (int c = 0; c < D; ++c) {
-        const float code = static_cast<float>((kc[c * (T / 16) + t / 16] >> (2 * (t % 16))) & 3u);
-        k[c] = from_half(kz[tg * D + c]) + code * from_half(ks[tg * D + c]);
-        const float vcode = static_cast<float>((vc[t * (D / 16) + c / 16] >> (2 * (c % 16))) & 3u);
-        v[c] = from_half(vz[t * (D / g) + c / g]) + vcode * from_half(vs[t * (D / g) + c / g]);
-    }
-}
-
-void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
-                  int64_t qb_begin, int64_t qb_end) {
-    const QLayout L(cfg);
-    const int T = L.T, D = L.D, g = L.g, R = rows.n;
-    if (tls.s.size() < static_cast<size_t>(kMaxRows) * T) tls.s.resize(static_cast<size_t>(kMaxRows) * T);
-    float* S = tls.s.data();
-    const float* q[kMaxRows];
-    scaled_queries(rows, D, scale, tls.q, q);
-    std::vector<float>& qs = tls.k;  // q * key scale of the current token group, [R][D]
-    if (qs.size() < static_cast<size_t>(kMaxRows) * D) qs.resize(static_cast<size_t>(kMaxRows) * D);
-    std::vector<float> sf(static_cast<size_t>(D)), zf(static_cast<size_t>(D));
-    qb_end = std::min<int64_t>(qb_end, static_cast<int64_t>(hc.qblocks.size()));
-    for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-        const uint8_t* blk = pool.qblock(hc.qblocks[static_cast<size_t>(qb)]);
-        const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
-        // logits: per key group, q.k = q.zero + sum_c (q_c * scale_c) * code_c
-        for (int tg = 0; tg < T / g; ++tg) {
-            half_to_float(ks + tg * D, sf.data(), D);
-            half_to_float(kz + tg * D, zf.data(), D);
-            float bias[kMaxRows];
-            for (int r = 0; r < R; ++r) {
-                float b = 0.0f;
-                for (int c = 0; c < D; ++c) {
-                    b += q[r][c] * zf[static_cast<size_t>(c)];
-                    qs[static_cast<size_t>(r) * D + c] = q[r][c] * sf[static_cast<size_t>(c)];
-                }
-                bias[r] = b;
-            }
-            for (int w = tg * g / 16; w < (tg + 1) * g / 16; ++w) {
-#if OVKC_AVX512
-                __m512 acc[kMaxRows];
-                for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(bias[r]);
-                for (int c = 0; c < D; ++c) {
-                    const __m512 codes = expand_codes(kc[c * (T / 16) + w]);
-                    for (int r = 0; r < R; ++r)
-                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[static_cast<size_t>(r) * D + c]), codes, acc[r]);
-                }
-                for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * T + w * 16, acc[r]);
-#else
-                for (int r = 0; r < R; ++r)
-                    for (int j = 0; j < 16; ++j) {
-                        float a = bias[r];
-                        for (int c = 0; c < D; ++c)
-                            a += qs[static_cast<size_t>(r) * D + c] *
-                                 static_cast<float>((kc[c * (T / 16) + w] >> (2 * j)) & 3u);
-                        S[r * T + w * 16 + j] = a;
-                    }
-#endif
-            }
-        }
-        // online softmax (every token of a 2-bit block is older than the step's queries)
-        for (int r = 0; r < R; ++r)
-            if (!softmax_step(rows, r, S + r * T, T, D)) std::fill(S + r * T, S + (r + 1) * T, 0.0f);
-        // p.v: out += (p * scale) * codes + p * zero, per value group
-        for (int t = 0; t < T; ++t) {
-            const uint32_t* words = vc + t * (D / 16);
-            for (int cg = 0; cg < D / g; ++cg) {
-                const float vsc = from_half(vs[t * (D / g) + cg]), vzr = from_half(vz[t * (D / g) + cg]);
-                for (int r = 0; r < R; ++r) {
-                    const float p = S[r * T + t];
-                    if (p == 0.0f) continue;
-                    for (int w = cg * g / 16; w < (cg + 1) * g / 16; ++w) {
-#if OVKC_AVX512
-                        float* o = rows.out[r] + w * 16;
-                        const __m512 base = _mm512_fmadd_ps(_mm512_set1_ps(p * vsc), expand_codes(words[w]),
-                                                            _mm512_set1_ps(p * vzr));
-                        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), base));
-#else
-                        for (int j = 0; j < 16; ++j)
-                            rows.out[r][w * 16 + j] += p * vsc * static_cast<float>((words[w] >> (2 * j)) & 3u) + p * vzr;
-#endif
-                    }
-                }
-            }
-        }
-    }
-}
-
-const char* kernel_isa() { return OVKC_BF16 ? "avx512+bf16" : OVKC_AVX512 ? "avx512" : "scalar"; }
 
 }  // namespace ovkc

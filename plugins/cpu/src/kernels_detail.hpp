@@ -1,0 +1,114 @@
+// What the kernel files share (kernels.cpp, kernels_bf16.cpp, kernels_quant.cpp): the vector-unit
+// switches, f16 conversion, thread-local scratch, a block's float view and the online-softmax
+// step. Internal to the kernels; the interface is kernels.hpp.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#    include <immintrin.h>
+#    define OVKC_AVX512 1
+#else
+#    define OVKC_AVX512 0
+#endif
+#if OVKC_AVX512 && defined(__AVX512BF16__)
+#    define OVKC_BF16 1
+#else
+#    define OVKC_BF16 0
+#endif
+
+
+#include "kernels.hpp"
+
+namespace ovkc {
+namespace detail {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- half precision -------------------------------------------------------------------------
+inline uint16_t to_half(float f) {
+#if OVKC_AVX512
+    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
+    if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+    if (absx < 0x38800000u) {                                                // subnormal half or zero
+        if (absx < 0x33000000u) return static_cast<uint16_t>(sign);
+        const uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
+        const int shift = 126 - static_cast<int>(absx >> 23);
+        uint32_t h = mant >> (shift + 1);
+        const uint32_t rem = mant & ((1u << (shift + 1)) - 1u);
+        const uint32_t half = 1u << shift;
+        if (rem > half || (rem == half && (h & 1u))) ++h;
+        return static_cast<uint16_t>(sign | h);
+    }
+    uint32_t h = ((absx - 0x38000000u) >> 13);
+    const uint32_t rem = absx & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+#endif
+}
+
+inline float from_half(uint16_t h) {
+#if OVKC_AVX512
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t x;
+    if (exp == 0) {
+        if (mant == 0) {
+            x = sign;
+        } else {
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                --exp;
+            }
+            x = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        x = sign | 0x7f800000u | (mant << 13);
+    } else {
+        x = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &x, 4);
+    return f;
+#endif
+}
+
+void half_to_float(const uint16_t* src, float* dst, int64_t n);
+void float_to_half(const float* src, uint16_t* dst, int64_t n);
+
+// Per-thread buffers (a converted block, logits, scaled queries).
+struct Scratch {
+    std::vector<float> k, v, s, q;
+};
+inline Scratch& scratch() {
+    thread_local Scratch tls;
+    return tls;
+}
+
+// Keys (transposed, [D][bs]) and values ([bs][D]) of a block as floats: the block itself for
+// f32, a converted copy in thread-local scratch for f16 (columns [j0, j1) only).
+void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0, int j1, const float*& kt,
+                  const float*& v);
+// Mask the slots that are not held or are after each row's position (logits already scaled).
+void mask_logits(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float* S);
+// Query rows multiplied by the logit scale, in `buf` (the kernels then produce scaled logits).
+void scaled_queries(const RowSet& rows, int D, float scale, std::vector<float>& buf, const float* out[kMaxRows]);
+// One online-softmax step of row r over the next `cols` scaled logits in s (masked ones -inf);
+// false when none of these keys is visible to the row.
+bool softmax_step(RowSet& rows, int r, float* s, int cols, int D);
+
+}  // namespace detail
+}  // namespace ovkc

@@ -1,0 +1,198 @@
+// MiniKV's 2-bit blocks: quantize, dequantize, and attend them with the dequantization inside the
+// dot products (kernels.hpp: quantize_block, dequantize_token, attend_quant).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels_detail.hpp"
+
+namespace ovkc {
+
+using namespace detail;
+
+// ---- 2-bit blocks ------------------------------------------------------------------------------
+namespace {
+// The six arrays of a 2-bit block (key codes, key scales, key zeros, value codes, value scales,
+// value zeros), typed; const or writable as the block is.
+template <typename Byte>
+struct QArrays {
+    using U32 = std::conditional_t<std::is_const_v<Byte>, const uint32_t, uint32_t>;
+    using U16 = std::conditional_t<std::is_const_v<Byte>, const uint16_t, uint16_t>;
+    U32* kc;
+    U16 *ks, *kz;
+    U32* vc;
+    U16 *vs, *vz;
+};
+
+struct QLayout {
+    int T, D, g;
+    size_t kc, ks, kz, vc, vs, vz;
+    template <typename Byte>
+    QArrays<Byte> arrays(Byte* blk) const {
+        using A = QArrays<Byte>;
+        return {reinterpret_cast<typename A::U32*>(blk + kc), reinterpret_cast<typename A::U16*>(blk + ks),
+                reinterpret_cast<typename A::U16*>(blk + kz), reinterpret_cast<typename A::U32*>(blk + vc),
+                reinterpret_cast<typename A::U16*>(blk + vs), reinterpret_cast<typename A::U16*>(blk + vz)};
+    }
+    explicit QLayout(const PoolConfig& cfg)
+        : T(cfg.block_size), D(cfg.head_dim), g(cfg.quant_group()) {
+        kc = 0;
+        ks = kc + static_cast<size_t>(D) * T / 4;
+        kz = ks + static_cast<size_t>(T / g) * D * 2;
+        vc = kz + static_cast<size_t>(T / g) * D * 2;
+        vs = vc + static_cast<size_t>(T) * D / 4;
+        vz = vs + static_cast<size_t>(T) * (D / g) * 2;
+    }
+};
+
+// One group's (scale, zero) and codes, exactly as quant.quantize_groups: zero = fp16(min), scale =
+// fp16((max - min(zero, min)) / 3), code = round_half_even((x - zero) / scale) clamped to 0..3.
+void quantize_group(const float* x, int n, int stride, uint16_t& scale_out, uint16_t& zero_out, uint8_t* codes) {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < n; ++i) {
+        lo = std::min(lo, x[i * stride]);
+        hi = std::max(hi, x[i * stride]);
+    }
+    const uint16_t zero = to_half(lo);
+    const float zf = from_half(zero);
+    const uint16_t scale = to_half((hi - std::min(zf, lo)) / 3.0f);
+    const float sf = from_half(scale);
+    for (int i = 0; i < n; ++i) {
+        float c = 0.0f;
+        if (sf > 0.0f) c = std::min(3.0f, std::max(0.0f, std::nearbyint((x[i * stride] - zf) / sf)));
+        codes[i] = static_cast<uint8_t>(c);
+    }
+    scale_out = scale;
+    zero_out = zero;
+}
+
+#if OVKC_AVX512
+inline __m512 expand_codes(uint32_t word) {
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts),
+                                       _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_ps(c);
+}
+#endif
+}  // namespace
+
+void quantize_block(const PoolConfig& cfg, uint8_t* dst, const float* k, const float* v) {
+    const QLayout L(cfg);
+    const auto [kc, ks, kz, vc, vs, vz] = L.arrays(dst);
+    const int T = L.T, D = L.D, g = L.g;
+    std::vector<uint8_t> codes(static_cast<size_t>(std::max(T, D)));
+    std::fill(kc, kc + static_cast<size_t>(D) * T / 16, 0u);
+    std::fill(vc, vc + static_cast<size_t>(T) * D / 16, 0u);
+    for (int c = 0; c < D; ++c)
+        for (int tg = 0; tg < T / g; ++tg) {
+            quantize_group(k + static_cast<size_t>(tg) * g * D + c, g, D, ks[tg * D + c], kz[tg * D + c], codes.data());
+            for (int i = 0; i < g; ++i) {
+                const int t = tg * g + i;
+                kc[c * (T / 16) + t / 16] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)]) << (2 * (t % 16));
+            }
+        }
+    for (int t = 0; t < T; ++t)
+        for (int cg = 0; cg < D / g; ++cg) {
+            quantize_group(v + static_cast<size_t>(t) * D + cg * g, g, 1, vs[t * (D / g) + cg], vz[t * (D / g) + cg],
+                           codes.data());
+            for (int i = 0; i < g; ++i) {
+                const int c = cg * g + i;
+                vc[t * (D / 16) + c / 16] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)]) << (2 * (c % 16));
+            }
+        }
+}
+
+void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k, float* v) {
+    const QLayout L(cfg);
+    const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
+    const int T = L.T, D = L.D, g = L.g, tg = t / g;
+    for (int c = 0; c < D; ++c) {
+        const float code = static_cast<float>((kc[c * (T / 16) + t / 16] >> (2 * (t % 16))) & 3u);
+        k[c] = from_half(kz[tg * D + c]) + code * from_half(ks[tg * D + c]);
+        const float vcode = static_cast<float>((vc[t * (D / 16) + c / 16] >> (2 * (c % 16))) & 3u);
+        v[c] = from_half(vz[t * (D / g) + c / g]) + vcode * from_half(vs[t * (D / g) + c / g]);
+    }
+}
+
+void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
+                  int64_t qb_begin, int64_t qb_end) {
+    const QLayout L(cfg);
+    const int T = L.T, D = L.D, g = L.g, R = rows.n;
+    Scratch& tls = scratch();
+    if (tls.s.size() < static_cast<size_t>(kMaxRows) * T) tls.s.resize(static_cast<size_t>(kMaxRows) * T);
+    float* S = tls.s.data();
+    const float* q[kMaxRows];
+    scaled_queries(rows, D, scale, tls.q, q);
+    std::vector<float>& qs = tls.k;  // q * key scale of the current token group, [R][D]
+    if (qs.size() < static_cast<size_t>(kMaxRows) * D) qs.resize(static_cast<size_t>(kMaxRows) * D);
+    std::vector<float> sf(static_cast<size_t>(D)), zf(static_cast<size_t>(D));
+    qb_end = std::min<int64_t>(qb_end, static_cast<int64_t>(hc.qblocks.size()));
+    for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+        const uint8_t* blk = pool.qblock(hc.qblocks[static_cast<size_t>(qb)]);
+        const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
+        // logits: per key group, q.k = q.zero + sum_c (q_c * scale_c) * code_c
+        for (int tg = 0; tg < T / g; ++tg) {
+            half_to_float(ks + tg * D, sf.data(), D);
+            half_to_float(kz + tg * D, zf.data(), D);
+            float bias[kMaxRows];
+            for (int r = 0; r < R; ++r) {
+                float b = 0.0f;
+                for (int c = 0; c < D; ++c) {
+                    b += q[r][c] * zf[static_cast<size_t>(c)];
+                    qs[static_cast<size_t>(r) * D + c] = q[r][c] * sf[static_cast<size_t>(c)];
+                }
+                bias[r] = b;
+            }
+            for (int w = tg * g / 16; w < (tg + 1) * g / 16; ++w) {
+#if OVKC_AVX512
+                __m512 acc[kMaxRows];
+                for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(bias[r]);
+                for (int c = 0; c < D; ++c) {
+                    const __m512 codes = expand_codes(kc[c * (T / 16) + w]);
+                    for (int r = 0; r < R; ++r)
+                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[static_cast<size_t>(r) * D + c]), codes, acc[r]);
+                }
+                for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * T + w * 16, acc[r]);
+#else
+                for (int r = 0; r < R; ++r)
+                    for (int j = 0; j < 16; ++j) {
+                        float a = bias[r];
+                        for (int c = 0; c < D; ++c)
+                            a += qs[static_cast<size_t>(r) * D + c] *
+                                 static_cast<float>((kc[c * (T / 16) + w] >> (2 * j)) & 3u);
+                        S[r * T + w * 16 + j] = a;
+                    }
+#endif
+            }
+        }
+        // online softmax (every token of a 2-bit block is older than the step's queries)
+        for (int r = 0; r < R; ++r)
+            if (!softmax_step(rows, r, S + r * T, T, D)) std::fill(S + r * T, S + (r + 1) * T, 0.0f);
+        // p.v: out += (p * scale) * codes + p * zero, per value group
+        for (int t = 0; t < T; ++t) {
+            const uint32_t* words = vc + t * (D / 16);
+            for (int cg = 0; cg < D / g; ++cg) {
+                const float vsc = from_half(vs[t * (D / g) + cg]), vzr = from_half(vz[t * (D / g) + cg]);
+                for (int r = 0; r < R; ++r) {
+                    const float p = S[r * T + t];
+                    if (p == 0.0f) continue;
+                    for (int w = cg * g / 16; w < (cg + 1) * g / 16; ++w) {
+#if OVKC_AVX512
+                        float* o = rows.out[r] + w * 16;
+                        const __m512 base = _mm512_fmadd_ps(_mm512_set1_ps(p * vsc), expand_codes(words[w]),
+                                                            _mm512_set1_ps(p * vzr));
+                        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), base));
+#else
+                        for (int j = 0; j < 16; ++j)
+                            rows.out[r][w * 16 + j] += p * vsc * static_cast<float>((words[w] >> (2 * j)) & 3u) + p * vzr;
+#endif
+                    }
+                }
+            }
+        }
+    }
+}
+
+const char* kernel_isa() { return OVKC_BF16 ? "avx512+bf16" : OVKC_AVX512 ? "avx512" : "scalar"; }
+
+}  // namespace ovkc
