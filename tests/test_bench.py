@@ -61,14 +61,14 @@ def test_plan_runs_each_method_where_it_can_and_anchors_on_native_full():
 
 
 def test_percentile_and_floor_arithmetic():
-    assert bench.percentile([5.0], 90) == 5.0
-    assert bench.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 50) == pytest.approx(5.5)
-    assert bench.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == pytest.approx(9.1)
-    assert bench.percentile([10, 0], 100) == 10
+    assert bench.measure.percentile([5.0], 90) == 5.0
+    assert bench.measure.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 50) == pytest.approx(5.5)
+    assert bench.measure.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == pytest.approx(9.1)
+    assert bench.measure.percentile([10, 0], 100) == 10
     # 100 MB of weights + 20 MB of KV at 12 GB/s: 10 ms
-    assert bench.floor_ms(100_000_000, 20_000_000, 12.0) == pytest.approx(10.0)
+    assert bench.measure.floor_ms(100_000_000, 20_000_000, 12.0) == pytest.approx(10.0)
     with pytest.raises(ConfigError, match="bandwidth"):
-        bench.floor_ms(1, 1, 0.0)
+        bench.measure.floor_ms(1, 1, 0.0)
 
 
 def _run(label, backend, method, budget, length, rep, ttft, tpot, kv, rss=1000, correct=True):
@@ -166,8 +166,8 @@ class FakeEngine:
 
 
 def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypatch):
-    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
-    monkeypatch.setattr(bench, "weight_bytes", lambda engine: 50_000_000)
+    monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench.measure, "weight_bytes", lambda engine: 50_000_000)
     log: list = []
     speed = {"genai": 4.0, "openvino": 2.0}
     plan = BenchPlan(backends=("genai", "openvino"), methods=("full", "snapkv"), budgets=(256,), lengths=(300, 600))
@@ -203,8 +203,8 @@ def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypat
 
 
 def test_run_bench_uses_a_fresh_prompt_every_repeat(monkeypatch):
-    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
-    monkeypatch.setattr(bench, "weight_bytes", lambda engine: 1)
+    monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench.measure, "weight_bytes", lambda engine: 1)
     prompts: list[str] = []
 
     class Recorder(FakeEngine):
@@ -219,8 +219,8 @@ def test_run_bench_uses_a_fresh_prompt_every_repeat(monkeypatch):
 
 
 def test_bench_plot_writes_a_png(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
-    monkeypatch.setattr(bench, "weight_bytes", lambda engine: 1)
+    monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench.measure, "weight_bytes", lambda engine: 1)
     plan = BenchPlan(backends=("genai", "openvino"), methods=("full",), budgets=(128,), lengths=(200, 400))
     plan.repeats, plan.new_tokens, plan.isolate = 1, 3, False
     doc = bench.run_bench(plan, engine_factory=lambda c: FakeEngine(c, 1.0, 1, []))
@@ -266,7 +266,7 @@ def holding_engine(cfg: BenchConfig) -> HoldingEngine:
 def test_isolated_configurations_report_their_own_memory(monkeypatch):
     """In worker processes, one configuration's 96 MiB shows in its own peak RSS and not in the
     other's; in one process, the other configuration's peak includes them (why isolation is on)."""
-    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
     plan = BenchPlan(backends=("genai", "openvino"), methods=("snapkv",), budgets=(256,), lengths=(300,))
     plan.repeats, plan.new_tokens = 2, 3
     doc = bench.run_bench(plan, engine_factory=holding_engine)
@@ -302,7 +302,7 @@ def refusing_engine(cfg: BenchConfig) -> FakeEngine:
 
 
 def test_a_dying_or_failing_worker_is_a_clear_error_naming_the_configuration(monkeypatch):
-    monkeypatch.setattr(bench, "measure_bandwidth_gbps", lambda: 20.0)
+    monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
     plan = BenchPlan(backends=("openvino",), methods=("snapkv",), budgets=(256,), lengths=(300,))
     plan.repeats, plan.new_tokens = 1, 3
     with pytest.raises(bench.WorkerError, match=r"'openvino snapkv @256' died \(exit code 7\)"):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import H2OConfig, PyramidKVConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.attention import attend
-from ov_kvcrush.methods.importance import (
+from ov_kvcrush.methods.selection import (
     adaptive_head_budgets,
     keep_indices,
     keep_indices_ragged,

@@ -154,7 +154,7 @@ def test_budget_larger_than_context_keeps_all_and_zero_representatives_is_import
     s = kvcrush_select(scores, 80, 4, 4, 10)[0]
     assert s.keep.tolist() == list(range(50))
     s0 = kvcrush_select(scores, 30, 4, 4, 0)[0]
-    from ov_kvcrush.methods.importance import keep_indices
+    from ov_kvcrush.methods.selection import keep_indices
 
     assert s0.keep.tolist() == keep_indices(scores.sum(1, keepdim=True), 30, 4, 4)[0, 0].tolist()
     with pytest.raises(ConfigError, match="representatives"):

@@ -48,7 +48,8 @@ import torch
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, check_scores
 from ov_kvcrush.methods.base import topk_indices
-from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig, keep_indices
+from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig
+from ov_kvcrush.methods.selection import keep_indices
 from ov_kvcrush.validation import check_choice, check_int
 
 ANCHOR_MODES = ("random", "zeros", "ones", "mean", "alternating")

@@ -1,0 +1,183 @@
+"""What a bench run measures: its configurations (backend x method x budget, checked before
+anything loads), the run order (interleaved repeats) and the dry run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ov_kvcrush.errors import ConfigError, UserError
+
+#: backends the harness runs (``genai``: native openvino_genai, the anchor)
+BENCH_BACKENDS = ("genai", "openvino", "torch")
+
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration: a backend running a method at a budget (``None`` for the full cache)."""
+
+    backend: str
+    method: str
+    budget: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        tail = "" if self.budget is None else f" @{self.budget}"
+        opts = "".join(f" {k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.backend} {self.method}{opts}{tail}"
+
+
+def backend_methods(backend: str) -> tuple[str, ...]:
+    """The methods ``backend`` runs (``full`` included)."""
+    from ov_kvcrush.methods import methods_for
+
+    if backend not in BENCH_BACKENDS:
+        raise ConfigError("backend", backend, "one of " + ", ".join(BENCH_BACKENDS))
+    return methods_for(backend)
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """Refuse a configuration the backend cannot run, naming the field and what is allowed."""
+    from ov_kvcrush.config import to_native_scheduler_config
+
+    allowed = backend_methods(cfg.backend)
+    if cfg.method not in allowed:
+        raise ConfigError("method", cfg.method, f"one of {', '.join(allowed)} (backend {cfg.backend})")
+    if cfg.method == "full":
+        if cfg.budget is not None:
+            raise ConfigError("budget", cfg.budget, "none for method full")
+        if cfg.options:
+            raise ConfigError("options", cfg.options, "none for method full")
+        return
+    if cfg.budget is None or cfg.budget < 1:
+        raise ConfigError("budget", cfg.budget, f"a positive token count for method {cfg.method}")
+    comp = compression(cfg)  # the method checks its own options and ranges
+    if cfg.backend == "genai":  # native constraints (block multiples ...)
+        to_native_scheduler_config(comp, "CPU")
+
+
+def compression(cfg: BenchConfig) -> Any:
+    """The :class:`~ov_kvcrush.config.CompressionConfig` a configuration runs."""
+    from ov_kvcrush.config import CompressionConfig, parse_method_budget
+
+    if cfg.method == "full":
+        return CompressionConfig()
+    return parse_method_budget(cfg.method, cfg.budget, options=dict(cfg.options))
+
+
+def parse_method(item: str) -> tuple[str, dict[str, Any]]:
+    """A ``--methods`` item: a method name, optionally with method options after colons
+    (``kvcrush:block_size=32``, ``snapkv:quant=true``; values as in ``--option``)."""
+    from ov_kvcrush.config import parse_options
+
+    name, *opts = item.split(":")
+    if not name.strip():
+        raise ConfigError("methods", item, "a method name, optionally followed by :KEY=VALUE options")
+    return name.strip(), parse_options(opts, flag=f"--methods {name.strip()}:")
+
+
+def plan_configs(
+    backends: Sequence[str], methods: Sequence[str], budgets: Sequence[int], *, anchors: bool = True
+) -> list[BenchConfig]:
+    """Every backend x method x budget, where the backend has the method, plus (``anchors``) native
+    full cache, the configuration every ratio divides by.
+
+    ``methods`` items may carry options (see :func:`parse_method`). A method a listed backend
+    does not have, or options it does not take, are left out for that backend (ClusterKV, or
+    KVCrush's ``block_size``, on the native backend); but a method or options no listed backend
+    takes, an unknown backend, or a budget a backend refuses for a method it has is an error
+    naming the field. ``full`` runs once per backend.
+    """
+    for b in backends:
+        backend_methods(b)
+    configs: list[BenchConfig] = [BenchConfig("genai", "full")] if anchors else []
+    for item in methods:
+        m, options = parse_method(item)
+        where = [b for b in backends if m in backend_methods(b)]
+        if not where:
+            check_config(BenchConfig(backends[0], m, None if m == "full" else budgets[0]))  # raises, naming it
+        per_budget: Sequence[int | None] = [None] if m == "full" else budgets
+        if options:  # options are the backend's: kept where they are accepted, an error nowhere
+            refused = []
+            for b in list(where):
+                try:
+                    check_config(BenchConfig(b, m, per_budget[0], options))
+                except UserError as exc:
+                    refused.append(exc)
+                    where.remove(b)
+            if not where:
+                raise refused[0]
+        for b in where:
+            for c in [BenchConfig(b, m, x, options) for x in per_budget]:
+                check_config(c)
+                if c not in configs:
+                    configs.append(c)
+    return configs
+
+
+def schedule(
+    configs: Sequence[BenchConfig], lengths: Sequence[int], repeats: int
+) -> list[tuple[int, int, BenchConfig]]:
+    """The order of the runs: ``(repeat, length, config)``; forward on even repeats, backward on odd."""
+    if repeats < 1:
+        raise ConfigError("repeats", repeats, "an integer >= 1")
+    order = []
+    for r in range(repeats):
+        for n in lengths:
+            for c in configs if r % 2 == 0 else list(reversed(configs)):
+                order.append((r, n, c))
+    return order
+
+
+@dataclass
+class BenchPlan:
+    """What ``ov-kvcrush bench`` runs (see the module docstring).
+
+    ``methods`` items may carry options (``kvcrush:block_size=32``). ``device`` is where the torch
+    backend runs (``cpu``, ``cuda``, ``cuda:N``); the OpenVINO backends run on the CPU. ``isolate``
+    runs every configuration in its own worker process (its peak RSS is its own); without it, one
+    process holds every engine and the RSS column is that process's.
+    """
+
+    backends: tuple[str, ...] = ("genai", "openvino")
+    methods: tuple[str, ...] = ("full", "kvcrush", "snapkv")
+    budgets: tuple[int, ...] = (1024,)
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    repeats: int = 2
+    new_tokens: int = 32
+    seed: int = 0
+    model: str | None = None
+    device: str = "cpu"
+    isolate: bool = True
+
+
+def device_of(cfg: BenchConfig, plan: BenchPlan) -> str:
+    """Where a configuration runs: the plan's device for the torch backend, else the CPU."""
+    return plan.device.lower() if cfg.backend == "torch" else "cpu"
+
+
+def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, int, BenchConfig]]]:
+    """The plan's configurations and run order, every field checked; nothing is loaded."""
+    configs = plan_configs(plan.backends, plan.methods, plan.budgets)
+    order = schedule(configs, plan.lengths, plan.repeats)
+    if plan.new_tokens < 2:
+        raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
+    for n in plan.lengths:
+        if not isinstance(n, int) or n < 64:
+            raise ConfigError("lengths", n, "prompt lengths of at least 64 tokens")
+    return configs, order
+
+
+def dry_run(plan: BenchPlan) -> str:
+    """What :func:`run_bench` would run, checked as it would be (configurations, lengths, runs),
+    without loading a model: a committed benchmark command can be checked in a test."""
+    configs, order = checked_plan(plan)
+    head = f"{len(configs)} configurations x {len(plan.lengths)} lengths x {plan.repeats} repeats"
+    lines = [f"{head} = {len(order)} runs", *(f"  {c.label}" for c in configs)]
+    lines.append("lengths: " + ", ".join(str(n) for n in plan.lengths))
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""A bench run's results: medians and ratios per configuration and length (``summarize``), the
+JSON schema check, the plot and the text and Markdown tables."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ov_kvcrush.bench.measure import floor_ms
+
+#: keys every entry of ``results`` carries (the JSON schema's required part; more keys are added)
+RESULT_KEYS = ("backend", "method", "budget", "length", "ttft_ms", "tpot_ms", "kv_bytes", "peak_rss_bytes")
+
+
+def summarize(
+    runs: Iterable[dict[str, Any]], weight_bytes: dict[str, int], bandwidth_gbps: float | dict[str, float]
+) -> list[dict[str, Any]]:
+    """One result per (configuration, length): medians over the repeats, and the ratios.
+
+    ``weight_bytes`` maps a backend to the bytes of weights one decode step reads;
+    ``bandwidth_gbps`` is the CPU's, or a mapping from device (a run's ``device``, default
+    ``cpu``) to its bandwidth.
+    """
+    bandwidths = bandwidth_gbps if isinstance(bandwidth_gbps, dict) else {"cpu": bandwidth_gbps}
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["label"], run["length"]), []).append(run)
+    results = []
+    for (label, length), mine in groups.items():
+        first = mine[0]
+        tpot = statistics.median(r["tpot_ms"] for r in mine)
+        kv = statistics.median(r["kv_bytes"] for r in mine)
+        row = {
+            "label": label,
+            "backend": first["backend"],
+            "method": first["method"],
+            "budget": first["budget"],
+            "options": first["options"],
+            "length": length,
+            "prompt_tokens": first["prompt_tokens"],
+            "runs": len(mine),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in mine),
+            "tpot_ms": tpot,
+            "tpot_p90_ms": statistics.median(r["tpot_p90_ms"] for r in mine),
+            "decode_tokens_per_s": 1e3 / tpot if tpot else 0.0,
+            "kv_bytes": int(kv),
+            "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in mine)),
+            "engine_rss_bytes": first.get("engine_rss_bytes"),
+            "device": first.get("device", "cpu"),
+            "correct": sum(bool(r["correct"]) for r in mine),
+        }
+        for key in ("policy_decode_share", "policy_prefill_share"):
+            vals = [r[key] for r in mine if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
+        row["floor_ms"] = floor_ms(weight_bytes[first["backend"]], row["kv_bytes"], bandwidths[row["device"]])
+        row["tpot_vs_floor"] = tpot / row["floor_ms"] if row["floor_ms"] else None
+        results.append(row)
+    anchors = {r["length"]: r for r in results if r["backend"] == "genai" and r["method"] == "full"}
+    for r in results:
+        base = anchors.get(r["length"])
+        r["tpot_vs_native_full"] = r["tpot_ms"] / base["tpot_ms"] if base and base["tpot_ms"] else None
+        r["kv_vs_native_full"] = r["kv_bytes"] / base["kv_bytes"] if base and base["kv_bytes"] else None
+    return results
+
+
+def validate_doc(doc: dict[str, Any]) -> None:
+    """Check a bench JSON document's schema (the keys and types other tools may rely on)."""
+    for key, kind in (("results", list), ("bandwidth_gbps", (int, float)), ("machine", dict), ("runs", list)):
+        if not isinstance(doc.get(key), kind):
+            raise ValueError(f"bench JSON: {key!r} missing or not a {getattr(kind, '__name__', kind)}")
+    for i, r in enumerate(doc["results"]):
+        missing = [k for k in RESULT_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"bench JSON: results[{i}] lacks {', '.join(missing)}")
+        for k in ("length", "kv_bytes", "peak_rss_bytes"):
+            if not isinstance(r[k], int) or r[k] < 0:
+                raise ValueError(f"bench JSON: results[{i}].{k} must be a non-negative integer")
+        for k in ("ttft_ms", "tpot_ms"):
+            if not isinstance(r[k], (int, float)) or r[k] < 0:
+                raise ValueError(f"bench JSON: results[{i}].{k} must be a non-negative number")
+        if r["budget"] is not None and not isinstance(r["budget"], int):
+            raise ValueError(f"bench JSON: results[{i}].budget must be an integer or null")
+
+
+def plot(doc: dict[str, Any], out: str | Path) -> None:
+    """TPOT vs length and KV bytes vs length, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5.5))
+    labels = list(dict.fromkeys(r["label"] for r in doc["results"]))
+    # one colour per method and options (the same across backends), one line style per backend
+    kinds = list(dict.fromkeys(label.split(" ", 1)[1] for label in labels))
+    colours = plt.get_cmap("tab20" if len(kinds) > 10 else "tab10")
+    styles = {"genai": "--", "openvino": "-", "torch": ":"}
+    for label in labels:
+        rows = sorted((r for r in doc["results"] if r["label"] == label), key=lambda r: r["length"])
+        xs = [r["length"] for r in rows]
+        kw = {"color": colours(kinds.index(label.split(" ", 1)[1])), "marker": "o", "label": label}
+        a.plot(xs, [r["tpot_ms"] for r in rows], styles.get(rows[0]["backend"], "-"), **kw)
+        b.plot(xs, [r["kv_bytes"] / 2**20 for r in rows], styles.get(rows[0]["backend"], "-"), **kw)
+    a.set(xlabel="context length (tokens)", ylabel="TPOT (ms, median)", title="decode time per token")
+    b.set(xlabel="context length (tokens)", ylabel="KV cache held (MiB)", title="KV memory", yscale="log")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.set_xscale("log", base=2)
+    b.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(f"ov-kvcrush bench ({doc['machine']['cpu']}, {doc['bandwidth_gbps']:.1f} GB/s copy bandwidth)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The results as a text table (one line per configuration and length).
+
+    ``xTPOT``/``xKV``: ratios to native full cache at that length; ``xfloor``: TPOT over the
+    bandwidth floor; ``pre%``/``dec%``: the method's own share of prefill/decode time (selection,
+    clustering, merging, quantising; measured inside our op and the torch cache); ``RSS``: peak
+    resident memory of the configuration's process during its runs."""
+    head = (
+        f"{'configuration':38s} {'tokens':>6s} {'TTFT ms':>8s} {'TPOT ms':>8s} {'p90':>6s} {'tok/s':>6s} "
+        f"{'KV MiB':>8s} {'xTPOT':>6s} {'xKV':>6s} {'xfloor':>6s} {'pre%':>5s} {'dec%':>5s} {'RSS MiB':>8s}"
+    )
+    lines = [head]
+
+    def ratio(x: float | None, digits: int = 2) -> str:
+        return f"{x:6.{digits}f}" if x is not None else f"{'':6s}"
+
+    def share(x: float | None) -> str:
+        return f"{100 * x:5.1f}" if x is not None else f"{'':5s}"
+
+    for r in doc["results"]:
+        lines.append(
+            f"{r['label']:38s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
+            f"{r['decode_tokens_per_s']:6.1f} {r['kv_bytes'] / 2**20:8.2f} {ratio(r['tpot_vs_native_full'])} "
+            f"{ratio(r['kv_vs_native_full'], 3)} {ratio(r['tpot_vs_floor'])} "
+            f"{share(r.get('policy_prefill_share'))} {share(r.get('policy_decode_share'))} "
+            f"{r['peak_rss_bytes'] / 2**20:8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def format_markdown(doc: dict[str, Any]) -> str:
+    """The results as a Markdown table, for the committed results page."""
+
+    def x(v: float | None, digits: int = 2) -> str:
+        return "" if v is None else f"{v:.{digits}f}×"
+
+    def pct(v: float | None) -> str:
+        return "" if v is None else f"{100 * v:.1f} %"
+
+    lines = [
+        "| configuration | tokens | TTFT ms | TPOT ms (median) | p90 | tok/s | KV MiB | TPOT vs native full "
+        "| KV vs native full | TPOT vs floor | method share of prefill | of decode | peak RSS MiB | passkey |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['label']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | {r['tpot_ms']:.1f} | {r['tpot_p90_ms']:.1f} "
+            f"| {r['decode_tokens_per_s']:.1f} | {r['kv_bytes'] / 2**20:.2f} | {x(r['tpot_vs_native_full'])} "
+            f"| {x(r['kv_vs_native_full'], 3)} | {x(r['tpot_vs_floor'])} | {pct(r.get('policy_prefill_share'))} "
+            f"| {pct(r.get('policy_decode_share'))} | {r['peak_rss_bytes'] / 2**20:.0f} | {r['correct']}/{r['runs']} |"
+        )
+    return "\n".join(lines)

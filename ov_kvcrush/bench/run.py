@@ -1,0 +1,134 @@
+"""Running a plan: load every configuration (each in its worker), measure the bandwidth, time the
+runs in the scheduled order on fresh prompts, and assemble the JSON document."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from ov_kvcrush.bench import measure
+from ov_kvcrush.bench.plan import BenchConfig, BenchPlan, checked_plan, device_of
+from ov_kvcrush.bench.report import summarize
+from ov_kvcrush.bench.worker import LocalRunner, Worker, build_engine
+
+
+def run_bench(
+    plan: BenchPlan,
+    *,
+    progress: Callable[[str], None] | None = None,
+    engine_factory: Callable[[BenchConfig], Any] | None = None,
+) -> dict[str, Any]:
+    """Run the plan; return the JSON document (``results``, ``runs``, ``bandwidth_gbps``, ...).
+
+    ``engine_factory`` replaces the real engines (tests); with ``plan.isolate`` it must be picklable
+    (a module-level function), since it runs in the worker processes.
+    """
+    configs, order = checked_plan(plan)  # every check before anything loads
+    devices = {device_of(c, plan) for c in configs}
+    if engine_factory is None and "torch" in plan.backends:
+        from ov_kvcrush.engines.torch_engine import resolve_device
+
+        resolve_device(plan.device)  # a bad or missing device is refused before any model loads
+    say = progress or (lambda line: None)
+    models: dict[str, Any] = {}
+    if engine_factory is None:  # export/convert once, here, before the workers share the cache
+        from ov_kvcrush.engines import resolve_model
+
+        models = {c.backend: resolve_model(c.backend, plan.model) for c in configs}
+    runners: dict[str, Any] = {}
+    t_start = time.time()
+    try:
+        for i, c in enumerate(configs):
+            say(f"loading {c.label} ({i + 1}/{len(configs)})")
+            if plan.isolate:
+                runners[c.label] = Worker(c, models.get(c.backend), device_of(c, plan), engine_factory)
+            else:
+                engine = engine_factory(c) if engine_factory else build_engine(c, models[c.backend], device_of(c, plan))
+                runners[c.label] = LocalRunner(engine)
+        bandwidths = {"cpu": measure.measure_bandwidth_gbps()}  # the floor of every CPU backend, and the anchor's
+        bandwidths.update({d: measure.measure_bandwidth_gbps(device=d) for d in sorted(devices - {"cpu"})})
+        runs = timed_runs(plan, order, runners, runners[configs[0].label], say)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    weights = {c.backend: runners[c.label].weight_bytes for c in configs}
+    info = measure.describe_run()
+    gpus = sorted(d for d in devices if d != "cpu")
+    if gpus:  # the results name the device they were measured on
+        import torch
+
+        info["machine"]["gpus"] = {d: torch.cuda.get_device_name(torch.device(d)) for d in gpus}
+    return {
+        **info,
+        "bandwidth_gbps": bandwidths["cpu"],
+        "device_bandwidth_gbps": bandwidths,
+        "prefix_caching": "off in the genai engine, and every run has a fresh prompt",
+        "isolation": "one worker process per configuration: peak_rss_bytes is that process's"
+        if plan.isolate
+        else "one process holds every configuration: peak_rss_bytes is the whole process's",
+        "plan": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(plan).items()},
+        "weight_bytes": weights,
+        "wall_s": round(time.time() - t_start, 1),
+        "results": summarize(runs, weights, bandwidths),
+        "runs": runs,
+    }
+
+
+def timed_runs(
+    plan: BenchPlan,
+    order: Sequence[tuple[int, int, BenchConfig]],
+    runners: dict[str, Any],
+    counter: Any,
+    say: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """The runs in ``order``: one fresh passkey prompt per repeat and length, every configuration."""
+    from ov_kvcrush.config import GenerationSettings
+    from ov_kvcrush.eval.tasks import passkey_prompt
+
+    settings = GenerationSettings(max_new_tokens=plan.new_tokens, ignore_eos=True)
+    samples: dict[tuple[int, int], Any] = {}
+    runs = []
+    for i, (rep, length, c) in enumerate(order):
+        if (rep, length) not in samples:
+            samples[rep, length] = passkey_prompt(length, counter.count, seed=plan.seed + 1000 * rep + length)
+        sample = samples[rep, length]
+        t0 = time.perf_counter()
+        r, peak_rss = runners[c.label].generate(sample.prompt, settings)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        steps = list(getattr(r, "step_ms", []) or [])
+        decode_ms = r.tpot_ms * max(len(r.token_ids) - 1, 1)
+        counters = r.counters or {}
+        run = {
+            "label": c.label,
+            "backend": c.backend,
+            "method": c.method,
+            "budget": c.budget,
+            "options": dict(c.options),
+            "length": length,
+            "repeat": rep,
+            "prompt_tokens": r.prompt_tokens,
+            "ttft_ms": r.ttft_ms,
+            "tpot_ms": statistics.median(steps) if steps else r.tpot_ms,
+            "tpot_mean_ms": r.tpot_ms,
+            "tpot_p90_ms": measure.percentile(steps, 90) if steps else r.tpot_ms,
+            "kv_bytes": int(r.kv_bytes),
+            "peak_rss_bytes": int(peak_rss),
+            "engine_rss_bytes": int(runners[c.label].engine_rss),
+            "device": device_of(c, plan),
+            "correct": bool(sample.score(r.text)),
+            "policy_decode_share": counters["policy_decode_ms"] / decode_ms if "policy_decode_ms" in counters else None,
+            "policy_prefill_share": counters["policy_prefill_ms"] / r.ttft_ms
+            if "policy_prefill_ms" in counters and r.ttft_ms
+            else None,
+            "wall_ms": wall_ms,
+        }
+        runs.append(run)
+        say(
+            f"[{i + 1}/{len(order)}] rep {rep} {length:6d} tok  {c.label:32s} TTFT {r.ttft_ms:8.0f} ms  "
+            f"TPOT {run['tpot_ms']:6.1f} ms  KV {run['kv_bytes'] / 2**20:8.2f} MiB  "
+            f"RSS {peak_rss / 2**20:6.0f} MiB"
+        )
+    return runs
