@@ -183,7 +183,7 @@ def assert_near_tie(got, want, op_sc, ref_sc, what):
     assert len(only_op) == len(only_ref), what
     a = sorted(op_sc[p] for p in only_op)
     b = sorted(ref_sc[p] for p in only_ref)
-    scale = max(ref_sc.values())
+    scale = max(abs(v) for v in ref_sc.values())  # scores may be negative (e.g. a norm ranked low-first)
     np.testing.assert_allclose(
         a, b, atol=2e-6 * scale, rtol=0, err_msg=f"{what}: not a near-tie {only_op} vs {only_ref}"
     )
