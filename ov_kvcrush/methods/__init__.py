@@ -22,6 +22,7 @@ from ov_kvcrush.methods.chelsea import ChelseaConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.importance import H2OConfig, PyramidKVConfig, SnapKVConfig, StreamingLLMConfig
+from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.minikv import MiniKVConfig
 from ov_kvcrush.methods.quest import QuestConfig
@@ -38,6 +39,7 @@ REGISTRY: dict[str, type[MethodConfig]] = {
     "quest": QuestConfig,
     "chelsea": ChelseaConfig,
     "minikv": MiniKVConfig,
+    "knorm": KnormConfig,
 }
 
 
@@ -96,6 +98,7 @@ __all__ = [
     "FullConfig",
     "H2OConfig",
     "KVCrushConfig",
+    "KnormConfig",
     "LayerCache",
     "MethodConfig",
     "MiniKVConfig",
