@@ -48,8 +48,9 @@ class MethodSpec:
         name, quant = (text[: -len("+2bit")], True) if text.endswith("+2bit") else (text, False)
         if name not in REGISTRY:
             raise ConfigError("methods", text, "registry names (" + ", ".join(REGISTRY) + "), optionally with +2bit")
-        if quant and name in ("full", "minikv"):
-            raise ConfigError("methods", text, f"+2bit on a compressing method other than minikv ({name} cannot)")
+        store = REGISTRY[name].__dataclass_fields__.get("quant")
+        if quant and (store is None or store.default is not None):  # no store option, or 2-bit already
+            raise ConfigError("methods", text, f"+2bit on a method whose store is full precision ({name} cannot)")
         return cls(name, quant)
 
     @property
