@@ -7,13 +7,16 @@ exits with code 2, no traceback. Subcommands that later issues bring say which i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from ov_kvcrush.bench.plan import DEFAULT_LENGTHS
 from ov_kvcrush.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.chat import methods_help
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import UserError, decode_text, one_line
+from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, write_atomic, write_text
 
 #: The demo's compressed runs: (backend, method, extra options).
 DEMO_RUNS = (("genai", "kvcrush", {}), ("torch", "kvcrush", {}), ("torch", "chelsea", {}), ("torch", "minikv", {}))
@@ -49,6 +52,12 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ov-kvcrush", description="KV-cache compression for LLM inference with OpenVINO.")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        default=bool(os.environ.get("OV_KVCRUSH_DEBUG")),
+        help="show the traceback of an unexpected error (or set OV_KVCRUSH_DEBUG=1)",
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     e = sub.add_parser("export", help="export the embedded model (or --model PATH) to OpenVINO IR")
@@ -145,7 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         "full,kvcrush,snapkv)",
     )
     bn.add_argument("--budgets", default="1024", help="token budgets (default 1024)")
-    bn.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt tokens (default 1024,2048,4096,8192)")
+    bn.add_argument(
+        "--lengths",
+        default=",".join(str(n) for n in DEFAULT_LENGTHS),
+        help="prompt tokens, each at most the context less --new-tokens (default %(default)s)",
+    )
     bn.add_argument("--repeats", type=_positive_int, default=2, help="interleaved repeats (default 2)")
     bn.add_argument("--new-tokens", type=_positive_int, default=32, help="decode steps per run (default 32)")
     bn.add_argument("--seed", type=_positive_int, default=0)
@@ -216,6 +229,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ov_kvcrush.eval.report import format_table, plot, write_json
     from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
 
+    json_out = prepare_output("--json", args.json_out)
+    plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
     methods = tuple(MethodSpec.parse(m) for m in _split("--methods", args.methods, _name)) if args.methods else ()
     plan = EvalPlan(
         tasks=_split("--tasks", args.tasks, _name),
@@ -237,10 +252,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = run_eval(plan, progress=not args.no_progress, log=lambda line: print(line, flush=True))
     print(format_table(report))
     command = "ov-kvcrush " + " ".join(shlex.quote(a) for a in args.argv)
-    if args.json_out:
-        print(f"\nJSON: {write_json(report, args.json_out, command)}")
-    if args.plot:
-        print(f"plot: {plot(report, args.plot, title=command)}")
+    if json_out is not None:
+        print(f"\nJSON: {write_atomic(json_out, lambda p: write_json(report, p, command))}")
+    if plot_out is not None:
+        print(f"plot: {write_atomic(plot_out, lambda p: plot(report, p, title=command))}")
     return 0
 
 
@@ -249,6 +264,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ov_kvcrush.bench import BenchPlan, dry_run, format_markdown, format_table, plot, run_bench
 
+    json_out = prepare_output("--json", args.json_out)
+    plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
+    markdown_out = prepare_output("--markdown", args.markdown)
     plan = BenchPlan(
         backends=_split("--backends", args.backends, _name),
         methods=_split("--methods", args.methods, str),
@@ -268,12 +286,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print()
     print(format_table(doc))
     print(f"\nmemory bandwidth (copy, read + write): {doc['bandwidth_gbps']:.1f} GB/s")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2))
-    if args.plot:
-        plot(doc, args.plot)
-    if args.markdown:
-        Path(args.markdown).write_text(format_markdown(doc) + "\n")
+    if json_out is not None:
+        write_text(json_out, json.dumps(doc, indent=2))
+    if plot_out is not None:
+        write_atomic(plot_out, lambda p: plot(doc, p))
+    if markdown_out is not None:
+        write_text(markdown_out, format_markdown(doc) + "\n")
     return 0
 
 
@@ -287,17 +305,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _read_prompt(path: str) -> str:
     if path == "-":
-        return sys.stdin.read()
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"--prompt-file does not exist: {p}")
-    return p.read_text(encoding="utf-8")
+        data, where = sys.stdin.buffer.read(), "standard input"
+    else:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise UserError(f"--prompt-file does not exist: {p}")
+        data, where = p.read_bytes(), str(p)
+    return decode_text(data, f"--prompt-file {where}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import GenerationSettings, parse_method_budget, parse_options
     from ov_kvcrush.engines import make_engine, resolve_model
 
+    json_out = prepare_output("--json", args.json_out)
     compression = parse_method_budget(
         args.method,
         args.budget,
@@ -336,8 +357,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"KV {result.kv_bytes / 2**20:.2f} MiB of {result.full_kv_bytes / 2**20:.2f} MiB full",
         file=sys.stderr,
     )
-    if args.json_out:
-        Path(args.json_out).write_text(result.to_json())
+    if json_out is not None:
+        write_text(json_out, result.to_json())
     return 0
 
 
@@ -348,11 +369,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from ov_kvcrush.bench.plan import MIN_LENGTH
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
     from ov_kvcrush.engines import make_engine, resolve_model
+    from ov_kvcrush.engines.base import model_context
     from ov_kvcrush.eval.tasks import passkey_prompt
+    from ov_kvcrush.export import embedded_gguf_path
+    from ov_kvcrush.validation import check_int
 
     settings = GenerationSettings(max_new_tokens=24)
+    context = model_context(embedded_gguf_path())
+    check_int("--tokens", args.tokens, MIN_LENGTH, context - settings.max_new_tokens)
     runs = [("genai", CompressionConfig()), ("openvino", CompressionConfig()), ("torch", CompressionConfig())]
     runs += [(b, CompressionConfig(method=m, budget=args.budget, options=o)) for b, m, o in DEMO_RUNS]
     models = {b: resolve_model(b, None) for b in ("genai", "openvino", "torch")}
@@ -403,11 +430,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except UserError as exc:
-        print(f"ov-kvcrush {args.command}: error: {exc}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"ov-kvcrush {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug, or a failure nothing named yet: one line, the traceback on request
+        if args.debug:
+            raise
+        print(
+            f"ov-kvcrush {args.command}: unexpected error: {type(exc).__name__}: {one_line(exc)} "
+            "(run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

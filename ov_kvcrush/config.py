@@ -106,6 +106,9 @@ class CompressionConfig:
             check_int("recent_tokens", self.recent_tokens, 1)
         if not isinstance(self.options, Mapping):
             raise ConfigError("options", self.options, "a mapping of method fields to values")
+        for key in self.options:
+            if not isinstance(key, str):
+                raise ConfigError("options", dict(self.options), "a mapping whose keys are field names (strings)")
         for name in ("method", "budget", "sink_tokens", "recent_tokens"):
             if name in self.options:
                 raise ConfigError(f"options.{name}", self.options[name], f"set through CompressionConfig.{name}")

@@ -24,3 +24,20 @@ class ConfigError(UserError):
         self.value = value
         self.allowed = allowed
         super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line: its last non-empty line (native errors carry a trace of
+    source locations above the message), or its type when it has no message."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def decode_text(data: bytes, what: str) -> str:
+    """``data`` as UTF-8 text; otherwise a :class:`UserError` naming ``what`` and the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): allowed UTF-8 text"
+        ) from None

@@ -26,7 +26,7 @@ prefill).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,64 @@ from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import ConfigError, UserError
 
 _SETTINGS_FIELDS = tuple(f.name for f in fields(GenerationSettings))
+
+
+#: openvino_genai.GenerationConfig attributes -> GenerationSettings fields (a user's config carries over)
+_NATIVE_SETTINGS = {
+    "max_new_tokens": "max_new_tokens",
+    "do_sample": "do_sample",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "rng_seed": "seed",
+    "apply_chat_template": "apply_chat_template",
+    "ignore_eos": "ignore_eos",
+}
+
+
+def generation_settings(config: Any, overrides: Mapping[str, Any]) -> GenerationSettings:
+    """The settings of a ``generate`` call: a :class:`GenerationSettings`, a mapping of its fields or an
+    ``openvino_genai.GenerationConfig`` (its matching attributes), with keyword ``overrides``."""
+    if config is None:
+        base = GenerationSettings()
+    elif isinstance(config, GenerationSettings):
+        base = config
+    elif isinstance(config, Mapping):
+        fields_ = {str(k): v for k, v in config.items()}
+        for key in fields_:
+            if key not in _SETTINGS_FIELDS:
+                raise ConfigError(f"generation_config.{key}", fields_[key], "a field of " + ", ".join(_SETTINGS_FIELDS))
+        base = GenerationSettings(**fields_)
+    elif type(config).__name__ == "GenerationConfig" and hasattr(config, "max_new_tokens"):
+        base = GenerationSettings(
+            **{ours: getattr(config, theirs) for theirs, ours in _NATIVE_SETTINGS.items() if hasattr(config, theirs)}
+        )
+    else:
+        raise ConfigError(
+            "generation_config",
+            config,
+            "a GenerationSettings, a mapping of its fields, an openvino_genai.GenerationConfig",
+        )
+    unknown = sorted(set(overrides) - set(_SETTINGS_FIELDS))
+    if unknown:
+        raise ConfigError(
+            unknown[0], overrides[unknown[0]], "a GenerationSettings field: " + ", ".join(_SETTINGS_FIELDS)
+        )
+    return replace(base, **overrides)
+
+
+def check_inputs(inputs: Any) -> None:
+    """A prompt string, chat messages (``{'role', 'content'}`` dicts) or a list of prompt strings."""
+    ok = isinstance(inputs, str) or (
+        isinstance(inputs, (list, tuple))
+        and inputs
+        and (all(isinstance(p, str) for p in inputs) or all(isinstance(m, Mapping) for m in inputs))
+    )
+    if not ok:
+        shown = inputs if not isinstance(inputs, (list, tuple)) else f"a {type(inputs).__name__} of {len(inputs)}"
+        raise ConfigError(
+            "inputs", shown, "a prompt string, chat messages ({'role', 'content'} dicts) or a list of prompt strings"
+        )
 
 
 class LLMPipeline:
@@ -119,12 +177,10 @@ class LLMPipeline:
         Keyword arguments override fields of ``generation_config`` (``max_new_tokens``,
         ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``apply_chat_template``).
         """
-        unknown = sorted(set(kwargs) - set(_SETTINGS_FIELDS))
-        if unknown:
-            raise ConfigError(
-                unknown[0], kwargs[unknown[0]], "a GenerationSettings field: " + ", ".join(_SETTINGS_FIELDS)
-            )
-        settings = replace(generation_config or GenerationSettings(), **kwargs)
+        settings = generation_settings(generation_config, kwargs)
+        if streamer is not None and not callable(streamer):
+            raise ConfigError("streamer", streamer, "a callable taking the new text (return True to stop), or None")
+        check_inputs(inputs)
         if self._history is not None:
             if not isinstance(inputs, str):
                 raise UserError("in a chat, generate takes the user's message as a string")

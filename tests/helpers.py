@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -240,3 +242,10 @@ def check_op_keeps_the_reference_tokens(core, cfg, layer: int, case: str = "", l
     if quant:
         assert st.qblocks_held > first_qblocks  # decode tokens were flushed into the 2-bit store
         assert pool.stats().qblock_bytes * 4 <= pool.block_bytes  # f32 here: 2 bits + scales is < 1/4
+
+
+def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``ov-kvcrush ARGS`` in a fresh interpreter, as a user runs it (stdout and stderr captured)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ov_kvcrush", *args], capture_output=True, text=True, timeout=timeout, input=stdin
+    )

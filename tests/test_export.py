@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from ov_kvcrush import export
 from ov_kvcrush.errors import UserError
@@ -21,10 +20,6 @@ ROUND_TRIP_TEXTS = [
 ]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ov_kvcrush", *args], capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -36,7 +31,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args, needle):
-    proc = _cli(*args)
+    proc = cli(*args)
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -44,33 +39,33 @@ def test_cli_bad_input_is_one_line_exit_2(args, needle):
 
 def test_cli_directory_that_is_not_a_causal_lm(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
-    proc = _cli("export", "--model", str(tmp_path))
+    proc = cli("export", "--model", str(tmp_path))
     assert proc.returncode == 2 and "not a causal language model" in proc.stderr
     assert "Traceback" not in proc.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = _cli("export", "--model", str(empty))
+    proc = cli("export", "--model", str(empty))
     assert proc.returncode == 2 and "no config.json" in proc.stderr
 
 
 def test_cli_not_a_gguf(tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"NOPE" + b"\0" * 16)
-    proc = _cli("export", "--model", str(fake))
+    proc = cli("export", "--model", str(fake))
     assert proc.returncode == 2 and "bad magic" in proc.stderr
 
 
 def test_subcommands_are_listed_and_bench_refuses_bad_input():
-    proc = _cli("--help")
+    proc = cli("--help")
     for name in ("export", "demo", "generate", "chat", "eval", "bench"):
         assert name in proc.stdout
-    proc = _cli("bench", "--backends", "nope")
+    proc = cli("bench", "--backends", "nope")
     assert proc.returncode == 2 and "backend" in proc.stderr and "genai" in proc.stderr
-    proc = _cli("bench", "--methods", "bogus")
+    proc = cli("bench", "--methods", "bogus")
     assert proc.returncode == 2 and "method" in proc.stderr and "bogus" in proc.stderr
-    proc = _cli("bench", "--methods", "kvcrush:block_size=-3")
+    proc = cli("bench", "--methods", "kvcrush:block_size=-3")
     assert proc.returncode == 2 and "block_size" in proc.stderr
-    proc = _cli("bench", "--backends", "torch", "--device", "cuda:7")
+    proc = cli("bench", "--backends", "torch", "--device", "cuda:7")
     assert proc.returncode == 2 and "device" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
@@ -13,7 +14,10 @@ from ov_kvcrush.errors import ConfigError, UserError
 BENCH_BACKENDS = ("genai", "openvino", "torch")
 
 
-DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+#: fit the embedded model's 8192-token context with the default 32 new tokens
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8000)
+#: the shortest prompt the passkey task fits in (intro, key, question and the chat template)
+MIN_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,11 @@ def check_config(cfg: BenchConfig) -> None:
     comp = compression(cfg)  # the method checks its own options and ranges
     if cfg.backend == "genai":  # native constraints (block multiples ...)
         to_native_scheduler_config(comp, "CPU")
+    if cfg.backend == "openvino":  # the op's own (e.g. block-wise KVCrush on the pool's block size)
+        from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE
+        from ov_kvcrush.method_spec import method_spec
+
+        method_spec(comp.method_config(), 1, 1, DEFAULT_BLOCK_SIZE)
 
 
 def compression(cfg: BenchConfig) -> Any:
@@ -167,10 +176,34 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
     order = schedule(configs, plan.lengths, plan.repeats)
     if plan.new_tokens < 2:
         raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
+    context = plan_context(plan)
     for n in plan.lengths:
-        if not isinstance(n, int) or n < 64:
-            raise ConfigError("lengths", n, "prompt lengths of at least 64 tokens")
+        if not isinstance(n, int) or not MIN_LENGTH <= n <= (context or n + plan.new_tokens) - plan.new_tokens:
+            top = f"{context - plan.new_tokens} (the model's context {context} less --new-tokens)" if context else ""
+            raise ConfigError("lengths", n, f"prompt lengths in [{MIN_LENGTH}, {top or 'the context'}]")
+    if "torch" in plan.backends:
+        from ov_kvcrush.engines.torch_engine import resolve_device
+
+        resolve_device(plan.device)  # a bad or missing device is refused before any model loads
+    elif plan.device.lower() != "cpu":
+        raise ConfigError(
+            "device", plan.device, "cpu (--device places the torch backend; OpenVINO backends run on CPU)"
+        )
     return configs, order
+
+
+def plan_context(plan: BenchPlan) -> int:
+    """The context of the plan's model (0: unknown), read without loading or exporting it; a
+    ``--model`` that is not there, or not a model, is refused here."""
+    from ov_kvcrush.engines.base import model_context
+    from ov_kvcrush.export import embedded_gguf_path, resolve_source
+
+    if plan.model is None:
+        return model_context(embedded_gguf_path())
+    path = Path(plan.model).expanduser()
+    if not (path / "openvino_model.xml").is_file():
+        path = resolve_source(path).path  # a GGUF file or an HF checkpoint, checked
+    return model_context(path)
 
 
 def dry_run(plan: BenchPlan) -> str:

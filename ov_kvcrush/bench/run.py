@@ -28,10 +28,6 @@ def run_bench(
     """
     configs, order = checked_plan(plan)  # every check before anything loads
     devices = {device_of(c, plan) for c in configs}
-    if engine_factory is None and "torch" in plan.backends:
-        from ov_kvcrush.engines.torch_engine import resolve_device
-
-        resolve_device(plan.device)  # a bad or missing device is refused before any model loads
     say = progress or (lambda line: None)
     models: dict[str, Any] = {}
     if engine_factory is None:  # export/convert once, here, before the workers share the cache

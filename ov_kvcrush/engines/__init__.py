@@ -12,11 +12,14 @@ IR or converted to an HF checkpoint once, then cached), or a user path.
 
 from __future__ import annotations
 
+import inspect
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import ConfigError, UserError, one_line
 
 #: Backend name → the issue that brings it, for those not built yet.
 PLANNED_BACKENDS: dict[str, int] = {}
@@ -29,9 +32,23 @@ def resolve_model(backend: str, model: str | Path | None) -> Path:
     ``None`` is the embedded model. A GGUF file or an HF directory is exported (genai) or
     converted (torch) once and cached; an exported IR directory is used as is by genai.
     """
+    _check_backend(backend)
+    try:
+        return _resolve_model(backend, model)
+    except (RuntimeError, ValueError, OSError, EOFError) as exc:
+        if isinstance(exc, UserError):
+            raise
+        where = model or "(the embedded model)"
+        raise UserError(
+            f"cannot read the model {where} for backend {backend} (is the file complete?): {one_line(exc)}"
+        ) from exc
+
+
+def _resolve_model(backend: str, model: str | Path | None) -> Path:
     from ov_kvcrush.export import ensure_default_model, export_model, hf_checkpoint
 
-    _check_backend(backend)
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError("model", model, "a path (str or os.PathLike), or None for the embedded model")
     if backend in ("genai", "openvino"):
         if model is None:
             return ensure_default_model()
@@ -45,6 +62,8 @@ def resolve_model(backend: str, model: str | Path | None) -> Path:
 
 
 def _check_backend(backend: str) -> None:
+    if not isinstance(backend, str):
+        raise ConfigError("backend", backend, "one of " + ", ".join(BACKENDS))
     if backend in PLANNED_BACKENDS:
         raise UserError(
             f"--backend={backend} is not built yet (issue #{PLANNED_BACKENDS[backend]}); available: "
@@ -61,19 +80,48 @@ def make_engine(
     device: str = "CPU",
     **options,
 ):
-    """Create the engine for ``backend`` on an already resolved model (see :func:`resolve_model`)."""
+    """Create the engine for ``backend`` on an already resolved model (see :func:`resolve_model`).
+
+    ``options`` are the engine's own keyword arguments; one it does not take is refused by name
+    with the ones it does. A model the runtime cannot load (a truncated GGUF, a broken IR) is a
+    :class:`~ov_kvcrush.errors.UserError` naming the file, not the runtime's traceback.
+    """
     _check_backend(backend)
+    if not isinstance(model_dir, (str, os.PathLike)):
+        raise ConfigError("model", model_dir, "a path (str or os.PathLike)")
+    if not isinstance(device, str):
+        raise ConfigError("device", device, "a device name such as CPU or cuda")
+    if compression is not None and not isinstance(compression, CompressionConfig):
+        raise ConfigError("compression", compression, "a CompressionConfig")
+    engine_cls = _engine_class(backend)
+    taken = [n for n in inspect.signature(engine_cls).parameters if n not in ("model_dir", "compression", "device")]
+    for name, value in options.items():
+        if name not in taken:
+            raise ConfigError(name, value, f"an option of backend {backend}: " + ", ".join(taken))
+    if options.get("properties") is not None and not isinstance(options["properties"], Mapping):
+        raise ConfigError("properties", options["properties"], "a mapping of OpenVINO properties")
+    try:
+        return engine_cls(model_dir, compression, device=device, **options)
+    except (RuntimeError, ValueError, OSError) as exc:
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(
+            f"backend {backend} cannot load the model {model_dir} (are its files complete?): {one_line(exc)}"
+        ) from exc
+
+
+def _engine_class(backend: str) -> type:
     if backend == "genai":
         from ov_kvcrush.engines.genai import GenAIEngine
 
-        return GenAIEngine(model_dir, compression, device=device, **options)
+        return GenAIEngine
     if backend == "openvino":
         from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 
-        return OpenVINOEngine(model_dir, compression, device=device, **options)
+        return OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model_dir, compression, device=device, **options)
+    return TorchEngine
 
 
 __all__ = ["BACKENDS", "GenerationResult", "Prompt", "Streamer", "make_engine", "resolve_model"]

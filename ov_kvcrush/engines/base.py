@@ -6,6 +6,7 @@ import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.errors import UserError
@@ -65,6 +66,34 @@ def ttft_tpot_ms(stamps: Sequence[float]) -> tuple[float, float]:
 def step_ms(stamps: Sequence[float]) -> list[float]:
     """The decode steps' durations in ms (between consecutive new tokens): for medians and p90."""
     return [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+
+
+def model_context(model: str | Path) -> int:
+    """The context of the model at ``model``, in tokens (0 when it does not say): the
+    ``max_position_embeddings`` of its ``config.json`` (its text config's, for a multimodal
+    model), as exported IRs and HF checkpoints carry it, or a GGUF file's ``<arch>.context_length``.
+
+    Every engine reads its limit here and checks requests with :func:`check_context`, so the
+    three backends refuse the same requests.
+    """
+    path = Path(model)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        try:
+            from gguf import GGUFReader
+
+            fields = GGUFReader(str(path)).fields
+            arch_field = fields["general.architecture"]
+            arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+            ctx = fields[f"{arch}.context_length"]
+            return int(ctx.parts[ctx.data[0]][0])
+        except (KeyError, IndexError, ValueError, OSError):
+            return 0
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = cfg.get("text_config") or cfg
+    return int(text.get("max_position_embeddings") or 0)
 
 
 def check_context(prompt_tokens: int, new_tokens: int, limit: int | None) -> None:

@@ -25,7 +25,17 @@ from ov_kvcrush.config import (
     native_block_size,
     to_native_scheduler_config,
 )
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, chat_messages, step_ms, ttft_tpot_ms
+from ov_kvcrush.engines.base import (
+    GenerationResult,
+    Prompt,
+    Streamer,
+    TextStream,
+    chat_messages,
+    check_context,
+    model_context,
+    step_ms,
+    ttft_tpot_ms,
+)
 from ov_kvcrush.errors import UserError
 
 #: Context the block pool is first sized for; it grows (the pipeline is rebuilt) for longer prompts.
@@ -85,6 +95,7 @@ class GenAIEngine:
             )
         self.compression = compression or CompressionConfig()
         self.device = device
+        self.max_context = model_context(self.model_dir)
         self.block_size = native_block_size(device)
         self.properties = dict(properties or {})
         # Validates block multiples etc. before any compile work.
@@ -137,7 +148,9 @@ class GenAIEngine:
         return encode_prompt(self.tokenizer, prompt, apply_chat_template)
 
     def _check_request(self, prompt_tokens: int, settings: GenerationSettings) -> None:
-        """Refuse requests the native pipeline is known to fail on, before it can fail."""
+        """Refuse requests past the model's context, and those the native pipeline is known to fail
+        on, before it can fail (openvino_genai itself runs past the context and answers garbage)."""
+        check_context(prompt_tokens, settings.max_new_tokens, self.max_context)
         cfg = self.compression
         if not cfg.compresses:
             return

@@ -28,7 +28,16 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, step_ms, ttft_tpot_ms
+from ov_kvcrush.engines.base import (
+    GenerationResult,
+    Prompt,
+    Streamer,
+    TextStream,
+    check_context,
+    model_context,
+    step_ms,
+    ttft_tpot_ms,
+)
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
@@ -63,8 +72,12 @@ def compression_from_scheduler_config(sc) -> CompressionConfig:
     share included, as :func:`~ov_kvcrush.config.to_native_scheduler_config` carves it out),
     aggregation, rotation and the KVCrush anchor are carried over.
     """
+    import openvino_genai as ov_genai
+
     from ov_kvcrush.config import KVCrushSettings
 
+    if not isinstance(sc, ov_genai.SchedulerConfig):
+        raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
     if not sc.use_cache_eviction:
         return CompressionConfig()
     ev = sc.cache_eviction_config
@@ -156,7 +169,7 @@ class OpenVINOEngine:
 
         if str(device).upper() != "CPU":
             raise ConfigError("device", device, "CPU (backend openvino: the op is a CPU extension)")
-        if kv_precision not in PRECISIONS:
+        if not isinstance(kv_precision, str) or kv_precision not in PRECISIONS:
             raise ConfigError("kv_precision", kv_precision, "one of " + ", ".join(PRECISIONS))
         _check_block_size("block_size", block_size)
         if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
@@ -221,7 +234,7 @@ class OpenVINOEngine:
         if gen_cfg.get("eos_token_id") is not None:
             g = gen_cfg["eos_token_id"]
             self.eos_ids |= {int(e) for e in (g if isinstance(g, list) else [g])}
-        self.max_context = int(self.hf_config.get("max_position_embeddings") or 0)
+        self.max_context = model_context(self.model_dir)
         self._cached: list[int] = []  # token ids whose K/V the sequence holds, in order
         self._history: list[dict] | None = None  # chat messages while a chat is open
 

@@ -35,6 +35,7 @@ from ov_kvcrush.engines.base import (
     TextStream,
     chat_messages,
     check_context,
+    model_context,
     step_ms,
     ttft_tpot_ms,
 )
@@ -133,6 +134,10 @@ class TorchEngine:
         self.model, self.tokenizer = load_model(model_dir, device, dtype)
         self.device = self.model.device
         self.model_dir = Path(model_dir)
+        #: the model's context (from its config, as every engine reads it)
+        self.max_context = model_context(self.model_dir) or int(
+            getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 0
+        )
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -188,8 +193,7 @@ class TorchEngine:
         return ids
 
     def _check_length(self, prompt_tokens: int, new_tokens: int) -> None:
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        check_context(prompt_tokens, new_tokens, limit)
+        check_context(prompt_tokens, new_tokens, self.max_context)
 
     def _prefill(
         self, ids: list[int], methods: list[MethodConfig]

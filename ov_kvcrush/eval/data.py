@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import UserError, decode_text
 from ov_kvcrush.eval.tasks import Sample
 
 #: Task name custom samples are reported under.
@@ -27,29 +27,27 @@ def read_jsonl(path: str | Path) -> list[Sample]:
     if not path.is_file():
         raise DataError(f"--data file not found: {path}")
     samples: list[Sample] = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(
-                    f"{where}: expected a JSON object with 'prompt' and 'answers', got {type(obj).__name__}"
-                )
-            prompt = obj.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise DataError(f"{where}: 'prompt' must be a non-empty string, got {_show(prompt)}")
-            answers = obj.get("answers")
-            if not isinstance(answers, list) or not answers:
-                raise DataError(f"{where}: 'answers' must be a non-empty list of strings, got {_show(answers)}")
-            for i, a in enumerate(answers):
-                if not isinstance(a, str) or not a.strip():
-                    raise DataError(f"{where}: 'answers'[{i}] must be a non-empty string, got {_show(a)}")
-            samples.append(Sample(task=DATA_TASK, prompt=prompt, answers=tuple(answers), meta={"line": number}))
+    text = decode_text(path.read_bytes(), f"--data file {path}")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object with 'prompt' and 'answers', got {type(obj).__name__}")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(f"{where}: 'prompt' must be a non-empty string, got {_show(prompt)}")
+        answers = obj.get("answers")
+        if not isinstance(answers, list) or not answers:
+            raise DataError(f"{where}: 'answers' must be a non-empty list of strings, got {_show(answers)}")
+        for i, a in enumerate(answers):
+            if not isinstance(a, str) or not a.strip():
+                raise DataError(f"{where}: 'answers'[{i}] must be a non-empty string, got {_show(a)}")
+        samples.append(Sample(task=DATA_TASK, prompt=prompt, answers=tuple(answers), meta={"line": number}))
     if not samples:
         raise DataError(f"{path}: no samples (every line is blank)")
     return samples

@@ -13,6 +13,7 @@ add a method, file by file: ``docs/architecture.md``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError
@@ -43,7 +44,7 @@ REGISTRY: dict[str, type[MethodConfig]] = {
 }
 
 
-def method_config(name: str, **fields: Any) -> MethodConfig:
+def method_config(name: str, /, **fields: Any) -> MethodConfig:
     """Build the config of method ``name`` from keyword fields (``quant=True`` means default 2-bit settings).
 
     Raises :class:`~ov_kvcrush.errors.ConfigError` for an unknown method or field.
@@ -53,7 +54,7 @@ def method_config(name: str, **fields: Any) -> MethodConfig:
     cls = REGISTRY[name]
     if fields.get("quant") is True:
         fields["quant"] = QuantSettings()
-    known = set(cls.__dataclass_fields__) - {"anchors"}
+    known = {f.name for f in dataclasses.fields(cls) if f.init}  # not the class constants (name, engines ...)
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ConfigError(unknown[0], fields[unknown[0]], f"a field of {name}: " + ", ".join(sorted(known)))

@@ -1,0 +1,161 @@
+"""The README's promise, checked as a user meets it: bad input to any subcommand or to the API gives
+one line naming what is wrong (exit code 2 on the CLI, a ``ConfigError``/``UserError`` from the
+API), before any work is done, and never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import cli
+
+from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.errors import ConfigError, UserError
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "prompt.txt").write_text("What is the capital of France?")
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (d / "data.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answers": ["x"]}\n')
+    (d / "a_file").write_text("x")
+    (d / "a_dir").mkdir()
+    return d
+
+
+def cases(d):
+    prompt = str(d / "prompt.txt")
+    return [
+        # (argv, words the one line must contain)
+        (["export", "--weight-format", "int3"], "--weight-format"),
+        (["demo", "--tokens", "0"], "--tokens=0"),
+        (["generate", "--method", "magic", "--prompt-file", prompt], "method='magic'"),
+        (["generate", "--prompt-file", str(d / "latin1.txt")], "not UTF-8"),
+        (["generate", "--prompt-file", prompt, "--json", str(d / "a_dir")], "is a directory"),
+        (["generate", "--prompt-file", prompt, "--json", str(d / "a_file" / "out.json")], "is a file"),
+        (
+            [
+                "generate",
+                "--backend",
+                "torch",
+                "--method",
+                "h2o",
+                "--budget",
+                "256",
+                "--option",
+                "name=x",
+                "--prompt-file",
+                prompt,
+            ],
+            "name='x'",
+        ),
+        (
+            [
+                "generate",
+                "--backend",
+                "torch",
+                "--method",
+                "h2o",
+                "--budget",
+                "256",
+                "--option",
+                "needs_budget=false",
+                "--prompt-file",
+                prompt,
+            ],
+            "needs_budget=False",
+        ),
+        (["eval", "--methods", "quest+2bit"], "quest+2bit"),
+        (["eval", "--data", str(d / "data.jsonl")], "not UTF-8"),
+        (["eval", "--json", str(d / "a_dir")], "is a directory"),
+        (["chat", "--method", "h2o"], "budget"),
+        (["bench", "--lengths", "64", "--dry-run"], "lengths=64"),
+        (["bench", "--lengths", "8192", "--dry-run"], "context"),
+        (["bench", "--backends", "openvino", "--methods", "kvcrush:block_size=17", "--dry-run"], "block_size=17"),
+        (["bench", "--backends", "torch", "--device", "bogus", "--dry-run"], "device='bogus'"),
+        (["bench", "--device", "cuda", "--dry-run"], "device='cuda'"),
+        (["bench", "--model", str(d / "missing"), "--dry-run"], "does not exist"),
+        (["bench", "--plot", str(d / "plot.txt"), "--dry-run"], "--plot"),
+    ]
+
+
+def test_every_subcommand_answers_bad_input_with_one_line_and_exit_code_2(files):
+    for argv, needle in cases(files):
+        proc = cli(*argv, stdin="")
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+        assert needle in lines[0], (argv, lines[0])
+
+
+def test_bench_defaults_pass_their_own_dry_run():
+    proc = cli("bench", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "8000" in proc.stdout
+
+
+def test_unexpected_errors_are_one_line_unless_debug(monkeypatch, capsys):
+    from ov_kvcrush import cli as cli_module
+
+    def boom(args):
+        raise RuntimeError("native layer said:\n  at some.cpp:12\nthe real reason")
+
+    monkeypatch.setattr(cli_module, "cmd_export", boom)
+    assert cli_module.main(["export"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "ov-kvcrush export: unexpected error: RuntimeError: the real reason (run with --debug for the traceback)"
+    ]
+    with pytest.raises(RuntimeError):
+        cli_module.main(["--debug", "export"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"options": {1: 2}}, "options"),
+        ({"options": {"name": "x"}}, "name"),
+        ({"options": {"needs_budget": False}}, "needs_budget"),
+    ],
+)
+def test_compression_config_names_the_bad_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        CompressionConfig("h2o", 256, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"model": 123}, "model"),
+        ({"backend": ["genai"]}, "backend"),
+        ({"backend": "openvino", "kv_precision": ["f16"]}, "kv_precision"),
+        ({"properties": "x"}, "properties"),
+        ({"backend": "torch", "scheduler_config": "x"}, "scheduler_config"),
+        ({"backend": "genai", "colour": "red"}, "colour"),
+    ],
+)
+def test_pipeline_constructor_names_the_bad_argument(kwargs, field):
+    from ov_kvcrush import LLMPipeline
+
+    with pytest.raises(UserError, match=field):
+        LLMPipeline(**kwargs)
+
+
+@pytest.mark.model
+def test_pipeline_generate_names_the_bad_argument(model_dir):
+    from ov_kvcrush import LLMPipeline
+
+    pipe = LLMPipeline(model_dir, backend="genai")
+    for call, field in [
+        (lambda: pipe.generate(None), "inputs"),
+        (lambda: pipe.generate(123), "inputs"),
+        (lambda: pipe.generate("hi", generation_config="x"), "generation_config"),
+        (lambda: pipe.generate("hi", generation_config={"colour": 1}), "generation_config.colour"),
+        (lambda: pipe.generate("hi", streamer=5), "streamer"),
+        (lambda: pipe.generate("hi", max_new_tokens=65536), "context"),
+        (lambda: pipe.generate("word " * 9000, max_new_tokens=4), "context"),
+        (lambda: pipe.generate("word " * 8000, max_new_tokens=400), "context"),
+    ]:
+        with pytest.raises(UserError, match=field):
+            call()
+    # a mapping of settings works like GenerationSettings
+    assert pipe.generate("Say hi.", generation_config={"max_new_tokens": 3}).token_ids
