@@ -2,8 +2,10 @@
 
 Each line you type is a user turn; the answer streams as it is generated. The ``openvino``
 backend (default) keeps the KV cache across turns and feeds only the new tokens. Commands:
-``/reset`` starts a new conversation, ``/stats`` prints the cache the conversation holds,
-``/exit`` (or end of input) quits. Piped input works too::
+``/help`` lists them, ``/reset`` starts a new conversation, ``/stats`` prints the cache the
+conversation holds, ``/exit`` (or end of input) quits; ``//text`` sends ``/text``. Ctrl-C stops
+an answer and keeps the chat; a turn past the model's context drops the oldest turns first.
+Piped input works too::
 
     printf 'Hi, I am Ada.\\nWhat is my name?\\n' | ov-kvcrush chat --max-new-tokens 40
 """
@@ -11,7 +13,9 @@ backend (default) keeps the KV cache across turns and feeds only the new tokens.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from typing import TextIO
 
 from ov_kvcrush.config import GenerationSettings, parse_method_budget
@@ -40,8 +44,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no per-turn timing line")
 
 
-def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    """Run the chat loop until ``/exit`` or end of input."""
+#: The chat's commands (a line starting with ``/``; ``//text`` sends ``/text`` to the model).
+COMMANDS = {
+    "/help": "this list",
+    "/reset": "start a new conversation",
+    "/stats": "the cache the conversation holds",
+    "/exit": "quit (also /quit, or end of input: Ctrl-D)",
+}
+
+
+def chat(
+    args: argparse.Namespace,
+    stdin: TextIO = sys.stdin,
+    stdout: TextIO = sys.stdout,
+    pipe: LLMPipeline | None = None,
+) -> int:
+    """Run the chat loop until ``/exit`` or end of input.
+
+    The conversation survives what would end it: a turn that does not fit the context drops the
+    oldest turns first (the system message stays); Ctrl-C during an answer stops that answer, at
+    the prompt it only reminds how to quit; an error in a turn is printed and the chat goes on.
+    Commands never reach the model. On a terminal the line editor takes long and multi-line
+    pastes whole (a terminal's own line buffer cuts lines past 4095 characters).
+    """
     options = {}
     if args.kv_precision is not None:
         if args.backend != "openvino":
@@ -55,38 +80,57 @@ def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = s
         top_p=0.9 if args.sample else 1.0,
         seed=args.seed,
     )
-    pipe = LLMPipeline(args.model, "CPU", backend=args.backend, compression=compression, **options)
-    interactive = stdin.isatty()
+    if pipe is None:
+        pipe = LLMPipeline(args.model, "CPU", backend=args.backend, compression=compression, **options)
+    read = _line_reader(stdin, stdout)
     pipe.start_chat(args.system)
     last = None
-
-    def stream(piece: str) -> bool:
-        stdout.write(piece)
-        stdout.flush()
-        return False
-
     while True:
-        if interactive:
-            stdout.write("> ")
-            stdout.flush()
-        line = stdin.readline()
-        if not line:
+        try:
+            line = read()
+        except KeyboardInterrupt:
+            stdout.write("\n(Ctrl-D or /exit quits)\n")
+            continue
+        except EOFError:
+            break
+        if line is None:
             break
         text = line.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
-            break
-        if text == "/reset":
-            pipe.finish_chat()
-            pipe.start_chat(args.system)
-            stdout.write("(new conversation)\n")
+        if text.startswith("/") and not text.startswith("//"):
+            command = text.split()[0].lower()
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                pipe.finish_chat()
+                pipe.start_chat(args.system)
+                stdout.write("(new conversation)\n")
+            elif command == "/stats":
+                stdout.write(_stats(pipe, last) + "\n")
+            elif command == "/help":
+                stdout.write("".join(f"  {c:8s} {what}\n" for c, what in COMMANDS.items()))
+            else:
+                stdout.write(f"(unknown command {command}: /help lists them; //text sends /text)\n")
             continue
-        if text == "/stats":
-            stdout.write(_stats(pipe, last) + "\n")
+        if text.startswith("//"):
+            text = text[1:]
+        try:
+            dropped = pipe.fit_chat(text, settings.max_new_tokens)
+            if dropped:
+                stdout.write(f"(dropped the {dropped} oldest turn(s) to fit the model's context)\n")
+            with _StopOnInterrupt() as stop:
+
+                def stream(piece: str) -> bool:
+                    stdout.write(piece)
+                    stdout.flush()
+                    return stop.requested
+
+                last = pipe.generate(text, settings, streamer=stream)
+        except UserError as exc:
+            stdout.write(f"\n(error: {exc}; the conversation goes on)\n")
             continue
-        last = pipe.generate(text, settings, streamer=stream)
-        stdout.write("\n")
+        stdout.write(" [stopped]\n" if stop.requested else "\n")
         if not args.quiet:
             print(
                 f"[{last.prompt_tokens} tokens in context, {last.counters.get('prefill_tokens', last.prompt_tokens)} "
@@ -95,6 +139,49 @@ def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = s
             )
     pipe.finish_chat()
     return 0
+
+
+class _StopOnInterrupt:
+    """While an answer streams, Ctrl-C (SIGINT) asks it to stop at the next token instead of
+    ending the program (where signals can be handled: the main thread)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> _StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._stop)
+        return self
+
+    def _stop(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _line_reader(stdin: TextIO, stdout: TextIO):
+    """A function returning the next turn (``None`` at the end of input): a line editor on a
+    terminal (prompt_toolkit: pastes of any length and of several lines arrive whole), else lines."""
+    if stdin.isatty() and stdout.isatty():
+        try:
+            from prompt_toolkit import PromptSession
+
+            session = PromptSession()
+            return lambda: session.prompt("> ")
+        except ImportError:  # the package depends on it; a trimmed install still chats
+            pass
+
+    def read_line() -> str | None:
+        if stdin.isatty():
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        return line or None
+
+    return read_line
 
 
 def _stats(pipe: LLMPipeline, last) -> str:

@@ -165,6 +165,37 @@ class LLMPipeline:
             return self.engine.chat_history
         return None if self._history is None else list(self._history)
 
+    def fit_chat(self, message: str, max_new_tokens: int) -> int:
+        """Drop the oldest turns (the system message stays) until ``message`` and ``max_new_tokens``
+        fit the model's context after the conversation; returns how many turns were dropped.
+
+        The model's positions bound a conversation whatever the cache holds: a compressed cache
+        holds fewer tokens, but every token still takes a position. A message that does not fit
+        even alone is left for :meth:`generate` to refuse, naming the context.
+        """
+        history = self.chat_history
+        if history is None:
+            raise UserError("fit_chat needs an open chat (start_chat)")
+        limit = getattr(self.engine, "max_context", 0)
+        if not limit:
+            return 0
+        system = history[:1] if history and history[0].get("role") == "system" else []
+        turns = history[len(system) :]
+        dropped = 0
+        while turns:
+            messages = [*system, *turns, {"role": "user", "content": message}]
+            if len(self.engine.encode(messages)) + max_new_tokens <= limit:
+                break
+            answered = len(turns) > 1 and turns[1].get("role") == "assistant"
+            turns = turns[2:] if answered else turns[1:]
+            dropped += 1
+        if dropped:
+            if hasattr(self.engine, "set_chat_history"):
+                self.engine.set_chat_history([*system, *turns])
+            else:
+                self._history = [*system, *turns]
+        return dropped
+
     def generate(
         self,
         inputs: Prompt | Sequence[str],

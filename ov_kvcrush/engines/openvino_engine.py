@@ -253,6 +253,13 @@ class OpenVINOEngine:
     def chat_history(self) -> list[dict] | None:
         return None if self._history is None else list(self._history)
 
+    def set_chat_history(self, messages: list[dict]) -> None:
+        """Replace the open conversation (e.g. without its oldest turns): the next turn keeps the
+        cached prefix the new conversation shares and prefills the rest."""
+        if self._history is None:
+            raise UserError("set_chat_history needs an open chat (start_chat)")
+        self._history = [dict(m) for m in messages]
+
     # -- state ----------------------------------------------------------------------------------
     def _reset_sequence(self) -> None:
         self.sequence.reset()
