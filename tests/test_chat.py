@@ -130,3 +130,53 @@ def test_a_conversation_past_the_context_drops_its_oldest_turns(model_dir, metho
     assert dropped_total >= 4
     assert pipe.engine.sequence.stats().tokens_seen <= 300
     pipe.finish_chat()
+
+
+@pytest.mark.model
+def test_a_long_paste_on_a_terminal_arrives_whole(model_dir, tmp_path):
+    """On a terminal (a pseudo-terminal here) a 6,000-character paste, longer than a terminal's
+    4,095-character line buffer, reaches the model whole: the cache then holds all its tokens."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    words = " ".join(f"w{i}" for i in range(1200))  # ~6,000 characters, ~3,600 tokens
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ov_kvcrush", "chat", "--max-new-tokens", "4", "--quiet", "--model", str(model_dir)],
+        stdin=slave,
+        stdout=slave,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+        env={**os.environ, "TERM": "xterm"},
+    )
+    os.close(slave)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float = 120.0) -> None:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while marker not in seen:
+            assert time.monotonic() < end, seen[-500:]
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                seen += os.read(master, 65536)
+
+    try:
+        read_until(b"> ")
+        os.write(master, b"\x1b[200~Repeat the last word. " + words.encode() + b" END\x1b[201~\r")
+        seen = b""
+        read_until(b"> ")  # the answer came, the next prompt is up
+        os.write(master, b"/stats\r")
+        read_until(b"MiB")
+        tokens = int(seen.split(b"cache: ")[1].split(b" tokens")[0])
+        assert tokens > 3000, seen[-300:]
+        os.write(master, b"/exit\r")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)

@@ -87,6 +87,46 @@ def test_every_subcommand_answers_bad_input_with_one_line_and_exit_code_2(files)
         assert needle in lines[0], (argv, lines[0])
 
 
+@pytest.mark.model
+def test_a_damaged_model_is_one_line_naming_it(model_dir, tmp_path):
+    """A GGUF with a good header but cut short, and an IR whose XML is cut short."""
+    from ov_kvcrush.export import embedded_gguf_path
+
+    gguf = tmp_path / "cut.gguf"
+    with open(embedded_gguf_path(), "rb") as src:
+        gguf.write_bytes(src.read(2_000_000))
+    ir = tmp_path / "ir"
+    ir.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file():
+            (ir / f.name).symlink_to(f)
+    (ir / "openvino_model.xml").unlink()
+    (ir / "openvino_model.xml").write_bytes((model_dir / "openvino_model.xml").read_bytes()[:5000])
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hi")
+    for backend, model in [("torch", gguf), ("genai", ir), ("openvino", ir)]:
+        proc = cli("generate", "--backend", backend, "--model", str(model), "--prompt-file", str(prompt))
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "converting" not in ln]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (backend, proc.stderr[-2000:])
+        assert str(model) in lines[-1] and "complete" in lines[-1], (backend, lines)
+
+
+def test_output_paths_are_settled_before_the_work(tmp_path):
+    from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, write_text
+
+    deep = prepare_output("--json", tmp_path / "new" / "deeper" / "out.json")
+    assert deep.parent.is_dir() and not deep.exists()  # the folder is made, the file waits for the result
+    write_text(deep, "{}")
+    assert deep.read_text() == "{}" and [p.name for p in deep.parent.iterdir()] == ["out.json"]
+    (tmp_path / "file").write_text("x")
+    for path, needle in [(tmp_path, "is a directory"), (tmp_path / "file" / "o.json", "is a file")]:
+        with pytest.raises(UserError, match=needle):
+            prepare_output("--json", path)
+    with pytest.raises(UserError, match=r"\.png"):
+        prepare_output("--plot", tmp_path / "plot.txt", PLOT_SUFFIXES)
+    assert prepare_output("--json", None) is None
+
+
 def test_bench_defaults_pass_their_own_dry_run():
     proc = cli("bench", "--dry-run")
     assert proc.returncode == 0, proc.stderr
