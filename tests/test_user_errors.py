@@ -24,6 +24,7 @@ def files(tmp_path_factory):
 
 def cases(d):
     prompt = str(d / "prompt.txt")
+    h2o = ["generate", "--backend", "torch", "--method", "h2o", "--budget", "256"]
     return [
         # (argv, words the one line must contain)
         (["export", "--weight-format", "int3"], "--weight-format"),
@@ -32,38 +33,8 @@ def cases(d):
         (["generate", "--prompt-file", str(d / "latin1.txt")], "not UTF-8"),
         (["generate", "--prompt-file", prompt, "--json", str(d / "a_dir")], "is a directory"),
         (["generate", "--prompt-file", prompt, "--json", str(d / "a_file" / "out.json")], "is a file"),
-        (
-            [
-                "generate",
-                "--backend",
-                "torch",
-                "--method",
-                "h2o",
-                "--budget",
-                "256",
-                "--option",
-                "name=x",
-                "--prompt-file",
-                prompt,
-            ],
-            "name='x'",
-        ),
-        (
-            [
-                "generate",
-                "--backend",
-                "torch",
-                "--method",
-                "h2o",
-                "--budget",
-                "256",
-                "--option",
-                "needs_budget=false",
-                "--prompt-file",
-                prompt,
-            ],
-            "needs_budget=False",
-        ),
+        ([*h2o, "--option", "name=x", "--prompt-file", prompt], "name='x'"),
+        ([*h2o, "--option", "needs_budget=false", "--prompt-file", prompt], "needs_budget=False"),
         (["eval", "--methods", "quest+2bit"], "quest+2bit"),
         (["eval", "--data", str(d / "data.jsonl")], "not UTF-8"),
         (["eval", "--json", str(d / "a_dir")], "is a directory"),
