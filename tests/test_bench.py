@@ -221,7 +221,7 @@ def test_run_bench_uses_a_fresh_prompt_every_repeat(monkeypatch):
 def test_bench_plot_writes_a_png(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
     monkeypatch.setattr(bench.measure, "weight_bytes", lambda engine: 1)
-    plan = BenchPlan(backends=("genai", "openvino"), methods=("full",), budgets=(128,), lengths=(200, 400))
+    plan = BenchPlan(backends=("genai", "openvino"), methods=("full",), budgets=(128,), lengths=(300, 400))
     plan.repeats, plan.new_tokens, plan.isolate = 1, 3, False
     doc = bench.run_bench(plan, engine_factory=lambda c: FakeEngine(c, 1.0, 1, []))
     out = tmp_path / "bench.png"

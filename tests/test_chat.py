@@ -156,21 +156,24 @@ def test_a_long_paste_on_a_terminal_arrives_whole(model_dir, tmp_path):
     os.close(slave)
     seen = b""
 
-    def read_until(marker: bytes, timeout: float = 120.0) -> None:
+    def read_until(marker: bytes, timeout: float = 180.0) -> None:
+        """Read the terminal until ``marker``, answering the line editor's cursor-position queries."""
         nonlocal seen
         end = time.monotonic() + timeout
         while marker not in seen:
             assert time.monotonic() < end, seen[-500:]
             ready, _, _ = select.select([master], [], [], 1.0)
             if ready:
-                seen += os.read(master, 65536)
+                chunk = os.read(master, 65536)
+                seen += chunk
+                for _ in range(chunk.count(b"\x1b[6n")):
+                    os.write(master, b"\x1b[1;1R")
 
     try:
-        read_until(b"> ")
+        read_until(b">")  # the prompt is up
         os.write(master, b"\x1b[200~Repeat the last word. " + words.encode() + b" END\x1b[201~\r")
+        os.write(master, b"/stats\r")  # typed ahead: read once the answer is done
         seen = b""
-        read_until(b"> ")  # the answer came, the next prompt is up
-        os.write(master, b"/stats\r")
         read_until(b"MiB")
         tokens = int(seen.split(b"cache: ")[1].split(b" tokens")[0])
         assert tokens > 3000, seen[-300:]
