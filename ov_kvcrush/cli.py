@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument(
         "--dry-run", action="store_true", help="check the plan and list the configurations and runs; load nothing"
     )
+    for command in sub.choices.values():  # --debug also after the command (ov-kvcrush generate --debug)
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 

@@ -212,6 +212,7 @@ def test_bad_method_specs_name_the_field():
         (_spec(**dict(H2O, colour="red")), "colour"),
         (_spec(**H2O) + ";sinks=4", "sinks"),
         (_spec(**dict(H2O, method="minikv")), "frozen"),  # MiniKV's selection is frozen
+        (_spec(**dict(H2O, quant=1, group=16, residual=32)), "frozen"),  # and any over the 2-bit store
         (_spec(method="full", budgets="0", quant=1, group=16), "residual"),
         ("", "method"),
     ]:

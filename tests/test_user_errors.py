@@ -116,8 +116,9 @@ def test_unexpected_errors_are_one_line_unless_debug(monkeypatch, capsys):
     assert err == [
         "ov-kvcrush export: unexpected error: RuntimeError: the real reason (run with --debug for the traceback)"
     ]
-    with pytest.raises(RuntimeError):
-        cli_module.main(["--debug", "export"])
+    for argv in (["--debug", "export"], ["export", "--debug"]):
+        with pytest.raises(RuntimeError):
+            cli_module.main(argv)
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,8 @@ ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& shape, PolicyCo
     const std::string s = spec.choice("scoring", {"none", "h2o", "snapkv"});
     scoring = s == "h2o" ? Scoring::h2o : s == "snapkv" ? Scoring::snapkv : Scoring::none;
     frozen = spec.flag("frozen");
+    if (quant() && !frozen)  // quantized key groups cannot lose members: the prompt's selection is final
+        throw Error(Spec::invalid("frozen", "0", "1 over the 2-bit store"));
     if (scoring == Scoring::snapkv) {  // the window and pooling score the prompt
         window = spec.integer("window", 1, 1 << 16);
         pool_kernel = spec.integer("pool_kernel", 1, 129);
