@@ -243,3 +243,11 @@ def test_two_bit_store_holds_the_reference_codes(ov_core):
         np.testing.assert_allclose(keys[:nq], k_ref[0, g, :nq].numpy(), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(values[:nq], v_ref[0, g, :nq].numpy(), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(keys[nq:], k_ref[0, g, nq:].numpy())  # the full-precision residual
+
+
+def test_the_pool_default_is_the_full_cache_spec_python_writes():
+    """KVPool's default method (kvcache.full_cache_spec, kept import-light) is method_spec's ``full``."""
+    from ov_kvcrush.methods import FullConfig
+
+    for layers in (1, 4):
+        assert kvcache.full_cache_spec(layers) == method_spec(FullConfig(), layers, HQ, 32)

@@ -202,11 +202,7 @@ ChelseaPolicy::ChelseaPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
             throw Error(Spec::invalid("outliers", std::to_string(outliers[i]) + "," + std::to_string(outliers[i + 1]),
                                       "layer < " + std::to_string(shape.layers) + " and kv_head < " + std::to_string(shape.kv_heads)));
     if (quant()) throw Error(Spec::invalid("quant", "1", "0 for chelsea (the torch engine runs it over the 2-bit store)"));
-    for (int l = 0; l < shape.layers; ++l) {
-        const int64_t b = budget(l);
-        if (b && b < sinks + recent + 1)
-            throw Error(Spec::invalid("budgets", std::to_string(b), "at least sinks + recent + 1 = " + std::to_string(sinks + recent + 1)));
-    }
+    require_budgets_at_least(sinks + recent + 1, "sinks + recent + 1");
 }
 
 int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) const {

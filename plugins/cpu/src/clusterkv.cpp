@@ -376,7 +376,7 @@ Counters ClusterKVPolicy::counters(Sequence& seq) const {
             {"working_set_bytes", ws}};
 }
 
-ClusterKVPolicy::ClusterKVPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common) : Policy(std::move(common)) {
+ClusterKVPolicy::ClusterKVPolicy(Spec& spec, const ModelShape& /*shape*/, PolicyCommon common) : Policy(std::move(common)) {
     const int64_t kMax = int64_t(1) << 20;
     sinks = spec.integer("sinks", 0, kMax);
     tokens_per_cluster = spec.integer("tokens_per_cluster", 1, kMax);
@@ -386,11 +386,7 @@ ClusterKVPolicy::ClusterKVPolicy(Spec& spec, const ModelShape& shape, PolicyComm
     max_iters = spec.integer("max_iters", 1, 10000);
     seed = spec.integer("seed", 0, (int64_t(1) << 31) - 1);
     cache_steps = spec.integer("cache_steps", 0, 1 << 16);
-    for (int l = 0; l < shape.layers; ++l) {
-        const int64_t b = budget(l);
-        if (b && b < sinks + 1)
-            throw Error(Spec::invalid("budgets", std::to_string(b), "at least sinks + 1 = " + std::to_string(sinks + 1)));
-    }
+    require_budgets_at_least(sinks + 1, "sinks + 1");
 }
 
 namespace {

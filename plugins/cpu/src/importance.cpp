@@ -71,7 +71,7 @@ void evict_by_slot_scores(Sequence& seq, int layer, bool prefill, int64_t budget
 
 // ---- the table: StreamingLLM, H2O, SnapKV, PyramidKV (MiniKV: minikv.cpp) ---------------------
 
-ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& shape, PolicyCommon common)
+ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& /*shape*/, PolicyCommon common)
     : Policy(std::move(common)) {
     const int64_t kMax = int64_t(1) << 20;
     sinks = spec.integer("sinks", 0, kMax);
@@ -88,11 +88,7 @@ ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& shape, PolicyCo
             throw Error(Spec::invalid("pool_kernel", std::to_string(pool_kernel), "an odd integer in [1, 129]"));
         pool_avg = spec.choice("pool", {"max", "avg"}) == "avg";
     }
-    for (int l = 0; l < shape.layers; ++l) {
-        const int64_t b = budget(l);
-        if (b && b < sinks + recent)
-            throw Error(Spec::invalid("budgets", std::to_string(b), "at least sinks + recent = " + std::to_string(sinks + recent)));
-    }
+    require_budgets_at_least(sinks + recent, "sinks + recent");
 }
 
 bool ImportancePolicy::keeps_slot_scores() const { return scoring != Scoring::none; }

@@ -16,18 +16,13 @@ namespace {
 
 class KnormPolicy : public Policy {
 public:
-    KnormPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common) : Policy(std::move(common)) {
+    KnormPolicy(Spec& spec, const ModelShape& /*shape*/, PolicyCommon common) : Policy(std::move(common)) {
         const int64_t kMax = int64_t(1) << 20;
         sinks = spec.integer("sinks", 0, kMax);
         recent = spec.integer("recent", 0, kMax);
         frozen = spec.flag("frozen");
         if (quant() && !frozen) throw Error(Spec::invalid("frozen", "0", "1 over the 2-bit store"));
-        for (int l = 0; l < shape.layers; ++l) {
-            const int64_t b = budget(l);
-            if (b && b < sinks + recent)
-                throw Error(Spec::invalid("budgets", std::to_string(b),
-                                          "at least sinks + recent = " + std::to_string(sinks + recent)));
-        }
+        require_budgets_at_least(sinks + recent, "sinks + recent");
     }
 
     // the slot scores hold the norms, not attention: a pool cannot also ask for attention scores

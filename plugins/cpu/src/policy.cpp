@@ -102,6 +102,12 @@ void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep)
     hc.scores = std::move(scores);
 }
 
+void Policy::require_budgets_at_least(int64_t floor, const std::string& what) const {
+    for (int64_t b : common_.budgets)
+        if (b && b < floor)
+            throw Error(Spec::invalid("budgets", std::to_string(b), "at least " + what + " = " + std::to_string(floor)));
+}
+
 bool step_scores(const PoolConfig& cfg, bool prefill) { return cfg.scores || cfg.policy->scores_step(prefill); }
 
 int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {

@@ -54,6 +54,10 @@ public:
     int64_t quant_group() const { return common_.group; }
     int64_t quant_residual() const { return common_.residual; }
 
+    // Throw (naming the field) when a bounded layer's budget is below `floor`; `what` names the
+    // floor in the message ("sinks + recent"). Every method that keeps sinks and windows calls it.
+    void require_budgets_at_least(int64_t floor, const std::string& what) const;
+
     // Slots carry G floats each (hc.scores), moved with their tokens by every cache edit.
     virtual bool keeps_slot_scores() const { return false; }
     // This step's attention probabilities are added to the slot scores.
