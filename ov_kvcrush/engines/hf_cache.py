@@ -54,6 +54,7 @@ class CompressedLayer(CacheLayerMixin):
     keys/values parked between ``update`` and the attention call."""
 
     is_compileable = False
+    is_croppable = False
 
     def __init__(self, method: LayerCache, sliding: bool = False) -> None:
         super().__init__()
@@ -90,7 +91,12 @@ class CompressedLayer(CacheLayerMixin):
         """Tokens seen so far (the next position), not tokens held: positions never shift."""
         return self.method.seen
 
+    def get_max_length(self) -> int:
+        """No fixed maximum (-1, as a dynamic layer answers); the name newer transformers (5.17+) use."""
+        return -1
+
     def get_max_cache_shape(self) -> int:
+        """The same, under the name of older transformers (5.5)."""
         return -1
 
     def reset(self) -> None:
