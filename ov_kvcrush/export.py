@@ -220,6 +220,12 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
         model.config.eos_token_id = tok.eos_token_id
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
+    # Newer transformers (5.17+) mark a model loaded from GGUF as quantized, although its weights
+    # are dequantised floats, and then refuse to save it: what is saved is a plain checkpoint.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     model.save_pretrained(out)
     tok.save_pretrained(out)
     check_saved_tokenizer(tok, out, gguf.name)

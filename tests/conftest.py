@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (tests/test_kernels.py):
+# the switch is read when a kernel is defined, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.kernels.prefill import causal_prefill
 from ov_kvcrush.methods.attention import AttentionOutput, ShapeError, attend, check_kv, check_query
 from ov_kvcrush.validation import check_int
 
@@ -245,10 +246,28 @@ class LayerCache(ABC):
             if not kw.get("return_scores"):
                 return AttentionOutput(memo.output)
             if memo.with_scores is None:
-                memo.with_scores = attend(queries, keys, values, scale=self.scale, **kw)
+                memo.with_scores = self._attend_any(queries, keys, values, **kw)
             scores = memo.with_scores.scores
             # each method gets its own scores: accumulators are updated in place while decoding
             return AttentionOutput(memo.with_scores.output, None if scores is None else scores.clone())
+        return self._attend_any(queries, keys, values, **kw)
+
+    def _attend_any(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kw: Any
+    ) -> AttentionOutput:
+        """A prompt attending itself (the same positions tensor for queries and keys, nothing
+        else) takes the fused path in the model's dtype (:func:`~ov_kvcrush.kernels.prefill.causal_prefill`);
+        everything else, and a prefill no fast path serves here, the reference :func:`attend`."""
+        pos = kw.get("q_positions")
+        if (
+            pos is not None
+            and pos is kw.get("k_positions")
+            and pos.dim() == 1
+            and all(kw.get(name) is None for name in ("bias", "key_mask", "window"))
+        ):
+            fast = causal_prefill(queries, keys, values, self.scale, return_scores=bool(kw.get("return_scores")))
+            if fast is not None:
+                return AttentionOutput(*fast)
         return attend(queries, keys, values, scale=self.scale, **kw)
 
     @abstractmethod

@@ -1,0 +1,128 @@
+"""The fused prefill kernels against the reference attention (the oracle).
+
+Triton kernels run on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest.py when there is no GPU), so CI tests them without one; on a GPU the same cases run
+compiled on CUDA tensors (and bf16, which the interpreter does not model). Shapes stay small so
+the interpreter stays fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.kernels import interpreting, kernel_mode, triton_importable, use_triton
+from ov_kvcrush.kernels.prefill import causal_prefill
+from ov_kvcrush.methods import H2OConfig, MiniKVConfig
+from ov_kvcrush.methods.attention import attend
+
+
+def _devices_and_dtypes() -> list:
+    out = []
+    if triton_importable() and interpreting():
+        out += [("cpu", torch.float32), ("cpu", torch.float16)]
+    if triton_importable() and torch.cuda.is_available() and not interpreting():
+        out += [("cuda", torch.float32), ("cuda", torch.float16), ("cuda", torch.bfloat16)]
+    return out or [pytest.param("none", None, marks=pytest.mark.skip(reason="no Triton here"))]
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+# (batch, q heads, kv heads, query rows, keys, head dim, score_from)
+SHAPES = [
+    (1, 4, 2, 37, 37, 16, 0),  # GQA, a prompt of odd length
+    (2, 4, 1, 20, 45, 24, 5),  # the last 20 positions of 45 (a later chunk), head dim not a power of 2
+    (1, 2, 2, 33, 33, 32, 30),  # scores of the last rows only (SnapKV's window)
+    (1, 6, 3, 1, 19, 16, 0),  # one query row: a decode step
+]
+
+
+@pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_flash_attention_with_scores_equals_the_reference(device, dtype, shape):
+    from ov_kvcrush.kernels.flash_scores import flash_attention_with_scores
+
+    b, hq, hk, t, n, d, score_from = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(b, t, hq, d, generator=gen).transpose(1, 2)  # transformers' strided layout
+    k = torch.randn(b, hk, n, d, generator=gen) * 2
+    v = torch.randn(b, hk, n, d, generator=gen)
+    pos = torch.arange(n)
+    scale = 0.7 / d**0.5
+    out, scores = flash_attention_with_scores(
+        *(x.to(device, dtype) for x in (q, k, v)), scale, score_from=score_from
+    )  # fmt: skip
+    want = attend(q, k, v, q_positions=pos[n - t :], k_positions=pos, scale=scale)
+    want_scores = attend(
+        q[:, :, score_from:], k, v, q_positions=pos[n - t + score_from :], k_positions=pos, scale=scale,
+        return_scores=True,
+    ).scores  # fmt: skip
+    assert out.dtype == dtype and out.shape == (b, hq, t, d)
+    tol = TOLERANCE[dtype]
+    assert torch.allclose(out.float().cpu(), want.output, atol=tol * 4, rtol=tol * 4)
+    assert torch.allclose(scores.cpu(), want_scores, atol=tol * 4, rtol=tol * 4)
+    # every counted row's probabilities sum to one: the column sums add up to the rows counted
+    assert torch.allclose(scores.sum(-1).cpu(), torch.full((b, hq), float(t - score_from)), atol=tol * t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_causal_prefill_without_scores_equals_the_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 50, 16, generator=gen) for h in (4, 2, 2))
+    pos = torch.arange(50)
+    got = causal_prefill(q.to(dtype), k.to(dtype), v.to(dtype), 0.2)
+    assert got is not None and got[1] is None and got[0].dtype == dtype
+    want = attend(q, k, v, q_positions=pos, k_positions=pos, scale=0.2).output
+    assert torch.allclose(got[0].float(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_no_fast_path_for_scores_where_triton_does_not_run(monkeypatch):
+    monkeypatch.setenv("OV_KVCRUSH_KERNELS", "torch")
+    q = torch.randn(1, 2, 8, 16)
+    assert causal_prefill(q, q, q, None, return_scores=True) is None  # the caller runs the reference
+
+
+@pytest.mark.skipif(not (triton_importable() and interpreting()), reason="needs Triton's interpreter")
+@pytest.mark.parametrize("config", [H2OConfig(budget=24, recent_tokens=4), MiniKVConfig(budget=24, recent_tokens=4)])
+def test_a_scoring_method_keeps_the_same_tokens_with_the_kernel(monkeypatch, config):
+    """The layer cache's prefill routes through the kernel; what it keeps and answers stays the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(1, 4, 60, 16, generator=gen),
+        torch.randn(1, 2, 60, 16, generator=gen),
+        torch.randn(1, 2, 60, 16, generator=gen),
+    )
+    steps = [tuple(torch.randn(1, h, 1, 16, generator=gen) for h in (4, 2, 2)) for _ in range(3)]
+
+    def run(mode: str):
+        monkeypatch.setenv("OV_KVCRUSH_KERNELS", mode)
+        lc = config.make_layer(0, 1)
+        outs = [lc.prefill(q, k, v)] + [lc.decode(*s) for s in steps]
+        return outs, lc.store.dense()[2]
+
+    from ov_kvcrush.kernels import flash_scores
+
+    calls = []
+    kernel = flash_scores.flash_attention_with_scores
+    monkeypatch.setattr(flash_scores, "flash_attention_with_scores", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    ref_outs, ref_kept = run("torch")
+    assert not calls
+    outs, kept = run("triton")
+    assert calls, "the prefill did not go through the kernel"
+    assert torch.equal(kept, ref_kept)
+    for got, want in zip(outs, ref_outs, strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_kernel_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("OV_KVCRUSH_KERNELS", "cuda")
+    with pytest.raises(ConfigError, match=r"OV_KVCRUSH_KERNELS.*auto, triton, torch"):
+        kernel_mode()
+    monkeypatch.setenv("OV_KVCRUSH_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if triton_importable():
+        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+            use_triton(torch.device("cpu"))
+    monkeypatch.setenv("OV_KVCRUSH_KERNELS", "auto")
+    assert use_triton(torch.device("cpu")) is False
