@@ -39,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.fastpath import fast_layer
 from ov_kvcrush.methods import LayerCache, MethodConfig
 from ov_kvcrush.methods.base import PromptMemo, storage_bytes
 from ov_kvcrush.methods.full import SlidingWindowLayerCache
@@ -166,9 +167,13 @@ class CompressedCache(Cache):
         method: the method's reference config (``CompressionConfig.method_config()``).
         model_config: the model's config (``model.config``); gives the layer count and which
             layers are sliding-window layers.
+        fast_path: use the method's fast layer cache where it has one
+            (:func:`ov_kvcrush.fastpath.fast_layer`: same results, no host work per step; the
+            torch engine turns it on for CUDA), the reference elsewhere.
+        reserve: tokens the cache will receive after the prompt (fast layers preallocate them).
     """
 
-    def __init__(self, method: MethodConfig, model_config: Any) -> None:
+    def __init__(self, method: MethodConfig, model_config: Any, fast_path: bool = False, reserve: int = 0) -> None:
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         n = int(text.num_hidden_layers)
         types = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
@@ -181,7 +186,9 @@ class CompressedCache(Cache):
             if sliding[i]:
                 layers.append(CompressedLayer(SlidingWindowLayerCache(int(text.sliding_window)), sliding=True))
             else:
-                layers.append(CompressedLayer(method.make_layer(global_layers.index(i), len(global_layers))))
+                g, total = global_layers.index(i), len(global_layers)
+                fast = fast_layer(method, g, total, reserve) if fast_path else None
+                layers.append(CompressedLayer(fast or method.make_layer(g, total)))
         super().__init__(layers=layers)
         self.method_config = method
 

@@ -116,6 +116,9 @@ class TorchEngine:
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``float16`` or ``bfloat16``.
         keep_cache: keep the last generation's cache in :attr:`last_cache` for inspection (tests
             measure its tensors); off by default so the KV memory is freed after each call.
+        fast_path: run each method's fast layer cache where it has one
+            (:mod:`ov_kvcrush.fastpath`: the reference's results without its per-step host work);
+            ``None`` (default): on CUDA, not on CPU, where the reference is the oracle.
     """
 
     backend = "torch"
@@ -127,12 +130,16 @@ class TorchEngine:
         device: str = "cpu",
         dtype: str = "auto",
         keep_cache: bool = False,
+        fast_path: bool | None = None,
     ) -> None:
+        if fast_path is not None and not isinstance(fast_path, bool):
+            raise ConfigError("fast_path", fast_path, "true, false or None (auto: on CUDA)")
         self.keep_cache = keep_cache
         self.last_cache: CompressedCache | None = None
         self.set_compression(compression or CompressionConfig())
         self.model, self.tokenizer = load_model(model_dir, device, dtype)
         self.device = self.model.device
+        self.fast_path = self.device.type == "cuda" if fast_path is None else fast_path
         self.model_dir = Path(model_dir)
         #: the model's context (from its config, as every engine reads it)
         self.max_context = model_context(self.model_dir) or int(
@@ -196,7 +203,7 @@ class TorchEngine:
         check_context(prompt_tokens, new_tokens, self.max_context)
 
     def _prefill(
-        self, ids: list[int], methods: list[MethodConfig]
+        self, ids: list[int], methods: list[MethodConfig], reserve: int = 0
     ) -> tuple[list[CompressedCache], torch.Tensor, float]:
         """One forward pass over the prompt filling one cache per method.
 
@@ -205,7 +212,7 @@ class TorchEngine:
         (:meth:`CompressedCache.share_prefill`): every method compresses the same prompt as its
         own prefill would, without running the model once per method.
         """
-        caches = [CompressedCache(m, self.model.config) for m in methods]
+        caches = [CompressedCache(m, self.model.config, self.fast_path, reserve) for m in methods]
         caches[0].share_prefill(caches[1:])
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -232,7 +239,7 @@ class TorchEngine:
         """Generate for one prompt; see :class:`GenerationResult` for the metrics."""
         settings = settings or GenerationSettings()
         ids = self._prompt_ids(prompt, settings)
-        caches, logits, prefill_s = self._prefill(ids, [self.method])
+        caches, logits, prefill_s = self._prefill(ids, [self.method], settings.max_new_tokens)
         return self._decode(ids, caches[0], self.compression, logits, prefill_s, settings, streamer)
 
     def generate_each(
@@ -250,7 +257,7 @@ class TorchEngine:
         settings = settings or GenerationSettings()
         configs = _check_compressions(compressions)
         ids = self._prompt_ids(prompt, settings)
-        caches, logits, prefill_s = self._prefill(ids, [c.method_config() for c in configs])
+        caches, logits, prefill_s = self._prefill(ids, [c.method_config() for c in configs], settings.max_new_tokens)
         results = []
         for cfg in configs:
             cache = caches.pop(0)  # each cache is freed once decoded

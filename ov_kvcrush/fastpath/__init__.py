@@ -1,0 +1,45 @@
+"""The fast path: per-layer caches that give a method's reference results without its host work.
+
+The references (:mod:`ov_kvcrush.methods`) are written to be read and to be the oracle: Python
+loops over heads, a store concatenated every step, float32 everywhere. On a GPU that costs more
+than the compression saves. A fast layer here implements the same :class:`~ov_kvcrush.methods.LayerCache`
+protocol with the same semantics (tested against the reference), as device-wide tensor work with
+no host synchronisation per step; :class:`~ov_kvcrush.engines.hf_cache.CompressedCache` uses it
+where :func:`fast_layer` offers one (the torch engine on CUDA does by default), and the reference
+everywhere else.
+
+A method gets a fast path by adding its factory to :data:`FAST_LAYERS`: today ClusterKV (without
+the 2-bit store and without recall tracking, which stay on the reference). The prefill of every
+method is fast already: its attention goes through :mod:`ov_kvcrush.kernels`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ov_kvcrush.fastpath.clusterkv import FastClusterKVLayerCache
+from ov_kvcrush.methods import ClusterKVConfig, LayerCache, MethodConfig
+from ov_kvcrush.methods.base import check_layer
+
+
+def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+    assert isinstance(config, ClusterKVConfig)
+    if config.quant is not None or config.track_recall:
+        return None
+    return FastClusterKVLayerCache(config, dense=layer_idx < config.dense_layers, reserve=reserve)
+
+
+#: method name -> factory of its fast layer cache (``None`` where that config needs the reference).
+FAST_LAYERS: dict[str, Callable[[MethodConfig, int, int, int], LayerCache | None]] = {
+    "clusterkv": _clusterkv,
+}
+
+
+def fast_layer(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int = 0) -> LayerCache | None:
+    """The fast layer cache of ``config``'s method for one layer, or ``None`` (use the reference).
+
+    ``reserve``: tokens the layer will receive after the prompt (preallocated).
+    """
+    check_layer(layer_idx, num_layers)
+    factory = FAST_LAYERS.get(config.name)
+    return None if factory is None else factory(config, layer_idx, num_layers, reserve)

@@ -1,0 +1,122 @@
+"""The fast path's layer caches against the references (the oracle), step by step and end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ov_kvcrush.engines.hf_cache import CompressedCache, storage_bytes
+from ov_kvcrush.fastpath import fast_layer
+from ov_kvcrush.fastpath.buffer import GROWTH_TOKENS, KVBuffer
+from ov_kvcrush.fastpath.clusterkv import FastClusterKVLayerCache
+from ov_kvcrush.methods import ClusterKVConfig, QuantSettings, SnapKVConfig, method_config
+
+CLUSTERKV_CASES = {
+    # budget below the prompt: the last recalled cluster is trimmed; new tokens clustered every 8 steps
+    "trimmed+incremental": ClusterKVConfig(budget=40, sink_tokens=4, tokens_per_cluster=10, cluster_every=8),
+    "no-recall-cache": ClusterKVConfig(budget=40, sink_tokens=2, n_clusters=7, recall_cache_steps=0, cluster_every=5),
+    "recall-cache-3": ClusterKVConfig(budget=64, sink_tokens=0, tokens_per_cluster=6, recall_cache_steps=3),
+    "budget-over-prompt": ClusterKVConfig(budget=500, sink_tokens=4, tokens_per_cluster=16),
+}
+
+
+def _qkv(gen: torch.Generator, t: int, hq: int = 4, hk: int = 2, d: int = 16):
+    return (
+        torch.randn(1, hq, t, d, generator=gen),
+        torch.randn(1, hk, t, d, generator=gen),
+        torch.randn(1, hk, t, d, generator=gen),
+    )
+
+
+@pytest.mark.parametrize("case", list(CLUSTERKV_CASES))
+def test_fast_clusterkv_attends_what_the_reference_attends(case):
+    config = CLUSTERKV_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    ref, fast = config.make_layer(2, 3), fast_layer(config, 2, 3, reserve=5)
+    assert isinstance(fast, FastClusterKVLayerCache)
+    prompt = _qkv(gen, 90)
+    assert torch.allclose(fast.prefill(*prompt), ref.prefill(*prompt), atol=1e-5)
+    for step in range(30):
+        x = _qkv(gen, 3 if step == 12 else 1)  # one step of several tokens (a chat turn's suffix)
+        got, want = fast.decode(*x), ref.decode(*x)
+        assert torch.allclose(got, want, atol=1e-5), f"step {step}"
+        # the same tokens per head (the fast path does not keep the reference's order)
+        assert torch.equal(fast.last_selected.sort(-1).values, ref.last_selected.sort(-1).values), f"step {step}"
+    want_counters = dict(ref.counters)
+    got_counters = fast.counters
+    assert got_counters.pop("clustering_ms") > 0
+    assert got_counters == pytest.approx(want_counters)
+    assert want_counters["clusterings"] >= (2 if config.cluster_every < 20 else 1)
+    assert torch.equal(fast.tokens_held(), ref.tokens_held())
+
+
+def test_fast_clusterkv_dense_layer_attends_everything():
+    config = ClusterKVConfig(budget=20, sink_tokens=2, dense_layers=1)
+    gen = torch.Generator().manual_seed(1)
+    ref, fast = config.make_layer(0, 2), fast_layer(config, 0, 2)
+    prompt = _qkv(gen, 50)
+    assert torch.allclose(fast.prefill(*prompt), ref.prefill(*prompt), atol=1e-5)
+    for _ in range(5):
+        x = _qkv(gen, 1)
+        assert torch.allclose(fast.decode(*x), ref.decode(*x), atol=1e-5)
+    assert fast.counters.get("clusterings", 0) == 0 and fast.last_selected is None
+
+
+def test_fast_memory_is_what_the_tensors_hold():
+    config = CLUSTERKV_CASES["trimmed+incremental"]
+    gen = torch.Generator().manual_seed(2)
+    fast = fast_layer(config, 2, 3)
+    fast.prefill(*_qkv(gen, 70))
+    for _ in range(10):
+        fast.decode(*_qkv(gen, 1))
+    mem = fast.memory()
+    assert mem["total"] == mem["kv"] + mem["metadata"]
+    assert mem["total"] == storage_bytes(fast)  # every tensor it pins, counted once, at its allocated size
+
+
+def test_methods_without_a_fast_layer_get_the_reference():
+    assert fast_layer(SnapKVConfig(budget=128), 0, 2) is None
+    assert fast_layer(ClusterKVConfig(budget=64, quant=QuantSettings()), 0, 2) is None
+    assert fast_layer(ClusterKVConfig(budget=64, track_recall=True), 0, 2) is None
+
+
+def test_kv_buffer_grows_without_losing_tokens():
+    buf = KVBuffer(reserve=3)
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(1, 2, t, 8, generator=gen) for t in (5, 1, GROWTH_TOKENS, 1, 7)]
+    for p in parts:
+        buf.append(p, -p)
+    k, v = buf.view()
+    assert torch.equal(k, torch.cat(parts, dim=2)) and torch.equal(v, -k)
+    assert buf.keys.shape[2] % GROWTH_TOKENS == 0 and buf.keys.shape[2] >= buf.n
+    assert buf.nbytes() == storage_bytes(buf)
+
+
+def test_greedy_tokens_on_a_model_equal_the_reference():
+    """End to end on a tiny random Llama: the fast cache generates the reference cache's tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ov_kvcrush").eval()
+    method = method_config(
+        "clusterkv", budget=48, sink_tokens=4, tokens_per_cluster=12, cluster_every=10, dense_layers=1
+    )
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(1))
+
+    def greedy(fast: bool) -> tuple[list[int], CompressedCache]:
+        cache = CompressedCache(method, cfg, fast_path=fast, reserve=24)
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=cache)
+        return out[0, ids.shape[1] :].tolist(), cache
+
+    want, ref_cache = greedy(False)
+    got, fast_cache = greedy(True)
+    assert any(isinstance(layer.method, FastClusterKVLayerCache) for layer in fast_cache.layers)
+    assert got == want
+    counters = fast_cache.counters()
+    assert counters.pop("clustering_ms") > 0
+    assert counters == pytest.approx(ref_cache.counters())
