@@ -146,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         "decode tokens/s, peak RSS, KV bytes and the ratios to native openvino_genai full cache and to the "
         "memory-bandwidth floor measured in the same run.",
     )
-    bn.add_argument("--backends", default="genai,openvino", help="genai, openvino, torch (default genai,openvino)")
+    bn.add_argument(
+        "--backends",
+        default="genai,openvino",
+        help="genai, openvino, torch, and transformers' own cache as baselines: hf-sdpa, hf-static-compiled "
+        "(CUDA) (default genai,openvino)",
+    )
     bn.add_argument(
         "--methods",
         default="full,kvcrush,snapkv",
@@ -162,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--repeats", type=_positive_int, default=2, help="interleaved repeats (default 2)")
     bn.add_argument("--new-tokens", type=_positive_int, default=32, help="decode steps per run (default 32)")
     bn.add_argument("--seed", type=_positive_int, default=0)
-    bn.add_argument("--model", help="model for every backend (default: the embedded model)")
+    bn.add_argument(
+        "--model",
+        help="model for every backend (default: the embedded model); random:llama-3-8b (or llama-3.2-1b, "
+        "tiny-llama) builds that architecture with random weights on --device: speed only, torch backends",
+    )
     bn.add_argument("--device", default="cpu", help="where the torch backend runs: cpu (default), cuda, cuda:N")
     bn.add_argument(
         "--no-isolate",

@@ -198,7 +198,10 @@ def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypat
     md = bench.format_markdown(doc).splitlines()
     assert len(md) == 2 + len(doc["results"]) and all(line.count("|") == md[0].count("|") for line in md)
     snap = res[("openvino snapkv @256", 600)]
-    line = f"| openvino snapkv @256 | {snap['prompt_tokens']} | {snap['ttft_ms']:.0f} | 2.0 | 6.8 | 500.0 |"
+    ttft_x = snap["ttft_ms"] / res[("genai full", 600)]["ttft_ms"]
+    assert snap["ttft_vs_anchor"] == pytest.approx(ttft_x) and doc["anchor"] == "genai full"
+    head = f"| openvino snapkv @256 | {snap['prompt_tokens']} | {snap['ttft_ms']:.0f} | {ttft_x:.2f}×"
+    line = f"{head} | 2.0 | 6.8 | 500.0 |"
     assert any(x.startswith(line) and x.endswith("| 2/2 |") for x in md)
 
 

@@ -10,8 +10,13 @@ from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
 
+#: transformers without compression, rows of their own beside the torch engine on a GPU
+#: (:mod:`ov_kvcrush.engines.hf_baseline`); they run method ``full`` only
+HF_BASELINE_BACKENDS = ("hf-sdpa", "hf-static-compiled")
 #: backends the harness runs (``genai``: native openvino_genai, the anchor)
-BENCH_BACKENDS = ("genai", "openvino", "torch")
+BENCH_BACKENDS = ("genai", "openvino", "torch", *HF_BASELINE_BACKENDS)
+#: backends that run on the plan's ``--device`` (the OpenVINO ones run on the CPU)
+TORCH_BACKENDS = ("torch", *HF_BASELINE_BACKENDS)
 
 
 #: fit the embedded model's 8192-token context with the default 32 new tokens
@@ -42,7 +47,7 @@ def backend_methods(backend: str) -> tuple[str, ...]:
 
     if backend not in BENCH_BACKENDS:
         raise ConfigError("backend", backend, "one of " + ", ".join(BENCH_BACKENDS))
-    return methods_for(backend)
+    return ("full",) if backend in HF_BASELINE_BACKENDS else methods_for(backend)
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -91,10 +96,11 @@ def parse_method(item: str) -> tuple[str, dict[str, Any]]:
 
 
 def plan_configs(
-    backends: Sequence[str], methods: Sequence[str], budgets: Sequence[int], *, anchors: bool = True
+    backends: Sequence[str], methods: Sequence[str], budgets: Sequence[int], *, anchor: str | None = "genai"
 ) -> list[BenchConfig]:
-    """Every backend x method x budget, where the backend has the method, plus (``anchors``) native
-    full cache, the configuration every ratio divides by.
+    """Every backend x method x budget, where the backend has the method, plus the ``anchor``
+    backend's full cache (native genai; ``hf-sdpa`` for a random-weight model), the
+    configuration every ratio divides by, and the full cache of every transformers baseline.
 
     ``methods`` items may carry options (see :func:`parse_method`). A method a listed backend
     does not have, or options it does not take, are left out for that backend (ClusterKV, or
@@ -104,7 +110,8 @@ def plan_configs(
     """
     for b in backends:
         backend_methods(b)
-    configs: list[BenchConfig] = [BenchConfig("genai", "full")] if anchors else []
+    configs: list[BenchConfig] = [BenchConfig(anchor, "full")] if anchor else []
+    configs += [BenchConfig(b, "full") for b in backends if b in HF_BASELINE_BACKENDS and b != anchor]
     for item in methods:
         m, options = parse_method(item)
         where = [b for b in backends if m in backend_methods(b)]
@@ -166,13 +173,33 @@ class BenchPlan:
 
 
 def device_of(cfg: BenchConfig, plan: BenchPlan) -> str:
-    """Where a configuration runs: the plan's device for the torch backend, else the CPU."""
-    return plan.device.lower() if cfg.backend == "torch" else "cpu"
+    """Where a configuration runs: the plan's device for the torch backends, else the CPU."""
+    return plan.device.lower() if cfg.backend in TORCH_BACKENDS else "cpu"
+
+
+def speed_only(plan: BenchPlan) -> bool:
+    """Whether the plan's model has random weights (``random:<architecture>``): no quality claim."""
+    from ov_kvcrush.engines.random_model import is_random_model
+
+    return is_random_model(plan.model)
+
+
+def anchor_backend(plan: BenchPlan) -> str:
+    """The backend whose full cache every ratio divides by: native genai, or for a random-weight
+    model (which only the torch backends run) plain transformers, ``hf-sdpa``."""
+    return "hf-sdpa" if speed_only(plan) else "genai"
 
 
 def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, int, BenchConfig]]]:
     """The plan's configurations and run order, every field checked; nothing is loaded."""
-    configs = plan_configs(plan.backends, plan.methods, plan.budgets)
+    anchor = anchor_backend(plan)
+    if speed_only(plan):
+        others = [b for b in plan.backends if b not in TORCH_BACKENDS]
+        if others:
+            raise ConfigError(
+                "backends", ",".join(others), f"{', '.join(TORCH_BACKENDS)} (a random-weight model runs on torch)"
+            )
+    configs = plan_configs(plan.backends, plan.methods, plan.budgets, anchor=anchor)
     order = schedule(configs, plan.lengths, plan.repeats)
     if plan.new_tokens < 2:
         raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
@@ -181,13 +208,15 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
         if not isinstance(n, int) or not MIN_LENGTH <= n <= (context or n + plan.new_tokens) - plan.new_tokens:
             top = f"{context - plan.new_tokens} (the model's context {context} less --new-tokens)" if context else ""
             raise ConfigError("lengths", n, f"prompt lengths in [{MIN_LENGTH}, {top or 'the context'}]")
-    if "torch" in plan.backends:
+    if any(c.backend in TORCH_BACKENDS for c in configs):
         from ov_kvcrush.engines.torch_engine import resolve_device
 
         resolve_device(plan.device)  # a bad or missing device is refused before any model loads
+        if "hf-static-compiled" in plan.backends and not plan.device.lower().startswith(("cuda", "gpu")):
+            raise ConfigError("device", plan.device, "cuda for backend hf-static-compiled (it compiles CUDA graphs)")
     elif plan.device.lower() != "cpu":
         raise ConfigError(
-            "device", plan.device, "cpu (--device places the torch backend; OpenVINO backends run on CPU)"
+            "device", plan.device, "cpu (--device places the torch backends; OpenVINO backends run on CPU)"
         )
     return configs, order
 
@@ -196,8 +225,11 @@ def plan_context(plan: BenchPlan) -> int:
     """The context of the plan's model (0: unknown), read without loading or exporting it; a
     ``--model`` that is not there, or not a model, is refused here."""
     from ov_kvcrush.engines.base import model_context
+    from ov_kvcrush.engines.random_model import random_config
     from ov_kvcrush.export import embedded_gguf_path, resolve_source
 
+    if speed_only(plan):
+        return int(random_config(str(plan.model)).max_position_embeddings)
     if plan.model is None:
         return model_context(embedded_gguf_path())
     path = Path(plan.model).expanduser()

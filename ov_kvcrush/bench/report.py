@@ -15,9 +15,16 @@ RESULT_KEYS = ("backend", "method", "budget", "length", "ttft_ms", "tpot_ms", "k
 
 
 def summarize(
-    runs: Iterable[dict[str, Any]], weight_bytes: dict[str, int], bandwidth_gbps: float | dict[str, float]
+    runs: Iterable[dict[str, Any]],
+    weight_bytes: dict[str, int],
+    bandwidth_gbps: float | dict[str, float],
+    anchor: str = "genai",
 ) -> list[dict[str, Any]]:
     """One result per (configuration, length): medians over the repeats, and the ratios.
+
+    Ratios divide by the ``anchor`` backend's full cache at the same length (``*_vs_anchor``;
+    also ``*_vs_native_full`` when that is native genai), and TPOT by transformers' compiled
+    static cache where the run has it (``tpot_vs_hf_static_compiled``).
 
     ``weight_bytes`` maps a backend to the bytes of weights one decode step reads;
     ``bandwidth_gbps`` is the CPU's, or a mapping from device (a run's ``device``, default
@@ -49,19 +56,32 @@ def summarize(
             "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in mine)),
             "engine_rss_bytes": first.get("engine_rss_bytes"),
             "device": first.get("device", "cpu"),
-            "correct": sum(bool(r["correct"]) for r in mine),
+            "correct": None if any(r["correct"] is None for r in mine) else sum(bool(r["correct"]) for r in mine),
         }
-        for key in ("policy_decode_share", "policy_prefill_share"):
+        for key in ("policy_decode_share", "policy_prefill_share", "clustering_prefill_share"):
             vals = [r[key] for r in mine if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
         row["floor_ms"] = floor_ms(weight_bytes[first["backend"]], row["kv_bytes"], bandwidths[row["device"]])
         row["tpot_vs_floor"] = tpot / row["floor_ms"] if row["floor_ms"] else None
         results.append(row)
-    anchors = {r["length"]: r for r in results if r["backend"] == "genai" and r["method"] == "full"}
+
+    def by_length(backend: str) -> dict[int, dict[str, Any]]:
+        return {r["length"]: r for r in results if r["backend"] == backend and r["method"] == "full"}
+
+    def ratio(x: float, base: dict[str, Any] | None, key: str) -> float | None:
+        return x / base[key] if base and base[key] else None
+
+    anchors, static = by_length(anchor), by_length("hf-static-compiled")
     for r in results:
         base = anchors.get(r["length"])
-        r["tpot_vs_native_full"] = r["tpot_ms"] / base["tpot_ms"] if base and base["tpot_ms"] else None
-        r["kv_vs_native_full"] = r["kv_bytes"] / base["kv_bytes"] if base and base["kv_bytes"] else None
+        r["tpot_vs_anchor"] = ratio(r["tpot_ms"], base, "tpot_ms")
+        r["kv_vs_anchor"] = ratio(r["kv_bytes"], base, "kv_bytes")
+        r["ttft_vs_anchor"] = ratio(r["ttft_ms"], base, "ttft_ms")
+        native = base if anchor == "genai" else None
+        r["tpot_vs_native_full"] = ratio(r["tpot_ms"], native, "tpot_ms")
+        r["kv_vs_native_full"] = ratio(r["kv_bytes"], native, "kv_bytes")
+        if static:
+            r["tpot_vs_hf_static_compiled"] = ratio(r["tpot_ms"], static.get(r["length"]), "tpot_ms")
     return results
 
 
@@ -96,7 +116,7 @@ def plot(doc: dict[str, Any], out: str | Path) -> None:
     # one colour per method and options (the same across backends), one line style per backend
     kinds = list(dict.fromkeys(label.split(" ", 1)[1] for label in labels))
     colours = plt.get_cmap("tab20" if len(kinds) > 10 else "tab10")
-    styles = {"genai": "--", "openvino": "-", "torch": ":"}
+    styles = {"genai": "--", "openvino": "-", "torch": ":", "hf-sdpa": "-.", "hf-static-compiled": "-."}
     for label in labels:
         rows = sorted((r for r in doc["results"] if r["label"] == label), key=lambda r: r["length"])
         xs = [r["length"] for r in rows]
@@ -109,7 +129,14 @@ def plot(doc: dict[str, Any], out: str | Path) -> None:
         ax.grid(alpha=0.3)
         ax.set_xscale("log", base=2)
     b.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle(f"ov-kvcrush bench ({doc['machine']['cpu']}, {doc['bandwidth_gbps']:.1f} GB/s copy bandwidth)")
+    gpus = ", ".join(doc["machine"].get("gpus", {}).values())
+    where = (
+        f"{gpus}, {max(doc.get('device_bandwidth_gbps', {}).values(), default=0):.0f}"
+        if gpus
+        else (f"{doc['machine']['cpu']}, {doc['bandwidth_gbps']:.1f}")
+    )
+    speed = "; random weights: speed only" if doc.get("speed_only") else ""
+    fig.suptitle(f"ov-kvcrush bench ({where} GB/s copy bandwidth{speed})")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -118,7 +145,8 @@ def plot(doc: dict[str, Any], out: str | Path) -> None:
 def format_table(doc: dict[str, Any]) -> str:
     """The results as a text table (one line per configuration and length).
 
-    ``xTPOT``/``xKV``: ratios to native full cache at that length; ``xfloor``: TPOT over the
+    ``xTPOT``/``xKV``: ratios to the anchor's full cache at that length (native genai; hf-sdpa for a
+    random-weight model); ``xfloor``: TPOT over the
     bandwidth floor; ``pre%``/``dec%``: the method's own share of prefill/decode time (selection,
     clustering, merging, quantising; measured inside our op and the torch cache); ``RSS``: peak
     resident memory of the configuration's process during its runs."""
@@ -126,7 +154,7 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{'configuration':38s} {'tokens':>6s} {'TTFT ms':>8s} {'TPOT ms':>8s} {'p90':>6s} {'tok/s':>6s} "
         f"{'KV MiB':>8s} {'xTPOT':>6s} {'xKV':>6s} {'xfloor':>6s} {'pre%':>5s} {'dec%':>5s} {'RSS MiB':>8s}"
     )
-    lines = [head]
+    lines = [f"ratios to {doc.get('anchor', 'genai full')}", head]
 
     def ratio(x: float | None, digits: int = 2) -> str:
         return f"{x:6.{digits}f}" if x is not None else f"{'':6s}"
@@ -137,8 +165,8 @@ def format_table(doc: dict[str, Any]) -> str:
     for r in doc["results"]:
         lines.append(
             f"{r['label']:38s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
-            f"{r['decode_tokens_per_s']:6.1f} {r['kv_bytes'] / 2**20:8.2f} {ratio(r['tpot_vs_native_full'])} "
-            f"{ratio(r['kv_vs_native_full'], 3)} {ratio(r['tpot_vs_floor'])} "
+            f"{r['decode_tokens_per_s']:6.1f} {r['kv_bytes'] / 2**20:8.2f} {ratio(_anchored(r, 'tpot'))} "
+            f"{ratio(_anchored(r, 'kv'), 3)} {ratio(r['tpot_vs_floor'])} "
             f"{share(r.get('policy_prefill_share'))} {share(r.get('policy_decode_share'))} "
             f"{r['peak_rss_bytes'] / 2**20:8.0f}"
         )
@@ -154,16 +182,26 @@ def format_markdown(doc: dict[str, Any]) -> str:
     def pct(v: float | None) -> str:
         return "" if v is None else f"{100 * v:.1f} %"
 
+    anchor = doc.get("anchor", "genai full").replace("genai full", "native full")
     lines = [
-        "| configuration | tokens | TTFT ms | TPOT ms (median) | p90 | tok/s | KV MiB | TPOT vs native full "
-        "| KV vs native full | TPOT vs floor | method share of prefill | of decode | peak RSS MiB | passkey |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| configuration | tokens | TTFT ms | TTFT vs {anchor} | TPOT ms (median) | p90 | tok/s | KV MiB "
+        f"| TPOT vs {anchor} | KV vs {anchor} | TPOT vs floor | method share of prefill | of decode "
+        "| clustering share of prefill | peak RSS MiB | passkey |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
+        passkey = "speed only" if r["correct"] is None else f"{r['correct']}/{r['runs']}"
         lines.append(
-            f"| {r['label']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | {r['tpot_ms']:.1f} | {r['tpot_p90_ms']:.1f} "
-            f"| {r['decode_tokens_per_s']:.1f} | {r['kv_bytes'] / 2**20:.2f} | {x(r['tpot_vs_native_full'])} "
-            f"| {x(r['kv_vs_native_full'], 3)} | {x(r['tpot_vs_floor'])} | {pct(r.get('policy_prefill_share'))} "
-            f"| {pct(r.get('policy_decode_share'))} | {r['peak_rss_bytes'] / 2**20:.0f} | {r['correct']}/{r['runs']} |"
+            f"| {r['label']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | {x(r.get('ttft_vs_anchor'))} "
+            f"| {r['tpot_ms']:.1f} | {r['tpot_p90_ms']:.1f} "
+            f"| {r['decode_tokens_per_s']:.1f} | {r['kv_bytes'] / 2**20:.2f} | {x(_anchored(r, 'tpot'))} "
+            f"| {x(_anchored(r, 'kv'), 3)} | {x(r['tpot_vs_floor'])} | {pct(r.get('policy_prefill_share'))} "
+            f"| {pct(r.get('policy_decode_share'))} | {pct(r.get('clustering_prefill_share'))} "
+            f"| {r['peak_rss_bytes'] / 2**20:.0f} | {passkey} |"
         )
     return "\n".join(lines)
+
+
+def _anchored(row: dict[str, Any], what: str) -> float | None:
+    """``tpot``/``kv`` over the anchor's (results written before anchors were named: native full)."""
+    return row.get(f"{what}_vs_anchor", row.get(f"{what}_vs_native_full"))

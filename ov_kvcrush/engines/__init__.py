@@ -26,11 +26,13 @@ PLANNED_BACKENDS: dict[str, int] = {}
 BACKENDS = ("genai", "torch", "openvino")
 
 
-def resolve_model(backend: str, model: str | Path | None) -> Path:
+def resolve_model(backend: str, model: str | Path | None) -> Path | str:
     """The model path ``backend`` runs: an IR directory (genai, openvino) or an HF checkpoint (torch).
 
     ``None`` is the embedded model. A GGUF file or an HF directory is exported (genai) or
     converted (torch) once and cached; an exported IR directory is used as is by genai.
+    ``random:<architecture>`` (torch only) is returned as it is: the engine builds it
+    (:mod:`ov_kvcrush.engines.random_model`).
     """
     _check_backend(backend)
     try:
@@ -44,11 +46,17 @@ def resolve_model(backend: str, model: str | Path | None) -> Path:
         ) from exc
 
 
-def _resolve_model(backend: str, model: str | Path | None) -> Path:
+def _resolve_model(backend: str, model: str | Path | None) -> Path | str:
+    from ov_kvcrush.engines.random_model import is_random_model, random_config
     from ov_kvcrush.export import ensure_default_model, export_model, hf_checkpoint
 
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError("model", model, "a path (str or os.PathLike), or None for the embedded model")
+    if is_random_model(model):
+        if backend != "torch":
+            raise ConfigError("model", model, f"a model path for backend {backend} (random weights run on torch only)")
+        random_config(str(model))  # an unknown architecture is refused here, listing the known ones
+        return str(model)
     if backend in ("genai", "openvino"):
         if model is None:
             return ensure_default_model()

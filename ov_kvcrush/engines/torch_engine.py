@@ -40,6 +40,7 @@ from ov_kvcrush.engines.base import (
     ttft_tpot_ms,
 )
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
+from ov_kvcrush.engines.random_model import build_random_model, is_random_model
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.methods import MethodConfig
 
@@ -88,6 +89,8 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "auto", 
 
     dev = resolve_device(device)  # refuse a bad device/dtype before any loading work
     dt = resolve_dtype(dtype, dev)
+    if is_random_model(model_dir):  # random:<architecture>, speed only (engines/random_model.py)
+        return build_random_model(str(model_dir), dev, dt, attn)
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise UserError(f"not a Hugging Face model directory (no config.json): {path}")
@@ -122,6 +125,8 @@ class TorchEngine:
     """
 
     backend = "torch"
+    #: the attention the model is loaded with (the transformers baselines load ``sdpa``)
+    attn_implementation = ATTN_IMPLEMENTATION
 
     def __init__(
         self,
@@ -137,12 +142,14 @@ class TorchEngine:
         self.keep_cache = keep_cache
         self.last_cache: CompressedCache | None = None
         self.set_compression(compression or CompressionConfig())
-        self.model, self.tokenizer = load_model(model_dir, device, dtype)
+        self.model, self.tokenizer = load_model(model_dir, device, dtype, self.attn_implementation)
         self.device = self.model.device
         self.fast_path = self.device.type == "cuda" if fast_path is None else fast_path
         self.model_dir = Path(model_dir)
         #: the model's context (from its config, as every engine reads it)
-        self.max_context = model_context(self.model_dir) or int(
+        #: a random-weight architecture (``random:<name>``): speed-only results
+        self.speed_only = is_random_model(model_dir)
+        self.max_context = (0 if self.speed_only else model_context(self.model_dir)) or int(
             getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 0
         )
         eos = self.model.generation_config.eos_token_id

@@ -18,7 +18,8 @@ the same tokens attended, the same counters; tested against it) with:
 
 Shapes are fixed between clusterings: the working set is ``sinks + budget - sinks`` recalled
 tokens plus the generated tokens not clustered yet. Clustering time is measured (CUDA events on
-a GPU) as ``clustering_ms``, so reports give it as a share of prefill.
+a GPU) as ``clustering_prefill_ms`` (the prompt's) and ``clustering_decode_ms`` (the generated
+tokens'), so reports give it as a share of prefill.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class FastClusterKVLayerCache(LayerCache):
         self.pending_from = 0
         self.recent: deque[torch.Tensor] = deque(maxlen=max(config.recall_cache_steps, 1))
         self.last_selected: torch.Tensor | None = None
-        self._clustering: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._clustering: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     # -- counters: device tensors, read on request ---------------------------------------------
     @property
@@ -61,7 +62,8 @@ class FastClusterKVLayerCache(LayerCache):
             out[key] = float(value)
         if self._clustering:
             torch.cuda.synchronize()
-            out["clustering_ms"] = out.get("clustering_ms", 0.0) + sum(a.elapsed_time(b) for a, b in self._clustering)
+            for key, begin, done in self._clustering:
+                out[key] = out.get(key, 0.0) + begin.elapsed_time(done)
         if "cluster_lookups" in out:
             out["hit_rate"] = out.get("cluster_hits", 0.0) / out["cluster_lookups"] if out["cluster_lookups"] else 0.0
         return out
@@ -87,10 +89,11 @@ class FastClusterKVLayerCache(LayerCache):
         self.pending_from = self.sinks
         if not self.dense_layer and n > self.sinks:
             c0 = self.config.n_clusters or math.ceil((n - self.sinks) / self.config.tokens_per_cluster)
-            self._cluster(self.buffer.view()[0], self.sinks, n, c0)
+            self._cluster(self.buffer.view()[0], self.sinks, n, c0, "prefill")
         return out
 
-    def _cluster(self, keys: torch.Tensor, start: int, end: int, k: int) -> None:
+    def _cluster(self, keys: torch.Tensor, start: int, end: int, k: int, phase: str) -> None:
+        key = f"clustering_{phase}_ms"
         cuda = keys.device.type == "cuda"
         if cuda:
             begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -118,15 +121,15 @@ class FastClusterKVLayerCache(LayerCache):
         self._bump("kmeans_iterations", km.iterations)
         if cuda:
             done.record()
-            self._clustering.append((begin, done))
+            self._clustering.append((key, begin, done))
         else:
-            self._bump("clustering_ms", (time.perf_counter() - t0) * 1e3)
+            self._bump(key, (time.perf_counter() - t0) * 1e3)
 
     # -- decode ---------------------------------------------------------------------------------
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         n = self.buffer.n
         if not self.dense_layer and n - self.pending_from >= self.config.cluster_every:
-            self._cluster(self.buffer.view()[0], self.pending_from, n, self.config.new_clusters)
+            self._cluster(self.buffer.view()[0], self.pending_from, n, self.config.new_clusters, "decode")
         pos = self._positions(keys.shape[2], keys.device)
         self.buffer.append(keys, values)
         k, v = self.buffer.view()
