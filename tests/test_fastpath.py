@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -41,7 +43,9 @@ def test_fast_clusterkv_attends_what_the_reference_attends(case):
         got, want = fast.decode(*x), ref.decode(*x)
         assert torch.allclose(got, want, atol=1e-5), f"step {step}"
         # the same tokens per head (the fast path does not keep the reference's order)
-        assert torch.equal(fast.last_selected.sort(-1).values, ref.last_selected.sort(-1).values), f"step {step}"
+        sel = fast.last_selected
+        held = sel[sel >= 0].view(*sel.shape[:2], -1)  # the pending window's unwritten slots are -1
+        assert torch.equal(held.sort(-1).values, ref.last_selected.sort(-1).values), f"step {step}"
     want_counters = dict(ref.counters)
     got_counters = fast.counters
     assert got_counters.pop("clustering_prefill_ms") > 0
@@ -121,3 +125,113 @@ def test_greedy_tokens_on_a_model_equal_the_reference():
     counters = fast_cache.counters()
     assert counters.pop("clustering_prefill_ms") > 0 and counters.pop("clustering_decode_ms") > 0
     assert counters == pytest.approx(ref_cache.counters())
+
+
+# --------------------------------------------------------------------------------------------
+# what a CUDA graph asks of a step, checked on the CPU
+
+
+class _NoHostRead:
+    """Fail any read of a tensor's value by the host during a step: a replayed graph runs no Python."""
+
+    NAMES = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__")
+
+    def __enter__(self) -> _NoHostRead:
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+        def refuse(name):
+            def f(*args, **kwargs):
+                raise AssertionError(f"a decode step read a tensor on the host (Tensor.{name})")
+
+            return f
+
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, refuse(name))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, f in self.saved.items():
+            setattr(torch.Tensor, name, f)
+
+
+def _python_state(x, seen=None):
+    """Every value a step could leave behind in Python: tensors by address and shape (updated in
+    place they keep both), everything else by value."""
+    seen = set() if seen is None else seen
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.data_ptr(), tuple(x.shape), x.dtype)
+    if isinstance(x, (int, float, str, bool, type(None), torch.dtype, torch.device)):
+        return x
+    if id(x) in seen:
+        return ("seen", id(x))
+    seen.add(id(x))
+    if isinstance(x, dict):
+        return {k: _python_state(v, seen) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) or hasattr(x, "maxlen"):
+        return [_python_state(v, seen) for v in x]
+    if hasattr(x, "__dict__"):
+        skip = {"attend_ms", "last_selected", "policy_ms", "config"}  # timings; an output of the step
+        return {k: _python_state(v, seen) for k, v in vars(x).items() if k not in skip}
+    return repr(x)
+
+
+def _tiny_model():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="ov_kvcrush").eval(), cfg
+
+
+@pytest.mark.parametrize("name", ["clusterkv", "full"])
+def test_a_graphed_step_reads_nothing_on_the_host_and_leaves_no_python_state(name):
+    """The contract of :class:`~ov_kvcrush.engines.cuda_graph.GraphedDecoder`, step by step on the
+    CPU: inside a step (the part a graph replays) no tensor value reaches Python and no Python
+    state changes (state tensors are updated in place); the tokens are the reference's."""
+    model, cfg = _tiny_model()
+    options = dict(budget=40, sink_tokens=4, tokens_per_cluster=12, cluster_every=6, dense_layers=1)
+    method = method_config(name, **(options if name == "clusterkv" else {}))
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model.generate(
+            ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, past_key_values=CompressedCache(method, cfg)
+        )[0, ids.shape[1] :].tolist()
+        cache = CompressedCache(method, cfg, fast_path=True, reserve=20)
+        assert cache.graphable()
+        tokens = [int(model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax())]
+        keys = set()
+        for step in range(1, 20):
+            token = torch.tensor([[tokens[-1]]])
+            position = torch.tensor([[ids.shape[1] + step - 1]])
+            cache.before_step(1)
+            replayed = cache.graph_key() in keys  # a new key: the decoder runs the step eagerly, then captures
+            keys.add(cache.graph_key())
+            cache.set_graphed(True)
+            before = _python_state(cache)
+            with _NoHostRead() if replayed else contextlib.nullcontext():
+                out = model(input_ids=token, position_ids=position, past_key_values=cache, logits_to_keep=1)
+            if replayed:
+                assert _python_state(cache) == before, f"step {step} changed the cache's Python state"
+            cache.set_graphed(False)
+            cache.after_step(1)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    assert tokens == want
+    # ClusterKV's shapes change once per clustering of new tokens (every 6 steps): 4 captures
+    assert len(keys) == (4 if name == "clusterkv" else 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_give_the_eager_tokens():
+    from ov_kvcrush.config import CompressionConfig, GenerationSettings
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+
+    settings = GenerationSettings(max_new_tokens=40, ignore_eos=True)
+    prompt = "The pass key is 52445. " * 40
+    for comp in (CompressionConfig(), CompressionConfig("clusterkv", budget=256, options={"cluster_every": 16})):
+        eager = TorchEngine("random:tiny-llama", comp, device="cuda", cuda_graphs=False).generate(prompt, settings)
+        graphed = TorchEngine("random:tiny-llama", comp, device="cuda").generate(prompt, settings)
+        assert graphed.counters["graph_captures"] >= 1
+        assert graphed.token_ids == eager.token_ids

@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.fastpath import fast_layer
+from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.methods import LayerCache, MethodConfig
 from ov_kvcrush.methods.base import PromptMemo, storage_bytes
 from ov_kvcrush.methods.full import SlidingWindowLayerCache
@@ -215,6 +216,35 @@ class CompressedCache(Cache):
             raise RuntimeError("share_prefill needs caches built for the same model")
         for i, layer in enumerate(self.layers):
             layer.followers = [other.layers[i] for other in others]
+
+    # -- steps replayed as CUDA graphs (engines/cuda_graph.py) ---------------------------------
+    def graphable(self) -> bool:
+        """Whether every layer is a fast layer, whose single-token steps a CUDA graph can replay."""
+        return all(isinstance(layer.method, FastLayerCache) for layer in self.layers)
+
+    def _fast_layers(self) -> Iterator[FastLayerCache]:
+        for layer in self.layers:
+            assert isinstance(layer.method, FastLayerCache)
+            yield layer.method
+
+    def before_step(self, t: int) -> None:
+        """Every layer's host work before a step of ``t`` tokens (outside the graph)."""
+        for lc in self._fast_layers():
+            lc.before_step(t)
+
+    def after_step(self, t: int) -> None:
+        """Every layer's host counts after a step of ``t`` tokens."""
+        for lc in self._fast_layers():
+            lc.after_step(t)
+
+    def graph_key(self) -> tuple[object, ...]:
+        """The shapes and addresses a captured step depends on (a change means capturing again)."""
+        return tuple(lc.graph_key() for lc in self._fast_layers())
+
+    def set_graphed(self, on: bool) -> None:
+        """While on, layers run only a step's device work (the engine calls before/after_step)."""
+        for lc in self._fast_layers():
+            lc.graphed = on
 
     # -- what the cache holds -----------------------------------------------------------------
     def method_layers(self) -> Iterator[LayerCache]:

@@ -39,6 +39,7 @@ from ov_kvcrush.engines.base import (
     step_ms,
     ttft_tpot_ms,
 )
+from ov_kvcrush.engines.cuda_graph import GraphedDecoder
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.engines.random_model import build_random_model, is_random_model
 from ov_kvcrush.errors import ConfigError, UserError
@@ -122,6 +123,8 @@ class TorchEngine:
         fast_path: run each method's fast layer cache where it has one
             (:mod:`ov_kvcrush.fastpath`: the reference's results without its per-step host work);
             ``None`` (default): on CUDA, not on CPU, where the reference is the oracle.
+        cuda_graphs: replay decode steps as CUDA graphs where every layer is a fast one
+            (:mod:`ov_kvcrush.engines.cuda_graph`); ``None`` (default): on CUDA with the fast path.
     """
 
     backend = "torch"
@@ -136,15 +139,24 @@ class TorchEngine:
         dtype: str = "auto",
         keep_cache: bool = False,
         fast_path: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if fast_path is not None and not isinstance(fast_path, bool):
             raise ConfigError("fast_path", fast_path, "true, false or None (auto: on CUDA)")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ConfigError("cuda_graphs", cuda_graphs, "true, false or None (auto: on CUDA with the fast path)")
         self.keep_cache = keep_cache
         self.last_cache: CompressedCache | None = None
         self.set_compression(compression or CompressionConfig())
         self.model, self.tokenizer = load_model(model_dir, device, dtype, self.attn_implementation)
         self.device = self.model.device
         self.fast_path = self.device.type == "cuda" if fast_path is None else fast_path
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs and not (on_cuda and self.fast_path):
+            raise ConfigError(
+                "cuda_graphs", cuda_graphs, "false or None here (CUDA graphs need device cuda and fast_path)"
+            )
+        self.cuda_graphs = on_cuda and self.fast_path if cuda_graphs is None else cuda_graphs
         self.model_dir = Path(model_dir)
         #: the model's context (from its config, as every engine reads it)
         #: a random-weight architecture (``random:<name>``): speed-only results
@@ -332,8 +344,11 @@ class TorchEngine:
         peak = 0
         stream = TextStream(streamer, lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         t0 = time.perf_counter() - prefill_s  # the first token is due after the prefill
+        graphed = GraphedDecoder(self.model, cache) if self.cuda_graphs and cache.graphable() else None
         for step in range(settings.max_new_tokens):
-            if step:
+            if step and graphed is not None:
+                logits = graphed.step(tokens[-1], len(ids) + step - 1)
+            elif step:
                 logits = self._step(cache, tokens[-1])
             nxt = self._pick(logits, settings, gen)
             stamps.append(time.perf_counter() - t0)
@@ -355,6 +370,8 @@ class TorchEngine:
             "tokens_seen": seen,
             "tokens_held_per_head": round(cache.tokens_held(), 2),
         }
+        if graphed is not None:
+            counters["graph_captures"] = graphed.captures
         if shared:
             counters["shared_prefill"] = 1
             counters.pop("policy_prefill_ms", None)  # another cache's prefill ran the prompt

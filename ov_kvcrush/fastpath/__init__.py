@@ -8,8 +8,10 @@ no host synchronisation per step; :class:`~ov_kvcrush.engines.hf_cache.Compresse
 where :func:`fast_layer` offers one (the torch engine on CUDA does by default), and the reference
 everywhere else.
 
-A method gets a fast path by adding its factory to :data:`FAST_LAYERS`: today ClusterKV (without
-the 2-bit store and without recall tracking, which stay on the reference). The prefill of every
+A method gets a fast path by adding its factory to :data:`FAST_LAYERS`: today the full cache and
+ClusterKV (without the 2-bit store and without recall tracking, which stay on the reference).
+Their single-token decode steps can be captured and replayed as CUDA graphs
+(:mod:`ov_kvcrush.fastpath.dense` says what that asks of a layer). The prefill of every
 method is fast already: its attention goes through :mod:`ov_kvcrush.kernels`.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ov_kvcrush.fastpath.clusterkv import FastClusterKVLayerCache
+from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.methods import ClusterKVConfig, LayerCache, MethodConfig
 from ov_kvcrush.methods.base import check_layer
 
@@ -29,8 +32,13 @@ def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: i
     return FastClusterKVLayerCache(config, dense=layer_idx < config.dense_layers, reserve=reserve)
 
 
+def _full(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+    return FastLayerCache(reserve)
+
+
 #: method name -> factory of its fast layer cache (``None`` where that config needs the reference).
 FAST_LAYERS: dict[str, Callable[[MethodConfig, int, int, int], LayerCache | None]] = {
+    "full": _full,
     "clusterkv": _clusterkv,
 }
 

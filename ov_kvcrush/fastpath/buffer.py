@@ -28,22 +28,38 @@ class KVBuffer:
         self.n = 0
         self.reserve = max(0, int(reserve))
 
+    @property
+    def capacity(self) -> int:
+        """Tokens the allocated tensors hold (0 before the first append)."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def reserve_for(self, t: int) -> None:
+        """Make room for ``t`` more tokens (a reallocation moves the tensors: a new capacity)."""
+        assert self.keys is not None and self.values is not None
+        need = self.n + t
+        if need > self.capacity:
+            capacity = -(-(need + max(GROWTH_TOKENS, self.capacity // 2)) // GROWTH_TOKENS) * GROWTH_TOKENS
+            self.keys = self._grown(self.keys, self.keys, capacity)
+            self.values = self._grown(self.values, self.values, capacity)
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``keys``/``values`` ``[b, hk, t, d]`` after the held tokens, growing if needed."""
         t = keys.shape[2]
         need = self.n + t
-        if self.keys is None or self.values is None or need > self.keys.shape[2]:
-            extra = self.reserve if self.keys is None else max(GROWTH_TOKENS, self.keys.shape[2] // 2)
-            capacity = -(-(need + extra) // GROWTH_TOKENS) * GROWTH_TOKENS
-            self.keys = self._grown(self.keys, keys, capacity)
-            self.values = self._grown(self.values, values, capacity)
+        if self.keys is None or self.values is None:
+            capacity = -(-(need + self.reserve) // GROWTH_TOKENS) * GROWTH_TOKENS
+            self.keys = self._grown(None, keys, capacity)
+            self.values = self._grown(None, values, capacity)
+        else:
+            self.reserve_for(t)
+        assert self.keys is not None and self.values is not None
         self.keys[:, :, self.n : need] = keys
         self.values[:, :, self.n : need] = values
         self.n = need
 
     def _grown(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
         b, h, _, d = like.shape
-        new = like.new_empty((b, h, capacity, d))
+        new = like.new_zeros((b, h, capacity, d))  # unwritten slots stay finite: masked, they still meet V
         if old is not None:
             new[:, :, : self.n] = old[:, :, : self.n]
         return new

@@ -6,60 +6,60 @@ cache) and concatenates its store every step: on an H100 that made ClusterKV 3×
 than no compression. This layer keeps the reference's semantics (same k-means, same clusters,
 the same tokens attended, the same counters; tested against it) with:
 
-* a preallocated store (:class:`~ov_kvcrush.fastpath.buffer.KVBuffer`);
+* a preallocated store and a step a CUDA graph can replay (:mod:`ov_kvcrush.fastpath.dense`);
 * selection as tensor operations over ``[batch * kv_heads, clusters]``: centroid scores ->
   stable ranking -> exclusive prefix sums of the ranked sizes give each cluster's first slot in
   the recall budget -> a token is recalled when its cluster's start plus its rank inside the
   cluster is under the budget (the last cluster trimmed to its earliest tokens, as in the
   reference) -> the recalled slots compacted by a prefix sum into a fixed ``[rows, budget]``;
-* the recall cache as boolean masks of the last ``recall_cache_steps`` steps, its counters kept
-  on the device and read only when asked;
-* attention over the gathered working set in the model's dtype (fused SDPA).
+* the recall cache as a ring of boolean masks of the last ``recall_cache_steps`` steps, and its
+  counters, updated in place on the device and read only when asked;
+* attention over the working set in the model's dtype (fused SDPA): the sinks, the recalled
+  tokens, and a fixed window of ``cluster_every`` slots for the generated tokens not clustered
+  yet (the ones not written yet masked).
 
-Shapes are fixed between clusterings: the working set is ``sinks + budget - sinks`` recalled
-tokens plus the generated tokens not clustered yet. Clustering time is measured (CUDA events on
-a GPU) as ``clustering_prefill_ms`` (the prompt's) and ``clustering_decode_ms`` (the generated
-tokens'), so reports give it as a share of prefill.
+Shapes change only when tokens are clustered (every ``cluster_every`` steps, in
+:meth:`FastClusterKVLayerCache.before_step`, outside the graph). Clustering time is measured
+(CUDA events on a GPU) as ``clustering_prefill_ms`` (the prompt's) and ``clustering_decode_ms``
+(the generated tokens'), so reports give it as a share of prefill.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ov_kvcrush.fastpath.buffer import KVBuffer
-from ov_kvcrush.methods.base import LayerCache, gather_tokens, tensor_bytes
+from ov_kvcrush.fastpath.dense import FastLayerCache
+from ov_kvcrush.methods.base import gather_tokens
 from ov_kvcrush.methods.clusterkv import ClusterIndex, ClusterKVConfig, kmeans_cosine, rank_clusters
 
 
-class FastClusterKVLayerCache(LayerCache):
+class FastClusterKVLayerCache(FastLayerCache):
     """ClusterKV state of one layer for the fast path (see the module doc)."""
 
     def __init__(self, config: ClusterKVConfig, dense: bool = False, reserve: int = 0) -> None:
-        self._device_counters: dict[str, torch.Tensor] = {}
-        super().__init__()
+        super().__init__(reserve)
         self.config = config
         self.dense_layer = dense
-        self.buffer = KVBuffer(reserve)
         self.index: ClusterIndex | None = None
         self.sorted_labels: torch.Tensor | None = None  # [rows, N] label of each entry of sorted_tokens
         self.within: torch.Tensor | None = None  # [rows, N] rank of each sorted token inside its cluster
         self.sinks = 0
         self.pending_from = 0
-        self.recent: deque[torch.Tensor] = deque(maxlen=max(config.recall_cache_steps, 1))
-        self.last_selected: torch.Tensor | None = None
+        self.window = 0  # pending slots attended: generated tokens not clustered yet
+        self.pending_slots: torch.Tensor | None = None  # [window] store slots of the pending window
+        self._pending_key: tuple[int, int, int] | None = None
+        self.ring: torch.Tensor | None = None  # [R, rows, C] clusters recalled at the last R steps
+        self.ring_ptr: torch.Tensor | None = None  # [1] the ring's next row
+        self.last_selected: torch.Tensor | None = None  # [b, hk, S] slots of the last step (-1: masked)
         self._clustering: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
-    # -- counters: device tensors, read on request ---------------------------------------------
     @property
     def counters(self) -> dict[str, float]:
-        out = dict(self._host_counters)
-        for key, value in self._device_counters.items():
-            out[key] = float(value)
+        out = FastLayerCache.counters.fget(self)  # type: ignore[attr-defined]
         if self._clustering:
             torch.cuda.synchronize()
             for key, begin, done in self._clustering:
@@ -72,27 +72,35 @@ class FastClusterKVLayerCache(LayerCache):
     def counters(self, value: dict[str, float]) -> None:
         self._host_counters = dict(value)
 
-    def _bump(self, key: str, amount: float = 1) -> None:
-        self._host_counters[key] = self._host_counters.get(key, 0) + amount
-
-    def _add(self, key: str, amount: torch.Tensor) -> None:
-        held = self._device_counters.get(key)
-        self._device_counters[key] = amount.to(torch.float64) if held is None else held + amount
-
-    # -- prefill and clustering -------------------------------------------------------------------
-    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        pos = self._start_prefill(queries, keys, values)
-        out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos).output
-        self.buffer.append(keys, values)
-        n = keys.shape[2]
+    # -- clustering (host-side: outside any graph) -----------------------------------------------
+    def _after_prefill(self) -> None:
+        n = self.buffer.n
         self.sinks = min(self.config.sink_tokens, n)
         self.pending_from = self.sinks
         if not self.dense_layer and n > self.sinks:
             c0 = self.config.n_clusters or math.ceil((n - self.sinks) / self.config.tokens_per_cluster)
-            self._cluster(self.buffer.view()[0], self.sinks, n, c0, "prefill")
-        return out
+            self._cluster(self.sinks, n, c0, "prefill")
 
-    def _cluster(self, keys: torch.Tensor, start: int, end: int, k: int, phase: str) -> None:
+    def before_step(self, t: int) -> None:
+        super().before_step(t)
+        if self.dense_layer:
+            return
+        n = self.buffer.n
+        if n - self.pending_from >= self.config.cluster_every:
+            self._cluster(self.pending_from, n, self.config.new_clusters, "decode")
+        window = max(self.config.cluster_every, n + t - self.pending_from)
+        key = (self.pending_from, window, self.buffer.capacity)
+        if key != self._pending_key:  # new tokens clustered, a longer step, or a larger store
+            self._pending_key, self.window = key, window
+            slots = torch.arange(self.pending_from, self.pending_from + window, device=self.buffer.keys.device)  # type: ignore[union-attr]
+            self.pending_slots = slots.clamp_max(self.buffer.capacity - 1)  # past the store: masked anyway
+
+    def graph_key(self) -> tuple[Any, ...]:
+        clusters = 0 if self.index is None else self.index.centroids.shape[1]
+        return (self.buffer.capacity, clusters, self.pending_from, self.window)
+
+    def _cluster(self, start: int, end: int, k: int, phase: str) -> None:
+        keys = self.buffer.view()[0]
         key = f"clustering_{phase}_ms"
         cuda = keys.device.type == "cuda"
         if cuda:
@@ -111,12 +119,12 @@ class FastClusterKVLayerCache(LayerCache):
             self.index = ClusterIndex.build(km.centroids, km.labels, tokens)
         else:
             self.index = self.index.extend(km.centroids, km.labels, tokens)
-            grow = self.index.centroids.shape[1] - self.recent[0].shape[1] if self.recent else 0
-            self.recent = deque((F.pad(m, (0, grow)) for m in self.recent), maxlen=self.recent.maxlen)
         self.sorted_labels = torch.sort(self.index.labels, dim=1, stable=True).values
         rank = torch.arange(self.sorted_labels.shape[1], device=keys.device)
         self.within = rank - self.index.offsets.gather(1, self.sorted_labels)
+        self._grow_ring(self.index.centroids.shape[1], b * hk, keys.device)
         self.pending_from = end
+        self._pending_key = None
         self._bump("clusterings")
         self._bump("kmeans_iterations", km.iterations)
         if cuda:
@@ -125,37 +133,54 @@ class FastClusterKVLayerCache(LayerCache):
         else:
             self._bump(key, (time.perf_counter() - t0) * 1e3)
 
-    # -- decode ---------------------------------------------------------------------------------
-    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        n = self.buffer.n
-        if not self.dense_layer and n - self.pending_from >= self.config.cluster_every:
-            self._cluster(self.buffer.view()[0], self.pending_from, n, self.config.new_clusters, "decode")
-        pos = self._positions(keys.shape[2], keys.device)
-        self.buffer.append(keys, values)
-        k, v = self.buffer.view()
+    def _grow_ring(self, clusters: int, rows: int, device: torch.device) -> None:
+        """The recall cache, widened to ``clusters`` (new clusters were recalled by no step yet)."""
+        r = self.config.recall_cache_steps
+        if not r:
+            return
+        old = self.ring
+        self.ring = torch.zeros((r, rows, clusters), dtype=torch.bool, device=device)
+        if old is not None:
+            self.ring[:, :, : old.shape[2]] = old
+        if self.ring_ptr is None:
+            self.ring_ptr = torch.zeros(1, dtype=torch.long, device=device)
+
+    # -- decode (device only) ---------------------------------------------------------------------
+    def step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if self.dense_layer:
-            return self._attend_step(queries, k, v, pos, None)
-        slots = self._select(queries, k.shape[0], k.shape[1])
+            return super().step(queries, keys, values)
+        self._write(keys, values)
+        assert self.pending_slots is not None and self.n_dev is not None
+        b, hk = keys.shape[:2]
+        slots, visible = self._select(queries, b, hk, self.pending_slots, self.pending_slots < self.n_dev)
+        self.last_selected = torch.where(visible, slots, -1)
+        k, v = self.buffer.keys, self.buffer.values
+        assert k is not None and v is not None
+        return self._sdpa(queries, gather_tokens(k, slots), gather_tokens(v, slots), visible.view(1, 1, 1, -1))
+
+    def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if self.dense_layer:
+            return super()._multi_step(queries, keys, values)
+        t, n = keys.shape[2], self.buffer.n
+        for i in range(t):
+            self._write(keys[:, :, i : i + 1], values[:, :, i : i + 1])
+        pending = torch.arange(self.pending_from, n + t, device=keys.device)
+        b, hk = keys.shape[:2]
+        slots, _ = self._select(queries, b, hk, pending, torch.ones_like(pending, dtype=torch.bool))
         self.last_selected = slots
-        return self._attend_step(queries, gather_tokens(k, slots), gather_tokens(v, slots), pos, slots)
+        k, v = self.buffer.keys, self.buffer.values
+        assert k is not None and v is not None
+        pos = torch.arange(self.seen, self.seen + t, device=keys.device)
+        return self._attend(
+            queries, gather_tokens(k, slots), gather_tokens(v, slots), q_positions=pos, k_positions=slots
+        ).output
 
-    def _attend_step(
-        self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor | None
-    ) -> torch.Tensor:
-        """One step's attention in the model's dtype; several query tokens need the causal mask."""
-        if queries.shape[2] > 1:
-            k_pos = torch.arange(k.shape[2], device=k.device) if slots is None else slots
-            return self._attend(queries, k, v, q_positions=pos, k_positions=k_pos).output
-        t0 = time.perf_counter()
-        hq, hk = queries.shape[1], k.shape[1]
-        out = F.scaled_dot_product_attention(queries, k, v, scale=self.scale, enable_gqa=hq != hk)
-        if queries.device.type == "cpu":
-            self.attend_ms += (time.perf_counter() - t0) * 1e3
-        return out
-
-    def _select(self, queries: torch.Tensor, b: int, hk: int) -> torch.Tensor:
-        """``[b, hk, sinks + recalled + pending]`` slots attended this step (no host synchronisation)."""
-        n, dev = self.buffer.n, queries.device
+    def _select(
+        self, queries: torch.Tensor, b: int, hk: int, pending: torch.Tensor, pending_visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, hk, S]`` slots attended (sinks, recalled, pending) and ``[S]`` which are real (the
+        same for every head: only the pending window's unwritten slots are not)."""
+        dev = queries.device
         rows = b * hk
         parts = [torch.arange(self.sinks, device=dev).expand(rows, -1)]
         if self.index is not None:
@@ -174,39 +199,34 @@ class FastClusterKVLayerCache(LayerCache):
         else:  # nothing clustered yet (a prompt of sinks only): the reference counts empty lookups
             self._add("cluster_lookups", torch.zeros((), device=dev))
             self._add("cluster_hits", torch.zeros((), device=dev))
-        parts.append(torch.arange(self.pending_from, n, device=dev).expand(rows, -1))
-        return torch.cat(parts, dim=1).reshape(b, hk, -1)
+        fixed = sum(p.shape[1] for p in parts)
+        parts.append(pending.expand(rows, -1))
+        slots = torch.cat(parts, dim=1).reshape(b, hk, -1)
+        visible = torch.cat([torch.ones(fixed, dtype=torch.bool, device=dev), pending_visible])
+        return slots, visible
 
     def _account(self, picked: torch.Tensor, sizes: torch.Tensor) -> None:
         """The recall cache: a recalled cluster is a hit when one of the last R steps recalled it."""
         chosen = picked & (sizes > 0)
-        r = self.config.recall_cache_steps
-        cached = torch.zeros_like(chosen)
-        if r:
-            for mask in self.recent:
-                cached |= mask
+        cached = self.ring.any(0) if self.ring is not None else torch.zeros_like(chosen)
         self._add("cluster_lookups", chosen.sum())
         self._add("cluster_hits", (chosen & cached).sum())
         self._add("tokens_loaded", (sizes * (chosen & ~cached)).sum())
-        if r:
-            self.recent.append(chosen)
+        if self.ring is not None and self.ring_ptr is not None:
+            self.ring.index_copy_(0, self.ring_ptr, chosen[None])
+            self.ring_ptr.add_(1).remainder_(self.ring.shape[0])
 
     # -- what is held ---------------------------------------------------------------------------
-    def tokens_held(self) -> torch.Tensor:
-        assert self.buffer.keys is not None
-        return torch.full(self.buffer.keys.shape[:2], self.buffer.n, dtype=torch.long)
-
     def tokens_attended(self) -> torch.Tensor:
         """``[b, hk]`` tokens the last decode step attended."""
         if self.last_selected is None:
             return self.tokens_held()
-        return torch.full(self.last_selected.shape[:2], self.last_selected.shape[2])
+        return (self.last_selected >= 0).sum(-1)
 
-    def memory(self) -> dict[str, int]:
-        kv = self.buffer.nbytes()
-        meta = tensor_bytes(
-            self.last_selected, self.sorted_labels, self.within, *self.recent, *self._device_counters.values()
+    def _metadata(self) -> list[torch.Tensor | None]:
+        idx = self.index
+        index = (
+            [] if idx is None else [idx.centroids, idx.sizes, idx.offsets, idx.sorted_tokens, idx.labels, idx.tokens]
         )
-        if self.index is not None:
-            meta += self.index.nbytes()
-        return {"kv": kv, "metadata": meta, "total": kv + meta}
+        state = [self.sorted_labels, self.within, self.pending_slots, self.ring, self.ring_ptr, self.last_selected]
+        return [*super()._metadata(), *index, *state]

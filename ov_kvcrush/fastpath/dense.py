@@ -1,0 +1,155 @@
+"""The fast path's base layer: a preallocated store, and decode steps a CUDA graph can replay.
+
+A CUDA graph replays the kernels a step launched when it was captured, with the same shapes and
+the same memory; the Python that launched them does not run again. So a capturable decode step
+must (1) keep every value that changes from step to step in device tensors updated in place (the
+token count ``n_dev``, counters, the recall cache), (2) read no Python state that changes between
+steps, and (3) never wait for the device (no ``.item()``, no ``bool(tensor)``). The layers here
+split each step in three:
+
+* :meth:`FastLayerCache.before_step` (Python, outside any graph): the host-side work a step
+  needs: growing the store, a method's periodic work (ClusterKV's clustering of new tokens);
+  it may change :meth:`FastLayerCache.graph_key`, the shapes the step is captured with;
+* :meth:`FastLayerCache.step` (device only, capturable): append the token at ``n_dev``, attend;
+* :meth:`FastLayerCache.after_step` (Python): advance the host's count of tokens.
+
+:meth:`LayerCache.decode` runs the three in order (eager, any device); the engine's
+:class:`~ov_kvcrush.engines.cuda_graph.GraphedDecoder` runs ``before_step``, replays the graph
+of every layer's ``step``, then ``after_step``. A step of several tokens (a chat turn) runs
+eagerly with the reference's causal positions.
+
+:class:`FastLayerCache` itself attends everything it holds: the ``full`` method, and the dense
+layers of ClusterKV.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ov_kvcrush.fastpath.buffer import KVBuffer
+from ov_kvcrush.methods.base import LayerCache, tensor_bytes
+
+
+class FastLayerCache(LayerCache):
+    """Full attention over a preallocated store (see the module doc).
+
+    Args:
+        reserve: tokens the layer will receive after the prompt (preallocated, so a whole
+            generation keeps one store and the graph keeps its addresses).
+    """
+
+    def __init__(self, reserve: int = 0) -> None:
+        self._device_counters: dict[str, torch.Tensor] = {}
+        super().__init__()
+        self.buffer = KVBuffer(reserve)
+        self.n_dev: torch.Tensor | None = None  # [1] long: tokens held, on the device
+        #: set by the engine while it replays captured steps (it calls before/after_step itself)
+        self.graphed = False
+
+    # -- counters: host numbers, plus device tensors read only on request -------------------
+    @property
+    def counters(self) -> dict[str, float]:
+        out = dict(self._host_counters)
+        for key, value in self._device_counters.items():
+            out[key] = float(value)
+        return out
+
+    @counters.setter
+    def counters(self, value: dict[str, float]) -> None:
+        self._host_counters = dict(value)
+
+    def _bump(self, key: str, amount: float = 1) -> None:
+        self._host_counters[key] = self._host_counters.get(key, 0) + amount
+
+    def _add(self, key: str, amount: torch.Tensor) -> None:
+        """Add to a device counter in place (a replayed graph adds into the same tensor)."""
+        if key not in self._device_counters:
+            self._device_counters[key] = torch.zeros((), dtype=torch.float64, device=amount.device)
+        self._device_counters[key].add_(amount)
+
+    # -- prefill ------------------------------------------------------------------------------
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        pos = self._start_prefill(queries, keys, values)
+        out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos).output
+        self.buffer.append(keys, values)
+        self.n_dev = torch.full((1,), self.buffer.n, dtype=torch.long, device=keys.device)
+        self._after_prefill()
+        return out
+
+    def _after_prefill(self) -> None:
+        pass
+
+    # -- decode ---------------------------------------------------------------------------------
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if self.graphed:
+            return self.step(queries, keys, values)
+        t = keys.shape[2]
+        self.before_step(t)
+        out = self.step(queries, keys, values) if t == 1 else self._multi_step(queries, keys, values)
+        self.after_step(t)
+        return out
+
+    def before_step(self, t: int) -> None:
+        """Host work before a step of ``t`` tokens: room in the store for them."""
+        self.buffer.reserve_for(t)
+
+    def after_step(self, t: int) -> None:
+        """Advance the host's counts after a step of ``t`` tokens."""
+        self.seen += t
+        self.buffer.n += t
+
+    def graph_key(self) -> tuple[Any, ...]:
+        """What a captured step depends on: the store's capacity (its addresses)."""
+        return (self.buffer.capacity,)
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append one token at ``n_dev`` (in place) and count it."""
+        assert self.n_dev is not None and self.buffer.keys is not None and self.buffer.values is not None
+        self.buffer.keys.index_copy_(2, self.n_dev, keys)
+        self.buffer.values.index_copy_(2, self.n_dev, values)
+        self.n_dev.add_(1)
+
+    def step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One token, device work only: append it, attend every held token (the rest of the
+        store's capacity masked)."""
+        self._write(keys, values)
+        k, v = self.buffer.keys, self.buffer.values
+        assert k is not None and v is not None and self.n_dev is not None
+        visible = torch.arange(k.shape[2], device=k.device) < self.n_dev
+        return self._sdpa(queries, k, v, visible.view(1, 1, 1, -1))
+
+    def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Several tokens at once (eager): causal by positions, as the reference attends them."""
+        t = keys.shape[2]
+        n = self.buffer.n
+        for i in range(t):
+            self._write(keys[:, :, i : i + 1], values[:, :, i : i + 1])
+        k, v = self.buffer.keys[:, :, : n + t], self.buffer.values[:, :, : n + t]  # type: ignore[index]
+        pos = torch.arange(self.seen, self.seen + t, device=keys.device)
+        return self._attend(queries, k, v, q_positions=pos, k_positions=torch.arange(n + t, device=k.device)).output
+
+    def _sdpa(self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """One query token's attention in the model's dtype (fused SDPA), timed on the CPU."""
+        t0 = time.perf_counter()
+        hq, hk = queries.shape[1], k.shape[1]
+        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=self.scale, enable_gqa=hq != hk)
+        if queries.device.type == "cpu":
+            self.attend_ms += (time.perf_counter() - t0) * 1e3
+        return out
+
+    # -- what is held ---------------------------------------------------------------------------
+    def tokens_held(self) -> torch.Tensor:
+        assert self.buffer.keys is not None
+        return torch.full(self.buffer.keys.shape[:2], self.buffer.n, dtype=torch.long)
+
+    def _metadata(self) -> list[torch.Tensor | None]:
+        return [self.n_dev, *self._device_counters.values()]
+
+    def memory(self) -> dict[str, int]:
+        kv = self.buffer.nbytes()
+        meta = tensor_bytes(*self._metadata())
+        return {"kv": kv, "metadata": meta, "total": kv + meta}
