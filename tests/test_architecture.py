@@ -151,3 +151,14 @@ def test_no_test_module_imports_another():
                 names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             bad += [f"{path.name} imports {n}" for n in names if n.split(".")[-1] in own or n.split(".")[0] in own]
     assert bad == []
+
+
+def test_the_cuda_path_sits_beside_the_references():
+    """The references never depend on the fast path; the kernels depend on nothing of the package
+    but its errors (docs/architecture.md, "The CUDA path")."""
+    graph = import_graph()
+    for module, deps in graph.items():
+        if module.startswith("ov_kvcrush.methods"):
+            assert not [d for d in deps if d.startswith("ov_kvcrush.fastpath")], module
+        if module.startswith("ov_kvcrush.kernels"):
+            assert all(d.startswith(("ov_kvcrush.kernels", "ov_kvcrush.errors")) for d in deps), (module, deps)

@@ -6,7 +6,13 @@ same seeded weights.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 from ov_kvcrush import bench
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
@@ -16,6 +22,7 @@ from ov_kvcrush.engines.random_model import ARCHITECTURES, byte_tokenizer, rando
 from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.errors import ConfigError
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = "random:tiny-llama"
 PROMPT = "The pass key is 52445. Remember it. " * 6 + "What is the pass key?"
 GREEDY = GenerationSettings(max_new_tokens=12, ignore_eos=True)
@@ -91,3 +98,28 @@ def test_bench_on_random_weights_is_speed_only_and_anchored_on_transformers():
     assert all(r["correct"] is None and r["tpot_vs_native_full"] is None for r in rows.values())
     assert rows["torch clusterkv @128"]["ttft_vs_anchor"] > 0
     assert "speed only" in bench.format_markdown(doc)
+
+
+def test_engines_in_one_process_share_one_random_model():
+    a, b = TorchEngine(TINY), TorchEngine(TINY, CompressionConfig("clusterkv", budget=256))
+    assert a.model is b.model  # the bench's --no-isolate GPU run holds the weights once
+    assert HFBaselineEngine(TINY).model is not a.model  # another attention implementation
+
+
+@pytest.mark.parametrize("run", ["main", "long"])
+def test_the_gpu_benchmark_command_plans(run):
+    """`benchmarks/gpu.sh` (the committed GPU command) passes every check a real run makes; without
+    a GPU the last check, the device, refuses it by name."""
+    cli = Path(sys.executable).with_name("ov-kvcrush")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), run],
+        env={**os.environ, "DRY_RUN": "1", "OV_KVCRUSH": str(cli)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if torch.cuda.is_available():
+        assert proc.returncode == 0, proc.stderr
+        assert "hf-sdpa full" in proc.stdout
+    else:
+        assert proc.returncode == 2 and "device='cuda' is invalid" in proc.stderr, proc.stderr
