@@ -11,7 +11,9 @@ from ov_kvcrush.engines.hf_cache import CompressedCache, storage_bytes
 from ov_kvcrush.fastpath import fast_layer
 from ov_kvcrush.fastpath.buffer import GROWTH_TOKENS, KVBuffer
 from ov_kvcrush.fastpath.clusterkv import FastClusterKVLayerCache
-from ov_kvcrush.methods import ClusterKVConfig, QuantSettings, SnapKVConfig, method_config
+from ov_kvcrush.fastpath.minikv import FastMiniKVLayerCache
+from ov_kvcrush.kernels import interpreting, triton_importable
+from ov_kvcrush.methods import ClusterKVConfig, MiniKVConfig, QuantSettings, SnapKVConfig, method_config
 
 CLUSTERKV_CASES = {
     # budget below the prompt: the last recalled cluster is trimmed; new tokens clustered every 8 steps
@@ -53,6 +55,31 @@ def test_fast_clusterkv_attends_what_the_reference_attends(case):
     assert got_counters == pytest.approx(want_counters)
     assert want_counters["clusterings"] >= (2 if config.cluster_every < 20 else 1)
     assert torch.equal(fast.tokens_held(), ref.tokens_held())
+
+
+MINIKV = MiniKVConfig(budget=48, sink_tokens=4, recent_tokens=8, quant=QuantSettings(group_size=16, residual_tokens=16))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_fast_minikv_answers_what_the_reference_answers(monkeypatch, kernels):
+    """Prefill, then 40 steps (the residual flushed every 16, one step of 3 tokens) over the 2-bit
+    store read in place (the Triton kernel, interpreted on CPU) or dequantised (torch)."""
+    if kernels == "triton" and not (triton_importable() and interpreting()):
+        pytest.skip("needs Triton's interpreter")
+    monkeypatch.setenv("OV_KVCRUSH_KERNELS", kernels)
+    gen = torch.Generator().manual_seed(7)
+    ref, fast = MINIKV.make_layer(1, 3), fast_layer(MINIKV, 1, 3, reserve=8)
+    assert isinstance(fast, FastMiniKVLayerCache)
+    prompt = _qkv(gen, 90, d=32)
+    assert torch.allclose(fast.prefill(*prompt), ref.prefill(*prompt), atol=1e-5)
+    for step in range(40):
+        x = _qkv(gen, 3 if step == 20 else 1, d=32)
+        assert torch.allclose(fast.decode(*x), ref.decode(*x), atol=1e-4), f"step {step}"
+        assert torch.equal(fast.tokens_held(), ref.tokens_held())
+    assert fast.n_q == ref.store.quantized_tokens and fast.n_q > 48
+    assert fast.counters == pytest.approx(ref.counters)
+    assert fast.memory()["total"] == storage_bytes(fast)
+    assert fast.memory()["kv"] < ref.memory()["kv"] * 1.5  # preallocated, still 2-bit
 
 
 def test_fast_clusterkv_dense_layer_attends_everything():
@@ -186,14 +213,20 @@ def _tiny_model():
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="ov_kvcrush").eval(), cfg
 
 
-@pytest.mark.parametrize("name", ["clusterkv", "full"])
+GRAPHED = {
+    "clusterkv": dict(budget=40, sink_tokens=4, tokens_per_cluster=12, cluster_every=6, dense_layers=1),
+    "minikv": dict(budget=40, sink_tokens=4, recent_tokens=8, quant=QuantSettings(residual_tokens=16)),
+    "full": {},
+}
+
+
+@pytest.mark.parametrize("name", list(GRAPHED))
 def test_a_graphed_step_reads_nothing_on_the_host_and_leaves_no_python_state(name):
     """The contract of :class:`~ov_kvcrush.engines.cuda_graph.GraphedDecoder`, step by step on the
     CPU: inside a step (the part a graph replays) no tensor value reaches Python and no Python
     state changes (state tensors are updated in place); the tokens are the reference's."""
     model, cfg = _tiny_model()
-    options = dict(budget=40, sink_tokens=4, tokens_per_cluster=12, cluster_every=6, dense_layers=1)
-    method = method_config(name, **(options if name == "clusterkv" else {}))
+    method = method_config(name, **GRAPHED[name])
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         want = model.generate(
@@ -202,13 +235,17 @@ def test_a_graphed_step_reads_nothing_on_the_host_and_leaves_no_python_state(nam
         cache = CompressedCache(method, cfg, fast_path=True, reserve=20)
         assert cache.graphable()
         tokens = [int(model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax())]
-        keys = set()
+        keys, eager = set(), 0
         for step in range(1, 20):
             token = torch.tensor([[tokens[-1]]])
             position = torch.tensor([[ids.shape[1] + step - 1]])
             cache.before_step(1)
-            replayed = cache.graph_key() in keys  # a new key: the decoder runs the step eagerly, then captures
-            keys.add(cache.graph_key())
+            key = cache.graph_key()  # a new key: the decoder runs the step eagerly, then captures
+            replayed = key in keys
+            if key is None:  # a step with host work inside (MiniKV's flush): always eager
+                eager += 1
+            else:
+                keys.add(key)
             cache.set_graphed(True)
             before = _python_state(cache)
             with _NoHostRead() if replayed else contextlib.nullcontext():
@@ -219,8 +256,11 @@ def test_a_graphed_step_reads_nothing_on_the_host_and_leaves_no_python_state(nam
             cache.after_step(1)
             tokens.append(int(out.logits[0, -1].argmax()))
     assert tokens == want
-    # ClusterKV's shapes change once per clustering of new tokens (every 6 steps): 4 captures
-    assert len(keys) == (4 if name == "clusterkv" else 1)
+    # ClusterKV's shapes change once per clustering of new tokens (every 6 steps): 4 captures;
+    # MiniKV's once per flush of the residual (every 16 steps), the flushing step itself eager
+    assert len(keys) == {"clusterkv": 4, "full": 1}.get(name, len(keys))
+    if name == "minikv":
+        assert eager >= 1 and len(keys) >= 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -230,7 +270,12 @@ def test_cuda_graphs_give_the_eager_tokens():
 
     settings = GenerationSettings(max_new_tokens=40, ignore_eos=True)
     prompt = "The pass key is 52445. " * 40
-    for comp in (CompressionConfig(), CompressionConfig("clusterkv", budget=256, options={"cluster_every": 16})):
+    configs = (
+        CompressionConfig(),
+        CompressionConfig("clusterkv", budget=256, options={"cluster_every": 16}),
+        CompressionConfig("minikv", budget=256),
+    )
+    for comp in configs:
         eager = TorchEngine("random:tiny-llama", comp, device="cuda", cuda_graphs=False).generate(prompt, settings)
         graphed = TorchEngine("random:tiny-llama", comp, device="cuda").generate(prompt, settings)
         assert graphed.counters["graph_captures"] >= 1

@@ -14,7 +14,7 @@ import torch
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.kernels import interpreting, kernel_mode, triton_importable, use_triton
 from ov_kvcrush.kernels.prefill import causal_prefill
-from ov_kvcrush.methods import H2OConfig, MiniKVConfig
+from ov_kvcrush.methods import H2OConfig, MiniKVConfig, QuantSettings
 from ov_kvcrush.methods.attention import attend
 
 
@@ -126,3 +126,42 @@ def test_kernel_mode_is_checked(monkeypatch):
             use_triton(torch.device("cpu"))
     monkeypatch.setenv("OV_KVCRUSH_KERNELS", "auto")
     assert use_triton(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
+@pytest.mark.parametrize(
+    ("tokens", "group", "residual", "hq", "hk"), [(100, 16, 32, 4, 2), (200, 32, 64, 2, 2), (7, 16, 16, 4, 1)]
+)
+def test_quant2_decode_attention_equals_the_reference_over_the_dequantised_store(
+    device, dtype, tokens, group, residual, hq, hk
+):
+    """The 2-bit store read in place (codes unpacked and dequantised inside the kernel) against
+    the reference: :meth:`Int2Store.dense` (the dequantised store) then :func:`attend`."""
+    from ov_kvcrush.kernels.quant2_attention import quant2_decode_attention
+    from ov_kvcrush.methods.store import Int2Store
+
+    gen = torch.Generator().manual_seed(tokens + group)
+    d = 32
+    store = Int2Store(QuantSettings(group_size=group, residual_tokens=residual))
+    k, v = torch.randn(1, hk, tokens, d, generator=gen) * 2, torch.randn(1, hk, tokens, d, generator=gen)
+    k[:, :, :, 3] += 5  # an outlier channel, as keys have
+    store.append(k.to(dtype), v.to(dtype), torch.arange(tokens))
+    q = torch.randn(1, hq, 1, d, generator=gen).to(dtype)
+    dense_k, dense_v, _ = store.dense()
+    want = attend(q, dense_k, dense_v, scale=0.3).output
+    rk = torch.zeros(1, hk, residual, d, dtype=dtype)
+    rk[:, :, : store.residual_len] = store.rk
+    rv = torch.zeros_like(rk)
+    rv[:, :, : store.residual_len] = store.rv
+    n_q = store.quantized_tokens
+    packed = tuple(
+        (x if x is not None else torch.zeros(1, hk, 1, d, dtype=torch.int32)).to(device)
+        for x in (store.qk, store.k_scale, store.k_zero, store.qv, store.v_scale, store.v_zero)
+    )
+    got = quant2_decode_attention(
+        q.to(device), packed, n_q, group, rk.to(device), rv.to(device),
+        torch.tensor([store.residual_len], device=device), scale=0.3,
+    )  # fmt: skip
+    assert got.dtype == dtype
+    tol = TOLERANCE[dtype] * 5
+    assert torch.allclose(got.float().cpu(), want.float(), atol=tol, rtol=tol)

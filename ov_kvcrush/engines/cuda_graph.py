@@ -62,10 +62,13 @@ class GraphedDecoder:
         cache.set_graphed(True)
         try:
             with torch.inference_mode():
-                if key != self.key or self.graph is None:
+                if key is None or key != self.key or self.graph is None:
                     logits = self._forward().clone()  # this step, eagerly (and the warm-up of the capture)
                     cache.after_step(1)
-                    self._capture(key)
+                    if key is None:  # a step with host work inside (MiniKV's flush): never captured
+                        self.key = None
+                    else:
+                        self._capture(key)
                     return logits
                 self.graph.replay()
         finally:
@@ -74,7 +77,7 @@ class GraphedDecoder:
         assert self.logits is not None
         return self.logits
 
-    def _capture(self, key: tuple[Any, ...]) -> None:
+    def _capture(self, key: tuple[object, ...]) -> None:
         """Record the step for the cache's current shapes (nothing runs while recording)."""
         self.graph = None  # the old graph's memory goes back to the pool first
         graph = torch.cuda.CUDAGraph()

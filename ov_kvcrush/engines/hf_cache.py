@@ -237,9 +237,11 @@ class CompressedCache(Cache):
         for lc in self._fast_layers():
             lc.after_step(t)
 
-    def graph_key(self) -> tuple[object, ...]:
-        """The shapes and addresses a captured step depends on (a change means capturing again)."""
-        return tuple(lc.graph_key() for lc in self._fast_layers())
+    def graph_key(self) -> tuple[object, ...] | None:
+        """The shapes and addresses a captured step depends on (a change means capturing again);
+        ``None`` when a layer's next step must run eagerly (it does host work inside the step)."""
+        keys = tuple(lc.graph_key() for lc in self._fast_layers())
+        return None if any(k is None for k in keys) else keys
 
     def set_graphed(self, on: bool) -> None:
         """While on, layers run only a step's device work (the engine calls before/after_step)."""

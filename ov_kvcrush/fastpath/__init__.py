@@ -8,8 +8,9 @@ no host synchronisation per step; :class:`~ov_kvcrush.engines.hf_cache.Compresse
 where :func:`fast_layer` offers one (the torch engine on CUDA does by default), and the reference
 everywhere else.
 
-A method gets a fast path by adding its factory to :data:`FAST_LAYERS`: today the full cache and
-ClusterKV (without the 2-bit store and without recall tracking, which stay on the reference).
+A method gets a fast path by adding its factory to :data:`FAST_LAYERS`: today the full cache,
+ClusterKV (without the 2-bit store and without recall tracking, which stay on the reference) and
+MiniKV (its 2-bit store read in place by a Triton kernel; uniform head budgets).
 Their single-token decode steps can be captured and replayed as CUDA graphs
 (:mod:`ov_kvcrush.fastpath.dense` says what that asks of a layer). The prefill of every
 method is fast already: its attention goes through :mod:`ov_kvcrush.kernels`.
@@ -21,7 +22,8 @@ from collections.abc import Callable
 
 from ov_kvcrush.fastpath.clusterkv import FastClusterKVLayerCache
 from ov_kvcrush.fastpath.dense import FastLayerCache
-from ov_kvcrush.methods import ClusterKVConfig, LayerCache, MethodConfig
+from ov_kvcrush.fastpath.minikv import FastMiniKVLayerCache
+from ov_kvcrush.methods import ClusterKVConfig, LayerCache, MethodConfig, MiniKVConfig
 from ov_kvcrush.methods.base import check_layer
 
 
@@ -32,6 +34,13 @@ def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: i
     return FastClusterKVLayerCache(config, dense=layer_idx < config.dense_layers, reserve=reserve)
 
 
+def _minikv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+    assert isinstance(config, MiniKVConfig)
+    if config.quant is None or getattr(config, "head_budgets", "uniform") != "uniform":
+        return None
+    return FastMiniKVLayerCache(config, layer_idx, num_layers, reserve)
+
+
 def _full(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
     return FastLayerCache(reserve)
 
@@ -40,6 +49,7 @@ def _full(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -
 FAST_LAYERS: dict[str, Callable[[MethodConfig, int, int, int], LayerCache | None]] = {
     "full": _full,
     "clusterkv": _clusterkv,
+    "minikv": _minikv,
 }
 
 

@@ -102,8 +102,9 @@ class FastLayerCache(LayerCache):
         self.seen += t
         self.buffer.n += t
 
-    def graph_key(self) -> tuple[Any, ...]:
-        """What a captured step depends on: the store's capacity (its addresses)."""
+    def graph_key(self) -> tuple[Any, ...] | None:
+        """What a captured step depends on: the store's capacity (its addresses). ``None``: the
+        next step does host work inside it (run it eagerly, capture nothing)."""
         return (self.buffer.capacity,)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,0 +1,218 @@
+"""MiniKV's decode over its 2-bit store read in place, in steps a CUDA graph can replay.
+
+The prefill is the reference's (:class:`~ov_kvcrush.methods.importance.ImportanceLayerCache`:
+heavy hitters by the prompt's cumulative attention, which on a GPU comes from the Triton
+kernel of :mod:`ov_kvcrush.kernels.flash_scores`, then the 2-bit store); this layer then takes
+the store over into preallocated tensors and decodes with
+:func:`~ov_kvcrush.kernels.quant2_attention.quant2_decode_attention` (codes unpacked and
+dequantised inside the attention) where Triton runs, or a dequantise-then-SDPA step elsewhere.
+
+The selection is frozen after prefill (MiniKV's design), so a step only appends: the new token
+goes into the full-precision residual at the device count ``r_dev``; when the residual fills
+(every ``residual_tokens`` steps) that step quantises it into the store, as the reference does in
+the same step. That step runs eagerly (:meth:`graph_key` is ``None``); the shapes then change
+(one more quantised chunk), and the next step is captured again.
+
+Where it departs from the reference: decode steps do not accumulate attention scores (with the
+selection frozen they change nothing the method does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ov_kvcrush.fastpath.dense import FastLayerCache
+from ov_kvcrush.kernels import use_triton
+from ov_kvcrush.methods.base import QuantSettings, tensor_bytes
+from ov_kvcrush.methods.minikv import MiniKVConfig
+from ov_kvcrush.methods.quant import dequantize_groups, pack_2bit, quantize_groups, unpack_2bit
+
+#: the packed store's tensors, in Int2Store's names and layout
+PACKED = ("qk", "k_scale", "k_zero", "qv", "v_scale", "v_zero")
+
+
+class FastMiniKVLayerCache(FastLayerCache):
+    """One layer of MiniKV for the fast path (see the module doc)."""
+
+    def __init__(self, config: MiniKVConfig, layer_idx: int, num_layers: int, reserve: int = 0) -> None:
+        super().__init__(reserve)
+        assert config.quant is not None
+        self.config = config
+        self.settings: QuantSettings = config.quant
+        self.reference = config.make_layer(layer_idx, num_layers)  # does the prefill, then is dropped
+        self.reserve = max(0, int(reserve))
+        self.packed: dict[str, torch.Tensor] = {}
+        self.n_q = 0  # tokens in the quantised part
+        self.rk: torch.Tensor | None = None  # [b, hk, residual_tokens, d]
+        self.rv: torch.Tensor | None = None
+        self.r_dev: torch.Tensor | None = None  # [1] residual tokens held, on the device
+        self.r_host = 0
+        self.prompt_positions: torch.Tensor | None = None  # [b, hk, n_sel] positions of the kept prompt tokens
+        self.prompt_tokens = 0
+        self._flush_now = False
+        self._flushed = False
+
+    # -- prefill: the reference's, then its store taken over -----------------------------------
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        ref = self.reference
+        assert ref is not None
+        ref.scale, ref.prompt_memo = self.scale, self.prompt_memo
+        out = ref.prefill(queries, keys, values)
+        self.seen, self.attend_ms = ref.seen, ref.attend_ms
+        self._host_counters.update(ref.counters)
+        store = ref.store
+        self.prompt_tokens = keys.shape[2]
+        assert store.positions is not None and store.rk is not None and store.rv is not None
+        self.prompt_positions = store.positions
+        r = self.settings.residual_tokens
+        self.n_q = store.quantized_tokens
+        self._allocate(self.n_q + -(-self.reserve // r) * r + r, keys)
+        if self.n_q:
+            self._store_packed({name: getattr(store, name) for name in PACKED}, 0)
+        self.rk = keys.new_zeros((*keys.shape[:2], r, keys.shape[3]))
+        self.rv = torch.zeros_like(self.rk)
+        self.r_host = store.residual_len
+        self.rk[:, :, : self.r_host] = store.rk
+        self.rv[:, :, : self.r_host] = store.rv
+        self.r_dev = torch.full((1,), self.r_host, dtype=torch.long, device=keys.device)
+        self.reference = None
+        return out
+
+    def _allocate(self, tokens: int, like: torch.Tensor) -> None:
+        """Packed tensors for ``tokens`` quantised tokens (the held ones copied over)."""
+        b, h, _, d = like.shape
+        g = self.settings.group_size
+        shapes = {
+            "qk": ((b, h, tokens // 16, d), torch.int32),
+            "k_scale": ((b, h, tokens // g, d), torch.float16),
+            "k_zero": ((b, h, tokens // g, d), torch.float16),
+            "qv": ((b, h, tokens, d // 16), torch.int32),
+            "v_scale": ((b, h, tokens, d // g), torch.float16),
+            "v_zero": ((b, h, tokens, d // g), torch.float16),
+        }
+        old, self.packed = (
+            self.packed,
+            {name: torch.zeros(shape, dtype=dt, device=like.device) for name, (shape, dt) in shapes.items()},
+        )
+        if old and self.n_q:
+            self._store_packed({name: self._held(old[name], name) for name in PACKED}, 0)
+
+    def _rows(self, name: str, tokens: int) -> int:
+        """Rows (dim 2) of packed tensor ``name`` that ``tokens`` quantised tokens fill."""
+        return tokens // 16 if name == "qk" else tokens // self.settings.group_size if name.startswith("k_") else tokens
+
+    def _held(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor[:, :, : self._rows(name, self.n_q)]
+
+    def _store_packed(self, parts: dict[str, torch.Tensor], at: int) -> None:
+        """Write packed ``parts`` (each holding a whole number of chunks) from quantised token ``at``."""
+        for name, part in parts.items():
+            start = self._rows(name, at)
+            self.packed[name][:, :, start : start + part.shape[2]] = part
+
+    @property
+    def capacity(self) -> int:
+        return self.packed["qv"].shape[2] if self.packed else 0
+
+    # -- decode -----------------------------------------------------------------------------------
+    def before_step(self, t: int) -> None:
+        r = self.settings.residual_tokens
+        room = self.n_q + (self.r_host + t) // r * r
+        if room > self.capacity:
+            assert self.rk is not None
+            self._allocate(room + max(r, self.capacity // 2 // r * r), self.rk)
+        self._flush_now = t == 1 and self.r_host + 1 == r
+
+    def after_step(self, t: int) -> None:
+        self.seen += t
+        self.r_host = (self.r_host + t) % self.settings.residual_tokens  # a full residual was flushed
+        self._flushed = self._flush_now = False
+
+    def graph_key(self) -> tuple[Any, ...] | None:
+        """``None`` for a step that quantises the residual (run eagerly, never captured)."""
+        return None if self._flush_now else (self.capacity, self.n_q)
+
+    def step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        assert self.rk is not None and self.rv is not None and self.r_dev is not None
+        self.rk.index_copy_(2, self.r_dev, keys)
+        self.rv.index_copy_(2, self.r_dev, values)
+        self.r_dev.add_(1)
+        if self._flush_now:  # the residual is full: quantised in this step, as the reference does
+            self._flush(self.settings.residual_tokens)
+        if use_triton(queries.device) and queries.shape[3] % 16 == 0:
+            from ov_kvcrush.kernels.quant2_attention import quant2_decode_attention
+
+            packed = tuple(self.packed[name] for name in PACKED)
+            g = self.settings.group_size
+            return quant2_decode_attention(queries, packed, self.n_q, g, self.rk, self.rv, self.r_dev, self.scale)
+        k, v = self._dequantised()
+        visible = torch.cat(
+            [
+                torch.ones(self.n_q, dtype=torch.bool, device=k.device),
+                torch.arange(self.rk.shape[2], device=k.device) < self.r_dev,
+            ]
+        )
+        return self._sdpa(queries, k, v, visible.view(1, 1, 1, -1))
+
+    def _flush(self, tokens: int) -> None:
+        """Quantise the residual's first ``tokens`` (whole chunks) into the store (eager only)."""
+        assert self.rk is not None and self.rv is not None and self.r_dev is not None
+        g = self.settings.group_size
+        k, v = self.rk[:, :, :tokens], self.rv[:, :, :tokens]
+        kc, ks, kz = quantize_groups(k, g, dim=2)
+        vc, vs, vz = quantize_groups(v, g, dim=3)
+        parts = {"qk": pack_2bit(kc, dim=2), "k_scale": ks, "k_zero": kz, "qv": pack_2bit(vc, dim=3)}
+        self._store_packed({**parts, "v_scale": vs, "v_zero": vz}, self.n_q)
+        self.n_q += tokens
+        rest = self.rk.shape[2] - tokens
+        self.rk[:, :, :rest] = self.rk[:, :, tokens:].clone()
+        self.rv[:, :, :rest] = self.rv[:, :, tokens:].clone()
+        self.r_dev.sub_(tokens)
+        self._flushed = True
+
+    def _dequantised(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantised part dequantised, then the whole residual buffer (unwritten slots: zeros)."""
+        assert self.rk is not None and self.rv is not None
+        g, dt = self.settings.group_size, self.rk.dtype
+        p = {name: self._held(self.packed[name], name) for name in PACKED}
+        k = dequantize_groups(unpack_2bit(p["qk"], dim=2), p["k_scale"], p["k_zero"], g, 2, dt)
+        v = dequantize_groups(unpack_2bit(p["qv"], dim=3), p["v_scale"], p["v_zero"], g, 3, dt)
+        return torch.cat([k, self.rk], dim=2), torch.cat([v, self.rv], dim=2)
+
+    def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Several tokens (eager): appended and flushed as the reference's store does, attended causally."""
+        assert self.rk is not None and self.rv is not None and self.r_dev is not None
+        r, t = self.settings.residual_tokens, keys.shape[2]
+        for i in range(t):
+            self.rk.index_copy_(2, self.r_dev, keys[:, :, i : i + 1])
+            self.rv.index_copy_(2, self.r_dev, values[:, :, i : i + 1])
+            self.r_dev.add_(1)
+            if int(self.r_dev) == r:
+                self._flush(r)
+        held = self.n_q + (self.r_host + t) % r
+        k, v = self._dequantised()
+        k, v = k[:, :, :held], v[:, :, :held]
+        pos = torch.arange(self.seen, self.seen + t, device=keys.device)
+        return self._attend(queries, k, v, q_positions=pos, k_positions=self._positions_held(k.shape[2])).output
+
+    def _positions_held(self, n: int) -> torch.Tensor:
+        """``[b, hk, n]`` positions of the held tokens: the kept prompt tokens, then every generated one."""
+        assert self.prompt_positions is not None
+        kept = self.prompt_positions
+        generated = torch.arange(self.prompt_tokens, self.prompt_tokens + n - kept.shape[2], device=kept.device)
+        return torch.cat([kept, generated.expand(*kept.shape[:2], -1)], dim=2)
+
+    # -- what is held ---------------------------------------------------------------------------
+    def tokens_held(self) -> torch.Tensor:
+        assert self.rk is not None
+        return torch.full(self.rk.shape[:2], self.n_q + self.r_host, dtype=torch.long)
+
+    def _metadata(self) -> list[torch.Tensor | None]:
+        return [self.r_dev, self.prompt_positions, *self._device_counters.values()]
+
+    def memory(self) -> dict[str, int]:
+        kv = tensor_bytes(*self.packed.values(), self.rk, self.rv)
+        meta = tensor_bytes(*self._metadata())
+        return {"kv": kv, "metadata": meta, "total": kv + meta}
