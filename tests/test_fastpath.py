@@ -11,9 +11,21 @@ from ov_kvcrush.engines.hf_cache import CompressedCache, storage_bytes
 from ov_kvcrush.fastpath import fast_layer
 from ov_kvcrush.fastpath.buffer import GROWTH_TOKENS, KVBuffer
 from ov_kvcrush.fastpath.clusterkv import FastClusterKVLayerCache
+from ov_kvcrush.fastpath.eviction import FastEvictionLayerCache
 from ov_kvcrush.fastpath.minikv import FastMiniKVLayerCache
+from ov_kvcrush.fastpath.quest import FastQuestLayerCache
 from ov_kvcrush.kernels import interpreting, triton_importable
-from ov_kvcrush.methods import ClusterKVConfig, MiniKVConfig, QuantSettings, SnapKVConfig, method_config
+from ov_kvcrush.methods import (
+    ClusterKVConfig,
+    H2OConfig,
+    MiniKVConfig,
+    PyramidKVConfig,
+    QuantSettings,
+    QuestConfig,
+    SnapKVConfig,
+    StreamingLLMConfig,
+    method_config,
+)
 
 CLUSTERKV_CASES = {
     # budget below the prompt: the last recalled cluster is trimmed; new tokens clustered every 8 steps
@@ -82,6 +94,50 @@ def test_fast_minikv_answers_what_the_reference_answers(monkeypatch, kernels):
     assert fast.memory()["kv"] < ref.memory()["kv"] * 1.5  # preallocated, still 2-bit
 
 
+EVICTION = {
+    "snapkv": SnapKVConfig(budget=40, sink_tokens=4, recent_tokens=8, window=8),
+    "h2o": H2OConfig(budget=40, sink_tokens=4, recent_tokens=8),
+    "pyramidkv": PyramidKVConfig(budget=40, sink_tokens=4, recent_tokens=8, window=8),
+    "streamingllm": StreamingLLMConfig(budget=40, sink_tokens=4),
+}
+
+
+@pytest.mark.parametrize("name", list(EVICTION))
+@pytest.mark.parametrize("prompt", [90, 30])  # a prompt over the budget, and one under it
+def test_fast_eviction_keeps_and_answers_what_the_reference_does(name, prompt):
+    config = EVICTION[name]
+    gen = torch.Generator().manual_seed(prompt)
+    ref, fast = config.make_layer(1, 3), fast_layer(config, 1, 3)
+    assert isinstance(fast, FastEvictionLayerCache)
+    x = _qkv(gen, prompt)
+    assert torch.allclose(fast.prefill(*x), ref.prefill(*x), atol=1e-5)
+    for step in range(30):
+        x = _qkv(gen, 2 if step == 15 else 1)  # a step of two tokens: handed to the reference and back
+        assert torch.allclose(fast.decode(*x), ref.decode(*x), atol=1e-5), f"step {step}"
+        kept = fast.positions[:, :, : fast.budget] if fast.fixed else fast.reference.store.positions
+        assert torch.equal(kept, ref.store.positions), f"step {step}"
+    assert fast.fixed and fast.seen == ref.seen
+    assert fast.counters == pytest.approx(ref.counters)
+    assert fast.memory()["kv"] == storage_bytes([fast.keys, fast.values])  # budget + 1 slots, allocated once
+
+
+@pytest.mark.parametrize("prompt", [90, 96])  # a partial last page, and whole pages
+def test_fast_quest_recalls_the_pages_the_reference_recalls(prompt):
+    config = QuestConfig(budget=32, page_size=8)
+    gen = torch.Generator().manual_seed(prompt)
+    ref, fast = config.make_layer(2, 3), fast_layer(config, 2, 3, reserve=4)
+    assert isinstance(fast, FastQuestLayerCache)
+    x = _qkv(gen, prompt)
+    assert torch.allclose(fast.prefill(*x), ref.prefill(*x), atol=1e-5)
+    for step in range(30):  # past the reserve: the store grows and the bounds follow
+        x = _qkv(gen, 3 if step == 9 else 1)
+        assert torch.allclose(fast.decode(*x), ref.decode(*x), atol=1e-5), f"step {step}"
+        sel = fast.last_selected
+        got = sel[sel >= 0].view(*sel.shape[:2], -1)
+        assert torch.equal(got.sort(-1).values, ref.last_selected.sort(-1).values), f"step {step}"
+    assert fast.memory()["total"] == storage_bytes(fast)
+
+
 def test_fast_clusterkv_dense_layer_attends_everything():
     config = ClusterKVConfig(budget=20, sink_tokens=2, dense_layers=1)
     gen = torch.Generator().manual_seed(1)
@@ -107,7 +163,9 @@ def test_fast_memory_is_what_the_tensors_hold():
 
 
 def test_methods_without_a_fast_layer_get_the_reference():
-    assert fast_layer(SnapKVConfig(budget=128), 0, 2) is None
+    assert fast_layer(SnapKVConfig(budget=128, quant=QuantSettings()), 0, 2) is None
+    assert fast_layer(SnapKVConfig(budget=128, head_budgets="adaptive"), 0, 2) is None
+    assert fast_layer(method_config("kvcrush", budget=128), 0, 2) is None
     assert fast_layer(ClusterKVConfig(budget=64, quant=QuantSettings()), 0, 2) is None
     assert fast_layer(ClusterKVConfig(budget=64, track_recall=True), 0, 2) is None
 
@@ -214,6 +272,8 @@ def _tiny_model():
 
 
 GRAPHED = {
+    "snapkv": dict(budget=40, sink_tokens=4, recent_tokens=8, window=8),
+    "quest": dict(budget=32, page_size=8, dense_layers=1),
     "clusterkv": dict(budget=40, sink_tokens=4, tokens_per_cluster=12, cluster_every=6, dense_layers=1),
     "minikv": dict(budget=40, sink_tokens=4, recent_tokens=8, quant=QuantSettings(residual_tokens=16)),
     "full": {},
@@ -274,6 +334,8 @@ def test_cuda_graphs_give_the_eager_tokens():
         CompressionConfig(),
         CompressionConfig("clusterkv", budget=256, options={"cluster_every": 16}),
         CompressionConfig("minikv", budget=256),
+        CompressionConfig("snapkv", budget=256),
+        CompressionConfig("quest", budget=256),
     )
     for comp in configs:
         eager = TorchEngine("random:tiny-llama", comp, device="cuda", cuda_graphs=False).generate(prompt, settings)

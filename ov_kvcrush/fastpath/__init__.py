@@ -9,8 +9,11 @@ where :func:`fast_layer` offers one (the torch engine on CUDA does by default), 
 everywhere else.
 
 A method gets a fast path by adding its factory to :data:`FAST_LAYERS`: today the full cache,
-ClusterKV (without the 2-bit store and without recall tracking, which stay on the reference) and
-MiniKV (its 2-bit store read in place by a Triton kernel; uniform head budgets).
+ClusterKV (without the 2-bit store and without recall tracking, which stay on the reference),
+Quest (without recall tracking),
+MiniKV (its 2-bit store read in place by a Triton kernel) and the importance evictions
+StreamingLLM, H2O, SnapKV and PyramidKV (uniform head budgets; KVCrush and Knorm select
+differently and stay on the reference).
 Their single-token decode steps can be captured and replayed as CUDA graphs
 (:mod:`ov_kvcrush.fastpath.dense` says what that asks of a layer). The prefill of every
 method is fast already: its attention goes through :mod:`ov_kvcrush.kernels`.
@@ -22,9 +25,12 @@ from collections.abc import Callable
 
 from ov_kvcrush.fastpath.clusterkv import FastClusterKVLayerCache
 from ov_kvcrush.fastpath.dense import FastLayerCache
+from ov_kvcrush.fastpath.eviction import FastEvictionLayerCache
 from ov_kvcrush.fastpath.minikv import FastMiniKVLayerCache
-from ov_kvcrush.methods import ClusterKVConfig, LayerCache, MethodConfig, MiniKVConfig
+from ov_kvcrush.fastpath.quest import FastQuestLayerCache
+from ov_kvcrush.methods import ClusterKVConfig, LayerCache, MethodConfig, MiniKVConfig, QuestConfig
 from ov_kvcrush.methods.base import check_layer
+from ov_kvcrush.methods.importance import EvictionConfig
 
 
 def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
@@ -41,6 +47,20 @@ def _minikv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int)
     return FastMiniKVLayerCache(config, layer_idx, num_layers, reserve)
 
 
+def _eviction(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+    assert isinstance(config, EvictionConfig)
+    if config.selection_frozen() or getattr(config, "head_budgets", "uniform") != "uniform":
+        return None  # the 2-bit store (frozen selection) and adaptive head budgets stay on the reference
+    return FastEvictionLayerCache(config, layer_idx, num_layers)
+
+
+def _quest(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+    assert isinstance(config, QuestConfig)
+    if config.track_recall:
+        return None
+    return FastQuestLayerCache(config, dense=layer_idx < config.dense_layers, reserve=reserve)
+
+
 def _full(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
     return FastLayerCache(reserve)
 
@@ -50,6 +70,11 @@ FAST_LAYERS: dict[str, Callable[[MethodConfig, int, int, int], LayerCache | None
     "full": _full,
     "clusterkv": _clusterkv,
     "minikv": _minikv,
+    "quest": _quest,
+    "streamingllm": _eviction,
+    "h2o": _eviction,
+    "snapkv": _eviction,
+    "pyramidkv": _eviction,
 }
 
 

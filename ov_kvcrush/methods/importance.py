@@ -344,10 +344,10 @@ class ImportanceLayerCache(LayerCache):
         k = gather_tokens(keys, safe)
         v = gather_tokens(values, safe)
         p = torch.where(valid, torch.gather(pos, 2, safe), torch.full_like(safe, -1))
-        return k, v, p, self._gather_scores(acc, index)
+        return k, v, p, self.gather_scores(acc, index)
 
     @staticmethod
-    def _gather_scores(acc: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def gather_scores(acc: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Per-q-head scores ``[b, hq, n]`` of the per-KV-head ``index`` (``-1`` pads get ``-inf``)."""
         g = acc.shape[1] // index.shape[1]
         a = torch.gather(acc, 2, index.clamp_min(0).repeat_interleave(g, dim=1))
@@ -385,14 +385,14 @@ class ImportanceLayerCache(LayerCache):
             # the new tokens landed after the pads: move valid tokens first, keeping their order
             order = torch.argsort((p < 0).to(torch.int8), dim=-1, stable=True)
             self.store.keep(order)
-            self.acc = self._gather_scores(self.acc, order)
+            self.acc = self.gather_scores(self.acc, order)
         acc = self.acc
         before = int((self.store.positions >= 0).sum())
         index = self.select(acc, hk)
         valid = index >= 0
         self.store.keep(index.clamp_min(0))
         self.store.positions = torch.where(valid, self.store.positions, torch.full_like(index, -1))
-        self.acc = self._gather_scores(acc, index)
+        self.acc = self.gather_scores(acc, index)
         self._bump("evicted", before - int(valid.sum()))
 
     def tokens_held(self) -> torch.Tensor:
