@@ -35,6 +35,7 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines import make_engine, resolve_model
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.request_queue import RequestQueue
 
 _SETTINGS_FIELDS = tuple(f.name for f in fields(GenerationSettings))
 
@@ -143,10 +144,16 @@ class LLMPipeline:
         self.engine = make_engine(backend, resolve_model(backend, model), compression, device, **engine_options)
         self.compression: CompressionConfig = self.engine.compression
         self._history: list[dict] | None = None  # chat on engines without their own chat state
+        #: calls from several threads take turns, in arrival order (request_queue.py)
+        self.requests = RequestQueue()
 
     # -- chat -----------------------------------------------------------------------------------
     def start_chat(self, system_message: str = "") -> None:
         """Start a conversation: each later ``generate(str)`` is a user turn answered in context."""
+        with self.requests.turn():
+            self._start_chat(system_message)
+
+    def _start_chat(self, system_message: str) -> None:
         if hasattr(self.engine, "start_chat"):
             self.engine.start_chat(system_message)
         else:
@@ -154,9 +161,10 @@ class LLMPipeline:
 
     def finish_chat(self) -> None:
         """End the conversation (and free the cache it kept)."""
-        if hasattr(self.engine, "finish_chat"):
-            self.engine.finish_chat()
-        self._history = None
+        with self.requests.turn():
+            if hasattr(self.engine, "finish_chat"):
+                self.engine.finish_chat()
+            self._history = None
 
     @property
     def chat_history(self) -> list[dict] | None:
@@ -207,11 +215,19 @@ class LLMPipeline:
 
         Keyword arguments override fields of ``generation_config`` (``max_new_tokens``,
         ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``apply_chat_template``).
+        Calls from several threads are served one at a time, in arrival order; each gets the
+        result it would get alone.
         """
         settings = generation_settings(generation_config, kwargs)
         if streamer is not None and not callable(streamer):
             raise ConfigError("streamer", streamer, "a callable taking the new text (return True to stop), or None")
         check_inputs(inputs)
+        with self.requests.turn():
+            return self._generate(inputs, settings, streamer)
+
+    def _generate(
+        self, inputs: Prompt | Sequence[str], settings: GenerationSettings, streamer: Streamer | None
+    ) -> GenerationResult | list[GenerationResult]:
         if self._history is not None:
             if not isinstance(inputs, str):
                 raise UserError("in a chat, generate takes the user's message as a string")

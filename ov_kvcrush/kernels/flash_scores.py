@@ -36,7 +36,7 @@ def _flash_forward(
     Q, K, V, Out, LSE,
     sqb, sqh, sqt, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, sot, sod,
     HQ, GROUP, T, N, D, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -65,7 +65,7 @@ def _flash_forward(
             mask=(offs_n[None, :] < N) & (offs_d[:, None] < D),
             other=0.0,
         )
-        s = tl.dot(q, kt) * qk_scale
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < N)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -77,7 +77,7 @@ def _flash_forward(
             mask=(offs_n[:, None] < N) & (offs_d[None, :] < D),
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(
@@ -93,7 +93,7 @@ def _column_sums(
     Q, K, LSE, S,
     sqb, sqh, sqt, sqd, skb, skh, skn, skd,
     HQ, GROUP, T, N, D, qk_scale, ROW_FROM,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -120,7 +120,7 @@ def _column_sums(
             other=0.0,
         )
         lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-        s = tl.dot(q, kt) * qk_scale
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         q_pos = offs_m + (N - T)
         counted = (offs_n[None, :] <= q_pos[:, None]) & (offs_m[:, None] >= ROW_FROM) & (offs_m[:, None] < T)
         p = tl.where(counted, tl.exp2(s - lse[:, None]), 0.0)
@@ -166,18 +166,19 @@ def flash_attention_with_scores(
         )
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
     block_m, block_n, block_d = _blocks(d, queries.device)
+    precision = "ieee" if queries.dtype == torch.float32 else "tf32"  # float32 stays float32 (no TF32)
     out = torch.empty_like(queries, memory_format=torch.contiguous_format)
     lse = torch.empty((b * hq, t), dtype=torch.float32, device=queries.device)
     strides = (*queries.stride(), *keys.stride(), *values.stride(), *out.stride())
     _flash_forward[(triton.cdiv(t, block_m), b * hq)](
         queries, keys, values, out, lse, *strides, hq, hq // hk, t, n, d, qk_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
     )  # fmt: skip
     if not return_scores:
         return out, None
     scores = torch.empty((b, hq, n), dtype=torch.float32, device=queries.device)
     _column_sums[(triton.cdiv(n, block_n), b * hq)](
         queries, keys, lse, scores, *queries.stride(), *keys.stride(), hq, hq // hk, t, n, d, qk_scale, score_from,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
     )  # fmt: skip
     return out, scores
