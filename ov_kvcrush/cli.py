@@ -123,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--kv-ratio", help="equal memory as fractions of the full cache (e.g. 0.1,0.2)")
     v.add_argument("--samples", type=_positive_int, default=1, help="samples per task and length (default 1)")
     v.add_argument("--seed", type=_positive_int, default=0)
-    v.add_argument("--backend", default="torch", help="torch (every method, default) or genai (native methods)")
+    v.add_argument(
+        "--backend",
+        default="torch",
+        help="torch (every method, default), openvino (our op: the methods it runs) or genai (native methods)",
+    )
     v.add_argument("--max-new-tokens", type=_positive_int, default=32)
     v.add_argument("--ppl-tokens", type=_positive_int, default=64, help="tokens scored by the ppl task (default 64)")
     v.add_argument("--data", help="JSONL of {'prompt': str, 'answers': [str]} (replaces --tasks/--lengths)")

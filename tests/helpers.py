@@ -20,6 +20,7 @@ from ov_kvcrush.transformations import convert_model
 from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op_probe import single_op_model
 
 #: Exact f32 execution on both sides: no bf16 matmuls, and no dynamic quantization of activations
 #: for int8 weights (the plugin picks it per graph, so the two graphs would differ by ~2 % in the
@@ -88,22 +89,7 @@ HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
 
 
 def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
-    import openvino as ov
-    import openvino.opset13 as ops
-    from openvino.utils.node_factory import NodeFactory
-
-    factory = NodeFactory()
-    factory.add_extension(str(plugin.loaded_path()))
-    q = ops.parameter([-1, hq, -1, d], np.float32, name="q")
-    k = ops.parameter([-1, hkv, -1, d], np.float32, name="k")
-    v = ops.parameter([-1, hkv, -1, d], np.float32, name="v")
-    s = ops.parameter([-1], np.int64, name="kvc_sequence")
-    node = factory.create(
-        "PagedAttention",
-        [q.output(0), k.output(0), v.output(0), s.output(0)],
-        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(d), "compute": compute},
-    )
-    return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
+    return single_op_model(core, hq, hkv, d, layer, scale, compute)
 
 
 def held_positions(seq: kvcache.KVSequence, layer: int) -> list[np.ndarray]:

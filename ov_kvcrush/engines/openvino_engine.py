@@ -204,29 +204,14 @@ class OpenVINOEngine:
                 self.shape.kv_heads,
                 kv_block_bytes(block_size, self.shape.head_dim, kv_precision),
             )
-        self.compression = compression or CompressionConfig()
-        self.method = self.compression.method_config()
-        method_block = getattr(self.method, "block_size", None)
-        if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
-            _check_block_size("options.block_size", method_block)
-            block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
-        self.block_size = block_size
-        self.block_bytes = kv_block_bytes(block_size, self.shape.head_dim, kv_precision)
-        spec = method_spec(self.method, self.shape.layers, self.shape.q_heads, block_size)
+        self.default_block_size = block_size
+        self.max_kv_blocks = max_kv_blocks
+        compression = compression or CompressionConfig()
+        self.pool_spec(compression)  # a method the op refuses fails here, before the compilation
         self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
         self.request = self.compiled.create_infer_request()
         self.input_names = {p.get_any_name() for p in self.compiled.inputs}
-        self.pool = KVPool(
-            self.shape.layers,
-            self.shape.q_heads,
-            self.shape.kv_heads,
-            self.shape.head_dim,
-            block_size=block_size,
-            precision=kv_precision,
-            max_blocks=max_kv_blocks,
-            method=spec,
-        )
-        self.sequence: KVSequence = self.pool.new_sequence()
+        self._make_pool(compression)
         self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
         eos = self.hf_config.get("eos_token_id", self.tokenizer.get_eos_token_id())
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
@@ -237,6 +222,46 @@ class OpenVINOEngine:
         self.max_context = model_context(self.model_dir)
         self._cached: list[int] = []  # token ids whose K/V the sequence holds, in order
         self._history: list[dict] | None = None  # chat messages while a chat is open
+
+    def _make_pool(self, compression: CompressionConfig) -> None:
+        """The block pool and sequence of ``compression``'s method (the compiled model does not
+        depend on the method: the op finds a sequence's pool by its handle)."""
+        method, block_size, spec = self.pool_spec(compression)
+        pool = KVPool(
+            self.shape.layers,
+            self.shape.q_heads,
+            self.shape.kv_heads,
+            self.shape.head_dim,
+            block_size=block_size,
+            precision=self.kv_precision,
+            max_blocks=self.max_kv_blocks,
+            method=spec,
+        )
+        self.close()  # the previous method's sequence and pool, if any
+        self.compression, self.method = compression, method
+        self.block_size = block_size
+        self.block_bytes = kv_block_bytes(block_size, self.shape.head_dim, self.kv_precision)
+        self.pool = pool
+        self.sequence: KVSequence = pool.new_sequence()
+        self._cached = []
+
+    def pool_spec(self, compression: CompressionConfig) -> tuple[Any, int, str]:
+        """``(method config, block size, the op's spec)`` of ``compression``, checked."""
+        method = compression.method_config()
+        block_size = self.default_block_size
+        method_block = getattr(method, "block_size", None)
+        if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
+            _check_block_size("options.block_size", method_block)
+            block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
+        return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size)
+
+    def set_compression(self, compression: CompressionConfig) -> None:
+        """Switch method and budget for the next generations: a new pool, the model stays compiled
+        (an evaluation compares many methods on one engine). Closes an open chat."""
+        if not isinstance(compression, CompressionConfig):
+            raise ConfigError("compression", compression, "a CompressionConfig")
+        self._history = None
+        self._make_pool(compression)
 
     # -- chat -----------------------------------------------------------------------------------
     def start_chat(self, system_message: str = "") -> None:
@@ -269,8 +294,10 @@ class OpenVINOEngine:
         """Free the sequence and the pool (the engine cannot generate afterwards)."""
         if getattr(self, "sequence", None) is not None:
             self.sequence.free()
+            self.sequence = None  # type: ignore[assignment]
         if getattr(self, "pool", None) is not None:
             self.pool.close()
+            self.pool = None  # type: ignore[assignment]
 
     def __del__(self) -> None:
         try:

@@ -107,13 +107,15 @@ def solve_budget(
     new_tokens: int,
     target_bytes: int,
     probe: Callable[[CompressionConfig], int] | None = None,
+    block: int | None = None,
 ) -> BudgetChoice:
     """The largest budget whose cache holds at most ``target_bytes`` (see :class:`BudgetChoice`).
 
     ``make(budget)`` builds the method's config (it may refuse small budgets with a
     :class:`~ov_kvcrush.errors.ConfigError`, e.g. below sinks + recent window: the search starts
     at the smallest accepted one). ``probe`` measures a config's bytes; :func:`held_bytes` by
-    default.
+    default. ``block``: the bytes under which a method's bytes count as not depending on the
+    budget (:func:`block_bytes` of the shape by default; the op's block on backend openvino).
     """
     if target_bytes < 1:
         raise ConfigError("kv_bytes", target_bytes, "a positive number of bytes")
@@ -141,7 +143,7 @@ def solve_budget(
         lo, lo_bad = (mid, lo_bad) if valid(mid) else (lo, mid)
     if nbytes(lo) > target_bytes:
         return BudgetChoice(label, None, nbytes(lo), target_bytes, "unreachable")
-    fixed = nbytes(hi) - nbytes(lo) < block_bytes(shape)
+    fixed = nbytes(hi) - nbytes(lo) < (block or block_bytes(shape))
     if nbytes(hi) <= target_bytes:
         return BudgetChoice(label, hi, nbytes(hi), target_bytes, "fixed" if fixed else "all")
     good, bad = lo, hi  # nbytes(good) <= target < nbytes(bad)

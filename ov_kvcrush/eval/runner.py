@@ -32,7 +32,7 @@ from ov_kvcrush.validation import MAX_TOKENS, check_int
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_BUDGETS = (128, 256, 512)
-EVAL_BACKENDS = ("torch", "genai")
+EVAL_BACKENDS = ("torch", "openvino", "genai")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,8 @@ class EvalPlan:
         kv_ratio: the same, as fractions of the full cache for the length (plus new tokens).
         samples: samples per (task, length); needles spread evenly over depths.
         seed: seeds every generator.
-        backend: ``torch`` (every method) or ``genai`` (native: full, h2o, snapkv, kvcrush).
+        backend: ``torch`` (every method), ``openvino`` (our op: the methods it runs, equal-memory
+            budgets from its own block bytes) or ``genai`` (native: full, h2o, snapkv, kvcrush).
         max_new_tokens: greedy tokens generated per sample (32: five-digit answers need up to ~20).
         ppl_tokens: continuation tokens scored by the ``ppl`` task.
         data: a JSONL file of custom samples (replaces ``tasks`` and ``lengths``).
@@ -139,14 +140,24 @@ class EvalPlan:
         check_int("ppl_tokens", self.ppl_tokens, 1, 4096)
         if not all(isinstance(m, MethodSpec) for m in self.methods):
             raise ConfigError("methods", self.methods, "MethodSpec items (MethodSpec.parse('kvcrush+2bit'))")
+        if self.backend == "openvino":
+            bad = [m.label for m in self.methods if m.method not in methods_for("openvino")]
+            if bad:
+                raise ConfigError(
+                    "methods", ",".join(bad), "on backend openvino: " + ", ".join(methods_for("openvino"))
+                )
         if self.backend == "genai":
             bad = [m.label for m in self.methods if m.method not in methods_for("genai") or m.quant]
             if bad:
                 raise ConfigError("methods", ",".join(bad), "on backend genai: " + ", ".join(methods_for("genai")))
             if self.equal_memory:
-                raise ConfigError("kv_bytes", self.kv_bytes or self.kv_ratio, "unset on backend genai (torch only)")
-            if "ppl" in self.tasks and self.data is None:
-                raise ConfigError("tasks", "ppl", "generation tasks on backend genai (ppl needs the torch engine)")
+                raise ConfigError(
+                    "kv_bytes", self.kv_bytes or self.kv_ratio, "unset on backend genai (torch and openvino only)"
+                )
+        if self.backend != "torch" and "ppl" in self.tasks and self.data is None:
+            raise ConfigError(
+                "tasks", "ppl", f"generation tasks on backend {self.backend} (ppl needs the torch engine)"
+            )
         if "ppl" in self.tasks and self.data is None:
             for n in self.lengths:
                 if self.ppl_tokens >= n:
@@ -160,8 +171,8 @@ class EvalPlan:
         """The compressing methods of the plan (the default: every method the backend runs)."""
 
         specs = list(self.methods) or [MethodSpec(m) for m in REGISTRY]
-        if self.backend == "genai":
-            specs = [s for s in specs if s.method in methods_for("genai")]
+        if self.backend != "torch":
+            specs = [s for s in specs if s.method in methods_for(self.backend)]
         return [s for s in specs if s.method != "full"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +213,16 @@ class _Runner:
             self.torch = TorchEngine(self.model_dir, device=plan.device, dtype=plan.dtype)
             self.shape = self.torch.shape
             self._count = lambda text: len(self.torch.tokenizer(text, add_special_tokens=False).input_ids)
+        elif plan.backend == "openvino":
+            from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+            from ov_kvcrush.op_probe import OpProbe
+
+            self.torch = None
+            self.openvino = OpenVINOEngine(self.model_dir, device=plan.device.upper())
+            self.shape = self.openvino.shape
+            self.probe = OpProbe.for_engine(self.openvino)
+            tok = self.openvino.tokenizer
+            self._count = lambda text: len(tok.encode(text, add_special_tokens=False).input_ids.data[0])
         else:
             self.torch = None
             self.shape = None
@@ -223,7 +244,34 @@ class _Runner:
     def generate(self, prompt: str, configs: list[CompressionConfig]):
         if self.torch is not None:
             return self.torch.generate_each(prompt, configs, self.settings)
+        if self.plan.backend == "openvino":  # one compiled model, a pool per method
+            out = []
+            for c in configs:
+                self.openvino.set_compression(c)
+                out.append(self.openvino.generate(prompt, self.settings))
+            return out
         return [self._genai_engine(c).generate(prompt, self.settings) for c in configs]
+
+    def full_kv_bytes(self, tokens: int) -> int:
+        """Bytes of the full cache for ``tokens`` tokens, in this backend's storage."""
+        if self.plan.backend == "openvino":
+            return self.openvino.full_kv_bytes(tokens)
+        assert self.shape is not None
+        return self.shape.full_kv_bytes(tokens)
+
+    def block_bytes(self) -> int:
+        """The solver's precision: one block of tokens of every layer, in this backend's storage."""
+        if self.plan.backend == "openvino":
+            engine = self.openvino
+            return engine.block_bytes * engine.shape.layers * engine.shape.kv_heads
+        assert self.shape is not None
+        return block_bytes(self.shape)
+
+    def held_bytes(self, length: int) -> Callable[[CompressionConfig], int] | None:
+        """What measures a config's bytes at ``length`` (``None``: the torch reference's caches)."""
+        if self.plan.backend != "openvino":
+            return None
+        return lambda c: self.probe.held_bytes(c, length, self.plan.max_new_tokens)
 
     def perplexity(self, sample: T.PerplexitySample, configs: list[CompressionConfig]):
         assert self.torch is not None
@@ -255,11 +303,12 @@ def _budgets(
     if not plan.equal_memory:
         return {s.label: [(b, None) for b in plan.budgets] for s in specs}, []
     assert runner.shape is not None and length is not None
-    full = runner.shape.full_kv_bytes(length + plan.max_new_tokens)
+    full = runner.full_kv_bytes(length + plan.max_new_tokens)
     targets = list(plan.kv_bytes) or [round(r * full) for r in plan.kv_ratio]
     out: dict[str, list[tuple[int, int | None]]] = {s.label: [] for s in specs}
     chosen: list[dict[str, Any]] = []
-    block = block_bytes(runner.shape)
+    block = runner.block_bytes()
+    probe = runner.held_bytes(length)
     for target in targets:
         log(f"equal memory at length {length}: target {target / 2**20:.2f} MiB ({target / full:.1%} of full)")
         for s in specs:
@@ -270,6 +319,8 @@ def _budgets(
                 length,
                 plan.max_new_tokens,
                 target,
+                probe=probe,
+                block=block,
             )
             log("  " + choice.describe(block))
             chosen.append({"length": length, **asdict(choice), "block_bytes": block})
@@ -301,7 +352,8 @@ def run_eval(plan: EvalPlan, progress: bool = True, log: Callable[[str], None] =
     bar = tqdm(total=total, disable=not progress, unit="run", desc="eval")
     for length in lengths:
         grid = [(label, budget, target) for label, pairs in per_length[length].items() for budget, target in pairs]
-        configs = [CompressionConfig()] + [specs[label].compression(budget) for label, budget, _ in grid]
+        recall = plan.backend == "torch"  # the op does not track the recall rate
+        configs = [CompressionConfig()] + [specs[label].compression(b, track_recall=recall) for label, b, _ in grid]
         for task in task_names:
             for index in range(n_samples):
                 bar.set_postfix_str(f"{task} {length or ''} #{index}")

@@ -1,0 +1,118 @@
+"""The op's KV bytes for a method, measured by running the op itself on random keys and values.
+
+Equal-memory evaluation (``eval --kv-bytes/--kv-ratio``) gives each method the budget at which it
+holds a target number of bytes. On backend ``openvino`` those bytes are the op's: its blocks
+(full-precision and 2-bit) of the pool's block size and precision, as the engine reports them
+after a generation (``SequenceStats.kv_bytes``). What a method holds depends on token counts, not
+on values, so :class:`OpProbe` feeds the op, layer by layer in the model's order, a prompt of
+random keys/values and the decode steps a generation makes, through one compiled single-op model
+per layer, and reads the sequence's bytes: measured, not modelled (a test checks a probe against
+the engine's own generation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.kvcache import KVPool
+
+
+def single_op_model(
+    core: Any,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    layer: int = 0,
+    scale: float | None = None,
+    compute: str = "f32",
+):
+    """An inference request of a model that is only our op for ``layer``: inputs ``q``, ``k``, ``v``
+    (``[1, heads, tokens, head_dim]`` float32) and ``kvc_sequence``; ``scale`` ``1/sqrt(head_dim)``
+    by default."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino.utils.node_factory import NodeFactory
+
+    from ov_kvcrush import plugin
+
+    factory = NodeFactory()
+    factory.add_extension(str(plugin.loaded_path()))
+    q = ops.parameter([-1, q_heads, -1, head_dim], np.float32, name="q")
+    k = ops.parameter([-1, kv_heads, -1, head_dim], np.float32, name="k")
+    v = ops.parameter([-1, kv_heads, -1, head_dim], np.float32, name="v")
+    s = ops.parameter([-1], np.int64, name="kvc_sequence")
+    node = factory.create(
+        "PagedAttention",
+        [q.output(0), k.output(0), v.output(0), s.output(0)],
+        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(head_dim), "compute": compute},
+    )
+    return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
+
+
+class OpProbe:
+    """Measures the op's bytes for a model's attention shape, pool block size and precision."""
+
+    def __init__(
+        self,
+        layers: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        precision: str,
+        pool_spec: Callable[[CompressionConfig], tuple[Any, int, str]],
+    ):
+        """``pool_spec(compression)`` gives ``(method config, block size, the op's spec)`` as the
+        engine builds its pool (:meth:`OpenVINOEngine.pool_spec`)."""
+        import openvino as ov
+
+        from ov_kvcrush import plugin
+
+        self.layers, self.q_heads, self.kv_heads, self.head_dim = layers, q_heads, kv_heads, head_dim
+        self.precision, self.pool_spec = precision, pool_spec
+        self.core = ov.Core()
+        self.core.add_extension(str(plugin.loaded_path()))
+        self._requests: dict[int, Any] = {}
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> OpProbe:
+        """The probe of an :class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine`'s model and pool."""
+        s = engine.shape
+        return cls(s.layers, s.q_heads, s.kv_heads, s.head_dim, engine.kv_precision, engine.pool_spec)
+
+    def _request(self, layer: int) -> Any:
+        if layer not in self._requests:
+            self._requests[layer] = single_op_model(self.core, self.q_heads, self.kv_heads, self.head_dim, layer)
+        return self._requests[layer]
+
+    def held_bytes(self, compression: CompressionConfig, prompt_tokens: int, new_tokens: int, seed: int = 0) -> int:
+        """Bytes the op holds after a ``prompt_tokens`` prompt and the ``new_tokens - 1`` decode
+        steps of a ``new_tokens`` generation (its last token is never fed back), as the engine."""
+        if prompt_tokens < 1 or new_tokens < 1:
+            raise ValueError(f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}: allowed >= 1")
+        _, block, spec = self.pool_spec(compression)
+        pool = KVPool(
+            self.layers, self.q_heads, self.kv_heads, self.head_dim, block_size=block, precision=self.precision,
+            method=spec,
+        )  # fmt: skip
+        seq = pool.new_sequence()
+        rng = np.random.default_rng(seed)
+        try:
+            for n in [prompt_tokens] + [1] * (new_tokens - 1):
+                handle = np.array([seq.handle], dtype=np.int64)
+                for layer in range(self.layers):
+                    feed = {
+                        "q": rng.standard_normal((1, self.q_heads, n, self.head_dim), dtype=np.float32),
+                        "k": rng.standard_normal((1, self.kv_heads, n, self.head_dim), dtype=np.float32),
+                        "v": rng.standard_normal((1, self.kv_heads, n, self.head_dim), dtype=np.float32),
+                        "kvc_sequence": handle,
+                    }
+                    self._request(layer).infer(feed)
+            return int(seq.stats().kv_bytes)
+        finally:
+            seq.free()
+            pool.close()
