@@ -19,8 +19,7 @@ from ov_kvcrush.errors import UserError, decode_text, one_line
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, write_atomic, write_text
 
 #: The demo's compressed runs: (backend, method, extra options).
-DEMO_RUNS = (("genai", "kvcrush", {}), ("torch", "kvcrush", {}), ("torch", "chelsea", {}), ("torch", "minikv", {}))
-DEMO_TOKENS = 2000
+DEMO_TOKENS = 2000  # ov_kvcrush.demo.DEMO_TOKENS (not imported here: --help stays fast)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,9 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output", help="output directory (default: the user cache dir)")
     e.add_argument("--force", action="store_true", help="re-export even if a complete export exists")
 
-    d = sub.add_parser("demo", help="passkey in a ~2k-token prompt: full cache vs native KVCrush")
+    d = sub.add_parser(
+        "demo",
+        help="passkey in a ~2k-token prompt: native full and KVCrush beside our op's full, KVCrush, "
+        "SnapKV over the 2-bit store and ClusterKV",
+    )
     d.add_argument("--tokens", type=_positive_int, default=DEMO_TOKENS, help="prompt length (default 2000)")
-    d.add_argument("--budget", type=_positive_int, default=512, help="KV budget for the compressed run")
+    d.add_argument("--budget", type=_positive_int, default=512, help="KV budget of the compressed runs (default 512)")
+    d.add_argument("--torch", action="store_true", help="also the torch reference (KVCrush, Chelsea, MiniKV)")
 
     g = sub.add_parser("generate", help="one generation, printing text (and --json metrics)")
     g.add_argument(
@@ -385,44 +389,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ov_kvcrush.bench.plan import MIN_LENGTH
-    from ov_kvcrush.config import CompressionConfig, GenerationSettings
-    from ov_kvcrush.engines import make_engine, resolve_model
+    from ov_kvcrush.demo import NEW_TOKENS, run_demo
     from ov_kvcrush.engines.base import model_context
-    from ov_kvcrush.eval.tasks import passkey_prompt
     from ov_kvcrush.export import embedded_gguf_path
     from ov_kvcrush.validation import check_int
 
-    settings = GenerationSettings(max_new_tokens=24)
-    context = model_context(embedded_gguf_path())
-    check_int("--tokens", args.tokens, MIN_LENGTH, context - settings.max_new_tokens)
-    runs = [("genai", CompressionConfig()), ("openvino", CompressionConfig()), ("torch", CompressionConfig())]
-    runs += [(b, CompressionConfig(method=m, budget=args.budget, options=o)) for b, m, o in DEMO_RUNS]
-    models = {b: resolve_model(b, None) for b in ("genai", "openvino", "torch")}
-    print(f"model: {models['genai']} (genai, openvino), {models['torch']} (torch)")
-    sample = None
-    torch_engine = None
-    for backend, cfg in runs:
-        if backend in ("genai", "openvino"):
-            engine = make_engine(backend, models[backend], cfg)  # config fixed per pipeline
-        else:
-            torch_engine = torch_engine or make_engine(backend, models[backend], cfg)
-            torch_engine.set_compression(cfg)  # same weights, another method
-            engine = torch_engine
-        if sample is None:
-            sample = passkey_prompt(args.tokens, lambda t, e=engine: len(e.encode(t)), seed=7)
-            print(f"passkey prompt: {len(engine.encode(sample.prompt))} tokens, key {sample.answer}\n")
-        r = engine.generate(sample.prompt, settings)
-        label = f"{backend} {cfg.method}" + ("" if cfg.method == "full" else f" budget={cfg.budget}")
-        ok = "correct" if sample.score(r.text) else "WRONG"
-        print(f"{label:30s} answer: {r.text.strip()[:60]!r} ({ok})")
-        print(
-            f"{'':30s} TTFT {r.ttft_ms:7.0f} ms  TPOT {r.tpot_ms:6.1f} ms  KV held {r.kv_bytes / 2**20:6.2f} MiB "
-            f"of {r.full_kv_bytes / 2**20:.2f} MiB full ({100 * r.kv_ratio:.0f} %)"
-        )
-    print(
-        "\ngenai holds KV in u8 (its CPU default), openvino (our op) in f16, torch in the model's fp32: compare "
-        "ratios across backends, bytes within one."
-    )
+    check_int("--tokens", args.tokens, MIN_LENGTH, model_context(embedded_gguf_path()) - NEW_TOKENS)
+    run_demo(args.tokens, args.budget, args.torch)
     return 0
 
 
