@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,28 @@ def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.
     return subprocess.run(
         [sys.executable, "-m", "ov_kvcrush", *args], capture_output=True, text=True, timeout=timeout, input=stdin
     )
+
+
+def bench_script_dry_run(script: str, run: str) -> subprocess.CompletedProcess:
+    """``bash benchmarks/SCRIPT RUN`` with ``DRY_RUN=1``: its commands checked, nothing loaded."""
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        ["bash", str(root / "benchmarks" / script), run],
+        env={**os.environ, "DRY_RUN": "1", "OV_KVCRUSH": str(Path(sys.executable).with_name("ov-kvcrush"))},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def tiny_llama(layers: int = 3):
+    """``(model, config)``: a seeded random Llama small enough for step-by-step tests, on our attention."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="ov_kvcrush").eval(), cfg

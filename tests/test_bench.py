@@ -11,11 +11,10 @@ import multiprocessing
 import os
 import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import bench_script_dry_run
 
 from ov_kvcrush import bench
 from ov_kvcrush.bench import BenchConfig, BenchPlan
@@ -348,14 +347,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_committed_results_are_what_their_benchmark_command_runs(run, name):
     """`benchmarks/cpu.sh` still plans (checked as a real run would be, nothing loaded), and the
     committed JSON holds its configurations and lengths and passes the schema."""
-    cli = Path(sys.executable).with_name("ov-kvcrush")
-    proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "cpu.sh"), run],
-        env={**os.environ, "DRY_RUN": "1", "OV_KVCRUSH": str(cli)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = bench_script_dry_run("cpu.sh", run)
     assert proc.returncode == 0, proc.stderr
     planned = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  ")]
     lengths = [int(x) for x in proc.stdout.split("lengths: ")[1].split(",")]

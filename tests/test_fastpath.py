@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 import torch
+from helpers import tiny_llama
 
 from ov_kvcrush.engines.hf_cache import CompressedCache, storage_bytes
 from ov_kvcrush.fastpath import fast_layer
@@ -184,14 +185,7 @@ def test_kv_buffer_grows_without_losing_tokens():
 
 def test_greedy_tokens_on_a_model_equal_the_reference():
     """End to end on a tiny random Llama: the fast cache generates the reference cache's tokens."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ov_kvcrush").eval()
+    model, cfg = tiny_llama()
     method = method_config(
         "clusterkv", budget=48, sink_tokens=4, tokens_per_cluster=12, cluster_every=10, dense_layers=1
     )
@@ -260,17 +254,6 @@ def _python_state(x, seen=None):
     return repr(x)
 
 
-def _tiny_model():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="ov_kvcrush").eval(), cfg
-
-
 GRAPHED = {
     "snapkv": dict(budget=40, sink_tokens=4, recent_tokens=8, window=8),
     "quest": dict(budget=32, page_size=8, dense_layers=1),
@@ -285,7 +268,7 @@ def test_a_graphed_step_reads_nothing_on_the_host_and_leaves_no_python_state(nam
     """The contract of :class:`~ov_kvcrush.engines.cuda_graph.GraphedDecoder`, step by step on the
     CPU: inside a step (the part a graph replays) no tensor value reaches Python and no Python
     state changes (state tensors are updated in place); the tokens are the reference's."""
-    model, cfg = _tiny_model()
+    model, cfg = tiny_llama()
     method = method_config(name, **GRAPHED[name])
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():

@@ -6,13 +6,9 @@ same seeded weights.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import bench_script_dry_run
 
 from ov_kvcrush import bench
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
@@ -22,7 +18,6 @@ from ov_kvcrush.engines.random_model import ARCHITECTURES, byte_tokenizer, rando
 from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = "random:tiny-llama"
 PROMPT = "The pass key is 52445. Remember it. " * 6 + "What is the pass key?"
 GREEDY = GenerationSettings(max_new_tokens=12, ignore_eos=True)
@@ -110,14 +105,7 @@ def test_engines_in_one_process_share_one_random_model():
 def test_the_gpu_benchmark_command_plans(run):
     """`benchmarks/gpu.sh` (the committed GPU command) passes every check a real run makes; without
     a GPU the last check, the device, refuses it by name."""
-    cli = Path(sys.executable).with_name("ov-kvcrush")
-    proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), run],
-        env={**os.environ, "DRY_RUN": "1", "OV_KVCRUSH": str(cli)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = bench_script_dry_run("gpu.sh", run)
     if torch.cuda.is_available():
         assert proc.returncode == 0, proc.stderr
         assert "hf-sdpa full" in proc.stdout

@@ -161,15 +161,12 @@ class FastClusterKVLayerCache(FastLayerCache):
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if self.dense_layer:
             return super()._multi_step(queries, keys, values)
-        t, n = keys.shape[2], self.buffer.n
-        for i in range(t):
-            self._write(keys[:, :, i : i + 1], values[:, :, i : i + 1])
-        pending = torch.arange(self.pending_from, n + t, device=keys.device)
+        t = keys.shape[2]
+        k, v = self._write_each(keys, values)
+        pending = torch.arange(self.pending_from, k.shape[2], device=keys.device)
         b, hk = keys.shape[:2]
         slots, _ = self._select(queries, b, hk, pending, torch.ones_like(pending, dtype=torch.bool))
         self.last_selected = slots
-        k, v = self.buffer.keys, self.buffer.values
-        assert k is not None and v is not None
         pos = torch.arange(self.seen, self.seen + t, device=keys.device)
         return self._attend(
             queries, gather_tokens(k, slots), gather_tokens(v, slots), q_positions=pos, k_positions=slots

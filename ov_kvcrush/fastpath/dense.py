@@ -114,6 +114,15 @@ class FastLayerCache(LayerCache):
         self.buffer.values.index_copy_(2, self.n_dev, values)
         self.n_dev.add_(1)
 
+    def _write_each(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a step's tokens one by one (eager steps of several tokens); the held keys and
+        values afterwards (views)."""
+        n, t = self.buffer.n, keys.shape[2]
+        for i in range(t):
+            self._write(keys[:, :, i : i + 1], values[:, :, i : i + 1])
+        assert self.buffer.keys is not None and self.buffer.values is not None
+        return self.buffer.keys[:, :, : n + t], self.buffer.values[:, :, : n + t]
+
     def step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """One token, device work only: append it, attend every held token (the rest of the
         store's capacity masked)."""
@@ -126,12 +135,11 @@ class FastLayerCache(LayerCache):
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Several tokens at once (eager): causal by positions, as the reference attends them."""
         t = keys.shape[2]
-        n = self.buffer.n
-        for i in range(t):
-            self._write(keys[:, :, i : i + 1], values[:, :, i : i + 1])
-        k, v = self.buffer.keys[:, :, : n + t], self.buffer.values[:, :, : n + t]  # type: ignore[index]
+        k, v = self._write_each(keys, values)
         pos = torch.arange(self.seen, self.seen + t, device=keys.device)
-        return self._attend(queries, k, v, q_positions=pos, k_positions=torch.arange(n + t, device=k.device)).output
+        return self._attend(
+            queries, k, v, q_positions=pos, k_positions=torch.arange(k.shape[2], device=k.device)
+        ).output
 
     def _sdpa(self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """One query token's attention in the model's dtype (fused SDPA), timed on the CPU."""

@@ -91,10 +91,8 @@ class FastQuestLayerCache(FastLayerCache):
 
         if self.dense_layer:
             return super()._multi_step(queries, keys, values)
-        t, n = keys.shape[2], self.buffer.n
-        for i in range(t):
-            self._write(keys[:, :, i : i + 1], values[:, :, i : i + 1])
-        k, v = self.buffer.keys[:, :, : n + t], self.buffer.values[:, :, : n + t]  # type: ignore[index]
+        t = keys.shape[2]
+        k, v = self._write_each(keys, values)
         self._bounds_from(k)
         assert self.config.budget is not None
         slots = quest_select(queries, k, self.config.page_size, self.config.budget)
