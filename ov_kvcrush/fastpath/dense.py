@@ -142,10 +142,17 @@ class FastLayerCache(LayerCache):
         ).output
 
     def _sdpa(self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """One query token's attention in the model's dtype (fused SDPA), timed on the CPU."""
+        """One query token's attention in the model's dtype (fused SDPA), timed on the CPU.
+
+        ``mask``: ``[b|1, hk|1, 1, S]`` bool, per KV head. The query heads of a KV head become its
+        query rows (``[b, hk, group, d]``), so the keys are read once per KV head: SDPA's own
+        grouped-query path copies them per query head on every backend that takes a mask.
+        """
         t0 = time.perf_counter()
-        hq, hk = queries.shape[1], k.shape[1]
-        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=self.scale, enable_gqa=hq != hk)
+        b, hq, _, d = queries.shape
+        hk = k.shape[1]
+        rows = queries.reshape(b, hk, hq // hk, d)
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=self.scale).reshape(b, hq, 1, d)
         if queries.device.type == "cpu":
             self.attend_ms += (time.perf_counter() - t0) * 1e3
         return out

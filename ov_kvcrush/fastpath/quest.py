@@ -82,8 +82,7 @@ class FastQuestLayerCache(FastLayerCache):
         slots = slots.clamp_max(k.shape[2] - 1)
         visible = slots < self.n_dev
         self.last_selected = torch.where(visible, slots, -1)
-        mask = visible.repeat_interleave(g, dim=1)[:, :, None, :]
-        return self._sdpa(queries, gather_tokens(k, slots), gather_tokens(v, slots), mask)
+        return self._sdpa(queries, gather_tokens(k, slots), gather_tokens(v, slots), visible[:, :, None, :])
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Several tokens (eager): the reference's selection over everything held, causally."""
