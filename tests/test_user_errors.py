@@ -25,6 +25,7 @@ def files(tmp_path_factory):
 def cases(d):
     prompt = str(d / "prompt.txt")
     h2o = ["generate", "--backend", "torch", "--method", "h2o", "--budget", "256"]
+    static = ["bench", "--backends", "hf-static-compiled", "--methods", "full", "--lengths", "512"]
     return [
         # (argv, words the one line must contain)
         (["export", "--weight-format", "int3"], "--weight-format"),
@@ -46,6 +47,11 @@ def cases(d):
         (["bench", "--device", "cuda", "--dry-run"], "device='cuda'"),
         (["bench", "--model", str(d / "missing"), "--dry-run"], "does not exist"),
         (["bench", "--plot", str(d / "plot.txt"), "--dry-run"], "--plot"),
+        (["bench", "--backends", "torch", "--model", "random:llama-9", "--dry-run"], "llama-3-8b"),
+        (["bench", "--backends", "genai,torch", "--model", "random:tiny-llama", "--dry-run"], "backends='genai'"),
+        ([*static, "--model", "random:tiny-llama", "--dry-run"], "cuda"),
+        (["eval", "--backend", "openvino", "--methods", "quest"], "on backend openvino"),
+        (["generate", "--backend", "genai", "--model", "random:tiny-llama", "--prompt-file", prompt], "torch only"),
     ]
 
 
