@@ -34,7 +34,7 @@ import torch
 
 from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.methods.base import gather_tokens
-from ov_kvcrush.methods.clusterkv import ClusterIndex, ClusterKVConfig, kmeans_cosine, rank_clusters
+from ov_kvcrush.methods.clusterkv import ClusterIndex, ClusterKVConfig, cluster_tokens, rank_clusters
 
 
 class FastClusterKVLayerCache(FastLayerCache):
@@ -107,26 +107,18 @@ class FastClusterKVLayerCache(FastLayerCache):
             begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
         t0 = time.perf_counter()
-        b, hk, _, d = keys.shape
-        km = kmeans_cosine(
-            keys[:, :, start:end].reshape(b * hk, end - start, d),
-            k,
-            max_iters=self.config.max_iters,
-            seed=self.config.seed + self.seen,
+        cfg = self.config
+        self.index, iterations = cluster_tokens(
+            self.index, keys, start, end, k, max_iters=cfg.max_iters, seed=cfg.seed + self.seen
         )
-        tokens = torch.arange(start, end, device=keys.device)
-        if self.index is None:
-            self.index = ClusterIndex.build(km.centroids, km.labels, tokens)
-        else:
-            self.index = self.index.extend(km.centroids, km.labels, tokens)
         self.sorted_labels = torch.sort(self.index.labels, dim=1, stable=True).values
         rank = torch.arange(self.sorted_labels.shape[1], device=keys.device)
         self.within = rank - self.index.offsets.gather(1, self.sorted_labels)
-        self._grow_ring(self.index.centroids.shape[1], b * hk, keys.device)
+        self._grow_ring(self.index.centroids.shape[1], keys.shape[0] * keys.shape[1], keys.device)
         self.pending_from = end
         self._pending_key = None
         self._bump("clusterings")
-        self._bump("kmeans_iterations", km.iterations)
+        self._bump("kmeans_iterations", iterations)
         if cuda:
             done.record()
             self._clustering.append((key, begin, done))

@@ -27,10 +27,7 @@ from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.kernels import use_triton
 from ov_kvcrush.methods.base import QuantSettings, tensor_bytes
 from ov_kvcrush.methods.minikv import MiniKVConfig
-from ov_kvcrush.methods.quant import dequantize_groups, pack_2bit, quantize_groups, unpack_2bit
-
-#: the packed store's tensors, in Int2Store's names and layout
-PACKED = ("qk", "k_scale", "k_zero", "qv", "v_scale", "v_zero")
+from ov_kvcrush.methods.quant import PACKED_KV, pack_kv, unpack_kv
 
 
 class FastMiniKVLayerCache(FastLayerCache):
@@ -70,7 +67,7 @@ class FastMiniKVLayerCache(FastLayerCache):
         self.n_q = store.quantized_tokens
         self._allocate(self.n_q + -(-self.reserve // r) * r + r, keys)
         if self.n_q:
-            self._store_packed({name: getattr(store, name) for name in PACKED}, 0)
+            self._store_packed({name: getattr(store, name) for name in PACKED_KV}, 0)
         self.rk = keys.new_zeros((*keys.shape[:2], r, keys.shape[3]))
         self.rv = torch.zeros_like(self.rk)
         self.r_host = store.residual_len
@@ -97,7 +94,7 @@ class FastMiniKVLayerCache(FastLayerCache):
             {name: torch.zeros(shape, dtype=dt, device=like.device) for name, (shape, dt) in shapes.items()},
         )
         if old and self.n_q:
-            self._store_packed({name: self._held(old[name], name) for name in PACKED}, 0)
+            self._store_packed({name: self._held(old[name], name) for name in PACKED_KV}, 0)
 
     def _rows(self, name: str, tokens: int) -> int:
         """Rows (dim 2) of packed tensor ``name`` that ``tokens`` quantised tokens fill."""
@@ -144,7 +141,7 @@ class FastMiniKVLayerCache(FastLayerCache):
         if use_triton(queries.device) and queries.shape[3] % 16 == 0:
             from ov_kvcrush.kernels.quant2_attention import quant2_decode_attention
 
-            packed = tuple(self.packed[name] for name in PACKED)
+            packed = tuple(self.packed[name] for name in PACKED_KV)
             g = self.settings.group_size
             return quant2_decode_attention(queries, packed, self.n_q, g, self.rk, self.rv, self.r_dev, self.scale)
         k, v = self._dequantised()
@@ -159,12 +156,8 @@ class FastMiniKVLayerCache(FastLayerCache):
     def _flush(self, tokens: int) -> None:
         """Quantise the residual's first ``tokens`` (whole chunks) into the store (eager only)."""
         assert self.rk is not None and self.rv is not None and self.r_dev is not None
-        g = self.settings.group_size
-        k, v = self.rk[:, :, :tokens], self.rv[:, :, :tokens]
-        kc, ks, kz = quantize_groups(k, g, dim=2)
-        vc, vs, vz = quantize_groups(v, g, dim=3)
-        parts = {"qk": pack_2bit(kc, dim=2), "k_scale": ks, "k_zero": kz, "qv": pack_2bit(vc, dim=3)}
-        self._store_packed({**parts, "v_scale": vs, "v_zero": vz}, self.n_q)
+        parts = pack_kv(self.rk[:, :, :tokens], self.rv[:, :, :tokens], self.settings.group_size)
+        self._store_packed(parts, self.n_q)
         self.n_q += tokens
         rest = self.rk.shape[2] - tokens
         self.rk[:, :, :rest] = self.rk[:, :, tokens:].clone()
@@ -175,10 +168,8 @@ class FastMiniKVLayerCache(FastLayerCache):
     def _dequantised(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The quantised part dequantised, then the whole residual buffer (unwritten slots: zeros)."""
         assert self.rk is not None and self.rv is not None
-        g, dt = self.settings.group_size, self.rk.dtype
-        p = {name: self._held(self.packed[name], name) for name in PACKED}
-        k = dequantize_groups(unpack_2bit(p["qk"], dim=2), p["k_scale"], p["k_zero"], g, 2, dt)
-        v = dequantize_groups(unpack_2bit(p["qv"], dim=3), p["v_scale"], p["v_zero"], g, 3, dt)
+        held = {name: self._held(self.packed[name], name) for name in PACKED_KV}
+        k, v = unpack_kv(held, self.settings.group_size, self.rk.dtype)
         return torch.cat([k, self.rk], dim=2), torch.cat([v, self.rv], dim=2)
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

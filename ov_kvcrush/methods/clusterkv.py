@@ -195,6 +195,22 @@ class ClusterIndex:
         return tensor_bytes(self.centroids, self.sizes, self.offsets, self.sorted_tokens, self.labels, self.tokens)
 
 
+def cluster_tokens(
+    index: ClusterIndex | None, keys: torch.Tensor, start: int, end: int, k: int, *, max_iters: int, seed: int
+) -> tuple[ClusterIndex, int]:
+    """Cluster the store slots ``[start, end)`` of ``keys`` ``[b, hk, n, d]`` (every head at once)
+    into ``k`` more clusters; the index with them added (a new one if ``index`` is ``None``) and the
+    k-means iterations run. The reference and the fast path (:mod:`ov_kvcrush.fastpath.clusterkv`)
+    both cluster through here, so they hold the same clusters."""
+    b, hk, _, d = keys.shape
+    x = keys[:, :, start:end].reshape(b * hk, end - start, d)
+    km = kmeans_cosine(x, k, max_iters=max_iters, seed=seed)
+    tokens = torch.arange(start, end, device=keys.device)
+    if index is None:
+        return ClusterIndex.build(km.centroids, km.labels, tokens), km.iterations
+    return index.extend(km.centroids, km.labels, tokens), km.iterations
+
+
 def rank_clusters(queries: torch.Tensor, centroids: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Cluster order per KV head, best first: ``q . mu`` summed over the group's query heads and tokens.
 
@@ -344,16 +360,12 @@ class ClusterKVLayerCache(RecallLayerCache):
         self.cache: list[deque[set[int]]] = []
 
     def _cluster(self, keys: torch.Tensor, start: int, end: int, k: int) -> None:
-        b, hk, _, d = keys.shape
-        x = keys[:, :, start:end].reshape(b * hk, end - start, d)
-        km = kmeans_cosine(x, k, max_iters=self.config.max_iters, seed=self.config.seed + self.seen)
-        tokens = torch.arange(start, end, device=keys.device)
-        if self.index is None:
-            self.index = ClusterIndex.build(km.centroids, km.labels, tokens)
-        else:
-            self.index = self.index.extend(km.centroids, km.labels, tokens)
+        cfg = self.config
+        self.index, iterations = cluster_tokens(
+            self.index, keys, start, end, k, max_iters=cfg.max_iters, seed=cfg.seed + self.seen
+        )
         self._bump("clusterings")
-        self._bump("kmeans_iterations", km.iterations)
+        self._bump("kmeans_iterations", iterations)
         self.pending_from = end
 
     def _after_prefill(self, keys: torch.Tensor) -> None:

@@ -84,6 +84,32 @@ def dequantize_groups(
     return (z + codes.float() * s).to(dtype)
 
 
+#: the tensors of a packed 2-bit key/value store, in :class:`~ov_kvcrush.methods.store.Int2Store`'s names
+PACKED_KV = ("qk", "k_scale", "k_zero", "qv", "v_scale", "v_zero")
+
+
+def pack_kv(keys: torch.Tensor, values: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """MiniKV's 2-bit layout of ``[b, h, n, d]`` keys and values (:data:`PACKED_KV`): keys per
+    channel with groups along tokens, values per token with groups along channels, 16 codes per int32."""
+    kc, ks, kz = quantize_groups(keys, group, dim=2)
+    vc, vs, vz = quantize_groups(values, group, dim=3)
+    return {
+        "qk": pack_2bit(kc, dim=2),
+        "k_scale": ks,
+        "k_zero": kz,
+        "qv": pack_2bit(vc, dim=3),
+        "v_scale": vs,
+        "v_zero": vz,
+    }
+
+
+def unpack_kv(packed: dict[str, torch.Tensor], group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_kv`: the dequantised keys and values in ``dtype``."""
+    k = dequantize_groups(unpack_2bit(packed["qk"], dim=2), packed["k_scale"], packed["k_zero"], group, 2, dtype)
+    v = dequantize_groups(unpack_2bit(packed["qv"], dim=3), packed["v_scale"], packed["v_zero"], group, 3, dtype)
+    return k, v
+
+
 def theoretical_bytes(num_values: int, group: int) -> int:
     """Bytes of ``num_values`` 2-bit values with one fp16 scale and zero per group (MiniKV's formula)."""
     return num_values * BITS // 8 + (num_values // group) * 2 * 2

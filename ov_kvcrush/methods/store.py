@@ -22,7 +22,7 @@ import torch
 
 from ov_kvcrush.methods.attention import ShapeError
 from ov_kvcrush.methods.base import QuantSettings, gather_tokens, tensor_bytes
-from ov_kvcrush.methods.quant import dequantize_groups, pack_2bit, quantize_groups, unpack_2bit
+from ov_kvcrush.methods.quant import PACKED_KV, pack_kv, unpack_kv
 
 
 class FPStore:
@@ -132,29 +132,18 @@ class Int2Store:
         self.flushes += 1
 
     def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        g = self.settings.group_size
-        kc, ks, kz = quantize_groups(k, g, dim=2)  # per channel, groups along tokens
-        vc, vs, vz = quantize_groups(v, g, dim=3)  # per token, groups along channels
-        qk, qv = pack_2bit(kc, dim=2), pack_2bit(vc, dim=3)
-        if self.qk is None:
-            self.qk, self.k_scale, self.k_zero = qk, ks, kz
-            self.qv, self.v_scale, self.v_zero = qv, vs, vz
-        else:
-            self.qk = torch.cat([self.qk, qk], dim=2)
-            self.k_scale = torch.cat([self.k_scale, ks], dim=2)
-            self.k_zero = torch.cat([self.k_zero, kz], dim=2)
-            self.qv = torch.cat([self.qv, qv], dim=2)
-            self.v_scale = torch.cat([self.v_scale, vs], dim=2)
-            self.v_zero = torch.cat([self.v_zero, vz], dim=2)
+        for name, part in pack_kv(k, v, self.settings.group_size).items():
+            held = getattr(self, name)
+            setattr(self, name, part if held is None else torch.cat([held, part], dim=2))
 
     # ---- reading
     def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dequantized keys/values (quantized part first, then the residual) and positions."""
-        g = self.settings.group_size
         parts_k, parts_v = [], []
         if self.qk is not None:
-            parts_k.append(dequantize_groups(unpack_2bit(self.qk, dim=2), self.k_scale, self.k_zero, g, 2, self.dtype))
-            parts_v.append(dequantize_groups(unpack_2bit(self.qv, dim=3), self.v_scale, self.v_zero, g, 3, self.dtype))
+            k, v = unpack_kv({name: getattr(self, name) for name in PACKED_KV}, self.settings.group_size, self.dtype)
+            parts_k.append(k)
+            parts_v.append(v)
         if self.rk is not None:
             parts_k.append(self.rk)
             parts_v.append(self.rv)
