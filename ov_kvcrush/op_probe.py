@@ -55,7 +55,7 @@ def single_op_model(
 
 
 class OpProbe:
-    """Measures the op's bytes for a model's attention shape, pool block size and precision."""
+    """Measures the op's bytes for a model's attention shape and an engine's pools."""
 
     def __init__(
         self,
@@ -63,26 +63,25 @@ class OpProbe:
         q_heads: int,
         kv_heads: int,
         head_dim: int,
-        precision: str,
-        pool_spec: Callable[[CompressionConfig], tuple[Any, int, str]],
+        new_pool: Callable[[CompressionConfig], tuple[Any, int, KVPool]],
     ):
-        """``pool_spec(compression)`` gives ``(method config, block size, the op's spec)`` as the
-        engine builds its pool (:meth:`OpenVINOEngine.pool_spec`)."""
+        """``new_pool(compression)`` gives ``(method config, block size, a new pool)`` as the
+        engine builds its own (:meth:`OpenVINOEngine.new_pool`)."""
         import openvino as ov
 
         from ov_kvcrush import plugin
 
         self.layers, self.q_heads, self.kv_heads, self.head_dim = layers, q_heads, kv_heads, head_dim
-        self.precision, self.pool_spec = precision, pool_spec
+        self.new_pool = new_pool
         self.core = ov.Core()
         self.core.add_extension(str(plugin.loaded_path()))
         self._requests: dict[int, Any] = {}
 
     @classmethod
     def for_engine(cls, engine: Any) -> OpProbe:
-        """The probe of an :class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine`'s model and pool."""
+        """The probe of an :class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine`'s model and pools."""
         s = engine.shape
-        return cls(s.layers, s.q_heads, s.kv_heads, s.head_dim, engine.kv_precision, engine.pool_spec)
+        return cls(s.layers, s.q_heads, s.kv_heads, s.head_dim, engine.new_pool)
 
     def _request(self, layer: int) -> Any:
         if layer not in self._requests:
@@ -94,11 +93,7 @@ class OpProbe:
         steps of a ``new_tokens`` generation (its last token is never fed back), as the engine."""
         if prompt_tokens < 1 or new_tokens < 1:
             raise ValueError(f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}: allowed >= 1")
-        _, block, spec = self.pool_spec(compression)
-        pool = KVPool(
-            self.layers, self.q_heads, self.kv_heads, self.head_dim, block_size=block, precision=self.precision,
-            method=spec,
-        )  # fmt: skip
+        _, _, pool = self.new_pool(compression)
         seq = pool.new_sequence()
         rng = np.random.default_rng(seed)
         try:

@@ -226,17 +226,7 @@ class OpenVINOEngine:
     def _make_pool(self, compression: CompressionConfig) -> None:
         """The block pool and sequence of ``compression``'s method (the compiled model does not
         depend on the method: the op finds a sequence's pool by its handle)."""
-        method, block_size, spec = self.pool_spec(compression)
-        pool = KVPool(
-            self.shape.layers,
-            self.shape.q_heads,
-            self.shape.kv_heads,
-            self.shape.head_dim,
-            block_size=block_size,
-            precision=self.kv_precision,
-            max_blocks=self.max_kv_blocks,
-            method=spec,
-        )
+        method, block_size, pool = self.new_pool(compression)
         self.close()  # the previous method's sequence and pool, if any
         self.compression, self.method = compression, method
         self.block_size = block_size
@@ -244,6 +234,17 @@ class OpenVINOEngine:
         self.pool = pool
         self.sequence: KVSequence = pool.new_sequence()
         self._cached = []
+
+    def new_pool(self, compression: CompressionConfig) -> tuple[Any, int, KVPool]:
+        """``(method config, block size, a new block pool)`` for ``compression``, as this engine
+        holds its cache (the pool limit and precision included); the caller closes the pool."""
+        method, block_size, spec = self.pool_spec(compression)
+        s = self.shape
+        pool = KVPool(
+            s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=self.kv_precision,
+            max_blocks=self.max_kv_blocks, method=spec,
+        )  # fmt: skip
+        return method, block_size, pool
 
     def pool_spec(self, compression: CompressionConfig) -> tuple[Any, int, str]:
         """``(method config, block size, the op's spec)`` of ``compression``, checked."""
@@ -310,10 +311,12 @@ class OpenVINOEngine:
         """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
         return encode_prompt(self.tokenizer, prompt, apply_chat_template)
 
-    def full_kv_bytes(self, tokens: int) -> int:
-        """Bytes a full cache in this engine's precision and block size holds for ``tokens`` tokens."""
-        blocks = math.ceil(tokens / self.block_size) * self.shape.layers * self.shape.kv_heads
-        return blocks * self.block_bytes
+    def full_kv_bytes(self, tokens: int, block_size: int | None = None) -> int:
+        """Bytes a full cache in this engine's precision holds for ``tokens`` tokens, in blocks of
+        ``block_size`` tokens (default: the current pool's)."""
+        bs = block_size or self.block_size
+        blocks = math.ceil(tokens / bs) * self.shape.layers * self.shape.kv_heads
+        return blocks * kv_block_bytes(bs, self.shape.head_dim, self.kv_precision)
 
     # -- model steps ----------------------------------------------------------------------------
     def forward(self, ids: list[int]) -> np.ndarray:

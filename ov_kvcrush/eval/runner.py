@@ -254,16 +254,15 @@ class _Runner:
 
     def full_kv_bytes(self, tokens: int) -> int:
         """Bytes of the full cache for ``tokens`` tokens, in this backend's storage."""
-        if self.plan.backend == "openvino":
-            return self.openvino.full_kv_bytes(tokens)
+        if self.plan.backend == "openvino":  # the full cache's blocks, whichever pool is set now
+            return self.openvino.full_kv_bytes(tokens, self.openvino.default_block_size)
         assert self.shape is not None
         return self.shape.full_kv_bytes(tokens)
 
     def block_bytes(self) -> int:
         """The solver's precision: one block of tokens of every layer, in this backend's storage."""
         if self.plan.backend == "openvino":
-            engine = self.openvino
-            return engine.block_bytes * engine.shape.layers * engine.shape.kv_heads
+            return self.full_kv_bytes(self.openvino.default_block_size)
         assert self.shape is not None
         return block_bytes(self.shape)
 
