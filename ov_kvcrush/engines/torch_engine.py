@@ -150,8 +150,8 @@ class TorchEngine:
         self.set_compression(compression or CompressionConfig())
         self.model, self.tokenizer = load_model(model_dir, device, dtype, self.attn_implementation)
         self.device = self.model.device
-        self.fast_path = self.device.type == "cuda" if fast_path is None else fast_path
         on_cuda = self.device.type == "cuda"
+        self.fast_path = on_cuda if fast_path is None else fast_path
         if cuda_graphs and not (on_cuda and self.fast_path):
             raise ConfigError(
                 "cuda_graphs", cuda_graphs, "false or None here (CUDA graphs need device cuda and fast_path)"
@@ -159,9 +159,8 @@ class TorchEngine:
         self.cuda_graphs = on_cuda and self.fast_path if cuda_graphs is None else cuda_graphs
         self.model_dir = Path(model_dir)
         #: the model's context (from its config, as every engine reads it)
-        #: a random-weight architecture (``random:<name>``): speed-only results
-        self.speed_only = is_random_model(model_dir)
-        self.max_context = (0 if self.speed_only else model_context(self.model_dir)) or int(
+        # a random-weight architecture (random:<name>) has no files: its config gives the context
+        self.max_context = (0 if is_random_model(model_dir) else model_context(self.model_dir)) or int(
             getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 0
         )
         eos = self.model.generation_config.eos_token_id
