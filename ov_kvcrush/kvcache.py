@@ -234,6 +234,17 @@ class KVSequence:
             raise ConfigError("tokens", tokens, "an integer >= 0")
         check_result(self.pool.lib.ovkc_seq_truncate(self.handle, tokens))
 
+    def set_prompt(self, tokens: int) -> None:
+        """The next steps prefill a prompt of ``tokens`` tokens in chunks (the sequence must be empty).
+
+        Each chunk attends and adds its scores; the method's prompt selection (and the 2-bit flush)
+        runs once, on the last chunk, over the whole prompt, as when the prompt comes in one step.
+        ``0``: prompts come whole. :meth:`reset` and :meth:`truncate` clear it.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ConfigError("tokens", tokens, "an integer >= 0")
+        check_result(self.pool.lib.ovkc_seq_set_prompt(self.handle, tokens))
+
     def free(self) -> None:
         """Release the sequence and its blocks (idempotent)."""
         if self.handle > 0 and self.pool.handle > 0:

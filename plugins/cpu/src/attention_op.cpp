@@ -104,6 +104,14 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         " kv_heads=", cfg.kv_heads, " head_dim=", cfg.head_dim, ")");
         const int G = cfg.group();
         const int64_t past = seq->seen(layer);
+        // a chunk of a prompt prefilled in parts: it attends and scores like the prompt's rows it
+        // holds; the method's prompt hooks wait for the last chunk and then see the whole prompt
+        const int64_t prompt_end = seq->prompt_end;
+        const bool chunk = prompt_end > 0 && past < prompt_end;
+        OPENVINO_ASSERT(!chunk || past + L <= prompt_end, "ov_kvcrush PagedAttention: a ", L, "-token step after ", past,
+                        " tokens runs past the chunked prompt's ", prompt_end, " tokens");
+        const bool hooks = !chunk || past + L == prompt_end;
+        const int64_t hook_tokens = chunk ? prompt_end : L;
 
         // 1. append the step's keys and values (and zeroed score slots) to every head
         for (int64_t g = 0; g < Hkv; ++g) {
@@ -127,7 +135,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             }
         }
         seq->seen(layer) = past + L;
-        const bool prefill = past == 0;
+        const bool prefill = past == 0 || chunk;
         const bool scores = step_scores(cfg, prefill);
         using Clock = std::chrono::steady_clock;
         auto since = [](Clock::time_point t0) {
@@ -136,7 +144,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         const int phase = prefill ? 0 : 1;
         auto t_policy = Clock::now();
         try {
-            run_before_attention(*seq, layer, prefill, L);
+            if (hooks) run_before_attention(*seq, layer, prefill, hook_tokens);
         } catch (const Error& e) {
             OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }
@@ -154,7 +162,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             // 2c. a recall method (ClusterKV): attend only the recalled working set (its selection
             //     time goes to policy_ns)
             policy.attend_recalled(*seq, layer, qb, L, past, m_scale, ob);
-        } else if (L == 1) {
+        } else if (L == 1 && !chunk) {
             // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
             const int row_tiles = (G + kMaxRows - 1) / kMaxRows;
             // chunks of 2-bit blocks first (MiniKV's store), then of full-precision blocks
@@ -281,7 +289,10 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             for (int64_t g = 0; g < Hkv; ++g)
                 max_blocks = std::max<int64_t>(max_blocks, seq->head(layer, static_cast<int>(g)).blocks.size());
             // SnapKV's prefill scores only the last window of queries
-            const int64_t from = score_rows_from(cfg, prefill, L), Lw = L - from;
+            // (a chunk: the rows of the whole prompt's window that fall in this chunk)
+            const int64_t from = chunk ? std::clamp<int64_t>(score_rows_from(cfg, true, prompt_end) - past, 0, L)
+                                       : score_rows_from(cfg, prefill, L);
+            const int64_t Lw = L - from;
             const int64_t rows_total = G * Lw;
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hkv * max_blocks, 1), [&](const tbb::blocked_range<int64_t>& range) {
                 for (int64_t t = range.begin(); t < range.end(); ++t) {
@@ -309,7 +320,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         // 4. the method's eviction (prefill selection, decode budget) and the 2-bit store's flush
         t_policy = Clock::now();
         try {
-            run_after_attention(*seq, layer, prefill, L);
+            if (hooks) run_after_attention(*seq, layer, prefill, hook_tokens);
         } catch (const Error& e) {
             OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
         }

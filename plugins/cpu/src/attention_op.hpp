@@ -8,7 +8,9 @@
 // the model runs with a bf16 inference precision; decode is always f32).
 //
 // Each call appends the step's keys/values to the sequence's cache for this layer, then every
-// query token attends every held token at or before its own position. Batch rows are
+// query token attends every held token at or before its own position. A prompt may come in
+// chunks (Sequence::prompt_end, set through the C API): the method's prompt selection then runs
+// once, on the last chunk, over the whole prompt. Batch rows are
 // independent sequences (no padding). Replaces ScaledDotProductAttention together with the
 // ReadValue/Concat/Assign state of optimum's stateful IR (see transformations/).
 #pragma once

@@ -126,6 +126,21 @@ OVKC_API int64_t ovkc_seq_truncate(int64_t seq, int64_t tokens) {
     });
 }
 
+// The next steps prefill a prompt of `tokens` tokens in chunks (Sequence::prompt_end); the
+// sequence must be empty. 0: prompts come whole (the default).
+OVKC_API int64_t ovkc_seq_set_prompt(int64_t seq, int64_t tokens) {
+    return guarded([&]() -> int64_t {
+        if (tokens < 0) throw ovkc::Error("prompt tokens=" + std::to_string(tokens) + " is invalid: allowed >= 0");
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        if (tokens && s->seen(0))
+            throw ovkc::Error("a chunked prompt must start an empty sequence (it has seen " + std::to_string(s->seen(0)) +
+                              " tokens)");
+        s->prompt_end = tokens;
+        return 0;
+    });
+}
+
 // out[0] blocks held, out[1] tokens seen by layer 0, out[2] tokens held summed over all layers
 // and KV heads, out[3] bytes of the blocks held (full precision and 2-bit), out[4] 2-bit blocks,
 // out[5..8] ns in the method's own work (prefill, decode) and in the score pass (prefill, decode).

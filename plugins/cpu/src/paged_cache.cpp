@@ -143,6 +143,7 @@ void Sequence::trim_blocks(HeadCache& hc) {
 }
 
 void Sequence::reset() {
+    prompt_end = 0;
     for (auto& h : heads_) {
         for (int32_t b : h.blocks) pool_->release(b);
         for (int32_t b : h.qblocks) pool_->release_q(b);
@@ -161,6 +162,7 @@ void Sequence::reset() {
 }
 
 void Sequence::truncate(int64_t tokens) {
+    prompt_end = 0;
     const int G = pool_->config().group();
     for (auto& h : heads_)
         if (!h.qpos.empty() && h.qpos.back() >= tokens)

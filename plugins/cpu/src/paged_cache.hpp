@@ -155,6 +155,12 @@ public:
 
     std::mutex mu;  // one inference at a time per sequence
 
+    // A prompt prefilled in several steps (chunked prefill, continuous batching): its length in
+    // tokens, 0 when the prompt comes in one step. While the tokens seen are below it, a step is a
+    // chunk of the prompt: it attends and adds its scores, and the method's prompt hooks run once,
+    // on the last chunk, over the whole prompt, as if it had come in one step.
+    int64_t prompt_end = 0;
+
     // time spent in the method's own work (selection, eviction, merging, the 2-bit flush) and in
     // the per-head score pass, in prefill and in decode steps (ns, summed over layers)
     int64_t policy_ns[2] = {0, 0};
