@@ -26,6 +26,7 @@ prefill).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -141,7 +142,10 @@ class LLMPipeline:
         if compression is not None and not isinstance(compression, CompressionConfig):
             raise ConfigError("compression", compression, "a CompressionConfig or a method name")
         self.backend = backend
+        self._scheduler_config = scheduler_config
         self.engine = make_engine(backend, resolve_model(backend, model), compression, device, **engine_options)
+        self._batcher: Any = None  # backend openvino: continuous batching over the engine's pool
+        self._batcher_lock = threading.Lock()
         self.compression: CompressionConfig = self.engine.compression
         self._history: list[dict] | None = None  # chat on engines without their own chat state
         #: calls from several threads take turns, in arrival order (request_queue.py)
@@ -215,15 +219,38 @@ class LLMPipeline:
 
         Keyword arguments override fields of ``generation_config`` (``max_new_tokens``,
         ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``apply_chat_template``).
-        Calls from several threads are served one at a time, in arrival order; each gets the
-        result it would get alone.
+        Backend openvino serves a list of prompts, and calls from several threads, in one
+        continuous batch over one block pool (:mod:`ov_kvcrush.serving`); chat turns and the other
+        backends serve calls one at a time, in arrival order. Each call gets the result it would
+        get alone (greedy; for a batch at f32 inference precision, see ``ov_kvcrush.serving.pipeline``).
         """
         settings = generation_settings(generation_config, kwargs)
         if streamer is not None and not callable(streamer):
             raise ConfigError("streamer", streamer, "a callable taking the new text (return True to stop), or None")
         check_inputs(inputs)
+        batcher = self.batcher
+        if batcher is not None and self.chat_history is None:
+            # backend openvino: requests from every thread join one continuous batch
+            if isinstance(inputs, (list, tuple)) and all(isinstance(p, str) for p in inputs):
+                if streamer is None:
+                    return batcher.generate(list(inputs), settings)
+                return [batcher.submit(p, settings, streamer).result() for p in inputs]
+            return batcher.submit(inputs, settings, streamer).result()
         with self.requests.turn():
             return self._generate(inputs, settings, streamer)
+
+    @property
+    def batcher(self) -> Any:
+        """Backend openvino: the :class:`~ov_kvcrush.serving.ContinuousBatchingPipeline` that serves
+        ``generate`` outside a chat (made on first use; ``None`` on the other backends)."""
+        if self.backend != "openvino":
+            return None
+        with self._batcher_lock:
+            if self._batcher is None:
+                from ov_kvcrush.serving import ContinuousBatchingPipeline
+
+                self._batcher = ContinuousBatchingPipeline(self.engine, self._scheduler_config)
+            return self._batcher
 
     def _generate(
         self, inputs: Prompt | Sequence[str], settings: GenerationSettings, streamer: Streamer | None

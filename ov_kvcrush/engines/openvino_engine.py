@@ -44,6 +44,7 @@ from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequenc
 from ov_kvcrush.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.plugin import PluginError
+from ov_kvcrush.transformations import SEQUENCE_INPUT
 
 #: KV precision of the op's cache by default: f16 halves the bytes every decode step reads.
 DEFAULT_KV_PRECISION = "f16"
@@ -325,22 +326,12 @@ class OpenVINOEngine:
             raise UserError("forward needs at least one token")
         past = len(self._cached)
         n = len(ids)
-        feed: dict[str, np.ndarray] = {
-            "input_ids": np.asarray([ids], dtype=np.int64),
-            "kvc_sequence": np.asarray([self.sequence.handle], dtype=np.int64),
-        }
-        if "position_ids" in self.input_names:
-            feed["position_ids"] = np.arange(past, past + n, dtype=np.int64)[None, :]
-        if "attention_mask" in self.input_names:
-            feed["attention_mask"] = np.ones((1, past + n), dtype=np.int64)
-        if "beam_idx" in self.input_names:
-            feed["beam_idx"] = np.zeros(1, dtype=np.int32)
         try:
-            self.request.infer(feed)
+            self.request.infer(self.step_inputs([list(ids)], [self.sequence], [past]))
         except RuntimeError as exc:
             self._reset_sequence()  # a failed step leaves the layers out of step: start clean
             raise UserError(
-                f"backend openvino failed on a {n}-token step after {past} tokens: {_last_line(exc)}"
+                f"backend openvino failed on a {n}-token step after {past} tokens: {error_line(exc)}"
             ) from None
         self._cached.extend(ids)
         logits = self.request.get_output_tensor(0).data
@@ -424,21 +415,41 @@ class OpenVINOEngine:
             method=self.compression.method,
             budget=self.compression.budget,
             backend=self.backend,
-            counters={
-                "kv_blocks_held": stats.blocks_held,
-                "kv_block_bytes": stats.block_bytes,
-                "kv_precision": self.kv_precision,
-                "tokens_seen": stats.tokens_seen,
-                "prefill_tokens": len(new),
-                "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
-                "kv_2bit_blocks_held": stats.qblocks_held,
-                "policy_prefill_ms": round(stats.policy_prefill_ns / 1e6, 3),
-                "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
-                "scores_prefill_ms": round(stats.scores_prefill_ns / 1e6, 3),
-                "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
-                **self.sequence.method_counters(),
-            },
+            counters={"prefill_tokens": len(new), **self.sequence_counters(self.sequence)},
         )
+
+    def sequence_counters(self, sequence: KVSequence) -> dict[str, Any]:
+        """What a result reports of its sequence's cache: blocks, tokens, the method's time and counters."""
+        stats = sequence.stats()
+        return {
+            "kv_blocks_held": stats.blocks_held,
+            "kv_block_bytes": stats.block_bytes,
+            "kv_precision": self.kv_precision,
+            "tokens_seen": stats.tokens_seen,
+            "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
+            "kv_2bit_blocks_held": stats.qblocks_held,
+            "policy_prefill_ms": round(stats.policy_prefill_ns / 1e6, 3),
+            "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
+            "scores_prefill_ms": round(stats.scores_prefill_ns / 1e6, 3),
+            "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
+            **sequence.method_counters(),
+        }
+
+    def step_inputs(self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]) -> dict[str, np.ndarray]:
+        """The model's inputs for one step of several sequences (equal token counts): row ``b`` feeds
+        ``ids[b]`` to ``sequences[b]`` after its ``past[b]`` tokens."""
+        n = len(ids[0])
+        feed: dict[str, np.ndarray] = {
+            "input_ids": np.asarray(ids, dtype=np.int64),
+            SEQUENCE_INPUT: np.asarray([s.handle for s in sequences], dtype=np.int64),
+        }
+        if "position_ids" in self.input_names:
+            feed["position_ids"] = np.asarray([np.arange(p, p + n) for p in past], dtype=np.int64)
+        if "attention_mask" in self.input_names:  # not read by the converted attention: only its shape matters
+            feed["attention_mask"] = np.ones((len(ids), max(past) + n), dtype=np.int64)
+        if "beam_idx" in self.input_names:
+            feed["beam_idx"] = np.zeros(len(ids), dtype=np.int32)
+        return feed
 
 
 def _check_block_size(name: str, value: Any) -> None:
@@ -467,7 +478,8 @@ def _check_attention_kind(cfg: dict, model_dir: Path) -> None:
         raise UserError(f"{model_dir.name}: attention logit soft-capping is not supported by backend openvino")
 
 
-def _last_line(exc: Exception) -> str:
+def error_line(exc: Exception) -> str:
+    """The line of an OpenVINO error that says what went wrong (ours, or the pool's), else its last."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     for ln in reversed(lines):
         if "ov_kvcrush" in ln or "exhausted" in ln:

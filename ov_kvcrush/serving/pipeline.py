@@ -1,0 +1,456 @@
+"""Continuous batching over our op: many requests, one block pool, one inference per decode step.
+
+Shaped like ``openvino_genai.ContinuousBatchingPipeline`` (what OpenVINO Model Server serves)::
+
+    pipe = ContinuousBatchingPipeline(model_dir, scheduler_config, compression=CompressionConfig("kvcrush", 1024))
+    results = pipe.generate(prompts, GenerationSettings(max_new_tokens=64))      # one result per prompt
+
+    handle = pipe.add_request(0, "question", GenerationSettings(max_new_tokens=32))
+    while pipe.has_non_finished_requests():
+        pipe.step()
+    print(handle.result())
+
+    handle = pipe.submit("question", streamer=print)   # from any thread: a worker thread steps
+    print(handle.result())
+
+Every step (:meth:`ContinuousBatchingPipeline.step`) runs at most one prompt chunk (one
+inference, one sequence: the op prefills a prompt in chunks and runs the method's prompt
+selection once, on the last one) and **one** inference for every sequence past its prompt (the
+op's batch rows are independent sequences). Each request has its own sequence in the engine's
+pool, its own method state and its own generation settings; a finished request's blocks go back
+at once. What runs when, and what waits, is :mod:`ov_kvcrush.serving.scheduler`'s.
+
+With the plugin's bf16 inference precision the model's matmuls round a row differently in a
+batch than alone (their kernels depend on the batch), so greedy tokens can part from a
+one-at-a-time run at a near-tie, as with native continuous batching; at f32 they do not
+(tested).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, step_ms, ttft_tpot_ms
+from ov_kvcrush.engines.openvino_engine import (
+    OpenVINOEngine,
+    compression_from_scheduler_config,
+    error_line,
+    pool_blocks_from_scheduler_config,
+    sample_token,
+)
+from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.kvcache import KVSequence, block_bytes
+from ov_kvcrush.serving.scheduler import Scheduler, SchedulerLimits, Slot
+from ov_kvcrush.validation import check_int
+
+#: openvino_genai.SchedulerConfig's defaults
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+
+
+class GenerationStatus(Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class _Request:
+    """A request's generation state (the scheduler's :class:`Slot` is its queue state)."""
+
+    slot: Slot
+    prompt_ids: list[int]
+    settings: GenerationSettings
+    stream: TextStream
+    rng: np.random.Generator | None
+    sequence: KVSequence | None = None
+    fed: int = 0  # tokens fed to the sequence
+    tokens: list[int] = field(default_factory=list)  # generated
+    stamps: list[float] = field(default_factory=list)  # seconds since added, per generated token
+    added: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # first prompt chunk
+    chunks: int = 0
+    decode_batch: list[int] = field(default_factory=list)  # batch size of each decode step it ran in
+    peak_kv_bytes: int = 0
+    cancelled: bool = False
+
+
+class GenerationHandle:
+    """One submitted request: its status, its tokens as they come, and its result."""
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self.status = GenerationStatus.RUNNING
+        self.error = ""
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._tokens: list[int] = []
+        self._read = 0
+        self._result: GenerationResult | None = None
+        self._cancel = False
+
+    def can_read(self) -> bool:
+        """New tokens since the last :meth:`read`."""
+        with self._lock:
+            return len(self._tokens) > self._read
+
+    def read(self) -> list[int]:
+        """The token ids generated since the last call (no wait)."""
+        with self._lock:
+            new = self._tokens[self._read :]
+            self._read = len(self._tokens)
+            return new
+
+    def cancel(self) -> None:
+        """Stop at the next step; the result keeps what was generated."""
+        self._cancel = True
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the request's end; raises :class:`UserError` when it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished within {timeout} s")
+        if self.status is GenerationStatus.FAILED:
+            raise UserError(f"request {self.request_id} failed: {self.error}")
+        assert self._result is not None
+        return self._result
+
+    # -- the pipeline's side --------------------------------------------------------------------
+    def _push(self, token: int) -> None:
+        with self._lock:
+            self._tokens.append(token)
+
+    def _finish(self, status: GenerationStatus, result: GenerationResult | None, error: str = "") -> None:
+        self.status, self._result, self.error = status, result, error
+        self._done.set()
+
+
+class ContinuousBatchingPipeline:
+    """Serve many requests over one KV block pool with our op (see the module doc).
+
+    Args:
+        model: an exported IR directory (``None``: the embedded model), or an :class:`OpenVINOEngine`
+            to share (its compiled model, tokenizer, compression and pool: ``scheduler_config`` then
+            gives only the scheduling limits).
+        scheduler_config: an ``openvino_genai.SchedulerConfig``: ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``dynamic_split_fuse``, the pool (``num_kv_blocks`` /
+            ``cache_size``) and, with ``use_cache_eviction``, the compression; ``None``: its defaults.
+        device: ``CPU``.
+        compression: our method and budget (instead of the scheduler config's cache eviction).
+        **engine_options: :class:`OpenVINOEngine` options (``kv_precision``, ``block_size``,
+            ``max_kv_blocks``, ``properties``).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | OpenVINOEngine | None = None,
+        scheduler_config: Any = None,
+        device: str = "CPU",
+        *,
+        compression: CompressionConfig | None = None,
+        **engine_options: Any,
+    ) -> None:
+        sc = scheduler_config
+        if sc is not None:
+            import openvino_genai as ov_genai
+
+            if not isinstance(sc, ov_genai.SchedulerConfig):
+                raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
+            if sc.use_cache_eviction and compression is not None:
+                raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
+            if sc.enable_prefix_caching:
+                raise ConfigError(
+                    "scheduler_config.enable_prefix_caching", True, "False (not implemented by backend openvino)"
+                )
+        if isinstance(model, OpenVINOEngine):  # its compression and pool are set: sc gives only the limits
+            if compression is not None or engine_options:
+                raise UserError("a shared engine brings its own compression and pool: pass only scheduler_config")
+            self.engine = model
+        else:
+            from ov_kvcrush.engines import resolve_model
+
+            if sc is not None and sc.use_cache_eviction:
+                compression = compression_from_scheduler_config(sc)
+            pool_limit = sc is not None and (sc.num_kv_blocks or sc.cache_size)
+            if pool_limit and engine_options.get("max_kv_blocks"):
+                raise UserError("pass max_kv_blocks or scheduler_config's num_kv_blocks/cache_size, not both")
+            self.engine = OpenVINOEngine(resolve_model("openvino", model), compression, device, **engine_options)
+            if pool_limit:  # the limit is counted in the model's blocks: known once the engine read it
+                e = self.engine
+                e.max_kv_blocks = pool_blocks_from_scheduler_config(
+                    sc,
+                    e.shape.layers,
+                    e.shape.kv_heads,
+                    block_bytes(e.default_block_size, e.shape.head_dim, e.kv_precision),
+                )
+                e.set_compression(e.compression)  # a new pool, with that limit
+        self.max_num_seqs = sc.max_num_seqs if sc is not None else DEFAULT_MAX_NUM_SEQS
+        self.max_num_batched_tokens = sc.max_num_batched_tokens if sc is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS
+        check_int("scheduler_config.max_num_seqs", self.max_num_seqs, 1, 1 << 16)
+        check_int("scheduler_config.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+        self.chunked = bool(sc.dynamic_split_fuse) if sc is not None else True
+        e = self.engine
+        self.pool = e.pool
+        self.request = e.compiled.create_infer_request()  # the engine's own request stays free for it
+        limits = SchedulerLimits(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked=self.chunked,
+            pool_blocks=e.max_kv_blocks,
+            rows=e.shape.layers * e.shape.kv_heads,
+            block_size=e.block_size,
+            holds_everything=not e.compression.compresses,
+        )
+        self.scheduler = Scheduler(limits, self._free_blocks, self._release)
+        self._requests: dict[int, _Request] = {}
+        self._handles: dict[int, GenerationHandle] = {}
+        self._next_id = 0
+        self._step_lock = threading.RLock()  # one step at a time; requests are added between steps
+        self._worker: threading.Thread | None = None
+        self._worker_lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
+        #: counts over the pipeline's life: steps, decode rows, prompt chunks, preemptions, failures
+        self.stats = {"steps": 0, "decode_rows": 0, "prefill_chunks": 0, "preemptions": 0, "failed": 0, "waited": 0}
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: int,
+        prompt: Prompt | Sequence[int],
+        generation_config: GenerationSettings | None = None,
+        streamer: Streamer | None = None,
+    ) -> GenerationHandle:
+        """Queue a request (a prompt string, chat messages, or token ids); step to serve it."""
+        settings = generation_config or GenerationSettings()
+        if not isinstance(settings, GenerationSettings):
+            from ov_kvcrush.pipeline import generation_settings
+
+            settings = generation_settings(settings, {})
+        if streamer is not None and not callable(streamer):
+            raise ConfigError("streamer", streamer, "a callable taking the new text (return True to stop), or None")
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            with self._tokenizer_lock:
+                ids = self.engine.encode(prompt, settings.apply_chat_template)  # type: ignore[arg-type]
+        check_context(len(ids), settings.max_new_tokens, self.engine.max_context)
+        with self._step_lock:
+            if request_id in self._requests:
+                raise ConfigError("request_id", request_id, "an id no unfinished request uses")
+            slot = Slot(request_id, list(ids), settings.max_new_tokens)
+            self.scheduler.add(slot)  # refuses what the pool can never hold
+            rng = np.random.default_rng(settings.seed) if settings.do_sample else None
+            req = _Request(slot, list(ids), settings, TextStream(streamer, self._detokenize), rng)
+            handle = GenerationHandle(request_id)
+            self._requests[request_id], self._handles[request_id] = req, handle
+            return handle
+
+    def submit(
+        self,
+        prompt: Prompt | Sequence[int],
+        generation_config: GenerationSettings | None = None,
+        streamer: Streamer | None = None,
+    ) -> GenerationHandle:
+        """Queue a request from any thread; a worker thread steps until every request is done."""
+        with self._step_lock:
+            self._next_id += 1
+            while self._next_id in self._requests:
+                self._next_id += 1
+            handle = self.add_request(self._next_id, prompt, generation_config, streamer)
+        with self._worker_lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._work, name="ov_kvcrush-batching", daemon=True)
+                self._worker.start()
+        return handle
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        generation_config: GenerationSettings | Sequence[GenerationSettings] | None = None,
+        streamer: Streamer | None = None,
+    ) -> list[GenerationResult]:
+        """One result per prompt, all served together; a streamer needs a single prompt."""
+        prompts = list(prompts)
+        if not prompts:
+            raise ConfigError("prompts", prompts, "a non-empty list of prompts")
+        if streamer is not None and len(prompts) > 1:
+            raise ConfigError("streamer", streamer, "None with several prompts (stream one request with submit)")
+        configs = (
+            list(generation_config)
+            if isinstance(generation_config, (list, tuple))
+            else [generation_config] * len(prompts)
+        )
+        if len(configs) != len(prompts):
+            raise ConfigError("generation_config", f"{len(configs)} configs", f"one per prompt ({len(prompts)})")
+        handles = [self.submit(p, c, streamer) for p, c in zip(prompts, configs, strict=True)]
+        return [h.result() for h in handles]
+
+    def has_non_finished_requests(self) -> bool:
+        with self._step_lock:
+            return self.scheduler.has_work
+
+    # -- a step ---------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Run one step: a prompt chunk, if one is due, and one decode inference of the running requests."""
+        with self._step_lock:
+            for rid, req in list(self._requests.items()):
+                if self._handles[rid]._cancel:
+                    self._finish(req, GenerationStatus.CANCELLED)
+            plan = self.scheduler.plan()
+            self.stats["preemptions"] += len(plan.preempted)
+            for slot in plan.failed:
+                self._fail(self._requests[slot.request_id], slot.error)
+            if plan.empty:
+                return
+            self.stats["steps"] += 1
+            if plan.prefill is not None:
+                self._prefill(*plan.prefill)
+            if plan.decode:
+                self._decode([self._requests[s.request_id] for s in plan.decode])
+
+    def _work(self) -> None:
+        while True:
+            with self._worker_lock, self._step_lock:
+                if not self.scheduler.has_work:
+                    self._worker = None
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug, not a request's error: no waiter may hang on it
+                with self._step_lock:
+                    for req in list(self._requests.values()):
+                        self._fail(req, f"the batching step failed: {type(exc).__name__}: {exc}")
+
+    def _prefill(self, slot: Slot, n: int) -> None:
+        req = self._requests[slot.request_id]
+        if req.sequence is None:
+            req.sequence = self.pool.new_sequence()
+        if req.started is None:
+            req.started = time.perf_counter()
+        if slot.done == 0 and n < len(slot.tokens):
+            req.sequence.set_prompt(len(slot.tokens))  # the method selects once, on the last chunk
+        ids = slot.tokens[slot.done : slot.done + n]
+        logits = self._infer([ids], [req], f"a {n}-token prompt chunk after {slot.done} tokens")
+        if logits is None:
+            return
+        req.chunks += 1
+        self.stats["prefill_chunks"] += 1
+        req.fed += n
+        self.scheduler.prefilled(slot, n)
+        if slot.done >= len(slot.tokens):
+            self._emit(req, logits[0])
+
+    def _decode(self, reqs: list[_Request]) -> None:
+        logits = self._infer([[r.tokens[-1]] for r in reqs], reqs, f"a decode step of {len(reqs)} sequences")
+        if logits is None:
+            return
+        self.stats["decode_rows"] += len(reqs)
+        for r, row in zip(reqs, logits, strict=True):
+            r.fed += 1
+            r.decode_batch.append(len(reqs))
+            self._emit(r, row)
+
+    def _infer(self, ids: list[list[int]], reqs: list[_Request], what: str) -> np.ndarray | None:
+        """Logits ``[rows, vocab]`` of one inference; on an engine error every request in it fails
+        (their sequences are in an unknown state), no other request is touched."""
+        seqs = [r.sequence for r in reqs]
+        try:
+            self.request.infer(self.engine.step_inputs(ids, seqs, [r.fed for r in reqs]))  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            for r in reqs:
+                self._fail(r, f"backend openvino failed on {what}: {error_line(exc)}")
+            return None
+        return np.array(self.request.get_output_tensor(0).data[:, -1], dtype=np.float32)
+
+    def _emit(self, req: _Request, logits: np.ndarray) -> None:
+        s = req.settings
+        token = sample_token(logits, s, req.rng)
+        req.stamps.append(time.perf_counter() - req.added)
+        stats = req.sequence.stats()  # type: ignore[union-attr]
+        req.peak_kv_bytes = max(req.peak_kv_bytes, stats.kv_bytes)
+        if token in self.engine.eos_ids and not s.ignore_eos:
+            self._finish(req, GenerationStatus.FINISHED)
+            return
+        req.tokens.append(token)
+        self._handles[req.slot.request_id]._push(token)
+        stop = req.stream.push(req.tokens)
+        if stop or len(req.tokens) >= s.max_new_tokens:
+            self._finish(req, GenerationStatus.FINISHED)
+
+    # -- ends -----------------------------------------------------------------------------------
+    def _finish(self, req: _Request, status: GenerationStatus) -> None:
+        self.stats["waited"] += req.slot.waited
+        result = self._result(req)
+        self._close(req)
+        self._handles.pop(req.slot.request_id)._finish(status, result)
+
+    def _fail(self, req: _Request, error: str) -> None:
+        self.stats["failed"] += 1
+        self._close(req)
+        self._handles.pop(req.slot.request_id)._finish(GenerationStatus.FAILED, None, error)
+
+    def _close(self, req: _Request) -> None:
+        self.scheduler.finish(req.slot)
+        if req.sequence is not None:
+            req.sequence.free()  # its blocks go back now
+            req.sequence = None
+        self._requests.pop(req.slot.request_id, None)
+
+    def _release(self, slot: Slot) -> None:
+        """Preemption: the sequence's blocks go back; prompt and generated tokens are fed again later."""
+        req = self._requests[slot.request_id]
+        if req.sequence is not None:
+            req.sequence.reset()
+        req.fed = 0
+        slot.tokens = [*req.prompt_ids, *req.tokens]
+
+    def _free_blocks(self) -> int | None:
+        if not self.engine.max_kv_blocks:
+            return None
+        return self.engine.max_kv_blocks - self.pool.stats().blocks_in_use
+
+    def _detokenize(self, tokens: list[int]) -> str:
+        with self._tokenizer_lock:
+            return self.engine.tokenizer.decode(tokens)
+
+    def _result(self, req: _Request) -> GenerationResult:
+        e = self.engine
+        counters = e.sequence_counters(req.sequence) if req.sequence is not None else {}
+        stats = req.sequence.stats() if req.sequence is not None else None
+        ttft_ms, tpot_ms = ttft_tpot_ms(req.stamps)
+        seen = len(req.prompt_ids) + len(req.tokens)
+        counters.update(
+            prefill_tokens=len(req.prompt_ids),
+            waited_for_pool=req.slot.waited,
+            waited_ms=round(((req.started or time.perf_counter()) - req.added) * 1e3, 3),
+            prefill_chunks=req.chunks,
+            preemptions=req.slot.preemptions,
+            decode_batch_mean=round(float(np.mean(req.decode_batch)), 2) if req.decode_batch else 0.0,
+        )
+        return GenerationResult(
+            text=self._detokenize(req.tokens) if req.tokens else "",
+            token_ids=list(req.tokens),
+            prompt_tokens=len(req.prompt_ids),
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot_ms,
+            step_ms=step_ms(req.stamps),
+            kv_bytes=stats.kv_bytes if stats else 0,
+            full_kv_bytes=e.full_kv_bytes(seen),
+            peak_kv_bytes=max(req.peak_kv_bytes, stats.kv_bytes if stats else 0),
+            method=e.compression.method,
+            budget=e.compression.budget,
+            backend="openvino",
+            counters=counters,
+        )

@@ -1,0 +1,212 @@
+"""Which requests a continuous-batching step runs, over one block pool.
+
+Pure bookkeeping: no model, no OpenVINO. The pipeline (:mod:`ov_kvcrush.serving.pipeline`) asks
+:meth:`Scheduler.plan` before every step and runs what it returns: at most one prompt chunk (one
+inference of one sequence) and one decode inference of every sequence past its prompt.
+
+The pool is counted in the op's blocks (``block_size`` tokens of one KV head of one layer); a
+sequence growing by one block of tokens takes ``rows = layers × kv_heads`` of them. The rules:
+
+* **Decode first.** Every decoding sequence may open a new block on every head this step, so the
+  step needs ``rows`` free blocks per decoding sequence. When the pool has fewer, the latest
+  admitted request is preempted (its blocks go back, it waits at the head of the queue and its
+  prompt plus the tokens it generated are prefilled again later), until the step fits. A lone
+  request whose step does not fit fails: it does not fit the pool even alone.
+* **Admission, first come first served**, while fewer than ``max_num_seqs`` run: the next
+  request starts when its whole prompt (every method holds the prompt until its selection at
+  the prompt's end) and one decode block per head fit beside the decoding sequences' reserve.
+  One request is prefilled at a time, in chunks of at most ``max_num_batched_tokens`` minus the
+  decoding sequences (``chunked`` = openvino_genai's ``dynamic_split_fuse``; off: whole prompts).
+* **Refusal** happens when a request is added, never later: a prompt that cannot fit the pool
+  alone (or, for the full cache, prompt + new tokens), or one longer than
+  ``max_num_batched_tokens`` without chunking.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ov_kvcrush.errors import UserError
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What bounds a step: sequences, tokens per step and the pool (``pool_blocks`` 0: unlimited)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked: bool
+    pool_blocks: int
+    rows: int  # blocks one block of tokens takes: layers × KV heads
+    block_size: int
+    #: the method keeps every token (the full cache): a request needs its whole length's blocks
+    holds_everything: bool = True
+
+
+@dataclass(eq=False)
+class Slot:
+    """The scheduler's view of one request: the tokens to prefill and how far it got."""
+
+    request_id: int
+    tokens: list[int]  # the prompt, plus the generated tokens after a preemption
+    max_new_tokens: int
+    done: int = 0  # tokens of ``tokens`` already fed
+    phase: Phase = Phase.WAITING
+    preemptions: int = 0
+    #: it could not start when its turn came: the pool (or max_num_seqs) was full
+    waited: bool = False
+    error: str = ""
+
+    @property
+    def remaining_prompt(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass
+class StepPlan:
+    """One step: a prompt chunk (slot, tokens) or none, the decoding slots, and what changed."""
+
+    prefill: tuple[Slot, int] | None = None
+    decode: list[Slot] = field(default_factory=list)
+    preempted: list[Slot] = field(default_factory=list)
+    failed: list[Slot] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill is None and not self.decode
+
+
+class Scheduler:
+    """First-come-first-served admission, chunked prefill and preemption over one pool.
+
+    Args:
+        limits: the step and pool limits.
+        free_blocks: the pool's free blocks now (``None``: unlimited); called after preemptions.
+        release: frees a preempted slot's blocks (its sequence is reset).
+    """
+
+    def __init__(
+        self, limits: SchedulerLimits, free_blocks: Callable[[], int | None], release: Callable[[Slot], None]
+    ) -> None:
+        self.limits = limits
+        self.free_blocks = free_blocks
+        self.release = release
+        self.waiting: deque[Slot] = deque()
+        self.running: list[Slot] = []  # in admission order
+
+    # -- requests -------------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks a sequence holding ``tokens`` tokens on every head takes."""
+        return self.limits.rows * math.ceil(tokens / self.limits.block_size)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a request the pool (or a step) can never serve, naming the limit."""
+        lim = self.limits
+        if not lim.chunked and prompt_tokens > lim.max_num_batched_tokens:
+            raise UserError(
+                f"prompt ({prompt_tokens} tokens) exceeds max_num_batched_tokens={lim.max_num_batched_tokens} "
+                "and dynamic_split_fuse is off: raise max_num_batched_tokens or turn dynamic_split_fuse on"
+            )
+        if not lim.pool_blocks:
+            return
+        held = prompt_tokens + (max_new_tokens if lim.holds_everything else 0)
+        need = self.blocks_for(held) + (0 if lim.holds_everything else lim.rows)
+        if need > lim.pool_blocks:
+            what = "prompt + max_new_tokens" if lim.holds_everything else "the prompt"
+            raise UserError(
+                f"request does not fit the KV pool even alone: {what} ({held} tokens) needs {need} blocks, "
+                f"the pool holds {lim.pool_blocks} (raise num_kv_blocks / cache_size)"
+            )
+
+    def add(self, slot: Slot) -> None:
+        self.check_fits(len(slot.tokens), slot.max_new_tokens)
+        self.waiting.append(slot)
+
+    def finish(self, slot: Slot) -> None:
+        """The slot is done (finished, failed or cancelled): it leaves the queues."""
+        slot.phase = Phase.DONE
+        if slot in self.running:
+            self.running.remove(slot)
+        elif slot in self.waiting:
+            self.waiting.remove(slot)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- a step ---------------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        lim = self.limits
+        out = StepPlan()
+        free = self.free_blocks()
+        # decode: every decoding sequence's possible new block per head, preempting to make room
+        while free is not None:
+            decoding = [s for s in self.running if s.phase is Phase.DECODE]
+            if lim.rows * len(decoding) <= free:
+                break
+            victim = self.running[-1]
+            if len(self.running) == 1:
+                victim.error = (
+                    f"the KV pool ({lim.pool_blocks} blocks) is full: this request's next step needs "
+                    f"{lim.rows} more blocks and no other request holds any"
+                )
+                self.finish(victim)
+                out.failed.append(victim)
+            else:
+                self._preempt(victim)
+                out.preempted.append(victim)
+            free = self.free_blocks()
+        out.decode = [s for s in self.running if s.phase is Phase.DECODE]
+        reserve = lim.rows * len(out.decode)
+        avail = None if free is None else free - reserve
+
+        # prefill: the request being prefilled, or the next one that fits
+        current = next((s for s in self.running if s.phase is Phase.PREFILL), None)
+        if current is None and self.waiting and len(self.running) < lim.max_num_seqs:
+            nxt = self.waiting[0]
+            need = self.blocks_for(len(nxt.tokens)) + lim.rows
+            if avail is None or need <= avail:
+                self.waiting.popleft()
+                nxt.phase = Phase.PREFILL
+                self.running.append(nxt)
+                current = nxt
+            else:
+                nxt.waited = True
+        elif current is None and self.waiting:
+            self.waiting[0].waited = True
+        if current is not None:
+            chunk = current.remaining_prompt
+            if lim.chunked:
+                chunk = min(chunk, lim.max_num_batched_tokens - len(out.decode))
+            if avail is not None:
+                bs = lim.block_size
+                open_slots = -current.done % bs  # room left in the last block of every head
+                chunk = min(chunk, open_slots + (avail // lim.rows) * bs)
+            if chunk > 0:
+                out.prefill = (current, chunk)
+        return out
+
+    def prefilled(self, slot: Slot, tokens: int) -> None:
+        """``tokens`` more of the slot's prompt were fed; past its end the slot decodes."""
+        slot.done += tokens
+        if slot.done >= len(slot.tokens):
+            slot.phase = Phase.DECODE
+
+    def _preempt(self, slot: Slot) -> None:
+        self.running.remove(slot)
+        self.release(slot)
+        slot.done = 0
+        slot.phase = Phase.WAITING
+        slot.preemptions += 1
+        self.waiting.appendleft(slot)

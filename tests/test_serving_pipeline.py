@@ -1,0 +1,161 @@
+"""Continuous batching on the embedded model (issue 23, item 1): batched results against one-at-a-time runs.
+
+Oracle: each prompt generated alone, greedily, by the same engine (``OpenVINOEngine.generate``,
+whole prompt in one step, one sequence). The batch prefills in chunks and decodes every running
+sequence in one inference; at f32 inference precision a row's logits do not depend on the batch,
+so the tokens must be the same. The pool-exhaustion test checks that requests wait (or are
+preempted and recomputed), none fails, the pool's limit is never passed and every block comes back.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import openvino_genai as ov_genai
+import pytest
+
+from ov_kvcrush import LLMPipeline
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.serving import ContinuousBatchingPipeline, GenerationStatus
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32"}
+TOPICS = ["lighthouses", "honey bees", "the Roman road network", "glaciers"]
+NEW = 16
+
+
+def long_prompt(topic: str, sentences: int = 14) -> str:
+    """A ~250-token prompt: long enough for a 128-token budget to evict."""
+    facts = " ".join(
+        f"Fact {i} about {topic}: it has been studied for {i * 7 + 3} years by {i + 2} teams." for i in range(sentences)
+    )
+    return f"{facts}\nIn one sentence, what is the most surprising fact about {topic}?"
+
+
+PROMPTS = [long_prompt(t) for t in TOPICS]
+
+
+def scheduler_config(**fields) -> ov_genai.SchedulerConfig:
+    sc = ov_genai.SchedulerConfig()
+    for k, v in fields.items():
+        setattr(sc, k, v)
+    return sc
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return OpenVINOEngine(model_dir, properties=F32)
+
+
+METHODS = {
+    "full": CompressionConfig(),
+    "snapkv": CompressionConfig(method="snapkv", budget=128),
+    "kvcrush": CompressionConfig(method="kvcrush", budget=128),
+    "minikv": CompressionConfig(method="minikv", budget=128),
+    "clusterkv": CompressionConfig(method="clusterkv", budget=128),
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_batch_gives_the_tokens_of_one_at_a_time_runs(engine, method):
+    engine.set_compression(METHODS[method])
+    settings = GenerationSettings(max_new_tokens=NEW, ignore_eos=True)
+    alone = [engine.generate(p, settings) for p in PROMPTS]
+    cb = ContinuousBatchingPipeline(engine, scheduler_config(max_num_batched_tokens=96))
+    batched = cb.generate(PROMPTS, settings)
+    for a, b, topic in zip(alone, batched, TOPICS, strict=True):
+        assert b.token_ids == a.token_ids, f"{method}, {topic}: {b.text!r} != {a.text!r}"
+        assert b.prompt_tokens == a.prompt_tokens > 96
+        assert b.counters["prefill_chunks"] >= 3  # the prompt came in chunks of <= 96 tokens
+        if method != "full" and method != "clusterkv":
+            assert b.counters["tokens_held_per_head"] < b.prompt_tokens  # the method did evict
+            assert b.kv_bytes == a.kv_bytes
+    assert max(b.counters["decode_batch_mean"] for b in batched) > 1  # decode steps were shared
+    assert cb.stats["failed"] == 0
+    assert engine.pool.stats().blocks_in_use == 0  # every block came back
+
+
+def test_a_full_pool_makes_requests_wait_and_none_fails(model_dir):
+    # native blocks of 32 tokens of every layer and head: 7 hold two of these requests (~3 each)
+    sc = scheduler_config(num_kv_blocks=7, max_num_batched_tokens=128)
+    cb = ContinuousBatchingPipeline(model_dir, sc, properties=F32)
+    e = cb.engine
+    limit = e.max_kv_blocks
+    assert limit == 7 * e.shape.layers * e.shape.kv_heads
+    prompts = [f"Tell me a short fact about {t}." + " Please be precise and brief." * 8 for t in TOPICS * 2]
+    settings = GenerationSettings(max_new_tokens=24, ignore_eos=True)
+    alone = [e.generate(p, settings) for p in prompts]
+    results = cb.generate(prompts, settings)
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert cb.stats["failed"] == 0
+    assert cb.stats["waited"] >= 4  # the pool, not max_num_seqs, made them wait
+    stats = cb.pool.stats()
+    assert stats.peak_blocks <= limit and stats.blocks_in_use == 0
+    with pytest.raises(UserError, match=r"does not fit the KV pool even alone.*num_kv_blocks"):
+        cb.add_request(99, " ".join(["word"] * 400), GenerationSettings(max_new_tokens=8))
+
+
+def test_decode_growth_preempts_a_request_which_is_recomputed_to_the_same_tokens(model_dir):
+    # 6 native blocks: two ~40-token prompts start together, their 70 new tokens do not fit both
+    cb = ContinuousBatchingPipeline(model_dir, scheduler_config(num_kv_blocks=6), properties=F32)
+    prompts = [f"Write a long poem about {t}." for t in ("the sea", "a mountain", "winter")]
+    settings = GenerationSettings(max_new_tokens=70, ignore_eos=True)
+    alone = [cb.engine.generate(p, settings) for p in prompts]
+    results = cb.generate(prompts, settings)
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert cb.stats["preemptions"] >= 1 and sum(r.counters["preemptions"] for r in results) >= 1
+    assert cb.stats["failed"] == 0 and cb.pool.stats().blocks_in_use == 0
+
+
+def test_requests_from_threads_join_one_batch(engine):
+    engine.set_compression(CompressionConfig(method="snapkv", budget=128))
+    settings = GenerationSettings(max_new_tokens=NEW, ignore_eos=True)
+    alone = {p: engine.generate(p, settings).token_ids for p in PROMPTS}
+    cb = ContinuousBatchingPipeline(engine)
+    results: dict[str, object] = {}
+    go = threading.Barrier(len(PROMPTS))
+
+    def request(prompt: str) -> None:
+        go.wait()
+        results[prompt] = cb.submit(prompt, settings).result(timeout=300)
+
+    threads = [threading.Thread(target=request, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert {p: r.token_ids for p, r in results.items()} == alone
+    assert max(r.counters["decode_batch_mean"] for r in results.values()) > 1
+
+
+def test_stream_read_and_cancel(engine):
+    engine.set_compression(CompressionConfig())
+    cb = ContinuousBatchingPipeline(engine)
+    pieces: list[str] = []
+    streamed = cb.add_request(1, "Name three colours.", GenerationSettings(max_new_tokens=12), pieces.append)
+    cancelled = cb.add_request(2, PROMPTS[0], GenerationSettings(max_new_tokens=60, ignore_eos=True))
+    read: list[int] = []
+    for _ in range(8):
+        cb.step()
+        read += cancelled.read()
+    cancelled.cancel()
+    while cb.has_non_finished_requests():
+        cb.step()
+    result = streamed.result()
+    assert "".join(pieces) == result.text
+    assert cancelled.status is GenerationStatus.CANCELLED
+    partial = cancelled.result()
+    assert read == partial.token_ids[: len(read)] and 0 < partial.generated_tokens < 60
+    assert engine.pool.stats().blocks_in_use == 0
+    with pytest.raises(Exception, match="request_id"):
+        cb.add_request(3, "a", GenerationSettings())
+        cb.add_request(3, "b", GenerationSettings())
+
+
+def test_llm_pipeline_batches_a_list_of_prompts(model_dir):
+    pipe = LLMPipeline(model_dir, backend="openvino", compression="snapkv", budget=128, properties=F32)
+    results = pipe.generate(PROMPTS[:3], max_new_tokens=8, ignore_eos=True)
+    alone = pipe.engine.generate(PROMPTS[1], GenerationSettings(max_new_tokens=8, ignore_eos=True))
+    assert results[1].token_ids == alone.token_ids
+    assert max(r.counters["decode_batch_mean"] for r in results) > 1
