@@ -28,61 +28,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_settings
 from ov_kvcrush.engines import make_engine, resolve_model
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.request_queue import RequestQueue
-
-_SETTINGS_FIELDS = tuple(f.name for f in fields(GenerationSettings))
-
-
-#: openvino_genai.GenerationConfig attributes -> GenerationSettings fields (a user's config carries over)
-_NATIVE_SETTINGS = {
-    "max_new_tokens": "max_new_tokens",
-    "do_sample": "do_sample",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "rng_seed": "seed",
-    "apply_chat_template": "apply_chat_template",
-    "ignore_eos": "ignore_eos",
-}
-
-
-def generation_settings(config: Any, overrides: Mapping[str, Any]) -> GenerationSettings:
-    """The settings of a ``generate`` call: a :class:`GenerationSettings`, a mapping of its fields or an
-    ``openvino_genai.GenerationConfig`` (its matching attributes), with keyword ``overrides``."""
-    if config is None:
-        base = GenerationSettings()
-    elif isinstance(config, GenerationSettings):
-        base = config
-    elif isinstance(config, Mapping):
-        fields_ = {str(k): v for k, v in config.items()}
-        for key in fields_:
-            if key not in _SETTINGS_FIELDS:
-                raise ConfigError(f"generation_config.{key}", fields_[key], "a field of " + ", ".join(_SETTINGS_FIELDS))
-        base = GenerationSettings(**fields_)
-    elif type(config).__name__ == "GenerationConfig" and hasattr(config, "max_new_tokens"):
-        base = GenerationSettings(
-            **{ours: getattr(config, theirs) for theirs, ours in _NATIVE_SETTINGS.items() if hasattr(config, theirs)}
-        )
-    else:
-        raise ConfigError(
-            "generation_config",
-            config,
-            "a GenerationSettings, a mapping of its fields, an openvino_genai.GenerationConfig",
-        )
-    unknown = sorted(set(overrides) - set(_SETTINGS_FIELDS))
-    if unknown:
-        raise ConfigError(
-            unknown[0], overrides[unknown[0]], "a GenerationSettings field: " + ", ".join(_SETTINGS_FIELDS)
-        )
-    return replace(base, **overrides)
 
 
 def check_inputs(inputs: Any) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_settings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, step_ms, ttft_tpot_ms
 from ov_kvcrush.engines.openvino_engine import (
     OpenVINOEngine,
@@ -235,8 +235,6 @@ class ContinuousBatchingPipeline:
         """Queue a request (a prompt string, chat messages, or token ids); step to serve it."""
         settings = generation_config or GenerationSettings()
         if not isinstance(settings, GenerationSettings):
-            from ov_kvcrush.pipeline import generation_settings
-
             settings = generation_settings(settings, {})
         if streamer is not None and not callable(streamer):
             raise ConfigError("streamer", streamer, "a callable taking the new text (return True to stop), or None")
