@@ -15,7 +15,7 @@ from ov_kvcrush.bench.plan import DEFAULT_LENGTHS
 from ov_kvcrush.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.chat import methods_help
-from ov_kvcrush.errors import UserError, decode_text, one_line
+from ov_kvcrush.errors import ConfigError, UserError, decode_text, one_line
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, write_atomic, write_text
 
 #: The demo's compressed runs: (backend, method, extra options).
@@ -187,6 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every configuration in this process (default: one worker process each, so each "
         "configuration's peak RSS is its own)",
     )
+    bn.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        help="serving run: this many requests of --lengths tokens (one length) arrive together and are served "
+        "by continuous batching over one KV pool of --kv-pool-mib, natively and by our op; reports generated "
+        "tokens/s, TTFT and TPOT p50/p90, peak RSS, waiting and passkeys",
+    )
+    bn.add_argument("--kv-pool-mib", type=float, help="serving run: the KV pool every backend gets, in MiB")
+    bn.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=256,
+        help="serving run: tokens per step, prompt chunks included (default 256, as openvino_genai)",
+    )
     bn.add_argument("--json", dest="json_out", help="write the results as JSON")
     bn.add_argument("--plot", help="write a PNG: TPOT and KV bytes vs length")
     bn.add_argument("--markdown", help="write the results table as Markdown (for a results page)")
@@ -286,6 +300,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     json_out = prepare_output("--json", args.json_out)
     plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
     markdown_out = prepare_output("--markdown", args.markdown)
+    if args.concurrency is not None or args.kv_pool_mib is not None:
+        return _bench_serving(args, json_out, plot_out, markdown_out)
     plan = BenchPlan(
         backends=_split("--backends", args.backends, _name),
         methods=_split("--methods", args.methods, str),
@@ -311,6 +327,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_atomic(plot_out, lambda p: plot(doc, p))
     if markdown_out is not None:
         write_text(markdown_out, format_markdown(doc) + "\n")
+    return 0
+
+
+def _bench_serving(
+    args: argparse.Namespace, json_out: Path | None, plot_out: Path | None, markdown_out: Path | None
+) -> int:
+    import json
+
+    from ov_kvcrush.bench.serving import ServingPlan, checked_configs, format_serving, plot_serving, run_serving
+
+    if args.concurrency is None or args.kv_pool_mib is None:
+        missing = "--concurrency" if args.concurrency is None else "--kv-pool-mib"
+        raise UserError(f"a serving run needs both --concurrency and --kv-pool-mib ({missing} is missing)")
+    lengths = _split("--lengths", args.lengths, _int)
+    if len(lengths) != 1:
+        raise ConfigError("lengths", args.lengths, "one prompt length for a serving run (--concurrency)")
+    plan = ServingPlan(
+        backends=_split("--backends", args.backends, _name),
+        methods=_split("--methods", args.methods, str),
+        budgets=_split("--budgets", args.budgets, _int),
+        concurrency=args.concurrency,
+        length=lengths[0],
+        new_tokens=args.new_tokens,
+        kv_pool_mib=args.kv_pool_mib,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        model=args.model,
+    )
+    configs = checked_configs(plan)
+    if args.dry_run:
+        print(f"serving: {plan.concurrency} requests x {plan.length} tokens, {plan.kv_pool_mib} MiB pool")
+        print("\n".join(f"  {c.label}" for c in configs))
+        return 0
+    doc = run_serving(plan, progress=lambda line: print(line, flush=True))
+    doc["command"] = "ov-kvcrush " + " ".join(sys.argv[1:])
+    table = format_serving(doc)
+    print()
+    print(table)
+    if json_out is not None:
+        write_text(json_out, json.dumps(doc, indent=2))
+    if plot_out is not None:
+        write_atomic(plot_out, lambda p: plot_serving(doc, p))
+    if markdown_out is not None:
+        write_text(markdown_out, table + "\n")
     return 0
 
 
