@@ -17,15 +17,18 @@ import numpy as np
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.plugin import check_result, load
 
-#: KV precisions the op's cache stores, as the C API numbers them.
-PRECISIONS = {"f32": 0, "f16": 1}
-#: Element size of each precision, in bytes.
-PRECISION_BYTES = {"f32": 4, "f16": 2}
+#: KV precisions the op's cache stores, as the C API numbers them: ``u8`` keeps 8-bit codes with a
+#: per-token (per head) minimum and scale for keys and for values, as OpenVINO's CPU plugin does.
+PRECISIONS = {"f32": 0, "f16": 1, "u8": 2}
+#: Element size of each precision, in bytes (a code, for u8).
+PRECISION_BYTES = {"f32": 4, "f16": 2, "u8": 1}
+#: Per-token bytes beside the codes: u8's key and value minimum and scale (f32 each).
+PRECISION_TOKEN_BYTES = {"f32": 0, "f16": 0, "u8": 16}
 
 
 def block_bytes(block_size: int, head_dim: int, precision: str) -> int:
     """Bytes of one block (keys and values of ``block_size`` tokens of one KV head), as the pool allocates."""
-    return 2 * block_size * head_dim * PRECISION_BYTES[precision]
+    return block_size * (2 * head_dim * PRECISION_BYTES[precision] + PRECISION_TOKEN_BYTES[precision])
 
 
 DEFAULT_BLOCK_SIZE = 32
@@ -153,7 +156,7 @@ class KVPool:
     Args:
         layers, q_heads, kv_heads, head_dim: the model's attention shape.
         block_size: tokens per block (a multiple of 16).
-        precision: ``f32`` or ``f16`` storage of keys and values.
+        precision: ``f32``, ``f16`` or ``u8`` storage of keys and values.
         max_blocks: refuse to grow past this many blocks (0: no limit); a sequence that needs
             more fails with an error naming the limit.
         scores: accumulate per-head attention scores (the eviction policies read them).

@@ -91,7 +91,7 @@ def test_op_matches_reference_attention_and_scores(ov_core, precision, hq, hkv, 
             # scores [n, group] vs reference [hq, n] for the heads of this group
             np.testing.assert_allclose(sc.T, scores[b][g * (hq // hkv) : (g + 1) * (hq // hkv)], atol=2e-5)
     assert pool.stats().blocks_in_use == 2 * hkv * math.ceil(n / bs)
-    assert pool.stats().kv_bytes == pool.stats().blocks_in_use * 2 * bs * d * kvcache.PRECISION_BYTES[precision]
+    assert pool.stats().kv_bytes == pool.stats().blocks_in_use * kvcache.block_bytes(bs, d, precision)
 
 
 @pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")

@@ -55,8 +55,8 @@ OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_he
                                   int32_t block_size, int32_t precision, int64_t max_blocks, int32_t scores,
                                   const char* method) {
     return guarded([&]() -> int64_t {
-        if (precision != 0 && precision != 1)
-            throw ovkc::Error("precision=" + std::to_string(precision) + " is invalid: allowed 0 (f32), 1 (f16)");
+        if (precision < 0 || precision > 2)
+            throw ovkc::Error("precision=" + std::to_string(precision) + " is invalid: allowed 0 (f32), 1 (f16), 2 (u8)");
         ovkc::PoolConfig cfg;
         cfg.layers = layers;
         cfg.q_heads = q_heads;

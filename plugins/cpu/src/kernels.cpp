@@ -34,9 +34,44 @@ void float_to_half(const float* src, uint16_t* dst, int64_t n) {
     for (; i < n; ++i) dst[i] = to_half(src[i]);
 }
 
+// ---- the u8 store ------------------------------------------------------------------------------
+void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& lo, float& scale) {
+    float mn = x[0], mx = x[0];
+    for (int i = 1; i < n; ++i) {
+        mn = std::min(mn, x[i]);
+        mx = std::max(mx, x[i]);
+    }
+    lo = mn;
+    scale = (mx - mn) / 255.0f;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int i = 0; i < n; ++i) {
+        const float c = std::nearbyint((x[i] - mn) * inv);
+        codes[static_cast<int64_t>(i) * stride] = static_cast<uint8_t>(std::clamp(c, 0.0f, 255.0f));
+    }
+}
+
+void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt, float* v) {
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
+    const auto* p = reinterpret_cast<const float*>(base + 2 * kv_elems);
+    const float *kmin = p, *kscale = p + bs, *vmin = p + 2 * bs, *vscale = p + 3 * bs;
+    // the window's columns, padded to whole vectors (the attention reads 16 columns at a time)
+    const int w1 = std::min(j0 + (j1 - j0 + 15) / 16 * 16, bs);
+    for (int d = 0; d < D; ++d) {
+        const uint8_t* c = base + static_cast<size_t>(d) * bs;
+        float* out = kt + static_cast<size_t>(d) * bs;
+        for (int j = j0; j < w1; ++j) out[j] = kmin[j] + static_cast<float>(c[j]) * kscale[j];
+    }
+    for (int j = j0; j < j1; ++j) {
+        const uint8_t* c = base + kv_elems + static_cast<size_t>(j) * D;
+        float* out = v + static_cast<size_t>(j) * D;
+        const float lo = vmin[j], sc = vscale[j];
+        for (int d = 0; d < D; ++d) out[d] = lo + static_cast<float>(c[d]) * sc;
+    }
+}
+
 // ---- float views of a block -------------------------------------------------------------------
 // Keys (transposed, [D][bs]) and values ([bs][D]) of a block as floats: the block itself for
-// f32, a converted copy in thread-local scratch for f16.
+// f32, a converted copy in thread-local scratch for f16 and u8.
 void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0, int j1, const float*& kt,
                   const float*& v) {
     const int bs = cfg.block_size, D = cfg.head_dim;
@@ -51,6 +86,12 @@ void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0
     if (tls.k.size() < kv_elems + 16) {  // + 16: a window's last padded vector may run past row D - 1
         tls.k.resize(kv_elems + 16);
         tls.v.resize(kv_elems);
+    }
+    if (cfg.precision == Precision::u8) {
+        dequantize_u8(base, bs, D, j0, j1, tls.k.data(), tls.v.data());
+        kt = tls.k.data();
+        v = tls.v.data();
+        return;
     }
     const auto* h = reinterpret_cast<const uint16_t*>(base);
     if (j0 == 0 && j1 == bs) {

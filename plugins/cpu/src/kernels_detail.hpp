@@ -87,6 +87,10 @@ inline float from_half(uint16_t h) {
 }
 
 void half_to_float(const uint16_t* src, float* dst, int64_t n);
+// u8 store: n values (strided in `codes`) as codes with their min and scale (x = min + code * scale)
+void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& lo, float& scale);
+// u8 store: columns [j0, j1) of a block's keys (transposed) and values as floats
+void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt, float* v);
 void float_to_half(const float* src, uint16_t* dst, int64_t n);
 
 // Per-thread buffers (a converted block, logits, scaled queries).

@@ -1,4 +1,4 @@
-// Tokens in and out of the full-precision blocks (f32 or f16; keys transposed per block): one
+// Tokens in and out of the full-precision blocks (f32, f16 or u8; keys transposed per block): one
 // token, a run of slots, and the compaction move the eviction methods use (kernels.hpp).
 #include <algorithm>
 #include <cstring>
@@ -9,6 +9,16 @@
 namespace ovkc {
 
 using namespace detail;
+
+namespace {
+// One token into slot j of a u8 block: codes, then its min and scale for keys and for values.
+void store_u8(uint8_t* base, int bs, int D, int j, const float* k, const float* v) {
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
+    auto* p = reinterpret_cast<float*>(base + 2 * kv_elems);
+    quantize_u8(k, D, base + j, bs, p[j], p[bs + j]);
+    quantize_u8(v, D, base + kv_elems + static_cast<size_t>(j) * D, 1, p[2 * bs + j], p[3 * bs + j]);
+}
+}  // namespace
 
 void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, const float* k,
                  const float* v) {
@@ -21,11 +31,13 @@ void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, i
         auto* kt = reinterpret_cast<float*>(base);
         for (int d = 0; d < D; ++d) kt[static_cast<size_t>(d) * bs + j] = k[d];
         std::memcpy(kt + kv_elems + static_cast<size_t>(j) * D, v, sizeof(float) * D);
-    } else {
+    } else if (cfg.precision == Precision::f16) {
         auto* kt = reinterpret_cast<uint16_t*>(base);
         for (int d = 0; d < D; ++d) kt[static_cast<size_t>(d) * bs + j] = to_half(k[d]);
         uint16_t* vr = kt + kv_elems + static_cast<size_t>(j) * D;
         for (int d = 0; d < D; ++d) vr[d] = to_half(v[d]);
+    } else {
+        store_u8(base, bs, D, j, k, v);
     }
 }
 
@@ -55,7 +67,9 @@ void store_tokens(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         uint8_t* base = pool.block(hc.blocks[static_cast<size_t>(slot0 / bs)]);
         const float* kr = k + (slot0 - begin) * D;  // token j of this block: kr + j * D
         const float* vr = v + (slot0 - begin) * D;
-        if (cfg.precision == Precision::f32) {
+        if (cfg.precision == Precision::u8) {
+            for (int64_t j = j0; j < j1; ++j) store_u8(base, static_cast<int>(bs), D, static_cast<int>(j), kr + j * D, vr + j * D);
+        } else if (cfg.precision == Precision::f32) {
             auto* kt = reinterpret_cast<float*>(base);
             for (int d = 0; d < D; ++d)
                 for (int64_t j = j0; j < j1; ++j) kt[static_cast<size_t>(d) * bs + j] = kr[j * D + d];
@@ -76,6 +90,7 @@ void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, in
     const int D = cfg.head_dim;
     const size_t es = cfg.elem_bytes();
     const size_t kv_elems = static_cast<size_t>(bs) * D;
+    const bool params = cfg.param_bytes() > 0;
     while (count > 0) {
         const int64_t delta = from - to;
         if (to % bs == 0 && delta > 0 && delta < bs && count >= bs) {
@@ -92,6 +107,12 @@ void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, in
                             static_cast<size_t>(delta) * es);
             std::memmove(dst + kv_elems * es, dst + (kv_elems + delta * D) * es, tail * D * es);
             std::memcpy(dst + (kv_elems + tail * D) * es, next + kv_elems * es, static_cast<size_t>(delta) * D * es);
+            if (params) {  // the u8 scales: 4 rows of bs floats, shifted like the rows of K^T
+                float* pd = reinterpret_cast<float*>(dst + 2 * kv_elems * es);
+                const float* pn = reinterpret_cast<const float*>(next + 2 * kv_elems * es);
+                std::memmove(pd, pd + delta, (4 * static_cast<size_t>(bs) - delta) * sizeof(float));
+                for (int r = 0; r < 4; ++r) std::memcpy(pd + r * bs + tail, pn + r * bs, static_cast<size_t>(delta) * sizeof(float));
+            }
             from += bs;
             to += bs;
             count -= bs;
@@ -105,6 +126,11 @@ void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, in
             std::memmove(dst + (static_cast<size_t>(d) * bs + jd) * es, src + (static_cast<size_t>(d) * bs + js) * es,
                          static_cast<size_t>(seg) * es);
         std::memmove(dst + (kv_elems + jd * D) * es, src + (kv_elems + js * D) * es, static_cast<size_t>(seg) * D * es);
+        if (params) {
+            float* pd = reinterpret_cast<float*>(dst + 2 * kv_elems * es);
+            const float* ps = reinterpret_cast<const float*>(src + 2 * kv_elems * es);
+            for (int r = 0; r < 4; ++r) std::memmove(pd + r * bs + jd, ps + r * bs + js, static_cast<size_t>(seg) * sizeof(float));
+        }
         from += seg;
         to += seg;
         count -= seg;
@@ -121,6 +147,11 @@ void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, in
         const auto* kt = reinterpret_cast<const float*>(base);
         for (int d = 0; d < D; ++d) k[d] = kt[static_cast<size_t>(d) * bs + j];
         std::memcpy(v, kt + kv_elems + static_cast<size_t>(j) * D, sizeof(float) * D);
+    } else if (cfg.precision == Precision::u8) {
+        const auto* p = reinterpret_cast<const float*>(base + 2 * kv_elems);
+        for (int d = 0; d < D; ++d) k[d] = p[j] + static_cast<float>(base[static_cast<size_t>(d) * bs + j]) * p[bs + j];
+        const uint8_t* c = base + kv_elems + static_cast<size_t>(j) * D;
+        for (int d = 0; d < D; ++d) v[d] = p[2 * bs + j] + static_cast<float>(c[d]) * p[3 * bs + j];
     } else {
         const auto* kt = reinterpret_cast<const uint16_t*>(base);
         for (int d = 0; d < D; ++d) k[d] = from_half(kt[static_cast<size_t>(d) * bs + j]);

@@ -1,8 +1,8 @@
 // The paged KV cache owned by the attention op.
 //
 // A Pool is one pipeline's block store: fixed-size blocks (block_size tokens of one KV head of
-// one layer: keys transposed [head_dim][block_size], then values [block_size][head_dim]) handed
-// out from a free list. A Sequence holds, per layer and KV head, its own block table and token
+// one layer: keys transposed [head_dim][block_size], then values [block_size][head_dim], then
+// the u8 store's per-slot scales) handed out from a free list. A Sequence holds, per layer and KV head, its own block table and token
 // map (the absolute position of each slot), so that heads can later keep different tokens, plus
 // optional per-query-head accumulated attention scores for the eviction policies.
 //
@@ -24,7 +24,10 @@
 
 namespace ovkc {
 
-enum class Precision : int { f32 = 0, f16 = 1 };
+// Storage of keys and values in the full-precision blocks: f32, f16, or u8 with a per-token
+// (per head) minimum and scale for keys and for values, as OpenVINO's CPU plugin stores its KV
+// cache by default (x = min + code * scale, code in 0..255).
+enum class Precision : int { f32 = 0, f16 = 1, u8 = 2 };
 
 class Policy;  // policy.hpp: the compression method
 
@@ -41,8 +44,12 @@ struct PoolConfig {
     std::shared_ptr<const Policy> policy;
 
     void validate() const;
-    size_t elem_bytes() const { return precision == Precision::f32 ? 4 : 2; }
-    size_t block_bytes() const { return 2 * static_cast<size_t>(block_size) * head_dim * elem_bytes(); }
+    // bytes of one key or value element (a code, for u8)
+    size_t elem_bytes() const { return precision == Precision::f32 ? 4 : precision == Precision::f16 ? 2 : 1; }
+    // u8: per slot, the keys' min and scale and the values' min and scale (f32 each), after the
+    // codes as 4 rows of block_size floats: [k_min][k_scale][v_min][v_scale]
+    size_t param_bytes() const { return precision == Precision::u8 ? 4 * sizeof(float) * static_cast<size_t>(block_size) : 0; }
+    size_t block_bytes() const { return 2 * static_cast<size_t>(block_size) * head_dim * elem_bytes() + param_bytes(); }
     // A 2-bit block (MiniKV's store) of block_size tokens: key codes [D][bs/16] u32, key scale
     // and zero fp16 [bs/g][D], value codes [bs][D/16] u32, value scale and zero fp16 [bs][D/g].
     size_t qblock_bytes() const;

@@ -1,0 +1,120 @@
+"""The op's u8 KV store (issue 23, item 2) against brute force.
+
+Oracle: every token's keys and values quantized per token in numpy (min and scale over the head
+dimension, codes rounded to 0..255, as OpenVINO's CPU plugin stores its cache), and the reference
+attention over those dequantized vectors. The op's output must match that within float rounding,
+the read-back tokens must be the dequantized ones (also after evictions moved slots, which must
+carry their scales along), and against the f32 cache the output may move only by the quantization.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import HKV, HQ, D, op_model
+
+from ov_kvcrush import kvcache
+from ov_kvcrush.method_spec import method_spec
+from ov_kvcrush.methods import method_config
+from ov_kvcrush.methods.attention import attend
+
+BS = 32
+
+
+def quantized(x: np.ndarray) -> np.ndarray:
+    """x [..., D] as the u8 store gives it back: per vector min + code * (max - min) / 255."""
+    lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
+    scale = (hi - lo) / np.float32(255.0)
+    codes = np.clip(np.rint((x - lo) / np.where(scale > 0, scale, 1)), 0, 255)
+    return (lo + codes * scale).astype(np.float32)
+
+
+def feed(req, seq, q, k, v):
+    return np.array(req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])})[0])
+
+
+def attention(q, k, v, past):
+    n = k.shape[2]
+    return attend(
+        torch.from_numpy(q),
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        q_positions=torch.arange(past, past + q.shape[2]),
+        k_positions=torch.arange(n),
+    ).output.numpy()
+
+
+def test_u8_attention_is_the_reference_over_dequantized_tokens(ov_core):
+    rng = np.random.default_rng(0)
+    pool = kvcache.KVPool(1, HQ, HKV, D, block_size=BS, precision="u8")
+    seq = pool.new_sequence()
+    req = op_model(ov_core, HQ, HKV, D)
+    ks, vs, past = [], [], 0
+    for n in (100, 1, 1, 37, 1):
+        q = rng.standard_normal((1, HQ, n, D), dtype=np.float32)
+        k = rng.standard_normal((1, HKV, n, D), dtype=np.float32) * 3 + 1
+        v = rng.standard_normal((1, HKV, n, D), dtype=np.float32)
+        out = feed(req, seq, q, k, v)
+        ks.append(k)
+        vs.append(v)
+        kq, vq = quantized(np.concatenate(ks, 2)), quantized(np.concatenate(vs, 2))
+        np.testing.assert_allclose(out, attention(q, kq, vq, past), rtol=1e-4, atol=1e-5)
+        past += n
+    for g in range(HKV):
+        _pos, keys, values, _ = seq.read_head(0, g)
+        np.testing.assert_allclose(keys, kq[0, g], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(values, vq[0, g], rtol=1e-5, atol=1e-6)
+    assert pool.stats().kv_bytes == pool.stats().blocks_in_use * kvcache.block_bytes(BS, D, "u8")
+    pool.close()
+
+
+def test_u8_against_f32_moves_the_output_only_by_the_quantization(ov_core):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, HQ, 300, D), dtype=np.float32)
+    k = rng.standard_normal((1, HKV, 300, D), dtype=np.float32)
+    v = rng.standard_normal((1, HKV, 300, D), dtype=np.float32)
+    outs = {}
+    for precision in ("f32", "u8"):
+        pool = kvcache.KVPool(1, HQ, HKV, D, block_size=BS, precision=precision)
+        outs[precision] = feed(op_model(ov_core, HQ, HKV, D), pool.new_sequence(), q, k, v)
+        pool.close()
+    err = np.linalg.norm(outs["u8"] - outs["f32"]) / np.linalg.norm(outs["f32"])
+    # 8-bit codes over a ~7-sigma range: a relative error of about 1 % per vector
+    assert 1e-4 < err < 0.02
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "h2o"])
+def test_evictions_move_u8_slots_with_their_scales(ov_core, method):
+    """Decode evictions leave holes, then compaction moves slots (keys, values and scales): the
+    tokens read back are still exactly the dequantized vectors of the positions held."""
+    rng = np.random.default_rng(2)
+    cfg = method_config(method, budget=96)
+    pool = kvcache.KVPool(1, HQ, HKV, D, block_size=BS, precision="u8", method=method_spec(cfg, 1, HQ, BS))
+    seq = pool.new_sequence()
+    req = op_model(ov_core, HQ, HKV, D)
+    total = 200 + 80
+    k = rng.standard_normal((1, HKV, total, D), dtype=np.float32)
+    v = rng.standard_normal((1, HKV, total, D), dtype=np.float32)
+    q = rng.standard_normal((1, HQ, total, D), dtype=np.float32)
+    a = 0
+    for n in [200, *[1] * 79]:
+        feed(req, seq, q[:, :, a : a + n], k[:, :, a : a + n], v[:, :, a : a + n])
+        a += n
+    kq, vq = quantized(k), quantized(v)
+    held = []
+    for g in range(HKV):
+        pos, keys, values, _ = seq.read_head(0, g)
+        assert len(pos) <= 96
+        np.testing.assert_allclose(keys, kq[0, g, pos], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(values, vq[0, g, pos], rtol=1e-5, atol=1e-6)
+        held.append(np.append(pos, total - 1))  # the last step attends what is held and itself
+    out = feed(req, seq, q[:, :, a:], k[:, :, a:], v[:, :, a:])
+    group = HQ // HKV
+    for h in range(HQ):
+        pos = held[h // group]
+        g = h // group
+        # every held token is visible to the last query (positions renumbered: the order is all that counts)
+        want = attention(q[:, h : h + 1, total - 1 :], kq[:, g : g + 1, pos], vq[:, g : g + 1, pos], len(pos) - 1)
+        np.testing.assert_allclose(out[0, h, 0], want[0, 0, 0], rtol=1e-4, atol=1e-5)
+    pool.close()
