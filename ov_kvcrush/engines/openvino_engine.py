@@ -46,8 +46,9 @@ from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.plugin import PluginError
 from ov_kvcrush.transformations import SEQUENCE_INPUT
 
-#: KV precision of the op's cache by default: f16 halves the bytes every decode step reads.
-DEFAULT_KV_PRECISION = "f16"
+#: KV precision of the op's cache by default: u8, as OpenVINO's CPU plugin (and so native
+#: openvino_genai) stores its cache on CPU; f16 and f32 on request.
+DEFAULT_KV_PRECISION = "u8"
 
 
 def pool_blocks_from_scheduler_config(sc, layers: int, kv_heads: int, block_bytes: int) -> int:
@@ -139,7 +140,8 @@ class OpenVINOEngine:
             engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
             eviction, the 2-bit store ...), as the torch reference defines it.
         device: ``CPU`` (the op is a CPU extension).
-        kv_precision: ``f16`` (default) or ``f32`` storage of keys and values in the op's cache.
+        kv_precision: ``u8`` (default: 8-bit codes with a per-token min and scale, as native on
+            CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache.
         block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
         max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited).
         scheduler_config: an ``openvino_genai.SchedulerConfig``: its cache eviction settings give

@@ -56,16 +56,36 @@ void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt
     const float *kmin = p, *kscale = p + bs, *vmin = p + 2 * bs, *vscale = p + 3 * bs;
     // the window's columns, padded to whole vectors (the attention reads 16 columns at a time)
     const int w1 = std::min(j0 + (j1 - j0 + 15) / 16 * 16, bs);
-    for (int d = 0; d < D; ++d) {
-        const uint8_t* c = base + static_cast<size_t>(d) * bs;
-        float* out = kt + static_cast<size_t>(d) * bs;
-        for (int j = j0; j < w1; ++j) out[j] = kmin[j] + static_cast<float>(c[j]) * kscale[j];
+#if OVKC_AVX512
+    auto codes16 = [](const uint8_t* c) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+    };
+    if ((w1 - j0) % 16 == 0) {  // whole vectors of columns (always, unless the block ends first)
+        for (int j = j0; j < w1; j += 16) {
+            const __m512 lo = _mm512_loadu_ps(kmin + j), sc = _mm512_loadu_ps(kscale + j);
+            for (int d = 0; d < D; ++d)
+                _mm512_storeu_ps(kt + static_cast<size_t>(d) * bs + j,
+                                 _mm512_fmadd_ps(codes16(base + static_cast<size_t>(d) * bs + j), sc, lo));
+        }
+    } else
+#endif
+    {
+        for (int d = 0; d < D; ++d) {
+            const uint8_t* c = base + static_cast<size_t>(d) * bs;
+            float* out = kt + static_cast<size_t>(d) * bs;
+            for (int j = j0; j < w1; ++j) out[j] = kmin[j] + static_cast<float>(c[j]) * kscale[j];
+        }
     }
     for (int j = j0; j < j1; ++j) {
         const uint8_t* c = base + kv_elems + static_cast<size_t>(j) * D;
         float* out = v + static_cast<size_t>(j) * D;
         const float lo = vmin[j], sc = vscale[j];
+#if OVKC_AVX512
+        const __m512 lov = _mm512_set1_ps(lo), scv = _mm512_set1_ps(sc);
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_fmadd_ps(codes16(c + d), scv, lov));
+#else
         for (int d = 0; d < D; ++d) out[d] = lo + static_cast<float>(c[d]) * sc;
+#endif
     }
 }
 
