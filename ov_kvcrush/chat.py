@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model for the backend (default: the embedded SmolLM2-135M)")
     p.add_argument("--system", default="", help="system message")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--kv-precision", default=None, help="backend openvino: KV cache precision u8 (default, as native on CPU), f16 or f32")
+    p.add_argument("--kv-precision", default=None, help="backend openvino: KV u8 (default, as native), f16 or f32")
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.9) instead of greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no per-turn timing line")

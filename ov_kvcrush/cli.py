@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--device", default="CPU", help="CPU (default); cuda for --backend torch on a GPU")
     g.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU, bf16 on CUDA), float32 ...")
-    g.add_argument("--kv-precision", help="backend openvino: KV cache precision u8 (default, as native on CPU), f16 or f32")
+    g.add_argument("--kv-precision", help="backend openvino: KV cache u8 (default, as native), f16 or f32")
     g.add_argument(
         "--native-gguf",
         action="store_true",

@@ -118,3 +118,19 @@ def test_evictions_move_u8_slots_with_their_scales(ov_core, method):
         want = attention(q[:, h : h + 1, total - 1 :], kq[:, g : g + 1, pos], vq[:, g : g + 1, pos], len(pos) - 1)
         np.testing.assert_allclose(out[0, h, 0], want[0, 0, 0], rtol=1e-4, atol=1e-5)
     pool.close()
+
+
+def test_the_engine_stores_u8_by_default_within_5_percent_of_native_bytes(model_dir, full_engine):
+    """Native's CPU cache is u8 too (keys per channel per block, values per token): the same
+    prompt's full cache in our op must not hold more than 5 % above native's bytes, and answer the same."""
+    from ov_kvcrush.config import GenerationSettings
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    prompt = "Summarize in one sentence: " + "The river flows past the old mill and the bridge. " * 40
+    settings = GenerationSettings(max_new_tokens=12)
+    ours = OpenVINOEngine(model_dir).generate(prompt, settings)
+    native = full_engine.generate(prompt, settings)
+    assert ours.counters["kv_precision"] == "u8"
+    assert ours.prompt_tokens == native.prompt_tokens
+    assert 0.85 < ours.kv_bytes / native.kv_bytes <= 1.05
+    assert ours.text.split()[:4] == native.text.split()[:4]

@@ -207,7 +207,7 @@ def test_bad_precision_and_handles_from_python():
     from ov_kvcrush.errors import ConfigError
 
     with pytest.raises(ConfigError, match="kv_precision"):
-        kvcache.KVPool(1, 4, 2, 32, precision="u8")
+        kvcache.KVPool(1, 4, 2, 32, precision="u4")
     pool = kvcache.KVPool(1, 4, 2, 32)
     seq = pool.new_sequence()
     pool.close()  # freeing the pool frees its sequences
