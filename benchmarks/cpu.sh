@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate every committed CPU benchmark result under docs/results/bench/ (JSON with the machine,
-# versions and command; PNG; Markdown table), one `ov-kvcrush bench` run each. About 25 minutes on
+# versions and command; PNG; Markdown table), one `ov-kvcrush bench` run each. About 40 minutes on
 # a 2-core machine. Run it on an idle machine: every number is a ratio within one run, but a busy
-# machine widens the spread. Usage: bash benchmarks/cpu.sh [main|full|torch ...] (default: all).
+# machine widens the spread. Usage: bash benchmarks/cpu.sh [main|full|torch|serving ...] (default: all).
 # DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +20,20 @@ bench() {  # bench NAME ARGS...: one run, its three files named NAME.*
     fi
 }
 
+serve() {  # serve NAME ARGS...: one serving run (--concurrency), its three files under docs/results/serving/
+    local name=$1
+    shift
+    if [ -n "${DRY_RUN:-}" ]; then
+        "$OV_KVCRUSH" bench "$@" --dry-run
+    else
+        mkdir -p docs/results/serving
+        "$OV_KVCRUSH" bench "$@" --json "docs/results/serving/$name.json" --plot "docs/results/serving/$name.png" \
+            --markdown "docs/results/serving/$name.md"
+    fi
+}
+
 runs=("$@")
-[ ${#runs[@]} -eq 0 ] && runs=(main full torch)
+[ ${#runs[@]} -eq 0 ] && runs=(main full torch serving)
 for run in "${runs[@]}"; do
     case $run in
     main)  # every method of native openvino_genai and of our op, 1k-8k tokens, budget 1024
@@ -34,8 +46,12 @@ for run in "${runs[@]}"; do
     torch)  # the torch engine (the reference methods over transformers), native full as the anchor
         bench bench_cpu_torch --backends torch --methods full,snapkv,kvcrush,clusterkv,chelsea,minikv \
             --budgets 1024 --lengths 2048,4096 --repeats 2 --new-tokens 32 ;;
+    serving)  # 16 requests of 4k tokens arriving together, 64 new tokens each, over a KV pool of 220 MiB
+        # (four full sequences at native's u8): continuous batching, native against our op
+        serve serving_16x4k_cpu --concurrency 16 --lengths 4096 --new-tokens 64 --kv-pool-mib 220 \
+            --methods full,snapkv,kvcrush,kvcrush:block_size=32 --budgets 1024 ;;
     *)
-        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch)" >&2
+        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch, serving)" >&2
         exit 2 ;;
     esac
 done
