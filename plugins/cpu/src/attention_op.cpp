@@ -243,6 +243,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             }
         } else {
             // 2b. prefill (or a chunk of a chat turn): rows = kMaxRows consecutive queries of one head
+            //     (kAmxRows on AMX tiles)
             const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
             const bool bf16 = m_compute == "bf16" && has_bf16();
             std::vector<Bf16Head> staged(bf16 ? static_cast<size_t>(Hkv) : 0);
@@ -250,6 +251,36 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) {
                     stage_bf16(cfg, seq->pool(), seq->head(layer, static_cast<int>(g)), staged[static_cast<size_t>(g)]);
                 });
+            bool amx = bf16 && amx_head_dim(static_cast<int>(D)) && has_amx();
+            for (int64_t g = 0; amx && g < Hkv; ++g) {
+                const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                amx = hc.qblocks.empty() && hc.bias.empty();
+            }
+            if (amx) {
+                const int64_t atiles = (L + kAmxRows - 1) / kAmxRows;
+                tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * atiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
+                    for (int64_t t = range.begin(); t < range.end(); ++t) {
+                        const int64_t h = t / atiles;
+                        const int64_t tile = atiles - 1 - t % atiles;  // the largest tiles first
+                        const int n = static_cast<int>(std::min<int64_t>(kAmxRows, L - tile * kAmxRows));
+                        const float* qr[kAmxRows];
+                        float* orow[kAmxRows];
+                        int64_t qpos[kAmxRows];
+                        float m[kAmxRows], l[kAmxRows];
+                        for (int r = 0; r < n; ++r) {
+                            const int64_t i = tile * kAmxRows + r;
+                            qr[r] = qb + (h * L + i) * D;
+                            orow[r] = ob + (h * L + i) * D;
+                            qpos[r] = past + i;
+                        }
+                        attend_amx(cfg, seq->head(layer, static_cast<int>(h / G)), staged[static_cast<size_t>(h / G)], n, qr,
+                                   qpos, orow, m_scale, m, l);
+                        if (scores)
+                            for (int r = 0; r < n; ++r)
+                                lse[static_cast<size_t>(h * L + tile * kAmxRows + r)] = m[r] + std::log(l[r]);
+                    }
+                });
+            } else
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
                 for (int64_t t = range.begin(); t < range.end(); ++t) {
                     // consecutive tasks share a head (its keys stay in cache); within a head the

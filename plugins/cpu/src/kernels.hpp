@@ -82,6 +82,18 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
 // Same contract as attend_range over all slots of the head, then finish_rows.
 void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale);
 
+// AMX tiles (kernels_amx.cpp): whether this build and this process can use them (the kernel
+// asks the OS for the tile state once), and for which head sizes (a multiple of 32, at most 512).
+bool has_amx();
+bool amx_head_dim(int head_dim);
+constexpr int kAmxRows = 16;  // query rows one AMX tile holds
+// The bf16 prefill of up to kAmxRows query rows of one head over the staged head (stage_bf16):
+// q[r] (unscaled), causal by qpos[r]; out[r] normalised; m[r], l[r] the row's softmax max and
+// sum (its log-sum-exp is m + log l; l = 0: the row saw no key and out is 0). Same arithmetic as
+// attend_bf16: bf16 products, fp32 sums, probabilities rounded to bf16 for the values.
+void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, int n, const float* const* q,
+                const int64_t* qpos, float* const* out, float scale, float* m, float* l);
+
 // ---- MiniKV's 2-bit blocks (layout: PoolConfig::qblock_bytes) --------------------------------
 // Quantize block_size tokens (keys and values [bs][D] floats) into a 2-bit block: keys per
 // channel in groups of `group` tokens, values per token in groups of `group` channels, fp16

@@ -10,21 +10,13 @@ namespace ovkc {
 
 using namespace detail;
 
-namespace {
-inline uint16_t to_bf16(float f) {
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest even
-    return static_cast<uint16_t>(x >> 16);
-}
-}  // namespace
 
 bool has_bf16() { return OVKC_BF16; }
 
 void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out) {
     const int D = cfg.head_dim, bs = cfg.block_size;
     const int64_t n = hc.size();
-    const int64_t groups = (n + 15) / 16, pairs = groups * 8;
+    const int64_t groups = (n + 63) / 64 * 4, pairs = groups * 8;  // whole 64-token steps (zeros past n)
     out.n = n;
     out.k.assign(static_cast<size_t>(groups) * D * 16, 0);
     out.v.assign(static_cast<size_t>(pairs) * D * 2, 0);

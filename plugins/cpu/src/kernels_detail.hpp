@@ -86,6 +86,14 @@ inline float from_half(uint16_t h) {
 #endif
 }
 
+// bf16, rounded to nearest even
+inline uint16_t to_bf16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return static_cast<uint16_t>(x >> 16);
+}
+
 void half_to_float(const uint16_t* src, float* dst, int64_t n);
 // u8 store: n values (strided in `codes`) as codes with their min and scale (x = min + code * scale)
 void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& lo, float& scale);
@@ -110,6 +118,10 @@ void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0
 void mask_logits(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float* S);
 // Query rows multiplied by the logit scale, in `buf` (the kernels then produce scaled logits).
 void scaled_queries(const RowSet& rows, int D, float scale, std::vector<float>& buf, const float* out[kMaxRows]);
+// The largest of cols (a multiple of 16) scaled logits; s[0..cols) = exp(s - m) in place, returning
+// their sum (lanes at -inf give 0).
+float row_max(const float* s, int cols);
+float exp_sum(float* s, int cols, float m);
 // One online-softmax step of row r over the next `cols` scaled logits in s (masked ones -inf);
 // false when none of these keys is visible to the row.
 bool softmax_step(RowSet& rows, int r, float* s, int cols, int D);

@@ -193,6 +193,9 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     }
 }
 
-const char* kernel_isa() { return OVKC_BF16 ? "avx512+bf16" : OVKC_AVX512 ? "avx512" : "scalar"; }
+const char* kernel_isa() {
+    if (OVKC_BF16) return has_amx() ? "avx512+bf16+amx" : "avx512+bf16";
+    return OVKC_AVX512 ? "avx512" : "scalar";
+}
 
 }  // namespace ovkc

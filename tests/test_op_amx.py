@@ -1,0 +1,67 @@
+"""The op's bf16 prefill on AMX tiles (kernels_amx.cpp) against the f32 reference attention.
+
+Where the build and the process have AMX, ``compute="bf16"`` prefill runs on tiles (16 query
+rows against 64 staged tokens per step): outputs and per-head scores (from the kernel's
+log-sum-exp) must match :func:`ov_kvcrush.methods.attention.attend` within bf16 rounding, for
+head sizes the tiles take, prompts that are not whole tiles, and chunks after a cached prefix.
+Elsewhere the test is skipped (the AVX512-BF16 kernel is tested in test_plugin.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import op_model
+
+from ov_kvcrush import kvcache, plugin
+from ov_kvcrush.methods.attention import attend
+
+pytestmark = pytest.mark.skipif("amx" not in plugin.kernel_isa(), reason="no AMX tiles on this machine")
+
+CASES = [
+    # (hq, hkv, d, steps): prompts of odd lengths, a chunk after a cached prefix, decode between
+    (9, 3, 64, [100, 1, 37, 1]),
+    (8, 2, 128, [70, 33]),
+    (4, 4, 32, [17, 200]),
+    (6, 1, 64, [129, 1]),
+]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "steps"), CASES)
+def test_amx_prefill_matches_the_reference_within_bf16(ov_core, hq, hkv, d, steps):
+    rng = np.random.default_rng(d + len(steps))
+    req = op_model(ov_core, hq, hkv, d, compute="bf16")
+    pool = kvcache.KVPool(1, hq, hkv, d, precision="f32", scores=True)
+    seq = pool.new_sequence()
+    ks, vs, want_scores = [], [], None
+    for n in steps:
+        q = rng.standard_normal((1, hq, n, d), dtype=np.float32)
+        k = rng.standard_normal((1, hkv, n, d), dtype=np.float32)
+        v = rng.standard_normal((1, hkv, n, d), dtype=np.float32)
+        out = np.array(req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])})[0])
+        ks.append(k)
+        vs.append(v)
+        kk, vv = np.concatenate(ks, 2), np.concatenate(vs, 2)
+        total = kk.shape[2]
+        res = attend(
+            torch.from_numpy(q),
+            torch.from_numpy(kk),
+            torch.from_numpy(vv),
+            q_positions=torch.arange(total - n, total),
+            k_positions=torch.arange(total),
+            return_scores=True,
+        )
+        ref = res.output.numpy()
+        tol = 2e-5 if n == 1 else 2e-2  # decode is f32; bf16 keeps 8 mantissa bits
+        assert np.abs(out - ref).max() < tol * max(1.0, np.abs(ref).max())
+        step_scores = res.scores.numpy()[0]  # [hq, total]: this step's probabilities per key
+        if want_scores is None:
+            want_scores = step_scores
+        else:
+            want_scores = np.concatenate([want_scores, np.zeros((hq, n))], axis=1) + step_scores
+    group = hq // hkv
+    for g in range(hkv):
+        _pos, _k, _v, sc = seq.read_head(0, g)
+        np.testing.assert_allclose(sc.T, want_scores[g * group : (g + 1) * group], atol=2e-2, rtol=2e-2)
+    pool.close()
