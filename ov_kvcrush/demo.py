@@ -9,7 +9,7 @@ One passkey question in a ~2k-token prompt, answered by:
 * with ``--torch``, the torch reference of KVCrush, Chelsea and MiniKV too (the oracle, slower).
 
 Each row: the answer, TTFT, TPOT, and the KV bytes held against the full cache's in the same
-backend (native keeps u8, our op f16, torch the model's fp32: compare ratios across backends,
+backend (native and our op keep u8, torch the model's fp32: compare ratios across backends,
 bytes within one). Our rows share one compiled model, a block pool per method.
 """
 
@@ -109,7 +109,8 @@ def run_demo(tokens: int, budget: int, with_torch: bool, say: Callable[[str], No
         for line in row.lines():
             say(line)
     say(
-        "\nnative holds KV in u8 (its CPU default), our op in f16, the torch reference in the model's fp32: "
+        "\nnative and our op hold KV in u8 (their CPU default; native's keys per channel, ours per token), "
+        "the torch reference in the model's fp32: "
         "compare ratios across backends, bytes within one."
     )
     return rows
