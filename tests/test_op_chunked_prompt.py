@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import HKV, HQ, D, op_model
 
-from ov_kvcrush import kvcache
+from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import method_config, methods_for
 from ov_kvcrush.methods.vectors import layer_vectors
@@ -28,7 +28,7 @@ CASES["kvcrush-blocks"] = dict(method="kvcrush", budget=128, sink_tokens=16, rec
 CASES["snapkv-quant"] = dict(method="snapkv", budget=128, quant=True)
 
 
-def run(core, cfg, chunks: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+def run(core, cfg, chunks: list[int], compute: str = "f32") -> tuple[np.ndarray, list[np.ndarray]]:
     """Attention outputs of every prompt and decode token, and the positions each head holds at the end."""
     lv = layer_vectors(0, kv_heads=HKV, q_heads=HQ, tokens=PROMPT + DECODE, head_dim=D)
     block_size = getattr(cfg, "block_size", None) or 32
@@ -36,7 +36,7 @@ def run(core, cfg, chunks: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
     seq = pool.new_sequence()
     if len(chunks) > 1:
         seq.set_prompt(PROMPT)
-    req = op_model(core, HQ, HKV, D)
+    req = op_model(core, HQ, HKV, D, compute=compute)
     outs, a = [], 0
     for n in [*chunks, *[1] * DECODE]:
         q, k, v = (x[:, :, a : a + n].numpy() for x in (lv.queries, lv.keys, lv.values))
@@ -57,6 +57,20 @@ def test_a_chunked_prompt_keeps_what_the_whole_prompt_keeps(ov_core, case):
     cfg = make(case)
     whole_out, whole_held = run(ov_core, cfg, [PROMPT])
     chunk_out, chunk_held = run(ov_core, cfg, CHUNKS)
+    _check_same(case, whole_out, whole_held, chunk_out, chunk_held)
+
+
+@pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
+@pytest.mark.parametrize("case", ["full", "h2o", "snapkv-window-across-chunks"])
+def test_a_chunked_bf16_prompt_matches_the_whole_prompt(ov_core, case):
+    """compute=bf16 (AMX tiles where the CPU has them): a prompt in chunks gives the whole prompt's result."""
+    cfg = make(case)
+    whole_out, whole_held = run(ov_core, cfg, [PROMPT], "bf16")
+    chunk_out, chunk_held = run(ov_core, cfg, CHUNKS, "bf16")
+    _check_same(case, whole_out, whole_held, chunk_out, chunk_held)
+
+
+def _check_same(case, whole_out, whole_held, chunk_out, chunk_held) -> None:
     for g, (w, c) in enumerate(zip(whole_held, chunk_held, strict=True)):
         np.testing.assert_array_equal(c, w, err_msg=f"{case}: KV head {g} holds other tokens")
     if case not in ("full", "clusterkv"):  # ClusterKV keeps every token and recalls (the outputs compare it)
