@@ -93,6 +93,26 @@ def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | Non
     return single_op_model(core, hq, hkv, d, layer, scale, compute)
 
 
+def causal_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float | None = None):
+    """The reference attention (:func:`ov_kvcrush.methods.attention.attend`) of the last
+    ``q.shape[2]`` positions over all ``k.shape[2]`` keys, causal: ``(output, per-head scores)``."""
+    import torch
+
+    from ov_kvcrush.methods.attention import attend
+
+    n, t = k.shape[2], q.shape[2]
+    res = attend(
+        torch.from_numpy(q),
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        q_positions=torch.arange(n - t, n),
+        k_positions=torch.arange(n),
+        scale=scale,
+        return_scores=True,
+    )
+    return res.output.numpy(), res.scores.numpy()
+
+
 def held_positions(seq: kvcache.KVSequence, layer: int) -> list[np.ndarray]:
     return [seq.read_head(layer, g)[0] for g in range(HKV)]
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from helpers import HKV, HQ, D, op_model
+from helpers import HKV, HQ, D, causal_reference, op_model
 
 from ov_kvcrush import kvcache
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import method_config
-from ov_kvcrush.methods.attention import attend
 
 BS = 32
 
@@ -34,15 +32,9 @@ def feed(req, seq, q, k, v):
     return np.array(req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])})[0])
 
 
-def attention(q, k, v, past):
-    n = k.shape[2]
-    return attend(
-        torch.from_numpy(q),
-        torch.from_numpy(k),
-        torch.from_numpy(v),
-        q_positions=torch.arange(past, past + q.shape[2]),
-        k_positions=torch.arange(n),
-    ).output.numpy()
+def attention(q, k, v):
+    """The reference over k, v for the last q.shape[2] positions (helpers.causal_reference)."""
+    return causal_reference(q, k, v)[0]
 
 
 def test_u8_attention_is_the_reference_over_dequantized_tokens(ov_core):
@@ -50,7 +42,7 @@ def test_u8_attention_is_the_reference_over_dequantized_tokens(ov_core):
     pool = kvcache.KVPool(1, HQ, HKV, D, block_size=BS, precision="u8")
     seq = pool.new_sequence()
     req = op_model(ov_core, HQ, HKV, D)
-    ks, vs, past = [], [], 0
+    ks, vs = [], []
     for n in (100, 1, 1, 37, 1):
         q = rng.standard_normal((1, HQ, n, D), dtype=np.float32)
         k = rng.standard_normal((1, HKV, n, D), dtype=np.float32) * 3 + 1
@@ -59,8 +51,7 @@ def test_u8_attention_is_the_reference_over_dequantized_tokens(ov_core):
         ks.append(k)
         vs.append(v)
         kq, vq = quantized(np.concatenate(ks, 2)), quantized(np.concatenate(vs, 2))
-        np.testing.assert_allclose(out, attention(q, kq, vq, past), rtol=1e-4, atol=1e-5)
-        past += n
+        np.testing.assert_allclose(out, attention(q, kq, vq), rtol=1e-4, atol=1e-5)
     for g in range(HKV):
         _pos, keys, values, _ = seq.read_head(0, g)
         np.testing.assert_allclose(keys, kq[0, g], rtol=1e-5, atol=1e-6)
@@ -115,7 +106,7 @@ def test_evictions_move_u8_slots_with_their_scales(ov_core, method):
         pos = held[h // group]
         g = h // group
         # every held token is visible to the last query (positions renumbered: the order is all that counts)
-        want = attention(q[:, h : h + 1, total - 1 :], kq[:, g : g + 1, pos], vq[:, g : g + 1, pos], len(pos) - 1)
+        want = attention(q[:, h : h + 1, total - 1 :], kq[:, g : g + 1, pos], vq[:, g : g + 1, pos])
         np.testing.assert_allclose(out[0, h, 0], want[0, 0, 0], rtol=1e-4, atol=1e-5)
     pool.close()
 

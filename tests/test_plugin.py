@@ -13,11 +13,9 @@ import math
 
 import numpy as np
 import pytest
-import torch
-from helpers import op_model
+from helpers import causal_reference, op_model
 
 from ov_kvcrush import kvcache, plugin
-from ov_kvcrush.methods.attention import attend
 
 
 def run_steps(req, seqs, steps, hq, hkv, d, rng):
@@ -39,17 +37,7 @@ def reference(q, k, v, precision, scale=None):
     if precision == "f16":  # the cache stores keys/values in half precision
         k = k.astype(np.float16).astype(np.float32)
         v = v.astype(np.float16).astype(np.float32)
-    n, t = k.shape[2], q.shape[2]
-    res = attend(
-        torch.from_numpy(q),
-        torch.from_numpy(k),
-        torch.from_numpy(v),
-        q_positions=torch.arange(n - t, n),
-        k_positions=torch.arange(n),
-        scale=scale,
-        return_scores=True,
-    )
-    return res.output.numpy(), res.scores.numpy()
+    return causal_reference(q, k, v, scale)
 
 
 CASES = [
