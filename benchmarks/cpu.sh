@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerate every committed CPU benchmark result under docs/results/bench/ (JSON with the machine,
-# versions and command; PNG; Markdown table), one `ov-kvcrush bench` run each. About 40 minutes on
+# versions and command; PNG; Markdown table), one `ov-kvcrush bench` run each. About 50 minutes on
 # a 2-core machine. Run it on an idle machine: every number is a ratio within one run, but a busy
-# machine widens the spread. Usage: bash benchmarks/cpu.sh [main|full|torch|serving ...] (default: all).
+# machine widens the spread. Usage: bash benchmarks/cpu.sh [main|full|torch|serving|serving-decode ...]
+# (default: all).
 # DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,7 @@ serve() {  # serve NAME ARGS...: one serving run (--concurrency), its three file
 }
 
 runs=("$@")
-[ ${#runs[@]} -eq 0 ] && runs=(main full torch serving)
+[ ${#runs[@]} -eq 0 ] && runs=(main full torch serving serving-decode)
 for run in "${runs[@]}"; do
     case $run in
     main)  # every method of native openvino_genai and of our op, 1k-8k tokens, budget 1024
@@ -50,8 +51,12 @@ for run in "${runs[@]}"; do
         # (four full sequences at native's u8): continuous batching, native against our op
         serve serving_16x4k_cpu --concurrency 16 --lengths 4096 --new-tokens 64 --kv-pool-mib 220 \
             --methods full,snapkv,kvcrush,kvcrush:block_size=32 --budgets 1024 ;;
+    serving-decode)  # decode-heavy: 16 requests of 1k tokens, 256 new tokens each, over 70 MiB (four full
+        # sequences at native's u8): where a compressed cache fits more sequences per pool
+        serve serving_16x1k_decode_cpu --concurrency 16 --lengths 1024 --new-tokens 256 --kv-pool-mib 70 \
+            --methods full,snapkv,kvcrush:block_size=32 --budgets 512 ;;
     *)
-        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch, serving)" >&2
+        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch, serving, serving-decode)" >&2
         exit 2 ;;
     esac
 done

@@ -50,11 +50,14 @@ def test_a_tiny_serving_run_on_the_real_pipelines():
     assert "openvino full" in format_serving(doc)
 
 
-def test_the_committed_serving_run_is_what_its_command_runs():
-    proc = bench_script_dry_run("cpu.sh", "serving")
+@pytest.mark.parametrize(
+    "run, name", [("serving", "serving_16x4k_cpu"), ("serving-decode", "serving_16x1k_decode_cpu")]
+)
+def test_the_committed_serving_runs_are_what_their_commands_run(run, name):
+    proc = bench_script_dry_run("cpu.sh", run)
     assert proc.returncode == 0, proc.stderr
     planned = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  ")]
-    doc = json.loads((ROOT / "docs" / "results" / "serving" / "serving_16x4k_cpu.json").read_text())
+    doc = json.loads((ROOT / "docs" / "results" / "serving" / f"{name}.json").read_text())
     assert [r["label"] for r in doc["results"]] == planned
     assert doc["command"].startswith("ov-kvcrush bench --concurrency 16")
     for r in doc["results"]:
