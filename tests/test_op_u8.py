@@ -125,3 +125,18 @@ def test_the_engine_stores_u8_by_default_within_5_percent_of_native_bytes(model_
     assert ours.prompt_tokens == native.prompt_tokens
     assert 0.85 < ours.kv_bytes / native.kv_bytes <= 1.05
     assert ours.text.split()[:4] == native.text.split()[:4]
+
+
+def test_kv_cache_precision_property_selects_the_store(model_dir):
+    """openvino_genai users pass KV_CACHE_PRECISION as a property: the op's store follows it."""
+    import openvino as ov
+
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"KV_CACHE_PRECISION='u4' is invalid: allowed one of f32, f16, u8"):
+        OpenVINOEngine(model_dir, properties={"KV_CACHE_PRECISION": "u4"})
+    with pytest.raises(ConfigError, match="kv_precision='f32' is invalid: allowed f16, as KV_CACHE_PRECISION says"):
+        OpenVINOEngine(model_dir, kv_precision="f32", properties={"KV_CACHE_PRECISION": "f16"})
+    engine = OpenVINOEngine(model_dir, properties={"KV_CACHE_PRECISION": ov.Type.f16})
+    assert engine.kv_precision == "f16" and engine.pool.block_bytes == kvcache.block_bytes(32, 64, "f16")

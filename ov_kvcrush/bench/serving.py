@@ -205,7 +205,7 @@ class _OurServer(_Loop):
         import openvino_genai as ov_genai
 
         from ov_kvcrush.config import GenerationSettings
-        from ov_kvcrush.engines.openvino_engine import DEFAULT_KV_PRECISION, OpenVINOEngine
+        from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
         from ov_kvcrush.serving import ContinuousBatchingPipeline
 
         sc = ov_genai.SchedulerConfig()
@@ -214,7 +214,7 @@ class _OurServer(_Loop):
         s = engine.shape
         from ov_kvcrush.kvcache import block_bytes
 
-        self.block_bytes = block_bytes(engine.block_size, s.head_dim, DEFAULT_KV_PRECISION)
+        self.block_bytes = block_bytes(engine.block_size, s.head_dim, engine.kv_precision)
         engine.max_kv_blocks = pool_blocks(int(plan.kv_pool_mib * 2**20), self.block_bytes)
         engine.set_compression(engine.compression)  # the pool, with its limit
         self.pipe = ContinuousBatchingPipeline(engine, sc)

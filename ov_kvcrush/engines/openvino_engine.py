@@ -141,7 +141,8 @@ class OpenVINOEngine:
             eviction, the 2-bit store ...), as the torch reference defines it.
         device: ``CPU`` (the op is a CPU extension).
         kv_precision: ``u8`` (default: 8-bit codes with a per-token min and scale, as native on
-            CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache.
+            CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache; openvino_genai's
+            ``KV_CACHE_PRECISION`` property says the same.
         block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
         max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited).
         scheduler_config: an ``openvino_genai.SchedulerConfig``: its cache eviction settings give
@@ -158,7 +159,7 @@ class OpenVINOEngine:
         model_dir: str | Path,
         compression: CompressionConfig | None = None,
         device: str = "CPU",
-        kv_precision: str = DEFAULT_KV_PRECISION,
+        kv_precision: str | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_kv_blocks: int = 0,
         scheduler_config: Any = None,
@@ -172,8 +173,7 @@ class OpenVINOEngine:
 
         if str(device).upper() != "CPU":
             raise ConfigError("device", device, "CPU (backend openvino: the op is a CPU extension)")
-        if not isinstance(kv_precision, str) or kv_precision not in PRECISIONS:
-            raise ConfigError("kv_precision", kv_precision, "one of " + ", ".join(PRECISIONS))
+        kv_precision = _kv_precision(kv_precision, properties)
         _check_block_size("block_size", block_size)
         if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
             raise ConfigError("max_kv_blocks", max_kv_blocks, "an integer >= 0 (0: unlimited)")
@@ -452,6 +452,26 @@ class OpenVINOEngine:
         if "beam_idx" in self.input_names:
             feed["beam_idx"] = np.zeros(len(ids), dtype=np.int32)
         return feed
+
+
+def _kv_precision(value: Any, properties: dict | None) -> str:
+    """The op's KV precision: ``kv_precision``, else the ``KV_CACHE_PRECISION`` property users of
+    openvino_genai pass (a string or an ``openvino.Type``), else the default; both set must agree."""
+    prop = (properties or {}).get("KV_CACHE_PRECISION")
+    if prop is not None:
+        name = prop if isinstance(prop, str) else getattr(prop, "get_type_name", lambda: str(prop))()
+        name = str(name).lower()
+        if name not in PRECISIONS:
+            allowed = "one of " + ", ".join(PRECISIONS) + " (backend openvino's op)"
+            raise ConfigError("KV_CACHE_PRECISION", prop, allowed)
+        if value is not None and value != name:
+            raise ConfigError("kv_precision", value, f"{name}, as KV_CACHE_PRECISION says (or leave one out)")
+        return name
+    if value is None:
+        return DEFAULT_KV_PRECISION
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise ConfigError("kv_precision", value, "one of " + ", ".join(PRECISIONS))
+    return value
 
 
 def _check_block_size(name: str, value: Any) -> None:
