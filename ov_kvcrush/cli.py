@@ -198,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        default=256,
-        help="serving run: tokens per step, prompt chunks included (default 256, as openvino_genai)",
+        help="serving run: tokens per step, prompt chunks included (default: openvino_genai's, 256)",
     )
     bn.add_argument("--json", dest="json_out", help="write the results as JSON")
     bn.add_argument("--plot", help="write a PNG: TPOT and KV bytes vs length")
@@ -336,6 +335,7 @@ def _bench_serving(
     import json
 
     from ov_kvcrush.bench.serving import ServingPlan, checked_configs, format_serving, plot_serving, run_serving
+    from ov_kvcrush.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     if args.concurrency is None or args.kv_pool_mib is None:
         missing = "--concurrency" if args.concurrency is None else "--kv-pool-mib"
@@ -351,7 +351,9 @@ def _bench_serving(
         length=lengths[0],
         new_tokens=args.new_tokens,
         kv_pool_mib=args.kv_pool_mib,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if args.max_num_batched_tokens is None
+        else args.max_num_batched_tokens,
         seed=args.seed,
         model=args.model,
     )

@@ -34,11 +34,10 @@ from typing import Any
 from ov_kvcrush.bench import measure
 from ov_kvcrush.bench.plan import BenchConfig, compression, plan_configs
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ov_kvcrush.validation import check_int
 
 SERVING_BACKENDS = ("genai", "openvino")
-#: openvino_genai.SchedulerConfig's default step size
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -130,23 +129,25 @@ class _NativeServer(_Loop):
     def __init__(self, cfg: BenchConfig, plan: ServingPlan, model_dir: str) -> None:
         import openvino_genai as ov_genai
 
-        from ov_kvcrush.config import to_native_scheduler_config
-
         self.ov_genai = ov_genai
         self.comp = compression(cfg)
         self.plan = plan
         probe_blocks = 8
-        to_native = to_native_scheduler_config
-        probe = ov_genai.ContinuousBatchingPipeline(model_dir, self._sc(probe_blocks, to_native), "CPU")
+        probe = ov_genai.ContinuousBatchingPipeline(model_dir, self._sc(probe_blocks), "CPU")
         self._run_one(probe, [1, 2, 3, 4], 2)  # the pool is allocated on the first step
         self.block_bytes = probe.get_metrics().cache_size_in_bytes // probe_blocks
         del probe
         self.blocks = pool_blocks(int(plan.kv_pool_mib * 2**20), self.block_bytes)
-        self.pipe = ov_genai.ContinuousBatchingPipeline(model_dir, self._sc(self.blocks, to_native), "CPU")
+        self.pipe = ov_genai.ContinuousBatchingPipeline(model_dir, self._sc(self.blocks), "CPU")
         self.tokenizer = self.pipe.get_tokenizer()
 
-    def _sc(self, blocks: int, to_native: Callable) -> Any:
-        sc = to_native(self.comp, "CPU", num_kv_blocks=blocks, max_num_batched_tokens=self.plan.max_num_batched_tokens)
+    def _sc(self, blocks: int) -> Any:
+        """The native scheduler config of the method, over a pool of ``blocks`` native blocks."""
+        from ov_kvcrush.config import to_native_scheduler_config
+
+        sc = to_native_scheduler_config(
+            self.comp, "CPU", num_kv_blocks=blocks, max_num_batched_tokens=self.plan.max_num_batched_tokens
+        )
         sc.enable_prefix_caching = False  # every prompt is fresh anyway
         return sc
 

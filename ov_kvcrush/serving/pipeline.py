@@ -49,12 +49,14 @@ from ov_kvcrush.engines.openvino_engine import (
 )
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.kvcache import KVSequence, block_bytes
-from ov_kvcrush.serving.scheduler import Scheduler, SchedulerLimits, Slot
+from ov_kvcrush.serving.scheduler import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    Scheduler,
+    SchedulerLimits,
+    Slot,
+)
 from ov_kvcrush.validation import check_int
-
-#: openvino_genai.SchedulerConfig's defaults
-DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 
 class GenerationStatus(Enum):
@@ -82,7 +84,6 @@ class _Request:
     chunks: int = 0
     decode_batch: list[int] = field(default_factory=list)  # batch size of each decode step it ran in
     peak_kv_bytes: int = 0
-    cancelled: bool = False
 
 
 class GenerationHandle:

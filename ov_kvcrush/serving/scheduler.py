@@ -32,6 +32,10 @@ from enum import Enum
 
 from ov_kvcrush.errors import UserError
 
+#: openvino_genai.SchedulerConfig's defaults, used when no scheduler config is given
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+
 
 class Phase(Enum):
     WAITING = "waiting"
