@@ -157,8 +157,8 @@ class KVPool:
         layers, q_heads, kv_heads, head_dim: the model's attention shape.
         block_size: tokens per block (a multiple of 16).
         precision: ``f32``, ``f16`` or ``u8`` storage of keys and values.
-        max_blocks: refuse to grow past this many blocks (0: no limit); a sequence that needs
-            more fails with an error naming the limit.
+        max_blocks: refuse to grow past this many blocks' bytes (0: no limit), 2-bit blocks
+            counted by their bytes; a sequence that needs more fails with an error naming the limit.
         scores: accumulate per-head attention scores (the eviction policies read them).
         method: the compression method spec (:func:`ov_kvcrush.method_spec.method_spec` builds it
             from a method config); ``None``: the full cache.

@@ -70,7 +70,9 @@ def test_fast_clusterkv_attends_what_the_reference_attends(case):
     assert torch.equal(fast.tokens_held(), ref.tokens_held())
 
 
-MINIKV = MiniKVConfig(budget=48, sink_tokens=4, recent_tokens=8, quant=QuantSettings(group_size=16, residual_tokens=16))
+MINIKV = MiniKVConfig(
+    budget=48, sink_tokens=4, recent_tokens=8, quant=QuantSettings(group_size=16, residual_tokens=16, prompt_tail=16)
+)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

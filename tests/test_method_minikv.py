@@ -63,6 +63,53 @@ def test_store_bytes_match_theory_and_residual_flushes():
     assert 0 < err < 0.35  # 2 bits over a group's range: at most half of a third
 
 
+def test_pinned_prompt_tail_stays_exact_through_every_flush():
+    qs = QuantSettings(group_size=16, residual_tokens=32)
+    store = Int2Store(qs)
+    vec = layer_vectors(0, tokens=260)
+    store.append(vec.keys[:, :, :150], vec.values[:, :, :150], torch.arange(150), pin=40)
+    # 110 unpinned prompt tokens: 96 quantized, 14 wait in the residual; the last 40 are pinned
+    assert (store.quantized_tokens, store.pinned_len, store.residual_len) == (96, 40, 14)
+    for i in range(150, 260):
+        store.append(vec.keys[:, :, i : i + 1], vec.values[:, :, i : i + 1], torch.tensor([i]))
+    k, v, p = store.dense()
+    assert store.pinned_len == 40 and len(store) == 260
+    order = p[0, 0]
+    assert sorted(order.tolist()) == list(range(260))
+    pinned = slice(store.quantized_tokens, store.quantized_tokens + 40)
+    assert order[pinned].tolist() == list(range(110, 150))
+    assert torch.equal(k[:, :, pinned], vec.keys[:, :, 110:150])
+    assert torch.equal(v[:, :, pinned], vec.values[:, :, 110:150])
+    # what was quantized is the unpinned tokens in order, and it is only that (within 2-bit error)
+    q = store.quantized_tokens
+    assert order[:q].tolist() == [t for t in range(260) if not 110 <= t < 150][:q]
+    with pytest.raises(RuntimeError, match="pinned"):
+        store.keep(torch.zeros(1, 3, 4, dtype=torch.long))
+
+
+def test_prompt_tail_config_defaults_and_refusals():
+    assert QuantSettings().pinned_tail() == 64 and QuantSettings(prompt_tail=0).pinned_tail() == 0
+    with pytest.raises(ConfigError, match=r"quant\.prompt_tail"):
+        QuantSettings(prompt_tail=-1)
+    with pytest.raises(ConfigError, match=r"quant\.prompt_tail"):
+        method_config("clusterkv", budget=256, quant=QuantSettings(prompt_tail=32))
+    with pytest.raises(ConfigError, match=r"quant\.prompt_tail"):
+        method_config("chelsea", budget=256, quant=QuantSettings(prompt_tail=32))
+    method_config("clusterkv", budget=256, quant=QuantSettings())  # None: nothing pinned there
+
+
+def test_minikv_keeps_the_prompt_tail_in_full_precision():
+    vec = layer_vectors(1, tokens=300)
+    for tail, exact in ((64, True), (0, False)):
+        quant = QuantSettings(residual_tokens=32, prompt_tail=tail)
+        cache = MiniKVConfig(budget=160, sink_tokens=8, recent_tokens=64, quant=quant).make_layer(3, 4)
+        cache.prefill(*vec.prefix(300))
+        k, _, p = cache.store.dense()
+        last = ((p >= 300 - 64) & (p >= 0)).unsqueeze(-1).expand_as(k)  # the prompt's last 64 (all kept: recent)
+        exact_keys = torch.gather(vec.keys[:, :, :300], 2, p.clamp_min(0).unsqueeze(-1).expand_as(k))
+        assert torch.equal(k[last], exact_keys[last]) is exact
+
+
 def test_minikv_freezes_prefill_heavy_hitters_and_keeps_generated_tokens():
     vec = layer_vectors(1, tokens=300)
     cfg = MiniKVConfig(budget=96, sink_tokens=8, recent_tokens=16, quant=QuantSettings(residual_tokens=32))
@@ -70,10 +117,10 @@ def test_minikv_freezes_prefill_heavy_hitters_and_keeps_generated_tokens():
     assert sum(budgets) == 4 * 96 and budgets[0] > budgets[-1]
     cache = cfg.make_layer(3, 4)
     cache.prefill(*vec.prefix(250))
-    chosen = cache.kept_positions()[..., : budgets[3]].clone()
+    chosen = cache.kept_positions()[..., : budgets[3]].sort(-1).values
     for i in range(250, 300):
         cache.decode(*vec.step(i))
-    pos = cache.kept_positions()
+    pos = cache.kept_positions().sort(-1).values  # the pinned prompt tail sits between the quantized and the residual
     assert torch.equal(pos[..., : budgets[3]], chosen)
     assert pos[0, 0, budgets[3] :].tolist() == list(range(250, 300))
     assert cache.store.quantized_tokens > 0
@@ -83,7 +130,7 @@ def test_minikv_freezes_prefill_heavy_hitters_and_keeps_generated_tokens():
 def test_any_selection_method_runs_over_the_2bit_store(name):
     vec = layer_vectors(2, tokens=340)
     kw = {"dense_layers": 0} if name == "clusterkv" else {}
-    cfg_q = method_config(name, budget=128, quant=True, **kw)
+    cfg_q = method_config(name, budget=128, quant=QuantSettings(prompt_tail=0), **kw)  # all of it in 2 bits
     cfg_f = method_config(name, budget=128, **kw)
     caches = []
     for cfg in (cfg_q, cfg_f):

@@ -90,7 +90,7 @@ def test_compression_holds_the_budget_and_shrinks_memory(name):
         per_token_fp32 = full.memory()["kv"] // 400
         quantized = store.quantized_tokens * per_token_fp32 // 8  # 2 bits + fp16 scale/zero per 16 values
         assert store.quantized_tokens > 0
-        assert cache.memory()["kv"] == quantized + store.residual_len * per_token_fp32
+        assert cache.memory()["kv"] == quantized + (store.pinned_len + store.residual_len) * per_token_fp32
     elif name == "chelsea":
         assert int(held.max()) < budget + cache.config.merge_interval
         assert cache.memory()["kv"] < full.memory()["kv"] / 2

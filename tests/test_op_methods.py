@@ -53,7 +53,11 @@ CASES = {
         method="snapkv", budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(residual_tokens=64)
     ),
     "kvcrush-quant": dict(
-        method="kvcrush", budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(group_size=32)
+        method="kvcrush",
+        budget=96,
+        sink_tokens=4,
+        recent_tokens=16,
+        quant=QuantSettings(group_size=32, residual_tokens=32, prompt_tail=24),
     ),
     "kvcrush-blocks": dict(
         method="kvcrush", budget=128, sink_tokens=16, recent_tokens=32, representatives=32, block_size=16
@@ -212,7 +216,7 @@ def test_bad_method_specs_name_the_field():
         (_spec(**dict(H2O, colour="red")), "colour"),
         (_spec(**H2O) + ";sinks=4", "sinks"),
         (_spec(**dict(H2O, method="minikv")), "frozen"),  # MiniKV's selection is frozen
-        (_spec(**dict(H2O, quant=1, group=16, residual=32)), "frozen"),  # and any over the 2-bit store
+        (_spec(**dict(H2O, quant=1, group=16, residual=32, tail=0)), "frozen"),  # and any over the 2-bit store
         (_spec(method="full", budgets="0", quant=1, group=16), "residual"),
         ("", "method"),
     ]:

@@ -157,6 +157,32 @@ def test_pool_limit_is_a_clear_error_and_the_process_survives(ov_core):
     assert pool.stats().blocks_in_use == 2
 
 
+def test_two_bit_blocks_count_by_their_bytes_against_the_pool(ov_core):
+    """A 2-bit store takes its bytes from the same max_blocks: the full-precision blocks a flush
+    frees go back to the system to make room, and the pool never holds more than its bytes."""
+    from ov_kvcrush.method_spec import method_spec
+    from ov_kvcrush.methods import MiniKVConfig, QuantSettings
+
+    rng = np.random.default_rng(5)
+    req = op_model(ov_core, 4, 2, 32)
+    quant = QuantSettings(group_size=16, residual_tokens=16, prompt_tail=0)
+    spec = method_spec(MiniKVConfig(budget=64, sink_tokens=4, recent_tokens=8, quant=quant), 1, 4, 16)
+    pool = kvcache.KVPool(1, 4, 2, 32, block_size=16, precision="f32", max_blocks=8, method=spec)
+    limit = 8 * pool.stats().block_bytes
+    first = pool.new_sequence()
+    list(run_steps(req, [first], [64], 4, 2, 32, rng))  # 2 heads x 4 blocks: the whole pool, then flushed
+    st = pool.stats()
+    assert st.blocks_in_use == 0 and st.qblocks_in_use == 8 and st.qblock_bytes * 8 == st.block_bytes
+    second = pool.new_sequence()
+    list(run_steps(req, [second], [48], 4, 2, 32, rng))  # 6 blocks fit beside the 2-bit store's 1 block of bytes
+    st = pool.stats()
+    assert st.blocks_allocated < 8 and st.kv_bytes <= limit
+    third = pool.new_sequence()
+    with pytest.raises(RuntimeError, match="max_blocks=8"):
+        list(run_steps(req, [third], [64], 4, 2, 32, rng))
+    assert pool.stats().kv_bytes <= limit
+
+
 def test_bad_handles_and_shapes_raise(ov_core):
     rng = np.random.default_rng(3)
     req = op_model(ov_core, 4, 2, 32)

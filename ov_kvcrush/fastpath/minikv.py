@@ -8,7 +8,9 @@ the store over into preallocated tensors and decodes with
 dequantised inside the attention) where Triton runs, or a dequantise-then-SDPA step elsewhere.
 
 The selection is frozen after prefill (MiniKV's design), so a step only appends: the new token
-goes into the full-precision residual at the device count ``r_dev``; when the residual fills
+goes into the full-precision buffer at the device count ``r_dev``. The buffer starts with the
+pinned prompt tail (``quant.prompt_tail``, never quantised) and goes on with the residual, so the
+kernel reads both as one full-precision run, in the reference's order; when the residual fills
 (every ``residual_tokens`` steps) that step quantises it into the store, as the reference does in
 the same step. That step runs eagerly (:meth:`graph_key` is ``None``); the shapes then change
 (one more quantised chunk), and the next step is captured again.
@@ -42,11 +44,13 @@ class FastMiniKVLayerCache(FastLayerCache):
         self.reserve = max(0, int(reserve))
         self.packed: dict[str, torch.Tensor] = {}
         self.n_q = 0  # tokens in the quantised part
-        self.rk: torch.Tensor | None = None  # [b, hk, residual_tokens, d]
+        self.rk: torch.Tensor | None = None  # [b, hk, pinned + residual_tokens, d]
         self.rv: torch.Tensor | None = None
-        self.r_dev: torch.Tensor | None = None  # [1] residual tokens held, on the device
-        self.r_host = 0
-        self.prompt_positions: torch.Tensor | None = None  # [b, hk, n_sel] positions of the kept prompt tokens
+        self.r_dev: torch.Tensor | None = None  # [1] pinned + residual tokens held, on the device
+        self.r_host = 0  # residual tokens held (not counting the pinned)
+        self.pinned = 0
+        # [b, hk, n] positions of the kept prompt tokens at prefill: quantised, pinned, residual
+        self.prompt_positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.prompt_tokens = 0
         self._flush_now = False
         self._flushed = False
@@ -61,19 +65,28 @@ class FastMiniKVLayerCache(FastLayerCache):
         self._host_counters.update(ref.counters)
         store = ref.store
         self.prompt_tokens = keys.shape[2]
-        assert store.positions is not None and store.rk is not None and store.rv is not None
-        self.prompt_positions = store.positions
+        assert store.rpos is not None and store.rk is not None and store.rv is not None
+        empty = store.rpos[:, :, :0]
+        self.prompt_positions = (
+            empty if store.qpos is None else store.qpos,
+            empty if store.ppos is None else store.ppos,
+            store.rpos,
+        )
         r = self.settings.residual_tokens
         self.n_q = store.quantized_tokens
         self._allocate(self.n_q + -(-self.reserve // r) * r + r, keys)
         if self.n_q:
             self._store_packed({name: getattr(store, name) for name in PACKED_KV}, 0)
-        self.rk = keys.new_zeros((*keys.shape[:2], r, keys.shape[3]))
+        p = self.pinned = store.pinned_len
+        self.rk = keys.new_zeros((*keys.shape[:2], p + r, keys.shape[3]))
         self.rv = torch.zeros_like(self.rk)
+        if p:
+            self.rk[:, :, :p] = store.pk
+            self.rv[:, :, :p] = store.pv
         self.r_host = store.residual_len
-        self.rk[:, :, : self.r_host] = store.rk
-        self.rv[:, :, : self.r_host] = store.rv
-        self.r_dev = torch.full((1,), self.r_host, dtype=torch.long, device=keys.device)
+        self.rk[:, :, p : p + self.r_host] = store.rk
+        self.rv[:, :, p : p + self.r_host] = store.rv
+        self.r_dev = torch.full((1,), p + self.r_host, dtype=torch.long, device=keys.device)
         self.reference = None
         return out
 
@@ -154,19 +167,20 @@ class FastMiniKVLayerCache(FastLayerCache):
         return self._sdpa(queries, k, v, visible.view(1, 1, 1, -1))
 
     def _flush(self, tokens: int) -> None:
-        """Quantise the residual's first ``tokens`` (whole chunks) into the store (eager only)."""
+        """Quantise the residual's first ``tokens`` (whole chunks, after the pinned) into the store (eager only)."""
         assert self.rk is not None and self.rv is not None and self.r_dev is not None
-        parts = pack_kv(self.rk[:, :, :tokens], self.rv[:, :, :tokens], self.settings.group_size)
+        p = self.pinned
+        parts = pack_kv(self.rk[:, :, p : p + tokens], self.rv[:, :, p : p + tokens], self.settings.group_size)
         self._store_packed(parts, self.n_q)
         self.n_q += tokens
-        rest = self.rk.shape[2] - tokens
-        self.rk[:, :, :rest] = self.rk[:, :, tokens:].clone()
-        self.rv[:, :, :rest] = self.rv[:, :, tokens:].clone()
+        rest = self.rk.shape[2] - p - tokens
+        self.rk[:, :, p : p + rest] = self.rk[:, :, p + tokens :].clone()
+        self.rv[:, :, p : p + rest] = self.rv[:, :, p + tokens :].clone()
         self.r_dev.sub_(tokens)
         self._flushed = True
 
     def _dequantised(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The quantised part dequantised, then the whole residual buffer (unwritten slots: zeros)."""
+        """The quantised part dequantised, then the whole pinned + residual buffer (unwritten slots: zeros)."""
         assert self.rk is not None and self.rv is not None
         held = {name: self._held(self.packed[name], name) for name in PACKED_KV}
         k, v = unpack_kv(held, self.settings.group_size, self.rk.dtype)
@@ -180,28 +194,33 @@ class FastMiniKVLayerCache(FastLayerCache):
             self.rk.index_copy_(2, self.r_dev, keys[:, :, i : i + 1])
             self.rv.index_copy_(2, self.r_dev, values[:, :, i : i + 1])
             self.r_dev.add_(1)
-            if int(self.r_dev) == r:
+            if int(self.r_dev) == self.pinned + r:
                 self._flush(r)
-        held = self.n_q + (self.r_host + t) % r
+        held = self.n_q + self.pinned + (self.r_host + t) % r
         k, v = self._dequantised()
         k, v = k[:, :, :held], v[:, :, :held]
         pos = torch.arange(self.seen, self.seen + t, device=keys.device)
         return self._attend(queries, k, v, q_positions=pos, k_positions=self._positions_held(k.shape[2])).output
 
     def _positions_held(self, n: int) -> torch.Tensor:
-        """``[b, hk, n]`` positions of the held tokens: the kept prompt tokens, then every generated one."""
+        """``[b, hk, n]`` positions of the ``n`` held tokens in the store's order: the quantised (the
+        prompt's, then the residual's as flushed), the pinned, then the residual's rest. The residual
+        stream is the prompt's unflushed tokens followed by every generated one."""
         assert self.prompt_positions is not None
-        kept = self.prompt_positions
-        generated = torch.arange(self.prompt_tokens, self.prompt_tokens + n - kept.shape[2], device=kept.device)
-        return torch.cat([kept, generated.expand(*kept.shape[:2], -1)], dim=2)
+        kept_q, pinned, kept_r = self.prompt_positions
+        generated = n - kept_q.shape[2] - pinned.shape[2] - kept_r.shape[2]
+        gen = torch.arange(self.prompt_tokens, self.prompt_tokens + generated, device=kept_r.device)
+        stream = torch.cat([kept_r, gen.expand(*kept_r.shape[:2], -1)], dim=2)
+        flushed = self.n_q - kept_q.shape[2]
+        return torch.cat([kept_q, stream[:, :, :flushed], pinned, stream[:, :, flushed:]], dim=2)
 
     # -- what is held ---------------------------------------------------------------------------
     def tokens_held(self) -> torch.Tensor:
         assert self.rk is not None
-        return torch.full(self.rk.shape[:2], self.n_q + self.r_host, dtype=torch.long)
+        return torch.full(self.rk.shape[:2], self.n_q + self.pinned + self.r_host, dtype=torch.long)
 
     def _metadata(self) -> list[torch.Tensor | None]:
-        return [self.r_dev, self.prompt_positions, *self._device_counters.values()]
+        return [self.r_dev, *(self.prompt_positions or ()), *self._device_counters.values()]
 
     def memory(self) -> dict[str, int]:
         kv = tensor_bytes(*self.packed.values(), self.rk, self.rv)

@@ -92,6 +92,11 @@ def storage_bytes(obj: Any) -> int:
 ENGINES = ("torch", "openvino", "genai")
 
 
+#: the prompt's last tokens a selecting method keeps out of the 2-bit store by default (a chat
+#: template's question fits); see :class:`QuantSettings`
+DEFAULT_PROMPT_TAIL = 64
+
+
 @dataclass(frozen=True)
 class QuantSettings:
     """MiniKV's 2-bit KV store, usable under any selection method.
@@ -103,11 +108,16 @@ class QuantSettings:
         residual_tokens: the newest tokens kept in full precision; when that many have
             accumulated they are quantized together (flushed every ``residual_tokens`` steps).
             A multiple of ``group_size``.
+        prompt_tail: the prompt's last tokens kept in full precision for good (they usually hold
+            the question). ``None``: :data:`DEFAULT_PROMPT_TAIL` for the selecting methods, 0 for
+            the methods that re-encode or index their store (Chelsea, ClusterKV, Quest), which
+            refuse any other value. 0 quantizes the prompt like the rest (MiniKV's paper).
     """
 
     bits: int = 2
     group_size: int = 16
     residual_tokens: int = 128
+    prompt_tail: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits != 2 or isinstance(self.bits, bool):
@@ -119,6 +129,19 @@ class QuantSettings:
             raise ConfigError(
                 "quant.residual_tokens", self.residual_tokens, f"a multiple of quant.group_size={self.group_size}"
             )
+        if self.prompt_tail is not None:
+            check_int("quant.prompt_tail", self.prompt_tail, 0, 1 << 16)
+
+    def pinned_tail(self, selecting: bool = True) -> int:
+        """The prompt tail kept in full precision; ``selecting`` False: a method that cannot pin
+        (Chelsea, ClusterKV, Quest), for which only 0 (or ``None``) is allowed."""
+        if not selecting:
+            if self.prompt_tail:
+                raise ConfigError(
+                    "quant.prompt_tail", self.prompt_tail, "0 for this method (its store is re-encoded or indexed)"
+                )
+            return 0
+        return DEFAULT_PROMPT_TAIL if self.prompt_tail is None else self.prompt_tail
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,10 @@ class MethodConfig:
     #: does not inherit its parent's engines (a test checks it). Every list of methods per engine
     #: (configs, eval, bench, CLI help, README) is derived from these.
     engines: ClassVar[tuple[str, ...]] = ("torch",)
+    #: over the 2-bit store, whether the prompt's tail can stay pinned in full precision
+    #: (``quant.prompt_tail``): not for a method that re-encodes its store (Chelsea) or indexes
+    #: its tokens in flush order (ClusterKV)
+    pins_prompt_tail: ClassVar[bool] = True
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         """This method's own fields of the op's spec, for a model with ``layers`` layers, ``q_heads``

@@ -216,6 +216,7 @@ class ChelseaConfig(MethodConfig):
 
     name: ClassVar[str] = "chelsea"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    pins_prompt_tail: ClassVar[bool] = False
     budget: int | None = None
     sink_tokens: int = 16
     recent_tokens: int = 64
@@ -240,6 +241,8 @@ class ChelseaConfig(MethodConfig):
                 )
         if self.quant is not None and not isinstance(self.quant, QuantSettings):
             raise ConfigError("quant", self.quant, "a QuantSettings or None")
+        if self.quant is not None:
+            self.quant.pinned_tail(selecting=self.pins_prompt_tail)
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         if self.quant is not None:

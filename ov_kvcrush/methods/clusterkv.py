@@ -285,6 +285,7 @@ class ClusterKVConfig(MethodConfig):
 
     name: ClassVar[str] = "clusterkv"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    pins_prompt_tail: ClassVar[bool] = False
     budget: int | None = None
     sink_tokens: int = 16
     tokens_per_cluster: int = 80
@@ -314,6 +315,8 @@ class ClusterKVConfig(MethodConfig):
             raise ConfigError("track_recall", self.track_recall, "true or false")
         if self.quant is not None and not isinstance(self.quant, QuantSettings):
             raise ConfigError("quant", self.quant, "a QuantSettings or None")
+        if self.quant is not None:
+            self.quant.pinned_tail(selecting=self.pins_prompt_tail)
 
     def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
         return None if layer_idx < self.dense_layers else self.budget

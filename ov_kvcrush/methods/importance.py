@@ -106,6 +106,8 @@ class EvictionConfig(MethodConfig):
         )
         if self.quant is not None and not isinstance(self.quant, QuantSettings):
             raise ConfigError("quant", self.quant, "a QuantSettings or None")
+        if self.quant is not None:
+            self.quant.pinned_tail(selecting=self.pins_prompt_tail)  # a bad value is named at config time
 
     def selection_frozen(self) -> bool:
         """Whether the prefill selection is final (MiniKV; any selection over the 2-bit store)."""
@@ -315,7 +317,9 @@ class ImportanceLayerCache(LayerCache):
             self._bump("evicted", float((t - (index >= 0).sum(-1)).sum()))
         else:
             p = pos
-        self.store.append(keys, values, p)
+        quant = getattr(self.config, "quant", None)
+        pin = 0 if quant is None else quant.pinned_tail(selecting=self.config.pins_prompt_tail)
+        self.store.append(keys, values, p, pin=pin)
         self.acc = acc
         self.frozen = self.store.quantized or getattr(self.config, "frozen_selection", False)
         return res.output

@@ -10,10 +10,16 @@ eviction) and expose the same small interface, so any selection method can run o
 * ``memory()`` with the bytes really allocated.
 
 The 2-bit store keeps the newest tokens in full precision (the residual) and quantizes them
-``residual_tokens`` at a time, as MiniKV/KIVI do. Keeping a subset of already-quantized tokens
-would break their per-channel key groups, so :meth:`Int2Store.keep` only accepts subsets of a
-store with nothing quantized yet (selection at prefill, frozen afterwards: MiniKV's design);
-methods that rewrite tokens (Chelsea's merges) use :meth:`replace`, which re-quantizes.
+``residual_tokens`` at a time, as MiniKV/KIVI do. The prompt's last tokens may be *pinned*: kept in
+full precision for good (``append(..., pin=n)``), since they usually hold the question, and a
+question stored in 2 bits loses what the method selected for it (issue 24: SnapKV over the store
+answered 0/3 needles at a budget of exactly 1024, 3/3 at 1088, where 64 more prompt tokens stayed
+full precision). MiniKV's paper quantizes them like the rest; ``quant.prompt_tail=0`` does.
+
+Keeping a subset of already-quantized tokens would break their per-channel key groups, so
+:meth:`Int2Store.keep` only accepts subsets of a store with nothing quantized yet (selection at
+prefill, frozen afterwards: MiniKV's design); methods that rewrite tokens (Chelsea's merges) use
+:meth:`replace`, which re-quantizes.
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ class FPStore:
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add tokens at the end; ``positions`` is ``[t]`` (same for every head) or ``[b, h, t]``."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, pin: int = 0) -> None:
+        """Add tokens at the end; ``positions`` is ``[t]`` (same for every head) or ``[b, h, t]``.
+
+        ``pin`` is :class:`Int2Store`'s (everything here is full precision already).
+        """
         pos = positions.expand(*keys.shape[:2], keys.shape[2]) if positions.dim() == 1 else positions
         if self.keys is None:
             self.keys, self.values, self.positions = keys, values, pos.clone()
@@ -78,7 +87,10 @@ class Int2Store:
       fp16 ``[b, h, n_q / G, d]`` (one per channel per ``G`` tokens);
     * ``qv`` int32 ``[b, h, n_q, d / 16]``: value codes packed along channels; ``v_scale``/
       ``v_zero`` fp16 ``[b, h, n_q, d / G]``;
+    * ``pk``/``pv`` ``[b, h, p, d]`` the pinned prompt tail in full precision (never quantized);
     * ``rk``/``rv`` ``[b, h, r, d]`` the newest ``r < residual_tokens`` tokens in full precision.
+
+    :meth:`dense` reads them in that order (quantized, pinned, residual), with their positions.
     """
 
     quantized = True
@@ -87,9 +99,14 @@ class Int2Store:
         self.settings = settings
         self.qk = self.k_scale = self.k_zero = None
         self.qv = self.v_scale = self.v_zero = None
+        self.pk: torch.Tensor | None = None
+        self.pv: torch.Tensor | None = None
         self.rk: torch.Tensor | None = None
         self.rv: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
+        # positions of the quantized, pinned and residual tokens, each [b, h, n]
+        self.qpos: torch.Tensor | None = None
+        self.ppos: torch.Tensor | None = None
+        self.rpos: torch.Tensor | None = None
         self.dtype: torch.dtype = torch.float32
         self.flushes = 0
 
@@ -102,12 +119,26 @@ class Int2Store:
     def residual_len(self) -> int:
         return 0 if self.rk is None else self.rk.shape[2]
 
+    @property
+    def pinned_len(self) -> int:
+        return 0 if self.pk is None else self.pk.shape[2]
+
     def __len__(self) -> int:
-        return self.quantized_tokens + self.residual_len
+        return self.quantized_tokens + self.pinned_len + self.residual_len
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """``[b, h, n]`` positions of the tokens in :meth:`dense`'s order."""
+        parts = [p for p in (self.qpos, self.ppos, self.rpos) if p is not None]
+        return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     # ---- writing
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add tokens to the residual; quantize whole ``residual_tokens`` chunks as they fill."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, pin: int = 0) -> None:
+        """Add tokens to the residual; quantize whole ``residual_tokens`` chunks as they fill.
+
+        ``pin``: the last ``pin`` tokens held after this append (the prompt's tail) stay in full
+        precision for good; only once, with nothing pinned yet.
+        """
         g = self.settings.group_size
         if keys.shape[3] % g:
             raise ShapeError(f"head_dim={keys.shape[3]} must be a multiple of quant.group_size={g} for the 2-bit store")
@@ -118,17 +149,31 @@ class Int2Store:
         else:
             self.rk = torch.cat([self.rk, keys], dim=2)
             self.rv = torch.cat([self.rv, values], dim=2)
-        self.positions = pos.clone() if self.positions is None else torch.cat([self.positions, pos], dim=2)
+        self.rpos = pos.clone() if self.rpos is None else torch.cat([self.rpos, pos], dim=2)
+        if pin > 0:
+            self._pin(pin)
         self._flush()
+
+    def _pin(self, n: int) -> None:
+        """Move the residual's last ``n`` tokens (at most all of it) into the pinned part."""
+        if self.pk is not None:
+            raise RuntimeError("Int2Store: the prompt's tail is pinned once")
+        assert self.rk is not None and self.rv is not None and self.rpos is not None
+        cut = max(0, self.rk.shape[2] - n)
+        # copies, so that neither part keeps the other's storage alive
+        self.pk, self.pv, self.ppos = (x[:, :, cut:].clone() for x in (self.rk, self.rv, self.rpos))
+        self.rk, self.rv, self.rpos = (x[:, :, :cut].clone() for x in (self.rk, self.rv, self.rpos))
 
     def _flush(self) -> None:
         r = self.settings.residual_tokens
-        assert self.rk is not None and self.rv is not None
+        assert self.rk is not None and self.rv is not None and self.rpos is not None
         n = (self.rk.shape[2] // r) * r
         if n == 0:
             return
         self._quantize_append(self.rk[:, :, :n], self.rv[:, :, :n])
-        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+        moved = self.rpos[:, :, :n]
+        self.qpos = moved.clone() if self.qpos is None else torch.cat([self.qpos, moved], dim=2)
+        self.rk, self.rv, self.rpos = self.rk[:, :, n:], self.rv[:, :, n:], self.rpos[:, :, n:].clone()
         self.flushes += 1
 
     def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -138,37 +183,42 @@ class Int2Store:
 
     # ---- reading
     def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dequantized keys/values (quantized part first, then the residual) and positions."""
+        """Dequantized keys/values (quantized part first, then the pinned, then the residual) and positions."""
         parts_k, parts_v = [], []
         if self.qk is not None:
             k, v = unpack_kv({name: getattr(self, name) for name in PACKED_KV}, self.settings.group_size, self.dtype)
             parts_k.append(k)
             parts_v.append(v)
-        if self.rk is not None:
-            parts_k.append(self.rk)
-            parts_v.append(self.rv)
-        assert self.positions is not None
-        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), self.positions
+        for k, v in ((self.pk, self.pv), (self.rk, self.rv)):
+            if k is not None:
+                parts_k.append(k)
+                parts_v.append(v)
+        positions = self.positions
+        assert positions is not None
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), positions
 
     def keep(self, index: torch.Tensor) -> None:
-        """Retain a per-head subset; only before anything has been quantized (selection is frozen after)."""
-        if self.qk is not None:
-            raise RuntimeError("Int2Store.keep: quantized tokens are frozen; select before quantizing")
-        assert self.rk is not None and self.rv is not None and self.positions is not None
+        """Retain a per-head subset; only before anything has been quantized or pinned (selection is frozen after)."""
+        if self.qk is not None or self.pk is not None:
+            raise RuntimeError("Int2Store.keep: quantized and pinned tokens are frozen; select before quantizing")
+        assert self.rk is not None and self.rv is not None and self.rpos is not None
         self.rk = gather_tokens(self.rk, index)
         self.rv = gather_tokens(self.rv, index)
-        self.positions = torch.gather(self.positions, 2, index)
+        self.rpos = torch.gather(self.rpos, 2, index)
         self._flush()
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Re-encode everything from full-precision (or dequantized-and-merged) tensors."""
+        """Re-encode everything from full-precision (or dequantized-and-merged) tensors (nothing pinned)."""
         self.qk = self.k_scale = self.k_zero = self.qv = self.v_scale = self.v_zero = None
-        self.rk = self.rv = self.positions = None
+        self.pk = self.pv = self.rk = self.rv = None
+        self.qpos = self.ppos = self.rpos = None
         self.append(keys, values, positions)
 
     def memory(self) -> dict[str, int]:
-        kv = tensor_bytes(self.qk, self.k_scale, self.k_zero, self.qv, self.v_scale, self.v_zero, self.rk, self.rv)
-        return {"kv": kv, "metadata": tensor_bytes(self.positions)}
+        kv = tensor_bytes(
+            self.qk, self.k_scale, self.k_zero, self.qv, self.v_scale, self.v_zero, self.pk, self.pv, self.rk, self.rv
+        )
+        return {"kv": kv, "metadata": tensor_bytes(self.qpos, self.ppos, self.rpos)}
 
 
 def make_store(quant: QuantSettings | None) -> FPStore | Int2Store:

@@ -416,9 +416,11 @@ class ContinuousBatchingPipeline:
         slot.tokens = [*req.prompt_ids, *req.tokens]
 
     def _free_blocks(self) -> int | None:
+        """Full-precision blocks' worth of the pool not in use (2-bit blocks count by their bytes)."""
         if not self.engine.max_kv_blocks:
             return None
-        return self.engine.max_kv_blocks - self.pool.stats().blocks_in_use
+        st = self.pool.stats()
+        return self.engine.max_kv_blocks - -(-st.kv_bytes // st.block_bytes)
 
     def _detokenize(self, tokens: list[int]) -> str:
         with self._tokenizer_lock:

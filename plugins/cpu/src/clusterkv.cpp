@@ -387,6 +387,8 @@ ClusterKVPolicy::ClusterKVPolicy(Spec& spec, const ModelShape& /*shape*/, Policy
     seed = spec.integer("seed", 0, (int64_t(1) << 31) - 1);
     cache_steps = spec.integer("cache_steps", 0, 1 << 16);
     require_budgets_at_least(sinks + 1, "sinks + 1");
+    if (quant_tail())  // the clusters index the store's tokens in flush order: nothing may stay behind
+        throw Error(Spec::invalid("tail", std::to_string(quant_tail()), "0 for clusterkv"));
 }
 
 namespace {

@@ -42,6 +42,8 @@ bool PoolConfig::keeps_scores() const { return scores || policy->keeps_slot_scor
 Pool::Pool(const PoolConfig& cfg) : cfg_(cfg) {
     if (!cfg_.policy) throw Error("a KV pool needs a method (policy)");
     cfg_.validate();
+    fp_.bytes = cfg_.block_bytes();
+    q_.bytes = cfg_.qblock_bytes();
 }
 
 Pool::~Pool() {
@@ -49,21 +51,44 @@ Pool::~Pool() {
     for (auto* p : q_.storage) std::free(p);
 }
 
-int32_t Pool::take(Blocks& b, size_t bytes, int64_t limit, const char* what) {
+int64_t Pool::allocated_bytes() const {
+    return fp_.allocated * static_cast<int64_t>(fp_.bytes) + q_.allocated * static_cast<int64_t>(q_.bytes);
+}
+
+int32_t Pool::take(Blocks& b, Blocks& other, const char* what) {
     std::lock_guard<std::mutex> lock(mu_);
     int32_t id;
     if (!b.free.empty()) {
         id = b.free.back();
         b.free.pop_back();
     } else {
-        if (limit && static_cast<int64_t>(b.storage.size()) >= limit)
-            throw Error("KV block pool exhausted: max_blocks=" + std::to_string(limit) + " blocks of " +
-                        std::to_string(cfg_.block_size) + " tokens are all in use; raise max_kv_blocks or free sequences");
-        if (b.storage.size() >= static_cast<size_t>(INT32_MAX)) throw Error(std::string("KV block pool: too many ") + what + "s");
-        void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+        const int64_t limit = cfg_.max_blocks * static_cast<int64_t>(fp_.bytes);
+        const int64_t need = static_cast<int64_t>(b.bytes);
+        while (cfg_.max_blocks && allocated_bytes() + need > limit && !other.free.empty()) {
+            const int32_t spare = other.free.back();  // the other kind's unused memory makes room
+            other.free.pop_back();
+            std::free(other.storage[static_cast<size_t>(spare)]);
+            other.storage[static_cast<size_t>(spare)] = nullptr;
+            other.vacant.push_back(spare);
+            --other.allocated;
+        }
+        if (cfg_.max_blocks && allocated_bytes() + need > limit)
+            throw Error("KV block pool exhausted: max_blocks=" + std::to_string(cfg_.max_blocks) + " blocks of " +
+                        std::to_string(cfg_.block_size) + " tokens (" + std::to_string(limit) +
+                        " bytes, 2-bit blocks counted by their bytes) are all in use; raise max_kv_blocks or free sequences");
+        if (b.vacant.empty() && b.storage.size() >= static_cast<size_t>(INT32_MAX))
+            throw Error(std::string("KV block pool: too many ") + what + "s");
+        void* p = std::aligned_alloc(64, (b.bytes + 63) / 64 * 64);
         if (!p) throw Error(std::string("KV block pool: out of memory allocating a ") + what);
-        b.storage.push_back(static_cast<uint8_t*>(p));
-        id = static_cast<int32_t>(b.storage.size() - 1);
+        if (!b.vacant.empty()) {
+            id = b.vacant.back();
+            b.vacant.pop_back();
+            b.storage[static_cast<size_t>(id)] = static_cast<uint8_t*>(p);
+        } else {
+            b.storage.push_back(static_cast<uint8_t*>(p));
+            id = static_cast<int32_t>(b.storage.size() - 1);
+        }
+        ++b.allocated;
     }
     ++b.in_use;
     b.peak = std::max(b.peak, b.in_use);
@@ -76,9 +101,9 @@ void Pool::give(Blocks& b, int32_t id) {
     --b.in_use;
 }
 
-int32_t Pool::acquire() { return take(fp_, cfg_.block_bytes(), cfg_.max_blocks, "block"); }
+int32_t Pool::acquire() { return take(fp_, q_, "block"); }
 void Pool::release(int32_t block) { give(fp_, block); }
-int32_t Pool::acquire_q() { return take(q_, cfg_.qblock_bytes(), 0, "2-bit block"); }
+int32_t Pool::acquire_q() { return take(q_, fp_, "2-bit block"); }
 void Pool::release_q(int32_t block) { give(q_, block); }
 
 int64_t Pool::blocks_in_use() const {
@@ -93,7 +118,7 @@ int64_t Pool::qblocks_in_use() const {
 
 int64_t Pool::blocks_allocated() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return static_cast<int64_t>(fp_.storage.size());
+    return fp_.allocated;
 }
 
 int64_t Pool::peak_blocks() const {
@@ -155,6 +180,7 @@ void Sequence::reset() {
         h.degree.clear();
         h.bias.clear();
         h.holes = 0;
+        h.pin_begin = h.pin_count = 0;
         h.state.reset();
     }
     std::fill(seen_.begin(), seen_.end(), 0);
@@ -183,6 +209,8 @@ void Sequence::truncate(int64_t tokens) {
         if (!h.degree.empty()) h.degree.resize(static_cast<size_t>(keep));
         if (!h.bias.empty()) h.bias.resize(static_cast<size_t>(keep));
         h.holes = std::count(h.bias.begin(), h.bias.end(), HeadCache::kHole);  // holes stay masked
+        h.pin_count = std::max<int64_t>(0, std::min(h.pin_count, keep - h.pin_begin));  // pinned slots kept
+        if (!h.pin_count) h.pin_begin = 0;
         if (h.state) h.state->truncated();
         trim_blocks(h);
     }

@@ -38,7 +38,10 @@ struct PoolConfig {
     int head_dim = 0;
     int block_size = 32;
     Precision precision = Precision::f32;
-    int64_t max_blocks = 0;  // 0: unlimited
+    // the pool's size, in full-precision blocks (0: unlimited): 2-bit blocks count by their bytes
+    // against the same max_blocks * block_bytes(), so a compressed store holds more tokens, never
+    // more memory
+    int64_t max_blocks = 0;
     bool scores = false;     // accumulate per-q-head attention scores per token
     // the compression method (set before the pool is made); shared, read-only once created
     std::shared_ptr<const Policy> policy;
@@ -91,14 +94,19 @@ private:
     mutable std::mutex mu_;
     // one kind of block (full-precision K/V, or 2-bit): allocations, free list, counters
     struct Blocks {
-        std::vector<uint8_t*> storage;
-        std::vector<int32_t> free;
+        size_t bytes = 0;                // of one block
+        std::vector<uint8_t*> storage;   // by id; null: given back to the system (its id is vacant)
+        std::vector<int32_t> free;       // allocated, not in use
+        std::vector<int32_t> vacant;     // ids whose memory went back to make room for the other kind
+        int64_t allocated = 0;
         int64_t in_use = 0;
         int64_t peak = 0;
     };
-    // take a block of `bytes` from `b` (the free list first); `limit` > 0 caps the allocations
-    int32_t take(Blocks& b, size_t bytes, int64_t limit, const char* what);
+    // take a block from `b` (its free list first); past the pool's bytes, the other kind's free
+    // blocks go back to the system first, then the pool is exhausted (an Error)
+    int32_t take(Blocks& b, Blocks& other, const char* what);
     void give(Blocks& b, int32_t id);
+    int64_t allocated_bytes() const;
     Blocks fp_;
     Blocks q_;
 };
@@ -125,6 +133,10 @@ struct HeadCache {
     // MiniKV's 2-bit store: full 2-bit blocks of tokens older than every slot above
     std::vector<int32_t> qblocks;
     std::vector<int64_t> qpos;
+    // the prompt's pinned tail (PolicyCommon::tail): slots [pin_begin, pin_begin + pin_count) of
+    // the full-precision blocks are never flushed into the 2-bit store
+    int64_t pin_begin = 0;
+    int64_t pin_count = 0;
     // a method's own per-head state (ClusterKV's cluster index and working set; null otherwise)
     std::shared_ptr<HeadState> state;
     // slots of the full-precision blocks (the residual, when there is a 2-bit store)

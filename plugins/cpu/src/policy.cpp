@@ -117,13 +117,13 @@ int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {
 void run_before_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
     const Policy& p = *seq.pool().config().policy;
     p.before_attention(seq, layer, prefill, L);
-    if (p.quant() && !prefill) quant_flush(seq, layer);
+    if (p.quant() && !prefill) quant_flush(seq, layer, false);
 }
 
 void run_after_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
     const Policy& p = *seq.pool().config().policy;
     p.after_attention(seq, layer, prefill, L);
-    if (p.quant() && prefill) quant_flush(seq, layer);
+    if (p.quant() && prefill) quant_flush(seq, layer, true);
 }
 
 // ---- the table ------------------------------------------------------------------------------------
@@ -166,6 +166,7 @@ std::shared_ptr<const Policy> make_policy(const std::string& text, const ModelSh
         common.group = spec.integer("group", 16, 128);
         const std::string g = std::to_string(common.group);
         common.residual = spec.integer("residual", 16, 1 << 16);
+        common.tail = spec.integer("tail", 0, 1 << 16);
         if (shape.head_dim % common.group)
             throw Error(Spec::invalid("group", g, "a divisor of head_dim=" + std::to_string(shape.head_dim)));
         if (shape.block_size % common.group)

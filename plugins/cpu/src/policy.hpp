@@ -36,6 +36,7 @@ struct PolicyCommon {
     bool quant = false;    // the 2-bit store
     int64_t group = 0;     // its quantization group (tokens per key group, channels per value group)
     int64_t residual = 0;  // tokens kept in full precision before a flush into 2-bit blocks
+    int64_t tail = 0;      // the prompt's last tokens kept in full precision for good (pinned)
 };
 
 // Named counters a method contributes to a sequence's statistics (summed over layers and heads).
@@ -53,6 +54,7 @@ public:
     bool quant() const { return common_.quant; }
     int64_t quant_group() const { return common_.group; }
     int64_t quant_residual() const { return common_.residual; }
+    int64_t quant_tail() const { return common_.tail; }
 
     // Throw (naming the field) when a bounded layer's budget is below `floor`; `what` names the
     // floor in the message ("sinks + recent"). Every method that keeps sinks and windows calls it.
@@ -128,7 +130,8 @@ std::vector<int64_t> live_slots(const HeadCache& hc);
 // the trailing partial block. The block table is rewritten, no key/value is copied.
 void keep_blocks(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep);
 
-// quant_store.cpp: move every whole `residual` chunk of full-precision tokens into 2-bit blocks
-void quant_flush(Sequence& seq, int layer);
+// quant_store.cpp: move every whole `residual` chunk of full-precision tokens into 2-bit blocks;
+// at the prompt's end (`prompt`) the last `tail` slots of each head are pinned first
+void quant_flush(Sequence& seq, int layer, bool prompt);
 
 }  // namespace ovkc
