@@ -55,8 +55,12 @@ for run in "${runs[@]}"; do
         # sequences at native's u8): where a compressed cache fits more sequences per pool
         serve serving_16x1k_decode_cpu --concurrency 16 --lengths 1024 --new-tokens 256 --kv-pool-mib 70 \
             --methods full,snapkv,kvcrush:block_size=32 --budgets 512 ;;
+    serving-2bit)  # the decode-heavy run with the 2-bit store under SnapKV and KVCrush (its blocks
+        # count by their bytes against the same pool)
+        serve serving_16x1k_decode_2bit_cpu --concurrency 16 --lengths 1024 --new-tokens 256 --kv-pool-mib 70 \
+            --methods full,snapkv,snapkv:quant=true,kvcrush:quant=true,kvcrush:block_size=32 --budgets 512 ;;
     *)
-        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch, serving, serving-decode)" >&2
+        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch, serving, serving-decode, serving-2bit)" >&2
         exit 2 ;;
     esac
 done
