@@ -118,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--tasks", default=",".join(_TASKS), help=f"comma-separated; default {','.join(_TASKS)}")
     v.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens (default 1024,2048,4096)")
-    v.add_argument("--methods", help="comma-separated registry names, name+2bit for the 2-bit store (default: all)")
+    v.add_argument(
+        "--methods",
+        help="comma-separated registry names; name+2bit, +4bit or +k2v4 (keys 2, values 4 bits) "
+        "for a quantized store (default: all)",
+    )
     v.add_argument("--budgets", default="128,256,512", help="token budgets (default 128,256,512)")
     mem = v.add_mutually_exclusive_group()
     mem.add_argument(

@@ -28,7 +28,14 @@ def store_fields(config: MethodConfig, block_size: int) -> dict[str, object]:
             f"a multiple of the KV block size {block_size}, with quant.group_size dividing it (backend openvino)",
         )
     tail = quant.pinned_tail(selecting=config.pins_prompt_tail)
-    return {"quant": 1, "group": quant.group_size, "residual": quant.residual_tokens, "tail": tail}
+    return {
+        "quant": 1,
+        "group": quant.group_size,
+        "residual": quant.residual_tokens,
+        "tail": tail,
+        "key_bits": quant.kbits,
+        "value_bits": quant.vbits,
+    }
 
 
 def method_spec(config: MethodConfig, layers: int, q_heads: int, block_size: int) -> str:

@@ -210,3 +210,9 @@ def test_method_spec_parsing():
     assert MethodSpec.parse("clusterkv").compression(128).options == {"track_recall": True}
     with pytest.raises(Exception, match="full\\+2bit"):
         MethodSpec.parse("full+2bit")
+    quant = MethodSpec.parse("snapkv+k2v4").compression(128).method_config().quant
+    assert (quant.kbits, quant.vbits, quant.label) == (2, 4, "k2v4")
+    assert MethodSpec.parse("minikv+4bit").compression(128).method_config().quant.label == "4bit"
+    for bad in ("minikv+2bit", "snapkv+8bit"):  # MiniKV is 2-bit already; 8 bits is the u8 store
+        with pytest.raises(Exception, match="methods"):
+            MethodSpec.parse(bad)

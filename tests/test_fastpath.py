@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -75,15 +76,18 @@ MINIKV = MiniKVConfig(
 )
 
 
+@pytest.mark.parametrize("bits", [(2, 2), (2, 4)])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_fast_minikv_answers_what_the_reference_answers(monkeypatch, kernels):
+def test_fast_minikv_answers_what_the_reference_answers(monkeypatch, kernels, bits):
     """Prefill, then 40 steps (the residual flushed every 16, one step of 3 tokens) over the 2-bit
-    store read in place (the Triton kernel, interpreted on CPU) or dequantised (torch)."""
+    (or keys 2, values 4 bits) store read in place (the Triton kernel, interpreted on CPU) or
+    dequantised (torch)."""
     if kernels == "triton" and not (triton_importable() and interpreting()):
         pytest.skip("needs Triton's interpreter")
     monkeypatch.setenv("OV_KVCRUSH_KERNELS", kernels)
     gen = torch.Generator().manual_seed(7)
-    ref, fast = MINIKV.make_layer(1, 3), fast_layer(MINIKV, 1, 3, reserve=8)
+    cfg = dataclasses.replace(MINIKV, quant=dataclasses.replace(MINIKV.quant, key_bits=bits[0], value_bits=bits[1]))
+    ref, fast = cfg.make_layer(1, 3), fast_layer(cfg, 1, 3, reserve=8)
     assert isinstance(fast, FastMiniKVLayerCache)
     prompt = _qkv(gen, 90, d=32)
     assert torch.allclose(fast.prefill(*prompt), ref.prefill(*prompt), atol=1e-5)

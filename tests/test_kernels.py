@@ -130,19 +130,20 @@ def test_kernel_mode_is_checked(monkeypatch):
 
 @pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
 @pytest.mark.parametrize(
-    ("tokens", "group", "residual", "hq", "hk"), [(100, 16, 32, 4, 2), (200, 32, 64, 2, 2), (7, 16, 16, 4, 1)]
+    ("tokens", "group", "residual", "hq", "hk", "bits"),
+    [(100, 16, 32, 4, 2, (2, 2)), (200, 32, 64, 2, 2, (4, 4)), (7, 16, 16, 4, 1, (2, 2)), (150, 16, 32, 4, 2, (2, 4))],
 )
 def test_quant2_decode_attention_equals_the_reference_over_the_dequantised_store(
-    device, dtype, tokens, group, residual, hq, hk
+    device, dtype, tokens, group, residual, hq, hk, bits
 ):
-    """The 2-bit store read in place (codes unpacked and dequantised inside the kernel) against
-    the reference: :meth:`Int2Store.dense` (the dequantised store) then :func:`attend`."""
+    """The 2-/4-bit store read in place (codes unpacked and dequantised inside the kernel) against
+    the reference: :meth:`QuantStore.dense` (the dequantised store) then :func:`attend`."""
     from ov_kvcrush.kernels.quant2_attention import quant2_decode_attention
-    from ov_kvcrush.methods.store import Int2Store
+    from ov_kvcrush.methods.store import QuantStore
 
     gen = torch.Generator().manual_seed(tokens + group)
     d = 32
-    store = Int2Store(QuantSettings(group_size=group, residual_tokens=residual))
+    store = QuantStore(QuantSettings(group_size=group, residual_tokens=residual, key_bits=bits[0], value_bits=bits[1]))
     k, v = torch.randn(1, hk, tokens, d, generator=gen) * 2, torch.randn(1, hk, tokens, d, generator=gen)
     k[:, :, :, 3] += 5  # an outlier channel, as keys have
     store.append(k.to(dtype), v.to(dtype), torch.arange(tokens))
@@ -160,7 +161,7 @@ def test_quant2_decode_attention_equals_the_reference_over_the_dequantised_store
     )
     got = quant2_decode_attention(
         q.to(device), packed, n_q, group, rk.to(device), rv.to(device),
-        torch.tensor([store.residual_len], device=device), scale=0.3,
+        torch.tensor([store.residual_len], device=device), scale=0.3, key_bits=bits[0], value_bits=bits[1],
     )  # fmt: skip
     assert got.dtype == dtype
     tol = TOLERANCE[dtype] * 5

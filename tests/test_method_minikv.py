@@ -9,43 +9,66 @@ from hypothesis import strategies as st
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import REGISTRY, MiniKVConfig, QuantSettings, method_config
-from ov_kvcrush.methods.quant import dequantize_groups, pack_2bit, quantize_groups, theoretical_bytes, unpack_2bit
-from ov_kvcrush.methods.store import Int2Store
+from ov_kvcrush.methods.quant import dequantize_groups, pack_codes, quantize_groups, theoretical_bytes, unpack_codes
+from ov_kvcrush.methods.store import QuantStore
 from ov_kvcrush.methods.vectors import layer_vectors
 
 
 @settings(max_examples=50, deadline=None)
-@given(words=st.integers(1, 8), rows=st.integers(1, 5), seed=st.integers(0, 10_000), dim=st.sampled_from([0, 1]))
-def test_pack_unpack_is_exact(words, rows, seed, dim):
-    codes = torch.randint(0, 4, (rows, 16 * words), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+@given(
+    words=st.integers(1, 8),
+    rows=st.integers(1, 5),
+    seed=st.integers(0, 10_000),
+    dim=st.sampled_from([0, 1]),
+    bits=st.sampled_from([2, 4]),
+)
+def test_pack_unpack_is_exact(words, rows, seed, dim, bits):
+    per = 32 // bits
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, per * words), generator=gen, dtype=torch.uint8)
     codes = codes if dim == 1 else codes.T.contiguous()
-    packed = pack_2bit(codes, dim=dim)
+    packed = pack_codes(codes, bits, dim=dim)
     assert packed.dtype == torch.int32 and packed.shape[dim] == words
-    assert torch.equal(unpack_2bit(packed, dim=dim), codes)
+    assert torch.equal(unpack_codes(packed, bits, dim=dim), codes)
 
 
-def test_packing_layout_is_16_codes_per_int32_low_bits_first():
+def test_packing_layout_is_low_bits_first():
     codes = torch.zeros(16, dtype=torch.uint8)
     codes[0], codes[1], codes[15] = 1, 2, 3
-    assert pack_2bit(codes).tolist() == [1 | (2 << 2) | -(1 << 30)]  # 3 << 30 as a signed int32
+    assert pack_codes(codes, 2).tolist() == [1 | (2 << 2) | -(1 << 30)]  # 3 << 30 as a signed int32
+    codes = torch.zeros(8, dtype=torch.uint8)
+    codes[0], codes[1], codes[7] = 1, 9, 15
+    assert pack_codes(codes, 4).tolist() == [1 | (9 << 4) | -(1 << 28)]  # 15 << 28 as a signed int32
 
 
 @settings(max_examples=50, deadline=None)
-@given(seed=st.integers(0, 10_000), scale=st.floats(1e-3, 1e3), dim=st.sampled_from([2, 3]))
-def test_quantization_error_within_half_a_step(seed, scale, dim):
+@given(
+    seed=st.integers(0, 10_000), scale=st.floats(1e-3, 1e3), dim=st.sampled_from([2, 3]), bits=st.sampled_from([2, 4])
+)
+def test_quantization_error_within_half_a_step(seed, scale, dim, bits):
     x = torch.randn(1, 2, 32, 64, generator=torch.Generator().manual_seed(seed)) * scale
     x[0, 0, :16, :16] = 1.5  # a constant group
-    codes, s, z = quantize_groups(x, 16, dim)
+    codes, s, z = quantize_groups(x, 16, dim, bits)
     y = dequantize_groups(codes, s, z, 16, dim, torch.float32)
     step = s.float().repeat_interleave(16, dim=dim)
     fp16_slack = 2e-3 * x.abs().amax()
     assert ((x - y).abs() <= step / 2 + fp16_slack).all()
-    assert int(codes.max()) <= 3
+    assert int(codes.max()) <= (1 << bits) - 1
 
 
-def test_store_bytes_match_theory_and_residual_flushes():
-    qs = QuantSettings(group_size=16, residual_tokens=32)
-    store = Int2Store(qs)
+def test_four_bits_are_finer_than_two():
+    x = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(3))
+    err = {}
+    for bits in (2, 4):
+        codes, s, z = quantize_groups(x, 16, 3, bits)
+        err[bits] = float((dequantize_groups(codes, s, z, 16, 3, torch.float32) - x).norm() / x.norm())
+    assert err[4] < err[2] / 3  # 5x more levels: about 5x less error
+
+
+@pytest.mark.parametrize("bits", [(2, 2), (4, 4), (2, 4)])
+def test_store_bytes_match_theory_and_residual_flushes(bits):
+    qs = QuantSettings(group_size=16, residual_tokens=32, key_bits=bits[0], value_bits=bits[1])
+    store = QuantStore(qs)
     vec = layer_vectors(0, tokens=200)
     store.append(vec.keys[:, :, :100], vec.values[:, :, :100], torch.arange(100))
     assert store.quantized_tokens == 96 and store.residual_len == 4
@@ -53,19 +76,19 @@ def test_store_bytes_match_theory_and_residual_flushes():
         store.append(vec.keys[:, :, i : i + 1], vec.values[:, :, i : i + 1], torch.tensor([i]))
         assert store.residual_len < 32
     assert store.quantized_tokens + store.residual_len == 200
-    packed_values = 2 * 3 * store.quantized_tokens * 64  # keys and values
-    packed_bytes = store.memory()["kv"] - store.residual_len * 3 * 64 * 2 * 4
-    assert abs(packed_bytes - theoretical_bytes(packed_values, 16)) <= 0.1 * theoretical_bytes(packed_values, 16)
+    per_tensor = 3 * store.quantized_tokens * 64  # keys, and as many values
+    want = theoretical_bytes(per_tensor, 16, bits[0]) + theoretical_bytes(per_tensor, 16, bits[1])
+    assert store.memory()["kv"] - store.residual_len * 3 * 64 * 2 * 4 == want
     k, _, p = store.dense()
     assert p[0, 0].tolist() == list(range(200))
     assert torch.equal(k[:, :, store.quantized_tokens :], vec.keys[:, :, store.quantized_tokens :])
     err = (k - vec.keys).abs().amax() / (vec.keys.amax() - vec.keys.amin())
-    assert 0 < err < 0.35  # 2 bits over a group's range: at most half of a third
+    assert 0 < err < 0.5 / ((1 << bits[0]) - 1)  # at most half a step of a group's range
 
 
 def test_pinned_prompt_tail_stays_exact_through_every_flush():
     qs = QuantSettings(group_size=16, residual_tokens=32)
-    store = Int2Store(qs)
+    store = QuantStore(qs)
     vec = layer_vectors(0, tokens=260)
     store.append(vec.keys[:, :, :150], vec.values[:, :, :150], torch.arange(150), pin=40)
     # 110 unpinned prompt tokens: 96 quantized, 14 wait in the residual; the last 40 are pinned
@@ -138,7 +161,7 @@ def test_any_selection_method_runs_over_the_2bit_store(name):
         outs = [c.prefill(*vec.prefix(300))] + [c.decode(*vec.step(i)) for i in range(300, 340)]
         caches.append((c, outs))
     (cq, oq), (cf, of) = caches
-    assert isinstance(cq.store, Int2Store) and cq.store.quantized_tokens > 0
+    assert isinstance(cq.store, QuantStore) and cq.store.quantized_tokens > 0
     assert cq.memory()["kv"] < cf.memory()["kv"] * cq.tokens_held().sum() / cf.tokens_held().sum() / 2
     rel = (oq[-1] - of[-1]).norm() / of[-1].norm()
     assert rel < 0.6  # lossy, but the same attention
@@ -146,7 +169,10 @@ def test_any_selection_method_runs_over_the_2bit_store(name):
 
 def test_quant_settings_validation():
     with pytest.raises(ConfigError, match=r"quant\.bits"):
-        QuantSettings(bits=4)
+        QuantSettings(bits=3)
+    with pytest.raises(ConfigError, match=r"quant\.value_bits"):
+        QuantSettings(value_bits=8)
+    assert QuantSettings(bits=4).label == "4bit" and QuantSettings(key_bits=2, value_bits=4).label == "k2v4"
     with pytest.raises(ConfigError, match=r"quant\.residual_tokens"):
         QuantSettings(residual_tokens=40)
     with pytest.raises(ConfigError, match=r"quant\.group_size"):

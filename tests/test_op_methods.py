@@ -59,6 +59,16 @@ CASES = {
         recent_tokens=16,
         quant=QuantSettings(group_size=32, residual_tokens=32, prompt_tail=24),
     ),
+    "snapkv-4bit": dict(
+        method="snapkv", budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(bits=4, residual_tokens=32)
+    ),
+    "h2o-k2v4": dict(
+        method="h2o",
+        budget=96,
+        sink_tokens=4,
+        recent_tokens=16,
+        quant=QuantSettings(key_bits=2, value_bits=4, residual_tokens=32, prompt_tail=0),
+    ),
     "kvcrush-blocks": dict(
         method="kvcrush", budget=128, sink_tokens=16, recent_tokens=32, representatives=32, block_size=16
     ),
@@ -216,7 +226,9 @@ def test_bad_method_specs_name_the_field():
         (_spec(**dict(H2O, colour="red")), "colour"),
         (_spec(**H2O) + ";sinks=4", "sinks"),
         (_spec(**dict(H2O, method="minikv")), "frozen"),  # MiniKV's selection is frozen
-        (_spec(**dict(H2O, quant=1, group=16, residual=32, tail=0)), "frozen"),  # and any over the 2-bit store
+        # and any over the 2-bit store
+        (_spec(**dict(H2O, quant=1, group=16, residual=32, tail=0, key_bits=2, value_bits=2)), "frozen"),
+        (_spec(**dict(H2O, frozen=1, quant=1, group=16, residual=32, tail=0, key_bits=3, value_bits=2)), "key_bits"),
         (_spec(method="full", budgets="0", quant=1, group=16), "residual"),
         ("", "method"),
     ]:
@@ -232,9 +244,11 @@ def test_the_op_runs_exactly_the_registry_methods_marked_openvino():
     assert kvcache.policy_names() == sorted(methods_for("openvino"))
 
 
-def test_two_bit_store_holds_the_reference_codes(ov_core):
-    """The op's 2-bit tokens dequantize to the reference Int2Store's values (same codes, scales, zeros)."""
-    cfg = method_config("minikv", budget=96, sink_tokens=4, recent_tokens=16, quant=QuantSettings(residual_tokens=32))
+@pytest.mark.parametrize("bits", [(2, 2), (4, 4), (2, 4)])
+def test_quantized_store_holds_the_reference_codes(ov_core, bits):
+    """The op's 2-/4-bit tokens dequantize to the reference QuantStore's values (same codes, scales, zeros)."""
+    quant = QuantSettings(residual_tokens=32, key_bits=bits[0], value_bits=bits[1])
+    cfg = method_config("minikv", budget=96, sink_tokens=4, recent_tokens=16, quant=quant)
     holder: dict = {}
     seq = list(run_both(ov_core, cfg, decode=20, keep=holder))[-1][5]
     k_ref, v_ref, p_ref = holder["lc"].store.dense()

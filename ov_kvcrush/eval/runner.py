@@ -27,7 +27,7 @@ from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
 from ov_kvcrush.eval.data import DATA_TASK, read_jsonl
 from ov_kvcrush.eval.scoring import agreement
-from ov_kvcrush.methods import REGISTRY, methods_for
+from ov_kvcrush.methods import REGISTRY, QuantSettings, methods_for
 from ov_kvcrush.validation import MAX_TOKENS, check_int
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
@@ -35,27 +35,34 @@ DEFAULT_BUDGETS = (128, 256, 512)
 EVAL_BACKENDS = ("torch", "openvino", "genai")
 
 
+#: the quantized stores the evaluation names after ``+``: widths of keys and values
+STORE_WIDTHS = {"2bit": (2, 2), "4bit": (4, 4), "k2v4": (2, 4), "k4v2": (4, 2)}
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method as the evaluation names it: a registry name, optionally over the 2-bit store (``name+2bit``)."""
+    """A method as the evaluation names it: a registry name, optionally over a quantized store
+    (``name+2bit``, ``name+4bit``, ``name+k2v4`` for keys 2 and values 4 bits)."""
 
     method: str
     quant: bool = False
+    store: str = "2bit"
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
-
-        name, quant = (text[: -len("+2bit")], True) if text.endswith("+2bit") else (text, False)
-        if name not in REGISTRY:
-            raise ConfigError("methods", text, "registry names (" + ", ".join(REGISTRY) + "), optionally with +2bit")
-        store = REGISTRY[name].__dataclass_fields__.get("quant")
-        if quant and (store is None or store.default is not None):  # no store option, or 2-bit already
-            raise ConfigError("methods", text, f"+2bit on a method whose store is full precision ({name} cannot)")
-        return cls(name, quant)
+        name, _, store = text.partition("+")
+        allowed = "registry names (" + ", ".join(REGISTRY) + "), optionally with +" + ", +".join(STORE_WIDTHS)
+        if name not in REGISTRY or (store and store not in STORE_WIDTHS):
+            raise ConfigError("methods", text, allowed)
+        field = REGISTRY[name].__dataclass_fields__.get("quant")
+        quantized_already = field is not None and field.default is not None  # MiniKV: 2-bit by default
+        if store and (field is None or (quantized_already and store == "2bit")):
+            raise ConfigError("methods", text, f"+{store} on a method whose store is full precision ({name} cannot)")
+        return cls(name, bool(store), store or "2bit")
 
     @property
     def label(self) -> str:
-        return self.method + ("+2bit" if self.quant else "")
+        return self.method + (f"+{self.store}" if self.quant else "")
 
     def compression(self, budget: int | None, track_recall: bool = True) -> CompressionConfig:
         """The config at ``budget`` (recall methods also measure their top-B recall rate)."""
@@ -63,7 +70,8 @@ class MethodSpec:
             return CompressionConfig()
         options: dict[str, Any] = {}
         if self.quant:
-            options["quant"] = True
+            kbits, vbits = STORE_WIDTHS[self.store]
+            options["quant"] = QuantSettings(key_bits=kbits, value_bits=vbits)
         if track_recall and "track_recall" in REGISTRY[self.method].__dataclass_fields__:  # a recall method
             options["track_recall"] = True
         return CompressionConfig(self.method, budget, options=options)

@@ -94,11 +94,12 @@ class FastMiniKVLayerCache(FastLayerCache):
         """Packed tensors for ``tokens`` quantised tokens (the held ones copied over)."""
         b, h, _, d = like.shape
         g = self.settings.group_size
+        kper, vper = 32 // self.settings.kbits, 32 // self.settings.vbits
         shapes = {
-            "qk": ((b, h, tokens // 16, d), torch.int32),
+            "qk": ((b, h, tokens // kper, d), torch.int32),
             "k_scale": ((b, h, tokens // g, d), torch.float16),
             "k_zero": ((b, h, tokens // g, d), torch.float16),
-            "qv": ((b, h, tokens, d // 16), torch.int32),
+            "qv": ((b, h, tokens, d // vper), torch.int32),
             "v_scale": ((b, h, tokens, d // g), torch.float16),
             "v_zero": ((b, h, tokens, d // g), torch.float16),
         }
@@ -111,7 +112,9 @@ class FastMiniKVLayerCache(FastLayerCache):
 
     def _rows(self, name: str, tokens: int) -> int:
         """Rows (dim 2) of packed tensor ``name`` that ``tokens`` quantised tokens fill."""
-        return tokens // 16 if name == "qk" else tokens // self.settings.group_size if name.startswith("k_") else tokens
+        if name == "qk":
+            return tokens // (32 // self.settings.kbits)
+        return tokens // self.settings.group_size if name.startswith("k_") else tokens
 
     def _held(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return tensor[:, :, : self._rows(name, self.n_q)]
@@ -156,7 +159,10 @@ class FastMiniKVLayerCache(FastLayerCache):
 
             packed = tuple(self.packed[name] for name in PACKED_KV)
             g = self.settings.group_size
-            return quant2_decode_attention(queries, packed, self.n_q, g, self.rk, self.rv, self.r_dev, self.scale)
+            st = self.settings
+            return quant2_decode_attention(
+                queries, packed, self.n_q, g, self.rk, self.rv, self.r_dev, self.scale, st.kbits, st.vbits
+            )
         k, v = self._dequantised()
         visible = torch.cat(
             [
@@ -170,7 +176,8 @@ class FastMiniKVLayerCache(FastLayerCache):
         """Quantise the residual's first ``tokens`` (whole chunks, after the pinned) into the store (eager only)."""
         assert self.rk is not None and self.rv is not None and self.r_dev is not None
         p = self.pinned
-        parts = pack_kv(self.rk[:, :, p : p + tokens], self.rv[:, :, p : p + tokens], self.settings.group_size)
+        st = self.settings
+        parts = pack_kv(self.rk[:, :, p : p + tokens], self.rv[:, :, p : p + tokens], st.group_size, st.kbits, st.vbits)
         self._store_packed(parts, self.n_q)
         self.n_q += tokens
         rest = self.rk.shape[2] - p - tokens
@@ -183,7 +190,8 @@ class FastMiniKVLayerCache(FastLayerCache):
         """The quantised part dequantised, then the whole pinned + residual buffer (unwritten slots: zeros)."""
         assert self.rk is not None and self.rv is not None
         held = {name: self._held(self.packed[name], name) for name in PACKED_KV}
-        k, v = unpack_kv(held, self.settings.group_size, self.rk.dtype)
+        st = self.settings
+        k, v = unpack_kv(held, st.group_size, self.rk.dtype, st.kbits, st.vbits)
         return torch.cat([k, self.rk], dim=2), torch.cat([v, self.rv], dim=2)
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

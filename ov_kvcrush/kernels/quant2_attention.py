@@ -1,4 +1,4 @@
-"""Decode attention that reads MiniKV's bit-packed 2-bit store directly (Triton).
+"""Decode attention that reads MiniKV's bit-packed 2- or 4-bit store directly (Triton).
 
 The reference dequantises the whole store into full-precision tensors every step and attends
 those (:meth:`~ov_kvcrush.methods.store.Int2Store.dense`): four times the store's bytes written and
@@ -6,10 +6,10 @@ read again, per layer and token. This kernel unpacks and dequantises inside the 
 step reads the 2-bit codes and their fp16 scales once (MiniKV, arXiv 2411.18077, seed 003: its
 decode kernels do the same; the format is KIVI's, arXiv 2402.02750):
 
-* keys: codes packed 16 per int32 along tokens (word ``i // 16`` of a channel holds token ``i``
-  at bits ``2 * (i % 16)``), one fp16 scale and zero per channel per ``G`` tokens;
-* values: codes packed 16 per int32 along channels, one scale and zero per token per ``G``
-  channels;
+* keys: codes packed ``P = 32 / bits`` per int32 along tokens (word ``i // P`` of a channel holds
+  token ``i`` at bits ``bits * (i % P)``), one fp16 scale and zero per channel per ``G`` tokens;
+* values: codes packed ``P`` per int32 along channels, one scale and zero per token per ``G``
+  channels; keys and values may have different widths (``KBITS``, ``VBITS``);
 * then the newest tokens in full precision (the residual), ``residual_len`` of them: read from a
   device tensor, so a CUDA graph replays the kernel with the live count.
 
@@ -35,7 +35,7 @@ def _quant2_decode(
     svb, svh, svn, svw, svsb, svsh, svsn, svsg,
     srb, srh, srn, srd, sob, soh, sod,
     HQ, GROUP, NQ, R, D, G, qk_scale,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b = bh // HQ
@@ -53,8 +53,11 @@ def _quant2_decode(
         offs_n = start + offs_n0
         nmask = offs_n < NQ
         m2 = nmask[:, None] & dmask[None, :]
-        kw = tl.load(QK + b * skb + hk * skh + (offs_n // 16)[:, None] * skw + offs_d[None, :] * skd, mask=m2, other=0)
-        kc = (kw >> (2 * (offs_n % 16))[:, None]) & 3
+        kper = 32 // KBITS
+        kw = tl.load(
+            QK + b * skb + hk * skh + (offs_n // kper)[:, None] * skw + offs_d[None, :] * skd, mask=m2, other=0
+        )
+        kc = (kw >> (KBITS * (offs_n % kper))[:, None]) & ((1 << KBITS) - 1)
         kidx = b * sksb + hk * sksh + (offs_n // G)[:, None] * sksg + offs_d[None, :] * sksd
         ks = tl.load(KS + kidx, mask=m2, other=0.0).to(tl.float32)
         kz = tl.load(KZ + kidx, mask=m2, other=0.0).to(tl.float32)
@@ -64,8 +67,11 @@ def _quant2_decode(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
         l_i = l_i * alpha + tl.sum(p, 0)
-        vw = tl.load(QV + b * svb + hk * svh + offs_n[:, None] * svn + (offs_d // 16)[None, :] * svw, mask=m2, other=0)
-        vc = (vw >> (2 * (offs_d % 16))[None, :]) & 3
+        vper = 32 // VBITS
+        vw = tl.load(
+            QV + b * svb + hk * svh + offs_n[:, None] * svn + (offs_d // vper)[None, :] * svw, mask=m2, other=0
+        )
+        vc = (vw >> (VBITS * (offs_d % vper))[None, :]) & ((1 << VBITS) - 1)
         vidx = b * svsb + hk * svsh + offs_n[:, None] * svsn + (offs_d // G)[None, :] * svsg
         vs = tl.load(VS + vidx, mask=m2, other=0.0).to(tl.float32)
         vz = tl.load(VZ + vidx, mask=m2, other=0.0).to(tl.float32)
@@ -100,6 +106,8 @@ def quant2_decode_attention(
     residual_values: torch.Tensor,
     residual_len: torch.Tensor,
     scale: float | None = None,
+    key_bits: int = 2,
+    value_bits: int = 2,
 ) -> torch.Tensor:
     """Attention of one query token per head over a 2-bit store and its residual.
 
@@ -113,6 +121,7 @@ def quant2_decode_attention(
         residual_keys, residual_values: ``[b, hk, R, d]``, the first ``residual_len`` held.
         residual_len: ``[1]`` integer tensor on the device.
         scale: logit scale, ``1/sqrt(d)`` by default.
+        key_bits, value_bits: the codes' widths (2 or 4).
 
     Returns ``[b, hq, 1, d]`` in the query dtype; the same as the reference attention over the
     dequantised store (tested against it).
@@ -120,10 +129,11 @@ def quant2_decode_attention(
     qk, ks, kz, qv, vs, vz = packed
     b, hq, t, d = queries.shape
     hk = residual_keys.shape[1]
-    if t != 1 or hq % hk or quantized_tokens % 16 or d % 16 or group_size % 16:
+    if t != 1 or hq % hk or quantized_tokens % 16 or d % 16 or group_size % 16 or {key_bits, value_bits} - {2, 4}:
         raise ValueError(
             f"quant2_decode_attention: queries {tuple(queries.shape)}, kv heads {hk}, quantized_tokens "
-            f"{quantized_tokens}, group_size {group_size} (one query token; multiples of 16)"
+            f"{quantized_tokens}, group_size {group_size}, bits {key_bits}/{value_bits} "
+            "(one query token; multiples of 16; 2 or 4 bits)"
         )
     if kz.stride() != ks.stride() or vz.stride() != vs.stride() or residual_values.stride() != residual_keys.stride():
         raise ValueError("quant2_decode_attention: scales and zeros (and residual keys and values) need one layout")
@@ -137,6 +147,6 @@ def quant2_decode_attention(
         *qv.stride(), *vs.stride(),
         *residual_keys.stride(), out.stride(0), out.stride(1), out.stride(3),
         hq, hq // hk, quantized_tokens, residual_keys.shape[2], d, group_size, qk_scale,
-        BLOCK_N=64 if queries.device.type == "cuda" else 16, BLOCK_D=block_d,
+        BLOCK_N=64 if queries.device.type == "cuda" else 16, BLOCK_D=block_d, KBITS=key_bits, VBITS=value_bits,
     )  # fmt: skip
     return out

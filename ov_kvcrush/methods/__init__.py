@@ -45,7 +45,8 @@ REGISTRY: dict[str, type[MethodConfig]] = {
 
 
 def method_config(name: str, /, **fields: Any) -> MethodConfig:
-    """Build the config of method ``name`` from keyword fields (``quant=True`` means default 2-bit settings).
+    """Build the config of method ``name`` from keyword fields (``quant=True`` means default 2-bit
+    settings; a dict such as ``{"bits": 4}`` sets :class:`QuantSettings` fields).
 
     Raises :class:`~ov_kvcrush.errors.ConfigError` for an unknown method or field.
     """
@@ -54,6 +55,12 @@ def method_config(name: str, /, **fields: Any) -> MethodConfig:
     cls = REGISTRY[name]
     if fields.get("quant") is True:
         fields["quant"] = QuantSettings()
+    elif isinstance(fields.get("quant"), dict):
+        allowed = [f.name for f in dataclasses.fields(QuantSettings)]
+        bad = sorted(set(fields["quant"]) - set(allowed))
+        if bad:
+            raise ConfigError(f"quant.{bad[0]}", fields["quant"][bad[0]], "a field of quant: " + ", ".join(allowed))
+        fields["quant"] = QuantSettings(**fields["quant"])
     known = {f.name for f in dataclasses.fields(cls) if f.init}  # not the class constants (name, engines ...)
     unknown = sorted(set(fields) - known)
     if unknown:

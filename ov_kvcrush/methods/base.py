@@ -99,10 +99,13 @@ DEFAULT_PROMPT_TAIL = 64
 
 @dataclass(frozen=True)
 class QuantSettings:
-    """MiniKV's 2-bit KV store, usable under any selection method.
+    """MiniKV's quantized KV store (2 bits, or 4), usable under any selection method.
 
     Attributes:
-        bits: bits per stored value; only 2 is implemented (16 values per int32).
+        bits: bits per stored value: 2 (MiniKV, KIVI-2; 16 codes per int32) or 4 (KIVI-4,
+            native OpenVINO's u4; 8 per int32).
+        key_bits, value_bits: a width for keys or values alone (``None``: ``bits``), e.g. keys
+            at 2 and values at 4, since values lose the most at 2 bits.
         group_size: values sharing one fp16 scale and zero: keys are grouped per channel along
             tokens, values per token along channels. 16 by default (MiniKV, KIVI).
         residual_tokens: the newest tokens kept in full precision; when that many have
@@ -118,10 +121,15 @@ class QuantSettings:
     group_size: int = 16
     residual_tokens: int = 128
     prompt_tail: int | None = None
+    key_bits: int | None = None
+    value_bits: int | None = None
 
     def __post_init__(self) -> None:
-        if self.bits != 2 or isinstance(self.bits, bool):
-            raise ConfigError("quant.bits", self.bits, "2 (the only packed width implemented)")
+        for field_name, value in (("bits", self.bits), ("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            if value is None and field_name != "bits":
+                continue
+            if isinstance(value, bool) or value not in (2, 4):
+                raise ConfigError(f"quant.{field_name}", value, "2 or 4 (the packed widths implemented)")
         if self.group_size not in (16, 32, 64, 128):
             raise ConfigError("quant.group_size", self.group_size, "one of 16, 32, 64, 128")
         check_int("quant.residual_tokens", self.residual_tokens, self.group_size, 1 << 16)
@@ -131,6 +139,21 @@ class QuantSettings:
             )
         if self.prompt_tail is not None:
             check_int("quant.prompt_tail", self.prompt_tail, 0, 1 << 16)
+
+    @property
+    def kbits(self) -> int:
+        """The keys' width."""
+        return self.bits if self.key_bits is None else self.key_bits
+
+    @property
+    def vbits(self) -> int:
+        """The values' width."""
+        return self.bits if self.value_bits is None else self.value_bits
+
+    @property
+    def label(self) -> str:
+        """``2bit``, ``4bit`` or ``k2v4`` (keys 2, values 4): how reports name the store."""
+        return f"{self.kbits}bit" if self.kbits == self.vbits else f"k{self.kbits}v{self.vbits}"
 
     def pinned_tail(self, selecting: bool = True) -> int:
         """The prompt tail kept in full precision; ``selecting`` False: a method that cannot pin

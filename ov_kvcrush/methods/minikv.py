@@ -7,7 +7,7 @@ MiniKV is a composition of pieces defined elsewhere, so this module is only its 
   and the recent window kept; the set is chosen once, at the end of prefill, and **frozen**:
   generated tokens are all kept, nothing is evicted later (so quantized key groups stay intact);
 * budgets: PyramidKV-style linear per-layer budgets (:func:`~ov_kvcrush.methods.importance.pyramid_budgets`);
-* storage: :class:`~ov_kvcrush.methods.store.Int2Store`, bit-packed 2-bit keys per channel and
+* storage: :class:`~ov_kvcrush.methods.store.QuantStore`, bit-packed 2-bit keys per channel and
   values per token, fp16 scales/zeros per group of 16, the newest ``residual_tokens`` in full
   precision, flushed every ``residual_tokens`` steps (see :mod:`ov_kvcrush.methods.quant`);
 * attention: dequantizes the store and returns per-head cumulative scores

@@ -1,4 +1,4 @@
-"""Where a layer's kept keys/values live: full precision, or MiniKV's bit-packed 2-bit store.
+"""Where a layer's kept keys/values live: full precision, or MiniKV's bit-packed 2-/4-bit store.
 
 Both stores hold ``[batch, kv_heads, tokens, head_dim]`` tokens in insertion order with their
 absolute positions ``[batch, kv_heads, tokens]`` (heads may hold different positions after
@@ -17,7 +17,7 @@ answered 0/3 needles at a budget of exactly 1024, 3/3 at 1088, where 64 more pro
 full precision). MiniKV's paper quantizes them like the rest; ``quant.prompt_tail=0`` does.
 
 Keeping a subset of already-quantized tokens would break their per-channel key groups, so
-:meth:`Int2Store.keep` only accepts subsets of a store with nothing quantized yet (selection at
+:meth:`QuantStore.keep` only accepts subsets of a store with nothing quantized yet (selection at
 prefill, frozen afterwards: MiniKV's design); methods that rewrite tokens (Chelsea's merges) use
 :meth:`replace`, which re-quantizes.
 """
@@ -47,7 +47,7 @@ class FPStore:
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, pin: int = 0) -> None:
         """Add tokens at the end; ``positions`` is ``[t]`` (same for every head) or ``[b, h, t]``.
 
-        ``pin`` is :class:`Int2Store`'s (everything here is full precision already).
+        ``pin`` is :class:`QuantStore`'s (everything here is full precision already).
         """
         pos = positions.expand(*keys.shape[:2], keys.shape[2]) if positions.dim() == 1 else positions
         if self.keys is None:
@@ -78,14 +78,15 @@ class FPStore:
         return {"kv": kv, "metadata": tensor_bytes(self.positions)}
 
 
-class Int2Store:
-    """MiniKV's store: bit-packed 2-bit keys (per channel) and values (per token) plus a full-precision residual.
+class QuantStore:
+    """MiniKV's store: bit-packed 2- or 4-bit keys (per channel) and values (per token) plus a full-precision residual.
 
     Layout per ``[batch, head]``, ``G = group_size``:
 
-    * ``qk`` int32 ``[b, h, n_q / 16, d]``: key codes packed along tokens; ``k_scale``/``k_zero``
-      fp16 ``[b, h, n_q / G, d]`` (one per channel per ``G`` tokens);
-    * ``qv`` int32 ``[b, h, n_q, d / 16]``: value codes packed along channels; ``v_scale``/
+    * ``qk`` int32 ``[b, h, n_q / P_k, d]``: key codes packed along tokens (``P = 32 / bits``
+      codes per word); ``k_scale``/``k_zero`` fp16 ``[b, h, n_q / G, d]`` (one per channel per
+      ``G`` tokens);
+    * ``qv`` int32 ``[b, h, n_q, d / P_v]``: value codes packed along channels; ``v_scale``/
       ``v_zero`` fp16 ``[b, h, n_q, d / G]``;
     * ``pk``/``pv`` ``[b, h, p, d]`` the pinned prompt tail in full precision (never quantized);
     * ``rk``/``rv`` ``[b, h, r, d]`` the newest ``r < residual_tokens`` tokens in full precision.
@@ -141,7 +142,9 @@ class Int2Store:
         """
         g = self.settings.group_size
         if keys.shape[3] % g:
-            raise ShapeError(f"head_dim={keys.shape[3]} must be a multiple of quant.group_size={g} for the 2-bit store")
+            raise ShapeError(
+                f"head_dim={keys.shape[3]} must be a multiple of quant.group_size={g} for the quantized store"
+            )
         self.dtype = keys.dtype
         pos = positions.expand(*keys.shape[:2], keys.shape[2]) if positions.dim() == 1 else positions
         if self.rk is None:
@@ -157,7 +160,7 @@ class Int2Store:
     def _pin(self, n: int) -> None:
         """Move the residual's last ``n`` tokens (at most all of it) into the pinned part."""
         if self.pk is not None:
-            raise RuntimeError("Int2Store: the prompt's tail is pinned once")
+            raise RuntimeError("QuantStore: the prompt's tail is pinned once")
         assert self.rk is not None and self.rv is not None and self.rpos is not None
         cut = max(0, self.rk.shape[2] - n)
         # copies, so that neither part keeps the other's storage alive
@@ -177,7 +180,8 @@ class Int2Store:
         self.flushes += 1
 
     def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        for name, part in pack_kv(k, v, self.settings.group_size).items():
+        st = self.settings
+        for name, part in pack_kv(k, v, st.group_size, st.kbits, st.vbits).items():
             held = getattr(self, name)
             setattr(self, name, part if held is None else torch.cat([held, part], dim=2))
 
@@ -186,7 +190,9 @@ class Int2Store:
         """Dequantized keys/values (quantized part first, then the pinned, then the residual) and positions."""
         parts_k, parts_v = [], []
         if self.qk is not None:
-            k, v = unpack_kv({name: getattr(self, name) for name in PACKED_KV}, self.settings.group_size, self.dtype)
+            st = self.settings
+            packed = {name: getattr(self, name) for name in PACKED_KV}
+            k, v = unpack_kv(packed, st.group_size, self.dtype, st.kbits, st.vbits)
             parts_k.append(k)
             parts_v.append(v)
         for k, v in ((self.pk, self.pv), (self.rk, self.rv)):
@@ -200,7 +206,7 @@ class Int2Store:
     def keep(self, index: torch.Tensor) -> None:
         """Retain a per-head subset; only before anything has been quantized or pinned (selection is frozen after)."""
         if self.qk is not None or self.pk is not None:
-            raise RuntimeError("Int2Store.keep: quantized and pinned tokens are frozen; select before quantizing")
+            raise RuntimeError("QuantStore.keep: quantized and pinned tokens are frozen; select before quantizing")
         assert self.rk is not None and self.rv is not None and self.rpos is not None
         self.rk = gather_tokens(self.rk, index)
         self.rv = gather_tokens(self.rv, index)
@@ -221,6 +227,6 @@ class Int2Store:
         return {"kv": kv, "metadata": tensor_bytes(self.qpos, self.ppos, self.rpos)}
 
 
-def make_store(quant: QuantSettings | None) -> FPStore | Int2Store:
-    """The store a method uses: full precision, or 2-bit when ``quant`` is set."""
-    return FPStore() if quant is None else Int2Store(quant)
+def make_store(quant: QuantSettings | None) -> FPStore | QuantStore:
+    """The store a method uses: full precision, or quantized when ``quant`` is set."""
+    return FPStore() if quant is None else QuantStore(quant)

@@ -1,5 +1,5 @@
-// MiniKV's 2-bit blocks: quantize, dequantize, and attend them with the dequantization inside the
-// dot products (kernels.hpp: quantize_block, dequantize_token, attend_quant).
+// MiniKV's 2-bit (or 4-bit) blocks: quantize, dequantize, and attend them with the dequantization
+// inside the dot products (kernels.hpp: quantize_block, dequantize_token, attend_quant).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,10 +10,10 @@ namespace ovkc {
 
 using namespace detail;
 
-// ---- 2-bit blocks ------------------------------------------------------------------------------
+// ---- 2-/4-bit blocks ----------------------------------------------------------------------------
 namespace {
-// The six arrays of a 2-bit block (key codes, key scales, key zeros, value codes, value scales,
-// value zeros), typed; const or writable as the block is.
+// The six arrays of a quantized block (key codes, key scales, key zeros, value codes, value
+// scales, value zeros), typed; const or writable as the block is.
 template <typename Byte>
 struct QArrays {
     using U32 = std::conditional_t<std::is_const_v<Byte>, const uint32_t, uint32_t>;
@@ -24,8 +24,9 @@ struct QArrays {
     U16 *vs, *vz;
 };
 
+// Where the arrays lie in a block, and the code widths: kb/vb bits, kp/vp codes per word.
 struct QLayout {
-    int T, D, g;
+    int T, D, g, kb, vb, kp, vp;
     size_t kc, ks, kz, vc, vs, vz;
     template <typename Byte>
     QArrays<Byte> arrays(Byte* blk) const {
@@ -35,19 +36,32 @@ struct QLayout {
                 reinterpret_cast<typename A::U16*>(blk + vs), reinterpret_cast<typename A::U16*>(blk + vz)};
     }
     explicit QLayout(const PoolConfig& cfg)
-        : T(cfg.block_size), D(cfg.head_dim), g(cfg.quant_group()) {
+        : T(cfg.block_size),
+          D(cfg.head_dim),
+          g(cfg.quant_group()),
+          kb(cfg.quant_key_bits()),
+          vb(cfg.quant_value_bits()),
+          kp(32 / kb),
+          vp(32 / vb) {
         kc = 0;
-        ks = kc + static_cast<size_t>(D) * T / 4;
+        ks = kc + static_cast<size_t>(D) * (T / kp) * 4;
         kz = ks + static_cast<size_t>(T / g) * D * 2;
         vc = kz + static_cast<size_t>(T / g) * D * 2;
-        vs = vc + static_cast<size_t>(T) * D / 4;
+        vs = vc + static_cast<size_t>(T) * (D / vp) * 4;
         vz = vs + static_cast<size_t>(T) * (D / g) * 2;
+    }
+    // the code of item i (token or channel) in a row of packed words
+    static uint32_t code(const uint32_t* words, int i, int bits) {
+        const int per = 32 / bits;
+        return (words[i / per] >> (bits * (i % per))) & ((1u << bits) - 1u);
     }
 };
 
 // One group's (scale, zero) and codes, exactly as quant.quantize_groups: zero = fp16(min), scale =
-// fp16((max - min(zero, min)) / 3), code = round_half_even((x - zero) / scale) clamped to 0..3.
-void quantize_group(const float* x, int n, int stride, uint16_t& scale_out, uint16_t& zero_out, uint8_t* codes) {
+// fp16((max - min(zero, min)) / levels), code = round_half_even((x - zero) / scale) clamped.
+void quantize_group(const float* x, int n, int stride, int bits, uint16_t& scale_out, uint16_t& zero_out,
+                    uint8_t* codes) {
+    const float levels = static_cast<float>((1 << bits) - 1);
     float lo = x[0], hi = x[0];
     for (int i = 1; i < n; ++i) {
         lo = std::min(lo, x[i * stride]);
@@ -55,11 +69,11 @@ void quantize_group(const float* x, int n, int stride, uint16_t& scale_out, uint
     }
     const uint16_t zero = to_half(lo);
     const float zf = from_half(zero);
-    const uint16_t scale = to_half((hi - std::min(zf, lo)) / 3.0f);
+    const uint16_t scale = to_half((hi - std::min(zf, lo)) / levels);
     const float sf = from_half(scale);
     for (int i = 0; i < n; ++i) {
         float c = 0.0f;
-        if (sf > 0.0f) c = std::min(3.0f, std::max(0.0f, std::nearbyint((x[i * stride] - zf) / sf)));
+        if (sf > 0.0f) c = std::min(levels, std::max(0.0f, std::nearbyint((x[i * stride] - zf) / sf)));
         codes[i] = static_cast<uint8_t>(c);
     }
     scale_out = scale;
@@ -67,11 +81,19 @@ void quantize_group(const float* x, int n, int stride, uint16_t& scale_out, uint
 }
 
 #if OVKC_AVX512
-inline __m512 expand_codes(uint32_t word) {
-    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts),
-                                       _mm512_set1_epi32(3));
-    return _mm512_cvtepi32_ps(c);
+// The 16 codes of items 16j .. 16j + 15 of a row of packed words, as floats: one word at 2 bits,
+// two at 4.
+inline __m512 codes16(const uint32_t* words, int j, int bits) {
+    if (bits == 2) {
+        const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i c = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(words[j])), shifts), _mm512_set1_epi32(3));
+        return _mm512_cvtepi32_ps(c);
+    }
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i w = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(words[2 * j])),
+                                         _mm256_set1_epi32(static_cast<int>(words[2 * j + 1])), 1);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, shifts), _mm512_set1_epi32(15)));
 }
 #endif
 }  // namespace
@@ -81,23 +103,26 @@ void quantize_block(const PoolConfig& cfg, uint8_t* dst, const float* k, const f
     const auto [kc, ks, kz, vc, vs, vz] = L.arrays(dst);
     const int T = L.T, D = L.D, g = L.g;
     std::vector<uint8_t> codes(static_cast<size_t>(std::max(T, D)));
-    std::fill(kc, kc + static_cast<size_t>(D) * T / 16, 0u);
-    std::fill(vc, vc + static_cast<size_t>(T) * D / 16, 0u);
+    std::fill(kc, kc + static_cast<size_t>(D) * (T / L.kp), 0u);
+    std::fill(vc, vc + static_cast<size_t>(T) * (D / L.vp), 0u);
     for (int c = 0; c < D; ++c)
         for (int tg = 0; tg < T / g; ++tg) {
-            quantize_group(k + static_cast<size_t>(tg) * g * D + c, g, D, ks[tg * D + c], kz[tg * D + c], codes.data());
+            quantize_group(k + static_cast<size_t>(tg) * g * D + c, g, D, L.kb, ks[tg * D + c], kz[tg * D + c],
+                           codes.data());
             for (int i = 0; i < g; ++i) {
                 const int t = tg * g + i;
-                kc[c * (T / 16) + t / 16] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)]) << (2 * (t % 16));
+                kc[c * (T / L.kp) + t / L.kp] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)])
+                                                 << (L.kb * (t % L.kp));
             }
         }
     for (int t = 0; t < T; ++t)
         for (int cg = 0; cg < D / g; ++cg) {
-            quantize_group(v + static_cast<size_t>(t) * D + cg * g, g, 1, vs[t * (D / g) + cg], vz[t * (D / g) + cg],
-                           codes.data());
+            quantize_group(v + static_cast<size_t>(t) * D + cg * g, g, 1, L.vb, vs[t * (D / g) + cg],
+                           vz[t * (D / g) + cg], codes.data());
             for (int i = 0; i < g; ++i) {
                 const int c = cg * g + i;
-                vc[t * (D / 16) + c / 16] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)]) << (2 * (c % 16));
+                vc[t * (D / L.vp) + c / L.vp] |= static_cast<uint32_t>(codes[static_cast<size_t>(i)])
+                                                 << (L.vb * (c % L.vp));
             }
         }
 }
@@ -107,9 +132,9 @@ void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k
     const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
     const int T = L.T, D = L.D, g = L.g, tg = t / g;
     for (int c = 0; c < D; ++c) {
-        const float code = static_cast<float>((kc[c * (T / 16) + t / 16] >> (2 * (t % 16))) & 3u);
+        const float code = static_cast<float>(QLayout::code(kc + c * (T / L.kp), t, L.kb));
         k[c] = from_half(kz[tg * D + c]) + code * from_half(ks[tg * D + c]);
-        const float vcode = static_cast<float>((vc[t * (D / 16) + c / 16] >> (2 * (c % 16))) & 3u);
+        const float vcode = static_cast<float>(QLayout::code(vc + t * (D / L.vp), c, L.vb));
         v[c] = from_half(vz[t * (D / g) + c / g]) + vcode * from_half(vs[t * (D / g) + c / g]);
     }
 }
@@ -143,12 +168,12 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
                 }
                 bias[r] = b;
             }
-            for (int w = tg * g / 16; w < (tg + 1) * g / 16; ++w) {
+            for (int w = tg * g / 16; w < (tg + 1) * g / 16; ++w) {  // 16 tokens at a time
 #if OVKC_AVX512
                 __m512 acc[kMaxRows];
                 for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(bias[r]);
                 for (int c = 0; c < D; ++c) {
-                    const __m512 codes = expand_codes(kc[c * (T / 16) + w]);
+                    const __m512 codes = codes16(kc + c * (T / L.kp), w, L.kb);
                     for (int r = 0; r < R; ++r)
                         acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[static_cast<size_t>(r) * D + c]), codes, acc[r]);
                 }
@@ -159,32 +184,33 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
                         float a = bias[r];
                         for (int c = 0; c < D; ++c)
                             a += qs[static_cast<size_t>(r) * D + c] *
-                                 static_cast<float>((kc[c * (T / 16) + w] >> (2 * j)) & 3u);
+                                 static_cast<float>(QLayout::code(kc + c * (T / L.kp), w * 16 + j, L.kb));
                         S[r * T + w * 16 + j] = a;
                     }
 #endif
             }
         }
-        // online softmax (every token of a 2-bit block is older than the step's queries)
+        // online softmax (every token of a quantized block is older than the step's queries)
         for (int r = 0; r < R; ++r)
             if (!softmax_step(rows, r, S + r * T, T, D)) std::fill(S + r * T, S + (r + 1) * T, 0.0f);
         // p.v: out += (p * scale) * codes + p * zero, per value group
         for (int t = 0; t < T; ++t) {
-            const uint32_t* words = vc + t * (D / 16);
+            const uint32_t* words = vc + t * (D / L.vp);
             for (int cg = 0; cg < D / g; ++cg) {
                 const float vsc = from_half(vs[t * (D / g) + cg]), vzr = from_half(vz[t * (D / g) + cg]);
                 for (int r = 0; r < R; ++r) {
                     const float p = S[r * T + t];
                     if (p == 0.0f) continue;
-                    for (int w = cg * g / 16; w < (cg + 1) * g / 16; ++w) {
+                    for (int w = cg * g / 16; w < (cg + 1) * g / 16; ++w) {  // 16 channels at a time
 #if OVKC_AVX512
                         float* o = rows.out[r] + w * 16;
-                        const __m512 base = _mm512_fmadd_ps(_mm512_set1_ps(p * vsc), expand_codes(words[w]),
+                        const __m512 base = _mm512_fmadd_ps(_mm512_set1_ps(p * vsc), codes16(words, w, L.vb),
                                                             _mm512_set1_ps(p * vzr));
                         _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), base));
 #else
                         for (int j = 0; j < 16; ++j)
-                            rows.out[r][w * 16 + j] += p * vsc * static_cast<float>((words[w] >> (2 * j)) & 3u) + p * vzr;
+                            rows.out[r][w * 16 + j] +=
+                                p * vsc * static_cast<float>(QLayout::code(words, w * 16 + j, L.vb)) + p * vzr;
 #endif
                     }
                 }

@@ -30,11 +30,14 @@ void PoolConfig::validate() const {
 }
 
 int PoolConfig::quant_group() const { return policy && policy->quant() ? static_cast<int>(policy->quant_group()) : 16; }
+int PoolConfig::quant_key_bits() const { return policy && policy->quant() ? policy->quant_key_bits() : 2; }
+int PoolConfig::quant_value_bits() const { return policy && policy->quant() ? policy->quant_value_bits() : 2; }
 
 size_t PoolConfig::qblock_bytes() const {
     const size_t bs = static_cast<size_t>(block_size), D = static_cast<size_t>(head_dim);
     const size_t g = static_cast<size_t>(quant_group());
-    return D * bs / 4 + 4 * (bs / g) * D + bs * D / 4 + 4 * bs * (D / g);
+    const size_t kb = static_cast<size_t>(quant_key_bits()), vb = static_cast<size_t>(quant_value_bits());
+    return D * bs * kb / 8 + 4 * (bs / g) * D + bs * D * vb / 8 + 4 * bs * (D / g);
 }
 
 bool PoolConfig::keeps_scores() const { return scores || policy->keeps_slot_scores(); }

@@ -53,11 +53,14 @@ struct PoolConfig {
     // codes as 4 rows of block_size floats: [k_min][k_scale][v_min][v_scale]
     size_t param_bytes() const { return precision == Precision::u8 ? 4 * sizeof(float) * static_cast<size_t>(block_size) : 0; }
     size_t block_bytes() const { return 2 * static_cast<size_t>(block_size) * head_dim * elem_bytes() + param_bytes(); }
-    // A 2-bit block (MiniKV's store) of block_size tokens: key codes [D][bs/16] u32, key scale
-    // and zero fp16 [bs/g][D], value codes [bs][D/16] u32, value scale and zero fp16 [bs][D/g].
+    // A 2-/4-bit block (MiniKV's store) of block_size tokens: key codes [D][bs/Pk] u32 (P = 32 /
+    // bits codes per word), key scale and zero fp16 [bs/g][D], value codes [bs][D/Pv] u32, value
+    // scale and zero fp16 [bs][D/g].
     size_t qblock_bytes() const;
-    // the 2-bit store's group (16 when the method keeps no 2-bit store)
+    // the quantized store's group (16 when the method keeps no such store) and code widths
     int quant_group() const;
+    int quant_key_bits() const;
+    int quant_value_bits() const;
     int group() const { return q_heads / kv_heads; }
     // scores are kept per slot when asked for or when the method selects by them
     bool keeps_scores() const;

@@ -167,6 +167,11 @@ std::shared_ptr<const Policy> make_policy(const std::string& text, const ModelSh
         const std::string g = std::to_string(common.group);
         common.residual = spec.integer("residual", 16, 1 << 16);
         common.tail = spec.integer("tail", 0, 1 << 16);
+        for (auto [field, out] : {std::pair<const char*, int64_t*>{"key_bits", &common.key_bits},
+                                  std::pair<const char*, int64_t*>{"value_bits", &common.value_bits}}) {
+            *out = spec.integer(field, 2, 4);
+            if (*out == 3) throw Error(Spec::invalid(field, "3", "2 or 4"));
+        }
         if (shape.head_dim % common.group)
             throw Error(Spec::invalid("group", g, "a divisor of head_dim=" + std::to_string(shape.head_dim)));
         if (shape.block_size % common.group)

@@ -37,6 +37,8 @@ struct PolicyCommon {
     int64_t group = 0;     // its quantization group (tokens per key group, channels per value group)
     int64_t residual = 0;  // tokens kept in full precision before a flush into 2-bit blocks
     int64_t tail = 0;      // the prompt's last tokens kept in full precision for good (pinned)
+    int64_t key_bits = 2;    // the store's code widths (2 or 4)
+    int64_t value_bits = 2;
 };
 
 // Named counters a method contributes to a sequence's statistics (summed over layers and heads).
@@ -55,6 +57,8 @@ public:
     int64_t quant_group() const { return common_.group; }
     int64_t quant_residual() const { return common_.residual; }
     int64_t quant_tail() const { return common_.tail; }
+    int quant_key_bits() const { return static_cast<int>(common_.key_bits); }
+    int quant_value_bits() const { return static_cast<int>(common_.value_bits); }
 
     // Throw (naming the field) when a bounded layer's budget is below `floor`; `what` names the
     // floor in the message ("sinks + recent"). Every method that keeps sinks and windows calls it.
