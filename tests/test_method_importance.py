@@ -14,6 +14,7 @@ from ov_kvcrush.methods import H2OConfig, PyramidKVConfig, SnapKVConfig, Streami
 from ov_kvcrush.methods.attention import attend
 from ov_kvcrush.methods.selection import (
     adaptive_head_budgets,
+    keep_block_indices,
     keep_indices,
     keep_indices_ragged,
     pyramid_budgets,
@@ -204,3 +205,59 @@ def test_config_errors_name_the_field():
         H2OConfig(budget=256, head_budgets="fancy")
     with pytest.raises(ConfigError, match="window"):
         SnapKVConfig(budget=256, window=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    block=st.sampled_from([4, 8, 16]),
+    seed=st.integers(0, 10_000),
+    sinks=st.integers(0, 8),
+    recent=st.integers(0, 20),
+    extra=st.integers(0, 100),
+)
+def test_span_selection_keeps_the_best_whole_spans(n, block, seed, sinks, recent, extra):
+    """Brute force: whole spans only (plus the trailing partial one), sink and recent spans kept,
+    and the rest of the budget the highest-summed spans (ties to the earlier span)."""
+    full, partial = divmod(n, block)
+    sink_b, recent_b = -(-sinks // block), -(-max(recent - partial, 0) // block)
+    budget = (sink_b + recent_b) * block + partial + extra
+    scores = torch.rand(1, 2, n, generator=torch.Generator().manual_seed(seed))
+    got = keep_block_indices(scores, budget, sinks, recent, block)
+    if budget >= n:
+        assert got[0, 0].tolist() == list(range(n))
+        return
+    budget_b = (budget - partial) // block
+    for h in range(2):
+        kept = got[0, h].tolist()
+        assert kept == sorted(kept) and len(kept) == budget_b * block + partial <= budget
+        spans = sorted({i // block for i in kept if i < full * block})
+        assert all(i in kept for sp in spans for i in range(sp * block, sp * block + block))
+        assert all(i in kept for i in range(full * block, n))  # the partial span
+        sums = scores[0, h, : full * block].reshape(full, block).sum(-1).tolist()
+        protected = set(range(sink_b)) | set(range(full - recent_b, full))
+        middle = sorted(set(range(full)) - protected, key=lambda b: (-sums[b], b))
+        want = sorted(protected | set(middle[: budget_b - len(protected)]))
+        assert spans == want
+
+
+def test_span_selection_names_a_budget_without_room():
+    with pytest.raises(ConfigError, match="budget"):
+        keep_block_indices(torch.rand(1, 1, 100), 40, 16, 32, 16)
+
+
+def test_snapkv_in_spans_holds_whole_spans_within_its_budget():
+    """The layer cache with ``block_size`` holds whole 16-token spans (and the partial tail) and no
+    more than its budget, where token-wise SnapKV holds scattered tokens."""
+    vec = layer_vectors(4, tokens=256)
+    cfg_tok = SnapKVConfig(budget=96, sink_tokens=4, recent_tokens=32, window=16)
+    cfg_span = SnapKVConfig(budget=96, sink_tokens=4, recent_tokens=32, window=16, block_size=16)
+    for cfg in (cfg_tok, cfg_span):
+        cache = cfg.make_layer(0, 1)
+        cache.prefill(*vec.prefix(256))
+        held = cache.kept_positions()[0]
+        whole = all(
+            all(p in row for s in {p // 16 for p in row} for p in range(16 * s, 16 * s + 16)) for row in held.tolist()
+        )
+        assert whole is (cfg.block_size is not None)
+        assert held.shape[-1] <= 96

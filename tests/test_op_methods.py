@@ -69,6 +69,24 @@ CASES = {
         recent_tokens=16,
         quant=QuantSettings(key_bits=2, value_bits=4, residual_tokens=32, prompt_tail=0),
     ),
+    "kvcrush-blocks-quant": dict(
+        method="kvcrush",
+        budget=128,
+        sink_tokens=16,
+        recent_tokens=32,
+        representatives=32,
+        block_size=32,
+        quant=QuantSettings(residual_tokens=32, prompt_tail=40),
+    ),
+    "snapkv-blocks": dict(method="snapkv", budget=128, sink_tokens=16, recent_tokens=32, block_size=32),
+    "h2o-blocks-quant": dict(
+        method="h2o",
+        budget=128,
+        sink_tokens=4,
+        recent_tokens=16,
+        block_size=32,
+        quant=QuantSettings(residual_tokens=32),
+    ),
     "kvcrush-blocks": dict(
         method="kvcrush", budget=128, sink_tokens=16, recent_tokens=32, representatives=32, block_size=16
     ),
@@ -206,7 +224,7 @@ def _spec(**fields) -> str:
     return ";".join(f"{k}={v}" for k, v in fields.items() if v is not None)
 
 
-H2O = dict(method="h2o", budgets="64", quant=0, sinks=4, recent=4, scoring="h2o", frozen=0)
+H2O = dict(method="h2o", budgets="64", quant=0, sinks=4, recent=4, scoring="h2o", frozen=0, block_wise=0)
 SNAP = dict(H2O, scoring="snapkv", window=8, pool_kernel=7, pool="max")
 
 

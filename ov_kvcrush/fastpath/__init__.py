@@ -42,15 +42,19 @@ def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: i
 
 def _minikv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
     assert isinstance(config, MiniKVConfig)
-    if config.quant is None or getattr(config, "head_budgets", "uniform") != "uniform":
-        return None
+    if config.quant is None or getattr(config, "head_budgets", "uniform") != "uniform" or config.block_size:
+        return None  # span selection stays on the reference
     return FastMiniKVLayerCache(config, layer_idx, num_layers, reserve)
 
 
 def _eviction(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
     assert isinstance(config, EvictionConfig)
-    if config.selection_frozen() or getattr(config, "head_budgets", "uniform") != "uniform":
-        return None  # the 2-bit store (frozen selection) and adaptive head budgets stay on the reference
+    if (
+        config.selection_frozen()
+        or getattr(config, "head_budgets", "uniform") != "uniform"
+        or getattr(config, "block_size", None)
+    ):
+        return None  # the 2-bit store (frozen selection), adaptive head budgets and spans stay on the reference
     return FastEvictionLayerCache(config, layer_idx, num_layers)
 
 

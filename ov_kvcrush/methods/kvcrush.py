@@ -394,23 +394,13 @@ class KVCrushConfig(SnapKVConfig):
         return out
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
-        fields = super().op_fields(layers, q_heads, block_size)
-        if self.block_size is not None:
-            if self.quant is not None:
-                raise ConfigError("options.block_size", self.block_size, "None with quant (backend openvino)")
-            if self.block_size != block_size:
-                raise ConfigError(
-                    "options.block_size",
-                    self.block_size,
-                    f"the engine's KV block size {block_size} (backend openvino evicts whole blocks of the pool)",
-                )
+        fields = super().op_fields(layers, q_heads, block_size)  # block_wise, checked against the pool's
         fields.update(
             representatives=self.n_representatives,
             signature=self.signature,
             multi_anchor=self.multi_anchor,
             representative=self.representative,
             anchors=",".join(self.anchor_bits(q_heads)),
-            block_wise=int(self.block_size is not None),
         )
         return fields
 

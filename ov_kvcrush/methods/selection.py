@@ -93,6 +93,38 @@ def keep_indices(scores: torch.Tensor, budget: int, sink_tokens: int, recent_tok
     return torch.cat([sinks, top, recent], dim=-1)
 
 
+def keep_block_indices(
+    scores: torch.Tensor, budget: int, sink_tokens: int, recent_tokens: int, block: int
+) -> torch.Tensor:
+    """:func:`keep_indices` over spans of ``block`` tokens: each head keeps whole spans.
+
+    Scores are summed per full span; the trailing partial span (``n mod block`` tokens) is always
+    kept, the sink and recent windows round up to whole spans, and the top-scoring spans fill the
+    rest of ``budget``. Returns ``[b, h, k]`` ascending indices, ``k <= budget``.
+    """
+    check_scores(scores)
+    check_int("block_size", block, 1, 1 << 16)
+    b, h, n = scores.shape
+    dev = scores.device
+    if budget >= n:
+        return torch.arange(n, device=dev).expand(b, h, n).clone()
+    full = n // block
+    partial = n - full * block
+    span_scores = scores[..., : full * block].float().reshape(b, h, full, block).sum(-1)
+    sink_b = -(-sink_tokens // block)
+    recent_b = -(-max(recent_tokens - partial, 0) // block)
+    budget_b = (budget - partial) // block
+    if sink_b + recent_b > budget_b:
+        need = (sink_b + recent_b) * block + partial
+        raise ConfigError(
+            "budget", budget, f"room for the sink and recent spans of {block} tokens ({need} tokens here)"
+        )
+    spans = keep_indices(span_scores, budget_b, sink_b, recent_b)  # [b, h, budget_b] ascending
+    tokens = (spans.unsqueeze(-1) * block + torch.arange(block, device=dev)).flatten(2)
+    tail = torch.arange(full * block, n, device=dev).expand(b, h, partial)
+    return torch.cat([tokens, tail], dim=-1)
+
+
 def keep_indices_ragged(
     scores: torch.Tensor, lengths: torch.Tensor, budgets: torch.Tensor, sink_tokens: int, recent_tokens: int
 ) -> torch.Tensor:

@@ -26,17 +26,24 @@ void ImportancePolicy::pool_prompt_scores(Sequence& seq, int layer) const {
 
 void ImportancePolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {
     if (prefill) pool_prompt_scores(seq, layer);
-    if (prefill || !frozen) evict_by_slot_scores(seq, layer, prefill, budget(layer), sinks, recent, scoring != Scoring::none);
+    if (prefill || !frozen)
+        evict_by_slot_scores(seq, layer, prefill, budget(layer), sinks, recent, scoring != Scoring::none, block_wise);
 }
 
 void evict_by_slot_scores(Sequence& seq, int layer, bool prefill, int64_t budget, int64_t sinks, int64_t recent,
-                          bool by_scores) {
+                          bool by_scores, bool block_wise) {
     const PoolConfig& cfg = seq.pool().config();
     const int G = cfg.group();
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
         const int64_t n = hc.size() - hc.holes;  // the tokens held, in slot (= position) order
         if (!budget || n <= budget) continue;
+        if (block_wise) {  // whole blocks: the block table is rewritten, nothing copied, no holes
+            std::vector<float> combined(static_cast<size_t>(n), 0.0f);
+            if (by_scores) group_sums(hc.scores.data(), n, G, combined.data());
+            keep_blocks(seq, hc, keep_block_indices(combined.data(), n, budget, sinks, recent, cfg.block_size));
+            continue;
+        }
         if (!prefill && n - budget <= kFewDrops) {
             // a decode step drops one token (or a few): the worst of the middle, straight from the
             // slots, no index lists. The middle: after the first `sinks` and before the last
@@ -79,6 +86,7 @@ ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& /*shape*/, Poli
     const std::string s = spec.choice("scoring", {"none", "h2o", "snapkv"});
     scoring = s == "h2o" ? Scoring::h2o : s == "snapkv" ? Scoring::snapkv : Scoring::none;
     frozen = spec.flag("frozen");
+    block_wise = spec.flag("block_wise");
     if (quant() && !frozen)  // quantized key groups cannot lose members: the prompt's selection is final
         throw Error(Spec::invalid("frozen", "0", "1 over the 2-bit store"));
     if (scoring == Scoring::snapkv) {  // the window and pooling score the prompt

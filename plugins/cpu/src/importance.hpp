@@ -27,6 +27,7 @@ public:
     int64_t recent = 0;
     Scoring scoring = Scoring::none;
     bool frozen = false;  // selection made once at prefill (MiniKV, or any method over the 2-bit store)
+    bool block_wise = false;  // keep whole blocks of the pool (spans of block_size tokens)
     int64_t window = 0;   // SnapKV observation window (last prompt queries)
     int64_t pool_kernel = 1;
     bool pool_avg = false;
@@ -34,8 +35,9 @@ public:
 
 // Keep each KV head of the layer within `budget` (0: unbounded): the sinks, the recent window and
 // the highest group-summed slot scores between (by_scores false: no scores, i.e. the oldest go).
-// A prompt's selection is compacted in place; a decode step's drops become holes.
+// A prompt's selection is compacted in place; a decode step's drops become holes. `block_wise`:
+// whole blocks of the pool are kept (selection.hpp: keep_block_indices), no holes.
 void evict_by_slot_scores(Sequence& seq, int layer, bool prefill, int64_t budget, int64_t sinks, int64_t recent,
-                          bool by_scores);
+                          bool by_scores, bool block_wise = false);
 
 }  // namespace ovkc

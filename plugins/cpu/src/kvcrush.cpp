@@ -248,7 +248,7 @@ KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
     kv.signature_threshold = spec.choice("signature", {"topk", "threshold"}) == "threshold";
     kv.multi_nearest = spec.choice("multi_anchor", {"tuple", "nearest"}) == "nearest";
     kv.representative_first = spec.choice("representative", {"max_score", "first"}) == "first";
-    kv.block_wise = spec.flag("block_wise");
+    kv.block_wise = block_wise;  // read by ImportancePolicy
     for (const auto& a : spec.words("anchors")) {
         Anchor anchor;
         if (a == "mean") {
@@ -262,7 +262,6 @@ KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
         kv.anchors.push_back(anchor);
     }
     if (kv.anchors.empty()) throw Error(Spec::invalid("anchors", "(none)", "one or more anchors"));
-    if (frozen && kv.block_wise) throw Error(Spec::invalid("block_wise", "1", "0 with the 2-bit store"));
 }
 
 namespace {

@@ -11,6 +11,10 @@
 
 #include "selection.hpp"
 
+#include <string>
+
+#include "paged_cache.hpp"
+
 namespace ovkc {
 
 namespace {
@@ -136,6 +140,31 @@ std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget
     for (int64_t i = 0; i < sinks; ++i) keep.push_back(i);
     for (int64_t i : topk_indices(scores + sinks, n - recent - sinks, heavy)) keep.push_back(i + sinks);
     for (int64_t i = n - recent; i < n; ++i) keep.push_back(i);
+    return keep;
+}
+
+std::vector<int64_t> keep_block_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent,
+                                        int64_t block) {
+    if (budget >= n) return keep_indices(scores, n, budget, sinks, recent);
+    const int64_t full = n / block, partial = n - full * block;
+    std::vector<float> spans(static_cast<size_t>(full), 0.0f);
+    for (int64_t b = 0; b < full; ++b) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < block; ++i) s += scores[b * block + i];
+        spans[static_cast<size_t>(b)] = s;
+    }
+    const int64_t sink_b = (sinks + block - 1) / block;
+    const int64_t recent_b = (std::max<int64_t>(recent - partial, 0) + block - 1) / block;
+    const int64_t budget_b = (budget - partial) / block;
+    if (sink_b + recent_b > budget_b)
+        throw Error("method.budgets=" + std::to_string(budget) + " is invalid: allowed room for the sink and recent spans of " +
+                    std::to_string(block) + " tokens (" + std::to_string((sink_b + recent_b) * block + partial) +
+                    " tokens here)");
+    std::vector<int64_t> keep;
+    keep.reserve(static_cast<size_t>(budget_b * block + partial));
+    for (int64_t b : keep_indices(spans.data(), full, budget_b, sink_b, recent_b))
+        for (int64_t i = 0; i < block; ++i) keep.push_back(b * block + i);
+    for (int64_t i = full * block; i < n; ++i) keep.push_back(i);
     return keep;
 }
 

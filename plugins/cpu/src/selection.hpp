@@ -18,6 +18,11 @@ void topk_mask(const float* scores, int64_t n, int64_t k, uint8_t* mask);
 std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k);
 // sinks, the top scores between, the recent window: min(budget, n) ascending indices
 std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent);
+// keep_indices over spans of `block` tokens (importance.py: keep_block_indices): whole spans by
+// their summed scores, sinks and recent rounded up to spans, the trailing partial span always
+// kept; ascending token indices. Throws (naming the budget) when the sink and recent spans do not fit.
+std::vector<int64_t> keep_block_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent,
+                                        int64_t block);
 // SnapKV's 1-D pooling of scores[i * stride] along tokens (odd kernel; max or average)
 void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool avg);
 // out[i] = s[i][0] + ... + s[i][G-1] (the reference's order of a group's query heads)
