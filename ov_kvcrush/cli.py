@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens (default 1024,2048,4096)")
     v.add_argument(
         "--methods",
-        help="comma-separated registry names; name+2bit, +4bit or +k2v4 (keys 2, values 4 bits) "
-        "for a quantized store (default: all)",
+        help="comma-separated registry names, each optionally with :KEY=VALUE options and +2bit, +4bit "
+        "or +k2v4 (keys 2, values 4 bits) for a quantized store, e.g. snapkv:block_size=32+4bit (default: all)",
     )
     v.add_argument("--budgets", default="128,256,512", help="token budgets (default 128,256,512)")
     mem = v.add_mutually_exclusive_group()

@@ -14,6 +14,7 @@ import torch
 
 from ov_kvcrush.cli import main
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval.budget import ModelShape, held_bytes
 from ov_kvcrush.eval.runner import MethodSpec
 
@@ -216,3 +217,9 @@ def test_method_spec_parsing():
     for bad in ("minikv+2bit", "snapkv+8bit"):  # MiniKV is 2-bit already; 8 bits is the u8 store
         with pytest.raises(Exception, match="methods"):
             MethodSpec.parse(bad)
+    spec = MethodSpec.parse("snapkv:block_size=32+4bit")
+    assert spec.label == "snapkv:block_size=32+4bit"
+    cfg = spec.compression(1024).method_config()
+    assert cfg.block_size == 32 and cfg.quant.label == "4bit"
+    with pytest.raises(ConfigError, match="block_size"):  # the method names its own bad option
+        MethodSpec.parse("snapkv:block_size=0")

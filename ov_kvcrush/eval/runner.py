@@ -41,34 +41,51 @@ STORE_WIDTHS = {"2bit": (2, 2), "4bit": (4, 4), "k2v4": (2, 4), "k4v2": (4, 2)}
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method as the evaluation names it: a registry name, optionally over a quantized store
-    (``name+2bit``, ``name+4bit``, ``name+k2v4`` for keys 2 and values 4 bits)."""
+    """A method as the evaluation names it: a registry name, optionally with method options
+    (``snapkv:block_size=32``) and over a quantized store (``name+2bit``, ``name+4bit``,
+    ``name+k2v4`` for keys 2 and values 4 bits), e.g. ``snapkv:block_size=32+4bit``."""
 
     method: str
     quant: bool = False
     store: str = "2bit"
+    options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
-        name, _, store = text.partition("+")
-        allowed = "registry names (" + ", ".join(REGISTRY) + "), optionally with +" + ", +".join(STORE_WIDTHS)
+        from ov_kvcrush.config import parse_options
+
+        head, plus, store = text.rpartition("+")
+        if not plus:
+            head, store = text, ""
+        name, *opts = head.split(":")
+        allowed = (
+            "registry names ("
+            + ", ".join(REGISTRY)
+            + "), optionally with :KEY=VALUE options and +"
+            + ", +".join(STORE_WIDTHS)
+        )
         if name not in REGISTRY or (store and store not in STORE_WIDTHS):
             raise ConfigError("methods", text, allowed)
         field = REGISTRY[name].__dataclass_fields__.get("quant")
         quantized_already = field is not None and field.default is not None  # MiniKV: 2-bit by default
         if store and (field is None or (quantized_already and store == "2bit")):
             raise ConfigError("methods", text, f"+{store} on a method whose store is full precision ({name} cannot)")
-        return cls(name, bool(store), store or "2bit")
+        options = tuple(sorted(parse_options(opts, flag=f"--methods {name}:").items()))
+        spec = cls(name, bool(store), store or "2bit", options)
+        if name != "full":
+            spec.compression(None if not REGISTRY[name].needs_budget else 4096).method_config()  # names a bad option
+        return spec
 
     @property
     def label(self) -> str:
-        return self.method + (f"+{self.store}" if self.quant else "")
+        opts = "".join(f":{k}={v}" for k, v in self.options)
+        return self.method + opts + (f"+{self.store}" if self.quant else "")
 
     def compression(self, budget: int | None, track_recall: bool = True) -> CompressionConfig:
         """The config at ``budget`` (recall methods also measure their top-B recall rate)."""
         if self.method == "full":
             return CompressionConfig()
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = dict(self.options)
         if self.quant:
             kbits, vbits = STORE_WIDTHS[self.store]
             options["quant"] = QuantSettings(key_bits=kbits, value_bits=vbits)
