@@ -165,8 +165,14 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
     # one row per length, one column per task; a single task lays its lengths out in a row
     one_task = len(tasks) == 1
     n_rows, n_cols = (1, len(lengths)) if one_task else (len(lengths), len(tasks))
-    width = 3.6 * n_cols + 2.2
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width, 2.9 * n_rows + 0.4), squeeze=False)
+    # the legend's width follows its longest label (method options and stores make long ones)
+    legend_in = 0.7 + 0.065 * max((len(m) for m in [*methods, "full"]), default=4)
+    width = 3.6 * n_cols + legend_in
+    import textwrap
+
+    title_lines = textwrap.wrap(title, int(width * 14)) if title else []
+    height = 2.9 * n_rows + 0.4 + 0.15 * len(title_lines)
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width, height), squeeze=False)
     for i, length in enumerate(lengths):
         for j, task in enumerate(tasks):
             row, col = (0, i) if one_task else (i, j)
@@ -215,11 +221,10 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
                 handles[label] = h
                 labels.append(label)
     fig.legend([handles[label] for label in labels], labels, loc="center right", fontsize=8, frameon=False)
-    if title:
-        import textwrap
-
-        fig.suptitle("\n".join(textwrap.wrap(title, int(40 * n_cols + 20))), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1 - 1.9 / width, 0.93 if title else 1))
+    if title_lines:
+        fig.suptitle("\n".join(title_lines), fontsize=8)
+    top = 1 - (0.15 * len(title_lines) + 0.1) / height if title_lines else 1
+    fig.tight_layout(rect=(0, 0, 1 - legend_in / width, top))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
