@@ -15,8 +15,9 @@ from ov_kvcrush.bench.plan import DEFAULT_LENGTHS
 from ov_kvcrush.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.chat import methods_help
-from ov_kvcrush.errors import ConfigError, UserError, decode_text, one_line
-from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, write_atomic, write_text
+from ov_kvcrush.errors import ConfigError, UserError, one_line
+from ov_kvcrush.inspect_command import add_inspect_arguments, cmd_inspect
+from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, read_prompt_file, write_atomic, write_text
 
 #: The demo's compressed runs: (backend, method, extra options).
 DEMO_TOKENS = 2000  # ov_kvcrush.demo.DEMO_TOKENS (not imported here: --help stays fast)
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "chat", help="streaming terminal chat (backend openvino keeps the cache across turns)", description=CHAT_DOC
     )
     add_chat_arguments(c)
+
+    add_inspect_arguments(sub)
 
     bn = sub.add_parser(
         "bench",
@@ -388,17 +391,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prompt(path: str) -> str:
-    if path == "-":
-        data, where = sys.stdin.buffer.read(), "standard input"
-    else:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise UserError(f"--prompt-file does not exist: {p}")
-        data, where = p.read_bytes(), str(p)
-    return decode_text(data, f"--prompt-file {where}")
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import GenerationSettings, parse_method_budget, parse_options
     from ov_kvcrush.engines import make_engine, resolve_model
@@ -412,7 +404,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         options=parse_options(args.option),
     )
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, apply_chat_template=not args.no_chat_template)
-    prompt = _read_prompt(args.prompt_file)
+    prompt = read_prompt_file(args.prompt_file)
     extra = {}
     if args.backend == "torch":
         extra["dtype"] = args.dtype
@@ -478,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": cmd_generate,
         "demo": cmd_demo,
         "eval": cmd_eval,
+        "inspect": cmd_inspect,
         "chat": cmd_chat,
         "bench": cmd_bench,
     }[args.command]

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import UserError, decode_text
 
 #: Picture formats the plots are written in (by the file's suffix).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -61,3 +61,17 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
 def write_text(path: Path, text: str) -> Path:
     """``text`` into ``path``, atomically (UTF-8)."""
     return write_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def read_prompt_file(path: str) -> str:
+    """The text of ``--prompt-file`` (``-``: standard input), decoded with an error naming the flag."""
+    import sys
+
+    if path == "-":
+        data, where = sys.stdin.buffer.read(), "standard input"
+    else:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise UserError(f"--prompt-file does not exist: {p}")
+        data, where = p.read_bytes(), str(p)
+    return decode_text(data, f"--prompt-file {where}")

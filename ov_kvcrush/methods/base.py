@@ -105,7 +105,7 @@ class QuantSettings:
         bits: bits per stored value: 2 (MiniKV, KIVI-2; 16 codes per int32) or 4 (KIVI-4,
             native OpenVINO's u4; 8 per int32).
         key_bits, value_bits: a width for keys or values alone (``None``: ``bits``), e.g. keys
-            at 2 and values at 4, since values lose the most at 2 bits.
+            at 2 and values at 4.
         group_size: values sharing one fp16 scale and zero: keys are grouped per channel along
             tokens, values per token along channels. 16 by default (MiniKV, KIVI).
         residual_tokens: the newest tokens kept in full precision; when that many have

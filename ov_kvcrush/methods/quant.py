@@ -5,8 +5,9 @@ the code ``round((x - zero) / scale)`` in ``{0 .. 2**bits - 1}``, and ``32 / bit
 packed into one int32 (code ``i`` of a word in bits ``bits*i .. bits*i + bits - 1``). Keys are
 grouped per channel along tokens (outlier channels get their own range), values per token along
 channels, as in the MiniKV paper. 2 bits is MiniKV's and KIVI-2's width; 4 bits is KIVI-4's and
-native OpenVINO's u4, and keys and values may use different widths (values lose the most at 2
-bits: issue 24 measured a relative error of ~0.33-0.39 on values against ~0.15-0.20 on keys).
+native OpenVINO's u4, and keys and values may use different widths (issue 24 measured a relative
+error of ~0.33-0.39 on values against ~0.15-0.20 on keys at 2 bits; on needles, though, 2-bit keys
+with 4-bit values answered worse than 4 bits for both: docs/quality.md).
 
 The codes are computed from the fp16-rounded scale and zero actually stored, so dequantization
 with the stored numbers is within half a quantization step of the input (plus fp16 rounding of
