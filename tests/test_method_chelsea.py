@@ -85,6 +85,24 @@ def test_degrees_sum_to_tokens_seen_across_repeated_merges():
     assert cache.counters["merges"] == 3 * (400 - cache.degrees.shape[-1])
 
 
+def test_the_paper_schedule_caps_each_pass():
+    """r = r_init - alpha * min(m, i): pass i merges at most floor(r * middle) links (at least one),
+    so a compression takes more passes, and still reaches the budget with degrees summing to n."""
+    from ov_kvcrush.methods.chelsea import chelsea_compress, pass_cap
+
+    assert [pass_cap(1000, i, 3500, 1000, 2) for i in range(5)] == [350, 250, 150, 150, 150]
+    assert pass_cap(1000, 9, 500, 1000, 3) == 1 and pass_cap(1000, 0, 0, 0, 0) == 1000
+    vec = layer_vectors(5, tokens=300)
+    k, v = vec.keys[0], vec.values[0]
+    w = torch.ones(3, 300)
+    free = chelsea_compress(k, v, w, 100, 8, 16, 32)
+    paced = chelsea_compress(k, v, w, 100, 8, 16, 32, (3500, 1000, 2))
+    assert free[0].shape[1] == paced[0].shape[1] == 100 and paced[4] > free[4]
+    assert torch.allclose(paced[2].sum(-1), torch.full((3,), 300.0))
+    with pytest.raises(ConfigError, match="merge_ratio"):
+        ChelseaConfig(budget=256, merge_ratio=0.6)
+
+
 def test_outlier_heads_keep_their_full_cache():
     vec = layer_vectors(5, tokens=300)
     cfg = ChelseaConfig(budget=64, sink_tokens=4, recent_tokens=8, chunk_size=16, outlier_heads=((0, 1),))

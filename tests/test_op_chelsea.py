@@ -25,6 +25,7 @@ CASES = {
     "odd-chunks": dict(chunk_size=18, merge_interval=5),
     "outliers": dict(outlier_heads=((1, 0), (2, 2))),
     "one-chunk": dict(chunk_size=256, budget=120, merge_interval=16),
+    "paper-schedule": dict(merge_ratio=0.35, ratio_decay=0.1, decay_steps=2),
 }
 
 

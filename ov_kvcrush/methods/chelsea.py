@@ -24,9 +24,10 @@ arXiv 2506.11418 (seed 002).
 
 Where this departs from it:
 
-* Each pass merges every usable link up to the target (the paper schedules the merge ratio
-  ``r = r_init - alpha * min(m, i)``, at most 0.45 per pass); repeated passes reach the same
-  budget.
+* By default each pass merges every usable link up to the target. ``merge_ratio``,
+  ``ratio_decay`` and ``decay_steps`` give the paper's schedule ``r = r_init - alpha * min(m, i)``
+  (Appendix C.2: 0.35, 0.1, 2 for Llama-3; a constant 0.25 for its needle test): pass ``i`` of a
+  compression merges at most ``floor(r * middle)`` links, at least one.
 * Outlier heads are none by default and nothing calls the calibration automatically; listed ones
   stay whole and are not counted against the budget (the paper counts them).
 * Decode-time merging runs every ``merge_interval`` tokens per layer, as the paper's ``g``.
@@ -134,6 +135,16 @@ def merge_links(
     return out_k, out_v, out_w.to(degrees.dtype), kept
 
 
+def pass_cap(middle: int, passes: int, ratio_e4: int, decay_e4: int, decay_steps: int) -> int:
+    """Links one matching pass may merge under the paper's schedule ``r = r_init - alpha * min(m, i)``
+    (``ratio_e4`` = r_init and ``decay_e4`` = alpha in units of 1/10000, so the op computes the
+    same integers): ``floor(r * middle)``, at least 1 (the paper keeps r above 0). ``ratio_e4`` 0:
+    no cap (every usable link, up to the target)."""
+    if not ratio_e4:
+        return middle
+    return max(1, (ratio_e4 - decay_e4 * min(decay_steps, passes)) * middle // 10000)
+
+
 def chelsea_compress(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -142,11 +153,13 @@ def chelsea_compress(
     sink_tokens: int,
     recent_tokens: int,
     chunk_size: int,
+    schedule: tuple[int, int, int] = (0, 0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Merge ``[B, n, d]`` tokens down to ``target`` with repeated chunked soft matching of the middle range.
 
-    Returns ``(keys, values, degrees, kept, passes)``; ``kept`` ``[B, target]`` are the surviving
-    original indices. ``target`` must leave at least one middle token.
+    ``schedule``: ``(ratio_e4, decay_e4, decay_steps)`` of :func:`pass_cap` (zeros: every usable
+    link per pass). Returns ``(keys, values, degrees, kept, passes)``; ``kept`` ``[B, target]`` are
+    the surviving original indices. ``target`` must leave at least one middle token.
     """
     bsz, n = keys.shape[:2]
     if n <= target:
@@ -161,7 +174,7 @@ def chelsea_compress(
         s = keys.shape[1]
         lo, hi = sink_tokens, s - recent_tokens
         links = chunked_soft_matching(keys[:, lo:hi], chunk_size)
-        count = min(s - target, usable_links(links))
+        count = min(s - target, usable_links(links), pass_cap(hi - lo, passes, *schedule))
         mk, mv, mw, mkept = merge_links(keys[:, lo:hi], values[:, lo:hi], degrees[:, lo:hi], links, count)
         keys = torch.cat([keys[:, :lo], mk, keys[:, hi:]], dim=1)
         values = torch.cat([values[:, :lo], mv, values[:, hi:]], dim=1)
@@ -211,6 +224,10 @@ class ChelseaConfig(MethodConfig):
         merge_interval: ``g``: compress when the layer reaches ``budget + g`` tokens, so merging
             runs every ``g`` decode steps rather than every step.
         outlier_heads: ``(layer, kv_head)`` pairs kept uncompressed.
+        merge_ratio: the paper's ``r_init``, the share of the middle one matching pass may merge
+            (``None``: every usable link, up to the target), in (0, 0.5].
+        ratio_decay: the paper's ``alpha``: ``r`` falls by this much per pass, for ``decay_steps``
+            passes (``m``).
         quant: hold the (merged) tokens in MiniKV's 2-bit format; merged tokens are re-quantized.
     """
 
@@ -224,6 +241,9 @@ class ChelseaConfig(MethodConfig):
     merge_interval: int = 32
     outlier_heads: tuple[tuple[int, int], ...] = ()
     quant: QuantSettings | None = None
+    merge_ratio: float | None = None
+    ratio_decay: float = 0.0
+    decay_steps: int = 0
 
     def __post_init__(self) -> None:
         check_int("sink_tokens", self.sink_tokens, 0)
@@ -234,6 +254,10 @@ class ChelseaConfig(MethodConfig):
         if self.chunk_size % 2:
             raise ConfigError("chunk_size", self.chunk_size, "an even integer in [2, 65536]")
         check_int("merge_interval", self.merge_interval, 1, 1 << 16)
+        if self.merge_ratio is not None:
+            check_float("merge_ratio", self.merge_ratio, 1e-4, 0.5)
+        check_float("ratio_decay", self.ratio_decay, 0.0, 0.5)
+        check_int("decay_steps", self.decay_steps, 0, 1 << 10)
         for pair in self.outlier_heads:
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)):
                 raise ConfigError(
@@ -253,7 +277,16 @@ class ChelseaConfig(MethodConfig):
             "chunk": self.chunk_size,
             "merge_interval": self.merge_interval,
             "outliers": ",".join(f"{layer},{head}" for layer, head in self.outlier_heads),
+            "ratio_e4": self.schedule()[0],
+            "decay_e4": self.schedule()[1],
+            "decay_steps": self.schedule()[2],
         }
+
+    def schedule(self) -> tuple[int, int, int]:
+        """``(ratio_e4, decay_e4, decay_steps)``: the merge-ratio schedule in 1/10000 units (see :func:`pass_cap`)."""
+        if self.merge_ratio is None:
+            return 0, 0, 0
+        return round(self.merge_ratio * 10000), round(self.ratio_decay * 10000), self.decay_steps
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
@@ -317,6 +350,7 @@ class ChelseaLayerCache(LayerCache):
             cfg.sink_tokens,
             cfg.recent_tokens,
             cfg.chunk_size,
+            cfg.schedule(),
         )
         m = ck.shape[1]
         positions = torch.gather(p.reshape(b * hc, n), 1, kept).reshape(b, hc, m)

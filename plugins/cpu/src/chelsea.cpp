@@ -185,6 +185,12 @@ private:
         return false;
     }
     int64_t sinks = 0, recent = 0, chunk = 0, merge_interval = 0;
+    // the paper's merge-ratio schedule in 1/10000 units (chelsea.py: pass_cap); ratio_e4 0: no cap
+    int64_t ratio_e4 = 0, decay_e4 = 0, decay_steps = 0;
+    int64_t pass_cap(int64_t middle, int64_t passes) const {
+        if (!ratio_e4) return middle;
+        return std::max<int64_t>(1, (ratio_e4 - decay_e4 * std::min(decay_steps, passes)) * middle / 10000);
+    }
     std::vector<int64_t> outliers;  // flattened (layer, kv_head) pairs
 };
 
@@ -195,6 +201,9 @@ ChelseaPolicy::ChelseaPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
     chunk = spec.integer("chunk", 2, 1 << 16);
     if (chunk % 2) throw Error(Spec::invalid("chunk", std::to_string(chunk), "an even integer in [2, 65536]"));
     merge_interval = spec.integer("merge_interval", 1, 1 << 16);
+    ratio_e4 = spec.integer("ratio_e4", 0, 5000);
+    decay_e4 = spec.integer("decay_e4", 0, 5000);
+    decay_steps = spec.integer("decay_steps", 0, 1 << 10);
     outliers = spec.integers("outliers", 0, 1 << 16);
     if (outliers.size() % 2) throw Error(Spec::invalid("outliers", std::to_string(outliers.size()) + " numbers", "(layer, kv_head) pairs"));
     for (size_t i = 0; i < outliers.size(); i += 2)
@@ -218,7 +227,8 @@ int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) co
     t.pos = hc.pos;
     int64_t passes = 0;
     while (t.n > target) {
-        const int64_t merged = merge_pass(t, sinks, t.n - recent, t.n - target, chunk, D);
+        const int64_t lo = sinks, hi = t.n - recent;
+        const int64_t merged = merge_pass(t, lo, hi, std::min(t.n - target, pass_cap(hi - lo, passes)), chunk, D);
         if (!merged) break;  // cannot happen with target >= sinks + recent + 1; never loop forever
         ++passes;
     }
