@@ -103,6 +103,25 @@ def test_the_paper_schedule_caps_each_pass():
         ChelseaConfig(budget=256, merge_ratio=0.6)
 
 
+def test_value_aware_links_merge_alike_keys_with_different_values_last():
+    """Two pairs with identical keys: the pair whose values differ is the key-only ranking's
+    favourite, and the value-aware ranking's last choice."""
+    from ov_kvcrush.methods.chelsea import chunked_soft_matching
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 8, 16, generator=gen)
+    v = torch.randn(1, 8, 16, generator=gen)
+    k[0, 1] = k[0, 0]  # pair 0-1: identical keys, different values (a needle's two digits)
+    k[0, 3] = k[0, 2] + 0.05 * torch.randn(16, generator=gen)  # pair 2-3: near keys, identical values
+    v[0, 3] = v[0, 2]
+    key_only = chunked_soft_matching(k, 8)
+    both = chunked_soft_matching(k, 8, v)
+    assert int(key_only.b[0, 0]) == 1 and int(both.b[0, 0]) == 1  # the B choice is the keys'
+    assert key_only.similarity[0, 0] >= key_only.similarity[0, 1]
+    assert both.similarity[0, 0] < both.similarity[0, 1]
+    assert torch.all(both.similarity <= key_only.similarity + 1e-6)
+
+
 def test_outlier_heads_keep_their_full_cache():
     vec = layer_vectors(5, tokens=300)
     cfg = ChelseaConfig(budget=64, sink_tokens=4, recent_tokens=8, chunk_size=16, outlier_heads=((0, 1),))

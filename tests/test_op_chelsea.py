@@ -26,6 +26,7 @@ CASES = {
     "outliers": dict(outlier_heads=((1, 0), (2, 2))),
     "one-chunk": dict(chunk_size=256, budget=120, merge_interval=16),
     "paper-schedule": dict(merge_ratio=0.35, ratio_decay=0.1, decay_steps=2),
+    "key-value-links": dict(link_score="key_value"),
 }
 
 

@@ -28,6 +28,8 @@ Where this departs from it:
   ``ratio_decay`` and ``decay_steps`` give the paper's schedule ``r = r_init - alpha * min(m, i)``
   (Appendix C.2: 0.35, 0.1, 2 for Llama-3; a constant 0.25 for its needle test): pass ``i`` of a
   compression merges at most ``floor(r * middle)`` links, at least one.
+* ``link_score="key_value"`` (not the paper's; off by default) ranks links by the lower of their
+  keys' and values' cosine.
 * Outlier heads are none by default and nothing calls the calibration automatically; listed ones
   stay whole and are not counted against the budget (the paper counts them).
 * Decode-time merging runs every ``merge_interval`` tokens per layer, as the paper's ``g``.
@@ -45,7 +47,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings, check_layer, tensor_bytes, topk_indices
 from ov_kvcrush.methods.store import FPStore, make_store
-from ov_kvcrush.validation import check_budget, check_float, check_int
+from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
 
 # --------------------------------------------------------------------------------------------
 # algorithm
@@ -64,11 +66,13 @@ class Links:
     similarity: torch.Tensor
 
 
-def chunked_soft_matching(keys: torch.Tensor, chunk_size: int) -> Links:
+def chunked_soft_matching(keys: torch.Tensor, chunk_size: int, values: torch.Tensor | None = None) -> Links:
     """Link every A token (even offset in its chunk) to its most similar B token (odd offset) of the same chunk.
 
     ``keys`` ``[B, n, d]``; chunks are ``[j * chunk_size, (j + 1) * chunk_size)``, the last one
-    possibly shorter.
+    possibly shorter. With ``values``, a link's strength is the lower of its keys' and its values'
+    cosine (the B token is still the most key-similar): tokens that look alike to the queries
+    but carry different content (a needle's digits) are merged last.
     """
     if keys.dim() != 3:
         raise ShapeError(f"chunked_soft_matching needs [B, n, d] keys, got {tuple(keys.shape)}")
@@ -90,6 +94,11 @@ def chunked_soft_matching(keys: torch.Tensor, chunk_size: int) -> Links:
     b_idx = torch.gather(b_pos.expand(bsz, chunks, half), 2, best)
     a_idx = a_pos.expand(bsz, chunks, half)
     valid_a = (a_pos < n).view(1, chunks, half).expand(bsz, chunks, half)
+    if values is not None:
+        vn = F.pad(F.normalize(values.float(), dim=-1), (0, 0, 0, pad))  # [B, chunks * c, d]
+        va = torch.gather(vn, 1, a_idx.reshape(bsz, -1, 1).expand(-1, -1, d))
+        vb = torch.gather(vn, 1, b_idx.reshape(bsz, -1, 1).expand(-1, -1, d))
+        best_sim = torch.minimum(best_sim, (va * vb).sum(-1).reshape(bsz, chunks, half))
     best_sim = best_sim.masked_fill(~valid_a, float("-inf"))
     keep = valid_a.reshape(bsz, -1)[0]  # A slots past the end are dropped (same for every head)
     return Links(a_idx.reshape(bsz, -1)[:, keep], b_idx.reshape(bsz, -1)[:, keep], best_sim.reshape(bsz, -1)[:, keep])
@@ -154,12 +163,14 @@ def chelsea_compress(
     recent_tokens: int,
     chunk_size: int,
     schedule: tuple[int, int, int] = (0, 0, 0),
+    value_aware: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Merge ``[B, n, d]`` tokens down to ``target`` with repeated chunked soft matching of the middle range.
 
     ``schedule``: ``(ratio_e4, decay_e4, decay_steps)`` of :func:`pass_cap` (zeros: every usable
-    link per pass). Returns ``(keys, values, degrees, kept, passes)``; ``kept`` ``[B, target]`` are
-    the surviving original indices. ``target`` must leave at least one middle token.
+    link per pass). ``value_aware``: links ranked by the lower of key and value cosine. Returns
+    ``(keys, values, degrees, kept, passes)``; ``kept`` ``[B, target]`` are the surviving original
+    indices. ``target`` must leave at least one middle token.
     """
     bsz, n = keys.shape[:2]
     if n <= target:
@@ -173,7 +184,7 @@ def chelsea_compress(
     while keys.shape[1] > target:
         s = keys.shape[1]
         lo, hi = sink_tokens, s - recent_tokens
-        links = chunked_soft_matching(keys[:, lo:hi], chunk_size)
+        links = chunked_soft_matching(keys[:, lo:hi], chunk_size, values[:, lo:hi] if value_aware else None)
         count = min(s - target, usable_links(links), pass_cap(hi - lo, passes, *schedule))
         mk, mv, mw, mkept = merge_links(keys[:, lo:hi], values[:, lo:hi], degrees[:, lo:hi], links, count)
         keys = torch.cat([keys[:, :lo], mk, keys[:, hi:]], dim=1)
@@ -228,6 +239,8 @@ class ChelseaConfig(MethodConfig):
             (``None``: every usable link, up to the target), in (0, 0.5].
         ratio_decay: the paper's ``alpha``: ``r`` falls by this much per pass, for ``decay_steps``
             passes (``m``).
+        link_score: ``key`` (the paper: key cosine) or ``key_value`` (beyond the paper: the lower
+            of key and value cosine, so tokens with alike keys and different values merge last).
         quant: hold the (merged) tokens in MiniKV's 2-bit format; merged tokens are re-quantized.
     """
 
@@ -244,6 +257,7 @@ class ChelseaConfig(MethodConfig):
     merge_ratio: float | None = None
     ratio_decay: float = 0.0
     decay_steps: int = 0
+    link_score: str = "key"
 
     def __post_init__(self) -> None:
         check_int("sink_tokens", self.sink_tokens, 0)
@@ -258,6 +272,7 @@ class ChelseaConfig(MethodConfig):
             check_float("merge_ratio", self.merge_ratio, 1e-4, 0.5)
         check_float("ratio_decay", self.ratio_decay, 0.0, 0.5)
         check_int("decay_steps", self.decay_steps, 0, 1 << 10)
+        check_choice("link_score", self.link_score, ("key", "key_value"))
         for pair in self.outlier_heads:
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)):
                 raise ConfigError(
@@ -280,6 +295,7 @@ class ChelseaConfig(MethodConfig):
             "ratio_e4": self.schedule()[0],
             "decay_e4": self.schedule()[1],
             "decay_steps": self.schedule()[2],
+            "link_score": self.link_score,
         }
 
     def schedule(self) -> tuple[int, int, int]:
@@ -351,6 +367,7 @@ class ChelseaLayerCache(LayerCache):
             cfg.recent_tokens,
             cfg.chunk_size,
             cfg.schedule(),
+            cfg.link_score == "key_value",
         )
         m = ck.shape[1]
         positions = torch.gather(p.reshape(b * hc, n), 1, kept).reshape(b, hc, m)

@@ -74,10 +74,15 @@ void similarities(const float* a, const float* bt, int64_t nb, int D, float* sim
 }
 
 // One matching pass over the slots [lo, hi) of t, merging at most `want` links. Returns the merges.
-int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chunk, int D) {
+// value_aware: a link's strength is the lower of its keys' and values' cosine (chelsea.py).
+int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chunk, int D, bool value_aware) {
     const int64_t m = hi - lo;
-    std::vector<float> kn(static_cast<size_t>(m) * D);
+    std::vector<float> kn(static_cast<size_t>(m) * D), vn;
     normalize_rows(t.k.data() + lo * D, m, D, kn.data());
+    if (value_aware) {
+        vn.resize(static_cast<size_t>(m) * D);
+        normalize_rows(t.v.data() + lo * D, m, D, vn.data());
+    }
     // links in order: chunk by chunk, A tokens ascending. A chunk's B keys are transposed
     // ([D][nb]) so that one A token's similarities to every B token are nb-wide FMAs, each lane
     // summing over d in order. Chunks are independent: they run in parallel (nested in the heads'
@@ -106,7 +111,15 @@ int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chun
             for (int64_t j = 1; j < nb; ++j)
                 if (sim[static_cast<size_t>(j)] > sim[static_cast<size_t>(bj)]) bj = j;
             lb[static_cast<size_t>(l)] = c0 + 1 + 2 * bj;
-            ls[static_cast<size_t>(l)] = sim[static_cast<size_t>(bj)];
+            float s = sim[static_cast<size_t>(bj)];
+            if (value_aware) {
+                float vc = 0.0f;
+                const float* va = vn.data() + a * D;
+                const float* vb = vn.data() + (c0 + 1 + 2 * bj) * D;
+                for (int d = 0; d < D; ++d) vc += va[d] * vb[d];
+                s = std::min(s, vc);
+            }
+            ls[static_cast<size_t>(l)] = s;
         }
     });
     int64_t usable = 0;
@@ -187,6 +200,7 @@ private:
     int64_t sinks = 0, recent = 0, chunk = 0, merge_interval = 0;
     // the paper's merge-ratio schedule in 1/10000 units (chelsea.py: pass_cap); ratio_e4 0: no cap
     int64_t ratio_e4 = 0, decay_e4 = 0, decay_steps = 0;
+    bool value_aware = false;  // link_score key_value
     int64_t pass_cap(int64_t middle, int64_t passes) const {
         if (!ratio_e4) return middle;
         return std::max<int64_t>(1, (ratio_e4 - decay_e4 * std::min(decay_steps, passes)) * middle / 10000);
@@ -204,6 +218,7 @@ ChelseaPolicy::ChelseaPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
     ratio_e4 = spec.integer("ratio_e4", 0, 5000);
     decay_e4 = spec.integer("decay_e4", 0, 5000);
     decay_steps = spec.integer("decay_steps", 0, 1 << 10);
+    value_aware = spec.choice("link_score", {"key", "key_value"}) == "key_value";
     outliers = spec.integers("outliers", 0, 1 << 16);
     if (outliers.size() % 2) throw Error(Spec::invalid("outliers", std::to_string(outliers.size()) + " numbers", "(layer, kv_head) pairs"));
     for (size_t i = 0; i < outliers.size(); i += 2)
@@ -228,7 +243,8 @@ int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) co
     int64_t passes = 0;
     while (t.n > target) {
         const int64_t lo = sinks, hi = t.n - recent;
-        const int64_t merged = merge_pass(t, lo, hi, std::min(t.n - target, pass_cap(hi - lo, passes)), chunk, D);
+        const int64_t merged =
+            merge_pass(t, lo, hi, std::min(t.n - target, pass_cap(hi - lo, passes)), chunk, D, value_aware);
         if (!merged) break;  // cannot happen with target >= sinks + recent + 1; never loop forever
         ++passes;
     }
