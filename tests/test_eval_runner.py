@@ -221,5 +221,7 @@ def test_method_spec_parsing():
     assert spec.label == "snapkv:block_size=32+4bit"
     cfg = spec.compression(1024).method_config()
     assert cfg.block_size == 32 and cfg.quant.label == "4bit"
+    windows = MethodSpec.parse("minikv:sink_tokens=0:recent_tokens=768").compression(1024)
+    assert (windows.sink_tokens, windows.recent_tokens, windows.options) == (0, 768, {})
     with pytest.raises(ConfigError, match="block_size"):  # the method names its own bad option
         MethodSpec.parse("snapkv:block_size=0")

@@ -91,7 +91,9 @@ class MethodSpec:
             options["quant"] = QuantSettings(key_bits=kbits, value_bits=vbits)
         if track_recall and "track_recall" in REGISTRY[self.method].__dataclass_fields__:  # a recall method
             options["track_recall"] = True
-        return CompressionConfig(self.method, budget, options=options)
+        # the windows are CompressionConfig's own fields, not method options
+        sinks, recent = options.pop("sink_tokens", None), options.pop("recent_tokens", None)
+        return CompressionConfig(self.method, budget, sink_tokens=sinks, recent_tokens=recent, options=options)
 
 
 @dataclass(frozen=True)
