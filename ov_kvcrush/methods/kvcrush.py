@@ -49,7 +49,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, check_scores
 from ov_kvcrush.methods.base import topk_indices
 from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig
-from ov_kvcrush.methods.selection import keep_indices
+from ov_kvcrush.methods.selection import keep_indices, plan_spans
 from ov_kvcrush.validation import check_choice, check_int
 
 ANCHOR_MODES = ("random", "zeros", "ones", "mean", "alternating")
@@ -285,31 +285,14 @@ def kvcrush_select_blocks(
     """
     check_scores(scores)
     check_int("block_size", block_size, 1, 1 << 16)
-    b, h, n = scores.shape
-    dev = scores.device
+    b, n = scores.shape[0], scores.shape[-1]
     if budget >= n:
-        return [torch.arange(n, device=dev) for _ in range(b)]
-    full = n // block_size
-    partial = n - full * block_size
-    block_scores = scores[..., : full * block_size].reshape(b, h, full, block_size).sum(-1)
-    sink_b = -(-sink_tokens // block_size)
-    recent_b = -(-max(recent_tokens - partial, 0) // block_size)
-    budget_b = (budget - partial) // block_size
+        return [torch.arange(n, device=scores.device) for _ in range(b)]
     reps_b = representatives // block_size
-    if sink_b + recent_b + reps_b > budget_b:
-        raise ConfigError(
-            "budget",
-            budget,
-            f"room for sink, recent and representative blocks of {block_size} tokens "
-            f"({(sink_b + recent_b + reps_b) * block_size + partial} tokens here)",
-        )
-    sel = kvcrush_select(block_scores, budget_b, sink_b, recent_b, reps_b, **kwargs)  # type: ignore[arg-type]
-    tail = torch.arange(full * block_size, n, device=dev)
-    out = []
-    for s in sel:
-        tokens = (s.keep.unsqueeze(1) * block_size + torch.arange(block_size, device=dev)).flatten()
-        out.append(torch.cat([tokens, tail]))
-    return out
+    what = "sink, recent and representative blocks"
+    plan = plan_spans(scores, budget, sink_tokens, recent_tokens, block_size, reserved=reps_b, what=what)
+    sel = kvcrush_select(plan.scores, plan.budget, plan.sink, plan.recent, reps_b, **kwargs)  # type: ignore[arg-type]
+    return [plan.tokens(s.keep) for s in sel]
 
 
 # --------------------------------------------------------------------------------------------

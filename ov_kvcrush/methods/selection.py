@@ -6,6 +6,8 @@ on them; the op's ``selection.cpp`` reproduces the top-k order (ties to the lowe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -93,6 +95,58 @@ def keep_indices(scores: torch.Tensor, budget: int, sink_tokens: int, recent_tok
     return torch.cat([sinks, top, recent], dim=-1)
 
 
+@dataclass(frozen=True)
+class SpanPlan:
+    """A selection over spans of ``block`` tokens (paged attention's blocks), shared by every
+    span-granular method (:func:`keep_block_indices`, block-wise KVCrush).
+
+    ``scores`` ``[..., full]`` sums each full span's token scores; the trailing ``partial`` tokens
+    are always kept; sinks and the recent window round up to whole spans (``sink``, ``recent``),
+    and ``budget`` is the spans the token budget leaves beside the partial tail.
+    """
+
+    scores: torch.Tensor
+    block: int
+    n: int
+    full: int
+    partial: int
+    sink: int
+    recent: int
+    budget: int
+
+    def tokens(self, spans: torch.Tensor) -> torch.Tensor:
+        """Token indices (ascending) of kept ``spans`` ``[..., k]`` (ascending), then the partial tail."""
+        dev = spans.device
+        tokens = (spans.unsqueeze(-1) * self.block + torch.arange(self.block, device=dev)).flatten(-2)
+        tail = torch.arange(self.full * self.block, self.n, device=dev).expand(*spans.shape[:-1], self.partial)
+        return torch.cat([tokens, tail], dim=-1)
+
+
+def plan_spans(
+    scores: torch.Tensor,
+    budget: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    block: int,
+    reserved: int = 0,
+    what: str = "",
+) -> SpanPlan:
+    """The :class:`SpanPlan` of ``[..., n]`` scores (``budget < n``). ``reserved`` spans must fit
+    beside the sink and recent ones (KVCrush's representatives); ``what`` names them all in the
+    error that says the budget has no room."""
+    n = scores.shape[-1]
+    full = n // block
+    partial = n - full * block
+    sink_b = -(-sink_tokens // block)
+    recent_b = -(-max(recent_tokens - partial, 0) // block)
+    budget_b = (budget - partial) // block
+    if sink_b + recent_b + reserved > budget_b:
+        need = (sink_b + recent_b + reserved) * block + partial
+        raise ConfigError("budget", budget, f"room for {what} of {block} tokens ({need} tokens here)")
+    span_scores = scores[..., : full * block].reshape(*scores.shape[:-1], full, block).sum(-1)
+    return SpanPlan(span_scores, block, n, full, partial, sink_b, recent_b, budget_b)
+
+
 def keep_block_indices(
     scores: torch.Tensor, budget: int, sink_tokens: int, recent_tokens: int, block: int
 ) -> torch.Tensor:
@@ -100,29 +154,15 @@ def keep_block_indices(
 
     Scores are summed per full span; the trailing partial span (``n mod block`` tokens) is always
     kept, the sink and recent windows round up to whole spans, and the top-scoring spans fill the
-    rest of ``budget``. Returns ``[b, h, k]`` ascending indices, ``k <= budget``.
+    rest of ``budget`` (:func:`plan_spans`). Returns ``[b, h, k]`` ascending indices, ``k <= budget``.
     """
     check_scores(scores)
     check_int("block_size", block, 1, 1 << 16)
     b, h, n = scores.shape
-    dev = scores.device
     if budget >= n:
-        return torch.arange(n, device=dev).expand(b, h, n).clone()
-    full = n // block
-    partial = n - full * block
-    span_scores = scores[..., : full * block].float().reshape(b, h, full, block).sum(-1)
-    sink_b = -(-sink_tokens // block)
-    recent_b = -(-max(recent_tokens - partial, 0) // block)
-    budget_b = (budget - partial) // block
-    if sink_b + recent_b > budget_b:
-        need = (sink_b + recent_b) * block + partial
-        raise ConfigError(
-            "budget", budget, f"room for the sink and recent spans of {block} tokens ({need} tokens here)"
-        )
-    spans = keep_indices(span_scores, budget_b, sink_b, recent_b)  # [b, h, budget_b] ascending
-    tokens = (spans.unsqueeze(-1) * block + torch.arange(block, device=dev)).flatten(2)
-    tail = torch.arange(full * block, n, device=dev).expand(b, h, partial)
-    return torch.cat([tokens, tail], dim=-1)
+        return torch.arange(n, device=scores.device).expand(b, h, n).clone()
+    plan = plan_spans(scores.float(), budget, sink_tokens, recent_tokens, block, what="the sink and recent spans")
+    return plan.tokens(keep_indices(plan.scores, plan.budget, plan.sink, plan.recent))
 
 
 def keep_indices_ragged(

@@ -185,27 +185,10 @@ std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n
     std::vector<int64_t> all(static_cast<size_t>(n));
     std::iota(all.begin(), all.end(), int64_t(0));
     if (budget >= n) return all;
-    const int64_t full = n / block, partial = n - full * block;
-    std::vector<float> bscores(static_cast<size_t>(H) * full, 0.0f);
-    for (int h = 0; h < H; ++h)
-        for (int64_t b = 0; b < full; ++b) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < block; ++i) s += scores[h * n + b * block + i];
-            bscores[static_cast<size_t>(h * full + b)] = s;
-        }
-    const int64_t sink_b = (sinks + block - 1) / block;
-    const int64_t recent_b = (std::max<int64_t>(recent - partial, 0) + block - 1) / block;
-    const int64_t budget_b = (budget - partial) / block;
     const int64_t reps_b = reps / block;
-    if (sink_b + recent_b + reps_b > budget_b)
-        throw Error("method.budgets=" + std::to_string(budget) + " is invalid: allowed room for sink, recent and representative blocks of " +
-                    std::to_string(block) + " tokens (" + std::to_string((sink_b + recent_b + reps_b) * block + partial) +
-                    " tokens here)");
-    std::vector<int64_t> keep;
-    for (int64_t b : kvcrush_select(bscores.data(), H, full, budget_b, sink_b, recent_b, reps_b, p))
-        for (int64_t i = 0; i < block; ++i) keep.push_back(b * block + i);
-    for (int64_t i = full * block; i < n; ++i) keep.push_back(i);
-    return keep;
+    const SpanPlan plan =
+        plan_spans(scores, H, n, block, budget, sinks, recent, reps_b, "sink, recent and representative blocks");
+    return plan.tokens(kvcrush_select(plan.scores.data(), H, plan.full, plan.budget, plan.sink, plan.recent, reps_b, p));
 }
 
 void KVCrushPolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {
@@ -226,7 +209,7 @@ void KVCrushPolicy::after_attention(Sequence& seq, int layer, bool prefill, int6
             for (int64_t i = 0; i < n; ++i)
                 scores[static_cast<size_t>((g * G + gi) * n + i)] = hc.scores[static_cast<size_t>(live[static_cast<size_t>(i)] * G + gi)];
     }
-    if (kv.block_wise) {  // no holes: blocks are dropped whole
+    if (block_wise) {  // no holes: blocks are dropped whole
         const auto keep =
             kvcrush_select_blocks(scores.data(), H, n, cfg.block_size, budget, sinks, recent, kv.representatives, kv);
         for (int g = 0; g < cfg.kv_heads; ++g) keep_blocks(seq, seq.head(layer, g), keep);
@@ -248,7 +231,6 @@ KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
     kv.signature_threshold = spec.choice("signature", {"topk", "threshold"}) == "threshold";
     kv.multi_nearest = spec.choice("multi_anchor", {"tuple", "nearest"}) == "nearest";
     kv.representative_first = spec.choice("representative", {"max_score", "first"}) == "first";
-    kv.block_wise = block_wise;  // read by ImportancePolicy
     for (const auto& a : spec.words("anchors")) {
         Anchor anchor;
         if (a == "mean") {

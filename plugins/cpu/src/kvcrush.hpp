@@ -19,7 +19,6 @@ struct KVCrushParams {
     bool signature_threshold = false;  // a head's bit: score >= its mean (else: its own top-k)
     bool multi_nearest = false;        // several anchors: order by the nearest (else: the tuple)
     bool representative_first = false; // a bucket's first token (else: its highest-scoring)
-    bool block_wise = false;           // whole blocks of the pool's block size
     std::vector<Anchor> anchors;
 };
 
@@ -32,7 +31,7 @@ std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n
 class KVCrushPolicy : public ImportancePolicy {
 public:
     // Reads the importance fields and representatives, signature, multi_anchor, representative,
-    // anchors, block_wise.
+    // anchors (block_wise is ImportancePolicy's).
     KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common);
     void after_attention(Sequence& seq, int layer, bool prefill, int64_t L) const override;
     KVCrushParams kv;

@@ -143,29 +143,44 @@ std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget
     return keep;
 }
 
-std::vector<int64_t> keep_block_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent,
-                                        int64_t block) {
-    if (budget >= n) return keep_indices(scores, n, budget, sinks, recent);
-    const int64_t full = n / block, partial = n - full * block;
-    std::vector<float> spans(static_cast<size_t>(full), 0.0f);
-    for (int64_t b = 0; b < full; ++b) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < block; ++i) s += scores[b * block + i];
-        spans[static_cast<size_t>(b)] = s;
-    }
-    const int64_t sink_b = (sinks + block - 1) / block;
-    const int64_t recent_b = (std::max<int64_t>(recent - partial, 0) + block - 1) / block;
-    const int64_t budget_b = (budget - partial) / block;
-    if (sink_b + recent_b > budget_b)
-        throw Error("method.budgets=" + std::to_string(budget) + " is invalid: allowed room for the sink and recent spans of " +
-                    std::to_string(block) + " tokens (" + std::to_string((sink_b + recent_b) * block + partial) +
-                    " tokens here)");
+std::vector<int64_t> SpanPlan::tokens(const std::vector<int64_t>& spans) const {
     std::vector<int64_t> keep;
-    keep.reserve(static_cast<size_t>(budget_b * block + partial));
-    for (int64_t b : keep_indices(spans.data(), full, budget_b, sink_b, recent_b))
+    keep.reserve(spans.size() * static_cast<size_t>(block) + static_cast<size_t>(partial));
+    for (int64_t b : spans)
         for (int64_t i = 0; i < block; ++i) keep.push_back(b * block + i);
     for (int64_t i = full * block; i < n; ++i) keep.push_back(i);
     return keep;
+}
+
+SpanPlan plan_spans(const float* scores, int rows, int64_t n, int64_t block, int64_t budget, int64_t sinks,
+                    int64_t recent, int64_t reserved, const char* what) {
+    SpanPlan p;
+    p.block = block;
+    p.n = n;
+    p.full = n / block;
+    p.partial = n - p.full * block;
+    p.sink = (sinks + block - 1) / block;
+    p.recent = (std::max<int64_t>(recent - p.partial, 0) + block - 1) / block;
+    p.budget = (budget - p.partial) / block;
+    if (p.sink + p.recent + reserved > p.budget)
+        throw Error("method.budgets=" + std::to_string(budget) + " is invalid: allowed room for " + what + " of " +
+                    std::to_string(block) + " tokens (" +
+                    std::to_string((p.sink + p.recent + reserved) * block + p.partial) + " tokens here)");
+    p.scores.assign(static_cast<size_t>(rows) * p.full, 0.0f);
+    for (int h = 0; h < rows; ++h)
+        for (int64_t b = 0; b < p.full; ++b) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < block; ++i) s += scores[h * n + b * block + i];
+            p.scores[static_cast<size_t>(h * p.full + b)] = s;
+        }
+    return p;
+}
+
+std::vector<int64_t> keep_block_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent,
+                                        int64_t block) {
+    if (budget >= n) return keep_indices(scores, n, budget, sinks, recent);
+    const SpanPlan p = plan_spans(scores, 1, n, block, budget, sinks, recent, 0, "the sink and recent spans");
+    return p.tokens(keep_indices(p.scores.data(), p.full, p.budget, p.sink, p.recent));
 }
 
 void pool_scores(float* scores, int64_t n, int64_t stride, int64_t kernel, bool avg) {

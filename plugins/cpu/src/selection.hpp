@@ -18,9 +18,22 @@ void topk_mask(const float* scores, int64_t n, int64_t k, uint8_t* mask);
 std::vector<int64_t> topk_indices(const float* scores, int64_t n, int64_t k);
 // sinks, the top scores between, the recent window: min(budget, n) ascending indices
 std::vector<int64_t> keep_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent);
-// keep_indices over spans of `block` tokens (importance.py: keep_block_indices): whole spans by
-// their summed scores, sinks and recent rounded up to spans, the trailing partial span always
-// kept; ascending token indices. Throws (naming the budget) when the sink and recent spans do not fit.
+// A selection over spans of `block` tokens (selection.py: plan_spans), shared by every
+// span-granular method: each row's full spans summed ([rows][full]), the trailing partial span
+// always kept, sinks and the recent window rounded up to whole spans, and the spans the token
+// budget leaves beside the partial tail.
+struct SpanPlan {
+    int64_t block = 0, n = 0, full = 0, partial = 0, sink = 0, recent = 0, budget = 0;
+    std::vector<float> scores;
+    // the token indices of kept spans (ascending), then the partial tail
+    std::vector<int64_t> tokens(const std::vector<int64_t>& spans) const;
+};
+// The plan of `rows` score rows of n tokens (budget < n). `reserved` spans must fit beside the sink
+// and recent ones (KVCrush's representatives); `what` names them all in the error (naming the
+// budget) thrown when they do not.
+SpanPlan plan_spans(const float* scores, int rows, int64_t n, int64_t block, int64_t budget, int64_t sinks,
+                    int64_t recent, int64_t reserved, const char* what);
+// keep_indices over spans of `block` tokens (selection.py: keep_block_indices); ascending token indices.
 std::vector<int64_t> keep_block_indices(const float* scores, int64_t n, int64_t budget, int64_t sinks, int64_t recent,
                                         int64_t block);
 // SnapKV's 1-D pooling of scores[i * stride] along tokens (odd kernel; max or average)
