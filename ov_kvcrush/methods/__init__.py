@@ -25,6 +25,7 @@ from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.importance import H2OConfig, PyramidKVConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
+from ov_kvcrush.methods.kvzip import KVzipConfig
 from ov_kvcrush.methods.minikv import MiniKVConfig
 from ov_kvcrush.methods.quest import QuestConfig
 from ov_kvcrush.validation import check_choice
@@ -41,6 +42,7 @@ REGISTRY: dict[str, type[MethodConfig]] = {
     "chelsea": ChelseaConfig,
     "minikv": MiniKVConfig,
     "knorm": KnormConfig,
+    "kvzip": KVzipConfig,
 }
 
 
@@ -106,6 +108,7 @@ __all__ = [
     "FullConfig",
     "H2OConfig",
     "KVCrushConfig",
+    "KVzipConfig",
     "KnormConfig",
     "LayerCache",
     "MethodConfig",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -188,6 +189,28 @@ class MethodConfig:
     #: (``quant.prompt_tail``): not for a method that re-encodes its store (Chelsea) or indexes
     #: its tokens in flush order (ClusterKV)
     pins_prompt_tail: ClassVar[bool] = True
+    #: whether the method scores the cache with a second pass after each prompt (KVzip): the
+    #: engine then feeds :meth:`scoring_pass_inputs` through the layers' :meth:`LayerCache.score_step`
+    #: (the op's scoring mode) and calls :meth:`finish_scoring_pass`, when :meth:`scoring_pass_due`
+    scoring_pass: ClassVar[bool] = False
+
+    def scoring_pass_due(self, held: int, layers: int, kv_heads: int) -> bool:
+        """Whether a cache holding ``held`` tokens (summed over its layers and KV heads) needs a
+        scoring pass now (a method with :attr:`scoring_pass`)."""
+        return False
+
+    def scoring_pass_inputs(
+        self, context: Sequence[int], encode: Callable[[str], list[int]], prefix: Sequence[int]
+    ) -> list[Any]:
+        """The steps of a scoring pass over ``context`` (the tokens to score): each has ``ids`` (fed
+        to the model) and ``lo``/``hi`` (the context tokens it scores, from the context's start);
+        ``encode`` tokenizes text without a template, ``prefix`` is the chat template's
+        generation prompt."""
+        raise NotImplementedError(f"method {self.name} has no scoring pass")
+
+    def finish_scoring_pass(self, layers: list[LayerCache]) -> None:
+        """After a scoring pass: the selection over ``layers`` (the method's layer caches, in order)."""
+        raise NotImplementedError(f"method {self.name} has no scoring pass")
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         """This method's own fields of the op's spec, for a model with ``layers`` layers, ``q_heads``
@@ -335,6 +358,14 @@ class LayerCache(ABC):
         if not self.seen:
             return self.prefill(queries, keys, values)
         return self._decode_step(queries, keys, values)
+
+    def score_step(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scored: tuple[int, int]
+    ) -> torch.Tensor:
+        """One step of a scoring pass (:attr:`MethodConfig.scoring_pass`): attend what is held plus
+        the step, score the held tokens at positions in ``scored`` (``[lo, hi)``), keep nothing
+        of the step."""
+        raise NotImplementedError(f"{type(self).__name__} has no scoring pass")
 
     @abstractmethod
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
