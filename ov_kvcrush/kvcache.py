@@ -248,6 +248,18 @@ class KVSequence:
             raise ConfigError("tokens", tokens, "an integer >= 0")
         check_result(self.pool.lib.ovkc_seq_set_prompt(self.handle, tokens))
 
+    def score_positions(self, lo: int, hi: int) -> None:
+        """Start (or move on) the method's scoring pass (KVzip): until :meth:`end_scoring_pass`,
+        each step attends what is held plus itself, scores the held tokens at positions
+        ``[lo, hi)`` and is dropped again. The sequence must hold a prompt; a method without a
+        scoring pass refuses, by name."""
+        check_result(self.pool.lib.ovkc_seq_scoring_pass(self.handle, 1, lo, hi))
+
+    def end_scoring_pass(self, select: bool = True) -> None:
+        """End the scoring pass: the method's selection over every layer (``select``), or none
+        (an interrupted pass leaves the cache as it was, scores aside)."""
+        check_result(self.pool.lib.ovkc_seq_scoring_pass(self.handle, 2 if select else 0, 0, 0))
+
     def free(self) -> None:
         """Release the sequence and its blocks (idempotent)."""
         if self.handle > 0 and self.pool.handle > 0:

@@ -110,7 +110,13 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         const bool chunk = prompt_end > 0 && past < prompt_end;
         OPENVINO_ASSERT(!chunk || past + L <= prompt_end, "ov_kvcrush PagedAttention: a ", L, "-token step after ", past,
                         " tokens runs past the chunked prompt's ", prompt_end, " tokens");
-        const bool hooks = !chunk || past + L == prompt_end;
+        // a step of a scoring pass (KVzip): attend, keep each held slot's largest probability,
+        // then drop the step's tokens; no hook runs
+        const bool scoring = seq->scoring;
+        OPENVINO_ASSERT(!scoring || (!chunk && past > 0), "ov_kvcrush PagedAttention: a scoring pass needs a prefilled, "
+                        "whole prompt (", past, " tokens seen)");
+        const bool hooks = !scoring && (!chunk || past + L == prompt_end);
+        std::vector<int64_t> held_before(static_cast<size_t>(Hkv));
         const int64_t hook_tokens = chunk ? prompt_end : L;
 
         // 1. append the step's keys and values (and zeroed score slots) to every head
@@ -123,6 +129,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 OPENVINO_THROW("ov_kvcrush PagedAttention: ", e.what());
             }
             const int64_t base = hc.size();
+            held_before[static_cast<size_t>(g)] = base;
             hc.pos.resize(static_cast<size_t>(base + L));
             if (cfg.keeps_scores()) hc.scores.resize(static_cast<size_t>(base + L) * G, 0.0f);
             if (!hc.degree.empty()) hc.degree.resize(static_cast<size_t>(base + L), 1.0f);
@@ -136,12 +143,12 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         }
         seq->seen(layer) = past + L;
         const bool prefill = past == 0 || chunk;
-        const bool scores = step_scores(cfg, prefill);
+        const bool scores = scoring || step_scores(cfg, prefill);
         using Clock = std::chrono::steady_clock;
         auto since = [](Clock::time_point t0) {
             return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
         };
-        const int phase = prefill ? 0 : 1;
+        const int phase = prefill || scoring ? 0 : 1;
         auto t_policy = Clock::now();
         try {
             if (hooks) run_before_attention(*seq, layer, prefill, hook_tokens);
@@ -158,11 +165,98 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         bool fused_scores = false;  // a decode step adds its probabilities during the attention
 
         const Policy& policy = *cfg.policy;
-        if (policy.recalls(*seq, layer, prefill)) {
+        // a scoring step attends (and scores) its chunk's slots [slot_lo, slot_hi), the sinks
+        // [0, slot_sinks) and itself
+        std::vector<int64_t> slot_lo(static_cast<size_t>(Hkv), 0), slot_hi(static_cast<size_t>(Hkv), INT64_MAX);
+        std::vector<int64_t> slot_sinks(static_cast<size_t>(Hkv), 0);
+        if (scoring)
+            for (int64_t g = 0; g < Hkv; ++g) {
+                const auto& pos = seq->head(layer, static_cast<int>(g)).pos;
+                const auto end = pos.begin() + held_before[static_cast<size_t>(g)];
+                const size_t gi = static_cast<size_t>(g);
+                slot_lo[gi] = std::lower_bound(pos.begin(), end, seq->score_lo) - pos.begin();
+                slot_hi[gi] = std::lower_bound(pos.begin(), end, seq->score_hi) - pos.begin();
+                slot_sinks[gi] = std::min(slot_lo[gi], std::lower_bound(pos.begin(), end, policy.scoring_sinks()) - pos.begin());
+            }
+        const bool bf16_compute = m_compute == "bf16" && has_bf16();
+        if (scoring && bf16_compute) {
+            // 2d. a scoring step (KVzip's reconstruction) in bf16: the sinks, the chunk and the
+            //     step staged as one head per KV head, then attended as a prefill
+            std::vector<Bf16Head> staged(static_cast<size_t>(Hkv));
+            std::vector<HeadCache> views(static_cast<size_t>(Hkv));
+            tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) {
+                const size_t gi = static_cast<size_t>(g);
+                const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                stage_bf16_ranges(cfg, seq->pool(), hc, {{0, slot_sinks[gi]}, {slot_lo[gi], slot_hi[gi]}, {held_before[gi], hc.size()}},
+                                  staged[gi], views[gi]);
+            });
+            const bool amx = amx_head_dim(static_cast<int>(D)) && has_amx();
+            const int rows_per = amx ? kAmxRows : kMaxRows;
+            const int64_t tiles = (L + rows_per - 1) / rows_per;
+            tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
+                for (int64_t t = range.begin(); t < range.end(); ++t) {
+                    const int64_t h = t / tiles, tile = tiles - 1 - t % tiles;
+                    const size_t gi = static_cast<size_t>(h / G);
+                    const int n = static_cast<int>(std::min<int64_t>(rows_per, L - tile * rows_per));
+                    if (amx) {
+                        const float* qr[kAmxRows];
+                        float* orow[kAmxRows];
+                        int64_t qpos[kAmxRows];
+                        float m[kAmxRows], l[kAmxRows];
+                        for (int r = 0; r < n; ++r) {
+                            const int64_t i = tile * rows_per + r;
+                            qr[r] = qb + (h * L + i) * D;
+                            orow[r] = ob + (h * L + i) * D;
+                            qpos[r] = past + i;
+                        }
+                        attend_amx(cfg, views[gi], staged[gi], n, qr, qpos, orow, m_scale, m, l);
+                        for (int r = 0; r < n; ++r) lse[static_cast<size_t>(h * L + tile * rows_per + r)] = m[r] + std::log(l[r]);
+                    } else {
+                        RowSet rows;
+                        rows.start();
+                        rows.n = n;
+                        for (int r = 0; r < n; ++r) {
+                            const int64_t i = tile * rows_per + r;
+                            rows.q[r] = qb + (h * L + i) * D;
+                            rows.qpos[r] = past + i;
+                            rows.out[r] = ob + (h * L + i) * D;
+                        }
+                        attend_bf16(cfg, views[gi], staged[gi], rows, m_scale);
+                        for (int r = 0; r < n; ++r)
+                            lse[static_cast<size_t>(h * L + tile * rows_per + r)] = rows.m[r] + std::log(rows.l[r]);
+                    }
+                }
+            });
+        } else if (scoring) {
+            // 2d. a scoring step (KVzip's reconstruction): rows = kMaxRows queries of one head
+            const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
+            tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
+                for (int64_t t = range.begin(); t < range.end(); ++t) {
+                    const int64_t h = t / tiles, tile = t % tiles, g = h / G;
+                    const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                    const size_t gi = static_cast<size_t>(g);
+                    RowSet rows;
+                    rows.start();
+                    rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, L - tile * kMaxRows));
+                    for (int r = 0; r < rows.n; ++r) {
+                        const int64_t i = tile * kMaxRows + r;
+                        rows.q[r] = qb + (h * L + i) * D;
+                        rows.qpos[r] = past + i;
+                        rows.out[r] = ob + (h * L + i) * D;
+                    }
+                    attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, slot_sinks[gi]);
+                    attend_range(cfg, seq->pool(), hc, rows, m_scale, slot_lo[gi], slot_hi[gi]);
+                    attend_range(cfg, seq->pool(), hc, rows, m_scale, held_before[gi], hc.size());
+                    finish_rows(rows, static_cast<int>(D));
+                    for (int r = 0; r < rows.n; ++r)
+                        lse[static_cast<size_t>(h * L + tile * kMaxRows + r)] = rows.m[r] + std::log(rows.l[r]);
+                }
+            });
+        } else if (policy.recalls(*seq, layer, prefill)) {
             // 2c. a recall method (ClusterKV): attend only the recalled working set (its selection
             //     time goes to policy_ns)
             policy.attend_recalled(*seq, layer, qb, L, past, m_scale, ob);
-        } else if (L == 1 && !chunk) {
+        } else if (L == 1 && !chunk && !scoring) {
             // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
             const int row_tiles = (G + kMaxRows - 1) / kMaxRows;
             // chunks of 2-bit blocks first (MiniKV's store), then of full-precision blocks
@@ -321,8 +415,9 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 max_blocks = std::max<int64_t>(max_blocks, seq->head(layer, static_cast<int>(g)).blocks.size());
             // SnapKV's prefill scores only the last window of queries
             // (a chunk: the rows of the whole prompt's window that fall in this chunk)
-            const int64_t from = chunk ? std::clamp<int64_t>(score_rows_from(cfg, true, prompt_end) - past, 0, L)
-                                       : score_rows_from(cfg, prefill, L);
+            const int64_t from = scoring ? 0
+                                 : chunk ? std::clamp<int64_t>(score_rows_from(cfg, true, prompt_end) - past, 0, L)
+                                         : score_rows_from(cfg, prefill, L);
             const int64_t Lw = L - from;
             const int64_t rows_total = G * Lw;
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hkv * max_blocks, 1), [&](const tbb::blocked_range<int64_t>& range) {
@@ -330,6 +425,8 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                     const int64_t g = t / max_blocks, blk = t % max_blocks;
                     HeadCache& hc = seq->head(layer, static_cast<int>(g));
                     if (blk >= static_cast<int64_t>(hc.blocks.size())) continue;
+                    const int64_t lo = slot_lo[static_cast<size_t>(g)], hi = slot_hi[static_cast<size_t>(g)];
+                    if (scoring && ((blk + 1) * cfg.block_size <= lo || blk * cfg.block_size >= hi)) continue;
                     for (int64_t r0 = 0; r0 < rows_total; r0 += kMaxRows) {
                         RowSet rows;
                         float row_lse[kMaxRows];
@@ -341,13 +438,26 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                             rows.group_index[r] = static_cast<int>(gi);
                             row_lse[r] = lse[static_cast<size_t>(h * L + i)];
                         }
-                        accumulate_scores(cfg, seq->pool(), hc, rows, row_lse, m_scale, blk);
+                        accumulate_scores(cfg, seq->pool(), hc, rows, row_lse, m_scale, blk, scoring, lo, hi);
                     }
                 }
             });
         }
 
         seq->scores_ns[phase] += since(t_scores);
+        if (scoring) {  // the scoring step's tokens go again
+            for (int64_t g = 0; g < Hkv; ++g) {
+                HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                const int64_t base = held_before[static_cast<size_t>(g)];
+                hc.pos.resize(static_cast<size_t>(base));
+                if (!hc.scores.empty()) hc.scores.resize(static_cast<size_t>(base) * G);
+                if (!hc.degree.empty()) hc.degree.resize(static_cast<size_t>(base));
+                if (!hc.bias.empty()) hc.bias.resize(static_cast<size_t>(base));
+                seq->trim_blocks(hc);
+            }
+            seq->seen(layer) = past;
+            continue;
+        }
         // 4. the method's eviction (prefill selection, decode budget) and the 2-bit store's flush
         t_policy = Clock::now();
         try {

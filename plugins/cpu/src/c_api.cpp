@@ -141,6 +141,34 @@ OVKC_API int64_t ovkc_seq_set_prompt(int64_t seq, int64_t tokens) {
     });
 }
 
+// A scoring pass of a method that has one (KVzip). mode 1: the next steps attend and score what
+// is held at positions [lo, hi) and are then dropped (starts the pass, or moves it on); mode 2:
+// end it with the method's selection over every layer; mode 0: end it without (an interrupted
+// pass: nothing changes but the scores).
+OVKC_API int64_t ovkc_seq_scoring_pass(int64_t seq, int64_t mode, int64_t lo, int64_t hi) {
+    return guarded([&]() -> int64_t {
+        auto s = Registry::get().sequence(seq);
+        std::lock_guard<std::mutex> lock(s->mu);
+        const ovkc::Policy& policy = *s->pool().config().policy;
+        if (!policy.has_scoring_pass())
+            throw ovkc::Error("method " + policy.name() + " has no scoring pass (kvzip has)");
+        if (mode < 0 || mode > 2) throw ovkc::Error("mode=" + std::to_string(mode) + " is invalid: allowed 0, 1, 2");
+        if (mode == 1) {
+            if (!s->seen(0)) throw ovkc::Error("a scoring pass needs a prefilled prompt (the sequence is empty)");
+            if (lo < 0 || hi < lo)
+                throw ovkc::Error("positions [" + std::to_string(lo) + ", " + std::to_string(hi) + ") are invalid: allowed 0 <= lo <= hi");
+            s->scoring = true;
+            s->score_lo = lo;
+            s->score_hi = hi;
+            return 0;
+        }
+        if (!s->scoring) throw ovkc::Error("no scoring pass is running");
+        s->scoring = false;
+        if (mode == 2) policy.finish_scoring_pass(*s);
+        return 0;
+    });
+}
+
 // out[0] blocks held, out[1] tokens seen by layer 0, out[2] tokens held summed over all layers
 // and KV heads, out[3] bytes of the blocks held (full precision and 2-bit), out[4] 2-bit blocks,
 // out[5..8] ns in the method's own work (prefill, decode) and in the score pass (prefill, decode).

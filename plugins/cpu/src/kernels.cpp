@@ -472,7 +472,7 @@ void finish_rows(RowSet& rows, int head_dim) {
 }
 
 void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, const RowSet& rows, const float* lse,
-                       float scale, int64_t block_index) {
+                       float scale, int64_t block_index, bool take_max, int64_t slot_lo, int64_t slot_hi) {
     const int bs = cfg.block_size;
     const int G = cfg.group();
     const int64_t slot0 = block_index * bs;
@@ -493,7 +493,13 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
         float* s = S + r * bs;
         exp_sum(s, cols, lse[r]);
         float* dst = hc.scores.data() + static_cast<size_t>(slot0) * G + rows.group_index[r];
-        for (int j = 0; j < ntok; ++j) dst[static_cast<size_t>(j) * G] += s[j];
+        if (take_max) {
+            const int j0 = static_cast<int>(std::clamp<int64_t>(slot_lo - slot0, 0, ntok));
+            const int j1 = static_cast<int>(std::clamp<int64_t>(slot_hi - slot0, 0, ntok));
+            for (int j = j0; j < j1; ++j) dst[static_cast<size_t>(j) * G] = std::max(dst[static_cast<size_t>(j) * G], s[j]);
+        } else {
+            for (int j = 0; j < ntok; ++j) dst[static_cast<size_t>(j) * G] += s[j];
+        }
     }
 }
 

@@ -44,9 +44,11 @@ float merge_partials(const float* first, size_t stride, int n, int D, float* out
 void finish_rows(RowSet& rows, int head_dim);
 
 // Add each row's softmax probabilities exp(scale*q.k - lse[r]) of the slots in block `block_index`
-// to hc.scores[slot * group + group_index[r]] (causal keys only).
+// to hc.scores[slot * group + group_index[r]] (causal keys only); `take_max`: keep the larger of
+// the two instead (a scoring pass: each slot's largest probability), for slots in [slot_lo, slot_hi).
 void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, const RowSet& rows,
-                       const float* lse, float scale, int64_t block_index);
+                       const float* lse, float scale, int64_t block_index, bool take_max = false,
+                       int64_t slot_lo = 0, int64_t slot_hi = INT64_MAX);
 
 // The decode step's score pass, fused: attend_range left each row's logits (masked ones -inf)
 // in `logits` (slots [0, n), padded with -inf to a multiple of 16); once the row's log-sum-exp is
@@ -79,6 +81,10 @@ struct Bf16Head {
 };
 bool has_bf16();
 void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out);
+// The slots of `ranges` ([begin, end) pairs, ascending, disjoint) staged as one head: `view`
+// gets their positions only (what attend_bf16 / attend_amx read of a head besides the staging).
+void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc,
+                       const std::vector<std::pair<int64_t, int64_t>>& ranges, Bf16Head& out, HeadCache& view);
 // Same contract as attend_range over all slots of the head, then finish_rows.
 void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale);
 

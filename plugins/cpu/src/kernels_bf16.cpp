@@ -34,6 +34,36 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
     }
 }
 
+void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc,
+                       const std::vector<std::pair<int64_t, int64_t>>& ranges, Bf16Head& out, HeadCache& view) {
+    const int D = cfg.head_dim, bs = cfg.block_size;
+    int64_t n = 0;
+    for (const auto& r : ranges) n += std::max<int64_t>(0, r.second - r.first);
+    const int64_t groups = (n + 63) / 64 * 4, pairs = groups * 8;
+    out.n = n;
+    out.k.assign(static_cast<size_t>(groups) * D * 16, 0);
+    out.v.assign(static_cast<size_t>(pairs) * D * 2, 0);
+    view.pos.clear();
+    view.pos.reserve(static_cast<size_t>(n));
+    int64_t t = 0;
+    for (const auto& r : ranges) {
+        for (int64_t slot0 = r.first / bs * bs; slot0 < r.second; slot0 += bs) {
+            const int ntok = static_cast<int>(std::min<int64_t>(bs, hc.size() - slot0));
+            const float *kt, *v;
+            block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], 0, ntok, kt, v);
+            const int j0 = static_cast<int>(std::max<int64_t>(0, r.first - slot0));
+            const int j1 = static_cast<int>(std::min<int64_t>(ntok, r.second - slot0));
+            for (int j = j0; j < j1; ++j, ++t) {
+                view.pos.push_back(hc.pos[static_cast<size_t>(slot0 + j)]);
+                uint16_t* kd = out.k.data() + static_cast<size_t>(t / 16) * D * 16 + (t % 16) * 2;
+                for (int d = 0; d < D; ++d) kd[(d / 2) * 32 + (d % 2)] = to_bf16(kt[static_cast<size_t>(d) * bs + j]);
+                uint16_t* vd = out.v.data() + static_cast<size_t>(t / 2) * D * 2 + (t % 2);
+                for (int d = 0; d < D; ++d) vd[d * 2] = to_bf16(v[static_cast<size_t>(j) * D + d]);
+            }
+        }
+    }
+}
+
 #if OVKC_BF16
 namespace {
 template <int R>

@@ -172,6 +172,7 @@ void Sequence::trim_blocks(HeadCache& hc) {
 
 void Sequence::reset() {
     prompt_end = 0;
+    scoring = false;
     for (auto& h : heads_) {
         for (int32_t b : h.blocks) pool_->release(b);
         for (int32_t b : h.qblocks) pool_->release_q(b);
@@ -192,6 +193,7 @@ void Sequence::reset() {
 
 void Sequence::truncate(int64_t tokens) {
     prompt_end = 0;
+    scoring = false;
     const int G = pool_->config().group();
     for (auto& h : heads_)
         if (!h.qpos.empty() && h.qpos.back() >= tokens)

@@ -183,6 +183,12 @@ public:
     // on the last chunk, over the whole prompt, as if it had come in one step.
     int64_t prompt_end = 0;
 
+    // A scoring pass (Policy::has_scoring_pass, KVzip): while on, a step attends what is held
+    // plus itself, each held slot's score per query head becomes the largest probability a query
+    // of the step gives it, and the step's tokens are dropped again (its positions reused).
+    bool scoring = false;
+    int64_t score_lo = 0, score_hi = 0;  // the positions a scoring step scores: [lo, hi)
+
     // time spent in the method's own work (selection, eviction, merging, the 2-bit flush) and in
     // the per-head score pass, in prefill and in decode steps (ns, summed over layers)
     int64_t policy_ns[2] = {0, 0};

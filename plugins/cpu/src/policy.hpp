@@ -8,7 +8,9 @@
 //   recalls/attend_recalled  a decode step that attends a recalled subset instead of the head
 //                     (ClusterKV);
 //   after_attention   once the attention and the per-head scores are done (prefill selection,
-//                     decode-time budget enforcement).
+//                     decode-time budget enforcement);
+//   finish_scoring_pass  after a scoring pass (KVzip: the steps attend, score and are dropped;
+//                     no other hook runs during them).
 // A policy is shared read-only by every sequence of its pool: per-sequence state lives in the
 // sequence's HeadCache (slots, scores, degrees, and a method's own HeadState).
 //
@@ -83,6 +85,14 @@ public:
     virtual void after_attention(Sequence& /*seq*/, int /*layer*/, bool /*prefill*/, int64_t /*L*/) const {}
     // The method's counters for the sequence, summed over its layers and heads.
     virtual Counters counters(Sequence& /*seq*/) const { return {}; }
+    // A method that scores the cache with a second pass after a prompt (KVzip): while the
+    // sequence's `scoring` is on, the op attends each step over what is held plus the step, keeps
+    // each held slot's largest probability per query head in its scores, and drops the step; then
+    // the engine calls this once, for the selection over every layer.
+    virtual bool has_scoring_pass() const { return false; }
+    // the positions below which a scoring step also attends (its sinks), beside its chunk
+    virtual int64_t scoring_sinks() const { return 0; }
+    virtual void finish_scoring_pass(Sequence& /*seq*/) const {}
 
 private:
     PolicyCommon common_;
