@@ -33,8 +33,12 @@ def methods_help() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The chat's flags (shared by ``ov-kvcrush chat`` and ``samples/chat.py``)."""
     p.add_argument("--backend", default="openvino", help="openvino (default: cache kept across turns), genai, torch")
-    p.add_argument("--method", default="full").help_from = methods_help
-    p.add_argument("--budget", type=int, help="KV tokens kept per layer and KV head (required unless full)")
+    p.add_argument("--method", default=None).help_from = methods_help
+    p.add_argument(
+        "--budget",
+        type=int,
+        help=f"KV tokens kept per layer and KV head; without --method the chat compresses with {CHAT_METHOD}",
+    )
     p.add_argument("--model", help="model for the backend (default: the embedded SmolLM2-135M)")
     p.add_argument("--system", default="", help="system message")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -42,6 +46,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.9) instead of greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no per-turn timing line")
+
+
+#: What the chat compresses with when only a budget is given: a later question needs what an
+#: earlier turn holds, and KVzip scores a turn by reconstructing it, not by the queries seen so far
+#: (issue 25: 6/6 needles asked in the next turn where SnapKV and KVCrush answered 0/6).
+CHAT_METHOD = "kvzip"
+
+
+def cache_policy(compression) -> str:
+    """The line the chat shows about its cache: the method, its budget, and whether a later
+    question can still find what a turn holds."""
+    name = compression.method
+    if not compression.compresses:
+        return "cache: full (every token kept)"
+    if compression.method_config().scoring_pass:
+        return (
+            f"cache: {name}, budget {compression.budget} per layer and KV head; query-agnostic: each turn is "
+            "scored by reconstructing it, so later questions find what it held"
+        )
+    return (
+        f"cache: {name}, budget {compression.budget} per layer and KV head; it keeps what the queries seen so far "
+        f"attend, so a later question may need what it evicted ({CHAT_METHOD} scores each turn without them)"
+    )
 
 
 #: The chat's commands (a line starting with ``/``; ``//text`` sends ``/text`` to the model).
@@ -72,7 +99,8 @@ def chat(
         if args.backend != "openvino":
             raise UserError(f"--kv-precision is for --backend openvino, got --backend={args.backend}")
         options["kv_precision"] = args.kv_precision
-    compression = parse_method_budget(args.method, args.budget)
+    method = args.method or (CHAT_METHOD if args.budget is not None else "full")
+    compression = parse_method_budget(method, args.budget)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.sample,
@@ -83,6 +111,8 @@ def chat(
     if pipe is None:
         pipe = LLMPipeline(args.model, "CPU", backend=args.backend, compression=compression, **options)
     read = _line_reader(stdin, stdout)
+    if not args.quiet:
+        print(f"[{cache_policy(compression)}]", file=sys.stderr)
     pipe.start_chat(args.system)
     last = None
     while True:

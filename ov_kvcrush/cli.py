@@ -139,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--max-new-tokens", type=_positive_int, default=32)
     v.add_argument("--ppl-tokens", type=_positive_int, default=64, help="tokens scored by the ppl task (default 64)")
-    v.add_argument("--data", help="JSONL of {'prompt': str, 'answers': [str]} (replaces --tasks/--lengths)")
+    v.add_argument("--data", help="JSONL of {'prompt', 'answers', 'question' (optional)} (replaces --tasks/--lengths)")
+    v.add_argument(
+        "--question-after", action="store_true", help="compress the context first, then ask (query-agnostic)"
+    )
     v.add_argument("--model", help="model for the backend (default: the embedded model)")
     v.add_argument("--device", default="cpu")
     v.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU), float32, bfloat16 ...")
@@ -284,6 +287,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         ppl_tokens=args.ppl_tokens,
         data=args.data,
+        question_after=args.question_after,
         model=args.model,
         device=args.device,
         dtype=args.dtype,

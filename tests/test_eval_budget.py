@@ -55,7 +55,11 @@ def test_synthetic_probe_picks_the_largest_budget_under_the_target():
         solve_budget("snapkv", make, shape, 500, 0, 0, probe=probe)
 
 
-SPECS = [MethodSpec(m) for m in REGISTRY if m != "full"] + [MethodSpec("kvcrush", True), MethodSpec("snapkv", True)]
+#: kvzip selects only in the engine's scoring pass, which the probes do not run (the plan refuses it)
+SPECS = [MethodSpec(m) for m in REGISTRY if m not in ("full", "kvzip")] + [
+    MethodSpec("kvcrush", True),
+    MethodSpec("snapkv", True),
+]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label)

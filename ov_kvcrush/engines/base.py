@@ -96,6 +96,54 @@ def model_context(model: str | Path) -> int:
     return int(text.get("max_position_embeddings") or 0)
 
 
+#: stands for a user message's content while the chat template is rendered around it
+_CONTENT_MARK = "@@ov-kvcrush-content@@"
+
+
+def generation_prefix(render: Callable[[list[dict]], str] | None, encode: Callable[[str], list[int]]) -> list[int]:
+    """The ids a chat template puts between a user message's content and the answer (SmolLM2:
+    ``<|im_end|>\n<|im_start|>assistant\n``): what a scoring pass puts before the text the model
+    is asked to repeat (:attr:`~ov_kvcrush.methods.MethodConfig.scoring_pass`). ``render`` applies
+    the template with the generation prompt (``None``: no template, a newline as kvpress uses)."""
+    if render is None:
+        return encode("\n")
+    text = render([{"role": "user", "content": _CONTENT_MARK}])
+    if _CONTENT_MARK not in text:
+        return encode("\n")
+    return encode(text.split(_CONTENT_MARK, 1)[1])
+
+
+def question_split(ids: Sequence[int], context_ids: Sequence[int]) -> int:
+    """Tokens of the prompt ``ids`` that come before its question: the common prefix with
+    ``context_ids`` (the same prompt without the question, templated the same way), less one
+    token, so a token that the question's first characters merged into stays with the question.
+    At least one token stays on each side."""
+    common = 0
+    limit = min(len(ids), len(context_ids))
+    while common < limit and ids[common] == context_ids[common]:
+        common += 1
+    if len(ids) < 2:
+        raise UserError("a prompt asked after its context needs at least 2 tokens")
+    return max(1, min(common - 1, len(ids) - 1))
+
+
+def context_prompt(prompt: Prompt, question: str) -> Prompt:
+    """``prompt`` without its trailing ``question`` (the context a cache compresses before the
+    question is seen); a string prompt, or messages whose last one is the user's."""
+    if not question:
+        raise UserError("question is empty: --question-after needs samples that say their question")
+    if isinstance(prompt, str):
+        if not prompt.endswith(question) or prompt == question:
+            raise UserError("the prompt does not end with its question (needed to ask it after the context)")
+        return prompt[: -len(question)]
+    messages = [dict(m) for m in prompt]
+    last = messages[-1]["content"] if messages else ""
+    if not isinstance(last, str) or not last.endswith(question) or last == question:
+        raise UserError("the last message does not end with the question (needed to ask it after the context)")
+    messages[-1]["content"] = last[: -len(question)]
+    return messages
+
+
 def check_context(prompt_tokens: int, new_tokens: int, limit: int | None) -> None:
     """Refuse a request longer than the model's context (``limit``; ``None``/0: unknown, no check)."""
     if limit and prompt_tokens + new_tokens > limit:

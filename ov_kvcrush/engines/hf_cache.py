@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -192,6 +192,41 @@ class CompressedCache(Cache):
                 layers.append(CompressedLayer(fast or method.make_layer(g, total)))
         super().__init__(layers=layers)
         self.method_config = method
+        #: while True, each attention call is a step of the method's scoring pass
+        #: (:meth:`run_scoring_pass`): it scores what is held and keeps nothing of the step
+        self.scoring = False
+        #: the positions the current scoring step scores, ``[lo, hi)``
+        self.scoring_range = (0, 0)
+
+    def run_scoring_pass(
+        self,
+        context: list[int],
+        start: int,
+        encode: Callable[[str], list[int]],
+        prefix: list[int],
+        forward: Callable[[list[int]], object],
+    ) -> bool:
+        """The method's scoring pass over ``context`` (the ids not scored yet, from position
+        ``start``), when it has one and the cache is over its budget: each step's ids go through
+        ``forward`` (one model call with this cache), then the method selects. Returns whether a
+        pass ran."""
+        method = self.method_config
+        layers = [layer.method for layer in self.layers if not layer.is_sliding]
+        if not method.scoring_pass or not layers or not layers[0].seen:
+            return False
+        held = layers[0].tokens_held()
+        total = sum(int(lc.tokens_held().sum()) for lc in layers) // max(1, held.shape[0])
+        if not method.scoring_pass_due(total, len(layers), int(held.shape[-1])):
+            return False
+        self.scoring = True
+        try:
+            for step in method.scoring_pass_inputs(context, encode, prefix):
+                self.scoring_range = (start + step.lo, start + step.hi)
+                forward(step.ids)
+        finally:
+            self.scoring = False
+        method.finish_scoring_pass(layers)
+        return True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -333,10 +368,14 @@ def compressed_attention(
             "longer than the window are not supported by the compressed cache"
         )
     lc.scale = scaling
-    phase = "decode" if lc.seen else "prefill"
+    phase = "decode" if lc.seen and not cache.scoring else "prefill"
     timed = query.device.type == "cpu"
     attended, t0 = lc.attend_ms, time.perf_counter()
-    if lc.seen == 0:
+    if cache.scoring:  # a scoring pass (run_scoring_pass): nothing of the step is kept
+        if layer.is_sliding:
+            raise UserError(f"layer {idx} is a sliding-window layer: a scoring pass (kvzip) does not support them yet")
+        out = lc.score_step(query, k, v, cache.scoring_range)
+    elif lc.seen == 0:
         out = lc.prefill(query, k, v)
         memo = PromptMemo(query, k, v, out)  # the prompt's attention, reused by the followers
         for follower in layer.followers:  # same prompt, other methods (CompressedCache.share_prefill)

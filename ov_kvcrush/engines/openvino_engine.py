@@ -34,7 +34,10 @@ from ov_kvcrush.engines.base import (
     Streamer,
     TextStream,
     check_context,
+    context_prompt,
+    generation_prefix,
     model_context,
+    question_split,
     step_ms,
     ttft_tpot_ms,
 )
@@ -224,6 +227,8 @@ class OpenVINOEngine:
             self.eos_ids |= {int(e) for e in (g if isinstance(g, list) else [g])}
         self.max_context = model_context(self.model_dir)
         self._cached: list[int] = []  # token ids whose K/V the sequence holds, in order
+        self._scored = 0  # of them, how many a scoring pass (KVzip) has scored
+        self._prefix: list[int] | None = None  # the chat template's generation prompt (scoring passes)
         self._history: list[dict] | None = None  # chat messages while a chat is open
 
     def _make_pool(self, compression: CompressionConfig) -> None:
@@ -237,6 +242,7 @@ class OpenVINOEngine:
         self.pool = pool
         self.sequence: KVSequence = pool.new_sequence()
         self._cached = []
+        self._scored = 0
 
     def new_pool(self, compression: CompressionConfig) -> tuple[Any, int, KVPool]:
         """``(method config, block size, a new block pool)`` for ``compression``, as this engine
@@ -293,6 +299,7 @@ class OpenVINOEngine:
     def _reset_sequence(self) -> None:
         self.sequence.reset()
         self._cached = []
+        self._scored = 0
 
     def close(self) -> None:
         """Free the sequence and the pool (the engine cannot generate afterwards)."""
@@ -339,15 +346,54 @@ class OpenVINOEngine:
         logits = self.request.get_output_tensor(0).data
         return np.array(logits[0, -1], dtype=np.float32)
 
+    def scoring_pass(self) -> float:
+        """The method's scoring pass (KVzip) over the tokens not scored yet, when the cache is over
+        its budget: each step of :meth:`~ov_kvcrush.methods.MethodConfig.scoring_pass_inputs`
+        is one inference in the op's scoring mode, then the op selects. Returns its seconds (0:
+        none ran)."""
+        method = self.method
+        if not method.scoring_pass or not self._cached:
+            return 0.0
+        held = self.sequence.stats().tokens_held
+        if not method.scoring_pass_due(held, self.shape.layers, self.shape.kv_heads):
+            return 0.0
+        t0 = time.perf_counter()
+        plain = lambda text: [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).input_ids.data[0]]  # noqa: E731
+        if self._prefix is None:
+            render = lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=True)  # noqa: E731
+            self._prefix = generation_prefix(render if getattr(self.tokenizer, "chat_template", "") else None, plain)
+        steps = method.scoring_pass_inputs(self._cached[self._scored :], plain, self._prefix)
+        past = len(self._cached)
+        try:
+            for step in steps:
+                self.sequence.score_positions(self._scored + step.lo, self._scored + step.hi)
+                self.request.infer(self.step_inputs([step.ids], [self.sequence], [past]))
+        except RuntimeError as exc:
+            self.sequence.end_scoring_pass(select=False)
+            raise UserError(
+                f"backend openvino failed in the scoring pass after {past} tokens: {error_line(exc)}"
+            ) from None
+        self.sequence.end_scoring_pass()
+        self._scored = past
+        return time.perf_counter() - t0
+
     # -- generation ---------------------------------------------------------------------------
     def generate(
         self,
         prompt: Prompt,
         settings: GenerationSettings | None = None,
         streamer: Streamer | None = None,
+        question: str | None = None,
     ) -> GenerationResult:
-        """Generate for one prompt (one chat turn while a chat is open)."""
+        """Generate for one prompt (one chat turn while a chat is open).
+
+        ``question`` (outside a chat): the text ``prompt`` ends with; the context before it is
+        prefilled and compressed first (the method's prompt selection, KVzip's scoring pass), then
+        the question is fed as the next step, as a later chat turn would be.
+        """
         settings = settings or GenerationSettings()
+        if self._history is not None and question is not None:
+            raise UserError("question is for a single prompt; in a chat, the next turn is asked after the last")
         if self._history is not None:
             if not isinstance(prompt, str):
                 raise UserError("in a chat, generate takes the user's message as a string")
@@ -365,14 +411,20 @@ class OpenVINOEngine:
                     self.sequence.reset()
                     common = 0
                 self._cached = self._cached[:common]
+                self._scored = min(self._scored, common)
+            split = len(ids)
         else:
             messages = None
             ids = self.encode(prompt, settings.apply_chat_template)
+            split = len(ids)
+            if question is not None:
+                context_ids = self.encode(context_prompt(prompt, question), settings.apply_chat_template)
+                split = question_split(ids, context_ids)
             self._reset_sequence()
         check_context(len(ids), settings.max_new_tokens, self.max_context)
         new = ids[len(self._cached) :]
         try:
-            result = self._run(ids, new, settings, streamer)
+            result = self._run(ids, new, settings, streamer, split - len(self._cached))
         finally:
             if messages is None:
                 self._reset_sequence()  # outside a chat the cache is not reused: its blocks go back now
@@ -382,15 +434,20 @@ class OpenVINOEngine:
         return result
 
     def _run(
-        self, ids: list[int], new: list[int], settings: GenerationSettings, streamer: Streamer | None
+        self, ids: list[int], new: list[int], settings: GenerationSettings, streamer: Streamer | None, split: int
     ) -> GenerationResult:
+        """Prefill ``new`` (its first ``split`` tokens, the method's scoring pass, then the rest),
+        then decode."""
         rng = np.random.default_rng(settings.seed) if settings.do_sample else None
         tokens: list[int] = []
         stamps: list[float] = []
         peak = 0
         stream = TextStream(streamer, self.tokenizer.decode)
         t0 = time.perf_counter()
-        logits = self.forward(new)
+        logits = self.forward(new[:split])
+        scoring_s = self.scoring_pass()
+        if split < len(new):
+            logits = self.forward(new[split:])
         for step in range(settings.max_new_tokens):
             if step:
                 logits = self.forward([tokens[-1]])
@@ -417,7 +474,11 @@ class OpenVINOEngine:
             method=self.compression.method,
             budget=self.compression.budget,
             backend=self.backend,
-            counters={"prefill_tokens": len(new), **self.sequence_counters(self.sequence)},
+            counters={
+                "prefill_tokens": len(new),
+                **({"scoring_pass_ms": round(scoring_s * 1e3, 3)} if scoring_s else {}),
+                **self.sequence_counters(self.sequence),
+            },
         )
 
     def sequence_counters(self, sequence: KVSequence) -> dict[str, Any]:

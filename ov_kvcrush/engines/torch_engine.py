@@ -35,7 +35,10 @@ from ov_kvcrush.engines.base import (
     TextStream,
     chat_messages,
     check_context,
+    context_prompt,
+    generation_prefix,
     model_context,
+    question_split,
     step_ms,
     ttft_tpot_ms,
 )
@@ -253,18 +256,58 @@ class TorchEngine:
         prompt: Prompt,
         settings: GenerationSettings | None = None,
         streamer: Streamer | None = None,
+        question: str | None = None,
     ) -> GenerationResult:
-        """Generate for one prompt; see :class:`GenerationResult` for the metrics."""
+        """Generate for one prompt; see :class:`GenerationResult` for the metrics.
+
+        ``question``: the text ``prompt`` ends with; the cache then takes the context without it
+        first (and compresses it: a method's prefill selection, KVzip's scoring pass), and the
+        question comes as the next step: a question asked after compression."""
         settings = settings or GenerationSettings()
+        ids, split = self._prompt_split(prompt, settings, question)
+        caches, logits, prefill_s = self._prefill(ids[:split], [self.method], settings.max_new_tokens)
+        logits, more_s = self._finish_prompt(caches[0], ids, split, logits)
+        return self._decode(ids, caches[0], self.compression, logits, prefill_s + more_s, settings, streamer)
+
+    def _prompt_split(
+        self, prompt: Prompt, settings: GenerationSettings, question: str | None
+    ) -> tuple[list[int], int]:
+        """The prompt's ids and how many come before the question (all of them without ``question``)."""
         ids = self._prompt_ids(prompt, settings)
-        caches, logits, prefill_s = self._prefill(ids, [self.method], settings.max_new_tokens)
-        return self._decode(ids, caches[0], self.compression, logits, prefill_s, settings, streamer)
+        if question is None:
+            return ids, len(ids)
+        context_ids = self.encode(context_prompt(prompt, question), settings.apply_chat_template)
+        return ids, question_split(ids, context_ids)
+
+    def _finish_prompt(
+        self, cache: CompressedCache, ids: list[int], split: int, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
+        """After the prefill of ``ids[:split]``: the method's scoring pass (when it has one), then
+        the question ``ids[split:]`` in one step over the compressed cache. Returns the logits of
+        the prompt's last token and the seconds this took."""
+        t0 = time.perf_counter()
+
+        def forward(step: list[int]) -> object:
+            x = torch.tensor([step], device=self.device)
+            return self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+        encode = lambda text: list(self.tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+        render = None
+        if self.tokenizer.chat_template:
+            render = lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)  # noqa: E731
+        with torch.inference_mode():
+            if cache.method_config.scoring_pass:
+                cache.run_scoring_pass(ids[:split], 0, encode, generation_prefix(render, encode), forward)
+            if split < len(ids):
+                logits = forward(ids[split:]).logits[0, -1]  # type: ignore[attr-defined]
+        return logits, time.perf_counter() - t0
 
     def generate_each(
         self,
         prompt: Prompt,
         compressions: list[CompressionConfig],
         settings: GenerationSettings | None = None,
+        question: str | None = None,
     ) -> list[GenerationResult]:
         """:meth:`generate` under each compression, sharing one forward pass over the prompt.
 
@@ -274,12 +317,17 @@ class TorchEngine:
         """
         settings = settings or GenerationSettings()
         configs = _check_compressions(compressions)
-        ids = self._prompt_ids(prompt, settings)
-        caches, logits, prefill_s = self._prefill(ids, [c.method_config() for c in configs], settings.max_new_tokens)
+        ids, split = self._prompt_split(prompt, settings, question)
+        caches, first, prefill_s = self._prefill(
+            ids[:split], [c.method_config() for c in configs], settings.max_new_tokens
+        )
         results = []
         for cfg in configs:
             cache = caches.pop(0)  # each cache is freed once decoded
-            results.append(self._decode(ids, cache, cfg, logits, prefill_s, settings, None, shared=len(configs) > 1))
+            logits, more_s = self._finish_prompt(cache, ids, split, first)
+            results.append(
+                self._decode(ids, cache, cfg, logits, prefill_s + more_s, settings, None, shared=len(configs) > 1)
+            )
         return results
 
     def score_continuation_each(

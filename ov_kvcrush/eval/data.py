@@ -47,7 +47,12 @@ def read_jsonl(path: str | Path) -> list[Sample]:
         for i, a in enumerate(answers):
             if not isinstance(a, str) or not a.strip():
                 raise DataError(f"{where}: 'answers'[{i}] must be a non-empty string, got {_show(a)}")
-        samples.append(Sample(task=DATA_TASK, prompt=prompt, answers=tuple(answers), meta={"line": number}))
+        question = obj.get("question", "")
+        if not isinstance(question, str) or (question and (not prompt.endswith(question) or question == prompt)):
+            raise DataError(f"{where}: 'question' must be the text the prompt ends with, got {_show(question)}")
+        samples.append(
+            Sample(task=DATA_TASK, prompt=prompt, answers=tuple(answers), meta={"line": number}, question=question)
+        )
     if not samples:
         raise DataError(f"{path}: no samples (every line is blank)")
     return samples

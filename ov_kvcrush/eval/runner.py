@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
 from ov_kvcrush.eval.data import DATA_TASK, read_jsonl
@@ -115,6 +115,8 @@ class EvalPlan:
         max_new_tokens: greedy tokens generated per sample (32: five-digit answers need up to ~20).
         ppl_tokens: continuation tokens scored by the ``ppl`` task.
         data: a JSONL file of custom samples (replaces ``tasks`` and ``lengths``).
+        question_after: prefill and compress each prompt's context first and ask its question
+            afterwards (query-agnostic evaluation: what a later chat turn sees); torch and openvino.
         model, device, dtype: the engine's (``None``: the embedded model, prepared on first use).
     """
 
@@ -130,6 +132,7 @@ class EvalPlan:
     max_new_tokens: int = 32
     ppl_tokens: int = 64
     data: str | None = None
+    question_after: bool = False
     model: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
@@ -181,6 +184,19 @@ class EvalPlan:
                 raise ConfigError(
                     "kv_bytes", self.kv_bytes or self.kv_ratio, "unset on backend genai (torch and openvino only)"
                 )
+        if self.equal_memory:
+            scoring = [m.label for m in self.compressed() if REGISTRY[m.method].scoring_pass]
+            if scoring:
+                raise ConfigError(
+                    "methods",
+                    ",".join(scoring),
+                    "methods without a scoring pass with kv_bytes / kv_ratio (the byte probes do not run "
+                    "KVzip's pass; give it --budgets)",
+                )
+        if self.question_after and self.backend == "genai":
+            raise ConfigError("question_after", True, "false on backend genai (torch and openvino ask it after)")
+        if self.question_after and "ppl" in self.tasks and self.data is None:
+            raise ConfigError("tasks", "ppl", "generation tasks with question_after (ppl has no question)")
         if self.backend != "torch" and "ppl" in self.tasks and self.data is None:
             raise ConfigError(
                 "tasks", "ppl", f"generation tasks on backend {self.backend} (ppl needs the torch engine)"
@@ -268,14 +284,14 @@ class _Runner:
     def count_tokens(self, text: str) -> int:
         return self._count(text)
 
-    def generate(self, prompt: str, configs: list[CompressionConfig]):
+    def generate(self, prompt: str, configs: list[CompressionConfig], question: str | None = None):
         if self.torch is not None:
-            return self.torch.generate_each(prompt, configs, self.settings)
+            return self.torch.generate_each(prompt, configs, self.settings, question=question)
         if self.plan.backend == "openvino":  # one compiled model, a pool per method
             out = []
             for c in configs:
                 self.openvino.set_compression(c)
-                out.append(self.openvino.generate(prompt, self.settings))
+                out.append(self.openvino.generate(prompt, self.settings, question=question))
             return out
         return [self._genai_engine(c).generate(prompt, self.settings) for c in configs]
 
@@ -438,7 +454,12 @@ def _run_sample(
     else:
         assert length is not None
         sample = T.GENERATION_TASKS[task](length, runner.count_tokens, plan.seed, index, n_samples)
-    results = runner.generate(sample.prompt, configs)
+    question = None
+    if plan.question_after:
+        if not sample.question:
+            raise UserError(f"sample {index} of {task} says no question: --question-after needs one ('question')")
+        question = sample.question
+    results = runner.generate(sample.prompt, configs, question)
     ref = results[0].token_ids
     return [
         {

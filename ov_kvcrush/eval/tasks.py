@@ -62,6 +62,8 @@ class Sample:
         match: ``any`` (1 when any answer appears, else 0) or ``all`` (the fraction that appear).
         depth: where the (asked) needle sits, as a fraction of the context; ``None`` if not placed.
         meta: generator details (keys, distractors, filler size ...), for reports.
+        question: the text ``prompt`` ends with that asks the question ("" when not known): with
+            ``--question-after`` the context before it is compressed first, then it is asked.
     """
 
     task: str
@@ -70,6 +72,7 @@ class Sample:
     match: str = "any"
     depth: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    question: str = ""
 
     def score(self, output: str) -> float:
         return score_output(output, self.answers, self.match)
@@ -173,7 +176,13 @@ def passkey_prompt(
     per_unit = max(1, count_tokens(FILLER * 8) // 8)
     units = _fit(target_tokens, count_tokens, build, per_unit, "passkey", "target_tokens")
     return PasskeySample(
-        task="passkey", prompt=build(units), answers=(key,), depth=depth, filler_units=units, meta={"key": key}
+        task="passkey",
+        prompt=build(units),
+        answers=(key,),
+        depth=depth,
+        filler_units=units,
+        meta={"key": key},
+        question=QUESTION,
     )
 
 
@@ -256,6 +265,7 @@ def _niah(task: str, length: int, count_tokens: CountTokens, seed: int, index: i
         answers=(values[0],),
         depth=depth,
         meta={"key": keys[0], "distractors": dict(zip(keys[1:], values[1:], strict=True)), "sentences": units},
+        question=question,
     )
 
 
@@ -303,7 +313,15 @@ def vt_task(length: int, count_tokens: CountTokens, seed: int, index: int, sampl
 
     per_unit = max(1, count_tokens(FILLER * 8) // 8)
     units = _fit(length, count_tokens, build, per_unit, "vt")
-    return Sample(task="vt", prompt=build(units), answers=tuple(names), match="all", depth=start, meta={"value": value})
+    return Sample(
+        task="vt",
+        prompt=build(units),
+        answers=tuple(names),
+        match="all",
+        depth=start,
+        meta={"value": value},
+        question=question,
+    )
 
 
 # --------------------------------------------------------------------------------------------

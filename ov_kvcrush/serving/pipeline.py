@@ -203,6 +203,13 @@ class ContinuousBatchingPipeline:
         check_int("scheduler_config.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         self.chunked = bool(sc.dynamic_split_fuse) if sc is not None else True
         e = self.engine
+        if e.method.scoring_pass:
+            raise ConfigError(
+                "compression.method",
+                e.compression.method,
+                "a method without a scoring pass: continuous batching does not run KVzip's yet "
+                "(LLMPipeline serves it one request at a time)",
+            )
         self.pool = e.pool
         self.request = e.compiled.create_infer_request()  # the engine's own request stays free for it
         limits = SchedulerLimits(
