@@ -61,7 +61,6 @@ from ov_kvcrush.methods.base import (
     QuantSettings,
     check_layer,
     gather_tokens,
-    tensor_bytes,
 )
 from ov_kvcrush.methods.selection import (
     HEAD_BUDGETS,
@@ -74,7 +73,7 @@ from ov_kvcrush.methods.selection import (
     pyramid_budgets,
     snapkv_scores,
 )
-from ov_kvcrush.methods.store import make_store
+from ov_kvcrush.methods.store import StoredLayerCache, make_store
 from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +280,7 @@ class PyramidKVConfig(SnapKVConfig):
 # per-layer cache
 
 
-class ImportanceLayerCache(LayerCache):
+class ImportanceLayerCache(StoredLayerCache):
     """Keeps ``budget`` tokens per KV head by score; subclasses change only :meth:`select`.
 
     State: a store of kept tokens, and ``acc`` ``[b, hq, n]`` float32, each kept token's
@@ -419,25 +418,9 @@ class ImportanceLayerCache(LayerCache):
             self.store.keep(order)
             self.acc = self.gather_scores(self.acc, order)
         acc = self.acc
-        before = int((self.store.positions >= 0).sum())
         index = self.select(acc, hk)
-        valid = index >= 0
-        self.store.keep(index.clamp_min(0))
-        self.store.positions = torch.where(valid, self.store.positions, torch.full_like(index, -1))
+        self._keep_padded(index)
         self.acc = self.gather_scores(acc, index)
-        self._bump("evicted", before - int(valid.sum()))
 
-    def tokens_held(self) -> torch.Tensor:
-        if self.store.positions is None:
-            return torch.zeros(0, 0, dtype=torch.long)
-        return (self.store.positions >= 0).sum(-1)
-
-    def kept_positions(self) -> torch.Tensor:
-        """``[b, hk, n]`` absolute positions of the held tokens (``-1`` for padding)."""
-        assert self.store.positions is not None
-        return self.store.positions
-
-    def memory(self) -> dict[str, int]:
-        m = self.store.memory()
-        meta = m["metadata"] + tensor_bytes(self.acc)
-        return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}
+    def _metadata_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.acc,)

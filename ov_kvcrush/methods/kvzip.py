@@ -54,9 +54,9 @@ import torch
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import check_kv, check_query
-from ov_kvcrush.methods.base import LayerCache, check_layer, tensor_bytes
+from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig
-from ov_kvcrush.methods.store import make_store
+from ov_kvcrush.methods.store import StoredLayerCache, make_store
 from ov_kvcrush.validation import check_choice, check_int
 
 #: the first chunk's repeat prompt (the paper's wording)
@@ -213,7 +213,7 @@ def max_attention(
     return best
 
 
-class KVzipLayerCache(LayerCache):
+class KVzipLayerCache(StoredLayerCache):
     """One layer of KVzip: everything seen is held until a scoring pass selects.
 
     State: the full-precision store (tokens and positions; heads padded with ``-1`` positions once
@@ -284,34 +284,16 @@ class KVzipLayerCache(LayerCache):
         """Keep the slots marked in ``keep`` ``[b, hk, n]`` (heads keep different counts: padded
         with ``-1`` positions), in slot order."""
         assert self.score is not None
-        p = self.store.positions
-        assert p is not None
-        before = int((p >= 0).sum())
         n = keep.shape[-1]
         width = max(1, int(keep.sum(-1).max()))
         slot = torch.arange(n, device=keep.device)
         order = torch.sort(torch.where(keep, slot, torch.full_like(slot, n)), dim=-1).values[..., :width]
-        valid = order < n
-        index = order.clamp_max(n - 1)
-        self.store.keep(index)
-        self.store.positions = torch.where(valid, self.store.positions, torch.full_like(index, -1))
-        self.score = torch.where(valid, torch.gather(self.score, 2, index), torch.zeros_like(index, dtype=torch.float))
-        self._bump("evicted", before - int(valid.sum()))
+        index = torch.where(order < n, order, torch.full_like(order, -1))
+        valid = self._keep_padded(index)
+        self.score = torch.gather(self.score, 2, index.clamp_min(0)).masked_fill(~valid, 0.0)
 
-    def tokens_held(self) -> torch.Tensor:
-        if self.store.positions is None:
-            return torch.zeros(0, 0, dtype=torch.long)
-        return (self.store.positions >= 0).sum(-1)
-
-    def kept_positions(self) -> torch.Tensor:
-        """``[b, hk, n]`` absolute positions of the held tokens (``-1`` for padding)."""
-        assert self.store.positions is not None
-        return self.store.positions
-
-    def memory(self) -> dict[str, int]:
-        m = self.store.memory()
-        meta = m["metadata"] + tensor_bytes(self.score)
-        return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}
+    def _metadata_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.score,)
 
 
 __all__ = ["KVzipConfig", "KVzipLayerCache", "max_attention", "select_kept"]

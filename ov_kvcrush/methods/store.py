@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ov_kvcrush.methods.attention import ShapeError
-from ov_kvcrush.methods.base import QuantSettings, gather_tokens, tensor_bytes
+from ov_kvcrush.methods.base import LayerCache, QuantSettings, gather_tokens, tensor_bytes
 from ov_kvcrush.methods.quant import PACKED_KV, pack_kv, unpack_kv
 
 
@@ -230,3 +230,42 @@ class QuantStore:
 def make_store(quant: QuantSettings | None) -> FPStore | QuantStore:
     """The store a method uses: full precision, or quantized when ``quant`` is set."""
     return FPStore() if quant is None else QuantStore(quant)
+
+
+class StoredLayerCache(LayerCache):
+    """A layer cache whose tokens live in ``self.store``, its heads padded with ``-1`` positions
+    once they keep different counts (the importance methods, KVzip): what it holds, a per-head
+    keep, and its bytes (the store's plus :meth:`_metadata_tensors`)."""
+
+    store: FPStore | QuantStore
+
+    def _metadata_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The method's own per-token state (scores ...), counted as metadata."""
+        return ()
+
+    def _keep_padded(self, index: torch.Tensor) -> torch.Tensor:
+        """Keep the slots ``index`` ``[b, h, k]`` of each head (``-1``: a padding slot), counting
+        what goes as ``evicted``; returns the mask of real slots."""
+        positions = self.store.positions
+        assert positions is not None
+        before = int((positions >= 0).sum())
+        valid = index >= 0
+        self.store.keep(index.clamp_min(0))
+        self.store.positions = torch.where(valid, self.store.positions, torch.full_like(index, -1))
+        self._bump("evicted", before - int(valid.sum()))
+        return valid
+
+    def tokens_held(self) -> torch.Tensor:
+        if self.store.positions is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return (self.store.positions >= 0).sum(-1)
+
+    def kept_positions(self) -> torch.Tensor:
+        """``[b, hk, n]`` absolute positions of the held tokens (``-1`` for padding)."""
+        assert self.store.positions is not None
+        return self.store.positions
+
+    def memory(self) -> dict[str, int]:
+        m = self.store.memory()
+        meta = m["metadata"] + tensor_bytes(*self._metadata_tensors())
+        return {"kv": m["kv"], "metadata": meta, "total": m["kv"] + meta}
