@@ -18,6 +18,8 @@ from ov_kvcrush.methods.vectors import layer_vectors
 from ov_kvcrush.plugin import PluginError
 
 PROMPT, DECODE = 300, 24
+#: a method with a scoring pass (KVzip) selects after one step of this many tokens scores the prompt
+SCORING = 40
 #: chunk sizes of the prompt: uneven, the last one shorter than SnapKV's 64-token window below
 CHUNKS = [100, 7, 150, 43]
 
@@ -29,8 +31,9 @@ CASES["snapkv-quant"] = dict(method="snapkv", budget=128, quant=True)
 
 
 def run(core, cfg, chunks: list[int], compute: str = "f32") -> tuple[np.ndarray, list[np.ndarray]]:
-    """Attention outputs of every prompt and decode token, and the positions each head holds at the end."""
-    lv = layer_vectors(0, kv_heads=HKV, q_heads=HQ, tokens=PROMPT + DECODE, head_dim=D)
+    """Attention outputs of every prompt and decode token, and the positions each head holds at the end
+    (a method with a scoring pass runs it between the prompt and the decode steps)."""
+    lv = layer_vectors(0, kv_heads=HKV, q_heads=HQ, tokens=PROMPT + DECODE + SCORING, head_dim=D)
     block_size = getattr(cfg, "block_size", None) or 32
     pool = kvcache.KVPool(1, HQ, HKV, D, block_size=block_size, method=method_spec(cfg, 1, HQ, block_size))
     seq = pool.new_sequence()
@@ -38,10 +41,18 @@ def run(core, cfg, chunks: list[int], compute: str = "f32") -> tuple[np.ndarray,
         seq.set_prompt(PROMPT)
     req = op_model(core, HQ, HKV, D, compute=compute)
     outs, a = [], 0
-    for n in [*chunks, *[1] * DECODE]:
-        q, k, v = (x[:, :, a : a + n].numpy() for x in (lv.queries, lv.keys, lv.values))
+
+    def step(lo: int, n: int) -> np.ndarray:
+        q, k, v = (x[:, :, lo : lo + n].numpy() for x in (lv.queries, lv.keys, lv.values))
+        return np.array(req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])})[0])
+
+    for i, n in enumerate([*chunks, *[1] * DECODE]):
+        if i == len(chunks) and cfg.scoring_pass:
+            seq.score_positions(0, PROMPT)
+            step(PROMPT + DECODE, SCORING)
+            seq.end_scoring_pass()
+        outs.append(step(a, n))
         a += n
-        outs.append(np.array(req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])})[0]))
     held = [seq.read_head(0, g)[0] for g in range(HKV)]
     pool.close()
     return np.concatenate([o.reshape(HQ, -1, D) for o in outs], axis=1), held

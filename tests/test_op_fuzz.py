@@ -102,8 +102,16 @@ def test_fuzz_the_op(request_model, case):
         )[0]
         out = np.array(out)
         assert np.isfinite(out).all(), (case, step)
+        if step == 0 and cfg.scoring_pass and cfg.scoring_pass_due(int(seq.head_tokens().sum()), 1, HKV):
+            seq.score_positions(0, prompt)  # KVzip: a scoring step of the prompt's last tokens, then its selection
+            n = min(8, prompt)
+            pass_in = {"q": q[:, :, -n:], "k": k[:, :, -n:], "v": v[:, :, -n:]}
+            request_model.infer({**{x: t.numpy() for x, t in pass_in.items()}, "kvc_sequence": np.array([seq.handle])})
+            seq.end_scoring_pass()
         held = seq.head_tokens()[0]
-        if budget is not None and method != "clusterkv":  # ClusterKV keeps everything, attends a budget
+        if budget is not None and cfg.scoring_pass:  # one budget for the layer's heads, shared unevenly
+            assert held.sum() <= (budget + step) * HKV, (case, step, held)
+        elif budget is not None and method != "clusterkv":  # ClusterKV keeps everything, attends a budget
             grown = step if (quant or method == "minikv") else 0  # a frozen selection keeps new tokens
             slack = getattr(cfg, "merge_interval", 1) - 1 if method == "chelsea" else 0
             assert (held <= budget + grown + slack).all(), (case, step, held)
