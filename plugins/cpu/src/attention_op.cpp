@@ -178,81 +178,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 slot_hi[gi] = std::lower_bound(pos.begin(), end, seq->score_hi) - pos.begin();
                 slot_sinks[gi] = std::min(slot_lo[gi], std::lower_bound(pos.begin(), end, policy.scoring_sinks()) - pos.begin());
             }
-        const bool bf16_compute = m_compute == "bf16" && has_bf16();
-        if (scoring && bf16_compute) {
-            // 2d. a scoring step (KVzip's reconstruction) in bf16: the sinks, the chunk and the
-            //     step staged as one head per KV head, then attended as a prefill
-            std::vector<Bf16Head> staged(static_cast<size_t>(Hkv));
-            std::vector<HeadCache> views(static_cast<size_t>(Hkv));
-            tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) {
-                const size_t gi = static_cast<size_t>(g);
-                const HeadCache& hc = seq->head(layer, static_cast<int>(g));
-                stage_bf16_ranges(cfg, seq->pool(), hc, {{0, slot_sinks[gi]}, {slot_lo[gi], slot_hi[gi]}, {held_before[gi], hc.size()}},
-                                  staged[gi], views[gi]);
-            });
-            const bool amx = amx_head_dim(static_cast<int>(D)) && has_amx();
-            const int rows_per = amx ? kAmxRows : kMaxRows;
-            const int64_t tiles = (L + rows_per - 1) / rows_per;
-            tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
-                for (int64_t t = range.begin(); t < range.end(); ++t) {
-                    const int64_t h = t / tiles, tile = tiles - 1 - t % tiles;
-                    const size_t gi = static_cast<size_t>(h / G);
-                    const int n = static_cast<int>(std::min<int64_t>(rows_per, L - tile * rows_per));
-                    if (amx) {
-                        const float* qr[kAmxRows];
-                        float* orow[kAmxRows];
-                        int64_t qpos[kAmxRows];
-                        float m[kAmxRows], l[kAmxRows];
-                        for (int r = 0; r < n; ++r) {
-                            const int64_t i = tile * rows_per + r;
-                            qr[r] = qb + (h * L + i) * D;
-                            orow[r] = ob + (h * L + i) * D;
-                            qpos[r] = past + i;
-                        }
-                        attend_amx(cfg, views[gi], staged[gi], n, qr, qpos, orow, m_scale, m, l);
-                        for (int r = 0; r < n; ++r) lse[static_cast<size_t>(h * L + tile * rows_per + r)] = m[r] + std::log(l[r]);
-                    } else {
-                        RowSet rows;
-                        rows.start();
-                        rows.n = n;
-                        for (int r = 0; r < n; ++r) {
-                            const int64_t i = tile * rows_per + r;
-                            rows.q[r] = qb + (h * L + i) * D;
-                            rows.qpos[r] = past + i;
-                            rows.out[r] = ob + (h * L + i) * D;
-                        }
-                        attend_bf16(cfg, views[gi], staged[gi], rows, m_scale);
-                        for (int r = 0; r < n; ++r)
-                            lse[static_cast<size_t>(h * L + tile * rows_per + r)] = rows.m[r] + std::log(rows.l[r]);
-                    }
-                }
-            });
-        } else if (scoring) {
-            // 2d. a scoring step (KVzip's reconstruction): rows = kMaxRows queries of one head
-            const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
-            tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
-                for (int64_t t = range.begin(); t < range.end(); ++t) {
-                    const int64_t h = t / tiles, tile = t % tiles, g = h / G;
-                    const HeadCache& hc = seq->head(layer, static_cast<int>(g));
-                    const size_t gi = static_cast<size_t>(g);
-                    RowSet rows;
-                    rows.start();
-                    rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, L - tile * kMaxRows));
-                    for (int r = 0; r < rows.n; ++r) {
-                        const int64_t i = tile * kMaxRows + r;
-                        rows.q[r] = qb + (h * L + i) * D;
-                        rows.qpos[r] = past + i;
-                        rows.out[r] = ob + (h * L + i) * D;
-                    }
-                    attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, slot_sinks[gi]);
-                    attend_range(cfg, seq->pool(), hc, rows, m_scale, slot_lo[gi], slot_hi[gi]);
-                    attend_range(cfg, seq->pool(), hc, rows, m_scale, held_before[gi], hc.size());
-                    finish_rows(rows, static_cast<int>(D));
-                    for (int r = 0; r < rows.n; ++r)
-                        lse[static_cast<size_t>(h * L + tile * kMaxRows + r)] = rows.m[r] + std::log(rows.l[r]);
-                }
-            });
-        } else if (policy.recalls(*seq, layer, prefill)) {
+        if (!scoring && policy.recalls(*seq, layer, prefill)) {
             // 2c. a recall method (ClusterKV): attend only the recalled working set (its selection
             //     time goes to policy_ns)
             policy.attend_recalled(*seq, layer, qb, L, past, m_scale, ob);
@@ -336,15 +262,36 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 fused_scores = true;
             }
         } else {
-            // 2b. prefill (or a chunk of a chat turn): rows = kMaxRows consecutive queries of one head
-            //     (kAmxRows on AMX tiles)
+            // 2b. prefill (or a chunk of a chat turn, or a scoring step): rows = kMaxRows consecutive
+            //     queries of one head (kAmxRows on AMX tiles). A scoring step (KVzip's
+            //     reconstruction) attends only the sinks, its chunk and itself: on the bf16 paths
+            //     those slots are staged as one head (`views` holds their positions), in f32 the
+            //     slot ranges are attended one after the other.
+            using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+            std::vector<Ranges> ranges(static_cast<size_t>(Hkv));
+            for (int64_t g = 0; g < Hkv; ++g) {
+                const size_t gi = static_cast<size_t>(g);
+                const int64_t n = seq->head(layer, static_cast<int>(g)).size();
+                ranges[gi] = scoring ? Ranges{{0, slot_sinks[gi]}, {slot_lo[gi], slot_hi[gi]}, {held_before[gi], n}}
+                                     : Ranges{{0, n}};
+            }
             const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
             const bool bf16 = m_compute == "bf16" && has_bf16();
             std::vector<Bf16Head> staged(bf16 ? static_cast<size_t>(Hkv) : 0);
+            std::vector<HeadCache> views(bf16 && scoring ? static_cast<size_t>(Hkv) : 0);
             if (bf16)
                 tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) {
-                    stage_bf16(cfg, seq->pool(), seq->head(layer, static_cast<int>(g)), staged[static_cast<size_t>(g)]);
+                    const size_t gi = static_cast<size_t>(g);
+                    const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                    if (scoring)
+                        stage_bf16_ranges(cfg, seq->pool(), hc, ranges[gi], staged[gi], views[gi]);
+                    else
+                        stage_bf16(cfg, seq->pool(), hc, staged[gi]);
                 });
+            // the head whose positions the bf16 kernels mask by
+            auto staged_head = [&](int64_t g) -> const HeadCache& {
+                return scoring ? views[static_cast<size_t>(g)] : seq->head(layer, static_cast<int>(g));
+            };
             bool amx = bf16 && amx_head_dim(static_cast<int>(D)) && has_amx();
             for (int64_t g = 0; amx && g < Hkv; ++g) {
                 const HeadCache& hc = seq->head(layer, static_cast<int>(g));
@@ -367,8 +314,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                             orow[r] = ob + (h * L + i) * D;
                             qpos[r] = past + i;
                         }
-                        attend_amx(cfg, seq->head(layer, static_cast<int>(h / G)), staged[static_cast<size_t>(h / G)], n, qr,
-                                   qpos, orow, m_scale, m, l);
+                        attend_amx(cfg, staged_head(h / G), staged[static_cast<size_t>(h / G)], n, qr, qpos, orow, m_scale, m, l);
                         if (scores)
                             for (int r = 0; r < n; ++r)
                                 lse[static_cast<size_t>(h * L + tile * kAmxRows + r)] = m[r] + std::log(l[r]);
@@ -392,11 +338,12 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                         rows.out[r] = ob + (h * L + i) * D;
                     }
                     if (bf16 && hc.qblocks.empty() && hc.bias.empty()) {
-                        attend_bf16(cfg, hc, staged[static_cast<size_t>(h / G)], rows, m_scale);
+                        attend_bf16(cfg, staged_head(h / G), staged[static_cast<size_t>(h / G)], rows, m_scale);
                     } else {
                         if (!hc.qblocks.empty())
                             attend_quant(cfg, seq->pool(), hc, rows, m_scale, 0, static_cast<int64_t>(hc.qblocks.size()));
-                        attend_range(cfg, seq->pool(), hc, rows, m_scale, 0, hc.size());
+                        for (const auto& [begin, end] : ranges[static_cast<size_t>(h / G)])
+                            attend_range(cfg, seq->pool(), hc, rows, m_scale, begin, end);
                         finish_rows(rows, static_cast<int>(D));
                     }
                     if (scores)
