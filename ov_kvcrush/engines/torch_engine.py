@@ -149,6 +149,7 @@ class TorchEngine:
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ConfigError("cuda_graphs", cuda_graphs, "true, false or None (auto: on CUDA with the fast path)")
         self.keep_cache = keep_cache
+        self._prefix: list[int] | None = None  # the chat template's generation prompt (scoring passes)
         self.last_cache: CompressedCache | None = None
         self.set_compression(compression or CompressionConfig())
         self.model, self.tokenizer = load_model(model_dir, device, dtype, self.attn_implementation)
@@ -292,12 +293,12 @@ class TorchEngine:
             return self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
         encode = lambda text: list(self.tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
-        render = None
-        if self.tokenizer.chat_template:
-            render = lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)  # noqa: E731
         with torch.inference_mode():
             if cache.method_config.scoring_pass:
-                cache.run_scoring_pass(ids[:split], 0, encode, generation_prefix(render, encode), forward)
+                if self._prefix is None:  # rendered once per engine
+                    render = lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)  # noqa: E731
+                    self._prefix = generation_prefix(render if self.tokenizer.chat_template else None, encode)
+                cache.run_scoring_pass(ids[:split], 0, encode, self._prefix, forward)
             if split < len(ids):
                 logits = forward(ids[split:]).logits[0, -1]  # type: ignore[attr-defined]
         return logits, time.perf_counter() - t0
