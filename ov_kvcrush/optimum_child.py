@@ -1,0 +1,43 @@
+"""``python -m ov_kvcrush.optimum_child ARGS``: ``optimum-cli ARGS``, for the model types we checked
+past optimum-intel's transformers cap.
+
+optimum-intel 2.2 caps its Gemma export configs (Gemma 3's text model included) at transformers
+5.0 and refuses 5.5 outright, although its Gemma 2 patcher traces Gemma 3 correctly there: the
+exported IR's logits equal transformers' own on a prompt longer than the sliding window
+(``tests/test_gemma3.py`` checks it on every run). The cap is lifted for ``gemma3_text`` only;
+every other model type keeps optimum's own check (a config deriving from Gemma 3's without a
+cap of its own would inherit the lifted one; none is used here). Runs in a child process, so nothing here
+touches the caller's optimum.
+"""
+
+from __future__ import annotations
+
+import sys
+
+#: optimum-intel export configs whose transformers cap is lifted, by model type.
+UNCAPPED = ("gemma3_text",)
+
+
+def lift_caps() -> None:
+    """Drop ``MAX_TRANSFORMERS_VERSION`` from the export configs of :data:`UNCAPPED` model types."""
+    from optimum.exporters.tasks import TasksManager
+
+    for model_type in UNCAPPED:
+        tasks = TasksManager._SUPPORTED_MODEL_TYPE.get(model_type, {}).get("openvino", {})
+        for constructor in tasks.values():
+            config_class = getattr(constructor, "func", constructor)
+            # a class attribute on the (shared) base: set on this class only
+            config_class.MAX_TRANSFORMERS_VERSION = None
+
+
+def main(argv: list[str]) -> None:
+    import optimum.exporters.openvino  # noqa: F401  (registers the openvino export configs)
+    from optimum.commands.optimum_cli import main as optimum_main
+
+    lift_caps()
+    sys.argv = ["optimum-cli", *argv]
+    optimum_main()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
