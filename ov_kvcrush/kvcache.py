@@ -162,6 +162,9 @@ class KVPool:
         scores: accumulate per-head attention scores (the eviction policies read them).
         method: the compression method spec (:func:`ov_kvcrush.method_spec.method_spec` builds it
             from a method config); ``None``: the full cache.
+        windows: per layer, the sliding-window span of a local layer (0: a global layer);
+            ``None``: every layer is global. Local layers keep their window as a ring of blocks
+            and the method runs on the global layers only.
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class KVPool:
         max_blocks: int = 0,
         scores: bool = False,
         method: str | None = None,
+        windows: list[int] | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError("kv_precision", precision, "one of " + ", ".join(PRECISIONS))
@@ -183,6 +187,11 @@ class KVPool:
         self.layers, self.q_heads, self.kv_heads, self.head_dim = layers, q_heads, kv_heads, head_dim
         method = full_cache_spec(layers) if method is None else method
         self.block_size, self.precision, self.scores, self.method = block_size, precision, scores, method
+        if windows is not None and len(windows) != layers:
+            raise ConfigError("windows", windows, f"one sliding-window span per layer ({layers}; 0: a global layer)")
+        #: per layer, the sliding-window span of a local layer (0: global), as the op keeps it
+        self.windows = [int(w) for w in windows] if windows is not None else [0] * layers
+        win = np.asarray(self.windows, dtype=np.int64)
         self.handle = check_result(
             self.lib.ovkc_pool_create(
                 layers,
@@ -194,6 +203,7 @@ class KVPool:
                 max_blocks,
                 int(scores),
                 method.encode(),
+                ptr(win, ctypes.c_int64),
             )
         )
         #: bytes per block as the library allocates them (read once: it never changes)

@@ -38,8 +38,15 @@ def store_fields(config: MethodConfig, block_size: int) -> dict[str, object]:
     }
 
 
-def method_spec(config: MethodConfig, layers: int, q_heads: int, block_size: int) -> str:
+def method_spec(
+    config: MethodConfig, layers: int, q_heads: int, block_size: int, windows: list[int] | None = None
+) -> str:
     """The spec string of ``config`` for a model with ``layers`` layers and ``q_heads`` query heads.
+
+    ``windows`` (per layer, a sliding-window span or 0): the method is laid over the global
+    layers only, as the torch engine does: its per-layer budgets (pyramids, dense layers) are
+    those of the n-th global layer of n global layers; a local layer gets none (the op keeps
+    its window).
 
     Raises :class:`~ov_kvcrush.errors.UserError` for a method (or option) the op does not run.
     """
@@ -50,9 +57,18 @@ def method_spec(config: MethodConfig, layers: int, q_heads: int, block_size: int
             + "; backend torch runs: "
             + ", ".join(methods_for("torch"))
         )
+    global_layers = [i for i in range(layers) if not (windows and windows[i])]
+    if config.scoring_pass and len(global_layers) < layers:
+        raise UserError(
+            f"method={config.name} scores every layer's cache in its scoring pass; this model has sliding-window "
+            "layers, which keep only their window: use another method"
+        )
+    budgets = [0] * layers
+    for g, i in enumerate(global_layers):
+        budgets[i] = config.layer_budget(g, len(global_layers)) or 0
     items: dict[str, object] = {
         "method": config.name,
-        "budgets": ",".join(str(config.layer_budget(i, layers) or 0) for i in range(layers)),
+        "budgets": ",".join(str(b) for b in budgets),
         **store_fields(config, block_size),
         **config.op_fields(layers, q_heads, block_size),
     }

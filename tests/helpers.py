@@ -56,8 +56,17 @@ def native_steps(xml: Path, prompt: list[int], steps: int, kv_precision: str, fe
     return np.stack(out), tokens
 
 
-def converted_steps(xml: Path, prompt: list[int], feed: list[int], kv_precision: str, block_size: int = 32):
-    """Logits of the converted model fed ``prompt`` then each token of ``feed``; and the pool."""
+def converted_steps(
+    xml: Path,
+    prompt: list[int],
+    feed: list[int],
+    kv_precision: str,
+    block_size: int = 32,
+    windows: list[int] | None = None,
+    chunk: int = 0,
+):
+    """Logits of the converted model fed ``prompt`` (in ``chunk``-token steps when > 0) then each
+    token of ``feed``; and the pool. ``windows``: per layer, a sliding-window span (0: global)."""
     import openvino as ov
 
     core = ov.Core()
@@ -65,25 +74,38 @@ def converted_steps(xml: Path, prompt: list[int], feed: list[int], kv_precision:
     conv = convert_model(core.read_model(xml), plugin.loaded_path())
     req = core.compile_model(conv.model, "CPU", F32).create_infer_request()
     s = conv.shape
-    pool = kvcache.KVPool(s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=kv_precision)
+    pool = kvcache.KVPool(
+        s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=kv_precision, windows=windows
+    )
     seq = pool.new_sequence()
     names = {i.get_any_name() for i in req.model_inputs}
     out, past, ids = [], 0, list(prompt)
+    if chunk:  # all of the prompt but its last chunk, in chunks
+        seq.set_prompt(len(prompt))
+        while len(ids) > chunk:
+            run_step(req, names, seq, ids[:chunk], past)
+            past, ids = past + chunk, ids[chunk:]
     for step in range(len(feed) + 1):
         n = len(ids)
-        inputs = {
-            "input_ids": np.asarray([ids], dtype=np.int64),
-            "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
-            "kvc_sequence": np.asarray([seq.handle], dtype=np.int64),
-        }
-        if "attention_mask" in names:
-            inputs["attention_mask"] = np.ones((1, past + n), dtype=np.int64)
-        req.infer(inputs)
+        run_step(req, names, seq, ids, past)
         past += n
         out.append(np.array(req.get_output_tensor(0).data[0, -1], dtype=np.float32))
         if step < len(feed):
             ids = [feed[step]]
     return np.stack(out), conv, pool, seq
+
+
+def run_step(req, names: set[str], seq: kvcache.KVSequence, ids: list[int], past: int) -> None:
+    """One inference of the converted model: ``ids`` after ``past`` tokens of ``seq``."""
+    n = len(ids)
+    inputs = {
+        "input_ids": np.asarray([ids], dtype=np.int64),
+        "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
+        "kvc_sequence": np.asarray([seq.handle], dtype=np.int64),
+    }
+    if "attention_mask" in names:
+        inputs["attention_mask"] = np.ones((1, past + n), dtype=np.int64)
+    req.infer(inputs)
 
 
 HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape

@@ -185,7 +185,7 @@ class OpenVINOEngine:
         if not xml.is_file():
             raise UserError(f"not an exported OpenVINO model directory (no openvino_model.xml): {self.model_dir}")
         self.hf_config = _read_json(self.model_dir / "config.json")
-        _check_attention_kind(self.hf_config, self.model_dir)
+        windows = layer_windows(self.hf_config, self.model_dir)
 
         self.library = plugin.loaded_path()
         self.core = ov.Core()
@@ -199,6 +199,13 @@ class OpenVINOEngine:
         converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
         self.shape = converted.shape
         self.kv_precision = kv_precision
+        if windows and len(windows) != self.shape.layers:
+            raise UserError(
+                f"{self.model_dir.name}: config.json names {len(windows)} layer types for "
+                f"{self.shape.layers} attention layers"
+            )
+        #: per layer, a local layer's sliding-window span (0: global; all 0 for most models)
+        self.windows = windows or [0] * self.shape.layers
 
         if scheduler_config is not None:
             if compression is not None or max_kv_blocks:
@@ -251,7 +258,7 @@ class OpenVINOEngine:
         s = self.shape
         pool = KVPool(
             s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=self.kv_precision,
-            max_blocks=self.max_kv_blocks, method=spec,
+            max_blocks=self.max_kv_blocks, method=spec, windows=self.windows,
         )  # fmt: skip
         return method, block_size, pool
 
@@ -263,7 +270,7 @@ class OpenVINOEngine:
         if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
             _check_block_size("options.block_size", method_block)
             block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
-        return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size)
+        return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size, self.windows)
 
     def set_compression(self, compression: CompressionConfig) -> None:
         """Switch method and budget for the next generations: a new pool, the model stays compiled
@@ -325,8 +332,8 @@ class OpenVINOEngine:
         """Bytes a full cache in this engine's precision holds for ``tokens`` tokens, in blocks of
         ``block_size`` tokens (default: the current pool's)."""
         bs = block_size or self.block_size
-        blocks = math.ceil(tokens / bs) * self.shape.layers * self.shape.kv_heads
-        return blocks * kv_block_bytes(bs, self.shape.head_dim, self.kv_precision)
+        per_head = sum(math.ceil(min(tokens, w or tokens) / bs) for w in self.windows)  # local layers: their window
+        return per_head * self.shape.kv_heads * kv_block_bytes(bs, self.shape.head_dim, self.kv_precision)
 
     # -- model steps ----------------------------------------------------------------------------
     def forward(self, ids: list[int]) -> np.ndarray:
@@ -548,17 +555,30 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _check_attention_kind(cfg: dict, model_dir: Path) -> None:
-    """Refuse attention variants the op does not implement (it is plain causal softmax attention)."""
+def layer_windows(cfg: dict, model_dir: Path) -> list[int]:
+    """Per layer, the sliding-window span the op gives a local layer (0: a global layer).
+
+    Gemma 3 style models name each layer's kind (``layer_types``): their local layers keep a
+    ring of ``sliding_window`` positions in the op and the method runs on the global ones, as in
+    the torch engine. Refused (with what to use instead): a model whose every layer slides (no
+    global layer for the method), and attention logit soft-capping (Gemma 2), which the op's
+    plain softmax attention does not implement.
+    """
     text = cfg.get("text_config") or cfg
-    layer_types = text.get("layer_types") or []
-    if any("sliding" in str(t) for t in layer_types) or text.get("use_sliding_window"):
-        raise UserError(
-            f"{model_dir.name}: model type {text.get('model_type')!r} uses sliding-window attention, which backend "
-            "openvino's op does not implement; use backend genai or torch"
-        )
+    layer_types = [str(t) for t in text.get("layer_types") or []]
+    name = f"{model_dir.name}: model type {text.get('model_type')!r}"
     if text.get("attn_logit_softcapping"):
-        raise UserError(f"{model_dir.name}: attention logit soft-capping is not supported by backend openvino")
+        raise UserError(f"{name} caps its attention logits (soft-capping), which backend openvino does not implement")
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if (sliding and all(sliding)) or (not layer_types and text.get("use_sliding_window")):
+        raise UserError(
+            f"{name} uses sliding-window attention on every layer, which backend openvino's op does not implement "
+            "(it runs models whose global layers hold the method); use backend genai or torch"
+        )
+    window = int(text.get("sliding_window") or 0)
+    if any(sliding) and window < 1:
+        raise UserError(f"{name} has sliding-window layers but no sliding_window span in its config.json")
+    return [window if s else 0 for s in sliding]
 
 
 def error_line(exc: Exception) -> str:

@@ -115,7 +115,10 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         const bool scoring = seq->scoring;
         OPENVINO_ASSERT(!scoring || (!chunk && past > 0), "ov_kvcrush PagedAttention: a scoring pass needs a prefilled, "
                         "whole prompt (", past, " tokens seen)");
-        const bool hooks = !scoring && (!chunk || past + L == prompt_end);
+        // a sliding-window layer (Gemma 3's local layers): attends its window, keeps it as a ring
+        // of blocks, and the method never runs there
+        const int64_t window = cfg.window(layer);
+        const bool hooks = !scoring && !window && (!chunk || past + L == prompt_end);
         std::vector<int64_t> held_before(static_cast<size_t>(Hkv));
         const int64_t hook_tokens = chunk ? prompt_end : L;
 
@@ -143,7 +146,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         }
         seq->seen(layer) = past + L;
         const bool prefill = past == 0 || chunk;
-        const bool scores = scoring || step_scores(cfg, prefill);
+        const bool scores = !window && (scoring || step_scores(cfg, prefill));
         using Clock = std::chrono::steady_clock;
         auto since = [](Clock::time_point t0) {
             return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
@@ -178,7 +181,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 slot_hi[gi] = std::lower_bound(pos.begin(), end, seq->score_hi) - pos.begin();
                 slot_sinks[gi] = std::min(slot_lo[gi], std::lower_bound(pos.begin(), end, policy.scoring_sinks()) - pos.begin());
             }
-        if (!scoring && policy.recalls(*seq, layer, prefill)) {
+        if (!scoring && !window && policy.recalls(*seq, layer, prefill)) {
             // 2c. a recall method (ClusterKV): attend only the recalled working set (its selection
             //     time goes to policy_ns)
             policy.attend_recalled(*seq, layer, qb, L, past, m_scale, ob);
@@ -215,6 +218,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                     const int64_t chunk = t % max_chunks;
                     RowSet rows;
                     rows.start();
+                    rows.window = window;
                     rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, G - tile * kMaxRows));
                     for (int r = 0; r < rows.n; ++r) {
                         const int64_t h = g * G + tile * kMaxRows + r;
@@ -314,7 +318,8 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                             orow[r] = ob + (h * L + i) * D;
                             qpos[r] = past + i;
                         }
-                        attend_amx(cfg, staged_head(h / G), staged[static_cast<size_t>(h / G)], n, qr, qpos, orow, m_scale, m, l);
+                        attend_amx(cfg, staged_head(h / G), staged[static_cast<size_t>(h / G)], n, qr, qpos, orow, m_scale, m, l,
+                                   window);
                         if (scores)
                             for (int r = 0; r < n; ++r)
                                 lse[static_cast<size_t>(h * L + tile * kAmxRows + r)] = m[r] + std::log(l[r]);
@@ -330,6 +335,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                     const HeadCache& hc = seq->head(layer, static_cast<int>(h / G));
                     RowSet rows;
                     rows.start();
+                    rows.window = window;
                     rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, L - tile * kMaxRows));
                     for (int r = 0; r < rows.n; ++r) {
                         const int64_t i = tile * kMaxRows + r;
@@ -403,6 +409,18 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
                 seq->trim_blocks(hc);
             }
             seq->seen(layer) = past;
+            continue;
+        }
+        if (window > 0) {  // the ring: whole blocks before the next query's window go back
+            const int64_t bs = cfg.block_size;
+            for (int64_t g = 0; g < Hkv; ++g) {
+                HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                const int64_t first = std::lower_bound(hc.pos.begin(), hc.pos.end(), past + L - window + 1) - hc.pos.begin();
+                if (first < bs) continue;
+                std::vector<int64_t> keep(static_cast<size_t>(hc.size() - first / bs * bs));
+                for (size_t j = 0; j < keep.size(); ++j) keep[j] = first / bs * bs + static_cast<int64_t>(j);
+                keep_blocks(*seq, hc, keep);
+            }
             continue;
         }
         // 4. the method's eviction (prefill selection, decode budget) and the 2-bit store's flush

@@ -278,15 +278,24 @@ float exp_sum(float* s, int cols, float m) {
 // Mask the slots that are not held or are after each row's position (logits already scaled).
 void mask_logits(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float* S) {
     const int cols = (ntok + 15) / 16 * 16;
+    const int64_t first_pos = hc.pos[static_cast<size_t>(slot0)];
     const int64_t last_pos = hc.pos[static_cast<size_t>(slot0 + ntok - 1)];
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * bs;
-        if (last_pos <= rows.qpos[r]) {  // every held slot is visible: only the padding goes
+        // a sliding window sees positions (qpos - window, qpos]
+        const int64_t lo = rows.window > 0 ? rows.qpos[r] - rows.window : std::numeric_limits<int64_t>::min();
+        if (last_pos <= rows.qpos[r] && first_pos > lo) {  // every held slot is visible: only the padding goes
             for (int j = ntok; j < cols; ++j) s[j] = kNegInf;
             continue;
         }
-        for (int j = 0; j < cols; ++j)
-            if (j >= ntok || hc.pos[static_cast<size_t>(slot0 + j)] > rows.qpos[r]) s[j] = kNegInf;
+        for (int j = 0; j < cols; ++j) {
+            if (j >= ntok) {
+                s[j] = kNegInf;
+                continue;
+            }
+            const int64_t p = hc.pos[static_cast<size_t>(slot0 + j)];
+            if (p > rows.qpos[r] || p <= lo) s[j] = kNegInf;
+        }
     }
 }
 
@@ -359,6 +368,7 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     const float* q[kMaxRows];
     scaled_queries(rows, D, scale, tls.q, q);
     slot_end = std::min(slot_end, hc.size());
+    slot_begin = std::max(slot_begin, first_visible_slot(hc, rows));
     for (int64_t slot0 = slot_begin / bs * bs; slot0 < slot_end; slot0 += bs) {
         // the range's part of this block: slots [w0, w0 + ntok), handled as a window starting at
         // its first slot (a recalled cluster may start and end mid-block: no work on the rest)
@@ -379,6 +389,17 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         }
         pv(rows.n, S, bs, v + static_cast<size_t>(j0) * D, ntok, D, rows.out);
     }
+}
+
+int64_t first_visible_slot(const HeadCache& hc, const int64_t* qpos, int n, int64_t window) {
+    if (window <= 0 || n <= 0) return 0;
+    int64_t min_q = qpos[0];
+    for (int r = 1; r < n; ++r) min_q = std::min(min_q, qpos[r]);
+    return std::upper_bound(hc.pos.begin(), hc.pos.end(), min_q - window) - hc.pos.begin();
+}
+
+int64_t first_visible_slot(const HeadCache& hc, const RowSet& rows) {
+    return first_visible_slot(hc, rows.qpos, rows.n, rows.window);
 }
 
 void Slab::clear() {

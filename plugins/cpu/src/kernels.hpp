@@ -21,6 +21,8 @@ struct RowSet {
     int n = 0;
     const float* q[kMaxRows] = {};  // query rows (head_dim floats, unscaled)
     int64_t qpos[kMaxRows] = {};    // absolute position: keys at a later position are masked
+    // a sliding-window layer's span (0: none): keys at or before qpos - window are masked too
+    int64_t window = 0;
     float* out[kMaxRows] = {};      // accumulator rows (head_dim floats), unnormalised until finish
     float m[kMaxRows] = {};         // running max of the scaled logits
     float l[kMaxRows] = {};         // running sum of exp(logit - m)
@@ -35,6 +37,11 @@ struct RowSet {
 // need the causal mask; stops at the first block wholly after every row's position.
 void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
                   int64_t slot_begin, int64_t slot_end);
+
+// The first slot any row of `rows` can see under its sliding window (0 without one): positions
+// ascend, so every slot before it is before every row's window.
+int64_t first_visible_slot(const HeadCache& hc, const RowSet& rows);
+int64_t first_visible_slot(const HeadCache& hc, const int64_t* qpos, int n, int64_t window);
 
 // Combine n partial results of one row, each (m, l, out[D]) at first + c * stride, into out
 // (accumulated, then normalised); returns the row's log-sum-exp.
@@ -94,11 +101,11 @@ bool has_amx();
 bool amx_head_dim(int head_dim);
 constexpr int kAmxRows = 16;  // query rows one AMX tile holds
 // The bf16 prefill of up to kAmxRows query rows of one head over the staged head (stage_bf16):
-// q[r] (unscaled), causal by qpos[r]; out[r] normalised; m[r], l[r] the row's softmax max and
+// q[r] (unscaled), causal by qpos[r] (and within `window` of it, when > 0); out[r] normalised; m[r], l[r] the row's softmax max and
 // sum (its log-sum-exp is m + log l; l = 0: the row saw no key and out is 0). Same arithmetic as
 // attend_bf16: bf16 products, fp32 sums, probabilities rounded to bf16 for the values.
 void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, int n, const float* const* q,
-                const int64_t* qpos, float* const* out, float scale, float* m, float* l);
+                const int64_t* qpos, float* const* out, float scale, float* m, float* l, int64_t window = 0);
 
 // ---- MiniKV's 2-bit blocks (layout: PoolConfig::qblock_bytes) --------------------------------
 // Quantize block_size tokens (keys and values [bs][D] floats) into a 2-bit block: keys per

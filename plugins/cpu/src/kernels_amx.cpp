@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "kernels_detail.hpp"
 
@@ -69,7 +70,7 @@ bool has_amx() {
 bool amx_head_dim(int head_dim) { return head_dim % 32 == 0 && head_dim <= 512; }
 
 void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, int n, const float* const* q,
-                const int64_t* qpos, float* const* out, float scale, float* m, float* l) {
+                const int64_t* qpos, float* const* out, float scale, float* m, float* l, int64_t window) {
 #if OVKC_AMX
     const int D = cfg.head_dim;
     alignas(64) uint16_t qb[kAmxRows * 512];  // scaled queries, bf16, row-major (rows past n: 0)
@@ -87,7 +88,7 @@ void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, 
     std::fill(O, O + kAmxRows * D, 0.0f);
     configure_tiles();
     const int ksteps = D / 32, dblocks = D / 16;
-    for (int64_t slot0 = 0; slot0 < st.n; slot0 += kStep) {
+    for (int64_t slot0 = first_visible_slot(hc, qpos, n, window) / kStep * kStep; slot0 < st.n; slot0 += kStep) {
         if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;
         const int ntok = static_cast<int>(std::min<int64_t>(kStep, st.n - slot0));
         // S = Q K^T: C tiles 0-3 are the four 16-token groups; A (tile 4) one 32-dim slice of Q,
@@ -123,9 +124,12 @@ void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, 
                 continue;
             }
             for (int j = ntok; j < kStep; ++j) s[j] = kNegInf;
-            if (last_pos > qpos[r])
-                for (int j = 0; j < ntok; ++j)
-                    if (hc.pos[static_cast<size_t>(slot0 + j)] > qpos[r]) s[j] = kNegInf;
+            const int64_t lo = window > 0 ? qpos[r] - window : std::numeric_limits<int64_t>::min();
+            if (last_pos > qpos[r] || hc.pos[static_cast<size_t>(slot0)] <= lo)
+                for (int j = 0; j < ntok; ++j) {
+                    const int64_t p = hc.pos[static_cast<size_t>(slot0 + j)];
+                    if (p > qpos[r] || p <= lo) s[j] = kNegInf;
+                }
             const float mx = row_max(s, kStep);
             if (mx == kNegInf) {  // nothing causal for this row here
                 std::fill(p, p + kStep, uint16_t(0));
@@ -195,6 +199,7 @@ void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, 
     (void)scale;
     (void)m;
     (void)l;
+    (void)window;
     throw Error("AMX attention is not compiled in (no AMX-BF16 on the build machine)");
 #endif
 }

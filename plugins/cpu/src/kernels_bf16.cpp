@@ -133,7 +133,7 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
                                    (static_cast<uint32_t>(to_bf16(rows.q[r][2 * d2 + 1] * scale)) << 16);
     alignas(64) float S[kMaxRows * kChunk];
     alignas(64) uint32_t pp[kMaxRows * 16];
-    for (int64_t slot0 = 0; slot0 < st.n; slot0 += kChunk) {
+    for (int64_t slot0 = first_visible_slot(hc, rows) / kChunk * kChunk; slot0 < st.n; slot0 += kChunk) {
         if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;
         const int ntok = static_cast<int>(std::min<int64_t>(kChunk, st.n - slot0));
         const int cols = (ntok + 15) / 16 * 16;

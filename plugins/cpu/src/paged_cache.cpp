@@ -24,6 +24,14 @@ void PoolConfig::validate() const {
     if (block_size < 16 || block_size > 256 || block_size % 16 != 0)
         throw Error(range("block_size", block_size, "a multiple of 16 in 16..256"));
     if (max_blocks < 0) throw Error(range("max_blocks", max_blocks, ">= 0 (0: unlimited)"));
+    if (!windows.empty() && static_cast<int>(windows.size()) != layers)
+        throw Error("windows has " + std::to_string(windows.size()) + " entries: allowed one per layer (" +
+                    std::to_string(layers) + ") or none");
+    for (int64_t w : windows)
+        if (w < 0) throw Error(range("windows", w, ">= 0 (0: a global layer)"));
+    if (policy && policy->has_scoring_pass() && std::any_of(windows.begin(), windows.end(), [](int64_t w) { return w > 0; }))
+        throw Error("method " + policy->name() + " needs every layer's cache for its scoring pass: allowed on models "
+                    "without sliding-window layers");
     if (policy && scores && !policy->allows_score_output())
         throw Error("scores=1 is invalid with method " + policy->name() +
                     ": allowed 0 (its slot scores are its own, or its decode steps attend a recalled subset)");
@@ -205,6 +213,16 @@ void Sequence::truncate(int64_t tokens) {
                         " tokens: Chelsea has merged tokens (reset and prefill again)");
     for (auto& h : heads_)
         if (h.state) h.state->check_truncate(tokens);
+    const auto& cfg = pool_->config();
+    for (int layer = 0; layer < cfg.layers; ++layer) {
+        const int64_t w = cfg.window(layer);
+        const HeadCache& h = head(layer, 0);
+        // the next query (at `tokens`) sees (tokens - w, tokens]: those must still be in the ring
+        if (w > 0 && tokens < seen_[static_cast<size_t>(layer)] && !h.pos.empty() && h.pos.front() > std::max<int64_t>(0, tokens - w + 1))
+            throw Error("cannot truncate to " + std::to_string(tokens) + " tokens: sliding-window layer " +
+                        std::to_string(layer) + " keeps positions from " + std::to_string(h.pos.front()) +
+                        " only (reset and prefill again)");
+    }
     for (auto& h : heads_) {
         // every kept token is in the slots before every dropped one (positions ascend, but for
         // a method that reorders older slots, e.g. ClusterKV's clusters, all older than the pending ones)

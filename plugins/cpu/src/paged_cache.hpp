@@ -43,6 +43,11 @@ struct PoolConfig {
     // more memory
     int64_t max_blocks = 0;
     bool scores = false;     // accumulate per-q-head attention scores per token
+    // per layer, the sliding-window span of a local layer (Gemma 3's), 0 for a global layer
+    // (empty: every layer is global). A local layer attends its last `window` positions and keeps
+    // them as a ring of blocks: whole blocks before the window go back to the pool after each
+    // step; the method never runs there (its hooks, scores and budgets are for global layers).
+    std::vector<int64_t> windows;
     // the compression method (set before the pool is made); shared, read-only once created
     std::shared_ptr<const Policy> policy;
 
@@ -62,6 +67,9 @@ struct PoolConfig {
     int quant_key_bits() const;
     int quant_value_bits() const;
     int group() const { return q_heads / kv_heads; }
+    int64_t window(int layer) const {
+        return static_cast<size_t>(layer) < windows.size() ? windows[static_cast<size_t>(layer)] : 0;
+    }
     // scores are kept per slot when asked for or when the method selects by them
     bool keeps_scores() const;
 };

@@ -1,0 +1,243 @@
+"""Gemma 3 270M, the second embedded model (32k context, sliding-window layers).
+
+* The tokenizer rebuilt from the GGUF encodes exactly as llama.cpp does (a direct port of its
+  SentencePiece tokenizer is the oracle here; it was checked against llama-cpp-python 0.3.36
+  once, on the same texts and 20k characters of essay), saved and reloaded, and through the
+  exported OpenVINO tokenizer; transformers' own conversion does not (the defect repaired).
+* The IR exported past optimum-intel's transformers cap gives transformers' logits.
+* Our op on the converted IR gives the unmodified IR's logits on a prompt longer than the
+  window, whole or in chunks, with the local layers holding only their window as a ring.
+* A method runs on the global layers only, in the op as in the torch engine (same greedy tokens).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+
+import numpy as np
+import pytest
+from helpers import F32, converted_steps, native_steps
+
+pytestmark = pytest.mark.model
+
+GEMMA = "gemma3-270m"
+#: Text with what SentencePiece segmentation gets wrong first: runs of spaces and newlines,
+#: tabs, digits, accents, CJK and emoji (byte fallback), HTML tags (user-defined pieces).
+TEXTS = [
+    "The capital of France is",
+    "The pass key is 52445. Remember it!  Naïve café, 3.14 — done.\n\tEnd",
+    "  leading spaces and trailing  ",
+    "Ünïcödé 日本語 emoji 🤖 and  \n\n\n newlines\t\ttabs",
+    "1234567890 12,345.67",
+    "<table><tr><td>1</td></tr></table>",
+]
+
+
+def llama_cpp_tokenize(vocab, text: str) -> list[int]:
+    """llama.cpp's SentencePiece tokenizer (``llm_tokenizer_spm``), ported as written.
+
+    Control and user-defined pieces are split out of the raw text first (longest first); spaces
+    become ``▁``; adjacent symbols merge by a queue of bigrams, highest piece score first (ties:
+    leftmost), while the merge is a piece; a symbol that is no piece is re-split along its merge
+    history, down to ``<0xNN>`` bytes; ``<bos>`` leads when the GGUF asks for it.
+    """
+    index = {t: i for i, t in enumerate(vocab.tokens)}
+    parts: list[tuple[bool, object]] = [(False, text)]
+    for sid in sorted(vocab.special_ids(), key=lambda i: -len(vocab.tokens[i])):
+        piece, out = vocab.tokens[sid], []
+        for is_id, value in parts:
+            if is_id or piece not in value:
+                out.append((is_id, value))
+                continue
+            chunks = str(value).split(piece)
+            for k, chunk in enumerate(chunks):
+                if chunk:
+                    out.append((False, chunk))
+                if k < len(chunks) - 1:
+                    out.append((True, sid))
+        parts = out
+    ids = [vocab.bos_id] if vocab.add_bos else []
+    for k, (is_id, value) in enumerate(parts):
+        if is_id:
+            ids.append(int(value))  # type: ignore[arg-type]
+            continue
+        raw = str(value).replace(" ", "▁")
+        ids += _spm_merge(index, vocab.scores, ("▁" if vocab.add_space_prefix and k == 0 else "") + raw)
+    return ids
+
+
+def _spm_merge(index: dict[str, int], scores: list[float], text: str) -> list[int]:
+    sym, n = list(text), len(text)
+    prev, nxt = list(range(-1, n - 1)), [*range(1, n), -1]
+    alive, heap, history = [True] * n, [], {}
+
+    def bigram(left: int, right: int) -> None:
+        if left < 0 or right < 0:
+            return
+        merged = sym[left] + sym[right]
+        if merged in index:
+            heapq.heappush(heap, (-scores[index[merged]], left, right, len(merged)))
+            history[merged] = (sym[left], sym[right])
+
+    for i in range(1, n):
+        bigram(i - 1, i)
+    while heap:
+        _, left, right, size = heapq.heappop(heap)
+        if not (alive[left] and alive[right]) or len(sym[left]) + len(sym[right]) != size:
+            continue
+        sym[left] += sym[right]
+        alive[right] = False
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prev[nxt[right]] = left
+        bigram(prev[left], left)
+        bigram(left, nxt[left])
+    out: list[int] = []
+
+    def resegment(piece: str) -> None:
+        if piece in index:
+            out.append(index[piece])
+        elif piece in history:
+            resegment(history[piece][0])
+            resegment(history[piece][1])
+        else:
+            out.extend(index[f"<0x{b:02X}>"] for b in piece.encode())
+
+    i = 0 if n else -1
+    while i >= 0:
+        resegment(sym[i])
+        i = nxt[i]
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_vocab():
+    from ov_kvcrush.embedded import embedded_gguf_path
+    from ov_kvcrush.gguf_tokenizer import read_gguf_vocab
+
+    return read_gguf_vocab(embedded_gguf_path(GEMMA))
+
+
+@pytest.fixture(scope="module")
+def gemma_hf():
+    from ov_kvcrush.export import hf_checkpoint
+
+    return hf_checkpoint(GEMMA, progress=False)
+
+
+@pytest.fixture(scope="module")
+def gemma_ir():
+    from ov_kvcrush.export import export_model
+
+    return export_model(GEMMA, weight_format="fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def window_prompt(gemma_hf):
+    """~700 tokens of essay: longer than the 512-token window."""
+    from transformers import AutoTokenizer
+
+    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+
+    ids = AutoTokenizer.from_pretrained(gemma_hf)(essay_text(haystack_essays()[0])).input_ids
+    return ids[:700]
+
+
+def windows_of(model_dir) -> list[int]:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return [cfg["sliding_window"] if t == "sliding_attention" else 0 for t in cfg["layer_types"]]
+
+
+def test_tokenizer_encodes_as_llama_cpp(gguf_vocab, gemma_hf, gemma_ir):
+    import openvino_genai as ov_genai
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(gemma_hf)  # rebuilt from the GGUF, saved, reloaded
+    ov_tok = ov_genai.Tokenizer(str(gemma_ir))  # the exported OpenVINO tokenizer models
+    chat = saved.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert chat == "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+    for text in [*TEXTS, chat.removeprefix("<bos>")]:
+        want = llama_cpp_tokenize(gguf_vocab, text)
+        assert saved(text).input_ids == want, text
+        got = [int(i) for i in ov_tok.encode(text, add_special_tokens=True).input_ids.data[0]]
+        assert got == want, text
+        assert saved.decode(want, skip_special_tokens=False).removeprefix("<bos>") == text
+    assert saved("The capital of France is").input_ids == [2, 818, 5279, 529, 7001, 563]
+    gen = json.loads((gemma_hf / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [1, 106], "generation stops at <eos> and at <end_of_turn>"
+
+
+def test_transformers_own_conversion_is_the_defect_repaired(gguf_vocab):
+    """Without the rebuild, transformers segments per syllable: the repair stays justified."""
+    from transformers import AutoTokenizer
+
+    from ov_kvcrush.embedded import embedded_gguf_path
+
+    path = embedded_gguf_path(GEMMA)
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = "The capital of France is"
+    assert theirs(text).input_ids != llama_cpp_tokenize(gguf_vocab, text)
+
+
+def test_ir_equals_transformers_past_the_window(gemma_hf, gemma_ir, window_prompt):
+    """optimum-intel's cap on transformers is lifted for Gemma 3 (optimum_child): its IR must
+    still compute what transformers computes, across the sliding window."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gemma_hf, dtype=torch.float32)
+    with torch.no_grad():
+        want = model(torch.tensor([window_prompt])).logits[0, -1].numpy()
+    got, _ = native_steps(gemma_ir / "openvino_model.xml", window_prompt, 0, "f32")
+    assert np.abs(got[0] - want).max() / np.abs(want).max() < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [0, 200])
+def test_op_equals_unmodified_ir_past_the_window(gemma_ir, window_prompt, chunk):
+    xml = gemma_ir / "openvino_model.xml"
+    windows = windows_of(gemma_ir)
+    assert windows.count(512) == 15 and windows.count(0) == 3
+    ref, tokens = native_steps(xml, window_prompt, 24, "f32")
+    got, conv, pool, seq = converted_steps(xml, window_prompt, tokens[:-1], "f32", windows=windows, chunk=chunk)
+    err = np.abs(got - ref).max(axis=1) / np.abs(ref).max()
+    assert err.max() < 2e-5, err.max()
+    assert [int(np.argmax(x)) for x in got] == tokens
+    assert conv.scales[0] == pytest.approx(256**-0.5)  # query_pre_attn_scalar = 256
+    held = seq.head_tokens()[:, 0]
+    seen = len(window_prompt) + 24
+    for layer, w in enumerate(windows):
+        if w:  # the ring: the window, plus at most the rest of its oldest block
+            assert w - 1 <= held[layer] < w + pool.block_size, (layer, held[layer])
+        else:
+            assert held[layer] == seen
+    seq.free()
+    assert pool.stats().blocks_in_use == 0
+
+
+def test_a_method_runs_on_global_layers_as_in_the_torch_engine(gemma_hf, gemma_ir):
+    from ov_kvcrush import CompressionConfig, GenerationSettings
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.errors import UserError
+    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+
+    budget = 256
+    comp = CompressionConfig(method="snapkv", budget=budget)
+    prompt = essay_text(haystack_essays()[0])[:3000]  # ~650 tokens: past the window
+    settings = GenerationSettings(max_new_tokens=16, apply_chat_template=False, ignore_eos=True)
+    op = OpenVINOEngine(gemma_ir, compression=comp, kv_precision="f32", properties=F32)
+    got = op.generate(prompt, settings)
+    want = TorchEngine(gemma_hf, compression=comp).generate(prompt, settings)
+    assert got.prompt_tokens > 600
+    assert got.token_ids == want.token_ids
+    held = op.sequence.head_tokens()[:, 0]
+    for layer, w in enumerate(windows_of(gemma_ir)):
+        limit = w + op.block_size if w else budget + 16  # a ring, or the method's budget
+        assert held[layer] < limit, (layer, held[layer])
+    with pytest.raises(UserError, match="sliding-window"):
+        op.set_compression(CompressionConfig(method="kvzip", budget=budget))
