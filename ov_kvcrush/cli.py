@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--question-after", action="store_true", help="compress the context first, then ask (query-agnostic)"
     )
+    v.add_argument(
+        "--prompt-format",
+        default="chat",
+        help="chat (the chat template, default) or completion (raw text + the answer's first words: base models, "
+        "e.g. --model gemma3-270m)",
+    )
     v.add_argument("--model", help="model for the backend (default: the embedded model)")
     v.add_argument("--device", default="cpu")
     v.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU), float32, bfloat16 ...")
@@ -288,6 +294,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         ppl_tokens=args.ppl_tokens,
         data=args.data,
         question_after=args.question_after,
+        prompt_format=args.prompt_format,
         model=args.model,
         device=args.device,
         dtype=args.dtype,

@@ -178,6 +178,7 @@ def test_cli_eval_custom_data_and_equal_memory(tmp_path, capsys):
         (["--backend", "genai", "--methods", "chelsea"], "methods='chelsea' is invalid"),
         (["--backend", "genai", "--tasks", "passkey", "--kv-ratio", "0.2"], "kv_bytes="),
         (["--ppl-tokens", "2000", "--lengths", "1024"], "ppl_tokens=2000 is invalid"),
+        (["--prompt-format", "raw"], "prompt_format='raw' is invalid"),
         (["--data", "samples/eval_data.jsonl", "--kv-ratio", "0.2"], "kv_ratio=(0.2,) is invalid"),
     ],
 )

@@ -99,6 +99,9 @@ def test_multikey_has_three_distractors_that_do_not_score():
         assert v != s.answers[0] and s.score(f"The number is {v}.") == 0.0
     single = T.niah_single_task(1500, count_words, 5, 0, 1)
     assert not single.meta["distractors"]
+    # the completion format's answer prefix names the asked key, never a distractor's
+    assert s.answer_prefix.endswith(f"for {s.meta['key']} mentioned in the provided text is")
+    assert all(k not in s.answer_prefix for k in s.meta["distractors"])
 
 
 def test_haystack_is_real_essay_prose():

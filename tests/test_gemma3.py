@@ -219,6 +219,22 @@ def test_op_equals_unmodified_ir_past_the_window(gemma_ir, window_prompt, chunk)
     assert pool.stats().blocks_in_use == 0
 
 
+def test_completion_format_lets_the_base_model_answer(gemma_ir, tmp_path):
+    """The embedded Gemma is the pretrained model (past 1k tokens, asked in the chat template it
+    mostly repeats the instructions): as raw text followed by the answer's first words
+    (``--prompt-format completion``) it finds the needle; our op, full cache."""
+    from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
+
+    plan = EvalPlan(
+        tasks=("niah_single",), lengths=(1024,), methods=(MethodSpec.parse("snapkv"),), budgets=(512,), samples=2,
+        backend="openvino", model=str(gemma_ir), prompt_format="completion", max_new_tokens=12,
+    )  # fmt: skip
+    report = run_eval(plan, progress=False, log=lambda _: None)
+    full = [s for s in report.samples if s["method"] == "full"]
+    assert len(full) == 2 and all(s["score"] == 1.0 for s in full), full
+    assert report.meta["plan"]["prompt_format"] == "completion"
+
+
 def test_a_method_runs_on_global_layers_as_in_the_torch_engine(gemma_hf, gemma_ir):
     from ov_kvcrush import CompressionConfig, GenerationSettings
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine

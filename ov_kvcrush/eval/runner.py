@@ -33,6 +33,8 @@ from ov_kvcrush.validation import MAX_TOKENS, check_int
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_BUDGETS = (128, 256, 512)
 EVAL_BACKENDS = ("torch", "openvino", "genai")
+#: How a sample is put to the model: the chat template, or raw text and an answer prefix.
+PROMPT_FORMATS = ("chat", "completion")
 
 
 #: the quantized stores the evaluation names after ``+``: widths of keys and values
@@ -117,6 +119,9 @@ class EvalPlan:
         data: a JSONL file of custom samples (replaces ``tasks`` and ``lengths``).
         question_after: prefill and compress each prompt's context first and ask its question
             afterwards (query-agnostic evaluation: what a later chat turn sees); torch and openvino.
+        prompt_format: ``chat`` (the model's chat template around the user message) or
+            ``completion`` (raw text followed by the task's answer prefix: for a pretrained
+            model without chat tuning, such as the embedded Gemma 3 270M).
         model, device, dtype: the engine's (``None``: the embedded model, prepared on first use).
     """
 
@@ -133,6 +138,7 @@ class EvalPlan:
     ppl_tokens: int = 64
     data: str | None = None
     question_after: bool = False
+    prompt_format: str = "chat"
     model: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
@@ -193,6 +199,8 @@ class EvalPlan:
                     "methods without a scoring pass with kv_bytes / kv_ratio (the byte probes do not run "
                     "KVzip's pass; give it --budgets)",
                 )
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ConfigError("prompt_format", self.prompt_format, "one of " + ", ".join(PROMPT_FORMATS))
         if self.question_after and self.backend == "genai":
             raise ConfigError("question_after", True, "false on backend genai (torch and openvino ask it after)")
         if self.question_after and "ppl" in self.tasks and self.data is None:
@@ -249,7 +257,9 @@ class _Runner:
 
         self.plan = plan
         self.model_dir = resolve_model(plan.backend, plan.model)
-        self.settings = GenerationSettings(max_new_tokens=plan.max_new_tokens)
+        self.settings = GenerationSettings(
+            max_new_tokens=plan.max_new_tokens, apply_chat_template=plan.prompt_format == "chat"
+        )
         if plan.backend == "torch":
             from ov_kvcrush.engines.torch_engine import TorchEngine
 
@@ -455,11 +465,13 @@ def _run_sample(
         assert length is not None
         sample = T.GENERATION_TASKS[task](length, runner.count_tokens, plan.seed, index, n_samples)
     question = None
+    # completion: the answer's first words follow the prompt (they end the question too)
+    answer = "\n" + sample.answer_prefix if plan.prompt_format == "completion" and sample.answer_prefix else ""
     if plan.question_after:
         if not sample.question:
             raise UserError(f"sample {index} of {task} says no question: --question-after needs one ('question')")
-        question = sample.question
-    results = runner.generate(sample.prompt, configs, question)
+        question = sample.question + answer
+    results = runner.generate(sample.prompt + answer, configs, question)
     ref = results[0].token_ids
     return [
         {

@@ -41,6 +41,8 @@ NIAH_INTRO = (
 )
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}. "
 NIAH_QUESTION = "\nWhat is the special magic number for {key} mentioned in the provided text? Answer with the number."
+NIAH_ANSWER = "Answer: The special magic number for {key} mentioned in the provided text is"
+PASSKEY_ANSWER = "Answer: The pass key is"
 MULTIKEY_DISTRACTORS = 3
 
 VT_INTRO = "Memorize and track the chain of variable assignments hidden in the following text.\n"
@@ -64,6 +66,9 @@ class Sample:
         meta: generator details (keys, distractors, filler size ...), for reports.
         question: the text ``prompt`` ends with that asks the question ("" when not known): with
             ``--question-after`` the context before it is compressed first, then it is asked.
+        answer_prefix: the start of the answer, fed after the prompt in the ``completion``
+            prompt format (a pretrained model without chat tuning continues it; RULER does the
+            same for base models). "" when the question already ends in one.
     """
 
     task: str
@@ -73,6 +78,7 @@ class Sample:
     depth: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     question: str = ""
+    answer_prefix: str = ""
 
     def score(self, output: str) -> float:
         return score_output(output, self.answers, self.match)
@@ -183,6 +189,7 @@ def passkey_prompt(
         filler_units=units,
         meta={"key": key},
         question=QUESTION,
+        answer_prefix=PASSKEY_ANSWER,
     )
 
 
@@ -266,6 +273,7 @@ def _niah(task: str, length: int, count_tokens: CountTokens, seed: int, index: i
         depth=depth,
         meta={"key": keys[0], "distractors": dict(zip(keys[1:], values[1:], strict=True)), "sentences": units},
         question=question,
+        answer_prefix=NIAH_ANSWER.format(key=keys[0]),
     )
 
 
