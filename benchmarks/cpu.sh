@@ -2,7 +2,7 @@
 # Regenerate every committed CPU benchmark result under docs/results/bench/ (JSON with the machine,
 # versions and command; PNG; Markdown table), one `ov-kvcrush bench` run each. About 50 minutes on
 # a 2-core machine. Run it on an idle machine: every number is a ratio within one run, but a busy
-# machine widens the spread. Usage: bash benchmarks/cpu.sh [main|full|torch|serving|serving-decode ...]
+# machine widens the spread. Usage: bash benchmarks/cpu.sh [main|gemma|full|torch|serving|serving-decode ...]
 # (default: all).
 # DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
 set -euo pipefail
@@ -34,13 +34,17 @@ serve() {  # serve NAME ARGS...: one serving run (--concurrency), its three file
 }
 
 runs=("$@")
-[ ${#runs[@]} -eq 0 ] && runs=(main full torch serving serving-decode)
+[ ${#runs[@]} -eq 0 ] && runs=(main gemma full torch serving serving-decode)
 for run in "${runs[@]}"; do
     case $run in
     main)  # every method of native openvino_genai and of our op, 1k-8k tokens, budget 1024
         bench bench_cpu --backends genai,openvino \
             --methods full,h2o,snapkv,pyramidkv,kvcrush,kvcrush:block_size=32,clusterkv,chelsea,minikv,snapkv:quant=true \
             --budgets 1024 --lengths 1024,2048,4096,8000 --repeats 2 --new-tokens 32 ;;
+    gemma)  # Gemma 3 270M (32k context, sliding-window layers): native full and native eviction against our
+        # op at 8k, 16k and 32k tokens, budget 2048
+        bench bench_cpu_gemma3 --model gemma3-270m --backends genai,openvino --methods full,snapkv,kvcrush \
+            --budgets 2048 --lengths 8192,16384,32000 --repeats 1 --new-tokens 32 ;;
     full)  # full cache, our op against native: more repeats and decode steps, fewer lengths
         bench bench_cpu_full_cache --backends genai,openvino --methods full \
             --lengths 2048,4096 --repeats 5 --new-tokens 64 ;;
@@ -60,7 +64,7 @@ for run in "${runs[@]}"; do
         serve serving_16x1k_decode_2bit_cpu --concurrency 16 --lengths 1024 --new-tokens 256 --kv-pool-mib 70 \
             --methods full,snapkv,snapkv:quant=true,kvcrush:quant=true,kvcrush:block_size=32 --budgets 512 ;;
     *)
-        echo "benchmarks/cpu.sh: unknown run '$run' (main, full, torch, serving, serving-decode, serving-2bit)" >&2
+        echo "benchmarks/cpu.sh: unknown run '$run' (main, gemma, full, torch, serving, serving-decode, serving-2bit)" >&2
         exit 2 ;;
     esac
 done
