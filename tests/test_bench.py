@@ -343,7 +343,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     "run, name",
-    [("main", "bench_cpu"), ("gemma", "bench_cpu_gemma3"), ("full", "bench_cpu_full_cache"), ("torch", "bench_cpu_torch")],
+    [
+        ("main", "bench_cpu"),
+        ("gemma", "bench_cpu_gemma3"),
+        ("full", "bench_cpu_full_cache"),
+        ("torch", "bench_cpu_torch"),
+    ],
 )
 def test_committed_results_are_what_their_benchmark_command_runs(run, name):
     """`benchmarks/cpu.sh` still plans (checked as a real run would be, nothing loaded), and the
