@@ -58,11 +58,6 @@ def method_spec(
             + ", ".join(methods_for("torch"))
         )
     global_layers = [i for i in range(layers) if not (windows and windows[i])]
-    if config.scoring_pass and len(global_layers) < layers:
-        raise UserError(
-            f"method={config.name} scores every layer's cache in its scoring pass; this model has sliding-window "
-            "layers, which keep only their window: use another method"
-        )
     budgets = [0] * layers
     for g, i in enumerate(global_layers):
         budgets[i] = config.layer_budget(g, len(global_layers)) or 0

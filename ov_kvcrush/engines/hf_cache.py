@@ -372,9 +372,7 @@ def compressed_attention(
     timed = query.device.type == "cpu"
     attended, t0 = lc.attend_ms, time.perf_counter()
     if cache.scoring:  # a scoring pass (run_scoring_pass): nothing of the step is kept
-        if layer.is_sliding:
-            raise UserError(f"layer {idx} is a sliding-window layer: a scoring pass (kvzip) does not support them yet")
-        out = lc.score_step(query, k, v, cache.scoring_range)
+        out = lc.score_step(query, k, v, cache.scoring_range)  # a sliding layer attends its window
     elif lc.seen == 0:
         out = lc.prefill(query, k, v)
         memo = PromptMemo(query, k, v, out)  # the prompt's attention, reused by the followers

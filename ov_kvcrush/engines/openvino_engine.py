@@ -361,8 +361,9 @@ class OpenVINOEngine:
         method = self.method
         if not method.scoring_pass or not self._cached:
             return 0.0
-        held = self.sequence.stats().tokens_held
-        if not method.scoring_pass_due(held, self.shape.layers, self.shape.kv_heads):
+        method_layers = [i for i, w in enumerate(self.windows) if not w]  # sliding layers keep their ring
+        held = int(self.sequence.head_tokens()[method_layers].sum())
+        if not method.scoring_pass_due(held, len(method_layers), self.shape.kv_heads):
             return 0.0
         t0 = time.perf_counter()
         plain = lambda text: [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).input_ids.data[0]]  # noqa: E731

@@ -56,6 +56,19 @@ class FullLayerCache(LayerCache):
         self._trim()  # after attending: the step's earlier queries still needed the older keys
         return out
 
+    def score_step(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scored: tuple[int, int]
+    ) -> torch.Tensor:
+        """A step of another method's scoring pass (KVzip) through a layer that method does not
+        hold (a sliding-window layer): the step attends what is held and itself (within the
+        window), as a decode step would, and nothing of it is kept or scored."""
+        t = keys.shape[2]
+        pos = torch.arange(self.seen, self.seen + t, device=keys.device)
+        hk, hv, hp = self.store.dense()
+        k, v = torch.cat([hk, keys], dim=2), torch.cat([hv, values], dim=2)
+        p = torch.cat([hp, pos.expand(*keys.shape[:2], t)], dim=2)
+        return self._attend(queries, k, v, q_positions=pos, k_positions=p, window=self.window).output
+
     def _trim(self) -> None:
         """Drop what no later query can see (nothing, without a window)."""
 

@@ -33,6 +33,9 @@ Where this departs from the paper (and kvpress 0.5.5, which we compared against)
   about one prefill of the context whatever its length (each chunk attends about two chunks of
   keys), where attending everything costs twice a prefill (issue 25: TTFT at most 2x the full
   cache's). Each step scores only the tokens of its chunk, as the paper's chunked scoring.
+* On a model with sliding-window layers (Gemma 3) the selection is over the **global layers**
+  only; a pass's steps go through a local layer as a decode step would (its window and
+  themselves), and the local layers keep their window. The paper's models have no such layers.
 * ``chunk_tokens`` is 512 by default, not 2048: each chunk's queries score its own tokens, so the
   work grows with the chunk; 512 keeps the pass within a prefill here.
 * A conversation is compressed at the end of **every prompt** (chat turn) that leaves the cache

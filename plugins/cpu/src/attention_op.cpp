@@ -172,7 +172,10 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         // [0, slot_sinks) and itself
         std::vector<int64_t> slot_lo(static_cast<size_t>(Hkv), 0), slot_hi(static_cast<size_t>(Hkv), INT64_MAX);
         std::vector<int64_t> slot_sinks(static_cast<size_t>(Hkv), 0);
-        if (scoring)
+        // a sliding-window layer is not the method's: a scoring step attends its window as a
+        // decode step would, scores nothing, and is dropped like on every layer
+        const bool ranged = scoring && !window;
+        if (ranged)
             for (int64_t g = 0; g < Hkv; ++g) {
                 const auto& pos = seq->head(layer, static_cast<int>(g)).pos;
                 const auto end = pos.begin() + held_before[static_cast<size_t>(g)];
@@ -276,25 +279,25 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             for (int64_t g = 0; g < Hkv; ++g) {
                 const size_t gi = static_cast<size_t>(g);
                 const int64_t n = seq->head(layer, static_cast<int>(g)).size();
-                ranges[gi] = scoring ? Ranges{{0, slot_sinks[gi]}, {slot_lo[gi], slot_hi[gi]}, {held_before[gi], n}}
-                                     : Ranges{{0, n}};
+                ranges[gi] = ranged ? Ranges{{0, slot_sinks[gi]}, {slot_lo[gi], slot_hi[gi]}, {held_before[gi], n}}
+                                    : Ranges{{0, n}};
             }
             const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
             const bool bf16 = m_compute == "bf16" && has_bf16();
             std::vector<Bf16Head> staged(bf16 ? static_cast<size_t>(Hkv) : 0);
-            std::vector<HeadCache> views(bf16 && scoring ? static_cast<size_t>(Hkv) : 0);
+            std::vector<HeadCache> views(bf16 && ranged ? static_cast<size_t>(Hkv) : 0);
             if (bf16)
                 tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) {
                     const size_t gi = static_cast<size_t>(g);
                     const HeadCache& hc = seq->head(layer, static_cast<int>(g));
-                    if (scoring)
+                    if (ranged)
                         stage_bf16_ranges(cfg, seq->pool(), hc, ranges[gi], staged[gi], views[gi]);
                     else
                         stage_bf16(cfg, seq->pool(), hc, staged[gi]);
                 });
             // the head whose positions the bf16 kernels mask by
             auto staged_head = [&](int64_t g) -> const HeadCache& {
-                return scoring ? views[static_cast<size_t>(g)] : seq->head(layer, static_cast<int>(g));
+                return ranged ? views[static_cast<size_t>(g)] : seq->head(layer, static_cast<int>(g));
             };
             bool amx = bf16 && amx_head_dim(static_cast<int>(D)) && has_amx();
             for (int64_t g = 0; amx && g < Hkv; ++g) {

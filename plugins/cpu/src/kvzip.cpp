@@ -40,7 +40,8 @@ public:
         if (global) {
             select(seq, 0, cfg.layers);
         } else {
-            for (int layer = 0; layer < cfg.layers; ++layer) select(seq, layer, layer + 1);
+            for (int layer = 0; layer < cfg.layers; ++layer)
+                if (!cfg.window(layer)) select(seq, layer, layer + 1);
         }
     }
 
@@ -50,13 +51,15 @@ private:
         int64_t flat;  // (layer, head, slot) order
     };
 
-    // Keep the budget of layers [first, last) over their heads by the slots' scores.
+    // Keep the budget of layers [first, last) over their heads by the slots' scores (sliding-
+    // window layers are not the method's: they keep their ring).
     void select(Sequence& seq, int first, int last) const {
         const PoolConfig& cfg = seq.pool().config();
         const int G = cfg.group();
         int64_t total = 0;
         std::vector<Entry> entries;
         for (int layer = first; layer < last; ++layer) {
+            if (cfg.window(layer)) continue;
             total += budget(layer) * cfg.kv_heads;
             for (int g = 0; g < cfg.kv_heads; ++g) {
                 HeadCache& hc = seq.head(layer, g);
@@ -78,6 +81,7 @@ private:
         for (int64_t i = 0; i < total; ++i) kept[static_cast<size_t>(entries[static_cast<size_t>(i)].flat)] = 1;
         int64_t flat = 0;
         for (int layer = first; layer < last; ++layer) {
+            if (cfg.window(layer)) continue;
             for (int g = 0; g < cfg.kv_heads; ++g) {
                 HeadCache& hc = seq.head(layer, g);
                 std::vector<int64_t> keep;

@@ -29,9 +29,6 @@ void PoolConfig::validate() const {
                     std::to_string(layers) + ") or none");
     for (int64_t w : windows)
         if (w < 0) throw Error(range("windows", w, ">= 0 (0: a global layer)"));
-    if (policy && policy->has_scoring_pass() && std::any_of(windows.begin(), windows.end(), [](int64_t w) { return w > 0; }))
-        throw Error("method " + policy->name() + " needs every layer's cache for its scoring pass: allowed on models "
-                    "without sliding-window layers");
     if (policy && scores && !policy->allows_score_output())
         throw Error("scores=1 is invalid with method " + policy->name() +
                     ": allowed 0 (its slot scores are its own, or its decode steps attend a recalled subset)");
