@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"KV tokens kept per layer and KV head; without --method the chat compresses with {CHAT_METHOD}",
     )
-    p.add_argument("--model", help="model for the backend (default: the embedded SmolLM2-135M)")
+    p.add_argument("--model", help="model for the backend (default: the embedded smollm2-135m; or gemma3-270m)")
     p.add_argument("--system", default="", help="system message")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--kv-precision", default=None, help="backend openvino: KV u8 (default, as native), f16 or f32")

@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     e = sub.add_parser("export", help="export the embedded model (or --model PATH) to OpenVINO IR")
-    e.add_argument("--model", help="local HF model directory or GGUF file (default: embedded SmolLM2-135M)")
+    e.add_argument(
+        "--model", help="local HF model directory, GGUF file or embedded model (default smollm2-135m; gemma3-270m)"
+    )
     e.add_argument("--weight-format", default="int8", help="int8 (default), fp16 or fp32")
     e.add_argument("--output", help="output directory (default: the user cache dir)")
     e.add_argument("--force", action="store_true", help="re-export even if a complete export exists")
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--model",
         help="genai: exported IR directory; torch: HF checkpoint directory; either: a GGUF file or HF directory "
-        "(converted once and cached). Default: the embedded model",
+        "(converted once and cached); or an embedded model: smollm2-135m (default), gemma3-270m",
     )
     g.add_argument("--device", default="CPU", help="CPU (default); cuda for --backend torch on a GPU")
     g.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU, bf16 on CUDA), float32 ...")
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat (the chat template, default) or completion (raw text + the answer's first words: base models, "
         "e.g. --model gemma3-270m)",
     )
-    v.add_argument("--model", help="model for the backend (default: the embedded model)")
+    v.add_argument("--model", help="model for the backend (default: the embedded smollm2-135m; or gemma3-270m)")
     v.add_argument("--device", default="cpu")
     v.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU), float32, bfloat16 ...")
     v.add_argument("--json", dest="json_out", help="write results (and per-sample outputs) as JSON")

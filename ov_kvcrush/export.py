@@ -73,7 +73,7 @@ def resolve_source(model: str | os.PathLike | None) -> ModelSource:
     assert model is not None
     path = Path(model).expanduser()
     if not path.exists():
-        raise UserError(f"model path does not exist: {path}")
+        raise UserError(f"model path does not exist: {path} (or name an embedded model: {', '.join(EMBEDDED_MODELS)})")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise UserError(f"model file must be a .gguf file or an HF model directory, got: {path}")
