@@ -45,6 +45,9 @@ for run in "${runs[@]}"; do
         # op at 8k, 16k and 32k tokens, budget 2048
         bench bench_cpu_gemma3 --model gemma3-270m --backends genai,openvino --methods full,snapkv,kvcrush \
             --budgets 2048 --lengths 8192,16384,32000 --repeats 1 --new-tokens 32 ;;
+    gemma-blocks)  # Gemma 3 at 32k: block-wise KVCrush (the method that kept the needles there) against full caches
+        bench bench_cpu_gemma3_blocks --model gemma3-270m --backends genai,openvino --methods full,kvcrush:block_size=32 \
+            --budgets 2048 --lengths 32000 --repeats 1 --new-tokens 32 ;;
     full)  # full cache, our op against native: more repeats and decode steps, fewer lengths
         bench bench_cpu_full_cache --backends genai,openvino --methods full \
             --lengths 2048,4096 --repeats 5 --new-tokens 64 ;;
@@ -64,7 +67,7 @@ for run in "${runs[@]}"; do
         serve serving_16x1k_decode_2bit_cpu --concurrency 16 --lengths 1024 --new-tokens 256 --kv-pool-mib 70 \
             --methods full,snapkv,snapkv:quant=true,kvcrush:quant=true,kvcrush:block_size=32 --budgets 512 ;;
     *)
-        echo "benchmarks/cpu.sh: unknown run '$run' (main, gemma, full, torch, serving, serving-decode, serving-2bit)" >&2
+        echo "benchmarks/cpu.sh: unknown run '$run' (main, gemma, gemma-blocks, full, torch, serving, serving-decode, serving-2bit)" >&2
         exit 2 ;;
     esac
 done

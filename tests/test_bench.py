@@ -346,6 +346,7 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ("main", "bench_cpu"),
         ("gemma", "bench_cpu_gemma3"),
+        ("gemma-blocks", "bench_cpu_gemma3_blocks"),
         ("full", "bench_cpu_full_cache"),
         ("torch", "bench_cpu_torch"),
     ],
