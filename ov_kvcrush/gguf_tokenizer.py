@@ -17,9 +17,9 @@ What llama.cpp (the GGUF's own tokenizer) does, and what this rebuilds with ``to
 
 BPE merges are derived from the pieces and scores the way SentencePiece's trainer orders them
 (every split of a piece into two pieces, ranked by the piece's score), so the fast BPE applies
-the same merges in the same order as llama.cpp's bigram queue. ``tests/test_gguf_tokenizer.py``
-checks the ids against a direct port of llama.cpp's algorithm on text with spaces, newlines,
-digits, accents and the chat template.
+the same merges in the same order as llama.cpp's bigram queue. ``tests/test_gemma3.py`` checks
+the ids against a direct port of llama.cpp's algorithm on text with spaces, newlines, tabs,
+digits, accents, CJK, emoji, HTML and the chat template.
 """
 
 from __future__ import annotations

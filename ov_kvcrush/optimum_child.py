@@ -6,8 +6,8 @@ optimum-intel 2.2 caps its Gemma export configs (Gemma 3's text model included) 
 exported IR's logits equal transformers' own on a prompt longer than the sliding window
 (``tests/test_gemma3.py`` checks it on every run). The cap is lifted for ``gemma3_text`` only;
 every other model type keeps optimum's own check (a config deriving from Gemma 3's without a
-cap of its own would inherit the lifted one; none is used here). Runs in a child process, so nothing here
-touches the caller's optimum.
+cap of its own would inherit the lifted one; none is used here). Runs in a child process, so
+nothing here touches the caller's optimum.
 """
 
 from __future__ import annotations
