@@ -165,6 +165,9 @@ class KVPool:
         windows: per layer, the sliding-window span of a local layer (0: a global layer);
             ``None``: every layer is global. Local layers keep their window as a ring of blocks
             and the method runs on the global layers only.
+        count_only: a byte probe's pool (:mod:`ov_kvcrush.op_probe`): the method keeps, selects and
+            quantizes as usual, but the op computes no attention and no scores (outputs are zero),
+            so a probe of a long prompt costs its copies, not its attention.
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class KVPool:
         scores: bool = False,
         method: str | None = None,
         windows: list[int] | None = None,
+        count_only: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError("kv_precision", precision, "one of " + ", ".join(PRECISIONS))
@@ -204,6 +208,7 @@ class KVPool:
                 int(scores),
                 method.encode(),
                 ptr(win, ctypes.c_int64),
+                int(count_only),
             )
         )
         #: bytes per block as the library allocates them (read once: it never changes)

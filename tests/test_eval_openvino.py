@@ -12,6 +12,7 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
 from ov_kvcrush.eval.tasks import passkey_prompt
+from ov_kvcrush.methods import REGISTRY, methods_for
 from ov_kvcrush.op_probe import OpProbe
 
 
@@ -22,16 +23,25 @@ def engine(model_dir):
     return OpenVINOEngine(model_dir)
 
 
+# every method the op runs (from the registry) at a budget that evicts, and the variants that
+# change what a head holds: the 2-bit store, block-wise selection. The probe's pool computes no
+# attention, so this is what says its bytes are a real run's.
+PROBED = [CompressionConfig()] + [
+    CompressionConfig(name, budget=128)
+    for name in methods_for("openvino")
+    if name != "full" and not REGISTRY[name].scoring_pass  # a scoring pass is not probed (the plan refuses it)
+]
+PROBED += [
+    CompressionConfig("snapkv", budget=160, options={"quant": True}),
+    CompressionConfig("kvcrush", budget=192, options={"block_size": 16}),
+    CompressionConfig("minikv", budget=192, options={"quant": {"bits": 4}}),
+]
+
+
 @pytest.mark.parametrize(
     "compression",
-    [
-        CompressionConfig(),
-        CompressionConfig("snapkv", budget=128),
-        CompressionConfig("snapkv", budget=160, options={"quant": True}),
-        CompressionConfig("kvcrush", budget=192, options={"block_size": 16}),
-        CompressionConfig("clusterkv", budget=128),
-    ],
-    ids=lambda c: c.method + ("+2bit" if c.options.get("quant") else "") + str(c.options.get("block_size", "")),
+    PROBED,
+    ids=lambda c: c.method + ("+q" if c.options.get("quant") else "") + str(c.options.get("block_size", "")),
 )
 def test_the_probe_measures_what_the_engine_holds(engine, compression):
     engine.set_compression(compression)

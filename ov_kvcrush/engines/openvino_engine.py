@@ -251,14 +251,15 @@ class OpenVINOEngine:
         self._cached = []
         self._scored = 0
 
-    def new_pool(self, compression: CompressionConfig) -> tuple[Any, int, KVPool]:
+    def new_pool(self, compression: CompressionConfig, count_only: bool = False) -> tuple[Any, int, KVPool]:
         """``(method config, block size, a new block pool)`` for ``compression``, as this engine
-        holds its cache (the pool limit and precision included); the caller closes the pool."""
+        holds its cache (the pool limit and precision included); the caller closes the pool.
+        ``count_only``: a byte probe's pool (see :class:`~ov_kvcrush.kvcache.KVPool`)."""
         method, block_size, spec = self.pool_spec(compression)
         s = self.shape
         pool = KVPool(
             s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=self.kv_precision,
-            max_blocks=self.max_kv_blocks, method=spec, windows=self.windows,
+            max_blocks=self.max_kv_blocks, method=spec, windows=self.windows, count_only=count_only,
         )  # fmt: skip
         return method, block_size, pool
 

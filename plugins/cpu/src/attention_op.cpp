@@ -146,7 +146,7 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         }
         seq->seen(layer) = past + L;
         const bool prefill = past == 0 || chunk;
-        const bool scores = !window && (scoring || step_scores(cfg, prefill));
+        const bool scores = !cfg.count_only && !window && (scoring || step_scores(cfg, prefill));
         using Clock = std::chrono::steady_clock;
         auto since = [](Clock::time_point t0) {
             return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
@@ -188,6 +188,8 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             // 2c. a recall method (ClusterKV): attend only the recalled working set (its selection
             //     time goes to policy_ns)
             policy.attend_recalled(*seq, layer, qb, L, past, m_scale, ob);
+        } else if (cfg.count_only) {
+            // a byte probe's step: nothing is attended (the output stays zero)
         } else if (L == 1 && !chunk && !scoring) {
             // 2a. decode: rows = the query heads of a KV group; split the cache into chunks
             const int row_tiles = (G + kMaxRows - 1) / kMaxRows;

@@ -53,7 +53,7 @@ OVKC_API const char* ovkc_kernel_isa() { return ovkc::kernel_isa(); }
 
 OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
                                   int32_t block_size, int32_t precision, int64_t max_blocks, int32_t scores,
-                                  const char* method, const int64_t* windows) {
+                                  const char* method, const int64_t* windows, int32_t count_only) {
     return guarded([&]() -> int64_t {
         if (precision < 0 || precision > 2)
             throw ovkc::Error("precision=" + std::to_string(precision) + " is invalid: allowed 0 (f32), 1 (f16), 2 (u8)");
@@ -66,6 +66,7 @@ OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_he
         cfg.precision = static_cast<ovkc::Precision>(precision);
         cfg.max_blocks = max_blocks;
         cfg.scores = scores != 0;
+        cfg.count_only = count_only != 0;
         if (windows && layers > 0) cfg.windows.assign(windows, windows + layers);
         cfg.validate();  // the shape first: the policy's fields are checked against it
         cfg.policy = ovkc::make_policy(method ? method : "", {layers, q_heads, kv_heads, head_dim, block_size});

@@ -43,6 +43,11 @@ struct PoolConfig {
     // more memory
     int64_t max_blocks = 0;
     bool scores = false;     // accumulate per-q-head attention scores per token
+    // a byte probe's pool (equal-memory budgets): keys and values are stored, and every method
+    // selects, merges, quantizes and recycles as usual, but no attention or score is computed (the
+    // outputs stay zero, the scores too). What a method holds depends on token counts, not on
+    // values, so the bytes are a real run's; a probe no longer costs the prompt's attention.
+    bool count_only = false;
     // per layer, the sliding-window span of a local layer (Gemma 3's), 0 for a global layer
     // (empty: every layer is global). A local layer attends its last `window` positions and keeps
     // them as a ring of blocks: whole blocks before the window go back to the pool after each
