@@ -104,3 +104,29 @@ def test_two_bit_store_gets_a_larger_budget_at_equal_memory():
     # 16x fewer payload bits, but fp16 scales, a full-precision residual window and per-token
     # metadata (positions, scores) that weigh a lot at head_dim 16: still far more tokens
     assert q.budget > 1.5 * fp.budget
+
+
+@pytest.mark.parametrize("method", ["kvcrush", "snapkv"])
+def test_block_wise_search_starts_where_every_length_has_room_for_the_spans(method):
+    """A block-wise selection needs room for its sink, recent and partial spans at every length a
+    generation passes through; the search starts at the smallest budget the config accepts (it
+    used to start below, and the probe failed mid-search)."""
+    spec = MethodSpec(method, options=(("block_size", 32),))
+
+    def make(b: int) -> CompressionConfig:
+        return spec.compression(b, track_recall=False)
+
+    def accepted(b: int) -> bool:
+        try:
+            make(b).method_config()
+        except ConfigError:
+            return False
+        return True
+
+    smallest = next(b for b in range(1, PROMPT) if accepted(b))
+    assert smallest > 96  # one sink span and the recent spans fit only at whole-span lengths below this
+    low = solve_budget(spec.label, make, SHAPE, PROMPT, NEW, 1)
+    assert low.status == "unreachable" and low.kv_bytes == held_bytes(make(smallest), SHAPE, PROMPT, NEW)
+    mid = solve_budget(spec.label, make, SHAPE, PROMPT, NEW, round(0.45 * SHAPE.full_kv_bytes(PROMPT + NEW)))
+    assert mid.status == "ok" and mid.budget >= smallest
+    assert mid.kv_bytes == _real_bytes(make(mid.budget))

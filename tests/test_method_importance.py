@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import H2OConfig, PyramidKVConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.attention import attend
+from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.selection import (
     adaptive_head_budgets,
     keep_block_indices,
@@ -19,6 +20,7 @@ from ov_kvcrush.methods.selection import (
     keep_indices_ragged,
     pyramid_budgets,
     snapkv_scores,
+    span_budget_floor,
 )
 from ov_kvcrush.methods.vectors import layer_vectors
 
@@ -244,6 +246,42 @@ def test_span_selection_keeps_the_best_whole_spans(n, block, seed, sinks, recent
 def test_span_selection_names_a_budget_without_room():
     with pytest.raises(ConfigError, match="budget"):
         keep_block_indices(torch.rand(1, 1, 100), 40, 16, 32, 16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(block=st.sampled_from([1, 4, 16, 32]), sinks=st.integers(0, 40), recent=st.integers(0, 80))
+def test_span_floor_is_the_smallest_budget_every_length_accepts(block, sinks, recent):
+    """Brute force over every sequence length (the partial span changes with each decoded
+    token): the floor has room at all of them, one token less is refused at some length."""
+    floor = span_budget_floor(block, sinks, recent)
+
+    def refused(budget: int) -> bool:
+        for n in range(budget + 1, budget + 2 * block + 2):
+            try:
+                keep_block_indices(torch.rand(1, 1, n), budget, sinks, recent, block)
+            except ConfigError:
+                return True
+        return False
+
+    assert not refused(floor)
+    assert floor == 0 or refused(floor - 1)
+
+
+def test_block_wise_configs_refuse_budgets_a_later_step_would_refuse():
+    """SnapKV spans of 32 with 16 sinks and 64 recent tokens need 127 (one sink span, the recent
+    spans and a partial span of up to 31 tokens): 96 has room only at whole-span lengths, so it
+    is refused at config time, naming the field and the floor; at 127 a generation runs every
+    decode step of a partial span without error."""
+    with pytest.raises(ConfigError, match=r"budget=96 .*\[127, .*block_size=32"):
+        SnapKVConfig(budget=96, block_size=32)
+    cache = SnapKVConfig(budget=127, block_size=32, window=16).make_layer(0, 1)
+    vec = layer_vectors(5, tokens=256 + 40)
+    cache.prefill(*vec.prefix(256))
+    for t in range(256, 256 + 40):
+        cache.decode(*vec.step(t))
+        assert cache.kept_positions().shape[-1] <= 127
+    with pytest.raises(ConfigError, match="representatives"):
+        KVCrushConfig(budget=127, block_size=32, representatives=32)
 
 
 def test_snapkv_in_spans_holds_whole_spans_within_its_budget():

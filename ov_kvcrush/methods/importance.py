@@ -72,6 +72,7 @@ from ov_kvcrush.methods.selection import (
     keep_indices_ragged,
     pyramid_budgets,
     snapkv_scores,
+    span_budget_floor,
 )
 from ov_kvcrush.methods.store import StoredLayerCache, make_store
 from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
@@ -179,6 +180,29 @@ class H2OConfig(EvictionConfig):
             check_int("block_size", self.block_size, 1, 4096)
             if self.head_budgets != "uniform":
                 raise ConfigError("block_size", self.block_size, "None with head_budgets='adaptive'")
+            self.check_span_room()
+
+    def reserved_spans(self) -> int:
+        """Spans a block-wise selection sets aside beside the sinks and recent ones (KVCrush's
+        representatives); none here."""
+        return 0
+
+    def budget_floor(self) -> int:
+        """The smallest budget this config's selection accepts at every sequence length: the
+        sinks and recent tokens, or with ``block_size`` their whole spans, the partial span being
+        filled and the reserved spans (:func:`~ov_kvcrush.methods.selection.span_budget_floor`)."""
+        if self.block_size is None:
+            return self.sink_tokens + self.recent_tokens
+        return span_budget_floor(self.block_size, self.sink_tokens, self.recent_tokens, self.reserved_spans())
+
+    def check_span_room(self) -> None:
+        """Refuses a block-wise budget with no room for its spans at some length (the selection
+        would fail mid-generation, when the partial span grows)."""
+        floor = self.budget_floor()
+        assert self.budget is not None and self.block_size is not None
+        if self.budget < floor:
+            what = "sink, recent and partial spans" + (" and representatives" if self.reserved_spans() else "")
+            check_budget("budget", self.budget, floor, f" for block_size={self.block_size} ({what} = {floor})")
 
     #: how prompt tokens are scored (subclasses with a ``selection`` field use that instead)
     scoring: ClassVar[str] = "h2o"
@@ -272,7 +296,7 @@ class PyramidKVConfig(SnapKVConfig):
 
     def layer_budget(self, layer_idx: int, num_layers: int) -> int:
         assert self.budget is not None
-        floor = self.sink_tokens + self.recent_tokens
+        floor = self.budget_floor()
         return floor + pyramid_budgets(self.budget - floor, num_layers, self.pyramid_depth)[layer_idx]
 
 

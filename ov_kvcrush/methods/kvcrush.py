@@ -353,6 +353,11 @@ class KVCrushConfig(SnapKVConfig):
         if self.block_size is not None:
             check_int("block_size", self.block_size, 1, 4096)
 
+    def reserved_spans(self) -> int:
+        """Whole spans of representatives (a block-wise selection rounds them down; a negative
+        count is refused by ``__post_init__`` after the span check)."""
+        return max(self.n_representatives, 0) // self.block_size if self.block_size else 0
+
     @property
     def n_representatives(self) -> int:
         """Representative slots actually used (the default resolved)."""

@@ -147,6 +147,23 @@ def plan_spans(
     return SpanPlan(span_scores, block, n, full, partial, sink_b, recent_b, budget_b)
 
 
+def span_budget_floor(block: int, sink_tokens: int, recent_tokens: int, reserved: int = 0) -> int:
+    """The smallest budget :func:`plan_spans` accepts at **every** length of the scored sequence.
+
+    Its floor depends on the trailing partial span (``n mod block`` tokens, always kept), which
+    changes with every decoded token; a budget checked only against the prompt's length could
+    pass at prefill and be refused a few tokens later. Configs check this worst case, so a run
+    either starts with room for its spans or is refused before it starts (the op computes the
+    same floor: ``plugins/cpu/src/selection.cpp``, ``plan_spans``).
+    """
+    sink_b = -(-sink_tokens // block)
+
+    def need(partial: int) -> int:
+        return (sink_b + reserved - (-max(recent_tokens - partial, 0) // block)) * block + partial
+
+    return max(need(p) for p in range(block))
+
+
 def keep_block_indices(
     scores: torch.Tensor, budget: int, sink_tokens: int, recent_tokens: int, block: int
 ) -> torch.Tensor:
