@@ -85,7 +85,7 @@ class LLMPipeline:
             if compression is not None or budget is not None:
                 raise UserError("pass either scheduler_config or compression/budget, not both")
             if backend != "openvino":  # genai/torch take the compression it describes
-                from ov_kvcrush.engines.openvino_engine import compression_from_scheduler_config
+                from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config
 
                 compression = compression_from_scheduler_config(engine_options.pop("scheduler_config"))
         elif compression is None or isinstance(compression, str):

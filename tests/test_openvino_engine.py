@@ -189,7 +189,7 @@ def test_scheduler_config_eviction_maps_to_methods():
     import openvino_genai as ov_genai
 
     from ov_kvcrush.config import to_native_scheduler_config
-    from ov_kvcrush.engines.openvino_engine import (
+    from ov_kvcrush.engines.scheduler_config import (
         compression_from_scheduler_config,
         pool_blocks_from_scheduler_config,
     )

@@ -40,13 +40,9 @@ import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_settings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, step_ms, ttft_tpot_ms
-from ov_kvcrush.engines.openvino_engine import (
-    OpenVINOEngine,
-    compression_from_scheduler_config,
-    error_line,
-    pool_blocks_from_scheduler_config,
-    sample_token,
-)
+from ov_kvcrush.engines.openvino_engine import OpenVINOEngine, error_line
+from ov_kvcrush.engines.sampling import sample_token
+from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.kvcache import KVSequence, block_bytes
 from ov_kvcrush.serving.scheduler import (
