@@ -18,6 +18,7 @@ from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
+from ov_kvcrush.methods.vectors import layer_vectors
 
 BASE = dict(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32, merge_interval=8)
 CASES = {
@@ -108,3 +109,30 @@ def test_refusals(ov_core):
     seq = list(drive(ov_core, cfg, layer=1, steps=[200, 1]))[-1][3]
     with pytest.raises(plugin.PluginError, match="Chelsea"):
         seq.truncate(150)
+
+
+def test_outlier_heads_name_global_layers_on_a_sliding_window_model(ov_core):
+    """With local layers 0 and 2 (windows) and global layers 1 and 3, the pair (1, 2) names the
+    second global layer, physical layer 3, as in the torch engine, which makes the reference's
+    layer 1 of 2 for it: that head is held whole with the reference's positions, the same head
+    of physical layer 1 is merged."""
+    cfg = method_config("chelsea", **BASE, outlier_heads=((1, 2),))
+    windows = [64, 0, 64, 0]
+    spec = method_spec(cfg, 4, HQ, 32, windows=windows)
+    pool = kvcache.KVPool(4, HQ, HKV, D, block_size=32, precision="f32", method=spec, windows=windows)
+    seq = pool.new_sequence()
+    lv = layer_vectors(0, kv_heads=HKV, q_heads=HQ, tokens=300, head_dim=D)
+    q, k, v = (t[:, :, :300].numpy() for t in (lv.queries, lv.keys, lv.values))
+    for layer in (1, 3):
+        op_model(ov_core, HQ, HKV, D, layer=layer).infer(
+            {"q": q, "k": k, "v": v, "kvc_sequence": np.array([seq.handle])}
+        )
+    lc = cfg.make_layer(1, 2)  # the torch engine's layer for physical layer 3
+    lc.prefill(*(t[:, :, :300] for t in (lv.queries, lv.keys, lv.values)))
+    held = seq.head_tokens()
+    assert held[3, 2] == 300 and held[1, 2] < 300  # the outlier is global layer 1, not physical 1
+    for g, (pos, deg, _, _) in enumerate(reference_heads(lc, HKV)):
+        np.testing.assert_array_equal(seq.read_head(3, g)[0], pos)
+        np.testing.assert_array_equal(seq.read_degrees(3, g), deg)
+    seq.free()
+    pool.close()

@@ -234,7 +234,9 @@ class ChelseaConfig(MethodConfig):
         chunk_size: tokens per matching chunk, even (256 in the paper).
         merge_interval: ``g``: compress when the layer reaches ``budget + g`` tokens, so merging
             runs every ``g`` decode steps rather than every step.
-        outlier_heads: ``(layer, kv_head)`` pairs kept uncompressed.
+        outlier_heads: ``(layer, kv_head)`` pairs kept uncompressed; ``layer`` counts the layers
+            the method runs on (on a model with sliding-window layers, the global ones), in both
+            engines.
         merge_ratio: the paper's ``r_init``, the share of the middle one matching pass may merge
             (``None``: every usable link, up to the target), in (0, 0.5].
         ratio_decay: the paper's ``alpha``: ``r`` falls by this much per pass, for ``decay_steps``

@@ -264,10 +264,11 @@ int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) co
 void ChelseaPolicy::merge_layer(Sequence& seq, int layer, bool prefill) const {
     const PoolConfig& cfg = seq.pool().config();
     const int64_t budget = this->budget(layer);
-    if (budget == 0) return;
+    if (budget == 0) return;  // a local layer (its window) or no budget
+    const int global = cfg.global_index(layer);  // outlier pairs name global layers, as the reference
     // heads merge independently (each its own slots; the pool's free list is locked), in parallel
     tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
-        if (outlier(layer, g)) return;  // kept whole, no degrees
+        if (outlier(global, g)) return;  // kept whole, no degrees
         HeadCache& hc = seq.head(layer, g);
         if (prefill && hc.degree.empty()) {
             hc.degree.assign(static_cast<size_t>(hc.size()), 1.0f);

@@ -75,6 +75,13 @@ struct PoolConfig {
     int64_t window(int layer) const {
         return static_cast<size_t>(layer) < windows.size() ? windows[static_cast<size_t>(layer)] : 0;
     }
+    // a global layer's index among the global layers (the index a method config's per-layer
+    // fields use: method_spec.py lays methods over the global layers only)
+    int global_index(int layer) const {
+        int g = 0;
+        for (int i = 0; i < layer; ++i) g += window(i) == 0;
+        return g;
+    }
     // scores are kept per slot when asked for or when the method selects by them
     bool keeps_scores() const;
 };
