@@ -8,7 +8,7 @@ block limit (the reverse of :func:`ov_kvcrush.config.to_native_scheduler_config`
 
 from __future__ import annotations
 
-from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.config import CompressionConfig, KVCrushSettings
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE
 
@@ -37,8 +37,6 @@ def compression_from_scheduler_config(sc) -> CompressionConfig:
     aggregation, rotation and the KVCrush anchor are carried over.
     """
     import openvino_genai as ov_genai
-
-    from ov_kvcrush.config import KVCrushSettings
 
     if not isinstance(sc, ov_genai.SchedulerConfig):
         raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")

@@ -199,10 +199,8 @@ class H2OConfig(EvictionConfig):
         """Refuses a block-wise budget with no room for its spans at some length (the selection
         would fail mid-generation, when the partial span grows)."""
         floor = self.budget_floor()
-        assert self.budget is not None and self.block_size is not None
-        if self.budget < floor:
-            what = "sink, recent and partial spans" + (" and representatives" if self.reserved_spans() else "")
-            check_budget("budget", self.budget, floor, f" for block_size={self.block_size} ({what} = {floor})")
+        what = "sink, recent and partial spans" + (" and representatives" if self.reserved_spans() else "")
+        check_budget("budget", self.budget, floor, f" for block_size={self.block_size} ({what} = {floor})")
 
     #: how prompt tokens are scored (subclasses with a ``selection`` field use that instead)
     scoring: ClassVar[str] = "h2o"

@@ -122,6 +122,12 @@ class SpanPlan:
         return torch.cat([tokens, tail], dim=-1)
 
 
+def _sink_and_recent_spans(block: int, sink_tokens: int, recent_tokens: int, partial: int) -> tuple[int, int]:
+    """Whole spans the sinks and the recent window round up to, beside a partial tail of
+    ``partial`` tokens (which counts toward the recent window)."""
+    return -(-sink_tokens // block), -(-max(recent_tokens - partial, 0) // block)
+
+
 def plan_spans(
     scores: torch.Tensor,
     budget: int,
@@ -137,8 +143,7 @@ def plan_spans(
     n = scores.shape[-1]
     full = n // block
     partial = n - full * block
-    sink_b = -(-sink_tokens // block)
-    recent_b = -(-max(recent_tokens - partial, 0) // block)
+    sink_b, recent_b = _sink_and_recent_spans(block, sink_tokens, recent_tokens, partial)
     budget_b = (budget - partial) // block
     if sink_b + recent_b + reserved > budget_b:
         need = (sink_b + recent_b + reserved) * block + partial
@@ -156,12 +161,9 @@ def span_budget_floor(block: int, sink_tokens: int, recent_tokens: int, reserved
     either starts with room for its spans or is refused before it starts (the op computes the
     same floor: ``plugins/cpu/src/selection.cpp``, ``plan_spans``).
     """
-    sink_b = -(-sink_tokens // block)
-
-    def need(partial: int) -> int:
-        return (sink_b + reserved - (-max(recent_tokens - partial, 0) // block)) * block + partial
-
-    return max(need(p) for p in range(block))
+    return max(
+        (sum(_sink_and_recent_spans(block, sink_tokens, recent_tokens, p)) + reserved) * block + p for p in range(block)
+    )
 
 
 def keep_block_indices(
