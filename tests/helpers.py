@@ -19,6 +19,7 @@ import numpy as np
 from ov_kvcrush.transformations import convert_model
 
 from ov_kvcrush import kvcache, plugin
+from ov_kvcrush.engines import model_inputs
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods.vectors import layer_vectors
 from ov_kvcrush.op_probe import single_op_model
@@ -97,15 +98,7 @@ def converted_steps(
 
 def run_step(req, names: set[str], seq: kvcache.KVSequence, ids: list[int], past: int) -> None:
     """One inference of the converted model: ``ids`` after ``past`` tokens of ``seq``."""
-    n = len(ids)
-    inputs = {
-        "input_ids": np.asarray([ids], dtype=np.int64),
-        "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
-        "kvc_sequence": np.asarray([seq.handle], dtype=np.int64),
-    }
-    if "attention_mask" in names:
-        inputs["attention_mask"] = np.ones((1, past + n), dtype=np.int64)
-    req.infer(inputs)
+    req.infer(model_inputs.step_inputs(names, [ids], [seq.handle], [past]))
 
 
 HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape

@@ -2,8 +2,9 @@
 
 Oracle: each prompt generated alone, greedily, by the same engine (``OpenVINOEngine.generate``,
 whole prompt in one step, one sequence). The batch prefills in chunks and decodes every running
-sequence in one inference; at f32 inference precision a row's logits do not depend on the batch,
-so the tokens must be the same. The pool-exhaustion test checks that requests wait (or are
+sequence in the same inference as a chunk (one ragged row) or in one of its own; at f32
+inference precision a row's logits do not depend on the batch, so the tokens must be the same.
+The pool-exhaustion test checks that requests wait (or are
 preempted and recomputed), none fails, the pool's limit is never passed and every block comes back.
 """
 
@@ -72,6 +73,7 @@ def test_a_batch_gives_the_tokens_of_one_at_a_time_runs(engine, method):
             assert b.counters["tokens_held_per_head"] < b.prompt_tokens  # the method did evict
             assert b.kv_bytes == a.kv_bytes
     assert max(b.counters["decode_batch_mean"] for b in batched) > 1  # decode steps were shared
+    assert cb.stats["ragged_steps"] > 0  # chunks went beside decode tokens
     assert cb.stats["failed"] == 0
     assert engine.pool.stats().blocks_in_use == 0  # every block came back
 

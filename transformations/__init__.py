@@ -7,6 +7,7 @@
 
 from ov_kvcrush.transformations.paged_attention import (
     COMPUTE,
+    LOGITS_INPUT,
     SEQUENCE_INPUT,
     AttentionShape,
     ConversionError,
@@ -14,4 +15,12 @@ from ov_kvcrush.transformations.paged_attention import (
     convert_model,
 )
 
-__all__ = ["COMPUTE", "SEQUENCE_INPUT", "AttentionShape", "ConversionError", "ConvertedModel", "convert_model"]
+__all__ = [
+    "COMPUTE",
+    "LOGITS_INPUT",
+    "SEQUENCE_INPUT",
+    "AttentionShape",
+    "ConversionError",
+    "ConvertedModel",
+    "convert_model",
+]

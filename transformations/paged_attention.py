@@ -12,7 +12,9 @@ second input) into a ``PagedAttention`` node together with the query and a new `
 input (the cache handle). The Assigns are removed, and so are the variables, the attention mask
 sub-graph and any input nothing reads any more (``beam_idx``; ``attention_mask`` on the models
 tested). Everything else stays OpenVINO's. With ``last_token_logits`` the LM head sees only the
-last position, as openvino_genai does, so a 4k-token prefill does not compute 4k × vocab logits.
+positions a ``kvc_logits_at`` input names (the last one of a step; in a ragged step of several
+sequences, each one's last), as openvino_genai does, so a 4k-token prefill does not compute 4k ×
+vocab logits.
 
 Conversion happens in memory, on a model read by ``core.read_model``: the converted model can
 be serialised and read back only by a Core that has the extension added.
@@ -28,8 +30,11 @@ import numpy as np
 
 from ov_kvcrush.errors import UserError
 
-#: Name of the input the converted model adds: one cache sequence handle per batch row.
+#: Name of the input the converted model adds: one cache sequence handle per batch row (or, in a
+#: one-row batch, per token: a ragged step of several sequences).
 SEQUENCE_INPUT = "kvc_sequence"
+#: With ``last_token_logits``: the positions (along the token axis) whose logits the model returns.
+LOGITS_INPUT = "kvc_logits_at"
 #: Ops between the KV Concat and the SDPA that only expand KV heads for grouped-query attention.
 _GQA_OPS = ("Reshape", "Broadcast", "Unsqueeze", "Convert", "Tile", "Squeeze")
 #: Ops between ReadValue and the Concat (beam reordering, precision).
@@ -140,8 +145,9 @@ def _node_key(node) -> int:
     return node.get_instance_id()
 
 
-def _slice_last_token(model) -> bool:
-    """Feed the LM head only the last position: ``Slice(hidden, -1:, axis=1)`` before its MatMul."""
+def _gather_logit_positions(model, positions) -> bool:
+    """Feed the LM head only the positions ``positions`` names: ``Gather(hidden, positions, axis=1)``
+    before its MatMul (the last position of a step; each sequence's last one in a ragged step)."""
     import openvino.opset13 as ops
 
     result = model.get_results()[0]
@@ -153,14 +159,8 @@ def _slice_last_token(model) -> bool:
     hidden = _src(node, 0)
     if hidden.get_partial_shape().rank.is_dynamic or hidden.get_partial_shape().rank.get_length() != 3:
         return False
-    sliced = ops.slice(
-        hidden,
-        np.array([-1], dtype=np.int64),
-        np.array([np.iinfo(np.int64).max], dtype=np.int64),
-        np.array([1], dtype=np.int64),
-        np.array([1], dtype=np.int64),
-    )
-    node.input(0).replace_source_output(sliced.output(0))
+    gathered = ops.gather(hidden, positions, np.array(1, dtype=np.int64))
+    node.input(0).replace_source_output(gathered.output(0))
     return True
 
 
@@ -176,7 +176,8 @@ def convert_model(
     Args:
         model: read with ``core.read_model``; modified in place and returned in the result.
         library: path of the CPU extension library (:func:`ov_kvcrush.plugin.loaded_path`).
-        last_token_logits: compute logits for the last position only.
+        last_token_logits: compute logits only at the positions the ``kvc_logits_at`` input names
+            (``[tokens - 1]`` for one sequence's step; each sequence's last token in a ragged step).
         compute: ``f32``, or ``bf16`` for prefill dot products in bf16 with fp32 accumulation (what
             OpenVINO's own SDPA does under a bf16 inference precision; the engine picks it from the
             plugin's ``INFERENCE_PRECISION_HINT``). Needs AVX512-BF16; otherwise f32 is used.
@@ -270,13 +271,19 @@ def convert_model(
             removed_vars += 1
     removed = []
     for p in list(model.get_parameters()):
-        if p.get_friendly_name() == SEQUENCE_INPUT:
+        if p.get_friendly_name() in (SEQUENCE_INPUT, LOGITS_INPUT):
             continue
         if not any(_node_key(t.get_node()) in live for t in p.output(0).get_target_inputs()):
             removed.append(p.get_friendly_name())
             model.remove_parameter(p)
     if last_token_logits:
-        _slice_last_token(model)
+        logits_at = ops.parameter([-1], ov.Type.i64, name=LOGITS_INPUT)
+        logits_at.output(0).get_tensor().set_names({LOGITS_INPUT})
+        if not _gather_logit_positions(model, logits_at.output(0)):
+            raise ConversionError(
+                "the logits do not come from a MatMul over [batch, tokens, hidden]: cannot select positions"
+            )
+        model.add_parameters([logits_at])
     model.validate_nodes_and_infer_types()
     assert shape is not None
     return ConvertedModel(

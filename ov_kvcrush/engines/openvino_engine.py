@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines import model_inputs
 from ov_kvcrush.engines.base import (
     GenerationResult,
     Prompt,
@@ -49,7 +50,6 @@ from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequenc
 from ov_kvcrush.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.plugin import PluginError
-from ov_kvcrush.transformations import SEQUENCE_INPUT
 
 #: KV precision of the op's cache by default: u8, as OpenVINO's CPU plugin (and so native
 #: openvino_genai) stores its cache on CPU; f16 and f32 on request.
@@ -430,20 +430,14 @@ class OpenVINOEngine:
         }
 
     def step_inputs(self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]) -> dict[str, np.ndarray]:
-        """The model's inputs for one step of several sequences (equal token counts): row ``b`` feeds
-        ``ids[b]`` to ``sequences[b]`` after its ``past[b]`` tokens."""
-        n = len(ids[0])
-        feed: dict[str, np.ndarray] = {
-            "input_ids": np.asarray(ids, dtype=np.int64),
-            SEQUENCE_INPUT: np.asarray([s.handle for s in sequences], dtype=np.int64),
-        }
-        if "position_ids" in self.input_names:
-            feed["position_ids"] = np.asarray([np.arange(p, p + n) for p in past], dtype=np.int64)
-        if "attention_mask" in self.input_names:  # not read by the converted attention: only its shape matters
-            feed["attention_mask"] = np.ones((len(ids), max(past) + n), dtype=np.int64)
-        if "beam_idx" in self.input_names:
-            feed["beam_idx"] = np.zeros(len(ids), dtype=np.int32)
-        return feed
+        """One step of several sequences, equal token counts (:func:`model_inputs.step_inputs`)."""
+        return model_inputs.step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
+
+    def ragged_step_inputs(
+        self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]
+    ) -> dict[str, np.ndarray]:
+        """One step of several sequences, any token counts (:func:`model_inputs.ragged_step_inputs`)."""
+        return model_inputs.ragged_step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
 
 
 def _kv_precision(value: Any, properties: dict | None) -> str:

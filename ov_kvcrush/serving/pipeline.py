@@ -13,10 +13,13 @@ Shaped like ``openvino_genai.ContinuousBatchingPipeline`` (what OpenVINO Model S
     handle = pipe.submit("question", streamer=print)   # from any thread: a worker thread steps
     print(handle.result())
 
-Every step (:meth:`ContinuousBatchingPipeline.step`) runs at most one prompt chunk (one
-inference, one sequence: the op prefills a prompt in chunks and runs the method's prompt
-selection once, on the last one) and **one** inference for every sequence past its prompt (the
-op's batch rows are independent sequences). Each request has its own sequence in the engine's
+Every step (:meth:`ContinuousBatchingPipeline.step`) is **one** inference: at most one prompt
+chunk (the op prefills a prompt in chunks and runs the method's prompt selection once, on the
+last one) side by side with the decode token of every sequence past its prompt, as native
+continuous batching runs a step. The tokens go through the model's matmuls together, each
+carrying its sequence's handle, and the op attends each sequence's run of tokens as that
+sequence's step (:func:`ov_kvcrush.engines.model_inputs.ragged_step_inputs`); a decode-only step
+is a batch of one-token rows. Each request has its own sequence in the engine's
 pool, its own method state and its own generation settings; a finished request's blocks go back
 at once. What runs when, and what waits, is :mod:`ov_kvcrush.serving.scheduler`'s.
 
@@ -225,8 +228,11 @@ class ContinuousBatchingPipeline:
         self._worker: threading.Thread | None = None
         self._worker_lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
-        #: counts over the pipeline's life: steps, decode rows, prompt chunks, preemptions, failures
-        self.stats = {"steps": 0, "decode_rows": 0, "prefill_chunks": 0, "preemptions": 0, "failed": 0, "waited": 0}
+        #: counts over the pipeline's life: steps, decode rows, prompt chunks, preemptions, failures, ...
+        #: (ragged_steps: a prompt chunk and decode tokens in one inference)
+        self.stats = dict.fromkeys(
+            ("steps", "decode_rows", "prefill_chunks", "ragged_steps", "preemptions", "failed", "waited"), 0
+        )
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -305,7 +311,7 @@ class ContinuousBatchingPipeline:
 
     # -- a step ---------------------------------------------------------------------------------
     def step(self) -> None:
-        """Run one step: a prompt chunk, if one is due, and one decode inference of the running requests."""
+        """Run one step: one inference of a prompt chunk, if one is due, and the running requests' decode tokens."""
         with self._step_lock:
             for rid, req in list(self._requests.items()):
                 if self._handles[rid]._cancel:
@@ -317,10 +323,11 @@ class ContinuousBatchingPipeline:
             if plan.empty:
                 return
             self.stats["steps"] += 1
+            decode = [self._requests[s.request_id] for s in plan.decode]
             if plan.prefill is not None:
-                self._prefill(*plan.prefill)
-            if plan.decode:
-                self._decode([self._requests[s.request_id] for s in plan.decode])
+                self._prefill(*plan.prefill, decode)
+            elif decode:
+                self._decode(decode)
 
     def _work(self) -> None:
         while True:
@@ -335,7 +342,8 @@ class ContinuousBatchingPipeline:
                     for req in list(self._requests.values()):
                         self._fail(req, f"the batching step failed: {type(exc).__name__}: {exc}")
 
-    def _prefill(self, slot: Slot, n: int) -> None:
+    def _prefill(self, slot: Slot, n: int, decode: list[_Request]) -> None:
+        """A prompt chunk of ``n`` tokens, and the decoding requests' tokens in the same inference."""
         req = self._requests[slot.request_id]
         if req.sequence is None:
             req.sequence = self.pool.new_sequence()
@@ -343,21 +351,28 @@ class ContinuousBatchingPipeline:
             req.started = time.perf_counter()
         if slot.done == 0 and n < len(slot.tokens):
             req.sequence.set_prompt(len(slot.tokens))  # the method selects once, on the last chunk
-        ids = slot.tokens[slot.done : slot.done + n]
-        logits = self._infer([ids], [req], f"a {n}-token prompt chunk after {slot.done} tokens")
+        ids = [slot.tokens[slot.done : slot.done + n], *([r.tokens[-1]] for r in decode)]
+        what = f"a {n}-token prompt chunk after {slot.done} tokens" + (
+            f" beside a decode step of {len(decode)} sequences" if decode else ""
+        )
+        logits = self._infer(ids, [req, *decode], what)
         if logits is None:
             return
         req.chunks += 1
         self.stats["prefill_chunks"] += 1
+        self.stats["ragged_steps"] += bool(decode)
         req.fed += n
         self.scheduler.prefilled(slot, n)
         if slot.done >= len(slot.tokens):
             self._emit(req, logits[0])
+        self._decoded(decode, logits[1:])
 
     def _decode(self, reqs: list[_Request]) -> None:
         logits = self._infer([[r.tokens[-1]] for r in reqs], reqs, f"a decode step of {len(reqs)} sequences")
-        if logits is None:
-            return
+        if logits is not None:
+            self._decoded(reqs, logits)
+
+    def _decoded(self, reqs: list[_Request], logits: np.ndarray) -> None:
         self.stats["decode_rows"] += len(reqs)
         for r, row in zip(reqs, logits, strict=True):
             r.fed += 1
@@ -365,16 +380,21 @@ class ContinuousBatchingPipeline:
             self._emit(r, row)
 
     def _infer(self, ids: list[list[int]], reqs: list[_Request], what: str) -> np.ndarray | None:
-        """Logits ``[rows, vocab]`` of one inference; on an engine error every request in it fails
-        (their sequences are in an unknown state), no other request is touched."""
+        """Logits ``[sequences, vocab]`` of one inference (equal token counts: one batch row each;
+        otherwise one ragged row); on an engine error every request in it fails (their sequences
+        are in an unknown state), no other request is touched."""
         seqs = [r.sequence for r in reqs]
+        past = [r.fed for r in reqs]
+        ragged = len({len(x) for x in ids}) > 1
+        inputs = (self.engine.ragged_step_inputs if ragged else self.engine.step_inputs)(ids, seqs, past)  # type: ignore[arg-type]
         try:
-            self.request.infer(self.engine.step_inputs(ids, seqs, [r.fed for r in reqs]))  # type: ignore[arg-type]
+            self.request.infer(inputs)
         except RuntimeError as exc:
             for r in reqs:
                 self._fail(r, f"backend openvino failed on {what}: {error_line(exc)}")
             return None
-        return np.array(self.request.get_output_tensor(0).data[:, -1], dtype=np.float32)
+        out = self.request.get_output_tensor(0).data
+        return np.array(out[0] if ragged else out[:, -1], dtype=np.float32)
 
     def _emit(self, req: _Request, logits: np.ndarray) -> None:
         s = req.settings

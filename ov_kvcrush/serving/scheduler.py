@@ -1,8 +1,8 @@
 """Which requests a continuous-batching step runs, over one block pool.
 
 Pure bookkeeping: no model, no OpenVINO. The pipeline (:mod:`ov_kvcrush.serving.pipeline`) asks
-:meth:`Scheduler.plan` before every step and runs what it returns: at most one prompt chunk (one
-inference of one sequence) and one decode inference of every sequence past its prompt.
+:meth:`Scheduler.plan` before every step and runs what it returns in one inference: at most one
+prompt chunk and the decode token of every sequence past its prompt.
 
 The pool is counted in the op's blocks (``block_size`` tokens of one KV head of one layer); a
 sequence growing by one block of tokens takes ``rows = layers × kv_heads`` of them. The rules:
