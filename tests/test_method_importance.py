@@ -18,6 +18,7 @@ from ov_kvcrush.methods.selection import (
     keep_block_indices,
     keep_indices,
     keep_indices_ragged,
+    pool_scores,
     pyramid_budgets,
     snapkv_scores,
     span_budget_floor,
@@ -299,3 +300,24 @@ def test_snapkv_in_spans_holds_whole_spans_within_its_budget():
         )
         assert whole is (cfg.block_size is not None)
         assert held.shape[-1] <= 96
+
+
+def test_span_pooling_default_keeps_both_halves_of_a_needle_a_span_boundary_splits():
+    """Spans pool over 31 tokens by default: the window's attention lands on a needle's first
+    tokens at the end of span 2 (90-95); its last tokens open span 3 and get little attention.
+    Pooled over 7 tokens, span 3 ranks below two spans of spread-out attention and is evicted;
+    pooled over 31, span 3 inherits the needle's score and both spans stay."""
+    assert SnapKVConfig(budget=96).pool_width == 7  # SnapKV's own width for single tokens
+    assert SnapKVConfig(budget=256, block_size=32).pool_width == 31
+    assert KVCrushConfig(budget=256, block_size=32).pool_width == 31
+    assert SnapKVConfig(budget=256, block_size=32, pool_kernel=7).pool_width == 7
+    assert SnapKVConfig(budget=256, block_size=32).op_fields(1, 9, 32)["pool_kernel"] == 31
+    raw = torch.full((1, 1, 256), 0.01)
+    raw[..., 90:96] = 1.0  # the needle's phrase, at the end of span 2
+    raw[..., 160:224] = 0.15  # spans 5 and 6: attention spread over many tokens
+    spans = {}
+    for width in (7, SnapKVConfig(budget=256, block_size=32).pool_width):
+        kept = keep_block_indices(pool_scores(raw, width), 96, 0, 32, 32)[0, 0]
+        spans[width] = sorted({int(p) // 32 for p in kept})
+    assert spans[7] == [2, 5, 7]  # span 3, the needle's tail, is gone
+    assert spans[31] == [2, 3, 7]
