@@ -82,7 +82,7 @@ def test_ragged_steps_equal_one_sequence_at_a_time(ov_core, precision):
                 np.testing.assert_array_equal(x, y)
 
 
-def test_ragged_step_refuses_split_runs_of_one_sequence(ov_core):
+def test_a_step_refuses_two_runs_or_rows_of_one_sequence(ov_core):
     req = op_model(ov_core, HQ, HKV, D)
     pool = _pool("f32")
     a, b = pool.new_sequence(), pool.new_sequence()
@@ -90,5 +90,8 @@ def test_ragged_step_refuses_split_runs_of_one_sequence(ov_core):
     kv = np.zeros((1, HKV, 3, D), dtype=np.float32)
     with pytest.raises(RuntimeError, match="two separate runs"):
         req.infer({"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([a.handle, b.handle, a.handle])})
+    with pytest.raises(RuntimeError, match="two batch rows"):  # rows of one step run side by side
+        rows_q, rows_kv = np.zeros((2, HQ, 1, D), dtype=np.float32), np.zeros((2, HKV, 1, D), dtype=np.float32)
+        req.infer({"q": rows_q, "k": rows_kv, "v": rows_kv, "kvc_sequence": np.array([a.handle, a.handle])})
     with pytest.raises(RuntimeError, match="one per token"):
         req.infer({"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([a.handle, b.handle])})

@@ -271,7 +271,7 @@ def convert_model(
             removed_vars += 1
     removed = []
     for p in list(model.get_parameters()):
-        if p.get_friendly_name() in (SEQUENCE_INPUT, LOGITS_INPUT):
+        if p.get_friendly_name() == SEQUENCE_INPUT:
             continue
         if not any(_node_key(t.get_node()) in live for t in p.output(0).get_target_inputs()):
             removed.append(p.get_friendly_name())

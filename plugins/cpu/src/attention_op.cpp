@@ -91,6 +91,24 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
     std::vector<int64_t> handles(ids.get_size());
     for (size_t i = 0; i < handles.size(); ++i)
         handles[i] = ht == ov::element::i64 ? ids.data<int64_t>()[i] : ids.data<int32_t>()[i];
+    // runs of equal handles: each is one sequence's step (a batch row, or adjacent tokens of a
+    // one-row batch), attended like a batch row of its own. Steps of different sequences run side
+    // by side, so one sequence may have only one.
+    std::vector<std::pair<int64_t, int64_t>> runs;  // (first token or row, tokens)
+    if (per_token) {
+        for (int64_t t = 0; t < L; ++t)
+            if (t == 0 || handles[static_cast<size_t>(t)] != handles[static_cast<size_t>(t - 1)]) runs.emplace_back(t, 0);
+        for (size_t r = 0; r < runs.size(); ++r)
+            runs[r].second = (r + 1 < runs.size() ? runs[r + 1].first : L) - runs[r].first;
+    } else {
+        for (int64_t b = 0; b < B; ++b) runs.emplace_back(b, L);
+    }
+    for (size_t r = 0; r < runs.size(); ++r)
+        for (size_t s = 0; s < r; ++s)
+            OPENVINO_ASSERT(handles[static_cast<size_t>(runs[r].first)] != handles[static_cast<size_t>(runs[s].first)],
+                            "ov_kvcrush PagedAttention: sequence ", handles[static_cast<size_t>(runs[r].first)],
+                            per_token ? " has two separate runs of tokens in one step (a sequence's tokens must be adjacent)"
+                                      : " is in two batch rows of one step (one row per sequence)");
     if (!per_token) {
         // decode rows run side by side (each sequence is locked by its own step; the pool by its
         // allocations): a step of many sequences would otherwise pay each row's task start-up in turn
@@ -104,17 +122,6 @@ bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
             for (int64_t b = 0; b < B; ++b) row(b);
         return true;
     }
-    // runs of equal handles: each is one sequence's step, attended like a batch row of its own
-    std::vector<std::pair<int64_t, int64_t>> runs;  // (first token, tokens)
-    for (int64_t t = 0; t < L; ++t)
-        if (t == 0 || handles[static_cast<size_t>(t)] != handles[static_cast<size_t>(t - 1)]) runs.emplace_back(t, 0);
-    for (size_t r = 0; r < runs.size(); ++r)
-        runs[r].second = (r + 1 < runs.size() ? runs[r + 1].first : L) - runs[r].first;
-    for (size_t r = 0; r < runs.size(); ++r)
-        for (size_t s = 0; s < r; ++s)
-            OPENVINO_ASSERT(handles[static_cast<size_t>(runs[r].first)] != handles[static_cast<size_t>(runs[s].first)],
-                            "ov_kvcrush PagedAttention: sequence ", handles[static_cast<size_t>(runs[r].first)],
-                            " has two separate runs of tokens in one step (a sequence's tokens must be adjacent)");
     if (runs.size() == 1) {
         attend_sequence(handles[0], qd, kd, vd, out, Hq, Hkv, L, D);
         return true;
