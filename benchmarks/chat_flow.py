@@ -14,18 +14,14 @@ import argparse
 import json
 from pathlib import Path
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.engines import resolve_model
 from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 from ov_kvcrush.eval import tasks as T
+from ov_kvcrush.eval.runner import MethodSpec
 
-METHODS = {
-    "full": {},
-    "snapkv": {},
-    "kvcrush:block_size=32": {"block_size": 32},
-    "kvcrush": {},
-    "kvzip": {},
-}
+#: the methods of issue 25's table; ``--methods`` takes eval's spellings (``kvzip+4bit``)
+METHODS = "full,snapkv,kvcrush:block_size=32,kvcrush,kvzip"
 
 
 def main() -> None:
@@ -33,8 +29,10 @@ def main() -> None:
     p.add_argument("--length", type=int, default=3072)
     p.add_argument("--samples", type=int, default=6)
     p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--methods", default=METHODS, help="comma-separated, as `ov-kvcrush eval --methods`")
     p.add_argument("--json", required=True)
     a = p.parse_args()
+    specs = [MethodSpec.parse(m.strip()) for m in a.methods.split(",")]
     engine = OpenVINOEngine(resolve_model("openvino", None))
     tok = engine.tokenizer
     count = lambda t: len(tok.encode(t, add_special_tokens=False).input_ids.data[0])  # noqa: E731
@@ -43,10 +41,9 @@ def main() -> None:
     for i in range(a.samples):
         s = T.GENERATION_TASKS["niah_single"](a.length, count, 0, i, a.samples)
         document = s.prompt[: -len(s.question)]
-        for label, options in METHODS.items():
-            name = label.split(":")[0]
-            budget = None if name == "full" else a.budget
-            engine.set_compression(CompressionConfig(method=name, budget=budget, options=options))
+        for spec in specs:
+            label = spec.label
+            engine.set_compression(spec.compression(None if spec.method == "full" else a.budget, track_recall=False))
             engine.start_chat()
             first = engine.generate(document + "\n\nRead the text above. Reply with OK.", settings)
             second = engine.generate(s.question.strip(), settings)
@@ -66,7 +63,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     summary = {}
-    for label in METHODS:
+    for label in (spec.label for spec in specs):
         mine = [r for r in rows if r["method"] == label]
         summary[label] = {
             "answered": sum(r["correct"] for r in mine),

@@ -318,6 +318,21 @@ def parse_method_budget(method: str, budget: int | None, **overrides: Any) -> Co
         raise UserError(str(exc)) from None
 
 
+#: the quantized stores a method item names after ``+`` (``snapkv+4bit``): widths of keys and values
+STORE_WIDTHS = {"2bit": (2, 2), "4bit": (4, 4), "k2v4": (2, 4), "k4v2": (4, 2)}
+
+
+def split_store(item: str, what: str = "methods") -> tuple[str, str]:
+    """``name:KEY=VALUE+4bit`` -> (``name:KEY=VALUE``, ``4bit``); the store is ``""`` when none
+    is named, and a store not in :data:`STORE_WIDTHS` is an error naming ``what``."""
+    head, plus, store = item.rpartition("+")
+    if not plus:
+        return item, ""
+    if store not in STORE_WIDTHS:
+        raise ConfigError(what, item, "a method, optionally with :KEY=VALUE options and +" + ", +".join(STORE_WIDTHS))
+    return head, store
+
+
 def parse_options(items: Iterable[str], flag: str = "--option") -> dict[str, Any]:
     """``KEY=VALUE`` pairs as method options: JSON values (bare words stay strings, lists become
     tuples, ``-`` in keys becomes ``_``). A malformed pair is an error naming ``flag``."""

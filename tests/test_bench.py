@@ -18,6 +18,7 @@ from helpers import bench_script_dry_run
 
 from ov_kvcrush import bench
 from ov_kvcrush.bench import BenchConfig, BenchPlan
+from ov_kvcrush.bench.plan import compression
 from ov_kvcrush.engines.base import GenerationResult
 from ov_kvcrush.errors import ConfigError, UserError
 
@@ -246,6 +247,14 @@ def test_method_items_carry_options_checked_by_the_method():
         bench.plan_configs(["openvino"], ["kvcrush:block_size"], [256])
     with pytest.raises(ConfigError, match="options"):
         bench.plan_configs(["openvino"], ["full:block_size=32"], [256])
+    # a store after +, as eval names it
+    (cfg,) = bench.plan_configs(["openvino"], ["kvzip:allocation=layer+k2v4"], [256], anchor=None)
+    assert cfg.options == {"allocation": "layer", "quant": {"key_bits": 2, "value_bits": 4}}
+    assert compression(cfg).method_config().quant.label == "k2v4"
+    with pytest.raises(ConfigError, match=r"\+4bit"):
+        bench.plan_configs(["openvino"], ["snapkv+3bit"], [256])
+    with pytest.raises(ConfigError, match="not both"):
+        bench.plan_configs(["openvino"], ["snapkv:quant=true+4bit"], [256])
 
 
 #: bytes each fake configuration keeps allocated from its first run on (a KV cache stand-in)

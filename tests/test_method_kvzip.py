@@ -5,6 +5,8 @@ largest attention by the full probability matrix), then a scoring pass on the sh
 the pass keeps nothing of its steps, scores only its chunk, and the selection keeps the budget
 summed over layers, unevenly. The op runs the same pass on two one-op layers of one sequence and
 must keep exactly the reference's tokens per layer and head, then decode to the same outputs.
+Over the 2-/4-bit store both quantize the same tokens after a pass and keep them through a second
+turn's pass.
 """
 
 from __future__ import annotations
@@ -27,11 +29,29 @@ def test_config_fields_are_validated_by_name():
         KVzipConfig(budget=64, chunk_tokens=8)
     with pytest.raises(ConfigError, match="allocation"):
         KVzipConfig(budget=64, allocation="head")
-    with pytest.raises(ConfigError, match="quant"):
-        KVzipConfig(budget=64, quant=QuantSettings())
+    with pytest.raises(ConfigError, match=r"quant\.prompt_tail"):  # the question comes after the pass
+        KVzipConfig(budget=64, quant=QuantSettings(prompt_tail=16))
+    assert KVzipConfig(budget=64, quant=QuantSettings(bits=4)).quant.pinned_tail(selecting=False) == 0
     with pytest.raises(ConfigError, match="budget"):
         KVzipConfig(budget=2, sink_tokens=4)
     assert method_config("kvzip", budget=64).scoring_pass
+
+
+@pytest.mark.parametrize("n", [1, 300, 512, 700, 800, 3089])
+def test_scoring_pass_steps_cover_the_context_in_equal_chunks(n):
+    cfg = KVzipConfig(budget=64, chunk_tokens=512, overlap_tokens=8)
+    context = list(range(1000, 1000 + n))
+    encode = lambda text: [len(text)]  # noqa: E731  (one id per prompt, enough to find it)
+    steps = cfg.scoring_pass_inputs(context, encode, [7, 7])
+    assert len(steps) == max(1, round(n / 512)) and cfg.scoring_pass_inputs([], encode, []) == []
+    assert [s.lo for s in steps] == [0, *[s.hi for s in steps[:-1]]] and steps[-1].hi == n
+    sizes = [s.hi - s.lo for s in steps]
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) <= 1.5 * 512
+    for i, s in enumerate(steps):
+        chunk = context[s.lo : s.hi]
+        assert s.ids[-len(chunk) - 2 :] == [7, 7, *chunk]  # the generation prefix, then the chunk
+        if i:  # a later chunk's request ends with the previous chunk's last tokens
+            assert s.ids[: -len(chunk) - 2][-8:] == context[s.lo - 8 : s.lo]
 
 
 @pytest.mark.parametrize("allocation", ["global", "layer"])
@@ -169,3 +189,88 @@ def test_op_refuses_a_scoring_pass_where_there_is_none(ov_core):
         empty.score_positions(0, 10)
     with pytest.raises(PluginError, match="no scoring pass is running"):
         empty.end_scoring_pass()
+
+
+def _op_head(seq, layer, g):
+    pos, keys, _, _ = seq.read_head(layer, g)
+    order = np.argsort(pos)
+    return pos[order], keys[order]
+
+
+def _ref_head(lc, g):
+    keys, _, pos = lc.store.dense()
+    real = pos[0, g] >= 0
+    p, k = pos[0, g][real].numpy(), keys[0, g][real].numpy()
+    order = np.argsort(p)
+    return p[order], k[order]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_op_and_reference_quantize_the_same_kept_tokens_over_two_turns(ov_core, bits):
+    """KVzip over the 2-/4-bit store, two chat turns: after each pass both keep the same tokens
+    and quantize the same ones (keys compared by position: a token quantized on one side only
+    would differ by its quantization error), the first turn's quantized tokens survive the second
+    pass and count against its budget, and decode steps agree."""
+    layers, prompt, budget, r = 2, 192, 48, 32
+    cfg = KVzipConfig(budget=budget, sink_tokens=4, quant=QuantSettings(bits=bits, residual_tokens=r))
+    v = layer_vectors(11, kv_heads=HKV, q_heads=HQ, tokens=341, head_dim=D)
+    caches = [cfg.make_layer(i, layers) for i in range(layers)]
+    pool = kvcache.KVPool(layers, HQ, HKV, D, precision="f32", method=method_spec(cfg, layers, HQ, 32))
+    seq = pool.new_sequence()
+    reqs = [op_model(ov_core, HQ, HKV, D, layer=i) for i in range(layers)]
+
+    def step(a, b, kind, scored=None):
+        """Vectors [a, b) through both, as a prefill, a decode (or chat turn) or a scoring step."""
+        for i, lc in enumerate(caches):
+            q, k, val = v.queries[:, :, a:b] * (1 + 0.1 * i), v.keys[:, :, a:b], v.values[:, :, a:b]
+            got = reqs[i].infer({"q": q.numpy(), "k": k.numpy(), "v": val.numpy(),
+                                 "kvc_sequence": np.array([seq.handle])})[0]  # fmt: skip
+            if kind == "prefill":
+                want = lc.prefill(q, k, val)
+            elif kind == "decode":
+                want = lc.decode(q, k, val)
+            else:
+                want = lc.score_step(q, k, val, scored)
+            np.testing.assert_allclose(got, want.numpy(), atol=1e-4, err_msg=f"{kind} [{a}, {b}) layer {i}")
+
+    def scoring_pass(passes):
+        for a, b, lo, hi in passes:
+            seq.score_positions(lo, hi)
+            step(a, b, "score", (lo, hi))
+        seq.end_scoring_pass()
+        cfg.finish_scoring_pass(caches)
+
+    def same_heads():
+        quantized = 0
+        for i, lc in enumerate(caches):
+            for g in range(HKV):
+                (po, ko), (pr, kr) = _op_head(seq, i, g), _ref_head(lc, g)
+                np.testing.assert_array_equal(po, pr, err_msg=f"layer {i} head {g}")
+                np.testing.assert_allclose(ko, kr, atol=1e-5, err_msg=f"layer {i} head {g}")
+            quantized += int((lc.store.qpos >= 0).sum()) if lc.store.qpos is not None else 0
+        return quantized
+
+    step(0, prompt, "prefill")
+    assert caches[0].store.quantized_tokens == 0  # held whole until the pass
+    scoring_pass([(prompt, prompt + 34, 0, 96), (prompt + 34, prompt + 64, 96, prompt)])
+    first = same_heads()
+    held = sum(int(lc.tokens_held().sum()) for lc in caches)
+    assert held == budget * HKV * layers and int(seq.head_tokens().sum()) == held
+    assert 0 < first < held  # quantized in whole runs of r per head, the rest full precision
+    for lc in caches:
+        q = (lc.store.qpos[0] >= 0).sum(-1)
+        assert (q % r == 0).all() and (q == lc.tokens_held()[0] // r * r).all()
+    frozen = [lc.store.qpos[0].clone() for lc in caches]
+
+    step(256, 258, "decode")  # the answer's first tokens, one step
+    step(258, 298, "decode")  # the next turn: 40 tokens at once
+    step(298, 299, "decode")
+    new = caches[0].seen
+    scoring_pass([(299, 339, prompt, new)])
+    second = same_heads()
+    for lc, before in zip(caches, frozen, strict=True):  # the first turn's quantized tokens stay
+        torch.testing.assert_close(lc.store.qpos[0][:, : before.shape[1]], before)
+    assert second >= first
+    assert sum(int(lc.tokens_held().sum()) for lc in caches) == budget * HKV * layers
+    for t in range(339, 341):
+        step(t, t + 1, "decode")

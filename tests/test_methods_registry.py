@@ -101,9 +101,8 @@ def test_compression_holds_the_budget_and_shrinks_memory(name):
         assert cache.memory()["kv"] == pytest.approx(full.memory()["kv"] * budget / 400, rel=1e-6)
 
 
-#: kvzip refuses the store for now (its config says so, test_method_kvzip.py checks the refusal)
 WITH_QUANT = [(n, False) for n in sorted(REGISTRY)] + [
-    (n, True) for n in sorted(REGISTRY) if "quant" in REGISTRY[n].__dataclass_fields__ and n != "kvzip"
+    (n, True) for n in sorted(REGISTRY) if "quant" in REGISTRY[n].__dataclass_fields__
 ]
 
 

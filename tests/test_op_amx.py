@@ -53,3 +53,45 @@ def test_amx_prefill_matches_the_reference_within_bf16(ov_core, hq, hkv, d, step
         _pos, _k, _v, sc = seq.read_head(0, g)
         np.testing.assert_allclose(sc.T, want_scores[g * group : (g + 1) * group], atol=2e-2, rtol=2e-2)
     pool.close()
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "prompt", "step", "lo", "hi"), [(9, 3, 64, 300, 37, 21, 250), (8, 2, 128, 140, 70, 0, 140)]
+)
+def test_amx_scoring_step_keeps_the_reference_maxima_within_bf16(ov_core, hq, hkv, d, prompt, step, lo, hi):
+    """KVzip's scoring step on tiles (kernels_amx.cpp: score_step_amx): each held slot of the
+    scored range keeps the largest probability the step's queries give it, as the reference's
+    ``score_step`` computes it in f32; slots outside the range stay unscored."""
+    import torch
+
+    from ov_kvcrush.method_spec import method_spec
+    from ov_kvcrush.methods import KVzipConfig
+
+    rng = np.random.default_rng(d + step)
+    q, k, v = (rng.standard_normal((1, h, prompt + step, d), dtype=np.float32) for h in (hq, hkv, hkv))
+    cfg = KVzipConfig(budget=32, sink_tokens=4)
+    lc = cfg.make_layer(0, 1)
+    lc.prefill(*(torch.from_numpy(x[:, :, :prompt]) for x in (q, k, v)))
+    lc.score_step(*(torch.from_numpy(x[:, :, prompt:]) for x in (q, k, v)), (lo, hi))
+    want = lc.score[0].numpy()  # [hkv, prompt]
+
+    req = op_model(ov_core, hq, hkv, d, compute="bf16")
+    pool = kvcache.KVPool(1, hq, hkv, d, precision="f32", method=method_spec(cfg, 1, hq, 32))
+    seq = pool.new_sequence()
+
+    def feed(a, b):
+        return req.infer(
+            {"q": q[:, :, a:b], "k": k[:, :, a:b], "v": v[:, :, a:b], "kvc_sequence": np.array([seq.handle])}
+        )
+
+    feed(0, prompt)
+    seq.score_positions(lo, hi)
+    feed(prompt, prompt + step)
+    for g in range(hkv):
+        pos, _k, _v, sc = seq.read_head(0, g)
+        got = sc.max(1)  # the selection ranks a slot by its group's largest
+        inside = (pos >= lo) & (pos < hi)
+        np.testing.assert_allclose(got[inside], want[g][pos[inside]], atol=1e-3, rtol=3e-2)
+        assert (got[~inside] == 0).all()
+    seq.end_scoring_pass(select=False)
+    pool.close()

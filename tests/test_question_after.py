@@ -17,6 +17,7 @@ import pytest
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.base import context_prompt, question_split
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.methods import QuantSettings
 
 pytestmark = pytest.mark.model
 
@@ -46,21 +47,26 @@ def _chat(engine, compression, document):
     settings = GenerationSettings(max_new_tokens=16)
     first = engine.generate(document + "\n\nRead the text above. Reply with OK.", settings)
     second = engine.generate(QUESTION, settings)
-    held = engine.sequence.stats().tokens_held / (engine.shape.layers * engine.shape.kv_heads)
+    st = engine.sequence.stats()
     engine.finish_chat()
-    return first, second, held
+    return first, second, st.tokens_held / (engine.shape.layers * engine.shape.kv_heads), st.kv_bytes
 
 
 def test_kvzip_keeps_what_a_later_turn_asks_for(engine, document):
     budget = 160
-    full_first, full, _ = _chat(engine, CompressionConfig(), document)
+    full_first, full, _, _ = _chat(engine, CompressionConfig(), document)
     assert full_first.prompt_tokens > 3 * budget
     assert SECRET in full.text  # the model answers it with everything kept
-    first, second, held = _chat(engine, CompressionConfig(method="kvzip", budget=budget), document)
+    first, second, held, fp_bytes = _chat(engine, CompressionConfig(method="kvzip", budget=budget), document)
     assert SECRET in second.text, second.text
     assert first.counters["scoring_pass_ms"] > 0 and second.counters["scoring_pass_ms"] > 0
     assert held <= budget + 16  # each turn's pass brings the cache back to its budget; answers wait
     assert engine.pool.stats().kv_bytes == 0
+    # over the 4-bit store: the same tokens kept, whole 32-token runs of them in 4 bits
+    quant = {"quant": QuantSettings(bits=4, residual_tokens=32)}
+    _, second4, held4, bytes4 = _chat(engine, CompressionConfig("kvzip", budget, options=quant), document)
+    assert SECRET in second4.text, second4.text
+    assert held4 <= budget + 16 and bytes4 < 0.75 * fp_bytes
 
 
 def test_question_after_equals_the_chat_turns_split(engine, document):

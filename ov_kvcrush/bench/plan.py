@@ -86,13 +86,21 @@ def compression(cfg: BenchConfig) -> Any:
 
 def parse_method(item: str) -> tuple[str, dict[str, Any]]:
     """A ``--methods`` item: a method name, optionally with method options after colons
-    (``kvcrush:block_size=32``, ``snapkv:quant=true``; values as in ``--option``)."""
-    from ov_kvcrush.config import parse_options
+    (``kvcrush:block_size=32``, ``snapkv:quant=true``; values as in ``--option``) and a quantized
+    store after ``+`` as eval names it (``kvzip+4bit``, ``snapkv:block_size=32+k2v4``)."""
+    from ov_kvcrush.config import STORE_WIDTHS, parse_options, split_store
 
-    name, *opts = item.split(":")
+    head, store = split_store(item)
+    name, *opts = head.split(":")
     if not name.strip():
         raise ConfigError("methods", item, "a method name, optionally followed by :KEY=VALUE options")
-    return name.strip(), parse_options(opts, flag=f"--methods {name.strip()}:")
+    options = parse_options(opts, flag=f"--methods {name.strip()}:")
+    if store:
+        if "quant" in options:
+            raise ConfigError("methods", item, f"either +{store} or :quant=..., not both")
+        kbits, vbits = STORE_WIDTHS[store]
+        options["quant"] = {"key_bits": kbits, "value_bits": vbits}
+    return name.strip(), options
 
 
 def plan_configs(

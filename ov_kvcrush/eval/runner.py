@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import STORE_WIDTHS, CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
@@ -35,10 +35,6 @@ DEFAULT_BUDGETS = (128, 256, 512)
 EVAL_BACKENDS = ("torch", "openvino", "genai")
 #: How a sample is put to the model: the chat template, or raw text and an answer prefix.
 PROMPT_FORMATS = ("chat", "completion")
-
-
-#: the quantized stores the evaluation names after ``+``: widths of keys and values
-STORE_WIDTHS = {"2bit": (2, 2), "4bit": (4, 4), "k2v4": (2, 4), "k4v2": (4, 2)}
 
 
 @dataclass(frozen=True)

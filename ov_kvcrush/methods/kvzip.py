@@ -16,7 +16,9 @@ reconstruction barely uses give their room to those it needs.
 
 How a pass runs (both engines; the engine feeds the inputs, the caches score):
 
-* the context (the tokens not scored yet) is cut into chunks of ``chunk_tokens``; chunk ``i`` is
+* the context (the tokens not scored yet) is cut into ``round(n / chunk_tokens)`` equal chunks
+  (about ``chunk_tokens`` each, at most 1.5 times that; a short last chunk would cost a step of
+  its own for a few tokens); chunk ``i`` is
   fed as ``repeat prompt + generation prefix + chunk``, the repeat prompt of a later chunk ending
   with the previous chunk's last ``overlap_tokens`` tokens ("... starting with");
 * the chunk's queries attend everything held plus, causally, the chunk itself, at the positions
@@ -45,6 +47,13 @@ Where this departs from the paper (and kvpress 0.5.5, which we compared against)
 * ``allocation="layer"`` (kvpress's ``layerwise``) keeps ``budget x kv_heads`` per layer, shared
   by its heads; the paper's global threshold is the default.
 * Sinks (4 by default, as kvpress) and an optional recent window are always kept.
+* Over the 2-/4-bit store (``quant``), a prompt and the tokens generated after it stay in full
+  precision until a scoring pass has selected; then each head quantizes the largest multiple of
+  ``quant.residual_tokens`` of what it keeps (the rest stays full precision). Quantized tokens are
+  frozen: a later turn's pass keeps them (they count against the budget) and selects among the
+  newer ones. A later pass's steps attend the quantized sinks, dequantized. No prompt tail is
+  pinned (``quant.prompt_tail`` 0): the question comes after the pass. The paper stores its kept
+  tokens as they are.
 """
 
 from __future__ import annotations
@@ -55,11 +64,10 @@ from typing import ClassVar
 
 import torch
 
-from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import check_kv, check_query
 from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig
-from ov_kvcrush.methods.store import StoredLayerCache, make_store
+from ov_kvcrush.methods.store import QuantStore, StoredLayerCache, make_store
 from ov_kvcrush.validation import check_choice, check_int
 
 #: the first chunk's repeat prompt (the paper's wording)
@@ -89,17 +97,19 @@ class KVzipConfig(EvictionConfig):
             layers times KV heads in all, shared unevenly). Required.
         sink_tokens: first tokens every head keeps (4, as kvpress); a scoring step attends them.
         recent_tokens: newest tokens every head keeps (0: the paper keeps none).
-        chunk_tokens: context tokens reconstructed per scoring pass step (512; the paper 2048);
+        chunk_tokens: context tokens reconstructed per scoring pass step, about (512; the paper 2048);
             bounds the pass's memory and work on long contexts.
         overlap_tokens: a later chunk's repeat prompt ends with the previous chunk's last tokens.
         allocation: ``global`` (one threshold over every layer and head, the paper) or ``layer``
             (each layer keeps ``budget x kv_heads``, shared by its heads).
-        quant: must stay ``None``: the 2-/4-bit store under KVzip is not built yet.
+        quant: keep the selected tokens in the 2-/4-bit store (``None``: full precision); see
+            the module's notes for when they are quantized.
     """
 
     name: ClassVar[str] = "kvzip"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     scoring_pass: ClassVar[bool] = True
+    pins_prompt_tail: ClassVar[bool] = False
     sink_tokens: int = 4
     recent_tokens: int = 0
     chunk_tokens: int = 512
@@ -112,7 +122,7 @@ class KVzipConfig(EvictionConfig):
         check_int("overlap_tokens", self.overlap_tokens, 0, 256)
         check_choice("allocation", self.allocation, ALLOCATIONS)
         if self.quant is not None:
-            raise ConfigError("quant", self.quant, "None (KVzip over the 2-/4-bit store is not built yet)")
+            self.quant.pinned_tail(selecting=self.pins_prompt_tail)  # a bad value is named at config time
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         return {"sinks": self.sink_tokens, "recent": self.recent_tokens, "allocation": self.allocation}
@@ -135,7 +145,12 @@ class KVzipConfig(EvictionConfig):
         ``encode`` turns text into ids without a template; ``prefix`` is what the chat template puts
         before an answer (the generation prompt), so the model answers the repeat request.
         """
-        chunks = [list(context[i : i + self.chunk_tokens]) for i in range(0, len(context), self.chunk_tokens)]
+        n = len(context)
+        if not n:
+            return []
+        parts = max(1, round(n / self.chunk_tokens))  # equal chunks of about chunk_tokens
+        bounds = [n * i // parts for i in range(parts + 1)]
+        chunks = [list(context[bounds[i] : bounds[i + 1]]) for i in range(parts)]
         steps = []
         for i, chunk in enumerate(chunks):
             if i == 0:
@@ -143,8 +158,7 @@ class KVzipConfig(EvictionConfig):
             else:
                 tail = chunks[i - 1][-self.overlap_tokens :] if self.overlap_tokens else []
                 ask = encode(CONTINUE_PROMPT) + tail
-            lo = i * self.chunk_tokens
-            steps.append(ScoringStep([*ask, *prefix, *chunk], lo, lo + len(chunk)))
+            steps.append(ScoringStep([*ask, *prefix, *chunk], bounds[i], bounds[i + 1]))
         return steps
 
     def finish_scoring_pass(self, layers: list[LayerCache]) -> None:
@@ -157,6 +171,7 @@ class KVzipConfig(EvictionConfig):
         kept = select_kept(scores, self.budget, self.allocation)
         for lc, keep in zip(caches, kept, strict=True):
             lc.keep_mask(keep)
+            lc.quantize_kept()
 
 
 def select_kept(scores: list[torch.Tensor], budget: int, allocation: str) -> list[torch.Tensor]:
@@ -227,7 +242,7 @@ class KVzipLayerCache(StoredLayerCache):
     def __init__(self, config: KVzipConfig) -> None:
         super().__init__()
         self.config = config
-        self.store = make_store(None)
+        self.store = make_store(config.quant, deferred=True)
         self.score: torch.Tensor | None = None
 
     # ---- protocol
@@ -281,12 +296,31 @@ class KVzipLayerCache(StoredLayerCache):
         held = (p >= 0).sum(-1, keepdim=True)
         rank = torch.cumsum((p >= 0).long(), dim=-1) - 1  # slot's order among held slots
         protected = (p >= 0) & ((p < self.config.sink_tokens) | (rank >= held - self.config.recent_tokens))
+        protected[:, :, : self._frozen_slots()] |= p[:, :, : self._frozen_slots()] >= 0  # quantized: kept
         return s.masked_fill(protected, float("inf"))
+
+    def _frozen_slots(self) -> int:
+        """The first slots of every head that no selection may drop: the quantized tokens."""
+        return self.store.quantized_tokens if isinstance(self.store, QuantStore) else 0
+
+    def quantize_kept(self) -> None:
+        """After a selection: over the 2-/4-bit store, quantize what each head keeps (whole
+        ``residual_tokens`` runs of it; :meth:`QuantStore.flush_heads`)."""
+        if not isinstance(self.store, QuantStore):
+            return
+        assert self.score is not None
+        nq = self.store.quantized_tokens
+        index = self.store.flush_heads()
+        if index is not None:  # the residual was laid out anew: its scores follow
+            tail = torch.cat([self.score[:, :, nq:], self.score.new_zeros(*self.score.shape[:2], 1)], dim=2)
+            self.score = torch.cat([self.score[:, :, :nq], torch.gather(tail, 2, index)], dim=2)
 
     def keep_mask(self, keep: torch.Tensor) -> None:
         """Keep the slots marked in ``keep`` ``[b, hk, n]`` (heads keep different counts: padded
         with ``-1`` positions), in slot order."""
         assert self.score is not None
+        keep = keep.clone()
+        keep[:, :, : self._frozen_slots()] = True  # quantized slots (their padding too) stay
         n = keep.shape[-1]
         width = max(1, int(keep.sum(-1).max()))
         slot = torch.arange(n, device=keep.device)

@@ -96,8 +96,11 @@ class QuantStore:
 
     quantized = True
 
-    def __init__(self, settings: QuantSettings) -> None:
+    def __init__(self, settings: QuantSettings, deferred: bool = False) -> None:
+        """``deferred``: appends never flush; the owner calls :meth:`flush_heads` after it has
+        selected (KVzip: a prompt is held whole until its scoring pass has chosen what stays)."""
         self.settings = settings
+        self.deferred = deferred
         self.qk = self.k_scale = self.k_zero = None
         self.qv = self.v_scale = self.v_zero = None
         self.pk: torch.Tensor | None = None
@@ -133,6 +136,17 @@ class QuantStore:
         parts = [p for p in (self.qpos, self.ppos, self.rpos) if p is not None]
         return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        """Overwrite the positions (a padding slot gets ``-1``), in :meth:`dense`'s order."""
+        nq, npin = self.quantized_tokens, self.pinned_len
+        if nq:
+            self.qpos = value[:, :, :nq].clone()
+        if self.pk is not None:
+            self.ppos = value[:, :, nq : nq + npin].clone()
+        if self.rk is not None:
+            self.rpos = value[:, :, nq + npin :].clone()
+
     # ---- writing
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, pin: int = 0) -> None:
         """Add tokens to the residual; quantize whole ``residual_tokens`` chunks as they fill.
@@ -155,7 +169,8 @@ class QuantStore:
         self.rpos = pos.clone() if self.rpos is None else torch.cat([self.rpos, pos], dim=2)
         if pin > 0:
             self._pin(pin)
-        self._flush()
+        if not self.deferred:
+            self._flush()
 
     def _pin(self, n: int) -> None:
         """Move the residual's last ``n`` tokens (at most all of it) into the pinned part."""
@@ -204,14 +219,68 @@ class QuantStore:
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), positions
 
     def keep(self, index: torch.Tensor) -> None:
-        """Retain a per-head subset; only before anything has been quantized or pinned (selection is frozen after)."""
-        if self.qk is not None or self.pk is not None:
-            raise RuntimeError("QuantStore.keep: quantized and pinned tokens are frozen; select before quantizing")
+        """Retain a per-head subset of the full-precision residual (``index`` ``[b, h, k]`` in
+        :meth:`dense`'s slots). Quantized tokens are frozen (their key groups cannot lose members):
+        ``index`` must start with every quantized slot, in order. Nothing may be pinned."""
+        if self.pk is not None:
+            raise RuntimeError("QuantStore.keep: pinned tokens are frozen; select before pinning")
+        nq = self.quantized_tokens
+        if nq:
+            whole = torch.arange(nq, device=index.device).expand(*index.shape[:2], nq)
+            if index.shape[2] < nq or not torch.equal(index[:, :, :nq], whole):
+                raise RuntimeError("QuantStore.keep: quantized tokens are frozen; keep them all, first")
+            index = (index[:, :, nq:] - nq).clamp_min(0)
         assert self.rk is not None and self.rv is not None and self.rpos is not None
         self.rk = gather_tokens(self.rk, index)
         self.rv = gather_tokens(self.rv, index)
         self.rpos = torch.gather(self.rpos, 2, index)
-        self._flush()
+        if not self.deferred:
+            self._flush()
+
+    def flush_heads(self) -> torch.Tensor | None:
+        """Quantize, head by head, the largest multiple of ``residual_tokens`` of the residual's
+        real tokens (position ``>= 0``), in slot order: what the op's store does with heads that
+        hold different counts. The quantized part stays one width for all heads: a head that
+        quantizes fewer tokens fills its part with zero padding slots (position ``-1``); whole
+        groups of them, since ``residual_tokens`` is a multiple of the group, so no real token
+        shares a key group with padding. The rest of each head stays full precision.
+
+        Returns the residual's new layout (``[b, h, k]`` indices into the old residual, the old
+        residual's length for a padding slot; quantized part first) for the owner's per-slot
+        state, or ``None`` when nothing was quantized.
+        """
+        assert self.pk is None, "QuantStore.flush_heads: nothing may be pinned"
+        if self.rk is None:
+            return None
+        assert self.rv is not None and self.rpos is not None
+        r = self.settings.residual_tokens
+        p = self.rpos
+        n = p.shape[2]
+        real = p >= 0
+        rank = torch.cumsum(real.long(), dim=-1) - 1
+        flushed = real & (rank < (real.sum(-1, keepdim=True) // r * r))
+        rest = real & ~flushed
+        width_q, width_r = int(flushed.sum(-1).max()), int(rest.sum(-1).max())
+        if width_q == 0:
+            return None
+        slot = torch.arange(n, device=p.device).expand_as(p)
+
+        def first(mask: torch.Tensor, width: int) -> torch.Tensor:
+            # the slots of `mask` in order, then the padding slot n, `width` in all
+            order = torch.sort(torch.where(mask, slot, slot + n), dim=-1).values[:, :, :width]
+            return torch.where(order < n, order, torch.full_like(order, n))
+
+        index = torch.cat([first(flushed, width_q), first(rest, width_r)], dim=2)
+        zero = self.rk.new_zeros(*self.rk.shape[:2], 1, self.rk.shape[3])
+        k = gather_tokens(torch.cat([self.rk, zero], dim=2), index)
+        v = gather_tokens(torch.cat([self.rv, zero], dim=2), index)
+        pos = torch.gather(torch.cat([p, p.new_full((*p.shape[:2], 1), -1)], dim=2), 2, index)
+        self._quantize_append(k[:, :, :width_q], v[:, :, :width_q])
+        moved = pos[:, :, :width_q]
+        self.qpos = moved.clone() if self.qpos is None else torch.cat([self.qpos, moved], dim=2)
+        self.rk, self.rv, self.rpos = k[:, :, width_q:], v[:, :, width_q:], pos[:, :, width_q:].clone()
+        self.flushes += 1
+        return index
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Re-encode everything from full-precision (or dequantized-and-merged) tensors (nothing pinned)."""
@@ -227,9 +296,10 @@ class QuantStore:
         return {"kv": kv, "metadata": tensor_bytes(self.qpos, self.ppos, self.rpos)}
 
 
-def make_store(quant: QuantSettings | None) -> FPStore | QuantStore:
-    """The store a method uses: full precision, or quantized when ``quant`` is set."""
-    return FPStore() if quant is None else QuantStore(quant)
+def make_store(quant: QuantSettings | None, deferred: bool = False) -> FPStore | QuantStore:
+    """The store a method uses: full precision, or quantized when ``quant`` is set (``deferred``:
+    see :class:`QuantStore`)."""
+    return FPStore() if quant is None else QuantStore(quant, deferred)
 
 
 class StoredLayerCache(LayerCache):
@@ -251,8 +321,10 @@ class StoredLayerCache(LayerCache):
         before = int((positions >= 0).sum())
         valid = index >= 0
         self.store.keep(index.clamp_min(0))
-        self.store.positions = torch.where(valid, self.store.positions, torch.full_like(index, -1))
-        self._bump("evicted", before - int(valid.sum()))
+        kept = self.store.positions
+        assert kept is not None
+        self.store.positions = torch.where(valid, kept, torch.full_like(index, -1))
+        self._bump("evicted", before - int((self.store.positions >= 0).sum()))
         return valid
 
     def tokens_held(self) -> torch.Tensor:

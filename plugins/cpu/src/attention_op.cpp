@@ -348,6 +348,14 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
             ranges[gi] = ranged ? Ranges{{0, slot_sinks[gi]}, {slot_lo[gi], slot_hi[gi]}, {held_before[gi], n}}
                                 : Ranges{{0, n}};
         }
+        // a scoring step over the 2-bit store attends, of its quantized tokens, the sinks only
+        // (dequantized once per head, positions ascend so they come first)
+        std::vector<Slab> qsinks(ranged ? static_cast<size_t>(Hkv) : 0);
+        for (size_t gi = 0; gi < qsinks.size(); ++gi) {
+            const HeadCache& hc = seq->head(layer, static_cast<int>(gi));
+            const auto sinks = std::lower_bound(hc.qpos.begin(), hc.qpos.end(), policy.scoring_sinks());
+            load_quant_slab(cfg, seq->pool(), hc, sinks - hc.qpos.begin(), qsinks[gi]);
+        }
         const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
         const bool bf16 = m_compute == "bf16" && has_bf16();
         std::vector<Bf16Head> staged(bf16 ? static_cast<size_t>(Hkv) : 0);
@@ -394,6 +402,14 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                             lse[static_cast<size_t>(h * L + tile * kAmxRows + r)] = m[r] + std::log(l[r]);
                 }
             });
+            if (ranged && scores) {  // a scoring step's maxima from the same bf16 logits, on tiles
+                const auto t_scores = Clock::now();
+                std::vector<HeadCache*> heads(static_cast<size_t>(Hkv));
+                for (int64_t g = 0; g < Hkv; ++g) heads[static_cast<size_t>(g)] = &seq->head(layer, static_cast<int>(g));
+                score_step_amx(cfg, heads, qb, L, m_scale, lse, staged, slot_sinks, slot_lo, slot_hi);
+                seq->scores_ns[phase] += since(t_scores);
+                fused_scores = true;
+            }
         } else
         tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
             for (int64_t t = range.begin(); t < range.end(); ++t) {
@@ -415,7 +431,9 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                 if (bf16 && hc.qblocks.empty() && hc.bias.empty()) {
                     attend_bf16(cfg, staged_head(h / G), staged[static_cast<size_t>(h / G)], rows, m_scale);
                 } else {
-                    if (!hc.qblocks.empty())
+                    if (ranged)
+                        attend_slab(qsinks[static_cast<size_t>(h / G)], INT64_MAX, static_cast<int>(D), rows, m_scale, -1);
+                    else if (!hc.qblocks.empty())
                         attend_quant(cfg, seq->pool(), hc, rows, m_scale, 0, static_cast<int64_t>(hc.qblocks.size()));
                     for (const auto& [begin, end] : ranges[static_cast<size_t>(h / G)])
                         attend_range(cfg, seq->pool(), hc, rows, m_scale, begin, end);

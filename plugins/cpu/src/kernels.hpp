@@ -107,6 +107,23 @@ constexpr int kAmxRows = 16;  // query rows one AMX tile holds
 void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, int n, const float* const* q,
                 const int64_t* qpos, float* const* out, float scale, float* m, float* l, int64_t window = 0);
 
+// A scoring step's per-slot maxima on AMX tiles (KVzip): for the staged slots [s_begin, s_end)
+// of one head, best[j] = max(best[j], max over the `rows` query rows of (q.k - lse[row])) for
+// slot s_begin + j: the log of the largest probability a row gives the slot. `q`: the rows'
+// scaled queries in bf16, row-major (the logits are the ones attend_amx computed for them);
+// no causal mask (the scored slots are older than every row).
+void max_log_probabilities_amx(const PoolConfig& cfg, const Bf16Head& st, const uint16_t* q, const float* lse, int64_t rows,
+                               int64_t s_begin, int64_t s_end, float* best);
+
+// A scoring step's per-head scores on AMX tiles, from the bf16 logits attend_amx used (`lse`
+// per (query head, row) as the attention left it): for each KV head g of `heads`, the staged
+// slots [sinks[g], sinks[g] + hi[g] - lo[g]) of staged[g] are its held slots [lo[g], hi[g]); each
+// query head gi of the group keeps in scores[slot * G + gi] the larger of what is there and the
+// largest probability any of the step's L queries (q [Hq][L][D], unscaled) gives the slot.
+void score_step_amx(const PoolConfig& cfg, const std::vector<HeadCache*>& heads, const float* q, int64_t L, float scale,
+                    const std::vector<float>& lse, const std::vector<Bf16Head>& staged, const std::vector<int64_t>& sinks,
+                    const std::vector<int64_t>& lo, const std::vector<int64_t>& hi);
+
 // ---- MiniKV's 2-bit blocks (layout: PoolConfig::qblock_bytes) --------------------------------
 // Quantize block_size tokens (keys and values [bs][D] floats) into a 2-bit block: keys per
 // channel in groups of `group` tokens, values per token in groups of `group` channels, fp16
@@ -137,6 +154,8 @@ struct Slab {
     void put(int64_t j, const float* k, const float* v, int D);  // token j of the slab
     size_t bytes() const { return (kt.capacity() + v.capacity()) * sizeof(float); }
 };
+// The first n tokens of a head's 2-bit blocks, dequantized into `out` (a scoring step's sinks).
+void load_quant_slab(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t n, Slab& out);
 // Attend the first n tokens of a slab, updating each row's (m, l, out) like attend_range.
 // pos0 >= 0: the slab's tokens sit at consecutive positions from pos0 and are masked causally;
 // pos0 < 0: every token is older than every row.

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 
+#include <tbb/parallel_for.h>
+
 #include "kernels_detail.hpp"
 
 #if OVKC_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -202,6 +204,116 @@ void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, 
     (void)window;
     throw Error("AMX attention is not compiled in (no AMX-BF16 on the build machine)");
 #endif
+}
+
+void max_log_probabilities_amx(const PoolConfig& cfg, const Bf16Head& st, const uint16_t* q, const float* lse, int64_t rows,
+                               int64_t s_begin, int64_t s_end, float* best) {
+#if OVKC_AMX
+    const int D = cfg.head_dim, ksteps = D / 32;
+    const int64_t groups = static_cast<int64_t>(st.k.size()) / (static_cast<int64_t>(D) * 16);  // staged (zero padded)
+    alignas(64) uint16_t A[kAmxRows * 512];  // 16 query rows (rows past the last: 0)
+    alignas(64) float S[kAmxRows * kStep];
+    configure_tiles();
+    for (int64_t g0 = s_begin / 16; g0 * 16 < s_end && g0 < groups; g0 += 4) {
+        const int nb = static_cast<int>(std::min<int64_t>(4, groups - g0));
+        const uint16_t* kg = st.k.data() + static_cast<size_t>(g0) * D * 16;
+        const int64_t lo = std::max<int64_t>(s_begin, g0 * 16), hi = std::min<int64_t>(s_end, (g0 + nb) * 16);
+        for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+            const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r0));
+            std::memcpy(A, q + r0 * D, sizeof(uint16_t) * static_cast<size_t>(n) * D);
+            if (n < kAmxRows) std::fill(A + n * D, A + kAmxRows * D, uint16_t(0));
+            _tile_zero(0);  // tile numbers are immediates: all four, whatever nb
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int k = 0; k < ksteps; ++k) {
+                _tile_loadd(4, A + k * 32, D * 2);
+                const uint16_t* b = kg + static_cast<size_t>(k) * 16 * 32;
+                _tile_loadd(5, b, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nb > 1) {
+                    _tile_loadd(5, b + static_cast<size_t>(D) * 16, 64);
+                    _tile_dpbf16ps(1, 4, 5);
+                }
+                if (nb > 2) {
+                    _tile_loadd(5, b + static_cast<size_t>(D) * 32, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                }
+                if (nb > 3) {
+                    _tile_loadd(5, b + static_cast<size_t>(D) * 48, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, S, kStep * 4);
+            if (nb > 1) _tile_stored(1, S + 16, kStep * 4);
+            if (nb > 2) _tile_stored(2, S + 32, kStep * 4);
+            if (nb > 3) _tile_stored(3, S + 48, kStep * 4);
+            const int cols = static_cast<int>(hi - lo);
+            for (int r = 0; r < n; ++r) {
+                const __m512 shift = _mm512_set1_ps(lse[r0 + r]);
+                const float* srow = S + r * kStep + (lo - g0 * 16);
+                float* out = best + (lo - s_begin);
+                for (int j = 0; j < cols; j += 16) {
+                    const __mmask16 mask = cols - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cols - j)) - 1);
+                    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, srow + j), shift);
+                    _mm512_mask_storeu_ps(out + j, mask, _mm512_max_ps(_mm512_maskz_loadu_ps(mask, out + j), x));
+                }
+            }
+        }
+    }
+    _tile_release();
+#else
+    (void)cfg;
+    (void)st;
+    (void)q;
+    (void)lse;
+    (void)rows;
+    (void)s_begin;
+    (void)s_end;
+    (void)best;
+    throw Error("AMX attention is not compiled in (no AMX-BF16 on the build machine)");
+#endif
+}
+
+void score_step_amx(const PoolConfig& cfg, const std::vector<HeadCache*>& heads, const float* q, int64_t L, float scale,
+                    const std::vector<float>& lse, const std::vector<Bf16Head>& staged, const std::vector<int64_t>& sinks,
+                    const std::vector<int64_t>& lo, const std::vector<int64_t>& hi) {
+    constexpr int64_t kWindow = 64;
+    const int D = cfg.head_dim, G = cfg.group();
+    const int64_t Hkv = static_cast<int64_t>(heads.size());
+    // the step's scaled queries in bf16, once (attend_amx rounds them the same way)
+    std::vector<uint16_t> qbf(static_cast<size_t>(Hkv * G * L * D));
+    tbb::parallel_for(int64_t(0), Hkv * G, [&](int64_t h) {
+        for (int64_t i = 0; i < L * D; ++i) qbf[static_cast<size_t>(h * L * D + i)] = to_bf16(q[h * L * D + i] * scale);
+    });
+    // tasks: one 64-slot window of one KV head's scored slots (no two tasks share a slot)
+    std::vector<int64_t> first(static_cast<size_t>(Hkv)), windows(static_cast<size_t>(Hkv));
+    int64_t max_windows = 0;
+    for (int64_t g = 0; g < Hkv; ++g) {
+        const size_t gi = static_cast<size_t>(g);
+        const int64_t a = sinks[gi], b = a + std::max<int64_t>(0, hi[gi] - lo[gi]);
+        first[gi] = a / kWindow * kWindow;
+        windows[gi] = b > a ? (b - first[gi] + kWindow - 1) / kWindow : 0;
+        max_windows = std::max(max_windows, windows[gi]);
+    }
+    tbb::parallel_for(int64_t(0), Hkv * max_windows, [&](int64_t t) {
+        const int64_t g = t / max_windows, w = t % max_windows;
+        const size_t gi = static_cast<size_t>(g);
+        if (w >= windows[gi]) return;
+        const int64_t a = sinks[gi], b = a + hi[gi] - lo[gi];
+        const int64_t s0 = std::max(a, first[gi] + w * kWindow), s1 = std::min(b, first[gi] + (w + 1) * kWindow);
+        float best[kWindow];
+        HeadCache& hc = *heads[gi];
+        for (int j = 0; j < G; ++j) {
+            const int64_t h = g * G + j;
+            std::fill(best, best + kWindow, kNegInf);
+            max_log_probabilities_amx(cfg, staged[gi], qbf.data() + h * L * D, lse.data() + h * L, L, s0, s1, best);
+            for (int64_t s = s0; s < s1; ++s) {
+                float& score = hc.scores[static_cast<size_t>((lo[gi] + s - a) * G + j)];
+                score = std::max(score, std::exp(best[s - s0]));
+            }
+        }
+    });
 }
 
 }  // namespace ovkc

@@ -139,6 +139,20 @@ void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k
     }
 }
 
+void load_quant_slab(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t n, Slab& out) {
+    const int D = cfg.head_dim, T = cfg.block_size;
+    n = std::min<int64_t>(n, static_cast<int64_t>(hc.qblocks.size()) * T);
+    out.clear();
+    out.resize(n, D);
+    std::vector<float> k(static_cast<size_t>(D)), v(static_cast<size_t>(D));
+    for (int64_t j = 0; j < n; ++j) {
+        dequantize_token(cfg, pool.qblock(hc.qblocks[static_cast<size_t>(j / T)]), static_cast<int>(j % T), k.data(),
+                         v.data());
+        out.put(j, k.data(), v.data(), D);
+    }
+    out.count = n;
+}
+
 void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
                   int64_t qb_begin, int64_t qb_end) {
     const QLayout L(cfg);

@@ -6,7 +6,9 @@
 // ("global", the paper): every head's first `sinks` positions and last `recent` slots, then the
 // highest scores (a slot's score: the max over its group's query heads), ties to the lower
 // (layer, head, slot), as the reference's stable sort. Heads keep different counts. Decode steps
-// only append: generated tokens wait for the next prompt's pass.
+// only append: generated tokens wait for the next prompt's pass. Over the 2-/4-bit store, each
+// head then quantizes whole `residual` runs of what it keeps; quantized tokens are frozen and
+// count against a later pass's budget.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -25,7 +27,8 @@ public:
         sinks = spec.integer("sinks", 0, kMax);
         recent = spec.integer("recent", 0, kMax);
         global = spec.choice("allocation", {"global", "layer"}) == "global";
-        if (quant()) throw Error(Spec::invalid("quant", "1", "0 for kvzip (its 2-bit store is not built yet)"));
+        // the question comes after the pass: nothing of a prompt is pinned in full precision
+        if (quant() && quant_tail()) throw Error(Spec::invalid("tail", std::to_string(quant_tail()), "0 for kvzip"));
         require_budgets_at_least(std::max<int64_t>(1, sinks + recent), "sinks + recent");
     }
 
@@ -35,6 +38,10 @@ public:
     bool has_scoring_pass() const override { return true; }
     int64_t scoring_sinks() const override { return sinks; }
 
+    // the scoring pass keeps a prompt whole until it has selected: no flush before (the store's
+    // quantized tokens are frozen), the kept tokens' flush after
+    bool defers_quant_flush() const override { return true; }
+
     void finish_scoring_pass(Sequence& seq) const override {
         const PoolConfig& cfg = seq.pool().config();
         if (global) {
@@ -43,6 +50,8 @@ public:
             for (int layer = 0; layer < cfg.layers; ++layer)
                 if (!cfg.window(layer)) select(seq, layer, layer + 1);
         }
+        for (int layer = 0; layer < cfg.layers; ++layer)
+            if (!cfg.window(layer)) quant_flush(seq, layer, false);
     }
 
 private:
@@ -63,6 +72,7 @@ private:
             total += budget(layer) * cfg.kv_heads;
             for (int g = 0; g < cfg.kv_heads; ++g) {
                 HeadCache& hc = seq.head(layer, g);
+                total -= static_cast<int64_t>(hc.qpos.size());  // quantized: frozen, and counted
                 compact(seq, hc);
                 const int64_t n = hc.size();
                 for (int64_t slot = 0; slot < n; ++slot) {
@@ -74,6 +84,7 @@ private:
                 }
             }
         }
+        total = std::max<int64_t>(0, total);
         if (static_cast<int64_t>(entries.size()) <= total) return;
         auto before = [](const Entry& a, const Entry& b) { return a.score > b.score || (a.score == b.score && a.flat < b.flat); };
         std::nth_element(entries.begin(), entries.begin() + total, entries.end(), before);

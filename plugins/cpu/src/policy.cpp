@@ -117,13 +117,13 @@ int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {
 void run_before_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
     const Policy& p = *seq.pool().config().policy;
     p.before_attention(seq, layer, prefill, L);
-    if (p.quant() && !prefill) quant_flush(seq, layer, false);
+    if (p.quant() && !p.defers_quant_flush() && !prefill) quant_flush(seq, layer, false);
 }
 
 void run_after_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
     const Policy& p = *seq.pool().config().policy;
     p.after_attention(seq, layer, prefill, L);
-    if (p.quant() && prefill) quant_flush(seq, layer, true);
+    if (p.quant() && !p.defers_quant_flush() && prefill) quant_flush(seq, layer, true);
 }
 
 // ---- the table ------------------------------------------------------------------------------------

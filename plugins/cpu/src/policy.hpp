@@ -93,6 +93,9 @@ public:
     // the positions below which a scoring step also attends (its sinks), beside its chunk
     virtual int64_t scoring_sinks() const { return 0; }
     virtual void finish_scoring_pass(Sequence& /*seq*/) const {}
+    // Whether the 2-bit store waits for the method to flush (quant_flush) instead of flushing
+    // after a prompt and before each decode step (a method that selects after a scoring pass).
+    virtual bool defers_quant_flush() const { return false; }
 
 private:
     PolicyCommon common_;
