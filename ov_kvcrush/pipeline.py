@@ -196,8 +196,8 @@ class LLMPipeline:
     def batcher(self) -> Any:
         """Backend openvino: the :class:`~ov_kvcrush.serving.ContinuousBatchingPipeline` that serves
         ``generate`` outside a chat (made on first use; ``None`` on the other backends)."""
-        if self.backend != "openvino" or self.engine.method.scoring_pass:
-            return None  # a scoring pass (KVzip) runs one request at a time, on the engine
+        if self.backend != "openvino":
+            return None
         with self._batcher_lock:
             if self._batcher is None:
                 from ov_kvcrush.serving import ContinuousBatchingPipeline

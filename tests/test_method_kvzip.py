@@ -47,6 +47,7 @@ def test_scoring_pass_steps_cover_the_context_in_equal_chunks(n):
     assert [s.lo for s in steps] == [0, *[s.hi for s in steps[:-1]]] and steps[-1].hi == n
     sizes = [s.hi - s.lo for s in steps]
     assert max(sizes) - min(sizes) <= 1 and max(sizes) <= 1.5 * 512
+    assert max(len(s.ids) for s in steps) <= cfg.scoring_step_bound(encode, [7, 7])
     for i, s in enumerate(steps):
         chunk = context[s.lo : s.hi]
         assert s.ids[-len(chunk) - 2 :] == [7, 7, *chunk]  # the generation prefix, then the chunk

@@ -55,6 +55,7 @@ METHODS = {
     "kvcrush": CompressionConfig(method="kvcrush", budget=128),
     "minikv": CompressionConfig(method="minikv", budget=128),
     "clusterkv": CompressionConfig(method="clusterkv", budget=128),
+    "kvzip": CompressionConfig(method="kvzip", budget=128),  # its scoring pass runs after each prompt
 }
 
 
@@ -72,8 +73,11 @@ def test_a_batch_gives_the_tokens_of_one_at_a_time_runs(engine, method):
         if method != "full" and method != "clusterkv":
             assert b.counters["tokens_held_per_head"] < b.prompt_tokens  # the method did evict
             assert b.kv_bytes == a.kv_bytes
+        if method == "kvzip":
+            assert b.counters["scoring_pass_ms"] > 0 and a.counters["scoring_pass_ms"] > 0
     assert max(b.counters["decode_batch_mean"] for b in batched) > 1  # decode steps were shared
     assert cb.stats["ragged_steps"] > 0  # chunks went beside decode tokens
+    assert cb.stats["scoring_passes"] == (len(PROMPTS) if method == "kvzip" else 0)
     assert cb.stats["failed"] == 0
     assert engine.pool.stats().blocks_in_use == 0  # every block came back
 
@@ -96,6 +100,27 @@ def test_a_full_pool_makes_requests_wait_and_none_fails(model_dir):
     assert stats.peak_blocks <= limit and stats.blocks_in_use == 0
     with pytest.raises(UserError, match=r"does not fit the KV pool even alone.*num_kv_blocks"):
         cb.add_request(99, " ".join(["word"] * 400), GenerationSettings(max_new_tokens=8))
+
+
+def test_kvzip_passes_fit_a_tight_pool_and_give_the_tokens_of_one_at_a_time_runs(model_dir):
+    """A scoring pass needs room for one of its steps beside the whole prompt: requests wait for
+    it (or a later one is preempted), none fails, and a request the pool cannot serve with its
+    pass is refused up front, naming it."""
+    comp = CompressionConfig(method="kvzip", budget=64, options={"chunk_tokens": 64})
+    sc = scheduler_config(num_kv_blocks=20, max_num_batched_tokens=128)
+    cb = ContinuousBatchingPipeline(model_dir, sc, properties=F32, compression=comp)
+    e = cb.engine
+    limit = e.max_kv_blocks
+    settings = GenerationSettings(max_new_tokens=12, ignore_eos=True)
+    alone = [e.generate(p, settings) for p in PROMPTS]
+    results = cb.generate(PROMPTS, settings)
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert cb.stats["scoring_passes"] == len(PROMPTS) and cb.stats["failed"] == 0
+    assert cb.stats["waited"] >= 1  # the pool (prompt + a pass step each) made some wait
+    stats = cb.pool.stats()
+    assert stats.peak_blocks <= limit and stats.blocks_in_use == 0
+    with pytest.raises(UserError, match="a scoring pass step"):
+        cb.add_request(99, " ".join(["word"] * 520), GenerationSettings(max_new_tokens=8))
 
 
 def test_decode_growth_preempts_a_request_which_is_recomputed_to_the_same_tokens(model_dir):

@@ -36,7 +36,6 @@ from ov_kvcrush.engines.base import (
     TextStream,
     check_context,
     context_prompt,
-    generation_prefix,
     model_context,
     question_split,
     step_ms,
@@ -45,6 +44,7 @@ from ov_kvcrush.engines.base import (
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
+from ov_kvcrush.engines.scoring_pass import ScoringPass
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
 from ov_kvcrush.kvcache import block_bytes as kv_block_bytes
@@ -157,7 +157,7 @@ class OpenVINOEngine:
         self.max_context = model_context(self.model_dir)
         self._cached: list[int] = []  # token ids whose K/V the sequence holds, in order
         self._scored = 0  # of them, how many a scoring pass (KVzip) has scored
-        self._prefix: list[int] | None = None  # the chat template's generation prompt (scoring passes)
+        self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
         self._history: list[dict] | None = None  # chat messages while a chat is open
 
     def _make_pool(self, compression: CompressionConfig) -> None:
@@ -278,33 +278,18 @@ class OpenVINOEngine:
 
     def scoring_pass(self) -> float:
         """The method's scoring pass (KVzip) over the tokens not scored yet, when the cache is over
-        its budget: each step of :meth:`~ov_kvcrush.methods.MethodConfig.scoring_pass_inputs`
-        is one inference in the op's scoring mode, then the op selects. Returns its seconds (0:
-        none ran)."""
-        method = self.method
-        if not method.scoring_pass or not self._cached:
-            return 0.0
-        method_layers = [i for i, w in enumerate(self.windows) if not w]  # sliding layers keep their ring
-        held = int(self.sequence.head_tokens()[method_layers].sum())
-        if not method.scoring_pass_due(held, len(method_layers), self.shape.kv_heads):
+        its budget (:class:`~ov_kvcrush.engines.scoring_pass.ScoringPass`). Returns its seconds
+        (0: none ran)."""
+        if not self._cached or not self.scoring.due(self.sequence):
             return 0.0
         t0 = time.perf_counter()
-        plain = lambda text: [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).input_ids.data[0]]  # noqa: E731
-        if self._prefix is None:
-            render = lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=True)  # noqa: E731
-            self._prefix = generation_prefix(render if getattr(self.tokenizer, "chat_template", "") else None, plain)
-        steps = method.scoring_pass_inputs(self._cached[self._scored :], plain, self._prefix)
         past = len(self._cached)
         try:
-            for step in steps:
-                self.sequence.score_positions(self._scored + step.lo, self._scored + step.hi)
-                self.request.infer(self.step_inputs([step.ids], [self.sequence], [past]))
+            self.scoring.run(self.request, self.sequence, self._cached[self._scored :], self._scored)
         except RuntimeError as exc:
-            self.sequence.end_scoring_pass(select=False)
             raise UserError(
                 f"backend openvino failed in the scoring pass after {past} tokens: {error_line(exc)}"
             ) from None
-        self.sequence.end_scoring_pass()
         self._scored = past
         return time.perf_counter() - t0
 

@@ -161,6 +161,12 @@ class KVzipConfig(EvictionConfig):
             steps.append(ScoringStep([*ask, *prefix, *chunk], bounds[i], bounds[i + 1]))
         return steps
 
+    def scoring_step_bound(self, encode: Callable[[str], list[int]], prefix: Sequence[int]) -> int:
+        """The most ids one step of :meth:`scoring_pass_inputs` feeds (a chunk is at most 1.5 x
+        ``chunk_tokens``): what a pool must have free beside the sequence for a pass."""
+        ask = max(len(encode(REPEAT_PROMPT)), len(encode(CONTINUE_PROMPT)) + self.overlap_tokens)
+        return ask + len(prefix) + (3 * self.chunk_tokens + 1) // 2
+
     def finish_scoring_pass(self, layers: list[LayerCache]) -> None:
         """Keep the budget over ``layers`` (this method's caches, in layer order) by their scores."""
         caches = [lc for lc in layers if isinstance(lc, KVzipLayerCache)]

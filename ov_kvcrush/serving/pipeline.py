@@ -83,6 +83,7 @@ class _Request:
     chunks: int = 0
     decode_batch: list[int] = field(default_factory=list)  # batch size of each decode step it ran in
     peak_kv_bytes: int = 0
+    scoring_s: float = 0.0  # its scoring passes (KVzip)
 
 
 class GenerationHandle:
@@ -202,13 +203,6 @@ class ContinuousBatchingPipeline:
         check_int("scheduler_config.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         self.chunked = bool(sc.dynamic_split_fuse) if sc is not None else True
         e = self.engine
-        if e.method.scoring_pass:
-            raise ConfigError(
-                "compression.method",
-                e.compression.method,
-                "a method without a scoring pass: continuous batching does not run KVzip's yet "
-                "(LLMPipeline serves it one request at a time)",
-            )
         self.pool = e.pool
         self.request = e.compiled.create_infer_request()  # the engine's own request stays free for it
         limits = SchedulerLimits(
@@ -219,6 +213,7 @@ class ContinuousBatchingPipeline:
             rows=e.shape.layers * e.shape.kv_heads,
             block_size=e.block_size,
             holds_everything=not e.compression.compresses,
+            scoring_tokens=e.scoring.step_bound(),
         )
         self.scheduler = Scheduler(limits, self._free_blocks, self._release)
         self._requests: dict[int, _Request] = {}
@@ -231,7 +226,17 @@ class ContinuousBatchingPipeline:
         #: counts over the pipeline's life: steps, decode rows, prompt chunks, preemptions, failures, ...
         #: (ragged_steps: a prompt chunk and decode tokens in one inference)
         self.stats = dict.fromkeys(
-            ("steps", "decode_rows", "prefill_chunks", "ragged_steps", "preemptions", "failed", "waited"), 0
+            (
+                "steps",
+                "decode_rows",
+                "prefill_chunks",
+                "ragged_steps",
+                "preemptions",
+                "failed",
+                "waited",
+                "scoring_passes",
+            ),
+            0,
         )
 
     # -- requests -------------------------------------------------------------------------------
@@ -363,9 +368,32 @@ class ContinuousBatchingPipeline:
         self.stats["ragged_steps"] += bool(decode)
         req.fed += n
         self.scheduler.prefilled(slot, n)
-        if slot.done >= len(slot.tokens):
+        self._decoded(decode, logits[1:])  # first: the pass below may preempt some of them
+        if slot.done >= len(slot.tokens) and self._scoring_pass(req):
             self._emit(req, logits[0])
-        self._decoded(decode, logits[1:])
+
+    def _scoring_pass(self, req: _Request) -> bool:
+        """The method's scoring pass (KVzip) after a request's whole prompt, on that request alone,
+        as the engine runs it for one sequence; other requests are preempted if the pool lacks the
+        room of one pass step. False: the request failed."""
+        e = self.engine
+        seq = req.sequence
+        assert seq is not None
+        if not e.scoring.due(seq):
+            return True
+        rows = e.shape.layers * e.shape.kv_heads
+        need = rows * (-(-self.scheduler.limits.scoring_tokens // e.block_size) + 1)
+        preempted = self.scheduler.make_room(req.slot, need)
+        self.stats["preemptions"] += len(preempted)
+        t0 = time.perf_counter()
+        try:
+            e.scoring.run(self.request, seq, req.slot.tokens, 0)
+        except RuntimeError as exc:
+            self._fail(req, f"backend openvino failed in the scoring pass after {req.fed} tokens: {error_line(exc)}")
+            return False
+        req.scoring_s += time.perf_counter() - t0
+        self.stats["scoring_passes"] += 1
+        return True
 
     def _decode(self, reqs: list[_Request]) -> None:
         logits = self._infer([[r.tokens[-1]] for r in reqs], reqs, f"a decode step of {len(reqs)} sequences")
@@ -463,6 +491,8 @@ class ContinuousBatchingPipeline:
             preemptions=req.slot.preemptions,
             decode_batch_mean=round(float(np.mean(req.decode_batch)), 2) if req.decode_batch else 0.0,
         )
+        if req.scoring_s:
+            counters["scoring_pass_ms"] = round(req.scoring_s * 1e3, 3)
         return GenerationResult(
             text=self._detokenize(req.tokens) if req.tokens else "",
             token_ids=list(req.tokens),

@@ -56,6 +56,9 @@ class SchedulerLimits:
     block_size: int
     #: the method keeps every token (the full cache): a request needs its whole length's blocks
     holds_everything: bool = True
+    #: the most tokens one step of the method's scoring pass (KVzip) feeds right after a prompt:
+    #: room a request needs beside its whole prompt (0: no pass)
+    scoring_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -124,10 +127,16 @@ class Scheduler:
             )
         if not lim.pool_blocks:
             return
-        held = prompt_tokens + (max_new_tokens if lim.holds_everything else 0)
+        held = prompt_tokens + (max_new_tokens if lim.holds_everything else lim.scoring_tokens)
         need = self.blocks_for(held) + (0 if lim.holds_everything else lim.rows)
         if need > lim.pool_blocks:
-            what = "prompt + max_new_tokens" if lim.holds_everything else "the prompt"
+            what = (
+                "prompt + max_new_tokens"
+                if lim.holds_everything
+                else "the prompt and a scoring pass step"
+                if lim.scoring_tokens
+                else "the prompt"
+            )
             raise UserError(
                 f"request does not fit the KV pool even alone: {what} ({held} tokens) needs {need} blocks, "
                 f"the pool holds {lim.pool_blocks} (raise num_kv_blocks / cache_size)"
@@ -179,7 +188,7 @@ class Scheduler:
         current = next((s for s in self.running if s.phase is Phase.PREFILL), None)
         if current is None and self.waiting and len(self.running) < lim.max_num_seqs:
             nxt = self.waiting[0]
-            need = self.blocks_for(len(nxt.tokens)) + lim.rows
+            need = self.blocks_for(len(nxt.tokens) + lim.scoring_tokens) + lim.rows
             if avail is None or need <= avail:
                 self.waiting.popleft()
                 nxt.phase = Phase.PREFILL
@@ -199,6 +208,19 @@ class Scheduler:
                 chunk = min(chunk, open_slots + (avail // lim.rows) * bs)
             if chunk > 0:
                 out.prefill = (current, chunk)
+        return out
+
+    def make_room(self, slot: Slot, blocks: int) -> list[Slot]:
+        """Preempt the latest admitted other requests until ``blocks`` are free (a scoring pass
+        after ``slot``'s prompt); returns those preempted. ``check_fits`` made sure the slot fits
+        alone."""
+        out: list[Slot] = []
+        while (free := self.free_blocks()) is not None and free < blocks:
+            others = [s for s in self.running if s is not slot]
+            if not others:
+                break
+            self._preempt(others[-1])
+            out.append(others[-1])
         return out
 
     def prefilled(self, slot: Slot, tokens: int) -> None:
