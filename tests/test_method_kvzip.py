@@ -32,8 +32,13 @@ def test_config_fields_are_validated_by_name():
     with pytest.raises(ConfigError, match=r"quant\.prompt_tail"):  # the question comes after the pass
         KVzipConfig(budget=64, quant=QuantSettings(prompt_tail=16))
     assert KVzipConfig(budget=64, quant=QuantSettings(bits=4)).quant.pinned_tail(selecting=False) == 0
+    with pytest.raises(ConfigError, match="slack_tokens"):
+        KVzipConfig(budget=64, slack_tokens=-1)
     with pytest.raises(ConfigError, match="budget"):
         KVzipConfig(budget=2, sink_tokens=4)
+    # a pass is due past the budget plus the slack, per layer and KV head
+    cfg = KVzipConfig(budget=64, slack_tokens=16)
+    assert not cfg.scoring_pass_due(80 * 2 * 3, 2, 3) and cfg.scoring_pass_due(80 * 2 * 3 + 1, 2, 3)
     assert method_config("kvzip", budget=64).scoring_pass
 
 

@@ -59,13 +59,16 @@ def test_kvzip_keeps_what_a_later_turn_asks_for(engine, document):
     assert SECRET in full.text  # the model answers it with everything kept
     first, second, held, fp_bytes = _chat(engine, CompressionConfig(method="kvzip", budget=budget), document)
     assert SECRET in second.text, second.text
-    assert first.counters["scoring_pass_ms"] > 0 and second.counters["scoring_pass_ms"] > 0
-    assert held <= budget + 16  # each turn's pass brings the cache back to its budget; answers wait
+    # the document's turn is compressed; the question's turn (within slack_tokens) is answered whole
+    assert first.counters["scoring_pass_ms"] > 0 and "scoring_pass_ms" not in second.counters
+    assert budget < held <= budget + 128
     assert engine.pool.stats().kv_bytes == 0
-    # over the 4-bit store: the same tokens kept, whole 32-token runs of them in 4 bits
-    quant = {"quant": QuantSettings(bits=4, residual_tokens=32)}
+    # over the 4-bit store, and a pass after every turn (no slack): the second pass keeps the
+    # first one's quantized tokens and brings the cache back to its budget; answers wait
+    quant = {"quant": QuantSettings(bits=4, residual_tokens=32), "slack_tokens": 0}
     _, second4, held4, bytes4 = _chat(engine, CompressionConfig("kvzip", budget, options=quant), document)
     assert SECRET in second4.text, second4.text
+    assert second4.counters["scoring_pass_ms"] > 0
     assert held4 <= budget + 16 and bytes4 < 0.75 * fp_bytes
 
 
