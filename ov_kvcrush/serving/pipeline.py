@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.kvcache import KVSequence, block_bytes
+from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -56,13 +56,6 @@ from ov_kvcrush.serving.scheduler import (
     Slot,
 )
 from ov_kvcrush.validation import check_int
-
-
-class GenerationStatus(Enum):
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 @dataclass(eq=False)
@@ -84,58 +77,6 @@ class _Request:
     decode_batch: list[int] = field(default_factory=list)  # batch size of each decode step it ran in
     peak_kv_bytes: int = 0
     scoring_s: float = 0.0  # its scoring passes (KVzip)
-
-
-class GenerationHandle:
-    """One submitted request: its status, its tokens as they come, and its result."""
-
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
-        self.status = GenerationStatus.RUNNING
-        self.error = ""
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._tokens: list[int] = []
-        self._read = 0
-        self._result: GenerationResult | None = None
-        self._cancel = False
-
-    def can_read(self) -> bool:
-        """New tokens since the last :meth:`read`."""
-        with self._lock:
-            return len(self._tokens) > self._read
-
-    def read(self) -> list[int]:
-        """The token ids generated since the last call (no wait)."""
-        with self._lock:
-            new = self._tokens[self._read :]
-            self._read = len(self._tokens)
-            return new
-
-    def cancel(self) -> None:
-        """Stop at the next step; the result keeps what was generated."""
-        self._cancel = True
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait for the request's end; raises :class:`UserError` when it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} not finished within {timeout} s")
-        if self.status is GenerationStatus.FAILED:
-            raise UserError(f"request {self.request_id} failed: {self.error}")
-        assert self._result is not None
-        return self._result
-
-    # -- the pipeline's side --------------------------------------------------------------------
-    def _push(self, token: int) -> None:
-        with self._lock:
-            self._tokens.append(token)
-
-    def _finish(self, status: GenerationStatus, result: GenerationResult | None, error: str = "") -> None:
-        self.status, self._result, self.error = status, result, error
-        self._done.set()
 
 
 class ContinuousBatchingPipeline:
@@ -319,7 +260,7 @@ class ContinuousBatchingPipeline:
         """Run one step: one inference of a prompt chunk, if one is due, and the running requests' decode tokens."""
         with self._step_lock:
             for rid, req in list(self._requests.items()):
-                if self._handles[rid]._cancel:
+                if self._handles[rid].cancel_requested:
                     self._finish(req, GenerationStatus.CANCELLED)
             plan = self.scheduler.plan()
             self.stats["preemptions"] += len(plan.preempted)
@@ -434,7 +375,7 @@ class ContinuousBatchingPipeline:
             self._finish(req, GenerationStatus.FINISHED)
             return
         req.tokens.append(token)
-        self._handles[req.slot.request_id]._push(token)
+        self._handles[req.slot.request_id].push_token(token)
         stop = req.stream.push(req.tokens)
         if stop or len(req.tokens) >= s.max_new_tokens:
             self._finish(req, GenerationStatus.FINISHED)
@@ -444,12 +385,12 @@ class ContinuousBatchingPipeline:
         self.stats["waited"] += req.slot.waited
         result = self._result(req)
         self._close(req)
-        self._handles.pop(req.slot.request_id)._finish(status, result)
+        self._handles.pop(req.slot.request_id).finish(status, result)
 
     def _fail(self, req: _Request, error: str) -> None:
         self.stats["failed"] += 1
         self._close(req)
-        self._handles.pop(req.slot.request_id)._finish(GenerationStatus.FAILED, None, error)
+        self._handles.pop(req.slot.request_id).finish(GenerationStatus.FAILED, None, error)
 
     def _close(self, req: _Request) -> None:
         self.scheduler.finish(req.slot)
