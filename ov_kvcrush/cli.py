@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from ov_kvcrush.bench.plan import DEFAULT_LENGTHS
+from ov_kvcrush.bench_command import cmd_bench
 from ov_kvcrush.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.chat import methods_help
-from ov_kvcrush.errors import ConfigError, UserError, one_line
+from ov_kvcrush.cli_values import parse_float, parse_int, parse_name, parse_size, split_values
+from ov_kvcrush.errors import UserError, one_line
 from ov_kvcrush.inspect_command import add_inspect_arguments, cmd_inspect
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, read_prompt_file, write_atomic, write_text
 
@@ -230,47 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _TASKS = ("passkey", "niah_single", "niah_multikey", "vt", "ppl")
-_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
-
-
-def _split(flag: str, text: str, convert):
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            out.append(convert(item))
-        except ValueError:
-            raise UserError(f"{flag}: {item!r} is not valid ({convert.__doc__})") from None
-    if not out:
-        raise UserError(f"{flag}: empty list")
-    return tuple(out)
-
-
-def _size(text: str) -> int:
-    """a byte count, optionally with KiB/MiB/GiB/KB/MB/GB"""
-    low = text.lower()
-    num = low.rstrip("kmgib")
-    unit = low[len(num) :]
-    if unit not in _SIZE_UNITS:
-        raise ValueError(text)
-    return round(float(num) * _SIZE_UNITS[unit])
-
-
-def _int(text: str) -> int:
-    """an integer"""
-    return int(text)
-
-
-def _float(text: str) -> float:
-    """a number"""
-    return float(text)
-
-
-def _name(text: str) -> str:
-    """a name"""
-    return text
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -281,14 +241,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     json_out = prepare_output("--json", args.json_out)
     plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
-    methods = tuple(MethodSpec.parse(m) for m in _split("--methods", args.methods, _name)) if args.methods else ()
+    methods = (
+        tuple(MethodSpec.parse(m) for m in split_values("--methods", args.methods, parse_name)) if args.methods else ()
+    )
     plan = EvalPlan(
-        tasks=_split("--tasks", args.tasks, _name),
-        lengths=_split("--lengths", args.lengths, _int),
+        tasks=split_values("--tasks", args.tasks, parse_name),
+        lengths=split_values("--lengths", args.lengths, parse_int),
         methods=methods,
-        budgets=_split("--budgets", args.budgets, _int),
-        kv_bytes=_split("--kv-bytes", args.kv_bytes, _size) if args.kv_bytes else (),
-        kv_ratio=_split("--kv-ratio", args.kv_ratio, _float) if args.kv_ratio else (),
+        budgets=split_values("--budgets", args.budgets, parse_int),
+        kv_bytes=split_values("--kv-bytes", args.kv_bytes, parse_size) if args.kv_bytes else (),
+        kv_ratio=split_values("--kv-ratio", args.kv_ratio, parse_float) if args.kv_ratio else (),
         samples=args.samples,
         seed=args.seed,
         backend=args.backend,
@@ -308,91 +270,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"\nJSON: {write_atomic(json_out, lambda p: write_json(report, p, command))}")
     if plot_out is not None:
         print(f"plot: {write_atomic(plot_out, lambda p: plot(report, p, title=command))}")
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
-    from ov_kvcrush.bench import BenchPlan, dry_run, format_markdown, format_table, plot, run_bench
-
-    json_out = prepare_output("--json", args.json_out)
-    plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
-    markdown_out = prepare_output("--markdown", args.markdown)
-    if args.concurrency is not None or args.kv_pool_mib is not None:
-        return _bench_serving(args, json_out, plot_out, markdown_out)
-    plan = BenchPlan(
-        backends=_split("--backends", args.backends, _name),
-        methods=_split("--methods", args.methods, str),
-        budgets=_split("--budgets", args.budgets, _int),
-        lengths=_split("--lengths", args.lengths, _int),
-        repeats=args.repeats,
-        new_tokens=args.new_tokens,
-        seed=args.seed,
-        model=args.model,
-        device=args.device,
-        isolate=not args.no_isolate,
-    )
-    if args.dry_run:
-        print(dry_run(plan))
-        return 0
-    doc = run_bench(plan, progress=lambda line: print(line, flush=True))
-    print()
-    print(format_table(doc))
-    print(f"\nmemory bandwidth (copy, read + write): {doc['bandwidth_gbps']:.1f} GB/s")
-    if json_out is not None:
-        write_text(json_out, json.dumps(doc, indent=2))
-    if plot_out is not None:
-        write_atomic(plot_out, lambda p: plot(doc, p))
-    if markdown_out is not None:
-        write_text(markdown_out, format_markdown(doc) + "\n")
-    return 0
-
-
-def _bench_serving(
-    args: argparse.Namespace, json_out: Path | None, plot_out: Path | None, markdown_out: Path | None
-) -> int:
-    import json
-
-    from ov_kvcrush.bench.serving import ServingPlan, checked_configs, format_serving, plot_serving, run_serving
-    from ov_kvcrush.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
-
-    if args.concurrency is None or args.kv_pool_mib is None:
-        missing = "--concurrency" if args.concurrency is None else "--kv-pool-mib"
-        raise UserError(f"a serving run needs both --concurrency and --kv-pool-mib ({missing} is missing)")
-    lengths = _split("--lengths", args.lengths, _int)
-    if len(lengths) != 1:
-        raise ConfigError("lengths", args.lengths, "one prompt length for a serving run (--concurrency)")
-    plan = ServingPlan(
-        backends=_split("--backends", args.backends, _name),
-        methods=_split("--methods", args.methods, str),
-        budgets=_split("--budgets", args.budgets, _int),
-        concurrency=args.concurrency,
-        length=lengths[0],
-        new_tokens=args.new_tokens,
-        kv_pool_mib=args.kv_pool_mib,
-        max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if args.max_num_batched_tokens is None
-        else args.max_num_batched_tokens,
-        seed=args.seed,
-        model=args.model,
-    )
-    configs = checked_configs(plan)
-    if args.dry_run:
-        print(f"serving: {plan.concurrency} requests x {plan.length} tokens, {plan.kv_pool_mib} MiB pool")
-        print("\n".join(f"  {c.label}" for c in configs))
-        return 0
-    doc = run_serving(plan, progress=lambda line: print(line, flush=True))
-    doc["command"] = "ov-kvcrush " + " ".join(sys.argv[1:])
-    table = format_serving(doc)
-    print()
-    print(table)
-    if json_out is not None:
-        write_text(json_out, json.dumps(doc, indent=2))
-    if plot_out is not None:
-        write_atomic(plot_out, lambda p: plot_serving(doc, p))
-    if markdown_out is not None:
-        write_text(markdown_out, table + "\n")
     return 0
 
 
