@@ -58,6 +58,39 @@ void configure_tiles() {
     }
     _tile_loadconfig(&c);
 }
+
+// S [16][kStep] = A K^T for `groups` (1-4) 16-token key groups: C tiles 0-3 the groups, A (tile
+// 4) one 32-dim slice of the 16 query rows (bf16, row-major, D per row), B (tile 5) the same
+// slice of a group's staged keys (`kg`: the first group). Tile numbers are immediates, hence
+// the unrolled groups.
+void qk_tiles(const uint16_t* a, const uint16_t* kg, int D, int groups, float* S) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < D / 32; ++k) {
+        _tile_loadd(4, a + k * 32, D * 2);
+        const uint16_t* b = kg + static_cast<size_t>(k) * 16 * 32;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (groups > 1) {
+            _tile_loadd(5, b + static_cast<size_t>(D) * 16, 64);
+            _tile_dpbf16ps(1, 4, 5);
+        }
+        if (groups > 2) {
+            _tile_loadd(5, b + static_cast<size_t>(D) * 32, 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if (groups > 3) {
+            _tile_loadd(5, b + static_cast<size_t>(D) * 48, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, S, kStep * 4);
+    if (groups > 1) _tile_stored(1, S + 16, kStep * 4);
+    if (groups > 2) _tile_stored(2, S + 32, kStep * 4);
+    if (groups > 3) _tile_stored(3, S + 48, kStep * 4);
+}
 }  // namespace
 #endif
 
@@ -89,33 +122,12 @@ void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, 
     }
     std::fill(O, O + kAmxRows * D, 0.0f);
     configure_tiles();
-    const int ksteps = D / 32, dblocks = D / 16;
+    const int dblocks = D / 16;
     for (int64_t slot0 = first_visible_slot(hc, qpos, n, window) / kStep * kStep; slot0 < st.n; slot0 += kStep) {
         if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;
         const int ntok = static_cast<int>(std::min<int64_t>(kStep, st.n - slot0));
-        // S = Q K^T: C tiles 0-3 are the four 16-token groups; A (tile 4) one 32-dim slice of Q,
-        // B (tile 5) the same slice of a group's keys
-        const uint16_t* kg = st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int k = 0; k < ksteps; ++k) {
-            _tile_loadd(4, qb + k * 32, D * 2);
-            const uint16_t* b = kg + static_cast<size_t>(k) * 16 * 32;
-            _tile_loadd(5, b, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, b + static_cast<size_t>(D) * 16, 64);
-            _tile_dpbf16ps(1, 4, 5);
-            _tile_loadd(5, b + static_cast<size_t>(D) * 32, 64);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(5, b + static_cast<size_t>(D) * 48, 64);
-            _tile_dpbf16ps(3, 4, 5);
-        }
-        _tile_stored(0, S, kStep * 4);
-        _tile_stored(1, S + 16, kStep * 4);
-        _tile_stored(2, S + 32, kStep * 4);
-        _tile_stored(3, S + 48, kStep * 4);
+        // S = Q K^T over the step's four 16-token key groups
+        qk_tiles(qb, st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16, D, 4, S);
         // causal mask, online softmax, probabilities to bf16
         const int64_t last_pos = hc.pos[static_cast<size_t>(slot0 + ntok - 1)];
         for (int r = 0; r < kAmxRows; ++r) {
@@ -209,7 +221,7 @@ void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, 
 void max_log_probabilities_amx(const PoolConfig& cfg, const Bf16Head& st, const uint16_t* q, const float* lse, int64_t rows,
                                int64_t s_begin, int64_t s_end, float* best) {
 #if OVKC_AMX
-    const int D = cfg.head_dim, ksteps = D / 32;
+    const int D = cfg.head_dim;
     const int64_t groups = static_cast<int64_t>(st.k.size()) / (static_cast<int64_t>(D) * 16);  // staged (zero padded)
     alignas(64) uint16_t A[kAmxRows * 512];  // 16 query rows (rows past the last: 0)
     alignas(64) float S[kAmxRows * kStep];
@@ -222,32 +234,7 @@ void max_log_probabilities_amx(const PoolConfig& cfg, const Bf16Head& st, const 
             const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r0));
             std::memcpy(A, q + r0 * D, sizeof(uint16_t) * static_cast<size_t>(n) * D);
             if (n < kAmxRows) std::fill(A + n * D, A + kAmxRows * D, uint16_t(0));
-            _tile_zero(0);  // tile numbers are immediates: all four, whatever nb
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int k = 0; k < ksteps; ++k) {
-                _tile_loadd(4, A + k * 32, D * 2);
-                const uint16_t* b = kg + static_cast<size_t>(k) * 16 * 32;
-                _tile_loadd(5, b, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                if (nb > 1) {
-                    _tile_loadd(5, b + static_cast<size_t>(D) * 16, 64);
-                    _tile_dpbf16ps(1, 4, 5);
-                }
-                if (nb > 2) {
-                    _tile_loadd(5, b + static_cast<size_t>(D) * 32, 64);
-                    _tile_dpbf16ps(2, 4, 5);
-                }
-                if (nb > 3) {
-                    _tile_loadd(5, b + static_cast<size_t>(D) * 48, 64);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-            }
-            _tile_stored(0, S, kStep * 4);
-            if (nb > 1) _tile_stored(1, S + 16, kStep * 4);
-            if (nb > 2) _tile_stored(2, S + 32, kStep * 4);
-            if (nb > 3) _tile_stored(3, S + 48, kStep * 4);
+            qk_tiles(A, kg, D, nb, S);
             const int cols = static_cast<int>(hi - lo);
             for (int r = 0; r < n; ++r) {
                 const __m512 shift = _mm512_set1_ps(lse[r0 + r]);
