@@ -60,10 +60,13 @@ def cache_policy(compression) -> str:
     name = compression.method
     if not compression.compresses:
         return "cache: full (every token kept)"
-    if compression.method_config().scoring_pass:
+    method = compression.method_config()
+    if method.scoring_pass:
+        slack = getattr(method, "slack_tokens", 0)
+        after = f"once the cache is over it by more than {slack} tokens, " if slack else ""
         return (
-            f"cache: {name}, budget {compression.budget} per layer and KV head; query-agnostic: each turn is "
-            "scored by reconstructing it, so later questions find what it held"
+            f"cache: {name}, budget {compression.budget} per layer and KV head; query-agnostic: {after}the turns "
+            "are scored by reconstructing them, so later questions find what they held"
         )
     return (
         f"cache: {name}, budget {compression.budget} per layer and KV head; it keeps what the queries seen so far "
