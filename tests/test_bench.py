@@ -250,6 +250,7 @@ def test_method_items_carry_options_checked_by_the_method():
     # a store after +, as eval names it
     (cfg,) = bench.plan_configs(["openvino"], ["kvzip:allocation=layer+k2v4"], [256], anchor=None)
     assert cfg.options == {"allocation": "layer", "quant": {"key_bits": 2, "value_bits": 4}}
+    assert cfg.label == "openvino kvzip allocation=layer+k2v4 @256"  # named as --methods names it
     assert compression(cfg).method_config().quant.label == "k2v4"
     with pytest.raises(ConfigError, match=r"\+4bit"):
         bench.plan_configs(["openvino"], ["snapkv+3bit"], [256])

@@ -36,9 +36,21 @@ class BenchConfig:
 
     @property
     def label(self) -> str:
+        """``backend method[ key=value ...][+store] [@budget]``: a store named as ``--methods``
+        names it (``openvino kvzip+4bit @1024``)."""
+        from ov_kvcrush.config import STORE_WIDTHS
+
         tail = "" if self.budget is None else f" @{self.budget}"
-        opts = "".join(f" {k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.backend} {self.method}{opts}{tail}"
+        options = dict(self.options)
+        quant = options.get("quant")
+        store = ""
+        if isinstance(quant, dict) and set(quant) == {"key_bits", "value_bits"}:
+            widths = (quant["key_bits"], quant["value_bits"])
+            store = next((f"+{name}" for name, w in STORE_WIDTHS.items() if w == widths), "")
+            if store:
+                del options["quant"]
+        opts = "".join(f" {k}={v}" for k, v in sorted(options.items()))
+        return f"{self.backend} {self.method}{opts}{store}{tail}"
 
 
 def backend_methods(backend: str) -> tuple[str, ...]:
