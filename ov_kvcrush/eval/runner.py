@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ov_kvcrush.config import STORE_WIDTHS, CompressionConfig, GenerationSettings
+from ov_kvcrush.config import STORE_WIDTHS, CompressionConfig, GenerationSettings, split_store
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
@@ -52,17 +52,18 @@ class MethodSpec:
     def parse(cls, text: str) -> MethodSpec:
         from ov_kvcrush.config import parse_options
 
-        head, plus, store = text.rpartition("+")
-        if not plus:
-            head, store = text, ""
-        name, *opts = head.split(":")
         allowed = (
             "registry names ("
             + ", ".join(REGISTRY)
             + "), optionally with :KEY=VALUE options and +"
             + ", +".join(STORE_WIDTHS)
         )
-        if name not in REGISTRY or (store and store not in STORE_WIDTHS):
+        try:
+            head, store = split_store(text)
+        except ConfigError:
+            raise ConfigError("methods", text, allowed) from None
+        name, *opts = head.split(":")
+        if name not in REGISTRY:
             raise ConfigError("methods", text, allowed)
         field = REGISTRY[name].__dataclass_fields__.get("quant")
         quantized_already = field is not None and field.default is not None  # MiniKV: 2-bit by default

@@ -312,7 +312,8 @@ class KVzipLayerCache(StoredLayerCache):
         held = (p >= 0).sum(-1, keepdim=True)
         rank = torch.cumsum((p >= 0).long(), dim=-1) - 1  # slot's order among held slots
         protected = (p >= 0) & ((p < self.config.sink_tokens) | (rank >= held - self.config.recent_tokens))
-        protected[:, :, : self._frozen_slots()] |= p[:, :, : self._frozen_slots()] >= 0  # quantized: kept
+        nq = self._frozen_slots()
+        protected[:, :, :nq] |= p[:, :, :nq] >= 0  # quantized: kept
         return s.masked_fill(protected, float("inf"))
 
     def _frozen_slots(self) -> int:

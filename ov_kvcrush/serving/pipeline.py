@@ -322,9 +322,7 @@ class ContinuousBatchingPipeline:
         assert seq is not None
         if not e.scoring.due(seq):
             return True
-        rows = e.shape.layers * e.shape.kv_heads
-        need = rows * (-(-self.scheduler.limits.scoring_tokens // e.block_size) + 1)
-        preempted = self.scheduler.make_room(req.slot, need)
+        preempted = self.scheduler.make_room(req.slot)
         self.stats["preemptions"] += len(preempted)
         t0 = time.perf_counter()
         try:

@@ -210,10 +210,11 @@ class Scheduler:
                 out.prefill = (current, chunk)
         return out
 
-    def make_room(self, slot: Slot, blocks: int) -> list[Slot]:
-        """Preempt the latest admitted other requests until ``blocks`` are free (a scoring pass
-        after ``slot``'s prompt); returns those preempted. ``check_fits`` made sure the slot fits
-        alone."""
+    def make_room(self, slot: Slot) -> list[Slot]:
+        """Preempt the latest admitted other requests until one step of a scoring pass after
+        ``slot``'s prompt has room (``scoring_tokens``, and a block per head for its start);
+        returns those preempted. ``check_fits`` made sure the slot fits alone."""
+        blocks = self.blocks_for(self.limits.scoring_tokens) + self.limits.rows
         out: list[Slot] = []
         while (free := self.free_blocks()) is not None and free < blocks:
             others = [s for s in self.running if s is not slot]

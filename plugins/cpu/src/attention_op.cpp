@@ -350,7 +350,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
         }
         // a scoring step over the 2-bit store attends, of its quantized tokens, the sinks only
         // (dequantized once per head, positions ascend so they come first)
-        std::vector<Slab> qsinks(ranged ? static_cast<size_t>(Hkv) : 0);
+        std::vector<Slab> qsinks(ranged && policy.quant() ? static_cast<size_t>(Hkv) : 0);
         for (size_t gi = 0; gi < qsinks.size(); ++gi) {
             const HeadCache& hc = seq->head(layer, static_cast<int>(gi));
             const auto sinks = std::lower_bound(hc.qpos.begin(), hc.qpos.end(), policy.scoring_sinks());
@@ -431,7 +431,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                 if (bf16 && hc.qblocks.empty() && hc.bias.empty()) {
                     attend_bf16(cfg, staged_head(h / G), staged[static_cast<size_t>(h / G)], rows, m_scale);
                 } else {
-                    if (ranged)
+                    if (ranged && !qsinks.empty())
                         attend_slab(qsinks[static_cast<size_t>(h / G)], INT64_MAX, static_cast<int>(D), rows, m_scale, -1);
                     else if (!hc.qblocks.empty())
                         attend_quant(cfg, seq->pool(), hc, rows, m_scale, 0, static_cast<int64_t>(hc.qblocks.size()));
