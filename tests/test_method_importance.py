@@ -307,7 +307,6 @@ def test_span_pooling_default_keeps_both_halves_of_a_needle_a_span_boundary_spli
     tokens at the end of span 2 (90-95); its last tokens open span 3 and get little attention.
     Pooled over 7 tokens, span 3 ranks below two spans of spread-out attention and is evicted;
     pooled over 31, span 3 inherits the needle's score and both spans stay."""
-    assert SnapKVConfig(budget=96).pool_width == 7  # SnapKV's own width for single tokens
     assert SnapKVConfig(budget=256, block_size=32).pool_width == 31
     assert KVCrushConfig(budget=256, block_size=32).pool_width == 31
     assert SnapKVConfig(budget=256, block_size=32, pool_kernel=7).pool_width == 7
@@ -321,3 +320,22 @@ def test_span_pooling_default_keeps_both_halves_of_a_needle_a_span_boundary_spli
         spans[width] = sorted({int(p) // 32 for p in kept})
     assert spans[7] == [2, 5, 7]  # span 3, the needle's tail, is gone
     assert spans[31] == [2, 3, 7]
+
+
+def test_token_pooling_default_keeps_a_needles_digits_the_window_barely_attends():
+    """Single tokens pool over 31 by default too (SnapKV's paper: 7): the window attends the
+    needle's phrase (90-95); its digits (96-102) get no more than the haystack. Pooled over 7,
+    the last digits rank below a region of spread-out attention and are evicted; pooled over 31
+    the whole number inherits the phrase's score and is kept."""
+    assert SnapKVConfig(budget=96).pool_width == 31
+    assert SnapKVConfig(budget=96, pool_kernel=7).pool_width == 7
+    assert KVCrushConfig(budget=96).op_fields(1, 9, 32)["pool_kernel"] == 31
+    raw = torch.full((1, 1, 256), 0.01)
+    raw[..., 90:96] = 1.0  # the phrase before the number
+    raw[..., 150:230] = 0.15  # attention spread over a long region
+    digits = set(range(96, 103))
+    kept = {}
+    for width in (7, SnapKVConfig(budget=96).pool_width):
+        kept[width] = {int(p) for p in keep_indices(pool_scores(raw, width), 48, 0, 8)[0, 0]}
+    assert not digits <= kept[7]  # the number's tail is gone
+    assert digits <= kept[31]

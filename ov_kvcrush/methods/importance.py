@@ -41,6 +41,9 @@ Where this departs from them:
   predates GQA) and never decay.
 * SnapKV keeps evicting during decoding with the accumulated scores (the paper compresses the
   prompt once), so the budget holds for long generations too.
+* SnapKV pools over 31 tokens by default, not the paper's 7 (``pool_kernel=7`` restores it): the
+  window attends the words before a needle, and only a wide pool carries their score over the
+  whole number (see :attr:`SnapKVConfig.pool_width`).
 * PyramidKV's per-layer budgets are linear in depth (the paper's arithmetic schedule) with the
   total preserved exactly by largest-remainder rounding; its attention-entropy variant is not
   implemented.
@@ -240,9 +243,10 @@ class H2OConfig(EvictionConfig):
         return ImportanceLayerCache
 
 
-#: SnapKV's pooling width over single tokens (the paper's), and the default over spans
-TOKEN_POOL_KERNEL = 7
-SPAN_POOL_KERNEL = 31
+#: SnapKV's own pooling width (the paper's), kept as ``pool_kernel=7``
+SNAPKV_PAPER_POOL_KERNEL = 7
+#: the default pooling width, over single tokens and spans alike (see :attr:`SnapKVConfig.pool_width`)
+DEFAULT_POOL_KERNEL = 31
 
 
 @dataclass(frozen=True)
@@ -251,8 +255,8 @@ class SnapKVConfig(H2OConfig):
 
     Attributes:
         window: observation window (last prompt queries). 32 as in the SnapKV paper.
-        pool_kernel: odd pooling width over neighbouring tokens (1: none). ``None``: 7 as in
-            SnapKV for single tokens, 31 with ``block_size`` (see :attr:`pool_width`).
+        pool_kernel: odd pooling width over neighbouring tokens (1: none). ``None``: 31, for
+            single tokens and spans (SnapKV's paper uses 7; see :attr:`pool_width`).
         pool: ``max`` or ``avg`` pooling.
     """
 
@@ -274,15 +278,18 @@ class SnapKVConfig(H2OConfig):
 
     @property
     def pool_width(self) -> int:
-        """The pooling width the scores get: ``pool_kernel``, else SnapKV's 7 for single tokens
-        and 31 for spans. A needle that a span boundary splits sends its hot tokens to one span;
-        pooled over 31 tokens their score reaches the first tokens of the next span too, so both
-        spans rank high (measured: 32-token spans on SmolLM2 at 3k answer 11/12 needles with 31,
-        8/12 with 7, where the full cache answers 11/12; on Gemma 3 at 16k/32k 6/6 and 5/6 against
-        5/6 and 4/6; docs/quality.md, docs/long_context.md)."""
-        if self.pool_kernel is not None:
-            return self.pool_kernel
-        return SPAN_POOL_KERNEL if self.block_size is not None else TOKEN_POOL_KERNEL
+        """The pooling width the scores get: ``pool_kernel``, else 31 (SnapKV's paper pools over 7).
+
+        The last queries attend a needle's opening tokens (the phrase before it, its first
+        digits); the digits after them get little attention of their own. Pooled over 7 tokens
+        only the first few digits inherit the phrase's score and the rest are evicted; pooled over
+        31 the whole number does. Spans gain the same way: a needle that a span boundary splits
+        keeps both spans. Measured on our op (docs/quality.md, docs/long_context.md): on
+        SmolLM2, 12 needles at 3k, budget 1024 (full cache 11/12), token-wise SnapKV answers 11/12
+        with 31 and 1/12 with 7, token-wise KVCrush 10/12 and 4/12, 32-token spans 11/12 and 8/12;
+        on Gemma 3 at 32k, budget 2048, token-wise SnapKV answers 6/6 with 31 (full 6/6).
+        """
+        return DEFAULT_POOL_KERNEL if self.pool_kernel is None else self.pool_kernel
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         fields = super().op_fields(layers, q_heads, block_size)
