@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import ChelseaConfig, FullConfig
 from ov_kvcrush.methods.attention import attend
-from ov_kvcrush.methods.chelsea import calibrate_outlier_heads, chelsea_compress, chunked_soft_matching, merge_links
+from ov_kvcrush.methods.chelsea import (
+    PROTECT_POOL_KERNEL,
+    PROTECT_WINDOW,
+    calibrate_outlier_heads,
+    chelsea_compress,
+    chunked_soft_matching,
+    merge_links,
+)
+from ov_kvcrush.methods.selection import snapkv_scores
 from ov_kvcrush.methods.vectors import layer_vectors
 
 
@@ -136,6 +144,36 @@ def test_outlier_heads_keep_their_full_cache():
     assert cfg.make_layer(1, 2).outlier_heads == ()
 
 
+def test_protected_tokens_are_the_windows_favourites_kept_exact():
+    """protect_tokens: per head, the middle tokens the prompt's last 32 queries attend most (pooled
+    over 31, summed over the head's group) are held exactly (degree 1, their own keys and values)
+    and count against the budget; the others merge as Chelsea does, over their own sequence."""
+    vec = layer_vectors(7, tokens=300)
+    q, k, v = vec.prefix(300)
+    cfg = ChelseaConfig(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32, protect_tokens=24)
+    cache = cfg.make_layer(0, 1)
+    cache.prefill(q, k, v)
+    hk, g = k.shape[1], q.shape[1] // k.shape[1]
+    window = snapkv_scores(q, k, PROTECT_WINDOW, PROTECT_POOL_KERNEL, "max").view(1, hk, g, -1).sum(2)
+    held_k, held_v, held_p = cache.store.dense()
+    assert held_p.shape[-1] == 96  # the budget, protected tokens included
+    for h in range(hk):
+        middle = window[0, h, 4:284]
+        favourites = (torch.argsort(middle, descending=True, stable=True)[:24] + 4).tolist()
+        pos = held_p[0, h].tolist()
+        assert pos == sorted(pos)  # back in position order
+        for t in favourites:
+            slot = pos.index(t)
+            assert cache.degrees[0, h, slot] == 1.0
+            torch.testing.assert_close(held_k[0, h, slot], k[0, h, t])
+            torch.testing.assert_close(held_v[0, h, slot], v[0, h, t])
+    assert float(cache.degrees.sum()) == 300 * hk
+    plain = ChelseaConfig(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32).make_layer(0, 1)
+    plain.prefill(q, k, v)
+    exact = [int((plain.degrees[0, h] == 1).sum()) for h in range(hk)]
+    assert all(int((cache.degrees[0, h] == 1).sum()) > exact[h] for h in range(hk))
+
+
 def test_calibration_finds_the_head_whose_keys_do_not_match():
     vec = layer_vectors(6, tokens=256)
     keys = vec.keys.clone()
@@ -150,3 +188,5 @@ def test_config_validation():
         ChelseaConfig(budget=80)
     with pytest.raises(ConfigError, match="outlier_heads"):
         ChelseaConfig(budget=256, outlier_heads=((0,),))
+    with pytest.raises(ConfigError, match="protect_tokens"):
+        ChelseaConfig(budget=256, protect_tokens=-1)

@@ -28,6 +28,8 @@ CASES = {
     "one-chunk": dict(chunk_size=256, budget=120, merge_interval=16),
     "paper-schedule": dict(merge_ratio=0.35, ratio_decay=0.1, decay_steps=2),
     "key-value-links": dict(link_score="key_value"),
+    "protect": dict(protect_tokens=24),
+    "protect-outliers-schedule": dict(protect_tokens=40, outlier_heads=((1, 1),), merge_ratio=0.25),
 }
 
 

@@ -33,6 +33,12 @@ Where this departs from it:
 * Outlier heads are none by default and nothing calls the calibration automatically; listed ones
   stay whole and are not counted against the budget (the paper counts them).
 * Decode-time merging runs every ``merge_interval`` tokens per layer, as the paper's ``g``.
+* ``protect_tokens`` (not the paper's; 0 by default) keeps, per KV head, that many middle tokens
+  out of merging: those the prompt's last 32 queries attend most (SnapKV's window scores, pooled
+  over 31 tokens). Merging blends a needle's digits into their neighbours (their keys are alike);
+  the window's scores say which exact tokens the prompt asks about. The others merge as the paper
+  says, over their own sequence (a protected token is skipped, not a barrier), into the budget
+  left. A merged slot keeps its B token's score; tokens after the prompt score 0.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.attention import ShapeError
+from ov_kvcrush.methods.attention import ShapeError, group_heads
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings, check_layer, tensor_bytes, topk_indices
+from ov_kvcrush.methods.selection import snapkv_scores
 from ov_kvcrush.methods.store import FPStore, make_store
 from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
 
@@ -195,6 +202,66 @@ def chelsea_compress(
     return keys, values, degrees, kept, passes
 
 
+#: what scores tokens for ``protect_tokens``: SnapKV's observation window and our default pooling
+PROTECT_WINDOW = 32
+PROTECT_POOL_KERNEL = 31
+
+
+def chelsea_compress_protected(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    degrees: torch.Tensor,
+    scores: torch.Tensor,
+    protect: int,
+    target: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    chunk_size: int,
+    schedule: tuple[int, int, int] = (0, 0, 0),
+    value_aware: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`chelsea_compress` with each row's ``protect`` highest-``scores`` ``[B, n]`` middle
+    tokens kept as they are (ties to the earlier token).
+
+    At most ``target - sink_tokens - recent_tokens - 1`` are protected, so one middle slot is left
+    to merge into. The other tokens, in order, are merged down to ``target`` minus the protected
+    ones; then both are put back in position order. Returns what :func:`chelsea_compress` returns
+    (``kept`` indexes the input rows).
+    """
+    bsz, n, d = keys.shape
+    lo, hi = sink_tokens, n - recent_tokens
+    p = min(protect, target - sink_tokens - recent_tokens - 1, hi - lo)
+    if n <= target or p <= 0:
+        return chelsea_compress(
+            keys, values, degrees, target, sink_tokens, recent_tokens, chunk_size, schedule, value_aware
+        )
+    top = topk_indices(scores[:, lo:hi].float(), p) + lo  # [B, p], ascending
+    free = torch.ones(bsz, n, dtype=torch.bool, device=keys.device).scatter(1, top, False)
+    rest = torch.nonzero(free)[:, 1].reshape(bsz, n - p)
+
+    def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.gather(x, 1, index.unsqueeze(-1).expand(*index.shape, d))
+
+    mk, mv, mw, mkept, passes = chelsea_compress(
+        rows(keys, rest),
+        rows(values, rest),
+        torch.gather(degrees, 1, rest),
+        target - p,
+        sink_tokens,
+        recent_tokens,
+        chunk_size,
+        schedule,
+        value_aware,
+    )
+    kept = torch.cat([torch.gather(rest, 1, mkept), top], dim=1)
+    order = torch.argsort(kept, dim=1)
+    kept = torch.gather(kept, 1, order)
+    out_k = rows(torch.cat([mk, rows(keys, top)], dim=1), order)
+    out_v = rows(torch.cat([mv, rows(values, top)], dim=1), order)
+    out_w = torch.gather(torch.cat([mw, torch.gather(degrees, 1, top)], dim=1), 1, order)
+    return out_k, out_v, out_w, kept, passes
+
+
 def calibrate_outlier_heads(
     layer_keys: list[torch.Tensor], *, chunk_size: int = 256, threshold: float = 0.8, ratio: float = 0.04
 ) -> tuple[tuple[int, int], ...]:
@@ -244,6 +311,9 @@ class ChelseaConfig(MethodConfig):
         link_score: ``key`` (the paper: key cosine) or ``key_value`` (beyond the paper: the lower
             of key and value cosine, so tokens with alike keys and different values merge last).
         quant: hold the (merged) tokens in MiniKV's 2-bit format; merged tokens are re-quantized.
+        protect_tokens: beyond the paper (0: off): per KV head, this many middle tokens that the
+            prompt's last 32 queries attend most (pooled over 31 tokens) are never merged; they
+            count against the budget (at most ``budget - sink_tokens - recent_tokens - 1``).
     """
 
     name: ClassVar[str] = "chelsea"
@@ -260,6 +330,7 @@ class ChelseaConfig(MethodConfig):
     ratio_decay: float = 0.0
     decay_steps: int = 0
     link_score: str = "key"
+    protect_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_int("sink_tokens", self.sink_tokens, 0)
@@ -275,6 +346,7 @@ class ChelseaConfig(MethodConfig):
         check_float("ratio_decay", self.ratio_decay, 0.0, 0.5)
         check_int("decay_steps", self.decay_steps, 0, 1 << 10)
         check_choice("link_score", self.link_score, ("key", "key_value"))
+        check_int("protect_tokens", self.protect_tokens, 0, 1 << 20)
         for pair in self.outlier_heads:
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)):
                 raise ConfigError(
@@ -298,6 +370,7 @@ class ChelseaConfig(MethodConfig):
             "decay_e4": self.schedule()[1],
             "decay_steps": self.schedule()[2],
             "link_score": self.link_score,
+            "protect": self.protect_tokens,
         }
 
     def schedule(self) -> tuple[int, int, int]:
@@ -322,6 +395,7 @@ class ChelseaLayerCache(LayerCache):
         self.store = make_store(config.quant)
         self.full = FPStore()
         self.degrees: torch.Tensor | None = None  # [b, hc, s] float32
+        self.protect_scores: torch.Tensor | None = None  # [b, hc, s]: protect_tokens's ranking
         self.merged_heads: list[int] = []
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,15 +411,25 @@ class ChelseaLayerCache(LayerCache):
         pos = self._start_prefill(queries, keys, values)
         self._setup(keys.shape[1])
         out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos).output
-        self._append(keys, values, pos)
+        scores = None
+        if self.config.protect_tokens:  # the window's attention, summed over each KV head's group
+            window = snapkv_scores(queries, keys, PROTECT_WINDOW, PROTECT_POOL_KERNEL, "max", self.scale)
+            scores = self._split(group_heads(window, keys.shape[1]))[0]
+        self._append(keys, values, pos, scores)
         return out
 
-    def _append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
+    def _append(
+        self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> None:
+        """Hold new tokens (``scores``: their protect ranking, 0 without) and compress if due."""
         mk, fk = self._split(keys)
         mv, fv = self._split(values)
         b, t = keys.shape[0], keys.shape[2]
         ones = torch.ones(b, len(self.merged_heads), t, device=keys.device)
         self.degrees = ones if self.degrees is None else torch.cat([self.degrees, ones], dim=2)
+        fresh = torch.zeros_like(ones) if scores is None else scores.float()
+        held = self.protect_scores
+        self.protect_scores = fresh if held is None else torch.cat([held, fresh], dim=2)
         if self.merged_heads:
             self.store.append(mk, mv, pos)
         if self.outlier_heads:
@@ -360,10 +444,13 @@ class ChelseaLayerCache(LayerCache):
             return
         k, v, p = self.store.dense()
         b, hc, n, d = k.shape
-        ck, cv, cw, kept, passes = chelsea_compress(
+        assert self.protect_scores is not None
+        ck, cv, cw, kept, passes = chelsea_compress_protected(
             k.reshape(b * hc, n, d),
             v.reshape(b * hc, n, d),
             self.degrees.reshape(b * hc, n),
+            self.protect_scores.reshape(b * hc, n),
+            cfg.protect_tokens,
             cfg.budget,
             cfg.sink_tokens,
             cfg.recent_tokens,
@@ -375,6 +462,7 @@ class ChelseaLayerCache(LayerCache):
         positions = torch.gather(p.reshape(b * hc, n), 1, kept).reshape(b, hc, m)
         self.store.replace(ck.reshape(b, hc, m, d), cv.reshape(b, hc, m, d), positions)
         self.degrees = cw.reshape(b, hc, m)
+        self.protect_scores = torch.gather(self.protect_scores.reshape(b * hc, n), 1, kept).reshape(b, hc, m)
         self._bump("merges", (n - m) * b * hc)
         self._bump("compressions")
         self._bump("matching_passes", passes)
@@ -411,4 +499,6 @@ class ChelseaLayerCache(LayerCache):
         f = self.full.memory()
         kv = m["kv"] + f["kv"]
         meta = m["metadata"] + f["metadata"] + tensor_bytes(self.degrees)
+        if self.config.protect_tokens:
+            meta += tensor_bytes(self.protect_scores)
         return {"kv": kv, "metadata": meta, "total": kv + meta}

@@ -7,6 +7,9 @@
 // keys and values averaged with the tokens' degrees as weights; passes repeat until the target is
 // met. Each slot carries its degree and log(degree), which the attention kernels add to its
 // logits. Outlier heads are never merged. Every merged head of a layer removes the same count.
+// With `protect` (beyond the paper), each head's `protect` middle tokens with the highest window
+// scores (the slot scores: the prompt's last 32 queries, pooled over 31) are left out of the
+// merging and put back in position order (chelsea.py: chelsea_compress_protected).
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -28,10 +31,22 @@ namespace {
 // One head's tokens as floats, in slot order.
 struct Tokens {
     std::vector<float> k, v, w;
+    std::vector<float> sc;  // G slot scores per token (empty without protect)
     std::vector<int64_t> pos;
     int64_t n = 0;
+    int G = 0;              // slot scores per token carried (0: none)
     int64_t first_changed;  // slots before it hold what the store holds
 };
+
+// Token i of `from` appended to `to` (keys, values, degree, position, scores).
+void push_token(Tokens& to, const Tokens& from, int64_t i, int D) {
+    to.k.insert(to.k.end(), from.k.begin() + i * D, from.k.begin() + (i + 1) * D);
+    to.v.insert(to.v.end(), from.v.begin() + i * D, from.v.begin() + (i + 1) * D);
+    to.w.push_back(from.w[static_cast<size_t>(i)]);
+    to.pos.push_back(from.pos[static_cast<size_t>(i)]);
+    to.sc.insert(to.sc.end(), from.sc.begin() + i * from.G, from.sc.begin() + (i + 1) * from.G);
+    ++to.n;
+}
 
 // sim[j] = sum over d of a[d] * bt[d][j] (bt: [D][nb], nb a multiple of 16), each lane summing
 // over d in order. Up to 8 registers of 16 B tokens advance together: one FMA chain per register
@@ -161,6 +176,7 @@ int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chun
         }
         t.w[static_cast<size_t>(out)] = w;
         t.pos[static_cast<size_t>(out)] = t.pos[static_cast<size_t>(lo + i)];
+        std::copy_n(t.sc.begin() + (lo + i) * t.G, t.G, t.sc.begin() + out * t.G);  // a B keeps its own
         ++out;
     }
     for (int64_t i = hi; i < t.n; ++i, ++out) {
@@ -168,6 +184,7 @@ int64_t merge_pass(Tokens& t, int64_t lo, int64_t hi, int64_t want, int64_t chun
         std::copy_n(t.v.begin() + i * D, D, t.v.begin() + out * D);
         t.w[static_cast<size_t>(out)] = t.w[static_cast<size_t>(i)];
         t.pos[static_cast<size_t>(out)] = t.pos[static_cast<size_t>(i)];
+        std::copy_n(t.sc.begin() + i * t.G, t.G, t.sc.begin() + out * t.G);
     }
     t.n = out;
     return count;
@@ -187,10 +204,20 @@ public:
     void after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const override {
         if (prefill) merge_layer(seq, layer, true);
     }
+    // protect: the prompt's window scores rank the tokens kept out of merging
+    bool keeps_slot_scores() const override { return protect > 0; }
+    bool scores_step(bool prefill) const override { return protect > 0 && prefill; }
+    int64_t score_rows_from(bool prefill, int64_t L) const override {
+        return prefill ? std::max<int64_t>(0, L - kProtectWindow) : 0;
+    }
+    bool allows_score_output() const override { return protect == 0; }
 
 private:
+    static constexpr int64_t kProtectWindow = 32, kProtectPool = 31;  // chelsea.py: PROTECT_*
     // merge a head down to `target` tokens (returns the matching passes)
     int64_t compress(Sequence& seq, HeadCache& hc, int64_t target) const;
+    // merge passes over t's middle until it holds `target` tokens
+    int64_t merge_down(Tokens& t, int64_t target, int D) const;
     void merge_layer(Sequence& seq, int layer, bool prefill) const;
     bool outlier(int layer, int kv_head) const {
         for (size_t i = 0; i + 1 < outliers.size(); i += 2)
@@ -201,6 +228,7 @@ private:
     // the paper's merge-ratio schedule in 1/10000 units (chelsea.py: pass_cap); ratio_e4 0: no cap
     int64_t ratio_e4 = 0, decay_e4 = 0, decay_steps = 0;
     bool value_aware = false;  // link_score key_value
+    int64_t protect = 0;       // middle tokens per head kept out of merging
     int64_t pass_cap(int64_t middle, int64_t passes) const {
         if (!ratio_e4) return middle;
         return std::max<int64_t>(1, (ratio_e4 - decay_e4 * std::min(decay_steps, passes)) * middle / 10000);
@@ -219,6 +247,7 @@ ChelseaPolicy::ChelseaPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
     decay_e4 = spec.integer("decay_e4", 0, 5000);
     decay_steps = spec.integer("decay_steps", 0, 1 << 10);
     value_aware = spec.choice("link_score", {"key", "key_value"}) == "key_value";
+    protect = spec.integer("protect", 0, kMax);
     outliers = spec.integers("outliers", 0, 1 << 16);
     if (outliers.size() % 2) throw Error(Spec::invalid("outliers", std::to_string(outliers.size()) + " numbers", "(layer, kv_head) pairs"));
     for (size_t i = 0; i < outliers.size(); i += 2)
@@ -227,6 +256,18 @@ ChelseaPolicy::ChelseaPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
                                       "layer < " + std::to_string(shape.layers) + " and kv_head < " + std::to_string(shape.kv_heads)));
     if (quant()) throw Error(Spec::invalid("quant", "1", "0 for chelsea (the torch engine runs it over the 2-bit store)"));
     require_budgets_at_least(sinks + recent + 1, "sinks + recent + 1");
+}
+
+int64_t ChelseaPolicy::merge_down(Tokens& t, int64_t target, int D) const {
+    int64_t passes = 0;
+    while (t.n > target) {
+        const int64_t lo = sinks, hi = t.n - recent;
+        const int64_t merged =
+            merge_pass(t, lo, hi, std::min(t.n - target, pass_cap(hi - lo, passes)), chunk, D, value_aware);
+        if (!merged) break;  // cannot happen with target >= sinks + recent + 1; never loop forever
+        ++passes;
+    }
+    return passes;
 }
 
 int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) const {
@@ -240,13 +281,43 @@ int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) co
     load_tokens(cfg, seq.pool(), hc, 0, t.n, t.k.data(), t.v.data());
     t.w = hc.degree;
     t.pos = hc.pos;
+    if (protect > 0) {
+        t.G = cfg.group();
+        t.sc = hc.scores;
+    }
+    const int64_t lo = sinks, hi = t.n - recent;
+    const int64_t p = std::min({protect, target - sinks - recent - 1, hi - lo});
     int64_t passes = 0;
-    while (t.n > target) {
-        const int64_t lo = sinks, hi = t.n - recent;
-        const int64_t merged =
-            merge_pass(t, lo, hi, std::min(t.n - target, pass_cap(hi - lo, passes)), chunk, D, value_aware);
-        if (!merged) break;  // cannot happen with target >= sinks + recent + 1; never loop forever
-        ++passes;
+    if (p <= 0) {
+        passes = merge_down(t, target, D);
+    } else {
+        // the p best window scores of the middle (group sums, ties to the earlier) stay out
+        std::vector<float> sums(static_cast<size_t>(hi - lo));
+        group_sums(t.sc.data() + lo * t.G, hi - lo, t.G, sums.data());
+        std::vector<char> kept_out(static_cast<size_t>(t.n), 0);
+        for (int64_t i : topk_indices(sums.data(), hi - lo, p)) kept_out[static_cast<size_t>(lo + i)] = 1;
+        Tokens rest, out;
+        rest.G = out.G = t.G;
+        for (int64_t i = 0; i < t.n; ++i)
+            if (!kept_out[static_cast<size_t>(i)]) push_token(rest, t, i, D);
+        rest.first_changed = rest.n;
+        passes = merge_down(rest, target - p, D);
+        // both back in position order; a slot is unchanged up to the first moved or merged one
+        out.first_changed = -1;
+        for (int64_t i = 0, r = 0; i < t.n; ++i) {
+            if (!kept_out[static_cast<size_t>(i)] && (r >= rest.n || rest.pos[static_cast<size_t>(r)] != t.pos[static_cast<size_t>(i)]))
+                continue;  // merged away
+            const bool from_rest = !kept_out[static_cast<size_t>(i)];
+            if (from_rest) {
+                if (out.first_changed < 0 && r >= rest.first_changed) out.first_changed = out.n;
+                push_token(out, rest, r++, D);
+            } else {
+                push_token(out, t, i, D);
+            }
+            if (out.first_changed < 0 && out.pos.back() != t.pos[static_cast<size_t>(out.n - 1)]) out.first_changed = out.n - 1;
+        }
+        if (out.first_changed < 0) out.first_changed = out.n;
+        t = std::move(out);
     }
     // write back from the first slot a merge changed; blocks past the end go back to the pool
     const int64_t from = std::min(t.first_changed, t.n);
@@ -255,6 +326,10 @@ int64_t ChelseaPolicy::compress(Sequence& seq, HeadCache& hc, int64_t target) co
     t.w.resize(static_cast<size_t>(t.n));
     hc.pos = std::move(t.pos);
     hc.degree = std::move(t.w);
+    if (protect > 0) {
+        t.sc.resize(static_cast<size_t>(t.n * t.G));
+        hc.scores = std::move(t.sc);
+    }
     hc.bias.resize(hc.degree.size());
     for (size_t i = 0; i < hc.degree.size(); ++i) hc.bias[i] = std::log(hc.degree[i]);
     seq.trim_blocks(hc);
@@ -266,6 +341,12 @@ void ChelseaPolicy::merge_layer(Sequence& seq, int layer, bool prefill) const {
     const int64_t budget = this->budget(layer);
     if (budget == 0) return;  // a local layer (its window) or no budget
     const int global = cfg.global_index(layer);  // outlier pairs name global layers, as the reference
+    if (prefill && protect > 0)  // the prompt's window scores, pooled per query head (selection.py)
+        for (int g = 0; g < cfg.kv_heads; ++g) {
+            HeadCache& hc = seq.head(layer, g);
+            for (int gi = 0; gi < cfg.group(); ++gi)
+                pool_scores(hc.scores.data() + gi, hc.size(), cfg.group(), kProtectPool, false);
+        }
     // heads merge independently (each its own slots; the pool's free list is locked), in parallel
     tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
         if (outlier(global, g)) return;  // kept whole, no degrees
