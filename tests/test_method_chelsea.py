@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import ChelseaConfig, FullConfig
 from ov_kvcrush.methods.attention import attend
+from ov_kvcrush.methods.base import storage_bytes
 from ov_kvcrush.methods.chelsea import (
     PROTECT_POOL_KERNEL,
     PROTECT_WINDOW,
@@ -168,6 +169,7 @@ def test_protected_tokens_are_the_windows_favourites_kept_exact():
             torch.testing.assert_close(held_k[0, h, slot], k[0, h, t])
             torch.testing.assert_close(held_v[0, h, slot], v[0, h, t])
     assert float(cache.degrees.sum()) == 300 * hk
+    assert storage_bytes([cache]) == cache.memory()["total"]  # the scores it ranks by are counted
     plain = ChelseaConfig(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32).make_layer(0, 1)
     plain.prefill(q, k, v)
     exact = [int((plain.degrees[0, h] == 1).sum()) for h in range(hk)]

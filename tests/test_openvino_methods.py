@@ -20,6 +20,10 @@ from ov_kvcrush.methods import methods_for
 pytestmark = pytest.mark.model
 
 BUDGET = 256
+#: over the 2-bit store a value at a bucket edge lands in either bucket on the two engines' 1e-5
+#: differences (a full quantization step, up to 2.0 in a key here): logits then move by about
+#: 0.1, so greedy tokens are compared up to the first step the op decides by less than this
+QUANT_TIE = 0.25
 #: (method, options): every method of the op, plus block-wise KVCrush and an importance method over the 2-bit store
 VARIANTS = [(m, {}) for m in methods_for("openvino") if m != "full"] + [
     ("kvcrush", {"block_size": 32}),
@@ -67,6 +71,7 @@ def test_greedy_equals_torch_engine_within_budget(fp32_ir, torch_engine, prompt,
     slack = engine.method.merge_interval - 1 if method == "chelsea" else 0
     # step by step through the engine, checking the cache after every step
     tokens: list[int] = []
+    margins: list[float] = []
     logits = engine.forward(ids)
     engine.scoring_pass()  # KVzip's selection (no-op for the other methods)
     agnostic = engine.method.scoring_pass  # one budget over all layers and heads, shared unevenly
@@ -92,10 +97,16 @@ def test_greedy_equals_torch_engine_within_budget(fp32_ir, torch_engine, prompt,
         slots = (held + holes).flat
         assert st.blocks_held + st.qblocks_held == sum(math.ceil(n / engine.block_size) for n in slots)
         tokens.append(int(logits.argmax()))
+        top2 = sorted(float(x) for x in logits)[-2:]
+        margins.append(top2[1] - top2[0])
     engine._reset_sequence()
     torch_engine.set_compression(compression)
     ref = torch_engine.generate(prompt, GenerationSettings(max_new_tokens=24, ignore_eos=True))
-    assert tokens == ref.token_ids
+    if frozen:  # the 2-bit store (see QUANT_TIE)
+        n = next((i for i, m in enumerate(margins) if m < QUANT_TIE), len(tokens))
+        assert n >= 2 and tokens[:n] == ref.token_ids[:n], (n, margins[: n + 1])
+    else:
+        assert tokens == ref.token_ids
     # and through generate(): the same tokens, far fewer bytes than the full cache
     res = engine.generate(prompt, GenerationSettings(max_new_tokens=24, ignore_eos=True))
     assert res.token_ids == tokens

@@ -427,9 +427,10 @@ class ChelseaLayerCache(LayerCache):
         b, t = keys.shape[0], keys.shape[2]
         ones = torch.ones(b, len(self.merged_heads), t, device=keys.device)
         self.degrees = ones if self.degrees is None else torch.cat([self.degrees, ones], dim=2)
-        fresh = torch.zeros_like(ones) if scores is None else scores.float()
-        held = self.protect_scores
-        self.protect_scores = fresh if held is None else torch.cat([held, fresh], dim=2)
+        if self.config.protect_tokens:  # held only when used (memory() counts it)
+            fresh = torch.zeros_like(ones) if scores is None else scores.float()
+            held = self.protect_scores
+            self.protect_scores = fresh if held is None else torch.cat([held, fresh], dim=2)
         if self.merged_heads:
             self.store.append(mk, mv, pos)
         if self.outlier_heads:
@@ -444,12 +445,12 @@ class ChelseaLayerCache(LayerCache):
             return
         k, v, p = self.store.dense()
         b, hc, n, d = k.shape
-        assert self.protect_scores is not None
+        protect = self.protect_scores
         ck, cv, cw, kept, passes = chelsea_compress_protected(
             k.reshape(b * hc, n, d),
             v.reshape(b * hc, n, d),
             self.degrees.reshape(b * hc, n),
-            self.protect_scores.reshape(b * hc, n),
+            self.degrees.reshape(b * hc, n) if protect is None else protect.reshape(b * hc, n),
             cfg.protect_tokens,
             cfg.budget,
             cfg.sink_tokens,
@@ -462,7 +463,8 @@ class ChelseaLayerCache(LayerCache):
         positions = torch.gather(p.reshape(b * hc, n), 1, kept).reshape(b, hc, m)
         self.store.replace(ck.reshape(b, hc, m, d), cv.reshape(b, hc, m, d), positions)
         self.degrees = cw.reshape(b, hc, m)
-        self.protect_scores = torch.gather(self.protect_scores.reshape(b * hc, n), 1, kept).reshape(b, hc, m)
+        if protect is not None:
+            self.protect_scores = torch.gather(protect.reshape(b * hc, n), 1, kept).reshape(b, hc, m)
         self._bump("merges", (n - m) * b * hc)
         self._bump("compressions")
         self._bump("matching_passes", passes)
