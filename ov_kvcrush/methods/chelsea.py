@@ -171,8 +171,15 @@ def chelsea_compress(
     chunk_size: int,
     schedule: tuple[int, int, int] = (0, 0, 0),
     value_aware: bool = False,
+    scores: torch.Tensor | None = None,
+    protect: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Merge ``[B, n, d]`` tokens down to ``target`` with repeated chunked soft matching of the middle range.
+
+    With ``protect`` and ``scores`` ``[B, n]``, each row's ``protect`` highest-scoring middle
+    tokens (ties to the earlier) are kept as they are, at most ``target - sink_tokens -
+    recent_tokens - 1`` (one middle slot is left to merge into): the other tokens, in order, are
+    merged down to ``target`` minus the protected ones, then both are put back in position order.
 
     ``schedule``: ``(ratio_e4, decay_e4, decay_steps)`` of :func:`pass_cap` (zeros: every usable
     link per pass). ``value_aware``: links ranked by the lower of key and value cosine. Returns
@@ -186,6 +193,33 @@ def chelsea_compress(
         raise ConfigError(
             "budget", target, f"at least sink_tokens + recent_tokens + 1 = {sink_tokens + recent_tokens + 1}"
         )
+    p = min(protect, target - sink_tokens - recent_tokens - 1, n - sink_tokens - recent_tokens)
+    if scores is not None and p > 0:
+        d = keys.shape[2]
+        top = topk_indices(scores[:, sink_tokens : n - recent_tokens].float(), p) + sink_tokens  # ascending
+        free = torch.ones(bsz, n, dtype=torch.bool, device=keys.device).scatter(1, top, False)
+        rest = torch.nonzero(free)[:, 1].reshape(bsz, n - p)
+
+        def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            return torch.gather(x, 1, index.unsqueeze(-1).expand(*index.shape, d))
+
+        mk, mv, mw, mkept, passes = chelsea_compress(
+            rows(keys, rest),
+            rows(values, rest),
+            torch.gather(degrees, 1, rest),
+            target - p,
+            sink_tokens,
+            recent_tokens,
+            chunk_size,
+            schedule,
+            value_aware,
+        )
+        kept = torch.cat([torch.gather(rest, 1, mkept), top], dim=1)
+        order = torch.argsort(kept, dim=1)
+        out_k = rows(torch.cat([mk, rows(keys, top)], dim=1), order)
+        out_v = rows(torch.cat([mv, rows(values, top)], dim=1), order)
+        out_w = torch.gather(torch.cat([mw, torch.gather(degrees, 1, top)], dim=1), 1, order)
+        return out_k, out_v, out_w, torch.gather(kept, 1, order), passes
     kept = torch.arange(n, device=keys.device).expand(bsz, n)
     passes = 0
     while keys.shape[1] > target:
@@ -205,61 +239,6 @@ def chelsea_compress(
 #: what scores tokens for ``protect_tokens``: SnapKV's observation window and our default pooling
 PROTECT_WINDOW = 32
 PROTECT_POOL_KERNEL = 31
-
-
-def chelsea_compress_protected(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    degrees: torch.Tensor,
-    scores: torch.Tensor,
-    protect: int,
-    target: int,
-    sink_tokens: int,
-    recent_tokens: int,
-    chunk_size: int,
-    schedule: tuple[int, int, int] = (0, 0, 0),
-    value_aware: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """:func:`chelsea_compress` with each row's ``protect`` highest-``scores`` ``[B, n]`` middle
-    tokens kept as they are (ties to the earlier token).
-
-    At most ``target - sink_tokens - recent_tokens - 1`` are protected, so one middle slot is left
-    to merge into. The other tokens, in order, are merged down to ``target`` minus the protected
-    ones; then both are put back in position order. Returns what :func:`chelsea_compress` returns
-    (``kept`` indexes the input rows).
-    """
-    bsz, n, d = keys.shape
-    lo, hi = sink_tokens, n - recent_tokens
-    p = min(protect, target - sink_tokens - recent_tokens - 1, hi - lo)
-    if n <= target or p <= 0:
-        return chelsea_compress(
-            keys, values, degrees, target, sink_tokens, recent_tokens, chunk_size, schedule, value_aware
-        )
-    top = topk_indices(scores[:, lo:hi].float(), p) + lo  # [B, p], ascending
-    free = torch.ones(bsz, n, dtype=torch.bool, device=keys.device).scatter(1, top, False)
-    rest = torch.nonzero(free)[:, 1].reshape(bsz, n - p)
-
-    def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return torch.gather(x, 1, index.unsqueeze(-1).expand(*index.shape, d))
-
-    mk, mv, mw, mkept, passes = chelsea_compress(
-        rows(keys, rest),
-        rows(values, rest),
-        torch.gather(degrees, 1, rest),
-        target - p,
-        sink_tokens,
-        recent_tokens,
-        chunk_size,
-        schedule,
-        value_aware,
-    )
-    kept = torch.cat([torch.gather(rest, 1, mkept), top], dim=1)
-    order = torch.argsort(kept, dim=1)
-    kept = torch.gather(kept, 1, order)
-    out_k = rows(torch.cat([mk, rows(keys, top)], dim=1), order)
-    out_v = rows(torch.cat([mv, rows(values, top)], dim=1), order)
-    out_w = torch.gather(torch.cat([mw, torch.gather(degrees, 1, top)], dim=1), 1, order)
-    return out_k, out_v, out_w, kept, passes
 
 
 def calibrate_outlier_heads(
@@ -446,18 +425,18 @@ class ChelseaLayerCache(LayerCache):
         k, v, p = self.store.dense()
         b, hc, n, d = k.shape
         protect = self.protect_scores
-        ck, cv, cw, kept, passes = chelsea_compress_protected(
+        ck, cv, cw, kept, passes = chelsea_compress(
             k.reshape(b * hc, n, d),
             v.reshape(b * hc, n, d),
             self.degrees.reshape(b * hc, n),
-            self.degrees.reshape(b * hc, n) if protect is None else protect.reshape(b * hc, n),
-            cfg.protect_tokens,
             cfg.budget,
             cfg.sink_tokens,
             cfg.recent_tokens,
             cfg.chunk_size,
             cfg.schedule(),
             cfg.link_score == "key_value",
+            scores=None if protect is None else protect.reshape(b * hc, n),
+            protect=cfg.protect_tokens,
         )
         m = ck.shape[1]
         positions = torch.gather(p.reshape(b * hc, n), 1, kept).reshape(b, hc, m)

@@ -9,7 +9,7 @@
 // logits. Outlier heads are never merged. Every merged head of a layer removes the same count.
 // With `protect` (beyond the paper), each head's `protect` middle tokens with the highest window
 // scores (the slot scores: the prompt's last 32 queries, pooled over 31) are left out of the
-// merging and put back in position order (chelsea.py: chelsea_compress_protected).
+// merging and put back in position order (chelsea.py: chelsea_compress with protect).
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
