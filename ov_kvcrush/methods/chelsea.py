@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, group_heads
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings, check_layer, tensor_bytes, topk_indices
+from ov_kvcrush.methods.importance import DEFAULT_POOL_KERNEL
 from ov_kvcrush.methods.selection import snapkv_scores
 from ov_kvcrush.methods.store import FPStore, make_store
 from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
@@ -238,7 +239,7 @@ def chelsea_compress(
 
 #: what scores tokens for ``protect_tokens``: SnapKV's observation window and our default pooling
 PROTECT_WINDOW = 32
-PROTECT_POOL_KERNEL = 31
+PROTECT_POOL_KERNEL = DEFAULT_POOL_KERNEL
 
 
 def calibrate_outlier_heads(

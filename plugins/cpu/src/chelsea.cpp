@@ -20,6 +20,7 @@
 #    include <immintrin.h>
 #endif
 
+#include "importance.hpp"
 #include "kernels.hpp"
 #include "policy.hpp"
 #include "selection.hpp"
@@ -341,12 +342,7 @@ void ChelseaPolicy::merge_layer(Sequence& seq, int layer, bool prefill) const {
     const int64_t budget = this->budget(layer);
     if (budget == 0) return;  // a local layer (its window) or no budget
     const int global = cfg.global_index(layer);  // outlier pairs name global layers, as the reference
-    if (prefill && protect > 0)  // the prompt's window scores, pooled per query head (selection.py)
-        for (int g = 0; g < cfg.kv_heads; ++g) {
-            HeadCache& hc = seq.head(layer, g);
-            for (int gi = 0; gi < cfg.group(); ++gi)
-                pool_scores(hc.scores.data() + gi, hc.size(), cfg.group(), kProtectPool, false);
-        }
+    if (prefill && protect > 0) pool_layer_scores(seq, layer, kProtectPool, false);  // the prompt's window scores
     // heads merge independently (each its own slots; the pool's free list is locked), in parallel
     tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
         if (outlier(global, g)) return;  // kept whole, no degrees

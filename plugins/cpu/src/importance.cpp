@@ -14,14 +14,17 @@
 
 namespace ovkc {
 
-void ImportancePolicy::pool_prompt_scores(Sequence& seq, int layer) const {
-    if (scoring != Scoring::snapkv) return;
+void pool_layer_scores(Sequence& seq, int layer, int64_t kernel, bool avg) {
     const PoolConfig& cfg = seq.pool().config();
     const int G = cfg.group();
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
-        for (int gi = 0; gi < G; ++gi) pool_scores(hc.scores.data() + gi, hc.size(), G, pool_kernel, pool_avg);
+        for (int gi = 0; gi < G; ++gi) pool_scores(hc.scores.data() + gi, hc.size(), G, kernel, avg);
     }
+}
+
+void ImportancePolicy::pool_prompt_scores(Sequence& seq, int layer) const {
+    if (scoring == Scoring::snapkv) pool_layer_scores(seq, layer, pool_kernel, pool_avg);
 }
 
 void ImportancePolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {

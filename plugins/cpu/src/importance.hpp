@@ -33,6 +33,10 @@ public:
     bool pool_avg = false;
 };
 
+// Pool the slot scores of every query head of the layer's KV heads along their tokens (SnapKV's
+// pooling of the prompt's window scores; selection.py: pool_scores).
+void pool_layer_scores(Sequence& seq, int layer, int64_t kernel, bool avg);
+
 // Keep each KV head of the layer within `budget` (0: unbounded): the sinks, the recent window and
 // the highest group-summed slot scores between (by_scores false: no scores, i.e. the oldest go).
 // A prompt's selection is compacted in place; a decode step's drops become holes. `block_wise`:
