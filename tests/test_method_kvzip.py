@@ -43,15 +43,21 @@ def test_config_fields_are_validated_by_name():
 
 
 @pytest.mark.parametrize("n", [1, 300, 512, 700, 800, 3089])
-def test_scoring_pass_steps_cover_the_context_in_equal_chunks(n):
-    cfg = KVzipConfig(budget=64, chunk_tokens=512, overlap_tokens=8)
+@pytest.mark.parametrize("multiple", [1, 128])
+def test_scoring_pass_steps_cover_the_context_in_chunks(n, multiple):
+    cfg = KVzipConfig(budget=64, chunk_tokens=512, overlap_tokens=8, step_multiple=multiple)
     context = list(range(1000, 1000 + n))
     encode = lambda text: [len(text)]  # noqa: E731  (one id per prompt, enough to find it)
     steps = cfg.scoring_pass_inputs(context, encode, [7, 7])
-    assert len(steps) == max(1, round(n / 512)) and cfg.scoring_pass_inputs([], encode, []) == []
+    assert cfg.scoring_pass_inputs([], encode, []) == []
     assert [s.lo for s in steps] == [0, *[s.hi for s in steps[:-1]]] and steps[-1].hi == n
     sizes = [s.hi - s.lo for s in steps]
-    assert max(sizes) - min(sizes) <= 1 and max(sizes) <= 1.5 * 512
+    if multiple == 1:  # equal chunks
+        assert len(steps) == max(1, round(n / 512))
+        assert max(sizes) - min(sizes) <= 1 and max(sizes) <= 1.5 * 512
+    else:  # every step but the last feeds 512 ids (a chunk of 512 less its request), the last the rest
+        assert all(len(s.ids) == 512 for s in steps[:-1]) and len(steps[-1].ids) <= 512
+        assert len(steps) == 1 + sum(n > 512 - 3 + k * (512 - 11) for k in range(8))
     assert max(len(s.ids) for s in steps) <= cfg.scoring_step_bound(encode, [7, 7])
     for i, s in enumerate(steps):
         chunk = context[s.lo : s.hi]

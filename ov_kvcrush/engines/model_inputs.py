@@ -22,6 +22,19 @@ import numpy as np
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.transformations import LOGITS_INPUT, SEQUENCE_INPUT
 
+#: OpenVINO's CPU plugin runs a step whose token count is a multiple of this 20-40 % faster per
+#: token than counts just off it (its weight-compressed AMX matmuls; SmolLM2 here: 512 tokens
+#: 150 ms, 544 tokens 222 ms, 640 tokens 185 ms; a 3089-token prompt 1.53 s whole, 1.34 s as
+#: 3072 + 17), so a long prompt goes in as a multiple of it and the rest.
+FAST_STEP_TOKENS = 128
+
+
+def fast_prompt_cut(n: int) -> int:
+    """How many of an ``n``-token prompt's tokens the first step feeds: the largest multiple of
+    :data:`FAST_STEP_TOKENS` (``n`` itself when that is 0 or ``n``)."""
+    head = n - n % FAST_STEP_TOKENS
+    return head if 0 < head < n else n
+
 
 def step_inputs(
     names: Collection[str], ids: Sequence[Sequence[int]], handles: Sequence[int], past: Sequence[int]

@@ -276,6 +276,18 @@ class OpenVINOEngine:
         logits = self.request.get_output_tensor(0).data
         return np.array(logits[0, -1], dtype=np.float32)
 
+    def prefill(self, ids: list[int]) -> np.ndarray:
+        """:meth:`forward` for a prompt; a first prompt (nothing cached) goes in as two chunks of
+        one prompt (:meth:`KVSequence.set_prompt`, the method selects once over the whole of it):
+        the largest multiple of :data:`~ov_kvcrush.engines.model_inputs.FAST_STEP_TOKENS`, then
+        the rest."""
+        cut = len(ids) if self._cached else model_inputs.fast_prompt_cut(len(ids))
+        if cut == len(ids):
+            return self.forward(ids)
+        self.sequence.set_prompt(len(ids))
+        self.forward(ids[:cut])
+        return self.forward(ids[cut:])
+
     def scoring_pass(self) -> float:
         """The method's scoring pass (KVzip) over the tokens not scored yet, when the cache is over
         its budget (:class:`~ov_kvcrush.engines.scoring_pass.ScoringPass`). Returns its seconds
@@ -360,7 +372,7 @@ class OpenVINOEngine:
         peak = 0
         stream = TextStream(streamer, self.tokenizer.decode)
         t0 = time.perf_counter()
-        logits = self.forward(new[:split])
+        logits = self.prefill(new[:split])
         scoring_s = self.scoring_pass()
         if split < len(new):
             logits = self.forward(new[split:])
