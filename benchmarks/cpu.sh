@@ -66,8 +66,11 @@ for run in "${runs[@]}"; do
         # count by their bytes against the same pool)
         serve serving_16x1k_decode_2bit_cpu --concurrency 16 --lengths 1024 --new-tokens 256 --kv-pool-mib 70 \
             --methods full,snapkv,snapkv:quant=true,kvcrush:quant=true,kvcrush:block_size=32 --budgets 512 ;;
+    serving-4bit)  # the decode-heavy run with SnapKV and block-wise KVCrush spans over the 4-bit store
+        serve serving_16x1k_decode_4bit_cpu --concurrency 16 --lengths 1024 --new-tokens 256 --kv-pool-mib 70 \
+            --methods full,snapkv,snapkv:block_size=32,snapkv:block_size=32+4bit,kvcrush:block_size=32+4bit --budgets 512 ;;
     *)
-        echo "benchmarks/cpu.sh: unknown run '$run' (main, gemma, gemma-blocks, full, torch, serving, serving-decode, serving-2bit)" >&2
+        echo "benchmarks/cpu.sh: unknown run '$run' (main, gemma, gemma-blocks, full, torch, serving, serving-decode, serving-2bit, serving-4bit)" >&2
         exit 2 ;;
     esac
 done

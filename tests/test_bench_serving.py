@@ -51,7 +51,13 @@ def test_a_tiny_serving_run_on_the_real_pipelines():
 
 
 @pytest.mark.parametrize(
-    "run, name", [("serving", "serving_16x4k_cpu"), ("serving-decode", "serving_16x1k_decode_cpu")]
+    "run, name",
+    [
+        ("serving", "serving_16x4k_cpu"),
+        ("serving-decode", "serving_16x1k_decode_cpu"),
+        ("serving-2bit", "serving_16x1k_decode_2bit_cpu"),
+        ("serving-4bit", "serving_16x1k_decode_4bit_cpu"),
+    ],
 )
 def test_the_committed_serving_runs_are_what_their_commands_run(run, name):
     proc = bench_script_dry_run("cpu.sh", run)
