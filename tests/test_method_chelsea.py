@@ -17,6 +17,7 @@ from ov_kvcrush.methods.chelsea import (
     chelsea_compress,
     chunked_soft_matching,
     merge_links,
+    merged_budget,
 )
 from ov_kvcrush.methods.selection import snapkv_scores
 from ov_kvcrush.methods.vectors import layer_vectors
@@ -143,6 +144,45 @@ def test_outlier_heads_keep_their_full_cache():
         torch.testing.assert_close(out[:, 3:6], ref[:, 3:6], rtol=1e-5, atol=1e-5)  # q heads of kv head 1
     assert cache.tokens_held()[0].tolist()[1] == 300 and cache.tokens_held()[0, 0] < 64 + 32
     assert cfg.make_layer(1, 2).outlier_heads == ()
+
+
+@pytest.mark.parametrize("seen", [0, 50, 64, 100, 500, 3000, 10**6])
+def test_merged_budget_is_the_largest_share_within_the_whole_budget(seen):
+    """Brute force: the largest per-head count whose merged heads plus the outliers' whole caches
+    stay within budget x heads (never below the floor, the budget without outliers)."""
+    budget, heads, floor = 64, 12, 21
+    assert merged_budget(budget, seen, heads, 0, floor) == budget
+    for k in (1, 2, 5):
+        fits = [b for b in range(0, 10 * budget) if k * seen + (heads - k) * b <= budget * heads]
+        assert merged_budget(budget, seen, heads, k, floor) == max(floor, max(fits, default=floor))
+
+
+def test_outlier_heads_count_against_the_budget():
+    """Over all layers, a cache with outlier heads holds about what one without them holds: the
+    merged heads keep less as the outliers grow (the paper's accounting)."""
+    vec = layer_vectors(6, tokens=400)
+    base = dict(budget=128, sink_tokens=4, recent_tokens=8, chunk_size=16, merge_interval=8)
+    layers, kv_heads = 4, vec.keys.shape[1]
+
+    def held(cfg):
+        caches = [cfg.make_layer(i, layers) for i in range(layers)]
+        for c in caches:
+            c.prefill(*vec.prefix(300))
+            for i in range(300, 400):
+                c.decode(*vec.step(i))
+        return torch.stack([c.tokens_held()[0] for c in caches])  # [layers, kv_heads]
+
+    plain = held(ChelseaConfig(**base))
+    cfg = ChelseaConfig(**base, outlier_heads=((0, 1), (1, 2)))
+    with_outliers = held(cfg)
+    assert with_outliers[0, 1] == with_outliers[1, 2] == 400  # whole
+    target = cfg.merged_budget(400, layers * kv_heads)
+    assert target == (128 * layers * kv_heads - 2 * 400) // (layers * kv_heads - 2) < 128
+    merged = [with_outliers[i, h] for i in range(layers) for h in range(kv_heads) if (i, h) not in cfg.outlier_heads]
+    assert all(target <= int(n) < target + base["merge_interval"] for n in merged)
+    slack = len(merged) * base["merge_interval"]  # a head merges only every merge_interval tokens
+    assert int(with_outliers.sum()) <= 128 * layers * kv_heads + slack
+    assert int(plain.sum()) <= 128 * layers * kv_heads + layers * kv_heads * base["merge_interval"]
 
 
 def test_protected_tokens_are_the_windows_favourites_kept_exact():

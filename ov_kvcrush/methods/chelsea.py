@@ -266,6 +266,21 @@ def calibrate_outlier_heads(
     return tuple(sorted((layer, head) for _, layer, head in scores[:count]))
 
 
+def merged_budget(budget: int, seen: int, heads: int, outliers: int, floor: int) -> int:
+    """Tokens each merged head keeps when ``outliers`` of the method's ``heads`` heads (its layers x
+    KV heads) hold all ``seen`` tokens whole.
+
+    The paper counts outlier heads against the cache's budget: the others share what the whole
+    budget (``budget x heads``) leaves after the outliers' tokens, so a cache with outlier heads
+    holds what one without them holds. Never below ``floor`` (sinks + recent + 1: past
+    ``budget x heads / outliers`` tokens the outliers alone outgrow the budget); ``budget`` when
+    no head is an outlier.
+    """
+    if not outliers or outliers >= heads:
+        return budget
+    return max(floor, (budget * heads - outliers * seen) // (heads - outliers))
+
+
 # --------------------------------------------------------------------------------------------
 # config and layer cache
 
@@ -283,7 +298,8 @@ class ChelseaConfig(MethodConfig):
             runs every ``g`` decode steps rather than every step.
         outlier_heads: ``(layer, kv_head)`` pairs kept uncompressed; ``layer`` counts the layers
             the method runs on (on a model with sliding-window layers, the global ones), in both
-            engines.
+            engines. They count against the budget (:func:`merged_budget`): the other heads keep
+            fewer tokens as the outliers grow.
         merge_ratio: the paper's ``r_init``, the share of the middle one matching pass may merge
             (``None``: every usable link, up to the target), in (0, 0.5].
         ratio_decay: the paper's ``alpha``: ``r`` falls by this much per pass, for ``decay_steps``
@@ -362,16 +378,23 @@ class ChelseaConfig(MethodConfig):
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
         heads = tuple(sorted(h for (layer, h) in self.outlier_heads if layer == layer_idx))
-        return ChelseaLayerCache(self, outlier_heads=heads)
+        return ChelseaLayerCache(self, outlier_heads=heads, num_layers=num_layers)
+
+    def merged_budget(self, seen: int, heads: int) -> int:
+        """What a merged head keeps after ``seen`` tokens, of ``heads`` heads (:func:`merged_budget`)."""
+        assert self.budget is not None
+        floor = self.sink_tokens + self.recent_tokens + 1
+        return merged_budget(self.budget, seen, heads, len(self.outlier_heads), floor)
 
 
 class ChelseaLayerCache(LayerCache):
     """Chelsea state of one layer: merged tokens with degrees (compressed heads) and full outlier heads."""
 
-    def __init__(self, config: ChelseaConfig, outlier_heads: tuple[int, ...] = ()) -> None:
+    def __init__(self, config: ChelseaConfig, outlier_heads: tuple[int, ...] = (), num_layers: int = 1) -> None:
         super().__init__()
         self.config = config
         self.outlier_heads = outlier_heads
+        self.num_layers = num_layers  # the method's layers: outlier heads count against all of theirs
         self.store = make_store(config.quant)
         self.full = FPStore()
         self.degrees: torch.Tensor | None = None  # [b, hc, s] float32
@@ -421,7 +444,8 @@ class ChelseaLayerCache(LayerCache):
         cfg = self.config
         assert cfg.budget is not None and self.degrees is not None
         s = self.degrees.shape[2]
-        if not self.merged_heads or s < cfg.budget + cfg.merge_interval:
+        target = cfg.merged_budget(self.seen, self.num_layers * (len(self.merged_heads) + len(self.outlier_heads)))
+        if not self.merged_heads or s < target + cfg.merge_interval:
             return
         k, v, p = self.store.dense()
         b, hc, n, d = k.shape
@@ -430,7 +454,7 @@ class ChelseaLayerCache(LayerCache):
             k.reshape(b * hc, n, d),
             v.reshape(b * hc, n, d),
             self.degrees.reshape(b * hc, n),
-            cfg.budget,
+            target,
             cfg.sink_tokens,
             cfg.recent_tokens,
             cfg.chunk_size,

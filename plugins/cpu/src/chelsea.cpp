@@ -342,6 +342,14 @@ void ChelseaPolicy::merge_layer(Sequence& seq, int layer, bool prefill) const {
     const int64_t budget = this->budget(layer);
     if (budget == 0) return;  // a local layer (its window) or no budget
     const int global = cfg.global_index(layer);  // outlier pairs name global layers, as the reference
+    // outlier heads count against the budget (the reference's merged_budget): the merged heads
+    // share what the method's heads' whole budget leaves after the outliers' tokens
+    const int64_t outlier_count = static_cast<int64_t>(outliers.size() / 2);
+    const int64_t heads = static_cast<int64_t>(cfg.global_index(cfg.layers)) * cfg.kv_heads;
+    const int64_t target = outlier_count == 0 || outlier_count >= heads
+                               ? budget
+                               : std::max<int64_t>(sinks + recent + 1,
+                                                   (budget * heads - outlier_count * seq.seen(layer)) / (heads - outlier_count));
     if (prefill && protect > 0) pool_layer_scores(seq, layer, kProtectPool, false);  // the prompt's window scores
     // heads merge independently (each its own slots; the pool's free list is locked), in parallel
     tbb::parallel_for(0, cfg.kv_heads, [&](int g) {
@@ -351,7 +359,7 @@ void ChelseaPolicy::merge_layer(Sequence& seq, int layer, bool prefill) const {
             hc.degree.assign(static_cast<size_t>(hc.size()), 1.0f);
             hc.bias.assign(static_cast<size_t>(hc.size()), 0.0f);
         }
-        if (hc.size() >= budget + merge_interval) compress(seq, hc, budget);
+        if (hc.size() >= target + merge_interval) compress(seq, hc, target);
     });
 }
 
