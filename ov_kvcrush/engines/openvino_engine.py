@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines import model_inputs
+from ov_kvcrush.engines import calibration, model_inputs
 from ov_kvcrush.engines.base import (
     GenerationResult,
     Prompt,
@@ -146,8 +146,9 @@ class OpenVINOEngine:
         self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
         self.request = self.compiled.create_infer_request()
         self.input_names = {p.get_any_name() for p in self.compiled.inputs}
-        self._make_pool(compression)
         self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
+        self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
+        self._make_pool(compression)  # a method's calibration (Chelsea's "auto" outliers) runs here
         eos = self.hf_config.get("eos_token_id", self.tokenizer.get_eos_token_id())
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         gen_cfg = _read_json(self.model_dir / "generation_config.json")
@@ -157,7 +158,6 @@ class OpenVINOEngine:
         self.max_context = model_context(self.model_dir)
         self._cached: list[int] = []  # token ids whose K/V the sequence holds, in order
         self._scored = 0  # of them, how many a scoring pass (KVzip) has scored
-        self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
         self._history: list[dict] | None = None  # chat messages while a chat is open
 
     def _make_pool(self, compression: CompressionConfig) -> None:
@@ -187,13 +187,23 @@ class OpenVINOEngine:
 
     def pool_spec(self, compression: CompressionConfig) -> tuple[Any, int, str]:
         """``(method config, block size, the op's spec)`` of ``compression``, checked."""
-        method = compression.method_config()
+        method = self._calibrated(compression.method_config())
         block_size = self.default_block_size
         method_block = getattr(method, "block_size", None)
         if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
             _check_block_size("options.block_size", method_block)
             block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
         return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size, self.windows)
+
+    def _calibrated(self, method: Any) -> Any:
+        """``method`` with what it calibrates on the model (:mod:`~ov_kvcrush.engines.calibration`);
+        before the model is compiled, with a calibration over no layers (the op checks the rest)."""
+        if not method.needs_calibration:
+            return method
+        if getattr(self, "tokenizer", None) is None:
+            return method.with_calibration(method.calibrate([]))
+        model = calibration.model_id(self.model_dir)
+        return calibration.resolve(method, model, self.scoring.encode, lambda ids: calibration.op_layer_keys(self, ids))
 
     def set_compression(self, compression: CompressionConfig) -> None:
         """Switch method and budget for the next generations: a new pool, the model stays compiled

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines import calibration
 from ov_kvcrush.engines.base import (
     GenerationResult,
     Prompt,
@@ -46,7 +47,7 @@ from ov_kvcrush.engines.cuda_graph import GraphedDecoder
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.engines.random_model import build_random_model, is_random_model
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.methods import MethodConfig
+from ov_kvcrush.methods import FullConfig, MethodConfig
 
 #: Model families whose attention modules call the cache and the attention interface the way
 #: :mod:`~ov_kvcrush.engines.hf_cache` expects (rotary position embeddings, ``layer_idx``).
@@ -173,13 +174,33 @@ class TorchEngine:
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
         #: layer count, heads, dtype ... : what the KV memory of this model depends on
         self.shape = ModelShape.from_config(self.model.config, self.model.dtype)
+        self.method = self._calibrated(self.method)  # a calibration on the model (Chelsea's "auto" outliers)
 
     def set_compression(self, compression: CompressionConfig) -> None:
         """Switch method/budget for the next generations (the model stays loaded)."""
         if not isinstance(compression, CompressionConfig):
             raise ConfigError("compression", compression, "a CompressionConfig")
-        self.method = compression.method_config()
+        self.method = self._calibrated(compression.method_config())
         self.compression = compression
+
+    def _calibrated(self, method: Any) -> Any:
+        """``method`` with what it calibrates on the model (:mod:`~ov_kvcrush.engines.calibration`)."""
+        if not method.needs_calibration or getattr(self, "model", None) is None:
+            return method  # before the model is loaded: calibrated once it is (__init__)
+        return calibration.resolve(
+            method,
+            "torch|" + calibration.model_id(self.model_dir),
+            lambda text: list(self.tokenizer(text, add_special_tokens=False).input_ids),
+            self._calibration_keys,
+        )
+
+    def _calibration_keys(self, ids: list[int]) -> list[torch.Tensor]:
+        """A full cache's keys per global layer, ``[1, kv_heads, n, d]``, after prefilling ``ids``."""
+        cache = CompressedCache(FullConfig(), self.model.config)
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=self.device)
+            self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return [layer.method.store.dense()[0].float().cpu() for layer in cache.layers if not layer.is_sliding]
 
     # -- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
@@ -320,7 +341,7 @@ class TorchEngine:
         configs = _check_compressions(compressions)
         ids, split = self._prompt_split(prompt, settings, question)
         caches, first, prefill_s = self._prefill(
-            ids[:split], [c.method_config() for c in configs], settings.max_new_tokens
+            ids[:split], [self._calibrated(c.method_config()) for c in configs], settings.max_new_tokens
         )
         results = []
         for cfg in configs:
@@ -348,7 +369,7 @@ class TorchEngine:
         if not context or not continuation:
             raise UserError("score_continuation_each needs a non-empty context and continuation")
         self._check_length(len(context), len(continuation))
-        caches, first, _ = self._prefill(list(context), [c.method_config() for c in configs])
+        caches, first, _ = self._prefill(list(context), [self._calibrated(c.method_config()) for c in configs])
         out = []
         for cfg in configs:
             cache = caches.pop(0)

@@ -194,6 +194,26 @@ class MethodConfig:
     #: (the op's scoring mode) and calls :meth:`finish_scoring_pass`, when :meth:`scoring_pass_due`
     scoring_pass: ClassVar[bool] = False
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether a field waits for a calibration on the model (Chelsea's ``outlier_heads="auto"``):
+        an engine then prefills calibration text with a full cache and builds its layers from
+        :meth:`calibrated` (``ov_kvcrush.engines.calibration``)."""
+        return False
+
+    def calibrate(self, layer_keys: list[torch.Tensor]) -> dict[str, Any]:
+        """The calibrated fields (JSON-able) from ``layer_keys``: one ``[1, kv_heads, n, d]`` per
+        layer the method runs on, of a full cache's prefill."""
+        return {}
+
+    def with_calibration(self, fields: dict[str, Any]) -> MethodConfig:
+        """This config with the fields :meth:`calibrate` returned (read back from a cache file)."""
+        return self
+
+    def calibration_key(self) -> str:
+        """What a calibration depends on besides the model (part of its cache file's name)."""
+        return self.name
+
     def scoring_pass_due(self, held: int, layers: int, kv_heads: int) -> bool:
         """Whether a cache holding ``held`` tokens (summed over its layers and KV heads) needs a
         scoring pass now (a method with :attr:`scoring_pass`)."""

@@ -17,7 +17,10 @@ equation 2), which is exact when a cluster's members had identical keys and valu
 
 Every KV head removes the same number of tokens, so a layer stays one dense tensor. Heads listed
 in ``outlier_heads`` (found offline by :func:`calibrate_outlier_heads`, 4 % of heads in the paper)
-are never merged and keep their full cache.
+are never merged and keep their full cache; they count against the budget, so the other heads
+merge down to :func:`merged_budget` (what ``budget x`` the method's heads leaves after the
+outliers' tokens). ``outlier_heads="auto"`` has an engine run the calibration on the model once
+(``ov_kvcrush.engines.calibration``: 2048 tokens of essay prose, cached per model).
 
 Paper: Hu et al., "Efficient Long-Context LLM Inference via KV Cache Clustering" (Chelsea),
 arXiv 2506.11418 (seed 002).
@@ -30,8 +33,8 @@ Where this departs from it:
   compression merges at most ``floor(r * middle)`` links, at least one.
 * ``link_score="key_value"`` (not the paper's; off by default) ranks links by the lower of their
   keys' and values' cosine.
-* Outlier heads are none by default and nothing calls the calibration automatically; listed ones
-  stay whole and are not counted against the budget (the paper counts them).
+* Outlier heads are none by default (``"auto"`` calibrates them as the paper does); the paper
+  calibrates on its own data, here on the evaluation corpus's first essays.
 * Decode-time merging runs every ``merge_interval`` tokens per layer, as the paper's ``g``.
 * ``protect_tokens`` (not the paper's; 0 by default) keeps, per KV head, that many middle tokens
   out of merging: those the prompt's last 32 queries attend most (SnapKV's window scores, pooled
@@ -43,8 +46,8 @@ Where this departs from it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -237,6 +240,8 @@ def chelsea_compress(
     return keys, values, degrees, kept, passes
 
 
+#: ``outlier_heads`` value an engine resolves by calibrating on the model
+OUTLIERS_AUTO = "auto"
 #: what scores tokens for ``protect_tokens``: SnapKV's observation window and our default pooling
 PROTECT_WINDOW = 32
 PROTECT_POOL_KERNEL = DEFAULT_POOL_KERNEL
@@ -299,7 +304,8 @@ class ChelseaConfig(MethodConfig):
         outlier_heads: ``(layer, kv_head)`` pairs kept uncompressed; ``layer`` counts the layers
             the method runs on (on a model with sliding-window layers, the global ones), in both
             engines. They count against the budget (:func:`merged_budget`): the other heads keep
-            fewer tokens as the outliers grow.
+            fewer tokens as the outliers grow. ``"auto"``: the engine runs the paper's calibration
+            (:func:`calibrate_outlier_heads`, 4 % of the heads) on the model once and caches it.
         merge_ratio: the paper's ``r_init``, the share of the middle one matching pass may merge
             (``None``: every usable link, up to the target), in (0, 0.5].
         ratio_decay: the paper's ``alpha``: ``r`` falls by this much per pass, for ``decay_steps``
@@ -320,7 +326,7 @@ class ChelseaConfig(MethodConfig):
     recent_tokens: int = 64
     chunk_size: int = 256
     merge_interval: int = 32
-    outlier_heads: tuple[tuple[int, int], ...] = ()
+    outlier_heads: tuple[tuple[int, int], ...] | str = ()
     quant: QuantSettings | None = None
     merge_ratio: float | None = None
     ratio_decay: float = 0.0
@@ -343,7 +349,10 @@ class ChelseaConfig(MethodConfig):
         check_int("decay_steps", self.decay_steps, 0, 1 << 10)
         check_choice("link_score", self.link_score, ("key", "key_value"))
         check_int("protect_tokens", self.protect_tokens, 0, 1 << 20)
-        for pair in self.outlier_heads:
+        pairs = () if self.outlier_heads == OUTLIERS_AUTO else self.outlier_heads
+        if isinstance(pairs, str):
+            raise ConfigError("outlier_heads", pairs, f"'{OUTLIERS_AUTO}' or a tuple of (layer, kv_head) pairs")
+        for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)):
                 raise ConfigError(
                     "outlier_heads", self.outlier_heads, "a tuple of (layer, kv_head) pairs of integers >= 0"
@@ -353,15 +362,48 @@ class ChelseaConfig(MethodConfig):
         if self.quant is not None:
             self.quant.pinned_tail(selecting=self.pins_prompt_tail)
 
+    @property
+    def needs_calibration(self) -> bool:
+        return self.outlier_heads == OUTLIERS_AUTO
+
+    def calibrate(self, layer_keys: list[torch.Tensor]) -> dict[str, Any]:
+        """``outlier_heads="auto"``: the paper's calibration over ``layer_keys``."""
+        pairs = calibrate_outlier_heads(layer_keys, chunk_size=self.chunk_size)
+        return {"outlier_heads": [list(p) for p in pairs]}
+
+    def with_calibration(self, fields: dict[str, Any]) -> ChelseaConfig:
+        if not self.needs_calibration:
+            return self
+        try:
+            pairs = tuple((int(layer), int(head)) for layer, head in fields["outlier_heads"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError("outlier_heads", fields, "a calibration's list of [layer, kv_head] pairs") from None
+        return replace(self, outlier_heads=pairs)
+
+    def calibration_key(self) -> str:
+        return f"{self.name}-outliers-chunk{self.chunk_size}"
+
+    def _pairs(self) -> tuple[tuple[int, int], ...]:
+        """The outlier pairs; ``"auto"`` must have been calibrated by an engine first."""
+        if isinstance(self.outlier_heads, str):
+            raise ConfigError(
+                "outlier_heads",
+                self.outlier_heads,
+                "(layer, kv_head) pairs here: 'auto' is resolved by an engine's calibration on the model "
+                "(ChelseaConfig.with_calibration) before layers are made",
+            )
+        return self.outlier_heads
+
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         if self.quant is not None:
             raise ConfigError("options.quant", "set", "None for chelsea (backend openvino; the torch engine runs it)")
+        pairs = self._pairs()
         return {
             "sinks": self.sink_tokens,
             "recent": self.recent_tokens,
             "chunk": self.chunk_size,
             "merge_interval": self.merge_interval,
-            "outliers": ",".join(f"{layer},{head}" for layer, head in self.outlier_heads),
+            "outliers": ",".join(f"{layer},{head}" for layer, head in pairs),
             "ratio_e4": self.schedule()[0],
             "decay_e4": self.schedule()[1],
             "decay_steps": self.schedule()[2],
@@ -377,14 +419,14 @@ class ChelseaConfig(MethodConfig):
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
-        heads = tuple(sorted(h for (layer, h) in self.outlier_heads if layer == layer_idx))
+        heads = tuple(sorted(h for (layer, h) in self._pairs() if layer == layer_idx))
         return ChelseaLayerCache(self, outlier_heads=heads, num_layers=num_layers)
 
     def merged_budget(self, seen: int, heads: int) -> int:
         """What a merged head keeps after ``seen`` tokens, of ``heads`` heads (:func:`merged_budget`)."""
         assert self.budget is not None
         floor = self.sink_tokens + self.recent_tokens + 1
-        return merged_budget(self.budget, seen, heads, len(self.outlier_heads), floor)
+        return merged_budget(self.budget, seen, heads, len(self._pairs()), floor)
 
 
 class ChelseaLayerCache(LayerCache):

@@ -1,0 +1,106 @@
+"""Calibrating a method on the model, once (Chelsea's ``outlier_heads="auto"``).
+
+Chelsea's paper finds its outlier heads offline: the heads whose keys merge worst on some text
+(Appendix B). A user should not run that by hand, so an engine does it when a method asks
+(:attr:`~ov_kvcrush.methods.MethodConfig.needs_calibration`): it prefills
+:data:`CALIBRATION_TOKENS` tokens of the corpus's first essays with a full cache, hands each
+method layer's keys to :meth:`~ov_kvcrush.methods.MethodConfig.calibrate`, and builds its layers
+from :meth:`~ov_kvcrush.methods.MethodConfig.with_calibration`. The result is cached per model
+and method under ``$OV_KVCRUSH_CACHE/calibration/`` (written whole, then renamed: a half-written
+file is never read; an unreadable one is measured again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ov_kvcrush.embedded import cache_root
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.outputs import write_atomic
+
+#: tokens of calibration text (the essays are the evaluation's haystack prose)
+CALIBRATION_TOKENS = 2048
+#: how many essays are joined for the text (each is a few thousand tokens)
+CALIBRATION_ESSAYS = 3
+
+
+def calibration_ids(encode: Callable[[str], list[int]], tokens: int = CALIBRATION_TOKENS) -> list[int]:
+    """The first ``tokens`` ids of the calibration text (no template)."""
+    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+
+    text = " ".join(essay_text(p) for p in haystack_essays()[:CALIBRATION_ESSAYS])
+    ids = encode(text)
+    if len(ids) < tokens:
+        raise UserError(f"the calibration text has {len(ids)} tokens; {tokens} are needed")
+    return ids[:tokens]
+
+
+def cache_file(model_id: str, method: Any) -> Path:
+    """Where the calibration of ``method`` on the model ``model_id`` names is kept."""
+    digest = hashlib.sha256(f"{model_id}|{CALIBRATION_TOKENS}".encode()).hexdigest()[:16]
+    return cache_root() / "calibration" / f"{method.calibration_key()}-{digest}.json"
+
+
+def model_id(path: str | Path) -> str:
+    """A model directory's identity for the cache: its path and its files' sizes and times (a
+    re-exported model is calibrated again)."""
+    p = Path(path).resolve()
+    if not p.exists():  # a random-weight architecture (random:<name>): its name is its identity
+        return str(path)
+    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+    return "|".join([str(p), *(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)])
+
+
+def resolve(
+    method: Any, model: str, encode: Callable[[str], list[int]], layer_keys: Callable[[list[int]], list[torch.Tensor]]
+) -> Any:
+    """``method`` with its calibrated fields: from the cache, or measured now (``layer_keys``: a
+    full cache's keys per method layer after prefilling the ids it is given) and cached."""
+    if not method.needs_calibration:
+        return method
+    path = cache_file(model, method)
+    try:
+        return method.with_calibration(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not cached yet (or unreadable): measure
+    fields = method.calibrate(layer_keys(calibration_ids(encode)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(fields)))
+    return method.with_calibration(fields)
+
+
+def op_layer_keys(engine: Any, ids: list[int]) -> list[torch.Tensor]:
+    """Backend openvino: ``ids`` prefilled into a full f32 cache of its own (the engine's compiled
+    model; its own sequence is untouched), then each global layer's keys ``[1, kv_heads, n, d]``."""
+    import numpy as np
+
+    from ov_kvcrush.kvcache import KVPool
+
+    s = engine.shape
+    pool = KVPool(s.layers, s.q_heads, s.kv_heads, s.head_dim, precision="f32", windows=engine.windows)
+    try:
+        seq = pool.new_sequence()
+        engine.request.infer(engine.step_inputs([ids], [seq], [0]))
+        return [
+            torch.from_numpy(np.stack([seq.read_head(layer, g)[1] for g in range(s.kv_heads)]))[None]
+            for layer in range(s.layers)
+            if not engine.windows[layer]
+        ]
+    finally:
+        pool.close()
+
+
+__all__ = [
+    "CALIBRATION_TOKENS",
+    "cache_file",
+    "calibration_ids",
+    "model_id",
+    "op_layer_keys",
+    "resolve",
+]
