@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ov_kvcrush.eval.report import format_table, load, plot, summary_rows, write_json
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.eval.report import format_table, load, main, merge, plot, summary_rows, write_json
 from ov_kvcrush.eval.runner import EvalReport, aggregate
 
 
@@ -59,3 +60,49 @@ def test_json_round_trip_table_and_plot(tmp_path):
     assert "snapkv" in table and "ppl (ppl)" in table and "12.50" in table
     png = plot(again, tmp_path / "r.png", title=again.meta["command"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _sample(method, budget, index, score, answers=("123",), tokens=100):
+    return {
+        "task": "niah_single", "length": 100, "method": method, "budget": budget, "backend": "openvino",
+        "target_kv_bytes": None, "index": index, "score": score, "answers": list(answers), "prompt_tokens": tokens,
+        "metric": "accuracy", "agreement": 1.0, "kv_bytes": 100 if budget else 1000, "full_kv_bytes": 1000,
+        "recall_rate": None,
+    }  # fmt: skip
+
+
+def _run(budget, full_scores=(1.0, 0.0), scores=(1.0, 1.0), answers=("123",)):
+    samples = [_sample("full", None, i, s, answers) for i, s in enumerate(full_scores)]
+    samples += [_sample("snapkv", budget, i, s, answers) for i, s in enumerate(scores)]
+    return EvalReport(aggregate(samples), samples, meta={"command": f"ov-kvcrush eval --budgets {budget}"})
+
+
+def test_merge_joins_budgets_of_runs_over_the_same_prompts():
+    merged = merge([("a.json", _run(64)), ("b.json", _run(32, scores=(0.0, 1.0)))])
+    cells = {(r["method"], r["budget"]): r for r in merged.results}
+    assert set(cells) == {("full", None), ("snapkv", 64), ("snapkv", 32)}  # the full cache once
+    assert cells[("snapkv", 64)]["score"] == 1.0 and cells[("snapkv", 32)]["score"] == 0.5
+    assert len(merged.samples) == 6  # 2 full + 2 per budget: the repeated full samples are not doubled
+    assert [m["file"] for m in merged.meta["merged_from"]] == ["a.json", "b.json"]
+
+
+def test_merge_refuses_runs_that_asked_other_questions_or_disagree():
+    with pytest.raises(UserError, match=r"a\.json and b\.json asked other questions"):
+        merge([("a.json", _run(64)), ("b.json", _run(32, answers=("999",)))])
+    with pytest.raises(UserError, match=r"a\.json and b\.json disagree on full"):
+        merge([("a.json", _run(64)), ("b.json", _run(32, full_scores=(1.0, 1.0)))])
+
+
+def test_report_command_merges_and_plots_share_of_full(tmp_path, capsys):
+    a, b = write_json(_run(64), tmp_path / "a.json"), write_json(_run(32), tmp_path / "b.json")
+    out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
+    assert main([str(a), str(b), "--x", "share", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    merged = load(out_json)
+    assert {r["budget"] for r in merged.results} == {None, 64, 32}
+    assert merged.meta["command"].startswith("python -m ov_kvcrush.eval.report ")
+    assert out_png.stat().st_size > 0
+    (tmp_path / "foreign.json").write_text('{"rows": []}')
+    assert main([str(a), str(tmp_path / "foreign.json")]) == 2
+    assert "is not an eval report" in capsys.readouterr().err
+    with pytest.raises(UserError, match="x='bytes' is invalid"):
+        plot(merged, tmp_path / "x.png", x="bytes")

@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ov_kvcrush.errors import UserError
 from ov_kvcrush.eval.runner import EvalReport, mean
+from ov_kvcrush.validation import check_choice
+
+# the plot's x axes: what each shows, as its label
+X_AXES = {"mib": "KV MiB held (log)", "share": "KV held, share of the full cache (log)"}
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -142,11 +147,14 @@ def write_json(report: EvalReport, path: str | Path, command: str | None = None)
     return path
 
 
-def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path:
-    """Score against KV MiB held, one line per method (its budgets as points), one panel per (length, task).
+def plot(report: EvalReport, path: str | Path, title: str | None = None, x: str = "mib") -> Path:
+    """Score against KV held, one line per method (its budgets as points), one panel per (length, task).
 
-    The full cache is a star; perplexity panels have their own y axis (lower is better).
+    ``x``: ``mib`` (KV MiB held) or ``share`` (its fraction of the same engine's full cache, the
+    frontier's axis: lengths compare on one scale). The full cache is a star; perplexity panels
+    have their own y axis (lower is better).
     """
+    check_choice("x", x, tuple(X_AXES))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,7 +191,7 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
                 continue
             ppl = cell[0]["metric"] == "perplexity"
             for m in methods:
-                pts = sorted((r["kv_bytes"] / 2**20, r["score"]) for r in cell if r["method"] == m)
+                pts = sorted((_x(r, x), r["score"]) for r in cell if r["method"] == m)
                 if pts:
                     ax.plot(
                         *zip(*pts, strict=True),
@@ -197,7 +205,7 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
                     )
             for r in cell:
                 if r["method"] == "full":
-                    ax.plot(r["kv_bytes"] / 2**20, r["score"], marker="*", ms=11, color="black", ls="", label="full")
+                    ax.plot(_x(r, x), r["score"], marker="*", ms=11, color="black", ls="", label="full")
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
             ax.xaxis.set_minor_formatter(NullFormatter())
@@ -211,7 +219,7 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
             ax.grid(alpha=0.3, which="both")
             ax.tick_params(labelsize=7)
             if row == n_rows - 1:
-                ax.set_xlabel("KV MiB held (log)", fontsize=8)
+                ax.set_xlabel(X_AXES[x], fontsize=8)
             if col == 0 or ppl:
                 ax.set_ylabel("perplexity (lower is better)" if ppl else "score", fontsize=8)
     handles, labels = {}, []
@@ -232,24 +240,96 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None) -> Path
     return path
 
 
+def _x(r: dict[str, Any], axis: str) -> float:
+    if axis == "share":
+        return r["kv_bytes"] / r["full_kv_bytes"]
+    return r["kv_bytes"] / 2**20
+
+
+# what identifies a measured configuration, and a prompt, across runs
+_CONFIG_KEY = ("task", "length", "method", "budget", "target_kv_bytes", "backend")
+_SAMPLE_KEY = (*_CONFIG_KEY, "index")
+_SAME = ("score", "kv_bytes", "full_kv_bytes", "n")
+
+
+def merge(reports: Sequence[tuple[str, EvalReport]]) -> EvalReport:
+    """Runs over the same prompts as one report: a frontier built in parts (more budgets, more methods).
+
+    Runs merge only when they asked the same questions: a prompt (task, length, sample index) that
+    two runs share has the same answers and length, and a configuration both measured (the full
+    cache, at least) has the same score and bytes in each. The engines are deterministic, so a
+    difference means other prompts, another model or another build, and one plot would compare
+    unlike things: that is an error naming both files, not a silent choice of one.
+    """
+    if not reports:
+        raise UserError("no report to merge")
+    results: dict[tuple, tuple[str, dict[str, Any]]] = {}
+    samples: dict[tuple, dict[str, Any]] = {}
+    prompts: dict[tuple, tuple[str, tuple]] = {}
+    for name, report in reports:
+        for r in report.results:
+            key = tuple(r.get(k) for k in _CONFIG_KEY)
+            if key in results:
+                first, seen = results[key]
+                if any(seen.get(k) != r.get(k) for k in _SAME):
+                    raise UserError(
+                        f"{first} and {name} disagree on {r['method']} (budget {r['budget']}) at {r['task']} "
+                        f"{r['length']}: runs over other prompts, models or builds do not merge"
+                    )
+                continue
+            results[key] = (name, r)
+        for smp in report.samples:
+            prompt = (smp["task"], smp["length"], smp["index"])
+            asked = (tuple(smp.get("answers") or ()), smp.get("prompt_tokens"))
+            first, seen = prompts.setdefault(prompt, (name, asked))
+            if seen != asked:
+                raise UserError(f"{first} and {name} asked other questions as {prompt[0]} {prompt[1]} #{prompt[2]}")
+            samples.setdefault(tuple(smp.get(k) for k in _SAMPLE_KEY), smp)
+    meta = {"merged_from": [{"file": name, "command": report.meta.get("command")} for name, report in reports]}
+    budgets = [b for _, report in reports for b in report.budgets]
+    return EvalReport([r for _, r in results.values()], list(samples.values()), budgets, meta)
+
+
 def load(path: str | Path) -> EvalReport:
     """Read a report written by :func:`write_json` (to re-render tables and plots without re-running)."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "results" not in data:
+        raise UserError(f"{path} is not an eval report (no 'results'; one is written by ov-kvcrush eval --json)")
     return EvalReport(data["results"], data.get("samples", []), data.get("budgets", []), data.get("meta", {}))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ov_kvcrush.eval.report RESULTS.json [--plot OUT.png]``: print the tables again, re-plot."""
+    """``python -m ov_kvcrush.eval.report RESULTS.json [MORE.json ...] [--plot OUT.png] [--json OUT.json]``.
+
+    Prints the tables again and re-plots; several runs over the same prompts are merged into one
+    report (:func:`merge`), so a frontier measured in parts is shown, and kept, as one.
+    """
     import argparse
+    import shlex
+    import sys
+
+    from ov_kvcrush.errors import one_line
 
     ap = argparse.ArgumentParser(prog="python -m ov_kvcrush.eval.report", description=main.__doc__)
-    ap.add_argument("json_path")
+    ap.add_argument("json_paths", nargs="+", metavar="RESULTS.json")
     ap.add_argument("--plot", help="write the plot here")
+    ap.add_argument("--json", dest="json_out", help="write the (merged) report here")
+    ap.add_argument("--x", default="mib", choices=tuple(X_AXES), help="the plot's x axis (default mib)")
     args = ap.parse_args(argv)
-    report = load(args.json_path)
+    try:
+        loaded = [(p, load(p)) for p in args.json_paths]
+        report = loaded[0][1] if len(loaded) == 1 else merge(loaded)
+    except (OSError, ValueError) as exc:  # a missing, foreign or mismatched file is one line, not a trace
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    command = report.meta.get("command")
+    if command is None or len(loaded) > 1:
+        command = "python -m ov_kvcrush.eval.report " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(format_table(report))
+    if args.json_out:
+        print(f"json: {write_json(report, args.json_out, command)}")
     if args.plot:
-        print(f"plot: {plot(report, args.plot, title=report.meta.get('command'))}")
+        print(f"plot: {plot(report, args.plot, title=command, x=args.x)}")
     return 0
 
 
