@@ -179,7 +179,7 @@ def scores_by_position(positions, scores) -> dict[int, float]:
 
 
 def op_scores(seq, layer, shared: bool) -> list[dict[int, float]]:
-    """Per KV head: position -> score the op holds (group-summed; KVCrush: summed over all heads)."""
+    """Per KV head: position -> score the op holds (group-summed; layer-scope KVCrush: summed over all heads)."""
     per_head = []
     for g in range(HKV):
         pos, _, _, sc = seq.read_head(layer, g)
@@ -222,7 +222,7 @@ def check_op_keeps_the_reference_tokens(core, cfg, layer: int, case: str = "", l
     case = case or cfg.name
     bs = getattr(cfg, "block_size", None) or 32
     budget = cfg.layer_budget(layer, layers)
-    shared = cfg.name == "kvcrush"
+    shared = cfg.name == "kvcrush" and cfg.scope == "layer"  # one selection per layer: scores summed over it
     quant = getattr(cfg, "quant", None) is not None
     frozen = quant or cfg.name == "minikv"
     diverged, last, first_qblocks = False, None, 0

@@ -69,6 +69,41 @@ def test_anchor_modes():
     assert len({tuple(o) for o in other}) > 1
 
 
+def test_a_kv_head_reads_its_groups_bits_of_the_layers_anchor():
+    modes = ("zeros", "ones", "alternating", "random", "mean")
+    layer = make_anchors(torch.zeros(1, 0, 9, dtype=torch.bool), modes, seed=5)
+    group_bits = torch.tensor([[[1, 0, 1], [1, 1, 0], [1, 0, 0]]], dtype=torch.bool)
+    for offset in (0, 3, 6):
+        part = make_anchors(group_bits, modes, seed=5, draw=(9, offset))
+        assert torch.equal(part[0, :4], layer[0, :4, offset : offset + 3])  # fixed anchors: the layer's bits
+        assert part[0, 4].tolist() == [True, False, False]  # mean: the group's own majority
+    with pytest.raises(ValueError, match="outside the 9 drawn"):
+        make_anchors(group_bits, modes, seed=5, draw=(9, 7))
+
+
+def test_head_scope_selects_per_kv_head_from_its_own_query_group():
+    """scope="head": KV head g keeps what KVCrush keeps for its query group alone (anchors cut from
+    the layer's), so heads whose queries want other tokens keep other tokens; scope="layer" keeps
+    one choice in every head."""
+    scores, _ = selection(n=300)  # [1, 9, 300]: three KV heads of three query heads each
+    favourite = torch.zeros_like(scores)
+    for g in range(3):  # each group strongly wants its own run of 40 tokens
+        favourite[:, 3 * g : 3 * g + 3, 40 + 80 * g : 80 + 80 * g] = 10.0
+    scores = scores + favourite
+    cfg = KVCrushConfig(budget=96, sink_tokens=8, recent_tokens=16, representatives=24, scope="head")
+    keep = cfg.make_layer(0, 1).select(scores, 3)  # [1, 3, 96]
+    for g in range(3):
+        want = kvcrush_select(scores[:, 3 * g : 3 * g + 3], 96, 8, 16, 24, anchor_draw=(9, 3 * g))[0].keep
+        assert torch.equal(keep[0, g], want)
+        assert set(range(40 + 80 * g, 80 + 80 * g)) <= set(keep[0, g].tolist())  # its own favourites
+    assert not set(range(40, 80)) <= set(keep[0, 1].tolist())  # not another group's
+    layer = KVCrushConfig(budget=96, sink_tokens=8, recent_tokens=16, representatives=24).make_layer(0, 1)
+    shared = layer.select(scores, 3)
+    assert all(torch.equal(shared[0, 0], shared[0, g]) for g in range(3))
+    with pytest.raises(ConfigError, match="scope"):
+        KVCrushConfig(budget=96, scope="group")
+
+
 def test_bucket_order_single_and_multi_anchor():
     d = torch.tensor([[[2, 0], [1, 3], [2, 1], [1, 0], [0, 2]]])
     assert bucket_order(d[..., :1]).tolist() == [[4, 1, 3, 0, 2]]  # by distance, ties by position

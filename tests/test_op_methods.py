@@ -90,6 +90,25 @@ CASES = {
     "kvcrush-blocks": dict(
         method="kvcrush", budget=128, sink_tokens=16, recent_tokens=32, representatives=32, block_size=16
     ),
+    "kvcrush-heads": dict(
+        method="kvcrush",
+        budget=96,
+        sink_tokens=4,
+        recent_tokens=16,
+        representatives=24,
+        anchor=("random", "mean"),
+        scope="head",
+    ),
+    "kvcrush-heads-blocks-quant": dict(
+        method="kvcrush",
+        budget=128,
+        sink_tokens=16,
+        recent_tokens=32,
+        representatives=32,
+        block_size=16,
+        scope="head",
+        quant=QuantSettings(bits=4, residual_tokens=32, prompt_tail=40),
+    ),
 }
 
 

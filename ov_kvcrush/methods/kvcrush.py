@@ -19,7 +19,10 @@ Anchors: ``random`` (seeded), ``zeros``, ``ones``, ``mean`` (per-bit majority of
 tokens) and ``alternating`` (1010...). Several anchors (a tuple of modes) order tokens either by
 their distance tuple (lexicographic) or by nearest anchor, then distance.
 
-A signature spans the heads of the layer, so every KV head of the layer keeps the same tokens.
+A signature spans the heads of the layer, so every KV head of the layer keeps the same tokens
+(``scope="layer"``, the default, as OpenVINO GenAI's per-layer block tables do). ``scope="head"``
+runs the same selection once per KV head on its own query group's scores, as SnapKV selects per
+head: the important tokens are then exactly SnapKV's at ``budget - representatives``.
 ``block_size`` switches to the paged-attention variant: scores are summed per block of that many
 tokens, whole blocks are kept or evicted, and the trailing partial block always stays.
 
@@ -36,6 +39,8 @@ Where this departs from it:
 * Multi-anchor ordering (``tuple``/``nearest``) and the ``threshold`` signature are options the
   paper mentions without fixing; the defaults (one random anchor, top-k signatures) follow it.
 * The decode-time budget is enforced every step (the paper compresses after the prompt).
+* ``scope="head"`` (an option; the default is the paper's per-layer choice): a KV head's
+  signature has only its group's bits, and its anchors are that group's bits of the layer's.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ ANCHOR_MODES = ("random", "zeros", "ones", "mean", "alternating")
 MULTI_ANCHOR = ("tuple", "nearest")
 SIGNATURES = ("topk", "threshold")
 REPRESENTATIVES = ("max_score", "first")
+SCOPES = ("layer", "head")
 WORD_BITS = 32  # bits packed per int64 word (kept non-negative so shifts stay logical)
 
 
@@ -107,28 +113,39 @@ def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return popcount(torch.bitwise_xor(a, b)).sum(dim=-1)
 
 
-def make_anchors(bits: torch.Tensor, modes: tuple[str, ...], seed: int) -> torch.Tensor:
+def make_anchors(
+    bits: torch.Tensor, modes: tuple[str, ...], seed: int, draw: tuple[int, int] | None = None
+) -> torch.Tensor:
     """Anchor signatures ``[b, A, H]`` (bool) for evictable-token signatures ``bits`` ``[b, m, H]``.
 
     ``random`` anchors come from a CPU generator seeded with ``seed + i`` (``i`` the anchor's
-    index), so they are the same on every device and run.
+    index), so they are the same on every device and run. ``draw`` ``(heads, offset)``: a fixed
+    anchor is drawn over ``heads`` bits (the layer's query heads) and bits ``offset : offset + H``
+    are used, so each KV head of ``scope="head"`` reads its own query group's part of the layer's
+    anchor (a ``mean`` anchor is always its own tokens' majority).
     """
     b, m, h = bits.shape
+    width, offset = draw if draw is not None else (h, 0)
+    if not 0 <= offset <= width - h:
+        raise ShapeError(f"anchor bits {offset}..{offset + h} outside the {width} drawn")
     out = []
     for i, mode in enumerate(modes):
         check_choice("anchor", mode, ANCHOR_MODES)
+        if mode == "mean":
+            out.append(
+                ((bits.float().mean(dim=1) >= 0.5).cpu() if m else torch.zeros(b, h, dtype=torch.bool)).to(bits.device)
+            )
+            continue
         if mode == "zeros":
-            a = torch.zeros(b, h, dtype=torch.bool)
+            a = torch.zeros(b, width, dtype=torch.bool)
         elif mode == "ones":
-            a = torch.ones(b, h, dtype=torch.bool)
+            a = torch.ones(b, width, dtype=torch.bool)
         elif mode == "alternating":
-            a = (torch.arange(h) % 2 == 0).expand(b, h)
-        elif mode == "mean":
-            a = (bits.float().mean(dim=1) >= 0.5).cpu() if m else torch.zeros(b, h, dtype=torch.bool)
+            a = (torch.arange(width) % 2 == 0).expand(b, width)
         else:
             gen = torch.Generator().manual_seed(seed + i)
-            a = torch.rand(b, h, generator=gen) < 0.5
-        out.append(a.to(bits.device))
+            a = torch.rand(b, width, generator=gen) < 0.5
+        out.append(a[:, offset : offset + h].to(bits.device))
     return torch.stack(out, dim=1)
 
 
@@ -193,11 +210,13 @@ def kvcrush_select(
     multi_anchor: str = "tuple",
     seed: int = 0,
     representative: str = "max_score",
+    anchor_draw: tuple[int, int] | None = None,
 ) -> list[KVCrushSelection]:
     """KVCrush's token choice for each batch row from per-query-head scores ``[b, H, n]``.
 
     ``budget`` tokens are kept in all (``min(budget, n)``): ``budget - representatives`` important
-    tokens and up to ``representatives`` bucket representatives.
+    tokens and up to ``representatives`` bucket representatives. ``anchor_draw``: see
+    :func:`make_anchors` (``H`` is then one KV head's query group).
     """
     check_scores(scores)
     check_int("budget", budget, 0, 1 << 30)
@@ -230,7 +249,7 @@ def kvcrush_select(
         mask[important[row]] = False
         evictable = torch.nonzero(mask).flatten()
         bits = bits_all[row, :, evictable].T.unsqueeze(0)  # [1, m, H]
-        anchor_bits = make_anchors(bits, anchors, seed)  # [1, A, H]
+        anchor_bits = make_anchors(bits, anchors, seed, anchor_draw)  # [1, A, H]
         sig = pack_signatures(bits)[0]  # [m, W]
         anc = pack_signatures(anchor_bits)[0]  # [A, W]
         dist = hamming(sig.unsqueeze(1), anc.unsqueeze(0))  # [m, A]
@@ -315,6 +334,10 @@ class KVCrushConfig(SnapKVConfig):
         representative: ``max_score`` (the bucket's highest-scoring token) or ``first`` (the
             bucket's token nearest the anchor).
         block_size: ``None`` for token granularity, else paged-attention blocks of that size.
+        scope: ``layer``: one selection per layer, signatures over all its query heads, every KV
+            head keeps the same tokens (as OpenVINO GenAI, whose block tables are per layer);
+            ``head``: each KV head selects for itself, as SnapKV does: its important tokens by its
+            own query group's scores, signatures of that group's heads, its own representatives.
     """
 
     name: ClassVar[str] = "kvcrush"
@@ -327,6 +350,7 @@ class KVCrushConfig(SnapKVConfig):
     seed: int = 0
     representative: str = "max_score"
     block_size: int | None = None
+    scope: str = "layer"
     anchors: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -352,6 +376,7 @@ class KVCrushConfig(SnapKVConfig):
         check_choice("representative", self.representative, REPRESENTATIVES)
         if self.block_size is not None:
             check_int("block_size", self.block_size, 1, 4096)
+        check_choice("scope", self.scope, SCOPES)
 
     def reserved_spans(self) -> int:
         """Whole spans of representatives (a block-wise selection rounds them down; a negative
@@ -389,11 +414,15 @@ class KVCrushConfig(SnapKVConfig):
             multi_anchor=self.multi_anchor,
             representative=self.representative,
             anchors=",".join(self.anchor_bits(q_heads)),
+            scope=self.scope,
         )
         return fields
 
-    def select(self, scores: torch.Tensor) -> list[torch.Tensor]:
-        """Kept token indices per batch row for per-query-head scores ``[b, H, n]`` (budget applied)."""
+    def select(self, scores: torch.Tensor, anchor_draw: tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """Kept token indices per batch row for per-query-head scores ``[b, H, n]`` (budget applied).
+
+        ``anchor_draw``: the anchors' bits when ``scores`` are one KV head's group (:func:`make_anchors`).
+        """
         assert self.budget is not None
         kw = dict(
             signature=self.signature,
@@ -401,6 +430,7 @@ class KVCrushConfig(SnapKVConfig):
             multi_anchor=self.multi_anchor,
             seed=self.seed,
             representative=self.representative,
+            anchor_draw=anchor_draw,
         )
         reps = self.n_representatives
         if self.block_size is None:
@@ -413,17 +443,23 @@ class KVCrushConfig(SnapKVConfig):
 
 
 class KVCrushLayerCache(ImportanceLayerCache):
-    """Importance cache whose selection is KVCrush's; every KV head keeps the same tokens."""
+    """Importance cache whose selection is KVCrush's: per layer (every KV head keeps the same
+    tokens) or, with ``scope="head"``, per KV head from its own query group."""
 
     config: KVCrushConfig
 
     def select(self, acc: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        rows = self.config.select(acc)
-        width = max(r.numel() for r in rows)
-        if any(r.numel() != width for r in rows):
+        if self.config.scope == "layer":
+            heads = [self.config.select(acc)] * kv_heads
+        else:
+            h = acc.shape[1]
+            g = h // kv_heads
+            heads = [self.config.select(acc[:, i * g : (i + 1) * g], anchor_draw=(h, i * g)) for i in range(kv_heads)]
+        width = max(r.numel() for rows in heads for r in rows)
+        if any(r.numel() != width for rows in heads for r in rows):
             raise ShapeError("KVCrush kept different token counts across the batch")  # cannot happen: same n
-        keep = torch.stack(rows)  # [b, k]
+        keep = torch.stack([torch.stack(rows) for rows in heads], dim=1)  # [b, kv_heads, k]
         self._bump(
             "representatives_chosen", float(min(self.config.n_representatives, max(acc.shape[2] - self.budget, 0)))
         )
-        return keep.unsqueeze(1).expand(keep.shape[0], kv_heads, width).clone()
+        return keep

@@ -7,8 +7,10 @@
 // kept; the other tokens are ordered by their Hamming distance (hardware popcount) to the
 // anchor(s), ties by position, cut into `representatives` contiguous near-equal buckets, and each
 // bucket keeps one token (its highest-scoring, or its first). Every KV head of the layer keeps the
-// same tokens. Block-wise: scores are summed per block, whole blocks are kept, the trailing
-// partial block always stays, and eviction just rewrites the block table.
+// same tokens (scope=layer), or each KV head selects the same way from its own query group's
+// scores, with its group's bits of the layer's anchors (scope=head, as SnapKV selects per head).
+// Block-wise: scores are summed per block, whole blocks are kept, the trailing partial block
+// always stays, and eviction just rewrites the block table.
 #include "kvcrush.hpp"
 
 #include <algorithm>
@@ -192,13 +194,48 @@ std::vector<int64_t> kvcrush_select_blocks(const float* scores, int H, int64_t n
 }
 
 void KVCrushPolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {
+    const int64_t budget = this->budget(layer);
+    if (prefill) pool_prompt_scores(seq, layer);
+    if (!budget || (!prefill && frozen)) return;
+    if (group_params.empty())
+        select_layer(seq, layer, prefill, budget);
+    else
+        select_heads(seq, layer, prefill, budget);
+}
+
+void KVCrushPolicy::select_heads(Sequence& seq, int layer, bool prefill, int64_t budget) const {
+    const PoolConfig& cfg = seq.pool().config();
+    const int G = cfg.group();
+    for (int g = 0; g < cfg.kv_heads; ++g) {
+        HeadCache& hc = seq.head(layer, g);
+        const int64_t n = hc.size() - hc.holes;
+        if (n <= budget) continue;
+        const std::vector<int64_t> live = live_slots(hc);
+        std::vector<float> scores(static_cast<size_t>(G) * n);  // [group query head][token]
+        for (int gi = 0; gi < G; ++gi)
+            for (int64_t i = 0; i < n; ++i)
+                scores[static_cast<size_t>(gi * n + i)] = hc.scores[static_cast<size_t>(live[static_cast<size_t>(i)] * G + gi)];
+        const KVCrushParams& p = group_params[static_cast<size_t>(g)];
+        if (block_wise) {
+            keep_blocks(seq, hc, kvcrush_select_blocks(scores.data(), G, n, cfg.block_size, budget, sinks, recent,
+                                                       p.representatives, p));
+            continue;
+        }
+        auto keep = kvcrush_select(scores.data(), G, n, budget, sinks, recent, p.representatives, p);
+        for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
+        if (prefill)
+            keep_slots(seq, hc, keep);
+        else
+            evict_slots(seq, hc, keep);
+    }
+}
+
+void KVCrushPolicy::select_layer(Sequence& seq, int layer, bool prefill, int64_t budget) const {
     const PoolConfig& cfg = seq.pool().config();
     const int G = cfg.group(), H = cfg.q_heads;
-    const int64_t budget = this->budget(layer);
     const HeadCache& first = seq.head(layer, 0);
     const int64_t n = first.size() - first.holes;  // every KV head holds the same tokens (and holes)
-    if (prefill) pool_prompt_scores(seq, layer);
-    if (!budget || n <= budget || (!prefill && frozen)) return;
+    if (n <= budget) return;
     const std::vector<int64_t> live = live_slots(first);
     std::vector<float> scores(static_cast<size_t>(H) * n);  // [q head][token], q head = kv head * G + gi
     for (int g = 0; g < cfg.kv_heads; ++g) {
@@ -244,6 +281,15 @@ KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
         kv.anchors.push_back(anchor);
     }
     if (kv.anchors.empty()) throw Error(Spec::invalid("anchors", "(none)", "one or more anchors"));
+    if (spec.choice("scope", {"layer", "head"}) == "head") {
+        const int G = shape.q_heads / shape.kv_heads;
+        for (int g = 0; g < shape.kv_heads; ++g) {
+            KVCrushParams p = kv;
+            for (Anchor& a : p.anchors)
+                if (!a.mean) a.bits = std::vector<uint8_t>(a.bits.begin() + g * G, a.bits.begin() + (g + 1) * G);
+            group_params.push_back(std::move(p));
+        }
+    }
 }
 
 namespace {

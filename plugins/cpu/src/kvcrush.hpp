@@ -35,6 +35,13 @@ public:
     KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common);
     void after_attention(Sequence& seq, int layer, bool prefill, int64_t L) const override;
     KVCrushParams kv;
+    // scope=head: each KV head selects for itself from its query group's scores, its anchors the
+    // group's bits of the layer's (one entry per KV head); empty with scope=layer
+    std::vector<KVCrushParams> group_params;
+
+private:
+    void select_layer(Sequence& seq, int layer, bool prefill, int64_t budget) const;
+    void select_heads(Sequence& seq, int layer, bool prefill, int64_t budget) const;
 };
 
 }  // namespace ovkc
