@@ -241,8 +241,8 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None, x: str 
 
 
 def _x(r: dict[str, Any], axis: str) -> float:
-    if axis == "share":
-        return r["kv_bytes"] / r["full_kv_bytes"]
+    if axis == "share":  # a row without the full cache's bytes has no share: not drawn
+        return r["kv_bytes"] / r["full_kv_bytes"] if r["full_kv_bytes"] else float("nan")
     return r["kv_bytes"] / 2**20
 
 
