@@ -203,30 +203,49 @@ void KVCrushPolicy::after_attention(Sequence& seq, int layer, bool prefill, int6
         select_heads(seq, layer, prefill, budget);
 }
 
+namespace {
+
+// One KV head's scores of its G query heads as [gi][token] over its live slots (the head keeps
+// them as [slot][gi]), written at `out`.
+void gather_group_scores(const HeadCache& hc, const std::vector<int64_t>& live, int G, float* out) {
+    const int64_t n = static_cast<int64_t>(live.size());
+    for (int gi = 0; gi < G; ++gi)
+        for (int64_t i = 0; i < n; ++i)
+            out[gi * n + i] = hc.scores[static_cast<size_t>(live[static_cast<size_t>(i)] * G + gi)];
+}
+
+}  // namespace
+
+std::vector<int64_t> KVCrushPolicy::choose(const float* scores, int H, const std::vector<int64_t>& live,
+                                           int64_t block, int64_t budget, const KVCrushParams& p) const {
+    const int64_t n = static_cast<int64_t>(live.size());
+    if (block_wise)  // whole blocks, indices of the live tokens (no holes: blocks are dropped whole)
+        return kvcrush_select_blocks(scores, H, n, block, budget, sinks, recent, p.representatives, p);
+    auto keep = kvcrush_select(scores, H, n, budget, sinks, recent, p.representatives, p);
+    for (int64_t& k : keep) k = live[static_cast<size_t>(k)];  // slots
+    return keep;
+}
+
+void KVCrushPolicy::keep_in(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep, bool prefill) const {
+    if (block_wise)
+        keep_blocks(seq, hc, keep);
+    else if (prefill)
+        keep_slots(seq, hc, keep);
+    else
+        evict_slots(seq, hc, keep);
+}
+
 void KVCrushPolicy::select_heads(Sequence& seq, int layer, bool prefill, int64_t budget) const {
     const PoolConfig& cfg = seq.pool().config();
     const int G = cfg.group();
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
-        const int64_t n = hc.size() - hc.holes;
-        if (n <= budget) continue;
+        if (hc.size() - hc.holes <= budget) continue;
         const std::vector<int64_t> live = live_slots(hc);
-        std::vector<float> scores(static_cast<size_t>(G) * n);  // [group query head][token]
-        for (int gi = 0; gi < G; ++gi)
-            for (int64_t i = 0; i < n; ++i)
-                scores[static_cast<size_t>(gi * n + i)] = hc.scores[static_cast<size_t>(live[static_cast<size_t>(i)] * G + gi)];
-        const KVCrushParams& p = group_params[static_cast<size_t>(g)];
-        if (block_wise) {
-            keep_blocks(seq, hc, kvcrush_select_blocks(scores.data(), G, n, cfg.block_size, budget, sinks, recent,
-                                                       p.representatives, p));
-            continue;
-        }
-        auto keep = kvcrush_select(scores.data(), G, n, budget, sinks, recent, p.representatives, p);
-        for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
-        if (prefill)
-            keep_slots(seq, hc, keep);
-        else
-            evict_slots(seq, hc, keep);
+        std::vector<float> scores(static_cast<size_t>(G) * live.size());  // [group query head][token]
+        gather_group_scores(hc, live, G, scores.data());
+        keep_in(seq, hc, choose(scores.data(), G, live, cfg.block_size, budget, group_params[static_cast<size_t>(g)]),
+                prefill);
     }
 }
 
@@ -242,24 +261,10 @@ void KVCrushPolicy::select_layer(Sequence& seq, int layer, bool prefill, int64_t
         const HeadCache& hc = seq.head(layer, g);
         if (hc.size() != first.size() || hc.holes != first.holes)
             throw Error("KVCrush: KV heads of layer " + std::to_string(layer) + " hold different tokens");
-        for (int gi = 0; gi < G; ++gi)
-            for (int64_t i = 0; i < n; ++i)
-                scores[static_cast<size_t>((g * G + gi) * n + i)] = hc.scores[static_cast<size_t>(live[static_cast<size_t>(i)] * G + gi)];
+        gather_group_scores(hc, live, G, scores.data() + static_cast<size_t>(g) * G * n);
     }
-    if (block_wise) {  // no holes: blocks are dropped whole
-        const auto keep =
-            kvcrush_select_blocks(scores.data(), H, n, cfg.block_size, budget, sinks, recent, kv.representatives, kv);
-        for (int g = 0; g < cfg.kv_heads; ++g) keep_blocks(seq, seq.head(layer, g), keep);
-    } else {
-        auto keep = kvcrush_select(scores.data(), H, n, budget, sinks, recent, kv.representatives, kv);
-        for (int64_t& k : keep) k = live[static_cast<size_t>(k)];
-        for (int g = 0; g < cfg.kv_heads; ++g) {
-            if (prefill)
-                keep_slots(seq, seq.head(layer, g), keep);
-            else
-                evict_slots(seq, seq.head(layer, g), keep);
-        }
-    }
+    const std::vector<int64_t> keep = choose(scores.data(), H, live, cfg.block_size, budget, kv);
+    for (int g = 0; g < cfg.kv_heads; ++g) keep_in(seq, seq.head(layer, g), keep, prefill);
 }
 
 KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common)

@@ -42,6 +42,12 @@ public:
 private:
     void select_layer(Sequence& seq, int layer, bool prefill, int64_t budget) const;
     void select_heads(Sequence& seq, int layer, bool prefill, int64_t budget) const;
+    // KVCrush's choice over scores [H][live tokens]: block-wise, token indices into `live`;
+    // token-wise, the slots kept
+    std::vector<int64_t> choose(const float* scores, int H, const std::vector<int64_t>& live, int64_t block,
+                                int64_t budget, const KVCrushParams& p) const;
+    // what `choose` returned, applied to one head (blocks rewritten, or slots kept / evicted)
+    void keep_in(Sequence& seq, HeadCache& hc, const std::vector<int64_t>& keep, bool prefill) const;
 };
 
 }  // namespace ovkc
