@@ -14,15 +14,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from ov_kvcrush.transformations import convert_model
 
-from ov_kvcrush import kvcache, plugin
-from ov_kvcrush.engines import model_inputs
 from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods.vectors import layer_vectors
-from ov_kvcrush.op_probe import single_op_model
+
+if TYPE_CHECKING:
+    from ov_kvcrush import kvcache
+
+# The OpenVINO side (the op, the pool, the graph transformation) is imported where it is used:
+# the CUDA tests import this module on a GPU machine that has torch but no openvino.
 
 #: Exact f32 execution on both sides: no bf16 matmuls, and no dynamic quantization of activations
 #: for int8 weights (the plugin picks it per graph, so the two graphs would differ by ~2 % in the
@@ -69,6 +72,9 @@ def converted_steps(
     """Logits of the converted model fed ``prompt`` (in ``chunk``-token steps when > 0) then each
     token of ``feed``; and the pool. ``windows``: per layer, a sliding-window span (0: global)."""
     import openvino as ov
+    from ov_kvcrush.transformations import convert_model
+
+    from ov_kvcrush import kvcache, plugin
 
     core = ov.Core()
     core.add_extension(str(plugin.loaded_path()))
@@ -98,6 +104,8 @@ def converted_steps(
 
 def run_step(req, names: set[str], seq: kvcache.KVSequence, ids: list[int], past: int) -> None:
     """One inference of the converted model: ``ids`` after ``past`` tokens of ``seq``."""
+    from ov_kvcrush.engines import model_inputs
+
     req.infer(model_inputs.step_inputs(names, [ids], [seq.handle], [past]))
 
 
@@ -105,6 +113,8 @@ HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
 
 
 def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
+    from ov_kvcrush.op_probe import single_op_model
+
     return single_op_model(core, hq, hkv, d, layer, scale, compute)
 
 
@@ -134,6 +144,8 @@ def held_positions(seq: kvcache.KVSequence, layer: int) -> list[np.ndarray]:
 
 def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_size=32):
     """Feed ``steps`` (token counts; the first is the prompt) to the op and the reference layer cache."""
+    from ov_kvcrush import kvcache
+
     lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=sum(steps), head_dim=D)
     pool = kvcache.KVPool(
         layers, HQ, HKV, D, block_size=block_size, precision=precision, method=method_spec(cfg, layers, HQ, block_size)
@@ -158,6 +170,8 @@ def reference_positions(lc) -> list[np.ndarray]:
 
 def run_both(core, cfg, *, layer=0, layers=1, prompt=192, decode=40, seed=0, block_size=32, precision="f32", keep=None):
     """Run the op and the reference step by step; yield (step, op positions, ref positions, op out, ref out, seq)."""
+    from ov_kvcrush import kvcache
+
     lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=prompt + decode, head_dim=D)
     spec = method_spec(cfg, layers, HQ, block_size)
     pool = kvcache.KVPool(layers, HQ, HKV, D, block_size=block_size, precision=precision, method=spec)
@@ -276,9 +290,11 @@ def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.
 def bench_script_dry_run(script: str, run: str) -> subprocess.CompletedProcess:
     """``bash benchmarks/SCRIPT RUN`` with ``DRY_RUN=1``: its commands checked, nothing loaded."""
     root = Path(__file__).resolve().parents[1]
+    script_cli = Path(sys.executable).with_name("ov-kvcrush")  # the installed command, else the checkout's module
+    cli = str(script_cli) if script_cli.exists() else f"{sys.executable} -m ov_kvcrush"
     return subprocess.run(
         ["bash", str(root / "benchmarks" / script), run],
-        env={**os.environ, "DRY_RUN": "1", "OV_KVCRUSH": str(Path(sys.executable).with_name("ov-kvcrush"))},
+        env={**os.environ, "DRY_RUN": "1", "OV_KVCRUSH": cli},
         capture_output=True,
         text=True,
         timeout=120,

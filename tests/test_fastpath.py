@@ -46,8 +46,18 @@ def _qkv(gen: torch.Generator, t: int, hq: int = 4, hk: int = 2, d: int = 16):
     )
 
 
+def _kernels(monkeypatch, kernels: str) -> None:
+    """Run the fast layers' decode attention with ``kernels``: ``triton`` is the split-key kernel
+    (interpreted on CPU tensors), ``torch`` gathers the attended keys for fused SDPA."""
+    if kernels == "triton" and not (triton_importable() and interpreting()):
+        pytest.skip("needs Triton's interpreter")
+    monkeypatch.setenv("OV_KVCRUSH_KERNELS", kernels)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("case", list(CLUSTERKV_CASES))
-def test_fast_clusterkv_attends_what_the_reference_attends(case):
+def test_fast_clusterkv_attends_what_the_reference_attends(monkeypatch, case, kernels):
+    _kernels(monkeypatch, kernels)
     config = CLUSTERKV_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     ref, fast = config.make_layer(2, 3), fast_layer(config, 2, 3, reserve=5)
@@ -58,7 +68,7 @@ def test_fast_clusterkv_attends_what_the_reference_attends(case):
         x = _qkv(gen, 3 if step == 12 else 1)  # one step of several tokens (a chat turn's suffix)
         got, want = fast.decode(*x), ref.decode(*x)
         assert torch.allclose(got, want, atol=1e-5), f"step {step}"
-        # the same tokens per head (the fast path does not keep the reference's order)
+        # the same tokens per head (the reference lists them by slot, the fast path by rank)
         sel = fast.last_selected
         held = sel[sel >= 0].view(*sel.shape[:2], -1)  # the pending window's unwritten slots are -1
         assert torch.equal(held.sort(-1).values, ref.last_selected.sort(-1).values), f"step {step}"
@@ -128,8 +138,10 @@ def test_fast_eviction_keeps_and_answers_what_the_reference_does(name, prompt):
     assert fast.memory()["kv"] == storage_bytes([fast.keys, fast.values])  # budget + 1 slots, allocated once
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("prompt", [90, 96])  # a partial last page, and whole pages
-def test_fast_quest_recalls_the_pages_the_reference_recalls(prompt):
+def test_fast_quest_recalls_the_pages_the_reference_recalls(monkeypatch, prompt, kernels):
+    _kernels(monkeypatch, kernels)
     config = QuestConfig(budget=32, page_size=8)
     gen = torch.Generator().manual_seed(prompt)
     ref, fast = config.make_layer(2, 3), fast_layer(config, 2, 3, reserve=4)
@@ -145,7 +157,9 @@ def test_fast_quest_recalls_the_pages_the_reference_recalls(prompt):
     assert fast.memory()["total"] == storage_bytes(fast)
 
 
-def test_fast_clusterkv_dense_layer_attends_everything():
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_fast_clusterkv_dense_layer_attends_everything(monkeypatch, kernels):
+    _kernels(monkeypatch, kernels)
     config = ClusterKVConfig(budget=20, sink_tokens=2, dense_layers=1)
     gen = torch.Generator().manual_seed(1)
     ref, fast = config.make_layer(0, 2), fast_layer(config, 0, 2)

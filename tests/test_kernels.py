@@ -166,3 +166,64 @@ def test_quant2_decode_attention_equals_the_reference_over_the_dequantised_store
     assert got.dtype == dtype
     tol = TOLERANCE[dtype] * 5
     assert torch.allclose(got.float().cpu(), want.float(), atol=tol, rtol=tol)
+
+
+# (batch, q heads, kv heads, store slots, head dim, attended: "prefix" | "slots")
+DECODE_SHAPES = [
+    (1, 4, 2, 300, 16, "prefix"),  # a long prefix: several chunks merged
+    (2, 6, 2, 70, 24, "prefix"),  # a group of 3, head dim not a power of 2
+    (1, 4, 2, 300, 16, "slots"),  # per-head slots, some -1, some past the length
+    (2, 2, 2, 40, 32, "slots"),  # one query head per KV head
+]
+
+
+@pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_split_decode_attention_equals_the_reference_over_the_attended_keys(device, dtype, shape, monkeypatch):
+    """The split-key decode kernel against :func:`attend` over exactly the keys each KV head
+    attends, gathered: a held prefix of the store (``length``), or per-head slots with ``-1``
+    and slots past the length masked."""
+    from ov_kvcrush.kernels import decode
+
+    b, hq, hk, cap, d, mode = shape
+    monkeypatch.setattr(decode, "MIN_CHUNK", 64)  # several chunks even for small stores
+    gen = torch.Generator().manual_seed(cap + d)
+    q = torch.randn(b, 1, hq, d, generator=gen).transpose(1, 2)  # transformers' strided layout
+    k = torch.randn(b, hk, cap, d, generator=gen) * 2
+    v = torch.randn(b, hk, cap, d, generator=gen)
+    n = cap - 37  # slots held; the rest of the capacity is unwritten (garbage, must not count)
+    k[:, :, n:] = 1e4
+    slots = None
+    if mode == "slots":
+        slots = torch.stack([torch.randperm(cap, generator=gen)[: cap // 2] for _ in range(b * hk)]).view(b, hk, -1)
+        slots[..., ::7] = -1
+    length = torch.tensor([n])
+    got = decode.decode_attention(
+        *(x.to(device, dtype) for x in (q, k, v)), 0.3,
+        length=length.to(device), slots=None if slots is None else slots.to(device),
+    )  # fmt: skip
+    want = torch.empty(b, hq, 1, d)
+    g = hq // hk
+    for bi in range(b):
+        for h in range(hk):
+            keep = torch.arange(n) if slots is None else slots[bi, h][(slots[bi, h] >= 0) & (slots[bi, h] < n)]
+            rows = q[bi : bi + 1, h * g : (h + 1) * g]
+            kk, vv = k[bi : bi + 1, h : h + 1, keep], v[bi : bi + 1, h : h + 1, keep]
+            zero = torch.zeros(1, dtype=torch.long)
+            kk, vv = kk.expand(1, g, -1, -1), vv.expand(1, g, -1, -1)
+            everything = zero.expand(len(keep))  # every attended key visible
+            want[bi, h * g : (h + 1) * g] = attend(
+                rows, kk, vv, q_positions=zero, k_positions=everything, scale=0.3
+            ).output[0]
+    tol = TOLERANCE[dtype]
+    assert got.dtype == dtype and got.shape == (b, hq, 1, d)
+    assert torch.allclose(got.float().cpu(), want, atol=tol * 4, rtol=tol * 4)
+
+
+def test_the_split_plan_fills_the_gpu_and_covers_every_key():
+    from ov_kvcrush.kernels.decode import MIN_CHUNK, plan_splits
+
+    for rows, keys in [(8, 32768), (8, 1344), (1, 10), (64, 100_000), (8, 256)]:
+        chunk, splits = plan_splits(rows, keys)
+        assert chunk * splits >= keys > chunk * (splits - 1)  # every key in exactly one chunk
+        assert chunk % 64 == 0 and (splits == 1 or chunk >= MIN_CHUNK)

@@ -36,7 +36,6 @@ class GraphedDecoder:
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.pool: Any = None
         self.key: tuple[Any, ...] | None = None
         self.logits: torch.Tensor | None = None
         #: captures made (the first step, then one per change of the cache's shapes)
@@ -79,10 +78,13 @@ class GraphedDecoder:
 
     def _capture(self, key: tuple[object, ...]) -> None:
         """Record the step for the cache's current shapes (nothing runs while recording)."""
-        self.graph = None  # the old graph's memory goes back to the pool first
+        # The new graph shares the old one's memory pool, so a recapture does not grow the memory.
+        # The old graph is dropped only after the new capture: a pool whose last graph is gone is
+        # released, and capturing into it then fails inside torch's allocator.
+        old, self.logits = self.graph, None  # the old output is dead: its block can be reused
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=None if old is None else old.pool()):
             self.logits = self._forward()
-        self.pool = graph.pool()
         self.graph, self.key = graph, key
+        del old
         self.captures += 1

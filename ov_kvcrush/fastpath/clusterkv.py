@@ -9,14 +9,16 @@ the same tokens attended, the same counters; tested against it) with:
 * a preallocated store and a step a CUDA graph can replay (:mod:`ov_kvcrush.fastpath.dense`);
 * selection as tensor operations over ``[batch * kv_heads, clusters]``: centroid scores ->
   stable ranking -> exclusive prefix sums of the ranked sizes give each cluster's first slot in
-  the recall budget -> a token is recalled when its cluster's start plus its rank inside the
-  cluster is under the budget (the last cluster trimmed to its earliest tokens, as in the
-  reference) -> the recalled slots compacted by a prefix sum into a fixed ``[rows, budget]``;
+  the recall budget -> a token's place is its cluster's start plus its rank inside the cluster,
+  and it is recalled when that place is under the budget (the last cluster trimmed to its
+  earliest tokens, as in the reference) -> the recalled slots scattered to their places, a fixed
+  ``[rows, budget]`` in ranked order;
 * the recall cache as a ring of boolean masks of the last ``recall_cache_steps`` steps, and its
   counters, updated in place on the device and read only when asked;
-* attention over the working set in the model's dtype (fused SDPA): the sinks, the recalled
-  tokens, and a fixed window of ``cluster_every`` slots for the generated tokens not clustered
-  yet (the ones not written yet masked).
+* attention over the working set in the model's dtype, read in place from the store (the
+  split-key kernel on CUDA): the sinks, the recalled tokens, and a fixed window of
+  ``cluster_every`` slots for the generated tokens not clustered yet (the ones not written yet
+  masked).
 
 Shapes change only when tokens are clustered (every ``cluster_every`` steps, in
 :meth:`FastClusterKVLayerCache.before_step`, outside the graph). Clustering time is measured
@@ -146,9 +148,7 @@ class FastClusterKVLayerCache(FastLayerCache):
         b, hk = keys.shape[:2]
         slots, visible = self._select(queries, b, hk, self.pending_slots, self.pending_slots < self.n_dev)
         self.last_selected = torch.where(visible, slots, -1)
-        k, v = self.buffer.keys, self.buffer.values
-        assert k is not None and v is not None
-        return self._sdpa(queries, gather_tokens(k, slots), gather_tokens(v, slots), visible.view(1, 1, 1, -1))
+        return self._attend_store(queries, self.last_selected)
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if self.dense_layer:
@@ -179,9 +179,12 @@ class FastClusterKVLayerCache(FastLayerCache):
             order = rank_clusters(queries, idx.centroids, hk)  # [rows, C]
             ranked = idx.sizes.gather(1, order)
             start = torch.empty_like(ranked).scatter_(1, order, ranked.cumsum(1) - ranked)  # first budget slot
-            recalled = start.gather(1, self.sorted_labels) + self.within < budget  # [rows, N]
+            # A clustered token's place in the ranked order: its cluster's first slot plus its rank
+            # inside the cluster. These places are a permutation of 0..N-1, so the recalled ones
+            # (under the budget) fill 0..take-1 exactly, in ranked order; the rest land in a spare
+            # column that is dropped.
             take = min(budget, idx.sorted_tokens.shape[1])
-            dest = torch.where(recalled, recalled.cumsum(1) - 1, take)
+            dest = (start.gather(1, self.sorted_labels) + self.within).clamp_max(take)  # [rows, N]
             compact = idx.sorted_tokens.new_zeros((rows, take + 1)).scatter_(1, dest, idx.sorted_tokens)
             parts.append(compact[:, :take])
             self._account(start < budget, idx.sizes)

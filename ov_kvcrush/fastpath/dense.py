@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ov_kvcrush.fastpath.buffer import KVBuffer
-from ov_kvcrush.methods.base import LayerCache, tensor_bytes
+from ov_kvcrush.kernels import use_triton
+from ov_kvcrush.methods.base import LayerCache, gather_tokens, tensor_bytes
 
 
 class FastLayerCache(LayerCache):
@@ -127,10 +128,27 @@ class FastLayerCache(LayerCache):
         """One token, device work only: append it, attend every held token (the rest of the
         store's capacity masked)."""
         self._write(keys, values)
+        return self._attend_store(queries)
+
+    def _attend_store(self, queries: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One token's attention over the store in place: its held prefix, or per KV head the
+        store ``slots`` ``[b, hk, L]`` (``-1``: none; slots not written yet are masked too).
+
+        Where Triton runs (CUDA), the split-key kernel :func:`~ov_kvcrush.kernels.decode.decode_attention`
+        reads the attended slots in place; elsewhere they are gathered for fused SDPA with a mask.
+        """
         k, v = self.buffer.keys, self.buffer.values
         assert k is not None and v is not None and self.n_dev is not None
-        visible = torch.arange(k.shape[2], device=k.device) < self.n_dev
-        return self._sdpa(queries, k, v, visible.view(1, 1, 1, -1))
+        if use_triton(queries.device):
+            from ov_kvcrush.kernels.decode import decode_attention
+
+            return decode_attention(queries, k, v, self.scale, length=self.n_dev, slots=slots)
+        if slots is None:
+            visible = torch.arange(k.shape[2], device=k.device) < self.n_dev
+            return self._sdpa(queries, k, v, visible.view(1, 1, 1, -1))
+        held = slots.clamp_min(0)
+        visible = (slots >= 0) & (slots < self.n_dev)
+        return self._sdpa(queries, gather_tokens(k, held), gather_tokens(v, held), visible[:, :, None, :])
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Several tokens at once (eager): causal by positions, as the reference attends them."""

@@ -80,9 +80,8 @@ class FastQuestLayerCache(FastLayerCache):
         top = topk_indices(bound, min(self.pages, bound.shape[2]))
         slots = (top.unsqueeze(-1) * ps + torch.arange(ps, device=k.device)).flatten(2)
         slots = slots.clamp_max(k.shape[2] - 1)
-        visible = slots < self.n_dev
-        self.last_selected = torch.where(visible, slots, -1)
-        return self._sdpa(queries, gather_tokens(k, slots), gather_tokens(v, slots), visible[:, :, None, :])
+        self.last_selected = torch.where(slots < self.n_dev, slots, -1)
+        return self._attend_store(queries, self.last_selected)
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Several tokens (eager): the reference's selection over everything held, causally."""
