@@ -109,6 +109,58 @@ def measure(eager: TorchEngine, graphed: TorchEngine, method: str, length: int, 
     }
 
 
+def _tiles(m: int, n: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
+
+
+#: (forward, column sums) launch settings tried by --flash-configs
+FLASH_CONFIGS = [
+    (_tiles(64, 64, 4, 2), _tiles(64, 64, 4, 2)),
+    (_tiles(128, 64, 8, 3), _tiles(64, 128, 8, 3)),
+    (_tiles(128, 64, 4, 3), _tiles(128, 64, 4, 3)),
+    (_tiles(128, 128, 8, 2), _tiles(128, 128, 8, 2)),
+]
+
+
+def flash_configs(length: int) -> list[dict[str, object]]:
+    """The scores kernel's time per launch setting at ``length`` tokens (Llama-3-8B's heads, bf16),
+    beside torch's fused causal attention (no scores)."""
+    import torch.nn.functional as F
+
+    from ov_kvcrush.kernels import flash_scores
+
+    q = torch.randn(1, 32, length, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / 3 * 1e3
+
+    rows = [
+        {
+            "config": "sdpa causal (no scores)",
+            "ms": timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+        }
+    ]
+    original = flash_scores.launch_config
+    for fwd, sums in FLASH_CONFIGS:
+        flash_scores.launch_config = lambda d, dev, f=fwd, s=sums: ({**f, "BLOCK_D": 128}, {**s, "BLOCK_D": 128})
+        try:
+            ms = timed(lambda: flash_scores.flash_attention_with_scores(q, k, v))
+            fwd_ms = timed(lambda: flash_scores.flash_attention_with_scores(q, k, v, return_scores=False))
+            rows.append({"config": [fwd, sums], "ms": ms, "forward_ms": fwd_ms})
+        except Exception as exc:  # a setting that does not fit the GPU: reported, the others still run
+            rows.append({"config": [fwd, sums], "error": repr(exc)[:200]})
+        print(json.dumps(rows[-1]), flush=True)
+    flash_scores.launch_config = original
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:llama-3-8b")
@@ -119,7 +171,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", dest="json_out")
+    ap.add_argument(
+        "--flash-configs", type=int, default=0, help="only time the scores kernel's settings at this length"
+    )
     args = ap.parse_args()
+    if args.flash_configs:
+        rows = flash_configs(args.flash_configs)
+        if args.json_out:
+            Path(args.json_out).write_text(
+                json.dumps({"device": torch.cuda.get_device_name(), "flash": rows}, indent=1)
+            )
+        return
     cuda = args.device != "cpu"
     rows = []
     for method in args.methods.split(","):

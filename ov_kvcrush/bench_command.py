@@ -40,7 +40,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     doc = run_bench(plan, progress=lambda line: print(line, flush=True))
     print()
     print(format_table(doc))
-    print(f"\nmemory bandwidth (copy, read + write): {doc['bandwidth_gbps']:.1f} GB/s")
+    measured = doc.get("device_bandwidth_gbps") or {"cpu": doc["bandwidth_gbps"]}
+    print("\nmemory bandwidth (copy, read + write): " + ", ".join(f"{d} {g:.1f} GB/s" for d, g in measured.items()))
     if json_out is not None:
         write_text(json_out, json.dumps(doc, indent=2))
     if plot_out is not None:

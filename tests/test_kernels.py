@@ -227,3 +227,36 @@ def test_the_split_plan_fills_the_gpu_and_covers_every_key():
         chunk, splits = plan_splits(rows, keys)
         assert chunk * splits >= keys > chunk * (splits - 1)  # every key in exactly one chunk
         assert chunk % 64 == 0 and (splits == 1 or chunk >= MIN_CHUNK)
+
+
+@pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
+@pytest.mark.parametrize(("bsz", "n", "k", "d"), [(2, 100, 7, 16), (3, 50, 40, 24), (1, 33, 1, 32)])
+def test_fused_kmeans_assignment_equals_matmul_and_argmax(device, dtype, bsz, n, k, d):
+    """:func:`nearest_centroids` against the reference assignment (``matmul`` then ``argmax``): the
+    same labels and similarities in float32; in TF32 (CUDA) the same labels wherever the two best
+    centroids are apart by more than TF32's error. Duplicate centroids: the first one wins."""
+    from ov_kvcrush.kernels.kmeans import nearest_centroids
+    from ov_kvcrush.methods.clusterkv import nearest_direction
+
+    if dtype != torch.float32:
+        pytest.skip("k-means runs in float32")
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.nn.functional.normalize(torch.randn(bsz, n, d, generator=gen), dim=-1)
+    c = torch.nn.functional.normalize(torch.randn(bsz, k, d, generator=gen), dim=-1)
+    if k > 2:
+        c[:, 2] = c[:, 0]  # a tie: label 0, never 2
+    want_labels, want_best = nearest_direction(x, c)
+    precision = "tf32" if device == "cuda" else "ieee"
+    labels, best = nearest_centroids(x.to(device), c.to(device), precision=precision)
+    labels, best = labels.cpu(), best.cpu()
+    assert labels.dtype == torch.long
+    if k > 2:
+        assert (labels != 2).all()
+    if precision == "ieee":
+        assert torch.equal(labels, want_labels)
+        assert torch.allclose(best, want_best, atol=1e-6)
+    else:
+        top2 = torch.matmul(x, c.transpose(1, 2)).topk(min(2, k), dim=-1).values
+        clear = (top2[..., 0] - top2[..., -1] > 1e-2) | (k == 1)
+        assert torch.equal(labels[clear], want_labels[clear])
+        assert torch.allclose(best, want_best, atol=5e-3)

@@ -40,6 +40,9 @@ class GraphedDecoder:
         self.logits: torch.Tensor | None = None
         #: captures made (the first step, then one per change of the cache's shapes)
         self.captures = 0
+        #: whether the last step ran eagerly (a replayed step allocates nothing: the cache's memory
+        #: is what it was after the step that was captured)
+        self.last_eager = True
 
     def _forward(self) -> torch.Tensor:
         out = self.model(
@@ -61,7 +64,8 @@ class GraphedDecoder:
         cache.set_graphed(True)
         try:
             with torch.inference_mode():
-                if key is None or key != self.key or self.graph is None:
+                self.last_eager = key is None or key != self.key or self.graph is None
+                if self.last_eager:
                     logits = self._forward().clone()  # this step, eagerly (and the warm-up of the capture)
                     cache.after_step(1)
                     if key is None:  # a step with host work inside (MiniKV's flush): never captured

@@ -421,7 +421,8 @@ class TorchEngine:
                 logits = self._step(cache, tokens[-1])
             nxt = self._pick(logits, settings, gen)
             stamps.append(time.perf_counter() - t0)
-            peak = max(peak, cache.memory()["total"])
+            if graphed is None or graphed.last_eager:  # a replayed step changes no shape: no host walk
+                peak = max(peak, cache.memory()["total"])
             if nxt in self.eos_ids and not settings.ignore_eos:
                 break
             tokens.append(nxt)

@@ -28,6 +28,7 @@ Shapes change only when tokens are clustered (every ``cluster_every`` steps, in
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any
@@ -35,8 +36,27 @@ from typing import Any
 import torch
 
 from ov_kvcrush.fastpath.dense import FastLayerCache
+from ov_kvcrush.kernels import use_triton
 from ov_kvcrush.methods.base import gather_tokens
-from ov_kvcrush.methods.clusterkv import ClusterIndex, ClusterKVConfig, cluster_tokens, rank_clusters
+from ov_kvcrush.methods.clusterkv import (
+    Assign,
+    ClusterIndex,
+    ClusterKVConfig,
+    cluster_tokens,
+    nearest_direction,
+    rank_clusters,
+)
+
+
+def kmeans_assign(device: torch.device) -> Assign:
+    """k-means' assignment step on ``device``: the fused Triton kernel where Triton runs (tensor-core
+    TF32 products on CUDA, float32 in the interpreter), the reference's ``matmul`` + ``argmax``
+    elsewhere."""
+    if not use_triton(device):
+        return nearest_direction
+    from ov_kvcrush.kernels.kmeans import nearest_centroids
+
+    return functools.partial(nearest_centroids, precision="tf32" if device.type == "cuda" else "ieee")
 
 
 class FastClusterKVLayerCache(FastLayerCache):
@@ -111,8 +131,9 @@ class FastClusterKVLayerCache(FastLayerCache):
         t0 = time.perf_counter()
         cfg = self.config
         self.index, iterations = cluster_tokens(
-            self.index, keys, start, end, k, max_iters=cfg.max_iters, seed=cfg.seed + self.seen
-        )
+            self.index, keys, start, end, k, max_iters=cfg.max_iters, seed=cfg.seed + self.seen,
+            assign=kmeans_assign(keys.device),
+        )  # fmt: skip
         self.sorted_labels = torch.sort(self.index.labels, dim=1, stable=True).values
         rank = torch.arange(self.sorted_labels.shape[1], device=keys.device)
         self.within = rank - self.index.offsets.gather(1, self.sorted_labels)

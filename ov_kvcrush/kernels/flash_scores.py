@@ -128,11 +128,24 @@ def _column_sums(
     tl.store(S + bh * N + offs_n, total, mask=offs_n < N)
 
 
-def _blocks(d: int, device: torch.device) -> tuple[int, int, int]:
+def launch_config(d: int, device: torch.device) -> tuple[dict[str, int], dict[str, int]]:
+    """Tiles and launch settings of the forward pass and of the column sums, for head dim ``d``.
+
+    On CUDA, head dims up to 128: 128 query rows by 64 keys per tile, 8 warps, 3 pipeline stages
+    (the usual flash-attention tiling for Hopper); the column sums take 128 keys by 64 rows. The
+    interpreter gets small tiles, so tests stay fast.
+    """
     block_d = max(16, triton.next_power_of_2(d))
     if device.type != "cuda":
-        return 16, 16, block_d  # the interpreter: small tiles, fast tests
-    return (64, 64, block_d) if block_d <= 128 else (32, 32, block_d)
+        small = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": block_d}
+        return small, dict(small)
+    if block_d <= 128:
+        return (
+            {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": block_d, "num_warps": 8, "num_stages": 3},
+            {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_D": block_d, "num_warps": 8, "num_stages": 3},
+        )
+    wide = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": block_d, "num_warps": 4}
+    return wide, dict(wide)
 
 
 def flash_attention_with_scores(
@@ -165,20 +178,19 @@ def flash_attention_with_scores(
             f"score_from={score_from}"
         )
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
-    block_m, block_n, block_d = _blocks(d, queries.device)
+    fwd, sums = launch_config(d, queries.device)
     precision = "ieee" if queries.dtype == torch.float32 else "tf32"  # float32 stays float32 (no TF32)
     out = torch.empty_like(queries, memory_format=torch.contiguous_format)
     lse = torch.empty((b * hq, t), dtype=torch.float32, device=queries.device)
     strides = (*queries.stride(), *keys.stride(), *values.stride(), *out.stride())
-    _flash_forward[(triton.cdiv(t, block_m), b * hq)](
-        queries, keys, values, out, lse, *strides, hq, hq // hk, t, n, d, qk_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
+    _flash_forward[(triton.cdiv(t, fwd["BLOCK_M"]), b * hq)](
+        queries, keys, values, out, lse, *strides, hq, hq // hk, t, n, d, qk_scale, PRECISION=precision, **fwd,
     )  # fmt: skip
     if not return_scores:
         return out, None
     scores = torch.empty((b, hq, n), dtype=torch.float32, device=queries.device)
-    _column_sums[(triton.cdiv(n, block_n), b * hq)](
+    _column_sums[(triton.cdiv(n, sums["BLOCK_N"]), b * hq)](
         queries, keys, lse, scores, *queries.stride(), *keys.stride(), hq, hq // hk, t, n, d, qk_scale, score_from,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
+        PRECISION=precision, **sums,
     )  # fmt: skip
     return out, scores

@@ -38,8 +38,10 @@ Where this departs from it:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -95,6 +97,7 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+@functools.lru_cache(maxsize=4)
 def init_order(seed: int, rows: int, n: int) -> torch.Tensor:
     """``[rows, n]``: each row a seeded random permutation of ``range(n)`` (k-means' initial picks).
 
@@ -102,6 +105,10 @@ def init_order(seed: int, rows: int, n: int) -> torch.Tensor:
     its elements sorted by key (ties to the lower index). A counter-based hash rather than a
     generator's stream, so that the C++ op (``plugins/cpu/src/clusterkv.cpp``) and any device
     draw the very same initial centroids.
+
+    Cached (read-only: callers slice and copy it): every layer of a prompt clusters with the same
+    seed and size, and hashing and sorting 32k keys per head on the host took longer than a
+    layer's k-means on an H100.
     """
     check_int("seed", seed, 0, 2**40)
     with np.errstate(over="ignore"):
@@ -110,11 +117,26 @@ def init_order(seed: int, rows: int, n: int) -> torch.Tensor:
     return torch.from_numpy(np.argsort(keys, axis=1, kind="stable"))
 
 
-def kmeans_cosine(x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0) -> KMeansResult:
+#: ``(x [B, n, d], directions [B, k, d]) -> (labels [B, n], similarity [B, n])``: k-means' assignment
+Assign = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def nearest_direction(xn: torch.Tensor, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference assignment: the direction of largest cosine per vector (the first on ties)."""
+    sim = torch.matmul(xn, directions.transpose(1, 2))  # [B, n, k]
+    labels = sim.argmax(dim=-1)
+    return labels, sim.gather(2, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def kmeans_cosine(
+    x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0, assign: Assign = nearest_direction
+) -> KMeansResult:
     """Spherical k-means of ``x`` ``[B, n, d]`` into ``min(k, n)`` clusters per batch entry, all batched.
 
     The initial centroids are the first ``k`` vectors of each row's :func:`init_order` (the same
-    choice on every device and in the C++ op).
+    choice on every device and in the C++ op). ``assign``: the assignment step (the fast path
+    passes a fused kernel, :func:`ov_kvcrush.kernels.kmeans.nearest_centroids`). One host sync
+    per iteration (the convergence test); the objective is read once at the end.
     """
     if x.dim() != 3 or not x.is_floating_point():
         raise ShapeError(f"kmeans_cosine needs a float [B, n, d] tensor, got {tuple(x.shape)}")
@@ -129,13 +151,12 @@ def kmeans_cosine(x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0
     init = init_order(seed, bsz, n)[:, :k].to(x.device)
     directions = torch.gather(xn, 1, init.unsqueeze(-1).expand(bsz, k, d))
     labels = torch.full((bsz, n), -1, dtype=torch.long, device=x.device)
-    objective: list[float] = []
+    losses: list[torch.Tensor] = []
     it = 0
     while it < max_iters:
         it += 1
-        sim = torch.matmul(xn, directions.transpose(1, 2))  # [B, n, k]
-        new = sim.argmax(dim=-1)  # first max on ties
-        objective.append(float((1 - sim.gather(2, new.unsqueeze(-1))).sum()))
+        new, best = assign(xn, directions)  # first max on ties
+        losses.append((1 - best).sum())
         if torch.equal(new, labels):
             break
         labels = new
@@ -145,6 +166,7 @@ def kmeans_cosine(x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0
     sizes = torch.zeros(bsz, k, dtype=torch.long, device=x.device).scatter_add_(1, labels, torch.ones_like(labels))
     raw = torch.zeros(bsz, k, d, device=x.device).scatter_add_(1, labels.unsqueeze(-1).expand(bsz, n, d), xf)
     centroids = raw / sizes.clamp_min(1).unsqueeze(-1)
+    objective = [float(v) for v in torch.stack(losses).tolist()]
     return KMeansResult(labels, directions, centroids, sizes, it, objective)
 
 
@@ -196,7 +218,15 @@ class ClusterIndex:
 
 
 def cluster_tokens(
-    index: ClusterIndex | None, keys: torch.Tensor, start: int, end: int, k: int, *, max_iters: int, seed: int
+    index: ClusterIndex | None,
+    keys: torch.Tensor,
+    start: int,
+    end: int,
+    k: int,
+    *,
+    max_iters: int,
+    seed: int,
+    assign: Assign = nearest_direction,
 ) -> tuple[ClusterIndex, int]:
     """Cluster the store slots ``[start, end)`` of ``keys`` ``[b, hk, n, d]`` (every head at once)
     into ``k`` more clusters; the index with them added (a new one if ``index`` is ``None``) and the
@@ -204,7 +234,7 @@ def cluster_tokens(
     both cluster through here, so they hold the same clusters."""
     b, hk, _, d = keys.shape
     x = keys[:, :, start:end].reshape(b * hk, end - start, d)
-    km = kmeans_cosine(x, k, max_iters=max_iters, seed=seed)
+    km = kmeans_cosine(x, k, max_iters=max_iters, seed=seed, assign=assign)
     tokens = torch.arange(start, end, device=keys.device)
     if index is None:
         return ClusterIndex.build(km.centroids, km.labels, tokens), km.iterations
