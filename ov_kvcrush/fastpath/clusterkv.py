@@ -59,6 +59,10 @@ def kmeans_assign(device: torch.device) -> Assign:
     return functools.partial(nearest_centroids, precision="tf32" if device.type == "cuda" else "ieee")
 
 
+#: the recall cache's counters, in the order of :attr:`FastClusterKVLayerCache.recall_counts`
+RECALL_COUNTERS = ("cluster_lookups", "cluster_hits", "tokens_loaded")
+
+
 class FastClusterKVLayerCache(FastLayerCache):
     """ClusterKV state of one layer for the fast path (see the module doc)."""
 
@@ -77,6 +81,11 @@ class FastClusterKVLayerCache(FastLayerCache):
         self.ring: torch.Tensor | None = None  # [R, rows, C] clusters recalled at the last R steps
         self.ring_ptr: torch.Tensor | None = None  # [1] the ring's next row
         self.last_selected: torch.Tensor | None = None  # [b, hk, S] slots of the last step (-1: masked)
+        #: int64 [3]: cluster lookups, hits, tokens loaded (views registered as device counters)
+        self.recall_counts: torch.Tensor | None = None
+        #: the fused selection's output, [b, hk, sinks + take + window], rebuilt when the shapes change:
+        #: sinks and the pending window written once, the recalled middle by every step
+        self.fused_slots: torch.Tensor | None = None
         self._clustering: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
@@ -116,6 +125,21 @@ class FastClusterKVLayerCache(FastLayerCache):
             self._pending_key, self.window = key, window
             slots = torch.arange(self.pending_from, self.pending_from + window, device=self.buffer.keys.device)  # type: ignore[union-attr]
             self.pending_slots = slots.clamp_max(self.buffer.capacity - 1)  # past the store: masked anyway
+            self.fused_slots = self._fused_layout()
+
+    def _fused_layout(self) -> torch.Tensor | None:
+        """The fused selection's buffer for the current shapes (``None`` where it does not run:
+        no Triton here, or nothing clustered)."""
+        keys = self.buffer.keys
+        if keys is None or self.index is None or self.pending_slots is None or not use_triton(keys.device):
+            return None
+        assert self.config.budget is not None
+        b, hk = keys.shape[:2]
+        take = min(self.config.budget - self.sinks, self.index.sorted_tokens.shape[1])
+        row = torch.cat(
+            [torch.arange(self.sinks, device=keys.device), self.pending_slots.new_zeros(take), self.pending_slots]
+        )
+        return row.expand(b, hk, -1).contiguous()
 
     def graph_key(self) -> tuple[Any, ...]:
         clusters = 0 if self.index is None else self.index.centroids.shape[1]
@@ -154,7 +178,7 @@ class FastClusterKVLayerCache(FastLayerCache):
         if not r:
             return
         old = self.ring
-        self.ring = torch.zeros((r, rows, clusters), dtype=torch.bool, device=device)
+        self.ring = torch.zeros((r, rows, clusters), dtype=torch.int8, device=device)  # int8: Triton writes it
         if old is not None:
             self.ring[:, :, : old.shape[2]] = old
         if self.ring_ptr is None:
@@ -166,10 +190,38 @@ class FastClusterKVLayerCache(FastLayerCache):
             return super().step(queries, keys, values)
         self._write(keys, values)
         assert self.pending_slots is not None and self.n_dev is not None
+        if self.fused_slots is not None:
+            return self._fused_step(queries, self.fused_slots)
         b, hk = keys.shape[:2]
         slots, visible = self._select(queries, b, hk, self.pending_slots, self.pending_slots < self.n_dev)
         self.last_selected = torch.where(visible, slots, -1)
         return self._attend_store(queries, self.last_selected)
+
+    def _fused_step(self, queries: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The selection in three launches (:mod:`ov_kvcrush.kernels.cluster_select`) written into
+        ``slots``, then attention over them in place: the same tokens and counters as :meth:`_select`."""
+        from ov_kvcrush.kernels.cluster_select import select_recalled
+
+        idx = self.index
+        assert idx is not None and self.sorted_labels is not None and self.within is not None
+        assert self.config.budget is not None and self.n_dev is not None
+        rows = slots.shape[0] * slots.shape[1]
+        select_recalled(
+            queries, idx.centroids, idx.sizes, self.sorted_labels, self.within, idx.sorted_tokens,
+            budget=self.config.budget - self.sinks, slots=slots.view(rows, -1), offset=self.sinks,
+            counts=self._recall_counts(queries.device), ring=self.ring, ring_ptr=self.ring_ptr,
+        )  # fmt: skip
+        self.last_selected = torch.where(slots < self.n_dev, slots, -1)  # the window's unwritten slots
+        return self._attend_store(queries, slots)
+
+    def _recall_counts(self, device: torch.device, names: tuple[str, ...] = RECALL_COUNTERS) -> torch.Tensor:
+        """The recall cache's counters on the device, registered (as ``names``) on first use."""
+        if self.recall_counts is None:
+            self.recall_counts = torch.zeros(len(RECALL_COUNTERS), dtype=torch.long, device=device)
+        for i, name in enumerate(RECALL_COUNTERS):
+            if name in names and name not in self._device_counters:
+                self._device_counters[name] = self.recall_counts[i]
+        return self.recall_counts
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if self.dense_layer:
@@ -210,8 +262,7 @@ class FastClusterKVLayerCache(FastLayerCache):
             parts.append(compact[:, :take])
             self._account(start < budget, idx.sizes)
         else:  # nothing clustered yet (a prompt of sinks only): the reference counts empty lookups
-            self._add("cluster_lookups", torch.zeros((), device=dev))
-            self._add("cluster_hits", torch.zeros((), device=dev))
+            self._recall_counts(dev, RECALL_COUNTERS[:2])
         fixed = sum(p.shape[1] for p in parts)
         parts.append(pending.expand(rows, -1))
         slots = torch.cat(parts, dim=1).reshape(b, hk, -1)
@@ -222,11 +273,12 @@ class FastClusterKVLayerCache(FastLayerCache):
         """The recall cache: a recalled cluster is a hit when one of the last R steps recalled it."""
         chosen = picked & (sizes > 0)
         cached = self.ring.any(0) if self.ring is not None else torch.zeros_like(chosen)
-        self._add("cluster_lookups", chosen.sum())
-        self._add("cluster_hits", (chosen & cached).sum())
-        self._add("tokens_loaded", (sizes * (chosen & ~cached)).sum())
+        counts = self._recall_counts(chosen.device)
+        counts[0].add_(chosen.sum())
+        counts[1].add_((chosen & cached).sum())
+        counts[2].add_((sizes * (chosen & ~cached)).sum())
         if self.ring is not None and self.ring_ptr is not None:
-            self.ring.index_copy_(0, self.ring_ptr, chosen[None])
+            self.ring.index_copy_(0, self.ring_ptr, chosen[None].to(self.ring.dtype))
             self.ring_ptr.add_(1).remainder_(self.ring.shape[0])
 
     # -- what is held ---------------------------------------------------------------------------
@@ -242,4 +294,5 @@ class FastClusterKVLayerCache(FastLayerCache):
             [] if idx is None else [idx.centroids, idx.sizes, idx.offsets, idx.sorted_tokens, idx.labels, idx.tokens]
         )
         state = [self.sorted_labels, self.within, self.pending_slots, self.ring, self.ring_ptr, self.last_selected]
+        state.append(self.fused_slots)  # recall_counts: counted as the device counters' views
         return [*super()._metadata(), *index, *state]
