@@ -33,6 +33,15 @@ from ov_kvcrush.errors import ConfigError
 
 KERNEL_MODES = ("auto", "triton", "torch")
 
+#: log2(e): the kernels take ``exp2`` of logits pre-scaled by it (one multiply folded into the scale)
+LOG2E = 1.4426950408889634
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for tensors of ``dtype``: float32 stays exact float32 (no TF32,
+    so the kernels match the float32 reference); half types run on tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
 
 def kernel_mode() -> str:
     """``OV_KVCRUSH_KERNELS``, checked: one of :data:`KERNEL_MODES`."""

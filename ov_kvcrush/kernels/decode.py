@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ov_kvcrush.kernels import LOG2E, dot_precision
 
 #: programs to aim for per launch (about two per multiprocessor of an H100)
 TARGET_PROGRAMS = 264
@@ -173,7 +173,7 @@ def decode_attention(
     block_g = max(16, triton.next_power_of_2(group))
     block_n = 64 if queries.device.type == "cuda" else 16
     chunk, splits = plan_splits(b * hk, n)
-    precision = "ieee" if queries.dtype == torch.float32 else "tf32"
+    precision = dot_precision(queries.dtype)
     dev = queries.device
     part_o = torch.empty((b * hk * splits * group, d), dtype=torch.float32, device=dev)
     part_m = torch.empty((b * hk * splits * group,), dtype=torch.float32, device=dev)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ov_kvcrush.kernels import LOG2E, dot_precision
 
 
 @triton.jit
@@ -179,7 +179,7 @@ def flash_attention_with_scores(
         )
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
     fwd, sums = launch_config(d, queries.device)
-    precision = "ieee" if queries.dtype == torch.float32 else "tf32"  # float32 stays float32 (no TF32)
+    precision = dot_precision(queries.dtype)
     out = torch.empty_like(queries, memory_format=torch.contiguous_format)
     lse = torch.empty((b * hq, t), dtype=torch.float32, device=queries.device)
     strides = (*queries.stride(), *keys.stride(), *values.stride(), *out.stride())
