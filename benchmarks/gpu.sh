@@ -33,7 +33,7 @@ for run in "${runs[@]}"; do
     case $run in
     main)  # 8k and 32k: every fast-path method and both transformers baselines
         bench bench_cuda_llama3_8b_random --backends torch,hf-sdpa,hf-static-compiled \
-            --methods full,clusterkv,quest,snapkv,minikv "${common[@]}" \
+            --methods full,clusterkv,quest,snapkv,minikv,minikv:preset=paper "${common[@]}" \
             --lengths 8192,32768 --repeats 2 --new-tokens 64 ;;
     long)  # 64k and 128k, where the memory allows: the full cache against ClusterKV
         bench bench_cuda_llama3_8b_random_long --backends torch,hf-sdpa \

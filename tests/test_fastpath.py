@@ -88,17 +88,20 @@ MINIKV = MiniKVConfig(
 )
 
 
-@pytest.mark.parametrize("bits", [(2, 2), (2, 4)])
+@pytest.mark.parametrize(
+    ("bits", "selection"), [((2, 2), "h2o"), ((2, 4), "snapkv"), ((4, 4), "snapkv")]
+)  # the paper's choices, a mixed store, the product's default
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_fast_minikv_answers_what_the_reference_answers(monkeypatch, kernels, bits):
+def test_fast_minikv_answers_what_the_reference_answers(monkeypatch, kernels, bits, selection):
     """Prefill, then 40 steps (the residual flushed every 16, one step of 3 tokens) over the 2-bit
-    (or keys 2, values 4 bits) store read in place (the Triton kernel, interpreted on CPU) or
+    (keys 2 and values 4, or 4-bit) store read in place (the Triton kernel, interpreted on CPU) or
     dequantised (torch)."""
     if kernels == "triton" and not (triton_importable() and interpreting()):
         pytest.skip("needs Triton's interpreter")
     monkeypatch.setenv("OV_KVCRUSH_KERNELS", kernels)
     gen = torch.Generator().manual_seed(7)
-    cfg = dataclasses.replace(MINIKV, quant=dataclasses.replace(MINIKV.quant, key_bits=bits[0], value_bits=bits[1]))
+    quant = dataclasses.replace(MINIKV.quant, key_bits=bits[0], value_bits=bits[1])
+    cfg = dataclasses.replace(MINIKV, quant=quant, selection=selection)
     ref, fast = cfg.make_layer(1, 3), fast_layer(cfg, 1, 3, reserve=8)
     assert isinstance(fast, FastMiniKVLayerCache)
     prompt = _qkv(gen, 90, d=32)
@@ -110,7 +113,7 @@ def test_fast_minikv_answers_what_the_reference_answers(monkeypatch, kernels, bi
     assert fast.n_q == ref.store.quantized_tokens and fast.n_q > 48
     assert fast.counters == pytest.approx(ref.counters)
     assert fast.memory()["total"] == storage_bytes(fast)
-    assert fast.memory()["kv"] < ref.memory()["kv"] * 1.5  # preallocated, still 2-bit
+    assert fast.memory()["kv"] < ref.memory()["kv"] * 1.5  # preallocated, still packed
 
 
 EVICTION = {

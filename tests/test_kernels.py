@@ -84,7 +84,9 @@ def test_no_fast_path_for_scores_where_triton_does_not_run(monkeypatch):
 
 
 @pytest.mark.skipif(not (triton_importable() and interpreting()), reason="needs Triton's interpreter")
-@pytest.mark.parametrize("config", [H2OConfig(budget=24, recent_tokens=4), MiniKVConfig(budget=24, recent_tokens=4)])
+@pytest.mark.parametrize(
+    "config", [H2OConfig(budget=24, recent_tokens=4), MiniKVConfig(budget=24, recent_tokens=4, selection="h2o")]
+)
 def test_a_scoring_method_keeps_the_same_tokens_with_the_kernel(monkeypatch, config):
     """The layer cache's prefill routes through the kernel; what it keeps and answers stays the reference's."""
     gen = torch.Generator().manual_seed(5)

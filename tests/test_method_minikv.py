@@ -177,4 +177,25 @@ def test_quant_settings_validation():
         QuantSettings(residual_tokens=40)
     with pytest.raises(ConfigError, match=r"quant\.group_size"):
         QuantSettings(group_size=12)
-    assert "minikv" in REGISTRY and MiniKVConfig(budget=256).quant == QuantSettings()
+    assert "minikv" in REGISTRY and MiniKVConfig(budget=256).quant == QuantSettings(bits=4)
+
+
+def test_minikv_defaults_are_the_product_and_preset_paper_the_papers():
+    """The product selects by SnapKV's window over a 4-bit store (docs/quality.md: the paper's
+    H2O sums over a 2-bit store answered no needle); ``preset=paper`` gives the paper's choices,
+    fields given beside it win, and a bad preset is named."""
+    from ov_kvcrush.config import CompressionConfig
+
+    product = method_config("minikv", budget=256)
+    assert (product.selection, product.quant.kbits, product.quant.vbits) == ("snapkv", 4, 4)
+    paper = MiniKVConfig(
+        budget=256, selection="h2o", pyramid_depth=7.0, sink_tokens=0, quant=QuantSettings(bits=2, prompt_tail=0)
+    )
+    assert method_config("minikv", budget=256, preset="paper") == paper
+    assert CompressionConfig("minikv", 256, options={"preset": "paper"}).method_config() == paper
+    assert method_config("minikv", budget=256, preset="paper", sink_tokens=8).sink_tokens == 8
+    assert method_config("minikv", budget=256, preset="paper", quant={"bits": 4}).quant == QuantSettings(bits=4)
+    with pytest.raises(ConfigError, match=r"preset='fast' is invalid: allowed one of paper"):
+        method_config("minikv", budget=256, preset="fast")
+    with pytest.raises(ConfigError, match=r"preset='paper' is invalid: allowed unset \(method h2o has no presets\)"):
+        method_config("h2o", budget=256, preset="paper")

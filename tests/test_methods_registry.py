@@ -84,11 +84,12 @@ def test_compression_holds_the_budget_and_shrinks_memory(name):
     if name in ("clusterkv", "quest"):  # recall methods keep everything, attend a budget
         assert int(held.max()) == 400
         assert int(cache.tokens_attended().max()) <= budget + (cache.config.cluster_every if name == "clusterkv" else 0)
-    elif name == "minikv":  # frozen prefill selection + every generated token, in 2 bits
+    elif name == "minikv":  # frozen prefill selection + every generated token, quantized
         assert int(held.max()) == budget + 100
         store = cache.store
         per_token_fp32 = full.memory()["kv"] // 400
-        quantized = store.quantized_tokens * per_token_fp32 // 8  # 2 bits + fp16 scale/zero per 16 values
+        bits = cache.config.quant.bits  # codes of `bits` + an fp16 scale and zero per 16 values
+        quantized = store.quantized_tokens * per_token_fp32 * (bits + 2) // 32
         assert store.quantized_tokens > 0
         assert cache.memory()["kv"] == quantized + (store.pinned_len + store.residual_len) * per_token_fp32
     elif name == "kvzip":  # selects only after the engine's scoring pass (test_method_kvzip.py)

@@ -48,13 +48,20 @@ REGISTRY: dict[str, type[MethodConfig]] = {
 
 def method_config(name: str, /, **fields: Any) -> MethodConfig:
     """Build the config of method ``name`` from keyword fields (``quant=True`` means default 2-bit
-    settings; a dict such as ``{"bits": 4}`` sets :class:`QuantSettings` fields).
+    settings; a dict such as ``{"bits": 4}`` sets :class:`QuantSettings` fields; ``preset="paper"``
+    starts from the fields of one of the class's :attr:`~MethodConfig.presets`).
 
     Raises :class:`~ov_kvcrush.errors.ConfigError` for an unknown method or field.
     """
     if name not in REGISTRY:
         raise ConfigError("method", name, "one of " + ", ".join(REGISTRY))
     cls = REGISTRY[name]
+    preset = fields.pop("preset", None)
+    if preset is not None:
+        if preset not in cls.presets:
+            allowed = ("one of " + ", ".join(cls.presets)) if cls.presets else f"unset (method {name} has no presets)"
+            raise ConfigError("preset", preset, allowed)
+        fields = {**cls.presets[preset], **fields}
     if fields.get("quant") is True:
         fields["quant"] = QuantSettings()
     elif isinstance(fields.get("quant"), dict):

@@ -193,6 +193,10 @@ class MethodConfig:
     #: engine then feeds :meth:`scoring_pass_inputs` through the layers' :meth:`LayerCache.score_step`
     #: (the op's scoring mode) and calls :meth:`finish_scoring_pass`, when :meth:`scoring_pass_due`
     scoring_pass: ClassVar[bool] = False
+    #: named sets of fields a user picks with ``preset=NAME`` (``minikv:preset=paper``), applied
+    #: before the fields given beside it (which win). Where a method's defaults are the product's
+    #: choice and depart from its paper, ``paper`` gives the paper's.
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @property
     def needs_calibration(self) -> bool:
