@@ -143,6 +143,11 @@ class CompressionConfig:
 
         cls = REGISTRY[self.method]
         fields: dict[str, Any] = dict(self.options)
+        named = fields.get("preset")
+        preset = cls.presets.get(named, {}) if isinstance(named, str) else {}
+        for key, value in cls.engine_defaults.items():  # the product's, below the user's and a preset's
+            if key not in fields and key not in preset:
+                fields[key] = value
         if cls.needs_budget:
             fields["budget"] = self.budget
         if self.sink_tokens is not None:

@@ -41,6 +41,29 @@ def test_auto_outliers_wait_for_a_calibration():
         cfg.with_calibration({"outlier_heads": "x"})
 
 
+def test_the_product_calibrates_by_default_and_a_direct_config_does_not():
+    """Through ``CompressionConfig`` (every engine, the CLI, eval, bench) Chelsea's outlier heads
+    are ``auto``, as the paper keeps 4 % of heads whole; a user's value or a config built directly
+    (the reference, no model) wins. Without a model, the bytes a budget holds are measured with a
+    calibration on random keys: the same count of heads, counted against the budget."""
+    from ov_kvcrush.config import CompressionConfig
+    from ov_kvcrush.eval.budget import ModelShape, calibrated_on_noise
+
+    assert CompressionConfig("chelsea", 128).method_config().outlier_heads == "auto"
+    assert CompressionConfig("chelsea", 128, options={"outlier_heads": ()}).method_config().outlier_heads == ()
+    assert ChelseaConfig(budget=128).outlier_heads == ()
+    assert CompressionConfig("kvcrush", 128).method_config().needs_calibration is False
+    auto = CompressionConfig("chelsea", 128).method_config()
+    for layer_types, picked in ((("full_attention",) * 13, 1), (("full_attention",) * 26, 2)):
+        shape = ModelShape(13 if picked == 1 else 26, 4, 2, 16, 4, layer_types)
+        done = calibrated_on_noise(auto, shape)  # 4 % of the layers x KV heads
+        assert len(done.outlier_heads) == picked and not done.needs_calibration
+    # the method's layers are the global ones: 13 of 26 here, so one head as for 13 global layers
+    shape = ModelShape(26, 4, 2, 16, 4, ("full_attention", "sliding_attention") * 13)
+    assert len(calibrated_on_noise(auto, shape).outlier_heads) == 1
+    assert CompressionConfig("chelsea", 128).method_config().model_free().outlier_heads == ()
+
+
 def test_a_calibration_is_cached_whole_and_measured_again_when_damaged(tmp_path, monkeypatch):
     monkeypatch.setenv("OV_KVCRUSH_CACHE", str(tmp_path))
     cfg = ChelseaConfig(budget=128, outlier_heads="auto")
@@ -62,6 +85,36 @@ def test_a_calibration_is_cached_whole_and_measured_again_when_damaged(tmp_path,
     assert calibration.resolve(cfg, "model-a", encode, measure) == first and len(calls) == 2
     calibration.resolve(cfg, "model-b", encode, measure)  # another model: its own file
     assert len(calls) == 3
+
+
+def test_plain_transformers_users_calibrate_with_one_call(tmp_path, monkeypatch):
+    """``calibrate_hf``: the keys of transformers' own forward through a full cache of ours go to
+    the paper's calibration, the result is cached per model, and the cache then builds."""
+    from helpers import tiny_llama
+
+    from ov_kvcrush.config import CompressionConfig
+    from ov_kvcrush.engines.hf_cache import CompressedCache
+
+    monkeypatch.setenv("OV_KVCRUSH_CACHE", str(tmp_path))
+    model, cfg = tiny_llama(layers=13)  # 26 layer-heads: 4 % is one
+
+    class WordIds:  # a tokenizer: one id per word
+        def __call__(self, text: str, add_special_tokens: bool = False):
+            return type("Encoded", (), {"input_ids": [3 + sum(map(ord, w)) % 120 for w in text.split()]})()
+
+    method = CompressionConfig("chelsea", 128).method_config()
+    with pytest.raises(ConfigError, match="calibrate_hf"):
+        CompressedCache(method, cfg)
+    done = calibration.calibrate_hf(method, model, WordIds())
+    ids = calibration.calibration_ids(lambda text: WordIds()(text).input_ids)
+    keys = calibration.hf_layer_keys(model, ids)
+    assert len(keys) == 13 and keys[0].shape == (1, 2, calibration.CALIBRATION_TOKENS, 16)
+    assert done.outlier_heads == calibrate_outlier_heads(keys, chunk_size=method.chunk_size)
+    assert len(done.outlier_heads) == 1 and not (tmp_path / "calibration").exists()  # no name: not cached
+    assert CompressedCache(done, cfg).layers[0].method is not None
+    model.config._name_or_path = "tiny-llama"  # a model with a name is measured once and cached
+    assert calibration.calibrate_hf(method, model, WordIds()) == done
+    assert len(list((tmp_path / "calibration").iterdir())) == 1
 
 
 @pytest.mark.model

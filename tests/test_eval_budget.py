@@ -8,7 +8,7 @@ import torch
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines.hf_cache import CompressedCache
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.eval.budget import ModelShape, block_bytes, held_bytes, solve_budget
+from ov_kvcrush.eval.budget import ModelShape, block_bytes, calibrated_on_noise, held_bytes, solve_budget
 from ov_kvcrush.eval.runner import MethodSpec
 from ov_kvcrush.methods import REGISTRY
 from ov_kvcrush.methods.base import storage_bytes
@@ -21,7 +21,7 @@ PROMPT, NEW = 600, 20
 
 def _real_bytes(config: CompressionConfig, seed: int = 1) -> int:
     """Run the method's caches with real attention (no memo) on random data; bytes as reported and as stored."""
-    cache = CompressedCache(config.method_config(), SHAPE.model_config())
+    cache = CompressedCache(calibrated_on_noise(config.method_config(), SHAPE), SHAPE.model_config())
     g = torch.Generator().manual_seed(seed)
     d, hq, hk = SHAPE.head_dim, SHAPE.q_heads, SHAPE.kv_heads
     for layer in cache.layers:

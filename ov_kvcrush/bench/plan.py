@@ -84,7 +84,7 @@ def check_config(cfg: BenchConfig) -> None:
         from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE
         from ov_kvcrush.method_spec import method_spec
 
-        method_spec(comp.method_config(), 1, 1, DEFAULT_BLOCK_SIZE)
+        method_spec(comp.method_config().model_free(), 1, 1, DEFAULT_BLOCK_SIZE)
 
 
 def compression(cfg: BenchConfig) -> Any:

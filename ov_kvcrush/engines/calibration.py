@@ -75,6 +75,32 @@ def resolve(
     return method.with_calibration(fields)
 
 
+def hf_layer_keys(model: Any, ids: list[int]) -> list[torch.Tensor]:
+    """transformers: ``ids`` prefilled into a full cache of our own (``model`` unchanged), then each
+    global layer's keys ``[1, kv_heads, n, d]`` in float32 on the CPU."""
+    from ov_kvcrush.engines.hf_cache import CompressedCache
+    from ov_kvcrush.methods import FullConfig
+
+    cache = CompressedCache(FullConfig(), model.config)
+    with torch.inference_mode():
+        x = torch.tensor([ids], device=model.device)
+        model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return [layer.method.store.dense()[0].float().cpu() for layer in cache.layers if not layer.is_sliding]
+
+
+def calibrate_hf(method: Any, model: Any, tokenizer: Any) -> Any:
+    """``method`` calibrated on a transformers ``model`` (once; cached like an engine's): what a
+    user of :class:`~ov_kvcrush.engines.hf_cache.CompressedCache` with plain transformers calls
+    before building the cache, e.g. for Chelsea's default ``outlier_heads="auto"``."""
+    if not method.needs_calibration:
+        return method
+    encode = lambda text: list(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    source = getattr(model.config, "_name_or_path", "")
+    if not source:  # a model built from a config has no identity to cache under: measured each time
+        return method.with_calibration(method.calibrate(hf_layer_keys(model, calibration_ids(encode))))
+    return resolve(method, "torch|" + model_id(source), encode, lambda ids: hf_layer_keys(model, ids))
+
+
 def op_layer_keys(engine: Any, ids: list[int]) -> list[torch.Tensor]:
     """Backend openvino: ``ids`` prefilled into a full f32 cache of its own (the engine's compiled
     model; its own sequence is untouched), then each global layer's keys ``[1, kv_heads, n, d]``."""
@@ -99,7 +125,9 @@ def op_layer_keys(engine: Any, ids: list[int]) -> list[torch.Tensor]:
 __all__ = [
     "CALIBRATION_TOKENS",
     "cache_file",
+    "calibrate_hf",
     "calibration_ids",
+    "hf_layer_keys",
     "model_id",
     "op_layer_keys",
     "resolve",

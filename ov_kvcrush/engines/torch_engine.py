@@ -47,7 +47,7 @@ from ov_kvcrush.engines.cuda_graph import GraphedDecoder
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.engines.random_model import build_random_model, is_random_model
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.methods import FullConfig, MethodConfig
+from ov_kvcrush.methods import MethodConfig
 
 #: Model families whose attention modules call the cache and the attention interface the way
 #: :mod:`~ov_kvcrush.engines.hf_cache` expects (rotary position embeddings, ``layer_idx``).
@@ -191,16 +191,8 @@ class TorchEngine:
             method,
             "torch|" + calibration.model_id(self.model_dir),
             lambda text: list(self.tokenizer(text, add_special_tokens=False).input_ids),
-            self._calibration_keys,
+            lambda ids: calibration.hf_layer_keys(self.model, ids),
         )
-
-    def _calibration_keys(self, ids: list[int]) -> list[torch.Tensor]:
-        """A full cache's keys per global layer, ``[1, kv_heads, n, d]``, after prefilling ``ids``."""
-        cache = CompressedCache(FullConfig(), self.model.config)
-        with torch.inference_mode():
-            x = torch.tensor([ids], device=self.device)
-            self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return [layer.method.store.dense()[0].float().cpu() for layer in cache.layers if not layer.is_sliding]
 
     # -- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +40,24 @@ def block_bytes(shape: ModelShape) -> int:
     return shape.full_kv_bytes(BLOCK_TOKENS)
 
 
+#: tokens of random keys per layer a calibration is run on here (two of Chelsea's chunks)
+NOISE_CALIBRATION_TOKENS = 512
+
+
+def calibrated_on_noise(method: Any, shape: ModelShape, seed: int = 0) -> Any:
+    """``method`` with what it calibrates on a model (Chelsea's ``outlier_heads="auto"``) measured
+    on random keys of ``shape``'s global layers instead: no model is at hand here, and what a
+    calibration changes in the bytes is how many heads it picks (a fixed share), not which."""
+    if not method.needs_calibration:
+        return method
+    gen = torch.Generator().manual_seed(seed)
+    layers = sum(kind != "sliding_attention" for kind in shape.layer_types)
+    keys = [
+        torch.randn(1, shape.kv_heads, NOISE_CALIBRATION_TOKENS, shape.head_dim, generator=gen) for _ in range(layers)
+    ]
+    return method.with_calibration(method.calibrate(keys))
+
+
 def held_bytes(
     compression: CompressionConfig, shape: ModelShape, prompt_tokens: int, new_tokens: int, seed: int = 0
 ) -> int:
@@ -48,7 +67,7 @@ def held_bytes(
     """
     if prompt_tokens < 1 or new_tokens < 0:
         raise ValueError(f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}: allowed >= 1 and >= 0")
-    cache = CompressedCache(compression.method_config(), shape.model_config())
+    cache = CompressedCache(calibrated_on_noise(compression.method_config(), shape, seed), shape.model_config())
     gen = torch.Generator().manual_seed(seed)
     dtype = {4: torch.float32, 2: torch.float16}.get(shape.element_bytes, torch.float32)
     hq, hk, d = shape.q_heads, shape.kv_heads, shape.head_dim

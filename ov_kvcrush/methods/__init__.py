@@ -58,7 +58,7 @@ def method_config(name: str, /, **fields: Any) -> MethodConfig:
     cls = REGISTRY[name]
     preset = fields.pop("preset", None)
     if preset is not None:
-        if preset not in cls.presets:
+        if not isinstance(preset, str) or preset not in cls.presets:
             allowed = ("one of " + ", ".join(cls.presets)) if cls.presets else f"unset (method {name} has no presets)"
             raise ConfigError("preset", preset, allowed)
         fields = {**cls.presets[preset], **fields}

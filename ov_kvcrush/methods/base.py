@@ -197,6 +197,10 @@ class MethodConfig:
     #: before the fields given beside it (which win). Where a method's defaults are the product's
     #: choice and depart from its paper, ``paper`` gives the paper's.
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: fields the product sets unless its user does (:meth:`ov_kvcrush.config.CompressionConfig.method_config`,
+    #: below any preset): what an engine resolves on the model (Chelsea's ``outlier_heads="auto"``).
+    #: A config built directly keeps its model-free defaults, so the reference runs without a model.
+    engine_defaults: ClassVar[dict[str, Any]] = {}
 
     @property
     def needs_calibration(self) -> bool:
@@ -217,6 +221,11 @@ class MethodConfig:
     def calibration_key(self) -> str:
         """What a calibration depends on besides the model (part of its cache file's name)."""
         return self.name
+
+    def model_free(self) -> MethodConfig:
+        """This config with what waits for a calibration left out, for what does not depend on
+        the model's calibration (the bytes a budget holds, option checks) where no model is at hand."""
+        return self
 
     def scoring_pass_due(self, held: int, layers: int, kv_heads: int) -> bool:
         """Whether a cache holding ``held`` tokens (summed over its layers and KV heads) needs a

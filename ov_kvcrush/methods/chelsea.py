@@ -33,8 +33,9 @@ Where this departs from it:
   compression merges at most ``floor(r * middle)`` links, at least one.
 * ``link_score="key_value"`` (not the paper's; off by default) ranks links by the lower of their
   keys' and values' cosine.
-* Outlier heads are none by default (``"auto"`` calibrates them as the paper does); the paper
-  calibrates on its own data, here on the evaluation corpus's first essays.
+* The engines calibrate outlier heads by default (``"auto"``), as the paper does, but on the
+  evaluation corpus's first essays instead of the paper's data; a config built directly (the
+  reference without a model) has none unless given.
 * Decode-time merging runs every ``merge_interval`` tokens per layer, as the paper's ``g``.
 * ``protect_tokens`` (not the paper's; 0 by default) keeps, per KV head, that many middle tokens
   out of merging: those the prompt's last 32 queries attend most (SnapKV's window scores, pooled
@@ -306,6 +307,9 @@ class ChelseaConfig(MethodConfig):
             engines. They count against the budget (:func:`merged_budget`): the other heads keep
             fewer tokens as the outliers grow. ``"auto"``: the engine runs the paper's calibration
             (:func:`calibrate_outlier_heads`, 4 % of the heads) on the model once and caches it.
+            ``"auto"`` is the default through :class:`~ov_kvcrush.config.CompressionConfig` (every
+            engine, the CLI, eval, bench: :attr:`engine_defaults`); a config built directly has
+            none (``()``), so the reference runs without a model.
         merge_ratio: the paper's ``r_init``, the share of the middle one matching pass may merge
             (``None``: every usable link, up to the target), in (0, 0.5].
         ratio_decay: the paper's ``alpha``: ``r`` falls by this much per pass, for ``decay_steps``
@@ -321,6 +325,9 @@ class ChelseaConfig(MethodConfig):
     name: ClassVar[str] = "chelsea"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     pins_prompt_tail: ClassVar[bool] = False
+    #: the engines calibrate outlier heads on the model unless told otherwise (the paper's
+    #: Chelsea keeps 4 % of heads whole); a config built directly has none
+    engine_defaults: ClassVar[dict[str, Any]] = {"outlier_heads": OUTLIERS_AUTO}
     budget: int | None = None
     sink_tokens: int = 16
     recent_tokens: int = 64
@@ -383,14 +390,20 @@ class ChelseaConfig(MethodConfig):
     def calibration_key(self) -> str:
         return f"{self.name}-outliers-chunk{self.chunk_size}"
 
+    def model_free(self) -> ChelseaConfig:
+        """No outliers for ``"auto"``: the heads' bytes are the same either way (outliers count
+        against the budget), and which heads they are needs the model."""
+        return replace(self, outlier_heads=()) if self.needs_calibration else self
+
     def _pairs(self) -> tuple[tuple[int, int], ...]:
         """The outlier pairs; ``"auto"`` must have been calibrated by an engine first."""
         if isinstance(self.outlier_heads, str):
             raise ConfigError(
                 "outlier_heads",
                 self.outlier_heads,
-                "(layer, kv_head) pairs here: 'auto' is resolved by an engine's calibration on the model "
-                "(ChelseaConfig.with_calibration) before layers are made",
+                "(layer, kv_head) pairs here: 'auto' is resolved by a calibration on the model before layers "
+                "are made (the engines do it; with plain transformers, "
+                "ov_kvcrush.engines.calibration.calibrate_hf(method, model, tokenizer); () for none)",
             )
         return self.outlier_heads
 
