@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a field of the method's config, VALUE in JSON (e.g. representatives=64, quant=true, "
-        'anchor=\'["random","zeros"]\'); repeatable; backends torch and openvino (genai: the native fields)',
+        'anchor=\'["random","zeros"]\', or preset=paper for a paper\'s own choices where the defaults '
+        "depart from it); repeatable; backends torch and openvino (genai: the native fields)",
     )
     g.add_argument("--prompt-file", required=True, help="text file with the prompt ('-' for stdin)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=32)
