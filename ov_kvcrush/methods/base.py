@@ -223,8 +223,9 @@ class MethodConfig:
         return self.name
 
     def model_free(self) -> MethodConfig:
-        """This config with what waits for a calibration left out, for what does not depend on
-        the model's calibration (the bytes a budget holds, option checks) where no model is at hand."""
+        """This config with what waits for a calibration left out, for what does not depend on it
+        where no model is at hand (checking the other options; a model-free run of the reference).
+        The bytes a budget holds do depend on it: ``ov_kvcrush.eval.budget`` calibrates on noise."""
         return self
 
     def scoring_pass_due(self, held: int, layers: int, kv_heads: int) -> bool:

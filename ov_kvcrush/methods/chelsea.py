@@ -391,8 +391,8 @@ class ChelseaConfig(MethodConfig):
         return f"{self.name}-outliers-chunk{self.chunk_size}"
 
     def model_free(self) -> ChelseaConfig:
-        """No outliers for ``"auto"``: the heads' bytes are the same either way (outliers count
-        against the budget), and which heads they are needs the model."""
+        """No outliers for ``"auto"``: which heads they are needs the model, and checking the
+        other options (the op's fields) does not."""
         return replace(self, outlier_heads=()) if self.needs_calibration else self
 
     def _pairs(self) -> tuple[tuple[int, int], ...]:
