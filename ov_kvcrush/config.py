@@ -143,18 +143,13 @@ class CompressionConfig:
 
         cls = REGISTRY[self.method]
         fields: dict[str, Any] = dict(self.options)
-        named = fields.get("preset")
-        preset = cls.presets.get(named, {}) if isinstance(named, str) else {}
-        for key, value in cls.engine_defaults.items():  # the product's, below the user's and a preset's
-            if key not in fields and key not in preset:
-                fields[key] = value
         if cls.needs_budget:
             fields["budget"] = self.budget
         if self.sink_tokens is not None:
             fields["sink_tokens"] = self.sink_tokens
         if self.recent_tokens is not None:
             fields["recent_tokens"] = self.recent_tokens
-        return method_config(self.method, **fields)
+        return method_config(self.method, True, **fields)  # True: with the engines' defaults (product)
 
     @property
     def native_sink_tokens(self) -> int:

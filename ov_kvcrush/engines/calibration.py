@@ -58,12 +58,18 @@ def model_id(path: str | Path) -> str:
 
 
 def resolve(
-    method: Any, model: str, encode: Callable[[str], list[int]], layer_keys: Callable[[list[int]], list[torch.Tensor]]
+    method: Any,
+    model: str | None,
+    encode: Callable[[str], list[int]],
+    layer_keys: Callable[[list[int]], list[torch.Tensor]],
 ) -> Any:
     """``method`` with its calibrated fields: from the cache, or measured now (``layer_keys``: a
-    full cache's keys per method layer after prefilling the ids it is given) and cached."""
+    full cache's keys per method layer after prefilling the ids it is given) and cached. ``model``
+    ``None``: a model with no identity to cache under, measured each time."""
     if not method.needs_calibration:
         return method
+    if model is None:
+        return method.with_calibration(method.calibrate(layer_keys(calibration_ids(encode))))
     path = cache_file(model, method)
     try:
         return method.with_calibration(json.loads(path.read_text()))
@@ -88,17 +94,19 @@ def hf_layer_keys(model: Any, ids: list[int]) -> list[torch.Tensor]:
     return [layer.method.store.dense()[0].float().cpu() for layer in cache.layers if not layer.is_sliding]
 
 
-def calibrate_hf(method: Any, model: Any, tokenizer: Any) -> Any:
+def calibrate_hf(method: Any, model: Any, tokenizer: Any, source: str | Path | None = None) -> Any:
     """``method`` calibrated on a transformers ``model`` (once; cached like an engine's): what a
     user of :class:`~ov_kvcrush.engines.hf_cache.CompressedCache` with plain transformers calls
-    before building the cache, e.g. for Chelsea's default ``outlier_heads="auto"``."""
-    if not method.needs_calibration:
-        return method
-    encode = lambda text: list(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
-    source = getattr(model.config, "_name_or_path", "")
-    if not source:  # a model built from a config has no identity to cache under: measured each time
-        return method.with_calibration(method.calibrate(hf_layer_keys(model, calibration_ids(encode))))
-    return resolve(method, "torch|" + model_id(source), encode, lambda ids: hf_layer_keys(model, ids))
+    before building the cache, e.g. for Chelsea's default ``outlier_heads="auto"``. ``source``:
+    where the model came from (default: its config's ``_name_or_path``); a model built from a
+    config has none and is measured each time."""
+    source = source or getattr(model.config, "_name_or_path", "")
+    return resolve(
+        method,
+        "torch|" + model_id(source) if source else None,
+        lambda text: list(tokenizer(text, add_special_tokens=False).input_ids),
+        lambda ids: hf_layer_keys(model, ids),
+    )
 
 
 def op_layer_keys(engine: Any, ids: list[int]) -> list[torch.Tensor]:

@@ -187,12 +187,7 @@ class TorchEngine:
         """``method`` with what it calibrates on the model (:mod:`~ov_kvcrush.engines.calibration`)."""
         if not method.needs_calibration or getattr(self, "model", None) is None:
             return method  # before the model is loaded: calibrated once it is (__init__)
-        return calibration.resolve(
-            method,
-            "torch|" + calibration.model_id(self.model_dir),
-            lambda text: list(self.tokenizer(text, add_special_tokens=False).input_ids),
-            lambda ids: calibration.hf_layer_keys(self.model, ids),
-        )
+        return calibration.calibrate_hf(method, self.model, self.tokenizer, source=self.model_dir)
 
     # -- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:

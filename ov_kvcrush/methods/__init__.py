@@ -46,10 +46,14 @@ REGISTRY: dict[str, type[MethodConfig]] = {
 }
 
 
-def method_config(name: str, /, **fields: Any) -> MethodConfig:
+def method_config(name: str, product: bool = False, /, **fields: Any) -> MethodConfig:
     """Build the config of method ``name`` from keyword fields (``quant=True`` means default 2-bit
     settings; a dict such as ``{"bits": 4}`` sets :class:`QuantSettings` fields; ``preset="paper"``
     starts from the fields of one of the class's :attr:`~MethodConfig.presets`).
+
+    Fields are layered, each over the one before: the class's :attr:`~MethodConfig.engine_defaults`
+    (with ``product``, positional so that no field name can clash with it: what the engines
+    resolve on a model), the preset, the fields given.
 
     Raises :class:`~ov_kvcrush.errors.ConfigError` for an unknown method or field.
     """
@@ -57,11 +61,14 @@ def method_config(name: str, /, **fields: Any) -> MethodConfig:
         raise ConfigError("method", name, "one of " + ", ".join(REGISTRY))
     cls = REGISTRY[name]
     preset = fields.pop("preset", None)
-    if preset is not None:
-        if not isinstance(preset, str) or preset not in cls.presets:
-            allowed = ("one of " + ", ".join(cls.presets)) if cls.presets else f"unset (method {name} has no presets)"
-            raise ConfigError("preset", preset, allowed)
-        fields = {**cls.presets[preset], **fields}
+    if preset is not None and (not isinstance(preset, str) or preset not in cls.presets):
+        allowed = ("one of " + ", ".join(cls.presets)) if cls.presets else f"unset (method {name} has no presets)"
+        raise ConfigError("preset", preset, allowed)
+    fields = {
+        **(cls.engine_defaults if product else {}),
+        **(cls.presets[preset] if preset is not None else {}),
+        **fields,
+    }
     if fields.get("quant") is True:
         fields["quant"] = QuantSettings()
     elif isinstance(fields.get("quant"), dict):

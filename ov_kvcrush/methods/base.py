@@ -197,8 +197,9 @@ class MethodConfig:
     #: before the fields given beside it (which win). Where a method's defaults are the product's
     #: choice and depart from its paper, ``paper`` gives the paper's.
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
-    #: fields the product sets unless its user does (:meth:`ov_kvcrush.config.CompressionConfig.method_config`,
-    #: below any preset): what an engine resolves on the model (Chelsea's ``outlier_heads="auto"``).
+    #: fields the product sets unless its user does (``method_config(name, True, ...)``, as
+    #: :meth:`ov_kvcrush.config.CompressionConfig.method_config` calls it; below any preset): what
+    #: an engine resolves on the model (Chelsea's ``outlier_heads="auto"``).
     #: A config built directly keeps its model-free defaults, so the reference runs without a model.
     engine_defaults: ClassVar[dict[str, Any]] = {}
 
