@@ -339,3 +339,109 @@ def test_token_pooling_default_keeps_a_needles_digits_the_window_barely_attends(
         kept[width] = {int(p) for p in keep_indices(pool_scores(raw, width), 48, 0, 8)[0, 0]}
     assert not digits <= kept[7]  # the number's tail is gone
     assert digits <= kept[31]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_over_the_quantized_store_decode_drops_the_lowest_scoring_whole_chunks(bits):
+    """Over the 2-/4-bit store a decode step drops whole ``residual_tokens`` chunks: once a head
+    holds a chunk more than its budget, the chunk with the lowest summed scores among those that
+    hold no sink and none of the recent tokens (brute force over the scores before the step's
+    eviction); what stays dequantizes to the same values, and the head never holds a chunk plus
+    the recent window more than its budget (a frozen selection kept every generated token)."""
+    from ov_kvcrush.methods import QuantSettings
+
+    r, budget, sinks, recent = 32, 128, 4, 8
+    quant = QuantSettings(bits=bits, residual_tokens=r, prompt_tail=16)
+    vec = layer_vectors(8, tokens=400, head_dim=16)
+    for cfg in (
+        SnapKVConfig(budget=budget, sink_tokens=sinks, recent_tokens=recent, window=8, quant=quant),
+        H2OConfig(budget=budget, sink_tokens=sinks, recent_tokens=recent, quant=quant),
+    ):
+        assert not cfg.selection_frozen()
+        cache = cfg.make_layer(0, 1)
+        cache.prefill(*vec.prefix(200))
+        drops = 0
+        for i in range(200, 400):
+            nq_before = cache.store.quantized_tokens
+            before_k, before_v, before_pos = cache.store.dense()
+            cache.decode(*vec.step(i))
+            k, v, pos = cache.store.dense()
+            held = pos.shape[-1]
+            assert budget <= held <= budget + r - 1 + recent, (cfg.name, i, held)
+            if held < before_pos.shape[-1] + 1:  # chunks went: check which, head by head
+                drops += 1
+                acc = cache.acc  # one score per held token
+                for h in range(pos.shape[1]):
+                    kept = pos[0, h].tolist()
+                    gone = sorted((set(before_pos[0, h].tolist()) | {i}) - set(kept))
+                    assert len(gone) % r == 0 and gone
+                    for p in gone:
+                        assert sinks <= p <= i - recent, (p, i)
+                    # what was quantized and stays is unchanged: the same values at the same positions
+                    old = before_pos[0, h].tolist()
+                    pairs = [(j, old.index(p)) for j, p in enumerate(kept) if p in old and old.index(p) < nq_before]
+                    mine, where = [j for j, _ in pairs], [w for _, w in pairs]
+                    assert mine
+                    torch.testing.assert_close(k[0, h, mine], before_k[0, h, where], atol=0, rtol=0)
+                    torch.testing.assert_close(v[0, h, mine], before_v[0, h, where], atol=0, rtol=0)
+                assert acc.shape[-1] == held
+        assert drops >= 3, (cfg.name, drops)
+
+
+def test_over_the_quantized_store_the_dropped_chunk_scores_lowest():
+    """The chunk that goes is the lowest by its tokens' summed scores (ties to the older), checked
+    on the reference's own scores right before the eviction."""
+    from ov_kvcrush.methods import QuantSettings
+    from ov_kvcrush.methods.attention import group_heads
+
+    r, budget, sinks, recent = 32, 96, 4, 8
+    cfg = SnapKVConfig(
+        budget=budget, sink_tokens=sinks, recent_tokens=recent, window=8, quant=QuantSettings(residual_tokens=r)
+    )
+    cache = cfg.make_layer(0, 1)
+    vec = layer_vectors(3, tokens=420, head_dim=16)
+    cache.prefill(*vec.prefix(260))
+    checked = 0
+    original = cache._evict_quantized_chunks
+
+    def spy() -> None:
+        nonlocal checked
+        store = cache.store
+        nq = store.quantized_tokens
+        before = store.qpos.clone() if store.qpos is not None else None
+        scores = group_heads(cache.acc[..., :nq], store.qpos.shape[1]) if nq else None
+        original()
+        if before is None or store.quantized_tokens == nq:
+            return
+        newest = int(store.positions.max())
+        for h in range(before.shape[1]):
+            chunks = before[0, h].reshape(-1, r)
+            sums = scores[0, h].reshape(-1, r).sum(-1).tolist()
+            movable = [c for c in range(len(chunks)) if chunks[c].min() >= sinks and chunks[c].max() <= newest - recent]
+            dropped = sorted(set(before[0, h].tolist()) - set(store.qpos[0, h].tolist()))
+            n_drop = len(dropped) // r
+            expect = sorted(sorted(movable, key=lambda c: (sums[c], c))[:n_drop])
+            assert dropped == sorted(p for c in expect for p in chunks[c].tolist())
+            checked += 1
+
+    cache._evict_quantized_chunks = spy
+    for i in range(260, 420):
+        cache.decode(*vec.step(i))
+    assert checked >= 3 * cache.store.qpos.shape[1]
+
+
+def test_kvcrush_minikv_and_knorm_stay_frozen_over_the_quantized_store():
+    """KVCrush re-selects a layer as a whole and MiniKV selects once by design: over the store
+    their prefill selection stays and every generated token is kept."""
+    from ov_kvcrush.methods import QuantSettings, method_config
+
+    quant = QuantSettings(residual_tokens=32)
+    vec = layer_vectors(8, tokens=300, head_dim=16)
+    for name in ("kvcrush", "minikv", "knorm"):
+        cfg = method_config(name, budget=96, sink_tokens=4, recent_tokens=8, quant=quant)
+        assert cfg.selection_frozen()
+        cache = cfg.make_layer(0, 1)
+        cache.prefill(*vec.prefix(200))
+        for i in range(200, 300):
+            cache.decode(*vec.step(i))
+        assert cache.tokens_held().max() == 96 + 100, name

@@ -245,6 +245,7 @@ def _spec(**fields) -> str:
 
 H2O = dict(method="h2o", budgets="64", quant=0, sinks=4, recent=4, scoring="h2o", frozen=0, block_wise=0)
 SNAP = dict(H2O, scoring="snapkv", window=8, pool_kernel=7, pool="max")
+QUANT_FIELDS = dict(quant=1, group=16, residual=32, tail=0, key_bits=2, value_bits=2)
 
 
 def test_bad_method_specs_name_the_field():
@@ -263,9 +264,9 @@ def test_bad_method_specs_name_the_field():
         (_spec(**dict(H2O, colour="red")), "colour"),
         (_spec(**H2O) + ";sinks=4", "sinks"),
         (_spec(**dict(H2O, method="minikv")), "frozen"),  # MiniKV's selection is frozen
-        # and any over the 2-bit store
-        (_spec(**dict(H2O, quant=1, group=16, residual=32, tail=0, key_bits=2, value_bits=2)), "frozen"),
-        (_spec(**dict(H2O, frozen=1, quant=1, group=16, residual=32, tail=0, key_bits=3, value_bits=2)), "key_bits"),
+        # and KVCrush's and Knorm's over the 2-bit store (H2O/SnapKV drop whole chunks there)
+        (_spec(**dict(H2O, method="knorm", **QUANT_FIELDS)), "frozen"),
+        (_spec(**dict(H2O, frozen=1, **dict(QUANT_FIELDS, key_bits=3))), "key_bits"),
         (_spec(method="full", budgets="0", quant=1, group=16), "residual"),
         ("", "method"),
     ]:

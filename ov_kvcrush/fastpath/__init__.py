@@ -50,11 +50,12 @@ def _minikv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int)
 def _eviction(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
     assert isinstance(config, EvictionConfig)
     if (
-        config.selection_frozen()
+        config.quant is not None
+        or config.selection_frozen()
         or getattr(config, "head_budgets", "uniform") != "uniform"
         or getattr(config, "block_size", None)
     ):
-        return None  # the 2-bit store (frozen selection), adaptive head budgets and spans stay on the reference
+        return None  # the quantized store, frozen selections, adaptive head budgets and spans stay on the reference
     return FastEvictionLayerCache(config, layer_idx, num_layers)
 
 

@@ -16,9 +16,14 @@ last tokens and the highest-scoring tokens in between, ``budget`` in all:
   layer keeps the ``heads x heavy`` tokens with the highest normalised scores over all heads,
   each head at least ``min_head_tokens`` (see :func:`adaptive_head_budgets`).
 
-Eviction runs after the prompt and whenever the layer holds more than its budget. Over the 2-bit
-store (``quant``) the selection is made once at prefill and then frozen, as in MiniKV: quantized
-key groups cannot lose members, so generated tokens are all kept.
+Eviction runs after the prompt and whenever the layer holds more than its budget. Over the 2-/4-bit
+store (``quant``) quantized key groups cannot lose members, so decode steps evict whole quantized
+chunks (``quant.residual_tokens`` tokens, the unit the store quantizes together): once a head holds
+at least one chunk more than its budget, its lowest-scoring chunks go (their tokens' accumulated
+scores summed), never one holding a sink or one of the ``recent_tokens`` newest tokens. A head
+therefore holds between ``budget`` and ``budget + residual_tokens - 1`` tokens, where a frozen
+selection would keep every generated token (a chat or a long answer grew without bound).
+MiniKV (``frozen_selection``), KVCrush, Knorm and adaptive head budgets stay frozen over the store.
 
 Papers:
 
@@ -44,6 +49,8 @@ Where this departs from them:
 * SnapKV pools over 31 tokens by default, not the paper's 7 (``pool_kernel=7`` restores it): the
   window attends the words before a needle, and only a wide pool carries their score over the
   whole number (see :attr:`SnapKVConfig.pool_width`).
+* Over the quantized store, decode-time eviction drops whole ``residual_tokens`` chunks (MiniKV
+  freezes the prefill selection; KIVI-style per-channel key groups cannot lose single tokens).
 * PyramidKV's per-layer budgets are linear in depth (the paper's arithmetic schedule) with the
   total preserved exactly by largest-remainder rounding; its attention-entropy variant is not
   implemented.
@@ -77,7 +84,7 @@ from ov_kvcrush.methods.selection import (
     snapkv_scores,
     span_budget_floor,
 )
-from ov_kvcrush.methods.store import StoredLayerCache, make_store
+from ov_kvcrush.methods.store import QuantStore, StoredLayerCache, make_store
 from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
 
 # --------------------------------------------------------------------------------------------
@@ -113,9 +120,19 @@ class EvictionConfig(MethodConfig):
         if self.quant is not None:
             self.quant.pinned_tail(selecting=self.pins_prompt_tail)  # a bad value is named at config time
 
+    #: whether, over the quantized store, decode steps evict whole quantized chunks (the methods
+    #: whose decode eviction is a per-head ranking of tokens: StreamingLLM, H2O, SnapKV,
+    #: PyramidKV); the others keep the prefill selection there
+    evicts_quantized_chunks: ClassVar[bool] = False
+
     def selection_frozen(self) -> bool:
-        """Whether the prefill selection is final (MiniKV; any selection over the 2-bit store)."""
-        return bool(getattr(self, "frozen_selection", False)) or self.quant is not None
+        """Whether the prefill selection is final: MiniKV's, and over the quantized store that of
+        every method that cannot evict whole quantized chunks (adaptive head budgets included)."""
+        if getattr(self, "frozen_selection", False):
+            return True
+        if self.quant is None:
+            return False
+        return not self.evicts_quantized_chunks or getattr(self, "head_budgets", "uniform") != "uniform"
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,7 @@ class StreamingLLMConfig(EvictionConfig):
 
     name: ClassVar[str] = "streamingllm"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    evicts_quantized_chunks: ClassVar[bool] = True
     sink_tokens: int = 4
     recent_tokens: int = 0
 
@@ -169,6 +187,7 @@ class H2OConfig(EvictionConfig):
 
     name: ClassVar[str] = "h2o"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
+    evicts_quantized_chunks: ClassVar[bool] = True
     head_budgets: str = "uniform"
     min_head_tokens: int = 0
     block_size: int | None = None
@@ -396,7 +415,7 @@ class ImportanceLayerCache(StoredLayerCache):
         pin = 0 if quant is None else quant.pinned_tail(selecting=self.config.pins_prompt_tail)
         self.store.append(keys, values, p, pin=pin)
         self.acc = acc
-        self.frozen = self.store.quantized or getattr(self.config, "frozen_selection", False)
+        self.frozen = self.config.selection_frozen()
         return res.output
 
     #: whether decode steps add their attention to the scores (a method that scores tokens by
@@ -446,9 +465,41 @@ class ImportanceLayerCache(StoredLayerCache):
             self.acc = self.acc + res.scores.masked_fill(
                 ~(p >= 0).repeat_interleave(queries.shape[1] // k.shape[1], dim=1), 0.0
             )
-        if not self.frozen and self._over_budget(p):
+        if self.frozen:
+            pass
+        elif isinstance(self.store, QuantStore):
+            self._evict_quantized_chunks()
+        elif self._over_budget(p):
             self._evict(p)
         return res.output
+
+    def _evict_quantized_chunks(self) -> None:
+        """Over the quantized store: drop, per KV head, the lowest-scoring whole quantized chunks
+        while the head keeps at least its budget (sinks' and recent tokens' chunks stay; ties go
+        to the older chunk). Every head of these methods holds the same count, so each drops the
+        same number of chunks."""
+        store = self.store
+        assert isinstance(store, QuantStore) and self.acc is not None
+        r = store.settings.residual_tokens
+        nq = store.quantized_tokens
+        drop = (len(store) - self.budget) // r
+        if drop <= 0 or nq == 0:
+            return
+        assert store.qpos is not None
+        b, hk = store.qpos.shape[:2]
+        chunks = nq // r
+        qpos = store.qpos.reshape(b, hk, chunks, r)
+        newest = int(store.positions.max())  # type: ignore[union-attr]
+        stays = (qpos < self.sinks).any(-1) | (qpos > newest - self.recent).any(-1)
+        drop = min(drop, int((~stays).sum(-1).min()))
+        if drop <= 0:
+            return
+        score = group_heads(self.acc[..., :nq], hk).reshape(b, hk, chunks, r).sum(-1)
+        score = score.masked_fill(stays, float("inf"))
+        order = torch.sort(score, dim=-1, stable=True).indices
+        keep = torch.sort(order[..., drop:], dim=-1).values
+        self.acc = self.gather_scores(self.acc, store.keep_chunks(keep))
+        self._bump("evicted", float(drop * r * b * hk))
 
     def _over_budget(self, p: torch.Tensor) -> bool:
         held = (p >= 0).sum(-1)

@@ -341,6 +341,8 @@ class KVCrushConfig(SnapKVConfig):
     """
 
     name: ClassVar[str] = "kvcrush"
+    #: KVCrush re-selects a layer as a whole: over the quantized store its prefill selection stays
+    evicts_quantized_chunks: ClassVar[bool] = False
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
     representatives: int | None = None
     selection: str = "snapkv"

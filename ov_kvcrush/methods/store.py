@@ -237,6 +237,30 @@ class QuantStore:
         if not self.deferred:
             self._flush()
 
+    def keep_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Keep the quantized chunks ``chunks`` ``[b, h, k]`` (ascending; chunk ``c`` is quantized
+        tokens ``[c * residual_tokens, (c + 1) * residual_tokens)``, a whole number of key groups
+        and packed words) and drop the others: the unit a decode-time eviction can drop, since a
+        key group cannot lose single members. Returns the kept tokens' former slots in
+        :meth:`dense`'s order (``[b, h, n']``; the pinned and residual tokens all stay) for the
+        owner's per-token state."""
+        r = self.settings.residual_tokens
+        nq = self.quantized_tokens
+        assert self.qpos is not None and nq % r == 0
+        b, h, _ = chunks.shape
+
+        def rows(per_chunk: int) -> torch.Tensor:
+            step = torch.arange(per_chunk, device=chunks.device)
+            return (chunks.unsqueeze(-1) * per_chunk + step).reshape(b, h, -1)
+
+        for name in PACKED_KV:
+            part = getattr(self, name)
+            setattr(self, name, gather_tokens(part, rows(part.shape[2] * r // nq)))
+        kept = rows(r)
+        self.qpos = torch.gather(self.qpos, 2, kept)
+        rest = torch.arange(nq, nq + self.pinned_len + self.residual_len, device=chunks.device).expand(b, h, -1)
+        return torch.cat([kept, rest], dim=2)
+
     def flush_heads(self) -> torch.Tensor | None:
         """Quantize, head by head, the largest multiple of ``residual_tokens`` of the residual's
         real tokens (position ``>= 0``), in slot order: what the op's store does with heads that

@@ -270,11 +270,14 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
             max_chunks = std::max(max_chunks, chunks[static_cast<size_t>(g)]);
         }
         const int64_t tasks = Hkv * row_tiles * max_chunks;
-        // scores: the attention keeps each row's logits, turned into probabilities below
+        // scores: the attention keeps each row's logits, turned into probabilities below; a row's
+        // logits are its head's 2-bit slots, then its full-precision slots
         int64_t logit_stride = 0;
         if (scores)
-            for (int64_t g = 0; g < Hkv; ++g)
-                logit_stride = std::max(logit_stride, (seq->head(layer, static_cast<int>(g)).size() + 15) / 16 * 16);
+            for (int64_t g = 0; g < Hkv; ++g) {
+                const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                logit_stride = std::max(logit_stride, (static_cast<int64_t>(hc.qpos.size()) + hc.size() + 15) / 16 * 16);
+            }
         std::vector<float> logits(static_cast<size_t>(Hq * logit_stride), -std::numeric_limits<float>::infinity());
         // partial results: per task, per row: m, l, out[D]
         const size_t row_floats = static_cast<size_t>(D + 2);
@@ -289,17 +292,19 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                 rows.start();
                 rows.window = window;
                 rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, G - tile * kMaxRows));
+                const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+                const int64_t qc = qchunks[static_cast<size_t>(g)];
+                // a full-precision chunk's logits go after the head's 2-bit slots
+                const int64_t logit0 = chunk < qc ? 0 : static_cast<int64_t>(hc.qpos.size());
                 for (int r = 0; r < rows.n; ++r) {
                     const int64_t h = g * G + tile * kMaxRows + r;
                     rows.q[r] = qb + h * D;
                     rows.qpos[r] = past;
                     rows.out[r] = partial(t, r) + 2;
-                    if (scores) rows.logits[r] = logits.data() + h * logit_stride;
+                    if (scores) rows.logits[r] = logits.data() + h * logit_stride + logit0;
                     std::fill(rows.out[r], rows.out[r] + D, 0.0f);
                 }
                 if (chunk < chunks[static_cast<size_t>(g)]) {
-                    const HeadCache& hc = seq->head(layer, static_cast<int>(g));
-                    const int64_t qc = qchunks[static_cast<size_t>(g)];
                     if (chunk < qc) {
                         attend_quant(cfg, seq->pool(), hc, rows, m_scale, chunk * kDecodeChunkBlocks,
                                      (chunk + 1) * kDecodeChunkBlocks);
@@ -328,7 +333,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                 HeadCache& hc = seq->head(layer, static_cast<int>(g));
                 for (int gi = 0; gi < G; ++gi) {
                     const int64_t h = g * G + gi;
-                    add_probabilities(hc, G, gi, logits.data() + h * logit_stride, hc.size(), lse[static_cast<size_t>(h)]);
+                    add_probabilities(hc, G, gi, logits.data() + h * logit_stride, lse[static_cast<size_t>(h)]);
                 }
             });
             seq->scores_ns[phase] += since(t_scores);
@@ -447,12 +452,17 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
     }
 
     // 3. per-head scores: each task owns one block of one KV head, so no two tasks add to
-    //    the same slot; it recomputes the probabilities of every query row of the group.
+    //    the same slot; it recomputes the probabilities of every query row of the group. The
+    //    2-bit blocks come first (tasks [0, max_qblocks)), where their scores are kept.
     const auto t_scores = Clock::now();
     if (scores && !fused_scores) {
-        int64_t max_blocks = 0;
-        for (int64_t g = 0; g < Hkv; ++g)
-            max_blocks = std::max<int64_t>(max_blocks, seq->head(layer, static_cast<int>(g)).blocks.size());
+        int64_t max_blocks = 0, max_qblocks = 0;
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const HeadCache& hc = seq->head(layer, static_cast<int>(g));
+            max_qblocks = std::max<int64_t>(max_qblocks, hc.qscores.empty() || scoring ? 0 : hc.qblocks.size());
+            max_blocks = std::max<int64_t>(max_blocks, hc.blocks.size());
+        }
+        const int64_t units = max_qblocks + max_blocks;
         // SnapKV's prefill scores only the last window of queries
         // (a chunk: the rows of the whole prompt's window that fall in this chunk)
         const int64_t from = scoring ? 0
@@ -460,11 +470,14 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                                      : score_rows_from(cfg, prefill, L);
         const int64_t Lw = L - from;
         const int64_t rows_total = G * Lw;
-        tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hkv * max_blocks, 1), [&](const tbb::blocked_range<int64_t>& range) {
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, Hkv * units, 1), [&](const tbb::blocked_range<int64_t>& range) {
             for (int64_t t = range.begin(); t < range.end(); ++t) {
-                const int64_t g = t / max_blocks, blk = t % max_blocks;
+                const int64_t g = t / units, unit = t % units;
+                const bool quant_block = unit < max_qblocks;
+                const int64_t blk = quant_block ? unit : unit - max_qblocks;
                 HeadCache& hc = seq->head(layer, static_cast<int>(g));
-                if (blk >= static_cast<int64_t>(hc.blocks.size())) continue;
+                if (blk >= static_cast<int64_t>(quant_block ? (hc.qscores.empty() ? 0 : hc.qblocks.size()) : hc.blocks.size()))
+                    continue;
                 const int64_t lo = slot_lo[static_cast<size_t>(g)], hi = slot_hi[static_cast<size_t>(g)];
                 if (scoring && ((blk + 1) * cfg.block_size <= lo || blk * cfg.block_size >= hi)) continue;
                 for (int64_t r0 = 0; r0 < rows_total; r0 += kMaxRows) {
@@ -478,7 +491,10 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                         rows.group_index[r] = static_cast<int>(gi);
                         row_lse[r] = lse[static_cast<size_t>(h * L + i)];
                     }
-                    accumulate_scores(cfg, seq->pool(), hc, rows, row_lse, m_scale, blk, scoring, lo, hi);
+                    if (quant_block)
+                        accumulate_quant_scores(cfg, seq->pool(), hc, rows, row_lse, m_scale, blk);
+                    else
+                        accumulate_scores(cfg, seq->pool(), hc, rows, row_lse, m_scale, blk, scoring, lo, hi);
                 }
             }
         });

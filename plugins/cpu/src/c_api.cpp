@@ -247,7 +247,10 @@ OVKC_API int64_t ovkc_seq_read_head(int64_t seq, int32_t layer, int32_t kv_head,
             }
             if (scores)
                 for (int g = 0; g < G; ++g)
-                    scores[i * G + g] = cfg.keeps_scores() && !q ? hc.scores[static_cast<size_t>(slot * G + g)] : 0.0f;
+                    scores[i * G + g] = !cfg.keeps_scores()  ? 0.0f
+                                        : !q                 ? hc.scores[static_cast<size_t>(slot * G + g)]
+                                        : hc.qscores.empty() ? 0.0f
+                                                             : hc.qscores[static_cast<size_t>(at * G + g)];
             ++i;
         }
         return n;

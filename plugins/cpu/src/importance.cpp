@@ -4,11 +4,13 @@
 // KV head's group), `budget` in all. SnapKV scores the prompt with the last `window` queries only,
 // max/avg-pooled along tokens; decode queries keep adding to the scores. Eviction runs after the
 // prompt and whenever a step leaves the head above its budget, unless the selection is frozen
-// (MiniKV, the 2-bit store): then only the prompt is selected.
+// (MiniKV): then only the prompt is selected. Over the 2-bit store a decode step drops whole
+// flushed chunks instead (evict_quant_chunks), as the reference does.
 #include "importance.hpp"
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 
 #include "selection.hpp"
 
@@ -29,6 +31,10 @@ void ImportancePolicy::pool_prompt_scores(Sequence& seq, int layer) const {
 
 void ImportancePolicy::after_attention(Sequence& seq, int layer, bool prefill, int64_t /*L*/) const {
     if (prefill) pool_prompt_scores(seq, layer);
+    if (!prefill && quant() && !frozen) {
+        evict_quant_chunks(seq, layer, budget(layer), sinks, recent);
+        return;
+    }
     if (prefill || !frozen)
         evict_by_slot_scores(seq, layer, prefill, budget(layer), sinks, recent, scoring != Scoring::none, block_wise);
 }
@@ -79,6 +85,76 @@ void evict_by_slot_scores(Sequence& seq, int layer, bool prefill, int64_t budget
     }
 }
 
+void evict_quant_chunks(Sequence& seq, int layer, int64_t budget, int64_t sinks, int64_t recent) {
+    const PoolConfig& cfg = seq.pool().config();
+    const int G = cfg.group();
+    const int64_t R = cfg.policy->quant_residual(), T = cfg.block_size, per = R / T;
+    const int64_t newest = seq.seen(layer) - 1;
+    if (!budget) return;
+    // per head: each chunk's summed scores and whether it must stay; every head then drops the
+    // same number of chunks (the reference's heads stay one width)
+    std::vector<std::vector<float>> score(static_cast<size_t>(cfg.kv_heads));
+    std::vector<std::vector<char>> stays(static_cast<size_t>(cfg.kv_heads));
+    int64_t drop = std::numeric_limits<int64_t>::max();
+    for (int g = 0; g < cfg.kv_heads; ++g) {
+        const HeadCache& hc = seq.head(layer, g);
+        const int64_t chunks = static_cast<int64_t>(hc.qpos.size()) / R;
+        auto& sc = score[static_cast<size_t>(g)];
+        auto& st = stays[static_cast<size_t>(g)];
+        sc.assign(static_cast<size_t>(chunks), 0.0f);
+        st.assign(static_cast<size_t>(chunks), 0);
+        int64_t movable = 0;
+        for (int64_t c = 0; c < chunks; ++c) {
+            for (int64_t j = c * R; j < (c + 1) * R; ++j) {
+                const int64_t pos = hc.qpos[static_cast<size_t>(j)];
+                if (pos < sinks || pos > newest - recent) st[static_cast<size_t>(c)] = 1;
+                if (!hc.qscores.empty()) {
+                    float s = 0.0f;
+                    group_sums(hc.qscores.data() + j * G, 1, G, &s);
+                    sc[static_cast<size_t>(c)] += s;
+                }
+            }
+            movable += !st[static_cast<size_t>(c)];
+        }
+        drop = std::min({drop, std::max<int64_t>(0, (hc.held() - budget) / R), movable});
+    }
+    if (drop <= 0) return;
+    for (int g = 0; g < cfg.kv_heads; ++g) {
+        HeadCache& hc = seq.head(layer, g);
+        const auto& sc = score[static_cast<size_t>(g)];
+        const auto& st = stays[static_cast<size_t>(g)];
+        const int64_t chunks = static_cast<int64_t>(sc.size());
+        std::vector<int64_t> order(static_cast<size_t>(chunks));
+        std::iota(order.begin(), order.end(), int64_t(0));
+        // lowest summed score first, ties to the older chunk; chunks that stay last
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+            const size_t ia = static_cast<size_t>(a), ib = static_cast<size_t>(b);
+            if (st[ia] != st[ib]) return st[ia] < st[ib];
+            return sc[ia] < sc[ib];
+        });
+        std::vector<char> gone(static_cast<size_t>(chunks), 0);
+        for (int64_t i = 0; i < drop; ++i) gone[static_cast<size_t>(order[static_cast<size_t>(i)])] = 1;
+        size_t qb = 0, slot = 0;
+        for (int64_t c = 0; c < chunks; ++c) {  // kept chunks move down, in order
+            const size_t from_qb = static_cast<size_t>(c * per), from_slot = static_cast<size_t>(c * R);
+            if (gone[static_cast<size_t>(c)]) {
+                for (int64_t b = 0; b < per; ++b) seq.pool().release_q(hc.qblocks[from_qb + static_cast<size_t>(b)]);
+                continue;
+            }
+            std::copy_n(hc.qblocks.begin() + static_cast<std::ptrdiff_t>(from_qb), per, hc.qblocks.begin() + static_cast<std::ptrdiff_t>(qb));
+            std::copy_n(hc.qpos.begin() + static_cast<std::ptrdiff_t>(from_slot), R, hc.qpos.begin() + static_cast<std::ptrdiff_t>(slot));
+            if (!hc.qscores.empty())
+                std::copy_n(hc.qscores.begin() + static_cast<std::ptrdiff_t>(from_slot) * G, R * G,
+                            hc.qscores.begin() + static_cast<std::ptrdiff_t>(slot) * G);
+            qb += static_cast<size_t>(per);
+            slot += static_cast<size_t>(R);
+        }
+        hc.qblocks.resize(qb);
+        hc.qpos.resize(slot);
+        if (!hc.qscores.empty()) hc.qscores.resize(slot * static_cast<size_t>(G));
+    }
+}
+
 // ---- the table: StreamingLLM, H2O, SnapKV, PyramidKV (MiniKV: minikv.cpp) ---------------------
 
 ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& /*shape*/, PolicyCommon common)
@@ -90,8 +166,6 @@ ImportancePolicy::ImportancePolicy(Spec& spec, const ModelShape& /*shape*/, Poli
     scoring = s == "h2o" ? Scoring::h2o : s == "snapkv" ? Scoring::snapkv : Scoring::none;
     frozen = spec.flag("frozen");
     block_wise = spec.flag("block_wise");
-    if (quant() && !frozen)  // quantized key groups cannot lose members: the prompt's selection is final
-        throw Error(Spec::invalid("frozen", "0", "1 over the 2-bit store"));
     if (scoring == Scoring::snapkv) {  // the window and pooling score the prompt
         window = spec.integer("window", 1, 1 << 16);
         pool_kernel = spec.integer("pool_kernel", 1, 129);

@@ -524,11 +524,16 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
     }
 }
 
-void add_probabilities(HeadCache& hc, int group, int gi, float* logits, int64_t n, float lse) {
-    const int64_t cols = (n + 15) / 16 * 16;
+void add_probabilities(HeadCache& hc, int group, int gi, float* logits, float lse) {
+    const int64_t nq = static_cast<int64_t>(hc.qpos.size()), n = hc.size();
+    const int64_t cols = (nq + n + 15) / 16 * 16;
     for (int64_t j0 = 0; j0 < cols; j0 += 1024) exp_sum(logits + j0, static_cast<int>(std::min<int64_t>(1024, cols - j0)), lse);
+    if (!hc.qscores.empty()) {
+        float* qdst = hc.qscores.data() + gi;
+        for (int64_t j = 0; j < nq; ++j) qdst[j * group] += logits[j];
+    }
     float* dst = hc.scores.data() + gi;
-    for (int64_t j = 0; j < n; ++j) dst[j * group] += logits[j];
+    for (int64_t j = 0; j < n; ++j) dst[j * group] += logits[nq + j];
 }
 
 }  // namespace ovkc

@@ -57,10 +57,12 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
                        const float* lse, float scale, int64_t block_index, bool take_max = false,
                        int64_t slot_lo = 0, int64_t slot_hi = INT64_MAX);
 
-// The decode step's score pass, fused: attend_range left each row's logits (masked ones -inf)
-// in `logits` (slots [0, n), padded with -inf to a multiple of 16); once the row's log-sum-exp is
-// known, add exp(logit - lse) to hc.scores[slot * group + gi]. The keys are not read again.
-void add_probabilities(HeadCache& hc, int group, int gi, float* logits, int64_t n, float lse);
+// The decode step's score pass, fused: attend_quant and attend_range left each row's logits
+// (masked ones -inf) in `logits`: the head's 2-bit slots [0, nq), then its full-precision slots
+// [nq, nq + n), padded with -inf to a multiple of 16. Once the row's log-sum-exp is known, add
+// exp(logit - lse) to hc.scores[slot * group + gi] (and to hc.qscores, when it is kept). The keys
+// are not read again.
+void add_probabilities(HeadCache& hc, int group, int gi, float* logits, float lse);
 
 // Write one token's key and value (head_dim floats each) into slot `slot` of `hc`.
 void store_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t slot, const float* k,
@@ -135,8 +137,14 @@ void dequantize_token(const PoolConfig& cfg, const uint8_t* blk, int t, float* k
 // Attend the 2-bit blocks [qb_begin, qb_end) of `hc` (all older than every row), dequantizing
 // inside the dot products: q.k = q.zero + (q*scale).codes per key group, p.v likewise; updates
 // each row's (m, l, out) like attend_range.
+// A row with `logits` set also gets its scaled logits there, by 2-bit slot (qb * block_size + t).
+// Tokens after a row's position are masked (a multi-token step flushes before it attends).
 void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
                   int64_t qb_begin, int64_t qb_end);
+// Add the rows' probabilities (exp(logit - lse[r])) of the tokens of 2-bit block qb to hc.qscores,
+// column rows.group_index[r]: a multi-token step's scores of the quantized tokens.
+void accumulate_quant_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, const RowSet& rows,
+                             const float* lse, float scale, int64_t qb);
 
 // ---- ClusterKV's working set -----------------------------------------------------------------
 // Tokens gathered out of the store as f32: keys transposed in tiles of kSlabTile tokens

@@ -153,6 +153,61 @@ void load_quant_slab(const PoolConfig& cfg, const Pool& pool, const HeadCache& h
     out.count = n;
 }
 
+namespace {
+// The scaled logits S [R][T] of the rows' (scaled) queries q over the T tokens of 2-bit block qb of
+// `hc`: per key group, q.k = q.zero + sum_c (q_c * scale_c) * code_c. A token after a row's
+// position (a multi-token step's own tokens, flushed before it attends) gets -inf.
+void quant_logits(const QLayout& L, const Pool& pool, const HeadCache& hc, int64_t qb, const RowSet& rows,
+                  const float* const* q, std::vector<float>& qs, float* S) {
+    const int T = L.T, D = L.D, g = L.g, R = rows.n;
+    if (qs.size() < static_cast<size_t>(kMaxRows) * D) qs.resize(static_cast<size_t>(kMaxRows) * D);
+    std::vector<float> sf(static_cast<size_t>(D)), zf(static_cast<size_t>(D));
+    const uint8_t* blk = pool.qblock(hc.qblocks[static_cast<size_t>(qb)]);
+    const auto kc = L.arrays(blk).kc;
+    const auto ks = L.arrays(blk).ks;
+    const auto kz = L.arrays(blk).kz;
+    for (int tg = 0; tg < T / g; ++tg) {
+        half_to_float(ks + tg * D, sf.data(), D);
+        half_to_float(kz + tg * D, zf.data(), D);
+        float bias[kMaxRows];
+        for (int r = 0; r < R; ++r) {
+            float b = 0.0f;
+            for (int c = 0; c < D; ++c) {
+                b += q[r][c] * zf[static_cast<size_t>(c)];
+                qs[static_cast<size_t>(r) * D + c] = q[r][c] * sf[static_cast<size_t>(c)];
+            }
+            bias[r] = b;
+        }
+        for (int w = tg * g / 16; w < (tg + 1) * g / 16; ++w) {  // 16 tokens at a time
+#if OVKC_AVX512
+            __m512 acc[kMaxRows];
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(bias[r]);
+            for (int c = 0; c < D; ++c) {
+                const __m512 codes = codes16(kc + c * (T / L.kp), w, L.kb);
+                for (int r = 0; r < R; ++r)
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[static_cast<size_t>(r) * D + c]), codes, acc[r]);
+            }
+            for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * T + w * 16, acc[r]);
+#else
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < 16; ++j) {
+                    float a = bias[r];
+                    for (int c = 0; c < D; ++c)
+                        a += qs[static_cast<size_t>(r) * D + c] *
+                             static_cast<float>(QLayout::code(kc + c * (T / L.kp), w * 16 + j, L.kb));
+                    S[r * T + w * 16 + j] = a;
+                }
+#endif
+        }
+    }
+    const int64_t* pos = hc.qpos.data() + qb * T;
+    for (int r = 0; r < R; ++r)
+        if (pos[T - 1] > rows.qpos[r])
+            for (int j = 0; j < T; ++j)
+                if (pos[j] > rows.qpos[r]) S[r * T + j] = -std::numeric_limits<float>::infinity();
+}
+}  // namespace
+
 void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
                   int64_t qb_begin, int64_t qb_end) {
     const QLayout L(cfg);
@@ -162,49 +217,14 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     float* S = tls.s.data();
     const float* q[kMaxRows];
     scaled_queries(rows, D, scale, tls.q, q);
-    std::vector<float>& qs = tls.k;  // q * key scale of the current token group, [R][D]
-    if (qs.size() < static_cast<size_t>(kMaxRows) * D) qs.resize(static_cast<size_t>(kMaxRows) * D);
-    std::vector<float> sf(static_cast<size_t>(D)), zf(static_cast<size_t>(D));
     qb_end = std::min<int64_t>(qb_end, static_cast<int64_t>(hc.qblocks.size()));
     for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
         const uint8_t* blk = pool.qblock(hc.qblocks[static_cast<size_t>(qb)]);
         const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
-        // logits: per key group, q.k = q.zero + sum_c (q_c * scale_c) * code_c
-        for (int tg = 0; tg < T / g; ++tg) {
-            half_to_float(ks + tg * D, sf.data(), D);
-            half_to_float(kz + tg * D, zf.data(), D);
-            float bias[kMaxRows];
-            for (int r = 0; r < R; ++r) {
-                float b = 0.0f;
-                for (int c = 0; c < D; ++c) {
-                    b += q[r][c] * zf[static_cast<size_t>(c)];
-                    qs[static_cast<size_t>(r) * D + c] = q[r][c] * sf[static_cast<size_t>(c)];
-                }
-                bias[r] = b;
-            }
-            for (int w = tg * g / 16; w < (tg + 1) * g / 16; ++w) {  // 16 tokens at a time
-#if OVKC_AVX512
-                __m512 acc[kMaxRows];
-                for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(bias[r]);
-                for (int c = 0; c < D; ++c) {
-                    const __m512 codes = codes16(kc + c * (T / L.kp), w, L.kb);
-                    for (int r = 0; r < R; ++r)
-                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[static_cast<size_t>(r) * D + c]), codes, acc[r]);
-                }
-                for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * T + w * 16, acc[r]);
-#else
-                for (int r = 0; r < R; ++r)
-                    for (int j = 0; j < 16; ++j) {
-                        float a = bias[r];
-                        for (int c = 0; c < D; ++c)
-                            a += qs[static_cast<size_t>(r) * D + c] *
-                                 static_cast<float>(QLayout::code(kc + c * (T / L.kp), w * 16 + j, L.kb));
-                        S[r * T + w * 16 + j] = a;
-                    }
-#endif
-            }
-        }
-        // online softmax (every token of a quantized block is older than the step's queries)
+        quant_logits(L, pool, hc, qb, rows, q, tls.k, S);
+        for (int r = 0; r < R; ++r)  // a decode step's scores: its logits by 2-bit slot
+            if (rows.logits[r]) std::copy(S + r * T, S + (r + 1) * T, rows.logits[r] + qb * T);
+        // online softmax
         for (int r = 0; r < R; ++r)
             if (!softmax_step(rows, r, S + r * T, T, D)) std::fill(S + r * T, S + (r + 1) * T, 0.0f);
         // p.v: out += (p * scale) * codes + p * zero, per value group
@@ -230,6 +250,24 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
                 }
             }
         }
+    }
+}
+
+void accumulate_quant_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, const RowSet& rows,
+                             const float* lse, float scale, int64_t qb) {
+    const QLayout L(cfg);
+    const int T = L.T, G = cfg.group();
+    Scratch& tls = scratch();
+    if (tls.s.size() < static_cast<size_t>(kMaxRows) * T) tls.s.resize(static_cast<size_t>(kMaxRows) * T);
+    float* S = tls.s.data();
+    const float* q[kMaxRows];
+    scaled_queries(rows, L.D, scale, tls.q, q);
+    quant_logits(L, pool, hc, qb, rows, q, tls.k, S);
+    for (int r = 0; r < rows.n; ++r) {
+        float* s = S + r * T;
+        exp_sum(s, T, lse[r]);
+        float* dst = hc.qscores.data() + static_cast<size_t>(qb * T) * G + rows.group_index[r];
+        for (int j = 0; j < T; ++j) dst[static_cast<size_t>(j) * G] += s[j];
     }
 }
 

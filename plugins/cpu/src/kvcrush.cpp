@@ -269,6 +269,8 @@ void KVCrushPolicy::select_layer(Sequence& seq, int layer, bool prefill, int64_t
 
 KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common)
     : ImportancePolicy(spec, shape, std::move(common)) {
+    if (quant() && !frozen)  // a layer's re-selection cannot split quantized key groups
+        throw Error(Spec::invalid("frozen", "0", "1 over the 2-bit store"));
     kv.representatives = spec.integer("representatives", 0, int64_t(1) << 20);
     kv.signature_threshold = spec.choice("signature", {"topk", "threshold"}) == "threshold";
     kv.multi_nearest = spec.choice("multi_anchor", {"tuple", "nearest"}) == "nearest";

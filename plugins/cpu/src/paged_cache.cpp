@@ -184,6 +184,7 @@ void Sequence::reset() {
         h.blocks.clear();
         h.qblocks.clear();
         h.qpos.clear();
+        h.qscores.clear();
         h.pos.clear();
         h.scores.clear();
         h.degree.clear();

@@ -156,6 +156,9 @@ struct HeadCache {
     // MiniKV's 2-bit store: full 2-bit blocks of tokens older than every slot above
     std::vector<int32_t> qblocks;
     std::vector<int64_t> qpos;
+    // [qslot][group] accumulated probabilities of the 2-bit tokens (when slot scores are kept): a
+    // flush moves the slots' scores here, so a decode step can evict whole quantized chunks
+    std::vector<float> qscores;
     // the prompt's pinned tail (PolicyCommon::tail): slots [pin_begin, pin_begin + pin_count) of
     // the full-precision blocks are never flushed into the 2-bit store
     int64_t pin_begin = 0;

@@ -1,9 +1,10 @@
 // MiniKV's 2-bit store (ov_kvcrush/methods/store.py, quant.py), under any method: the newest tokens stay
 // in full-precision blocks (the residual); whenever `residual` tokens have gathered, they are
 // quantized, block by block, into bit-packed 2-bit blocks (keys per channel, values per token,
-// fp16 scales/zeros per group) and their full-precision blocks go back to the pool. The selection
-// above it (MiniKV's heavy hitters, or any importance/KVCrush selection with quant) is made once
-// at prefill and frozen, since quantized key groups cannot lose members. As in the reference, a
+// fp16 scales/zeros per group) and their full-precision blocks go back to the pool, their slot scores
+// into the 2-bit tokens' own (qscores). MiniKV's, KVCrush's and Knorm's selections over it are made
+// once at prefill and frozen, since quantized key groups cannot lose members; the importance
+// selections drop whole flushed chunks in decode steps instead (evict_quant_chunks). As in the reference, a
 // decode step's tokens are flushed before that step attends, the prompt's after its selection.
 // The prompt's last `tail` slots are pinned at its end and never flushed (store.py says why); the
 // slots flushed are the others in slot order, as the reference flushes its residual.
@@ -39,9 +40,12 @@ void quant_flush(Sequence& seq, int layer, bool prompt) {
         k.resize(static_cast<size_t>(chunk) * D);
         v.resize(static_cast<size_t>(chunk) * D);
         for (int64_t i = 0; i < chunk; ++i) {
-            load_token(cfg, seq.pool(), hc, slot_of(i), k.data() + static_cast<size_t>(i) * D,
+            const int64_t slot = slot_of(i);
+            load_token(cfg, seq.pool(), hc, slot, k.data() + static_cast<size_t>(i) * D,
                        v.data() + static_cast<size_t>(i) * D);
-            hc.qpos.push_back(hc.pos[static_cast<size_t>(slot_of(i))]);
+            hc.qpos.push_back(hc.pos[static_cast<size_t>(slot)]);
+            if (!hc.scores.empty())  // the token's scores go with it (chunk eviction ranks by them)
+                hc.qscores.insert(hc.qscores.end(), hc.scores.begin() + slot * G, hc.scores.begin() + (slot + 1) * G);
         }
         if (!hc.pin_count) {  // the flushed slots are the first blocks: given back without a copy
             const size_t nb = static_cast<size_t>(chunk / T);
