@@ -16,7 +16,18 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import HKV, HQ, D, check_op_keeps_the_reference_tokens, run_both
+from helpers import (
+    HKV,
+    HQ,
+    D,
+    check_op_keeps_the_reference_tokens,
+    drive,
+    held_positions,
+    op_scores,
+    ref_scores,
+    reference_positions,
+    run_both,
+)
 
 from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.method_spec import method_spec
@@ -123,6 +134,39 @@ def make(case: str):
 def test_op_keeps_the_reference_tokens(ov_core, case, layer):
     """Same tokens kept as the reference at every step, until a float near-tie splits them (then justified)."""
     check_op_keeps_the_reference_tokens(ov_core, make(case), layer, case)
+
+
+@pytest.mark.parametrize(("method", "bits"), [("snapkv", 2), ("snapkv", 4), ("minikv", 4)])
+def test_chat_turns_over_the_quantized_store_keep_the_reference_tokens_and_scores(ov_core, method, bits):
+    """Multi-token steps (chat turns) between decode steps, over the 2-/4-bit store: the output
+    matches (a turn's own tokens may be flushed into 2-bit blocks before it attends: they are
+    masked for its earlier queries), the held tokens are the reference's, and for an evicting
+    selection the 2-bit tokens' scores too (a turn's are recomputed per 2-bit block), so the
+    flushed chunks the op drops are the reference's. MiniKV keeps its prefill selection."""
+    quant = QuantSettings(bits=bits, residual_tokens=32, prompt_tail=16)
+    cfg = method_config(method, budget=96, sink_tokens=4, recent_tokens=16, quant=quant)
+    steps = [200] + [1] * 12 + [70] + [1] * 20 + [45] + [1] * 30
+    layer, evicted, fed = 0, [], 0
+    for s, out, ref, seq, _pool, lc in drive(ov_core, cfg, layer=layer, steps=steps, layers=1):
+        fed += steps[s]
+        got, want = held_positions(seq, layer), reference_positions(lc)
+        for g in range(HKV):
+            # the op reads its 2-bit tokens first: a turn flushed past the pinned tail comes before it
+            np.testing.assert_array_equal(np.sort(got[g]), want[g], err_msg=f"step {s} head {g}")
+        np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0, err_msg=f"step {s}")
+        if method == "minikv":
+            assert seq.head_tokens()[layer].max() == 96 + fed - steps[0]
+            continue
+        o, r = op_scores(seq, layer, False), ref_scores(lc, False)
+        for g in range(HKV):
+            pos = sorted(r[g])
+            np.testing.assert_allclose(
+                [o[g][p] for p in pos], [r[g][p] for p in pos], rtol=2e-4, atol=1e-6, err_msg=f"step {s} head {g}"
+            )
+        evicted.append(lc.counters.get("evicted", 0))
+        # within a chunk (and the recent window) of the budget, once a turn's own tokens are flushed
+        assert seq.head_tokens()[layer].max() <= 96 + 31 + 16 + (steps[s] if steps[s] > 1 else 0)
+    assert method == "minikv" or evicted[-1] > evicted[0]  # decode steps dropped the reference's chunks
 
 
 def test_decode_evictions_wait_as_holes_until_a_block_gathers(ov_core):
