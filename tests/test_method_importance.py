@@ -356,6 +356,8 @@ def test_over_the_quantized_store_decode_drops_the_lowest_scoring_whole_chunks(b
     for cfg in (
         SnapKVConfig(budget=budget, sink_tokens=sinks, recent_tokens=recent, window=8, quant=quant),
         H2OConfig(budget=budget, sink_tokens=sinks, recent_tokens=recent, quant=quant),
+        KVCrushConfig(budget=budget, sink_tokens=sinks, recent_tokens=recent, window=8, quant=quant),
+        KVCrushConfig(budget=budget, sink_tokens=sinks, recent_tokens=recent, window=8, quant=quant, scope="head"),
     ):
         assert not cfg.selection_frozen()
         cache = cfg.make_layer(0, 1)
@@ -367,6 +369,8 @@ def test_over_the_quantized_store_decode_drops_the_lowest_scoring_whole_chunks(b
             cache.decode(*vec.step(i))
             k, v, pos = cache.store.dense()
             held = pos.shape[-1]
+            if getattr(cfg, "scope", "head") == "layer":  # KVCrush per layer: every head the same tokens
+                assert all(torch.equal(pos[0, h].sort().values, pos[0, 0].sort().values) for h in range(pos.shape[1]))
             assert budget <= held <= budget + r - 1 + recent, (cfg.name, i, held)
             if held < before_pos.shape[-1] + 1:  # chunks went: check which, head by head
                 drops += 1
@@ -430,14 +434,14 @@ def test_over_the_quantized_store_the_dropped_chunk_scores_lowest():
     assert checked >= 3 * cache.store.qpos.shape[1]
 
 
-def test_kvcrush_minikv_and_knorm_stay_frozen_over_the_quantized_store():
-    """KVCrush re-selects a layer as a whole and MiniKV selects once by design: over the store
-    their prefill selection stays and every generated token is kept."""
+def test_minikv_and_knorm_stay_frozen_over_the_quantized_store():
+    """MiniKV selects once by design (its paper keeps every generated token), Knorm ranks by key
+    norms alone: over the store their prefill selection stays and every generated token is kept."""
     from ov_kvcrush.methods import QuantSettings, method_config
 
     quant = QuantSettings(residual_tokens=32)
     vec = layer_vectors(8, tokens=300, head_dim=16)
-    for name in ("kvcrush", "minikv", "knorm"):
+    for name in ("minikv", "knorm"):
         cfg = method_config(name, budget=96, sink_tokens=4, recent_tokens=8, quant=quant)
         assert cfg.selection_frozen()
         cache = cfg.make_layer(0, 1)

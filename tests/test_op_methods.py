@@ -136,13 +136,14 @@ def test_op_keeps_the_reference_tokens(ov_core, case, layer):
     check_op_keeps_the_reference_tokens(ov_core, make(case), layer, case)
 
 
-@pytest.mark.parametrize(("method", "bits"), [("snapkv", 2), ("snapkv", 4), ("minikv", 4)])
+@pytest.mark.parametrize(("method", "bits"), [("snapkv", 2), ("snapkv", 4), ("kvcrush", 4), ("minikv", 4)])
 def test_chat_turns_over_the_quantized_store_keep_the_reference_tokens_and_scores(ov_core, method, bits):
     """Multi-token steps (chat turns) between decode steps, over the 2-/4-bit store: the output
     matches (a turn's own tokens may be flushed into 2-bit blocks before it attends: they are
     masked for its earlier queries), the held tokens are the reference's, and for an evicting
     selection the 2-bit tokens' scores too (a turn's are recomputed per 2-bit block), so the
-    flushed chunks the op drops are the reference's. MiniKV keeps its prefill selection."""
+    flushed chunks the op drops are the reference's (KVCrush: one ranking per layer). MiniKV
+    keeps its prefill selection."""
     quant = QuantSettings(bits=bits, residual_tokens=32, prompt_tail=16)
     cfg = method_config(method, budget=96, sink_tokens=4, recent_tokens=16, quant=quant)
     steps = [200] + [1] * 12 + [70] + [1] * 20 + [45] + [1] * 30

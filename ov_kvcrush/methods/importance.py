@@ -23,7 +23,8 @@ at least one chunk more than its budget, its lowest-scoring chunks go (their tok
 scores summed), never one holding a sink or one of the ``recent_tokens`` newest tokens. A head
 therefore holds between ``budget`` and ``budget + residual_tokens - 1`` tokens, where a frozen
 selection would keep every generated token (a chat or a long answer grew without bound).
-MiniKV (``frozen_selection``), KVCrush, Knorm and adaptive head budgets stay frozen over the store.
+KVCrush does the same (one ranking per layer with its per-layer scope); MiniKV
+(``frozen_selection``), Knorm and adaptive head budgets stay frozen over the store.
 
 Papers:
 
@@ -120,9 +121,8 @@ class EvictionConfig(MethodConfig):
         if self.quant is not None:
             self.quant.pinned_tail(selecting=self.pins_prompt_tail)  # a bad value is named at config time
 
-    #: whether, over the quantized store, decode steps evict whole quantized chunks (the methods
-    #: whose decode eviction is a per-head ranking of tokens: StreamingLLM, H2O, SnapKV,
-    #: PyramidKV); the others keep the prefill selection there
+    #: whether, over the quantized store, decode steps evict whole quantized chunks (StreamingLLM,
+    #: H2O, SnapKV, PyramidKV, KVCrush); the others keep the prefill selection there
     evicts_quantized_chunks: ClassVar[bool] = False
 
     def selection_frozen(self) -> bool:
@@ -509,12 +509,16 @@ class ImportanceLayerCache(StoredLayerCache):
         drop = min(drop, int((~stays).sum(-1).min()))
         if drop <= 0:
             return
-        score = group_heads(self.acc[..., :nq], hk).reshape(b, hk, chunks, r).sum(-1)
+        score = self._chunk_scores(group_heads(self.acc[..., :nq], hk).reshape(b, hk, chunks, r).sum(-1))
         score = score.masked_fill(stays, float("inf"))
         order = torch.sort(score, dim=-1, stable=True).indices
         keep = torch.sort(order[..., drop:], dim=-1).values
         self.acc = self.gather_scores(self.acc, store.keep_chunks(keep))
         self._bump("evicted", float(drop * r * b * hk))
+
+    def _chunk_scores(self, per_head: torch.Tensor) -> torch.Tensor:
+        """``[b, hk, chunks]`` the scores chunks are ranked by (each KV head its own)."""
+        return per_head
 
     def _over_budget(self, p: torch.Tensor) -> bool:
         held = (p >= 0).sum(-1)

@@ -38,7 +38,8 @@ Where this departs from it:
   memory; native openvino_genai keeps its KVCrush blocks on top of ``max_cache_size``.
 * Multi-anchor ordering (``tuple``/``nearest``) and the ``threshold`` signature are options the
   paper mentions without fixing; the defaults (one random anchor, top-k signatures) follow it.
-* The decode-time budget is enforced every step (the paper compresses after the prompt).
+* The decode-time budget is enforced every step (the paper compresses after the prompt); over the
+  quantized store by dropping whole flushed chunks (ranked per layer with the per-layer scope).
 * ``scope="head"`` (an option; the default is the paper's per-layer choice): a KV head's
   signature has only its group's bits, and its anchors are that group's bits of the layer's.
 """
@@ -341,8 +342,9 @@ class KVCrushConfig(SnapKVConfig):
     """
 
     name: ClassVar[str] = "kvcrush"
-    #: KVCrush re-selects a layer as a whole: over the quantized store its prefill selection stays
-    evicts_quantized_chunks: ClassVar[bool] = False
+    #: over the quantized store decode steps drop whole flushed chunks, ranked per layer with
+    #: ``scope="layer"`` (every head keeps the same tokens), per KV head with ``"head"``
+    evicts_quantized_chunks: ClassVar[bool] = True
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
     representatives: int | None = None
     selection: str = "snapkv"
@@ -465,3 +467,9 @@ class KVCrushLayerCache(ImportanceLayerCache):
             "representatives_chosen", float(min(self.config.n_representatives, max(acc.shape[2] - self.budget, 0)))
         )
         return keep
+
+    def _chunk_scores(self, per_head: torch.Tensor) -> torch.Tensor:
+        """One ranking of the layer's chunks with ``scope="layer"``: every head drops the same ones."""
+        if self.config.scope == "layer":
+            return per_head.sum(1, keepdim=True).expand_as(per_head)
+        return per_head

@@ -85,7 +85,7 @@ void evict_by_slot_scores(Sequence& seq, int layer, bool prefill, int64_t budget
     }
 }
 
-void evict_quant_chunks(Sequence& seq, int layer, int64_t budget, int64_t sinks, int64_t recent) {
+void evict_quant_chunks(Sequence& seq, int layer, int64_t budget, int64_t sinks, int64_t recent, bool shared) {
     const PoolConfig& cfg = seq.pool().config();
     const int G = cfg.group();
     const int64_t R = cfg.policy->quant_residual(), T = cfg.block_size, per = R / T;
@@ -119,6 +119,12 @@ void evict_quant_chunks(Sequence& seq, int layer, int64_t budget, int64_t sinks,
         drop = std::min({drop, std::max<int64_t>(0, (hc.held() - budget) / R), movable});
     }
     if (drop <= 0) return;
+    if (shared && cfg.kv_heads > 1) {  // the heads' chunks hold the same positions: rank their sum
+        std::vector<float> total(score[0].size(), 0.0f);
+        for (const auto& sc : score)
+            for (size_t c = 0; c < total.size(); ++c) total[c] += sc[c];
+        for (auto& sc : score) sc = total;
+    }
     for (int g = 0; g < cfg.kv_heads; ++g) {
         HeadCache& hc = seq.head(layer, g);
         const auto& sc = score[static_cast<size_t>(g)];

@@ -47,7 +47,9 @@ void evict_by_slot_scores(Sequence& seq, int layer, bool prefill, int64_t budget
 // Over the 2-bit store, a decode step's budget: while every KV head of the layer holds at least
 // one flushed chunk (`residual` tokens) more than `budget`, each drops its lowest-scoring chunks
 // (their tokens' group-summed scores; ties to the older), never one that holds a sink or one of
-// the `recent` newest positions. Their 2-bit blocks go back to the pool.
-void evict_quant_chunks(Sequence& seq, int layer, int64_t budget, int64_t sinks, int64_t recent);
+// the `recent` newest positions. Their 2-bit blocks go back to the pool. `shared`: one ranking
+// for the layer (the heads' chunk scores summed; they hold the same tokens: KVCrush per layer).
+void evict_quant_chunks(Sequence& seq, int layer, int64_t budget, int64_t sinks, int64_t recent,
+                        bool shared = false);
 
 }  // namespace ovkc

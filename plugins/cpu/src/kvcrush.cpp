@@ -197,6 +197,10 @@ void KVCrushPolicy::after_attention(Sequence& seq, int layer, bool prefill, int6
     const int64_t budget = this->budget(layer);
     if (prefill) pool_prompt_scores(seq, layer);
     if (!budget || (!prefill && frozen)) return;
+    if (!prefill && quant()) {  // whole flushed chunks; per layer, every head drops the same ones
+        evict_quant_chunks(seq, layer, budget, sinks, recent, group_params.empty());
+        return;
+    }
     if (group_params.empty())
         select_layer(seq, layer, prefill, budget);
     else
@@ -269,8 +273,6 @@ void KVCrushPolicy::select_layer(Sequence& seq, int layer, bool prefill, int64_t
 
 KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon common)
     : ImportancePolicy(spec, shape, std::move(common)) {
-    if (quant() && !frozen)  // a layer's re-selection cannot split quantized key groups
-        throw Error(Spec::invalid("frozen", "0", "1 over the 2-bit store"));
     kv.representatives = spec.integer("representatives", 0, int64_t(1) << 20);
     kv.signature_threshold = spec.choice("signature", {"topk", "threshold"}) == "threshold";
     kv.multi_nearest = spec.choice("multi_anchor", {"tuple", "nearest"}) == "nearest";

@@ -2,9 +2,9 @@
 // in full-precision blocks (the residual); whenever `residual` tokens have gathered, they are
 // quantized, block by block, into bit-packed 2-bit blocks (keys per channel, values per token,
 // fp16 scales/zeros per group) and their full-precision blocks go back to the pool, their slot scores
-// into the 2-bit tokens' own (qscores). MiniKV's, KVCrush's and Knorm's selections over it are made
-// once at prefill and frozen, since quantized key groups cannot lose members; the importance
-// selections drop whole flushed chunks in decode steps instead (evict_quant_chunks). As in the reference, a
+// into the 2-bit tokens' own (qscores). MiniKV's and Knorm's selections over it are made once at
+// prefill and frozen, since quantized key groups cannot lose members; the importance selections
+// and KVCrush drop whole flushed chunks in decode steps instead (evict_quant_chunks). As in the reference, a
 // decode step's tokens are flushed before that step attends, the prompt's after its selection.
 // The prompt's last `tail` slots are pinned at its end and never flushed (store.py says why); the
 // slots flushed are the others in slot order, as the reference flushes its residual.
