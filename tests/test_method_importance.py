@@ -16,6 +16,7 @@ from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.selection import (
     adaptive_head_budgets,
     keep_block_indices,
+    keep_chunk_indices,
     keep_indices,
     keep_indices_ragged,
     pool_scores,
@@ -449,3 +450,37 @@ def test_minikv_and_knorm_stay_frozen_over_the_quantized_store():
         for i in range(200, 300):
             cache.decode(*vec.step(i))
         assert cache.tokens_held().max() == 96 + 100, name
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    chunks=st.integers(0, 8),
+    r=st.sampled_from([1, 2, 4]),
+    drop=st.integers(0, 9),
+    sinks=st.integers(0, 6),
+    recent=st.integers(0, 10),
+    ties=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_keep_chunk_indices_matches_brute_force(chunks, r, drop, sinks, recent, ties, seed):
+    """Each head drops the same number of chunks: the fewest any head may drop (no sink's, no
+    recent token's), up to ``drop``, its lowest-scoring ones, ties to the older chunk."""
+    g = torch.Generator().manual_seed(seed)
+    b, h = 1, 3
+    scores = torch.randint(0, 3, (b, h, chunks), generator=g).float() if ties else torch.rand(b, h, chunks, generator=g)
+    # each head holds increasing positions, chunk by chunk (heads differ)
+    positions = torch.stack([torch.randperm(60, generator=g)[: chunks * r].sort().values for _ in range(h)])[None]
+    newest = 60
+    got = keep_chunk_indices(scores, positions, drop, sinks, newest - recent)
+    stays = [
+        [
+            any(p < sinks or p > newest - recent for p in positions[0, i, c * r : (c + 1) * r].tolist())
+            for c in range(chunks)
+        ]
+        for i in range(h)
+    ]
+    n = min([drop] + [stays[i].count(False) for i in range(h)]) if chunks else 0
+    for i in range(h):
+        movable = [c for c in range(chunks) if not stays[i][c]]
+        gone = sorted(movable, key=lambda c: (float(scores[0, i, c]), c))[:n]
+        assert got[0, i].tolist() == [c for c in range(chunks) if c not in gone]

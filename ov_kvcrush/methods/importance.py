@@ -79,6 +79,7 @@ from ov_kvcrush.methods.selection import (
     SCORINGS,
     adaptive_head_budgets,
     keep_block_indices,
+    keep_chunk_indices,
     keep_indices,
     keep_indices_ragged,
     pyramid_budgets,
@@ -424,12 +425,10 @@ class ImportanceLayerCache(StoredLayerCache):
         The quantized store reads back quantized, pinned, then residual tokens, so pinning the
         prompt's tail and each flush reorder what it holds; an evicting selection over it ranks by
         these scores, so they follow (a frozen one never reads them again)."""
-        after = self.store.positions
-        if not isinstance(self.store, QuantStore) or self.frozen or after is None or torch.equal(positions, after):
+        if not isinstance(self.store, QuantStore) or self.frozen:
             return acc
-        index = torch.empty_like(after)
-        index.scatter_(-1, torch.argsort(after, dim=-1), torch.argsort(positions, dim=-1))
-        return self.gather_scores(acc, index)
+        index = self.store.order_of(positions)
+        return acc if index is None else self.gather_scores(acc, index)
 
     #: whether decode steps add their attention to the scores (a method that scores tokens by
     #: something else, e.g. Knorm's key norms, attends without them)
@@ -502,19 +501,13 @@ class ImportanceLayerCache(StoredLayerCache):
             return
         assert store.qpos is not None
         b, hk = store.qpos.shape[:2]
-        chunks = nq // r
-        qpos = store.qpos.reshape(b, hk, chunks, r)
+        score = self._chunk_scores(group_heads(self.acc[..., :nq], hk).reshape(b, hk, nq // r, r).sum(-1))
         newest = int(store.positions.max())  # type: ignore[union-attr]
-        stays = (qpos < self.sinks).any(-1) | (qpos > newest - self.recent).any(-1)
-        drop = min(drop, int((~stays).sum(-1).min()))
-        if drop <= 0:
+        keep = keep_chunk_indices(score, store.qpos, drop, self.sinks, newest - self.recent)
+        if keep.shape[-1] == score.shape[-1]:
             return
-        score = self._chunk_scores(group_heads(self.acc[..., :nq], hk).reshape(b, hk, chunks, r).sum(-1))
-        score = score.masked_fill(stays, float("inf"))
-        order = torch.sort(score, dim=-1, stable=True).indices
-        keep = torch.sort(order[..., drop:], dim=-1).values
         self.acc = self.gather_scores(self.acc, store.keep_chunks(keep))
-        self._bump("evicted", float(drop * r * b * hk))
+        self._bump("evicted", float((score.shape[-1] - keep.shape[-1]) * r * b * hk))
 
     def _chunk_scores(self, per_head: torch.Tensor) -> torch.Tensor:
         """``[b, hk, chunks]`` the scores chunks are ranked by (each KV head its own)."""

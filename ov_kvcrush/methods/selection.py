@@ -184,6 +184,26 @@ def keep_block_indices(
     return plan.tokens(keep_indices(plan.scores, plan.budget, plan.sink, plan.recent))
 
 
+def keep_chunk_indices(
+    scores: torch.Tensor, positions: torch.Tensor, drop: int, sink_tokens: int, last_old: int
+) -> torch.Tensor:
+    """Chunks to keep ``[b, h, chunks - d]`` (ascending) of ``scores`` ``[b, h, chunks]``.
+
+    Each head drops its ``d`` lowest-scoring chunks (ties: the older first), ``d`` being ``drop``
+    or fewer when some head has fewer chunks that may go: none holding a sink (position below
+    ``sink_tokens``) or a position after ``last_old`` (the recent window). ``positions``
+    ``[b, h, chunks * r]``: the chunks' tokens. Every head drops the same number, so the
+    result is one width (the quantized store's chunk eviction)."""
+    b, h, chunks = scores.shape
+    if chunks == 0:
+        return torch.zeros(b, h, 0, dtype=torch.long, device=scores.device)
+    pos = positions.reshape(b, h, chunks, -1)
+    stays = (pos < sink_tokens).any(-1) | (pos > last_old).any(-1)
+    drop = max(0, min(drop, int((~stays).sum(-1).min())))
+    order = torch.sort(scores.masked_fill(stays, float("inf")), dim=-1, stable=True).indices
+    return torch.sort(order[..., drop:], dim=-1).values
+
+
 def keep_indices_ragged(
     scores: torch.Tensor, lengths: torch.Tensor, budgets: torch.Tensor, sink_tokens: int, recent_tokens: int
 ) -> torch.Tensor:

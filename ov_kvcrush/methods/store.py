@@ -237,6 +237,16 @@ class QuantStore:
         if not self.deferred:
             self._flush()
 
+    def order_of(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The index ``[b, h, n]`` that takes per-token state listed by ``positions`` (the same
+        tokens, in another order) to :meth:`dense`'s order, ``None`` when the orders agree: pinning
+        the prompt's tail and each flush reorder the tokens (quantized, pinned, residual)."""
+        held = self.positions
+        if held is None or torch.equal(positions, held):
+            return None
+        index = torch.empty_like(held)
+        return index.scatter_(-1, torch.argsort(held, dim=-1), torch.argsort(positions, dim=-1))
+
     def keep_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
         """Keep the quantized chunks ``chunks`` ``[b, h, k]`` (ascending; chunk ``c`` is quantized
         tokens ``[c * residual_tokens, (c + 1) * residual_tokens)``, a whole number of key groups
