@@ -21,8 +21,9 @@ store (``quant``) quantized key groups cannot lose members, so decode steps evic
 chunks (``quant.residual_tokens`` tokens, the unit the store quantizes together): once a head holds
 at least one chunk more than its budget, its lowest-scoring chunks go (their tokens' accumulated
 scores summed), never one holding a sink or one of the ``recent_tokens`` newest tokens. A head
-therefore holds between ``budget`` and ``budget + residual_tokens - 1`` tokens, where a frozen
-selection would keep every generated token (a chat or a long answer grew without bound).
+therefore stays within a chunk of its budget (plus, for a few steps, the recent tokens a fresh
+chunk holds), where a frozen selection kept every generated token (a chat or a long answer grew
+without bound).
 KVCrush does the same (one ranking per layer with its per-layer scope); MiniKV
 (``frozen_selection``), Knorm and adaptive head budgets stay frozen over the store.
 
@@ -479,12 +480,11 @@ class ImportanceLayerCache(StoredLayerCache):
             self.acc = self.acc + res.scores.masked_fill(
                 ~(p >= 0).repeat_interleave(queries.shape[1] // k.shape[1], dim=1), 0.0
             )
-        if self.frozen:
-            pass
-        elif isinstance(self.store, QuantStore):
-            self._evict_quantized_chunks()
-        elif self._over_budget(p):
-            self._evict(p)
+        if not self.frozen:
+            if isinstance(self.store, QuantStore):
+                self._evict_quantized_chunks()
+            elif self._over_budget(p):
+                self._evict(p)
         return res.output
 
     def _evict_quantized_chunks(self) -> None:

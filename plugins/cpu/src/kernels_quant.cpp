@@ -156,25 +156,22 @@ void load_quant_slab(const PoolConfig& cfg, const Pool& pool, const HeadCache& h
 namespace {
 // The scaled logits S [R][T] of the rows' (scaled) queries q over the T tokens of 2-bit block qb of
 // `hc`: per key group, q.k = q.zero + sum_c (q_c * scale_c) * code_c. A token after a row's
-// position (a multi-token step's own tokens, flushed before it attends) gets -inf.
+// position (a multi-token step's own tokens, flushed before it attends) gets -inf. `qs` (at least
+// kMaxRows * D floats) and `sf`/`zf` (D floats each) are the caller's scratch.
 void quant_logits(const QLayout& L, const Pool& pool, const HeadCache& hc, int64_t qb, const RowSet& rows,
-                  const float* const* q, std::vector<float>& qs, float* S) {
+                  const float* const* q, float* qs, float* sf, float* zf, float* S) {
     const int T = L.T, D = L.D, g = L.g, R = rows.n;
-    if (qs.size() < static_cast<size_t>(kMaxRows) * D) qs.resize(static_cast<size_t>(kMaxRows) * D);
-    std::vector<float> sf(static_cast<size_t>(D)), zf(static_cast<size_t>(D));
-    const uint8_t* blk = pool.qblock(hc.qblocks[static_cast<size_t>(qb)]);
-    const auto kc = L.arrays(blk).kc;
-    const auto ks = L.arrays(blk).ks;
-    const auto kz = L.arrays(blk).kz;
+    const auto key = L.arrays(pool.qblock(hc.qblocks[static_cast<size_t>(qb)]));
+    const auto kc = key.kc;
     for (int tg = 0; tg < T / g; ++tg) {
-        half_to_float(ks + tg * D, sf.data(), D);
-        half_to_float(kz + tg * D, zf.data(), D);
+        half_to_float(key.ks + tg * D, sf, D);
+        half_to_float(key.kz + tg * D, zf, D);
         float bias[kMaxRows];
         for (int r = 0; r < R; ++r) {
             float b = 0.0f;
             for (int c = 0; c < D; ++c) {
-                b += q[r][c] * zf[static_cast<size_t>(c)];
-                qs[static_cast<size_t>(r) * D + c] = q[r][c] * sf[static_cast<size_t>(c)];
+                b += q[r][c] * zf[c];
+                qs[static_cast<size_t>(r) * D + c] = q[r][c] * sf[c];
             }
             bias[r] = b;
         }
@@ -217,11 +214,16 @@ void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     float* S = tls.s.data();
     const float* q[kMaxRows];
     scaled_queries(rows, D, scale, tls.q, q);
+    std::vector<float>& qs = tls.k;  // q * key scale of the current token group, [R][D]
+    if (qs.size() < static_cast<size_t>(kMaxRows) * D) qs.resize(static_cast<size_t>(kMaxRows) * D);
+    std::vector<float> sf(static_cast<size_t>(D)), zf(static_cast<size_t>(D));
     qb_end = std::min<int64_t>(qb_end, static_cast<int64_t>(hc.qblocks.size()));
     for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-        const uint8_t* blk = pool.qblock(hc.qblocks[static_cast<size_t>(qb)]);
-        const auto [kc, ks, kz, vc, vs, vz] = L.arrays(blk);
-        quant_logits(L, pool, hc, qb, rows, q, tls.k, S);
+        const auto value = L.arrays(pool.qblock(hc.qblocks[static_cast<size_t>(qb)]));
+        const auto vc = value.vc;
+        const auto vs = value.vs;
+        const auto vz = value.vz;
+        quant_logits(L, pool, hc, qb, rows, q, qs.data(), sf.data(), zf.data(), S);
         for (int r = 0; r < R; ++r)  // a decode step's scores: its logits by 2-bit slot
             if (rows.logits[r]) std::copy(S + r * T, S + (r + 1) * T, rows.logits[r] + qb * T);
         // online softmax
@@ -262,7 +264,9 @@ void accumulate_quant_scores(const PoolConfig& cfg, const Pool& pool, HeadCache&
     float* S = tls.s.data();
     const float* q[kMaxRows];
     scaled_queries(rows, L.D, scale, tls.q, q);
-    quant_logits(L, pool, hc, qb, rows, q, tls.k, S);
+    if (tls.k.size() < static_cast<size_t>(kMaxRows) * L.D) tls.k.resize(static_cast<size_t>(kMaxRows) * L.D);
+    std::vector<float> sf(static_cast<size_t>(L.D)), zf(static_cast<size_t>(L.D));
+    quant_logits(L, pool, hc, qb, rows, q, tls.k.data(), sf.data(), zf.data(), S);
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * T;
         exp_sum(s, T, lse[r]);
