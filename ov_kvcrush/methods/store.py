@@ -238,11 +238,16 @@ class QuantStore:
             self._flush()
 
     def order_of(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """The index ``[b, h, n]`` that takes per-token state listed by ``positions`` (the same
-        tokens, in another order) to :meth:`dense`'s order, ``None`` when the orders agree: pinning
-        the prompt's tail and each flush reorder the tokens (quantized, pinned, residual)."""
+        """The index ``[b, h, n]`` that takes per-token state listed by ``positions`` (``[n]`` or
+        ``[b, h, n]``: the same tokens, in another order) to :meth:`dense`'s order, ``None`` when
+        the orders agree: pinning the prompt's tail and each flush reorder the tokens (quantized,
+        pinned, residual)."""
         held = self.positions
-        if held is None or torch.equal(positions, held):
+        if held is None:
+            return None
+        if positions.dim() == 1:  # the same for every head, as `append` takes them
+            positions = positions.expand_as(held)
+        if torch.equal(positions, held):
             return None
         index = torch.empty_like(held)
         return index.scatter_(-1, torch.argsort(held, dim=-1), torch.argsort(positions, dim=-1))
