@@ -91,6 +91,10 @@ void evict_quant_chunks(Sequence& seq, int layer, int64_t budget, int64_t sinks,
     const int64_t R = cfg.policy->quant_residual(), T = cfg.block_size, per = R / T;
     const int64_t newest = seq.seen(layer) - 1;
     if (!budget) return;
+    for (int g = 0; g < cfg.kv_heads; ++g) {  // most steps: some head is not a chunk over its budget
+        const HeadCache& hc = seq.head(layer, g);
+        if (hc.held() - budget < R || static_cast<int64_t>(hc.qpos.size()) < R) return;
+    }
     // per head: each chunk's summed scores and whether it must stay; every head then drops the
     // same number of chunks (the reference's heads stay one width)
     std::vector<std::vector<float>> score(static_cast<size_t>(cfg.kv_heads));

@@ -114,6 +114,10 @@ inline Scratch& scratch() {
 // f32, a converted copy in thread-local scratch for f16 (columns [j0, j1) only).
 void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0, int j1, const float*& kt,
                   const float*& v);
+// S[r][0..cols) = q[r] . kt[:, 0..cols) for R query rows (keys transposed, row stride bs; cols a
+// multiple of 16), and out[r] += P[r][0..ntok) . v (values [ntok][D]): every block's attention.
+void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S);
+void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* const* out);
 // Mask the slots that are not held or are after each row's position (logits already scaled).
 void mask_logits(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float* S);
 // Query rows multiplied by the logit scale, in `buf` (the kernels then produce scaled logits).

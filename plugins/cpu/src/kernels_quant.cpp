@@ -154,104 +154,101 @@ void load_quant_slab(const PoolConfig& cfg, const Pool& pool, const HeadCache& h
 }
 
 namespace {
-// The scaled logits S [R][T] of the rows' (scaled) queries q over the T tokens of 2-bit block qb of
-// `hc`: per key group, q.k = q.zero + sum_c (q_c * scale_c) * code_c. A token after a row's
-// position (a multi-token step's own tokens, flushed before it attends) gets -inf. `qs` (at least
-// kMaxRows * D floats) and `sf`/`zf` (D floats each) are the caller's scratch.
-void quant_logits(const QLayout& L, const Pool& pool, const HeadCache& hc, int64_t qb, const RowSet& rows,
-                  const float* const* q, float* qs, float* sf, float* zf, float* S) {
-    const int T = L.T, D = L.D, g = L.g, R = rows.n;
-    const auto key = L.arrays(pool.qblock(hc.qblocks[static_cast<size_t>(qb)]));
-    const auto kc = key.kc;
-    for (int tg = 0; tg < T / g; ++tg) {
-        half_to_float(key.ks + tg * D, sf, D);
-        half_to_float(key.kz + tg * D, zf, D);
-        float bias[kMaxRows];
-        for (int r = 0; r < R; ++r) {
-            float b = 0.0f;
-            for (int c = 0; c < D; ++c) {
-                b += q[r][c] * zf[c];
-                qs[static_cast<size_t>(r) * D + c] = q[r][c] * sf[c];
-            }
-            bias[r] = b;
-        }
-        for (int w = tg * g / 16; w < (tg + 1) * g / 16; ++w) {  // 16 tokens at a time
+// A 2-bit block as floats, as block_floats gives the others: keys transposed [D][T] (x = zero +
+// code * scale, one scale/zero per channel and token group) and, when `v` is set, values [T][D]
+// (one per token and channel group). `sc` holds the block's scales and zeros as floats (scratch,
+// at least 2 * T * D / g floats).
+void dequantize_qblock(const QLayout& L, const uint8_t* blk, float* kt, float* v, std::vector<float>& sc) {
+    const auto a = L.arrays(blk);
+    const int T = L.T, D = L.D, g = L.g;
+    const int64_t kparams = static_cast<int64_t>(T / g) * D, vparams = static_cast<int64_t>(T) * (D / g);
+    if (sc.size() < static_cast<size_t>(2 * std::max(kparams, vparams))) sc.resize(static_cast<size_t>(2 * std::max(kparams, vparams)));
+    float *scale = sc.data(), *zero = sc.data() + std::max(kparams, vparams);
+    half_to_float(a.ks, scale, kparams);
+    half_to_float(a.kz, zero, kparams);
+    for (int c = 0; c < D; ++c) {
+        const uint32_t* words = a.kc + c * (T / L.kp);
+        for (int w = 0; w < T / 16; ++w) {  // 16 tokens at a time, in one token group (g >= 16)
+            const int tg = w * 16 / g;
+            const float s = scale[tg * D + c], z = zero[tg * D + c];
 #if OVKC_AVX512
-            __m512 acc[kMaxRows];
-            for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(bias[r]);
-            for (int c = 0; c < D; ++c) {
-                const __m512 codes = codes16(kc + c * (T / L.kp), w, L.kb);
-                for (int r = 0; r < R; ++r)
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[static_cast<size_t>(r) * D + c]), codes, acc[r]);
-            }
-            for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * T + w * 16, acc[r]);
+            _mm512_storeu_ps(kt + c * T + w * 16,
+                             _mm512_fmadd_ps(codes16(words, w, L.kb), _mm512_set1_ps(s), _mm512_set1_ps(z)));
 #else
-            for (int r = 0; r < R; ++r)
-                for (int j = 0; j < 16; ++j) {
-                    float a = bias[r];
-                    for (int c = 0; c < D; ++c)
-                        a += qs[static_cast<size_t>(r) * D + c] *
-                             static_cast<float>(QLayout::code(kc + c * (T / L.kp), w * 16 + j, L.kb));
-                    S[r * T + w * 16 + j] = a;
-                }
+            for (int j = 0; j < 16; ++j)
+                kt[c * T + w * 16 + j] = z + static_cast<float>(QLayout::code(words, w * 16 + j, L.kb)) * s;
 #endif
         }
     }
+    if (!v) return;
+    half_to_float(a.vs, scale, vparams);
+    half_to_float(a.vz, zero, vparams);
+    for (int t = 0; t < T; ++t) {
+        const uint32_t* words = a.vc + t * (D / L.vp);
+        for (int w = 0; w < D / 16; ++w) {  // 16 channels at a time, in one channel group
+            const float s = scale[t * (D / g) + w * 16 / g], z = zero[t * (D / g) + w * 16 / g];
+#if OVKC_AVX512
+            _mm512_storeu_ps(v + t * D + w * 16,
+                             _mm512_fmadd_ps(codes16(words, w, L.vb), _mm512_set1_ps(s), _mm512_set1_ps(z)));
+#else
+            for (int j = 0; j < 16; ++j)
+                v[t * D + w * 16 + j] = z + static_cast<float>(QLayout::code(words, w * 16 + j, L.vb)) * s;
+#endif
+        }
+    }
+}
+
+// The scaled logits S [R][T] of the rows' (scaled) queries over 2-bit block qb of `hc`, its keys
+// dequantized into `kt`. A token after a row's position (a multi-token step's own tokens,
+// flushed before it attends) gets -inf.
+void quant_logits(const QLayout& L, const Pool& pool, const HeadCache& hc, int64_t qb, const RowSet& rows,
+                  const float* const* q, float* kt, float* v, std::vector<float>& sc, float* S) {
+    const int T = L.T;
+    dequantize_qblock(L, pool.qblock(hc.qblocks[static_cast<size_t>(qb)]), kt, v, sc);
+    qk(rows.n, q, kt, L.D, T, T, S);
     const int64_t* pos = hc.qpos.data() + qb * T;
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < rows.n; ++r)
         if (pos[T - 1] > rows.qpos[r])
             for (int j = 0; j < T; ++j)
                 if (pos[j] > rows.qpos[r]) S[r * T + j] = -std::numeric_limits<float>::infinity();
+}
+
+// Scratch of a 2-bit block's keys and values as floats (per thread).
+struct QScratch {
+    std::vector<float> kt, v, sc;
+    void size(int T, int D) {
+        if (kt.size() < static_cast<size_t>(T) * D) {
+            kt.resize(static_cast<size_t>(T) * D);
+            v.resize(static_cast<size_t>(T) * D);
+        }
+    }
+};
+QScratch& qscratch() {
+    thread_local QScratch tls;
+    return tls;
 }
 }  // namespace
 
 void attend_quant(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, RowSet& rows, float scale,
                   int64_t qb_begin, int64_t qb_end) {
     const QLayout L(cfg);
-    const int T = L.T, D = L.D, g = L.g, R = rows.n;
+    const int T = L.T, D = L.D, R = rows.n;
     Scratch& tls = scratch();
     if (tls.s.size() < static_cast<size_t>(kMaxRows) * T) tls.s.resize(static_cast<size_t>(kMaxRows) * T);
     float* S = tls.s.data();
     const float* q[kMaxRows];
     scaled_queries(rows, D, scale, tls.q, q);
-    std::vector<float>& qs = tls.k;  // q * key scale of the current token group, [R][D]
-    if (qs.size() < static_cast<size_t>(kMaxRows) * D) qs.resize(static_cast<size_t>(kMaxRows) * D);
-    std::vector<float> sf(static_cast<size_t>(D)), zf(static_cast<size_t>(D));
+    QScratch& buf = qscratch();
+    buf.size(T, D);
     qb_end = std::min<int64_t>(qb_end, static_cast<int64_t>(hc.qblocks.size()));
     for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-        const auto value = L.arrays(pool.qblock(hc.qblocks[static_cast<size_t>(qb)]));
-        const auto vc = value.vc;
-        const auto vs = value.vs;
-        const auto vz = value.vz;
-        quant_logits(L, pool, hc, qb, rows, q, qs.data(), sf.data(), zf.data(), S);
-        for (int r = 0; r < R; ++r)  // a decode step's scores: its logits by 2-bit slot
-            if (rows.logits[r]) std::copy(S + r * T, S + (r + 1) * T, rows.logits[r] + qb * T);
-        // online softmax
-        for (int r = 0; r < R; ++r)
-            if (!softmax_step(rows, r, S + r * T, T, D)) std::fill(S + r * T, S + (r + 1) * T, 0.0f);
-        // p.v: out += (p * scale) * codes + p * zero, per value group
-        for (int t = 0; t < T; ++t) {
-            const uint32_t* words = vc + t * (D / L.vp);
-            for (int cg = 0; cg < D / g; ++cg) {
-                const float vsc = from_half(vs[t * (D / g) + cg]), vzr = from_half(vz[t * (D / g) + cg]);
-                for (int r = 0; r < R; ++r) {
-                    const float p = S[r * T + t];
-                    if (p == 0.0f) continue;
-                    for (int w = cg * g / 16; w < (cg + 1) * g / 16; ++w) {  // 16 channels at a time
-#if OVKC_AVX512
-                        float* o = rows.out[r] + w * 16;
-                        const __m512 base = _mm512_fmadd_ps(_mm512_set1_ps(p * vsc), codes16(words, w, L.vb),
-                                                            _mm512_set1_ps(p * vzr));
-                        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), base));
-#else
-                        for (int j = 0; j < 16; ++j)
-                            rows.out[r][w * 16 + j] +=
-                                p * vsc * static_cast<float>(QLayout::code(words, w * 16 + j, L.vb)) + p * vzr;
-#endif
-                    }
-                }
-            }
+        quant_logits(L, pool, hc, qb, rows, q, buf.kt.data(), buf.v.data(), buf.sc, S);
+        for (int r = 0; r < R; ++r) {
+            float* s = S + r * T;
+            if (rows.logits[r]) std::copy(s, s + T, rows.logits[r] + qb * T);  // a decode step's scores
+            if (!softmax_step(rows, r, s, T, D)) std::fill(s, s + T, 0.0f);
         }
+        pv(R, S, T, buf.v.data(), T, D, rows.out);
     }
 }
 
@@ -264,9 +261,9 @@ void accumulate_quant_scores(const PoolConfig& cfg, const Pool& pool, HeadCache&
     float* S = tls.s.data();
     const float* q[kMaxRows];
     scaled_queries(rows, L.D, scale, tls.q, q);
-    if (tls.k.size() < static_cast<size_t>(kMaxRows) * L.D) tls.k.resize(static_cast<size_t>(kMaxRows) * L.D);
-    std::vector<float> sf(static_cast<size_t>(L.D)), zf(static_cast<size_t>(L.D));
-    quant_logits(L, pool, hc, qb, rows, q, tls.k.data(), sf.data(), zf.data(), S);
+    QScratch& buf = qscratch();
+    buf.size(T, L.D);
+    quant_logits(L, pool, hc, qb, rows, q, buf.kt.data(), nullptr, buf.sc, S);
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * T;
         exp_sum(s, T, lse[r]);
