@@ -154,6 +154,15 @@ void load_quant_slab(const PoolConfig& cfg, const Pool& pool, const HeadCache& h
 }
 
 namespace {
+// dst[0..16) = zero + code * scale for items 16w .. 16w + 15 of a row of packed words.
+void dequantize16(const uint32_t* words, int w, int bits, float scale, float zero, float* dst) {
+#if OVKC_AVX512
+    _mm512_storeu_ps(dst, _mm512_fmadd_ps(codes16(words, w, bits), _mm512_set1_ps(scale), _mm512_set1_ps(zero)));
+#else
+    for (int j = 0; j < 16; ++j) dst[j] = zero + static_cast<float>(QLayout::code(words, w * 16 + j, bits)) * scale;
+#endif
+}
+
 // A 2-bit block as floats, as block_floats gives the others: keys transposed [D][T] (x = zero +
 // code * scale, one scale/zero per channel and token group) and, when `v` is set, values [T][D]
 // (one per token and channel group). `sc` holds the block's scales and zeros as floats (scratch,
@@ -170,14 +179,7 @@ void dequantize_qblock(const QLayout& L, const uint8_t* blk, float* kt, float* v
         const uint32_t* words = a.kc + c * (T / L.kp);
         for (int w = 0; w < T / 16; ++w) {  // 16 tokens at a time, in one token group (g >= 16)
             const int tg = w * 16 / g;
-            const float s = scale[tg * D + c], z = zero[tg * D + c];
-#if OVKC_AVX512
-            _mm512_storeu_ps(kt + c * T + w * 16,
-                             _mm512_fmadd_ps(codes16(words, w, L.kb), _mm512_set1_ps(s), _mm512_set1_ps(z)));
-#else
-            for (int j = 0; j < 16; ++j)
-                kt[c * T + w * 16 + j] = z + static_cast<float>(QLayout::code(words, w * 16 + j, L.kb)) * s;
-#endif
+            dequantize16(words, w, L.kb, scale[tg * D + c], zero[tg * D + c], kt + c * T + w * 16);
         }
     }
     if (!v) return;
@@ -186,14 +188,8 @@ void dequantize_qblock(const QLayout& L, const uint8_t* blk, float* kt, float* v
     for (int t = 0; t < T; ++t) {
         const uint32_t* words = a.vc + t * (D / L.vp);
         for (int w = 0; w < D / 16; ++w) {  // 16 channels at a time, in one channel group
-            const float s = scale[t * (D / g) + w * 16 / g], z = zero[t * (D / g) + w * 16 / g];
-#if OVKC_AVX512
-            _mm512_storeu_ps(v + t * D + w * 16,
-                             _mm512_fmadd_ps(codes16(words, w, L.vb), _mm512_set1_ps(s), _mm512_set1_ps(z)));
-#else
-            for (int j = 0; j < 16; ++j)
-                v[t * D + w * 16 + j] = z + static_cast<float>(QLayout::code(words, w * 16 + j, L.vb)) * s;
-#endif
+            const int64_t at = t * (D / g) + w * 16 / g;
+            dequantize16(words, w, L.vb, scale[at], zero[at], v + t * D + w * 16);
         }
     }
 }
