@@ -456,10 +456,14 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
     //    2-bit blocks come first (tasks [0, max_qblocks)), where their scores are kept.
     const auto t_scores = Clock::now();
     if (scores && !fused_scores) {
+        // the 2-bit blocks of a head whose scores are kept (a scoring step scores none of them)
+        auto scored_qblocks = [&](const HeadCache& hc) -> int64_t {
+            return hc.qscores.empty() || scoring ? 0 : static_cast<int64_t>(hc.qblocks.size());
+        };
         int64_t max_blocks = 0, max_qblocks = 0;
         for (int64_t g = 0; g < Hkv; ++g) {
             const HeadCache& hc = seq->head(layer, static_cast<int>(g));
-            max_qblocks = std::max<int64_t>(max_qblocks, hc.qscores.empty() || scoring ? 0 : hc.qblocks.size());
+            max_qblocks = std::max(max_qblocks, scored_qblocks(hc));
             max_blocks = std::max<int64_t>(max_blocks, hc.blocks.size());
         }
         const int64_t units = max_qblocks + max_blocks;
@@ -476,8 +480,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                 const bool quant_block = unit < max_qblocks;
                 const int64_t blk = quant_block ? unit : unit - max_qblocks;
                 HeadCache& hc = seq->head(layer, static_cast<int>(g));
-                if (blk >= static_cast<int64_t>(quant_block ? (hc.qscores.empty() ? 0 : hc.qblocks.size()) : hc.blocks.size()))
-                    continue;
+                if (blk >= (quant_block ? scored_qblocks(hc) : static_cast<int64_t>(hc.blocks.size()))) continue;
                 const int64_t lo = slot_lo[static_cast<size_t>(g)], hi = slot_hi[static_cast<size_t>(g)];
                 if (scoring && ((blk + 1) * cfg.block_size <= lo || blk * cfg.block_size >= hi)) continue;
                 for (int64_t r0 = 0; r0 < rows_total; r0 += kMaxRows) {
