@@ -65,7 +65,12 @@ def test_a_batch_gives_the_tokens_of_one_at_a_time_runs(engine, method):
     settings = GenerationSettings(max_new_tokens=NEW, ignore_eos=True)
     alone = [engine.generate(p, settings) for p in PROMPTS]
     cb = ContinuousBatchingPipeline(engine, scheduler_config(max_num_batched_tokens=96))
+    cb.trace = []
     batched = cb.generate(PROMPTS, settings)
+    # the trace has every inference: each step one, feeding every prompt token and decode row once
+    assert len(cb.trace) == cb.stats["steps"]
+    assert sum(t for _, t, _ in cb.trace) == sum(b.prompt_tokens for b in batched) + cb.stats["decode_rows"]
+    assert all(s > 0 for _, _, s in cb.trace)
     for a, b, topic in zip(alone, batched, TOPICS, strict=True):
         assert b.token_ids == a.token_ids, f"{method}, {topic}: {b.text!r} != {a.text!r}"
         assert b.prompt_tokens == a.prompt_tokens > 96

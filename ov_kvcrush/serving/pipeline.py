@@ -179,6 +179,9 @@ class ContinuousBatchingPipeline:
             ),
             0,
         )
+        #: set to a list to record every inference as (sequences, tokens, seconds): a prompt chunk
+        #: step has more tokens than sequences (``benchmarks/serving_steps.py``); None: not recorded
+        self.trace: list[tuple[int, int, float]] | None = None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -354,12 +357,15 @@ class ContinuousBatchingPipeline:
         past = [r.fed for r in reqs]
         ragged = len({len(x) for x in ids}) > 1
         inputs = (self.engine.ragged_step_inputs if ragged else self.engine.step_inputs)(ids, seqs, past)  # type: ignore[arg-type]
+        t0 = time.perf_counter()
         try:
             self.request.infer(inputs)
         except RuntimeError as exc:
             for r in reqs:
                 self._fail(r, f"backend openvino failed on {what}: {error_line(exc)}")
             return None
+        if self.trace is not None:
+            self.trace.append((len(ids), sum(map(len, ids)), time.perf_counter() - t0))
         out = self.request.get_output_tensor(0).data
         return np.array(out[0] if ragged else out[:, -1], dtype=np.float32)
 
