@@ -30,6 +30,7 @@ from typing import Any
 def run(method: str, a: argparse.Namespace) -> dict[str, Any]:
     import openvino_genai as ov_genai
 
+    from ov_kvcrush.bench.serving import pool_blocks
     from ov_kvcrush.config import GenerationSettings
     from ov_kvcrush.engines import resolve_model
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
@@ -40,7 +41,7 @@ def run(method: str, a: argparse.Namespace) -> dict[str, Any]:
     spec = MethodSpec.parse(method)
     engine = OpenVINOEngine(resolve_model("openvino", None), spec.compression(a.budget, track_recall=False))
     one = block_bytes(engine.block_size, engine.shape.head_dim, engine.kv_precision)
-    engine.max_kv_blocks = int(a.kv_pool_mib * 2**20 // one)
+    engine.max_kv_blocks = pool_blocks(int(a.kv_pool_mib * 2**20), one)  # as `bench --concurrency` sizes it
     engine.set_compression(engine.compression)  # the pool, with its limit
     sc = ov_genai.SchedulerConfig()
     sc.max_num_batched_tokens = a.max_num_batched_tokens

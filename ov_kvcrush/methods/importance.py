@@ -417,18 +417,19 @@ class ImportanceLayerCache(StoredLayerCache):
         pin = 0 if quant is None else quant.pinned_tail(selecting=self.config.pins_prompt_tail)
         self.store.append(keys, values, p, pin=pin)
         self.frozen = self.config.selection_frozen()
-        self.acc = self._in_store_order(acc, p)
+        self.acc = self._in_store_order(acc, p) if self._store_reorders() else acc
         return res.output
 
-    def _in_store_order(self, acc: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``acc`` (per token of ``positions`` ``[b, hk, n]``, in that order) in the store's order.
+    def _store_reorders(self) -> bool:
+        """Whether the scores must follow the store's order: the quantized store reads back
+        quantized, pinned, then residual tokens, so pinning the prompt's tail and each flush
+        reorder what it holds; an evicting selection over it ranks by these scores (a frozen one
+        never reads them again)."""
+        return isinstance(self.store, QuantStore) and not self.frozen
 
-        The quantized store reads back quantized, pinned, then residual tokens, so pinning the
-        prompt's tail and each flush reorder what it holds; an evicting selection over it ranks by
-        these scores, so they follow (a frozen one never reads them again)."""
-        if not isinstance(self.store, QuantStore) or self.frozen:
-            return acc
-        index = self.store.order_of(positions)
+    def _in_store_order(self, acc: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``acc`` (per token of ``positions`` ``[n]`` or ``[b, hk, n]``, in that order) in the store's order."""
+        index = self.store.order_of(positions)  # a QuantStore (_store_reorders)
         return acc if index is None else self.gather_scores(acc, index)
 
     #: whether decode steps add their attention to the scores (a method that scores tokens by
@@ -467,15 +468,17 @@ class ImportanceLayerCache(StoredLayerCache):
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         t = keys.shape[2]
         pos = self._positions(t, keys.device)
-        before = self.store.positions
+        before = self.store.positions if self._store_reorders() else None  # (a concatenation there)
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
         res = self._attend(
             queries, k, v, q_positions=pos, k_positions=p, key_mask=p >= 0, return_scores=self.decode_attention_scores
         )
-        assert self.acc is not None and before is not None
+        assert self.acc is not None
         acc = torch.cat([self.acc, self._new_token_scores(queries, keys)], dim=2)
-        self.acc = self._in_store_order(acc, torch.cat([before, pos.expand(*before.shape[:2], t)], dim=2))
+        if before is not None:
+            acc = self._in_store_order(acc, torch.cat([before, pos.expand(*before.shape[:2], t)], dim=2))
+        self.acc = acc
         if res.scores is not None:
             self.acc = self.acc + res.scores.masked_fill(
                 ~(p >= 0).repeat_interleave(queries.shape[1] // k.shape[1], dim=1), 0.0
