@@ -350,3 +350,26 @@ def test_cuda_graphs_give_the_eager_tokens():
         graphed = TorchEngine("random:tiny-llama", comp, device="cuda").generate(prompt, settings)
         assert graphed.counters["graph_captures"] >= 1
         assert graphed.token_ids == eager.token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_clusterkv_clustering_beside_the_prefill_equals_clustering_in_line():
+    """On CUDA the prompt's k-means runs on a stream of its own while the host goes on, joined by
+    ``finish_prefill``: the same clusters and the same attention as a layer that clusters on the
+    current stream (the same kernels; only atomics' order differs), read right after the join."""
+    gen = torch.Generator().manual_seed(5)
+    hk, n, d = 2, 4000, 64
+    prompt = [torch.randn(1, h, n, d, generator=gen).cuda() for h in (4, hk, hk)]
+    config = ClusterKVConfig(budget=256, sink_tokens=4, tokens_per_cluster=80, cluster_every=8)
+    beside, inline = fast_layer(config, 2, 3, reserve=24), fast_layer(config, 2, 3, reserve=24)
+    inline.overlap_clustering = False
+    assert torch.equal(beside.prefill(*prompt), inline.prefill(*prompt))
+    assert beside._side is not None and inline._side is None  # queued on the clustering stream
+    beside.finish_prefill()
+    assert beside._side is None
+    for name in ("labels", "sizes", "sorted_tokens"):
+        assert torch.equal(getattr(beside.index, name), getattr(inline.index, name)), name
+    for step in range(20):
+        x = [t.cuda() for t in _qkv(gen, 1, d=d)]
+        assert torch.allclose(beside.decode(*x), inline.decode(*x), atol=1e-3), f"step {step}"
+        assert torch.equal(beside.last_selected, inline.last_selected), f"step {step}"

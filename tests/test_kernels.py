@@ -233,11 +233,12 @@ def test_the_split_plan_fills_the_gpu_and_covers_every_key():
 
 @pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
 @pytest.mark.parametrize(("bsz", "n", "k", "d"), [(2, 100, 7, 16), (3, 50, 40, 24), (1, 33, 1, 32)])
-def test_fused_kmeans_assignment_equals_matmul_and_argmax(device, dtype, bsz, n, k, d):
-    """:func:`nearest_centroids` against the reference assignment (``matmul`` then ``argmax``): the
-    same labels and similarities in float32; in TF32 (CUDA) the same labels wherever the two best
-    centroids are apart by more than TF32's error. Duplicate centroids: the first one wins."""
-    from ov_kvcrush.kernels.kmeans import nearest_centroids
+def test_one_device_kmeans_step_is_the_nearest_direction(device, dtype, bsz, n, k, d):
+    """One iteration of :func:`lloyd_on_device` against the reference assignment (``matmul`` then
+    ``argmax``): the same labels and objective in float32; in TF32 (CUDA) the same labels wherever
+    the two best directions are apart by more than TF32's error. Duplicate directions: the first
+    one wins. The directions move to the members' normalised sums, as the reference's."""
+    from ov_kvcrush.kernels.kmeans import lloyd_on_device
     from ov_kvcrush.methods.clusterkv import nearest_direction
 
     if dtype != torch.float32:
@@ -249,16 +250,49 @@ def test_fused_kmeans_assignment_equals_matmul_and_argmax(device, dtype, bsz, n,
         c[:, 2] = c[:, 0]  # a tie: label 0, never 2
     want_labels, want_best = nearest_direction(x, c)
     precision = "tf32" if device == "cuda" else "ieee"
-    labels, best = nearest_centroids(x.to(device), c.to(device), precision=precision)
-    labels, best = labels.cpu(), best.cpu()
-    assert labels.dtype == torch.long
+    labels, dirs, iterations, objective = lloyd_on_device(x.to(device), c.to(device), 1, precision=precision)
+    labels, dirs = labels.cpu(), dirs.cpu()
+    assert labels.dtype == torch.long and int(iterations) == 1 and objective.shape == (1,)
     if k > 2:
         assert (labels != 2).all()
+    sums = torch.zeros(bsz, k, d).scatter_add_(1, labels.unsqueeze(-1).expand(bsz, n, d), x)
+    norms = sums.norm(dim=-1, keepdim=True)
+    assert torch.allclose(dirs, torch.where(norms > 0, sums / norms.clamp_min(1e-30), c), atol=1e-5)
     if precision == "ieee":
         assert torch.equal(labels, want_labels)
-        assert torch.allclose(best, want_best, atol=1e-6)
+        assert float(objective[0]) == pytest.approx(float((1 - want_best).sum()), rel=1e-5)
     else:
         top2 = torch.matmul(x, c.transpose(1, 2)).topk(min(2, k), dim=-1).values
         clear = (top2[..., 0] - top2[..., -1] > 1e-2) | (k == 1)
         assert torch.equal(labels[clear], want_labels[clear])
-        assert torch.allclose(best, want_best, atol=5e-3)
+        assert float(objective[0]) == pytest.approx(float((1 - want_best).sum()), rel=1e-3)
+
+
+@pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
+@pytest.mark.parametrize(("max_iters", "clustered"), [(50, True), (3, True), (50, False)])
+def test_device_kmeans_loop_is_the_reference_loop(device, dtype, max_iters, clustered):
+    """:func:`lloyd_on_device` runs ``max_iters`` launches without waiting for the host: it must
+    still stop where the reference stops (no label moved), with the reference's labels,
+    directions, iteration count and objective -- converged, and capped at 3 iterations. Float32
+    products on every device (the TF32 labels are the single step's test)."""
+    from ov_kvcrush.kernels.kmeans import lloyd_on_device
+    from ov_kvcrush.methods.clusterkv import lloyd_iterations
+
+    if dtype != torch.float32:
+        pytest.skip("k-means runs in float32")
+    gen = torch.Generator().manual_seed(max_iters)
+    bsz, n, k, d = 2, 120, 6, 16
+    x = torch.randn(bsz, n, d, generator=gen)
+    if clustered:  # six blobs: converges in a few steps
+        x = x * 0.3 + 3 * torch.randn(bsz, k, d, generator=gen).repeat_interleave(n // k, dim=1)
+    xn = torch.nn.functional.normalize(x, dim=-1)
+    c = xn[:, :k].clone()
+    want_labels, want_dirs, want_iters, want_obj = lloyd_iterations(xn, c, max_iters)
+    assert (want_iters < max_iters) == (max_iters == 50)  # the cases test what they say
+    labels, dirs, iterations, objective = lloyd_on_device(xn.to(device), c.to(device), max_iters)
+    assert int(iterations) == want_iters
+    assert torch.equal(labels.cpu(), want_labels)
+    assert torch.allclose(dirs.cpu(), want_dirs, atol=1e-4)
+    got_obj = objective.cpu()
+    assert got_obj[:want_iters].tolist() == pytest.approx(want_obj, rel=1e-4, abs=1e-3)
+    assert not got_obj[want_iters:].any()  # nothing ran after convergence

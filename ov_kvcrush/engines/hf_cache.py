@@ -252,6 +252,13 @@ class CompressedCache(Cache):
         for i, layer in enumerate(self.layers):
             layer.followers = [other.layers[i] for other in others]
 
+    def finish_prefill(self) -> None:
+        """Join the prompt-time work the layers queued beside the prefill (ClusterKV's clustering
+        on its own CUDA stream), so a timed first token includes it."""
+        for layer in self.layers:
+            if isinstance(layer.method, FastLayerCache):
+                layer.method.finish_prefill()
+
     # -- steps replayed as CUDA graphs (engines/cuda_graph.py) ---------------------------------
     def graphable(self) -> bool:
         """Whether every layer is a fast layer, whose single-token steps a CUDA graph can replay."""

@@ -252,6 +252,8 @@ class TorchEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
+            for cache in caches:
+                cache.finish_prefill()
             return caches, out.logits[0, -1], time.perf_counter() - t0
 
     def _step(self, cache: CompressedCache, token: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ Shapes change only when tokens are clustered (every ``cluster_every`` steps, in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -39,24 +40,30 @@ from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.kernels import use_triton
 from ov_kvcrush.methods.base import gather_tokens
 from ov_kvcrush.methods.clusterkv import (
-    Assign,
     ClusterIndex,
     ClusterKVConfig,
+    Iterate,
     cluster_tokens,
-    nearest_direction,
+    lloyd_iterations,
     rank_clusters,
 )
 
 
-def kmeans_assign(device: torch.device) -> Assign:
-    """k-means' assignment step on ``device``: the fused Triton kernel where Triton runs (tensor-core
-    TF32 products on CUDA, float32 in the interpreter), the reference's ``matmul`` + ``argmax``
-    elsewhere."""
+def kmeans_iterate(device: torch.device) -> Iterate:
+    """k-means' loop on ``device``: the fused Triton iterations where Triton runs (two launches an
+    iteration, no host sync; tensor-core TF32 products on CUDA, float32 in the interpreter), the
+    reference's loop elsewhere."""
     if not use_triton(device):
-        return nearest_direction
-    from ov_kvcrush.kernels.kmeans import nearest_centroids
+        return lloyd_iterations
+    from ov_kvcrush.kernels.kmeans import lloyd_on_device
 
-    return functools.partial(nearest_centroids, precision="tf32" if device.type == "cuda" else "ieee")
+    return functools.partial(lloyd_on_device, precision="tf32" if device.type == "cuda" else "ieee")
+
+
+@functools.cache
+def clustering_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a CUDA device clusters prompts on, beside the next layers' prefill (one per device)."""
+    return torch.cuda.Stream(device=device)
 
 
 #: the recall cache's counters, in the order of :attr:`FastClusterKVLayerCache.recall_counts`
@@ -65,6 +72,10 @@ RECALL_COUNTERS = ("cluster_lookups", "cluster_hits", "tokens_loaded")
 
 class FastClusterKVLayerCache(FastLayerCache):
     """ClusterKV state of one layer for the fast path (see the module doc)."""
+
+    #: cluster a prompt on :func:`clustering_stream` beside the next layers' prefill (CUDA); off:
+    #: on the current stream, in line
+    overlap_clustering = True
 
     def __init__(self, config: ClusterKVConfig, dense: bool = False, reserve: int = 0) -> None:
         super().__init__(reserve)
@@ -87,12 +98,14 @@ class FastClusterKVLayerCache(FastLayerCache):
         #: sinks and the pending window written once, the recalled middle by every step
         self.fused_slots: torch.Tensor | None = None
         self._clustering: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._side: torch.cuda.Stream | None = None  # a prompt's clustering queued there, not joined yet
 
     @property
     def counters(self) -> dict[str, float]:
+        if self._clustering:
+            torch.cuda.synchronize()  # every stream: the clustering's events and counters
         out = FastLayerCache.counters.fget(self)  # type: ignore[attr-defined]
         if self._clustering:
-            torch.cuda.synchronize()
             for key, begin, done in self._clustering:
                 out[key] = out.get(key, 0.0) + begin.elapsed_time(done)
         if "cluster_lookups" in out:
@@ -113,6 +126,7 @@ class FastClusterKVLayerCache(FastLayerCache):
             self._cluster(self.sinks, n, c0, "prefill")
 
     def before_step(self, t: int) -> None:
+        self.finish_prefill()  # no-op once the engine joined it
         super().before_step(t)
         if self.dense_layer:
             return
@@ -146,31 +160,55 @@ class FastClusterKVLayerCache(FastLayerCache):
         return (self.buffer.capacity, clusters, self.pending_from, self.window)
 
     def _cluster(self, start: int, end: int, k: int, phase: str) -> None:
+        """Cluster the store slots ``[start, end)`` into ``k`` more clusters. A prompt's clustering
+        on CUDA runs on :func:`clustering_stream`, beside the next layers' prefill (the paper's
+        overlap); :meth:`finish_prefill` joins it. It never waits for the device."""
         keys = self.buffer.view()[0]
         key = f"clustering_{phase}_ms"
         cuda = keys.device.type == "cuda"
-        if cuda:
-            begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-        t0 = time.perf_counter()
-        cfg = self.config
-        self.index, iterations = cluster_tokens(
-            self.index, keys, start, end, k, max_iters=cfg.max_iters, seed=cfg.seed + self.seen,
-            assign=kmeans_assign(keys.device),
-        )  # fmt: skip
-        self.sorted_labels = torch.sort(self.index.labels, dim=1, stable=True).values
-        rank = torch.arange(self.sorted_labels.shape[1], device=keys.device)
-        self.within = rank - self.index.offsets.gather(1, self.sorted_labels)
-        self._grow_ring(self.index.centroids.shape[1], keys.shape[0] * keys.shape[1], keys.device)
+        side = clustering_stream(keys.device) if cuda and phase == "prefill" and self.overlap_clustering else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(keys.device))  # the keys are written
+            self._side = side
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if cuda:
+                begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            t0 = time.perf_counter()
+            cfg = self.config
+            self.index, iterations = cluster_tokens(
+                self.index, keys, start, end, k, max_iters=cfg.max_iters, seed=cfg.seed + self.seen,
+                iterate=kmeans_iterate(keys.device),
+            )  # fmt: skip
+            self.sorted_labels = torch.sort(self.index.labels, dim=1, stable=True).values
+            rank = torch.arange(self.sorted_labels.shape[1], device=keys.device)
+            self.within = rank - self.index.offsets.gather(1, self.sorted_labels)
+            self._grow_ring(self.index.centroids.shape[1], keys.shape[0] * keys.shape[1], keys.device)
+            if isinstance(iterations, torch.Tensor):
+                self._add("kmeans_iterations", iterations)
+            else:
+                self._bump("kmeans_iterations", iterations)
+            if cuda:
+                done.record()
+                self._clustering.append((key, begin, done))
+            else:
+                self._bump(key, (time.perf_counter() - t0) * 1e3)
         self.pending_from = end
         self._pending_key = None
         self._bump("clusterings")
-        self._bump("kmeans_iterations", iterations)
-        if cuda:
-            done.record()
-            self._clustering.append((key, begin, done))
-        else:
-            self._bump(key, (time.perf_counter() - t0) * 1e3)
+
+    def finish_prefill(self) -> None:
+        """The current stream waits for the prompt's clustering (queued on the side stream), and
+        the tensors it made are marked as used there: call before anything reads the index."""
+        side, self._side = self._side, None
+        if side is None:
+            return
+        main = torch.cuda.current_stream(side.device)
+        main.wait_stream(side)
+        made = [*vars(self.index).values(), self.sorted_labels, self.within, self.ring, self.ring_ptr]
+        for t in made + list(self._device_counters.values()):
+            if isinstance(t, torch.Tensor):
+                t.record_stream(main)
 
     def _grow_ring(self, clusters: int, rows: int, device: torch.device) -> None:
         """The recall cache, widened to ``clusters`` (new clusters were recalled by no step yet)."""

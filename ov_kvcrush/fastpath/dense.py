@@ -84,6 +84,10 @@ class FastLayerCache(LayerCache):
     def _after_prefill(self) -> None:
         pass
 
+    def finish_prefill(self) -> None:
+        """Wait (on the device, not the host) for work :meth:`_after_prefill` queued beside the
+        prefill; nothing here (ClusterKV's clustering stream joins)."""
+
     # -- decode ---------------------------------------------------------------------------------
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if self.graphed:

@@ -74,16 +74,17 @@ class KMeansResult:
         directions: ``[B, k, d]`` unit centroid directions the assignment used.
         centroids: ``[B, k, d]`` plain mean of each cluster's vectors (zeros for an empty cluster).
         sizes: ``[B, k]`` members per cluster.
-        iterations: assignment steps run.
-        objective: ``sum(1 - cos(x, direction[label]))`` after each assignment step (non-increasing).
+        iterations: assignment steps run (a 0-d device tensor from the fast path's loop).
+        objective: ``sum(1 - cos(x, direction[label]))`` after each assignment step (non-increasing;
+            the fast path's: a ``[max_iters]`` device tensor, zeros after the last step run).
     """
 
     labels: torch.Tensor
     directions: torch.Tensor
     centroids: torch.Tensor
     sizes: torch.Tensor
-    iterations: int
-    objective: list[float]
+    iterations: int | torch.Tensor
+    objective: list[float] | torch.Tensor
 
 
 _MASK64 = (1 << 64) - 1
@@ -117,8 +118,12 @@ def init_order(seed: int, rows: int, n: int) -> torch.Tensor:
     return torch.from_numpy(np.argsort(keys, axis=1, kind="stable"))
 
 
-#: ``(x [B, n, d], directions [B, k, d]) -> (labels [B, n], similarity [B, n])``: k-means' assignment
-Assign = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``(unit x [B, n, d], unit initial directions [B, k, d], max_iters) -> (labels, directions,
+#: iterations, objective)``: k-means' loop; the fast path's runs on the device
+#: (:func:`ov_kvcrush.kernels.kmeans.lloyd_on_device`) and returns tensors for the last two
+Iterate = Callable[
+    [torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, list[float] | torch.Tensor]
+]
 
 
 def nearest_direction(xn: torch.Tensor, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,15 +133,53 @@ def nearest_direction(xn: torch.Tensor, directions: torch.Tensor) -> tuple[torch
     return labels, sim.gather(2, labels.unsqueeze(-1)).squeeze(-1)
 
 
+def lloyd_iterations(
+    xn: torch.Tensor, directions: torch.Tensor, max_iters: int
+) -> tuple[torch.Tensor, torch.Tensor, int, list[float]]:
+    """The reference loop: assign, stop when no label moved, else move each direction to its
+    members' normalised sum (an empty cluster keeps its direction). One host sync per iteration
+    (the convergence test); the objective is read once at the end."""
+    bsz, n, d = xn.shape
+    k = directions.shape[1]
+    labels = torch.full((bsz, n), -1, dtype=torch.long, device=xn.device)
+    losses: list[torch.Tensor] = []
+    it = 0
+    while it < max_iters:
+        it += 1
+        new, best = nearest_direction(xn, directions)  # first max on ties
+        losses.append((1 - best).sum())
+        if torch.equal(new, labels):
+            break
+        labels = new
+        sums = torch.zeros(bsz, k, d, device=xn.device).scatter_add_(1, labels.unsqueeze(-1).expand(bsz, n, d), xn)
+        norms = sums.norm(dim=-1, keepdim=True)
+        directions = torch.where(norms > 0, sums / norms.clamp_min(1e-30), directions)
+    return labels, directions, it, [float(v) for v in torch.stack(losses).tolist()]
+
+
+def initial_picks(seed: int, rows: int, n: int, k: int, device: torch.device) -> torch.Tensor:
+    """``[rows, k]``: the first ``k`` of each row's :func:`init_order`, on ``device``. Kept there
+    for the last few shapes (every layer of a prompt asks for the same): a copy from the host
+    would wait for the device's queue, and the fast path clusters without waiting."""
+    if device.type == "cpu":
+        return init_order(seed, rows, n)[:, :k]
+    return _picks_on(seed, rows, n, k, device)
+
+
+@functools.lru_cache(maxsize=4)
+def _picks_on(seed: int, rows: int, n: int, k: int, device: torch.device) -> torch.Tensor:
+    return init_order(seed, rows, n)[:, :k].to(device)
+
+
 def kmeans_cosine(
-    x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0, assign: Assign = nearest_direction
+    x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0, iterate: Iterate = lloyd_iterations
 ) -> KMeansResult:
     """Spherical k-means of ``x`` ``[B, n, d]`` into ``min(k, n)`` clusters per batch entry, all batched.
 
     The initial centroids are the first ``k`` vectors of each row's :func:`init_order` (the same
-    choice on every device and in the C++ op). ``assign``: the assignment step (the fast path
-    passes a fused kernel, :func:`ov_kvcrush.kernels.kmeans.nearest_centroids`). One host sync
-    per iteration (the convergence test); the objective is read once at the end.
+    choice on every device and in the C++ op). ``iterate``: the loop (:func:`lloyd_iterations`,
+    or the fast path's :func:`ov_kvcrush.kernels.kmeans.lloyd_on_device`, which never waits for
+    the device).
     """
     if x.dim() != 3 or not x.is_floating_point():
         raise ShapeError(f"kmeans_cosine needs a float [B, n, d] tensor, got {tuple(x.shape)}")
@@ -148,26 +191,13 @@ def kmeans_cosine(
     k = min(k, n)
     xf = x.float()
     xn = F.normalize(xf, dim=-1)
-    init = init_order(seed, bsz, n)[:, :k].to(x.device)
+    init = initial_picks(seed, bsz, n, k, x.device)
     directions = torch.gather(xn, 1, init.unsqueeze(-1).expand(bsz, k, d))
-    labels = torch.full((bsz, n), -1, dtype=torch.long, device=x.device)
-    losses: list[torch.Tensor] = []
-    it = 0
-    while it < max_iters:
-        it += 1
-        new, best = assign(xn, directions)  # first max on ties
-        losses.append((1 - best).sum())
-        if torch.equal(new, labels):
-            break
-        labels = new
-        sums = torch.zeros(bsz, k, d, device=x.device).scatter_add_(1, labels.unsqueeze(-1).expand(bsz, n, d), xn)
-        norms = sums.norm(dim=-1, keepdim=True)
-        directions = torch.where(norms > 0, sums / norms.clamp_min(1e-30), directions)
+    labels, directions, iterations, objective = iterate(xn, directions, max_iters)
     sizes = torch.zeros(bsz, k, dtype=torch.long, device=x.device).scatter_add_(1, labels, torch.ones_like(labels))
     raw = torch.zeros(bsz, k, d, device=x.device).scatter_add_(1, labels.unsqueeze(-1).expand(bsz, n, d), xf)
     centroids = raw / sizes.clamp_min(1).unsqueeze(-1)
-    objective = [float(v) for v in torch.stack(losses).tolist()]
-    return KMeansResult(labels, directions, centroids, sizes, it, objective)
+    return KMeansResult(labels, directions, centroids, sizes, iterations, objective)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,15 +256,15 @@ def cluster_tokens(
     *,
     max_iters: int,
     seed: int,
-    assign: Assign = nearest_direction,
-) -> tuple[ClusterIndex, int]:
+    iterate: Iterate = lloyd_iterations,
+) -> tuple[ClusterIndex, int | torch.Tensor]:
     """Cluster the store slots ``[start, end)`` of ``keys`` ``[b, hk, n, d]`` (every head at once)
     into ``k`` more clusters; the index with them added (a new one if ``index`` is ``None``) and the
     k-means iterations run. The reference and the fast path (:mod:`ov_kvcrush.fastpath.clusterkv`)
     both cluster through here, so they hold the same clusters."""
     b, hk, _, d = keys.shape
     x = keys[:, :, start:end].reshape(b * hk, end - start, d)
-    km = kmeans_cosine(x, k, max_iters=max_iters, seed=seed, assign=assign)
+    km = kmeans_cosine(x, k, max_iters=max_iters, seed=seed, iterate=iterate)
     tokens = torch.arange(start, end, device=keys.device)
     if index is None:
         return ClusterIndex.build(km.centroids, km.labels, tokens), km.iterations
