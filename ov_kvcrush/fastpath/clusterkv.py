@@ -99,12 +99,16 @@ class FastClusterKVLayerCache(FastLayerCache):
         self.fused_slots: torch.Tensor | None = None
         self._clustering: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._side: torch.cuda.Stream | None = None  # a prompt's clustering queued there, not joined yet
+        self._iterations_run: list[torch.Tensor] = []  # k-means iterations of each clustering, on the device
 
     @property
     def counters(self) -> dict[str, float]:
         if self._clustering:
             torch.cuda.synchronize()  # every stream: the clustering's events and counters
         out = FastLayerCache.counters.fget(self)  # type: ignore[attr-defined]
+        if self._iterations_run:
+            runs = sum(int(t) for t in self._iterations_run)
+            out["kmeans_iterations"] = out.get("kmeans_iterations", 0) + float(runs)
         if self._clustering:
             for key, begin, done in self._clustering:
                 out[key] = out.get(key, 0.0) + begin.elapsed_time(done)
@@ -184,8 +188,8 @@ class FastClusterKVLayerCache(FastLayerCache):
             rank = torch.arange(self.sorted_labels.shape[1], device=keys.device)
             self.within = rank - self.index.offsets.gather(1, self.sorted_labels)
             self._grow_ring(self.index.centroids.shape[1], keys.shape[0] * keys.shape[1], keys.device)
-            if isinstance(iterations, torch.Tensor):
-                self._add("kmeans_iterations", iterations)
+            if isinstance(iterations, torch.Tensor):  # summed when the counters are read
+                self._iterations_run.append(iterations)
             else:
                 self._bump("kmeans_iterations", iterations)
             if cuda:
@@ -206,7 +210,7 @@ class FastClusterKVLayerCache(FastLayerCache):
         main = torch.cuda.current_stream(side.device)
         main.wait_stream(side)
         made = [*vars(self.index).values(), self.sorted_labels, self.within, self.ring, self.ring_ptr]
-        for t in made + list(self._device_counters.values()):
+        for t in made + self._iterations_run + list(self._device_counters.values()):
             if isinstance(t, torch.Tensor):
                 t.record_stream(main)
 

@@ -74,10 +74,14 @@ def _assign_accumulate(
         old = tl.load(LABELS + bb * N + offs_m, mask=ok, other=0)
         tl.store(LABELS + bb * N + offs_m, label.to(tl.int64), mask=ok)
         moved = tl.sum(tl.where(ok & (label.to(tl.int64) != old), 1, 0), 0)
-        tl.atomic_add(MOVED + it + 1, moved)
-        tl.atomic_add(LOSS + it, tl.sum(tl.where(ok, 1.0 - best, 0.0), 0))
+        # relaxed: nothing here orders other memory (the default, acq_rel, fences every add)
+        tl.atomic_add(MOVED + it + 1, moved, sem="relaxed")
+        tl.atomic_add(LOSS + it, tl.sum(tl.where(ok, 1.0 - best, 0.0), 0), sem="relaxed")
         tl.atomic_add(
-            SUMS + bb * K * D + label[:, None] * D + offs_d[None, :], x.to(tl.float32), mask=ok[:, None] & d_ok[None, :]
+            SUMS + bb * K * D + label[:, None] * D + offs_d[None, :],
+            x.to(tl.float32),
+            mask=ok[:, None] & d_ok[None, :],
+            sem="relaxed",
         )
 
 
