@@ -373,3 +373,30 @@ def test_committed_results_are_what_their_benchmark_command_runs(run, name):
     assert list(dict.fromkeys(r["label"] for r in doc["results"])) == planned
     assert sorted({r["length"] for r in doc["results"]}) == lengths
     assert doc["command"].startswith("ov-kvcrush bench ")
+
+
+def test_gpu_configurations_are_warmed_up_before_the_timed_runs():
+    """A configuration on a GPU generates once, untimed, before its repeats (its kernels compile at
+    the first call); a CPU configuration does not."""
+    from ov_kvcrush.bench.run import WARM_UP_NEW, warm_up
+
+    calls: list = []
+
+    class Runner:
+        def count(self, text):
+            return len(text.split())
+
+        def generate(self, prompt, settings):
+            calls.append((self, settings.max_new_tokens))
+            return None, 0
+
+    plan = BenchPlan(backends=("torch", "genai"), methods=("full",), budgets=(128,), lengths=(400,), device="cuda")
+    configs = bench.plan_configs(plan.backends, plan.methods, plan.budgets)
+    runners = {c.label: Runner() for c in configs}
+    said: list[str] = []
+    warm_up(plan, configs, runners, said.append)
+    assert calls == [(runners["torch full"], WARM_UP_NEW)]
+    assert said == ["warming up torch full"]
+    plan.device = "cpu"
+    warm_up(plan, configs, runners, said.append)
+    assert len(calls) == 1
