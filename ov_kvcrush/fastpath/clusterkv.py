@@ -23,7 +23,9 @@ the same tokens attended, the same counters; tested against it) with:
 Shapes change only when tokens are clustered (every ``cluster_every`` steps, in
 :meth:`FastClusterKVLayerCache.before_step`, outside the graph). Clustering time is measured
 (CUDA events on a GPU) as ``clustering_prefill_ms`` (the prompt's) and ``clustering_decode_ms``
-(the generated tokens'), so reports give it as a share of prefill.
+(the generated tokens'). A prompt's clustering runs on a stream of its own beside the next
+layers' prefill, so on CUDA its events span the overlapped prefill: its cost is the TTFT over the
+full cache's, not that span.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Spherical k-means' iterations on the device, two launches each and no host sync (Triton).
 
-ClusterKV clusters every layer's prompt keys (k-means over all KV heads at once, up to 20
-iterations). Written as tensor operations, an iteration is a ``matmul`` and an ``argmax`` over
-the ``[B, n, k]`` similarities, a ``scatter_add`` of the members, a norm, a ``where``, and the
-convergence test ``torch.equal`` -- a host sync. On an H100 (measured, 32k-token prompt, a
-Llama-3-8B shape) that was 0.93 s of a 2.2 s prefill; with the assignment fused alone, still
-409 ms of 1718 (21 %): ~10 launches an iteration, and every iteration waiting for the host.
+ClusterKV clusters every layer's prompt keys (k-means over all KV heads at once, up to
+``max_iters`` iterations: 10 by default, 20 when these figures were taken). Written as tensor
+operations, an iteration is a ``matmul`` and an ``argmax`` over the ``[B, n, k]``
+similarities, a ``scatter_add`` of the members, a norm, a ``where``, and the convergence test
+``torch.equal`` -- a host sync. On an H100 (measured, 32k-token prompt, a Llama-3-8B shape)
+that was 0.93 s of a 2.2 s prefill; with the assignment fused alone, still 409 ms of 1718
+(21 %): ~10 launches an iteration, and every iteration waiting for the host.
 
 Here an iteration is:
 
