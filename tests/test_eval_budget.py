@@ -55,6 +55,32 @@ def test_synthetic_probe_picks_the_largest_budget_under_the_target():
         solve_budget("snapkv", make, shape, 500, 0, 0, probe=probe)
 
 
+def test_a_budget_just_above_the_crossing_that_holds_fewer_bytes_is_found():
+    """Bytes that step down within a span of budget (as spans over a quantized store do in the op):
+    the bisection stops at a crossing, the scan above it finds the largest budget that fits, and
+    configurations whose searches start lower (a smaller minimum budget) get the same budget."""
+    block = block_bytes(SHAPE)
+
+    def probe(c: CompressionConfig) -> int:  # a staircase of 32-token spans, a step down at 16 past each
+        spans, rest = divmod(c.budget, 32)
+        return block * (2 * spans + (2 if rest < 16 else 1))
+
+    target = block * (2 * 20 + 1)  # budgets 656..671 fit (spans 20, rest >= 16); 640..655 do not
+    bisected = set()
+    for smallest in (100, 128, 300, 600):
+
+        def make(b: int, smallest: int = smallest) -> CompressionConfig:
+            if b < smallest:
+                raise ConfigError("budget", b, f">= {smallest}")
+            return CompressionConfig("snapkv", b)
+
+        best = max(b for b in range(smallest, 1001) if probe(make(b)) <= target)
+        choice = solve_budget("snapkv", make, SHAPE, 1000, 0, target, probe=probe, block=block)
+        assert best == 671 and choice.budget == best and choice.kv_bytes <= target
+        bisected.add(solve_budget("snapkv", make, SHAPE, 1000, 0, target, probe=probe, block=block, scan=0).budget)
+    assert len(bisected) > 1 and min(bisected) < 671  # without the scan the answer depends on where the search starts
+
+
 #: kvzip selects only in the engine's scoring pass, which the probes do not run (the plan refuses it)
 SPECS = [MethodSpec(m) for m in REGISTRY if m not in ("full", "kvzip")] + [
     MethodSpec("kvcrush", True),
