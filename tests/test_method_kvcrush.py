@@ -196,6 +196,21 @@ def test_budget_larger_than_context_keeps_all_and_zero_representatives_is_import
         kvcrush_select(scores, 30, 4, 4, 23)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_one_bucket_is_importance_at_the_whole_budget(seed):
+    """With one bucket, its highest-scoring token is the first one importance left out: KVCrush is
+    then SnapKV/H2O at the whole budget, in tokens and in spans. Each further bucket's representative
+    is the best of its own range, which a single needle's next-ranked span need not be."""
+    from ov_kvcrush.methods.selection import keep_indices
+
+    scores = torch.rand(1, 9, 203, generator=torch.Generator().manual_seed(seed))
+    one = kvcrush_select(scores, 60, 4, 8, 1)[0].keep
+    assert one.tolist() == keep_indices(scores.sum(1, keepdim=True), 60, 4, 8)[0, 0].tolist()
+    spans = kvcrush_select_blocks(scores, 16, 96, 16, 16, 16)[0]  # one representative span
+    assert spans.tolist() == kvcrush_select_blocks(scores, 16, 96, 16, 16, 0)[0].tolist()
+    assert kvcrush_select(scores, 60, 4, 8, 12)[0].keep.tolist() != one.tolist()
+
+
 def test_block_wise_keeps_whole_blocks_and_the_partial_tail():
     scores = torch.rand(1, 9, 203, generator=torch.Generator().manual_seed(0))
     keep = kvcrush_select_blocks(scores, 16, 96, 16, 16, 32)[0]
