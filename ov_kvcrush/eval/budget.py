@@ -186,9 +186,10 @@ def solve_budget(
     # bytes grow with the budget only up to a span's jitter: the bisection found a crossing, and a
     # larger budget just above it may hold fewer bytes (SCAN_TOKENS): every SCAN_STRIDE-th budget
     # of the next `scan`, then each budget up to the next stride past the largest that fits
-    fits = [b for b in range(good + SCAN_STRIDE, min(good + scan, hi) + 1, SCAN_STRIDE) if nbytes(b) <= target_bytes]
+    top = min(good + scan, hi)
+    fits = [b for b in range(good + SCAN_STRIDE, top + 1, SCAN_STRIDE) if nbytes(b) <= target_bytes]
     good = fits[-1] if fits else good
-    for above in range(good + 1, min(good + SCAN_STRIDE, hi + 1)):
+    for above in range(good + 1, min(good + SCAN_STRIDE - 1, top) + 1):
         if nbytes(above) <= target_bytes:
             good = above
     return BudgetChoice(label, good, nbytes(good), target_bytes, "fixed" if fixed else "ok")
