@@ -20,6 +20,7 @@ from ov_kvcrush.methods.kvcrush import (
     pack_signatures,
     popcount,
 )
+from ov_kvcrush.methods.selection import keep_indices
 from ov_kvcrush.methods.vectors import layer_vectors
 
 
@@ -189,8 +190,6 @@ def test_budget_larger_than_context_keeps_all_and_zero_representatives_is_import
     s = kvcrush_select(scores, 80, 4, 4, 10)[0]
     assert s.keep.tolist() == list(range(50))
     s0 = kvcrush_select(scores, 30, 4, 4, 0)[0]
-    from ov_kvcrush.methods.selection import keep_indices
-
     assert s0.keep.tolist() == keep_indices(scores.sum(1, keepdim=True), 30, 4, 4)[0, 0].tolist()
     with pytest.raises(ConfigError, match="representatives"):
         kvcrush_select(scores, 30, 4, 4, 23)
@@ -201,8 +200,6 @@ def test_one_bucket_is_importance_at_the_whole_budget(seed):
     """With one bucket, its highest-scoring token is the first one importance left out: KVCrush is
     then SnapKV/H2O at the whole budget, in tokens and in spans. Each further bucket's representative
     is the best of its own range, which a single needle's next-ranked span need not be."""
-    from ov_kvcrush.methods.selection import keep_indices
-
     scores = torch.rand(1, 9, 203, generator=torch.Generator().manual_seed(seed))
     one = kvcrush_select(scores, 60, 4, 8, 1)[0].keep
     assert one.tolist() == keep_indices(scores.sum(1, keepdim=True), 60, 4, 8)[0, 0].tolist()
