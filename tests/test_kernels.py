@@ -296,3 +296,62 @@ def test_device_kmeans_loop_is_the_reference_loop(device, dtype, max_iters, clus
     got_obj = objective.cpu()
     assert got_obj[:want_iters].tolist() == pytest.approx(want_obj, rel=1e-4, abs=1e-3)
     assert not got_obj[want_iters:].any()  # nothing ran after convergence
+
+
+# (batch, q heads, kv heads, clustered tokens, clusters, budget): ties, empty clusters, a budget over the tokens
+SELECTIONS = [
+    (1, 4, 2, 90, 7, 40),  # the last recalled cluster trimmed
+    (2, 6, 3, 200, 33, 64),  # a batch of two sequences, a cluster count past a power of two
+    (1, 2, 1, 50, 1, 20),  # one cluster
+    (1, 4, 2, 60, 9, 500),  # a budget over every clustered token
+]
+
+
+@pytest.mark.parametrize(("device", "dtype"), [p for p in _devices_and_dtypes() if p[1] in (torch.float32, None)])
+@pytest.mark.parametrize("shape", SELECTIONS, ids=lambda s: "x".join(map(str, s)))
+def test_fused_cluster_selection_is_the_reference_selection(device, dtype, shape):
+    """:func:`select_recalled` ranks by one sort per head and places only the budget's tokens: the
+    same tokens in the same order as the reference's ranking and trimming, with equal scores
+    (duplicated centroids, empty clusters' zero centroids) ranked by the lower cluster id; the
+    recall cache's ring and counters as :class:`FastClusterKVLayerCache` counts them."""
+    from ov_kvcrush.kernels.cluster_select import select_recalled
+    from ov_kvcrush.methods.clusterkv import ClusterIndex, rank_clusters, select_clusters
+
+    b, hq, hk, n, c, budget = shape
+    gen = torch.Generator().manual_seed(n + c)
+    rows, d = b * hk, 16
+    labels = torch.randint(0, c, (rows, n), generator=gen)
+    labels[:, : min(c, 3)] = 0  # cluster 0 is never empty ...
+    labels[labels == c - 1] = 0 if c > 2 else labels[labels == c - 1]  # ... and the last one is, with c > 2
+    centroids = torch.randn(rows, c, d, generator=gen)
+    if c > 4:
+        centroids[:, 3] = centroids[:, 1]  # a tie: cluster 1 must rank before cluster 3
+    index = ClusterIndex.build(centroids, labels, torch.arange(5, 5 + n))
+    index.centroids[index.sizes == 0] = 0.0  # an empty cluster's centroid, as k-means leaves it
+    queries = torch.randn(b, hq, 1, d, generator=gen)
+    want_tokens, want_ids = select_clusters(index, rank_clusters(queries, index.centroids, hk), budget)
+    take, offset = min(budget, n), 4
+    slots = torch.full((rows, offset + take + 3), -7, dtype=torch.long)
+    ring = (torch.rand(3, rows, c, generator=gen) < 0.3).to(torch.int8)
+    cached = ring.bool().any(0)
+    ptr = torch.tensor([1])
+    counts = torch.zeros(3, dtype=torch.long)
+    on = lambda t: t.to(device)  # noqa: E731
+    got_slots, got_ring, got_ptr, got_counts = on(slots), on(ring), on(ptr), on(counts)
+    select_recalled(
+        on(queries), on(index.centroids), on(index.sizes), on(index.offsets), on(index.sorted_tokens),
+        budget=budget, slots=got_slots, offset=offset, counts=got_counts, ring=got_ring, ring_ptr=got_ptr,
+    )  # fmt: skip
+    got_slots = got_slots.cpu()
+    for row in range(rows):
+        assert torch.equal(got_slots[row, offset : offset + take], want_tokens[row]), f"row {row}"
+    assert (got_slots[:, :offset] == -7).all() and (got_slots[:, offset + take :] == -7).all()
+    chosen = torch.zeros(rows, c, dtype=torch.bool)
+    for row, ids in enumerate(want_ids):
+        chosen[row, ids] = True
+    assert torch.equal(got_ring.cpu()[1].bool(), chosen)  # this step's row of the ring
+    assert torch.equal(got_ring.cpu()[[0, 2]], ring[[0, 2]])
+    assert int(got_ptr) == 2
+    fresh = chosen & ~cached
+    want = [int(chosen.sum()), int((chosen & cached).sum()), int((index.sizes * fresh).sum())]
+    assert got_counts.cpu().tolist() == want

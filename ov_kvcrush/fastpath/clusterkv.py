@@ -40,7 +40,7 @@ import torch
 
 from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.kernels import use_triton
-from ov_kvcrush.methods.base import gather_tokens
+from ov_kvcrush.methods.base import gather_tokens, tensor_bytes
 from ov_kvcrush.methods.clusterkv import (
     ClusterIndex,
     ClusterKVConfig,
@@ -149,10 +149,14 @@ class FastClusterKVLayerCache(FastLayerCache):
 
     def _fused_layout(self) -> torch.Tensor | None:
         """The fused selection's buffer for the current shapes (``None`` where it does not run:
-        no Triton here, or nothing clustered)."""
+        no Triton here, nothing clustered, or more clusters than one program ranks)."""
         keys = self.buffer.keys
         if keys is None or self.index is None or self.pending_slots is None or not use_triton(keys.device):
             return None
+        from ov_kvcrush.kernels.cluster_select import rankable
+
+        if not rankable(self.index.centroids.shape[1]):
+            return None  # more clusters a head than one program sorts: the tensor operations select
         assert self.config.budget is not None
         b, hk = keys.shape[:2]
         take = min(self.config.budget - self.sinks, self.index.sorted_tokens.shape[1])
@@ -247,11 +251,10 @@ class FastClusterKVLayerCache(FastLayerCache):
         from ov_kvcrush.kernels.cluster_select import select_recalled
 
         idx = self.index
-        assert idx is not None and self.sorted_labels is not None and self.within is not None
-        assert self.config.budget is not None and self.n_dev is not None
+        assert idx is not None and self.config.budget is not None and self.n_dev is not None
         rows = slots.shape[0] * slots.shape[1]
         select_recalled(
-            queries, idx.centroids, idx.sizes, self.sorted_labels, self.within, idx.sorted_tokens,
+            queries, idx.centroids, idx.sizes, idx.offsets, idx.sorted_tokens,
             budget=self.config.budget - self.sinks, slots=slots.view(rows, -1), offset=self.sinks,
             counts=self._recall_counts(queries.device), ring=self.ring, ring_ptr=self.ring_ptr,
         )  # fmt: skip
@@ -331,6 +334,19 @@ class FastClusterKVLayerCache(FastLayerCache):
         if self.last_selected is None:
             return self.tokens_held()
         return (self.last_selected >= 0).sum(-1)
+
+    def decode_read_bytes(self) -> int:
+        """What the fused step reads: the centroids, the sizes and the recall cache's ring (every
+        cluster is scored and ranked), a slot per recalled token, and the attended tokens (the
+        sinks, the recalled, the pending window)."""
+        idx = self.index
+        if self.dense_layer or idx is None:
+            return super().decode_read_bytes()
+        assert self.config.budget is not None
+        rows = idx.sizes.shape[0]
+        take = min(self.config.budget - self.sinks, idx.sorted_tokens.shape[1])
+        ranking = tensor_bytes(idx.centroids, idx.sizes, self.ring) + rows * take * idx.sorted_tokens.element_size()
+        return ranking + (self.sinks + take + self.window) * self.token_bytes()
 
     def _metadata(self) -> list[torch.Tensor | None]:
         idx = self.index

@@ -1,4 +1,4 @@
-"""ClusterKV's decode-step selection in three launches: rank the clusters, place the recalled tokens.
+"""ClusterKV's decode-step selection in three launches: score the clusters, rank them, place the recalled tokens.
 
 Written as tensor operations (score the centroids, a stable sort, prefix sums, gathers and
 scatters, then the recall cache's counters), one layer's selection was ~25 small kernels; over
@@ -7,14 +7,23 @@ per KV head (``row``):
 
 1. :func:`_cluster_scores`: each cluster's score, ``q . mu`` summed over the head's query group
    (float32, as :func:`ov_kvcrush.methods.clusterkv.rank_clusters`);
-2. :func:`_cluster_starts`: each cluster's first place in the ranked order, without sorting: the
-   sizes of the clusters ranked before it (a higher score, or an equal one and a lower id: the
-   stable descending order), summed over all pairs. A cluster is recalled when its start is under
-   the budget; the recall cache's ring (the clusters recalled at the last ``R`` steps) and its
-   three counters (lookups, hits, tokens loaded) are updated here, as the reference counts them;
-3. :func:`_place_recalled`: each clustered token's place is its cluster's start plus its rank
-   inside the cluster; the recalled ones (places under ``take``) are written to the selection
-   buffer. The first program also advances the ring's pointer (after step 2 read it).
+2. :func:`_rank_clusters`: one program per row sorts its clusters (a bitonic sort of one int64
+   key per cluster: the score's order-preserving bits above the complemented cluster id, so
+   equal scores keep the lower id first: the reference's stable descending order), then the
+   exclusive prefix sums of the ranked sizes give each ranked cluster's first place in the
+   budget. A cluster is recalled when that place is under the budget; the recall cache's ring
+   (the clusters recalled at the last ``R`` steps) and its three counters (lookups, hits, tokens
+   loaded) are updated here, as the reference counts them;
+3. :func:`_place_recalled`: one lane per place of the budget: a binary search in the ranked
+   prefix sums finds the cluster holding that place, and the token at that rank inside it is
+   written to the selection buffer. The first program also advances the ring's pointer (after
+   step 2 read it).
+
+Steps 2 and 3 read what the budget needs, not every clustered token: an earlier version ranked a
+cluster by summing the sizes of every cluster ahead of it (all pairs: quadratic in the clusters)
+and placed every clustered token; at 128k tokens (1,600 clusters a head) that alone cost more
+than reading the recalled tokens. A row of more than :data:`MAX_RANKED_CLUSTERS` clusters is past
+one program's sort: :func:`rankable` says so and the caller selects with tensor operations.
 
 No host sync, fixed shapes: a CUDA graph captures it. Tested against the reference selection in
 Triton's interpreter (``tests/test_fastpath.py``). Runs on Triton 3.6 and 3.9.
@@ -25,6 +34,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+#: the most clusters one row's sort handles (one program sorts them in registers); 16384
+#: clusters of ClusterKV's 80 tokens cover 1.3M tokens
+MAX_RANKED_CLUSTERS = 16384
 
 
 @triton.jit
@@ -53,66 +66,83 @@ def _cluster_scores(
 
 
 @triton.jit
-def _cluster_starts(
-    SCORES, SIZES, START, RING, PTR, COUNTS,
+def _rank_clusters(
+    SCORES, SIZES, RANKED, CUM, RING, PTR, COUNTS,
     ssr, ssc, srr, srw, src,
     C, BUDGET, R,
-    HAS_RING: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
+    HAS_RING: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
-    s_c = tl.load(SCORES + row * C + offs_c, mask=c_ok, other=0.0)
-    start = tl.zeros([BLOCK_C], dtype=tl.int64)
-    for j0 in range(0, C, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        j_ok = offs_j < C
-        s_j = tl.load(SCORES + row * C + offs_j, mask=j_ok, other=0.0)
-        z_j = tl.load(SIZES + row * ssr + offs_j * ssc, mask=j_ok, other=0)
-        ahead = (s_j[None, :] > s_c[:, None]) | ((s_j[None, :] == s_c[:, None]) & (offs_j[None, :] < offs_c[:, None]))
-        start += tl.sum(tl.where(ahead & j_ok[None, :], z_j[None, :], 0), 1)
-    tl.store(START + row * C + offs_c, start, mask=c_ok)
-    size_c = tl.load(SIZES + row * ssr + offs_c * ssc, mask=c_ok, other=0)
-    chosen = c_ok & (start < BUDGET) & (size_c > 0)
-    cached = offs_c < 0  # all false
+    offs = tl.arange(0, BLOCK_C)
+    ok = offs < C
+    score = tl.load(SCORES + row * C + offs, mask=ok, other=0.0)
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties +0.0, as in the reference's sort
+    bits = score.to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed ints in the floats' order
+    id_bits = tl.full([BLOCK_C], 0x7FFFFFFF, tl.int32)  # a key's low bits: the complemented cluster id
+    key = (order.to(tl.int64) << 32) | (id_bits - offs).to(tl.int64)
+    lowest = tl.zeros([BLOCK_C], dtype=tl.int64) - 9223372036854775807 - 1
+    key = tl.sort(tl.where(ok, key, lowest), descending=True)  # padding sorts last
+    cid = id_bits - (key & 0x7FFFFFFF).to(tl.int32)  # the clusters, best first
+    cid = tl.where(ok, cid, 0)
+    size = tl.load(SIZES + row * ssr + cid * ssc, mask=ok, other=0)
+    cum = tl.cumsum(size, 0) - size  # each ranked cluster's first place in the budget
+    tl.store(RANKED + row * C + offs, cid, mask=ok)
+    tl.store(CUM + row * C + offs, cum.to(tl.int32), mask=ok)
+    chosen = ok & (cum < BUDGET) & (size > 0)
+    cached = offs < 0  # all false
     if HAS_RING:
         ptr = tl.load(PTR)
         for r in range(R):
-            cached = cached | (tl.load(RING + r * srr + row * srw + offs_c * src, mask=c_ok, other=0) != 0)
-        tl.store(RING + ptr * srr + row * srw + offs_c * src, chosen.to(tl.int8), mask=c_ok)
+            cached = cached | (tl.load(RING + r * srr + row * srw + cid * src, mask=ok, other=0) != 0)
+        tl.store(RING + ptr * srr + row * srw + cid * src, chosen.to(tl.int8), mask=ok)
     fresh = chosen & (cached.to(tl.int32) == 0)
     tl.atomic_add(COUNTS + 0, tl.sum(chosen.to(tl.int64), 0))
     tl.atomic_add(COUNTS + 1, tl.sum((chosen & cached).to(tl.int64), 0))
-    tl.atomic_add(COUNTS + 2, tl.sum(tl.where(fresh, size_c, 0).to(tl.int64), 0))
+    tl.atomic_add(COUNTS + 2, tl.sum(tl.where(fresh, size, 0).to(tl.int64), 0))
 
 
 @triton.jit
 def _place_recalled(
-    START, LABELS, WITHIN, TOKENS, SLOTS, PTR,
-    slr, sln, swr, swn, str_, stn, sor, son,
-    C, N, TAKE, OFFSET, R,
-    HAS_RING: tl.constexpr, BLOCK: tl.constexpr,
+    RANKED, CUM, OFFSETS, TOKENS, SLOTS, PTR,
+    sor, soc, str_, stn, slr, sln,
+    C, TAKE, OFFSET, R,
+    SEARCH_STEPS, HAS_RING: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     pid = tl.program_id(1)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    lab = tl.load(LABELS + row * slr + offs * sln, mask=ok, other=0)
-    within = tl.load(WITHIN + row * swr + offs * swn, mask=ok, other=0)
-    tok = tl.load(TOKENS + row * str_ + offs * stn, mask=ok, other=0)
-    place = tl.load(START + row * C + lab, mask=ok, other=0) + within
-    tl.store(SLOTS + row * sor + (OFFSET + place) * son, tok, mask=ok & (place < TAKE))
+    place = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = place < TAKE
+    # the last ranked cluster starting at or before the place (it holds it: a later one starts past it)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + C
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go_right = tl.load(CUM + row * C + mid, mask=ok & (lo < hi), other=0) <= place
+        active = lo < hi
+        lo = tl.where(active & go_right, mid + 1, lo)
+        hi = tl.where(active & ~go_right, mid, hi)
+    rank = tl.maximum(lo - 1, 0)
+    cid = tl.load(RANKED + row * C + rank, mask=ok, other=0)
+    inside = place - tl.load(CUM + row * C + rank, mask=ok, other=0)
+    first = tl.load(OFFSETS + row * sor + cid * soc, mask=ok, other=0)
+    tok = tl.load(TOKENS + row * str_ + (first + inside) * stn, mask=ok, other=0)
+    tl.store(SLOTS + row * slr + (OFFSET + place) * sln, tok, mask=ok)
     if HAS_RING:  # the first program moves the ring on (the previous launch has read it)
         ptr = tl.load(PTR)
         tl.store(PTR, (ptr + 1) % R, mask=(row == 0) & (pid == 0))
+
+
+def rankable(clusters: int) -> bool:
+    """Whether one program's sort ranks ``clusters`` clusters (:data:`MAX_RANKED_CLUSTERS`)."""
+    return clusters <= MAX_RANKED_CLUSTERS
 
 
 def select_recalled(
     queries: torch.Tensor,
     centroids: torch.Tensor,
     sizes: torch.Tensor,
-    sorted_labels: torch.Tensor,
-    within: torch.Tensor,
+    offsets: torch.Tensor,
     sorted_tokens: torch.Tensor,
     *,
     budget: int,
@@ -127,9 +157,10 @@ def select_recalled(
 
     Args:
         queries: ``[b, hq, 1, d]``; ``rows = b * hk`` KV heads, ``hq`` a multiple of ``hk``.
-        centroids: ``[rows, C, d]``; ``sizes``: ``[rows, C]`` int64 tokens per cluster.
-        sorted_labels, within, sorted_tokens: ``[rows, N]`` int64: the clustered tokens sorted by
-            cluster, each one's cluster, its rank inside it, its store slot.
+        centroids: ``[rows, C, d]``; ``sizes``: ``[rows, C]`` int64 tokens per cluster;
+            ``offsets``: ``[rows, C (+ 1)]`` each cluster's first index in ``sorted_tokens``.
+        sorted_tokens: ``[rows, N]`` int64: the clustered tokens' store slots sorted by cluster
+            (ties by slot).
         budget: tokens recalled at most (the config's budget less the sinks).
         counts: ``[3]`` int64 on the device: lookups, hits, tokens loaded (added to).
         ring, ring_ptr: the recall cache (``[R, rows, C]`` int8, ``[1]`` int64), or ``None``.
@@ -139,12 +170,14 @@ def select_recalled(
     n = sorted_tokens.shape[1]
     if t != 1 or rows % b or hq % (rows // b) or centroids.shape[2] != d:
         raise ValueError(f"select_recalled: queries {tuple(queries.shape)}, centroids {tuple(centroids.shape)}")
+    if not rankable(c):
+        raise ValueError(f"select_recalled: {c} clusters a row, more than one program ranks ({MAX_RANKED_CLUSTERS})")
     hk = rows // b
     dev = queries.device
+    cuda = dev.type == "cuda"
     block_d = max(16, triton.next_power_of_2(d))
-    block_c = 32 if dev.type == "cuda" else 16
+    block_c = 32 if cuda else 16
     scores = torch.empty((rows, c), dtype=torch.float32, device=dev)
-    start = torch.empty((rows, c), dtype=torch.int64, device=dev)
     _cluster_scores[(rows, triton.cdiv(c, block_c))](
         queries, centroids, scores, queries.stride(0), queries.stride(1), queries.stride(3), *centroids.stride(),
         hk, hq // hk, c, d, BLOCK_C=block_c, BLOCK_D=block_d,
@@ -154,13 +187,17 @@ def select_recalled(
     ptr_arg = ring_ptr if has_ring else counts
     r_strides = ring.stride() if has_ring else (0, 0, 0)
     r_count = ring.shape[0] if has_ring else 1
-    _cluster_starts[(rows, triton.cdiv(c, block_c))](
-        scores, sizes, start, ring_arg, ptr_arg, counts, *sizes.stride(), *r_strides, c, budget, r_count,
-        HAS_RING=has_ring, BLOCK_C=block_c, BLOCK_J=64 if dev.type == "cuda" else 16,
+    ranked = torch.empty((rows, c), dtype=torch.int32, device=dev)
+    cum = torch.empty((rows, c), dtype=torch.int32, device=dev)
+    block_all = max(16, triton.next_power_of_2(c))
+    _rank_clusters[(rows,)](
+        scores, sizes, ranked, cum, ring_arg, ptr_arg, counts, *sizes.stride(), *r_strides, c, budget, r_count,
+        HAS_RING=has_ring, BLOCK_C=block_all, num_warps=min(16, max(4, block_all // 256)),
     )  # fmt: skip
-    block = 256 if dev.type == "cuda" else 64
-    _place_recalled[(rows, triton.cdiv(n, block))](
-        start, sorted_labels, within, sorted_tokens, slots, ptr_arg,
-        *sorted_labels.stride(), *within.stride(), *sorted_tokens.stride(), *slots.stride(),
-        c, n, min(budget, n), offset, r_count, HAS_RING=has_ring, BLOCK=block,
+    take = min(budget, n)
+    block = 128 if cuda else 64
+    _place_recalled[(rows, max(1, triton.cdiv(take, block)))](
+        ranked, cum, offsets, sorted_tokens, slots, ptr_arg,
+        *offsets.stride(), *sorted_tokens.stride(), *slots.stride(),
+        c, take, offset, r_count, c.bit_length(), HAS_RING=has_ring, BLOCK=block,
     )  # fmt: skip
