@@ -176,14 +176,23 @@ def _picks_on(seed: int, rows: int, n: int, k: int, device: torch.device) -> tor
 
 
 def kmeans_cosine(
-    x: torch.Tensor, k: int, *, max_iters: int = 20, seed: int = 0, iterate: Iterate = lloyd_iterations
+    x: torch.Tensor,
+    k: int,
+    *,
+    max_iters: int = 20,
+    seed: int = 0,
+    iterate: Iterate = lloyd_iterations,
+    rows_per_sequence: int | None = None,
 ) -> KMeansResult:
     """Spherical k-means of ``x`` ``[B, n, d]`` into ``min(k, n)`` clusters per batch entry, all batched.
 
     The initial centroids are the first ``k`` vectors of each row's :func:`init_order` (the same
     choice on every device and in the C++ op). ``iterate``: the loop (:func:`lloyd_iterations`,
     or the fast path's :func:`ov_kvcrush.kernels.kmeans.lloyd_on_device`, which never waits for
-    the device).
+    the device). ``rows_per_sequence``: where the rows are several sequences' heads
+    (``[batch * heads]``), one sequence's row count: each sequence's rows draw the picks of rows
+    ``0 .. heads - 1``, so a sequence clusters in a batch exactly as it does alone (a converged
+    row is a fixed point of the loop, so iterating on for another row changes nothing).
     """
     if x.dim() != 3 or not x.is_floating_point():
         raise ShapeError(f"kmeans_cosine needs a float [B, n, d] tensor, got {tuple(x.shape)}")
@@ -195,7 +204,12 @@ def kmeans_cosine(
     k = min(k, n)
     xf = x.float()
     xn = F.normalize(xf, dim=-1)
-    init = initial_picks(seed, bsz, n, k, x.device)
+    per = rows_per_sequence or bsz
+    if per < 1 or bsz % per:
+        raise ShapeError(f"kmeans_cosine: {bsz} rows are not whole sequences of {per}")
+    init = initial_picks(seed, per, n, k, x.device)
+    if per != bsz:
+        init = init.repeat(bsz // per, 1)
     directions = torch.gather(xn, 1, init.unsqueeze(-1).expand(bsz, k, d))
     labels, directions, iterations, objective = iterate(xn, directions, max_iters)
     sizes = torch.zeros(bsz, k, dtype=torch.long, device=x.device).scatter_add_(1, labels, torch.ones_like(labels))
@@ -268,7 +282,7 @@ def cluster_tokens(
     both cluster through here, so they hold the same clusters."""
     b, hk, _, d = keys.shape
     x = keys[:, :, start:end].reshape(b * hk, end - start, d)
-    km = kmeans_cosine(x, k, max_iters=max_iters, seed=seed, iterate=iterate)
+    km = kmeans_cosine(x, k, max_iters=max_iters, seed=seed, iterate=iterate, rows_per_sequence=hk)
     tokens = torch.arange(start, end, device=keys.device)
     if index is None:
         return ClusterIndex.build(km.centroids, km.labels, tokens), km.iterations
