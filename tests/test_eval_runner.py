@@ -74,7 +74,7 @@ def test_memory_probe_equals_what_the_engine_held(engine, shared):
 
 
 def test_teacher_forced_perplexity_equals_plain_transformers(engine, hf_dir):
-    from ov_kvcrush.engines.torch_engine import load_model
+    from ov_kvcrush.engines.torch_model import load_model
 
     ids = engine.tokenizer("The quick brown fox jumps over the lazy dog. " * 60, add_special_tokens=True).input_ids
     context, continuation = ids[:-24], ids[-24:]

@@ -45,7 +45,7 @@ def _run(engine, compression: CompressionConfig, prompt, **settings):
 
 
 def test_full_equals_plain_transformers_for_32_greedy_tokens(engine, hf_dir):
-    from ov_kvcrush.engines.torch_engine import load_model
+    from ov_kvcrush.engines.torch_model import load_model
 
     plain, _ = load_model(hf_dir, attn="sdpa")  # transformers' own attention and DynamicCache
     ids = engine.encode(QUESTION)

@@ -17,6 +17,7 @@ captures once per ``cluster_every`` tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,16 +26,17 @@ from ov_kvcrush.engines.hf_cache import CompressedCache
 
 
 class GraphedDecoder:
-    """One decode step of ``model`` over ``cache`` (fast layers only), captured and replayed."""
+    """One decode step of ``model`` over ``cache`` (fast layers only), captured and replayed;
+    ``rows``: the sequences ``cache`` holds (a batch decodes one token per row per step)."""
 
-    def __init__(self, model: Any, cache: CompressedCache) -> None:
+    def __init__(self, model: Any, cache: CompressedCache, rows: int = 1) -> None:
         if not cache.graphable():
             raise ValueError("GraphedDecoder needs a cache of fast layers (CompressedCache(fast_path=True))")
         device = model.device
         self.model = model
         self.cache = cache
-        self.ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-        self.positions = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key: tuple[Any, ...] | None = None
         self.logits: torch.Tensor | None = None
@@ -52,13 +54,14 @@ class GraphedDecoder:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[0, -1]
+        return out.logits[:, -1]
 
-    def step(self, token: int, position: int) -> torch.Tensor:
-        """Feed ``token`` at ``position``; the next-token logits (valid until the next step)."""
+    def step(self, tokens: Sequence[int], position: int) -> torch.Tensor:
+        """Feed one token per row at ``position`` (every row's); the next-token logits
+        ``[rows, vocab]`` (valid until the next step)."""
         cache = self.cache
         cache.before_step(1)
-        self.ids.fill_(token)
+        self.ids.copy_(torch.tensor(tokens, dtype=torch.long).view(-1, 1))
         self.positions.fill_(position)
         key = cache.graph_key()
         cache.set_graphed(True)

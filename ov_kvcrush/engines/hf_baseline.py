@@ -8,7 +8,7 @@ Two rows of their own in ``ov-kvcrush bench`` (backends ``hf-sdpa`` and ``hf-sta
   ``CompileConfig(mode="reduce-overhead", fullgraph=True)``: a preallocated cache and a decode
   step compiled into CUDA graphs, transformers' fastest decode (the TPOT target). CUDA only
   (transformers compiles on CUDA only). Compilation and graph capture are not timed: the first
-  generation at each prompt length runs once untimed before (``counters["warmup_runs"]``).
+  generation at each prompt length and batch runs once untimed before (``counters["warmup_runs"]``).
 
 Both time each token as the streamer receives it (after its transfer to the host, so the step
 has finished), as the torch engine does.
@@ -17,13 +17,14 @@ has finished), as the torch engine does.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, step_ms, ttft_tpot_ms
-from ov_kvcrush.engines.torch_engine import TorchEngine
+from ov_kvcrush.engines.torch_engine import TorchEngine, equal_length_groups
 from ov_kvcrush.errors import ConfigError
 
 #: backend name -> whether it runs the static cache compiled
@@ -76,46 +77,78 @@ class HFBaselineEngine(TorchEngine):
             raise ConfigError("device", device, "cuda (hf-static-compiled compiles CUDA graphs)")
         super().__init__(model_dir, compression, device=device, dtype=dtype)
         self.backend = backend
-        self.warm_lengths: set[int] = set()
+        self.warm_shapes: set[tuple[int, int]] = set()  # (rows, tokens) compiled and captured
 
     def generate(
         self, prompt: Prompt, settings: GenerationSettings | None = None, streamer: Streamer | None = None
     ) -> GenerationResult:
         settings = settings or GenerationSettings()
-        ids = self._prompt_ids(prompt, settings)
+        result = self._generate_rows([self._prompt_ids(prompt, settings)], settings)[0]
+        if streamer is not None:
+            streamer(result.text)
+        return result
+
+    def generate_batch(
+        self, prompts: Sequence[Prompt], settings: GenerationSettings | None = None
+    ) -> list[GenerationResult]:
+        """transformers' batched generation, as :meth:`TorchEngine.generate_batch` batches:
+        prompts of one token count in one ``model.generate`` call (no padding), other lengths in
+        calls of their own; ``kv_bytes`` is a row's share."""
+        settings = settings or GenerationSettings()
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ConfigError("prompts", prompts, "a non-empty list of prompts")
+        ids = [self._prompt_ids(p, settings) for p in prompts]
+        results: list[GenerationResult | None] = [None] * len(ids)
+        for group in equal_length_groups(ids):
+            for i, result in zip(group, self._generate_rows([ids[i] for i in group], settings), strict=True):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    def _generate_rows(self, rows: list[list[int]], settings: GenerationSettings) -> list[GenerationResult]:
+        """One ``model.generate`` over prompts of one length; a result per row."""
         warmups = 0
-        if self.static and len(ids) not in self.warm_lengths:
-            self._generate(ids, settings)  # compile and capture at this length, untimed
-            self.warm_lengths.add(len(ids))
+        shape = (len(rows), len(rows[0]))
+        if self.static and shape not in self.warm_shapes:
+            self._generate(rows, settings)  # compile and capture at this batch and length, untimed
+            self.warm_shapes.add(shape)
             warmups = 1
         clock = _TokenClock()
-        out = self._generate(ids, settings, clock)
-        tokens = out[len(ids) :]
-        if not settings.ignore_eos:
-            tokens = [t for t in tokens if t not in self.eos_ids]
-        if streamer is not None:
-            streamer(self.tokenizer.decode(tokens, skip_special_tokens=True))
-        ttft_ms, tpot_ms = ttft_tpot_ms(clock.stamps)
-        # the static cache holds its whole length from the start; the dynamic one every token
-        # fed, which is all but the last generated
-        kv = self.full_kv_bytes(len(ids) + settings.max_new_tokens if self.static else len(out) - 1)
+        out = self._generate(rows, settings, clock)
+        return [
+            self._result(ids, row[len(ids) :], clock, settings, warmups) for ids, row in zip(rows, out, strict=True)
+        ]
+
+    def _result(
+        self, ids: list[int], generated: list[int], clock: _TokenClock, settings: GenerationSettings, warmups: int
+    ) -> GenerationResult:
+        tokens = generated
+        if not settings.ignore_eos:  # a row ends at its first EOS (a batch pads it on after)
+            end = next((j for j, t in enumerate(generated) if t in self.eos_ids), len(generated))
+            tokens = generated[:end]
+        stamps = clock.stamps[: len(tokens) + (len(tokens) < len(generated))]
+        ttft_ms, tpot_ms = ttft_tpot_ms(stamps)
+        fed = len(ids) + len(generated) - 1  # every token fed, which is all but the last generated
+        # the static cache holds its whole length from the start; the dynamic one every token fed
+        kv = self.full_kv_bytes(len(ids) + settings.max_new_tokens if self.static else fed)
         return GenerationResult(
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             token_ids=tokens,
             prompt_tokens=len(ids),
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
-            step_ms=step_ms(clock.stamps),
+            step_ms=step_ms(stamps),
             kv_bytes=kv,
-            full_kv_bytes=self.full_kv_bytes(len(out) - 1),
+            full_kv_bytes=self.full_kv_bytes(fed),
             peak_kv_bytes=kv,
             method="full",
             budget=None,
             backend=self.backend,
-            counters={"warmup_runs": warmups},
+            counters={"warmup_runs": warmups, "kv_read_bytes": kv},
         )
 
-    def _generate(self, ids: list[int], settings: GenerationSettings, clock: _TokenClock | None = None) -> list[int]:
+    def _generate(
+        self, rows: list[list[int]], settings: GenerationSettings, clock: _TokenClock | None = None
+    ) -> list[list[int]]:
         from transformers.generation import CompileConfig
 
         kw: dict[str, Any] = {}
@@ -134,10 +167,11 @@ class HFBaselineEngine(TorchEngine):
             clock.t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
-                torch.tensor([ids], device=self.device),
+                torch.tensor(rows, device=self.device),
+                attention_mask=torch.ones((len(rows), len(rows[0])), dtype=torch.long, device=self.device),
                 max_new_tokens=settings.max_new_tokens,
                 streamer=clock,
                 pad_token_id=self.tokenizer.pad_token_id,
                 **kw,
             )
-        return out[0].tolist()
+        return out.tolist()

@@ -305,6 +305,10 @@ class CompressedCache(Cache):
                     out[key] += value
         return out
 
+    def decode_read_bytes(self) -> int:
+        """Bytes a decode step reads at least, over all layers (:meth:`LayerCache.decode_read_bytes`)."""
+        return sum(lc.decode_read_bytes() for lc in self.method_layers() if lc.seen)
+
     def counters(self) -> dict[str, float]:
         """Per-method counters summed over layers; the method recomputes its rates from the sums."""
         total: dict[str, float] = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,72 +46,11 @@ from ov_kvcrush.engines.base import (
 )
 from ov_kvcrush.engines.cuda_graph import GraphedDecoder
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
-from ov_kvcrush.engines.random_model import build_random_model, is_random_model
+from ov_kvcrush.engines.random_model import is_random_model
+from ov_kvcrush.engines.sampling import pick_rows
+from ov_kvcrush.engines.torch_model import load_model
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.methods import MethodConfig
-
-#: Model families whose attention modules call the cache and the attention interface the way
-#: :mod:`~ov_kvcrush.engines.hf_cache` expects (rotary position embeddings, ``layer_idx``).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(device: str) -> torch.device:
-    """``cpu``/``CPU`` or ``cuda``/``cuda:N``/``GPU``; a clear error when CUDA is not there."""
-    name = device.lower()
-    if name == "gpu":
-        name = "cuda"
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("device", device, "cpu (no CUDA device is available on this machine)")
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise ConfigError("device", device, "cpu, cuda or cuda:N") from None
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError("device", device, f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-        return dev
-    raise ConfigError("device", device, "cpu, cuda or cuda:N (backend torch)")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (what the exported checkpoint holds), bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, "auto, " + ", ".join(DTYPES))
-    return DTYPES[dtype]
-
-
-def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "auto", attn: str = ATTN_IMPLEMENTATION):
-    """Load an HF causal LM for the compressed cache; returns ``(model, tokenizer)``.
-
-    ``attn`` can be any transformers attention implementation (``sdpa``, ``eager``): tests load
-    the same checkpoint both ways to compare.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    dev = resolve_device(device)  # refuse a bad device/dtype before any loading work
-    dt = resolve_dtype(dtype, dev)
-    if is_random_model(model_dir):  # random:<architecture>, speed only (engines/random_model.py)
-        return build_random_model(str(model_dir), dev, dt, attn)
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise UserError(f"not a Hugging Face model directory (no config.json): {path}")
-    cfg = AutoConfig.from_pretrained(path)
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(
-            f"model type {model_type!r} is not supported by the torch engine: supported "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-        )
-    if getattr(cfg, "attn_logit_softcapping", None):
-        raise UserError("models with attention logit soft-capping are not supported by the compressed cache")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn).to(dev).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
 
 
 class TorchEngine:
@@ -209,21 +149,6 @@ class TorchEngine:
         return self.shape.full_kv_bytes(tokens)
 
     # -- generation ---------------------------------------------------------------------------
-    def _pick(self, logits: torch.Tensor, settings: GenerationSettings, gen: torch.Generator | None) -> int:
-        if not settings.do_sample:
-            return int(torch.argmax(logits))
-        x = logits.float() / settings.temperature
-        if settings.top_k:
-            kth = torch.topk(x, min(settings.top_k, x.numel())).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if settings.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            drop = probs.cumsum(-1) - probs > settings.top_p  # keep the smallest prefix reaching top_p
-            x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(x, dim=-1).cpu()
-        return int(torch.multinomial(probs, 1, generator=gen))
-
     def _prompt_ids(self, prompt: Prompt, settings: GenerationSettings) -> list[int]:
         ids = self.encode(prompt, settings.apply_chat_template)
         self._check_length(len(ids), settings.max_new_tokens)
@@ -233,12 +158,13 @@ class TorchEngine:
         check_context(prompt_tokens, new_tokens, self.max_context)
 
     def _prefill(
-        self, ids: list[int], methods: list[MethodConfig], reserve: int = 0
+        self, rows: list[list[int]], methods: list[MethodConfig], reserve: int = 0
     ) -> tuple[list[CompressedCache], torch.Tensor, float]:
-        """One forward pass over the prompt filling one cache per method.
+        """One forward pass over the prompts ``rows`` (as many tokens each: a batch) filling one
+        cache per method.
 
-        Returns the caches, the last position's logits and the seconds the pass took. With more
-        than one method the first cache leads and the others follow
+        Returns the caches, each row's last logits ``[rows, vocab]`` and the seconds the pass
+        took. With more than one method the first cache leads and the others follow
         (:meth:`CompressedCache.share_prefill`): every method compresses the same prompt as its
         own prefill would, without running the model once per method.
         """
@@ -247,20 +173,20 @@ class TorchEngine:
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
+                input_ids=torch.tensor(rows, device=self.device),
                 past_key_values=caches[0],
                 use_cache=True,
                 logits_to_keep=1,
             )
             for cache in caches:
                 cache.finish_prefill()
-            return caches, out.logits[0, -1], time.perf_counter() - t0
+            return caches, out.logits[:, -1], time.perf_counter() - t0
 
-    def _step(self, cache: CompressedCache, token: int) -> torch.Tensor:
-        """Feed one token through ``cache``; the next-token logits."""
+    def _step(self, cache: CompressedCache, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one token per row through ``cache``; the next-token logits ``[rows, vocab]``."""
         with torch.inference_mode():
-            x = torch.tensor([[token]], device=self.device)
-            return self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            x = torch.tensor([[t] for t in tokens], device=self.device)
+            return self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
     def generate(
         self,
@@ -276,9 +202,40 @@ class TorchEngine:
         question comes as the next step: a question asked after compression."""
         settings = settings or GenerationSettings()
         ids, split = self._prompt_split(prompt, settings, question)
-        caches, logits, prefill_s = self._prefill(ids[:split], [self.method], settings.max_new_tokens)
-        logits, more_s = self._finish_prompt(caches[0], ids, split, logits)
-        return self._decode(ids, caches[0], self.compression, logits, prefill_s + more_s, settings, streamer)
+        caches, logits, prefill_s = self._prefill([ids[:split]], [self.method], settings.max_new_tokens)
+        logits, more_s = self._finish_prompt(caches[0], ids, split, logits[0])
+        return self._decode([ids], caches[0], self.compression, logits[None], prefill_s + more_s, settings, streamer)[0]
+
+    def generate_batch(
+        self, prompts: Sequence[Prompt], settings: GenerationSettings | None = None
+    ) -> list[GenerationResult]:
+        """Generate for several prompts at once; one result per prompt, in order, each what
+        :meth:`generate` gives for that prompt alone (greedy tokens equal; sampling draws each
+        row from its own generator seeded with ``settings.seed``).
+
+        Prompts of the same token count form one batch: one prefill of ``[rows, tokens]``, then
+        one decode step per token for every row (each row keeps its own method state: its
+        selections, clusters, pages and scores; a finished row is fed on until the batch ends,
+        and what it generates after its end is dropped). Prompts of other lengths form batches of
+        their own, run one after the other: rows are never padded. A method with a scoring pass
+        (KVzip) runs its prompts one at a time. ``ttft_ms`` is the batch's prefill, ``tpot_ms``
+        its step, and ``kv_bytes`` a row's share of the batch's cache.
+        """
+        settings = settings or GenerationSettings()
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ConfigError("prompts", prompts, "a non-empty list of prompts")
+        if self.method.scoring_pass:
+            return [self.generate(p, settings) for p in prompts]
+        ids = [self._prompt_ids(p, settings) for p in prompts]
+        results: list[GenerationResult | None] = [None] * len(ids)
+        for group in equal_length_groups(ids):
+            rows = [ids[i] for i in group]
+            caches, logits, prefill_s = self._prefill(rows, [self.method], settings.max_new_tokens)
+            for i, result in zip(
+                group, self._decode(rows, caches[0], self.compression, logits, prefill_s, settings), strict=True
+            ):
+                results[i] = result
+        return [r for r in results if r is not None]
 
     def _prompt_split(
         self, prompt: Prompt, settings: GenerationSettings, question: str | None
@@ -330,15 +287,14 @@ class TorchEngine:
         configs = _check_compressions(compressions)
         ids, split = self._prompt_split(prompt, settings, question)
         caches, first, prefill_s = self._prefill(
-            ids[:split], [self._calibrated(c.method_config()) for c in configs], settings.max_new_tokens
+            [ids[:split]], [self._calibrated(c.method_config()) for c in configs], settings.max_new_tokens
         )
         results = []
         for cfg in configs:
             cache = caches.pop(0)  # each cache is freed once decoded
-            logits, more_s = self._finish_prompt(cache, ids, split, first)
-            results.append(
-                self._decode(ids, cache, cfg, logits, prefill_s + more_s, settings, None, shared=len(configs) > 1)
-            )
+            logits, more_s = self._finish_prompt(cache, ids, split, first[0])
+            shared = len(configs) > 1
+            results += self._decode([ids], cache, cfg, logits[None], prefill_s + more_s, settings, None, shared)
         return results
 
     def score_continuation_each(
@@ -358,17 +314,17 @@ class TorchEngine:
         if not context or not continuation:
             raise UserError("score_continuation_each needs a non-empty context and continuation")
         self._check_length(len(context), len(continuation))
-        caches, first, _ = self._prefill(list(context), [self._calibrated(c.method_config()) for c in configs])
+        caches, first, _ = self._prefill([list(context)], [self._calibrated(c.method_config()) for c in configs])
         out = []
         for cfg in configs:
             cache = caches.pop(0)
-            logits, nll, pred = first, [], []
+            logits, nll, pred = first[0], [], []
             for j, tok in enumerate(continuation):
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 nll.append(float(-logp[tok]))
                 pred.append(int(torch.argmax(logits)))
                 if j + 1 < len(continuation):
-                    logits = self._step(cache, tok)
+                    logits = self._step(cache, [tok])[0]
             mem = cache.memory()
             seen = next(iter(cache.method_layers())).seen
             out.append(
@@ -386,54 +342,92 @@ class TorchEngine:
 
     def _decode(
         self,
-        ids: list[int],
+        rows: list[list[int]],
         cache: CompressedCache,
         compression: CompressionConfig,
         logits: torch.Tensor,
         prefill_s: float,
         settings: GenerationSettings,
-        streamer: Streamer | None,
+        streamer: Streamer | None = None,
         shared: bool = False,
-    ) -> GenerationResult:
-        """Decode from the prompt's last logits until EOS, the token limit or the streamer stops."""
-        gen = torch.Generator().manual_seed(settings.seed) if settings.do_sample else None
-        tokens: list[int] = []
+    ) -> list[GenerationResult]:
+        """Decode every row of ``cache`` from the prompts' last logits ``[rows, vocab]``, one step
+        for all rows at a time, until each row meets EOS, the token limit or (one row) the
+        streamer's stop; the batch ends when every row has."""
+        n = len(rows)
+        gens = [torch.Generator().manual_seed(settings.seed) if settings.do_sample else None for _ in range(n)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        ends = [0] * n  # a finished row's count of stamped steps (0: still running)
         stamps: list[float] = []
         peak = 0
         stream = TextStream(streamer, lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         t0 = time.perf_counter() - prefill_s  # the first token is due after the prefill
-        graphed = GraphedDecoder(self.model, cache) if self.cuda_graphs and cache.graphable() else None
+        graphed = GraphedDecoder(self.model, cache, n) if self.cuda_graphs and cache.graphable() else None
+        picks: list[int] = []
         for step in range(settings.max_new_tokens):
             if step and graphed is not None:
-                logits = graphed.step(tokens[-1], len(ids) + step - 1)
+                logits = graphed.step(picks, len(rows[0]) + step - 1)
             elif step:
-                logits = self._step(cache, tokens[-1])
-            nxt = self._pick(logits, settings, gen)
+                logits = self._step(cache, picks)
+            picks = pick_rows(logits, settings, gens)
             stamps.append(time.perf_counter() - t0)
             if graphed is None or graphed.last_eager:  # a replayed step changes no shape: no host walk
                 peak = max(peak, cache.memory()["total"])
-            if nxt in self.eos_ids and not settings.ignore_eos:
+            for i, nxt in enumerate(picks):
+                if ends[i]:
+                    continue
+                if nxt in self.eos_ids and not settings.ignore_eos:
+                    ends[i] = step + 1
+                    continue
+                tokens[i].append(nxt)
+                if stream.push(tokens[i]):
+                    ends[i] = step + 1
+            if all(ends):
                 break
-            tokens.append(nxt)
-            if stream.push(tokens):
-                break
-        mem = cache.memory()
         self.last_cache = cache if self.keep_cache else None
-        seen = next(iter(cache.method_layers())).seen
-        ttft_ms, tpot_ms = ttft_tpot_ms(stamps)
+        counters = self._decode_counters(cache, graphed, shared, n)
+        return [
+            self._result(rows[i], tokens[i], stamps[: ends[i] or len(stamps)], cache, compression, peak, counters)
+            for i in range(n)
+        ]
+
+    def _decode_counters(
+        self, cache: CompressedCache, graphed: GraphedDecoder | None, shared: bool, rows: int
+    ) -> dict[str, Any]:
+        """The cache's counters after a decode (summed over its rows), with its bytes."""
+        mem = cache.memory()
         counters: dict[str, Any] = {
             **cache.counters(),
             **cache.policy_ms(),
             "kv_payload_bytes": mem["kv"],
             "kv_metadata_bytes": mem["metadata"],
-            "tokens_seen": seen,
+            "kv_read_bytes": cache.decode_read_bytes(),
+            "tokens_seen": next(iter(cache.method_layers())).seen,
             "tokens_held_per_head": round(cache.tokens_held(), 2),
         }
+        if rows > 1:
+            counters["batch_rows"] = rows
         if graphed is not None:
             counters["graph_captures"] = graphed.captures
         if shared:
             counters["shared_prefill"] = 1
             counters.pop("policy_prefill_ms", None)  # another cache's prefill ran the prompt
+        return _clean(counters)
+
+    def _result(
+        self,
+        ids: list[int],
+        tokens: list[int],
+        stamps: list[float],
+        cache: CompressedCache,
+        compression: CompressionConfig,
+        peak: int,
+        counters: dict[str, Any],
+    ) -> GenerationResult:
+        """One row's result; its bytes are its share of the batch's cache (every row holds alike)."""
+        rows = int(counters.get("batch_rows", 1))
+        total = cache.memory()["total"]
+        ttft_ms, tpot_ms = ttft_tpot_ms(stamps)
         return GenerationResult(
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             token_ids=tokens,
@@ -441,13 +435,13 @@ class TorchEngine:
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
             step_ms=step_ms(stamps),
-            kv_bytes=mem["total"],
-            full_kv_bytes=self.full_kv_bytes(seen),
-            peak_kv_bytes=max(peak, mem["total"]),
+            kv_bytes=total // rows,
+            full_kv_bytes=self.full_kv_bytes(int(counters["tokens_seen"])),
+            peak_kv_bytes=max(peak, total) // rows,
             method=compression.method,
             budget=compression.budget,
             backend=self.backend,
-            counters=_clean(counters),
+            counters=dict(counters),
         )
 
 
@@ -482,6 +476,15 @@ def _check_compressions(compressions: list[CompressionConfig]) -> list[Compressi
         if not isinstance(c, CompressionConfig):
             raise ConfigError("compressions", c, "CompressionConfig items")
     return configs
+
+
+def equal_length_groups(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Indices of ``rows`` grouped by length (groups in order of first appearance): the batches
+    a generation runs without padding."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(len(row), []).append(i)
+    return list(groups.values())
 
 
 def _clean(counters: dict[str, Any]) -> dict[str, Any]:

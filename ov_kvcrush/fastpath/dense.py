@@ -191,3 +191,16 @@ class FastLayerCache(LayerCache):
         kv = self.buffer.nbytes()
         meta = tensor_bytes(*self._metadata())
         return {"kv": kv, "metadata": meta, "total": kv + meta}
+
+    def token_bytes(self) -> int:
+        """Bytes of one token's key and value over every row and KV head of the store."""
+        k = self.buffer.keys
+        assert k is not None
+        return 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+
+    def decode_read_bytes(self) -> int:
+        """Everything held less the store's spare capacity (slots not written yet are never read)."""
+        total = self.memory()["total"]
+        if self.buffer.keys is None:  # a layer that keeps its tokens elsewhere
+            return total
+        return total - (self.buffer.capacity - self.buffer.n) * self.token_bytes()

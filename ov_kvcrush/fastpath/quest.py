@@ -114,6 +114,13 @@ class FastQuestLayerCache(FastLayerCache):
     def _metadata(self) -> list[torch.Tensor | None]:
         return [*super()._metadata(), self.kmax, self.kmin, self.last_selected]
 
+    def decode_read_bytes(self) -> int:
+        """Every page's bounds (scored each step), and the recalled pages' tokens."""
+        if self.dense_layer or self.kmax is None or self.kmin is None:
+            return super().decode_read_bytes()
+        pages = min(self.pages, self.kmax.shape[2])
+        return tensor_bytes(self.kmax, self.kmin) + pages * self.config.page_size * self.token_bytes()
+
     def memory(self) -> dict[str, int]:
         kv = self.buffer.nbytes()
         meta = tensor_bytes(*self._metadata())

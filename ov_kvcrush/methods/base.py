@@ -419,6 +419,12 @@ class LayerCache(ABC):
         """Total bytes held (``memory()['total']``)."""
         return self.memory()["total"]
 
+    def decode_read_bytes(self) -> int:
+        """Bytes a decode step must read from this layer at least: the bandwidth floor's share.
+        Everything held, for a method that attends all it holds; a method that recalls a subset
+        (ClusterKV, Quest) counts what its step reads to choose it and the subset."""
+        return self.memory()["total"]
+
     def _start_prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Validate a prompt (shapes, one query per token, first call) and return its positions."""
         check_kv(keys, values)
