@@ -1,5 +1,7 @@
-"""``ov-kvcrush bench``: one sequence at a time over lengths (:mod:`ov_kvcrush.bench`), or many
-requests over one pool (``--concurrency``: :mod:`ov_kvcrush.bench.serving`)."""
+"""``ov-kvcrush bench``: one sequence at a time over lengths (:mod:`ov_kvcrush.bench`), a batch of
+sequences decoding together on the torch backends (``--concurrency N``: the same harness, each
+run a batch), or many requests over one pool on the OpenVINO backends (``--concurrency`` with
+``--kv-pool-mib``: :mod:`ov_kvcrush.bench.serving`)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     json_out = prepare_output("--json", args.json_out)
     plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
     markdown_out = prepare_output("--markdown", args.markdown)
-    if args.concurrency is not None or args.kv_pool_mib is not None:
+    from ov_kvcrush.bench.plan import TORCH_BACKENDS
+
+    backends = split_values("--backends", args.backends, parse_name)
+    batched = args.concurrency is not None and set(backends) <= set(TORCH_BACKENDS)
+    if args.kv_pool_mib is not None or (args.concurrency is not None and not batched):
         return _bench_serving(args, json_out, plot_out, markdown_out)
     plan = BenchPlan(
-        backends=split_values("--backends", args.backends, parse_name),
+        backends=backends,
         methods=split_values("--methods", args.methods, str),
         budgets=split_values("--budgets", args.budgets, parse_int),
         lengths=split_values("--lengths", args.lengths, parse_int),
@@ -33,6 +39,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         isolate=not args.no_isolate,
+        batch=args.concurrency or 1,
     )
     if args.dry_run:
         print(dry_run(plan))

@@ -210,8 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument(
         "--concurrency",
         type=_positive_int,
-        help="serving run: this many requests of --lengths tokens (one length) arrive together and are served "
-        "by continuous batching over one KV pool of --kv-pool-mib, natively and by our op; reports generated "
+        help="on the torch backends (torch, hf-sdpa, hf-static-compiled): each run is a batch of this many "
+        "prompts of a length decoding together (tok/s counts every row); on the OpenVINO backends, with "
+        "--kv-pool-mib: a serving run, this many requests of --lengths tokens (one length) arrive together and "
+        "are served by continuous batching over one KV pool, natively and by our op; reports generated "
         "tokens/s, TTFT and TPOT p50/p90, peak RSS, waiting and passkeys",
     )
     bn.add_argument("--kv-pool-mib", type=float, help="serving run: the KV pool every backend gets, in MiB")

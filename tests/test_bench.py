@@ -205,6 +205,43 @@ def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypat
     assert any(x.startswith(line) and x.endswith("| 2/2 |") for x in md)
 
 
+class FakeBatchEngine(FakeEngine):
+    """A batch is its prompts' results, each row a share of the batch's KV; the step reads a
+    tenth of what the batch holds (a method that recalls a subset)."""
+
+    def generate_batch(self, prompts: list[str], settings) -> list[GenerationResult]:
+        rows = [self.generate(p, settings) for p in prompts]
+        read = sum(r.kv_bytes for r in rows) // 10
+        for r in rows:
+            r.counters = {"kv_read_bytes": read, "batch_rows": len(rows)}
+        return rows
+
+
+def test_a_batched_run_decodes_every_row_and_reads_what_the_method_reads(monkeypatch):
+    """``--concurrency 3`` on the torch backends: every run is one batch of three different
+    prompts of one token count; tok/s counts the rows, KV bytes sum them, and the floor is the
+    weights once plus the KV bytes the step reads."""
+    monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda device="cpu": 20.0)
+    monkeypatch.setattr(bench.measure, "weight_bytes", lambda engine: 50_000_000)
+    log: list = []
+    plan = BenchPlan(backends=("torch", "hf-sdpa"), methods=("full", "clusterkv"), budgets=(256,), lengths=(300,))
+    plan.repeats, plan.new_tokens, plan.isolate, plan.model, plan.batch = 1, 6, False, "random:tiny-llama", 3
+    doc = bench.run_bench(plan, engine_factory=lambda c: FakeBatchEngine(c, 2.0, 100, log))
+    assert doc["anchor"] == "hf-sdpa full" and doc["plan"]["batch"] == 3
+    assert len(log) == 3 * 3  # three configurations, each one batch of three rows
+    batches = [log[i : i + 3] for i in range(0, len(log), 3)]
+    assert all(len({label for label, _ in b}) == 1 and len({n for _, n in b}) == 1 for b in batches)
+    for r in doc["results"]:
+        assert r["batch"] == 3 and r["decode_tokens_per_s"] == pytest.approx(3 * 1000 / r["tpot_ms"])
+        held = r["prompt_tokens"] if r["budget"] is None else min(r["prompt_tokens"], 256)
+        assert r["kv_bytes"] == 3 * held * 100 and r["kv_read_bytes"] == 3 * held * 100 // 10
+        assert r["floor_ms"] == pytest.approx((50_000_000 + r["kv_read_bytes"]) / 20e9 * 1e3)
+        assert r["correct"] is None  # random weights: speed only
+    assert "x3" in bench.format_table(doc) and "×3" in bench.format_markdown(doc)
+    with pytest.raises(ConfigError, match="concurrency"):
+        bench.dry_run(BenchPlan(backends=("genai", "openvino"), lengths=(300,), batch=2))
+
+
 def test_run_bench_uses_a_fresh_prompt_every_repeat(monkeypatch):
     monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
     monkeypatch.setattr(bench.measure, "weight_bytes", lambda engine: 1)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.validation import check_int
 
 #: transformers without compression, rows of their own beside the torch engine on a GPU
 #: (:mod:`ov_kvcrush.engines.hf_baseline`); they run method ``full`` only
@@ -23,6 +24,8 @@ TORCH_BACKENDS = ("torch", *HF_BASELINE_BACKENDS)
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8000)
 #: the shortest prompt the passkey task fits in (intro, key, question and the chat template)
 MIN_LENGTH = 256
+#: the most sequences one batched run decodes together
+MAX_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,9 @@ class BenchPlan:
     ``methods`` items may carry options (``kvcrush:block_size=32``). ``device`` is where the torch
     backend runs (``cpu``, ``cuda``, ``cuda:N``); the OpenVINO backends run on the CPU. ``isolate``
     runs every configuration in its own worker process (its peak RSS is its own); without it, one
-    process holds every engine and the RSS column is that process's.
+    process holds every engine and the RSS column is that process's. ``batch``: sequences that
+    decode together in each run (``--concurrency`` on the torch backends: one prefill of
+    ``batch`` prompts of a length, then one step per token for all of them; 1: one sequence).
     """
 
     backends: tuple[str, ...] = ("genai", "openvino")
@@ -190,6 +195,7 @@ class BenchPlan:
     model: str | None = None
     device: str = "cpu"
     isolate: bool = True
+    batch: int = 1
 
 
 def device_of(cfg: BenchConfig, plan: BenchPlan) -> str:
@@ -206,8 +212,8 @@ def speed_only(plan: BenchPlan) -> bool:
 
 def anchor_backend(plan: BenchPlan) -> str:
     """The backend whose full cache every ratio divides by: native genai, or for a random-weight
-    model (which only the torch backends run) plain transformers, ``hf-sdpa``."""
-    return "hf-sdpa" if speed_only(plan) else "genai"
+    model or a batch (which only the torch backends run) plain transformers, ``hf-sdpa``."""
+    return "hf-sdpa" if speed_only(plan) or plan.batch > 1 else "genai"
 
 
 def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, int, BenchConfig]]]:
@@ -221,6 +227,14 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
             )
     configs = plan_configs(plan.backends, plan.methods, plan.budgets, anchor=anchor)
     order = schedule(configs, plan.lengths, plan.repeats)
+    check_int("concurrency", plan.batch, 1, MAX_BATCH)
+    if plan.batch > 1 and any(c.backend not in TORCH_BACKENDS for c in configs):
+        raise ConfigError(
+            "concurrency",
+            plan.batch,
+            f"1 here: a batch runs on {', '.join(TORCH_BACKENDS)} (the OpenVINO backends serve --concurrency "
+            "over a pool: add --kv-pool-mib)",
+        )
     if plan.new_tokens < 2:
         raise ConfigError("new_tokens", plan.new_tokens, "an integer >= 2 (TPOT needs two tokens)")
     context = plan_context(plan)
@@ -229,7 +243,7 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
             top = f"{context - plan.new_tokens} (the model's context {context} less --new-tokens)" if context else ""
             raise ConfigError("lengths", n, f"prompt lengths in [{MIN_LENGTH}, {top or 'the context'}]")
     if any(c.backend in TORCH_BACKENDS for c in configs):
-        from ov_kvcrush.engines.torch_engine import resolve_device
+        from ov_kvcrush.engines.torch_model import resolve_device
 
         resolve_device(plan.device)  # a bad or missing device is refused before any model loads
         if "hf-static-compiled" in plan.backends and not plan.device.lower().startswith(("cuda", "gpu")):
@@ -263,6 +277,8 @@ def dry_run(plan: BenchPlan) -> str:
     without loading a model: a committed benchmark command can be checked in a test."""
     configs, order = checked_plan(plan)
     head = f"{len(configs)} configurations x {len(plan.lengths)} lengths x {plan.repeats} repeats"
+    if plan.batch > 1:
+        head += f" (each a batch of {plan.batch} sequences)"
     lines = [f"{head} = {len(order)} runs", *(f"  {c.label}" for c in configs)]
     lines.append("lengths: " + ", ".join(str(n) for n in plan.lengths))
     return "\n".join(lines)

@@ -37,8 +37,10 @@ def summarize(
     results = []
     for (label, length), mine in groups.items():
         first = mine[0]
+        batch = int(first.get("batch", 1))
         tpot = statistics.median(r["tpot_ms"] for r in mine)
         kv = statistics.median(r["kv_bytes"] for r in mine)
+        kv_read = statistics.median(r.get("kv_read_bytes", r["kv_bytes"]) for r in mine)
         row = {
             "label": label,
             "backend": first["backend"],
@@ -48,20 +50,23 @@ def summarize(
             "length": length,
             "prompt_tokens": first["prompt_tokens"],
             "runs": len(mine),
+            "batch": batch,
             "ttft_ms": statistics.median(r["ttft_ms"] for r in mine),
             "tpot_ms": tpot,
             "tpot_p90_ms": statistics.median(r["tpot_p90_ms"] for r in mine),
-            "decode_tokens_per_s": 1e3 / tpot if tpot else 0.0,
+            "decode_tokens_per_s": batch * 1e3 / tpot if tpot else 0.0,
             "kv_bytes": int(kv),
+            "kv_read_bytes": int(kv_read),
             "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in mine)),
             "engine_rss_bytes": first.get("engine_rss_bytes"),
             "device": first.get("device", "cpu"),
-            "correct": None if any(r["correct"] is None for r in mine) else sum(bool(r["correct"]) for r in mine),
+            "correct": None if any(r["correct"] is None for r in mine) else sum(int(r["correct"]) for r in mine),
         }
         for key in ("policy_decode_share", "policy_prefill_share", "clustering_prefill_share"):
             vals = [r[key] for r in mine if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
-        row["floor_ms"] = floor_ms(weight_bytes[first["backend"]], row["kv_bytes"], bandwidths[row["device"]])
+        # a step reads the weights once for the whole batch, and the KV its method must read
+        row["floor_ms"] = floor_ms(weight_bytes[first["backend"]], row["kv_read_bytes"], bandwidths[row["device"]])
         row["tpot_vs_floor"] = tpot / row["floor_ms"] if row["floor_ms"] else None
         results.append(row)
 
@@ -154,7 +159,9 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{'configuration':38s} {'tokens':>6s} {'TTFT ms':>8s} {'TPOT ms':>8s} {'p90':>6s} {'tok/s':>6s} "
         f"{'KV MiB':>8s} {'xTPOT':>6s} {'xKV':>6s} {'xfloor':>6s} {'pre%':>5s} {'dec%':>5s} {'RSS MiB':>8s}"
     )
-    lines = [f"ratios to {doc.get('anchor', 'genai full')}", head]
+    batch = int(doc.get("plan", {}).get("batch", 1))
+    rows = f"; every run a batch of {batch} sequences (xN after a label), tok/s counts every row" if batch > 1 else ""
+    lines = [f"ratios to {doc.get('anchor', 'genai full')}{rows}", head]
 
     def ratio(x: float | None, digits: int = 2) -> str:
         return f"{x:6.{digits}f}" if x is not None else f"{'':6s}"
@@ -164,7 +171,7 @@ def format_table(doc: dict[str, Any]) -> str:
 
     for r in doc["results"]:
         lines.append(
-            f"{r['label']:38s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
+            f"{_batched(r, 'x'):38s} {r['length']:6d} {r['ttft_ms']:8.0f} {r['tpot_ms']:8.1f} {r['tpot_p90_ms']:6.1f} "
             f"{r['decode_tokens_per_s']:6.1f} {r['kv_bytes'] / 2**20:8.2f} {ratio(_anchored(r, 'tpot'))} "
             f"{ratio(_anchored(r, 'kv'), 3)} {ratio(r['tpot_vs_floor'])} "
             f"{share(r.get('policy_prefill_share'))} {share(r.get('policy_decode_share'))} "
@@ -190,9 +197,9 @@ def format_markdown(doc: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
-        passkey = "speed only" if r["correct"] is None else f"{r['correct']}/{r['runs']}"
+        passkey = "speed only" if r["correct"] is None else f"{r['correct']}/{r['runs'] * r.get('batch', 1)}"
         lines.append(
-            f"| {r['label']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | {x(r.get('ttft_vs_anchor'))} "
+            f"| {_batched(r, '×')} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | {x(r.get('ttft_vs_anchor'))} "
             f"| {r['tpot_ms']:.1f} | {r['tpot_p90_ms']:.1f} "
             f"| {r['decode_tokens_per_s']:.1f} | {r['kv_bytes'] / 2**20:.2f} | {x(_anchored(r, 'tpot'))} "
             f"| {x(_anchored(r, 'kv'), 3)} | {x(r['tpot_vs_floor'])} | {pct(r.get('policy_prefill_share'))} "
@@ -200,6 +207,12 @@ def format_markdown(doc: dict[str, Any]) -> str:
             f"| {r['peak_rss_bytes'] / 2**20:.0f} | {passkey} |"
         )
     return "\n".join(lines)
+
+
+def _batched(row: dict[str, Any], times: str) -> str:
+    """A result's label, with its batch (``torch clusterkv @1024 x8``) where it decoded several rows."""
+    batch = int(row.get("batch", 1))
+    return row["label"] if batch == 1 else f"{row['label']} {times}{batch}"
 
 
 def _anchored(row: dict[str, Any], what: str) -> float | None:

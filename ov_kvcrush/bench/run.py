@@ -94,18 +94,46 @@ WARM_UP_TOKENS, WARM_UP_NEW = 512, 4
 def warm_up(
     plan: BenchPlan, configs: Sequence[BenchConfig], runners: dict[str, Any], say: Callable[[str], None]
 ) -> None:
-    """One short untimed generation per configuration on a GPU: Triton compiles a kernel at its
-    first call (measured on an H200: ClusterKV's first 8k TTFT 1693 ms, the next 283 ms), which
-    must not land in a timed repeat. The CPU backends compile when they load."""
+    """One short untimed generation per configuration on a GPU (of the plan's batch): Triton
+    compiles a kernel at its first call (measured on an H200: ClusterKV's first 8k TTFT 1693 ms,
+    the next 283 ms), which must not land in a timed repeat. The CPU backends compile when they load."""
     from ov_kvcrush.config import GenerationSettings
-    from ov_kvcrush.eval.tasks import passkey_prompt
 
     settings = GenerationSettings(max_new_tokens=WARM_UP_NEW, ignore_eos=True)
     for c in configs:
         if device_of(c, plan) != "cpu":
             say(f"warming up {c.label}")
             runner = runners[c.label]
-            runner.generate(passkey_prompt(WARM_UP_TOKENS, runner.count, seed=plan.seed + 1).prompt, settings)
+            prompts = batch_prompts(WARM_UP_TOKENS, plan.batch, runner.count, seed=plan.seed + 1)
+            generate(runner, [p.prompt for p in prompts], settings)
+
+
+def batch_prompts(length: int, rows: int, count: Callable[[str], int], seed: int) -> list[Any]:
+    """``rows`` passkey prompts of ``length`` tokens at most, with different keys, of one token
+    count (a batch is never padded): the first from ``seed``, the others from the next seeds
+    whose prompt counts as many tokens."""
+    from ov_kvcrush.errors import UserError
+    from ov_kvcrush.eval.tasks import passkey_prompt
+
+    first = passkey_prompt(length, count, seed=seed)
+    out, tokens = [first], count(first.prompt)
+    for s in range(seed + 1, seed + 1 + 64 * rows):
+        if len(out) == rows:
+            return out
+        sample = passkey_prompt(length, count, seed=s)
+        if count(sample.prompt) == tokens:
+            out.append(sample)
+    if len(out) < rows:
+        raise UserError(f"bench: no {rows} passkey prompts of {tokens} tokens (one batch) in {64 * rows} seeds")
+    return out
+
+
+def generate(runner: Any, prompts: list[str], settings: Any) -> tuple[list[Any], int]:
+    """One run: the results of ``prompts`` (one, or a batch) and the process's peak RSS."""
+    if len(prompts) == 1:
+        r, peak = runner.generate(prompts[0], settings)
+        return [r], peak
+    return runner.generate_batch(prompts, settings)
 
 
 def timed_runs(
@@ -115,9 +143,9 @@ def timed_runs(
     counter: Any,
     say: Callable[[str], None],
 ) -> list[dict[str, Any]]:
-    """The runs in ``order``: one fresh passkey prompt per repeat and length, every configuration."""
+    """The runs in ``order``: fresh passkey prompts per repeat and length (one, or a batch),
+    every configuration."""
     from ov_kvcrush.config import GenerationSettings
-    from ov_kvcrush.eval.tasks import passkey_prompt
 
     settings = GenerationSettings(max_new_tokens=plan.new_tokens, ignore_eos=True)
     quality = not speed_only(plan)  # random weights: the passkey answer means nothing
@@ -125,14 +153,16 @@ def timed_runs(
     runs = []
     for i, (rep, length, c) in enumerate(order):
         if (rep, length) not in samples:
-            samples[rep, length] = passkey_prompt(length, counter.count, seed=plan.seed + 1000 * rep + length)
-        sample = samples[rep, length]
+            samples[rep, length] = batch_prompts(length, plan.batch, counter.count, plan.seed + 1000 * rep + length)
+        batch = samples[rep, length]
         t0 = time.perf_counter()
-        r, peak_rss = runners[c.label].generate(sample.prompt, settings)
+        rows, peak_rss = generate(runners[c.label], [s.prompt for s in batch], settings)
         wall_ms = (time.perf_counter() - t0) * 1e3
+        r = rows[0]  # the rows of a batch share its prefill and its steps
         steps = list(getattr(r, "step_ms", []) or [])
         decode_ms = r.tpot_ms * max(len(r.token_ids) - 1, 1)
         counters = r.counters or {}
+        kv_bytes = sum(int(x.kv_bytes) for x in rows)
         run = {
             "label": c.label,
             "backend": c.backend,
@@ -141,16 +171,18 @@ def timed_runs(
             "options": dict(c.options),
             "length": length,
             "repeat": rep,
+            "batch": len(rows),
             "prompt_tokens": r.prompt_tokens,
             "ttft_ms": r.ttft_ms,
             "tpot_ms": statistics.median(steps) if steps else r.tpot_ms,
             "tpot_mean_ms": r.tpot_ms,
             "tpot_p90_ms": measure.percentile(steps, 90) if steps else r.tpot_ms,
-            "kv_bytes": int(r.kv_bytes),
+            "kv_bytes": kv_bytes,
+            "kv_read_bytes": int(counters.get("kv_read_bytes", kv_bytes)),
             "peak_rss_bytes": int(peak_rss),
             "engine_rss_bytes": int(runners[c.label].engine_rss),
             "device": device_of(c, plan),
-            "correct": bool(sample.score(r.text)) if quality else None,
+            "correct": sum(bool(s.score(x.text)) for s, x in zip(batch, rows, strict=True)) if quality else None,
             "clustering_prefill_share": counters["clustering_prefill_ms"] / r.ttft_ms
             if "clustering_prefill_ms" in counters and r.ttft_ms
             else None,

@@ -42,6 +42,11 @@ class LocalRunner:
             r = self.engine.generate(prompt, settings)
         return r, rss.peak
 
+    def generate_batch(self, prompts: list[str], settings: Any) -> tuple[list[Any], int]:
+        with measure.RssSampler() as rss:
+            rows = self.engine.generate_batch(prompts, settings)
+        return rows, rss.peak
+
     def close(self) -> None:
         self.engine = None
 
@@ -70,7 +75,11 @@ def serve(conn: Any, cfg: BenchConfig, model: str | Path | None, device: str, fa
         if msg[0] == "stop":
             return
         try:
-            conn.send(("ok", local.count(msg[1]) if msg[0] == "count" else local.generate(msg[1], msg[2])))
+            if msg[0] == "count":
+                conn.send(("ok", local.count(msg[1])))
+            else:
+                work = local.generate_batch if msg[0] == "generate_batch" else local.generate
+                conn.send(("ok", work(msg[1], msg[2])))
         except Exception as exc:
             conn.send(failure(exc))
 
@@ -116,6 +125,9 @@ class Worker:
 
     def generate(self, prompt: str, settings: Any) -> tuple[Any, int]:
         return self._ask("generate", prompt, settings)
+
+    def generate_batch(self, prompts: list[str], settings: Any) -> tuple[list[Any], int]:
+        return self._ask("generate_batch", prompts, settings)
 
     def close(self) -> None:
         try:
