@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines.base import equal_length_groups
 from ov_kvcrush.engines.hf_baseline import HFBaselineEngine
-from ov_kvcrush.engines.torch_engine import TorchEngine, equal_length_groups
+from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.fastpath import fast_layer
 from ov_kvcrush.kernels import interpreting, triton_importable

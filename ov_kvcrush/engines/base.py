@@ -56,6 +56,15 @@ class TextStream:
         return stop
 
 
+def equal_length_groups(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Indices of ``rows`` grouped by length (groups in order of first appearance): the batches
+    a generation runs without padding."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(len(row), []).append(i)
+    return list(groups.values())
+
+
 def ttft_tpot_ms(stamps: Sequence[float]) -> tuple[float, float]:
     """TTFT and TPOT in ms from the seconds at which each new token was ready (0 if none / one)."""
     ttft = stamps[0] if stamps else 0.0

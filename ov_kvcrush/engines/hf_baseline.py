@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, step_ms, ttft_tpot_ms
-from ov_kvcrush.engines.torch_engine import TorchEngine, equal_length_groups
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, equal_length_groups, step_ms, ttft_tpot_ms
+from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.errors import ConfigError
 
 #: backend name -> whether it runs the static cache compiled

@@ -18,6 +18,7 @@ Metrics, as in :class:`~ov_kvcrush.engines.base.GenerationResult`:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -38,6 +39,7 @@ from ov_kvcrush.engines.base import (
     chat_messages,
     check_context,
     context_prompt,
+    equal_length_groups,
     generation_prefix,
     model_context,
     question_split,
@@ -45,11 +47,13 @@ from ov_kvcrush.engines.base import (
     ttft_tpot_ms,
 )
 from ov_kvcrush.engines.cuda_graph import GraphedDecoder
+from ov_kvcrush.engines.fused_ops import fuse_model_ops, fused_forward
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.engines.random_model import is_random_model
 from ov_kvcrush.engines.sampling import pick_rows
 from ov_kvcrush.engines.torch_model import load_model
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.kernels import use_triton
 from ov_kvcrush.methods import MethodConfig
 
 
@@ -69,6 +73,9 @@ class TorchEngine:
             ``None`` (default): on CUDA, not on CPU, where the reference is the oracle.
         cuda_graphs: replay decode steps as CUDA graphs where every layer is a fast one
             (:mod:`ov_kvcrush.engines.cuda_graph`); ``None`` (default): on CUDA with the fast path.
+        fused_ops: run the model's RMSNorms, rotary embeddings and SiLU gates on fused kernels
+            (:mod:`ov_kvcrush.engines.fused_ops`: one launch each, transformers' rounding);
+            ``None`` (default): with the fast path where the Triton kernels run (CUDA).
     """
 
     backend = "torch"
@@ -84,6 +91,7 @@ class TorchEngine:
         keep_cache: bool = False,
         fast_path: bool | None = None,
         cuda_graphs: bool | None = None,
+        fused_ops: bool | None = None,
     ) -> None:
         if fast_path is not None and not isinstance(fast_path, bool):
             raise ConfigError("fast_path", fast_path, "true, false or None (auto: on CUDA)")
@@ -102,6 +110,11 @@ class TorchEngine:
                 "cuda_graphs", cuda_graphs, "false or None here (CUDA graphs need device cuda and fast_path)"
             )
         self.cuda_graphs = on_cuda and self.fast_path if cuda_graphs is None else cuda_graphs
+        if fused_ops is not None and not isinstance(fused_ops, bool):
+            raise ConfigError("fused_ops", fused_ops, "true, false or None (auto: with the fast path on CUDA)")
+        self.fused_ops = self.fast_path and use_triton(self.device) if fused_ops is None else fused_ops
+        if self.fused_ops:
+            fuse_model_ops(self.model)
         self.model_dir = Path(model_dir)
         #: the model's context (from its config, as every engine reads it)
         # a random-weight architecture (random:<name>) has no files: its config gives the context
@@ -149,6 +162,10 @@ class TorchEngine:
         return self.shape.full_kv_bytes(tokens)
 
     # -- generation ---------------------------------------------------------------------------
+    def _model_ops(self) -> contextlib.AbstractContextManager[None]:
+        """Around the model's forward passes: its rotary embedding fused where :attr:`fused_ops`."""
+        return fused_forward() if self.fused_ops else contextlib.nullcontext()
+
     def _prompt_ids(self, prompt: Prompt, settings: GenerationSettings) -> list[int]:
         ids = self.encode(prompt, settings.apply_chat_template)
         self._check_length(len(ids), settings.max_new_tokens)
@@ -170,7 +187,7 @@ class TorchEngine:
         """
         caches = [CompressedCache(m, self.model.config, self.fast_path, reserve) for m in methods]
         caches[0].share_prefill(caches[1:])
-        with torch.inference_mode():
+        with torch.inference_mode(), self._model_ops():
             t0 = time.perf_counter()
             out = self.model(
                 input_ids=torch.tensor(rows, device=self.device),
@@ -184,7 +201,7 @@ class TorchEngine:
 
     def _step(self, cache: CompressedCache, tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token per row through ``cache``; the next-token logits ``[rows, vocab]``."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self._model_ops():
             x = torch.tensor([[t] for t in tokens], device=self.device)
             return self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
@@ -366,7 +383,8 @@ class TorchEngine:
         picks: list[int] = []
         for step in range(settings.max_new_tokens):
             if step and graphed is not None:
-                logits = graphed.step(picks, len(rows[0]) + step - 1)
+                with self._model_ops():  # a capture records the fused kernels
+                    logits = graphed.step(picks, len(rows[0]) + step - 1)
             elif step:
                 logits = self._step(cache, picks)
             picks = pick_rows(logits, settings, gens)
@@ -476,15 +494,6 @@ def _check_compressions(compressions: list[CompressionConfig]) -> list[Compressi
         if not isinstance(c, CompressionConfig):
             raise ConfigError("compressions", c, "CompressionConfig items")
     return configs
-
-
-def equal_length_groups(rows: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Indices of ``rows`` grouped by length (groups in order of first appearance): the batches
-    a generation runs without padding."""
-    groups: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        groups.setdefault(len(row), []).append(i)
-    return list(groups.values())
 
 
 def _clean(counters: dict[str, Any]) -> dict[str, Any]:
