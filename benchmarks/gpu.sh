@@ -3,7 +3,7 @@
 # bf16, one sequence, our fast path (ClusterKV, Quest, SnapKV, MiniKV, the full cache) beside
 # transformers' own cache (hf-sdpa: the TTFT anchor; hf-static-compiled: StaticCache + CUDA graphs,
 # the TPOT to beat), in one run. Speed only: random weights make no quality claim.
-#   bash benchmarks/gpu.sh [main|long ...]      (default: main)
+#   bash benchmarks/gpu.sh [main|long|headline|batch|profile ...]      (default: main)
 # Runs from a checkout without installing (the device image has torch, transformers and Triton):
 #   OV_KVCRUSH="python3 -m ov_kvcrush" OUT_DIR=$OUT bash benchmarks/gpu.sh main
 # DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
@@ -38,8 +38,22 @@ for run in "${runs[@]}"; do
     long)  # 64k and 128k, where the memory allows: the full cache against ClusterKV
         bench bench_cuda_llama3_8b_random_long --backends torch,hf-sdpa \
             --methods full,clusterkv "${common[@]}" --lengths 65536,131000 --repeats 1 --new-tokens 64 ;;
+    headline)  # issue 52, one sequence: 32k (no regression) and 128k (where the KV weighs as much as the weights)
+        bench bench_cuda_llama3_8b_random_headline --backends torch,hf-sdpa \
+            --methods full,clusterkv,quest,minikv "${common[@]}" --lengths 32768,131000 --repeats 1 --new-tokens 64 ;;
+    batch)  # issue 52, a batch of 8 at 32k: ours beside transformers' batched sdpa and compiled static cache
+        bench bench_cuda_llama3_8b_random_batch8 --backends torch,hf-sdpa,hf-static-compiled \
+            --methods full,clusterkv,quest,minikv "${common[@]}" --lengths 32768 --concurrency 8 --repeats 1 \
+            --new-tokens 32 ;;
+    profile)  # issue 52: ClusterKV's and the full cache's decode step at 128k, kernel by kernel
+        if [ -n "${DRY_RUN:-}" ]; then
+            echo "python3 benchmarks/gpu_profile.py --lengths 131000 --methods clusterkv,full --steps 8"
+        else
+            python3 benchmarks/gpu_profile.py --lengths 131000 --methods clusterkv,full --steps 8 \
+                --json "$out/profile_cuda_llama3_8b_random_128k_${gpu}.json"
+        fi ;;
     *)
-        echo "benchmarks/gpu.sh: unknown run '$run' (main, long)" >&2
+        echo "benchmarks/gpu.sh: unknown run '$run' (main, long, headline, batch, profile)" >&2
         exit 2 ;;
     esac
 done

@@ -1,22 +1,25 @@
 """Where the CUDA path's time goes: GPU kernel time per decode step and in the prefill, by kind.
 
-For each method, on a random-weight architecture (speed only), one eager generation of one token
-(the prefill) and one of ``1 + --steps`` tokens run under torch's profiler; their difference,
-divided by the steps, is a decode step's kernel time. Kernels are grouped by kind (matrix
-products, attention, Triton kernels, copies and indexing, other element-wise work) and the
-largest are listed. The same method's TPOT with CUDA graphs (the engine's default on CUDA) is
-measured beside it, so the launch overhead that graphs remove shows as the gap between the two.
+For each method, on a random-weight architecture (speed only) and one prefill of the prompt
+(profiled: the prefill's kernels), ``--steps`` eager decode steps run under torch's profiler
+(their kernel time per step), then as many eager steps and steps replayed as CUDA graphs (the
+engine's default on CUDA) are timed, so the launch overhead that graphs remove shows as the gap
+between the two. The engine's fast path and fused element-wise steps run as the torch engine
+runs them on CUDA. Kernels are grouped by kind (matrix products, attention, Triton kernels,
+copies and indexing, other element-wise work) and the largest are listed.
 
-    python benchmarks/gpu_profile.py --model random:llama-3-8b --lengths 512,32768 \\
+    python benchmarks/gpu_profile.py --model random:llama-3-8b --lengths 131000 \\
         --methods full,clusterkv --steps 16 --json profile.json
+
+The same script runs against an older checkout's package (``PYTHONPATH`` first, or a copy of
+this file beside it) to profile before a change.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import random
-import string
 import sys
 import time
 from collections import defaultdict
@@ -27,8 +30,19 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.torch_engine import TorchEngine
+from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.engines.cuda_graph import GraphedDecoder
+from ov_kvcrush.engines.hf_cache import CompressedCache
+
+try:  # the fused element-wise steps (absent from the package before them: --before runs it)
+    from ov_kvcrush.engines.fused_ops import fuse_model_ops
+    from ov_kvcrush.engines.fused_ops import fused_forward as fused
+except ImportError:  # pragma: no cover
+    fuse_model_ops, fused = None, contextlib.nullcontext
+try:
+    from ov_kvcrush.engines.torch_model import load_model
+except ImportError:  # pragma: no cover
+    from ov_kvcrush.engines.torch_engine import load_model
 
 KINDS = (
     ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
@@ -77,35 +91,69 @@ def summary(us: dict[str, float], scale: float) -> dict[str, object]:
     }
 
 
-def text(tokens: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return "".join(rng.choice(string.ascii_lowercase + " ") for _ in range(tokens))
+def graphed_step(decoder: GraphedDecoder, token: int, position: int) -> torch.Tensor:
+    """One replayed step of one sequence (``--before`` runs an older package, whose step took one token)."""
+    try:
+        return decoder.step([token], position)
+    except TypeError:
+        return decoder.step(token, position)  # type: ignore[arg-type]
 
 
-def measure(eager: TorchEngine, graphed: TorchEngine, method: str, length: int, steps: int) -> dict[str, object]:
-    """One method at one prompt length: kernel times (eager) and TPOT with and without graphs."""
-    prompt = text(length - 1, length)
-    one = GenerationSettings(max_new_tokens=1, apply_chat_template=False, ignore_eos=True)
-    more = GenerationSettings(max_new_tokens=1 + steps, apply_chat_template=False, ignore_eos=True)
-    eager.generate(prompt, more)  # warm-up (kernels compiled, allocator grown)
+def measure(model, method: str, budget: int, length: int, steps: int) -> dict[str, object]:
+    """One method at one prompt length, on one prefill: the prefill's kernels, then ``steps``
+    eager decode steps' kernels (per step), then TPOT eager and replayed as CUDA graphs."""
+    comp = CompressionConfig(method=method, budget=None if method == "full" else budget)
+    cache = CompressedCache(comp.method_config(), model.config, fast_path=True, reserve=4 * steps + 8)
+    ids = torch.tensor([[3 + (i * 7919) % 250 for i in range(length)]], device=model.device)
+
+    def forward(x: torch.Tensor, position: int | None = None) -> torch.Tensor:
+        with torch.inference_mode(), fused():
+            kw = {} if position is None else {"position_ids": torch.tensor([[position]], device=model.device)}
+            return model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw).logits
+
     t0 = time.perf_counter()
-    pre = kernel_us(lambda: eager.generate(prompt, one))
+    holder: dict[str, torch.Tensor] = {}
+    pre = kernel_us(lambda: holder.update(logits=forward(ids)) or cache.finish_prefill())
     prefill_wall = time.perf_counter() - t0
-    both = kernel_us(lambda: eager.generate(prompt, more))
-    decode = {k: both.get(k, 0.0) - pre.get(k, 0.0) for k in both}
-    res_eager = eager.generate(prompt, more)
-    graphed.generate(prompt, more)
-    res_graph = graphed.generate(prompt, more)
+    token, position = int(holder["logits"].reshape(-1, holder["logits"].shape[-1])[0].argmax()), length
+
+    def eager_steps(n: int) -> None:
+        nonlocal position
+        for _ in range(n):
+            forward(torch.tensor([[token]], device=model.device), position)
+            position += 1
+
+    eager_steps(2)  # kernels compiled, allocator grown
+    decode = kernel_us(lambda: eager_steps(steps))
+    sync()
+    t0 = time.perf_counter()
+    eager_steps(steps)
+    sync()
+    tpot_eager = (time.perf_counter() - t0) / steps
+    tpot_graphs, captures = None, 0
+    if model.device.type == "cuda":
+        decoder = GraphedDecoder(model, cache)
+        with fused():
+            for _ in range(2):  # the capture, then a replay
+                graphed_step(decoder, token, position)
+                position += 1
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                graphed_step(decoder, token, position)
+                position += 1
+            sync()
+        tpot_graphs, captures = round((time.perf_counter() - t0) / steps * 1e3, 2), decoder.captures
     return {
         "method": method,
         "length": length,
         "prefill_wall_ms_profiled": round(prefill_wall * 1e3, 1),
-        "ttft_ms": round(res_graph.ttft_ms, 1),
-        "tpot_ms_eager": round(res_eager.tpot_ms, 2),
-        "tpot_ms_graphs": round(res_graph.tpot_ms, 2),
-        "counters": {k: v for k, v in res_graph.counters.items() if "ms" in k or "captures" in k},
+        "tpot_ms_eager": round(tpot_eager * 1e3, 2),
+        "tpot_ms_graphs": tpot_graphs,
+        "graph_captures": captures,
+        "kv_read_bytes": cache.decode_read_bytes() if hasattr(cache, "decode_read_bytes") else None,
         "prefill_kernels": summary(pre, 1.0),
-        "decode_step_kernels": summary({k: v for k, v in decode.items() if v > 0}, steps),
+        "decode_step_kernels": summary(decode, steps),
     }
 
 
@@ -183,17 +231,16 @@ def main() -> None:
             )
         return
     cuda = args.device != "cpu"
+    model, _ = load_model(args.model, args.device, args.dtype)
+    if fuse_model_ops is not None and cuda:
+        fuse_model_ops(model)
     rows = []
     for method in args.methods.split(","):
-        comp = CompressionConfig(method=method, budget=None if method == "full" else args.budget)
-        eager = TorchEngine(args.model, comp, device=args.device, dtype=args.dtype, cuda_graphs=False if cuda else None)
-        graphed = TorchEngine(args.model, comp, device=args.device, dtype=args.dtype)
         for length in map(int, args.lengths.split(",")):
-            rows.append(measure(eager, graphed, method, length, args.steps))
+            rows.append(measure(model, method, args.budget, length, args.steps))
             print(json.dumps(rows[-1], indent=1), flush=True)
-        del eager, graphed
-        if cuda:
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
     if args.json_out:
         device = torch.cuda.get_device_name() if cuda else "cpu"
         Path(args.json_out).write_text(json.dumps({"device": device, "rows": rows}, indent=1))

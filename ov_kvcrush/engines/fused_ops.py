@@ -31,8 +31,8 @@ import torch
 #: the module classes whose forward the fused kernels replace, by class name
 FUSED_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 FUSED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
-#: the activations the fused gate computes (transformers' names for SiLU)
-SILU = ("silu", "swish")
+#: the activation modules the fused gate computes (SiLU: torch's, and transformers' own class)
+SILU = ("SiLU", "SiLUActivation")
 #: the attention classes whose modeling module's ``apply_rotary_pos_emb`` is wrapped
 ROTARY_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 
@@ -78,7 +78,7 @@ def fuse_model_ops(model: torch.nn.Module) -> int:
             continue
         if name in FUSED_NORMS and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_norm_forward, module)
-        elif name in FUSED_MLPS and module.config.hidden_act in SILU:
+        elif name in FUSED_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU:
             module.forward = types.MethodType(_mlp_forward, module)
         elif name in ROTARY_ATTENTION:
             modeling = sys.modules[type(module).__module__]

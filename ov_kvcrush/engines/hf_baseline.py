@@ -75,7 +75,8 @@ class HFBaselineEngine(TorchEngine):
         self.static = HF_BASELINES[backend]
         if self.static and not device.lower().startswith(("cuda", "gpu")):
             raise ConfigError("device", device, "cuda (hf-static-compiled compiles CUDA graphs)")
-        super().__init__(model_dir, compression, device=device, dtype=dtype)
+        # transformers' own steps: never the fused kernels (they would also break its compiled graph)
+        super().__init__(model_dir, compression, device=device, dtype=dtype, fused_ops=False)
         self.backend = backend
         self.warm_shapes: set[tuple[int, int]] = set()  # (rows, tokens) compiled and captured
 

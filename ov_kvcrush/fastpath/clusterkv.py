@@ -12,7 +12,9 @@ the same tokens attended, the same counters; tested against it) with:
   the recall budget -> a token's place is its cluster's start plus its rank inside the cluster,
   and it is recalled when that place is under the budget (the last cluster trimmed to its
   earliest tokens, as in the reference) -> the recalled slots scattered to their places, a fixed
-  ``[rows, budget]`` in ranked order;
+  ``[rows, budget]`` in ranked order; where Triton runs, the same tokens are chosen in three
+  launches without ranking (:mod:`ov_kvcrush.kernels.cluster_select`: the budget's boundary
+  score by bisection), listed cluster by cluster;
 * the recall cache as a ring of boolean masks of the last ``recall_cache_steps`` steps, and its
   counters, updated in place on the device and read only when asked;
 * attention over the working set in the model's dtype, read in place from the store (the
@@ -247,7 +249,8 @@ class FastClusterKVLayerCache(FastLayerCache):
 
     def _fused_step(self, queries: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The selection in three launches (:mod:`ov_kvcrush.kernels.cluster_select`) written into
-        ``slots``, then attention over them in place: the same tokens and counters as :meth:`_select`."""
+        ``slots``, then attention over them in place: the same tokens (in cluster order) and
+        counters as :meth:`_select`."""
         from ov_kvcrush.kernels.cluster_select import select_recalled
 
         idx = self.index

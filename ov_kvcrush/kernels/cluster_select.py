@@ -1,4 +1,4 @@
-"""ClusterKV's decode-step selection in three launches: score the clusters, rank them, place the recalled tokens.
+"""ClusterKV's decode-step selection in three launches: score the clusters, choose them, place the recalled tokens.
 
 Written as tensor operations (score the centroids, a stable sort, prefix sums, gathers and
 scatters, then the recall cache's counters), one layer's selection was ~25 small kernels; over
@@ -7,26 +7,31 @@ per KV head (``row``):
 
 1. :func:`_cluster_scores`: each cluster's score, ``q . mu`` summed over the head's query group
    (float32, as :func:`ov_kvcrush.methods.clusterkv.rank_clusters`);
-2. :func:`_rank_clusters`: one program per row sorts its clusters (a bitonic sort of one int64
-   key per cluster: the score's order-preserving bits above the complemented cluster id, so
-   equal scores keep the lower id first: the reference's stable descending order), then the
-   exclusive prefix sums of the ranked sizes give each ranked cluster's first place in the
-   budget. A cluster is recalled when that place is under the budget; the recall cache's ring
-   (the clusters recalled at the last ``R`` steps) and its three counters (lookups, hits, tokens
-   loaded) are updated here, as the reference counts them;
-3. :func:`_place_recalled`: one lane per place of the budget: a binary search in the ranked
-   prefix sums finds the cluster holding that place, and the token at that rank inside it is
-   written to the selection buffer. The first program also advances the ring's pointer (after
-   step 2 read it).
+2. :func:`_choose_clusters`: one program per row finds the budget's boundary without ranking:
+   a bisection over the scores (as order-preserving integers, 33 steps) for the lowest score
+   whose higher-scoring clusters hold fewer tokens than the budget. Those are recalled whole;
+   the clusters at exactly that score share what is left in cluster-id order (the reference's
+   stable order), the last one trimmed to its earliest tokens. Each cluster's first place in
+   the selection is the prefix sum of what is taken, in cluster order. The recall cache's ring
+   (the clusters recalled at the last ``R`` steps) and its three counters (lookups, hits,
+   tokens loaded) are updated here, as the reference counts them;
+3. :func:`_place_recalled`: one lane per place of the budget: a binary search in those prefix
+   sums finds the cluster holding the place, and the token at that rank inside it is written
+   to the selection buffer. The first program also advances the ring's pointer (after step 2
+   read it).
 
-Steps 2 and 3 read what the budget needs, not every clustered token: an earlier version ranked a
-cluster by summing the sizes of every cluster ahead of it (all pairs: quadratic in the clusters)
-and placed every clustered token; at 128k tokens (1,600 clusters a head) that alone cost more
-than reading the recalled tokens. A row of more than :data:`MAX_RANKED_CLUSTERS` clusters is past
-one program's sort: :func:`rankable` says so and the caller selects with tensor operations.
+The recalled tokens are the reference's; they are listed cluster by cluster in id order, not in
+ranked order (attention does not depend on the order). Two earlier versions ranked every
+cluster: one by summing, for each cluster, the sizes of all clusters ahead of it (quadratic in
+the clusters: at 128k tokens, 1,600 clusters a head, 2.05 ms of a step on an H200), one by a
+bitonic sort per row (1.65 ms: a sort's 66 stages of data exchange in one program); both
+measured in ``docs/results/bench/profile_cuda_llama3_8b_random_128k_h200*.json``. A row of more
+than :data:`MAX_RANKED_CLUSTERS` clusters is past one program's registers: :func:`rankable` says
+so and the caller selects with tensor operations.
 
 No host sync, fixed shapes: a CUDA graph captures it. Tested against the reference selection in
-Triton's interpreter (``tests/test_fastpath.py``). Runs on Triton 3.6 and 3.9.
+Triton's interpreter (``tests/test_kernels.py``, ``tests/test_fastpath.py``). Runs on Triton 3.6
+and 3.9.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: the most clusters one row's sort handles (one program sorts them in registers); 16384
+#: the most clusters one row's program chooses among (it holds them in registers); 16384
 #: clusters of ClusterKV's 80 tokens cover 1.3M tokens
 MAX_RANKED_CLUSTERS = 16384
 
@@ -66,8 +71,8 @@ def _cluster_scores(
 
 
 @triton.jit
-def _rank_clusters(
-    SCORES, SIZES, RANKED, CUM, RING, PTR, COUNTS,
+def _choose_clusters(
+    SCORES, SIZES, CUM, RING, PTR, COUNTS,
     ssr, ssc, srr, srw, src,
     C, BUDGET, R,
     HAS_RING: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -78,24 +83,32 @@ def _rank_clusters(
     score = tl.load(SCORES + row * C + offs, mask=ok, other=0.0)
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties +0.0, as in the reference's sort
     bits = score.to(tl.int32, bitcast=True)
-    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed ints in the floats' order
-    id_bits = tl.full([BLOCK_C], 0x7FFFFFFF, tl.int32)  # a key's low bits: the complemented cluster id
-    key = (order.to(tl.int64) << 32) | (id_bits - offs).to(tl.int64)
-    lowest = tl.zeros([BLOCK_C], dtype=tl.int64) - 9223372036854775807 - 1
-    key = tl.sort(tl.where(ok, key, lowest), descending=True)  # padding sorts last
-    cid = id_bits - (key & 0x7FFFFFFF).to(tl.int32)  # the clusters, best first
-    cid = tl.where(ok, cid, 0)
-    size = tl.load(SIZES + row * ssr + cid * ssc, mask=ok, other=0)
-    cum = tl.cumsum(size, 0) - size  # each ranked cluster's first place in the budget
-    tl.store(RANKED + row * C + offs, cid, mask=ok)
-    tl.store(CUM + row * C + offs, cum.to(tl.int32), mask=ok)
-    chosen = ok & (cum < BUDGET) & (size > 0)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # the floats' order, as integers
+    key = tl.where(ok, key, -2147483648)
+    size = tl.load(SIZES + row * ssr + offs * ssc, mask=ok, other=0).to(tl.int32)
+    take = tl.minimum(tl.sum(size, 0), BUDGET)
+    # the boundary: the lowest key v whose clusters above it hold fewer tokens than the budget
+    lo = tl.full([], -2147483649, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(33):
+        mid = (lo + hi) >> 1
+        above = tl.sum(tl.where(key > mid, size, 0), 0)
+        go_down = above < BUDGET
+        hi = tl.where(go_down, mid, hi)
+        lo = tl.where(go_down, lo, mid + 1)
+    whole = key > hi  # taken whole; the clusters at the boundary's score share what is left, lower ids first
+    left = take - tl.sum(tl.where(whole, size, 0), 0)
+    tie = tl.where(ok & (key == hi), size, 0)
+    before = tl.cumsum(tie, 0) - tie
+    taken = tl.where(whole, size, tl.minimum(tie, tl.maximum(left - before, 0)))
+    tl.store(CUM + row * C + offs, tl.cumsum(taken, 0) - taken, mask=ok)  # places, in cluster order
+    chosen = ok & (taken > 0)
     cached = offs < 0  # all false
     if HAS_RING:
         ptr = tl.load(PTR)
         for r in range(R):
-            cached = cached | (tl.load(RING + r * srr + row * srw + cid * src, mask=ok, other=0) != 0)
-        tl.store(RING + ptr * srr + row * srw + cid * src, chosen.to(tl.int8), mask=ok)
+            cached = cached | (tl.load(RING + r * srr + row * srw + offs * src, mask=ok, other=0) != 0)
+        tl.store(RING + ptr * srr + row * srw + offs * src, chosen.to(tl.int8), mask=ok)
     fresh = chosen & (cached.to(tl.int32) == 0)
     tl.atomic_add(COUNTS + 0, tl.sum(chosen.to(tl.int64), 0))
     tl.atomic_add(COUNTS + 1, tl.sum((chosen & cached).to(tl.int64), 0))
@@ -104,16 +117,16 @@ def _rank_clusters(
 
 @triton.jit
 def _place_recalled(
-    RANKED, CUM, OFFSETS, TOKENS, SLOTS, PTR,
+    CUM, OFFSETS, TOKENS, SLOTS, PTR,
     sor, soc, str_, stn, slr, sln,
-    C, TAKE, OFFSET, R,
-    SEARCH_STEPS, HAS_RING: tl.constexpr, BLOCK: tl.constexpr,
+    C, TAKE, OFFSET, R, SEARCH_STEPS,
+    HAS_RING: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     pid = tl.program_id(1)
     place = pid * BLOCK + tl.arange(0, BLOCK)
     ok = place < TAKE
-    # the last ranked cluster starting at or before the place (it holds it: a later one starts past it)
+    # the last cluster whose first place is at or before this place holds it (a later one starts past it)
     lo = tl.zeros([BLOCK], dtype=tl.int32)
     hi = tl.zeros([BLOCK], dtype=tl.int32) + C
     for _ in range(SEARCH_STEPS):
@@ -122,9 +135,8 @@ def _place_recalled(
         active = lo < hi
         lo = tl.where(active & go_right, mid + 1, lo)
         hi = tl.where(active & ~go_right, mid, hi)
-    rank = tl.maximum(lo - 1, 0)
-    cid = tl.load(RANKED + row * C + rank, mask=ok, other=0)
-    inside = place - tl.load(CUM + row * C + rank, mask=ok, other=0)
+    cid = tl.maximum(lo - 1, 0)
+    inside = place - tl.load(CUM + row * C + cid, mask=ok, other=0)
     first = tl.load(OFFSETS + row * sor + cid * soc, mask=ok, other=0)
     tok = tl.load(TOKENS + row * str_ + (first + inside) * stn, mask=ok, other=0)
     tl.store(SLOTS + row * slr + (OFFSET + place) * sln, tok, mask=ok)
@@ -134,7 +146,7 @@ def _place_recalled(
 
 
 def rankable(clusters: int) -> bool:
-    """Whether one program's sort ranks ``clusters`` clusters (:data:`MAX_RANKED_CLUSTERS`)."""
+    """Whether one program chooses among ``clusters`` clusters (:data:`MAX_RANKED_CLUSTERS`)."""
     return clusters <= MAX_RANKED_CLUSTERS
 
 
@@ -153,7 +165,8 @@ def select_recalled(
     ring_ptr: torch.Tensor | None,
 ) -> None:
     """Write one decode step's recalled tokens into ``slots`` ``[rows, L]`` at columns
-    ``offset .. offset + min(budget, N) - 1``, in ranked order, and count the recall cache.
+    ``offset .. offset + min(budget, N) - 1`` (cluster by cluster, in id order), and count the
+    recall cache.
 
     Args:
         queries: ``[b, hq, 1, d]``; ``rows = b * hk`` KV heads, ``hq`` a multiple of ``hk``.
@@ -171,7 +184,7 @@ def select_recalled(
     if t != 1 or rows % b or hq % (rows // b) or centroids.shape[2] != d:
         raise ValueError(f"select_recalled: queries {tuple(queries.shape)}, centroids {tuple(centroids.shape)}")
     if not rankable(c):
-        raise ValueError(f"select_recalled: {c} clusters a row, more than one program ranks ({MAX_RANKED_CLUSTERS})")
+        raise ValueError(f"select_recalled: {c} clusters a row, more than one program holds ({MAX_RANKED_CLUSTERS})")
     hk = rows // b
     dev = queries.device
     cuda = dev.type == "cuda"
@@ -187,17 +200,15 @@ def select_recalled(
     ptr_arg = ring_ptr if has_ring else counts
     r_strides = ring.stride() if has_ring else (0, 0, 0)
     r_count = ring.shape[0] if has_ring else 1
-    ranked = torch.empty((rows, c), dtype=torch.int32, device=dev)
     cum = torch.empty((rows, c), dtype=torch.int32, device=dev)
     block_all = max(16, triton.next_power_of_2(c))
-    _rank_clusters[(rows,)](
-        scores, sizes, ranked, cum, ring_arg, ptr_arg, counts, *sizes.stride(), *r_strides, c, budget, r_count,
+    _choose_clusters[(rows,)](
+        scores, sizes, cum, ring_arg, ptr_arg, counts, *sizes.stride(), *r_strides, c, budget, r_count,
         HAS_RING=has_ring, BLOCK_C=block_all, num_warps=min(16, max(4, block_all // 256)),
     )  # fmt: skip
     take = min(budget, n)
     block = 128 if cuda else 64
     _place_recalled[(rows, max(1, triton.cdiv(take, block)))](
-        ranked, cum, offsets, sorted_tokens, slots, ptr_arg,
-        *offsets.stride(), *sorted_tokens.stride(), *slots.stride(),
+        cum, offsets, sorted_tokens, slots, ptr_arg, *offsets.stride(), *sorted_tokens.stride(), *slots.stride(),
         c, take, offset, r_count, c.bit_length(), HAS_RING=has_ring, BLOCK=block,
     )  # fmt: skip

@@ -23,7 +23,7 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm(X, W, Out, H, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # a long prompt's rows x width pass 2^31
     offs = tl.arange(0, BLOCK)
     ok = offs < H
     x = tl.load(X + row * H + offs, mask=ok, other=0.0).to(tl.float32)
@@ -51,8 +51,8 @@ def _rotary(
     sxb, sxh, sxt, sxd, scb, sct, scd, sob, soh, sot, sod,
     T, HALF, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    bt = tl.program_id(0)
-    h = tl.program_id(1)
+    bt = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     b = bt // T
     t = bt % T
     offs = tl.arange(0, BLOCK)
@@ -88,14 +88,15 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty((b, heads, t, d), dtype=torch.result_type(x, cos), device=x.device)
     _rotary[(b * t, heads)](
         x, cos, sin, out, *x.stride(), *cos.stride(), *out.stride(), t, d // 2,
-        BLOCK=max(16, triton.next_power_of_2(d // 2)),
+        BLOCK=max(16, triton.next_power_of_2(d // 2)), num_warps=1,
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _silu_mul(G, U, Out, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # int64 places: a batch's prompt through the MLP passes 2^31 elements (8 x 32k x 14336 = 3.8e9)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
