@@ -12,9 +12,13 @@ the decode steps), decode tokens/s, peak process RSS during the run, KV bytes he
 share of prefill/decode time the method's own work took (measured inside our op), and:
 
 * ratios to native ``openvino_genai`` with the full cache at the same length;
-* the **bandwidth floor**: a decode step must at least read every weight and every KV byte once,
-  so ``floor_ms = (weight_bytes + kv_bytes) / bandwidth``, with the bandwidth measured in the same
-  run (a large array copy, bytes read + written); ``tpot_vs_floor`` is TPOT / floor.
+* the **bandwidth floor**: a decode step must at least read every weight once and every KV byte
+  its method reads, so ``floor_ms = (weight_bytes + kv_read_bytes) / bandwidth`` (the bytes a
+  step reads where the engine reports them, else every byte held), with the bandwidth measured
+  in the same run (a large array copy, bytes read + written); ``tpot_vs_floor`` is TPOT / floor.
+
+``--concurrency N`` on the torch backends makes every run a batch of ``N`` prompts of one
+length decoding together (``BenchPlan.batch``): tok/s counts every row, KV bytes sum them.
 
 Each configuration runs in its own worker process (``BenchPlan.isolate``, on by default), so
 its peak RSS is its own: the engine, its compiled model and its KV cache, not every other
