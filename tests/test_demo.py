@@ -9,6 +9,19 @@ from helpers import cli
 from ov_kvcrush.demo import label, runs
 
 
+def test_the_main_job_answers_every_row():
+    """``ov-kvcrush demo`` as ``make demo`` runs it (its own prompt and budget): native and every
+    row of ours find the passkey, and the compressed rows of ours hold less than the full cache
+    or (ClusterKV, which recalls) as much."""
+    proc = cli("demo")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    expected = [label(b, cfg) for b, cfg in runs(512, with_torch=False)]
+    answers = re.findall(r"^(.+?) +answer: .*\((correct|WRONG)\)$", out, flags=re.M)
+    assert [name.strip() for name, _ in answers] == expected
+    assert [verdict for _, verdict in answers] == ["correct"] * len(expected), out
+
+
 def test_the_demo_answers_with_the_product_and_with_the_reference_behind_a_flag():
     proc = cli("demo", "--tokens", "600", "--budget", "256", "--torch")
     assert proc.returncode == 0, proc.stderr

@@ -106,11 +106,25 @@ def test_incremental_clustering_every_m_steps_and_working_set_size():
     vec = layer_vectors(3, tokens=400)
     cfg = ClusterKVConfig(budget=64, dense_layers=0, cluster_every=25, new_clusters=4)
     cache, _ = run(cfg, vec, 300, 100)
-    c0 = -(-(300 - 16) // 80)
+    c0 = -(-(300 - 16) // cfg.cluster_tokens)
     assert cache.counters["clusterings"] == 1 + 99 // 25
     assert cache.index.centroids.shape[1] == c0 + 4 * (99 // 25)
     assert int(cache.tokens_attended().max()) <= 64 + 25
     assert int(cache.tokens_held().max()) == 400  # recall keeps everything
+
+
+def test_the_default_cluster_size_lets_the_budget_span_a_dozen_clusters():
+    """The paper's 80-token clusters where its budgets are (1k-2k: 12.8 clusters and more), smaller
+    ones where a smaller budget would recall fewer than 12; a set size or count is kept."""
+    sizes = {b: ClusterKVConfig(budget=b).cluster_tokens for b in (128, 512, 975, 976, 1024, 4096)}
+    assert sizes == {128: 9, 512: 41, 975: 79, 976: 80, 1024: 80, 4096: 80}
+    for budget, size in sizes.items():
+        assert (budget - 16) // size >= 12 or size == 80
+    assert ClusterKVConfig(budget=512, tokens_per_cluster=80).cluster_tokens == 80
+    assert ClusterKVConfig(budget=512).prompt_clusters(2000) == -(-2000 // 41)
+    assert ClusterKVConfig(budget=512, n_clusters=7).prompt_clusters(2000) == 7
+    with pytest.raises(ConfigError, match="tokens_per_cluster"):
+        ClusterKVConfig(budget=512, tokens_per_cluster=0)
 
 
 def test_dense_layers_and_budget_above_context_are_exact():

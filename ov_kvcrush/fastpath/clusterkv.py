@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from typing import Any
 
@@ -130,8 +129,7 @@ class FastClusterKVLayerCache(FastLayerCache):
         self.sinks = min(self.config.sink_tokens, n)
         self.pending_from = self.sinks
         if not self.dense_layer and n > self.sinks:
-            c0 = self.config.n_clusters or math.ceil((n - self.sinks) / self.config.tokens_per_cluster)
-            self._cluster(self.sinks, n, c0, "prefill")
+            self._cluster(self.sinks, n, self.config.prompt_clusters(n - self.sinks), "prefill")
 
     def before_step(self, t: int) -> None:
         self.finish_prefill()  # no-op once the engine joined it
