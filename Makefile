@@ -29,8 +29,8 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# optimum-intel drags in a CUDA torchvision that breaks transformers (torchvision::nms).
 	$(PIP) uninstall --disable-pip-version-check -q -y torchvision || true
 	# The CPU extension (plugins/cpu, C++): built against the openvino wheel, cached per source version.
-	$(PY) -m ov_kvcrush.plugin build
-	$(PY) -m ov_kvcrush.envcheck
+	$(PY) -m ov_kvcrush.op.plugin build
+	$(PY) -m ov_kvcrush.cli.envcheck
 	# Both embedded models exported once (cached; a partial export is rebuilt, never reused).
 	$(VENV)/bin/ov-kvcrush export
 	$(VENV)/bin/ov-kvcrush export --model gemma3-270m

@@ -35,7 +35,7 @@ def run(method: str, a: argparse.Namespace) -> dict[str, Any]:
     from ov_kvcrush.engines import resolve_model
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.eval.runner import MethodSpec
-    from ov_kvcrush.kvcache import block_bytes
+    from ov_kvcrush.op.kvcache import block_bytes
     from ov_kvcrush.serving import ContinuousBatchingPipeline
 
     spec = MethodSpec.parse(method)

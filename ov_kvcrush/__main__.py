@@ -1,5 +1,5 @@
 import sys
 
-from ov_kvcrush.cli import main
+from ov_kvcrush.cli.main import main
 
 sys.exit(main())

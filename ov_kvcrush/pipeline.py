@@ -35,7 +35,7 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_
 from ov_kvcrush.engines import make_engine, resolve_model
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.request_queue import RequestQueue
+from ov_kvcrush.serving.request_queue import RequestQueue
 
 
 def check_inputs(inputs: Any) -> None:

@@ -4,7 +4,8 @@
     python samples/chat.py --kv-precision f32
     python samples/chat.py --backend torch --method kvcrush --budget 256
 
-The app is :mod:`ov_kvcrush.chat`; this script runs it as ``ov-kvcrush chat`` does. At its core, with the public API::
+The app is :mod:`ov_kvcrush.cli.chat`; this script runs it as ``ov-kvcrush chat`` does. At its
+core, with the public API::
 
     pipe = ov_kvcrush.LLMPipeline(None, "CPU", backend="openvino")
     pipe.start_chat("You are a helpful assistant.")
@@ -15,7 +16,7 @@ The app is :mod:`ov_kvcrush.chat`; this script runs it as ``ov-kvcrush chat`` do
 
 import sys
 
-from ov_kvcrush.cli import main
+from ov_kvcrush.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["chat", *sys.argv[1:]]))

@@ -10,7 +10,7 @@ import argparse
 from ov_kvcrush import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.genai import GenAIEngine
 from ov_kvcrush.eval.tasks import passkey_prompt
-from ov_kvcrush.export import ensure_default_model
+from ov_kvcrush.models.export import ensure_default_model
 
 
 def main() -> None:

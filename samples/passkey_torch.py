@@ -17,8 +17,8 @@ import textwrap
 from ov_kvcrush import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.eval.tasks import passkey_prompt
-from ov_kvcrush.export import hf_checkpoint
 from ov_kvcrush.methods import REGISTRY
+from ov_kvcrush.models.export import hf_checkpoint
 
 
 def plot(json_path: str) -> str:

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from ov_kvcrush.export import ensure_default_model
+    from ov_kvcrush.models.export import ensure_default_model
 
     return ensure_default_model(progress=False)
 
@@ -30,7 +30,7 @@ def full_engine(model_dir):
 @pytest.fixture(scope="session")
 def hf_dir():
     """The embedded model as a Hugging Face checkpoint (the torch engine's input), converted once and cached."""
-    from ov_kvcrush.export import hf_checkpoint
+    from ov_kvcrush.models.export import hf_checkpoint
 
     return hf_checkpoint(progress=False)
 
@@ -40,7 +40,7 @@ def ov_core():
     """An OpenVINO core with the CPU extension (the op) added, as the pipelines load it."""
     import openvino as ov
 
-    from ov_kvcrush import plugin
+    from ov_kvcrush.op import plugin
 
     core = ov.Core()
     core.add_extension(str(plugin.loaded_path()))

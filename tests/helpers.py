@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op.method_spec import method_spec
 
 if TYPE_CHECKING:
-    from ov_kvcrush import kvcache
+    from ov_kvcrush.op import kvcache
 
 # The OpenVINO side (the op, the pool, the graph transformation) is imported where it is used:
 # the CUDA tests import this module on a GPU machine that has torch but no openvino.
@@ -74,7 +74,7 @@ def converted_steps(
     import openvino as ov
     from ov_kvcrush.transformations import convert_model
 
-    from ov_kvcrush import kvcache, plugin
+    from ov_kvcrush.op import kvcache, plugin
 
     core = ov.Core()
     core.add_extension(str(plugin.loaded_path()))
@@ -113,7 +113,7 @@ HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
 
 
 def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
-    from ov_kvcrush.op_probe import single_op_model
+    from ov_kvcrush.op.probe import single_op_model
 
     return single_op_model(core, hq, hkv, d, layer, scale, compute)
 
@@ -144,7 +144,7 @@ def held_positions(seq: kvcache.KVSequence, layer: int) -> list[np.ndarray]:
 
 def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_size=32):
     """Feed ``steps`` (token counts; the first is the prompt) to the op and the reference layer cache."""
-    from ov_kvcrush import kvcache
+    from ov_kvcrush.op import kvcache
 
     lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=sum(steps), head_dim=D)
     pool = kvcache.KVPool(
@@ -170,7 +170,7 @@ def reference_positions(lc) -> list[np.ndarray]:
 
 def run_both(core, cfg, *, layer=0, layers=1, prompt=192, decode=40, seed=0, block_size=32, precision="f32", keep=None):
     """Run the op and the reference step by step; yield (step, op positions, ref positions, op out, ref out, seq)."""
-    from ov_kvcrush import kvcache
+    from ov_kvcrush.op import kvcache
 
     lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=prompt + decode, head_dim=D)
     spec = method_spec(cfg, layers, HQ, block_size)

@@ -14,10 +14,10 @@ import torch
 
 from ov_kvcrush.engines import calibration
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import ChelseaConfig
 from ov_kvcrush.methods.chelsea import calibrate_outlier_heads
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op.method_spec import method_spec
 
 
 def layer_keys(layers: int = 5) -> list[torch.Tensor]:

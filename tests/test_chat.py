@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from ov_kvcrush.chat import chat
+from ov_kvcrush.cli.chat import chat
 from ov_kvcrush.engines.base import GenerationResult
 from ov_kvcrush.errors import UserError
 

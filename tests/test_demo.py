@@ -6,7 +6,7 @@ import re
 
 from helpers import cli
 
-from ov_kvcrush.demo import label, runs
+from ov_kvcrush.cli.demo import label, runs
 
 
 def test_the_main_job_answers_every_row():

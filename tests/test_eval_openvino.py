@@ -13,7 +13,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
 from ov_kvcrush.eval.tasks import passkey_prompt
 from ov_kvcrush.methods import REGISTRY, methods_for
-from ov_kvcrush.op_probe import OpProbe
+from ov_kvcrush.op.probe import OpProbe
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ov_kvcrush.cli import main
+from ov_kvcrush.cli.main import main
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval.budget import ModelShape, held_bytes

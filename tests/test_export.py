@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from helpers import cli
 
-from ov_kvcrush import export
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.models import export
 
 ROUND_TRIP_TEXTS = [
     "Hello world, two  spaces and a tab\there.",

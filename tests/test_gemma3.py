@@ -113,22 +113,22 @@ def _spm_merge(index: dict[str, int], scores: list[float], text: str) -> list[in
 
 @pytest.fixture(scope="module")
 def gguf_vocab():
-    from ov_kvcrush.embedded import embedded_gguf_path
-    from ov_kvcrush.gguf_tokenizer import read_gguf_vocab
+    from ov_kvcrush.models.embedded import embedded_gguf_path
+    from ov_kvcrush.models.gguf_tokenizer import read_gguf_vocab
 
     return read_gguf_vocab(embedded_gguf_path(GEMMA))
 
 
 @pytest.fixture(scope="module")
 def gemma_hf():
-    from ov_kvcrush.export import hf_checkpoint
+    from ov_kvcrush.models.export import hf_checkpoint
 
     return hf_checkpoint(GEMMA, progress=False)
 
 
 @pytest.fixture(scope="module")
 def gemma_ir():
-    from ov_kvcrush.export import export_model
+    from ov_kvcrush.models.export import export_model
 
     return export_model(GEMMA, weight_format="fp32", progress=False)
 
@@ -176,7 +176,7 @@ def test_transformers_own_conversion_is_the_defect_repaired(gguf_vocab):
     """Without the rebuild, transformers segments per syllable: the repair stays justified."""
     from transformers import AutoTokenizer
 
-    from ov_kvcrush.embedded import embedded_gguf_path
+    from ov_kvcrush.models.embedded import embedded_gguf_path
 
     path = embedded_gguf_path(GEMMA)
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

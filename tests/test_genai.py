@@ -142,7 +142,7 @@ def test_cli_generate_json(model_dir, tmp_path):
 
 def test_native_gguf_runs_without_export():
     """The GGUF file runs directly in openvino_genai, with the same metrics and KV accounting."""
-    from ov_kvcrush.export import embedded_gguf_path
+    from ov_kvcrush.models.export import embedded_gguf_path
 
     engine = GenAIEngine(embedded_gguf_path(), CompressionConfig())
     assert engine.is_gguf

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from ov_kvcrush.cli import main
+from ov_kvcrush.cli.main import main
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.inspector import EVICTED, KEPT, QUANTIZED, inspect_prompt
+from ov_kvcrush.eval.inspector import EVICTED, KEPT, QUANTIZED, inspect_prompt
 
 PROMPT = (
     "The archive holds letters from many years. " * 12

@@ -13,10 +13,10 @@ import torch
 from helpers import check_op_keeps_the_reference_tokens
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
 from ov_kvcrush.methods.knorm import key_norm_scores
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op.method_spec import method_spec
 
 
 def brute_force_positions(keys: np.ndarray, budget: int, sinks: int, recent: int, prompt: int) -> list[list[int]]:

@@ -16,12 +16,12 @@ import pytest
 import torch
 from helpers import HKV, HQ, D, held_positions, op_model, reference_positions
 
-from ov_kvcrush import kvcache
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import KVzipConfig, QuantSettings, method_config
 from ov_kvcrush.methods.kvzip import max_attention, select_kept
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op import kvcache
+from ov_kvcrush.op.method_spec import method_spec
 
 
 def test_config_fields_are_validated_by_name():
@@ -189,7 +189,7 @@ def test_op_keeps_the_reference_tokens_after_a_scoring_pass(ov_core, allocation)
 
 
 def test_op_refuses_a_scoring_pass_where_there_is_none(ov_core):
-    from ov_kvcrush.plugin import PluginError
+    from ov_kvcrush.op.plugin import PluginError
 
     pool = kvcache.KVPool(1, HQ, HKV, D, method=method_spec(method_config("snapkv", budget=128), 1, HQ, 32))
     seq = pool.new_sequence()

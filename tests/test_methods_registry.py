@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import ENGINES, REGISTRY, ShapeError, method_config, methods_for, methods_table
 from ov_kvcrush.methods.base import storage_bytes
 from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op.method_spec import method_spec
 
 REQUIRED = {"full", "streamingllm", "h2o", "snapkv", "pyramidkv", "kvcrush", "clusterkv", "quest", "chelsea", "minikv"}
 COMPRESSING = sorted(n for n in REGISTRY if n != "full")
@@ -230,7 +230,7 @@ def test_bench_eval_and_config_lists_are_the_registry():
 
 
 def test_cli_help_lists_exactly_the_methods_of_each_backend(capsys):
-    from ov_kvcrush.cli import build_parser
+    from ov_kvcrush.cli.main import build_parser
 
     for command in ("generate", "chat"):
         with pytest.raises(SystemExit):

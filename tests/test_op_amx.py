@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import causal_reference, op_model
 
-from ov_kvcrush import kvcache, plugin
+from ov_kvcrush.op import kvcache, plugin
 
 pytestmark = pytest.mark.skipif("amx" not in plugin.kernel_isa(), reason="no AMX tiles on this machine")
 
@@ -64,8 +64,8 @@ def test_amx_scoring_step_keeps_the_reference_maxima_within_bf16(ov_core, hq, hk
     ``score_step`` computes it in f32; slots outside the range stay unscored."""
     import torch
 
-    from ov_kvcrush.method_spec import method_spec
     from ov_kvcrush.methods import KVzipConfig
+    from ov_kvcrush.op.method_spec import method_spec
 
     rng = np.random.default_rng(d + step)
     q, k, v = (rng.standard_normal((1, h, prompt + step, d), dtype=np.float32) for h in (hq, hkv, hkv))

@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 from helpers import HKV, HQ, D, drive, op_model
 
-from ov_kvcrush import kvcache, plugin
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op import kvcache, plugin
+from ov_kvcrush.op.method_spec import method_spec
 
 BASE = dict(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32, merge_interval=8)
 CASES = {
-    "chelsea": {},
+    "chelsea": {},  # the default: three quarters of the budget kept out of merging
+    "paper": dict(protect_tokens=0),
     "odd-chunks": dict(chunk_size=18, merge_interval=5),
     "outliers": dict(outlier_heads=((1, 0), (2, 2))),
     "one-chunk": dict(chunk_size=256, budget=120, merge_interval=16),
@@ -82,7 +83,9 @@ def test_merges_are_exact_for_duplicated_tokens(ov_core):
     k = lv.keys.repeat_interleave(2, dim=2)  # every token twice in a row: each A links to its twin B
     v = lv.values.repeat_interleave(2, dim=2)
     q = lv.queries.repeat_interleave(2, dim=2)
-    cfg = method_config("chelsea", budget=100, sink_tokens=0, recent_tokens=0, chunk_size=2, merge_interval=1)
+    cfg = method_config(
+        "chelsea", budget=100, sink_tokens=0, recent_tokens=0, chunk_size=2, merge_interval=1, protect_tokens=0
+    )
     pool = kvcache.KVPool(1, HQ, HKV, D, method=method_spec(cfg, 1, HQ, 32))
     seq = pool.new_sequence()
     full = kvcache.KVPool(1, HQ, HKV, D).new_sequence()

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from helpers import HKV, HQ, D, op_model
 
-from ov_kvcrush import kvcache, plugin
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import method_config, methods_for
 from ov_kvcrush.methods.vectors import layer_vectors
-from ov_kvcrush.plugin import PluginError
+from ov_kvcrush.op import kvcache, plugin
+from ov_kvcrush.op.method_spec import method_spec
+from ov_kvcrush.op.plugin import PluginError
 
 PROMPT, DECODE = 300, 24
 #: a method with a scoring pass (KVzip) selects after one step of this many tokens scores the prompt

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from helpers import HKV, HQ, D, drive, held_positions
 
-from ov_kvcrush import kvcache, plugin
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config
 from ov_kvcrush.methods.clusterkv import init_order, kmeans_cosine
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op import kvcache, plugin
+from ov_kvcrush.op.method_spec import method_spec
 
 BASE = dict(budget=96, sink_tokens=4, tokens_per_cluster=16, new_clusters=2, cluster_every=12, dense_layers=1)
 CASES = {

@@ -19,12 +19,12 @@ from helpers import HKV, HQ, D, op_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ov_kvcrush import kvcache
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import QuantSettings, method_config, methods_for
 from ov_kvcrush.methods.attention import attend
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op import kvcache
+from ov_kvcrush.op.method_spec import method_spec
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "600"))
 #: how the drawn cases went (a test below checks that most of them ran)

@@ -29,11 +29,11 @@ from helpers import (
     run_both,
 )
 
-from ov_kvcrush import kvcache, plugin
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config, methods_for
 from ov_kvcrush.methods.kvcrush import kvcrush_select, kvcrush_select_blocks
 from ov_kvcrush.methods.selection import keep_indices, pool_scores
+from ov_kvcrush.op import kvcache, plugin
+from ov_kvcrush.op.method_spec import method_spec
 
 # one config per method (and the variants that change the op's code path), at small budgets so
 # that eviction runs at the prompt and during decode

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from helpers import HKV, HQ, D, op_model
 
-from ov_kvcrush import kvcache
 from ov_kvcrush.config import CompressionConfig
-from ov_kvcrush.method_spec import method_spec
+from ov_kvcrush.op import kvcache
+from ov_kvcrush.op.method_spec import method_spec
 
 LAYERS = 1
 BLOCK = 32

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from helpers import HKV, HQ, D, causal_reference, op_model
 
-from ov_kvcrush import kvcache
-from ov_kvcrush.method_spec import method_spec
 from ov_kvcrush.methods import method_config
+from ov_kvcrush.op import kvcache
+from ov_kvcrush.op.method_spec import method_spec
 
 BS = 32
 

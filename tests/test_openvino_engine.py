@@ -71,7 +71,7 @@ def test_engine_generate_equals_unmodified_greedy(model_dir, engine, essay_promp
 
 @pytest.fixture(scope="module")
 def fp32_ir():
-    from ov_kvcrush.export import ensure_default_model
+    from ov_kvcrush.models.export import ensure_default_model
 
     return ensure_default_model("fp32", progress=False)
 

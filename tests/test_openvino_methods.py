@@ -49,7 +49,7 @@ def torch_engine(hf_dir):
 
 @pytest.fixture(scope="module")
 def fp32_ir():
-    from ov_kvcrush.export import ensure_default_model
+    from ov_kvcrush.models.export import ensure_default_model
 
     return ensure_default_model("fp32", progress=False)
 

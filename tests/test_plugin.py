@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import causal_reference, op_model
 
-from ov_kvcrush import kvcache, plugin
+from ov_kvcrush.op import kvcache, plugin
 
 
 def run_steps(req, seqs, steps, hq, hkv, d, rng):
@@ -160,8 +160,8 @@ def test_pool_limit_is_a_clear_error_and_the_process_survives(ov_core):
 def test_two_bit_blocks_count_by_their_bytes_against_the_pool(ov_core):
     """A 2-bit store takes its bytes from the same max_blocks: the full-precision blocks a flush
     frees go back to the system to make room, and the pool never holds more than its bytes."""
-    from ov_kvcrush.method_spec import method_spec
     from ov_kvcrush.methods import MiniKVConfig, QuantSettings
+    from ov_kvcrush.op.method_spec import method_spec
 
     rng = np.random.default_rng(5)
     req = op_model(ov_core, 4, 2, 32)

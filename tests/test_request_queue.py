@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ov_kvcrush.request_queue import RequestQueue
+from ov_kvcrush.serving.request_queue import RequestQueue
 
 
 def _until(predicate) -> None:

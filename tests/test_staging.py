@@ -11,12 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from ov_kvcrush.staging import OWNER_FILE, remove_stale
+from ov_kvcrush.models.staging import OWNER_FILE, remove_stale
 
 PARENT = """
 import sys
 from pathlib import Path
-from ov_kvcrush.staging import run_child, staging_dir
+from ov_kvcrush.models.staging import run_child, staging_dir
 with staging_dir(Path(sys.argv[1]), ".tmp-export-") as d:
     (d / "work").write_text("half written")
     child = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"

@@ -163,7 +163,7 @@ def test_pipeline_facade_mirrors_genai(hf_dir):
     with pytest.raises(ConfigError, match="max_tokens"):
         pipe.generate("x", max_tokens=3)
     with pytest.raises(UserError, match="IR directory"):
-        from ov_kvcrush.export import ensure_default_model
+        from ov_kvcrush.models.export import ensure_default_model
 
         LLMPipeline(ensure_default_model(progress=False), backend="torch")
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import converted_steps, native_steps
 from ov_kvcrush.transformations import SEQUENCE_INPUT, ConversionError, convert_model
 
-from ov_kvcrush import plugin
+from ov_kvcrush.op import plugin
 
 TINY = dict(
     vocab_size=512,
@@ -35,7 +35,7 @@ def tiny_ir(model_type: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ov_kvcrush.export import cache_root
+    from ov_kvcrush.models.export import cache_root
 
     key = hashlib.sha256(repr((model_type, sorted(TINY.items()))).encode()).hexdigest()[:10]
     out = cache_root() / "tests" / f"tiny-{model_type}-{key}"

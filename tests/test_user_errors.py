@@ -67,7 +67,7 @@ def test_every_subcommand_answers_bad_input_with_one_line_and_exit_code_2(files)
 @pytest.mark.model
 def test_a_damaged_model_is_one_line_naming_it(model_dir, tmp_path):
     """A GGUF with a good header but cut short, and an IR whose XML is cut short."""
-    from ov_kvcrush.export import embedded_gguf_path
+    from ov_kvcrush.models.export import embedded_gguf_path
 
     gguf = tmp_path / "cut.gguf"
     with open(embedded_gguf_path(), "rb") as src:
@@ -111,7 +111,7 @@ def test_bench_defaults_pass_their_own_dry_run():
 
 
 def test_unexpected_errors_are_one_line_unless_debug(monkeypatch, capsys):
-    from ov_kvcrush import cli as cli_module
+    from ov_kvcrush.cli import main as cli_module
 
     def boom(args):
         raise RuntimeError("native layer said:\n  at some.cpp:12\nthe real reason")

@@ -175,7 +175,7 @@ def convert_model(
 
     Args:
         model: read with ``core.read_model``; modified in place and returned in the result.
-        library: path of the CPU extension library (:func:`ov_kvcrush.plugin.loaded_path`).
+        library: path of the CPU extension library (:func:`ov_kvcrush.op.plugin.loaded_path`).
         last_token_logits: compute logits only at the positions the ``kvc_logits_at`` input names
             (``[tokens - 1]`` for one sequence's step; each sequence's last token in a ragged step).
         compute: ``f32``, or ``bf16`` for prefill dot products in bf16 with fp32 accumulation (what

@@ -84,8 +84,8 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.backend == "genai":  # native constraints (block multiples ...)
         to_native_scheduler_config(comp, "CPU")
     if cfg.backend == "openvino":  # the op's own (e.g. block-wise KVCrush on the pool's block size)
-        from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE
-        from ov_kvcrush.method_spec import method_spec
+        from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE
+        from ov_kvcrush.op.method_spec import method_spec
 
         method_spec(comp.method_config().model_free(), 1, 1, DEFAULT_BLOCK_SIZE)
 
@@ -260,7 +260,7 @@ def plan_context(plan: BenchPlan) -> int:
     ``--model`` that is not there, or not a model, is refused here."""
     from ov_kvcrush.engines.base import model_context
     from ov_kvcrush.engines.random_model import random_config
-    from ov_kvcrush.export import embedded_gguf_path, resolve_source
+    from ov_kvcrush.models.export import embedded_gguf_path, resolve_source
 
     if speed_only(plan):
         return int(random_config(str(plan.model)).max_position_embeddings)

@@ -213,7 +213,7 @@ class _OurServer(_Loop):
         sc.max_num_batched_tokens = plan.max_num_batched_tokens
         engine = OpenVINOEngine(model_dir, compression(cfg))
         s = engine.shape
-        from ov_kvcrush.kvcache import block_bytes
+        from ov_kvcrush.op.kvcache import block_bytes
 
         self.block_bytes = block_bytes(engine.block_size, s.head_dim, engine.kv_precision)
         engine.max_kv_blocks = pool_blocks(int(plan.kv_pool_mib * 2**20), self.block_bytes)

@@ -48,7 +48,7 @@ def resolve_model(backend: str, model: str | Path | None) -> Path | str:
 
 def _resolve_model(backend: str, model: str | Path | None) -> Path | str:
     from ov_kvcrush.engines.random_model import is_random_model, random_config
-    from ov_kvcrush.export import ensure_default_model, export_model, hf_checkpoint
+    from ov_kvcrush.models.export import ensure_default_model, export_model, hf_checkpoint
 
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError("model", model, "a path (str or os.PathLike), or None for the embedded model")

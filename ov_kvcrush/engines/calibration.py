@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ov_kvcrush.embedded import cache_root
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.models.embedded import cache_root
 from ov_kvcrush.outputs import write_atomic
 
 #: tokens of calibration text (the essays are the evaluation's haystack prose)
@@ -114,7 +114,7 @@ def op_layer_keys(engine: Any, ids: list[int]) -> list[torch.Tensor]:
     model; its own sequence is untouched), then each global layer's keys ``[1, kv_heads, n, d]``."""
     import numpy as np
 
-    from ov_kvcrush.kvcache import KVPool
+    from ov_kvcrush.op.kvcache import KVPool
 
     s = engine.shape
     pool = KVPool(s.layers, s.q_heads, s.kv_heads, s.head_dim, precision="f32", windows=engine.windows)

@@ -3,8 +3,8 @@
 The IR written by ``optimum-cli export openvino`` is read, converted in memory by
 :func:`ov_kvcrush.transformations.convert_model` (each layer's SDPA and KV state become
 ``ov_kvcrush::PagedAttention``), and compiled on the CPU plugin with the extension library. The
-KV cache lives in the extension: a :class:`~ov_kvcrush.kvcache.KVPool` per engine and one
-:class:`~ov_kvcrush.kvcache.KVSequence` for the current generation (or chat), whose handle is fed
+KV cache lives in the extension: a :class:`~ov_kvcrush.op.kvcache.KVPool` per engine and one
+:class:`~ov_kvcrush.op.kvcache.KVSequence` for the current generation (or chat), whose handle is fed
 as the model's ``kvc_sequence`` input. Everything else (weights, matmuls, RoPE, sampling inputs)
 is OpenVINO's, so this engine runs at the speed of the plugin plus our attention.
 
@@ -46,10 +46,10 @@ from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.engines.scoring_pass import ScoringPass
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
-from ov_kvcrush.kvcache import block_bytes as kv_block_bytes
-from ov_kvcrush.method_spec import method_spec
-from ov_kvcrush.plugin import PluginError
+from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
+from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
+from ov_kvcrush.op.method_spec import method_spec
+from ov_kvcrush.op.plugin import PluginError
 
 #: KV precision of the op's cache by default: u8, as OpenVINO's CPU plugin (and so native
 #: openvino_genai) stores its cache on CPU; f16 and f32 on request.
@@ -93,7 +93,7 @@ class OpenVINOEngine:
         import openvino as ov
         import openvino_genai as ov_genai
 
-        from ov_kvcrush import plugin
+        from ov_kvcrush.op import plugin
         from ov_kvcrush.transformations import convert_model
 
         if str(device).upper() != "CPU":
@@ -176,7 +176,7 @@ class OpenVINOEngine:
     def new_pool(self, compression: CompressionConfig, count_only: bool = False) -> tuple[Any, int, KVPool]:
         """``(method config, block size, a new block pool)`` for ``compression``, as this engine
         holds its cache (the pool limit and precision included); the caller closes the pool.
-        ``count_only``: a byte probe's pool (see :class:`~ov_kvcrush.kvcache.KVPool`)."""
+        ``count_only``: a byte probe's pool (see :class:`~ov_kvcrush.op.kvcache.KVPool`)."""
         method, block_size, spec = self.pool_spec(compression)
         s = self.shape
         pool = KVPool(

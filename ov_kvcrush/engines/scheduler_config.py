@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ov_kvcrush.config import CompressionConfig, KVCrushSettings
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.kvcache import DEFAULT_BLOCK_SIZE
+from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE
 
 
 def pool_blocks_from_scheduler_config(sc, layers: int, kv_heads: int, block_bytes: int) -> int:

@@ -61,7 +61,7 @@ class TorchEngine:
     """Generate with transformers through the project's compressed KV cache.
 
     Args:
-        model_dir: a Hugging Face checkpoint directory (``ov_kvcrush.export.hf_checkpoint()``
+        model_dir: a Hugging Face checkpoint directory (``ov_kvcrush.models.export.hf_checkpoint()``
             gives the embedded model's).
         compression: method and budget; any method of the registry.
         device: ``cpu`` (default) or ``cuda``.

@@ -265,7 +265,7 @@ class _Runner:
             self._count = lambda text: len(self.torch.tokenizer(text, add_special_tokens=False).input_ids)
         elif plan.backend == "openvino":
             from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-            from ov_kvcrush.op_probe import OpProbe
+            from ov_kvcrush.op.probe import OpProbe
 
             self.torch = None
             self.openvino = OpenVINOEngine(self.model_dir, device=plan.device.upper())

@@ -250,7 +250,7 @@ class MethodConfig:
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         """This method's own fields of the op's spec, for a model with ``layers`` layers, ``q_heads``
         query heads and the pool's ``block_size``: exactly the keys its C++ policy reads (the op
-        has no defaults of its own; :mod:`ov_kvcrush.method_spec` adds the method's name, its
+        has no defaults of its own; :mod:`ov_kvcrush.op.method_spec` adds the method's name, its
         per-layer budgets and the store). Raises :class:`~ov_kvcrush.errors.ConfigError` naming
         an option the op does not run."""
         raise NotImplementedError(f"method {self.name} declares no op fields")

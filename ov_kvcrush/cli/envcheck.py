@@ -38,7 +38,7 @@ def main() -> int:
 
     isa = "?"
     try:  # the CPU extension (plugins/cpu): built here if needed, then loaded by OpenVINO and ctypes
-        from ov_kvcrush import plugin
+        from ov_kvcrush.op import plugin
 
         core = openvino.Core()
         core.add_extension(str(plugin.loaded_path()))

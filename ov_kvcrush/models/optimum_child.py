@@ -1,4 +1,4 @@
-"""``python -m ov_kvcrush.optimum_child ARGS``: ``optimum-cli ARGS``, for the model types we checked
+"""``python -m ov_kvcrush.models.optimum_child ARGS``: ``optimum-cli ARGS``, for the model types we checked
 past optimum-intel's transformers cap.
 
 optimum-intel 2.2 caps its Gemma export configs (Gemma 3's text model included) at transformers

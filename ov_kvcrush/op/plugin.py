@@ -1,4 +1,4 @@
-"""The CPU extension library (``plugins/cpu``): build it and load it (its KV cache: :mod:`ov_kvcrush.kvcache`).
+"""The CPU extension library (``plugins/cpu``): build it and load it (its KV cache: :mod:`ov_kvcrush.op.kvcache`).
 
 The library holds the ``ov_kvcrush::PagedAttention`` op and the paged block cache it owns. It is
 built with CMake against the OpenVINO runtime of the installed ``openvino`` wheel (headers and
@@ -7,10 +7,10 @@ into the user cache dir; ``make setup`` builds it, and :func:`library_path` buil
 otherwise. ``OV_KVCRUSH_PLUGIN=/path/libov_kvcrush_cpu.so`` uses a library built elsewhere.
 
 The same library is opened twice in the process: by OpenVINO (``core.add_extension``), which
-runs the op, and by :mod:`ctypes` here (:func:`load`), whose C API :mod:`ov_kvcrush.kvcache`
+runs the op, and by :mod:`ctypes` here (:func:`load`), whose C API :mod:`ov_kvcrush.op.kvcache`
 wraps. ``dlopen`` of one path returns one handle, so both see the same pools and sequences.
 
-``python -m ov_kvcrush.plugin build`` builds (or finds) the library and prints its path.
+``python -m ov_kvcrush.op.plugin build`` builds (or finds) the library and prints its path.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ class PluginError(UserError):
 
 def source_dir() -> Path:
     """``plugins/cpu`` of the source tree (an editable install), or the copy shipped in the package."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "plugins" / "cpu", here / "plugins" / "cpu"):
+    package = Path(__file__).resolve().parents[1]  # ov_kvcrush/
+    for candidate in (package.parent / "plugins" / "cpu", package / "plugins" / "cpu"):
         if (candidate / "CMakeLists.txt").is_file():
             return candidate
-    raise PluginError(f"the C++ sources of the CPU extension (plugins/cpu) are not found next to {here}")
+    raise PluginError(f"the C++ sources of the CPU extension (plugins/cpu) are not found next to {package}")
 
 
 def _openvino_cmake_dir() -> Path:
@@ -87,7 +87,7 @@ def _tool(name: str) -> str | None:
 
 
 def build_dir() -> Path:
-    from ov_kvcrush.export import cache_root
+    from ov_kvcrush.models.export import cache_root
 
     return cache_root() / "plugins" / f"cpu-{_build_key(source_dir())}"
 
@@ -219,7 +219,7 @@ def check_result(result: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m ov_kvcrush.plugin", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ov_kvcrush.op.plugin", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["build", "path"], help="build: build if needed and print the path")
     p.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build exists")
     p.add_argument("--verbose", action="store_true", help="show the compiler output")

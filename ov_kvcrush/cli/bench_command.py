@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ov_kvcrush.cli_values import parse_int, parse_name, split_values
+from ov_kvcrush.cli.values import parse_int, parse_name, split_values
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, write_atomic, write_text
 

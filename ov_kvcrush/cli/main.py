@@ -11,17 +11,17 @@ import os
 import sys
 
 from ov_kvcrush.bench.plan import DEFAULT_LENGTHS
-from ov_kvcrush.bench_command import cmd_bench
-from ov_kvcrush.chat import __doc__ as CHAT_DOC
-from ov_kvcrush.chat import add_arguments as add_chat_arguments
-from ov_kvcrush.chat import methods_help
-from ov_kvcrush.cli_values import parse_float, parse_int, parse_name, parse_size, split_values
+from ov_kvcrush.cli.bench_command import cmd_bench
+from ov_kvcrush.cli.chat import __doc__ as CHAT_DOC
+from ov_kvcrush.cli.chat import add_arguments as add_chat_arguments
+from ov_kvcrush.cli.chat import methods_help
+from ov_kvcrush.cli.inspect_command import add_inspect_arguments, cmd_inspect
+from ov_kvcrush.cli.values import parse_float, parse_int, parse_name, parse_size, split_values
 from ov_kvcrush.errors import UserError, one_line
-from ov_kvcrush.inspect_command import add_inspect_arguments, cmd_inspect
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, read_prompt_file, write_atomic, write_text
 
 #: The demo's compressed runs: (backend, method, extra options).
-DEMO_TOKENS = 2000  # ov_kvcrush.demo.DEMO_TOKENS (not imported here: --help stays fast)
+DEMO_TOKENS = 2000  # ov_kvcrush.cli.demo.DEMO_TOKENS (not imported here: --help stays fast)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -277,7 +277,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ov_kvcrush.export import export_model
+    from ov_kvcrush.models.export import export_model
 
     out = export_model(args.model, weight_format=args.weight_format, output=args.output, force=args.force)
     print(out)
@@ -310,7 +310,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.native_gguf:
         if args.backend != "genai":
             raise UserError(f"--native-gguf is only for --backend genai, got --backend={args.backend}")
-        from ov_kvcrush.export import resolve_source
+        from ov_kvcrush.models.export import resolve_source
 
         source = resolve_source(args.model)
         if source.kind != "gguf":
@@ -333,16 +333,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from ov_kvcrush.chat import chat
+    from ov_kvcrush.cli.chat import chat
 
     return chat(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ov_kvcrush.bench.plan import MIN_LENGTH
-    from ov_kvcrush.demo import NEW_TOKENS, run_demo
+    from ov_kvcrush.cli.demo import NEW_TOKENS, run_demo
     from ov_kvcrush.engines.base import model_context
-    from ov_kvcrush.export import embedded_gguf_path
+    from ov_kvcrush.models.export import embedded_gguf_path
     from ov_kvcrush.validation import check_int
 
     check_int("--tokens", args.tokens, MIN_LENGTH, model_context(embedded_gguf_path()) - NEW_TOKENS)

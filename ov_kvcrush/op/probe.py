@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig
-from ov_kvcrush.kvcache import KVPool
+from ov_kvcrush.op.kvcache import KVPool
 
 
 def single_op_model(
@@ -42,7 +42,7 @@ def single_op_model(
     import openvino.opset13 as ops
     from openvino.utils.node_factory import NodeFactory
 
-    from ov_kvcrush import plugin
+    from ov_kvcrush.op import plugin
 
     factory = NodeFactory()
     factory.add_extension(str(plugin.loaded_path()))
@@ -73,7 +73,7 @@ class OpProbe:
         pool)`` as the engine builds its own (:meth:`OpenVINOEngine.new_pool`)."""
         import openvino as ov
 
-        from ov_kvcrush import plugin
+        from ov_kvcrush.op import plugin
 
         self.layers, self.q_heads, self.kv_heads, self.head_dim = layers, q_heads, kv_heads, head_dim
         self.new_pool = new_pool

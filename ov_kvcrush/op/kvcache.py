@@ -1,4 +1,4 @@
-"""The op's paged KV cache, reached through the extension's C API (:mod:`ov_kvcrush.plugin` loads it).
+"""The op's paged KV cache, reached through the extension's C API (:mod:`ov_kvcrush.op.plugin` loads it).
 
 * :class:`KVPool`: one pipeline's block store (block size, KV precision, an optional block limit,
   the compression method);
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.plugin import check_result, load
+from ov_kvcrush.op.plugin import check_result, load
 
 #: KV precisions the op's cache stores, as the C API numbers them: ``u8`` keeps 8-bit codes with a
 #: per-token (per head) minimum and scale for keys and for values, as OpenVINO's CPU plugin does.
@@ -35,7 +35,7 @@ DEFAULT_BLOCK_SIZE = 32
 
 
 def full_cache_spec(layers: int) -> str:
-    """The full cache's spec, as :func:`ov_kvcrush.method_spec.method_spec` writes it for ``full``."""
+    """The full cache's spec, as :func:`ov_kvcrush.op.method_spec.method_spec` writes it for ``full``."""
     return "method=full;budgets=" + ",".join(["0"] * max(layers, 1)) + ";quant=0"
 
 
@@ -160,12 +160,12 @@ class KVPool:
         max_blocks: refuse to grow past this many blocks' bytes (0: no limit), 2-bit blocks
             counted by their bytes; a sequence that needs more fails with an error naming the limit.
         scores: accumulate per-head attention scores (the eviction policies read them).
-        method: the compression method spec (:func:`ov_kvcrush.method_spec.method_spec` builds it
+        method: the compression method spec (:func:`ov_kvcrush.op.method_spec.method_spec` builds it
             from a method config); ``None``: the full cache.
         windows: per layer, the sliding-window span of a local layer (0: a global layer);
             ``None``: every layer is global. Local layers keep their window as a ring of blocks
             and the method runs on the global layers only.
-        count_only: a byte probe's pool (:mod:`ov_kvcrush.op_probe`): the method keeps, selects and
+        count_only: a byte probe's pool (:mod:`ov_kvcrush.op.probe`): the method keeps, selects and
             quantizes as usual, but the op computes no attention and no scores (outputs are zero),
             so a probe of a long prompt costs its copies, not its attention.
     """

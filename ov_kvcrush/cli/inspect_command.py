@@ -1,4 +1,4 @@
-"""``ov-kvcrush inspect``: its arguments and its command (the work is :mod:`ov_kvcrush.inspector`,
+"""``ov-kvcrush inspect``: its arguments and its command (the work is :mod:`ov_kvcrush.eval.inspector`,
 imported only when the command runs, so ``ov-kvcrush --help`` stays free of torch)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def add_inspect_arguments(sub: argparse._SubParsersAction) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import parse_method_budget, parse_options
     from ov_kvcrush.engines import resolve_model
-    from ov_kvcrush.inspector import inspect_prompt, plot_inspection
+    from ov_kvcrush.eval.inspector import inspect_prompt, plot_inspection
 
     json_out = prepare_output("--json", args.json_out)
     plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)

@@ -27,9 +27,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ov_kvcrush.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, cache_root, embedded_gguf_path, embedded_name
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.staging import run_child, staging_dir
+from ov_kvcrush.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, cache_root, embedded_gguf_path, embedded_name
+from ov_kvcrush.models.staging import run_child, staging_dir
 
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -181,12 +181,12 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
     """Load a GGUF with transformers (dequantised) and save an HF checkpoint + repaired tokenizer.
 
     A SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``: Gemma 3) is rebuilt from the
-    GGUF's own pieces and scores (:mod:`ov_kvcrush.gguf_tokenizer`); transformers' conversion of
+    GGUF's own pieces and scores (:mod:`ov_kvcrush.models.gguf_tokenizer`); transformers' conversion of
     it segments per syllable. A byte-level BPE one (SmolLM2) is repaired by :func:`repair_tokenizer`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ov_kvcrush.gguf_tokenizer import read_gguf_vocab, spm_tokenizer, turn_end_ids
+    from ov_kvcrush.models.gguf_tokenizer import read_gguf_vocab, spm_tokenizer, turn_end_ids
 
     vocab = read_gguf_vocab(gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -287,7 +287,7 @@ def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "ov_kvcrush.optimum_child",  # optimum-cli, with Gemma 3's transformers cap lifted (see there)
+        "ov_kvcrush.models.optimum_child",  # optimum-cli, with Gemma 3's transformers cap lifted (see there)
         "export",
         "openvino",
         "--model",
