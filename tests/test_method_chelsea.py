@@ -210,10 +210,26 @@ def test_protected_tokens_are_the_windows_favourites_kept_exact():
             torch.testing.assert_close(held_v[0, h, slot], v[0, h, t])
     assert float(cache.degrees.sum()) == 300 * hk
     assert storage_bytes([cache]) == cache.memory()["total"]  # the scores it ranks by are counted
-    plain = ChelseaConfig(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32).make_layer(0, 1)
+    plain = ChelseaConfig(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32, protect_tokens=0).make_layer(0, 1)
     plain.prefill(q, k, v)
     exact = [int((plain.degrees[0, h] == 1).sum()) for h in range(hk)]
     assert all(int((cache.degrees[0, h] == 1).sum()) > exact[h] for h in range(hk))
+
+
+def test_the_default_protects_three_quarters_of_the_budget_and_the_paper_is_a_preset():
+    """The default keeps the window's favourites out of merging (the form that answers needles);
+    ``preset=paper`` is the paper's merge; a set count is kept, and a compression keeps at most
+    what its budget leaves after the sinks, the recent tokens and one merged token."""
+    from ov_kvcrush.methods import method_config
+
+    assert ChelseaConfig(budget=1024).protected_tokens == 768
+    assert method_config("chelsea", budget=1024, preset="paper").protected_tokens == 0
+    assert ChelseaConfig(budget=1024, protect_tokens=100).protected_tokens == 100
+    vec = layer_vectors(7, tokens=300)
+    cache = ChelseaConfig(budget=96, sink_tokens=4, recent_tokens=16, chunk_size=32).make_layer(0, 1)
+    cache.prefill(*vec.prefix(300))
+    held = [int((cache.degrees[0, h] == 1).sum()) for h in range(cache.degrees.shape[1])]
+    assert all(n >= 4 + 16 + 72 for n in held)  # the sinks, the recent tokens and the 72 protected: exact
 
 
 def test_calibration_finds_the_head_whose_keys_do_not_match():
