@@ -96,20 +96,21 @@ def methods_by_engine() -> str:
 
 
 def methods_table() -> str:
-    """The README's methods table (Markdown): each method, what it does, its module and its engines.
+    """The README's methods table (Markdown): each method, what it does, how its default departs
+    from its paper, its module and its engines.
 
     The README holds it verbatim (a test compares); regenerate with
     ``python -c "from ov_kvcrush.methods import methods_table; print(methods_table())"``.
     """
     rows = [
-        "| name | what it keeps / does | module | " + " | ".join(ENGINES) + " |",
-        "|---|---|---|" + "---|" * len(ENGINES),
+        "| name | what it keeps / does | default, against its paper | module | " + " | ".join(ENGINES) + " |",
+        "|---|---|---|---|" + "---|" * len(ENGINES),
     ]
     for name, cls in REGISTRY.items():
         summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
         module = cls.__module__.rsplit(".", 1)[-1] + ".py"
         marks = " | ".join("yes" if e in cls.engines else "" for e in ENGINES)
-        rows.append(f"| `{name}` | {summary} | `{module}` | {marks} |")
+        rows.append(f"| `{name}` | {summary} | {cls.departure} | `{module}` | {marks} |")
     return "\n".join(rows)
 
 

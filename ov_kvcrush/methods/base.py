@@ -177,6 +177,9 @@ class MethodConfig:
     """
 
     name: ClassVar[str] = ""
+    #: how the default departs from the method's paper, in a line (the module doc has the rest):
+    #: the methods table's column
+    departure: ClassVar[str] = ""
     #: whether the method keeps a bounded number of tokens (``budget`` is required).
     needs_budget: ClassVar[bool] = True
     #: the engines that run this method, from :data:`ENGINES`: ``torch`` (this reference, through

@@ -332,6 +332,9 @@ class ChelseaConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "chelsea"
+    departure: ClassVar[str] = (
+        "keeps 3/4 of the budget out of merging, the window's favourites (`preset=paper`: the paper's merge)"
+    )
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     pins_prompt_tail: ClassVar[bool] = False
     #: the engines calibrate outlier heads on the model unless told otherwise (the paper's

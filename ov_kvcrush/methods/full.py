@@ -19,6 +19,7 @@ class FullConfig(MethodConfig):
     """Keep every token in full precision (no fields: nothing to tune)."""
 
     name: ClassVar[str] = "full"
+    departure: ClassVar[str] = "no paper: nothing is compressed"
     needs_budget: ClassVar[bool] = False
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
 

@@ -147,6 +147,7 @@ class StreamingLLMConfig(EvictionConfig):
     """
 
     name: ClassVar[str] = "streamingllm"
+    departure: ClassVar[str] = "the paper's"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     evicts_quantized_chunks: ClassVar[bool] = True
     sink_tokens: int = 4
@@ -188,6 +189,7 @@ class H2OConfig(EvictionConfig):
     """
 
     name: ClassVar[str] = "h2o"
+    departure: ClassVar[str] = "the paper's, with sinks kept and scores summed per KV head (GQA)"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
     evicts_quantized_chunks: ClassVar[bool] = True
     head_budgets: str = "uniform"
@@ -282,6 +284,7 @@ class SnapKVConfig(H2OConfig):
     """
 
     name: ClassVar[str] = "snapkv"
+    departure: ClassVar[str] = "pools over 31 tokens (paper: 7, `pool_kernel=7`) and keeps its budget while decoding"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
     scoring: ClassVar[str] = "snapkv"
     window: int = 32
@@ -330,6 +333,7 @@ class PyramidKVConfig(SnapKVConfig):
     """
 
     name: ClassVar[str] = "pyramidkv"
+    departure: ClassVar[str] = "the paper's linear schedule (no entropy variant)"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     pyramid_depth: float = 4.0
     selection: str = "snapkv"

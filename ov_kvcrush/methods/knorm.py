@@ -54,6 +54,7 @@ class KnormConfig(EvictionConfig):
     """
 
     name: ClassVar[str] = "knorm"
+    departure: ClassVar[str] = "the paper's, with sinks and a recent window kept"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:

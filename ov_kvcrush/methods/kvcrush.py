@@ -342,6 +342,7 @@ class KVCrushConfig(SnapKVConfig):
     """
 
     name: ClassVar[str] = "kvcrush"
+    departure: ClassVar[str] = "the paper's; representatives count within the budget"
     #: over the quantized store decode steps drop whole flushed chunks, ranked per layer with
     #: ``scope="layer"`` (every head keeps the same tokens), per KV head with ``"head"``
     evicts_quantized_chunks: ClassVar[bool] = True

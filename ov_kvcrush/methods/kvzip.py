@@ -119,6 +119,7 @@ class KVzipConfig(EvictionConfig):
     """
 
     name: ClassVar[str] = "kvzip"
+    departure: ClassVar[str] = "scoring chunks of 512 tokens attending a subsample (paper: 2048, the whole cache)"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     scoring_pass: ClassVar[bool] = True
     pins_prompt_tail: ClassVar[bool] = False

@@ -65,6 +65,7 @@ class MiniKVConfig(PyramidKVConfig):
     """
 
     name: ClassVar[str] = "minikv"
+    departure: ClassVar[str] = "selects by SnapKV's window over a 4-bit store (`preset=paper`: H2O, 2 bits)"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     #: the prefill selection is never revisited (see the module docstring)
     frozen_selection: ClassVar[bool] = True

@@ -84,6 +84,7 @@ class QuestConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "quest"
+    departure: ClassVar[str] = "the paper's, bounds per KV head (GQA)"
     engines: ClassVar[tuple[str, ...]] = ("torch",)
     budget: int | None = None
     page_size: int = 16
