@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create the environment, install everything, run the main job on the embedded model
-#   make test   create the environment if needed, run the test suite
+#   make test   create the environment if needed, run the test suite (what CI runs)
+#   make test-fast   the same without the tests marked slow: the everyday check (about 3 minutes)
 # Both are idempotent: once the environment is complete (stamp file newer than pyproject.toml and
 # this Makefile) the set-up step is skipped.
 
@@ -11,7 +12,7 @@ PIP    := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip
 STAMP  := $(VENV)/.ov_kvcrush-setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean-env
+.PHONY: setup demo test test-fast lint clean-env
 
 setup: $(STAMP)
 
@@ -41,6 +42,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -312,6 +312,7 @@ def holding_engine(cfg: BenchConfig) -> HoldingEngine:
     return HoldingEngine(cfg, 1.0, 10, [])
 
 
+@pytest.mark.slow
 def test_isolated_configurations_report_their_own_memory(monkeypatch):
     """In worker processes, one configuration's 96 MiB shows in its own peak RSS and not in the
     other's; in one process, the other configuration's peak includes them (why isolation is on)."""
@@ -350,6 +351,7 @@ def refusing_engine(cfg: BenchConfig) -> FakeEngine:
     return FakeEngine(cfg, 1.0, 10, [])
 
 
+@pytest.mark.slow
 def test_a_dying_or_failing_worker_is_a_clear_error_naming_the_configuration(monkeypatch):
     monkeypatch.setattr(bench.measure, "measure_bandwidth_gbps", lambda: 20.0)
     plan = BenchPlan(backends=("openvino",), methods=("snapkv",), budgets=(256,), lengths=(300,))
@@ -361,6 +363,7 @@ def test_a_dying_or_failing_worker_is_a_clear_error_naming_the_configuration(mon
     assert not multiprocessing.active_children()  # every worker was stopped
 
 
+@pytest.mark.slow
 def test_bench_on_the_real_engines_briefly(tmp_path):
     """Native full cache and SnapKV in our op and in the torch engine on the embedded model, one
     short run each, each configuration in its own worker: the harness drives the real engines and
@@ -388,6 +391,7 @@ def test_bench_on_the_real_engines_briefly(tmp_path):
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "run, name",
     [

@@ -15,6 +15,7 @@ from ov_kvcrush.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_a_serving_run_is_checked_before_anything_loads():
     with pytest.raises(ConfigError, match="backends"):
         checked_configs(ServingPlan(backends=("torch",), kv_pool_mib=10))
@@ -30,6 +31,7 @@ def test_a_serving_run_is_checked_before_anything_loads():
     assert proc.returncode == 2 and "one prompt length" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_tiny_serving_run_on_the_real_pipelines():
     """Three requests over a pool that holds about two: every request is served by both backends,
     the throughput is the tokens generated over the wall time, and ours reports its waiting."""
@@ -50,6 +52,7 @@ def test_a_tiny_serving_run_on_the_real_pipelines():
     assert "openvino full" in format_serving(doc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "run, name",
     [

@@ -117,6 +117,7 @@ def test_plain_transformers_users_calibrate_with_one_call(tmp_path, monkeypatch)
     assert len(list((tmp_path / "calibration").iterdir())) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_both_engines_calibrate_the_same_outlier_heads(model_dir, hf_dir, tmp_path, monkeypatch):
     """The op's full cache and transformers' give the same keys to the paper's calibration: the

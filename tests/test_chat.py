@@ -107,6 +107,7 @@ def test_an_error_in_a_turn_leaves_the_conversation():
     assert "exceeds the model's context" in out and "the conversation goes on" in out
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("method", ["full", "snapkv"])
 def test_a_conversation_past_the_context_drops_its_oldest_turns(model_dir, method):
@@ -133,6 +134,7 @@ def test_a_conversation_past_the_context_drops_its_oldest_turns(model_dir, metho
     pipe.finish_chat()
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_a_long_paste_on_a_terminal_arrives_whole(model_dir, tmp_path):
     """On a terminal (a pseudo-terminal here) a 6,000-character paste, longer than a terminal's

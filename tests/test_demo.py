@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from helpers import cli
 
 from ov_kvcrush.cli.demo import label, runs
 
 
+@pytest.mark.slow
 def test_the_main_job_answers_every_row():
     """``ov-kvcrush demo`` as ``make demo`` runs it (its own prompt and budget): native and every
     row of ours find the passkey, and the compressed rows of ours hold less than the full cache
@@ -22,6 +24,7 @@ def test_the_main_job_answers_every_row():
     assert [verdict for _, verdict in answers] == ["correct"] * len(expected), out
 
 
+@pytest.mark.slow
 def test_the_demo_answers_with_the_product_and_with_the_reference_behind_a_flag():
     proc = cli("demo", "--tokens", "600", "--budget", "256", "--torch")
     assert proc.returncode == 0, proc.stderr

@@ -88,6 +88,7 @@ SPECS = [MethodSpec(m) for m in REGISTRY if m not in ("full", "kvzip")] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label)
 @pytest.mark.parametrize("ratio", [0.2, 0.45])
 def test_every_method_gets_bytes_within_one_block_of_the_target(spec, ratio):

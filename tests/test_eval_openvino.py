@@ -38,6 +38,7 @@ PROBED += [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "compression",
     PROBED,
@@ -51,6 +52,7 @@ def test_the_probe_measures_what_the_engine_holds(engine, compression):
     assert probe.held_bytes(compression, got.prompt_tokens, 6) == got.kv_bytes
 
 
+@pytest.mark.slow
 def test_eval_runs_on_the_op_at_equal_memory():
     plan = EvalPlan(
         tasks=("passkey",),
@@ -77,6 +79,7 @@ def test_the_plan_refuses_what_the_op_does_not_run():
         EvalPlan(tasks=("ppl",), backend="openvino")
 
 
+@pytest.mark.slow
 def test_the_cli_evaluates_the_op(tmp_path):
     out = tmp_path / "eval.json"
     proc = cli(

@@ -53,6 +53,7 @@ def shared(engine, prompt):
     return engine.generate_each(prompt, CONFIGS, GenerationSettings(max_new_tokens=16))
 
 
+@pytest.mark.slow
 def test_shared_prefill_gives_each_methods_own_tokens(engine, prompt, shared):
     for config, result in zip(CONFIGS, shared, strict=True):
         engine.set_compression(config)
@@ -73,6 +74,7 @@ def test_memory_probe_equals_what_the_engine_held(engine, shared):
         assert held_bytes(probe_config, shape, result.prompt_tokens, steps) == result.kv_bytes, config
 
 
+@pytest.mark.slow
 def test_teacher_forced_perplexity_equals_plain_transformers(engine, hf_dir):
     from ov_kvcrush.engines.torch_model import load_model
 
@@ -99,6 +101,7 @@ def _run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_cli_eval_writes_one_entry_per_combination(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     code, out, err = _run_cli(
@@ -129,6 +132,7 @@ def test_cli_eval_writes_one_entry_per_combination(tmp_path, capsys):
     assert data["meta"]["command"].startswith("ov-kvcrush eval --tasks passkey,ppl")
 
 
+@pytest.mark.slow
 def test_cli_eval_custom_data_and_equal_memory(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     rows = [
@@ -194,6 +198,7 @@ def test_cli_eval_names_the_bad_jsonl_line_before_loading_anything(tmp_path, cap
     assert code == 2 and "bad.jsonl:2: 'answers' must be a non-empty list" in err
 
 
+@pytest.mark.slow
 def test_genai_backend_evaluates_native_methods(tmp_path, capsys):
     out_json = tmp_path / "g.json"
     code, _, err = _run_cli(

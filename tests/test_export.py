@@ -55,6 +55,7 @@ def test_cli_not_a_gguf(tmp_path):
     assert proc.returncode == 2 and "bad magic" in proc.stderr
 
 
+@pytest.mark.slow
 def test_subcommands_are_listed_and_bench_refuses_bad_input():
     proc = cli("--help")
     for name in ("export", "demo", "generate", "chat", "eval", "bench"):
@@ -141,6 +142,7 @@ def gguf_tokenizer():
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
 def test_repaired_tokenizer_round_trip(model_dir, gguf_tokenizer, text):

@@ -54,6 +54,7 @@ def _kernels(monkeypatch, kernels: str) -> None:
     monkeypatch.setenv("OV_KVCRUSH_KERNELS", kernels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("case", list(CLUSTERKV_CASES))
 def test_fast_clusterkv_attends_what_the_reference_attends(monkeypatch, case, kernels):
@@ -88,6 +89,7 @@ MINIKV = MiniKVConfig(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("bits", "selection"), [((2, 2), "h2o"), ((2, 4), "snapkv"), ((4, 4), "snapkv")]
 )  # the paper's choices, a mixed store, the product's default

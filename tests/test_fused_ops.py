@@ -63,6 +63,7 @@ def test_fused_silu_gate_is_the_mlp_gate(dtype):
     assert torch.allclose(silu_mul(gate, up).float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.slow
 def test_a_fused_model_generates_transformers_tokens():
     """The torch engine with the fused steps (and its fast path) greedily generates what
     transformers generates on the same weights; transformers' own model, and calls outside the

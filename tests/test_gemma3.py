@@ -149,6 +149,7 @@ def windows_of(model_dir) -> list[int]:
     return [cfg["sliding_window"] if t == "sliding_attention" else 0 for t in cfg["layer_types"]]
 
 
+@pytest.mark.slow
 def test_tokenizer_encodes_as_llama_cpp(gguf_vocab, gemma_hf, gemma_ir):
     import openvino_genai as ov_genai
     from transformers import AutoTokenizer
@@ -172,6 +173,7 @@ def test_tokenizer_encodes_as_llama_cpp(gguf_vocab, gemma_hf, gemma_ir):
     assert gen["eos_token_id"] == [1, 106], "generation stops at <eos> and at <end_of_turn>"
 
 
+@pytest.mark.slow
 def test_transformers_own_conversion_is_the_defect_repaired(gguf_vocab):
     """Without the rebuild, transformers segments per syllable: the repair stays justified."""
     from transformers import AutoTokenizer
@@ -184,6 +186,7 @@ def test_transformers_own_conversion_is_the_defect_repaired(gguf_vocab):
     assert theirs(text).input_ids != llama_cpp_tokenize(gguf_vocab, text)
 
 
+@pytest.mark.slow
 def test_ir_equals_transformers_past_the_window(gemma_hf, gemma_ir, window_prompt):
     """optimum-intel's cap on transformers is lifted for Gemma 3 (optimum_child): its IR must
     still compute what transformers computes, across the sliding window."""
@@ -197,6 +200,7 @@ def test_ir_equals_transformers_past_the_window(gemma_hf, gemma_ir, window_promp
     assert np.abs(got[0] - want).max() / np.abs(want).max() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 200])
 def test_op_equals_unmodified_ir_past_the_window(gemma_ir, window_prompt, chunk):
     xml = gemma_ir / "openvino_model.xml"
@@ -219,6 +223,7 @@ def test_op_equals_unmodified_ir_past_the_window(gemma_ir, window_prompt, chunk)
     assert pool.stats().blocks_in_use == 0
 
 
+@pytest.mark.slow
 def test_completion_format_lets_the_base_model_answer(gemma_ir, tmp_path):
     """The embedded Gemma is the pretrained model (past 1k tokens, asked in the chat template it
     mostly repeats the instructions): as raw text followed by the answer's first words
@@ -235,6 +240,7 @@ def test_completion_format_lets_the_base_model_answer(gemma_ir, tmp_path):
     assert report.meta["plan"]["prompt_format"] == "completion"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["snapkv", "kvzip"])
 def test_a_method_runs_on_global_layers_as_in_the_torch_engine(gemma_hf, gemma_ir, method):
     """SnapKV selects at the prompt; KVzip scores the context with its reconstruction pass, whose

@@ -34,6 +34,7 @@ def test_full_cache_answers_passkey_and_accounts_kv(full_engine, passkey):
     assert r.full_kv_bytes == -(-seq // full_engine.block_size) * full_engine.block_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["snapkv", "kvcrush"])
 def test_native_eviction_holds_its_budget(model_dir, passkey, method):
     cfg = CompressionConfig(method=method, budget=512)
@@ -69,6 +70,7 @@ except RuntimeError as e:
 """
 
 
+@pytest.mark.slow
 def test_native_rotation_crash_reproduced_and_refused(model_dir):
     proc = _native(NATIVE_ROTATION.format(mode="SUM", rotation=True, model=str(model_dir)))
     assert "NATIVE_FAILED" in proc.stdout, proc.stdout + proc.stderr
@@ -88,6 +90,7 @@ def test_native_adaptive_rkv_crash_reproduced_and_refused(model_dir):
         CompressionConfig(method="snapkv", budget=256, aggregation="adaptive_rkv")
 
 
+@pytest.mark.slow
 def test_prompts_just_past_the_sinks_with_snapkv(model_dir):
     """Earlier releases aborted ('new_scores_size >= num_snapkv_scores') on prompts of
     sink_tokens+1 .. sink_tokens+snapkv_window tokens with eviction on; run every such length
@@ -140,6 +143,7 @@ def test_cli_generate_json(model_dir, tmp_path):
     assert "Paris" in data["text"] and data["text"] in proc.stdout
 
 
+@pytest.mark.slow
 def test_native_gguf_runs_without_export():
     """The GGUF file runs directly in openvino_genai, with the same metrics and KV accounting."""
     from ov_kvcrush.models.export import embedded_gguf_path
@@ -151,6 +155,7 @@ def test_native_gguf_runs_without_export():
     assert r.kv_bytes == r.full_kv_bytes > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

@@ -73,6 +73,7 @@ def request_model(ov_core):
     return op_model(ov_core, HQ, HKV, D, layer=0)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

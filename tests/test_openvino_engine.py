@@ -40,6 +40,7 @@ def essay_prompt():
     return text + "\n\nRewrite the text above as a long, detailed list of its main points."
 
 
+@pytest.mark.slow
 def test_logits_match_unmodified_model_every_step(model_dir, engine, essay_prompt):
     ids = engine.encode(essay_prompt)
     assert 900 <= len(ids) <= 1300
@@ -57,6 +58,7 @@ def test_logits_match_unmodified_model_every_step(model_dir, engine, essay_promp
         assert pool.stats().blocks_in_use == 0
 
 
+@pytest.mark.slow
 def test_engine_generate_equals_unmodified_greedy(model_dir, engine, essay_prompt):
     ids = engine.encode(essay_prompt)
     _, tokens = native_steps(model_dir / "openvino_model.xml", ids, 63, "f32")
@@ -76,6 +78,7 @@ def fp32_ir():
     return ensure_default_model("fp32", progress=False)
 
 
+@pytest.mark.slow
 def test_greedy_equals_torch_engine(fp32_ir, hf_dir, essay_prompt):
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
@@ -122,6 +125,7 @@ def test_chat_turns_equal_whole_conversation(engine):
         assert whole.prompt_tokens == turn.prompt_tokens
 
 
+@pytest.mark.slow
 def test_hundred_generations_leak_no_blocks(engine):
     settings = GenerationSettings(max_new_tokens=3)
     allocated = None
@@ -268,6 +272,7 @@ def test_cli_chat_keeps_context_across_turns(model_dir):
     assert "(new conversation)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_generate_openvino_backend(model_dir, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France?")
@@ -309,6 +314,7 @@ def test_cli_generate_openvino_backend(model_dir, tmp_path):
     assert bad.returncode == 2 and "--kv-precision is for --backend openvino" in bad.stderr
 
 
+@pytest.mark.slow
 def test_pipeline_chat_on_every_backend_matches_whole_conversation(model_dir):
     """LLMPipeline chat: openvino keeps its cache, genai is given the whole conversation; same answers."""
     import ov_kvcrush

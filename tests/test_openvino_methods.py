@@ -54,6 +54,7 @@ def fp32_ir():
     return ensure_default_model("fp32", progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "options"), VARIANTS, ids=[f"{m}{'-' + '-'.join(o) if o else ''}" for m, o in VARIANTS]
 )

@@ -42,6 +42,7 @@ def _run(target, results, key, *args, **kwargs):
         results[key] = exc
 
 
+@pytest.mark.slow
 def test_a_request_arriving_mid_generation_waits_its_turn(pipe, alone):
     results: dict[str, object] = {}
     streaming = threading.Event()

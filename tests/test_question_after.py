@@ -52,6 +52,7 @@ def _chat(engine, compression, document):
     return first, second, st.tokens_held / (engine.shape.layers * engine.shape.kv_heads), st.kv_bytes
 
 
+@pytest.mark.slow
 def test_kvzip_keeps_what_a_later_turn_asks_for(engine, document):
     budget = 160
     full_first, full, _, _ = _chat(engine, CompressionConfig(), document)

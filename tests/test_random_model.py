@@ -101,6 +101,7 @@ def test_engines_in_one_process_share_one_random_model():
     assert HFBaselineEngine(TINY).model is not a.model  # another attention implementation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["main", "long", "headline", "batch"])
 def test_the_gpu_benchmark_command_plans(run):
     """`benchmarks/gpu.sh` (the committed GPU command) passes every check a real run makes; without

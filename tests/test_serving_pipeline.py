@@ -59,6 +59,7 @@ METHODS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_batch_gives_the_tokens_of_one_at_a_time_runs(engine, method):
     engine.set_compression(METHODS[method])
@@ -87,6 +88,7 @@ def test_a_batch_gives_the_tokens_of_one_at_a_time_runs(engine, method):
     assert engine.pool.stats().blocks_in_use == 0  # every block came back
 
 
+@pytest.mark.slow
 def test_a_full_pool_makes_requests_wait_and_none_fails(model_dir):
     # native blocks of 32 tokens of every layer and head: 7 hold two of these requests (~3 each)
     sc = scheduler_config(num_kv_blocks=7, max_num_batched_tokens=128)
@@ -107,6 +109,7 @@ def test_a_full_pool_makes_requests_wait_and_none_fails(model_dir):
         cb.add_request(99, " ".join(["word"] * 400), GenerationSettings(max_new_tokens=8))
 
 
+@pytest.mark.slow
 def test_kvzip_passes_fit_a_tight_pool_and_give_the_tokens_of_one_at_a_time_runs(model_dir):
     """A scoring pass needs room for one of its steps beside the whole prompt: requests wait for
     it (or a later one is preempted), none fails, and a request the pool cannot serve with its
@@ -128,6 +131,7 @@ def test_kvzip_passes_fit_a_tight_pool_and_give_the_tokens_of_one_at_a_time_runs
         cb.add_request(99, " ".join(["word"] * 520), GenerationSettings(max_new_tokens=8))
 
 
+@pytest.mark.slow
 def test_decode_growth_preempts_a_request_which_is_recomputed_to_the_same_tokens(model_dir):
     # 6 native blocks: two ~40-token prompts start together, their 70 new tokens do not fit both
     cb = ContinuousBatchingPipeline(model_dir, scheduler_config(num_kv_blocks=6), properties=F32)

@@ -97,6 +97,7 @@ KERNEL_LAYERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(KERNEL_LAYERS))
 def test_fused_kernels_attend_each_row_of_a_batch_as_alone(monkeypatch, name):
     """The fused selection (ClusterKV's ranking and placement), the split-key decode attention

@@ -44,6 +44,7 @@ def _run(engine, compression: CompressionConfig, prompt, **settings):
     return engine.generate(prompt, GenerationSettings(**settings))
 
 
+@pytest.mark.slow
 def test_full_equals_plain_transformers_for_32_greedy_tokens(engine, hf_dir):
     from ov_kvcrush.engines.torch_model import load_model
 
@@ -61,6 +62,7 @@ def test_full_equals_plain_transformers_for_32_greedy_tokens(engine, hf_dir):
     assert r.prompt_tokens == len(ids) and r.ttft_ms > 0 and r.tpot_ms > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [m for m in REGISTRY if m != "full"])
 def test_budget_above_the_sequence_gives_the_full_tokens(engine, method):
     """Every method, at a budget that holds the whole sequence, generates exactly what ``full`` does.
@@ -82,6 +84,7 @@ def test_budget_above_the_sequence_gives_the_full_tokens(engine, method):
 COMPRESSING = ["streamingllm", "h2o", "snapkv", "pyramidkv", "kvcrush", "chelsea", "minikv", "h2o+2bit"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [*COMPRESSING, "clusterkv", "quest"])
 def test_passkey_at_budget_256_memory_is_real(engine, passkey, method):
     """~1.5k-token passkey prompt at budget 256: eviction/merging methods hold <= 25 % of the full
@@ -114,6 +117,7 @@ def test_full_cache_finds_the_passkey(engine, passkey):
     assert storage_bytes(list(engine.last_cache.method_layers())) == r.kv_bytes
 
 
+@pytest.mark.slow
 def test_clusterkv_recall_cache_changes_cost_never_results(engine, passkey):
     runs = {}
     for steps in (0, 1):
@@ -138,6 +142,7 @@ def test_torch_and_genai_tokenize_the_chat_prompt_alike(engine, full_engine):
     assert engine.encode("plain text", apply_chat_template=False) == full_engine.encode("plain text", False)
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_streamer_sees_the_text(engine):
     cfg = CompressionConfig(method="h2o", budget=128)
     a = _run(engine, cfg, QUESTION, max_new_tokens=16, do_sample=True, seed=1, temperature=0.9, top_p=0.9)
@@ -186,6 +191,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_generate_torch_writes_json(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France?")
@@ -202,6 +208,7 @@ def test_cli_generate_torch_writes_json(tmp_path):
     assert data["text"].strip() and data["text"].strip() in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

@@ -4,6 +4,8 @@ API), before any work is done, and never a traceback."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from helpers import cli
 
@@ -55,15 +57,19 @@ def cases(d):
     ]
 
 
+@pytest.mark.slow
 def test_every_subcommand_answers_bad_input_with_one_line_and_exit_code_2(files):
-    for argv, needle in cases(files):
-        proc = cli(*argv, stdin="")
+    runs = cases(files)
+    with ThreadPoolExecutor(max_workers=3) as pool:  # each is a fresh interpreter: run a few at once
+        procs = list(pool.map(lambda case: cli(*case[0], stdin=""), runs))
+    for (argv, needle), proc in zip(runs, procs, strict=True):
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
         assert len(lines) == 1 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
         assert needle in lines[0], (argv, lines[0])
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_a_damaged_model_is_one_line_naming_it(model_dir, tmp_path):
     """A GGUF with a good header but cut short, and an IR whose XML is cut short."""
@@ -104,6 +110,7 @@ def test_output_paths_are_settled_before_the_work(tmp_path):
     assert prepare_output("--json", None) is None
 
 
+@pytest.mark.slow
 def test_bench_defaults_pass_their_own_dry_run():
     proc = cli("bench", "--dry-run")
     assert proc.returncode == 0, proc.stderr

@@ -4,10 +4,23 @@
   preemption), pure bookkeeping;
 * :mod:`~ov_kvcrush.serving.pipeline`: :class:`ContinuousBatchingPipeline`, shaped like
   ``openvino_genai.ContinuousBatchingPipeline``, running the scheduler's steps on the op;
-* :mod:`~ov_kvcrush.serving.handle`: the :class:`GenerationHandle` a caller holds per request.
+* :mod:`~ov_kvcrush.serving.handle`: the :class:`GenerationHandle` a caller holds per request;
+* :mod:`~ov_kvcrush.serving.request_queue`: the queue ``LLMPipeline`` serves other backends' calls from.
+
+The pipeline (and the engines it pulls in) loads on first use: ``import ov_kvcrush`` and
+``ov-kvcrush --help`` reach the request queue without it.
 """
 
+from typing import Any
+
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
-from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
 
 __all__ = ["ContinuousBatchingPipeline", "GenerationHandle", "GenerationStatus"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ContinuousBatchingPipeline":
+        from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
+
+        return ContinuousBatchingPipeline
+    raise AttributeError(f"module 'ov_kvcrush.serving' has no attribute {name!r}")

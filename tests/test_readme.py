@@ -1,0 +1,39 @@
+"""The front page's promises, as a newcomer meets them: its Python example runs as written and
+prints what it says, and the page stays a front page."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+pytestmark = pytest.mark.model
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.slow
+def test_the_python_example_runs_and_prints_the_text_and_the_metrics():
+    (example,) = python_blocks(README.read_text())
+    proc = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text, metrics = proc.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text.strip()  # the generated answer
+    ttft, tpot, kv, full = (float(x) for x in metrics.split())
+    assert ttft > 0 and tpot > 0 and kv > 0 and full > 0
+
+
+def test_the_front_page_stays_short_and_links_what_it_moved():
+    text = README.read_text()
+    assert len(text.split()) <= 1500
+    for page in ("docs/usage.md", "docs/library.md", "docs/engines.md", "docs/results.md", "docs/architecture.md"):
+        assert f"]({page})" in text and (README.parent / page).is_file(), page
+    picture = re.search(r"!\[[^\]]*\]\(([^)]+)\)", text).group(1)
+    assert (README.parent / picture).is_file()
