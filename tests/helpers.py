@@ -102,20 +102,30 @@ def converted_steps(
     return np.stack(out), conv, pool, seq
 
 
+def infer(req, inputs: dict):
+    """``req.infer(inputs)`` of a model with our op, raising the op's error (the op does not
+    throw: :func:`ov_kvcrush.op.kvcache.infer_steps`)."""
+    from ov_kvcrush.op import kvcache
+
+    return kvcache.infer_steps(req, inputs, np.asarray(inputs["kvc_sequence"]).ravel().tolist())
+
+
 def run_step(req, names: set[str], seq: kvcache.KVSequence, ids: list[int], past: int) -> None:
     """One inference of the converted model: ``ids`` after ``past`` tokens of ``seq``."""
     from ov_kvcrush.engines import model_inputs
 
-    req.infer(model_inputs.step_inputs(names, [ids], [seq.handle], [past]))
+    infer(req, model_inputs.step_inputs(names, [ids], [seq.handle], [past]))
 
 
 HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
 
 
-def op_model(core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32"):
+def op_model(
+    core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32", **properties
+):
     from ov_kvcrush.op.probe import single_op_model
 
-    return single_op_model(core, hq, hkv, d, layer, scale, compute)
+    return single_op_model(core, hq, hkv, d, layer, scale, compute, properties)
 
 
 def causal_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float | None = None):
@@ -157,7 +167,7 @@ def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_s
     for s, n in enumerate(steps):
         q, k, v = lv.queries[:, :, a : a + n], lv.keys[:, :, a : a + n], lv.values[:, :, a : a + n]
         a += n
-        out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
+        out = infer(req, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
         ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
         yield s, np.array(out), ref.numpy(), seq, pool, lc
 
@@ -183,7 +193,7 @@ def run_both(core, cfg, *, layer=0, layers=1, prompt=192, decode=40, seed=0, blo
     steps = [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(decode)]
     for s, (a, b) in enumerate(steps):
         q, k, v = lv.queries[:, :, a:b], lv.keys[:, :, a:b], lv.values[:, :, a:b]
-        out = req.infer({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
+        out = infer(req, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kvc_sequence": np.array([seq.handle])})[0]
         ref = lc.prefill(q, k, v) if s == 0 else lc.decode(q, k, v)
         yield s, held_positions(seq, layer), reference_positions(lc), np.array(out), ref.numpy(), seq, pool
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import HKV, HQ, D, op_model
+from helpers import HKV, HQ, D, infer, op_model
 
 from ov_kvcrush.methods import method_config, methods_for
 from ov_kvcrush.methods.vectors import layer_vectors
@@ -97,9 +97,9 @@ def test_a_step_past_the_chunked_prompt_is_refused(ov_core):
     x = np.zeros((1, HQ, 12, D), np.float32)
     kv = np.zeros((1, HKV, 12, D), np.float32)
     with pytest.raises(RuntimeError, match="runs past the chunked prompt's 8 tokens"):
-        req.infer({"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([seq.handle])})
+        infer(req, {"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([seq.handle])})
     seq.reset()
-    req.infer({"q": x[:, :, :4], "k": kv[:, :, :4], "v": kv[:, :, :4], "kvc_sequence": np.array([seq.handle])})
+    infer(req, {"q": x[:, :, :4], "k": kv[:, :, :4], "v": kv[:, :, :4], "kvc_sequence": np.array([seq.handle])})
     with pytest.raises(PluginError, match="must start an empty sequence"):
         seq.set_prompt(8)
     with pytest.raises(Exception, match="tokens"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import HKV, HQ, D, op_model
+from helpers import HKV, HQ, D, infer, op_model
 
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.op import kvcache
@@ -89,9 +89,9 @@ def test_a_step_refuses_two_runs_or_rows_of_one_sequence(ov_core):
     x = np.zeros((1, HQ, 3, D), dtype=np.float32)
     kv = np.zeros((1, HKV, 3, D), dtype=np.float32)
     with pytest.raises(RuntimeError, match="two separate runs"):
-        req.infer({"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([a.handle, b.handle, a.handle])})
+        infer(req, {"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([a.handle, b.handle, a.handle])})
     with pytest.raises(RuntimeError, match="two batch rows"):  # rows of one step run side by side
         rows_q, rows_kv = np.zeros((2, HQ, 1, D), dtype=np.float32), np.zeros((2, HKV, 1, D), dtype=np.float32)
-        req.infer({"q": rows_q, "k": rows_kv, "v": rows_kv, "kvc_sequence": np.array([a.handle, a.handle])})
+        infer(req, {"q": rows_q, "k": rows_kv, "v": rows_kv, "kvc_sequence": np.array([a.handle, a.handle])})
     with pytest.raises(RuntimeError, match="one per token"):
-        req.infer({"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([a.handle, b.handle])})
+        infer(req, {"q": x, "k": kv, "v": kv, "kvc_sequence": np.array([a.handle, b.handle])})

@@ -189,6 +189,19 @@ def test_pool_limit_from_scheduler_config_is_honoured(model_dir):
     small.close()
 
 
+def test_a_full_pool_is_an_error_on_one_inference_thread_too(model_dir):
+    """With INFERENCE_NUM_THREADS=1 OpenVINO drops the op's exception; the engine still refuses the
+    step that does not fit, naming the limit, and serves the next request."""
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    small = OpenVINOEngine(model_dir, max_kv_blocks=180, properties={"INFERENCE_NUM_THREADS": 1})
+    with pytest.raises(UserError, match="max_blocks=180"):
+        small.generate("word " * 80, GenerationSettings(max_new_tokens=4))
+    assert small.pool.stats().blocks_in_use == 0
+    assert small.generate("Hi.", GenerationSettings(max_new_tokens=4)).text
+    small.close()
+
+
 def test_scheduler_config_eviction_maps_to_methods():
     import openvino_genai as ov_genai
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import causal_reference, op_model
+from helpers import causal_reference, infer, op_model
 
 from ov_kvcrush.op import kvcache, plugin
 
@@ -26,7 +26,7 @@ def run_steps(req, seqs, steps, hq, hkv, d, rng):
         q = rng.standard_normal((b, hq, n, d), dtype=np.float32)
         k = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
         v = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
-        out = req.infer({"q": q, "k": k, "v": v, "kvc_sequence": np.array([s.handle for s in seqs])})[0]
+        out = infer(req, {"q": q, "k": k, "v": v, "kvc_sequence": np.array([s.handle for s in seqs])})[0]
         ks.append(k)
         vs.append(v)
         yield q, np.concatenate(ks, 2), np.concatenate(vs, 2), np.array(out)
@@ -183,20 +183,45 @@ def test_two_bit_blocks_count_by_their_bytes_against_the_pool(ov_core):
     assert pool.stats().kv_bytes <= limit
 
 
+@pytest.mark.parametrize("threads", [1, 0], ids=["one-thread", "default"])
+def test_op_errors_are_raised_on_one_inference_thread_too(ov_core, threads):
+    """OpenVINO drops a custom op's exception when it infers on one thread (INFERENCE_NUM_THREADS=1,
+    or a process on one core): the step returns zeros as if it had run. The op keeps the error
+    for the step's sequences and ``kvcache.infer_steps`` (every engine's inference) raises it: an
+    unknown handle and a full pool are errors whatever the threads, and the pool serves again."""
+    rng = np.random.default_rng(4)
+    req = op_model(ov_core, 4, 2, 32, **({"INFERENCE_NUM_THREADS": threads} if threads else {}))
+    q = rng.standard_normal((1, 4, 2, 32), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 2, 32), dtype=np.float32)
+    with pytest.raises(RuntimeError, match="unknown KV sequence handle 987654"):
+        kvcache.infer_steps(req, {"q": q, "k": k, "v": k, "kvc_sequence": np.array([987654])}, [987654])
+    pool = kvcache.KVPool(1, 4, 2, 32, block_size=16, max_blocks=4)
+    seq = pool.new_sequence()
+    big = {"q": rng.standard_normal((1, 4, 40, 32), dtype=np.float32)}
+    big["k"] = big["v"] = rng.standard_normal((1, 2, 40, 32), dtype=np.float32)
+    with pytest.raises(RuntimeError, match="max_blocks=4"):
+        kvcache.infer_steps(req, {**big, "kvc_sequence": np.array([seq.handle])}, [seq.handle])
+    seq.reset()
+    ok = {"q": q, "k": k, "v": k, "kvc_sequence": np.array([seq.handle])}
+    out = next(iter(kvcache.infer_steps(req, ok, [seq.handle]).values()))
+    assert np.abs(out).sum() > 0 and seq.stats().tokens_seen == 2
+    assert kvcache.take_step_error(seq.handle) == ""  # nothing left behind for the next step
+
+
 def test_bad_handles_and_shapes_raise(ov_core):
     rng = np.random.default_rng(3)
     req = op_model(ov_core, 4, 2, 32)
     q = rng.standard_normal((1, 4, 2, 32), dtype=np.float32)
     k = rng.standard_normal((1, 2, 2, 32), dtype=np.float32)
     with pytest.raises(RuntimeError, match="unknown KV sequence handle 987654"):
-        req.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([987654])})
+        infer(req, {"q": q, "k": k, "v": k, "kvc_sequence": np.array([987654])})
     other = kvcache.KVPool(1, 8, 2, 32).new_sequence()  # pool shaped for 8 query heads
     with pytest.raises(RuntimeError, match="does not match the KV pool"):
-        req.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([other.handle])})
+        infer(req, {"q": q, "k": k, "v": k, "kvc_sequence": np.array([other.handle])})
     wrong_layer = op_model(ov_core, 4, 2, 32, layer=3)
     seq = kvcache.KVPool(2, 4, 2, 32).new_sequence()
     with pytest.raises(RuntimeError, match="layer 3"):
-        wrong_layer.infer({"q": q, "k": k, "v": k, "kvc_sequence": np.array([seq.handle])})
+        infer(wrong_layer, {"q": q, "k": k, "v": k, "kvc_sequence": np.array([seq.handle])})
 
 
 @pytest.mark.parametrize(

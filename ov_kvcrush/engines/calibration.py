@@ -114,13 +114,13 @@ def op_layer_keys(engine: Any, ids: list[int]) -> list[torch.Tensor]:
     model; its own sequence is untouched), then each global layer's keys ``[1, kv_heads, n, d]``."""
     import numpy as np
 
-    from ov_kvcrush.op.kvcache import KVPool
+    from ov_kvcrush.op.kvcache import KVPool, infer_steps
 
     s = engine.shape
     pool = KVPool(s.layers, s.q_heads, s.kv_heads, s.head_dim, precision="f32", windows=engine.windows)
     try:
         seq = pool.new_sequence()
-        engine.request.infer(engine.step_inputs([ids], [seq], [0]))
+        infer_steps(engine.request, engine.step_inputs([ids], [seq], [0]), [seq.handle])
         return [
             torch.from_numpy(np.stack([seq.read_head(layer, g)[1] for g in range(s.kv_heads)]))[None]
             for layer in range(s.layers)

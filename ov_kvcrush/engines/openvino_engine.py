@@ -46,7 +46,7 @@ from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.engines.scoring_pass import ScoringPass
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence
+from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence, infer_steps
 from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.op.method_spec import method_spec
 from ov_kvcrush.op.plugin import PluginError
@@ -276,7 +276,7 @@ class OpenVINOEngine:
         past = len(self._cached)
         n = len(ids)
         try:
-            self.request.infer(self.step_inputs([list(ids)], [self.sequence], [past]))
+            infer_steps(self.request, self.step_inputs([list(ids)], [self.sequence], [past]), [self.sequence.handle])
         except RuntimeError as exc:
             self._reset_sequence()  # a failed step leaves the layers out of step: start clean
             raise UserError(

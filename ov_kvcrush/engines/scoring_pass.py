@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ov_kvcrush.engines.base import generation_prefix
+from ov_kvcrush.op.kvcache import infer_steps
 
 
 class ScoringPass:
@@ -64,7 +65,7 @@ class ScoringPass:
         try:
             for step in steps:
                 sequence.score_positions(first + step.lo, first + step.hi)
-                request.infer(self.engine.step_inputs([step.ids], [sequence], [past]))
+                infer_steps(request, self.engine.step_inputs([step.ids], [sequence], [past]), [sequence.handle])
         except RuntimeError:
             sequence.end_scoring_pass(select=False)
             raise

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,12 +28,44 @@ PRECISION_BYTES = {"f32": 4, "f16": 2, "u8": 1}
 PRECISION_TOKEN_BYTES = {"f32": 0, "f16": 0, "u8": 16}
 
 
+def take_step_error(handle: int) -> str:
+    """The error our op raised in the last inference that stepped sequence ``handle`` ("" for
+    none), cleared by reading it."""
+    buf = ctypes.create_string_buffer(STEP_ERROR_BYTES)  # one call: reading takes it
+    size = check_result(load().ovkc_take_step_error(int(handle), buf, len(buf)))
+    return buf.value.decode(errors="replace") + (" ..." if size >= len(buf) else "")
+
+
+def infer_steps(request: Any, inputs: Mapping[str, Any], handles: Iterable[int]) -> Any:
+    """``request.infer(inputs)`` stepping the sequences ``handles``, raising our op's error.
+
+    The op does not throw: OpenVINO drops a custom op's exception when it infers on one thread
+    (``INFERENCE_NUM_THREADS=1``, or a process on one core), and its executor then runs a later
+    step twice or not at all. It keeps its error for each sequence of the step (under 0 when the
+    handles themselves could not be read) and ends the step with a zero output; this reads the
+    errors after the inference and raises the first, as the line that says what went wrong.
+    Every inference of a model with our op goes through here (a bare ``request.infer`` would not
+    see the error).
+    """
+    keys = [*dict.fromkeys(int(h) for h in handles), 0]
+    for h in keys:  # nothing stale from an earlier step whose errors were not read
+        take_step_error(h)
+    result = request.infer(inputs)
+    errors = [e for e in (take_step_error(h) for h in keys) if e]
+    if errors:
+        lines = [ln.strip() for ln in errors[0].splitlines() if ln.strip()]
+        raise RuntimeError(next((ln for ln in lines if "ov_kvcrush" in ln), lines[-1] if lines else errors[0]))
+    return result
+
+
 def block_bytes(block_size: int, head_dim: int, precision: str) -> int:
     """Bytes of one block (keys and values of ``block_size`` tokens of one KV head), as the pool allocates."""
     return block_size * (2 * head_dim * PRECISION_BYTES[precision] + PRECISION_TOKEN_BYTES[precision])
 
 
 DEFAULT_BLOCK_SIZE = 32
+#: the longest op error read whole (longer ones are cut, marked "...")
+STEP_ERROR_BYTES = 8192
 
 
 def full_cache_spec(layers: int) -> str:

@@ -152,6 +152,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs = {
         "ovkc_last_error": ([], ctypes.c_char_p),
         "ovkc_kernel_isa": ([], ctypes.c_char_p),
+        "ovkc_take_step_error": ([i64, ctypes.c_char_p, i64], i64),
         "ovkc_pool_create": ([i32, i32, i32, i32, i32, i32, i64, i32, ctypes.c_char_p, p_i64, i32], i64),
         "ovkc_pool_free": ([i64], i64),
         "ovkc_pool_stats": ([i64, p_i64], i64),

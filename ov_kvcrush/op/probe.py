@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig
-from ov_kvcrush.op.kvcache import KVPool
+from ov_kvcrush.op.kvcache import KVPool, infer_steps
 
 
 def single_op_model(
@@ -34,10 +34,11 @@ def single_op_model(
     layer: int = 0,
     scale: float | None = None,
     compute: str = "f32",
+    properties: dict[str, Any] | None = None,
 ):
     """An inference request of a model that is only our op for ``layer``: inputs ``q``, ``k``, ``v``
     (``[1, heads, tokens, head_dim]`` float32) and ``kvc_sequence``; ``scale`` ``1/sqrt(head_dim)``
-    by default."""
+    by default; ``properties``: the CPU plugin's compile properties."""
     import openvino as ov
     import openvino.opset13 as ops
     from openvino.utils.node_factory import NodeFactory
@@ -55,7 +56,8 @@ def single_op_model(
         [q.output(0), k.output(0), v.output(0), s.output(0)],
         {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(head_dim), "compute": compute},
     )
-    return core.compile_model(ov.Model([node.output(0)], [q, k, v, s]), "CPU").create_infer_request()
+    model = ov.Model([node.output(0)], [q, k, v, s])
+    return core.compile_model(model, "CPU", properties or {}).create_infer_request()
 
 
 class OpProbe:
@@ -110,10 +112,10 @@ class OpProbe:
 
             prompt = draw(prompt_tokens)  # one draw for every layer: drawing it per layer cost more than the op
             for layer in range(self.layers):
-                self._request(layer).infer(prompt)
+                infer_steps(self._request(layer), prompt, [seq.handle])
             for _ in range(new_tokens - 1):
                 for layer in range(self.layers):
-                    self._request(layer).infer(draw(1))
+                    infer_steps(self._request(layer), draw(1), [seq.handle])
             return int(seq.stats().kv_bytes)
         finally:
             seq.free()

@@ -46,7 +46,7 @@ from ov_kvcrush.engines.openvino_engine import OpenVINOEngine, error_line
 from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.op.kvcache import KVSequence, block_bytes
+from ov_kvcrush.op.kvcache import KVSequence, block_bytes, infer_steps
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -359,7 +359,7 @@ class ContinuousBatchingPipeline:
         inputs = (self.engine.ragged_step_inputs if ragged else self.engine.step_inputs)(ids, seqs, past)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:
-            self.request.infer(inputs)
+            infer_steps(self.request, inputs, [s.handle for s in seqs])
         except RuntimeError as exc:
             for r in reqs:
                 self._fail(r, f"backend openvino failed on {what}: {error_line(exc)}")

@@ -60,7 +60,43 @@ bool PagedAttention::visit_attributes(ov::AttributeVisitor& visitor) {
     return true;
 }
 
+namespace {
+// The sequence handles of a step, as far as its handles input can be read (none otherwise).
+std::vector<int64_t> step_handles(const ov::TensorVector& inputs) {
+    std::vector<int64_t> out;
+    if (inputs.size() < 4) return out;
+    const auto& ids = inputs[3];
+    const auto ht = ids.get_element_type();
+    for (size_t i = 0; i < ids.get_size(); ++i) {
+        if (ht == ov::element::i64)
+            out.push_back(ids.data<int64_t>()[i]);
+        else if (ht == ov::element::i32)
+            out.push_back(ids.data<int32_t>()[i]);
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    if (out.empty()) out.push_back(0);  // unreadable handles: kept under 0, which no sequence has
+    return out;
+}
+}  // namespace
+
 bool PagedAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    try {
+        return evaluate_step(outputs, inputs);
+    } catch (const std::exception& e) {
+        // Not thrown on: OpenVINO drops an exception from here when it infers on one thread
+        // (INFERENCE_NUM_THREADS=1, one core), and its executor then runs a later request's
+        // step twice or not at all. The error is kept for the step's sequences, the step ends
+        // with a zero output, and the caller raises it (kvcache.infer_steps).
+        Registry::get().record_step_error(step_handles(inputs), e.what());
+        outputs[0].set_shape(inputs[0].get_shape());
+        if (outputs[0].get_element_type() == ov::element::f32)
+            std::fill_n(outputs[0].data<float>(), outputs[0].get_size(), 0.0f);
+        return true;
+    }
+}
+
+bool PagedAttention::evaluate_step(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
     const auto& q = inputs[0];
     const auto& k = inputs[1];
     const auto& v = inputs[2];

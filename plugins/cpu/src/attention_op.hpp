@@ -33,11 +33,14 @@ public:
     void validate_and_infer_types() override;
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override;
     bool visit_attributes(ov::AttributeVisitor& visitor) override;
+    // Runs the step (evaluate_step); an error is kept for the step's sequences
+    // (Registry::record_step_error) and the output zeroed, never thrown: see the .cpp.
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override;
     bool has_evaluate() const override { return true; }
     bool can_constant_fold(const ov::OutputVector&) const override { return false; }
 
 private:
+    bool evaluate_step(ov::TensorVector& outputs, const ov::TensorVector& inputs) const;
     // one sequence's step: q/out [Hq, L, D], k/v [Hkv, L, D], contiguous
     void attend_sequence(int64_t handle, const float* qb, const float* kd, const float* vd, float* ob, int64_t Hq,
                          int64_t Hkv, int64_t L, int64_t D) const;

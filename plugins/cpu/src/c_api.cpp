@@ -51,6 +51,20 @@ OVKC_API const char* ovkc_last_error() { return g_error.c_str(); }
 
 OVKC_API const char* ovkc_kernel_isa() { return ovkc::kernel_isa(); }
 
+// The error the op raised in the last inference that stepped sequence ``handle`` (taken: it is
+// cleared), copied into ``buf`` (at most ``len`` bytes, NUL-terminated); returns its length, 0 for none.
+OVKC_API int64_t ovkc_take_step_error(int64_t handle, char* buf, int64_t len) {
+    return guarded([&]() -> int64_t {
+        const std::string message = Registry::get().take_step_error(handle);
+        if (buf && len > 0) {
+            const size_t n = std::min(message.size(), static_cast<size_t>(len - 1));
+            std::memcpy(buf, message.data(), n);
+            buf[n] = '\0';
+        }
+        return static_cast<int64_t>(message.size());
+    });
+}
+
 OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
                                   int32_t block_size, int32_t precision, int64_t max_blocks, int32_t scores,
                                   const char* method, const int64_t* windows, int32_t count_only) {

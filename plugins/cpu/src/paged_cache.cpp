@@ -304,6 +304,26 @@ std::shared_ptr<Sequence> Registry::sequence(int64_t id) {
                 " (create one with the pipeline's session API before running the model)");
 }
 
+void Registry::record_step_error(const std::vector<int64_t>& handles, const std::string& message) {
+    std::lock_guard<std::mutex> lock(errors_mu_);
+    for (int64_t h : handles) {
+        auto it = std::find_if(errors_.begin(), errors_.end(), [h](const auto& e) { return e.first == h; });
+        if (it == errors_.end())
+            errors_.emplace_back(h, message);
+        else
+            it->second = message;  // the latest step's
+    }
+}
+
+std::string Registry::take_step_error(int64_t handle) {
+    std::lock_guard<std::mutex> lock(errors_mu_);
+    auto it = std::find_if(errors_.begin(), errors_.end(), [handle](const auto& e) { return e.first == handle; });
+    if (it == errors_.end()) return {};
+    std::string message = std::move(it->second);
+    errors_.erase(it);
+    return message;
+}
+
 int64_t Registry::sequences_of(const Pool* pool) {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t n = 0;

@@ -235,9 +235,16 @@ public:
     void free_sequence(int64_t id);
     std::shared_ptr<Sequence> sequence(int64_t id);
     int64_t sequences_of(const Pool* pool);
+    // An error the op met inside an inference, kept for each sequence of that step until the
+    // caller takes it (the op does not throw: OpenVINO drops a custom op's exception when it
+    // infers on one thread, and its executor is then out of step).
+    void record_step_error(const std::vector<int64_t>& handles, const std::string& message);
+    std::string take_step_error(int64_t handle);
 
 private:
     std::mutex mu_;
+    std::mutex errors_mu_;
+    std::vector<std::pair<int64_t, std::string>> errors_;
     int64_t next_ = 1;
     std::vector<std::pair<int64_t, std::shared_ptr<Pool>>> pools_;
     std::vector<std::pair<int64_t, std::shared_ptr<Sequence>>> seqs_;
