@@ -87,15 +87,11 @@ def model_context(model: str | Path) -> int:
     """
     path = Path(model)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        try:
-            from gguf import GGUFReader
+        from ov_kvcrush.models.gguf_metadata import context_length
 
-            fields = GGUFReader(str(path)).fields
-            arch_field = fields["general.architecture"]
-            arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-            ctx = fields[f"{arch}.context_length"]
-            return int(ctx.parts[ctx.data[0]][0])
-        except (KeyError, IndexError, ValueError, OSError):
+        try:
+            return context_length(path)
+        except (ValueError, OSError):  # not GGUF, or cut short: the engine that loads it says so
             return 0
     try:
         cfg = json.loads((path / "config.json").read_text())

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ov_kvcrush.models.gguf_metadata import read_metadata
+
 #: llama.cpp's token types (``llama_token_type``).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -103,21 +105,12 @@ class GGUFVocab:
 
 def read_gguf_vocab(path: str | Path) -> GGUFVocab:
     """Read the tokenizer fields of a GGUF file (no weights are loaded)."""
-    from gguf import GGUFReader
+    fields = read_metadata(path)
+    value = fields.get
 
-    fields = GGUFReader(str(path)).fields
-
-    def value(key: str, default=None):
-        f = fields.get(key)
-        return default if f is None else f.contents()
-
-    def array(key: str) -> list:
-        f = fields[key]
-        return [f.parts[i] for i in f.data]
-
-    tokens = [bytes(p).decode("utf-8", errors="replace") for p in array("tokenizer.ggml.tokens")]
-    scores = [float(p[0]) for p in array("tokenizer.ggml.scores")] if "tokenizer.ggml.scores" in fields else []
-    types = [int(p[0]) for p in array("tokenizer.ggml.token_type")] if "tokenizer.ggml.token_type" in fields else []
+    tokens = fields["tokenizer.ggml.tokens"]
+    scores = [float(s) for s in fields.get("tokenizer.ggml.scores", [])]
+    types = [int(t) for t in fields.get("tokenizer.ggml.token_type", [])]
     return GGUFVocab(
         model=str(value("tokenizer.ggml.model", "")),
         tokens=tokens,
