@@ -32,7 +32,7 @@ def engine(hf_dir):
 def prompt(engine):
     from ov_kvcrush.eval.tasks import passkey_prompt
 
-    return passkey_prompt(700, lambda t: len(engine.encode(t)), seed=11, depth=0.4).prompt
+    return passkey_prompt(450, lambda t: len(engine.encode(t)), seed=11, depth=0.4).prompt
 
 
 CONFIGS = [

@@ -1,10 +1,10 @@
 """Every method the OpenVINO op runs, end to end on the embedded model, against the torch engine.
 
 The same fp32 model (the fp32 IR with ``INFERENCE_PRECISION_HINT=f32`` and an f32 cache, the HF
-checkpoint in float32) and the same ~1.4k-token prompt at budget 256: the greedy tokens must be
-the torch engine's. The op's cache is checked after every step through the stats API: no layer
-and KV head above its budget (a frozen selection keeps the generated tokens on top, as in the
-reference), and the bytes reported are the bytes of the blocks allocated.
+checkpoint in float32) and the same ~750-token prompt at budget 128 (a sixth of it held): the
+greedy tokens must be the torch engine's. The op's cache is checked after every step through the
+stats API: no layer and KV head above its budget (a frozen selection keeps the generated tokens
+on top, as in the reference), and the bytes reported are the bytes of the blocks allocated.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ov_kvcrush.methods import methods_for
 
 pytestmark = pytest.mark.model
 
-BUDGET = 256
+BUDGET = 128
 #: over the 2-bit store a value at a bucket edge lands in either bucket on the two engines' 1e-5
 #: differences (a full quantization step, up to 2.0 in a key here): logits then move by about
 #: 0.1, so greedy tokens are compared up to the first step the op decides by less than this
@@ -36,7 +36,7 @@ def prompt():
     from ov_kvcrush.eval.corpus import essay_text, haystack_essays
 
     return (
-        essay_text(haystack_essays()[1])[:6500] + "\n\nSummarise the text above as a detailed list of its main points."
+        essay_text(haystack_essays()[1])[:3300] + "\n\nSummarise the text above as a detailed list of its main points."
     )
 
 
@@ -64,7 +64,7 @@ def test_greedy_equals_torch_engine_within_budget(fp32_ir, torch_engine, prompt,
     compression = CompressionConfig(method=method, budget=BUDGET, options=options)
     engine = OpenVINOEngine(fp32_ir, compression, kv_precision="f32", properties=F32)
     ids = engine.encode(prompt)
-    assert 1300 <= len(ids) <= 1600
+    assert 650 <= len(ids) <= 850
     budgets = [engine.method.layer_budget(i, engine.shape.layers) for i in range(engine.shape.layers)]
     quantized = method == "minikv" or "quant" in options  # the 2-bit store (see QUANT_TIE)
     frozen = method == "minikv"  # keeps every generated token

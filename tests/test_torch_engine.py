@@ -62,9 +62,15 @@ def test_full_equals_plain_transformers_for_32_greedy_tokens(engine, hf_dir):
     assert r.prompt_tokens == len(ids) and r.ttft_ms > 0 and r.tpot_ms > 0
 
 
+@pytest.fixture(scope="module")
+def full_question(engine):
+    """``full``'s 24 greedy tokens for QUESTION: every method at a budget above them must give these."""
+    return _run(engine, CompressionConfig(), QUESTION, max_new_tokens=24)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [m for m in REGISTRY if m != "full"])
-def test_budget_above_the_sequence_gives_the_full_tokens(engine, method):
+def test_budget_above_the_sequence_gives_the_full_tokens(engine, full_question, method):
     """Every method, at a budget that holds the whole sequence, generates exactly what ``full`` does.
 
     MiniKV's 2-bit store is lossy by design whatever the budget; with a residual window longer
@@ -73,7 +79,7 @@ def test_budget_above_the_sequence_gives_the_full_tokens(engine, method):
     """
     from ov_kvcrush.methods import QuantSettings
 
-    full = _run(engine, CompressionConfig(), QUESTION, max_new_tokens=24)
+    full = full_question
     opts = {"quant": QuantSettings(residual_tokens=512)} if method == "minikv" else {}
     budget = 4 * (full.prompt_tokens + 24)  # pyramids give the top layer a quarter of the average
     r = _run(engine, CompressionConfig(method=method, budget=budget, options=opts), QUESTION, max_new_tokens=24)

@@ -4,6 +4,8 @@ API), before any work is done, and never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -57,16 +59,44 @@ def cases(d):
     ]
 
 
-@pytest.mark.slow
+def run_main(argv: list[str]) -> tuple[int, str]:
+    """``ov-kvcrush ARGV`` through the entry point's ``main`` in this interpreter: (exit code, stderr)."""
+    from ov_kvcrush.cli.main import main
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code
+    return code, err.getvalue()
+
+
+def assert_one_line(argv, needle, code: int, stderr: str) -> None:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert code == 2, (argv, code, stderr[-2000:])
+    assert len(lines) == 1 and "Traceback" not in stderr, (argv, stderr[-2000:])
+    assert needle in lines[0], (argv, lines[0])
+
+
 def test_every_subcommand_answers_bad_input_with_one_line_and_exit_code_2(files):
-    runs = cases(files)
-    with ThreadPoolExecutor(max_workers=3) as pool:  # each is a fresh interpreter: run a few at once
+    for argv, needle in cases(files):
+        assert_one_line(argv, needle, *run_main(argv))
+
+
+#: one case of each kind (refused by the parser, by a dry run's plan, by the engine's checks)
+FRESH = ("--weight-format", "lengths=64", "on backend openvino")
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_in_a_fresh_interpreter_too(files):
+    """As a user meets it: nothing an import prints, and the process's own exit code."""
+    runs = [case for case in cases(files) if case[1] in FRESH]
+    assert len(runs) == len(FRESH)
+    with ThreadPoolExecutor(max_workers=3) as pool:  # each is a fresh interpreter: run them at once
         procs = list(pool.map(lambda case: cli(*case[0], stdin=""), runs))
     for (argv, needle), proc in zip(runs, procs, strict=True):
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
-        assert len(lines) == 1 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
-        assert needle in lines[0], (argv, lines[0])
+        assert_one_line(argv, needle, proc.returncode, proc.stderr)
 
 
 @pytest.mark.slow
