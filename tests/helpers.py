@@ -304,6 +304,19 @@ def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.
     )
 
 
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``ov-kvcrush ARGV`` through the entry point's ``main`` in this interpreter (no fresh
+    interpreter's start-up): (exit code, stdout, stderr), argparse's own refusals included."""
+    from ov_kvcrush.cli.main import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def bench_script_dry_run(script: str, run: str) -> subprocess.CompletedProcess:
     """``bash benchmarks/SCRIPT RUN`` with ``DRY_RUN=1``: its commands checked, nothing loaded."""
     root = Path(__file__).resolve().parents[1]

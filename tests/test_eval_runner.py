@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
+from helpers import run_main
 
-from ov_kvcrush.cli.main import main
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval.budget import ModelShape, held_bytes
@@ -95,16 +95,10 @@ def test_teacher_forced_perplexity_equals_plain_transformers(engine, hf_dir):
     assert scores[2].kv_bytes < scores[0].kv_bytes / 4  # and a small one really holds less
 
 
-def _run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.slow
 def test_cli_eval_writes_one_entry_per_combination(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    code, out, err = _run_cli(
+    code, out, err = run_main(
         capsys,
         "eval", "--tasks", "passkey,ppl", "--lengths", "400", "--methods", "snapkv,quest", "--budgets", "96,160",
         "--max-new-tokens", "12", "--ppl-tokens", "16", "--json", str(out_json), "--plot", str(out_png),
@@ -141,7 +135,7 @@ def test_cli_eval_custom_data_and_equal_memory(tmp_path, capsys):
     ]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out_json = tmp_path / "d.json"
-    code, out, err = _run_cli(
+    code, out, err = run_main(
         capsys, "eval", "--data", str(data), "--methods", "snapkv", "--budgets", "96", "--max-new-tokens", "12",
         "--json", str(out_json), "--no-progress",
     )  # fmt: skip
@@ -155,7 +149,7 @@ def test_cli_eval_custom_data_and_equal_memory(tmp_path, capsys):
     assert full["score"] == 1.0  # the model knows both: the scorer finds the answers in real outputs
 
     out_json = tmp_path / "m.json"
-    code, out, err = _run_cli(
+    code, out, err = run_main(
         capsys, "eval", "--tasks", "passkey", "--lengths", "500", "--methods", "snapkv,snapkv+2bit,quest",
         "--kv-ratio", "0.35", "--max-new-tokens", "8", "--json", str(out_json), "--no-progress",
     )  # fmt: skip
@@ -187,21 +181,21 @@ def test_cli_eval_custom_data_and_equal_memory(tmp_path, capsys):
     ],
 )
 def test_cli_eval_refuses_bad_input_in_one_line(capsys, argv, message):
-    code, _, err = _run_cli(capsys, "eval", *argv, "--no-progress")
+    code, _, err = run_main(capsys, "eval", *argv, "--no-progress")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_eval_names_the_bad_jsonl_line_before_loading_anything(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "ok", "answers": ["a"]}\n{"prompt": "ok", "answers": "a"}\n')
-    code, _, err = _run_cli(capsys, "eval", "--data", str(data), "--no-progress")
+    code, _, err = run_main(capsys, "eval", "--data", str(data), "--no-progress")
     assert code == 2 and "bad.jsonl:2: 'answers' must be a non-empty list" in err
 
 
 @pytest.mark.slow
 def test_genai_backend_evaluates_native_methods(tmp_path, capsys):
     out_json = tmp_path / "g.json"
-    code, _, err = _run_cli(
+    code, _, err = run_main(
         capsys, "eval", "--backend", "genai", "--tasks", "passkey", "--lengths", "700", "--methods", "snapkv",
         "--budgets", "256", "--max-new-tokens", "16", "--json", str(out_json), "--no-progress",
     )  # fmt: skip

@@ -4,12 +4,10 @@ API), before any work is done, and never a traceback."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import cli
+from helpers import cli, run_main
 
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.errors import ConfigError, UserError
@@ -59,19 +57,6 @@ def cases(d):
     ]
 
 
-def run_main(argv: list[str]) -> tuple[int, str]:
-    """``ov-kvcrush ARGV`` through the entry point's ``main`` in this interpreter: (exit code, stderr)."""
-    from ov_kvcrush.cli.main import main
-
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            code = main(argv)
-        except SystemExit as exc:  # argparse's own refusals
-            code = exc.code
-    return code, err.getvalue()
-
-
 def assert_one_line(argv, needle, code: int, stderr: str) -> None:
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert code == 2, (argv, code, stderr[-2000:])
@@ -79,9 +64,10 @@ def assert_one_line(argv, needle, code: int, stderr: str) -> None:
     assert needle in lines[0], (argv, lines[0])
 
 
-def test_every_subcommand_answers_bad_input_with_one_line_and_exit_code_2(files):
+def test_every_subcommand_answers_bad_input_with_one_line_and_exit_code_2(files, capsys):
     for argv, needle in cases(files):
-        assert_one_line(argv, needle, *run_main(argv))
+        code, _, err = run_main(capsys, *argv)
+        assert_one_line(argv, needle, code, err)
 
 
 #: one case of each kind (refused by the parser, by a dry run's plan, by the engine's checks)
