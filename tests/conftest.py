@@ -38,10 +38,6 @@ def hf_dir():
 @pytest.fixture(scope="module")
 def ov_core():
     """An OpenVINO core with the CPU extension (the op) added, as the pipelines load it."""
-    import openvino as ov
-
     from ov_kvcrush.op import plugin
 
-    core = ov.Core()
-    core.add_extension(str(plugin.loaded_path()))
-    return core
+    return plugin.shared_core()

@@ -35,9 +35,9 @@ F32 = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"
 
 def native_steps(xml: Path, prompt: list[int], steps: int, kv_precision: str, feed: list[int] | None = None):
     """Logits [steps + 1, vocab] of the unmodified model (OpenVINO's SDPA and state), greedy tokens."""
-    import openvino as ov
+    from ov_kvcrush.op import plugin
 
-    core = ov.Core()
+    core = plugin.shared_core()
     req = core.compile_model(core.read_model(xml), "CPU", {**F32, "KV_CACHE_PRECISION": kv_precision})
     req = req.create_infer_request()
     req.reset_state()
@@ -71,13 +71,11 @@ def converted_steps(
 ):
     """Logits of the converted model fed ``prompt`` (in ``chunk``-token steps when > 0) then each
     token of ``feed``; and the pool. ``windows``: per layer, a sliding-window span (0: global)."""
-    import openvino as ov
     from ov_kvcrush.transformations import convert_model
 
     from ov_kvcrush.op import kvcache, plugin
 
-    core = ov.Core()
-    core.add_extension(str(plugin.loaded_path()))
+    core = plugin.shared_core()
     conv = convert_model(core.read_model(xml), plugin.loaded_path())
     req = core.compile_model(conv.model, "CPU", F32).create_infer_request()
     s = conv.shape

@@ -162,3 +162,18 @@ def test_the_cuda_path_sits_beside_the_references():
             assert not [d for d in deps if d.startswith("ov_kvcrush.fastpath")], module
         if module.startswith("ov_kvcrush.kernels"):
             assert all(d.startswith(("ov_kvcrush.kernels", "ov_kvcrush.errors")) for d in deps), (module, deps)
+
+
+def test_every_model_compiles_on_the_one_shared_core():
+    """No ``openvino.Core()`` outside ``plugin.shared_core``: a second Core's CPU plugin, once
+    dropped, can leave the thread's alternate signal stack unmapped (see ``plugin.shared_core``)."""
+    made = []
+    for tree in ("ov_kvcrush", "transformations", "benchmarks", "samples", "tests"):
+        for path in (ROOT / tree).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                    if name == "Core":
+                        made.append(str(path.relative_to(ROOT)))
+    assert made == ["ov_kvcrush/op/plugin.py"]

@@ -73,9 +73,7 @@ def test_converted_logits_match_the_unmodified_model(tiny, kv_precision):
 
 
 def test_converted_graph_has_no_kv_state(tiny):
-    import openvino as ov
-
-    core = ov.Core()
+    core = plugin.shared_core()
     conv = convert_model(core.read_model(tiny / "openvino_model.xml"), plugin.loaded_path())
     kinds = [op.get_type_name() for op in conv.model.get_ordered_ops()]
     assert kinds.count("PagedAttention") == 2

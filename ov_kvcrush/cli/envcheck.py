@@ -40,8 +40,7 @@ def main() -> int:
     try:  # the CPU extension (plugins/cpu): built here if needed, then loaded by OpenVINO and ctypes
         from ov_kvcrush.op import plugin
 
-        core = openvino.Core()
-        core.add_extension(str(plugin.loaded_path()))
+        plugin.shared_core()
         isa = plugin.kernel_isa()
     except Exception as exc:
         problems.append(f"CPU extension: {exc}")

@@ -90,7 +90,6 @@ class OpenVINOEngine:
         scheduler_config: Any = None,
         properties: dict | None = None,
     ) -> None:
-        import openvino as ov
         import openvino_genai as ov_genai
 
         from ov_kvcrush.op import plugin
@@ -110,8 +109,7 @@ class OpenVINOEngine:
         windows = layer_windows(self.hf_config, self.model_dir)
 
         self.library = plugin.loaded_path()
-        self.core = ov.Core()
-        self.core.add_extension(str(self.library))
+        self.core = plugin.shared_core()
         self.properties = dict(properties or {})
         # prefill arithmetic follows the plugin's inference precision, as its own SDPA does
         hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(

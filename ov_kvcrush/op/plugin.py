@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
 
@@ -32,6 +33,7 @@ LIBRARY_NAME = "libov_kvcrush_cpu.so"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _lib_path: Path | None = None
+_core: Any = None
 
 
 class PluginError(UserError):
@@ -203,6 +205,31 @@ def loaded_path() -> Path:
     load()
     assert _lib_path is not None
     return _lib_path
+
+
+def shared_core() -> Any:
+    """The process's one ``openvino.Core``, with the extension added: every model of ours compiles
+    on it, so the process holds one CPU plugin, created once and never destroyed.
+
+    Why one: each ``Core`` creates its own CPU plugin, and each plugin instance gives the thread
+    that creates it a new alternate signal stack (OpenVINO's ``SigAltStackSetup``, for AMX). On
+    destruction it unmaps that stack, but restores the one it found only if its own is still
+    current, so two Cores destroyed in the order they were made leave the thread's alternate
+    stack pointing at unmapped memory. The next signal handled there (Python's SIGINT handler,
+    faulthandler's) then kills the process, or writes its frame over whatever was mapped there
+    since (in our test suite, a module's data, which crashed the garbage collector later).
+    ``tests/test_plugin.py`` reproduces it with two plain Cores in a child process.
+    """
+    global _core
+    path = loaded_path()
+    with _lock:
+        if _core is None:
+            import openvino
+
+            core = openvino.Core()
+            core.add_extension(str(path))
+            _core = core
+        return _core
 
 
 def kernel_isa() -> str:

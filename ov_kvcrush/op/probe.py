@@ -73,14 +73,11 @@ class OpProbe:
     ):
         """``new_pool(compression, count_only=True)`` gives ``(method config, block size, a new
         pool)`` as the engine builds its own (:meth:`OpenVINOEngine.new_pool`)."""
-        import openvino as ov
-
         from ov_kvcrush.op import plugin
 
         self.layers, self.q_heads, self.kv_heads, self.head_dim = layers, q_heads, kv_heads, head_dim
         self.new_pool = new_pool
-        self.core = ov.Core()
-        self.core.add_extension(str(plugin.loaded_path()))
+        self.core = plugin.shared_core()
         self._requests: dict[int, Any] = {}
 
     @classmethod
