@@ -11,6 +11,9 @@ PY     := $(VENV)/bin/python
 PIP    := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip
 STAMP  := $(VENV)/.ov_kvcrush-setup-done
 PYTEST_ARGS ?=
+# Test files run in two worker processes, each on its share of the cores (tests/conftest.py):
+# on two cores, twice the work of one process running both. PYTEST_PARALLEL= runs them in one.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: setup demo test test-fast lint clean-env
 
@@ -41,10 +44,10 @@ demo: setup
 	$(VENV)/bin/ov-kvcrush demo
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

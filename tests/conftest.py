@@ -13,6 +13,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    """Under ``pytest -n N`` (``make test`` runs two workers), each worker keeps its share of the
+    cores (worker i: every N-th core from the i-th) and sizes torch's threads to it. Without
+    this, each worker's OpenVINO and torch start a thread per core of the machine: on two cores,
+    two workers run four busy threads, and every parallel matmul waits on the one that lost its
+    core. The cores the run started with stay in ``OV_KVCRUSH_TEST_ALL_CORES``, for a child that
+    needs them all (``helpers.with_all_cores``)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is None or count < 2 or len(cores) < count:
+        return
+    share = cores[int(worker.removeprefix("gw")) % count :: count]
+    os.environ["OV_KVCRUSH_TEST_ALL_CORES"] = ",".join(map(str, cores))
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     from ov_kvcrush.models.export import ensure_default_model

@@ -302,6 +302,15 @@ def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.
     )
 
 
+def with_all_cores() -> None:
+    """A child's ``preexec_fn``: the cores the test run started with, not its worker's share
+    (``conftest.pytest_configure``), for a child whose behaviour depends on running threads in
+    parallel (openvino_genai's rotation crash does not happen on one core)."""
+    cores = os.environ.get("OV_KVCRUSH_TEST_ALL_CORES")
+    if cores:
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+
+
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     """``ov-kvcrush ARGV`` through the entry point's ``main`` in this interpreter (no fresh
     interpreter's start-up): (exit code, stdout, stderr), argparse's own refusals included."""

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import with_all_cores
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.genai import GenAIEngine
@@ -49,7 +50,13 @@ def test_native_eviction_holds_its_budget(model_dir, passkey, method):
 
 
 def _native(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=with_all_cores,
+    )
 
 
 NATIVE_ROTATION = """
