@@ -22,8 +22,6 @@ from ov_kvcrush.validation import MAX_TOKENS, check_choice, check_float, check_i
 #: Native defaults for sinks and the recent window: whole CPU KV blocks (32 tokens each).
 NATIVE_SINK_TOKENS = 32
 NATIVE_RECENT_TOKENS = 128
-#: Anchor modes the native KVCrush understands (ours adds multi-anchor in the methods package).
-KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternating")
 #: Native importance aggregation modes we expose. ADAPTIVE_RKV is refused: in openvino_genai
 #: 2026.4 it aborts with "Token diversity must be registered before each eviction".
 AGGREGATIONS = ("sum", "norm_sum")
@@ -49,7 +47,9 @@ class KVCrushSettings:
     def __post_init__(self) -> None:
         if self.budget is not None:
             check_int("kvcrush.budget", self.budget, 0)
-        check_choice("kvcrush.anchor", self.anchor, KVCRUSH_ANCHORS)
+        from ov_kvcrush.methods.kvcrush import ANCHOR_MODES  # the native engine's modes too
+
+        check_choice("kvcrush.anchor", self.anchor, ANCHOR_MODES)
         check_int("kvcrush.seed", self.seed, 0, 2**31 - 1)
 
 
