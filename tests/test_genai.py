@@ -11,6 +11,7 @@ import pytest
 from helpers import with_all_cores
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.engines import signal_stack
 from ov_kvcrush.engines.genai import GenAIEngine
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.eval.tasks import passkey_prompt
@@ -196,3 +197,50 @@ def test_streamer_sees_the_text_and_can_stop(full_engine):
         "Count from one to ten.", GenerationSettings(max_new_tokens=16), streamer=lambda s: True
     )
     assert len(stopped.token_ids) < len(r.token_ids)
+
+
+#: Two genai pipelines made and dropped in that order, then a signal Python handles. Each
+#: pipeline's CPU plugin gives the thread a new alternate signal stack; dropped in creation
+#: order, the second restores the first's, which is unmapped by then: the signal kills the process.
+SIGNAL_AFTER_TWO_PIPELINES = """
+import gc, signal, sys
+import openvino_genai as g
+from ov_kvcrush.engines.genai import GenAIEngine
+from ov_kvcrush.engines.signal_stack import current_signal_stack
+
+def pipeline():
+    if sys.argv[2] == "engine":
+        return GenAIEngine(sys.argv[1])
+    sc = g.SchedulerConfig()
+    sc.num_kv_blocks = 16
+    return g.ContinuousBatchingPipeline(sys.argv[1], sc, "CPU")
+
+pipelines = [pipeline() for _ in range(2)]
+print("stack", *current_signal_stack())
+while pipelines:
+    pipelines.pop(0)
+    gc.collect()
+handled = []
+signal.signal(signal.SIGINT, lambda *_: handled.append(True))
+signal.raise_signal(signal.SIGINT)
+print("handled" if handled else "missed")
+"""
+
+
+@pytest.mark.parametrize("made_by", ["engine", "openvino_genai alone"])
+def test_a_signal_is_handled_after_engines_are_dropped(model_dir, made_by):
+    """GenAIEngine puts a signal stack of ours on the thread after making its pipeline
+    (``engines.signal_stack``). openvino_genai alone is run beside it: it shows why, and fails
+    once OpenVINO fixes its plugin (the workaround can then go)."""
+    kind = "engine" if made_by == "engine" else "native"
+    child = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AFTER_TWO_PIPELINES, str(model_dir), kind],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if kind == "engine":
+        assert child.returncode == 0 and child.stdout.split()[-1] == "handled", child.stderr[-2000:]
+        assert int(child.stdout.split()[2]) == signal_stack.STACK_BYTES  # ours is the thread's stack
+    else:  # killed by SIGSEGV when the signal is delivered
+        assert child.returncode == -11, (child.returncode, child.stdout, child.stderr[-2000:])

@@ -36,6 +36,7 @@ from ov_kvcrush.engines.base import (
     step_ms,
     ttft_tpot_ms,
 )
+from ov_kvcrush.engines.signal_stack import own_signal_stack
 from ov_kvcrush.errors import UserError
 
 #: Context the block pool is first sized for; it grows (the pipeline is rebuilt) for longer prompts.
@@ -126,6 +127,7 @@ class GenAIEngine:
         )
         self._pipe = None
         self._pipe = ov_genai.ContinuousBatchingPipeline(str(self.model_dir), sc, self.device, self.properties)
+        own_signal_stack()  # its CPU plugin, dropped later, must not leave the thread a freed one
         self._pool_blocks = blocks
         self._block_bytes = 0  # the pool is allocated on the first step; read it then
 
