@@ -1,7 +1,11 @@
-"""KVCrush: signatures, Hamming distance, anchors, buckets and representatives against brute force."""
+"""KVCrush: signatures, Hamming distance, anchors, buckets and representatives against brute force;
+and the op's C++ port against this reference, step by step."""
 
 from __future__ import annotations
 
+from functools import cache
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +15,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import KVCrushConfig
 from ov_kvcrush.methods.attention import attend
 from ov_kvcrush.methods.kvcrush import (
+    KVCrushSelection,
     bucket_order,
     hamming,
     head_decisions,
@@ -244,3 +249,121 @@ def test_config_validation():
         KVCrushConfig(budget=256, head_budgets="adaptive")
     assert KVCrushConfig(budget=256).n_representatives == (256 - 80) // 4
     assert KVCrushConfig(budget=256, anchor=("zeros", "mean")).anchors == ("zeros", "mean")
+
+
+# --------------------------------------------------------------------------------------------
+# the op's port, step by step: each step's result in the C++ op against the reference's
+
+#: (fields, query heads, tokens, integer scores with ties); budget 96, sinks 8, recent 16, 24 representatives
+STEP_CASES = {
+    "topk": (dict(), 9, 300, False),
+    "threshold": (dict(signature="threshold"), 9, 300, False),
+    "first": (dict(representative="first"), 9, 300, False),
+    "random+mean": (dict(anchor=("random", "mean")), 9, 300, False),
+    "nearest of three": (dict(anchor=("ones", "zeros", "alternating"), multi_anchor="nearest"), 9, 300, False),
+    "ties": (dict(anchor="mean", seed=7), 9, 300, True),
+    "decode step": (dict(), 9, 97, False),  # one token over budget: each head drops one (the fast path)
+    "two words": (dict(anchor=("random", "ones")), 70, 300, False),  # 70 heads: signatures of two words
+}
+STEP_BUDGET, STEP_SINKS, STEP_RECENT, STEP_REPS = 96, 8, 16, 24
+
+
+@cache
+def op_and_reference_steps(case: str) -> tuple[dict[str, np.ndarray], KVCrushSelection]:
+    from ov_kvcrush.methods import method_config
+    from ov_kvcrush.op import plugin
+    from ov_kvcrush.op.method_spec import method_spec
+
+    fields, h, n, ties = STEP_CASES[case]
+    rng = np.random.default_rng(11)
+    scores = (rng.integers(0, 4, (h, n)) if ties else rng.random((h, n))).astype(np.float32)
+    cfg = method_config(
+        "kvcrush",
+        budget=STEP_BUDGET,
+        sink_tokens=STEP_SINKS,
+        recent_tokens=STEP_RECENT,
+        representatives=STEP_REPS,
+        **fields,
+    )
+    bits, anchors = np.zeros((n, h), np.uint8), np.zeros((16, h), np.uint8)
+    evictable, order, reps, keep = (np.zeros(n, np.int64) for _ in range(4))
+    distances, counts = np.zeros(n * 16, np.int64), np.zeros(4, np.int64)
+    ptr = [np.ctypeslib.as_ctypes(a.reshape(-1)) for a in (bits, anchors, evictable, distances, order, reps, keep)]
+    plugin.check_result(
+        plugin.load().ovkc_kvcrush_trace(
+            np.ctypeslib.as_ctypes(scores.reshape(-1)),
+            h,
+            n,
+            STEP_BUDGET,
+            STEP_SINKS,
+            STEP_RECENT,
+            STEP_REPS,
+            method_spec(cfg, 1, h, 32).encode(),
+            *ptr,
+            np.ctypeslib.as_ctypes(counts),
+        )
+    )
+    m, a, r, k = (int(c) for c in counts)
+    op = {
+        "bits": bits.astype(bool),
+        "anchors": anchors[:a].astype(bool),
+        "evictable": evictable[:m],
+        "distances": distances[: m * a].reshape(m, a),
+        "order": order[:m],
+        "representatives": reps[:r],
+        "keep": keep[:k],
+    }
+    ref = kvcrush_select(
+        torch.from_numpy(scores)[None],
+        STEP_BUDGET,
+        STEP_SINKS,
+        STEP_RECENT,
+        STEP_REPS,
+        signature=cfg.signature,
+        anchors=cfg.anchors,
+        multi_anchor=cfg.multi_anchor,
+        seed=cfg.seed,
+        representative=cfg.representative,
+    )[0]
+    return op, ref
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_op_signatures_are_the_references(case):
+    """head_decisions then pack_signatures: every token's bits (sinks and recent all 0)."""
+    op, ref = op_and_reference_steps(case)
+    np.testing.assert_array_equal(op["bits"], ref.bits.numpy())
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_op_important_tokens_leave_the_references_evictable(case):
+    op, ref = op_and_reference_steps(case)
+    np.testing.assert_array_equal(op["evictable"], ref.evictable.numpy())
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_op_anchors_are_the_references(case):
+    """make_anchors: drawn anchors as the spec carries them, a mean anchor from the evictable tokens."""
+    op, ref = op_and_reference_steps(case)
+    np.testing.assert_array_equal(op["anchors"], ref.anchors.numpy())
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_op_distances_are_the_references(case):
+    op, ref = op_and_reference_steps(case)
+    np.testing.assert_array_equal(op["distances"], ref.distances.numpy())
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_op_bucket_order_is_the_references(case):
+    op, ref = op_and_reference_steps(case)
+    np.testing.assert_array_equal(op["order"], ref.order.numpy())
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_op_representatives_are_the_references(case):
+    """bucket_bounds then one representative per bucket, in bucket order; and the kept tokens."""
+    op, ref = op_and_reference_steps(case)
+    assert len(op["representatives"]) == len(ref.bounds) == min(STEP_REPS, len(ref.evictable))
+    np.testing.assert_array_equal(op["representatives"], ref.representatives.numpy())
+    np.testing.assert_array_equal(op["keep"], ref.keep.numpy())

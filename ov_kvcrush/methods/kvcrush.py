@@ -188,6 +188,8 @@ class KVCrushSelection:
         order: positions into ``evictable`` in bucketing order.
         bounds: bucket ranges over ``order``.
         distances: ``[len(evictable), A]`` Hamming distance of each evictable token to each anchor.
+        bits: ``[n, H]`` every token's signature, unpacked (sinks and recent tokens are all 0).
+        anchors: ``[A, H]`` the anchors' signatures, unpacked.
     """
 
     keep: torch.Tensor
@@ -197,6 +199,8 @@ class KVCrushSelection:
     order: torch.Tensor
     bounds: list[tuple[int, int]]
     distances: torch.Tensor
+    bits: torch.Tensor
+    anchors: torch.Tensor
 
 
 def kvcrush_select(
@@ -231,7 +235,9 @@ def kvcrush_select(
         every = torch.arange(n, device=dev)
         empty = torch.empty(0, dtype=torch.long, device=dev)
         zero_d = torch.empty(0, len(anchors), dtype=torch.long, device=dev)
-        return [KVCrushSelection(every, every, empty, empty, empty, [], zero_d) for _ in range(b)]
+        no_bits = torch.zeros(n, h, dtype=torch.bool, device=dev)
+        no_anchor = torch.zeros(len(anchors), h, dtype=torch.bool, device=dev)
+        return [KVCrushSelection(every, every, empty, empty, empty, [], zero_d, no_bits, no_anchor) for _ in range(b)]
     if representatives > budget - sink_tokens - recent_tokens:
         raise ConfigError(
             "representatives",
@@ -258,7 +264,8 @@ def kvcrush_select(
         bounds = bucket_bounds(evictable.numel(), representatives)
         rep_t = _representatives(evictable[order], combined[row, 0], bounds, representative)
         keep = torch.sort(torch.cat([important[row], rep_t])).values
-        out.append(KVCrushSelection(keep, important[row], rep_t, evictable, order, bounds, dist))
+        steps = (evictable, order, bounds, dist, bits_all[row].T, anchor_bits[0])
+        out.append(KVCrushSelection(keep, important[row], rep_t, *steps))
     return out
 
 

@@ -151,6 +151,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p_i64 = ctypes.POINTER(ctypes.c_int64)
     p_f32 = ctypes.POINTER(ctypes.c_float)
     p_i32 = ctypes.POINTER(ctypes.c_int32)
+    p_u8 = ctypes.POINTER(ctypes.c_uint8)
     sigs = {
         "ovkc_last_error": ([], ctypes.c_char_p),
         "ovkc_kernel_isa": ([], ctypes.c_char_p),
@@ -170,6 +171,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_keep_indices": ([p_f32, i64, i64, i64, i64, p_i64], i64),
         "ovkc_pool_scores": ([p_f32, i64, i64, i32], i64),
         "ovkc_kvcrush_select": ([p_f32, i32, i64, i64, i64, i64, i64, i64, ctypes.c_char_p, p_i64], i64),
+        "ovkc_kvcrush_trace": (
+            [p_f32, i32, i64, i64, i64, i64, i64, ctypes.c_char_p, p_u8, p_u8, *[p_i64] * 6],
+            i64,
+        ),
         "ovkc_cluster_stats": ([i64, i32, i32, p_i64], i64),
         "ovkc_cluster_read": ([i64, i32, i32, i32, i64, p_i64], i64),
         "ovkc_kmeans": ([p_f32, i64, i32, i64, i64, i64, i64, i32, p_i32, p_f32, p_i64, p_i64], i64),
@@ -218,7 +223,8 @@ def shared_core() -> Any:
     stack pointing at unmapped memory. The next signal handled there (Python's SIGINT handler,
     faulthandler's) then kills the process, or writes its frame over whatever was mapped there
     since (in our test suite, a module's data, which crashed the garbage collector later).
-    ``tests/test_plugin.py`` reproduces it with two plain Cores in a child process.
+    ``tests/test_plugin.py`` reproduces it with two plain Cores in a child process. openvino_genai's
+    pipelines make plugins of their own: :mod:`ov_kvcrush.engines.signal_stack` covers those.
     """
     global _core
     path = loaded_path()

@@ -340,6 +340,37 @@ OVKC_API int64_t ovkc_kvcrush_select(const float* scores, int32_t H, int64_t n, 
     });
 }
 
+// kvcrush_select's steps (token-wise), each unpacked for a comparison with the reference's:
+// bits[n][H] (every token's signature), anchor_bits[A][H] (A <= 16), evictable[m],
+// distances[m][A], order[m], reps[r], keep[k]; counts = {m, A, r, k}. Returns k.
+OVKC_API int64_t ovkc_kvcrush_trace(const float* scores, int32_t H, int64_t n, int64_t budget, int64_t sinks,
+                                    int64_t recent, int64_t reps, const char* spec, uint8_t* bits,
+                                    uint8_t* anchor_bits, int64_t* evictable, int64_t* distances, int64_t* order,
+                                    int64_t* reps_out, int64_t* keep_out, int64_t* counts) {
+    return guarded([&]() -> int64_t {
+        const auto policy = ovkc::make_policy(spec ? spec : "", {1, H, 1, 16, 16});
+        const auto* kvcrush = dynamic_cast<const ovkc::KVCrushPolicy*>(policy.get());
+        if (!kvcrush) throw ovkc::Error("kvcrush_trace needs a kvcrush spec, got method " + policy->name());
+        if (budget >= n) throw ovkc::Error("kvcrush_trace needs budget < n: nothing is selected otherwise");
+        ovkc::KVCrushTrace t;
+        const auto keep = ovkc::kvcrush_select(scores, H, n, budget, sinks, recent, reps, kvcrush->kv, &t);
+        auto unpack = [&](const uint64_t* words, uint8_t* out) {
+            for (int h = 0; h < H; ++h) out[h] = (words[h / 64] >> (h % 64)) & 1;
+        };
+        for (int64_t i = 0; i < n; ++i) unpack(t.signatures.of(i), bits + i * H);
+        for (size_t a = 0; a < t.anchors.size(); ++a) unpack(t.anchors[a].data(), anchor_bits + a * H);
+        std::copy(t.evictable.begin(), t.evictable.end(), evictable);
+        std::copy(t.distances.begin(), t.distances.end(), distances);
+        std::copy(t.order.begin(), t.order.end(), order);
+        std::copy(t.representatives.begin(), t.representatives.end(), reps_out);
+        std::copy(keep.begin(), keep.end(), keep_out);
+        const int64_t c[4] = {static_cast<int64_t>(t.evictable.size()), static_cast<int64_t>(t.anchors.size()),
+                              static_cast<int64_t>(t.representatives.size()), static_cast<int64_t>(keep.size())};
+        std::copy(c, c + 4, counts);
+        return c[3];
+    });
+}
+
 // ---- ClusterKV ----------------------------------------------------------------------------------
 
 // Counters of one (layer, KV head): out[11] = clusters, decode steps, clusterings, k-means

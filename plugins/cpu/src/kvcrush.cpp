@@ -22,15 +22,6 @@ namespace ovkc {
 
 namespace {
 
-using Words = std::vector<uint64_t>;
-
-Words pack(const std::vector<uint8_t>& bits) {
-    Words w((bits.size() + 63) / 64, 0);
-    for (size_t h = 0; h < bits.size(); ++h)
-        if (bits[h]) w[h / 64] |= uint64_t(1) << (h % 64);
-    return w;
-}
-
 int64_t hamming(const uint64_t* a, const uint64_t* b, size_t words) {
     int64_t d = 0;
     for (size_t i = 0; i < words; ++i) d += __builtin_popcountll(a[i] ^ b[i]);
@@ -39,89 +30,87 @@ int64_t hamming(const uint64_t* a, const uint64_t* b, size_t words) {
 
 }  // namespace
 
-std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64_t budget, int64_t sinks,
-                                    int64_t recent, int64_t reps, const KVCrushParams& p) {
-    // Runs at every decode step of a full head (n = budget + 1), so every stage is linear in n but
-    // the ordering of the evictable tokens (about `reps` of them): no sort of the whole head.
-    std::vector<int64_t> all(static_cast<size_t>(n));
-    std::iota(all.begin(), all.end(), int64_t(0));
-    if (budget >= n) return all;
-    if (reps > budget - sinks - recent)
-        throw Error("method.representatives=" + std::to_string(reps) +
-                    " is invalid: allowed at most budget - sinks - recent = " + std::to_string(budget - sinks - recent));
-    std::vector<float> combined(scores, scores + n);
-    for (int h = 1; h < H; ++h)
-        for (int64_t i = 0; i < n; ++i) combined[static_cast<size_t>(i)] += scores[h * n + i];
-    std::vector<uint8_t> kept(static_cast<size_t>(n), 0);
-    for (int64_t i : keep_indices(combined.data(), n, budget - reps, sinks, recent)) kept[static_cast<size_t>(i)] = 1;
+// The steps below are the reference's, one for one (methods/kvcrush.py: head_decisions,
+// pack_signatures, make_anchors, hamming, bucket_order, bucket_bounds, _representatives). They
+// run at every decode step of a full head (n = budget + 1), so each is linear in n but the
+// ordering of the evictable tokens (about `reps` of them): no sort of the whole head.
 
-    // signatures: bit h of a middle token = head h's own decision (sinks and recent stay 0). A
-    // decode step's head keeps all middle tokens but one (or a few): start from all ones and
-    // clear the few it drops.
-    const int64_t per_head_keep = std::max<int64_t>(budget - sinks - recent, 0);
-    const int64_t lo = sinks, mid = n - recent - sinks;
-    const size_t W = (static_cast<size_t>(H) + 63) / 64;
-    std::vector<uint64_t> token_sig(static_cast<size_t>(n) * W, 0);
-    auto bit_of = [&](int64_t i, int h) -> uint64_t& { return token_sig[(static_cast<size_t>(lo + i)) * W + h / 64]; };
-    const int64_t few = mid - std::min(per_head_keep, mid);
-    if (!p.signature_threshold && few <= kFewDrops) {
-        for (size_t w = 0; w < W; ++w) {
-            const int bits = std::min(64, H - static_cast<int>(w) * 64);
-            const uint64_t full = bits == 64 ? ~uint64_t(0) : (uint64_t(1) << bits) - 1;
-            for (int64_t i = 0; i < mid; ++i) token_sig[static_cast<size_t>(lo + i) * W + w] = full;
-        }
-        int64_t worst[kFewDrops];
-        for (int h = 0; h < H; ++h) {
-            worst_tokens(scores + h * n + lo, mid, few, worst);
-            for (int64_t r = 0; r < few; ++r) bit_of(worst[r], h) &= ~(uint64_t(1) << (h % 64));
-        }
-    } else {
-        std::vector<uint8_t> decision(static_cast<size_t>(mid));
-        for (int h = 0; h < H; ++h) {
-            const float* s = scores + h * n + lo;
-            if (p.signature_threshold) {
-                float mean = 0.0f;
-                for (int64_t i = 0; i < mid; ++i) mean += s[i];
-                mean /= static_cast<float>(mid);
-                for (int64_t i = 0; i < mid; ++i) decision[static_cast<size_t>(i)] = s[i] >= mean;
-            } else {
-                topk_mask(s, mid, per_head_keep, decision.data());
-            }
-            for (int64_t i = 0; i < mid; ++i) bit_of(i, h) |= uint64_t(decision[static_cast<size_t>(i)]) << (h % 64);
-        }
-    }
-    std::vector<int64_t> evictable;
-    evictable.reserve(static_cast<size_t>(n - budget + reps));
-    for (int64_t i = 0; i < n; ++i)
-        if (!kept[static_cast<size_t>(i)]) evictable.push_back(i);
-    const int64_t m = static_cast<int64_t>(evictable.size());
-    auto sig = [&](int64_t e) { return token_sig.data() + static_cast<size_t>(evictable[static_cast<size_t>(e)]) * W; };
-
-    // anchors (the mean anchor: per-bit majority of the evictable tokens)
-    std::vector<int64_t> ones(static_cast<size_t>(H), 0);
-    const bool mean_anchor = std::any_of(p.anchors.begin(), p.anchors.end(), [](const Anchor& a) { return a.mean; });
-    for (int64_t e = 0; e < m && mean_anchor; ++e)
-        for (size_t w = 0; w < W; ++w)
-            for (uint64_t x = sig(e)[w]; x; x &= x - 1) ++ones[w * 64 + static_cast<size_t>(__builtin_ctzll(x))];
-    const size_t A = p.anchors.size();
-    std::vector<Words> anchors;
-    for (const Anchor& a : p.anchors) {
-        if (a.mean) {
-            std::vector<uint8_t> bits(static_cast<size_t>(H));
-            for (int h = 0; h < H; ++h) bits[static_cast<size_t>(h)] = m > 0 && 2 * ones[static_cast<size_t>(h)] >= m;
-            anchors.push_back(pack(bits));
+std::vector<uint8_t> head_decisions(const float* scores, int H, int64_t n, int64_t lo, int64_t mid, int64_t keep,
+                                    bool threshold) {
+    const int64_t few = mid - std::min(std::max<int64_t>(keep, 0), mid);
+    const bool all_but_few = !threshold && few <= kFewDrops;  // a decode step: each head drops one or a few
+    std::vector<uint8_t> decision(static_cast<size_t>(H) * static_cast<size_t>(mid), uint8_t(all_but_few));
+    for (int h = 0; h < H; ++h) {
+        const float* s = scores + h * n + lo;
+        uint8_t* d = decision.data() + static_cast<size_t>(h) * static_cast<size_t>(mid);
+        if (threshold) {
+            float mean = 0.0f;
+            for (int64_t i = 0; i < mid; ++i) mean += s[i];
+            mean /= static_cast<float>(mid);
+            for (int64_t i = 0; i < mid; ++i) d[i] = s[i] >= mean;
+        } else if (all_but_few) {  // keeps all (set above) but its few lowest: clear those
+            int64_t worst[kFewDrops];
+            worst_tokens(s, mid, few, worst);
+            for (int64_t r = 0; r < few; ++r) d[worst[r]] = 0;
         } else {
-            if (static_cast<int>(a.bits.size()) != H)
-                throw Error("method.anchors has " + std::to_string(a.bits.size()) + " bits: allowed one per query head (" +
-                            std::to_string(H) + ")");
-            anchors.push_back(pack(a.bits));
+            topk_mask(s, mid, keep, d);
         }
     }
-    std::vector<int64_t> dist(static_cast<size_t>(m) * A);
-    for (int64_t e = 0; e < m; ++e)
-        for (size_t a = 0; a < A; ++a) dist[static_cast<size_t>(e) * A + a] = hamming(sig(e), anchors[a].data(), W);
+    return decision;
+}
 
-    // bucket order: by distance (tuple of distances, or nearest anchor then its distance), ties by
+Signatures pack_signatures(const std::vector<uint8_t>& decision, int H, int64_t n, int64_t lo, int64_t mid) {
+    Signatures sig{(static_cast<size_t>(H) + 63) / 64, {}};
+    sig.words.assign(static_cast<size_t>(n) * sig.W, 0);
+    for (int h = 0; h < H; ++h) {
+        const uint8_t* d = decision.data() + static_cast<size_t>(h) * static_cast<size_t>(mid);
+        uint64_t* w = sig.words.data() + static_cast<size_t>(lo) * sig.W + static_cast<size_t>(h / 64);
+        const int shift = h % 64;
+        if (sig.W == 1)  // up to 64 heads: one word per token, a loop the compiler vectorises
+            for (int64_t i = 0; i < mid; ++i) w[i] |= uint64_t(d[i]) << shift;
+        else
+            for (int64_t i = 0; i < mid; ++i) w[static_cast<size_t>(i) * sig.W] |= uint64_t(d[i]) << shift;
+    }
+    return sig;
+}
+
+std::vector<Words> make_anchors(const Signatures& sig, const std::vector<int64_t>& evictable, int H,
+                                const std::vector<Anchor>& modes) {
+    const int64_t m = static_cast<int64_t>(evictable.size());
+    std::vector<int64_t> ones(static_cast<size_t>(H), 0);  // the mean anchor: per-bit majority of the evictable
+    if (std::any_of(modes.begin(), modes.end(), [](const Anchor& a) { return a.mean; }))
+        for (int64_t t : evictable)
+            for (size_t w = 0; w < sig.W; ++w)
+                for (uint64_t x = sig.of(t)[w]; x; x &= x - 1) ++ones[w * 64 + static_cast<size_t>(__builtin_ctzll(x))];
+    std::vector<Words> anchors;
+    for (const Anchor& a : modes) {
+        std::vector<uint8_t> bits = a.bits;
+        if (a.mean) {
+            bits.assign(static_cast<size_t>(H), 0);
+            for (int h = 0; h < H; ++h) bits[static_cast<size_t>(h)] = m > 0 && 2 * ones[static_cast<size_t>(h)] >= m;
+        } else if (static_cast<int>(bits.size()) != H) {
+            throw Error("method.anchors has " + std::to_string(bits.size()) + " bits: allowed one per query head (" +
+                        std::to_string(H) + ")");
+        }
+        Words packed(sig.W, 0);
+        for (size_t h = 0; h < bits.size(); ++h)
+            if (bits[h]) packed[h / 64] |= uint64_t(1) << (h % 64);
+        anchors.push_back(std::move(packed));
+    }
+    return anchors;
+}
+
+std::vector<int64_t> anchor_distances(const Signatures& sig, const std::vector<int64_t>& evictable,
+                                      const std::vector<Words>& anchors) {
+    const size_t A = anchors.size();
+    std::vector<int64_t> dist(evictable.size() * A);
+    for (size_t e = 0; e < evictable.size(); ++e)
+        for (size_t a = 0; a < A; ++a) dist[e * A + a] = hamming(sig.of(evictable[e]), anchors[a].data(), sig.W);
+    return dist;
+}
+
+std::vector<int64_t> bucket_order(const std::vector<int64_t>& dist, int64_t m, size_t A, int H, bool nearest) {
+    // By distance (the tuple of distances, or the nearest anchor then its distance), ties by
     // position. Distances are at most H, so the order is a counting sort on one small integer key
     // whenever the key range is small; a comparison sort otherwise (many heads and anchors).
     const int64_t* D = dist.data();
@@ -129,7 +118,7 @@ std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64
     std::vector<int64_t> key(static_cast<size_t>(m));
     int64_t key_range = 1;
     bool small = true;
-    if (p.multi_nearest && A > 1) {
+    if (nearest && A > 1) {
         key_range = static_cast<int64_t>(A) * base;
         for (int64_t e = 0; e < m; ++e) {
             size_t best = 0;
@@ -152,33 +141,77 @@ std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64
         for (int64_t k : key) ++start[static_cast<size_t>(k) + 1];
         for (int64_t k = 0; k < key_range; ++k) start[static_cast<size_t>(k) + 1] += start[static_cast<size_t>(k)];
         for (int64_t e = 0; e < m; ++e) order[static_cast<size_t>(start[static_cast<size_t>(key[static_cast<size_t>(e)])]++)] = e;
-    } else {
-        std::iota(order.begin(), order.end(), int64_t(0));
-        if (small)
-            std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
-        else
-            std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-                for (size_t a = 0; a < A; ++a)
-                    if (D[x * A + a] != D[y * A + a]) return D[x * A + a] < D[y * A + a];
-                return false;
-            });
+        return order;
     }
+    std::iota(order.begin(), order.end(), int64_t(0));
+    if (small)
+        std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
+    else
+        std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+            for (size_t a = 0; a < A; ++a)
+                if (D[x * A + a] != D[y * A + a]) return D[x * A + a] < D[y * A + a];
+            return false;
+        });
+    return order;
+}
 
-    // one representative per bucket
-    const int64_t buckets = std::min(reps, m);
-    auto member = [&](int64_t i) { return evictable[static_cast<size_t>(order[static_cast<size_t>(i)])]; };
-    for (int64_t j = 0; j < buckets; ++j) {
-        const int64_t s = j * m / buckets, e = (j + 1) * m / buckets;
-        int64_t best = s;
-        if (!p.representative_first)
+std::vector<std::pair<int64_t, int64_t>> bucket_bounds(int64_t m, int64_t buckets) {
+    buckets = std::min(buckets, m);
+    std::vector<std::pair<int64_t, int64_t>> bounds;
+    for (int64_t j = 0; j < buckets; ++j) bounds.emplace_back(j * m / buckets, (j + 1) * m / buckets);
+    return bounds;
+}
+
+std::vector<int64_t> representatives(const std::vector<int64_t>& members, const float* score,
+                                     const std::vector<std::pair<int64_t, int64_t>>& bounds, bool first) {
+    std::vector<int64_t> reps;
+    for (const auto& [s, e] : bounds) {
+        int64_t best = s;  // the bucket's first token, or its highest-scoring (the first on ties)
+        if (!first)
             for (int64_t i = s + 1; i < e; ++i)
-                if (combined[static_cast<size_t>(member(i))] > combined[static_cast<size_t>(member(best))]) best = i;
-        kept[static_cast<size_t>(member(best))] = 1;
+                if (score[members[static_cast<size_t>(i)]] > score[members[static_cast<size_t>(best)]]) best = i;
+        reps.push_back(members[static_cast<size_t>(best)]);
     }
+    return reps;
+}
+
+std::vector<int64_t> kvcrush_select(const float* scores, int H, int64_t n, int64_t budget, int64_t sinks,
+                                    int64_t recent, int64_t reps, const KVCrushParams& p, KVCrushTrace* trace) {
+    std::vector<int64_t> all(static_cast<size_t>(n));
+    std::iota(all.begin(), all.end(), int64_t(0));
+    if (budget >= n) return all;
+    if (reps > budget - sinks - recent)
+        throw Error("method.representatives=" + std::to_string(reps) +
+                    " is invalid: allowed at most budget - sinks - recent = " + std::to_string(budget - sinks - recent));
+    // the important tokens: sinks, recent and the top scores summed over the heads
+    std::vector<float> combined(scores, scores + n);
+    for (int h = 1; h < H; ++h)
+        for (int64_t i = 0; i < n; ++i) combined[static_cast<size_t>(i)] += scores[h * n + i];
+    std::vector<uint8_t> kept(static_cast<size_t>(n), 0);
+    for (int64_t i : keep_indices(combined.data(), n, budget - reps, sinks, recent)) kept[static_cast<size_t>(i)] = 1;
+    // the signatures of the middle tokens (sinks and recent stay 0)
+    const int64_t mid = n - recent - sinks;
+    const auto decision =
+        head_decisions(scores, H, n, sinks, mid, std::max<int64_t>(budget - sinks - recent, 0), p.signature_threshold);
+    const Signatures sig = pack_signatures(decision, H, n, sinks, mid);
+    std::vector<int64_t> evictable;
+    evictable.reserve(static_cast<size_t>(n - budget + reps));
+    for (int64_t i = 0; i < n; ++i)
+        if (!kept[static_cast<size_t>(i)]) evictable.push_back(i);
+    const int64_t m = static_cast<int64_t>(evictable.size());
+    // the buckets: the evictable tokens by their distance to the anchors, cut into `reps` ranges
+    const std::vector<Words> anchors = make_anchors(sig, evictable, H, p.anchors);
+    const std::vector<int64_t> dist = anchor_distances(sig, evictable, anchors);
+    const std::vector<int64_t> order = bucket_order(dist, m, anchors.size(), H, p.multi_nearest);
+    std::vector<int64_t> members(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) members[static_cast<size_t>(i)] = evictable[static_cast<size_t>(order[static_cast<size_t>(i)])];
+    const auto reps_kept = representatives(members, combined.data(), bucket_bounds(m, reps), p.representative_first);
+    for (int64_t t : reps_kept) kept[static_cast<size_t>(t)] = 1;
     std::vector<int64_t> keep;
     keep.reserve(static_cast<size_t>(budget));
     for (int64_t i = 0; i < n; ++i)
         if (kept[static_cast<size_t>(i)]) keep.push_back(i);
+    if (trace) *trace = KVCrushTrace{sig, anchors, evictable, dist, order, reps_kept};
     return keep;
 }
 
@@ -198,13 +231,13 @@ void KVCrushPolicy::after_attention(Sequence& seq, int layer, bool prefill, int6
     if (prefill) pool_prompt_scores(seq, layer);
     if (!budget || (!prefill && frozen)) return;
     if (!prefill && quant()) {  // whole flushed chunks; per layer, every head drops the same ones
-        evict_quant_chunks(seq, layer, budget, sinks, recent, group_params.empty());
+        evict_quant_chunks(seq, layer, budget, sinks, recent, !head_scope);
         return;
     }
-    if (group_params.empty())
-        select_layer(seq, layer, prefill, budget);
-    else
+    if (head_scope)
         select_heads(seq, layer, prefill, budget);
+    else
+        select_layer(seq, layer, prefill, budget);
 }
 
 namespace {
@@ -290,7 +323,8 @@ KVCrushPolicy::KVCrushPolicy(Spec& spec, const ModelShape& shape, PolicyCommon c
         kv.anchors.push_back(anchor);
     }
     if (kv.anchors.empty()) throw Error(Spec::invalid("anchors", "(none)", "one or more anchors"));
-    if (spec.choice("scope", {"layer", "head"}) == "head") {
+    head_scope = spec.choice("scope", {"layer", "head"}) == "head";
+    if (head_scope) {
         const int G = shape.q_heads / shape.kv_heads;
         for (int g = 0; g < shape.kv_heads; ++g) {
             KVCrushParams p = kv;
