@@ -193,6 +193,15 @@ def test_pool_limit_from_scheduler_config_is_honoured(model_dir):
     assert small.pool.stats().blocks_in_use == 0  # the failed sequence was released
     assert small.generate("Hi.", GenerationSettings(max_new_tokens=4)).text  # and the engine still works
     small.close()
+    # without cache eviction, the scheduler config gives the limit and `compression` the method
+    snap = OpenVINOEngine(model_dir, CompressionConfig(method="snapkv", budget=128), scheduler_config=sc)
+    assert snap.compression.method == "snapkv" and snap.max_kv_blocks == small.max_kv_blocks == 180
+    snap.close()
+    with pytest.raises(UserError, match="max_kv_blocks or scheduler_config"):
+        OpenVINOEngine(model_dir, max_kv_blocks=100, scheduler_config=sc)
+    sc.use_cache_eviction = True
+    with pytest.raises(UserError, match=r"compression or scheduler_config\.use_cache_eviction"):
+        OpenVINOEngine(model_dir, CompressionConfig(method="snapkv", budget=128), scheduler_config=sc)
 
 
 def test_a_full_pool_is_an_error_on_one_inference_thread_too(model_dir):

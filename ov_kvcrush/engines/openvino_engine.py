@@ -70,9 +70,10 @@ class OpenVINOEngine:
             ``KV_CACHE_PRECISION`` property says the same.
         block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
         max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited).
-        scheduler_config: an ``openvino_genai.SchedulerConfig``: its cache eviction settings give
-            the compression and its ``num_kv_blocks`` / ``cache_size`` the pool limit (instead of
-            ``compression`` and ``max_kv_blocks``).
+        scheduler_config: an ``openvino_genai.SchedulerConfig``: its ``num_kv_blocks`` /
+            ``cache_size`` give the pool limit (instead of ``max_kv_blocks``) and, with
+            ``use_cache_eviction``, its cache eviction settings the compression (instead of
+            ``compression``).
         properties: OpenVINO compile properties (e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``);
             the plugin's defaults otherwise, as openvino_genai uses.
     """
@@ -128,10 +129,16 @@ class OpenVINOEngine:
         self.windows = windows or [0] * self.shape.layers
 
         if scheduler_config is not None:
-            if compression is not None or max_kv_blocks:
-                raise UserError("pass either scheduler_config or compression/max_kv_blocks, not both")
-            compression = compression_from_scheduler_config(scheduler_config)  # never block-wise KVCrush
-            max_kv_blocks = pool_blocks_from_scheduler_config(
+            sc = scheduler_config
+            if not isinstance(sc, ov_genai.SchedulerConfig):
+                raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
+            if sc.use_cache_eviction and compression is not None:
+                raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
+            if max_kv_blocks and (sc.num_kv_blocks or sc.cache_size):
+                raise UserError("pass max_kv_blocks or scheduler_config's num_kv_blocks/cache_size, not both")
+            if sc.use_cache_eviction or compression is None:
+                compression = compression_from_scheduler_config(sc)  # never block-wise KVCrush
+            max_kv_blocks = max_kv_blocks or pool_blocks_from_scheduler_config(
                 scheduler_config,
                 self.shape.layers,
                 self.shape.kv_heads,

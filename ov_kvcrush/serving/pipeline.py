@@ -44,9 +44,8 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context, step_ms, ttft_tpot_ms
 from ov_kvcrush.engines.openvino_engine import OpenVINOEngine, error_line
 from ov_kvcrush.engines.sampling import sample_token
-from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.op.kvcache import KVSequence, block_bytes, infer_steps
+from ov_kvcrush.op.kvcache import KVSequence, infer_steps
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -60,16 +59,14 @@ from ov_kvcrush.validation import check_int
 
 @dataclass(eq=False)
 class _Request:
-    """A request's generation state (the scheduler's :class:`Slot` is its queue state)."""
+    """A request's sampling and timing state; its progress (tokens, how many fed) is its
+    scheduler :class:`Slot`'s."""
 
     slot: Slot
-    prompt_ids: list[int]
     settings: GenerationSettings
     stream: TextStream
     rng: np.random.Generator | None
     sequence: KVSequence | None = None
-    fed: int = 0  # tokens fed to the sequence
-    tokens: list[int] = field(default_factory=list)  # generated
     stamps: list[float] = field(default_factory=list)  # seconds since added, per generated token
     added: float = field(default_factory=time.perf_counter)
     started: float | None = None  # first prompt chunk
@@ -110,8 +107,6 @@ class ContinuousBatchingPipeline:
 
             if not isinstance(sc, ov_genai.SchedulerConfig):
                 raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
-            if sc.use_cache_eviction and compression is not None:
-                raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
             if sc.enable_prefix_caching:
                 raise ConfigError(
                     "scheduler_config.enable_prefix_caching", True, "False (not implemented by backend openvino)"
@@ -123,21 +118,10 @@ class ContinuousBatchingPipeline:
         else:
             from ov_kvcrush.engines import resolve_model
 
-            if sc is not None and sc.use_cache_eviction:
-                compression = compression_from_scheduler_config(sc)
-            pool_limit = sc is not None and (sc.num_kv_blocks or sc.cache_size)
-            if pool_limit and engine_options.get("max_kv_blocks"):
-                raise UserError("pass max_kv_blocks or scheduler_config's num_kv_blocks/cache_size, not both")
-            self.engine = OpenVINOEngine(resolve_model("openvino", model), compression, device, **engine_options)
-            if pool_limit:  # the limit is counted in the model's blocks: known once the engine read it
-                e = self.engine
-                e.max_kv_blocks = pool_blocks_from_scheduler_config(
-                    sc,
-                    e.shape.layers,
-                    e.shape.kv_heads,
-                    block_bytes(e.default_block_size, e.shape.head_dim, e.kv_precision),
-                )
-                e.set_compression(e.compression)  # a new pool, with that limit
+            # the engine reads the pool limit (and, with cache eviction, the compression) from sc
+            self.engine = OpenVINOEngine(
+                resolve_model("openvino", model), compression, device, scheduler_config=sc, **engine_options
+            )
         self.max_num_seqs = sc.max_num_seqs if sc is not None else DEFAULT_MAX_NUM_SEQS
         self.max_num_batched_tokens = sc.max_num_batched_tokens if sc is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS
         check_int("scheduler_config.max_num_seqs", self.max_num_seqs, 1, 1 << 16)
@@ -209,7 +193,7 @@ class ContinuousBatchingPipeline:
             slot = Slot(request_id, list(ids), settings.max_new_tokens)
             self.scheduler.add(slot)  # refuses what the pool can never hold
             rng = np.random.default_rng(settings.seed) if settings.do_sample else None
-            req = _Request(slot, list(ids), settings, TextStream(streamer, self._detokenize), rng)
+            req = _Request(slot, settings, TextStream(streamer, self._detokenize), rng)
             handle = GenerationHandle(request_id)
             self._requests[request_id], self._handles[request_id] = req, handle
             return handle
@@ -300,7 +284,7 @@ class ContinuousBatchingPipeline:
             req.started = time.perf_counter()
         if slot.done == 0 and n < len(slot.tokens):
             req.sequence.set_prompt(len(slot.tokens))  # the method selects once, on the last chunk
-        ids = [slot.tokens[slot.done : slot.done + n], *([r.tokens[-1]] for r in decode)]
+        ids = [slot.tokens[slot.done : slot.done + n], *([r.slot.generated[-1]] for r in decode)]
         what = f"a {n}-token prompt chunk after {slot.done} tokens" + (
             f" beside a decode step of {len(decode)} sequences" if decode else ""
         )
@@ -310,7 +294,6 @@ class ContinuousBatchingPipeline:
         req.chunks += 1
         self.stats["prefill_chunks"] += 1
         self.stats["ragged_steps"] += bool(decode)
-        req.fed += n
         self.scheduler.prefilled(slot, n)
         self._decoded(decode, logits[1:])  # first: the pass below may preempt some of them
         if slot.done >= len(slot.tokens) and self._scoring_pass(req):
@@ -331,21 +314,22 @@ class ContinuousBatchingPipeline:
         try:
             e.scoring.run(self.request, seq, req.slot.tokens, 0)
         except RuntimeError as exc:
-            self._fail(req, f"backend openvino failed in the scoring pass after {req.fed} tokens: {error_line(exc)}")
+            where = f"in the scoring pass after {req.slot.done} tokens"
+            self._fail(req, f"backend openvino failed {where}: {error_line(exc)}")
             return False
         req.scoring_s += time.perf_counter() - t0
         self.stats["scoring_passes"] += 1
         return True
 
     def _decode(self, reqs: list[_Request]) -> None:
-        logits = self._infer([[r.tokens[-1]] for r in reqs], reqs, f"a decode step of {len(reqs)} sequences")
+        logits = self._infer([[r.slot.generated[-1]] for r in reqs], reqs, f"a decode step of {len(reqs)} sequences")
         if logits is not None:
             self._decoded(reqs, logits)
 
     def _decoded(self, reqs: list[_Request], logits: np.ndarray) -> None:
         self.stats["decode_rows"] += len(reqs)
         for r, row in zip(reqs, logits, strict=True):
-            r.fed += 1
+            self.scheduler.decoded(r.slot)
             r.decode_batch.append(len(reqs))
             self._emit(r, row)
 
@@ -354,7 +338,7 @@ class ContinuousBatchingPipeline:
         otherwise one ragged row); on an engine error every request in it fails (their sequences
         are in an unknown state), no other request is touched."""
         seqs = [r.sequence for r in reqs]
-        past = [r.fed for r in reqs]
+        past = [r.slot.done for r in reqs]
         ragged = len({len(x) for x in ids}) > 1
         inputs = (self.engine.ragged_step_inputs if ragged else self.engine.step_inputs)(ids, seqs, past)  # type: ignore[arg-type]
         t0 = time.perf_counter()
@@ -378,10 +362,10 @@ class ContinuousBatchingPipeline:
         if token in self.engine.eos_ids and not s.ignore_eos:
             self._finish(req, GenerationStatus.FINISHED)
             return
-        req.tokens.append(token)
+        req.slot.generated.append(token)
         self._handles[req.slot.request_id].push_token(token)
-        stop = req.stream.push(req.tokens)
-        if stop or len(req.tokens) >= s.max_new_tokens:
+        stop = req.stream.push(req.slot.generated)
+        if stop or len(req.slot.generated) >= s.max_new_tokens:
             self._finish(req, GenerationStatus.FINISHED)
 
     # -- ends -----------------------------------------------------------------------------------
@@ -404,12 +388,10 @@ class ContinuousBatchingPipeline:
         self._requests.pop(req.slot.request_id, None)
 
     def _release(self, slot: Slot) -> None:
-        """Preemption: the sequence's blocks go back; prompt and generated tokens are fed again later."""
+        """Preemption: the sequence's blocks go back (the scheduler starts the slot over)."""
         req = self._requests[slot.request_id]
         if req.sequence is not None:
             req.sequence.reset()
-        req.fed = 0
-        slot.tokens = [*req.prompt_ids, *req.tokens]
 
     def _free_blocks(self) -> int | None:
         """Full-precision blocks' worth of the pool not in use (2-bit blocks count by their bytes)."""
@@ -427,9 +409,10 @@ class ContinuousBatchingPipeline:
         counters = e.sequence_counters(req.sequence) if req.sequence is not None else {}
         stats = req.sequence.stats() if req.sequence is not None else None
         ttft_ms, tpot_ms = ttft_tpot_ms(req.stamps)
-        seen = len(req.prompt_ids) + len(req.tokens)
+        prompt, tokens = req.slot.prompt, req.slot.generated
+        seen = len(prompt) + len(tokens)
         counters.update(
-            prefill_tokens=len(req.prompt_ids),
+            prefill_tokens=len(prompt),
             waited_for_pool=req.slot.waited,
             waited_ms=round(((req.started or time.perf_counter()) - req.added) * 1e3, 3),
             prefill_chunks=req.chunks,
@@ -439,9 +422,9 @@ class ContinuousBatchingPipeline:
         if req.scoring_s:
             counters["scoring_pass_ms"] = round(req.scoring_s * 1e3, 3)
         return GenerationResult(
-            text=self._detokenize(req.tokens) if req.tokens else "",
-            token_ids=list(req.tokens),
-            prompt_tokens=len(req.prompt_ids),
+            text=self._detokenize(tokens) if tokens else "",
+            token_ids=list(tokens),
+            prompt_tokens=len(prompt),
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
             step_ms=step_ms(req.stamps),

@@ -63,17 +63,31 @@ class SchedulerLimits:
 
 @dataclass(eq=False)
 class Slot:
-    """The scheduler's view of one request: the tokens to prefill and how far it got."""
+    """One request's progress, its one copy: its tokens, how many its sequence holds, its phase.
+
+    The pipeline appends what it generates to ``generated`` and reports what it feeds
+    (:meth:`Scheduler.prefilled`, :meth:`Scheduler.decoded`); a preemption starts ``tokens``
+    over as the prompt and the tokens generated so far (:meth:`Scheduler._preempt`)."""
 
     request_id: int
-    tokens: list[int]  # the prompt, plus the generated tokens after a preemption
+    tokens: list[int]  # to prefill: the prompt, plus the tokens generated before a preemption
     max_new_tokens: int
-    done: int = 0  # tokens of ``tokens`` already fed
+    done: int = 0  # tokens its sequence holds: of ``tokens``, then one more per decode step
     phase: Phase = Phase.WAITING
     preemptions: int = 0
     #: it could not start when its turn came: the pool (or max_num_seqs) was full
     waited: bool = False
     error: str = ""
+    generated: list[int] = field(default_factory=list)
+    prompt_tokens: int = -1  # the prompt's length (``tokens``' when the slot is made)
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0:
+            self.prompt_tokens = len(self.tokens)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[: self.prompt_tokens]
 
     @property
     def remaining_prompt(self) -> int:
@@ -230,9 +244,15 @@ class Scheduler:
         if slot.done >= len(slot.tokens):
             slot.phase = Phase.DECODE
 
+    def decoded(self, slot: Slot) -> None:
+        """A decode step fed the slot's last generated token."""
+        slot.done += 1
+
     def _preempt(self, slot: Slot) -> None:
+        """Its blocks go back; it waits at the head of the queue to prefill what it had fed again."""
         self.running.remove(slot)
         self.release(slot)
+        slot.tokens = [*slot.prompt, *slot.generated]
         slot.done = 0
         slot.phase = Phase.WAITING
         slot.preemptions += 1
