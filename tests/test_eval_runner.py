@@ -50,14 +50,14 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def shared(engine, prompt):
-    return engine.generate_each(prompt, CONFIGS, GenerationSettings(max_new_tokens=16))
+    return engine.generate_each(prompt, CONFIGS, GenerationSettings(max_new_tokens=8))
 
 
 @pytest.mark.slow
 def test_shared_prefill_gives_each_methods_own_tokens(engine, prompt, shared):
     for config, result in zip(CONFIGS, shared, strict=True):
         engine.set_compression(config)
-        alone = engine.generate(prompt, GenerationSettings(max_new_tokens=16))
+        alone = engine.generate(prompt, GenerationSettings(max_new_tokens=8))
         assert result.token_ids == alone.token_ids, config
         assert result.kv_bytes == alone.kv_bytes
     for result in shared[-2:]:

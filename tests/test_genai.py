@@ -103,12 +103,14 @@ def test_prompts_just_past_the_sinks_with_snapkv(model_dir):
     """Earlier releases aborted ('new_scores_size >= num_snapkv_scores') on prompts of
     sink_tokens+1 .. sink_tokens+snapkv_window tokens with eviction on; run every such length
     through our layer and require a normal result, generating past the budget so eviction runs."""
-    cfg = CompressionConfig(method="snapkv", budget=192, sink_tokens=32, recent_tokens=32, snapkv_window=8)
+    cfg = CompressionConfig(method="snapkv", budget=96, sink_tokens=32, recent_tokens=32, snapkv_window=8)
     engine = GenAIEngine(model_dir, cfg)
     for n in range(33, 41):
-        r = engine.generate(" ".join(["tick"] * n), GenerationSettings(max_new_tokens=200, apply_chat_template=False))
-        assert r.prompt_tokens == n
-        assert r.kv_bytes <= (192 + 32) // 32 * r.counters["kv_block_bytes"]
+        r = engine.generate(
+            " ".join(["tick"] * n), GenerationSettings(max_new_tokens=112, apply_chat_template=False, ignore_eos=True)
+        )
+        assert r.prompt_tokens == n and r.prompt_tokens + len(r.token_ids) > 96 + 32  # eviction ran
+        assert r.kv_bytes <= (96 + 32) // 32 * r.counters["kv_block_bytes"]
 
 
 def test_native_failure_becomes_user_error_and_engine_recovers(model_dir):
