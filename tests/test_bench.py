@@ -369,14 +369,14 @@ def test_bench_on_the_real_engines_briefly(tmp_path):
     short run each, each configuration in its own worker: the harness drives the real engines and
     the numbers it reports are consistent."""
     plan = BenchPlan(backends=("genai", "openvino", "torch"), methods=("full", "snapkv"), budgets=(256,))
-    plan.lengths, plan.repeats, plan.new_tokens = (700,), 1, 4
+    plan.lengths, plan.repeats, plan.new_tokens = (400,), 1, 4
     doc = bench.run_bench(plan)
     bench.validate_doc(doc)
     res = {r["label"]: r for r in doc["results"]}
     assert set(res) == {f"{b} {m}" for b in plan.backends for m in ("full", "snapkv @256")}
     assert doc["bandwidth_gbps"] > 0.1 and doc["weight_bytes"]["genai"] > 10_000_000
     for r in res.values():
-        assert 0 < r["prompt_tokens"] <= 700 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0
+        assert 0 < r["prompt_tokens"] <= 400 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0
         assert r["tpot_vs_floor"] > 1.0  # nothing beats reading the weights once
         assert 100 * 2**20 < r["engine_rss_bytes"] <= r["peak_rss_bytes"]
     # the compressing methods hold their budget per layer and KV head; the full cache all tokens

@@ -26,14 +26,14 @@ def test_the_main_job_answers_every_row():
 
 @pytest.mark.slow
 def test_the_demo_answers_with_the_product_and_with_the_reference_behind_a_flag():
-    proc = cli("demo", "--tokens", "600", "--budget", "256", "--torch")
+    proc = cli("demo", "--tokens", "400", "--budget", "192", "--torch")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    expected = [label(b, cfg) for b, cfg in runs(256, with_torch=True)]
+    expected = [label(b, cfg) for b, cfg in runs(192, with_torch=True)]
     positions = [out.find(f"{name} ") for name in expected]
     assert all(p >= 0 for p in positions), [n for n, p in zip(expected, positions, strict=True) if p < 0]
     assert positions == sorted(positions)  # full caches first, then native, ours, the reference
-    assert {b for b, _ in runs(256, with_torch=False)} == {"genai", "openvino"}  # torch only with --torch
+    assert {b for b, _ in runs(192, with_torch=False)} == {"genai", "openvino"}  # torch only with --torch
     stats = re.findall(r"TTFT +(\d+) ms +TPOT +([\d.]+) ms +KV held +([\d.]+) MiB of ([\d.]+) MiB full", out)
     assert len(stats) == len(expected)
     for name, (_, tpot, held, full) in zip(expected, stats, strict=True):
