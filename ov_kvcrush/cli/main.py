@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from ov_kvcrush.bench.plan import DEFAULT_LENGTHS
 from ov_kvcrush.cli.bench_command import cmd_bench
@@ -61,6 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
+    _add_export(sub)
+    _add_demo(sub)
+    _add_generate(sub)
+    _add_eval(sub)
+    c = sub.add_parser(
+        "chat", help="streaming terminal chat (backend openvino keeps the cache across turns)", description=CHAT_DOC
+    )
+    add_chat_arguments(c)
+
+    add_inspect_arguments(sub)
+    _add_bench(sub)
+    for command in sub.choices.values():  # --debug also after the command (ov-kvcrush generate --debug)
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return p
+
+
+def _add_export(sub: Any) -> None:
+    """``ov-kvcrush export``: the embedded model (or a local one) to OpenVINO IR."""
     e = sub.add_parser("export", help="export the embedded model (or --model PATH) to OpenVINO IR")
     e.add_argument(
         "--model", help="local HF model directory, GGUF file or embedded model (default smollm2-135m; gemma3-270m)"
@@ -69,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output", help="output directory (default: the user cache dir)")
     e.add_argument("--force", action="store_true", help="re-export even if a complete export exists")
 
+
+def _add_demo(sub: Any) -> None:
+    """``ov-kvcrush demo``: the main job."""
     d = sub.add_parser(
         "demo",
         help="passkey in a ~2k-token prompt: native full and KVCrush beside our op's full, KVCrush, "
@@ -78,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=_positive_int, default=512, help="KV budget of the compressed runs (default 512)")
     d.add_argument("--torch", action="store_true", help="also the torch reference (KVCrush, Chelsea, MiniKV)")
 
+
+def _add_generate(sub: Any) -> None:
+    """``ov-kvcrush generate``: one generation on any backend."""
     g = sub.add_parser("generate", help="one generation, printing text (and --json metrics)")
     g.add_argument(
         "--backend",
@@ -115,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", dest="json_out", help="write text and metrics as JSON to this file")
 
+
+def _add_eval(sub: Any) -> None:
+    """``ov-kvcrush eval``: score against KV memory per method and budget."""
     v = sub.add_parser(
         "eval",
         help="offline long-context evaluation: score vs KV memory per method and budget (tables, JSON, plot)",
@@ -160,13 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--plot", help="write a PNG of score vs KV bytes")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    c = sub.add_parser(
-        "chat", help="streaming terminal chat (backend openvino keeps the cache across turns)", description=CHAT_DOC
-    )
-    add_chat_arguments(c)
 
-    add_inspect_arguments(sub)
-
+def _add_bench(sub: Any) -> None:
+    """``ov-kvcrush bench``: speed and memory against native and the bandwidth floor."""
     bn = sub.add_parser(
         "bench",
         help="speed and memory: backends x methods x budgets x lengths vs native full cache and the bandwidth floor",
@@ -228,9 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument(
         "--dry-run", action="store_true", help="check the plan and list the configurations and runs; load nothing"
     )
-    for command in sub.choices.values():  # --debug also after the command (ov-kvcrush generate --debug)
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    return p
 
 
 _TASKS = ("passkey", "niah_single", "niah_multikey", "vt", "ppl")
