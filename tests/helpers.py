@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -309,6 +310,27 @@ def with_all_cores() -> None:
     cores = os.environ.get("OV_KVCRUSH_TEST_ALL_CORES")
     if cores:
         os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+
+
+#: the end of a child's script (``signal_after_drops``): its objects dropped in the order they
+#: were made, then a signal Python handles
+DROP_THEN_SIGNAL = """
+while made:
+    made.pop(0)
+    gc.collect()
+handled = []
+signal.signal(signal.SIGINT, lambda *_: handled.append(True))
+signal.raise_signal(signal.SIGINT)
+print("handled" if handled else "missed")
+"""
+
+
+def signal_after_drops(making: str, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A fresh interpreter runs ``making`` (it fills the list ``made``; ``gc``, ``signal`` and
+    ``sys`` are imported), drops what it made in creation order and raises SIGINT: stdout ends
+    ``handled``, or the process dies (OpenVINO's CPU plugins can leave a freed signal stack)."""
+    script = "import gc, signal, sys\n" + textwrap.dedent(making) + DROP_THEN_SIGNAL
+    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=timeout)
 
 
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import with_all_cores
+from helpers import signal_after_drops, with_all_cores
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines import signal_stack
@@ -201,11 +201,10 @@ def test_streamer_sees_the_text_and_can_stop(full_engine):
     assert len(stopped.token_ids) < len(r.token_ids)
 
 
-#: Two genai pipelines made and dropped in that order, then a signal Python handles. Each
-#: pipeline's CPU plugin gives the thread a new alternate signal stack; dropped in creation
+#: Two genai pipelines (then dropped in order and a signal raised: ``helpers.signal_after_drops``).
+#: Each pipeline's CPU plugin gives the thread a new alternate signal stack; dropped in creation
 #: order, the second restores the first's, which is unmapped by then: the signal kills the process.
-SIGNAL_AFTER_TWO_PIPELINES = """
-import gc, signal, sys
+TWO_PIPELINES = """
 import openvino_genai as g
 from ov_kvcrush.engines.genai import GenAIEngine
 from ov_kvcrush.engines.signal_stack import current_signal_stack
@@ -217,15 +216,8 @@ def pipeline():
     sc.num_kv_blocks = 16
     return g.ContinuousBatchingPipeline(sys.argv[1], sc, "CPU")
 
-pipelines = [pipeline() for _ in range(2)]
+made = [pipeline() for _ in range(2)]
 print("stack", *current_signal_stack())
-while pipelines:
-    pipelines.pop(0)
-    gc.collect()
-handled = []
-signal.signal(signal.SIGINT, lambda *_: handled.append(True))
-signal.raise_signal(signal.SIGINT)
-print("handled" if handled else "missed")
 """
 
 
@@ -235,12 +227,7 @@ def test_a_signal_is_handled_after_engines_are_dropped(model_dir, made_by):
     (``engines.signal_stack``). openvino_genai alone is run beside it: it shows why, and fails
     once OpenVINO fixes its plugin (the workaround can then go)."""
     kind = "engine" if made_by == "engine" else "native"
-    child = subprocess.run(
-        [sys.executable, "-c", SIGNAL_AFTER_TWO_PIPELINES, str(model_dir), kind],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    child = signal_after_drops(TWO_PIPELINES, str(model_dir), kind)
     if kind == "engine":
         assert child.returncode == 0 and child.stdout.split()[-1] == "handled", child.stderr[-2000:]
         assert int(child.stdout.split()[2]) == signal_stack.STACK_BYTES  # ours is the thread's stack

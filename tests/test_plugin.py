@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import causal_reference, infer, op_model
+from helpers import causal_reference, infer, op_model, signal_after_drops
 
 from ov_kvcrush.op import kvcache, plugin
 
@@ -256,11 +256,11 @@ def test_bad_precision_and_handles_from_python():
         plugin.check_result(pool.lib.ovkc_pool_free(10**9))
 
 
-#: Two compiled models dropped in the order they were made, then a signal Python handles. With a
-#: Core per model, OpenVINO's CPU plugin restores, on the second drop, the alternate signal stack
-#: the first drop had just unmapped, and the signal kills the process.
-SIGNAL_AFTER_TWO_MODELS = """
-import gc, signal, sys
+#: Two compiled models, each on a Core of its own or both on the shared one (then dropped in
+#: order and a signal raised: ``helpers.signal_after_drops``). With a Core per model, OpenVINO's
+#: CPU plugin restores, on the second drop, the alternate signal stack the first drop had just
+#: unmapped, and the signal kills the process.
+TWO_MODELS = """
 import openvino
 from ov_kvcrush.op import plugin, probe
 
@@ -271,14 +271,7 @@ def core_for_a_model():
     core.add_extension(str(plugin.loaded_path()))
     return core
 
-requests = [probe.single_op_model(core_for_a_model(), 4, 2, 16, layer) for layer in range(2)]
-while requests:
-    requests.pop(0)
-    gc.collect()
-handled = []
-signal.signal(signal.SIGINT, lambda *_: handled.append(True))
-signal.raise_signal(signal.SIGINT)
-print("handled" if handled else "missed")
+made = [probe.single_op_model(core_for_a_model(), 4, 2, 16, layer) for layer in range(2)]
 """
 
 
@@ -286,15 +279,7 @@ print("handled" if handled else "missed")
 def test_a_signal_is_handled_after_compiled_models_are_dropped(cores):
     """Every model of ours compiles on ``plugin.shared_core()``. One ``Core`` per model is run
     beside it: it shows why, and fails once OpenVINO fixes its plugin (the workaround can then go)."""
-    import subprocess
-    import sys
-
-    child = subprocess.run(
-        [sys.executable, "-c", SIGNAL_AFTER_TWO_MODELS, "shared" if cores == "shared" else "own"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    child = signal_after_drops(TWO_MODELS, "shared" if cores == "shared" else "own", timeout=120)
     if cores == "shared":
         assert child.returncode == 0 and child.stdout.strip() == "handled", child.stderr[-2000:]
     else:  # killed by SIGSEGV when the signal is delivered
