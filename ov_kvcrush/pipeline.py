@@ -19,14 +19,17 @@ chat messages, or a list of strings (one result each), plus either a
 optional streamer called with each new piece of text (return ``True`` to stop).
 
 ``start_chat()`` / ``finish_chat()`` work as in openvino_genai: between them each ``generate``
-is one user turn. The ``openvino`` backend keeps the KV cache across turns and feeds only the new
-tokens; the other backends are given the whole conversation at every turn (same answers, more
-prefill).
+is one user turn (:class:`~ov_kvcrush.serving.chat.Chat` holds the conversation). The ``openvino``
+backend keeps the KV cache across turns and feeds only the new tokens; the other backends are
+given the whole conversation at every turn (same answers, more prefill).
+
+On the ``openvino`` backend every call is a request of one loop, the engine's
+:class:`~ov_kvcrush.serving.loop.GenerationLoop`: single prompts, lists, calls from
+several threads and chat turns.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_
 from ov_kvcrush.engines import make_engine, resolve_model
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.serving.chat import Answer, Chat
 from ov_kvcrush.serving.request_queue import RequestQueue
 
 
@@ -95,12 +99,9 @@ class LLMPipeline:
         if compression is not None and not isinstance(compression, CompressionConfig):
             raise ConfigError("compression", compression, "a CompressionConfig or a method name")
         self.backend = backend
-        self._scheduler_config = scheduler_config
         self.engine = make_engine(backend, resolve_model(backend, model), compression, device, **engine_options)
-        self._batcher: Any = None  # backend openvino: continuous batching over the engine's pool
-        self._batcher_lock = threading.Lock()
         self.compression: CompressionConfig = self.engine.compression
-        self._history: list[dict] | None = None  # chat on engines without their own chat state
+        self._chat: Chat | None = None  # the conversation while one is open
         #: calls from several threads take turns, in arrival order (request_queue.py)
         self.requests = RequestQueue()
 
@@ -111,24 +112,30 @@ class LLMPipeline:
             self._start_chat(system_message)
 
     def _start_chat(self, system_message: str) -> None:
-        if hasattr(self.engine, "start_chat"):
-            self.engine.start_chat(system_message)
-        else:
-            self._history = [{"role": "system", "content": system_message}] if system_message else []
+        self._forget_chat_cache()
+        self._chat = Chat(self._chat_answer(), system_message)
+
+    def _chat_answer(self) -> Answer:
+        """How a turn is answered: backend openvino continues the sequence holding the
+        conversation; the other backends are given the whole conversation."""
+        if self.backend == "openvino":
+            return self.engine.generate_in_cache
+        return self.engine.generate
+
+    def _forget_chat_cache(self) -> None:
+        if self.backend == "openvino":
+            self.engine.cache.reset()  # its blocks go back
 
     def finish_chat(self) -> None:
         """End the conversation (and free the cache it kept)."""
         with self.requests.turn():
-            if hasattr(self.engine, "finish_chat"):
-                self.engine.finish_chat()
-            self._history = None
+            self._chat = None
+            self._forget_chat_cache()
 
     @property
     def chat_history(self) -> list[dict] | None:
         """The conversation so far (``None`` outside a chat)."""
-        if hasattr(self.engine, "chat_history"):
-            return self.engine.chat_history
-        return None if self._history is None else list(self._history)
+        return None if self._chat is None else self._chat.history
 
     def fit_chat(self, message: str, max_new_tokens: int) -> int:
         """Drop the oldest turns (the system message stays) until ``message`` and ``max_new_tokens``
@@ -155,10 +162,8 @@ class LLMPipeline:
             turns = turns[2:] if answered else turns[1:]
             dropped += 1
         if dropped:
-            if hasattr(self.engine, "set_chat_history"):
-                self.engine.set_chat_history([*system, *turns])
-            else:
-                self._history = [*system, *turns]
+            assert self._chat is not None
+            self._chat.replace([*system, *turns])  # the next turn keeps the cached prefix they share
         return dropped
 
     def generate(
@@ -182,7 +187,7 @@ class LLMPipeline:
             raise ConfigError("streamer", streamer, "a callable taking the new text (return True to stop), or None")
         check_inputs(inputs)
         batcher = self.batcher
-        if batcher is not None and self.chat_history is None:
+        if batcher is not None and self._chat is None:
             # backend openvino: requests from every thread join one continuous batch
             if isinstance(inputs, (list, tuple)) and all(isinstance(p, str) for p in inputs):
                 if streamer is None:
@@ -194,27 +199,15 @@ class LLMPipeline:
 
     @property
     def batcher(self) -> Any:
-        """Backend openvino: the :class:`~ov_kvcrush.serving.ContinuousBatchingPipeline` that serves
+        """Backend openvino: the engine's :class:`~ov_kvcrush.serving.loop.GenerationLoop` that serves
         ``generate`` outside a chat (made on first use; ``None`` on the other backends)."""
-        if self.backend != "openvino":
-            return None
-        with self._batcher_lock:
-            if self._batcher is None:
-                from ov_kvcrush.serving import ContinuousBatchingPipeline
-
-                self._batcher = ContinuousBatchingPipeline(self.engine, self._scheduler_config)
-            return self._batcher
+        return self.engine.batcher if self.backend == "openvino" else None
 
     def _generate(
         self, inputs: Prompt | Sequence[str], settings: GenerationSettings, streamer: Streamer | None
     ) -> GenerationResult | list[GenerationResult]:
-        if self._history is not None:
-            if not isinstance(inputs, str):
-                raise UserError("in a chat, generate takes the user's message as a string")
-            messages = [*self._history, {"role": "user", "content": inputs}]
-            result = self.engine.generate(messages, settings, streamer)
-            self._history = [*messages, {"role": "assistant", "content": result.text}]
-            return result
+        if self._chat is not None:
+            return self._chat.turn(inputs, settings, streamer)  # type: ignore[arg-type]
         if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(p, str) for p in inputs):
             return [self.engine.generate(p, settings, streamer) for p in inputs]
         return self.engine.generate(inputs, settings, streamer)  # type: ignore[arg-type]

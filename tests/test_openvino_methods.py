@@ -54,15 +54,23 @@ def fp32_ir():
     return ensure_default_model("fp32", progress=False)
 
 
+@pytest.fixture(scope="module")
+def fp32_engine(fp32_ir):
+    """One compiled fp32 model for every method: ``set_compression`` gives each its own pool, as
+    an evaluation switches methods."""
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+
+    return OpenVINOEngine(fp32_ir, kv_precision="f32", properties=F32)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "options"), VARIANTS, ids=[f"{m}{'-' + '-'.join(o) if o else ''}" for m, o in VARIANTS]
 )
-def test_greedy_equals_torch_engine_within_budget(fp32_ir, torch_engine, prompt, method, options):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-
+def test_greedy_equals_torch_engine_within_budget(fp32_engine, torch_engine, prompt, method, options):
     compression = CompressionConfig(method=method, budget=BUDGET, options=options)
-    engine = OpenVINOEngine(fp32_ir, compression, kv_precision="f32", properties=F32)
+    engine = fp32_engine
+    engine.set_compression(compression)
     ids = engine.encode(prompt)
     assert 650 <= len(ids) <= 850
     budgets = [engine.method.layer_budget(i, engine.shape.layers) for i in range(engine.shape.layers)]
@@ -111,7 +119,7 @@ def test_greedy_equals_torch_engine_within_budget(fp32_ir, torch_engine, prompt,
         tokens.append(int(logits.argmax()))
         top2 = sorted(float(x) for x in logits)[-2:]
         margins.append(top2[1] - top2[0])
-    engine._reset_sequence()
+    engine.cache.reset()
     torch_engine.set_compression(compression)
     ref = torch_engine.generate(prompt, GenerationSettings(max_new_tokens=24, ignore_eos=True))
     if quantized:  # see QUANT_TIE

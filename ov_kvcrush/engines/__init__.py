@@ -18,67 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.engines.backends import BACKENDS, PLANNED_BACKENDS, check_backend, resolve_model
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import ConfigError, UserError, one_line
-
-#: Backend name → the issue that brings it, for those not built yet.
-PLANNED_BACKENDS: dict[str, int] = {}
-BACKENDS = ("genai", "torch", "openvino")
-
-
-def resolve_model(backend: str, model: str | Path | None) -> Path | str:
-    """The model path ``backend`` runs: an IR directory (genai, openvino) or an HF checkpoint (torch).
-
-    ``None`` is the embedded model. A GGUF file or an HF directory is exported (genai) or
-    converted (torch) once and cached; an exported IR directory is used as is by genai.
-    ``random:<architecture>`` (torch only) is returned as it is: the engine builds it
-    (:mod:`ov_kvcrush.engines.random_model`).
-    """
-    _check_backend(backend)
-    try:
-        return _resolve_model(backend, model)
-    except (RuntimeError, ValueError, OSError, EOFError) as exc:
-        if isinstance(exc, UserError):
-            raise
-        where = model or "(the embedded model)"
-        raise UserError(
-            f"cannot read the model {where} for backend {backend} (is the file complete?): {one_line(exc)}"
-        ) from exc
-
-
-def _resolve_model(backend: str, model: str | Path | None) -> Path | str:
-    from ov_kvcrush.engines.random_model import is_random_model, random_config
-    from ov_kvcrush.models.export import ensure_default_model, export_model, hf_checkpoint
-
-    if model is not None and not isinstance(model, (str, os.PathLike)):
-        raise ConfigError("model", model, "a path (str or os.PathLike), or None for the embedded model")
-    if is_random_model(model):
-        if backend != "torch":
-            raise ConfigError("model", model, f"a model path for backend {backend} (random weights run on torch only)")
-        random_config(str(model))  # an unknown architecture is refused here, listing the known ones
-        return str(model)
-    if backend in ("genai", "openvino"):
-        if model is None:
-            return ensure_default_model()
-        path = Path(model).expanduser()
-        return path if (path / "openvino_model.xml").is_file() else export_model(path)
-    if model is not None and (Path(model).expanduser() / "openvino_model.xml").is_file():
-        raise UserError(
-            f"--backend torch needs a Hugging Face checkpoint or a GGUF file, got an OpenVINO IR directory: {model}"
-        )
-    return hf_checkpoint(model)
-
-
-def _check_backend(backend: str) -> None:
-    if not isinstance(backend, str):
-        raise ConfigError("backend", backend, "one of " + ", ".join(BACKENDS))
-    if backend in PLANNED_BACKENDS:
-        raise UserError(
-            f"--backend={backend} is not built yet (issue #{PLANNED_BACKENDS[backend]}); available: "
-            + ", ".join(BACKENDS)
-        )
-    if backend not in BACKENDS:
-        raise UserError(f"--backend={backend!r} is invalid: allowed {', '.join(BACKENDS)}")
 
 
 def make_engine(
@@ -94,7 +36,7 @@ def make_engine(
     with the ones it does. A model the runtime cannot load (a truncated GGUF, a broken IR) is a
     :class:`~ov_kvcrush.errors.UserError` naming the file, not the runtime's traceback.
     """
-    _check_backend(backend)
+    check_backend(backend)
     if not isinstance(model_dir, (str, os.PathLike)):
         raise ConfigError("model", model_dir, "a path (str or os.PathLike)")
     if not isinstance(device, str):
@@ -132,4 +74,4 @@ def _engine_class(backend: str) -> type:
     return TorchEngine
 
 
-__all__ = ["BACKENDS", "GenerationResult", "Prompt", "Streamer", "make_engine", "resolve_model"]
+__all__ = ["BACKENDS", "PLANNED_BACKENDS", "GenerationResult", "Prompt", "Streamer", "make_engine", "resolve_model"]

@@ -1,326 +1,93 @@
-"""OpenVINO engine: the exported IR with our paged-attention op, on CPU.
+"""OpenVINO engine: the exported IR with our paged-attention op, on CPU, generating through the
+one loop.
 
-The IR written by ``optimum-cli export openvino`` is read, converted in memory by
-:func:`ov_kvcrush.transformations.convert_model` (each layer's SDPA and KV state become
-``ov_kvcrush::PagedAttention``), and compiled on the CPU plugin with the extension library. The
-KV cache lives in the extension: a :class:`~ov_kvcrush.op.kvcache.KVPool` per engine and one
-:class:`~ov_kvcrush.op.kvcache.KVSequence` for the current generation (or chat), whose handle is fed
-as the model's ``kvc_sequence`` input. Everything else (weights, matmuls, RoPE, sampling inputs)
-is OpenVINO's, so this engine runs at the speed of the plugin plus our attention.
-
-Tokenisation is openvino_tokenizers' (through ``openvino_genai.Tokenizer``, which runs the
-``openvino_tokenizer.xml``/``openvino_detokenizer.xml`` models written by the export).
+The model, its block pool and one step are :class:`~ov_kvcrush.engines.openvino_model.OpenVINOModel`'s;
+generating is the continuous-batching loop's (:class:`~ov_kvcrush.serving.loop.GenerationLoop`,
+one per engine, made on first use): a single prompt, a chat turn and a batch of
+``LLMPipeline`` calls are requests there, sampled, stopped, streamed and measured in one place.
+Everything else (weights, matmuls, RoPE) is OpenVINO's, so this engine runs at the speed of the
+plugin plus our attention.
 
 Metrics as in :class:`~ov_kvcrush.engines.base.GenerationResult`: ``kv_bytes`` is the blocks the
 sequence holds (all layers, K and V) × bytes per block, read from the extension after each step;
 ``full_kv_bytes`` is what a full cache in the same precision and block size holds for the tokens
-seen.
+fed.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
-from pathlib import Path
-from typing import Any
-
-import numpy as np
+import threading
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines import calibration, model_inputs
-from ov_kvcrush.engines.base import (
-    GenerationResult,
-    Prompt,
-    Streamer,
-    TextStream,
-    check_context,
-    context_prompt,
-    model_context,
-    question_split,
-    step_ms,
-    ttft_tpot_ms,
-)
-from ov_kvcrush.engines.genai import encode_prompt
-from ov_kvcrush.engines.sampling import sample_token
-from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
-from ov_kvcrush.engines.scoring_pass import ScoringPass
-from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence, infer_steps
-from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
-from ov_kvcrush.op.method_spec import method_spec
-from ov_kvcrush.op.plugin import PluginError
-
-#: KV precision of the op's cache by default: u8, as OpenVINO's CPU plugin (and so native
-#: openvino_genai) stores its cache on CPU; f16 and f32 on request.
-DEFAULT_KV_PRECISION = "u8"
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, context_prompt, question_split
+from ov_kvcrush.engines.openvino_model import OpenVINOModel
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.serving.chat import Chat
+from ov_kvcrush.serving.loop import GenerationLoop
 
 
-class OpenVINOEngine:
+class OpenVINOEngine(OpenVINOModel):
     """Generate with the exported IR whose attention is our paged-attention op.
 
-    Args:
-        model_dir: directory written by ``ov-kvcrush export`` / ``optimum-cli export openvino``.
-        compression: method and budget; every method whose config declares the ``openvino``
-            engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
-            eviction, the 2-bit store ...), as the torch reference defines it.
-        device: ``CPU`` (the op is a CPU extension).
-        kv_precision: ``u8`` (default: 8-bit codes with a per-token min and scale, as native on
-            CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache; openvino_genai's
-            ``KV_CACHE_PRECISION`` property says the same.
-        block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
-        max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited).
-        scheduler_config: an ``openvino_genai.SchedulerConfig``: its ``num_kv_blocks`` /
-            ``cache_size`` give the pool limit (instead of ``max_kv_blocks``) and, with
-            ``use_cache_eviction``, its cache eviction settings the compression (instead of
-            ``compression``).
-        properties: OpenVINO compile properties (e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``);
-            the plugin's defaults otherwise, as openvino_genai uses.
+    Takes :class:`~ov_kvcrush.engines.openvino_model.OpenVINOModel`'s arguments (the model
+    directory, the compression, the KV precision, block size and pool limit, a scheduler config,
+    OpenVINO properties). Its ``scheduler_config`` also limits the steps of its loop; without
+    one, a prompt goes in whole (as one generation alone runs).
     """
 
     backend = "openvino"
+    #: the conversation while one is open
+    chat: Chat | None = None
+    _batcher: GenerationLoop | None = None
+    _batcher_lock = threading.Lock()  # makes any engine's loop once (the constructor is the model's)
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        compression: CompressionConfig | None = None,
-        device: str = "CPU",
-        kv_precision: str | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        max_kv_blocks: int = 0,
-        scheduler_config: Any = None,
-        properties: dict | None = None,
-    ) -> None:
-        import openvino_genai as ov_genai
-
-        from ov_kvcrush.op import plugin
-        from ov_kvcrush.transformations import convert_model
-
-        if str(device).upper() != "CPU":
-            raise ConfigError("device", device, "CPU (backend openvino: the op is a CPU extension)")
-        kv_precision = _kv_precision(kv_precision, properties)
-        _check_block_size("block_size", block_size)
-        if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
-            raise ConfigError("max_kv_blocks", max_kv_blocks, "an integer >= 0 (0: unlimited)")
-        self.model_dir = Path(model_dir)
-        xml = self.model_dir / "openvino_model.xml"
-        if not xml.is_file():
-            raise UserError(f"not an exported OpenVINO model directory (no openvino_model.xml): {self.model_dir}")
-        self.hf_config = _read_json(self.model_dir / "config.json")
-        windows = layer_windows(self.hf_config, self.model_dir)
-
-        self.library = plugin.loaded_path()
-        self.core = plugin.shared_core()
-        self.properties = dict(properties or {})
-        # prefill arithmetic follows the plugin's inference precision, as its own SDPA does
-        hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(
-            "CPU", "INFERENCE_PRECISION_HINT"
-        )
-        self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
-        converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
-        self.shape = converted.shape
-        self.kv_precision = kv_precision
-        if windows and len(windows) != self.shape.layers:
-            raise UserError(
-                f"{self.model_dir.name}: config.json names {len(windows)} layer types for "
-                f"{self.shape.layers} attention layers"
-            )
-        #: per layer, a local layer's sliding-window span (0: global; all 0 for most models)
-        self.windows = windows or [0] * self.shape.layers
-
-        if scheduler_config is not None:
-            sc = scheduler_config
-            if not isinstance(sc, ov_genai.SchedulerConfig):
-                raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
-            if sc.use_cache_eviction and compression is not None:
-                raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
-            if max_kv_blocks and (sc.num_kv_blocks or sc.cache_size):
-                raise UserError("pass max_kv_blocks or scheduler_config's num_kv_blocks/cache_size, not both")
-            if sc.use_cache_eviction or compression is None:
-                compression = compression_from_scheduler_config(sc)  # never block-wise KVCrush
-            max_kv_blocks = max_kv_blocks or pool_blocks_from_scheduler_config(
-                scheduler_config,
-                self.shape.layers,
-                self.shape.kv_heads,
-                kv_block_bytes(block_size, self.shape.head_dim, kv_precision),
-            )
-        self.default_block_size = block_size
-        self.max_kv_blocks = max_kv_blocks
-        compression = compression or CompressionConfig()
-        self.pool_spec(compression)  # a method the op refuses fails here, before the compilation
-        self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
-        self.request = self.compiled.create_infer_request()
-        self.input_names = {p.get_any_name() for p in self.compiled.inputs}
-        self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
-        self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
-        self._make_pool(compression)  # a method's calibration (Chelsea's "auto" outliers) runs here
-        eos = self.hf_config.get("eos_token_id", self.tokenizer.get_eos_token_id())
-        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-        gen_cfg = _read_json(self.model_dir / "generation_config.json")
-        if gen_cfg.get("eos_token_id") is not None:
-            g = gen_cfg["eos_token_id"]
-            self.eos_ids |= {int(e) for e in (g if isinstance(g, list) else [g])}
-        self.max_context = model_context(self.model_dir)
-        self._cached: list[int] = []  # token ids whose K/V the sequence holds, in order
-        self._scored = 0  # of them, how many a scoring pass (KVzip) has scored
-        self._history: list[dict] | None = None  # chat messages while a chat is open
-
-    def _make_pool(self, compression: CompressionConfig) -> None:
-        """The block pool and sequence of ``compression``'s method (the compiled model does not
-        depend on the method: the op finds a sequence's pool by its handle)."""
-        method, block_size, pool = self.new_pool(compression)
-        self.close()  # the previous method's sequence and pool, if any
-        self.compression, self.method = compression, method
-        self.block_size = block_size
-        self.block_bytes = kv_block_bytes(block_size, self.shape.head_dim, self.kv_precision)
-        self.pool = pool
-        self.sequence: KVSequence = pool.new_sequence()
-        self._cached = []
-        self._scored = 0
-
-    def new_pool(self, compression: CompressionConfig, count_only: bool = False) -> tuple[Any, int, KVPool]:
-        """``(method config, block size, a new block pool)`` for ``compression``, as this engine
-        holds its cache (the pool limit and precision included); the caller closes the pool.
-        ``count_only``: a byte probe's pool (see :class:`~ov_kvcrush.op.kvcache.KVPool`)."""
-        method, block_size, spec = self.pool_spec(compression)
-        s = self.shape
-        pool = KVPool(
-            s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=self.kv_precision,
-            max_blocks=self.max_kv_blocks, method=spec, windows=self.windows, count_only=count_only,
-        )  # fmt: skip
-        return method, block_size, pool
-
-    def pool_spec(self, compression: CompressionConfig) -> tuple[Any, int, str]:
-        """``(method config, block size, the op's spec)`` of ``compression``, checked."""
-        method = self._calibrated(compression.method_config())
-        block_size = self.default_block_size
-        method_block = getattr(method, "block_size", None)
-        if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
-            _check_block_size("options.block_size", method_block)
-            block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
-        return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size, self.windows)
-
-    def _calibrated(self, method: Any) -> Any:
-        """``method`` with what it calibrates on the model (:mod:`~ov_kvcrush.engines.calibration`);
-        before the model is compiled, with a calibration over no layers (the op checks the rest)."""
-        if not method.needs_calibration:
-            return method
-        if getattr(self, "tokenizer", None) is None:
-            return method.with_calibration(method.calibrate([]))
-        model = calibration.model_id(self.model_dir)
-        return calibration.resolve(method, model, self.scoring.encode, lambda ids: calibration.op_layer_keys(self, ids))
+    @property
+    def batcher(self) -> GenerationLoop:
+        """The continuous-batching loop over this engine's model and pool (made on first use)."""
+        with self._batcher_lock:
+            if self._batcher is None:
+                self._batcher = GenerationLoop(self, self.scheduler_config, whole_prompts=True)
+            return self._batcher
 
     def set_compression(self, compression: CompressionConfig) -> None:
-        """Switch method and budget for the next generations: a new pool, the model stays compiled
-        (an evaluation compares many methods on one engine). Closes an open chat."""
-        if not isinstance(compression, CompressionConfig):
-            raise ConfigError("compression", compression, "a CompressionConfig")
-        self._history = None
-        self._make_pool(compression)
+        """Switch method and budget for the next generations: a new pool (and loop over it), the
+        model stays compiled (an evaluation compares many methods on one engine). Closes an open
+        chat."""
+        self.chat = None
+        super().set_compression(compression)
+        with self._batcher_lock:
+            self._batcher = None  # it served the previous pool
 
     # -- chat -----------------------------------------------------------------------------------
     def start_chat(self, system_message: str = "") -> None:
         """Open a conversation: later ``generate`` calls add turns and keep the cache across them."""
-        self._history = [{"role": "system", "content": system_message}] if system_message else []
-        self._reset_sequence()
+        self.cache.reset()
+        self.chat = Chat(self.generate_in_cache, system_message)
 
     def finish_chat(self) -> None:
         """Close the conversation and free its cache."""
-        self._history = None
-        self._reset_sequence()
+        self.chat = None
+        self.cache.reset()
 
     @property
     def chat_history(self) -> list[dict] | None:
-        return None if self._history is None else list(self._history)
+        return None if self.chat is None else self.chat.history
 
     def set_chat_history(self, messages: list[dict]) -> None:
         """Replace the open conversation (e.g. without its oldest turns): the next turn keeps the
         cached prefix the new conversation shares and prefills the rest."""
-        if self._history is None:
+        if self.chat is None:
             raise UserError("set_chat_history needs an open chat (start_chat)")
-        self._history = [dict(m) for m in messages]
+        self.chat.replace(messages)
 
-    # -- state ----------------------------------------------------------------------------------
-    def _reset_sequence(self) -> None:
-        self.sequence.reset()
-        self._cached = []
-        self._scored = 0
+    def generate_in_cache(
+        self, messages: list[dict], settings: GenerationSettings, streamer: Streamer | None = None
+    ) -> GenerationResult:
+        """A chat turn: ``messages`` (the conversation, the last a user's) continue the engine's own
+        sequence, which keeps the prefix of them it holds and is fed the rest."""
+        return self.batcher.run(self.encode(messages), settings, streamer, cache=self.cache)
 
-    def close(self) -> None:
-        """Free the sequence and the pool (the engine cannot generate afterwards)."""
-        if getattr(self, "sequence", None) is not None:
-            self.sequence.free()
-            self.sequence = None  # type: ignore[assignment]
-        if getattr(self, "pool", None) is not None:
-            self.pool.close()
-            self.pool = None  # type: ignore[assignment]
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    # -- prompts ------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
-        """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
-        return encode_prompt(self.tokenizer, prompt, apply_chat_template)
-
-    def full_kv_bytes(self, tokens: int, block_size: int | None = None) -> int:
-        """Bytes a full cache in this engine's precision holds for ``tokens`` tokens, in blocks of
-        ``block_size`` tokens (default: the current pool's)."""
-        bs = block_size or self.block_size
-        per_head = sum(math.ceil(min(tokens, w or tokens) / bs) for w in self.windows)  # local layers: their window
-        return per_head * self.shape.kv_heads * kv_block_bytes(bs, self.shape.head_dim, self.kv_precision)
-
-    # -- model steps ----------------------------------------------------------------------------
-    def forward(self, ids: list[int]) -> np.ndarray:
-        """Feed ``ids`` after the cached tokens; the next-token logits (last position)."""
-        if not ids:
-            raise UserError("forward needs at least one token")
-        past = len(self._cached)
-        n = len(ids)
-        try:
-            infer_steps(self.request, self.step_inputs([list(ids)], [self.sequence], [past]), [self.sequence.handle])
-        except RuntimeError as exc:
-            self._reset_sequence()  # a failed step leaves the layers out of step: start clean
-            raise UserError(
-                f"backend openvino failed on a {n}-token step after {past} tokens: {error_line(exc)}"
-            ) from None
-        self._cached.extend(ids)
-        logits = self.request.get_output_tensor(0).data
-        return np.array(logits[0, -1], dtype=np.float32)
-
-    def prefill(self, ids: list[int]) -> np.ndarray:
-        """:meth:`forward` for a prompt; a first prompt (nothing cached) goes in as two chunks of
-        one prompt (:meth:`KVSequence.set_prompt`, the method selects once over the whole of it):
-        the largest multiple of :data:`~ov_kvcrush.engines.model_inputs.FAST_STEP_TOKENS`, then
-        the rest."""
-        cut = len(ids) if self._cached else model_inputs.fast_prompt_cut(len(ids))
-        if cut == len(ids):
-            return self.forward(ids)
-        self.sequence.set_prompt(len(ids))
-        self.forward(ids[:cut])
-        return self.forward(ids[cut:])
-
-    def scoring_pass(self) -> float:
-        """The method's scoring pass (KVzip) over the tokens not scored yet, when the cache is over
-        its budget (:class:`~ov_kvcrush.engines.scoring_pass.ScoringPass`). Returns its seconds
-        (0: none ran)."""
-        if not self._cached or not self.scoring.due(self.sequence):
-            return 0.0
-        t0 = time.perf_counter()
-        past = len(self._cached)
-        try:
-            self.scoring.run(self.request, self.sequence, self._cached[self._scored :], self._scored)
-        except RuntimeError as exc:
-            raise UserError(
-                f"backend openvino failed in the scoring pass after {past} tokens: {error_line(exc)}"
-            ) from None
-        self._scored = past
-        return time.perf_counter() - t0
-
-    # -- generation ---------------------------------------------------------------------------
+    # -- generation -----------------------------------------------------------------------------
     def generate(
         self,
         prompt: Prompt,
@@ -335,186 +102,16 @@ class OpenVINOEngine:
         the question is fed as the next step, as a later chat turn would be.
         """
         settings = settings or GenerationSettings()
-        if self._history is not None and question is not None:
-            raise UserError("question is for a single prompt; in a chat, the next turn is asked after the last")
-        if self._history is not None:
-            if not isinstance(prompt, str):
-                raise UserError("in a chat, generate takes the user's message as a string")
-            messages = [*self._history, {"role": "user", "content": prompt}]
-            ids = self.encode(messages)
-            # keep the longest cached prefix of the re-tokenised conversation (at least one new token)
-            common = 0
-            limit = min(len(self._cached), len(ids) - 1)
-            while common < limit and self._cached[common] == ids[common]:
-                common += 1
-            if common < len(self._cached):
-                try:
-                    self.sequence.truncate(common)
-                except PluginError:  # the 2-bit store cannot drop tokens: feed the conversation again
-                    self.sequence.reset()
-                    common = 0
-                self._cached = self._cached[:common]
-                self._scored = min(self._scored, common)
-            split = len(ids)
-        else:
-            messages = None
-            ids = self.encode(prompt, settings.apply_chat_template)
-            split = len(ids)
+        if self.chat is not None:
             if question is not None:
-                context_ids = self.encode(context_prompt(prompt, question), settings.apply_chat_template)
-                split = question_split(ids, context_ids)
-            self._reset_sequence()
-        check_context(len(ids), settings.max_new_tokens, self.max_context)
-        new = ids[len(self._cached) :]
-        try:
-            result = self._run(ids, new, settings, streamer, split - len(self._cached))
-        finally:
-            if messages is None:
-                self._reset_sequence()  # outside a chat the cache is not reused: its blocks go back now
-        if messages is not None:
-            assert self._history is not None
-            self._history = [*messages, {"role": "assistant", "content": result.text}]
-        return result
-
-    def _run(
-        self, ids: list[int], new: list[int], settings: GenerationSettings, streamer: Streamer | None, split: int
-    ) -> GenerationResult:
-        """Prefill ``new`` (its first ``split`` tokens, the method's scoring pass, then the rest),
-        then decode."""
-        rng = np.random.default_rng(settings.seed) if settings.do_sample else None
-        tokens: list[int] = []
-        stamps: list[float] = []
-        peak = 0
-        stream = TextStream(streamer, self.tokenizer.decode)
-        t0 = time.perf_counter()
-        logits = self.prefill(new[:split])
-        scoring_s = self.scoring_pass()
-        if split < len(new):
-            logits = self.forward(new[split:])
-        for step in range(settings.max_new_tokens):
-            if step:
-                logits = self.forward([tokens[-1]])
-            nxt = sample_token(logits, settings, rng)
-            stamps.append(time.perf_counter() - t0)
-            peak = max(peak, self.sequence.stats().kv_bytes)
-            if nxt in self.eos_ids and not settings.ignore_eos:
-                break
-            tokens.append(nxt)
-            if stream.push(tokens):
-                break
-        stats = self.sequence.stats()
-        ttft_ms, tpot_ms = ttft_tpot_ms(stamps)
-        return GenerationResult(
-            text=self.tokenizer.decode(tokens) if tokens else "",
-            token_ids=tokens,
-            prompt_tokens=len(ids),
-            ttft_ms=ttft_ms,
-            tpot_ms=tpot_ms,
-            step_ms=step_ms(stamps),
-            kv_bytes=stats.kv_bytes,
-            full_kv_bytes=self.full_kv_bytes(stats.tokens_seen),
-            peak_kv_bytes=max(peak, stats.kv_bytes),
-            method=self.compression.method,
-            budget=self.compression.budget,
-            backend=self.backend,
-            counters={
-                "prefill_tokens": len(new),
-                **({"scoring_pass_ms": round(scoring_s * 1e3, 3)} if scoring_s else {}),
-                **self.sequence_counters(self.sequence),
-            },
-        )
-
-    def sequence_counters(self, sequence: KVSequence) -> dict[str, Any]:
-        """What a result reports of its sequence's cache: blocks, tokens, the method's time and counters."""
-        stats = sequence.stats()
-        return {
-            "kv_blocks_held": stats.blocks_held,
-            "kv_block_bytes": stats.block_bytes,
-            "kv_precision": self.kv_precision,
-            "tokens_seen": stats.tokens_seen,
-            "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
-            "kv_2bit_blocks_held": stats.qblocks_held,
-            "policy_prefill_ms": round(stats.policy_prefill_ns / 1e6, 3),
-            "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
-            "scores_prefill_ms": round(stats.scores_prefill_ns / 1e6, 3),
-            "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
-            **sequence.method_counters(),
-        }
-
-    def step_inputs(self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]) -> dict[str, np.ndarray]:
-        """One step of several sequences, equal token counts (:func:`model_inputs.step_inputs`)."""
-        return model_inputs.step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
-
-    def ragged_step_inputs(
-        self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]
-    ) -> dict[str, np.ndarray]:
-        """One step of several sequences, any token counts (:func:`model_inputs.ragged_step_inputs`)."""
-        return model_inputs.ragged_step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
+                raise UserError("question is for a single prompt; in a chat, the next turn is asked after the last")
+            return self.chat.turn(prompt, settings, streamer)  # type: ignore[arg-type]
+        ids = self.encode(prompt, settings.apply_chat_template)
+        question_at = None
+        if question is not None:
+            context_ids = self.encode(context_prompt(prompt, question), settings.apply_chat_template)
+            question_at = question_split(ids, context_ids)
+        return self.batcher.run(ids, settings, streamer, question_at=question_at)
 
 
-def _kv_precision(value: Any, properties: dict | None) -> str:
-    """The op's KV precision: ``kv_precision``, else the ``KV_CACHE_PRECISION`` property users of
-    openvino_genai pass (a string or an ``openvino.Type``), else the default; both set must agree."""
-    prop = (properties or {}).get("KV_CACHE_PRECISION")
-    if prop is not None:
-        name = prop if isinstance(prop, str) else getattr(prop, "get_type_name", lambda: str(prop))()
-        name = str(name).lower()
-        if name not in PRECISIONS:
-            allowed = "one of " + ", ".join(PRECISIONS) + " (backend openvino's op)"
-            raise ConfigError("KV_CACHE_PRECISION", prop, allowed)
-        if value is not None and value != name:
-            raise ConfigError("kv_precision", value, f"{name}, as KV_CACHE_PRECISION says (or leave one out)")
-        return name
-    if value is None:
-        return DEFAULT_KV_PRECISION
-    if not isinstance(value, str) or value not in PRECISIONS:
-        raise ConfigError("kv_precision", value, "one of " + ", ".join(PRECISIONS))
-    return value
-
-
-def _check_block_size(name: str, value: Any) -> None:
-    """The op's blocks: a multiple of 16 tokens in [16, 256]."""
-    if isinstance(value, bool) or not isinstance(value, int) or value % 16 or not 16 <= value <= 256:
-        raise ConfigError(name, value, "a multiple of 16 in [16, 256]")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def layer_windows(cfg: dict, model_dir: Path) -> list[int]:
-    """Per layer, the sliding-window span the op gives a local layer (0: a global layer).
-
-    Gemma 3 style models name each layer's kind (``layer_types``): their local layers keep a
-    ring of ``sliding_window`` positions in the op and the method runs on the global ones, as in
-    the torch engine. Refused (with what to use instead): a model whose every layer slides (no
-    global layer for the method), and attention logit soft-capping (Gemma 2), which the op's
-    plain softmax attention does not implement.
-    """
-    text = cfg.get("text_config") or cfg
-    layer_types = [str(t) for t in text.get("layer_types") or []]
-    name = f"{model_dir.name}: model type {text.get('model_type')!r}"
-    if text.get("attn_logit_softcapping"):
-        raise UserError(f"{name} caps its attention logits (soft-capping), which backend openvino does not implement")
-    sliding = [t == "sliding_attention" for t in layer_types]
-    if (sliding and all(sliding)) or (not layer_types and text.get("use_sliding_window")):
-        raise UserError(
-            f"{name} uses sliding-window attention on every layer, which backend openvino's op does not implement "
-            "(it runs models whose global layers hold the method); use backend genai or torch"
-        )
-    window = int(text.get("sliding_window") or 0)
-    if any(sliding) and window < 1:
-        raise UserError(f"{name} has sliding-window layers but no sliding_window span in its config.json")
-    return [window if s else 0 for s in sliding]
-
-
-def error_line(exc: Exception) -> str:
-    """The line of an OpenVINO error that says what went wrong (ours, or the pool's), else its last."""
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "ov_kvcrush" in ln or "exhausted" in ln:
-            return ln
-    return lines[-1] if lines else type(exc).__name__
+__all__ = ["OpenVINOEngine"]

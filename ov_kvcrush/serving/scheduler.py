@@ -11,12 +11,21 @@ sequence growing by one block of tokens takes ``rows = layers × kv_heads`` of t
   step needs ``rows`` free blocks per decoding sequence. When the pool has fewer, the latest
   admitted request is preempted (its blocks go back, it waits at the head of the queue and its
   prompt plus the tokens it generated are prefilled again later), until the step fits. A lone
-  request whose step does not fit fails: it does not fit the pool even alone.
+  request whose step does not fit fails: it does not fit the pool even alone (with the full
+  cache, only when its last block is full: every head holds every token, so a token that fits
+  the last block fits).
 * **Admission, first come first served**, while fewer than ``max_num_seqs`` run: the next
   request starts when its whole prompt (every method holds the prompt until its selection at
   the prompt's end) and one decode block per head fit beside the decoding sequences' reserve.
   One request is prefilled at a time, in chunks of at most ``max_num_batched_tokens`` minus the
   decoding sequences (``chunked`` = openvino_genai's ``dynamic_split_fuse``; off: whole prompts).
+  A whole prompt's first step is cut to whole tiles (``first_chunk``: the op's fast step) and
+  the rest follows.
+* **One step for what follows a prompt.** A request may continue a sequence that holds the
+  start of its tokens (a chat's next turn), or ask a question after a context the method
+  compresses first (``question_at``). The method's prompt, from a sequence's start, is what
+  comes in chunks and is selected once, at its end; a turn after a held start, or the question,
+  is fed in one step, as one chunk of a longer prompt would be.
 * **Refusal** happens when a request is added, never later: a prompt that cannot fit the pool
   alone (or, for the full cache, prompt + new tokens), or one longer than
   ``max_num_batched_tokens`` without chunking.
@@ -59,6 +68,8 @@ class SchedulerLimits:
     #: the most tokens one step of the method's scoring pass (KVzip) feeds right after a prompt:
     #: room a request needs beside its whole prompt (0: no pass)
     scoring_tokens: int = 0
+    #: how much of a whole prompt its first step feeds (the rest follows); ``None``: all of it
+    first_chunk: Callable[[int], int] | None = None
 
 
 @dataclass(eq=False)
@@ -72,7 +83,9 @@ class Slot:
     request_id: int
     tokens: list[int]  # to prefill: the prompt, plus the tokens generated before a preemption
     max_new_tokens: int
-    done: int = 0  # tokens its sequence holds: of ``tokens``, then one more per decode step
+    #: tokens its sequence holds: of ``tokens``, then one more per decode step (more than 0 at
+    #: the start: it continues a sequence holding ``tokens``' start, a chat's earlier turns)
+    done: int = 0
     phase: Phase = Phase.WAITING
     preemptions: int = 0
     #: it could not start when its turn came: the pool (or max_num_seqs) was full
@@ -80,14 +93,30 @@ class Slot:
     error: str = ""
     generated: list[int] = field(default_factory=list)
     prompt_tokens: int = -1  # the prompt's length (``tokens``' when the slot is made)
+    #: the token a question starts at, after a context that is the method's prompt; None: no question
+    question_at: int | None = None
+    #: tokens its sequence held when it started (``done`` then): what follows them comes in one step
+    held_at_start: int = -1
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
             self.prompt_tokens = len(self.tokens)
+        if self.held_at_start < 0:
+            self.held_at_start = self.done
 
     @property
     def prompt(self) -> list[int]:
         return self.tokens[: self.prompt_tokens]
+
+    @property
+    def prompt_end(self) -> int:
+        """Where the method's prompt ends: it is selected (and scored by its pass) there."""
+        return len(self.tokens) if self.question_at is None else self.question_at
+
+    @property
+    def fed(self) -> list[int]:
+        """The token ids its sequence holds, in order."""
+        return [*self.prompt, *self.generated][: self.done]
 
     @property
     def remaining_prompt(self) -> int:
@@ -153,11 +182,11 @@ class Scheduler:
             )
             raise UserError(
                 f"request does not fit the KV pool even alone: {what} ({held} tokens) needs {need} blocks, "
-                f"the pool holds {lim.pool_blocks} (raise num_kv_blocks / cache_size)"
+                f"the pool holds {lim.pool_blocks} (max_blocks={lim.pool_blocks}: raise num_kv_blocks / cache_size)"
             )
 
     def add(self, slot: Slot) -> None:
-        self.check_fits(len(slot.tokens), slot.max_new_tokens)
+        self.check_fits(slot.remaining_prompt, slot.max_new_tokens)
         self.waiting.append(slot)
 
     def finish(self, slot: Slot) -> None:
@@ -184,6 +213,8 @@ class Scheduler:
                 break
             victim = self.running[-1]
             if len(self.running) == 1:
+                if not self.opens_block(victim):
+                    break  # its next token fits its last block
                 victim.error = (
                     f"the KV pool ({lim.pool_blocks} blocks) is full: this request's next step needs "
                     f"{lim.rows} more blocks and no other request holds any"
@@ -202,7 +233,7 @@ class Scheduler:
         current = next((s for s in self.running if s.phase is Phase.PREFILL), None)
         if current is None and self.waiting and len(self.running) < lim.max_num_seqs:
             nxt = self.waiting[0]
-            need = self.blocks_for(len(nxt.tokens) + lim.scoring_tokens) + lim.rows
+            need = self.blocks_for(nxt.remaining_prompt + lim.scoring_tokens) + lim.rows
             if avail is None or need <= avail:
                 self.waiting.popleft()
                 nxt.phase = Phase.PREFILL
@@ -213,9 +244,7 @@ class Scheduler:
         elif current is None and self.waiting:
             self.waiting[0].waited = True
         if current is not None:
-            chunk = current.remaining_prompt
-            if lim.chunked:
-                chunk = min(chunk, lim.max_num_batched_tokens - len(out.decode))
+            chunk = self.next_chunk(current, len(out.decode))
             if avail is not None:
                 bs = lim.block_size
                 open_slots = -current.done % bs  # room left in the last block of every head
@@ -223,6 +252,26 @@ class Scheduler:
             if chunk > 0:
                 out.prefill = (current, chunk)
         return out
+
+    def opens_block(self, slot: Slot) -> bool:
+        """Whether ``slot``'s next decode token may open a block on some head: always for a method
+        (its heads hold different counts), for the full cache when its last block is full."""
+        return not self.limits.holds_everything or slot.done % self.limits.block_size == 0
+
+    def next_chunk(self, slot: Slot, decoding: int) -> int:
+        """How many of ``slot``'s tokens its next step feeds, before the pool's room: the method's
+        prompt from a sequence's start in chunks beside ``decoding`` decode tokens (a whole
+        prompt's first step cut to ``first_chunk``); what follows a held start, or the method's
+        prompt, in one step."""
+        lim = self.limits
+        end = slot.prompt_end if slot.done < slot.prompt_end else len(slot.tokens)
+        chunk = end - slot.done
+        if slot.held_at_start == 0 and end == slot.prompt_end:  # the method's prompt, from the start
+            if lim.chunked:
+                chunk = min(chunk, lim.max_num_batched_tokens - decoding)
+            if chunk == end and lim.first_chunk is not None:
+                chunk = lim.first_chunk(chunk)
+        return chunk
 
     def make_room(self, slot: Slot) -> list[Slot]:
         """Preempt the latest admitted other requests until one step of a scoring pass after
@@ -253,7 +302,8 @@ class Scheduler:
         self.running.remove(slot)
         self.release(slot)
         slot.tokens = [*slot.prompt, *slot.generated]
-        slot.done = 0
+        slot.question_at = None  # all of it is the prompt now
+        slot.done = slot.held_at_start = 0
         slot.phase = Phase.WAITING
         slot.preemptions += 1
         self.waiting.appendleft(slot)

@@ -1,0 +1,412 @@
+"""The OpenVINO model with our paged-attention op, on CPU: the model, the block pool and one step.
+
+The IR written by ``optimum-cli export openvino`` is read, converted in memory by
+:func:`ov_kvcrush.transformations.convert_model` (each layer's SDPA and KV state become
+``ov_kvcrush::PagedAttention``), and compiled on the CPU plugin with the extension library. The
+KV cache lives in the extension: a :class:`~ov_kvcrush.op.kvcache.KVPool` per model and the
+model's own :class:`SequenceCache` (a sequence and the ids it holds), whose handle is fed as the
+model's ``kvc_sequence`` input. Everything else (weights, matmuls, RoPE, sampling inputs) is
+OpenVINO's, so a step runs at the speed of the plugin plus our attention.
+
+This module is the backend's lower half: :meth:`OpenVINOModel.forward` feeds one step, and the
+step inputs of a batch of sequences are built here. Generating (sampling, stopping, streaming,
+results, chat turns) is the one loop of :mod:`ov_kvcrush.serving.pipeline`;
+:class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine` puts the two together.
+
+Tokenisation is openvino_tokenizers' (through ``openvino_genai.Tokenizer``, which runs the
+``openvino_tokenizer.xml``/``openvino_detokenizer.xml`` models written by the export).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.engines import calibration, model_inputs
+from ov_kvcrush.engines.base import Prompt, model_context
+from ov_kvcrush.engines.genai import encode_prompt
+from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
+from ov_kvcrush.engines.scoring_pass import ScoringPass
+from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence, infer_steps
+from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
+from ov_kvcrush.op.method_spec import method_spec
+from ov_kvcrush.op.plugin import PluginError
+
+#: KV precision of the op's cache by default: u8, as OpenVINO's CPU plugin (and so native
+#: openvino_genai) stores its cache on CPU; f16 and f32 on request.
+DEFAULT_KV_PRECISION = "u8"
+
+
+@dataclass(eq=False)
+class SequenceCache:
+    """A sequence of the pool and the token ids it holds, in order: the one record of what was fed
+    to it. A chat's cache outlives each turn, and the next turn keeps the prefix it shares."""
+
+    sequence: KVSequence
+    ids: list[int] = field(default_factory=list)
+    scored: int = 0  # of ``ids``, how many the method's scoring pass (KVzip) has scored
+
+    def reset(self) -> None:
+        """Free every block: the sequence holds nothing."""
+        self.sequence.reset()
+        self.ids = []
+        self.scored = 0
+
+    def keep_prefix(self, ids: list[int]) -> int:
+        """Keep the longest prefix of ``ids`` the sequence holds (leaving at least one token of
+        ``ids`` to feed); returns its length. A sequence that cannot drop tokens (the 2-bit
+        store) is reset when it would have to."""
+        common = 0
+        limit = min(len(self.ids), len(ids) - 1)
+        while common < limit and self.ids[common] == ids[common]:
+            common += 1
+        if common < len(self.ids):
+            try:
+                self.sequence.truncate(common)
+            except PluginError:  # the 2-bit store cannot drop tokens: feed the conversation again
+                self.reset()
+                return 0
+            self.ids = self.ids[:common]
+            self.scored = min(self.scored, common)
+        return common
+
+
+class OpenVINOModel:
+    """The exported IR whose attention is our paged-attention op: its pool and one step.
+
+    Args:
+        model_dir: directory written by ``ov-kvcrush export`` / ``optimum-cli export openvino``.
+        compression: method and budget; every method whose config declares the ``openvino``
+            engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
+            eviction, the 2-bit store ...), as the torch reference defines it.
+        device: ``CPU`` (the op is a CPU extension).
+        kv_precision: ``u8`` (default: 8-bit codes with a per-token min and scale, as native on
+            CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache; openvino_genai's
+            ``KV_CACHE_PRECISION`` property says the same.
+        block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
+        max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited).
+        scheduler_config: an ``openvino_genai.SchedulerConfig``: its ``num_kv_blocks`` /
+            ``cache_size`` give the pool limit (instead of ``max_kv_blocks``) and, with
+            ``use_cache_eviction``, its cache eviction settings the compression (instead of
+            ``compression``).
+        properties: OpenVINO compile properties (e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``);
+            the plugin's defaults otherwise, as openvino_genai uses.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        compression: CompressionConfig | None = None,
+        device: str = "CPU",
+        kv_precision: str | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_kv_blocks: int = 0,
+        scheduler_config: Any = None,
+        properties: dict | None = None,
+    ) -> None:
+        import openvino_genai as ov_genai
+
+        from ov_kvcrush.op import plugin
+        from ov_kvcrush.transformations import convert_model
+
+        if str(device).upper() != "CPU":
+            raise ConfigError("device", device, "CPU (backend openvino: the op is a CPU extension)")
+        kv_precision = _kv_precision(kv_precision, properties)
+        _check_block_size("block_size", block_size)
+        if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
+            raise ConfigError("max_kv_blocks", max_kv_blocks, "an integer >= 0 (0: unlimited)")
+        self.model_dir = Path(model_dir)
+        xml = self.model_dir / "openvino_model.xml"
+        if not xml.is_file():
+            raise UserError(f"not an exported OpenVINO model directory (no openvino_model.xml): {self.model_dir}")
+        self.hf_config = _read_json(self.model_dir / "config.json")
+        windows = layer_windows(self.hf_config, self.model_dir)
+
+        self.library = plugin.loaded_path()
+        self.core = plugin.shared_core()
+        self.properties = dict(properties or {})
+        # prefill arithmetic follows the plugin's inference precision, as its own SDPA does
+        hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(
+            "CPU", "INFERENCE_PRECISION_HINT"
+        )
+        self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
+        converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
+        self.shape = converted.shape
+        self.kv_precision = kv_precision
+        if windows and len(windows) != self.shape.layers:
+            raise UserError(
+                f"{self.model_dir.name}: config.json names {len(windows)} layer types for "
+                f"{self.shape.layers} attention layers"
+            )
+        #: per layer, a local layer's sliding-window span (0: global; all 0 for most models)
+        self.windows = windows or [0] * self.shape.layers
+
+        if scheduler_config is not None:
+            sc = scheduler_config
+            if not isinstance(sc, ov_genai.SchedulerConfig):
+                raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
+            if sc.use_cache_eviction and compression is not None:
+                raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
+            if max_kv_blocks and (sc.num_kv_blocks or sc.cache_size):
+                raise UserError("pass max_kv_blocks or scheduler_config's num_kv_blocks/cache_size, not both")
+            if sc.use_cache_eviction or compression is None:
+                compression = compression_from_scheduler_config(sc)  # never block-wise KVCrush
+            max_kv_blocks = max_kv_blocks or pool_blocks_from_scheduler_config(
+                scheduler_config,
+                self.shape.layers,
+                self.shape.kv_heads,
+                kv_block_bytes(block_size, self.shape.head_dim, kv_precision),
+            )
+        #: what the one loop over this model is limited by (``None``: whole prompts, any number of sequences)
+        self.scheduler_config = scheduler_config
+        self.default_block_size = block_size
+        self.max_kv_blocks = max_kv_blocks
+        compression = compression or CompressionConfig()
+        self.pool_spec(compression)  # a method the op refuses fails here, before the compilation
+        self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
+        self.request = self.compiled.create_infer_request()
+        self.input_names = {p.get_any_name() for p in self.compiled.inputs}
+        self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
+        self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
+        self._make_pool(compression)  # a method's calibration (Chelsea's "auto" outliers) runs here
+        eos = self.hf_config.get("eos_token_id", self.tokenizer.get_eos_token_id())
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+        gen_cfg = _read_json(self.model_dir / "generation_config.json")
+        if gen_cfg.get("eos_token_id") is not None:
+            g = gen_cfg["eos_token_id"]
+            self.eos_ids |= {int(e) for e in (g if isinstance(g, list) else [g])}
+        self.max_context = model_context(self.model_dir)
+
+    def _make_pool(self, compression: CompressionConfig) -> None:
+        """The block pool and sequence of ``compression``'s method (the compiled model does not
+        depend on the method: the op finds a sequence's pool by its handle)."""
+        method, block_size, pool = self.new_pool(compression)
+        self.close()  # the previous method's sequence and pool, if any
+        self.compression, self.method = compression, method
+        self.block_size = block_size
+        self.block_bytes = kv_block_bytes(block_size, self.shape.head_dim, self.kv_precision)
+        self.pool = pool
+        #: the model's own sequence: what :meth:`forward` feeds, and a chat's cache
+        self.cache = SequenceCache(pool.new_sequence())
+
+    @property
+    def sequence(self) -> KVSequence:
+        """The model's own sequence (:attr:`cache`'s)."""
+        return self.cache.sequence
+
+    def new_pool(self, compression: CompressionConfig, count_only: bool = False) -> tuple[Any, int, KVPool]:
+        """``(method config, block size, a new block pool)`` for ``compression``, as this engine
+        holds its cache (the pool limit and precision included); the caller closes the pool.
+        ``count_only``: a byte probe's pool (see :class:`~ov_kvcrush.op.kvcache.KVPool`)."""
+        method, block_size, spec = self.pool_spec(compression)
+        s = self.shape
+        pool = KVPool(
+            s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=self.kv_precision,
+            max_blocks=self.max_kv_blocks, method=spec, windows=self.windows, count_only=count_only,
+        )  # fmt: skip
+        return method, block_size, pool
+
+    def pool_spec(self, compression: CompressionConfig) -> tuple[Any, int, str]:
+        """``(method config, block size, the op's spec)`` of ``compression``, checked."""
+        method = self._calibrated(compression.method_config())
+        block_size = self.default_block_size
+        method_block = getattr(method, "block_size", None)
+        if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
+            _check_block_size("options.block_size", method_block)
+            block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
+        return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size, self.windows)
+
+    def _calibrated(self, method: Any) -> Any:
+        """``method`` with what it calibrates on the model (:mod:`~ov_kvcrush.engines.calibration`);
+        before the model is compiled, with a calibration over no layers (the op checks the rest)."""
+        if not method.needs_calibration:
+            return method
+        if getattr(self, "tokenizer", None) is None:
+            return method.with_calibration(method.calibrate([]))
+        model = calibration.model_id(self.model_dir)
+        return calibration.resolve(method, model, self.scoring.encode, lambda ids: calibration.op_layer_keys(self, ids))
+
+    def set_compression(self, compression: CompressionConfig) -> None:
+        """Switch method and budget for the next generations: a new pool, the model stays compiled
+        (an evaluation compares many methods on one engine)."""
+        if not isinstance(compression, CompressionConfig):
+            raise ConfigError("compression", compression, "a CompressionConfig")
+        self._make_pool(compression)
+
+    def close(self) -> None:
+        """Free the sequence and the pool (the model cannot run afterwards)."""
+        if getattr(self, "cache", None) is not None:
+            self.cache.sequence.free()
+            self.cache = None  # type: ignore[assignment]
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+            self.pool = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- prompts ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
+        """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
+        return encode_prompt(self.tokenizer, prompt, apply_chat_template)
+
+    def full_kv_bytes(self, tokens: int, block_size: int | None = None) -> int:
+        """Bytes a full cache in this engine's precision holds for ``tokens`` tokens, in blocks of
+        ``block_size`` tokens (default: the current pool's)."""
+        bs = block_size or self.block_size
+        per_head = sum(math.ceil(min(tokens, w or tokens) / bs) for w in self.windows)  # local layers: their window
+        return per_head * self.shape.kv_heads * kv_block_bytes(bs, self.shape.head_dim, self.kv_precision)
+
+    # -- model steps ----------------------------------------------------------------------------
+    def forward(self, ids: list[int]) -> np.ndarray:
+        """Feed ``ids`` after the cached tokens; the next-token logits (last position)."""
+        if not ids:
+            raise UserError("forward needs at least one token")
+        past = len(self.cache.ids)
+        n = len(ids)
+        try:
+            infer_steps(self.request, self.step_inputs([list(ids)], [self.sequence], [past]), [self.sequence.handle])
+        except RuntimeError as exc:
+            self.cache.reset()  # a failed step leaves the layers out of step: start clean
+            raise UserError(
+                f"backend openvino failed on a {n}-token step after {past} tokens: {error_line(exc)}"
+            ) from None
+        self.cache.ids.extend(ids)
+        logits = self.request.get_output_tensor(0).data
+        return np.array(logits[0, -1], dtype=np.float32)
+
+    def prefill(self, ids: list[int]) -> np.ndarray:
+        """:meth:`forward` for a prompt; a first prompt (nothing cached) goes in as two chunks of
+        one prompt (:meth:`KVSequence.set_prompt`, the method selects once over the whole of it):
+        the largest multiple of :data:`~ov_kvcrush.engines.model_inputs.FAST_STEP_TOKENS`, then
+        the rest."""
+        cut = len(ids) if self.cache.ids else model_inputs.fast_prompt_cut(len(ids))
+        if cut == len(ids):
+            return self.forward(ids)
+        self.sequence.set_prompt(len(ids))
+        self.forward(ids[:cut])
+        return self.forward(ids[cut:])
+
+    def scoring_pass(self) -> float:
+        """The method's scoring pass (KVzip) over the tokens not scored yet, when the cache is over
+        its budget (:class:`~ov_kvcrush.engines.scoring_pass.ScoringPass`). Returns its seconds
+        (0: none ran)."""
+        cache = self.cache
+        if not cache.ids or not self.scoring.due(cache.sequence):
+            return 0.0
+        t0 = time.perf_counter()
+        past = len(cache.ids)
+        try:
+            self.scoring.run(self.request, cache.sequence, cache.ids[cache.scored :], cache.scored)
+        except RuntimeError as exc:
+            raise UserError(
+                f"backend openvino failed in the scoring pass after {past} tokens: {error_line(exc)}"
+            ) from None
+        cache.scored = past
+        return time.perf_counter() - t0
+
+    def sequence_counters(self, sequence: KVSequence) -> dict[str, Any]:
+        """What a result reports of its sequence's cache: blocks, tokens, the method's time and counters."""
+        stats = sequence.stats()
+        return {
+            "kv_blocks_held": stats.blocks_held,
+            "kv_block_bytes": stats.block_bytes,
+            "kv_precision": self.kv_precision,
+            "tokens_seen": stats.tokens_seen,
+            "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
+            "kv_2bit_blocks_held": stats.qblocks_held,
+            "policy_prefill_ms": round(stats.policy_prefill_ns / 1e6, 3),
+            "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
+            "scores_prefill_ms": round(stats.scores_prefill_ns / 1e6, 3),
+            "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
+            **sequence.method_counters(),
+        }
+
+    def step_inputs(self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]) -> dict[str, np.ndarray]:
+        """One step of several sequences, equal token counts (:func:`model_inputs.step_inputs`)."""
+        return model_inputs.step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
+
+    def ragged_step_inputs(
+        self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]
+    ) -> dict[str, np.ndarray]:
+        """One step of several sequences, any token counts (:func:`model_inputs.ragged_step_inputs`)."""
+        return model_inputs.ragged_step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
+
+
+def _kv_precision(value: Any, properties: dict | None) -> str:
+    """The op's KV precision: ``kv_precision``, else the ``KV_CACHE_PRECISION`` property users of
+    openvino_genai pass (a string or an ``openvino.Type``), else the default; both set must agree."""
+    prop = (properties or {}).get("KV_CACHE_PRECISION")
+    if prop is not None:
+        name = prop if isinstance(prop, str) else getattr(prop, "get_type_name", lambda: str(prop))()
+        name = str(name).lower()
+        if name not in PRECISIONS:
+            allowed = "one of " + ", ".join(PRECISIONS) + " (backend openvino's op)"
+            raise ConfigError("KV_CACHE_PRECISION", prop, allowed)
+        if value is not None and value != name:
+            raise ConfigError("kv_precision", value, f"{name}, as KV_CACHE_PRECISION says (or leave one out)")
+        return name
+    if value is None:
+        return DEFAULT_KV_PRECISION
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise ConfigError("kv_precision", value, "one of " + ", ".join(PRECISIONS))
+    return value
+
+
+def _check_block_size(name: str, value: Any) -> None:
+    """The op's blocks: a multiple of 16 tokens in [16, 256]."""
+    if isinstance(value, bool) or not isinstance(value, int) or value % 16 or not 16 <= value <= 256:
+        raise ConfigError(name, value, "a multiple of 16 in [16, 256]")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def layer_windows(cfg: dict, model_dir: Path) -> list[int]:
+    """Per layer, the sliding-window span the op gives a local layer (0: a global layer).
+
+    Gemma 3 style models name each layer's kind (``layer_types``): their local layers keep a
+    ring of ``sliding_window`` positions in the op and the method runs on the global ones, as in
+    the torch engine. Refused (with what to use instead): a model whose every layer slides (no
+    global layer for the method), and attention logit soft-capping (Gemma 2), which the op's
+    plain softmax attention does not implement.
+    """
+    text = cfg.get("text_config") or cfg
+    layer_types = [str(t) for t in text.get("layer_types") or []]
+    name = f"{model_dir.name}: model type {text.get('model_type')!r}"
+    if text.get("attn_logit_softcapping"):
+        raise UserError(f"{name} caps its attention logits (soft-capping), which backend openvino does not implement")
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if (sliding and all(sliding)) or (not layer_types and text.get("use_sliding_window")):
+        raise UserError(
+            f"{name} uses sliding-window attention on every layer, which backend openvino's op does not implement "
+            "(it runs models whose global layers hold the method); use backend genai or torch"
+        )
+    window = int(text.get("sliding_window") or 0)
+    if any(sliding) and window < 1:
+        raise UserError(f"{name} has sliding-window layers but no sliding_window span in its config.json")
+    return [window if s else 0 for s in sliding]
+
+
+def error_line(exc: Exception) -> str:
+    """The line of an OpenVINO error that says what went wrong (ours, or the pool's), else its last."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "ov_kvcrush" in ln or "exhausted" in ln:
+            return ln
+    return lines[-1] if lines else type(exc).__name__
