@@ -42,7 +42,7 @@ def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: i
 
 def _minikv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
     assert isinstance(config, MiniKVConfig)
-    if config.quant is None or getattr(config, "head_budgets", "uniform") != "uniform" or config.block_size:
+    if config.quant is None or config.head_budget_mode() != "uniform" or config.span_tokens():
         return None  # span selection stays on the reference
     return FastMiniKVLayerCache(config, layer_idx, num_layers, reserve)
 
@@ -52,8 +52,8 @@ def _eviction(config: MethodConfig, layer_idx: int, num_layers: int, reserve: in
     if (
         config.quant is not None
         or config.selection_frozen()
-        or getattr(config, "head_budgets", "uniform") != "uniform"
-        or getattr(config, "block_size", None)
+        or config.head_budget_mode() != "uniform"
+        or config.span_tokens()
     ):
         return None  # the quantized store, frozen selections, adaptive head budgets and spans stay on the reference
     return FastEvictionLayerCache(config, layer_idx, num_layers)

@@ -66,7 +66,7 @@ from typing import ClassVar
 import torch
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.attention import AttentionOutput, group_heads
+from ov_kvcrush.methods.attention import group_heads
 from ov_kvcrush.methods.base import (
     LayerCache,
     MethodConfig,
@@ -126,15 +126,54 @@ class EvictionConfig(MethodConfig):
     #: whether, over the quantized store, decode steps evict whole quantized chunks (StreamingLLM,
     #: H2O, SnapKV, PyramidKV, KVCrush); the others keep the prefill selection there
     evicts_quantized_chunks: ClassVar[bool] = False
+    #: the prefill selection is never revisited, whatever the store (MiniKV)
+    frozen_selection: ClassVar[bool] = False
+    #: how tokens are scored: ``none`` (StreamingLLM), ``h2o``, ``snapkv`` or ``knorm``
+    scoring: ClassVar[str] = "none"
+    #: whether decode steps add their attention to the scores (Knorm scores keys by their norm)
+    decode_attention_scores: ClassVar[bool] = True
+
+    # The steps a method of this family changes by overriding one of them (never by a field
+    # probed from here): how it scores, and how it selects (spans, per-head budgets).
+
+    def scoring_mode(self) -> str:
+        """The scores this config's caches evict by (PyramidKV and MiniKV pick with ``selection``)."""
+        return self.scoring
+
+    def prompt_scores(
+        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """``[b, hq, t]`` scores of a prompt's tokens, the selection's input (per query head):
+        H2O's are the attention every query gave them (``attention_scores``); without a rule, zeros."""
+        if self.scoring_mode() == "h2o":
+            assert attention_scores is not None
+            return attention_scores
+        return torch.zeros(queries.shape[0], queries.shape[1], keys.shape[2], device=queries.device)
+
+    def new_token_scores(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[b, hq, t]`` starting scores of a decode step's tokens (their attention comes on top)."""
+        return torch.zeros(queries.shape[0], queries.shape[1], keys.shape[2], device=keys.device)
+
+    def head_budget_mode(self) -> str:
+        """``uniform`` (every head keeps the layer's budget) or ``adaptive`` (heads share it)."""
+        return "uniform"
+
+    def min_heavy_tokens(self) -> int:
+        """With adaptive head budgets, the fewest heavy tokens a head keeps."""
+        return 0
+
+    def span_tokens(self) -> int | None:
+        """Tokens per span a block-wise selection keeps whole (``None``: single tokens)."""
+        return None
 
     def selection_frozen(self) -> bool:
         """Whether the prefill selection is final: MiniKV's, and over the quantized store that of
         every method that cannot evict whole quantized chunks (adaptive head budgets included)."""
-        if getattr(self, "frozen_selection", False):
+        if self.frozen_selection:
             return True
         if self.quant is None:
             return False
-        return not self.evicts_quantized_chunks or getattr(self, "head_budgets", "uniform") != "uniform"
+        return not self.evicts_quantized_chunks or self.head_budget_mode() != "uniform"
 
 
 @dataclass(frozen=True)
@@ -167,9 +206,8 @@ class StreamingLLMConfig(EvictionConfig):
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
         assert self.budget is not None
-        return ImportanceLayerCache(
-            self, budget=self.budget, sinks=self.sink_tokens, recent=self.budget - self.sink_tokens, scoring=None
-        )
+        recent = self.budget - self.sink_tokens
+        return ImportanceLayerCache(self, budget=self.budget, sinks=self.sink_tokens, recent=recent)
 
 
 @dataclass(frozen=True)
@@ -228,12 +266,16 @@ class H2OConfig(EvictionConfig):
         what = "sink, recent and partial spans" + (" and representatives" if self.reserved_spans() else "")
         check_budget("budget", self.budget, floor, f" for block_size={self.block_size} ({what} = {floor})")
 
-    #: how prompt tokens are scored (subclasses with a ``selection`` field use that instead)
     scoring: ClassVar[str] = "h2o"
 
-    def scoring_mode(self) -> str:
-        """``h2o`` or ``snapkv``: the scores this config's caches evict by."""
-        return getattr(self, "selection", self.scoring)
+    def head_budget_mode(self) -> str:
+        return self.head_budgets
+
+    def min_heavy_tokens(self) -> int:
+        return self.min_head_tokens
+
+    def span_tokens(self) -> int | None:
+        return self.block_size
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         if self.head_budgets != "uniform":
@@ -255,11 +297,7 @@ class H2OConfig(EvictionConfig):
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
         return self._layer_cache_type()(
-            self,
-            budget=self.layer_budget(layer_idx, num_layers),
-            sinks=self.sink_tokens,
-            recent=self.recent_tokens,
-            scoring=self.scoring_mode(),
+            self, budget=self.layer_budget(layer_idx, num_layers), sinks=self.sink_tokens, recent=self.recent_tokens
         )
 
     def _layer_cache_type(self) -> type[ImportanceLayerCache]:
@@ -315,6 +353,14 @@ class SnapKVConfig(H2OConfig):
         """
         return DEFAULT_POOL_KERNEL if self.pool_kernel is None else self.pool_kernel
 
+    def prompt_scores(
+        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """SnapKV's: the attention of the last ``window`` queries, pooled over ``pool_width`` tokens."""
+        if self.scoring_mode() != "snapkv":
+            return super().prompt_scores(queries, keys, attention_scores, scale)
+        return snapkv_scores(queries, keys, self.window, self.pool_width, self.pool, scale)
+
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         fields = super().op_fields(layers, q_heads, block_size)
         if self.scoring_mode() == "snapkv":  # the window and pooling score the prompt
@@ -343,6 +389,9 @@ class PyramidKVConfig(SnapKVConfig):
         check_float("pyramid_depth", self.pyramid_depth, 1.0, 1e6)
         check_choice("selection", self.selection, SCORINGS)
 
+    def scoring_mode(self) -> str:
+        return self.selection
+
     def layer_budget(self, layer_idx: int, num_layers: int) -> int:
         assert self.budget is not None
         floor = self.budget_floor()
@@ -356,20 +405,23 @@ class PyramidKVConfig(SnapKVConfig):
 class ImportanceLayerCache(StoredLayerCache):
     """Keeps ``budget`` tokens per KV head by score; subclasses change only :meth:`select`.
 
-    State: a store of kept tokens, and ``acc`` ``[b, hq, n]`` float32, each kept token's
-    accumulated attention per *query* head (KVCrush needs the per-query-head view).
+    How tokens are scored is the config's (:meth:`EvictionConfig.prompt_scores`,
+    :meth:`~EvictionConfig.new_token_scores`), and so is how they are selected (spans, per-head
+    budgets): the cache runs the steps. State: a store of kept tokens, and ``acc`` ``[b, hq, n]``
+    float32, each kept token's accumulated attention per *query* head (KVCrush needs the
+    per-query-head view).
     """
 
-    def __init__(self, config: EvictionConfig, *, budget: int, sinks: int, recent: int, scoring: str | None) -> None:
+    def __init__(self, config: EvictionConfig, *, budget: int, sinks: int, recent: int) -> None:
         super().__init__()
         self.config = config
         self.budget = budget
         self.sinks = sinks
         self.recent = recent
-        self.scoring = scoring
+        self.scoring = config.scoring_mode()
         self.store = make_store(config.quant)
         self.acc: torch.Tensor | None = None
-        self.adaptive = getattr(config, "head_budgets", "uniform") == "adaptive"
+        self.adaptive = config.head_budget_mode() == "adaptive"
         self.head_budget: torch.Tensor | None = None  # [b, hk] per-head budgets (adaptive only)
         self.frozen = False
 
@@ -379,12 +431,12 @@ class ImportanceLayerCache(StoredLayerCache):
 
         May pad with ``-1`` (adaptive head budgets); padded slots are dropped from attention.
         """
-        if self.scoring is None:
+        if self.scoring == "none":
             scores = torch.zeros(acc.shape[0], kv_heads, acc.shape[2], device=acc.device)
         else:
             scores = group_heads(acc, kv_heads)
         if not self.adaptive:
-            span = getattr(self.config, "block_size", None)
+            span = self.config.span_tokens()
             if span is not None:
                 return keep_block_indices(scores, self.budget, self.sinks, self.recent, span)
             return keep_indices(scores, self.budget, self.sinks, self.recent)
@@ -395,9 +447,7 @@ class ImportanceLayerCache(StoredLayerCache):
         if self.head_budget is None:  # first eviction (prefill): share the layer budget between heads
             s, r = self.sinks, self.recent
             heavy = self.budget - s - r
-            counts = adaptive_head_budgets(
-                scores[..., s : n - r], heavy * h, getattr(self.config, "min_head_tokens", 0)
-            )
+            counts = adaptive_head_budgets(scores[..., s : n - r], heavy * h, self.config.min_heavy_tokens())
             self.head_budget = counts + s + r
         lengths = self.store.positions.ge(0).sum(-1) if len(self.store) else torch.full((b, h), n)
         return keep_indices_ragged(scores, lengths.to(scores.device), self.head_budget, self.sinks, self.recent)
@@ -409,7 +459,7 @@ class ImportanceLayerCache(StoredLayerCache):
         # Only H2O scores the prompt with every query; SnapKV scores it with its window, and
         # StreamingLLM not at all, so they skip materialising the prompt's attention matrix.
         res = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=self.scoring == "h2o")
-        acc = self._prompt_scores(queries, keys, res)
+        acc = self.config.prompt_scores(queries, keys, res.scores, self.scale)
         hk = keys.shape[1]
         if t > self.budget:
             index = self.select(acc, hk)
@@ -417,7 +467,7 @@ class ImportanceLayerCache(StoredLayerCache):
             self._bump("evicted", float((t - (index >= 0).sum(-1)).sum()))
         else:
             p = pos
-        quant = getattr(self.config, "quant", None)
+        quant = self.config.quant
         pin = 0 if quant is None else quant.pinned_tail(selecting=self.config.pins_prompt_tail)
         self.store.append(keys, values, p, pin=pin)
         self.frozen = self.config.selection_frozen()
@@ -435,24 +485,6 @@ class ImportanceLayerCache(StoredLayerCache):
         """``acc`` (per token of ``positions`` ``[n]`` or ``[b, hk, n]``, in that order) in the store's order."""
         index = self.store.order_of(positions)  # a QuantStore (_store_reorders)
         return acc if index is None else self.gather_scores(acc, index)
-
-    #: whether decode steps add their attention to the scores (a method that scores tokens by
-    #: something else, e.g. Knorm's key norms, attends without them)
-    decode_attention_scores: ClassVar[bool] = True
-
-    def _prompt_scores(self, queries: torch.Tensor, keys: torch.Tensor, res: AttentionOutput) -> torch.Tensor:
-        """``[b, hq, t]`` scores of the prompt's tokens, the selection's input (per query head)."""
-        if self.scoring == "snapkv":
-            cfg = self.config
-            return snapkv_scores(queries, keys, cfg.window, cfg.pool_width, cfg.pool, self.scale)  # type: ignore[attr-defined]
-        if self.scoring == "h2o":
-            assert res.scores is not None
-            return res.scores
-        return torch.zeros(queries.shape[0], queries.shape[1], keys.shape[2], device=queries.device)
-
-    def _new_token_scores(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """``[b, hq, t]`` starting scores of a decode step's tokens (their attention comes on top)."""
-        return torch.zeros(queries.shape[0], queries.shape[1], keys.shape[2], device=keys.device)
 
     def _gather(self, keys, values, pos, acc, index):
         valid = index >= 0
@@ -476,10 +508,16 @@ class ImportanceLayerCache(StoredLayerCache):
         self.store.append(keys, values, pos)
         k, v, p = self.store.dense()
         res = self._attend(
-            queries, k, v, q_positions=pos, k_positions=p, key_mask=p >= 0, return_scores=self.decode_attention_scores
+            queries,
+            k,
+            v,
+            q_positions=pos,
+            k_positions=p,
+            key_mask=p >= 0,
+            return_scores=self.config.decode_attention_scores,
         )
         assert self.acc is not None
-        acc = torch.cat([self.acc, self._new_token_scores(queries, keys)], dim=2)
+        acc = torch.cat([self.acc, self.config.new_token_scores(queries, keys)], dim=2)
         if before is not None:
             acc = self._in_store_order(acc, torch.cat([before, pos.expand(*before.shape[:2], t)], dim=2))
         self.acc = acc

@@ -27,7 +27,6 @@ from typing import ClassVar
 
 import torch
 
-from ov_kvcrush.methods.attention import AttentionOutput
 from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig, ImportanceLayerCache
 
@@ -57,24 +56,22 @@ class KnormConfig(EvictionConfig):
     departure: ClassVar[str] = "the paper's, with sinks and a recent window kept"
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
 
+    scoring: ClassVar[str] = "knorm"
+    #: a token's score is its key's, set once when it arrives: decode attention adds nothing
+    decode_attention_scores: ClassVar[bool] = False
+
+    def prompt_scores(
+        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        return key_norm_scores(keys, queries.shape[1])
+
+    def new_token_scores(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return key_norm_scores(keys, queries.shape[1])
+
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         return {"sinks": self.sink_tokens, "recent": self.recent_tokens, "frozen": int(self.selection_frozen())}
 
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
         assert self.budget is not None
-        return KnormLayerCache(
-            self, budget=self.budget, sinks=self.sink_tokens, recent=self.recent_tokens, scoring="knorm"
-        )
-
-
-class KnormLayerCache(ImportanceLayerCache):
-    """The importance cache, scoring each token by its key's negative norm, set once when it arrives."""
-
-    decode_attention_scores: ClassVar[bool] = False
-
-    def _prompt_scores(self, queries: torch.Tensor, keys: torch.Tensor, res: AttentionOutput) -> torch.Tensor:
-        return key_norm_scores(keys, queries.shape[1])
-
-    def _new_token_scores(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        return key_norm_scores(keys, queries.shape[1])
+        return ImportanceLayerCache(self, budget=self.budget, sinks=self.sink_tokens, recent=self.recent_tokens)
