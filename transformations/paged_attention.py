@@ -189,10 +189,40 @@ def convert_model(
     """
     import openvino as ov
     import openvino.opset13 as ops
-    from openvino.utils.node_factory import NodeFactory
 
     if compute not in COMPUTE:
         raise ConversionError(f"compute={compute!r} is invalid: allowed {', '.join(COMPUTE)}")
+    sdpas = _attention_ops(model)
+    plans = [_plan_layer(layer, sdpa, len(sdpas)) for layer, sdpa in enumerate(sdpas)]
+    shape = plans[0].shape
+    for plan in plans[1:]:
+        if plan.shape != shape:
+            raise ConversionError(f"layer {plan.layer}: attention shape {plan.shape} differs from layer 0's {shape}")
+    seq = ops.parameter([-1], ov.Type.i64, name=SEQUENCE_INPUT)
+    seq.output(0).get_tensor().set_names({SEQUENCE_INPUT})
+    _replace_attention(model, plans, seq.output(0), library, compute)
+    model.add_parameters([seq])
+    removed_vars, removed = _drop_unused_state(model)
+    if last_token_logits:
+        logits_at = ops.parameter([-1], ov.Type.i64, name=LOGITS_INPUT)
+        logits_at.output(0).get_tensor().set_names({LOGITS_INPUT})
+        if not _gather_logit_positions(model, logits_at.output(0)):
+            raise ConversionError(
+                "the logits do not come from a MatMul over [batch, tokens, hidden]: cannot select positions"
+            )
+        model.add_parameters([logits_at])
+    model.validate_nodes_and_infer_types()
+    return ConvertedModel(
+        model=model,
+        shape=shape,
+        scales=[p.scale for p in plans],
+        removed_inputs=removed,
+        removed_variables=removed_vars,
+    )
+
+
+def _attention_ops(model) -> list:
+    """The model's ScaledDotProductAttention ops, in order; refuses a model without them."""
     sdpas = [op for op in model.get_ordered_ops() if op.get_type_name() == "ScaledDotProductAttention"]
     if not sdpas:
         kinds = sorted({op.get_type_name() for op in model.get_ordered_ops()})
@@ -207,64 +237,83 @@ def convert_model(
         )
     if any(p.get_friendly_name() == SEQUENCE_INPUT for p in model.get_parameters()):
         raise ConversionError(f"the model already has a '{SEQUENCE_INPUT}' input: it was converted before")
+    return sdpas
 
-    plans = []
-    shape = None
-    for layer, sdpa in enumerate(sdpas):
-        q_ps = _src(sdpa, 0).get_partial_shape()
-        if q_ps.rank.is_dynamic or q_ps.rank.get_length() != 4:
-            raise ConversionError(f"layer {layer}: the query of ScaledDotProductAttention is not 4-D [B, H, L, D]")
-        k_concat, _k_state, k_assigns = _find_state_concat(sdpa, 1, layer)
-        v_concat, _v_state, v_assigns = _find_state_concat(sdpa, 2, layer)
-        k_ps = _src(k_concat, 1).get_partial_shape()
-        v_ps = _src(v_concat, 1).get_partial_shape()
-        s = AttentionShape(
-            layers=len(sdpas),
-            q_heads=_static_dim(q_ps, 1, "query heads", layer),
-            kv_heads=_static_dim(k_ps, 1, "key heads", layer),
-            head_dim=_static_dim(q_ps, 3, "query head size", layer),
-        )
-        if (
-            _static_dim(k_ps, 3, "key head size", layer) != s.head_dim
-            or _static_dim(v_ps, 3, "value head size", layer) != s.head_dim
-            or _static_dim(v_ps, 1, "value heads", layer) != s.kv_heads
-        ):
-            raise ConversionError(f"layer {layer}: query/key/value head sizes differ ({q_ps}, {k_ps}, {v_ps})")
-        if s.q_heads % s.kv_heads:
-            raise ConversionError(f"layer {layer}: {s.q_heads} query heads are not a multiple of {s.kv_heads} KV heads")
-        if s.head_dim % 16 or not 16 <= s.head_dim <= 512:
-            raise ConversionError(f"layer {layer}: head size {s.head_dim} is not supported (a multiple of 16, 16..512)")
-        if shape is not None and s != shape:
-            raise ConversionError(f"layer {layer}: attention shape {s} differs from layer 0's {shape}")
-        shape = s
-        plans.append((layer, sdpa, k_concat, v_concat, k_assigns + v_assigns, _scale(sdpa, s.head_dim, layer)))
+
+@dataclass
+class _LayerPlan:
+    """What replaces one layer's attention: its SDPA, the concats of its K/V state (their new
+    token inputs feed the op), the Assigns to drop, its shape and its scale."""
+
+    layer: int
+    sdpa: object
+    k_concat: object
+    v_concat: object
+    assigns: list
+    shape: AttentionShape
+    scale: float
+
+
+def _plan_layer(layer: int, sdpa, layers: int) -> _LayerPlan:
+    """Read one layer's attention and state; refuses shapes the op cannot take, naming the layer."""
+    q_ps = _src(sdpa, 0).get_partial_shape()
+    if q_ps.rank.is_dynamic or q_ps.rank.get_length() != 4:
+        raise ConversionError(f"layer {layer}: the query of ScaledDotProductAttention is not 4-D [B, H, L, D]")
+    k_concat, _k_state, k_assigns = _find_state_concat(sdpa, 1, layer)
+    v_concat, _v_state, v_assigns = _find_state_concat(sdpa, 2, layer)
+    k_ps = _src(k_concat, 1).get_partial_shape()
+    v_ps = _src(v_concat, 1).get_partial_shape()
+    s = AttentionShape(
+        layers=layers,
+        q_heads=_static_dim(q_ps, 1, "query heads", layer),
+        kv_heads=_static_dim(k_ps, 1, "key heads", layer),
+        head_dim=_static_dim(q_ps, 3, "query head size", layer),
+    )
+    if (
+        _static_dim(k_ps, 3, "key head size", layer) != s.head_dim
+        or _static_dim(v_ps, 3, "value head size", layer) != s.head_dim
+        or _static_dim(v_ps, 1, "value heads", layer) != s.kv_heads
+    ):
+        raise ConversionError(f"layer {layer}: query/key/value head sizes differ ({q_ps}, {k_ps}, {v_ps})")
+    if s.q_heads % s.kv_heads:
+        raise ConversionError(f"layer {layer}: {s.q_heads} query heads are not a multiple of {s.kv_heads} KV heads")
+    if s.head_dim % 16 or not 16 <= s.head_dim <= 512:
+        raise ConversionError(f"layer {layer}: head size {s.head_dim} is not supported (a multiple of 16, 16..512)")
+    scale = _scale(sdpa, s.head_dim, layer)
+    return _LayerPlan(layer, sdpa, k_concat, v_concat, k_assigns + v_assigns, s, scale)
+
+
+def _replace_attention(model, plans: list[_LayerPlan], sequence, library: str | Path, compute: str) -> None:
+    """Each layer's SDPA becomes our op (query, the step's K and V, the sequence handles); its
+    state's Assigns go."""
+    from openvino.utils.node_factory import NodeFactory
 
     factory = NodeFactory()
     factory.add_extension(str(library))
-    seq = ops.parameter([-1], ov.Type.i64, name=SEQUENCE_INPUT)
-    seq.output(0).get_tensor().set_names({SEQUENCE_INPUT})
-    scales = []
-    for layer, sdpa, k_concat, v_concat, assigns, scale in plans:
+    for plan in plans:
+        sdpa = plan.sdpa
         node = factory.create(
             "PagedAttention",
-            [_src(sdpa, 0), _src(k_concat, 1), _src(v_concat, 1), seq.output(0)],
-            {"layer": layer, "scale": scale, "compute": compute},
+            [_src(sdpa, 0), _src(plan.k_concat, 1), _src(plan.v_concat, 1), sequence],
+            {"layer": plan.layer, "scale": plan.scale, "compute": compute},
         )
         node.set_friendly_name(f"{sdpa.get_friendly_name()}/ov_kvcrush_paged")
         sdpa.output(0).replace(node.output(0))
-        for a in assigns:
+        for a in plan.assigns:
             model.remove_sink(a)
-        scales.append(scale)
-    model.add_parameters([seq])
 
+
+def _drop_unused_state(model) -> tuple[int, list[str]]:
+    """Remove the variables and inputs nothing reads any more (the KV state, ``beam_idx``, ...);
+    returns (variables removed, input names removed)."""
     live = _reachable(model)
-    removed_vars = 0
     live_vars = set()
     for op in model.get_ordered_ops():
         if op.get_type_name() == "ReadValue" and _node_key(op) in live:
             live_vars.add(
                 op.get_variable_id() if hasattr(op, "get_variable_id") else op.get_attributes()["variable_id"]
             )
+    removed_vars = 0
     for var in list(model.get_variables()):
         if var.get_info().variable_id not in live_vars:
             model.remove_variable(var)
@@ -276,16 +325,4 @@ def convert_model(
         if not any(_node_key(t.get_node()) in live for t in p.output(0).get_target_inputs()):
             removed.append(p.get_friendly_name())
             model.remove_parameter(p)
-    if last_token_logits:
-        logits_at = ops.parameter([-1], ov.Type.i64, name=LOGITS_INPUT)
-        logits_at.output(0).get_tensor().set_names({LOGITS_INPUT})
-        if not _gather_logit_positions(model, logits_at.output(0)):
-            raise ConversionError(
-                "the logits do not come from a MatMul over [batch, tokens, hidden]: cannot select positions"
-            )
-        model.add_parameters([logits_at])
-    model.validate_nodes_and_infer_types()
-    assert shape is not None
-    return ConvertedModel(
-        model=model, shape=shape, scales=scales, removed_inputs=removed, removed_variables=removed_vars
-    )
+    return removed_vars, removed

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 from ov_kvcrush.config import (
     CompressionConfig,
@@ -41,6 +42,24 @@ from ov_kvcrush.errors import UserError
 
 #: Context the block pool is first sized for; it grows (the pipeline is rebuilt) for longer prompts.
 DEFAULT_POOL_TOKENS = 8192
+
+
+def native_generation_config(settings: GenerationSettings, eos: int) -> Any:
+    """``settings`` as an ``openvino_genai.GenerationConfig`` (the prompt comes templated already)."""
+    import openvino_genai as ov_genai
+
+    gc = ov_genai.GenerationConfig()
+    gc.max_new_tokens = settings.max_new_tokens
+    gc.apply_chat_template = False
+    gc.eos_token_id = eos
+    gc.ignore_eos = settings.ignore_eos
+    if settings.do_sample:
+        gc.do_sample = True
+        gc.temperature = settings.temperature
+        gc.top_p = settings.top_p
+        gc.top_k = settings.top_k
+        gc.rng_seed = settings.seed
+    return gc
 
 
 def encode_prompt(tokenizer, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
@@ -174,26 +193,14 @@ class GenAIEngine:
         """Generate for one prompt; see :class:`GenerationResult` for the metrics."""
         import numpy as np
         import openvino as ov
-        import openvino_genai as ov_genai
 
         settings = settings or GenerationSettings()
         ids = self.encode(prompt, settings.apply_chat_template)
         self._check_request(len(ids), settings)
         self._ensure_pool(len(ids) + settings.max_new_tokens)
 
-        gc = ov_genai.GenerationConfig()
-        gc.max_new_tokens = settings.max_new_tokens
-        gc.apply_chat_template = False
         eos = self.tokenizer.get_eos_token_id()
-        gc.eos_token_id = eos
-        gc.ignore_eos = settings.ignore_eos
-        if settings.do_sample:
-            gc.do_sample = True
-            gc.temperature = settings.temperature
-            gc.top_p = settings.top_p
-            gc.top_k = settings.top_k
-            gc.rng_seed = settings.seed
-
+        gc = native_generation_config(settings, eos)
         pipe = self._pipe
         input_ids = ov.Tensor(np.asarray([ids], dtype=np.int64))
         step_times: list[float] = []

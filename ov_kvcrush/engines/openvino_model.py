@@ -150,20 +150,8 @@ class OpenVINOModel:
         self.windows = windows or [0] * self.shape.layers
 
         if scheduler_config is not None:
-            sc = scheduler_config
-            if not isinstance(sc, ov_genai.SchedulerConfig):
-                raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
-            if sc.use_cache_eviction and compression is not None:
-                raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
-            if max_kv_blocks and (sc.num_kv_blocks or sc.cache_size):
-                raise UserError("pass max_kv_blocks or scheduler_config's num_kv_blocks/cache_size, not both")
-            if sc.use_cache_eviction or compression is None:
-                compression = compression_from_scheduler_config(sc)  # never block-wise KVCrush
-            max_kv_blocks = max_kv_blocks or pool_blocks_from_scheduler_config(
-                scheduler_config,
-                self.shape.layers,
-                self.shape.kv_heads,
-                kv_block_bytes(block_size, self.shape.head_dim, kv_precision),
+            compression, max_kv_blocks = self._read_scheduler_config(
+                scheduler_config, compression, max_kv_blocks, block_size
             )
         #: what the one loop over this model is limited by (``None``: whole prompts, any number of sequences)
         self.scheduler_config = scheduler_config
@@ -177,13 +165,27 @@ class OpenVINOModel:
         self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
         self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
         self._make_pool(compression)  # a method's calibration (Chelsea's "auto" outliers) runs here
-        eos = self.hf_config.get("eos_token_id", self.tokenizer.get_eos_token_id())
-        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-        gen_cfg = _read_json(self.model_dir / "generation_config.json")
-        if gen_cfg.get("eos_token_id") is not None:
-            g = gen_cfg["eos_token_id"]
-            self.eos_ids |= {int(e) for e in (g if isinstance(g, list) else [g])}
+        self.eos_ids = _eos_ids(self.model_dir, self.hf_config, self.tokenizer.get_eos_token_id())
         self.max_context = model_context(self.model_dir)
+
+    def _read_scheduler_config(
+        self, sc: Any, compression: CompressionConfig | None, max_kv_blocks: int, block_size: int
+    ) -> tuple[CompressionConfig | None, int]:
+        """openvino_genai's way of configuring the cache: ``(compression, pool limit)`` from its
+        cache eviction settings and ``num_kv_blocks`` / ``cache_size``; one fact set twice is refused."""
+        import openvino_genai as ov_genai
+
+        if not isinstance(sc, ov_genai.SchedulerConfig):
+            raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
+        if sc.use_cache_eviction and compression is not None:
+            raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
+        if max_kv_blocks and (sc.num_kv_blocks or sc.cache_size):
+            raise UserError("pass max_kv_blocks or scheduler_config's num_kv_blocks/cache_size, not both")
+        if sc.use_cache_eviction or compression is None:
+            compression = compression_from_scheduler_config(sc)  # never block-wise KVCrush
+        s = self.shape
+        block = kv_block_bytes(block_size, s.head_dim, self.kv_precision)
+        return compression, max_kv_blocks or pool_blocks_from_scheduler_config(sc, s.layers, s.kv_heads, block)
 
     def _make_pool(self, compression: CompressionConfig) -> None:
         """The block pool and sequence of ``compression``'s method (the compiled model does not
@@ -368,6 +370,16 @@ def _check_block_size(name: str, value: Any) -> None:
     """The op's blocks: a multiple of 16 tokens in [16, 256]."""
     if isinstance(value, bool) or not isinstance(value, int) or value % 16 or not 16 <= value <= 256:
         raise ConfigError(name, value, "a multiple of 16 in [16, 256]")
+
+
+def _eos_ids(model_dir: Path, hf_config: dict, tokenizer_eos: int) -> set[int]:
+    """The tokens that end a generation: config.json's (else the tokenizer's), and generation_config.json's."""
+    eos = hf_config.get("eos_token_id", tokenizer_eos)
+    ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+    g = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    if g is not None:
+        ids |= {int(e) for e in (g if isinstance(g, list) else [g])}
+    return ids
 
 
 def _read_json(path: Path) -> dict:

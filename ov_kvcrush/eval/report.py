@@ -164,8 +164,6 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None, x: str 
     tasks = list(dict.fromkeys(r["task"] for r in results))
     lengths = list(dict.fromkeys(r["length"] for r in results))
     methods = [m for m in _methods(results) if m != "full"]
-    from matplotlib.ticker import FormatStrFormatter, NullFormatter
-
     cmap = plt.get_cmap("tab10")
     colors = {m: cmap(i % 10) for i, m in enumerate(methods)}
     styles = {m: ("-", "--", ":")[(i // 10) % 3] for i, m in enumerate(methods)}
@@ -189,35 +187,16 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None, x: str 
             if not cell:
                 ax.set_visible(False)
                 continue
-            ppl = cell[0]["metric"] == "perplexity"
             for m in methods:
                 pts = sorted((_x(r, x), r["score"]) for r in cell if r["method"] == m)
                 if pts:
-                    ax.plot(
-                        *zip(*pts, strict=True),
-                        marker=markers[m],
-                        ms=4,
-                        mfc="none",
-                        lw=1.2,
-                        color=colors[m],
-                        ls=styles[m],
-                        label=m,
-                    )
+                    style = dict(marker=markers[m], ms=4, mfc="none", lw=1.2, color=colors[m], ls=styles[m])
+                    ax.plot(*zip(*pts, strict=True), label=m, **style)
             for r in cell:
                 if r["method"] == "full":
                     ax.plot(_x(r, x), r["score"], marker="*", ms=11, color="black", ls="", label="full")
-            ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            if ppl:
-                ax.set_yscale("log")
-                ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-                ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-            else:
-                ax.set_ylim(-0.05, 1.05)
-            ax.set_title(f"{task} @ {length} tok" if length else task, fontsize=9)
-            ax.grid(alpha=0.3, which="both")
-            ax.tick_params(labelsize=7)
+            ppl = cell[0]["metric"] == "perplexity"
+            _dress_panel(ax, ppl, f"{task} @ {length} tok" if length else task)
             if row == n_rows - 1:
                 ax.set_xlabel(X_AXES[x], fontsize=8)
             if col == 0 or ppl:
@@ -238,6 +217,24 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None, x: str 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _dress_panel(ax: Any, perplexity: bool, title: str) -> None:
+    """A panel's axes: KV held on a log scale; perplexity on a log scale too, scores in [0, 1]."""
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if perplexity:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    else:
+        ax.set_ylim(-0.05, 1.05)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.tick_params(labelsize=7)
 
 
 def _x(r: dict[str, Any], axis: str) -> float:
