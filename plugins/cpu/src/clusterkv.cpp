@@ -47,6 +47,15 @@ void load_any(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int6
 
 namespace {
 
+// A segment of a head's working set: n tokens of a slab (2-bit store), or the slots [a, a + n)
+// of the head (full precision); pos0: the slab's first position (-1: its own positions).
+struct Seg {
+    const Slab* slab;
+    int64_t a;
+    int64_t n;
+    int64_t pos0;
+};
+
 // ClusterKV's fields (ClusterKVConfig.op_fields) and hooks.
 class ClusterKVPolicy : public Policy {
 public:
@@ -66,6 +75,13 @@ public:
 private:
     // Cluster tokens [from, to) of one head into k more clusters (ids counting on from ch.C).
     void cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, int64_t k, int64_t seen) const;
+    // A decode step's recall on one head, and the working set it attends (segments).
+    std::vector<Seg> recall(Sequence& seq, int layer, int g, const float* q, int64_t L) const;
+    std::vector<Seg> working_set_in_slabs(const Pool& pool, HeadCache& hc, ClusterHead& ch,
+                                          const std::vector<int32_t>& chosen, const std::vector<int64_t>& take,
+                                          int64_t step) const;
+    void attend_segments(Sequence& seq, int layer, const std::vector<std::vector<Seg>>& segs, const float* q, int64_t L,
+                         int64_t past, float scale, float* out) const;
 };
 
 void ClusterKVPolicy::cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, int64_t k, int64_t seen) const {
@@ -187,131 +203,161 @@ void ClusterKVPolicy::before_attention(Sequence& seq, int layer, bool prefill, i
     });
 }
 
+namespace {
+// rank_clusters (the reference's): q . mu summed over the group's query heads and the step's
+// tokens, computed as (sum of those queries) . mu: one dot product per cluster
+std::vector<float> rank_clusters(const ClusterHead& ch, const float* q, int g, int G, int64_t L, int D) {
+    std::vector<float> qsum(static_cast<size_t>(D), 0.0f), score(static_cast<size_t>(ch.C));
+    for (int64_t r = 0; r < G * L; ++r) {
+        const float* qr = q + (static_cast<int64_t>(g) * G * L + r) * D;
+        for (int d = 0; d < D; ++d) qsum[static_cast<size_t>(d)] += qr[d];
+    }
+    for (int64_t c = 0; c < ch.C; ++c) score[static_cast<size_t>(c)] = dot(qsum.data(), ch.centroids.data() + c * D, D);
+    return score;
+}
+
+// select_clusters (the reference's): whole clusters in rank order (score descending, the lower
+// id on ties) up to the budget beside the sinks, the last one trimmed to its earliest tokens.
+// Only the first ranks are needed: a min-heap of integer keys (the score mapped to an
+// order-preserving integer, then the id) yields them in order. Returns (clusters, tokens of each).
+std::pair<std::vector<int32_t>, std::vector<int64_t>> select_clusters(const ClusterHead& ch,
+                                                                      const std::vector<float>& score, int64_t budget) {
+    std::vector<uint64_t> heap(static_cast<size_t>(ch.C));
+    for (int64_t c = 0; c < ch.C; ++c) {
+        const float x = score[static_cast<size_t>(c)] + 0.0f;  // -0 ranks as +0
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending with the float
+        heap[static_cast<size_t>(c)] = (static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(c);
+    }
+    std::make_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
+    int64_t left = std::min<int64_t>(budget - ch.sinks, static_cast<int64_t>(ch.labels.size()));
+    std::vector<int32_t> chosen;
+    std::vector<int64_t> take;
+    for (auto end = heap.end(); left > 0 && end != heap.begin(); --end) {
+        std::pop_heap(heap.begin(), end, std::greater<uint64_t>());
+        const auto c = static_cast<int32_t>(*(end - 1) & 0xffffffffu);
+        const int64_t size = ch.sizes[static_cast<size_t>(c)];
+        if (size == 0) continue;
+        chosen.push_back(c);
+        take.push_back(std::min(size, left));
+        left -= take.back();
+    }
+    return {std::move(chosen), std::move(take)};
+}
+
+// account_cache (the reference's): clusters recalled in the last R steps are hits
+void account_cache(ClusterHead& ch, const std::vector<int32_t>& chosen, int64_t R) {
+    std::vector<char> cached(static_cast<size_t>(ch.C), 0);
+    if (R)
+        for (const auto& ids : ch.recent)
+            for (int32_t c : ids) cached[static_cast<size_t>(c)] = 1;
+    for (int32_t c : chosen) {
+        ++ch.lookups;
+        if (cached[static_cast<size_t>(c)]) ++ch.hits;
+        else ch.tokens_loaded += ch.sizes[static_cast<size_t>(c)];
+    }
+    if (R) {
+        ch.recent.push_back(chosen);
+        while (static_cast<int64_t>(ch.recent.size()) > R) ch.recent.pop_front();
+    }
+}
+
+// the working set over the full-precision store, which is cluster-contiguous: attended in place
+std::vector<Seg> working_set_in_place(const ClusterHead& ch, const std::vector<int32_t>& chosen,
+                                      const std::vector<int64_t>& take, int64_t n) {
+    std::vector<Seg> sg;
+    if (ch.sinks) sg.push_back({nullptr, 0, ch.sinks, -1});
+    for (size_t j = 0; j < chosen.size(); ++j) sg.push_back({nullptr, ch.slot_begin[static_cast<size_t>(chosen[j])], take[j], -1});
+    sg.push_back({nullptr, ch.pending_from, n - ch.pending_from, -1});
+    return sg;
+}
+}  // namespace
+
+// the working set over the 2-bit store: recalled clusters are dequantized into slabs, kept while
+// recalled within the last R steps; the sinks and the pending tokens have slabs of their own
+std::vector<Seg> ClusterKVPolicy::working_set_in_slabs(const Pool& pool, HeadCache& hc, ClusterHead& ch,
+                                                       const std::vector<int32_t>& chosen,
+                                                       const std::vector<int64_t>& take, int64_t step) const {
+    const PoolConfig& cfg = pool.config();
+    const int64_t n = hc.held(), R = cache_steps;
+    std::vector<Seg> sg;
+    for (auto& s : ch.slabs)  // slabs not recalled within the last R steps leave the working set
+        if (s.count && s.last_step < step - R) s.clear();
+    if (ch.sink_slab.count != ch.sinks || stale(ch.sink_slab, hc)) {
+        std::vector<int64_t> toks(static_cast<size_t>(ch.sinks));
+        std::iota(toks.begin(), toks.end(), 0);
+        ch.sink_slab.clear();
+        gather(cfg, pool, hc, ch.sink_slab, toks.data(), ch.sinks, 0);
+        ch.ws_loads += ch.sinks;
+    }
+    if (ch.sinks) sg.push_back({&ch.sink_slab, 0, ch.sinks, -1});
+    for (size_t j = 0; j < chosen.size(); ++j) {
+        const int32_t c = chosen[j];
+        Slab& s = ch.slabs[static_cast<size_t>(c)];
+        const int64_t size = ch.sizes[static_cast<size_t>(c)];
+        if (s.count != size || stale(s, hc)) {
+            s.clear();
+            gather(cfg, pool, hc, s, ch.sorted.data() + ch.offsets[static_cast<size_t>(c)], size, 0);
+            ch.ws_loads += size;
+        }
+        s.last_step = step;
+        sg.push_back({&s, 0, take[j], -1});
+    }
+    Slab& pend = ch.pending_slab;
+    if (stale(pend, hc)) pend.clear();
+    const int64_t have = ch.pending_from + pend.count;
+    if (have < n) {
+        std::vector<int64_t> toks(static_cast<size_t>(n - have));
+        std::iota(toks.begin(), toks.end(), have);
+        gather(cfg, pool, hc, pend, toks.data(), n - have, pend.count);
+        ch.ws_loads += n - have;
+    }
+    sg.push_back({&pend, 0, pend.count, ch.pending_from});
+    return sg;
+}
+
+// One head's recall for a decode step: rank, select, account, and the segments it attends.
+std::vector<Seg> ClusterKVPolicy::recall(Sequence& seq, int layer, int g, const float* q, int64_t L) const {
+    const PoolConfig& cfg = seq.pool().config();
+    HeadCache& hc = seq.head(layer, g);
+    ClusterHead& ch = *cluster_of(hc);
+    const int64_t step = ch.steps++;
+    const int64_t n = hc.held();
+    auto [chosen, take] = select_clusters(ch, rank_clusters(ch, q, g, cfg.group(), L, cfg.head_dim), budget(layer));
+    account_cache(ch, chosen, cache_steps);
+    std::vector<Seg> sg = quant() ? working_set_in_slabs(seq.pool(), hc, ch, chosen, take, step)
+                                  : working_set_in_place(ch, chosen, take, n);
+    // what this step attends, for the stats API and the tests (listed on request)
+    ch.last_chosen = std::move(chosen);
+    ch.last_take = std::move(take);
+    ch.last_n = n;
+    return sg;
+}
+
 void ClusterKVPolicy::attend_recalled(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, float scale,
                                       float* out) const {
-    using Clock = std::chrono::steady_clock;
-    const auto t0 = Clock::now();
+    const auto t0 = std::chrono::steady_clock::now();
     const PoolConfig& cfg = seq.pool().config();
-    const ClusterKVPolicy& p = *this;
     const int G = cfg.group(), D = cfg.head_dim, Hkv = cfg.kv_heads;
-    const int64_t budget = p.budget(layer), R = p.cache_steps;
-    // a segment: n tokens of a slab (2-bit store), or the slots [a, a + n) of the head (full precision)
-    struct Seg {
-        const Slab* slab;
-        int64_t a;
-        int64_t n;
-        int64_t pos0;
-    };
     std::vector<std::vector<Seg>> segs(static_cast<size_t>(Hkv));
     // a few microseconds per head: serial (a parallel dispatch would cost as much as the work),
     // but for the 2-bit store, which may dequantize clusters into slabs
-    auto select = [&](int g) {
-        HeadCache& hc = seq.head(layer, g);
-        ClusterHead& ch = *cluster_of(hc);
-        const int64_t step = ch.steps++;
-        const int64_t n = hc.held();
-        // rank the clusters: q . mu summed over the group's query heads and the step's tokens,
-        // computed as (sum of those queries) . mu: one dot product per cluster
-        std::vector<float> qsum(static_cast<size_t>(D), 0.0f), score(static_cast<size_t>(ch.C));
-        for (int64_t r = 0; r < G * L; ++r) {
-            const float* qr = q + (static_cast<int64_t>(g) * G * L + r) * D;
-            for (int d = 0; d < D; ++d) qsum[static_cast<size_t>(d)] += qr[d];
-        }
-        for (int64_t c = 0; c < ch.C; ++c) score[static_cast<size_t>(c)] = dot(qsum.data(), ch.centroids.data() + c * D, D);
-        // whole clusters in rank order (score descending, the lower id on ties), the last one
-        // trimmed to its earliest tokens. Only the first ranks are needed: a min-heap of integer
-        // keys (the score mapped to an order-preserving integer, then the id) yields them in order.
-        std::vector<uint64_t> heap(static_cast<size_t>(ch.C));
-        for (int64_t c = 0; c < ch.C; ++c) {
-            const float x = score[static_cast<size_t>(c)] + 0.0f;  // -0 ranks as +0
-            uint32_t u;
-            std::memcpy(&u, &x, 4);
-            u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending with the float
-            heap[static_cast<size_t>(c)] = (static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(c);
-        }
-        std::make_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
-        int64_t left = std::min<int64_t>(budget - ch.sinks, static_cast<int64_t>(ch.labels.size()));
-        std::vector<int32_t> chosen;
-        std::vector<int64_t> take;
-        for (auto end = heap.end(); left > 0 && end != heap.begin(); --end) {
-            std::pop_heap(heap.begin(), end, std::greater<uint64_t>());
-            const auto c = static_cast<int32_t>(*(end - 1) & 0xffffffffu);
-            const int64_t size = ch.sizes[static_cast<size_t>(c)];
-            if (size == 0) continue;
-            chosen.push_back(c);
-            take.push_back(std::min(size, left));
-            left -= take.back();
-        }
-        // the reference's cache accounting: clusters recalled in the last R steps are hits
-        std::vector<char> cached(static_cast<size_t>(ch.C), 0);
-        if (R)
-            for (const auto& ids : ch.recent)
-                for (int32_t c : ids) cached[static_cast<size_t>(c)] = 1;
-        for (int32_t c : chosen) {
-            ++ch.lookups;
-            if (cached[static_cast<size_t>(c)]) ++ch.hits;
-            else ch.tokens_loaded += ch.sizes[static_cast<size_t>(c)];
-        }
-        if (R) {
-            ch.recent.push_back(chosen);
-            while (static_cast<int64_t>(ch.recent.size()) > R) ch.recent.pop_front();
-        }
-        auto& sg = segs[static_cast<size_t>(g)];
-        sg.clear();
-        if (!p.quant()) {
-            // the full-precision store is cluster-contiguous: attend in place
-            if (ch.sinks) sg.push_back({nullptr, 0, ch.sinks, -1});
-            for (size_t j = 0; j < chosen.size(); ++j)
-                sg.push_back({nullptr, ch.slot_begin[static_cast<size_t>(chosen[j])], take[j], -1});
-            sg.push_back({nullptr, ch.pending_from, n - ch.pending_from, -1});
-        } else {
-            // the 2-bit store: recalled clusters are dequantized into slabs, kept while recalled
-            const Pool& pool = seq.pool();
-            for (auto& s : ch.slabs)  // slabs not recalled within the last R steps leave the working set
-                if (s.count && s.last_step < step - R) s.clear();
-            if (ch.sink_slab.count != ch.sinks || stale(ch.sink_slab, hc)) {
-                std::vector<int64_t> toks(static_cast<size_t>(ch.sinks));
-                std::iota(toks.begin(), toks.end(), 0);
-                ch.sink_slab.clear();
-                gather(cfg, pool, hc, ch.sink_slab, toks.data(), ch.sinks, 0);
-                ch.ws_loads += ch.sinks;
-            }
-            if (ch.sinks) sg.push_back({&ch.sink_slab, 0, ch.sinks, -1});
-            for (size_t j = 0; j < chosen.size(); ++j) {
-                const int32_t c = chosen[j];
-                Slab& s = ch.slabs[static_cast<size_t>(c)];
-                const int64_t size = ch.sizes[static_cast<size_t>(c)];
-                if (s.count != size || stale(s, hc)) {
-                    s.clear();
-                    gather(cfg, pool, hc, s, ch.sorted.data() + ch.offsets[static_cast<size_t>(c)], size, 0);
-                    ch.ws_loads += size;
-                }
-                s.last_step = step;
-                sg.push_back({&s, 0, take[j], -1});
-            }
-            Slab& pend = ch.pending_slab;
-            if (stale(pend, hc)) pend.clear();
-            const int64_t have = ch.pending_from + pend.count;
-            if (have < n) {
-                std::vector<int64_t> toks(static_cast<size_t>(n - have));
-                std::iota(toks.begin(), toks.end(), have);
-                gather(cfg, pool, hc, pend, toks.data(), n - have, pend.count);
-                ch.ws_loads += n - have;
-            }
-            sg.push_back({&pend, 0, pend.count, ch.pending_from});
-        }
-        // what this step attends, for the stats API and the tests (listed on request)
-        ch.last_chosen = std::move(chosen);
-        ch.last_take = std::move(take);
-        ch.last_n = n;
-    };
-    if (p.quant())
+    auto select = [&](int g) { segs[static_cast<size_t>(g)] = recall(seq, layer, g, q, L); };
+    if (quant())
         tbb::parallel_for(0, Hkv, select);
     else
         for (int g = 0; g < Hkv; ++g) select(g);
-    seq.policy_ns[1] += static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    seq.policy_ns[1] += static_cast<int64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    attend_segments(seq, layer, segs, q, L, past, scale, out);
+}
 
-    // attend: one task per (KV head, tile of its G*L query rows, segment); partial softmaxes merged
+// One task per (KV head, tile of its G*L query rows, segment); the partial softmaxes merged.
+void ClusterKVPolicy::attend_segments(Sequence& seq, int layer, const std::vector<std::vector<Seg>>& segs,
+                                      const float* q, int64_t L, int64_t past, float scale, float* out) const {
+    const PoolConfig& cfg = seq.pool().config();
+    const int G = cfg.group(), D = cfg.head_dim, Hkv = cfg.kv_heads;
     const int64_t rows_per_head = G * L;
     const int64_t row_tiles = (rows_per_head + kMaxRows - 1) / kMaxRows;
     int64_t max_segs = 1;
