@@ -90,16 +90,31 @@ def test_budget_above_the_sequence_gives_the_full_tokens(engine, full_question, 
 COMPRESSING = ["streamingllm", "h2o", "snapkv", "pyramidkv", "kvcrush", "chelsea", "minikv", "h2o+2bit"]
 
 
+PASSKEY_METHODS = [*COMPRESSING, "clusterkv", "quest"]
+
+
+def passkey_config(method: str) -> CompressionConfig:
+    name, quant = (method[:-5], True) if method.endswith("+2bit") else (method, False)
+    return CompressionConfig(method=name, budget=BUDGET, options={"quant": True} if quant else {})
+
+
+@pytest.fixture(scope="module")
+def passkey_runs(engine, passkey):
+    """Every method's generation on the passkey prompt and the cache it held, the prompt's forward
+    pass shared (``generate_each``: each result is that of ``generate`` under its compression)."""
+    configs = [passkey_config(m) for m in PASSKEY_METHODS]
+    results = engine.generate_each(passkey.prompt, configs, GenerationSettings(max_new_tokens=12))
+    return dict(zip(PASSKEY_METHODS, zip(results, engine.last_caches, strict=True), strict=True))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [*COMPRESSING, "clusterkv", "quest"])
-def test_passkey_at_budget_256_memory_is_real(engine, passkey, method):
+@pytest.mark.parametrize("method", PASSKEY_METHODS)
+def test_passkey_at_budget_256_memory_is_real(passkey_runs, method):
     """~1.5k-token passkey prompt at budget 256: eviction/merging methods hold <= 25 % of the full
     cache (<= 1/8 with the 2-bit store), and the reported bytes are the bytes of the tensors held."""
     name, quant = (method[:-5], True) if method.endswith("+2bit") else (method, False)
-    cfg = CompressionConfig(method=name, budget=BUDGET, options={"quant": True} if quant else {})
-    r = _run(engine, cfg, passkey.prompt, max_new_tokens=12)
+    r, cache = passkey_runs[method]
     assert PASSKEY_TOKENS - 50 <= r.prompt_tokens <= PASSKEY_TOKENS
-    cache = engine.last_cache
     measured = storage_bytes(list(cache.method_layers()))
     assert measured == r.kv_bytes == cache.memory()["total"]
     assert r.counters["kv_payload_bytes"] + r.counters["kv_metadata_bytes"] == r.kv_bytes

@@ -66,8 +66,9 @@ class TorchEngine:
         compression: method and budget; any method of the registry.
         device: ``cpu`` (default) or ``cuda``.
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``float16`` or ``bfloat16``.
-        keep_cache: keep the last generation's cache in :attr:`last_cache` for inspection (tests
-            measure its tensors); off by default so the KV memory is freed after each call.
+        keep_cache: keep the last generation's cache in :attr:`last_cache` (and, after
+            :meth:`generate_each`, every compression's in :attr:`last_caches`) for inspection
+            (tests measure their tensors); off by default so the KV memory is freed after each call.
         fast_path: run each method's fast layer cache where it has one
             (:mod:`ov_kvcrush.fastpath`: the reference's results without its per-step host work);
             ``None`` (default): on CUDA, not on CPU, where the reference is the oracle.
@@ -100,6 +101,7 @@ class TorchEngine:
         self.keep_cache = keep_cache
         self._prefix: list[int] | None = None  # the chat template's generation prompt (scoring passes)
         self.last_cache: CompressedCache | None = None
+        self.last_caches: list[CompressedCache] = []  # generate_each's, one per compression (keep_cache)
         self.set_compression(compression or CompressionConfig())
         self.model, self.tokenizer = load_model(model_dir, device, dtype, self.attn_implementation)
         self.device = self.model.device
@@ -307,11 +309,14 @@ class TorchEngine:
             [ids[:split]], [self._calibrated(c.method_config()) for c in configs], settings.max_new_tokens
         )
         results = []
+        self.last_caches = []
         for cfg in configs:
             cache = caches.pop(0)  # each cache is freed once decoded
             logits, more_s = self._finish_prompt(cache, ids, split, first[0])
             shared = len(configs) > 1
             results += self._decode([ids], cache, cfg, logits[None], prefill_s + more_s, settings, None, shared)
+            if self.keep_cache:
+                self.last_caches.append(cache)
         return results
 
     def score_continuation_each(
