@@ -178,9 +178,10 @@ class LLMPipeline:
         Keyword arguments override fields of ``generation_config`` (``max_new_tokens``,
         ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``apply_chat_template``).
         Backend openvino serves a list of prompts, and calls from several threads, in one
-        continuous batch over one block pool (:mod:`ov_kvcrush.serving`); chat turns and the other
-        backends serve calls one at a time, in arrival order. Each call gets the result it would
-        get alone (greedy; for a batch at f32 inference precision, see ``ov_kvcrush.serving.pipeline``).
+        continuous batch over one block pool (:mod:`ov_kvcrush.serving.loop`, which also serves its
+        chat turns, one at a time); the other backends serve calls one at a time, in arrival order.
+        Each call gets the result it would get alone (greedy; for a batch at f32 inference
+        precision, see ``ov_kvcrush.serving.loop``).
         """
         settings = generation_settings(generation_config, kwargs)
         if streamer is not None and not callable(streamer):

@@ -10,7 +10,7 @@ OpenVINO's, so a step runs at the speed of the plugin plus our attention.
 
 This module is the backend's lower half: :meth:`OpenVINOModel.forward` feeds one step, and the
 step inputs of a batch of sequences are built here. Generating (sampling, stopping, streaming,
-results, chat turns) is the one loop of :mod:`ov_kvcrush.serving.pipeline`;
+results, chat turns) is the one loop of :mod:`ov_kvcrush.serving.loop`;
 :class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine` puts the two together.
 
 Tokenisation is openvino_tokenizers' (through ``openvino_genai.Tokenizer``, which runs the

@@ -1,6 +1,6 @@
 """Choosing the next token from logits: the torch engine's rules on its tensors
 (:func:`pick_rows`), and the same rules on the host's arrays for the openvino engine and the
-serving pipeline (:func:`sample_token`)."""
+serving loop (:func:`sample_token`)."""
 
 from __future__ import annotations
 

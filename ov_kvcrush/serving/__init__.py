@@ -2,8 +2,12 @@
 
 * :mod:`~ov_kvcrush.serving.scheduler`: which requests a step runs (admission, chunked prefill,
   preemption), pure bookkeeping;
-* :mod:`~ov_kvcrush.serving.pipeline`: :class:`ContinuousBatchingPipeline`, shaped like
-  ``openvino_genai.ContinuousBatchingPipeline``, running the scheduler's steps on the op;
+* :mod:`~ov_kvcrush.serving.loop`: :class:`~ov_kvcrush.serving.loop.GenerationLoop`, the
+  openvino backend's one generation loop, running the scheduler's steps on the op (every
+  ``OpenVINOEngine`` has one); :mod:`~ov_kvcrush.serving.request` its requests and results;
+* :mod:`~ov_kvcrush.serving.pipeline`: :class:`ContinuousBatchingPipeline`, the loop made from a
+  model path, shaped like ``openvino_genai.ContinuousBatchingPipeline``;
+* :mod:`~ov_kvcrush.serving.chat`: :class:`~ov_kvcrush.serving.chat.Chat`, a conversation on any backend;
 * :mod:`~ov_kvcrush.serving.handle`: the :class:`GenerationHandle` a caller holds per request;
 * :mod:`~ov_kvcrush.serving.request_queue`: the queue ``LLMPipeline`` serves other backends' calls from.
 
