@@ -327,6 +327,8 @@ class OpenVINOModel:
             "kv_precision": self.kv_precision,
             "tokens_seen": stats.tokens_seen,
             "tokens_held_per_head": round(stats.tokens_held / (self.shape.layers * self.shape.kv_heads), 2),
+            # per layer, the mean over its KV heads: a local layer's ring, a pyramid's budgets
+            "tokens_held_per_layer": [round(float(x), 2) for x in sequence.head_tokens().mean(axis=1)],
             "kv_2bit_blocks_held": stats.qblocks_held,
             "policy_prefill_ms": round(stats.policy_prefill_ns / 1e6, 3),
             "policy_decode_ms": round(stats.policy_decode_ns / 1e6, 3),
