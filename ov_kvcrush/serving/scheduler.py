@@ -269,7 +269,7 @@ class Scheduler:
         if slot.held_at_start == 0 and end == slot.prompt_end:  # the method's prompt, from the start
             if lim.chunked:
                 chunk = min(chunk, lim.max_num_batched_tokens - decoding)
-            if chunk == end and lim.first_chunk is not None:
+            if slot.done == 0 and chunk == end and lim.first_chunk is not None:  # the whole prompt's first step
                 chunk = lim.first_chunk(chunk)
         return chunk
 

@@ -339,7 +339,7 @@ void ClusterKVPolicy::attend_recalled(Sequence& seq, int layer, const float* q, 
                                       float* out) const {
     const auto t0 = std::chrono::steady_clock::now();
     const PoolConfig& cfg = seq.pool().config();
-    const int G = cfg.group(), D = cfg.head_dim, Hkv = cfg.kv_heads;
+    const int Hkv = cfg.kv_heads;
     std::vector<std::vector<Seg>> segs(static_cast<size_t>(Hkv));
     // a few microseconds per head: serial (a parallel dispatch would cost as much as the work),
     // but for the 2-bit store, which may dequantize clusters into slabs
