@@ -100,6 +100,31 @@ def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
             assert err < 2e-2 * np.abs(ref).max(), err
 
 
+def test_the_op_clocks_its_stages_within_the_step(ov_core):
+    """The sequence's clocks of the cache writes and the attention run while their steps run
+    (a prompt's on the prefill clocks, a token's on the decode clocks), within the steps' wall time."""
+    import time
+
+    rng = np.random.default_rng(2)
+    req = op_model(ov_core, 4, 2, 32)
+    pool = kvcache.KVPool(1, 4, 2, 32, precision="f32")
+    seq = pool.new_sequence()
+    t0 = time.perf_counter_ns()
+    next(run_steps(req, [seq], [300], 4, 2, 32, rng))
+    prompt_wall = time.perf_counter_ns() - t0
+    st = seq.stats()
+    assert 0 < st.append_prefill_ns and 0 < st.attend_prefill_ns
+    assert st.append_prefill_ns + st.attend_prefill_ns < prompt_wall
+    assert st.append_decode_ns == st.attend_decode_ns == 0
+    t0 = time.perf_counter_ns()
+    next(run_steps(req, [seq], [1], 4, 2, 32, rng))
+    token_wall = time.perf_counter_ns() - t0
+    after = seq.stats()
+    assert (after.append_prefill_ns, after.attend_prefill_ns) == (st.append_prefill_ns, st.attend_prefill_ns)
+    assert 0 < after.append_decode_ns and 0 < after.attend_decode_ns
+    assert after.append_decode_ns + after.attend_decode_ns < token_wall
+
+
 def test_custom_scale_and_other_layers_are_independent(ov_core):
     """Two layers of one sequence keep separate caches; the scale attribute is honoured."""
     rng = np.random.default_rng(5)

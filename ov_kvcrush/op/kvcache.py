@@ -107,6 +107,11 @@ class SequenceStats:
     #: ns in the per-head score pass (the attention probabilities eviction ranks by)
     scores_prefill_ns: int
     scores_decode_ns: int
+    #: ns in the steps' cache writes (keys and values into blocks) and in their attention
+    append_prefill_ns: int
+    append_decode_ns: int
+    attend_prefill_ns: int
+    attend_decode_ns: int
     block_bytes: int
 
 
@@ -316,7 +321,7 @@ class KVSequence:
         self.handle = 0
 
     def stats(self) -> SequenceStats:
-        buf = (ctypes.c_int64 * 9)()
+        buf = (ctypes.c_int64 * 13)()
         check_result(self.pool.lib.ovkc_seq_stats(self.handle, buf))
         return SequenceStats(*[int(x) for x in buf], self.pool.block_bytes)
 

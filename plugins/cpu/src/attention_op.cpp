@@ -221,19 +221,25 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                     " kv_heads=", cfg.kv_heads, " head_dim=", cfg.head_dim, ")");
     StepContext ctx(*seq, cfg, decide_step(*seq, cfg, layer, L), qb, ob, Hq, Hkv, D, m_scale);
     const StepMode& mode = ctx.mode;
+    const auto t_append = StepClock::now();
     append_step(ctx, kd, vd);
+    seq->append_ns[mode.phase] += ns_since(t_append);
     run_hooks(ctx, run_before_attention);
 
     std::fill(ob, ob + Hq * L * D, 0.0f);
     ctx.lse.assign(mode.scores ? static_cast<size_t>(Hq * L) : 0, 0.0f);
     score_slot_ranges(ctx);
     bool fused_scores = false;  // the attention added the step's probabilities itself
+    const auto t_attend = StepClock::now();
+    const int64_t others_before = seq->scores_ns[mode.phase] + seq->policy_ns[mode.phase];
     if (!mode.scoring && !mode.window && cfg.policy->recalls(*seq, layer, mode.prefill))
         // a recall method (ClusterKV): only the recalled working set (its selection time goes to policy_ns)
         cfg.policy->attend_recalled(*seq, layer, qb, L, mode.past, m_scale, ob);
     else if (!cfg.count_only)  // a byte probe's step attends nothing (the output stays zero)
         fused_scores = L == 1 && !mode.chunk && !mode.scoring ? attend_decode(ctx)
                                                                 : attend_prompt(ctx, m_compute == "bf16" && has_bf16());
+    // a fused score pass (or a recall method's selection) counts as its own, not as attention
+    seq->attend_ns[mode.phase] += ns_since(t_attend) - (seq->scores_ns[mode.phase] + seq->policy_ns[mode.phase] - others_before);
 
     const auto t_scores = StepClock::now();
     if (mode.scores && !fused_scores) accumulate_step_scores(ctx);

@@ -187,7 +187,8 @@ OVKC_API int64_t ovkc_seq_scoring_pass(int64_t seq, int64_t mode, int64_t lo, in
 
 // out[0] blocks held, out[1] tokens seen by layer 0, out[2] tokens held summed over all layers
 // and KV heads, out[3] bytes of the blocks held (full precision and 2-bit), out[4] 2-bit blocks,
-// out[5..8] ns in the method's own work (prefill, decode) and in the score pass (prefill, decode).
+// out[5..8] ns in the method's own work (prefill, decode) and in the score pass (prefill, decode),
+// out[9..12] ns in the steps' cache writes (prefill, decode) and in their attention (prefill, decode).
 OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
     return guarded([&]() -> int64_t {
         auto s = Registry::get().sequence(seq);
@@ -205,6 +206,10 @@ OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
         out[6] = s->policy_ns[1];
         out[7] = s->scores_ns[0];
         out[8] = s->scores_ns[1];
+        out[9] = s->append_ns[0];
+        out[10] = s->append_ns[1];
+        out[11] = s->attend_ns[0];
+        out[12] = s->attend_ns[1];
         return 0;
     });
 }

@@ -195,6 +195,7 @@ void Sequence::reset() {
     }
     std::fill(seen_.begin(), seen_.end(), 0);
     policy_ns[0] = policy_ns[1] = scores_ns[0] = scores_ns[1] = 0;
+    append_ns[0] = append_ns[1] = attend_ns[0] = attend_ns[1] = 0;
 }
 
 void Sequence::truncate(int64_t tokens) {

@@ -212,10 +212,13 @@ public:
     bool scoring = false;
     int64_t score_lo = 0, score_hi = 0;  // the positions a scoring step scores: [lo, hi)
 
-    // time spent in the method's own work (selection, eviction, merging, the 2-bit flush) and in
-    // the per-head score pass, in prefill and in decode steps (ns, summed over layers)
+    // time spent in the method's own work (selection, eviction, merging, the 2-bit flush), in the
+    // per-head score pass, in the step's cache writes and in its attention, in prefill and in
+    // decode steps (ns, summed over layers)
     int64_t policy_ns[2] = {0, 0};
     int64_t scores_ns[2] = {0, 0};
+    int64_t append_ns[2] = {0, 0};
+    int64_t attend_ns[2] = {0, 0};
 
 private:
     int64_t id_;
