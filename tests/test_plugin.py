@@ -82,8 +82,13 @@ def test_op_matches_reference_attention_and_scores(ov_core, precision, hq, hkv, 
     assert pool.stats().kv_bytes == pool.stats().blocks_in_use * kvcache.block_bytes(bs, d, precision)
 
 
+#: the bf16 prefill attends keys in spans of 128 (one online-softmax update each): prompts over
+#: several spans, a chunk that starts inside one, a span shorter than a key group at the end
+BF16_CASES = [*CASES, (9, 3, 64, 32, [300, 1, 200, 1]), (4, 2, 32, 16, [129, 130, 1])]
+
+
 @pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
-@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "steps"), CASES)
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "steps"), BF16_CASES)
 def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
     """compute=bf16: prefill in bf16 dot products (fp32 accumulation), decode in f32."""
     rng = np.random.default_rng(d)
@@ -98,6 +103,50 @@ def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
         else:
             # bf16 keeps 8 mantissa bits: errors of a few 1e-3 of the output scale, never more
             assert err < 2e-2 * np.abs(ref).max(), err
+
+
+@pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
+def test_bf16_prefill_of_a_sliding_window_layer_is_within_bf16_rounding(ov_core):
+    """A local layer (Gemma 3's): each query sees only the last ``window`` positions, so a span of
+    keys may start mid-span and end before the diagonal."""
+    import torch
+
+    from ov_kvcrush.methods.attention import attend
+
+    hq, hkv, d, window = 4, 2, 64, 100
+    rng = np.random.default_rng(11)
+    req = op_model(ov_core, hq, hkv, d, compute="bf16")
+    pool = kvcache.KVPool(1, hq, hkv, d, block_size=32, precision="f32", windows=[window])
+    seq = pool.new_sequence()
+    for q, k, v, out in run_steps(req, [seq], [300], hq, hkv, d, rng):
+        n = k.shape[2]
+        ref = attend(
+            *(torch.from_numpy(x) for x in (q, k, v)),
+            q_positions=torch.arange(n - q.shape[2], n),
+            k_positions=torch.arange(n),
+            window=window,
+        ).output.numpy()
+        assert np.abs(out - ref).max() < 2e-2 * np.abs(ref).max()
+
+
+@pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
+@pytest.mark.parametrize("steps", [[300, 1, 200, 1], [129, 130, 1], [40, 1]])
+def test_bf16_prefill_sums_every_querys_scores_inside_the_attention(ov_core, steps):
+    """H2O's prompt scores (every query's probability of every slot, summed per query head) come
+    out of the bf16 attention itself: within bf16 rounding of the reference's column sums."""
+    hq, hkv, d = 9, 3, 64
+    rng = np.random.default_rng(len(steps))
+    req = op_model(ov_core, hq, hkv, d, compute="bf16")
+    pool = kvcache.KVPool(1, hq, hkv, d, block_size=32, precision="f32", scores=True)
+    seq = pool.new_sequence()
+    want = np.zeros((hq, 0))
+    for q, k, v, _out in run_steps(req, [seq], steps, hq, hkv, d, rng):
+        _, sc = reference(q, k, v, "f32")
+        want = np.pad(want, ((0, 0), (0, sc.shape[-1] - want.shape[1]))) + sc[0]
+    group = hq // hkv
+    for g in range(hkv):
+        got = seq.read_head(0, g)[3].T  # [group, slots]
+        np.testing.assert_allclose(got, want[g * group : (g + 1) * group], rtol=2e-2, atol=2e-3)
 
 
 def test_the_op_clocks_its_stages_within_the_step(ov_core):

@@ -4,6 +4,7 @@
 
 #include <openvino/core/except.hpp>
 #include <tbb/blocked_range.h>
+#include <tbb/enumerable_thread_specific.h>
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -204,6 +205,16 @@ bool attend_decode(StepContext& ctx) {
 }
 
 namespace {
+// The first of the step's query rows whose probabilities the scores sum: SnapKV's prefill
+// scores only the last window of queries (a chunk: the rows of the whole prompt's window that
+// fall in this chunk); a scoring step scores every row.
+int64_t first_scored_row(const StepContext& ctx) {
+    const StepMode& m = ctx.mode;
+    if (m.scoring) return 0;
+    return m.chunk ? std::clamp<int64_t>(score_rows_from(ctx.cfg, true, m.prompt_end) - m.past, 0, m.L)
+                   : score_rows_from(ctx.cfg, m.prefill, m.L);
+}
+
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
 
 // What a prompt step attends per KV head: the whole head, or a scoring step's sinks, chunk and
@@ -290,12 +301,34 @@ bool attend_prompt_amx(StepContext& ctx, const PromptHeads& p) {
     return true;
 }
 
+// Per thread, per query head, the column sums of the probabilities its rows gave each slot (a
+// prompt's scores summed inside the bf16 attention: the tasks of one head share its slots).
+using ThreadColumns = tbb::enumerable_thread_specific<std::vector<float>>;
+
+// each thread's sums into the heads' scores: slot j of KV head g, query head gi of its group
+void add_thread_columns(StepContext& ctx, ThreadColumns& columns, int64_t width) {
+    const auto t_scores = StepClock::now();
+    for (const std::vector<float>& sums : columns)
+        for (int64_t h = 0; h < ctx.Hq; ++h) {
+            HeadCache& hc = ctx.head(h / ctx.G);
+            const float* src = sums.data() + h * width;
+            float* dst = hc.scores.data() + h % ctx.G;
+            for (int64_t j = 0; j < hc.size(); ++j) dst[j * ctx.G] += src[j];
+        }
+    ctx.seq.scores_ns[ctx.mode.phase] += ns_since(t_scores);
+}
+
 // 2b in rows: kMaxRows consecutive queries of one head per task, bf16 over a staged head or f32
-// over the blocks (the 2-bit store's first)
-void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16) {
+// over the blocks (the 2-bit store's first). `fuse_scores`: the bf16 kernel also sums the scored
+// rows' probabilities per slot (the step's scores, without a second pass over the keys).
+void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, bool fuse_scores) {
     const StepMode& m = ctx.mode;
     const int64_t L = m.L, D = ctx.D, G = ctx.G;
     const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
+    const int64_t from = fuse_scores ? first_scored_row(ctx) : L;
+    int64_t width = 0;  // the widest head, in slots
+    for (int64_t g = 0; g < ctx.Hkv; ++g) width = std::max(width, ctx.head(g).size());
+    ThreadColumns columns([&] { return std::vector<float>(static_cast<size_t>(ctx.Hq * width), 0.0f); });
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, ctx.Hq * tiles, 1), [&](const tbb::blocked_range<int64_t>& range) {
         for (int64_t t = range.begin(); t < range.end(); ++t) {
             // consecutive tasks share a head (its keys stay in cache); within a head the
@@ -314,7 +347,14 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16) {
                 rows.out[r] = ctx.out + (h * L + i) * D;
             }
             if (bf16 && hc.qblocks.empty() && hc.bias.empty()) {
-                attend_bf16(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], rows, ctx.scale);
+                ColumnSums sums;
+                const bool scored = tile * kMaxRows + rows.n > from;
+                if (scored) {
+                    sums.sums = columns.local().data() + h * width;
+                    sums.first_row = static_cast<int>(std::max<int64_t>(0, from - tile * kMaxRows));
+                }
+                attend_bf16(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], rows, ctx.scale,
+                            scored ? &sums : nullptr);
             } else {
                 if (m.ranged && !p.qsinks.empty())
                     attend_slab(p.qsinks[at(h / G)], INT64_MAX, static_cast<int>(D), rows, ctx.scale, -1);
@@ -329,6 +369,7 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16) {
                     ctx.lse[at(h * L + tile * kMaxRows + r)] = rows.m[r] + std::log(rows.l[r]);
         }
     });
+    if (from < L) add_thread_columns(ctx, columns, width);
 }
 }  // namespace
 
@@ -339,8 +380,12 @@ bool attend_prompt(StepContext& ctx, bool bf16) {
     bool amx = bf16 && amx_head_dim(static_cast<int>(ctx.D)) && has_amx();
     for (int64_t g = 0; amx && g < ctx.Hkv; ++g) amx = ctx.head(g).qblocks.empty() && ctx.head(g).bias.empty();
     if (amx) return attend_prompt_amx(ctx, p);
-    attend_prompt_rows(ctx, p, bf16);
-    return false;
+    // a prompt's scores on the bf16 path come out of the attention itself when every head is
+    // attended there (no 2-bit blocks, no merge bias; not a scoring step, which keeps maxima)
+    bool fuse = bf16 && ctx.mode.scores && !ctx.mode.ranged && first_scored_row(ctx) < ctx.mode.L;
+    for (int64_t g = 0; fuse && g < ctx.Hkv; ++g) fuse = ctx.head(g).qblocks.empty() && ctx.head(g).bias.empty();
+    attend_prompt_rows(ctx, p, bf16, fuse);
+    return fuse;
 }
 
 // 3. per-head scores: each task owns one block of one KV head, so no two tasks add to the same
@@ -361,11 +406,7 @@ void accumulate_step_scores(StepContext& ctx) {
         max_blocks = std::max<int64_t>(max_blocks, hc.blocks.size());
     }
     const int64_t units = max_qblocks + max_blocks;
-    // SnapKV's prefill scores only the last window of queries
-    // (a chunk: the rows of the whole prompt's window that fall in this chunk)
-    const int64_t from = m.scoring ? 0
-                         : m.chunk ? std::clamp<int64_t>(score_rows_from(cfg, true, m.prompt_end) - m.past, 0, L)
-                                   : score_rows_from(cfg, m.prefill, L);
+    const int64_t from = first_scored_row(ctx);
     const int64_t Lw = L - from;
     const int64_t rows_total = G * Lw;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, ctx.Hkv * units, 1), [&](const tbb::blocked_range<int64_t>& range) {

@@ -126,30 +126,7 @@ void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0
     v = tls.v.data();
 }
 
-// ---- exp --------------------------------------------------------------------------------------
 #if OVKC_AVX512
-// Cephes expf on 16 lanes (about 1 ulp), down into the denormal range as libm's expf (scalef
-// rounds 2^n scaling to a denormal): the per-head scores then rank tokens with almost no
-// attention the way the torch reference does; lanes below -104 (and -inf) give exactly 0.
-inline __m512 exp512(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_GE_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 r2 = _mm512_mul_ps(r, r);
-    __m512 y = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    y = _mm512_scalef_ps(y, n);
-    return _mm512_maskz_mov_ps(live, y);
-}
-
 // S[r][c..) = q[r] . K[:, c..) for R rows and `cols` columns (a multiple of 16).
 template <int R>
 void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, float* S) {

@@ -94,8 +94,17 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
 // gets their positions only (what attend_bf16 / attend_amx read of a head besides the staging).
 void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc,
                        const std::vector<std::pair<int64_t, int64_t>>& ranges, Bf16Head& out, HeadCache& view);
-// Same contract as attend_range over all slots of the head, then finish_rows.
-void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale);
+// A prompt's per-head scores summed inside the attention (H2O's column sums over every query):
+// the final probability each row from `first_row` on gives each slot is added to sums[slot].
+struct ColumnSums {
+    float* sums = nullptr;
+    int first_row = 0;
+};
+// Same contract as attend_range over all slots of the head, then finish_rows; with `columns`,
+// also its column sums (the kernel keeps the rows' probabilities of each span of keys and the
+// running max they were taken against, and rescales them once the rows' softmax is complete).
+void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale,
+                 ColumnSums* columns = nullptr);
 
 // AMX tiles (kernels_amx.cpp): whether this build and this process can use them (the kernel
 // asks the OS for the tile state once), and for which head sizes (a multiple of 32, at most 512).

@@ -66,22 +66,29 @@ void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache&
 
 #if OVKC_BF16
 namespace {
-template <int R>
+template <int R, int NG>
 void qk_bf16(const uint32_t* qp, int D, const uint16_t* kg, float* S, int stride) {
-    // S[r][0..16) for one 16-token group; qp: [R][D/2] bf16 pairs of the scaled query rows
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    // S[r][0..16NG) for NG consecutive 16-token groups; qp: [R][D/2] bf16 pairs of the scaled
+    // query rows (one broadcast of a query pair serves every group)
+    __m512 acc[R][NG];
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NG; ++u) acc[r][u] = _mm512_setzero_ps();
     for (int d2 = 0; d2 < D / 2; ++d2) {
-        const __m512bh kz = (__m512bh)_mm512_loadu_si512(kg + static_cast<size_t>(d2) * 32);
-        for (int r = 0; r < R; ++r)
-            acc[r] = _mm512_dpbf16_ps(acc[r], kz, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (D / 2) + d2])));
+        __m512bh kz[NG];
+        for (int u = 0; u < NG; ++u)
+            kz[u] = (__m512bh)_mm512_loadu_si512(kg + (static_cast<size_t>(u) * D / 2 + d2) * 32);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh qz = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (D / 2) + d2]));
+            for (int u = 0; u < NG; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], kz[u], qz);
+        }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * stride, acc[r]);
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NG; ++u) _mm512_storeu_ps(S + r * stride + 16 * u, acc[r][u]);
 }
 
 template <int RR, int NV>
-void pv_bf16(const uint32_t* pp, int npairs, const uint16_t* vst, int D, int c, float* const* out) {
-    // out[r][c..c+16NV) += sum over token pairs; pp: [RR][16] bf16 pairs of probabilities
+void pv_bf16(const uint32_t* pp, int pstride, int npairs, const uint16_t* vst, int D, int c, float* const* out) {
+    // out[r][c..c+16NV) += sum over token pairs; pp: [RR][pstride] bf16 pairs of probabilities
     __m512 acc[RR][NV];
     for (int r = 0; r < RR; ++r)
         for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_loadu_ps(out[r] + c + 16 * u);
@@ -90,7 +97,7 @@ void pv_bf16(const uint32_t* pp, int npairs, const uint16_t* vst, int D, int c, 
         for (int u = 0; u < NV; ++u)
             vz[u] = (__m512bh)_mm512_loadu_si512(vst + (static_cast<size_t>(jp) * D + c + 16 * u) * 2);
         for (int r = 0; r < RR; ++r) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * 16 + jp]));
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * pstride + jp]));
             for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], vz[u], p);
         }
     }
@@ -99,30 +106,118 @@ void pv_bf16(const uint32_t* pp, int npairs, const uint16_t* vst, int D, int c, 
 }
 
 template <int RR>
-void pv_bf16_rows(const uint32_t* pp, int npairs, const uint16_t* vst, int D, float* const* out) {
+void pv_bf16_rows(const uint32_t* pp, int pstride, int npairs, const uint16_t* vst, int D, float* const* out) {
     int c = 0;
-    for (; c + 64 <= D; c += 64) pv_bf16<RR, 4>(pp, npairs, vst, D, c, out);
-    for (; c < D; c += 16) pv_bf16<RR, 1>(pp, npairs, vst, D, c, out);
+    for (; c + 64 <= D; c += 64) pv_bf16<RR, 4>(pp, pstride, npairs, vst, D, c, out);
+    for (; c < D; c += 16) pv_bf16<RR, 1>(pp, pstride, npairs, vst, D, c, out);
 }
 
-void qk_bf16_rows(int R, const uint32_t* qp, int D, const uint16_t* kg, float* S, int stride) {
+template <int NG>
+void qk_bf16_groups(int R, const uint32_t* qp, int D, const uint16_t* kg, float* S, int stride) {
     switch (R) {
-        case 1: return qk_bf16<1>(qp, D, kg, S, stride);
-        case 2: return qk_bf16<2>(qp, D, kg, S, stride);
-        case 3: return qk_bf16<3>(qp, D, kg, S, stride);
-        case 4: return qk_bf16<4>(qp, D, kg, S, stride);
-        case 5: return qk_bf16<5>(qp, D, kg, S, stride);
-        case 6: return qk_bf16<6>(qp, D, kg, S, stride);
-        case 7: return qk_bf16<7>(qp, D, kg, S, stride);
-        default: return qk_bf16<8>(qp, D, kg, S, stride);
+        case 1: return qk_bf16<1, NG>(qp, D, kg, S, stride);
+        case 2: return qk_bf16<2, NG>(qp, D, kg, S, stride);
+        case 3: return qk_bf16<3, NG>(qp, D, kg, S, stride);
+        case 4: return qk_bf16<4, NG>(qp, D, kg, S, stride);
+        case 5: return qk_bf16<5, NG>(qp, D, kg, S, stride);
+        case 6: return qk_bf16<6, NG>(qp, D, kg, S, stride);
+        case 7: return qk_bf16<7, NG>(qp, D, kg, S, stride);
+        default: return qk_bf16<8, NG>(qp, D, kg, S, stride);
+    }
+}
+
+// S[r][0..cols) for R rows over `cols` keys (a multiple of 16) from key group kg on: two groups
+// at a time, then the odd one
+void qk_bf16_rows(int R, const uint32_t* qp, int D, const uint16_t* kg, int cols, float* S, int stride) {
+    int g = 0;
+    for (; g + 2 <= cols / 16; g += 2) qk_bf16_groups<2>(R, qp, D, kg + static_cast<size_t>(g) * D * 16, S + g * 16, stride);
+    if (g < cols / 16) qk_bf16_groups<1>(R, qp, D, kg + static_cast<size_t>(g) * D * 16, S + g * 16, stride);
+}
+
+// One online-softmax step of row r over its `cols` scaled logits s (a multiple of 16, at most
+// kMaxGroups vectors), written straight as bf16 pairs of probabilities to pr (and, when `keep` is
+// set, as floats there: exp(logit - the row's running max)): the logits stay in registers between
+// the maximum, the exponentials and the conversion. Returns false, writing nothing, when no key
+// here is visible to the row.
+constexpr int kMaxGroups = 8;
+bool softmax_to_bf16(RowSet& rows, int r, const float* s, int cols, int D, uint32_t* pr, float* keep) {
+    const int nv = cols / 16;
+    __m512 x[kMaxGroups];
+    __m512 mx = _mm512_set1_ps(kNegInf);
+    for (int u = 0; u < nv; ++u) {
+        x[u] = _mm512_loadu_ps(s + 16 * u);
+        mx = _mm512_max_ps(mx, x[u]);
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    if (top == kNegInf) return false;
+    const float m_new = std::max(rows.m[r], top);
+    const float alpha = rows.m[r] == kNegInf ? 0.0f : std::exp(rows.m[r] - m_new);
+    const __m512 mm = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int u = 0; u < nv; ++u) {
+        x[u] = exp512(_mm512_sub_ps(x[u], mm));
+        sum = _mm512_add_ps(sum, x[u]);
+        if (keep) _mm512_storeu_ps(keep + 16 * u, x[u]);
+    }
+    for (int u = 0; u < nv; u += 2) {
+        const __m512 hi = u + 1 < nv ? x[u + 1] : _mm512_setzero_ps();
+        _mm512_store_si512(pr + 8 * u, (__m512i)_mm512_cvtne2ps_pbh(hi, x[u]));
+    }
+    rows.l[r] = rows.l[r] * alpha + _mm512_reduce_add_ps(sum);
+    if (alpha != 1.0f)
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(rows.out[r] + d, _mm512_mul_ps(_mm512_loadu_ps(rows.out[r] + d), _mm512_set1_ps(alpha)));
+    rows.m[r] = m_new;
+    return true;
+}
+
+// A row tile's probabilities kept for the column sums: per row, exp(logit - running max) of every
+// slot from `first` on, and per row and span the running max they were taken against.
+struct KeptProbabilities {
+    std::vector<float> p, span_max;
+    int64_t first = 0, width = 0, spans = 0;
+};
+
+KeptProbabilities& kept_probabilities() {
+    thread_local KeptProbabilities tls;
+    return tls;
+}
+
+// sums[slot] += each scored row's final probability of the slot: exp(logit - running max) times
+// exp(running max - the row's log-sum-exp), span by span
+void add_kept_probabilities(const KeptProbabilities& kept, const RowSet& rows, int first_row, int64_t n, int chunk,
+                            float* sums) {
+    for (int r = first_row; r < rows.n; ++r) {
+        if (rows.l[r] <= 0.0f) continue;
+        const float lse = rows.m[r] + std::log(rows.l[r]);
+        const float* pr = kept.p.data() + static_cast<size_t>(r) * kept.width;
+        for (int64_t c = 0; c < kept.spans; ++c) {
+            const float mc = kept.span_max[static_cast<size_t>(r * kept.spans + c)];
+            if (mc == kNegInf) continue;
+            const __m512 f = _mm512_set1_ps(std::exp(mc - lse));
+            const int64_t j0 = c * chunk, j1 = std::min<int64_t>(j0 + chunk, n - kept.first);
+            int64_t j = j0;
+            for (; j + 16 <= j1; j += 16) {
+                float* dst = sums + kept.first + j;
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(f, _mm512_loadu_ps(pr + j), _mm512_loadu_ps(dst)));
+            }
+            const float fs = std::exp(mc - lse);
+            for (; j < j1; ++j) sums[kept.first + j] += fs * pr[j];
+        }
     }
 }
 }  // namespace
 #endif
 
-void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale) {
+void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale,
+                 ColumnSums* columns) {
 #if OVKC_BF16
-    constexpr int kChunk = 32;  // tokens per softmax update: two 16-token key groups
+    // keys per online-softmax update: eight 16-token key groups. A longer span spreads a row's
+    // fixed cost of an update (its maximum, the rescaling of its output, the scalar exp) over
+    // more keys; past the diagonal a row's logits are masked, and a span wholly past every row's
+    // position is not computed.
+    constexpr int kChunk = 16 * kMaxGroups;
+    constexpr int kPairs = kChunk / 2;
     const int D = cfg.head_dim;
     int64_t max_q = rows.qpos[0];
     for (int r = 1; r < rows.n; ++r) max_q = std::max(max_q, rows.qpos[r]);
@@ -132,42 +227,54 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
             qp[r * (D / 2) + d2] = static_cast<uint32_t>(to_bf16(rows.q[r][2 * d2] * scale)) |
                                    (static_cast<uint32_t>(to_bf16(rows.q[r][2 * d2 + 1] * scale)) << 16);
     alignas(64) float S[kMaxRows * kChunk];
-    alignas(64) uint32_t pp[kMaxRows * 16];
-    for (int64_t slot0 = first_visible_slot(hc, rows) / kChunk * kChunk; slot0 < st.n; slot0 += kChunk) {
-        if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;
+    alignas(64) uint32_t pp[kMaxRows * kPairs];
+    const int64_t first = first_visible_slot(hc, rows) / 16 * 16;
+    KeptProbabilities* kept = nullptr;  // the rows' probabilities, for the column sums
+    if (columns && columns->first_row < rows.n) {
+        kept = &kept_probabilities();
+        kept->first = first;
+        kept->width = (st.n - first + kChunk - 1) / kChunk * kChunk;
+        kept->spans = kept->width / kChunk;
+        kept->p.resize(static_cast<size_t>(rows.n * kept->width));
+        kept->span_max.assign(static_cast<size_t>(rows.n * kept->spans), kNegInf);
+    }
+    for (int64_t slot0 = first; slot0 < st.n; slot0 += kChunk) {
+        if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;  // later spans keep span_max -inf
         const int ntok = static_cast<int>(std::min<int64_t>(kChunk, st.n - slot0));
         const int cols = (ntok + 15) / 16 * 16;
-        for (int g = 0; g < cols / 16; ++g)
-            qk_bf16_rows(rows.n, qp, D, st.k.data() + static_cast<size_t>(slot0 / 16 + g) * D * 16, S + g * 16, kChunk);
+        const int cols32 = (ntok + 31) / 32 * 32;  // the probabilities go to bf16 in pairs of 16-lane vectors
+        qk_bf16_rows(rows.n, qp, D, st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16, cols, S, kChunk);
         mask_logits(hc, rows, slot0, ntok, kChunk, S);
         for (int r = 0; r < rows.n; ++r) {
-            float* s = S + r * kChunk;
-            if (!softmax_step(rows, r, s, cols, D)) {  // nothing causal for this row here: zero probabilities
-                std::fill(pp + r * 16, pp + r * 16 + 16, 0u);
-                continue;
+            uint32_t* pr = pp + r * kPairs;
+            const int64_t span = (slot0 - first) / kChunk;
+            float* keep = kept ? kept->p.data() + static_cast<size_t>(r * kept->width + span * kChunk) : nullptr;
+            if (softmax_to_bf16(rows, r, S + r * kChunk, cols, D, pr, keep)) {
+                if (kept) kept->span_max[static_cast<size_t>(r * kept->spans + span)] = rows.m[r];
+            } else {  // nothing causal here: zero probabilities
+                std::fill(pr, pr + cols32 / 2, 0u);
             }
-            std::fill(s + cols, s + kChunk, 0.0f);
-            const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
-            _mm512_store_si512(pp + r * 16, (__m512i)pb);
         }
         const int npairs = (ntok + 1) / 2;
         const uint16_t* vst = st.v.data() + static_cast<size_t>(slot0 / 2) * D * 2;
         int r = 0;
-        for (; r + 4 <= rows.n; r += 4) pv_bf16_rows<4>(pp + r * 16, npairs, vst, D, rows.out + r);
+        for (; r + 4 <= rows.n; r += 4) pv_bf16_rows<4>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r);
         switch (rows.n - r) {
-            case 1: pv_bf16_rows<1>(pp + r * 16, npairs, vst, D, rows.out + r); break;
-            case 2: pv_bf16_rows<2>(pp + r * 16, npairs, vst, D, rows.out + r); break;
-            case 3: pv_bf16_rows<3>(pp + r * 16, npairs, vst, D, rows.out + r); break;
+            case 1: pv_bf16_rows<1>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r); break;
+            case 2: pv_bf16_rows<2>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r); break;
+            case 3: pv_bf16_rows<3>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r); break;
             default: break;
         }
     }
     finish_rows(rows, D);
+    if (kept) add_kept_probabilities(*kept, rows, columns->first_row, st.n, kChunk, columns->sums);
 #else
     (void)cfg;
     (void)hc;
     (void)st;
     (void)rows;
     (void)scale;
+    (void)columns;
     throw Error("bf16 attention is not compiled in (no AVX512-BF16 on the build machine)");
 #endif
 }
