@@ -132,12 +132,19 @@ class Ours:
     def __init__(self, model_dir: Path) -> None:
         self.engine = OpenVINOEngine(model_dir)
 
-    def prefill(self, method: str, ids: list[int]) -> dict[str, float]:
+    def prefill(self, method: str, ids: list[int], chunk: int = 0) -> dict[str, float]:
+        """One prefill of ``ids``: as ``generate`` feeds a whole prompt, or (``chunk``) in steps of
+        ``chunk`` tokens, as continuous batching feeds a long prompt beside other requests."""
         engine = self.engine
         engine.set_compression(MethodSpec.parse(method).compression(1024, track_recall=False))
         engine.finish_chat()  # an empty sequence
         t0 = time.perf_counter()
-        engine.prefill(ids)
+        if chunk:
+            engine.sequence.set_prompt(len(ids))
+            for i in range(0, len(ids), chunk):
+                engine.forward(ids[i : i + chunk])
+        else:
+            engine.prefill(ids)
         engine.scoring_pass()
         ms = (time.perf_counter() - t0) * 1e3
         st = engine.sequence.stats()
@@ -160,6 +167,7 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,4096,8000", help="prompt token counts")
     p.add_argument("--methods", default=METHODS, help="our op's methods (budget 1024)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunk-tokens", type=int, default=0, help="also feed each prompt in steps of this many tokens")
     p.add_argument("--model", default=None, help="an embedded model name or an exported directory")
     p.add_argument("--json", required=True)
     a = p.parse_args()
@@ -175,11 +183,12 @@ def main() -> None:
         with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
             for ms, types in pool.submit(native_prefill, str(model_dir), ids, a.repeats).result():
                 runs[(n, "native")].append({"wall_ms": ms, **columns(types)})
-        for r in range(a.repeats):  # our methods interleaved, forward then backward
-            for name in methods if r % 2 == 0 else methods[::-1]:
-                ours.prefill(name, ids)  # warm-up
-                runs[(n, name)].append(ours.prefill(name, ids))
-        for name in ["native", *methods]:
+        configs = [(m, 0) for m in methods] + [(m, a.chunk_tokens) for m in methods if a.chunk_tokens]
+        for r in range(a.repeats):  # our configurations interleaved, forward then backward
+            for name, chunk in configs if r % 2 == 0 else configs[::-1]:
+                ours.prefill(name, ids, chunk)  # warm-up
+                runs[(n, f"{name} in chunks of {chunk}" if chunk else name)].append(ours.prefill(name, ids, chunk))
+        for name in [k for length, k in runs if length == n]:
             row = median_row(runs[(n, name)])
             print(f"{n:>6} {name:<24} " + " ".join(f"{k}={v:.0f}" for k, v in row.items()), flush=True)
     results = [{"length": n, "config": name, **median_row(rows)} for (n, name), rows in runs.items()]
