@@ -42,6 +42,7 @@ from ov_kvcrush.engines import resolve_model
 from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.runner import MethodSpec
+from ov_kvcrush.op import plugin
 
 METHODS = "full,snapkv,kvcrush:block_size=32,minikv,chelsea,h2o"
 #: node types summed into one column: the projections and MLP, the attention, the rest
@@ -87,7 +88,7 @@ class Native:
     """The IR as ``openvino_genai`` runs it: PagedAttention nodes over a u8 block cache."""
 
     def __init__(self, model_dir: Path) -> None:
-        core = ov.Core()
+        core = plugin.shared_core()  # the process's one Core (see plugin.shared_core)
         model = core.read_model(model_dir / "openvino_model.xml")
         paged_attention_transformation(model)
         last_token_logits(model)

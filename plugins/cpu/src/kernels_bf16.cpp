@@ -13,6 +13,46 @@ using namespace detail;
 
 bool has_bf16() { return OVKC_BF16; }
 
+#if OVKC_BF16
+namespace {
+// 16 floats of a and 16 of b rounded to bf16 and interleaved, a0 b0 a1 b1 ... a15 b15: one row of
+// a staged head's pairs (two key dimensions of 16 tokens, or 16 value dimensions of two tokens)
+inline __m512i interleave_bf16(__m512 a, __m512 b) {
+    static const __m512i order = [] {
+        alignas(64) uint16_t idx[32];
+        for (int i = 0; i < 32; ++i) idx[i] = static_cast<uint16_t>(i % 2 ? 16 + i / 2 : i / 2);
+        return _mm512_load_si512(idx);
+    }();
+    const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a)),
+                                          (__m256i)_mm512_cvtneps_pbh(b), 1);
+    return _mm512_permutexvar_epi16(order, ab);
+}
+
+// a block's ntok tokens (keys transposed [D][bs], values [bs][D]) at staged slots slot0.. (a
+// multiple of 16): keys 16 tokens by two dimensions at a time, values two tokens by 16
+// dimensions; a group's missing tokens and an odd last token's partner stage as zeros
+void stage_block_bf16(const float* kt, const float* v, int bs, int D, int ntok, int64_t slot0, Bf16Head& out) {
+    for (int j0 = 0; j0 < ntok; j0 += 16) {
+        const __mmask16 live = ntok - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ntok - j0)) - 1);
+        uint16_t* kg = out.k.data() + static_cast<size_t>((slot0 + j0) / 16) * D * 16;
+        for (int d = 0; d < D; d += 2) {
+            const __m512 a = _mm512_maskz_loadu_ps(live, kt + static_cast<size_t>(d) * bs + j0);
+            const __m512 b = _mm512_maskz_loadu_ps(live, kt + static_cast<size_t>(d + 1) * bs + j0);
+            _mm512_storeu_si512(kg + (d / 2) * 32, interleave_bf16(a, b));
+        }
+    }
+    for (int j = 0; j < ntok; j += 2) {
+        uint16_t* vd = out.v.data() + static_cast<size_t>((slot0 + j) / 2) * D * 2;
+        const float* v0 = v + static_cast<size_t>(j) * D;
+        for (int d = 0; d < D; d += 16) {
+            const __m512 b = j + 1 < ntok ? _mm512_loadu_ps(v0 + D + d) : _mm512_setzero_ps();
+            _mm512_storeu_si512(vd + d * 2, interleave_bf16(_mm512_loadu_ps(v0 + d), b));
+        }
+    }
+}
+}  // namespace
+#endif
+
 void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out) {
     const int D = cfg.head_dim, bs = cfg.block_size;
     const int64_t n = hc.size();
@@ -24,6 +64,9 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
         const int ntok = static_cast<int>(std::min<int64_t>(bs, n - slot0));
         const float *kt, *v;
         block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], 0, ntok, kt, v);
+#if OVKC_BF16
+        stage_block_bf16(kt, v, bs, D, ntok, slot0, out);
+#else
         for (int j = 0; j < ntok; ++j) {
             const int64_t t = slot0 + j;
             uint16_t* kd = out.k.data() + static_cast<size_t>(t / 16) * D * 16 + (t % 16) * 2;
@@ -31,6 +74,7 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
             uint16_t* vd = out.v.data() + static_cast<size_t>(t / 2) * D * 2 + (t % 2);
             for (int d = 0; d < D; ++d) vd[d * 2] = to_bf16(v[static_cast<size_t>(j) * D + d]);
         }
+#endif
     }
 }
 
