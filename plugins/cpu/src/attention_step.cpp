@@ -319,13 +319,13 @@ void add_thread_columns(StepContext& ctx, ThreadColumns& columns, int64_t width)
 }
 
 // 2b in rows: kMaxRows consecutive queries of one head per task, bf16 over a staged head or f32
-// over the blocks (the 2-bit store's first). `fuse_scores`: the bf16 kernel also sums the scored
-// rows' probabilities per slot (the step's scores, without a second pass over the keys).
-void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, bool fuse_scores) {
+// over the blocks (the 2-bit store's first). The bf16 kernel also sums the probabilities the rows
+// from `from` on give each slot (the step's scores, without a second pass over the keys; from = L:
+// none).
+void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64_t from) {
     const StepMode& m = ctx.mode;
     const int64_t L = m.L, D = ctx.D, G = ctx.G;
     const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
-    const int64_t from = fuse_scores ? first_scored_row(ctx) : L;
     int64_t width = 0;  // the widest head, in slots
     for (int64_t g = 0; g < ctx.Hkv; ++g) width = std::max(width, ctx.head(g).size());
     ThreadColumns columns([&] { return std::vector<float>(static_cast<size_t>(ctx.Hq * width), 0.0f); });
@@ -382,9 +382,10 @@ bool attend_prompt(StepContext& ctx, bool bf16) {
     if (amx) return attend_prompt_amx(ctx, p);
     // a prompt's scores on the bf16 path come out of the attention itself when every head is
     // attended there (no 2-bit blocks, no merge bias; not a scoring step, which keeps maxima)
-    bool fuse = bf16 && ctx.mode.scores && !ctx.mode.ranged && first_scored_row(ctx) < ctx.mode.L;
+    const int64_t from = ctx.mode.scores && !ctx.mode.ranged ? first_scored_row(ctx) : ctx.mode.L;
+    bool fuse = bf16 && from < ctx.mode.L;
     for (int64_t g = 0; fuse && g < ctx.Hkv; ++g) fuse = ctx.head(g).qblocks.empty() && ctx.head(g).bias.empty();
-    attend_prompt_rows(ctx, p, bf16, fuse);
+    attend_prompt_rows(ctx, p, bf16, fuse ? from : ctx.mode.L);
     return fuse;
 }
 

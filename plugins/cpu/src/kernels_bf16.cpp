@@ -13,6 +13,14 @@ using namespace detail;
 
 bool has_bf16() { return OVKC_BF16; }
 
+// token j of a block (keys transposed [D][bs], values [bs][D]) at staged slot t, one value at a time
+void stage_token_bf16(const float* kt, const float* v, int bs, int D, int j, int64_t t, Bf16Head& out) {
+    uint16_t* kd = out.k.data() + static_cast<size_t>(t / 16) * D * 16 + (t % 16) * 2;
+    for (int d = 0; d < D; ++d) kd[(d / 2) * 32 + (d % 2)] = to_bf16(kt[static_cast<size_t>(d) * bs + j]);
+    uint16_t* vd = out.v.data() + static_cast<size_t>(t / 2) * D * 2 + (t % 2);
+    for (int d = 0; d < D; ++d) vd[d * 2] = to_bf16(v[static_cast<size_t>(j) * D + d]);
+}
+
 #if OVKC_BF16
 namespace {
 // 16 floats of a and 16 of b rounded to bf16 and interleaved, a0 b0 a1 b1 ... a15 b15: one row of
@@ -67,13 +75,7 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
 #if OVKC_BF16
         stage_block_bf16(kt, v, bs, D, ntok, slot0, out);
 #else
-        for (int j = 0; j < ntok; ++j) {
-            const int64_t t = slot0 + j;
-            uint16_t* kd = out.k.data() + static_cast<size_t>(t / 16) * D * 16 + (t % 16) * 2;
-            for (int d = 0; d < D; ++d) kd[(d / 2) * 32 + (d % 2)] = to_bf16(kt[static_cast<size_t>(d) * bs + j]);
-            uint16_t* vd = out.v.data() + static_cast<size_t>(t / 2) * D * 2 + (t % 2);
-            for (int d = 0; d < D; ++d) vd[d * 2] = to_bf16(v[static_cast<size_t>(j) * D + d]);
-        }
+        for (int j = 0; j < ntok; ++j) stage_token_bf16(kt, v, bs, D, j, slot0 + j, out);
 #endif
     }
 }
@@ -99,10 +101,7 @@ void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache&
             const int j1 = static_cast<int>(std::min<int64_t>(ntok, r.second - slot0));
             for (int j = j0; j < j1; ++j, ++t) {
                 view.pos.push_back(hc.pos[static_cast<size_t>(slot0 + j)]);
-                uint16_t* kd = out.k.data() + static_cast<size_t>(t / 16) * D * 16 + (t % 16) * 2;
-                for (int d = 0; d < D; ++d) kd[(d / 2) * 32 + (d % 2)] = to_bf16(kt[static_cast<size_t>(d) * bs + j]);
-                uint16_t* vd = out.v.data() + static_cast<size_t>(t / 2) * D * 2 + (t % 2);
-                for (int d = 0; d < D; ++d) vd[d * 2] = to_bf16(v[static_cast<size_t>(j) * D + d]);
+                stage_token_bf16(kt, v, bs, D, j, t, out);
             }
         }
     }
@@ -238,14 +237,14 @@ void add_kept_probabilities(const KeptProbabilities& kept, const RowSet& rows, i
         for (int64_t c = 0; c < kept.spans; ++c) {
             const float mc = kept.span_max[static_cast<size_t>(r * kept.spans + c)];
             if (mc == kNegInf) continue;
-            const __m512 f = _mm512_set1_ps(std::exp(mc - lse));
+            const float fs = std::exp(mc - lse);
+            const __m512 f = _mm512_set1_ps(fs);
             const int64_t j0 = c * chunk, j1 = std::min<int64_t>(j0 + chunk, n - kept.first);
             int64_t j = j0;
             for (; j + 16 <= j1; j += 16) {
                 float* dst = sums + kept.first + j;
                 _mm512_storeu_ps(dst, _mm512_fmadd_ps(f, _mm512_loadu_ps(pr + j), _mm512_loadu_ps(dst)));
             }
-            const float fs = std::exp(mc - lse);
             for (; j < j1; ++j) sums[kept.first + j] += fs * pr[j];
         }
     }
