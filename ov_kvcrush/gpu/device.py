@@ -1,0 +1,95 @@
+"""The device the op's OpenCL kernels (``plugins/gpu/kernels/*.cl``) run on, and their builds.
+
+Each kernel source is built once per device and per set of compile-time constants (sub-group
+size, store precision, block size, head size, query group), as OpenVINO's GPU plugin builds its
+kernels with JIT constants. Arrays go in and out as numpy arrays in the CPU op's layouts
+(:mod:`ov_kvcrush.gpu.layout`), so every result can be checked against the torch reference and
+the CPU op. Runs in a process where :func:`ov_kvcrush.gpu.runtime.prepare` came first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.gpu import runtime
+
+
+def kernel_dir() -> Path:
+    """``plugins/gpu/kernels`` of the source tree, or the copy shipped in the package."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package.parent / "plugins" / "gpu" / "kernels", package / "plugins" / "gpu" / "kernels"):
+        if candidate.is_dir():
+            return candidate
+    raise runtime.GPUPathError(f"the OpenCL kernels (plugins/gpu/kernels) are not found next to {package}")
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(kernel_dir().glob("*.cl"))
+
+
+def build_options(sub_group: int, constants: dict[str, int]) -> list[str]:
+    return [f"-DSG={sub_group}", *(f"-D{k}={v}" for k, v in sorted(constants.items()))]
+
+
+@dataclass
+class Device:
+    """An OpenCL context and queue on one device, with its built programs."""
+
+    cl: Any
+    device: Any
+    context: Any
+    queue: Any
+    sub_group: int
+    kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], Any] = field(default_factory=dict)
+
+    def kernel(self, source: str, name: str, constants: dict[str, int]) -> Any:
+        """Kernel ``name`` of ``source`` built for ``constants`` (each source built once per set)."""
+        key = (source, name, tuple(sorted(constants.items())))
+        if key not in self.kernels:
+            text = (kernel_dir() / source).read_text()
+            with warnings.catch_warnings():  # the CPU runtime's vectorisation remarks
+                warnings.simplefilter("ignore", self.cl.CompilerWarning)
+                program = self.cl.Program(self.context, text).build(options=build_options(self.sub_group, constants))
+            for k in program.all_kernels():
+                self.kernels[(source, k.function_name, key[2])] = k
+        return self.kernels[key]
+
+    def run(self, kernel: Any, global_size: tuple[int, ...], local_size: tuple[int, ...], *args: Any) -> None:
+        kernel.set_args(*args)
+        self.cl.enqueue_nd_range_kernel(self.queue, kernel, global_size, local_size)
+
+    def to_device(self, array: np.ndarray) -> Any:
+        flags = self.cl.mem_flags.READ_WRITE | self.cl.mem_flags.COPY_HOST_PTR
+        return self.cl.Buffer(self.context, flags, hostbuf=np.ascontiguousarray(array))
+
+    def empty(self, nbytes: int) -> Any:
+        return self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
+
+    def to_host(self, buffer: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty(shape, dtype=dtype)
+        self.cl.enqueue_copy(self.queue, out, buffer)
+        return out
+
+
+@cache
+def device(sub_group: int | None = None) -> Device:
+    """The process's device (an Intel GPU, else Intel's OpenCL CPU runtime) at ``sub_group`` lanes
+    (default: 16 where listed); a size the device does not list is an error naming the allowed ones."""
+    cl = runtime.opencl()
+    dev = runtime.find_device()
+    sizes = runtime.describe(dev).sub_group_sizes or (8, 16, 32)
+    chosen = sub_group if sub_group is not None else (16 if 16 in sizes else sizes[0])
+    if chosen not in sizes:
+        raise runtime.GPUPathError(f"sub_group={chosen} is not supported by {dev.name.strip()}: allowed {sizes}")
+    context = cl.Context([dev])
+    return Device(cl, dev, context, cl.CommandQueue(context), chosen)
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m

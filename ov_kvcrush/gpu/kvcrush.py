@@ -1,0 +1,226 @@
+"""KVCrush's selection on the GPU path (``plugins/gpu/kernels/kvcrush.cl``), step for step as
+:func:`ov_kvcrush.methods.kvcrush.kvcrush_select` takes them.
+
+Every step runs on the device: the heads' scores summed, the important tokens (sinks, recent,
+the top summed scores), each head's decisions and the packed signatures, the anchors' distances,
+the stable bucketing order and one representative per bucket. What comes back to the host is
+what the cache's block tables need: the tokens in evictable-then-important order (4 bytes a
+token) and the representatives (the other read-backs here are for the tests' step checks). Random anchors
+are drawn by the caller (the reference's seeded generator); a ``mean`` anchor is the evictable
+tokens' per-bit majority, computed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.gpu.device import Device, device, round_up
+from ov_kvcrush.validation import check_choice, check_int
+
+SIGNATURES = ("topk", "threshold")
+MAX_KEYS = 4096  # bucket_order's local histogram: distance keys stay below it
+
+
+@dataclass
+class KVCrushGPUSelection:
+    """What the device decided, in the reference's terms (``KVCrushSelection``)."""
+
+    keep: np.ndarray  # ascending kept tokens
+    important: np.ndarray  # ascending
+    representatives: np.ndarray  # bucket order
+    evictable: np.ndarray  # position order
+    order: np.ndarray  # positions into evictable, bucketing order
+    distances: np.ndarray  # [m, A]
+    signatures: np.ndarray  # [n, W] packed, 32 heads per word
+    anchors: np.ndarray  # [A, W] packed
+
+
+def _kernel(dev: Device, name: str) -> Any:
+    return dev.kernel("kvcrush.cl", name, {"MAX_KEYS": MAX_KEYS})
+
+
+def _order_by_keys(dev: Device, keys: Any, m: int, key_range: int) -> Any:
+    """Device buffer of the ``m`` items' stable order by ``keys`` (each below ``key_range``)."""
+    order = dev.empty(4 * max(m, 1))
+    kernel = _kernel(dev, "bucket_order")
+    dev.run(kernel, (dev.sub_group,), (dev.sub_group,), keys, np.int32(m), np.int32(key_range), order)
+    return order
+
+
+def _top_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: int, keep: int) -> Any:
+    """Device buffer uchar ``[rows][mid]``: is middle token i among row r's ``keep`` highest."""
+    out = dev.empty(max(rows * mid, 1))
+    if mid > 0:
+        kernel = _kernel(dev, "head_decisions_topk")
+        dev.run(kernel, (mid, rows), None, scores, np.int32(n), np.int32(lo), np.int32(mid), np.int32(keep), out)
+    return out
+
+
+def pack_anchor_bits(bits: np.ndarray) -> np.ndarray:
+    """Bool ``[A, H]`` → uint32 ``[A, W]`` (head h: bit h % 32 of word h // 32)."""
+    a, h = bits.shape
+    w = max(1, -(-h // 32))
+    padded = np.zeros((a, w * 32), np.uint64)
+    padded[:, :h] = bits
+    return (padded.reshape(a, w, 32) << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+
+
+def kvcrush_select(
+    scores: np.ndarray,
+    budget: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    representatives: int,
+    *,
+    anchor_bits: np.ndarray,
+    mean_anchor: tuple[bool, ...] | None = None,
+    signature: str = "topk",
+    multi_anchor: str = "tuple",
+    representative: str = "max_score",
+    sub_group: int | None = None,
+) -> KVCrushGPUSelection:
+    """KVCrush over per-query-head scores ``[H, n]`` (one batch row), ``budget < n``.
+
+    ``anchor_bits`` ``[A, H]``: the fixed anchors; ``mean_anchor[a]`` replaces anchor ``a`` with
+    the evictable tokens' per-bit majority."""
+    check_choice("signature", signature, SIGNATURES)
+    check_choice("multi_anchor", multi_anchor, ("tuple", "nearest"))
+    check_choice("representative", representative, ("max_score", "first"))
+    h, n = scores.shape
+    check_int("budget", budget, sink_tokens + recent_tokens + representatives, n - 1)
+    a = anchor_bits.shape[0]
+    if (h + 1) ** (1 if multi_anchor == "nearest" and a > 1 else a) * (
+        a if multi_anchor == "nearest" else 1
+    ) > MAX_KEYS:
+        raise ValueError(f"{a} anchors over {h} heads exceed the device bucketing's {MAX_KEYS} keys")
+    dev = device(sub_group)
+    sc = dev.to_device(scores.astype(np.float32))
+    i32 = np.int32
+    # the important tokens: sinks, recent, the top summed scores between
+    combined = dev.empty(4 * n)
+    dev.run(_kernel(dev, "head_sums"), (n,), None, sc, i32(h), i32(n), combined)
+    mid = n - sink_tokens - recent_tokens
+    heavy = budget - representatives - sink_tokens - recent_tokens
+    flags = dev.empty(4 * n)
+    top = _top_mask(dev, combined, 1, n, sink_tokens, mid, heavy)
+    dev.run(_kernel(dev, "important_flags"), (n,), None, top, i32(n), i32(sink_tokens), i32(mid), flags)
+    # evictable, then important, each in position order: the stable order by the flag
+    m = n - (budget - representatives)
+    by_flag = dev.to_host(_order_by_keys(dev, flags, n, 2), np.int32, (n,))
+    evictable, important = by_flag[:m], by_flag[m:]
+    # each head's decisions over the middle, packed into signatures
+    decisions = (
+        _top_mask(dev, sc, h, n, sink_tokens, mid, budget - sink_tokens - recent_tokens)
+        if signature == "topk"
+        else _threshold_mask(dev, sc, h, n, sink_tokens, mid)
+    )
+    w = max(1, -(-h // 32))
+    sig = dev.empty(4 * n * w)
+    dev.run(
+        _kernel(dev, "pack_signatures"),
+        (n,),
+        None,
+        decisions,
+        i32(h),
+        i32(n),
+        i32(sink_tokens),
+        i32(mid),
+        sig,
+    )
+    signatures = dev.to_host(sig, np.uint32, (n, w))  # for the caller's checks; the steps use `sig`
+    anchors = pack_anchor_bits(anchor_bits.astype(bool))
+    ev = dev.to_device(evictable.astype(np.int32))
+    if any(mean_anchor or ()):
+        majority = dev.empty(h)
+        dev.run(_kernel(dev, "majority_bits"), (h,), None, sig, i32(w), ev, i32(m), majority)
+        mean_bits = pack_anchor_bits(dev.to_host(majority, np.uint8, (h,))[None].astype(bool))[0]
+        for i, mean in enumerate(mean_anchor or ()):
+            if mean:
+                anchors[i] = mean_bits
+    dist_b = dev.empty(4 * max(m, 1) * a)
+    if m:
+        dev.run(
+            _kernel(dev, "anchor_distances"),
+            (m, a),
+            None,
+            sig,
+            i32(w),
+            ev,
+            i32(m),
+            dev.to_device(anchors),
+            dist_b,
+        )
+    keys = dev.empty(4 * max(m, 1))
+    nearest = int(multi_anchor == "nearest")
+    if m:
+        dev.run(
+            _kernel(dev, "bucket_keys"),
+            (m,),
+            None,
+            dist_b,
+            i32(m),
+            i32(a),
+            i32(h),
+            i32(nearest),
+            keys,
+        )
+    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
+    order_b = _order_by_keys(dev, keys, m, key_range)
+    buckets = min(representatives, m)
+    reps_b = dev.empty(4 * max(buckets, 1))
+    if buckets:
+        dev.run(
+            _kernel(dev, "representatives"),
+            (buckets,),
+            None,
+            ev,
+            order_b,
+            i32(m),
+            i32(buckets),
+            combined,
+            i32(representative == "first"),
+            reps_b,
+        )
+    reps = dev.to_host(reps_b, np.int32, (max(buckets, 1),))[:buckets]
+    return KVCrushGPUSelection(
+        keep=np.sort(np.concatenate([important, reps])),
+        important=important,
+        representatives=reps,
+        evictable=evictable,
+        order=dev.to_host(order_b, np.int32, (max(m, 1),))[:m],
+        distances=dev.to_host(dist_b, np.int32, (max(m, 1), a))[:m],
+        signatures=signatures,
+        anchors=anchors,
+    )
+
+
+def _threshold_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: int) -> Any:
+    out = dev.empty(max(rows * mid, 1))
+    if mid > 0:
+        kernel = _kernel(dev, "head_decisions_threshold")
+        dev.run(
+            kernel, (dev.sub_group, rows), (dev.sub_group, 1), scores, np.int32(n), np.int32(lo), np.int32(mid), out
+        )
+    return out
+
+
+def block_sums(scores: np.ndarray, block: int, sub_group: int | None = None) -> np.ndarray:
+    """Per-head sums of ``scores`` ``[H, n]`` over blocks of ``block`` tokens (the last may be partial)."""
+    dev = device(sub_group)
+    h, n = scores.shape
+    blocks = -(-n // block)
+    out = dev.empty(4 * h * blocks)
+    kernel = _kernel(dev, "block_sums")
+    dev.run(
+        kernel,
+        (round_up(blocks, 1), h),
+        None,
+        dev.to_device(scores.astype(np.float32)),
+        np.int32(n),
+        np.int32(block),
+        out,
+    )
+    return dev.to_host(out, np.float32, (h, blocks))

@@ -1,0 +1,86 @@
+"""Offline compiles of the op's OpenCL kernels for Intel GPUs with ``ocloc`` (no GPU needed).
+
+Intel's OpenCL CPU runtime accepts code that a GPU compiler refuses (a required sub-group size
+the target lacks, block reads in SIMD32), so every kernel source is also compiled for Xe-LP
+(``tgllp``), Arc / Xe-HPG (``dg2-g10``) and Xe-HPC (``pvc``), at each sub-group size the target
+runs and each set of compile-time constants the host builds it with. ``ocloc`` ships in Debian's
+``intel-opencl-icd``.
+
+``python -m ov_kvcrush.gpu.offline`` compiles them all and prints one line per build.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from ov_kvcrush.gpu.device import build_options, kernel_dir
+
+# sub-group sizes each target compiles (Xe-HPC refuses a required size of 8)
+TARGETS: dict[str, tuple[int, ...]] = {"tgllp": (8, 16), "dg2-g10": (8, 16), "pvc": (16,)}
+
+# the compile-time constants each source is built with by its host (a few representative shapes:
+# SmolLM2's and Llama-3-8B's head sizes and groups, every store precision)
+VARIANTS: dict[str, list[dict[str, int]]] = {
+    "paged_attention.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (0, 1, 2)]
+    + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
+    "kvcrush.cl": [{"MAX_KEYS": 4096}],
+}
+
+
+@dataclass(frozen=True)
+class Build:
+    source: str
+    target: str
+    sub_group: int
+    constants: tuple[tuple[str, int], ...]
+    ok: bool
+    log: str
+
+
+def ocloc() -> str | None:
+    return shutil.which("ocloc")
+
+
+def builds() -> list[tuple[str, str, int, dict[str, int]]]:
+    """Every (source, target, sub-group size, constants) to compile."""
+    out = []
+    for path in sorted(kernel_dir().glob("*.cl")):
+        for constants in VARIANTS.get(path.name, [{}]):
+            for target, sizes in TARGETS.items():
+                for sg in sizes:
+                    out.append((path.name, target, sg, constants))
+    return out
+
+
+def compile_one(source: str, target: str, sub_group: int, constants: dict[str, int]) -> Build:
+    """One ``ocloc compile``; ``ok`` is a zero exit with no error in its output."""
+    tool = ocloc()
+    if tool is None:
+        raise FileNotFoundError("ocloc is not installed (Debian: apt-get install intel-opencl-icd)")
+    options = " ".join(build_options(sub_group, constants))
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [tool, "compile", "-file", str(kernel_dir() / source), "-device", target, "-options", options]
+        res = subprocess.run([*cmd, "-out_dir", out, "-q"], capture_output=True, text=True, timeout=300)
+    log = (res.stdout + res.stderr).strip()
+    ok = res.returncode == 0 and "error" not in log.lower()
+    return Build(source, target, sub_group, tuple(sorted(constants.items())), ok, log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    del argv
+    failed = 0
+    for source, target, sg, constants in builds():
+        b = compile_one(source, target, sg, constants)
+        failed += not b.ok
+        print(f"{'ok  ' if b.ok else 'FAIL'} {source} {target} SG={sg} {dict(b.constants)}")
+        if not b.ok:
+            print("   ", b.log.replace("\n", "\n    "))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

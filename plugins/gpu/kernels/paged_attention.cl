@@ -1,0 +1,116 @@
+// Paged decode attention over the CPU op's block layout, for Intel GPUs (OpenCL C, Intel
+// sub-groups). One query token per (layer, sequence); every KV head has its own block table and
+// its own token count, since the methods evict per head.
+//
+// A block (plugins/cpu/src/paged_cache.hpp) is BLOCK_SIZE tokens of one KV head: the keys
+// transposed [HEAD_DIM][BLOCK_SIZE], then the values [BLOCK_SIZE][HEAD_DIM], then, for the u8
+// store, four rows of BLOCK_SIZE floats: key min, key scale, value min, value scale (x = min +
+// code * scale). Here the pool is one buffer of equal blocks, block id * BLOCK_BYTES apart.
+//
+// Three passes, as a decode step over a long cache needs every slot's logit before any
+// probability: logits (one work-item per (query head, slot): consecutive slots read consecutive
+// key addresses of the transposed keys), softmax (one sub-group per query head, writing the
+// probabilities: the per-head scores the methods accumulate) and values (one work-item per
+// (query head, dim): consecutive dims read consecutive value addresses).
+//
+// Compile-time constants (-D): SG (sub-group size: 8, 16 or 32), KV_PRECISION (0 f32, 1 f16,
+// 2 u8), BLOCK_SIZE, HEAD_DIM (a multiple of SG), GROUP (query heads per KV head).
+
+#if KV_PRECISION == 0
+#define ELEM_BYTES 4
+#elif KV_PRECISION == 1
+#define ELEM_BYTES 2
+#else
+#define ELEM_BYTES 1
+#endif
+#define KV_BYTES (2 * BLOCK_SIZE * HEAD_DIM * ELEM_BYTES)
+#define PARAM_BYTES (KV_PRECISION == 2 ? 4 * 4 * BLOCK_SIZE : 0)
+#define BLOCK_BYTES ((ulong)(KV_BYTES + PARAM_BYTES))
+
+// key element d of slot j of a block
+inline float load_key(__global const uchar* block, int d, int j) {
+#if KV_PRECISION == 0
+    return ((__global const float*)block)[d * BLOCK_SIZE + j];
+#elif KV_PRECISION == 1
+    return vload_half(d * BLOCK_SIZE + j, (__global const half*)block);
+#else
+    __global const float* p = (__global const float*)(block + KV_BYTES);
+    return p[j] + (float)block[d * BLOCK_SIZE + j] * p[BLOCK_SIZE + j];
+#endif
+}
+
+// value element d of slot j of a block
+inline float load_value(__global const uchar* block, int j, int d) {
+    const int at = BLOCK_SIZE * HEAD_DIM + j * HEAD_DIM + d;
+#if KV_PRECISION == 0
+    return ((__global const float*)block)[at];
+#elif KV_PRECISION == 1
+    return vload_half(at, (__global const half*)block);
+#else
+    __global const float* p = (__global const float*)(block + KV_BYTES);
+    return p[2 * BLOCK_SIZE + j] + (float)block[at] * p[3 * BLOCK_SIZE + j];
+#endif
+}
+
+// logits[h][j] = scale * q[h] . key(j) for j < lengths[h / GROUP]. Global size: (slots rounded up
+// to SG, query heads); the query is held across the sub-group (lane l: dims l, l + SG, ...) and
+// broadcast one dim at a time.
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void paged_logits(__global const uchar* pool, __global const int* tables, int table_stride,
+                           __global const int* lengths, __global const float* q, float scale,
+                           __global float* logits, int logit_stride) {
+    const int j = get_global_id(0);
+    const int h = get_global_id(1);
+    const int lane = get_sub_group_local_id();
+    const int kv = h / GROUP;
+    float qreg[HEAD_DIM / SG];
+    for (int i = 0; i < HEAD_DIM / SG; ++i) qreg[i] = q[h * HEAD_DIM + i * SG + lane];
+    const bool live = j < lengths[kv];
+    const int block_id = live ? tables[kv * table_stride + j / BLOCK_SIZE] : 0;
+    __global const uchar* block = pool + (ulong)block_id * BLOCK_BYTES;
+    float acc = 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        const float qd = intel_sub_group_shuffle(qreg[d / SG], d % SG);
+        if (live) acc = fma(qd, load_key(block, d, j % BLOCK_SIZE), acc);
+    }
+    if (live) logits[h * logit_stride + j] = acc * scale;
+}
+
+// probs[h][j] = softmax over j < lengths[h / GROUP] of logits[h]. One sub-group per query head:
+// global size (SG, query heads), local (SG, 1).
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void paged_softmax(__global const float* logits, int logit_stride, __global const int* lengths,
+                            __global float* probs) {
+    const int h = get_global_id(1);
+    const int lane = get_sub_group_local_id();
+    const int n = lengths[h / GROUP];
+    __global const float* s = logits + h * logit_stride;
+    float mx = -INFINITY;
+    for (int j = lane; j < n; j += SG) mx = fmax(mx, s[j]);
+    mx = sub_group_reduce_max(mx);
+    float sum = 0.0f;
+    for (int j = lane; j < n; j += SG) sum += exp(s[j] - mx);
+    sum = sub_group_reduce_add(sum);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int j = lane; j < n; j += SG) probs[h * logit_stride + j] = exp(s[j] - mx) * inv;
+}
+
+// out[h][d] = sum over j < lengths[h / GROUP] of probs[h][j] * value(j)[d]. Global size
+// (HEAD_DIM, query heads), local (SG, 1).
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void paged_values(__global const uchar* pool, __global const int* tables, int table_stride,
+                           __global const int* lengths, __global const float* probs, int logit_stride,
+                           __global float* out) {
+    const int d = get_global_id(0);
+    const int h = get_global_id(1);
+    const int kv = h / GROUP;
+    const int n = lengths[kv];
+    __global const float* p = probs + h * logit_stride;
+    float acc = 0.0f;
+    for (int b = 0; b * BLOCK_SIZE < n; ++b) {
+        __global const uchar* block = pool + (ulong)tables[kv * table_stride + b] * BLOCK_BYTES;
+        const int end = min(BLOCK_SIZE, n - b * BLOCK_SIZE);
+        for (int j = 0; j < end; ++j) acc = fma(p[b * BLOCK_SIZE + j], load_value(block, j, d), acc);
+    }
+    out[h * HEAD_DIM + d] = acc;
+}

@@ -1,0 +1,31 @@
+"""Every OpenCL kernel of the GPU path compiles for real Intel GPUs (issue 49): ``ocloc`` for
+Xe-LP (tgllp), Arc / Xe-HPG (dg2-g10) and Xe-HPC (pvc), at each sub-group size the target runs and
+each set of constants the host builds it with. ``.ci/run`` installs ``ocloc`` (Debian's
+``intel-opencl-icd``); where it is missing the tests skip, saying so."""
+
+from __future__ import annotations
+
+import pytest
+
+from ov_kvcrush.gpu import offline
+
+BUILDS = offline.builds()
+
+
+def build_id(build: tuple) -> str:
+    source, target, sg, constants = build
+    return f"{source}-{target}-sg{sg}-" + "-".join(f"{k}{v}" for k, v in sorted(constants.items()))
+
+
+@pytest.mark.skipif(offline.ocloc() is None, reason="ocloc is not installed (Debian: apt-get install intel-opencl-icd)")
+@pytest.mark.parametrize("build", BUILDS, ids=[build_id(b) for b in BUILDS])
+def test_the_kernel_compiles_for_the_target_without_error(build):
+    result = offline.compile_one(*build)
+    assert result.ok, result.log
+
+
+def test_every_kernel_source_is_built_for_every_target():
+    """A new kernel file or target cannot slip past the compile test."""
+    sources = {path.name for path in offline.kernel_dir().glob("*.cl")}
+    assert sources == set(offline.VARIANTS)
+    assert {(s, t) for s, t, _sg, _c in BUILDS} == {(s, t) for s in sources for t in offline.TARGETS}
