@@ -59,3 +59,18 @@ def ov_core():
     from ov_kvcrush.op import plugin
 
     return plugin.shared_core()
+
+
+@pytest.fixture(scope="module")
+def gpu_worker():
+    """A worker process running the Intel GPU path's kernels (``ov_kvcrush.gpu``) on an Intel GPU
+    or Intel's OpenCL CPU runtime: a fresh process, since the runtime cannot load once openvino
+    is imported (as it is in the test processes). Skips, naming what is missing, without one."""
+    from ov_kvcrush.gpu import runtime
+
+    with runtime.isolated() as worker:
+        try:
+            worker.submit(runtime.device_info).result()
+        except runtime.GPUPathError as e:
+            pytest.skip(str(e))
+        yield worker

@@ -34,7 +34,9 @@ def kernel_sources() -> list[Path]:
 
 
 def build_options(sub_group: int, constants: dict[str, int]) -> list[str]:
-    return [f"-DSG={sub_group}", *(f"-D{k}={v}" for k, v in sorted(constants.items()))]
+    # correctly rounded division: a 2-bit code is round((x - zero) / scale), as the reference divides
+    consts = (f"-D{k}={v}" for k, v in sorted(constants.items()))
+    return [f"-DSG={sub_group}", *consts, "-cl-fp32-correctly-rounded-divide-sqrt"]
 
 
 @dataclass

@@ -125,3 +125,42 @@ def page_heads(
             pool[block * shape.block_bytes : (block + 1) * shape.block_bytes] = data
     lengths = np.array([k.shape[0] for k in keys], np.int32)
     return PagedHeads(pool, tables, lengths)
+
+
+@dataclass(frozen=True)
+class QuantShape:
+    """The 2-/4-bit store's block (``plugins/cpu/src/paged_cache.hpp``: ``qblock_bytes``): key
+    codes ``[D][T / (32 / key_bits)]`` u32, key scale and zero fp16 ``[T / qgroup][D]``, value
+    codes ``[T][D / (32 / value_bits)]`` u32, value scale and zero fp16 ``[T][D / qgroup]``."""
+
+    block_size: int
+    head_dim: int
+    qgroup: int = 16
+    key_bits: int = 2
+    value_bits: int = 2
+    group: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("qgroup", self.qgroup, 16, self.block_size)
+        check_choice("key_bits", self.key_bits, (2, 4))
+        check_choice("value_bits", self.value_bits, (2, 4))
+        if self.block_size % self.qgroup or self.head_dim % self.qgroup or self.qgroup % 16:
+            raise ValueError(
+                f"qgroup={self.qgroup} must be a multiple of 16 dividing block_size={self.block_size} "
+                f"and head_dim={self.head_dim}"
+            )
+
+    @property
+    def block_bytes(self) -> int:
+        t, d, g = self.block_size, self.head_dim, self.qgroup
+        return d * t * self.key_bits // 8 + 4 * (t // g) * d + t * d * self.value_bits // 8 + 4 * t * (d // g)
+
+    def constants(self) -> dict[str, int]:
+        return {
+            "BLOCK_SIZE": self.block_size,
+            "HEAD_DIM": self.head_dim,
+            "QGROUP": self.qgroup,
+            "KEY_BITS": self.key_bits,
+            "VALUE_BITS": self.value_bits,
+            "GROUP": self.group,
+        }

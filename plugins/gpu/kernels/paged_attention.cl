@@ -52,13 +52,14 @@ inline float load_value(__global const uchar* block, int j, int d) {
 #endif
 }
 
-// logits[h][j] = scale * q[h] . key(j) for j < lengths[h / GROUP]. Global size: (slots rounded up
-// to SG, query heads); the query is held across the sub-group (lane l: dims l, l + SG, ...) and
-// broadcast one dim at a time.
+// logits[h][first[kv] + j] = scale * q[h] . key(j) for j < lengths[kv], kv = h / GROUP (`first`:
+// where a head's full-precision slots start in its logits, after its 2-bit slots, quant2.cl).
+// Global size: (slots rounded up to SG, query heads); the query is held across the sub-group
+// (lane l: dims l, l + SG, ...) and broadcast one dim at a time.
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void paged_logits(__global const uchar* pool, __global const int* tables, int table_stride,
-                           __global const int* lengths, __global const float* q, float scale,
-                           __global float* logits, int logit_stride) {
+                           __global const int* lengths, __global const int* first, __global const float* q,
+                           float scale, __global float* logits, int logit_stride) {
     const int j = get_global_id(0);
     const int h = get_global_id(1);
     const int lane = get_sub_group_local_id();
@@ -73,10 +74,10 @@ __kernel void paged_logits(__global const uchar* pool, __global const int* table
         const float qd = intel_sub_group_shuffle(qreg[d / SG], d % SG);
         if (live) acc = fma(qd, load_key(block, d, j % BLOCK_SIZE), acc);
     }
-    if (live) logits[h * logit_stride + j] = acc * scale;
+    if (live) logits[h * logit_stride + first[kv] + j] = acc * scale;
 }
 
-// probs[h][j] = softmax over j < lengths[h / GROUP] of logits[h]. One sub-group per query head:
+// probs[h][j] = softmax over j < lengths[h / GROUP] (every slot of the head) of logits[h]. One sub-group per query head:
 // global size (SG, query heads), local (SG, 1).
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void paged_softmax(__global const float* logits, int logit_stride, __global const int* lengths,
@@ -95,22 +96,23 @@ __kernel void paged_softmax(__global const float* logits, int logit_stride, __gl
     for (int j = lane; j < n; j += SG) probs[h * logit_stride + j] = exp(s[j] - mx) * inv;
 }
 
-// out[h][d] = sum over j < lengths[h / GROUP] of probs[h][j] * value(j)[d]. Global size
-// (HEAD_DIM, query heads), local (SG, 1).
+// out[h][d] (+)= sum over j < lengths[kv] of probs[h][first[kv] + j] * value(j)[d], kv = h /
+// GROUP (added to what quant_values wrote when `accumulate`). Global size (HEAD_DIM, query
+// heads), local (SG, 1).
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void paged_values(__global const uchar* pool, __global const int* tables, int table_stride,
-                           __global const int* lengths, __global const float* probs, int logit_stride,
-                           __global float* out) {
+                           __global const int* lengths, __global const int* first, __global const float* probs,
+                           int logit_stride, int accumulate, __global float* out) {
     const int d = get_global_id(0);
     const int h = get_global_id(1);
     const int kv = h / GROUP;
     const int n = lengths[kv];
-    __global const float* p = probs + h * logit_stride;
+    __global const float* p = probs + h * logit_stride + first[kv];
     float acc = 0.0f;
     for (int b = 0; b * BLOCK_SIZE < n; ++b) {
         __global const uchar* block = pool + (ulong)tables[kv * table_stride + b] * BLOCK_BYTES;
         const int end = min(BLOCK_SIZE, n - b * BLOCK_SIZE);
         for (int j = 0; j < end; ++j) acc = fma(p[b * BLOCK_SIZE + j], load_value(block, j, d), acc);
     }
-    out[h * HEAD_DIM + d] = acc;
+    out[h * HEAD_DIM + d] = accumulate ? out[h * HEAD_DIM + d] + acc : acc;
 }

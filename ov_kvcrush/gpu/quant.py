@@ -1,0 +1,58 @@
+"""MiniKV's 2-/4-bit store on the GPU path (``plugins/gpu/kernels/quant2.cl``): blocks of tokens
+quantized into the CPU op's 2-bit block layout, and read back. The store's decode attention is in
+:mod:`ov_kvcrush.gpu.attention`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ov_kvcrush.gpu.device import device
+from ov_kvcrush.gpu.layout import QuantShape
+
+
+def quantize_blocks(
+    shape: QuantShape, k: np.ndarray, v: np.ndarray, ids: np.ndarray, pool_blocks: int, sub_group: int | None = None
+) -> np.ndarray:
+    """A pool of ``pool_blocks`` 2-bit blocks (bytes) holding ``k``, ``v`` ``[nb, T, D]`` at block
+    ``ids[b]`` (the other blocks zero)."""
+    dev = device(sub_group)
+    nb, t, d = k.shape
+    pool_b = dev.to_device(np.zeros(pool_blocks * shape.block_bytes, np.uint8))
+    ids_b = dev.to_device(ids.astype(np.int32))
+    consts = shape.constants()
+    dev.run(
+        dev.kernel("quant2.cl", "quantize_keys", consts),
+        (d, t // shape.qgroup, nb),
+        None,
+        dev.to_device(k.astype(np.float32)),
+        ids_b,
+        pool_b,
+    )
+    dev.run(
+        dev.kernel("quant2.cl", "quantize_values", consts),
+        (d // shape.qgroup, t, nb),
+        None,
+        dev.to_device(v.astype(np.float32)),
+        ids_b,
+        pool_b,
+    )
+    return dev.to_host(pool_b, np.uint8, (pool_blocks * shape.block_bytes,))
+
+
+def dequantize_blocks(
+    shape: QuantShape, pool: np.ndarray, ids: np.ndarray, sub_group: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens ``[nb, T, D]`` (keys, values) of the pool's blocks ``ids``."""
+    dev = device(sub_group)
+    nb, t, d = len(ids), shape.block_size, shape.head_dim
+    k_b, v_b = dev.empty(4 * nb * t * d), dev.empty(4 * nb * t * d)
+    dev.run(
+        dev.kernel("quant2.cl", "dequantize_blocks", shape.constants()),
+        (d, t, nb),
+        None,
+        dev.to_device(pool.view(np.uint8)),
+        dev.to_device(ids.astype(np.int32)),
+        k_b,
+        v_b,
+    )
+    return dev.to_host(k_b, np.float32, (nb, t, d)), dev.to_host(v_b, np.float32, (nb, t, d))
