@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu.device import Device, device, round_up
+from ov_kvcrush.gpu.sort import MAX_KEYS, stable_order
 from ov_kvcrush.validation import check_choice, check_int
 
 SIGNATURES = ("topk", "threshold")
-MAX_KEYS = 4096  # bucket_order's local histogram: distance keys stay below it
 
 
 @dataclass
@@ -39,15 +39,7 @@ class KVCrushGPUSelection:
 
 
 def _kernel(dev: Device, name: str) -> Any:
-    return dev.kernel("kvcrush.cl", name, {"MAX_KEYS": MAX_KEYS})
-
-
-def _order_by_keys(dev: Device, keys: Any, m: int, key_range: int) -> Any:
-    """Device buffer of the ``m`` items' stable order by ``keys`` (each below ``key_range``)."""
-    order = dev.empty(4 * max(m, 1))
-    kernel = _kernel(dev, "bucket_order")
-    dev.run(kernel, (dev.sub_group,), (dev.sub_group,), keys, np.int32(m), np.int32(key_range), order)
-    return order
+    return dev.kernel("kvcrush.cl", name, {})
 
 
 def _top_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: int, keep: int) -> Any:
@@ -92,10 +84,10 @@ def kvcrush_select(
     h, n = scores.shape
     check_int("budget", budget, sink_tokens + recent_tokens + representatives, n - 1)
     a = anchor_bits.shape[0]
-    if (h + 1) ** (1 if multi_anchor == "nearest" and a > 1 else a) * (
-        a if multi_anchor == "nearest" else 1
-    ) > MAX_KEYS:
-        raise ValueError(f"{a} anchors over {h} heads exceed the device bucketing's {MAX_KEYS} keys")
+    nearest = int(multi_anchor == "nearest")
+    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
+    if key_range > MAX_KEYS:  # before any device work
+        raise ValueError(f"{a} anchors over {h} heads: {key_range} bucketing keys exceed the device sort's {MAX_KEYS}")
     dev = device(sub_group)
     sc = dev.to_device(scores.astype(np.float32))
     i32 = np.int32
@@ -109,7 +101,7 @@ def kvcrush_select(
     dev.run(_kernel(dev, "important_flags"), (n,), None, top, i32(n), i32(sink_tokens), i32(mid), flags)
     # evictable, then important, each in position order: the stable order by the flag
     m = n - (budget - representatives)
-    by_flag = dev.to_host(_order_by_keys(dev, flags, n, 2), np.int32, (n,))
+    by_flag = dev.to_host(stable_order(dev, flags, n, 2), np.int32, (n,))
     evictable, important = by_flag[:m], by_flag[m:]
     # each head's decisions over the middle, packed into signatures
     decisions = (
@@ -154,7 +146,6 @@ def kvcrush_select(
             dist_b,
         )
     keys = dev.empty(4 * max(m, 1))
-    nearest = int(multi_anchor == "nearest")
     if m:
         dev.run(
             _kernel(dev, "bucket_keys"),
@@ -167,8 +158,7 @@ def kvcrush_select(
             i32(nearest),
             keys,
         )
-    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
-    order_b = _order_by_keys(dev, keys, m, key_range)
+    order_b = stable_order(dev, keys, m, key_range)
     buckets = min(representatives, m)
     reps_b = dev.empty(4 * max(buckets, 1))
     if buckets:

@@ -7,8 +7,9 @@
 // middle tokens are [lo, lo + mid). Signatures are packed as the reference packs them: head h is
 // bit h % 32 of word h / 32, W = ceil(H / 32) words per token.
 //
-// Compile-time constants (-D): SG (sub-group size), MAX_KEYS (the local histogram's size for
-// bucket_order: key values are below it).
+// The bucketing order itself is sort.cl's stable counting sort over bucket_keys' keys.
+//
+// Compile-time constants (-D): SG (sub-group size).
 
 // Would head h keep middle token i on its own: among its `keep` highest scores, ties to the
 // earlier token (the rank of score i is the count of scores above it, or equal and earlier).
@@ -85,56 +86,6 @@ __kernel void bucket_keys(__global const int* distances, int m, int A, int H, in
         for (int a = 0; a < A; ++a) key = key * (H + 1) + d[a];
     }
     keys[e] = key;
-}
-
-// order: the m tokens by key, ties by position (a stable counting sort, keys below MAX_KEYS).
-// One sub-group: global and local size (SG). The histogram and its running starts live in
-// local memory; each chunk of SG tokens is placed in order, a lane's rank among the chunk's
-// lanes of its key coming from the keys shuffled across the sub-group.
-__attribute__((intel_reqd_sub_group_size(SG)))
-__kernel void bucket_order(__global const int* keys, int m, int key_range, __global int* order) {
-    __local int start[MAX_KEYS];
-    const int lane = get_sub_group_local_id();
-    for (int k = lane; k < key_range; k += SG) start[k] = 0;
-    sub_group_barrier(CLK_LOCAL_MEM_FENCE);
-    for (int c = 0; c < m; c += SG) {  // the histogram, one chunk at a time (one lane per key adds)
-        const int e = c + lane;
-        const int key = e < m ? keys[e] : -1;
-        int before = 0, after = 0;
-        for (int l = 0; l < SG; ++l) {
-            const int other = intel_sub_group_shuffle(key, l);
-            before += other == key && l < lane;
-            after += other == key && l > lane;
-        }
-        if (key >= 0 && after == 0) start[key] += before + 1;
-        sub_group_barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    if (lane == 0) {  // counts to starts
-        int total = 0;
-        for (int k = 0; k < key_range; ++k) {
-            const int count = start[k];
-            start[k] = total;
-            total += count;
-        }
-    }
-    sub_group_barrier(CLK_LOCAL_MEM_FENCE);
-    for (int c = 0; c < m; c += SG) {  // place each chunk after every earlier token of its key
-        const int e = c + lane;
-        const int key = e < m ? keys[e] : -1;
-        int before = 0, after = 0;
-        for (int l = 0; l < SG; ++l) {
-            const int other = intel_sub_group_shuffle(key, l);
-            before += other == key && l < lane;
-            after += other == key && l > lane;
-        }
-        const int at = key >= 0 ? start[key] + before : 0;
-        sub_group_barrier(CLK_LOCAL_MEM_FENCE);
-        if (key >= 0) {
-            order[at] = e;
-            if (after == 0) start[key] = at + 1;
-        }
-        sub_group_barrier(CLK_LOCAL_MEM_FENCE);
-    }
 }
 
 // One token per bucket: the m ordered tokens cut into `buckets` contiguous near-equal ranges
