@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu.device import Device, device, round_up
-from ov_kvcrush.gpu.layout import PoolShape, QuantShape
+from ov_kvcrush.gpu.layout import PoolShape, QuantShape, check_tables
 
 
 @dataclass
@@ -45,6 +45,16 @@ def paged_decode(
     tables) is given. Returns the output ``[Hq, D]`` and the probabilities ``[Hq, slots]`` (a
     head's 2-bit slots first, then its full-precision ones; 0 past its count): the scores the
     methods accumulate."""
+    check_tables("tables", tables, lengths, shape.block_size, pool.nbytes, shape.block_bytes)
+    if quant:
+        check_tables(
+            "quant tables",
+            quant[2].tables,
+            quant[2].lengths,
+            quant[0].block_size,
+            quant[1].nbytes,
+            quant[0].block_bytes,
+        )
     dev = device(sub_group)
     hq, d = q.shape
     sg = dev.sub_group

@@ -86,6 +86,20 @@ def pack_block(shape: PoolShape, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return np.concatenate([keys.ravel().view(np.uint8), values.ravel().view(np.uint8)])
 
 
+def unpack_block(shape: PoolShape, data: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``t`` tokens (keys, values ``[t, D]``, as floats) of one block's bytes."""
+    bs, d = shape.block_size, shape.head_dim
+    if shape.precision == "u8":
+        keys = data[: d * bs].reshape(d, bs)[:, :t].T
+        values = data[d * bs : 2 * d * bs].reshape(bs, d)[:t]
+        params = data[2 * d * bs :].view(np.float32).reshape(4, bs)[:, :t]
+        return dequantize_u8(keys, params[0], params[1]), dequantize_u8(values, params[2], params[3])
+    dtype = np.float32 if shape.precision == "f32" else np.float16
+    elems = data[: 2 * d * bs * shape.elem_bytes].view(dtype)
+    keys = elems[: d * bs].reshape(d, bs)[:, :t].T
+    return keys.astype(np.float32), elems[d * bs :].reshape(bs, d)[:t].astype(np.float32)
+
+
 def stored(shape: PoolShape, x: np.ndarray) -> np.ndarray:
     """``x`` ``[n, D]`` as the store holds it (what attention reads back)."""
     if shape.precision == "f32":
@@ -164,3 +178,22 @@ class QuantShape:
             "VALUE_BITS": self.value_bits,
             "GROUP": self.group,
         }
+
+
+def check_tables(
+    name: str, tables: np.ndarray, lengths: np.ndarray, block_size: int, pool_bytes: int, block_bytes: int
+) -> None:
+    """Every block a head's ``lengths`` reach must be a block of the pool (a kernel reading past
+    the pool would crash its process): a ``ValueError`` naming the field and the allowed range."""
+    blocks = pool_bytes // block_bytes
+    if tables.ndim != 2 or lengths.shape != (tables.shape[0],):
+        raise ValueError(
+            f"{name}: tables [heads, blocks] and lengths [heads] expected, got {tables.shape}, {lengths.shape}"
+        )
+    for h, n in enumerate(lengths.tolist()):
+        used = -(-int(n) // block_size)
+        if n < 0 or used > tables.shape[1]:
+            raise ValueError(f"{name}: head {h} holds {n} tokens: allowed 0..{tables.shape[1] * block_size}")
+        bad = [int(b) for b in tables[h, :used] if not 0 <= b < blocks]
+        if bad:
+            raise ValueError(f"{name}: head {h} names block {bad[0]}: allowed 0..{blocks - 1}")

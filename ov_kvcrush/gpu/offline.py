@@ -22,6 +22,9 @@ from ov_kvcrush.gpu.device import build_options, kernel_dir
 # sub-group sizes each target compiles (Xe-HPC refuses a required size of 8)
 TARGETS: dict[str, tuple[int, ...]] = {"tgllp": (8, 16), "dg2-g10": (8, 16), "pvc": (16,)}
 
+# where a source's other sets of constants are compiled
+ALSO_ON = ("dg2-g10", 16)
+
 # the compile-time constants each source is built with by its host (a few representative shapes:
 # SmolLM2's and Llama-3-8B's head sizes and groups, every store precision)
 VARIANTS: dict[str, list[dict[str, int]]] = {
@@ -29,6 +32,9 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
     "kvcrush.cl": [{}],
     "sort.cl": [{"MAX_KEYS": 4096}],
+    "paged_store.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)],
+    "prefill.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (1, 2)]
+    + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
     "clusterkv.cl": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4}],
     "quant2.cl": [
         {"BLOCK_SIZE": 32, "HEAD_DIM": 64, "QGROUP": 16, "KEY_BITS": kb, "VALUE_BITS": vb, "GROUP": 3}
@@ -53,13 +59,16 @@ def ocloc() -> str | None:
 
 
 def builds() -> list[tuple[str, str, int, dict[str, int]]]:
-    """Every (source, target, sub-group size, constants) to compile."""
+    """Every (source, target, sub-group size, constants) to compile: each source's first set of
+    constants on every target at every sub-group size it runs (what a target refuses depends on
+    the target and the sub-group size), its other sets on :data:`ALSO_ON` (what the constants
+    change is the code's shape, not the target's rules)."""
     out = []
     for path in sorted(kernel_dir().glob("*.cl")):
-        for constants in VARIANTS.get(path.name, [{}]):
-            for target, sizes in TARGETS.items():
-                for sg in sizes:
-                    out.append((path.name, target, sg, constants))
+        first, *others = VARIANTS.get(path.name, [{}])
+        for target, sizes in TARGETS.items():
+            out += [(path.name, target, sg, first) for sg in sizes]
+        out += [(path.name, *ALSO_ON, constants) for constants in others]
     return out
 
 

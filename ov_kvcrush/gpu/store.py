@@ -1,0 +1,89 @@
+"""Writing and moving tokens in the GPU pool (``plugins/gpu/kernels/paged_store.cl``): a step's
+new tokens stored at their slots in the CPU op's block layout, and the gather of kept slots
+into fresh blocks that eviction uses."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ov_kvcrush.gpu.device import device
+from ov_kvcrush.gpu.layout import PoolShape, check_tables
+
+
+def store_tokens(
+    shape: PoolShape,
+    pool: np.ndarray,
+    tables: np.ndarray,
+    first: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    sub_group: int | None = None,
+) -> np.ndarray:
+    """The pool with ``k``, ``v`` ``[kv_heads, tokens, D]`` written at slots ``first[kv] + t``
+    of each KV head (its blocks a row of ``tables``)."""
+    kv, tokens, _ = k.shape
+    check_tables("tables", tables, first.astype(np.int64) + tokens, shape.block_size, pool.nbytes, shape.block_bytes)
+    dev = device(sub_group)
+    pool_b = dev.to_device(pool.view(np.uint8))
+    consts = {
+        "KV_PRECISION": shape.constants()["KV_PRECISION"],
+        "BLOCK_SIZE": shape.block_size,
+        "HEAD_DIM": shape.head_dim,
+    }
+    sg = dev.sub_group
+    dev.run(
+        dev.kernel("paged_store.cl", "store_tokens", consts),
+        (sg, tokens, kv),
+        (sg, 1, 1),
+        pool_b,
+        dev.to_device(tables.astype(np.int32)),
+        np.int32(tables.shape[1]),
+        dev.to_device(first.astype(np.int32)),
+        dev.to_device(k.astype(np.float32)),
+        dev.to_device(v.astype(np.float32)),
+    )
+    return dev.to_host(pool_b, np.uint8, (pool.nbytes,))
+
+
+def gather_slots(
+    shape: PoolShape,
+    pool: np.ndarray,
+    tables: np.ndarray,
+    new_tables: np.ndarray,
+    kept: list[np.ndarray],
+    sub_group: int | None = None,
+) -> np.ndarray:
+    """The pool with each KV head's ``kept`` slots (in order) copied to slots ``0 ..`` of its
+    blocks in ``new_tables`` (blocks none of ``tables`` holds)."""
+    dev = device(sub_group)
+    kv = len(kept)
+    width = max(max((len(s) for s in kept), default=0), 1)
+    src = np.zeros((kv, width), np.int32)
+    for h, s in enumerate(kept):
+        src[h, : len(s)] = s
+    counts = np.array([len(s) for s in kept], np.int32)
+    held = np.array([int(s.max()) + 1 if len(s) else 0 for s in kept])
+    check_tables("tables", tables, held, shape.block_size, pool.nbytes, shape.block_bytes)
+    check_tables("new_tables", new_tables, counts, shape.block_size, pool.nbytes, shape.block_bytes)
+    pool_b = dev.to_device(pool.view(np.uint8))
+    consts = {
+        "KV_PRECISION": shape.constants()["KV_PRECISION"],
+        "BLOCK_SIZE": shape.block_size,
+        "HEAD_DIM": shape.head_dim,
+    }
+    # the gather reads and writes one buffer: the kept slots' blocks and the new ones are disjoint
+    dev.run(
+        dev.kernel("paged_store.cl", "gather_slots", consts),
+        (shape.head_dim + 4, width, kv),
+        None,
+        pool_b,
+        dev.to_device(tables.astype(np.int32)),
+        np.int32(tables.shape[1]),
+        pool_b,
+        dev.to_device(new_tables.astype(np.int32)),
+        np.int32(new_tables.shape[1]),
+        dev.to_device(src),
+        np.int32(width),
+        dev.to_device(counts),
+    )
+    return dev.to_host(pool_b, np.uint8, (pool.nbytes,))

@@ -1,0 +1,106 @@
+// Prompt (prefill) attention over the CPU op's block layout, for Intel GPUs: a step's query rows
+// attend every slot of their KV head whose position is at most their own (the prompt's earlier
+// chunks, then the step's own tokens, stored first by paged_store.cl), with an online softmax
+// over the slots; and the column sums the methods score by: each slot's probability summed over
+// the last `window` rows (SnapKV's window; every row for H2O's sums).
+//
+// One work-item per (query row, query head), rows in sub-group-wide tiles: the lanes of a
+// sub-group read the same key element at once (one broadcast load), each against its own row.
+//
+// Compile-time constants (-D): SG, KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM, GROUP.
+
+#if KV_PRECISION == 0
+#define ELEM_BYTES 4
+#elif KV_PRECISION == 1
+#define ELEM_BYTES 2
+#else
+#define ELEM_BYTES 1
+#endif
+#define KV_BYTES (2 * BLOCK_SIZE * HEAD_DIM * ELEM_BYTES)
+#define PARAM_BYTES (KV_PRECISION == 2 ? 4 * 4 * BLOCK_SIZE : 0)
+#define BLOCK_BYTES ((ulong)(KV_BYTES + PARAM_BYTES))
+
+inline float key_at(__global const uchar* block, int d, int j) {
+#if KV_PRECISION == 0
+    return ((__global const float*)block)[d * BLOCK_SIZE + j];
+#elif KV_PRECISION == 1
+    return vload_half(d * BLOCK_SIZE + j, (__global const half*)block);
+#else
+    __global const float* p = (__global const float*)(block + KV_BYTES);
+    return p[j] + (float)block[d * BLOCK_SIZE + j] * p[BLOCK_SIZE + j];
+#endif
+}
+
+inline float value_at(__global const uchar* block, int j, int d) {
+    const int at = BLOCK_SIZE * HEAD_DIM + j * HEAD_DIM + d;
+#if KV_PRECISION == 0
+    return ((__global const float*)block)[at];
+#elif KV_PRECISION == 1
+    return vload_half(at, (__global const half*)block);
+#else
+    __global const float* p = (__global const float*)(block + KV_BYTES);
+    return p[2 * BLOCK_SIZE + j] + (float)block[at] * p[3 * BLOCK_SIZE + j];
+#endif
+}
+
+// out[h][r] and lse[h][r] (log-sum-exp of the row's scaled logits) for query rows q[h][r] at
+// positions qpos0 + r over the slots j < lengths[kv] with positions[kv][j] <= the row's. Global
+// (rows rounded up to SG, query heads), local (SG, 1).
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void paged_prefill(__global const uchar* pool, __global const int* tables, int table_stride,
+                            __global const int* lengths, __global const int* positions, int pos_stride,
+                            __global const float* q, int rows, int qpos0, float scale, __global float* out,
+                            __global float* lse) {
+    const int r = get_global_id(0), h = get_global_id(1);
+    const int kv = h / GROUP;
+    const bool live = r < rows;
+    const int qpos = qpos0 + r;
+    float qr[HEAD_DIM], acc[HEAD_DIM];
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        qr[d] = live ? q[((long)h * rows + r) * HEAD_DIM + d] * scale : 0.0f;
+        acc[d] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    const int n = lengths[kv];
+    for (int j = 0; j < n; ++j) {
+        __global const uchar* block = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
+        const int jj = j % BLOCK_SIZE;
+        float s = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d], key_at(block, d, jj), s);
+        if (!live || positions[kv * pos_stride + j] > qpos) continue;
+        const float m_new = fmax(m, s);
+        const float alpha = exp(m - m_new), p = exp(s - m_new);
+        l = l * alpha + p;
+        for (int d = 0; d < HEAD_DIM; ++d) acc[d] = fma(p, value_at(block, jj, d), acc[d] * alpha);
+        m = m_new;
+    }
+    if (!live) return;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) out[((long)h * rows + r) * HEAD_DIM + d] = acc[d] * inv;
+    lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
+}
+
+// scores[h][j] += the probability of slot j summed over rows [rows - window, rows) (each row's
+// logits less its lse, slots after the row's position left out). Global (slots, query heads).
+__kernel void window_scores(__global const uchar* pool, __global const int* tables, int table_stride,
+                            __global const int* lengths, __global const int* positions, int pos_stride,
+                            __global const float* q, int rows, int qpos0, float scale, __global const float* lse,
+                            int window, __global float* scores, int score_stride) {
+    const int j = get_global_id(0), h = get_global_id(1);
+    const int kv = h / GROUP;
+    if (j >= lengths[kv]) return;
+    __global const uchar* block = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
+    const int jj = j % BLOCK_SIZE;
+    float key[HEAD_DIM];
+    for (int d = 0; d < HEAD_DIM; ++d) key[d] = key_at(block, d, jj);
+    const int pos = positions[kv * pos_stride + j];
+    float total = 0.0f;
+    for (int r = max(rows - window, 0); r < rows; ++r) {
+        if (pos > qpos0 + r) continue;
+        __global const float* qr = q + ((long)h * rows + r) * HEAD_DIM;
+        float s = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d] * scale, key[d], s);
+        total += exp(s - lse[h * rows + r]);
+    }
+    scores[h * score_stride + j] += total;
+}
