@@ -57,3 +57,37 @@ def test_kmeans_and_recall_equal_the_reference(gpu_worker, rows, n, d, k, noise,
         np.testing.assert_array_equal(order, order_ref.numpy())
         for h in range(rows):
             np.testing.assert_array_equal(slots[h], slots_ref[h].numpy())
+
+
+@pytest.mark.parametrize("sub_group", SUB_GROUPS)
+def test_a_decode_step_attends_the_sinks_recalled_and_pending_slots(gpu_worker, sub_group):
+    """ClusterKV's step (``ClusterKVLayerCache._select``): the sinks, the recalled clusters'
+    slots and the generated tokens not clustered yet, attended through the decode kernel's slot
+    list; the output is the reference attention over exactly those tokens."""
+    from ov_kvcrush.gpu import attention, layout
+
+    rng = np.random.default_rng(5 + sub_group)
+    kv, group, d, sinks, clustered, pending = 2, 3, 64, 4, 150, 7
+    n = sinks + clustered + pending
+    keys = clustered_keys(rng, kv, n, d, 6, 0.5)
+    values = rng.standard_normal((kv, n, d), dtype=np.float32)
+    picks = reference.initial_picks(0, kv, clustered, 10, torch.device("cpu")).numpy()
+    clusters = gpu_worker.submit(
+        clusterkv.kmeans_cosine, keys[:, sinks : sinks + clustered], picks, 10, sinks, sub_group
+    ).result()
+    q = rng.standard_normal((kv * group, d), dtype=np.float32)
+    _order, recalled = gpu_worker.submit(clusterkv.recall, q, clusters, 40, sub_group).result()
+    attended = [np.concatenate([np.arange(sinks), r, np.arange(sinks + clustered, n)]) for r in recalled]
+    shape = layout.PoolShape("f32", 32, d, group=group)
+    paged = layout.page_heads(shape, list(keys), list(values), rng)
+    out, probs = gpu_worker.submit(
+        attention.paged_decode, shape, paged.pool, paged.tables, paged.lengths, q, d**-0.5, sub_group, None, attended
+    ).result()
+    for h in range(kv * group):
+        slots = attended[h // group]
+        assert len(slots) == sinks + 40 + pending
+        s = keys[h // group, slots] @ q[h] * d**-0.5
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        np.testing.assert_allclose(out[h], p @ values[h // group, slots], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(probs[h, : len(slots)], p, rtol=1e-5, atol=1e-7)

@@ -21,12 +21,51 @@ class HeadTables:
     lengths: np.ndarray
 
 
-def _tables(dev: Device, heads: HeadTables) -> tuple[Any, Any, np.int32]:
-    return (
-        dev.to_device(heads.tables.astype(np.int32)),
-        dev.to_device(heads.lengths.astype(np.int32)),
+@dataclass
+class DecodeBuffers:
+    """One step's device buffers: the query, the logits and probabilities ``[Hq, stride]`` (a
+    head's 2-bit slots first), the output, and where each head's full-precision slots start."""
+
+    q: Any
+    logits: Any
+    probs: Any
+    out: Any
+    first: Any
+    stride: np.int32
+
+
+def _slot_map(slots: list[np.ndarray] | None, heads: int) -> tuple[np.ndarray, int]:
+    """The slots each head attends, padded to a ``[heads, width]`` table (width 0: no list)."""
+    width = max((len(s) for s in slots), default=0) if slots is not None else 0
+    table = np.zeros((heads, max(width, 1)), np.int32)
+    for h, s in enumerate(slots or []):
+        table[h, : len(s)] = s
+    return table, width
+
+
+def _quant_logits(
+    dev: Device, quant: tuple[QuantShape, np.ndarray, HeadTables], bufs: DecodeBuffers, hq: int, scale: float
+) -> tuple[Any, Any, tuple[Any, np.int32], Any]:
+    """The 2-bit slots' logits; returns what their values pass needs (kernel, pool, tables, lengths)."""
+    shape, pool, heads = quant
+    qpool = dev.to_device(pool.view(np.uint8))
+    tables, lengths = dev.to_device(heads.tables.astype(np.int32)), dev.to_device(heads.lengths.astype(np.int32))
+    width = round_up(max(int(heads.lengths.max()), 1), dev.sub_group)
+    consts = shape.constants()
+    dev.run(
+        dev.kernel("quant2.cl", "quant_logits", consts),
+        (width, hq),
+        (dev.sub_group, 1),
+        qpool,
+        tables,
         np.int32(heads.tables.shape[1]),
+        lengths,
+        bufs.q,
+        np.float32(scale),
+        bufs.logits,
+        bufs.stride,
     )
+    return dev.kernel("quant2.cl", "quant_values", consts), qpool, (tables, np.int32(heads.tables.shape[1])), lengths
 
 
 def paged_decode(
@@ -38,107 +77,81 @@ def paged_decode(
     scale: float,
     sub_group: int | None = None,
     quant: tuple[QuantShape, np.ndarray, HeadTables] | None = None,
+    slots: list[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One decode step's attention of query ``q`` ``[Hq, D]`` over the full-precision pool
     (bytes, blocks of ``shape``) by per-KV-head block ``tables`` ``[Hkv, max_blocks]`` and token
     ``lengths`` ``[Hkv]``, after each head's 2-bit slots when ``quant`` (its shape, pool and
-    tables) is given. Returns the output ``[Hq, D]`` and the probabilities ``[Hq, slots]`` (a
-    head's 2-bit slots first, then its full-precision ones; 0 past its count): the scores the
-    methods accumulate."""
-    check_tables("tables", tables, lengths, shape.block_size, pool.nbytes, shape.block_bytes)
+    tables) is given. ``slots``: each KV head attends these slots of its blocks instead, in this
+    order (ClusterKV's sinks, recalled and pending slots). Returns the output ``[Hq, D]`` and the
+    probabilities ``[Hq, slots]`` (a head's 2-bit slots first, then the rest; 0 past its count):
+    the scores the methods accumulate."""
+    held = lengths
+    if slots is not None:
+        held = np.array([int(s.max()) + 1 if len(s) else 0 for s in slots])
+        lengths = np.array([len(s) for s in slots], np.int32)
+    check_tables("tables", tables, held, shape.block_size, pool.nbytes, shape.block_bytes)
     if quant:
-        check_tables(
-            "quant tables",
-            quant[2].tables,
-            quant[2].lengths,
-            quant[0].block_size,
-            quant[1].nbytes,
-            quant[0].block_bytes,
-        )
+        qs, qpool, qheads = quant
+        check_tables("quant tables", qheads.tables, qheads.lengths, qs.block_size, qpool.nbytes, qs.block_bytes)
     dev = device(sub_group)
     hq, d = q.shape
     sg = dev.sub_group
-    i32, f32 = np.int32, np.float32
-    qlengths = quant[2].lengths.astype(np.int32) if quant else np.zeros_like(lengths, dtype=np.int32)
+    qlengths = quant[2].lengths.astype(np.int32) if quant else np.zeros(len(lengths), np.int32)
     totals = qlengths + lengths.astype(np.int32)
     width = max(int(totals.max()), 1)
     stride = round_up(width, sg)
-    q_b = dev.to_device(q.astype(np.float32))
-    logits_b = dev.empty(4 * hq * stride)
-    probs_b = dev.to_device(np.zeros((hq, stride), dtype=np.float32))
-    out_b = dev.to_device(np.zeros((hq, d), dtype=np.float32))
-    if quant:
-        qshape, qpool, qheads = quant
-        qtables_b, qlengths_b, qstride = _tables(dev, qheads)
-        qpool_b = dev.to_device(qpool.view(np.uint8))
-        qwidth = round_up(max(int(qlengths.max()), 1), sg)
-
-        def qkernel(name: str) -> Any:
-            return dev.kernel("quant2.cl", name, qshape.constants())
-
-        dev.run(
-            qkernel("quant_logits"),
-            (qwidth, hq),
-            (sg, 1),
-            qpool_b,
-            qtables_b,
-            qstride,
-            qlengths_b,
-            q_b,
-            f32(scale),
-            logits_b,
-            i32(stride),
-        )
-    pool_b = dev.to_device(pool.view(np.uint8))
-    tables_b, lengths_b, fstride = _tables(dev, HeadTables(tables, lengths))
-    first_b = dev.to_device(qlengths)
-    totals_b = dev.to_device(totals)
-
-    def kernel(name: str) -> Any:
-        return dev.kernel("paged_attention.cl", name, shape.constants())
-
+    bufs = DecodeBuffers(
+        q=dev.to_device(q.astype(np.float32)),
+        logits=dev.empty(4 * hq * stride),
+        probs=dev.to_device(np.zeros((hq, stride), np.float32)),
+        out=dev.to_device(np.zeros((hq, d), np.float32)),
+        first=dev.to_device(qlengths),
+        stride=np.int32(stride),
+    )
+    quant_pass = _quant_logits(dev, quant, bufs, hq, scale) if quant else None
+    slot_map, map_width = _slot_map(slots, len(lengths))
+    fp = (
+        dev.to_device(pool.view(np.uint8)),
+        dev.to_device(tables.astype(np.int32)),
+        np.int32(tables.shape[1]),
+        dev.to_device(lengths.astype(np.int32)),
+        bufs.first,
+        dev.to_device(slot_map),
+        np.int32(map_width),
+    )
+    consts = shape.constants()
     fwidth = round_up(max(int(lengths.max()), 1), sg)
     dev.run(
-        kernel("paged_logits"),
+        dev.kernel("paged_attention.cl", "paged_logits", consts),
         (fwidth, hq),
         (sg, 1),
-        pool_b,
-        tables_b,
-        fstride,
-        lengths_b,
-        first_b,
-        q_b,
-        f32(scale),
-        logits_b,
-        i32(stride),
+        *fp,
+        bufs.q,
+        np.float32(scale),
+        bufs.logits,
+        bufs.stride,
     )
-    dev.run(kernel("paged_softmax"), (sg, hq), (sg, 1), logits_b, i32(stride), totals_b, probs_b)
-    if quant:
-        dev.run(
-            qkernel("quant_values"),
-            (d, hq),
-            (sg, 1),
-            qpool_b,
-            qtables_b,
-            qstride,
-            qlengths_b,
-            probs_b,
-            i32(stride),
-            out_b,
-        )
     dev.run(
-        kernel("paged_values"),
+        dev.kernel("paged_attention.cl", "paged_softmax", consts),
+        (sg, hq),
+        (sg, 1),
+        bufs.logits,
+        bufs.stride,
+        dev.to_device(totals),
+        bufs.probs,
+    )
+    if quant_pass:
+        kernel, qpool_b, (qtables_b, qstride), qlengths_b = quant_pass
+        dev.run(kernel, (d, hq), (sg, 1), qpool_b, qtables_b, qstride, qlengths_b, bufs.probs, bufs.stride, bufs.out)
+    dev.run(
+        dev.kernel("paged_attention.cl", "paged_values", consts),
         (d, hq),
         (sg, 1),
-        pool_b,
-        tables_b,
-        fstride,
-        lengths_b,
-        first_b,
-        probs_b,
-        i32(stride),
-        i32(quant is not None),
-        out_b,
+        *fp,
+        bufs.probs,
+        bufs.stride,
+        np.int32(quant is not None),
+        bufs.out,
     )
-    out = dev.to_host(out_b, np.float32, (hq, d))
-    return out, dev.to_host(probs_b, np.float32, (hq, stride))[:, :width]
+    return dev.to_host(bufs.out, np.float32, (hq, d)), dev.to_host(bufs.probs, np.float32, (hq, stride))[:, :width]
