@@ -74,10 +74,6 @@ def checked_configs(plan: ServingPlan) -> list[BenchConfig]:
     return plan_configs(plan.backends, plan.methods, plan.budgets, anchor="genai")
 
 
-def pool_blocks(pool_bytes: int, block_bytes: int) -> int:
-    return max(1, int(pool_bytes // block_bytes))
-
-
 def serve_config(cfg: BenchConfig, plan: ServingPlan, model_dir: str, prompts: list[str]) -> dict[str, Any]:
     """One configuration's run (in a worker process): build, warm up, serve every prompt, measure."""
     if cfg.backend == "genai":
@@ -137,6 +133,8 @@ class _NativeServer(_Loop):
         self._run_one(probe, [1, 2, 3, 4], 2)  # the pool is allocated on the first step
         self.block_bytes = probe.get_metrics().cache_size_in_bytes // probe_blocks
         del probe
+        from ov_kvcrush.op.kvcache import pool_blocks
+
         self.blocks = pool_blocks(int(plan.kv_pool_mib * 2**20), self.block_bytes)
         self.pipe = ov_genai.ContinuousBatchingPipeline(model_dir, self._sc(self.blocks), "CPU")
         self.tokenizer = self.pipe.get_tokenizer()
@@ -213,7 +211,7 @@ class _OurServer(_Loop):
         sc.max_num_batched_tokens = plan.max_num_batched_tokens
         engine = OpenVINOEngine(model_dir, compression(cfg))
         s = engine.shape
-        from ov_kvcrush.op.kvcache import block_bytes
+        from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
 
         self.block_bytes = block_bytes(engine.block_size, s.head_dim, engine.kv_precision)
         engine.max_kv_blocks = pool_blocks(int(plan.kv_pool_mib * 2**20), self.block_bytes)

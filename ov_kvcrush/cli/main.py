@@ -17,6 +17,7 @@ from ov_kvcrush.cli.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.cli.chat import add_arguments as add_chat_arguments
 from ov_kvcrush.cli.chat import methods_help
 from ov_kvcrush.cli.inspect_command import add_inspect_arguments, cmd_inspect
+from ov_kvcrush.cli.serve_command import add_serve_arguments, cmd_serve
 from ov_kvcrush.cli.values import parse_float, parse_int, parse_name, parse_size, split_values
 from ov_kvcrush.errors import UserError, one_line
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, read_prompt_file, write_atomic, write_text
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_inspect_arguments(sub)
     _add_bench(sub)
+    add_serve_arguments(sub)
     for command in sub.choices.values():  # --debug also after the command (ov-kvcrush generate --debug)
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
@@ -387,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": cmd_inspect,
         "chat": cmd_chat,
         "bench": cmd_bench,
+        "serve": cmd_serve,
     }[args.command]
     try:
         return handler(args)

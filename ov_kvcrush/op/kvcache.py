@@ -63,6 +63,11 @@ def block_bytes(block_size: int, head_dim: int, precision: str) -> int:
     return block_size * (2 * head_dim * PRECISION_BYTES[precision] + PRECISION_TOKEN_BYTES[precision])
 
 
+def pool_blocks(pool_bytes: int, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` a pool of ``pool_bytes`` holds (at least one)."""
+    return max(1, int(pool_bytes // block_bytes))
+
+
 DEFAULT_BLOCK_SIZE = 32
 #: the longest op error read whole (longer ones are cut, marked "...")
 STEP_ERROR_BYTES = 8192

@@ -1,0 +1,62 @@
+"""What ``/metrics`` exposes in Prometheus' text format (``prometheus_client``, one registry per
+server): requests running and waiting, the pool's blocks used and free, the KV bytes held now,
+the KV bytes finished requests held against their full cache's, tokens, and TTFT/TPOT histograms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ov_kvcrush.engines.base import GenerationResult
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """The server's counters; the gauges read the pipeline when scraped."""
+
+    def __init__(
+        self,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        blocks_used: Callable[[], int],
+        blocks_free: Callable[[], int],
+        kv_bytes: Callable[[], int],
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge("ovkc_requests_running", "Requests being generated", registry=r).set_function(running)
+        Gauge("ovkc_requests_waiting", "Requests waiting for admission", registry=r).set_function(waiting)
+        Gauge("ovkc_kv_pool_blocks_used", "KV pool blocks in use", registry=r).set_function(blocks_used)
+        Gauge("ovkc_kv_pool_blocks_free", "KV pool blocks free (-1: unlimited pool)", registry=r).set_function(
+            blocks_free
+        )
+        Gauge("ovkc_kv_bytes_held", "KV bytes the pool holds now", registry=r).set_function(kv_bytes)
+        self.requests = Counter("ovkc_requests", "Requests answered, by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("ovkc_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("ovkc_generated_tokens", "Tokens generated", registry=r)
+        self.kv_held = Counter("ovkc_request_kv_bytes_held", "KV bytes finished requests held at their end", registry=r)
+        self.kv_full = Counter(
+            "ovkc_request_kv_bytes_full", "KV bytes the same requests would hold with the full cache", registry=r
+        )
+        self.ttft = Histogram("ovkc_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("ovkc_tpot_seconds", "Time per output token", buckets=LATENCY_BUCKETS, registry=r)
+
+    def finished(self, result: GenerationResult, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generated_tokens.inc(result.generated_tokens)
+        self.kv_held.inc(result.kv_bytes)
+        self.kv_full.inc(result.full_kv_bytes)
+        if result.generated_tokens:
+            self.ttft.observe(result.ttft_ms / 1e3)
+        if result.generated_tokens > 1:
+            self.tpot.observe(result.tpot_ms / 1e3)
+
+    def refused(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

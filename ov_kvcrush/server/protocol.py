@@ -1,0 +1,166 @@
+"""The OpenAI request bodies the server accepts, validated into plain dataclasses, and its errors
+as OpenAI-shaped bodies (``{"error": {"message", "type", "param", "code"}}``).
+
+Every field is checked by name with its allowed range, as the CLI checks its flags; a field the
+server cannot honour (``n > 1``, ``logprobs``, tools) is refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ov_kvcrush.config import GenerationSettings
+from ov_kvcrush.errors import UserError
+
+#: fields the server refuses when set to anything but their neutral value
+UNSUPPORTED = {
+    "n": 1,
+    "best_of": 1,
+    "logprobs": None,
+    "top_logprobs": None,
+    "echo": False,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "response_format": None,
+    "logit_bias": None,
+}
+#: fields accepted and without effect here (OpenAI clients send them)
+IGNORED = {"user", "stream_options", "presence_penalty", "frequency_penalty", "metadata", "store", "service_tier"}
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    """An error the server answers with ``status`` and an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class GenerationRequest:
+    """One validated request: what to generate from, how, and how to answer."""
+
+    chat: bool
+    prompt: str | list[dict[str, str]]
+    settings: GenerationSettings
+    stream: bool = False
+    stop: list[str] = field(default_factory=list)
+    model: str = ""
+    include_usage: bool = False
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise APIError(400, f"{name}={value!r} is invalid: allowed a number in [{lo}, {hi}]", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise APIError(400, f"{name}={value!r} is invalid: allowed an integer in [{lo}, {hi}]", name)
+    return value
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and body[name] not in (neutral, None) and body[name] != []:
+            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
+    known = {
+        "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+        "stop", "stream", *UNSUPPORTED, *IGNORED,
+    }  # fmt: skip
+    for name in body:
+        if name not in known:
+            raise APIError(400, f"unknown field {name!r}", name)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(value):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if isinstance(content, list):  # content parts: text only
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(p for p in parts if isinstance(p, str)) if len(parts) == len(content) else None
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise APIError(
+                400, f"messages[{i}] must have a role (system, user, assistant) and text content", f"messages[{i}]"
+            )
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _stop(value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value if value is not None else []
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}", "stop")
+    return stops
+
+
+def parse_generation(body: dict[str, Any], chat: bool, max_tokens_default: int) -> GenerationRequest:
+    """A chat (``messages``) or completion (``prompt``) body as a :class:`GenerationRequest`."""
+    _refuse_unsupported(body)
+    if chat:
+        prompt: str | list[dict[str, str]] = _messages(body.get("messages"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise APIError(400, "prompt must be a non-empty string (one prompt per request)", "prompt")
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _integer(body, name, max_tokens_default, 1, 1 << 16)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    seed = _integer(body, "seed", 0, 0, 2**31 - 1)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, f"stream={stream!r} is invalid: allowed true or false", "stream")
+    options = body.get("stream_options") or {}
+    try:
+        settings = GenerationSettings(
+            max_new_tokens=max_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=top_p if top_p > 0 else 1.0,
+            seed=seed,
+            apply_chat_template=chat,
+        )
+    except UserError as e:
+        raise APIError(400, str(e)) from e
+    model = body.get("model", "")
+    return GenerationRequest(
+        chat=chat,
+        prompt=prompt,
+        settings=settings,
+        stream=stream,
+        stop=_stop(body.get("stop")),
+        model=model if isinstance(model, str) else "",
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+    )

@@ -1,0 +1,236 @@
+"""``ov-kvcrush serve`` (issue 50): the OpenAI-compatible API over one continuous-batching
+pipeline, driven by the official ``openai`` client and by raw HTTP.
+
+Oracle: the in-process pipeline's own greedy answer for the same prompt and settings (the server
+must return exactly that text, streamed or not, cut at a stop string where one is given), its
+token counts, and the pool's blocks (none held once every request is over). Bad input gets a 4xx
+with an OpenAI-shaped error body naming the field, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ov_kvcrush.cli.main import build_parser
+from ov_kvcrush.cli.serve_command import build_backend
+from ov_kvcrush.config import GenerationSettings
+from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.thread import ServerThread
+
+pytestmark = pytest.mark.model
+
+QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "96",
+                                      "--max-queue", "4", "--served-model-name", "smollm2"])  # fmt: skip
+    return build_backend(args)
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    with ServerThread(make_app(backend, max_body_bytes=4096)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def in_process(backend, prompt, max_tokens: int) -> str:
+    """The pipeline's own greedy answer (the oracle)."""
+    settings = GenerationSettings(max_new_tokens=max_tokens, apply_chat_template=isinstance(prompt, list))
+    return backend.pipeline.generate([prompt], settings)[0].text
+
+
+def wait_until(condition, timeout: float = 60.0) -> bool:
+    """Poll ``condition`` until true or ``timeout`` (the server's worker frees blocks after a step)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+
+
+def test_chat_answers_as_the_pipeline_does_streamed_or_not(client, backend):
+    want = in_process(backend, QUESTION, 24)
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason in ("stop", "length")
+    prompt_tokens = len(backend.pipeline.engine.encode(QUESTION, True))
+    assert r.usage.prompt_tokens == prompt_tokens
+    assert r.usage.completion_tokens == r.usage.total_tokens - prompt_tokens > 0
+    extra = r.usage.model_extra
+    assert 0 < extra["kv_bytes"] <= extra["full_kv_bytes"]
+    chunks = list(client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completion_stops_at_a_stop_string_and_never_sends_past_it(client, backend):
+    prompt = "List the days of the week: Monday, Tuesday,"
+    full = in_process(backend, prompt, 24)
+    stop = ","
+    assert stop in full  # the prompt makes the model continue the list
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0,
+                                         stop=stop, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == full[: full.index(stop)]
+
+
+def test_sampling_follows_the_seed(client):
+    kw = {"model": "smollm2", "messages": QUESTION, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9}
+    a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    assert a == b
+
+
+BAD_BODIES = [
+    (b"{not json", None, "not valid JSON"),
+    (json.dumps({"model": "gpt-4", "messages": QUESTION}).encode(), "model", "not served here"),
+    (json.dumps({"messages": QUESTION, "max_tokens": 60000}).encode(), None, "context"),
+    (json.dumps({"messages": QUESTION, "n": 2}).encode(), "n", "not supported"),
+    (json.dumps({"messages": QUESTION, "logprobs": True}).encode(), "logprobs", "not supported"),
+    (json.dumps({"messages": QUESTION, "tools": [{"type": "function"}]}).encode(), "tools", "not supported"),
+    (json.dumps({"messages": QUESTION, "temperature": 5}).encode(), "temperature", r"\[0.0, 2.0\]"),
+    (json.dumps({"messages": QUESTION, "max_tokens": 0}).encode(), "max_tokens", "integer in"),
+    (json.dumps({"messages": []}).encode(), "messages", "non-empty"),
+    (json.dumps({"messages": QUESTION, "stop": [""]}).encode(), "stop", "stop must be"),
+    (json.dumps({"messages": QUESTION, "kv_budget": 5}).encode(), "kv_budget", "unknown field"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), BAD_BODIES)
+def test_bad_input_gets_a_400_with_an_openai_error_body_and_the_server_keeps_serving(server, body, param, message):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert re.search(message, err["message"])
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_parsed(server):
+    r = httpx.post(f"{server.url}/v1/completions", content=b"x" * 5000)
+    assert r.status_code == 413 and "exceeds 4096 bytes" in r.json()["error"]["message"]
+
+
+def test_an_unknown_path_is_a_404_with_an_error_body(server):
+    r = httpx.get(f"{server.url}/v1/engines")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_the_api_key_is_required_when_set(backend):
+    with ServerThread(make_app(backend, api_key="s3cret")) as s:
+        denied = httpx.get(f"{s.url}/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in ok.models.list()] == ["smollm2"]
+
+
+def test_past_the_queue_limit_requests_get_429_and_none_is_lost(server, backend):
+    body = {"messages": QUESTION, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=120) as http:
+        streams = [http.stream("POST", f"{server.url}/v1/chat/completions", json=body) for _ in range(4)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            assert backend.in_flight == 4
+            refused = http.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False})
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    assert wait_until(lambda: backend.in_flight == 0)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, backend):
+    pool = backend.pipeline.pool
+    body = {"messages": QUESTION, "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
+        assert got and pool.stats().blocks_in_use > 0
+    assert wait_until(lambda: pool.stats().blocks_in_use == 0 and backend.in_flight == 0)
+    assert not backend.pipeline.has_non_finished_requests()
+
+
+def test_metrics_count_what_was_served(server, client, backend):
+    def sample(text: str, name: str, **labels) -> float:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    before = httpx.get(f"{server.url}/metrics").text
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=8, temperature=0)
+    after = httpx.get(f"{server.url}/metrics").text
+    gained = sample(after, "ovkc_generated_tokens_total") - sample(before, "ovkc_generated_tokens_total")
+    assert gained == r.usage.completion_tokens
+    assert sample(after, "ovkc_requests_total", outcome="finished") > sample(before, "ovkc_requests_total",
+                                                                              outcome="finished")  # fmt: skip
+    assert sample(after, "ovkc_ttft_seconds_count") >= 1
+    assert sample(after, "ovkc_kv_pool_blocks_used") == backend.pipeline.pool.stats().blocks_in_use
+    assert np.isclose(sample(after, "ovkc_requests_running"), 0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_lets_the_request_in_flight_finish_then_exits(model_dir):
+    """``ov-kvcrush serve`` as users start it: a stream in flight when SIGTERM comes ends with
+    its last chunk and ``[DONE]``, then the process ends (by the signal, as uvicorn re-raises it
+    once drained: what systemd and Kubernetes expect of a stopped server)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ov_kvcrush", "serve", "--model", str(model_dir), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving "), line
+        body = {"messages": QUESTION, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert json.loads(first.removeprefix("data: "))["object"] == "chat.completion.chunk"
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] in ("stop", "length")
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()
+        proc.wait()
