@@ -174,13 +174,15 @@ def test_past_the_queue_limit_requests_get_429_and_none_is_lost(server, backend)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, backend):
-    pool = backend.pipeline.pool
+    """Its request is cancelled at the next step; at idle the pool holds only the kept caches."""
+    pool, kept = backend.pipeline.pool, backend.pipeline.kept
     body = {"messages": QUESTION, "max_tokens": 2000, "temperature": 0, "stream": True}
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
         assert got and pool.stats().blocks_in_use > 0
-    assert wait_until(lambda: pool.stats().blocks_in_use == 0 and backend.in_flight == 0)
+    assert wait_until(lambda: backend.in_flight == 0 and not backend.pipeline.has_non_finished_requests())
+    assert pool.stats().blocks_in_use == kept.blocks() > 0
     assert not backend.pipeline.has_non_finished_requests()
 
 
@@ -234,3 +236,28 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits(model_dir):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_32_concurrent_streams_are_each_answered_or_refused_and_none_is_lost(server, backend):
+    """Past the queue limit (4 here) a request gets 429 at once; every other one streams to its
+    end; then the pool holds only the kept caches."""
+    import asyncio
+
+    async def one(http: httpx.AsyncClient, i: int) -> str:
+        body = {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6,
+                "temperature": 0, "stream": True}  # fmt: skip
+        async with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+            if r.status_code == 429:
+                return "refused"
+            lines = [line async for line in r.aiter_lines() if line.startswith("data:")]
+            return "answered" if r.status_code == 200 and lines[-1] == "data: [DONE]" else f"lost {r.status_code}"
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(32)))
+
+    outcomes = asyncio.run(run())
+    assert set(outcomes) <= {"answered", "refused"}, outcomes
+    assert outcomes.count("answered") >= 4 and len(outcomes) == 32
+    assert wait_until(lambda: backend.in_flight == 0 and not backend.pipeline.has_non_finished_requests())
+    assert backend.pipeline.pool.stats().blocks_in_use == backend.pipeline.kept.blocks()

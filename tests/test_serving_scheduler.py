@@ -172,3 +172,44 @@ def test_random_arrivals_never_overrun_the_pool(seed):
     finished, failed, _ = serve(sched, pool, new)
     assert failed == [] and sorted(finished) == sorted(new)
     assert pool.held() == 0 and all(s.phase is Phase.DONE for s in slots)
+
+
+class KeptReserve:
+    """Blocks held by kept caches (no request's), which the scheduler may reclaim."""
+
+    def __init__(self, pool: SimulatedPool, caches: list[int]) -> None:
+        self.pool = pool
+        self.caches = caches  # blocks each kept cache holds, least recently used first
+        self.asked: list[int] = []
+
+    def held(self) -> int:
+        return sum(self.caches)
+
+    def reclaim(self, blocks: int) -> int:
+        self.asked.append(blocks)
+        freed = 0
+        while freed < blocks and self.caches:
+            freed += self.caches.pop(0)
+        return freed
+
+
+def test_kept_caches_are_reclaimed_before_any_request_is_preempted_or_kept_waiting():
+    """A pool mostly held by kept caches: requests still run one after another without a
+    preemption or a wait on blocks, and only as many caches go as the steps need."""
+    pool = SimulatedPool(limit=120)
+    reserve = KeptReserve(pool, [40, 40, 30])  # 10 blocks free; the request needs 24 to start
+    sched = Scheduler(limits(120), lambda: pool.free() - reserve.held(), pool.release, reserve.reclaim)
+    a = make(sched, 1, 40, 10)  # 3 blocks per head (18), a block per head for its decode (6)
+    finished, failed, _ = serve(sched, pool, {1: 10})
+    assert finished == [1] and not failed
+    assert a.preemptions == 0 and not a.waited
+    assert reserve.asked and reserve.caches == [40, 30]  # the least recently used one was enough
+
+
+def test_without_a_reclaim_a_pool_held_by_others_keeps_the_request_waiting():
+    """The oracle of the test above: the same pool whose blocks nobody gives back."""
+    pool = SimulatedPool(limit=120)
+    sched = Scheduler(limits(120), lambda: pool.free() - 110, pool.release)
+    make(sched, 1, 40, 10)
+    plan = sched.plan()
+    assert plan.prefill is None and sched.waiting[0].waited

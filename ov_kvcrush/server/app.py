@@ -36,6 +36,8 @@ def usage(answer: Answer) -> dict[str, Any]:
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.generated_tokens,
         "total_tokens": r.prompt_tokens + r.generated_tokens,
+        # prompt tokens continued from the conversation's kept cache instead of prefilled
+        "prompt_tokens_details": {"cached_tokens": answer.cached_tokens},
         # what the request's KV cache held at its end against the full cache's bytes
         "kv_bytes": r.kv_bytes,
         "full_kv_bytes": r.full_kv_bytes,

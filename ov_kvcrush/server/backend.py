@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ov_kvcrush.engines.base import GenerationResult
+from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.server.metrics import ServerMetrics
 from ov_kvcrush.server.protocol import APIError, GenerationRequest
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
+from ov_kvcrush.serving.kept import shared_prefix
 from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
 
 
@@ -55,20 +57,26 @@ class StopText:
 
 @dataclass
 class Answer:
-    """A finished request: its text (cut at a stop string), why it ended, and its result."""
+    """A finished request: its text (cut at a stop string), why it ended, its result, and how
+    many of its prompt tokens came from a kept cache instead of being prefilled."""
 
     text: str
     finish_reason: str
     result: GenerationResult
+    cached_tokens: int = 0
 
 
 class Backend:
     """One pipeline served to many connections, with a limit on requests in flight."""
 
-    def __init__(self, pipeline: ContinuousBatchingPipeline, model_name: str, max_queue: int) -> None:
+    def __init__(
+        self, pipeline: ContinuousBatchingPipeline, model_name: str, max_queue: int, keep_caches: bool = True
+    ) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
         self.max_queue = max_queue
+        #: keep each finished request's cache for its conversation's next turn (serving/kept.py)
+        self.keep_caches = keep_caches
         self._in_flight = 0
         self._lock = threading.Lock()
         self.metrics = ServerMetrics(
@@ -77,6 +85,8 @@ class Backend:
             blocks_used=lambda: pipeline.pool.stats().blocks_in_use,
             blocks_free=self._free_blocks,
             kv_bytes=lambda: pipeline.pool.stats().kv_bytes,
+            kept=lambda: len(pipeline.kept),
+            kept_blocks=pipeline.kept.blocks,
         )
 
     def _free_blocks(self) -> int:
@@ -109,6 +119,7 @@ class Backend:
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
         stop = StopText(req.stop)
         handle: GenerationHandle | None = None
+        cache: SequenceCache | None = None
         state = {"cancel": False}
 
         def streamer(delta: str) -> bool:  # the pipeline's worker thread
@@ -117,11 +128,16 @@ class Backend:
 
         try:
             try:
-                handle = self.pipeline.submit(req.prompt, req.settings, streamer)
+                ids = self.pipeline.encode(req.prompt, req.settings.apply_chat_template)
+                cache = self._cache_for(ids)
+                cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
+                handle = self.pipeline.submit(ids, req.settings, streamer, cache=cache)
             except UserError as e:
                 self.metrics.refused("bad_request")
+                if cache is not None:
+                    self.pipeline.kept.put(cache)
                 raise APIError(400, str(e)) from e
-            done = loop.run_in_executor(None, _wait, handle)
+            done = loop.run_in_executor(None, self._wait_and_keep, handle, cache)
             done.add_done_callback(lambda _f: loop.call_soon_threadsafe(pieces.put_nowait, None))
             while (delta := await pieces.get()) is not None:
                 out = stop.add(delta)
@@ -135,14 +151,34 @@ class Backend:
             if rest:
                 yield rest
             reason = "length" if not stop.stopped and result.generated_tokens >= req.settings.max_new_tokens else "stop"
-            self.metrics.finished(result, "stopped" if stop.stopped else "finished")
-            yield Answer(stop.text, reason, result)
+            self.metrics.finished(result, "stopped" if stop.stopped else "finished", cached)
+            yield Answer(stop.text, reason, result, cached)
         finally:
             state["cancel"] = True
             if handle is not None and not handle.done():
                 handle.cancel()
                 self.metrics.refused("disconnected")
             self._leave()
+
+    def _cache_for(self, ids: list[int]) -> SequenceCache | None:
+        """The kept cache this request continues (its conversation's last turn), or a new one to
+        keep; ``None`` when caches are not kept."""
+        if not self.keep_caches:
+            return None
+        return self.pipeline.kept.take(ids) or SequenceCache(self.pipeline.pool.new_sequence())
+
+    def _wait_and_keep(
+        self, handle: GenerationHandle, cache: SequenceCache | None
+    ) -> tuple[GenerationStatus, GenerationResult | None, str]:
+        """The request's end (a worker thread); then its cache is kept for the next turn (a
+        failed request's, reset by the loop, is freed)."""
+        outcome = _wait(handle)
+        if cache is not None:
+            if outcome[0] is GenerationStatus.FAILED:
+                cache.sequence.free()
+            else:
+                self.pipeline.kept.put(cache)
+        return outcome
 
     async def complete(self, req: GenerationRequest) -> Answer:
         answer = None

@@ -24,6 +24,8 @@ class ServerMetrics:
         blocks_used: Callable[[], int],
         blocks_free: Callable[[], int],
         kv_bytes: Callable[[], int],
+        kept: Callable[[], int],
+        kept_blocks: Callable[[], int],
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -34,8 +36,13 @@ class ServerMetrics:
             blocks_free
         )
         Gauge("ovkc_kv_bytes_held", "KV bytes the pool holds now", registry=r).set_function(kv_bytes)
+        Gauge("ovkc_kept_caches", "Conversations' caches kept for their next turn", registry=r).set_function(kept)
+        Gauge("ovkc_kept_cache_blocks", "Blocks the kept caches hold", registry=r).set_function(kept_blocks)
         self.requests = Counter("ovkc_requests", "Requests answered, by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("ovkc_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(
+            "ovkc_prompt_tokens_cached", "Prompt tokens continued from a kept cache, not prefilled", registry=r
+        )
         self.generated_tokens = Counter("ovkc_generated_tokens", "Tokens generated", registry=r)
         self.kv_held = Counter("ovkc_request_kv_bytes_held", "KV bytes finished requests held at their end", registry=r)
         self.kv_full = Counter(
@@ -44,9 +51,10 @@ class ServerMetrics:
         self.ttft = Histogram("ovkc_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("ovkc_tpot_seconds", "Time per output token", buckets=LATENCY_BUCKETS, registry=r)
 
-    def finished(self, result: GenerationResult, outcome: str) -> None:
+    def finished(self, result: GenerationResult, outcome: str, cached_tokens: int = 0) -> None:
         self.requests.labels(outcome).inc()
         self.prompt_tokens.inc(result.prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         self.generated_tokens.inc(result.generated_tokens)
         self.kv_held.inc(result.kv_bytes)
         self.kv_full.inc(result.full_kv_bytes)

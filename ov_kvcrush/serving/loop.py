@@ -56,6 +56,7 @@ from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.op.kvcache import infer_steps
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
+from ov_kvcrush.serving.kept import KeptCaches
 from ov_kvcrush.serving.request import ServedRequest
 from ov_kvcrush.serving.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -109,7 +110,10 @@ class GenerationLoop:
             scoring_tokens=e.scoring.step_bound(),
             first_chunk=fast_prompt_cut,
         )
-        self.scheduler = Scheduler(limits, self._free_blocks, self._release)
+        #: finished requests' caches kept for their conversation's next turn (the server keeps
+        #: them; empty otherwise): the scheduler reclaims them before it preempts a request
+        self.kept = KeptCaches(self.pool)
+        self.scheduler = Scheduler(limits, self._free_blocks, self._release, self.kept.reclaim)
         self._requests: dict[int, ServedRequest] = {}
         self._handles: dict[int, GenerationHandle] = {}
         self._next_id = 0
@@ -163,8 +167,7 @@ class GenerationLoop:
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
-            with self._tokenizer_lock:
-                ids = self.engine.encode(prompt, settings.apply_chat_template)  # type: ignore[arg-type]
+            ids = self.encode(prompt, settings.apply_chat_template)  # type: ignore[arg-type]
         check_context(len(ids), settings.max_new_tokens, self.engine.max_context)
         if question_at is not None:
             if cache is not None:
@@ -202,10 +205,13 @@ class GenerationLoop:
         prompt: Prompt | Sequence[int],
         generation_config: GenerationSettings | None = None,
         streamer: Streamer | None = None,
+        *,
+        cache: SequenceCache | None = None,
     ) -> GenerationHandle:
-        """Queue a request from any thread; a worker thread steps until every request is done."""
+        """Queue a request from any thread; a worker thread steps until every request is done.
+        ``cache``: as in :meth:`add_request`."""
         with self._step_lock:
-            handle = self.add_request(self._new_id(), prompt, generation_config, streamer)
+            handle = self.add_request(self._new_id(), prompt, generation_config, streamer, cache=cache)
         with self._worker_lock:
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="ov_kvcrush-batching", daemon=True)
@@ -439,6 +445,12 @@ class GenerationLoop:
             return None
         st = self.pool.stats()
         return self.engine.max_kv_blocks - -(-st.kv_bytes // st.block_bytes)
+
+    def encode(self, prompt: Prompt, apply_chat_template: bool) -> list[int]:
+        """``prompt``'s token ids as a request gets them (the tokenizer is shared with the worker
+        thread's streaming, under one lock)."""
+        with self._tokenizer_lock:
+            return self.engine.encode(prompt, apply_chat_template)
 
     def _detokenize(self, tokens: list[int]) -> str:
         with self._tokenizer_lock:

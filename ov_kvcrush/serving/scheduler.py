@@ -144,16 +144,30 @@ class Scheduler:
         limits: the step and pool limits.
         free_blocks: the pool's free blocks now (``None``: unlimited); called after preemptions.
         release: frees a preempted slot's blocks (its sequence is reset).
+        reclaim: frees at least the given blocks from what no request holds (kept caches), if it
+            can; the blocks freed. Asked before any request is preempted or made to wait.
     """
 
     def __init__(
-        self, limits: SchedulerLimits, free_blocks: Callable[[], int | None], release: Callable[[Slot], None]
+        self,
+        limits: SchedulerLimits,
+        free_blocks: Callable[[], int | None],
+        release: Callable[[Slot], None],
+        reclaim: Callable[[int], int] | None = None,
     ) -> None:
         self.limits = limits
-        self.free_blocks = free_blocks
+        self._free_blocks = free_blocks
         self.release = release
+        self.reclaim = reclaim
         self.waiting: deque[Slot] = deque()
         self.running: list[Slot] = []  # in admission order
+
+    def free_blocks(self, want: int = 0) -> int | None:
+        """The pool's free blocks, after reclaiming kept caches' blocks toward ``want`` free."""
+        free = self._free_blocks()
+        if free is not None and free < want and self.reclaim is not None and self.reclaim(want - free):
+            free = self._free_blocks()
+        return free
 
     # -- requests -------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -205,7 +219,8 @@ class Scheduler:
     def plan(self) -> StepPlan:
         lim = self.limits
         out = StepPlan()
-        free = self.free_blocks()
+        decoding = [s for s in self.running if s.phase is Phase.DECODE]
+        free = self.free_blocks(lim.rows * len(decoding))
         # decode: every decoding sequence's possible new block per head, preempting to make room
         while free is not None:
             decoding = [s for s in self.running if s.phase is Phase.DECODE]
@@ -234,6 +249,9 @@ class Scheduler:
         if current is None and self.waiting and len(self.running) < lim.max_num_seqs:
             nxt = self.waiting[0]
             need = self.blocks_for(nxt.remaining_prompt + lim.scoring_tokens) + lim.rows
+            if avail is not None and need > avail:
+                free = self.free_blocks(need + reserve)
+                avail = None if free is None else free - reserve
             if avail is None or need <= avail:
                 self.waiting.popleft()
                 nxt.phase = Phase.PREFILL
@@ -245,6 +263,9 @@ class Scheduler:
             self.waiting[0].waited = True
         if current is not None:
             chunk = self.next_chunk(current, len(out.decode))
+            if avail is not None and self.blocks_for(chunk) > avail:
+                free = self.free_blocks(self.blocks_for(chunk) + reserve)
+                avail = None if free is None else free - reserve
             if avail is not None:
                 bs = lim.block_size
                 open_slots = -current.done % bs  # room left in the last block of every head
@@ -279,7 +300,7 @@ class Scheduler:
         returns those preempted. ``check_fits`` made sure the slot fits alone."""
         blocks = self.blocks_for(self.limits.scoring_tokens) + self.limits.rows
         out: list[Slot] = []
-        while (free := self.free_blocks()) is not None and free < blocks:
+        while (free := self.free_blocks(blocks)) is not None and free < blocks:
             others = [s for s in self.running if s is not slot]
             if not others:
                 break

@@ -1,0 +1,111 @@
+"""Finished requests' caches kept for their conversation's next turn.
+
+An OpenAI-style API is stateless: each turn resends the whole conversation. A finished request's
+sequence (its compressed cache and the ids it holds) is kept here; a later request whose tokens
+begin with the same ids continues from it, so only its new tokens are prefilled (the loop's
+``cache`` argument: :meth:`~ov_kvcrush.engines.openvino_model.SequenceCache.keep_prefix`).
+
+Unlike native prefix caching, which shares full-precision blocks of identical prefixes between
+requests, a kept cache is one conversation's own *compressed* state: it is taken by one request
+at a time, holds only what the method kept, and continues where that conversation left off.
+
+Kept caches are the pool's first reserve: the scheduler reclaims them, least recently used
+first, before it would preempt a running request, so keeping one never fails a request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from ov_kvcrush.engines.openvino_model import SequenceCache
+from ov_kvcrush.op.kvcache import KVPool
+from ov_kvcrush.validation import check_int
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KeptCaches:
+    """At most ``capacity`` kept caches of one pool, least recently used first out.
+
+    A request takes a kept cache when its tokens begin with the cache's: all of them but the last
+    ``slack`` (the re-tokenised end of an answer may differ from the tokens generated), at least
+    ``min_shared`` (a chat template's common head alone is not a conversation's history), and
+    it has tokens of its own after them. The same prompt sent again does not take the cache of
+    its earlier answer: it is a new question, not the next turn."""
+
+    def __init__(self, pool: KVPool, capacity: int = 64, min_shared: int = 64, slack: int = 4) -> None:
+        check_int("capacity", capacity, 0, 1 << 16)
+        check_int("min_shared", min_shared, 1, 1 << 24)
+        check_int("slack", slack, 0, 1 << 10)
+        self.pool = pool
+        self.capacity = capacity
+        self.min_shared = min_shared
+        self.slack = slack
+        self._caches: OrderedDict[int, SequenceCache] = OrderedDict()
+        self._lock = threading.Lock()
+        self.reclaimed = 0  # caches released under pool pressure
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def continues(self, cache: SequenceCache, ids: list[int]) -> int:
+        """How many of ``ids`` a request continues from ``cache`` (0: it is not the next turn)."""
+        n = shared_prefix(cache.ids, ids)
+        return n if max(self.min_shared, len(cache.ids) - self.slack) <= n < len(ids) else 0
+
+    def take(self, ids: list[int]) -> SequenceCache | None:
+        """The kept cache ``ids`` continues furthest, removed from the store: its request owns it
+        until it is put back."""
+        with self._lock:
+            best, best_len = None, 0
+            for key, cache in self._caches.items():
+                n = self.continues(cache, ids)
+                if n > best_len:
+                    best, best_len = key, n
+            return self._caches.pop(best) if best is not None else None
+
+    def put(self, cache: SequenceCache) -> None:
+        """Keep a finished request's cache (the most recently used); past ``capacity`` the least
+        recently used one is released."""
+        if not cache.ids or self.capacity == 0:
+            cache.sequence.free()
+            return
+        with self._lock:
+            self._caches[id(cache)] = cache
+            while len(self._caches) > self.capacity:
+                self._caches.popitem(last=False)[1].sequence.free()
+
+    def blocks(self) -> int:
+        """Full-precision blocks' worth the kept caches hold."""
+        with self._lock:
+            caches = list(self._caches.values())
+        total = 0
+        for c in caches:
+            st = c.sequence.stats()
+            total += -(-st.kv_bytes // st.block_bytes) if st.block_bytes else 0
+        return total
+
+    def reclaim(self, blocks: int) -> int:
+        """Release least recently used caches until ``blocks`` blocks' worth went back (or none
+        is left); the blocks freed. The scheduler calls it before it preempts a request."""
+        freed = 0
+        while freed < blocks:
+            with self._lock:
+                if not self._caches:
+                    break
+                cache = self._caches.popitem(last=False)[1]
+            st = cache.sequence.stats()
+            freed += -(-st.kv_bytes // st.block_bytes) if st.block_bytes else 0
+            cache.sequence.free()
+            self.reclaimed += 1
+        return freed
+
+    def clear(self) -> None:
+        self.reclaim(1 << 62)

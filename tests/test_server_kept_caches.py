@@ -1,0 +1,110 @@
+"""A compressed cache kept across a conversation's turns (issue 50, item 2), through the server.
+
+Oracle: the loop's own two turns over one ``SequenceCache`` in process (what ``ov-kvcrush chat``
+does): the server's second answer must be that answer, continued from as many cached prompt
+tokens. Under pool pressure kept caches are released, least recently used first, and no request
+is preempted or fails for them; at idle the pool holds only the kept caches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from ov_kvcrush.cli.main import build_parser
+from ov_kvcrush.cli.serve_command import build_backend
+from ov_kvcrush.config import GenerationSettings
+from ov_kvcrush.engines.openvino_model import SequenceCache
+from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.thread import ServerThread
+from ov_kvcrush.serving.kept import KeptCaches, shared_prefix
+
+pytestmark = pytest.mark.model
+
+FILLER = (
+    "The archive holds letters from a lighthouse keeper who wrote each evening about the weather, "
+    "the ships that passed, the state of the lamp and the birds that rested on the gallery. "
+)
+
+
+def conversation(code: str, repeats: int = 12) -> list[dict[str, str]]:
+    text = FILLER * (repeats // 2) + f"The secret code is {code}. " + FILLER * (repeats - repeats // 2)
+    return [{"role": "user", "content": text + "\nWhat is the secret code?"}]
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    args = build_parser().parse_args(
+        ["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "128", "--kv-pool-mib", "16",
+         "--served-model-name", "smollm2"]
+    )  # fmt: skip
+    return build_backend(args)
+
+
+@pytest.fixture(scope="module")
+def client(backend):
+    with ServerThread(make_app(backend)) as s:
+        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+
+
+def ask(client, messages, max_tokens: int = 16):
+    r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content, r.usage
+
+
+def test_the_next_turn_continues_from_the_kept_cache_and_answers_as_the_chat_does(client, backend):
+    loop = backend.pipeline
+    first = conversation("ALPHA-7")
+    a1, u1 = ask(client, first)
+    second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": "Say it once more."}]
+    a2, u2 = ask(client, second)
+    ids1, ids2 = loop.encode(first, True), loop.encode(second, True)
+    assert u1.prompt_tokens_details.cached_tokens == 0
+    # the kept cache holds turn 1's prompt and answer: the next turn continues from all of it
+    assert u2.prompt_tokens_details.cached_tokens >= len(ids1) + u1.completion_tokens - 4
+    assert u2.prompt_tokens_details.cached_tokens == shared_prefix(ids2, ids2[: u2.prompt_tokens_details.cached_tokens])
+    # the oracle: the loop's own turns over one cache, in process
+    settings = GenerationSettings(max_new_tokens=16)
+    cache = SequenceCache(loop.pool.new_sequence())
+    try:
+        assert loop.run(ids1, settings, cache=cache).text == a1
+        assert loop.run(ids2, settings, cache=cache).text == a2
+    finally:
+        cache.sequence.free()
+
+
+def test_the_same_prompt_again_is_a_new_question_not_the_next_turn(client):
+    messages = conversation("BRAVO-3")
+    _, u1 = ask(client, messages)
+    _, u2 = ask(client, messages)
+    assert u1.prompt_tokens_details.cached_tokens == u2.prompt_tokens_details.cached_tokens == 0
+
+
+def test_under_pool_pressure_kept_caches_go_first_and_no_request_is_preempted(client, backend):
+    loop = backend.pipeline
+    preempted, failed = loop.stats["preemptions"], loop.stats["failed"]
+    answers = [ask(client, conversation(f"CODE-{i}", repeats=24))[0] for i in range(5)]
+    assert all(answers)
+    assert loop.kept.reclaimed > 0  # the 16 MiB pool could not keep them all
+    assert loop.stats["preemptions"] == preempted and loop.stats["failed"] == failed
+    assert loop.pool.stats().blocks_in_use == loop.kept.blocks()  # at idle: only the kept caches
+
+
+def test_a_full_store_releases_the_least_recently_used_cache(backend):
+    pool = backend.pipeline.pool
+    kept = KeptCaches(pool, capacity=2, min_shared=1, slack=0)
+    caches = []
+    for i in range(3):
+        c = SequenceCache(pool.new_sequence())
+        c.ids = [7, i, 1]
+        caches.append(c)
+        kept.put(c)
+    assert len(kept) == 2
+    assert kept.take([7, 0, 1, 5]) is None  # the first, least recently used, is gone
+    taken = kept.take([7, 2, 1, 5])
+    assert taken is caches[2] and len(kept) == 1
+    assert kept.take([7, 2, 1]) is None  # a cache's own ids again: not a next turn
+    taken.sequence.free()
+    kept.clear()
+    assert len(kept) == 0 and np.isfinite(pool.stats().kv_bytes)
