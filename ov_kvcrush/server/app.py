@@ -1,5 +1,6 @@
 """The ASGI app (Starlette): OpenAI's ``/v1/models``, ``/v1/chat/completions`` and
-``/v1/completions`` (streamed as server-sent events or not), ``/health`` and ``/metrics``.
+``/v1/completions`` (streamed as server-sent events or not), ``/health``, ``/metrics``, and the
+web chat page at ``/``.
 
 Every error is an OpenAI-shaped JSON body with its status; a request without the API key (when
 one is set) gets 401, and a body over the size limit is refused before it is parsed (413).
@@ -12,18 +13,20 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ov_kvcrush.server.backend import Answer, Backend
 from ov_kvcrush.server.protocol import APIError, GenerationRequest, parse_generation, parse_json
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB of JSON: ~250k tokens of text
+CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -153,6 +156,10 @@ def make_app(backend: Backend, api_key: str | None = None, max_body_bytes: int =
             await events.aclose()
         yield "data: [DONE]\n\n"
 
+    async def page(request: Request) -> Response:
+        """The web chat page (static; it calls the API with the user's key, if one is set)."""
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
+
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "in_flight": backend.in_flight})
 
@@ -168,6 +175,7 @@ def make_app(backend: Backend, api_key: str | None = None, max_body_bytes: int =
         return error_response(APIError(exc.status_code, str(exc.detail)))
 
     routes = [
+        Route("/", page, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
         Route("/v1/completions", endpoint(chat=False), methods=["POST"]),

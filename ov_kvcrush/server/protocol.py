@@ -92,7 +92,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
     known = {
         "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-        "stop", "stream", *UNSUPPORTED, *IGNORED,
+        "stop", "stream", "ignore_eos", *UNSUPPORTED, *IGNORED,
     }  # fmt: skip
     for name in body:
         if name not in known:
@@ -143,6 +143,9 @@ def parse_generation(body: dict[str, Any], chat: bool, max_tokens_default: int) 
     if not isinstance(stream, bool):
         raise APIError(400, f"stream={stream!r} is invalid: allowed true or false", "stream")
     options = body.get("stream_options") or {}
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: generate max_tokens (benchmarks)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, f"ignore_eos={ignore_eos!r} is invalid: allowed true or false", "ignore_eos")
     try:
         settings = GenerationSettings(
             max_new_tokens=max_tokens,
@@ -151,6 +154,7 @@ def parse_generation(body: dict[str, Any], chat: bool, max_tokens_default: int) 
             top_p=top_p if top_p > 0 else 1.0,
             seed=seed,
             apply_chat_template=chat,
+            ignore_eos=ignore_eos,
         )
     except UserError as e:
         raise APIError(400, str(e)) from e
