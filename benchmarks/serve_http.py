@@ -28,10 +28,10 @@ import openai
 
 from ov_kvcrush.bench import measure
 from ov_kvcrush.cli.main import build_parser
-from ov_kvcrush.cli.serve_command import build_backend
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.eval.tasks import passkey_prompt
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 
 

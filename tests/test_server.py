@@ -25,9 +25,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ov_kvcrush.cli.main import build_parser
-from ov_kvcrush.cli.serve_command import build_backend
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 
 pytestmark = pytest.mark.model

@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from ov_kvcrush.cli.main import build_parser
-from ov_kvcrush.cli.serve_command import build_backend
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 from ov_kvcrush.serving.kept import KeptCaches, shared_prefix
 

@@ -12,9 +12,9 @@ import shutil
 import pytest
 
 from ov_kvcrush.cli.main import build_parser
-from ov_kvcrush.cli.serve_command import build_backend
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 
 pytestmark = pytest.mark.model

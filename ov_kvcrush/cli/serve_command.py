@@ -34,41 +34,12 @@ def add_serve_arguments(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help=f"require this bearer token (or set {API_KEY_ENV})")
-
-
-def build_backend(args: argparse.Namespace) -> Any:
-    """The pipeline and its server backend from the command's flags."""
-    import openvino_genai
-
-    from ov_kvcrush.config import parse_method_budget, parse_options
-    from ov_kvcrush.engines.backends import resolve_model
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.models.embedded import embedded_name
-    from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
-    from ov_kvcrush.server.backend import Backend
-    from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
-    from ov_kvcrush.validation import check_float, check_int
-
-    check_int("--max-queue", args.max_queue, 1, 1 << 16)
-    check_int("--port", args.port, 1, 65535)
-    compression = parse_method_budget(
-        args.method, args.budget, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-        options=parse_options(args.option),
-    )  # fmt: skip
-    sc = openvino_genai.SchedulerConfig()
-    sc.max_num_seqs = args.max_num_seqs
-    sc.max_num_batched_tokens = args.max_num_batched_tokens
-    sc.dynamic_split_fuse = True
-    options: dict[str, Any] = {} if args.kv_precision is None else {"kv_precision": args.kv_precision}
-    engine = OpenVINOEngine(resolve_model("openvino", args.model), compression, **options)
-    if args.kv_pool_mib is not None:
-        check_float("--kv-pool-mib", args.kv_pool_mib, 1.0, float(1 << 24))
-        one = block_bytes(engine.block_size, engine.shape.head_dim, engine.kv_precision)
-        engine.max_kv_blocks = pool_blocks(int(args.kv_pool_mib * 2**20), one)
-        engine.set_compression(engine.compression)  # the pool, with its limit
-    pipeline = ContinuousBatchingPipeline(engine, sc)
-    name = args.served_model_name or embedded_name(args.model) or os.path.basename(os.path.normpath(str(args.model)))
-    return Backend(pipeline, name, args.max_queue)
+    s.add_argument("--threads", type=int, default=None, help="OpenVINO inference threads (default: every core)")
+    r = s.add_argument_group("scale-out on Ray Serve (pip install 'ov_kvcrush[serve]')")
+    r.add_argument("--ray", action="store_true", help="serve from --replicas Ray Serve replicas, one pool each")
+    r.add_argument("--replicas", type=int, default=2, help="replicas (default 2); a conversation stays on one")
+    r.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica takes (and its threads)")
+    r.add_argument("--ray-address", default=None, help="an existing cluster (e.g. auto); default: a local one")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -79,8 +50,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_int("--max-body-kib", args.max_body_kib, 1, 1 << 20)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    backend = build_backend(args)
+    if args.ray:
+        from ov_kvcrush.server.ray_serve import deploy
+
+        backend = deploy(args)
+    else:
+        from ov_kvcrush.server.factory import build_backend
+
+        backend = build_backend(args)
     app = make_app(backend, api_key=api_key, max_body_bytes=args.max_body_kib * 1024)
     print(f"serving {backend.model_name} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)
+    finally:
+        backend.close()
     return 0

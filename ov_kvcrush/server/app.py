@@ -8,6 +8,7 @@ one is set) gets 401, and a body over the size limit is refused before it is par
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -88,12 +89,15 @@ def make_app(backend: Backend, api_key: str | None = None, max_body_bytes: int =
             req = parse_generation(await read_body(request), chat, max_tokens_default=256)
             check_model(req)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            replica = backend.replica_for(req)
+            headers = {"x-ovkc-replica": replica} if replica else None
             if req.stream:
                 events = backend.generate(req)
                 first = await anext(events)  # errors before the first token still get a status
-                return StreamingResponse(sse(rid, chat, req, first, events), media_type="text/event-stream")
+                stream = sse(rid, chat, req, first, events)
+                return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
             answer = await backend.complete(req)
-            return JSONResponse(body(rid, chat, answer))
+            return JSONResponse(body(rid, chat, answer), headers=headers)
 
         return handle
 
@@ -164,7 +168,9 @@ def make_app(backend: Backend, api_key: str | None = None, max_body_bytes: int =
         return JSONResponse({"status": "ok", "in_flight": backend.in_flight})
 
     async def metrics(request: Request) -> Response:
-        return Response(backend.metrics.exposition(), media_type="text/plain; version=0.0.4")
+        # in a thread: the gauges may ask other processes (Ray replicas) and wait for them
+        text = await asyncio.to_thread(backend.metrics.exposition)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)

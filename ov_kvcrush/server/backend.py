@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -57,41 +58,49 @@ class StopText:
 
 @dataclass
 class Answer:
-    """A finished request: its text (cut at a stop string), why it ended, its result, and how
-    many of its prompt tokens came from a kept cache instead of being prefilled."""
+    """A finished request: its text (cut at a stop string), why it ended, its result, how many of
+    its prompt tokens came from a kept cache instead of being prefilled, and whether a stop
+    string ended it."""
 
     text: str
     finish_reason: str
     result: GenerationResult
     cached_tokens: int = 0
+    stopped: bool = False
 
 
-class Backend:
-    """One pipeline served to many connections, with a limit on requests in flight."""
+#: a refused or failed request's outcome in the metrics, by its status
+OUTCOMES = {400: "bad_request", 429: "queue_full", 500: "failed"}
 
-    def __init__(
-        self, pipeline: ContinuousBatchingPipeline, model_name: str, max_queue: int, keep_caches: bool = True
-    ) -> None:
-        self.pipeline = pipeline
+
+class Backend(ABC):
+    """What the app serves: requests admitted up to ``max_queue`` at once, their text streamed,
+    and the metrics they leave. :class:`PipelineBackend` runs them here; the Ray backend
+    (``server/ray_serve.py``) on replicas."""
+
+    def __init__(self, model_name: str, max_queue: int) -> None:
         self.model_name = model_name
         self.max_queue = max_queue
-        #: keep each finished request's cache for its conversation's next turn (serving/kept.py)
-        self.keep_caches = keep_caches
         self._in_flight = 0
         self._lock = threading.Lock()
-        self.metrics = ServerMetrics(
-            running=lambda: len(pipeline.scheduler.running),
-            waiting=lambda: len(pipeline.scheduler.waiting),
-            blocks_used=lambda: pipeline.pool.stats().blocks_in_use,
-            blocks_free=self._free_blocks,
-            kv_bytes=lambda: pipeline.pool.stats().kv_bytes,
-            kept=lambda: len(pipeline.kept),
-            kept_blocks=pipeline.kept.blocks,
-        )
+        self.metrics = ServerMetrics(lambda key: self.stats()[key])
 
-    def _free_blocks(self) -> int:
-        free = self.pipeline.engine.max_kv_blocks
-        return -1 if not free else free - self.pipeline.pool.stats().blocks_in_use
+    @abstractmethod
+    def stream(self, req: GenerationRequest) -> AsyncIterator[str | Answer]:
+        """The request's text as it comes (str pieces), then its :class:`Answer` (no admission)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """The gauges: ``running``, ``waiting``, ``blocks_used``, ``blocks_free`` (-1: unbounded),
+        ``kv_bytes``, ``kept``, ``kept_blocks``."""
+
+    def replica_for(self, req: GenerationRequest) -> str | None:
+        """Which replica serves ``req`` (``None``: this process)."""
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the backend holds beyond its process (kept caches, a Ray deployment)."""
 
     @property
     def in_flight(self) -> int:
@@ -108,13 +117,65 @@ class Backend:
                 )
             self._in_flight += 1
 
-    def _leave(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
-
     async def generate(self, req: GenerationRequest) -> AsyncIterator[str | Answer]:
-        """The request's text as it comes (str pieces), then its :class:`Answer`."""
+        """:meth:`stream`, admitted and counted: a request that ends before its answer (its
+        client went away) counts as disconnected."""
         self._admit()
+        answered = False
+        try:
+            async for item in self.stream(req):
+                if isinstance(item, Answer):
+                    answered = True
+                    outcome = "stopped" if item.stopped else "finished"
+                    self.metrics.finished(item.result, outcome, item.cached_tokens)
+                yield item
+        except APIError as e:
+            answered = True
+            self.metrics.refused(OUTCOMES.get(e.status, "failed"))
+            raise
+        finally:
+            if not answered:
+                self.metrics.refused("disconnected")
+            with self._lock:
+                self._in_flight -= 1
+
+    async def complete(self, req: GenerationRequest) -> Answer:
+        answer = None
+        async for item in self.generate(req):
+            if isinstance(item, Answer):
+                answer = item
+        assert answer is not None
+        return answer
+
+
+class PipelineBackend(Backend):
+    """One pipeline of this process served to many connections."""
+
+    def __init__(
+        self, pipeline: ContinuousBatchingPipeline, model_name: str, max_queue: int, keep_caches: bool = True
+    ) -> None:
+        super().__init__(model_name, max_queue)
+        self.pipeline = pipeline
+        #: keep each finished request's cache for its conversation's next turn (serving/kept.py)
+        self.keep_caches = keep_caches
+
+    def stats(self) -> dict[str, int]:
+        st = self.pipeline.pool.stats()
+        limit = self.pipeline.engine.max_kv_blocks
+        return {
+            "running": len(self.pipeline.scheduler.running),
+            "waiting": len(self.pipeline.scheduler.waiting),
+            "blocks_used": st.blocks_in_use,
+            "blocks_free": limit - st.blocks_in_use if limit else -1,
+            "kv_bytes": st.kv_bytes,
+            "kept": len(self.pipeline.kept),
+            "kept_blocks": self.pipeline.kept.blocks(),
+        }
+
+    def close(self) -> None:
+        self.pipeline.kept.clear()
+
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[str | Answer]:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
         stop = StopText(req.stop)
@@ -133,7 +194,6 @@ class Backend:
                 cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
                 handle = self.pipeline.submit(ids, req.settings, streamer, cache=cache)
             except UserError as e:
-                self.metrics.refused("bad_request")
                 if cache is not None:
                     self.pipeline.kept.put(cache)
                 raise APIError(400, str(e)) from e
@@ -145,20 +205,16 @@ class Backend:
                     yield out
             status, result, error = await done
             if status is GenerationStatus.FAILED or result is None:
-                self.metrics.refused("failed")
                 raise APIError(500, f"generation failed: {error}", kind="server_error")
             rest = stop.rest()
             if rest:
                 yield rest
             reason = "length" if not stop.stopped and result.generated_tokens >= req.settings.max_new_tokens else "stop"
-            self.metrics.finished(result, "stopped" if stop.stopped else "finished", cached)
-            yield Answer(stop.text, reason, result, cached)
+            yield Answer(stop.text, reason, result, cached, stop.stopped)
         finally:
             state["cancel"] = True
             if handle is not None and not handle.done():
                 handle.cancel()
-                self.metrics.refused("disconnected")
-            self._leave()
 
     def _cache_for(self, ids: list[int]) -> SequenceCache | None:
         """The kept cache this request continues (its conversation's last turn), or a new one to
@@ -179,14 +235,6 @@ class Backend:
             else:
                 self.pipeline.kept.put(cache)
         return outcome
-
-    async def complete(self, req: GenerationRequest) -> Answer:
-        answer = None
-        async for item in self.generate(req):
-            if isinstance(item, Answer):
-                answer = item
-        assert answer is not None
-        return answer
 
 
 def _stop_seen(stop: StopText, delta: str) -> bool:

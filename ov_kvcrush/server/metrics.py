@@ -14,30 +14,27 @@ from ov_kvcrush.engines.base import GenerationResult
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+#: the gauges: the backend's stat, the metric, what it is
+GAUGES = (
+    ("running", "ovkc_requests_running", "Requests being generated"),
+    ("waiting", "ovkc_requests_waiting", "Requests waiting for admission"),
+    ("blocks_used", "ovkc_kv_pool_blocks_used", "KV pool blocks in use"),
+    ("blocks_free", "ovkc_kv_pool_blocks_free", "KV pool blocks free (-1: unlimited pool)"),
+    ("kv_bytes", "ovkc_kv_bytes_held", "KV bytes the pool holds now"),
+    ("kept", "ovkc_kept_caches", "Conversations' caches kept for their next turn"),
+    ("kept_blocks", "ovkc_kept_cache_blocks", "Blocks the kept caches hold"),
+)
+
+
 class ServerMetrics:
     """The server's counters; the gauges read the pipeline when scraped."""
 
-    def __init__(
-        self,
-        running: Callable[[], int],
-        waiting: Callable[[], int],
-        blocks_used: Callable[[], int],
-        blocks_free: Callable[[], int],
-        kv_bytes: Callable[[], int],
-        kept: Callable[[], int],
-        kept_blocks: Callable[[], int],
-    ) -> None:
+    def __init__(self, gauge: Callable[[str], int]) -> None:
+        """``gauge(key)``: the backend's stat ``key`` now (read when scraped)."""
         self.registry = CollectorRegistry()
         r = self.registry
-        Gauge("ovkc_requests_running", "Requests being generated", registry=r).set_function(running)
-        Gauge("ovkc_requests_waiting", "Requests waiting for admission", registry=r).set_function(waiting)
-        Gauge("ovkc_kv_pool_blocks_used", "KV pool blocks in use", registry=r).set_function(blocks_used)
-        Gauge("ovkc_kv_pool_blocks_free", "KV pool blocks free (-1: unlimited pool)", registry=r).set_function(
-            blocks_free
-        )
-        Gauge("ovkc_kv_bytes_held", "KV bytes the pool holds now", registry=r).set_function(kv_bytes)
-        Gauge("ovkc_kept_caches", "Conversations' caches kept for their next turn", registry=r).set_function(kept)
-        Gauge("ovkc_kept_cache_blocks", "Blocks the kept caches hold", registry=r).set_function(kept_blocks)
+        for key, name, what in GAUGES:
+            Gauge(name, what, registry=r).set_function(lambda key=key: gauge(key))
         self.requests = Counter("ovkc_requests", "Requests answered, by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("ovkc_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter(

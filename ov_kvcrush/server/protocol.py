@@ -41,6 +41,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses processes whole (a Ray replica's error)
+        return (APIError, (self.status, self.message, self.param, self.kind))
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
