@@ -125,7 +125,15 @@ BAD_BODIES = [
     (json.dumps({"messages": []}).encode(), "messages", "non-empty"),
     (json.dumps({"messages": QUESTION, "stop": [""]}).encode(), "stop", "stop must be"),
     (json.dumps({"messages": QUESTION, "kv_budget": 5}).encode(), "kv_budget", "unknown field"),
-]
+    (json.dumps({"messages": QUESTION, "kv_compression": "snapkv"}).encode(), "kv_compression", "an object"),
+    (json.dumps({"messages": QUESTION, "kv_compression": {"method": "snapkv", "budget": 10}}).encode(),
+     "kv_compression", r"budget=10 is invalid: allowed an integer in \[80,"),
+    (json.dumps({"messages": QUESTION, "kv_compression": {"method": "quest", "budget": 512}}).encode(),
+     "kv_compression.method", "allowed full, "),
+    (json.dumps({"messages": QUESTION, "kv_compression": {"method": "snapkv", "budget": 256,
+                                                           "options": {"window": 0}}}).encode(),
+     "kv_compression", "window"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("body", "param", "message"), BAD_BODIES)
@@ -261,3 +269,36 @@ def test_32_concurrent_streams_are_each_answered_or_refused_and_none_is_lost(ser
     assert outcomes.count("answered") >= 4 and len(outcomes) == 32
     assert wait_until(lambda: backend.in_flight == 0 and not backend.pipeline.has_non_finished_requests())
     assert backend.pipeline.pool.stats().blocks_in_use == backend.pipeline.kept.blocks()
+
+
+LONG = [{"role": "user", "content": "The lighthouse keeper wrote about the weather and the ships. " * 20
+         + "What did the keeper write about?"}]  # fmt: skip
+
+
+def test_a_request_names_its_own_method_and_gets_its_pipeline(client, backend):
+    """The server runs SnapKV @96; a request asking for the full cache is served by a pipeline of
+    its own (made on first use) and holds every token, and answers as that pipeline does."""
+    from ov_kvcrush.config import CompressionConfig
+
+    default = client.chat.completions.create(model="smollm2", messages=LONG, max_tokens=8, temperature=0)
+    assert default.usage.model_extra["kv_bytes"] < default.usage.model_extra["full_kv_bytes"]  # SnapKV evicted
+    full = client.chat.completions.create(
+        model="smollm2", messages=LONG, max_tokens=8, temperature=0, extra_body={"kv_compression": {"method": "full"}}
+    )
+    assert full.usage.model_extra["kv_bytes"] == full.usage.model_extra["full_kv_bytes"]
+    pipeline = backend.pipeline_for(CompressionConfig("full"))
+    assert pipeline is not backend.pipeline and len(backend.pipelines) >= 2
+    want = pipeline.generate([LONG], GenerationSettings(max_new_tokens=8))[0].text
+    assert full.choices[0].message.content == want
+
+
+def test_past_max_methods_a_new_method_is_refused_by_name(server, backend):
+    taken = backend.max_methods
+    backend.max_methods = len(backend.pipelines)
+    try:
+        body = {"messages": QUESTION, "kv_compression": {"method": "h2o", "budget": 200}}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_compression"
+        assert "--max-methods" in r.json()["error"]["message"]
+    finally:
+        backend.max_methods = taken

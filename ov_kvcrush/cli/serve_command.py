@@ -29,6 +29,9 @@ def add_serve_arguments(sub: Any) -> None:
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step (default 2048)")
     s.add_argument("--max-queue", type=int, default=64, help="requests held at once; more get 429 (default 64)")
+    s.add_argument(
+        "--max-methods", type=int, default=4, help="methods at once: a request's kv_compression gets a pipeline (4)"
+    )
     s.add_argument("--max-body-kib", type=int, default=1024, help="largest request body accepted (default 1024)")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the folder's)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

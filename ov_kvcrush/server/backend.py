@@ -10,11 +10,14 @@ its blocks go back to the pool at the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines.base import GenerationResult
 from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.errors import UserError
@@ -148,34 +151,75 @@ class Backend(ABC):
         return answer
 
 
+def compression_key(config: CompressionConfig) -> str:
+    """One string per distinct compression (its fields, sorted)."""
+    return json.dumps(dataclasses.asdict(config), sort_keys=True, default=repr)
+
+
 class PipelineBackend(Backend):
-    """One pipeline of this process served to many connections."""
+    """Pipelines of this process served to many connections: the server's method's, and one per
+    other method requests name (``kv_compression``), each with its own pool, made on first use,
+    at most ``max_methods`` in all."""
 
     def __init__(
-        self, pipeline: ContinuousBatchingPipeline, model_name: str, max_queue: int, keep_caches: bool = True
+        self,
+        pipeline: ContinuousBatchingPipeline,
+        model_name: str,
+        max_queue: int,
+        keep_caches: bool = True,
+        make_pipeline: Callable[[CompressionConfig], ContinuousBatchingPipeline] | None = None,
+        max_methods: int = 4,
     ) -> None:
         super().__init__(model_name, max_queue)
-        self.pipeline = pipeline
+        self.pipeline = pipeline  # the server's own method's
         #: keep each finished request's cache for its conversation's next turn (serving/kept.py)
         self.keep_caches = keep_caches
+        self.make_pipeline = make_pipeline
+        self.max_methods = max_methods
+        self.pipelines = {compression_key(pipeline.engine.compression): pipeline}
+        self._making = threading.Lock()
+
+    def pipeline_for(self, compression: CompressionConfig | None) -> ContinuousBatchingPipeline:
+        """The pipeline of ``compression`` (``None``: the server's), made the first time."""
+        if compression is None:
+            return self.pipeline
+        key = compression_key(compression)
+        with self._making:
+            if key not in self.pipelines:
+                if self.make_pipeline is None or len(self.pipelines) >= self.max_methods:
+                    raise APIError(
+                        400,
+                        f"kv_compression: this server runs at most {self.max_methods} methods at once "
+                        f"(--max-methods), all taken: send one of theirs or none",
+                        "kv_compression",
+                    )
+                self.pipelines[key] = self.make_pipeline(compression)
+            return self.pipelines[key]
 
     def stats(self) -> dict[str, int]:
-        st = self.pipeline.pool.stats()
-        limit = self.pipeline.engine.max_kv_blocks
-        return {
-            "running": len(self.pipeline.scheduler.running),
-            "waiting": len(self.pipeline.scheduler.waiting),
-            "blocks_used": st.blocks_in_use,
-            "blocks_free": limit - st.blocks_in_use if limit else -1,
-            "kv_bytes": st.kv_bytes,
-            "kept": len(self.pipeline.kept),
-            "kept_blocks": self.pipeline.kept.blocks(),
-        }
+        total = dict.fromkeys(
+            ("running", "waiting", "blocks_used", "blocks_free", "kv_bytes", "kept", "kept_blocks"), 0
+        )
+        for pipeline in list(self.pipelines.values()):
+            st = pipeline.pool.stats()
+            limit = pipeline.engine.max_kv_blocks
+            total["running"] += len(pipeline.scheduler.running)
+            total["waiting"] += len(pipeline.scheduler.waiting)
+            total["blocks_used"] += st.blocks_in_use
+            total["blocks_free"] = (
+                -1 if not limit or total["blocks_free"] < 0 else total["blocks_free"] + limit - st.blocks_in_use
+            )
+            total["kv_bytes"] += st.kv_bytes
+            total["kept"] += len(pipeline.kept)
+            total["kept_blocks"] += pipeline.kept.blocks()
+        return total
 
     def close(self) -> None:
-        self.pipeline.kept.clear()
+        for pipeline in self.pipelines.values():
+            pipeline.kept.clear()
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[str | Answer]:
+        pipeline = await asyncio.to_thread(self.pipeline_for, req.compression)  # a first one compiles
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
         stop = StopText(req.stop)
@@ -189,15 +233,15 @@ class PipelineBackend(Backend):
 
         try:
             try:
-                ids = self.pipeline.encode(req.prompt, req.settings.apply_chat_template)
-                cache = self._cache_for(ids)
+                ids = pipeline.encode(req.prompt, req.settings.apply_chat_template)
+                cache = self._cache_for(pipeline, ids)
                 cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
-                handle = self.pipeline.submit(ids, req.settings, streamer, cache=cache)
+                handle = pipeline.submit(ids, req.settings, streamer, cache=cache)
             except UserError as e:
                 if cache is not None:
-                    self.pipeline.kept.put(cache)
+                    pipeline.kept.put(cache)
                 raise APIError(400, str(e)) from e
-            done = loop.run_in_executor(None, self._wait_and_keep, handle, cache)
+            done = loop.run_in_executor(None, _wait_and_keep, pipeline, handle, cache)
             done.add_done_callback(lambda _f: loop.call_soon_threadsafe(pieces.put_nowait, None))
             while (delta := await pieces.get()) is not None:
                 out = stop.add(delta)
@@ -216,25 +260,26 @@ class PipelineBackend(Backend):
             if handle is not None and not handle.done():
                 handle.cancel()
 
-    def _cache_for(self, ids: list[int]) -> SequenceCache | None:
+    def _cache_for(self, pipeline: ContinuousBatchingPipeline, ids: list[int]) -> SequenceCache | None:
         """The kept cache this request continues (its conversation's last turn), or a new one to
         keep; ``None`` when caches are not kept."""
         if not self.keep_caches:
             return None
-        return self.pipeline.kept.take(ids) or SequenceCache(self.pipeline.pool.new_sequence())
+        return pipeline.kept.take(ids) or SequenceCache(pipeline.pool.new_sequence())
 
-    def _wait_and_keep(
-        self, handle: GenerationHandle, cache: SequenceCache | None
-    ) -> tuple[GenerationStatus, GenerationResult | None, str]:
-        """The request's end (a worker thread); then its cache is kept for the next turn (a
-        failed request's, reset by the loop, is freed)."""
-        outcome = _wait(handle)
-        if cache is not None:
-            if outcome[0] is GenerationStatus.FAILED:
-                cache.sequence.free()
-            else:
-                self.pipeline.kept.put(cache)
-        return outcome
+
+def _wait_and_keep(
+    pipeline: ContinuousBatchingPipeline, handle: GenerationHandle, cache: SequenceCache | None
+) -> tuple[GenerationStatus, GenerationResult | None, str]:
+    """The request's end (a worker thread); then its cache is kept for the next turn (a failed
+    request's, reset by the loop, is freed)."""
+    outcome = _wait(handle)
+    if cache is not None:
+        if outcome[0] is GenerationStatus.FAILED:
+            cache.sequence.free()
+        else:
+            pipeline.kept.put(cache)
+    return outcome
 
 
 def _stop_seen(stop: StopText, delta: str) -> bool:

@@ -14,29 +14,42 @@ from typing import Any
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     """What :func:`build_backend` reads of the flags, as plain values (a Ray replica gets them)."""
     keys = ("model", "method", "budget", "sink_tokens", "recent_tokens", "option", "kv_pool_mib", "kv_precision",
-            "max_num_seqs", "max_num_batched_tokens", "max_queue", "served_model_name", "port", "threads")  # fmt: skip
+            "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_methods", "served_model_name", "port",
+            "threads")  # fmt: skip
     values = vars(args)
     return {k: values[k] for k in keys}
 
 
 def build_backend(args: argparse.Namespace) -> Any:
-    """The pipeline and its server backend from the command's flags."""
-    import openvino_genai
-
+    """The server's pipeline (its method's) and its backend, which makes the pipeline of another
+    method a request names the same way."""
     from ov_kvcrush.config import parse_method_budget, parse_options
-    from ov_kvcrush.engines.backends import resolve_model
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
     from ov_kvcrush.server.backend import PipelineBackend
-    from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
-    from ov_kvcrush.validation import check_float, check_int
+    from ov_kvcrush.validation import check_int
 
     check_int("--max-queue", args.max_queue, 1, 1 << 16)
+    check_int("--max-methods", args.max_methods, 1, 64)
     check_int("--port", args.port, 1, 65535)
     compression = parse_method_budget(
         args.method, args.budget, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
         options=parse_options(args.option),
     )  # fmt: skip
+    return PipelineBackend(
+        make_pipeline(args, compression), served_name(args), args.max_queue,
+        make_pipeline=lambda c: make_pipeline(args, c), max_methods=args.max_methods,
+    )  # fmt: skip
+
+
+def make_pipeline(args: argparse.Namespace, compression: Any) -> Any:
+    """A pipeline over the model with ``compression``, its own pool of ``--kv-pool-mib``."""
+    import openvino_genai
+
+    from ov_kvcrush.engines.backends import resolve_model
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
+    from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
+    from ov_kvcrush.validation import check_float, check_int
+
     sc = openvino_genai.SchedulerConfig()
     sc.max_num_seqs = args.max_num_seqs
     sc.max_num_batched_tokens = args.max_num_batched_tokens
@@ -51,8 +64,7 @@ def build_backend(args: argparse.Namespace) -> Any:
         one = block_bytes(engine.block_size, engine.shape.head_dim, engine.kv_precision)
         engine.max_kv_blocks = pool_blocks(int(args.kv_pool_mib * 2**20), one)
         engine.set_compression(engine.compression)  # the pool, with its limit
-    pipeline = ContinuousBatchingPipeline(engine, sc)
-    return PipelineBackend(pipeline, served_name(args), args.max_queue)
+    return ContinuousBatchingPipeline(engine, sc)
 
 
 def served_name(args: argparse.Namespace) -> str:

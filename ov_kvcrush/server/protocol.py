@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ov_kvcrush.config import GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_method_budget
 from ov_kvcrush.errors import UserError
 
 #: fields the server refuses when set to anything but their neutral value
@@ -50,7 +50,8 @@ class APIError(Exception):
 
 @dataclass
 class GenerationRequest:
-    """One validated request: what to generate from, how, and how to answer."""
+    """One validated request: what to generate from, how, and how to answer (``compression``:
+    the request's own method, ``None``: the server's)."""
 
     chat: bool
     prompt: str | list[dict[str, str]]
@@ -59,6 +60,42 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     model: str = ""
     include_usage: bool = False
+    compression: CompressionConfig | None = None
+
+
+#: the fields of the ``kv_compression`` extension (``ov-kvcrush serve``'s flags of the same names)
+COMPRESSION_FIELDS = ("method", "budget", "sink_tokens", "recent_tokens", "options")
+
+
+def parse_compression(value: Any) -> CompressionConfig | None:
+    """The ``kv_compression`` extension field, validated as the CLI validates ``--method``,
+    ``--budget``, ``--sink-tokens``, ``--recent-tokens`` and ``--option``: a method our op runs."""
+    from ov_kvcrush.methods import methods_for
+
+    if value is None:
+        return None
+    allowed = "an object {" + ", ".join(COMPRESSION_FIELDS) + "} with at least a method"
+    if not isinstance(value, dict) or "method" not in value or set(value) - set(COMPRESSION_FIELDS):
+        raise APIError(400, f"kv_compression={json.dumps(value)} is invalid: allowed {allowed}", "kv_compression")
+    options = value.get("options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "kv_compression.options must be an object of method fields", "kv_compression.options")
+    if value["method"] not in methods_for("openvino"):
+        runs = ", ".join(methods_for("openvino"))
+        raise APIError(400, f"kv_compression.method={value['method']!r} is invalid: allowed {runs}",
+                       "kv_compression.method")  # fmt: skip
+    try:
+        return parse_method_budget(
+            value["method"], value.get("budget"), sink_tokens=value.get("sink_tokens"),
+            recent_tokens=value.get("recent_tokens"), options={k: _tuples(v) for k, v in options.items()},
+        )  # fmt: skip
+    except UserError as e:
+        raise APIError(400, f"kv_compression: {e}", "kv_compression") from e
+
+
+def _tuples(v: Any) -> Any:
+    """JSON lists as the tuples method fields take (as ``--option``'s values)."""
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -95,7 +132,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
     known = {
         "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-        "stop", "stream", "ignore_eos", *UNSUPPORTED, *IGNORED,
+        "stop", "stream", "ignore_eos", "kv_compression", *UNSUPPORTED, *IGNORED,
     }  # fmt: skip
     for name in body:
         if name not in known:
@@ -170,4 +207,5 @@ def parse_generation(body: dict[str, Any], chat: bool, max_tokens_default: int) 
         stop=_stop(body.get("stop")),
         model=model if isinstance(model, str) else "",
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        compression=parse_compression(body.get("kv_compression")),
     )
