@@ -89,7 +89,8 @@ def test_question_after_equals_the_chat_turns_split(engine, document):
 
 
 def test_chat_defaults_to_kvzip_with_a_budget_and_says_so(capsys):
-    from ov_kvcrush.cli.chat import CHAT_METHOD, cache_policy, chat
+    from ov_kvcrush.cli.chat import cache_policy, chat
+    from ov_kvcrush.serving.chat import CHAT_METHOD
 
     class Pipe:
         engine = object()

@@ -21,6 +21,7 @@ from typing import TextIO
 from ov_kvcrush.config import GenerationSettings, parse_method_budget
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.pipeline import LLMPipeline
+from ov_kvcrush.serving.chat import CHAT_METHOD, chat_method
 
 
 def methods_help() -> str:
@@ -46,12 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.9) instead of greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no per-turn timing line")
-
-
-#: What the chat compresses with when only a budget is given: a later question needs what an
-#: earlier turn holds, and KVzip scores a turn by reconstructing it, not by the queries seen so far
-#: (issue 25: 6/6 needles asked in the next turn where SnapKV and KVCrush answered 0/6).
-CHAT_METHOD = "kvzip"
 
 
 def cache_policy(compression) -> str:
@@ -102,7 +97,7 @@ def chat(
         if args.backend != "openvino":
             raise UserError(f"--kv-precision is for --backend openvino, got --backend={args.backend}")
         options["kv_precision"] = args.kv_precision
-    method = args.method or (CHAT_METHOD if args.budget is not None else "full")
+    method = chat_method(args.method, args.budget)
     compression = parse_method_budget(method, args.budget)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,

@@ -19,7 +19,11 @@ API_KEY_ENV = "OV_KVCRUSH_API_KEY"
 def add_serve_arguments(sub: Any) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching on our op)")
     s.add_argument("--model", help="an exported IR directory (default: the embedded smollm2-135m; or gemma3-270m)")
-    s.add_argument("--method", default="full", help="the server's compression method (default: full)")
+    s.add_argument(
+        "--method",
+        default=None,
+        help="the server's compression method (default: full; kvzip with only --budget, as chat)",
+    )
     s.add_argument("--budget", type=int, help="KV tokens kept per layer and KV head")
     s.add_argument("--sink-tokens", type=int, default=None)
     s.add_argument("--recent-tokens", type=int, default=None)

@@ -25,13 +25,15 @@ def build_backend(args: argparse.Namespace) -> Any:
     method a request names the same way."""
     from ov_kvcrush.config import parse_method_budget, parse_options
     from ov_kvcrush.server.backend import PipelineBackend
+    from ov_kvcrush.serving.chat import chat_method
     from ov_kvcrush.validation import check_int
 
     check_int("--max-queue", args.max_queue, 1, 1 << 16)
     check_int("--max-methods", args.max_methods, 1, 64)
     check_int("--port", args.port, 1, 65535)
+    method = chat_method(args.method, args.budget)
     compression = parse_method_budget(
-        args.method, args.budget, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
+        method, args.budget, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
         options=parse_options(args.option),
     )  # fmt: skip
     return PipelineBackend(

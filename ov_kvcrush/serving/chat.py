@@ -14,6 +14,18 @@ from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.engines.base import GenerationResult, Streamer
 from ov_kvcrush.errors import UserError
 
+#: What a chat compresses with when only a budget is given (``ov-kvcrush chat``, ``ov-kvcrush
+#: serve``): a later question needs what an earlier turn holds, and KVzip scores a turn by
+#: reconstructing it, not by the queries seen so far (issue 25: 6/6 needles asked in the next turn
+#: where SnapKV and KVCrush answered 0/6).
+CHAT_METHOD = "kvzip"
+
+
+def chat_method(method: str | None, budget: int | None) -> str:
+    """The method a chat runs: ``method``, else :data:`CHAT_METHOD` with a budget, else full."""
+    return method or (CHAT_METHOD if budget is not None else "full")
+
+
 #: answers a conversation (its messages, the last a user's) as one generation
 Answer = Callable[[list[dict], GenerationSettings, Streamer | None], GenerationResult]
 
