@@ -65,38 +65,19 @@ def kmeans_cosine(
     changed = dev.empty(4)
     means, sizes = dev.empty(4 * rows * k * d), dev.empty(4 * rows * k)
     iterations = 0
+
+    def update(final_step: int) -> None:  # directions to the members' normalised sums, or (final) the means
+        dev.run(_kernel(dev, "update_directions", d), (k, rows), None, xn_b, x_b, i32(n), labels, directions, means,
+                sizes, i32(final_step))  # fmt: skip
+
     while iterations < max_iters:
         iterations += 1
         dev.cl.enqueue_fill_buffer(dev.queue, changed, np.int32(0), 0, 4)
         dev.run(_kernel(dev, "assign_nearest", d), (n, rows), None, xn_b, directions, i32(k), labels, changed)
         if not dev.to_host(changed, np.int32, (1,))[0]:
             break
-        dev.run(
-            _kernel(dev, "update_directions", d),
-            (k, rows),
-            None,
-            xn_b,
-            x_b,
-            i32(n),
-            labels,
-            directions,
-            means,
-            sizes,
-            i32(0),
-        )
-    dev.run(
-        _kernel(dev, "update_directions", d),
-        (k, rows),
-        None,
-        xn_b,
-        x_b,
-        i32(n),
-        labels,
-        directions,
-        means,
-        sizes,
-        i32(1),
-    )
+        update(0)
+    update(1)
     order = dev.to_host(stable_order(dev, labels, n, k, rows), np.int32, (rows, n))
     size = dev.to_host(sizes, np.int32, (rows, k))
     return GPUClusters(

@@ -34,9 +34,11 @@ def kernel_sources() -> list[Path]:
 
 
 def build_options(sub_group: int, constants: dict[str, int]) -> list[str]:
-    # correctly rounded division: a 2-bit code is round((x - zero) / scale), as the reference divides
+    """The compile options of a kernel source: its constants, the kernels' folder for the headers
+    they share (``paged_block.h``), and correctly rounded division (a 2-bit code is
+    round((x - zero) / scale), as the reference divides)."""
     consts = (f"-D{k}={v}" for k, v in sorted(constants.items()))
-    return [f"-DSG={sub_group}", *consts, "-cl-fp32-correctly-rounded-divide-sqrt"]
+    return [f"-DSG={sub_group}", *consts, f"-I{kernel_dir()}", "-cl-fp32-correctly-rounded-divide-sqrt"]
 
 
 @dataclass

@@ -86,7 +86,7 @@ class Backend(ABC):
         self.max_queue = max_queue
         self._in_flight = 0
         self._lock = threading.Lock()
-        self.metrics = ServerMetrics(lambda key: self.stats()[key])
+        self.metrics = ServerMetrics(self.stats)
 
     @abstractmethod
     def stream(self, req: GenerationRequest) -> AsyncIterator[str | Answer]:

@@ -29,12 +29,13 @@ GAUGES = (
 class ServerMetrics:
     """The server's counters; the gauges read the pipeline when scraped."""
 
-    def __init__(self, gauge: Callable[[str], int]) -> None:
-        """``gauge(key)``: the backend's stat ``key`` now (read when scraped)."""
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        """``stats()``: the backend's gauges now, read once per scrape (a Ray backend asks each
+        replica for them)."""
         self.registry = CollectorRegistry()
         r = self.registry
-        for key, name, what in GAUGES:
-            Gauge(name, what, registry=r).set_function(lambda key=key: gauge(key))
+        self.stats = stats
+        self.gauges = {key: Gauge(name, what, registry=r) for key, name, what in GAUGES}
         self.requests = Counter("ovkc_requests", "Requests answered, by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("ovkc_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter(
@@ -64,4 +65,6 @@ class ServerMetrics:
         self.requests.labels(outcome).inc()
 
     def exposition(self) -> bytes:
+        for key, value in self.stats().items():
+            self.gauges[key].set(value)
         return generate_latest(self.registry)

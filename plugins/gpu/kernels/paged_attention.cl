@@ -2,10 +2,7 @@
 // sub-groups). One query token per (layer, sequence); every KV head has its own block table and
 // its own token count, since the methods evict per head.
 //
-// A block (plugins/cpu/src/paged_cache.hpp) is BLOCK_SIZE tokens of one KV head: the keys
-// transposed [HEAD_DIM][BLOCK_SIZE], then the values [BLOCK_SIZE][HEAD_DIM], then, for the u8
-// store, four rows of BLOCK_SIZE floats: key min, key scale, value min, value scale (x = min +
-// code * scale). Here the pool is one buffer of equal blocks, block id * BLOCK_BYTES apart.
+// The block layout and its loads: paged_block.h.
 //
 // Three passes, as a decode step over a long cache needs every slot's logit before any
 // probability: logits (one work-item per (query head, slot): consecutive slots read consecutive
@@ -16,45 +13,11 @@
 // Compile-time constants (-D): SG (sub-group size: 8, 16 or 32), KV_PRECISION (0 f32, 1 f16,
 // 2 u8), BLOCK_SIZE, HEAD_DIM (a multiple of SG), GROUP (query heads per KV head).
 
-#if KV_PRECISION == 0
-#define ELEM_BYTES 4
-#elif KV_PRECISION == 1
-#define ELEM_BYTES 2
-#else
-#define ELEM_BYTES 1
-#endif
-#define KV_BYTES (2 * BLOCK_SIZE * HEAD_DIM * ELEM_BYTES)
-#define PARAM_BYTES (KV_PRECISION == 2 ? 4 * 4 * BLOCK_SIZE : 0)
-#define BLOCK_BYTES ((ulong)(KV_BYTES + PARAM_BYTES))
-
-// key element d of slot j of a block
-inline float load_key(__global const uchar* block, int d, int j) {
-#if KV_PRECISION == 0
-    return ((__global const float*)block)[d * BLOCK_SIZE + j];
-#elif KV_PRECISION == 1
-    return vload_half(d * BLOCK_SIZE + j, (__global const half*)block);
-#else
-    __global const float* p = (__global const float*)(block + KV_BYTES);
-    return p[j] + (float)block[d * BLOCK_SIZE + j] * p[BLOCK_SIZE + j];
-#endif
-}
+#include "paged_block.h"
 
 // The j-th slot a head attends: slot j itself, or entry j of its row of `slot_map` when the
 // step attends a list of slots (map_stride > 0; ClusterKV's sinks, recalled and pending slots).
 #define SLOT(kv, j) (map_stride > 0 ? slot_map[(kv) * map_stride + (j)] : (j))
-
-// value element d of slot j of a block
-inline float load_value(__global const uchar* block, int j, int d) {
-    const int at = BLOCK_SIZE * HEAD_DIM + j * HEAD_DIM + d;
-#if KV_PRECISION == 0
-    return ((__global const float*)block)[at];
-#elif KV_PRECISION == 1
-    return vload_half(at, (__global const half*)block);
-#else
-    __global const float* p = (__global const float*)(block + KV_BYTES);
-    return p[2 * BLOCK_SIZE + j] + (float)block[at] * p[3 * BLOCK_SIZE + j];
-#endif
-}
 
 // logits[h][first[kv] + j] = scale * q[h] . key(SLOT(kv, j)) for j < lengths[kv], kv = h / GROUP (`first`:
 // where a head's full-precision slots start in its logits, after its 2-bit slots, quant2.cl).

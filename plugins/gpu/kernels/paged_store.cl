@@ -6,16 +6,7 @@
 //
 // Compile-time constants (-D): SG, KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM.
 
-#if KV_PRECISION == 0
-#define ELEM_BYTES 4
-#elif KV_PRECISION == 1
-#define ELEM_BYTES 2
-#else
-#define ELEM_BYTES 1
-#endif
-#define KV_BYTES (2 * BLOCK_SIZE * HEAD_DIM * ELEM_BYTES)
-#define PARAM_BYTES (KV_PRECISION == 2 ? 4 * 4 * BLOCK_SIZE : 0)
-#define BLOCK_BYTES ((ulong)(KV_BYTES + PARAM_BYTES))
+#include "paged_block.h"
 
 // One vector's u8 min and scale over HEAD_DIM values, held across a sub-group (lane l: dims l,
 // l + SG, ...): scale = (max - min) / 255.

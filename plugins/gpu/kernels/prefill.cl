@@ -9,39 +9,7 @@
 //
 // Compile-time constants (-D): SG, KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM, GROUP.
 
-#if KV_PRECISION == 0
-#define ELEM_BYTES 4
-#elif KV_PRECISION == 1
-#define ELEM_BYTES 2
-#else
-#define ELEM_BYTES 1
-#endif
-#define KV_BYTES (2 * BLOCK_SIZE * HEAD_DIM * ELEM_BYTES)
-#define PARAM_BYTES (KV_PRECISION == 2 ? 4 * 4 * BLOCK_SIZE : 0)
-#define BLOCK_BYTES ((ulong)(KV_BYTES + PARAM_BYTES))
-
-inline float key_at(__global const uchar* block, int d, int j) {
-#if KV_PRECISION == 0
-    return ((__global const float*)block)[d * BLOCK_SIZE + j];
-#elif KV_PRECISION == 1
-    return vload_half(d * BLOCK_SIZE + j, (__global const half*)block);
-#else
-    __global const float* p = (__global const float*)(block + KV_BYTES);
-    return p[j] + (float)block[d * BLOCK_SIZE + j] * p[BLOCK_SIZE + j];
-#endif
-}
-
-inline float value_at(__global const uchar* block, int j, int d) {
-    const int at = BLOCK_SIZE * HEAD_DIM + j * HEAD_DIM + d;
-#if KV_PRECISION == 0
-    return ((__global const float*)block)[at];
-#elif KV_PRECISION == 1
-    return vload_half(at, (__global const half*)block);
-#else
-    __global const float* p = (__global const float*)(block + KV_BYTES);
-    return p[2 * BLOCK_SIZE + j] + (float)block[at] * p[3 * BLOCK_SIZE + j];
-#endif
-}
+#include "paged_block.h"
 
 // out[h][r] and lse[h][r] (log-sum-exp of the row's scaled logits) for query rows q[h][r] at
 // positions qpos0 + r over the slots j < lengths[kv] with positions[kv][j] <= the row's. Global
@@ -66,12 +34,12 @@ __kernel void paged_prefill(__global const uchar* pool, __global const int* tabl
         __global const uchar* block = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
         const int jj = j % BLOCK_SIZE;
         float s = 0.0f;
-        for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d], key_at(block, d, jj), s);
+        for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d], load_key(block, d, jj), s);
         if (!live || positions[kv * pos_stride + j] > qpos) continue;
         const float m_new = fmax(m, s);
         const float alpha = exp(m - m_new), p = exp(s - m_new);
         l = l * alpha + p;
-        for (int d = 0; d < HEAD_DIM; ++d) acc[d] = fma(p, value_at(block, jj, d), acc[d] * alpha);
+        for (int d = 0; d < HEAD_DIM; ++d) acc[d] = fma(p, load_value(block, jj, d), acc[d] * alpha);
         m = m_new;
     }
     if (!live) return;
@@ -92,7 +60,7 @@ __kernel void window_scores(__global const uchar* pool, __global const int* tabl
     __global const uchar* block = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
     const int jj = j % BLOCK_SIZE;
     float key[HEAD_DIM];
-    for (int d = 0; d < HEAD_DIM; ++d) key[d] = key_at(block, d, jj);
+    for (int d = 0; d < HEAD_DIM; ++d) key[d] = load_key(block, d, jj);
     const int pos = positions[kv * pos_stride + j];
     float total = 0.0f;
     for (int r = max(rows - window, 0); r < rows; ++r) {

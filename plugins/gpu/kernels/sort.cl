@@ -9,6 +9,18 @@
 // sub-group per row: global (SG, rows), local (SG, 1). The histogram and its running starts live
 // in local memory; each chunk of SG tokens is placed in order, a lane's rank among the chunk's
 // lanes of its key coming from the keys shuffled across the sub-group.
+// Of the sub-group's lanes holding `key`, how many come before `lane` (returned) and after it.
+inline int same_key_lanes(int key, int lane, int* after) {
+    int before = 0;
+    *after = 0;
+    for (int l = 0; l < SG; ++l) {
+        const int other = intel_sub_group_shuffle(key, l);
+        before += other == key && l < lane;
+        *after += other == key && l > lane;
+    }
+    return before;
+}
+
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void bucket_order(__global const int* keys, int m, int key_range, __global int* order) {
     __local int start[MAX_KEYS];
@@ -20,12 +32,8 @@ __kernel void bucket_order(__global const int* keys, int m, int key_range, __glo
     for (int c = 0; c < m; c += SG) {  // the histogram, one chunk at a time (one lane per key adds)
         const int e = c + lane;
         const int key = e < m ? keys[e] : -1;
-        int before = 0, after = 0;
-        for (int l = 0; l < SG; ++l) {
-            const int other = intel_sub_group_shuffle(key, l);
-            before += other == key && l < lane;
-            after += other == key && l > lane;
-        }
+        int after;
+        const int before = same_key_lanes(key, lane, &after);
         if (key >= 0 && after == 0) start[key] += before + 1;
         sub_group_barrier(CLK_LOCAL_MEM_FENCE);
     }
@@ -41,12 +49,8 @@ __kernel void bucket_order(__global const int* keys, int m, int key_range, __glo
     for (int c = 0; c < m; c += SG) {  // place each chunk after every earlier token of its key
         const int e = c + lane;
         const int key = e < m ? keys[e] : -1;
-        int before = 0, after = 0;
-        for (int l = 0; l < SG; ++l) {
-            const int other = intel_sub_group_shuffle(key, l);
-            before += other == key && l < lane;
-            after += other == key && l > lane;
-        }
+        int after;
+        const int before = same_key_lanes(key, lane, &after);
         const int at = key >= 0 ? start[key] + before : 0;
         sub_group_barrier(CLK_LOCAL_MEM_FENCE);
         if (key >= 0) {
