@@ -283,11 +283,8 @@ def hf_checkpoint(model: str | os.PathLike | None = None, force: bool = False, p
     return out
 
 
-def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ov_kvcrush.models.optimum_child",  # optimum-cli, with Gemma 3's transformers cap lifted (see there)
+def _optimum_args(hf_dir: Path, out: Path, weight_format: str) -> list[str]:
+    return [
         "export",
         "openvino",
         "--model",
@@ -298,11 +295,58 @@ def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
         weight_format,
         str(out),
     ]
+
+
+def _run_optimum(hf_dir: Path, out: Path, weight_format: str) -> None:
+    _optimum_child(_optimum_args(hf_dir, out, weight_format))
+
+
+def _optimum_child(args: list[str]) -> None:
+    # optimum-cli, with the transformers cap lifted for the families we checked (see there)
+    cmd = [sys.executable, "-m", "ov_kvcrush.models.optimum_child", *args]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = run_child(cmd, env)  # ends with this process (Ctrl-C, SIGTERM)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
         raise RuntimeError(f"optimum-cli export failed (exit {proc.returncode}):\n{tail}")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One export in progress: where its staged IR goes and where it lands."""
+
+    source: ModelSource
+    hf_dir: Path
+    stage: Path
+    out: Path
+
+
+def _output_dir(source: ModelSource, weight_format: str, output: str | os.PathLike | None) -> Path:
+    out = Path(output).expanduser() if output is not None else default_output_dir(source, weight_format)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output exists and is not a directory: {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _finish(job: _Job, weight_format: str) -> Path:
+    """Check the staged IR, write its completion marker and rename it into place."""
+    missing = [f for f in IR_FILES if not (job.stage / f).is_file()]
+    if missing:
+        raise RuntimeError(f"export produced no {', '.join(missing)} in {job.stage}")
+    files = {p.name: p.stat().st_size for p in job.stage.iterdir() if p.is_file()}
+    meta = {
+        "source": str(job.source.path),
+        "kind": job.source.kind,
+        "weight_format": weight_format,
+        "recipe": _RECIPE_VERSION,
+        "files": files,
+    }
+    (job.stage / _MARKER).write_text(json.dumps(meta, indent=1))
+    if job.out.exists():
+        shutil.rmtree(job.out)
+    job.stage.rename(job.out)
+    return job.out
 
 
 def export_model(
@@ -321,12 +365,9 @@ def export_model(
     if weight_format not in WEIGHT_FORMATS:
         raise UserError(f"--weight-format={weight_format!r} is invalid: allowed {', '.join(WEIGHT_FORMATS)}")
     source = resolve_source(model)
-    out = Path(output).expanduser() if output is not None else default_output_dir(source, weight_format)
+    out = _output_dir(source, weight_format, output)
     if not force and is_complete(out):
         return out
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output exists and is not a directory: {out}")
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     from tqdm import tqdm
 
@@ -335,32 +376,58 @@ def export_model(
         steps[0] = "use HF directory"
     bar = tqdm(total=len(steps), desc="export", unit="step", disable=not progress)
     with staging_dir(out.parent, ".tmp-export-") as tmp:
-        stage = tmp / "ir"
         bar.set_postfix_str(steps[0])
         hf_dir = hf_checkpoint(source.path, progress=False) if source.kind == "gguf" else source.path
+        job = _Job(source, hf_dir, tmp / "ir", out)
         bar.update()
         bar.set_postfix_str(steps[1])
-        _run_optimum(hf_dir, stage, weight_format)
+        _run_optimum(hf_dir, job.stage, weight_format)
         bar.update()
         bar.set_postfix_str(steps[2])
-        missing = [f for f in IR_FILES if not (stage / f).is_file()]
-        if missing:
-            raise RuntimeError(f"export produced no {', '.join(missing)} in {stage}")
-        files = {p.name: p.stat().st_size for p in stage.iterdir() if p.is_file()}
-        meta = {
-            "source": str(source.path),
-            "kind": source.kind,
-            "weight_format": weight_format,
-            "recipe": _RECIPE_VERSION,
-            "files": files,
-        }
-        (stage / _MARKER).write_text(json.dumps(meta, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        stage.rename(out)
+        _finish(job, weight_format)
         bar.update()
     bar.close()
     return out
+
+
+def export_models(models: list[Path], weight_format: str = DEFAULT_WEIGHT_FORMAT) -> dict[Path, Path | str]:
+    """Export several local HF checkpoints in one optimum process (its import is most of a small
+    model's export time), each cached as :func:`export_model` caches it.
+
+    Returns, per checkpoint, its IR directory, or the export's error (one model failing does not
+    stop the others).
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise UserError(f"weight_format={weight_format!r} is invalid: allowed {', '.join(WEIGHT_FORMATS)}")
+    done: dict[Path, Path | str] = {}
+    todo = []
+    for model in models:
+        source = resolve_source(model)
+        if source.kind != "hf":
+            raise UserError(f"export_models takes Hugging Face directories, got {source.path}")
+        out = default_output_dir(source, weight_format)
+        if is_complete(out):
+            done[model] = out
+        else:
+            todo.append((model, source, out))
+    if not todo:
+        return done
+    parent = todo[0][2].parent
+    with staging_dir(parent, ".tmp-export-") as tmp:
+        jobs = [_Job(source, source.path, tmp / f"ir{i}", out) for i, (_, source, out) in enumerate(todo)]
+        spec = [
+            {"argv": _optimum_args(j.hf_dir, j.stage, weight_format), "status": str(tmp / f"status{i}")}
+            for i, j in enumerate(jobs)
+        ]
+        (tmp / "jobs.json").write_text(json.dumps(spec))
+        _optimum_child(["--batch", str(tmp / "jobs.json")])
+        for (model, _, _), job, js in zip(todo, jobs, spec, strict=True):
+            status = Path(js["status"]).read_text() if Path(js["status"]).is_file() else "not run"
+            try:
+                done[model] = _finish(job, weight_format) if status == "ok" else status.strip().splitlines()[-1]
+            except RuntimeError as exc:
+                done[model] = str(exc)
+    return done
 
 
 def ensure_default_model(weight_format: str = DEFAULT_WEIGHT_FORMAT, progress: bool = True) -> Path:

@@ -1,10 +1,13 @@
 """``python -m ov_kvcrush.models.optimum_child ARGS``: ``optimum-cli ARGS``, for the model types we checked
-past optimum-intel's transformers cap.
+past optimum-intel's transformers cap; ``... --batch JOBS.json``: several exports in one process
+(importing optimum takes ~8 s of a tiny model's ~11 s export), each job's outcome written to its
+``status`` file.
 
 optimum-intel 2.2 caps its Gemma export configs (Gemma 3's text model included) at transformers
 5.0 and refuses 5.5 outright, although its Gemma 2 patcher traces Gemma 3 correctly there: the
 exported IR's logits equal transformers' own on a prompt longer than the sliding window
-(``tests/test_gemma3.py`` checks it on every run). The cap is lifted for ``gemma3_text`` only;
+(``tests/test_gemma3.py`` checks it on every run). The cap is lifted for ``gemma3_text``, and
+for Gemma 2 and GLM, whose exports give transformers' logits too (``tests/test_model_families.py``);
 every other model type keeps optimum's own check (a config deriving from Gemma 3's without a
 cap of its own would inherit the lifted one; none is used here). Runs in a child process, so
 nothing here touches the caller's optimum.
@@ -12,10 +15,13 @@ nothing here touches the caller's optimum.
 
 from __future__ import annotations
 
+import json
 import sys
+import traceback
+from pathlib import Path
 
 #: optimum-intel export configs whose transformers cap is lifted, by model type.
-UNCAPPED = ("gemma3_text",)
+UNCAPPED = ("gemma3_text", "gemma2", "glm")
 
 
 def lift_caps() -> None:
@@ -30,11 +36,28 @@ def lift_caps() -> None:
             config_class.MAX_TRANSFORMERS_VERSION = None
 
 
+def run_batch(jobs_file: Path, optimum_main) -> None:
+    """Each job ``{"argv": [...], "status": path}``: run it, then write ``ok`` or the error's tail."""
+    for job in json.loads(jobs_file.read_text()):
+        sys.argv = ["optimum-cli", *job["argv"]]
+        try:
+            optimum_main()
+            status = "ok"
+        except BaseException as exc:  # one family's failure must not stop the others
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            status = "".join(traceback.format_exception(exc)[-6:])
+        Path(job["status"]).write_text(status)
+
+
 def main(argv: list[str]) -> None:
     import optimum.exporters.openvino  # noqa: F401  (registers the openvino export configs)
     from optimum.commands.optimum_cli import main as optimum_main
 
     lift_caps()
+    if argv[:1] == ["--batch"]:
+        run_batch(Path(argv[1]), optimum_main)
+        return
     sys.argv = ["optimum-cli", *argv]
     optimum_main()
 
