@@ -40,6 +40,8 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# Both embedded models exported once (cached; a partial export is rebuilt, never reused).
 	$(VENV)/bin/ov-kvcrush export
 	$(VENV)/bin/ov-kvcrush export --model gemma3-270m
+	# The model-coverage families (tiny random checkpoints, one optimum process; tests/test_model_families.py).
+	$(PY) -m ov_kvcrush.models.coverage_table --export
 	touch $(STAMP)
 
 demo: setup

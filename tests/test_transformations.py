@@ -7,9 +7,6 @@ cannot convert must fail with a message naming what is missing.
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
 import pytest
 from helpers import converted_steps, native_steps
@@ -17,64 +14,41 @@ from ov_kvcrush.transformations import SEQUENCE_INPUT, ConversionError, convert_
 
 from ov_kvcrush.op import plugin
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
 
-
-def tiny_ir(model_type: str) -> Path:
-    """A 2-layer random model of ``model_type`` exported with optimum-intel (cached per machine)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ov_kvcrush.models.export import cache_root
-
-    key = hashlib.sha256(repr((model_type, sorted(TINY.items()))).encode()).hexdigest()[:10]
-    out = cache_root() / "tests" / f"tiny-{model_type}-{key}"
-    if (out / "openvino_model.xml").is_file():
-        return out
-    from optimum.intel import OVModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY))
-    hf = out.with_name(out.name + "-hf")
-    model.save_pretrained(hf)
-    OVModelForCausalLM.from_pretrained(hf, export=True, compile=False, load_in_8bit=False).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2"])
 def tiny(request):
-    return tiny_ir(request.param)
+    """A 2-layer random model of the family (8 query heads; 2 KV heads, Qwen2 1), exported with
+    optimum-intel (``ov_kvcrush.models.families``; cached per machine)."""
+    from ov_kvcrush.models.export import export_models
+    from ov_kvcrush.models.families import family, tiny_checkpoint
+
+    hf = tiny_checkpoint(request.param)
+    ir = export_models([hf], "fp32")[hf]
+    assert not isinstance(ir, str), ir
+    fam = family(request.param).config_fields()
+    return ir, fam["num_key_value_heads"]
 
 
 @pytest.mark.parametrize("kv_precision", ["f32", "f16", "u8"])
 def test_converted_logits_match_the_unmodified_model(tiny, kv_precision):
     """Against the unmodified model with OpenVINO's own cache in the same precision (u8: both
     quantize keys and values with a per-token scale, within rounding of each other)."""
+    ir, kv_heads = tiny
     rng = np.random.default_rng(0)
-    prompt = rng.integers(3, 500, size=150).tolist()
-    ref, tokens = native_steps(tiny / "openvino_model.xml", prompt, 24, kv_precision)
-    got, conv, pool, seq = converted_steps(tiny / "openvino_model.xml", prompt, tokens[:-1], kv_precision)
+    prompt = rng.integers(3, 380, size=150).tolist()
+    ref, tokens = native_steps(ir / "openvino_model.xml", prompt, 24, kv_precision)
+    got, conv, pool, seq = converted_steps(ir / "openvino_model.xml", prompt, tokens[:-1], kv_precision)
     tol = {"f32": 1e-4, "f16": 2e-3, "u8": 2e-2}[kv_precision]
     np.testing.assert_allclose(got, ref, atol=tol * np.abs(ref).max(), rtol=0)
     assert [int(np.argmax(x)) for x in got] == tokens
-    assert conv.shape.layers == 2 and conv.shape.q_heads == 4 and conv.shape.kv_heads == 2
+    assert conv.shape.layers == 2 and conv.shape.q_heads == 8 and conv.shape.kv_heads == kv_heads
     assert seq.stats().tokens_seen == 150 + 24
-    assert pool.stats().blocks_in_use == 2 * 2 * -(-(150 + 24) // 32)
+    assert pool.stats().blocks_in_use == 2 * kv_heads * -(-(150 + 24) // 32)
 
 
 def test_converted_graph_has_no_kv_state(tiny):
     core = plugin.shared_core()
-    conv = convert_model(core.read_model(tiny / "openvino_model.xml"), plugin.loaded_path())
+    conv = convert_model(core.read_model(tiny[0] / "openvino_model.xml"), plugin.loaded_path())
     kinds = [op.get_type_name() for op in conv.model.get_ordered_ops()]
     assert kinds.count("PagedAttention") == 2
     assert "ScaledDotProductAttention" not in kinds and "ReadValue" not in kinds and "Assign" not in kinds

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ov_kvcrush.engines.model_family import sliding_context
 from ov_kvcrush.errors import UserError
 
 #: A prompt: plain text (the chat template is applied by default) or chat messages.
@@ -98,7 +99,9 @@ def model_context(model: str | Path) -> int:
     except (OSError, ValueError):
         return 0
     text = cfg.get("text_config") or cfg
-    return int(text.get("max_position_embeddings") or 0)
+    context = int(text.get("max_position_embeddings") or 0)
+    window = sliding_context(cfg)  # every layer slides: exact only within the window
+    return min(context, window) if context and window else context or window
 
 
 #: stands for a user message's content while the chat template is rendered around it

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ov_kvcrush.engines.model_family import sliding_context
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.models.embedded import cache_root
 from ov_kvcrush.outputs import write_atomic
@@ -88,6 +89,7 @@ def hf_layer_keys(model: Any, ids: list[int]) -> list[torch.Tensor]:
     from ov_kvcrush.methods import FullConfig
 
     cache = CompressedCache(FullConfig(), model.config)
+    ids = ids[: sliding_context(model.config.to_dict()) or len(ids)]  # every layer slides: within the window
     with torch.inference_mode():
         x = torch.tensor([ids], device=model.device)
         model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -118,6 +120,7 @@ def op_layer_keys(engine: Any, ids: list[int]) -> list[torch.Tensor]:
 
     s = engine.shape
     pool = KVPool(s.layers, s.q_heads, s.kv_heads, s.head_dim, precision="f32", windows=engine.windows)
+    ids = ids[: sliding_context(engine.hf_config) or len(ids)]  # every layer slides: within the window
     try:
         seq = pool.new_sequence()
         infer_steps(engine.request, engine.step_inputs([ids], [seq], [0]), [seq.handle])

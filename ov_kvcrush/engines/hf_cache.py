@@ -373,7 +373,9 @@ def compressed_attention(
     k, v = layer.pending
     layer.pending = None
     lc = layer.method
-    if sliding_window is not None and not layer.is_sliding and lc.seen + k.shape[2] > sliding_window:
+    # (a scoring pass keeps nothing: the engines let it re-read a context of up to the window)
+    beyond = sliding_window is not None and lc.seen + k.shape[2] > sliding_window
+    if beyond and not layer.is_sliding and not cache.scoring:
         raise UserError(
             f"layer {idx} uses sliding-window attention ({sliding_window} tokens) on every layer; sequences "
             "longer than the window are not supported by the compressed cache"

@@ -32,6 +32,7 @@ from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines import calibration, model_inputs
 from ov_kvcrush.engines.base import Prompt, model_context
 from ov_kvcrush.engines.genai import encode_prompt
+from ov_kvcrush.engines.model_family import check_family, layer_windows, sliding_context
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.engines.scoring_pass import ScoringPass
 from ov_kvcrush.errors import ConfigError, UserError
@@ -128,7 +129,7 @@ class OpenVINOModel:
         if not xml.is_file():
             raise UserError(f"not an exported OpenVINO model directory (no openvino_model.xml): {self.model_dir}")
         self.hf_config = _read_json(self.model_dir / "config.json")
-        windows = layer_windows(self.hf_config, self.model_dir)
+        windows = op_windows(self.hf_config, self.model_dir)
 
         self.library = plugin.loaded_path()
         self.core = plugin.shared_core()
@@ -391,30 +392,19 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def layer_windows(cfg: dict, model_dir: Path) -> list[int]:
+def op_windows(cfg: dict, model_dir: Path) -> list[int]:
     """Per layer, the sliding-window span the op gives a local layer (0: a global layer).
 
-    Gemma 3 style models name each layer's kind (``layer_types``): their local layers keep a
-    ring of ``sliding_window`` positions in the op and the method runs on the global ones, as in
-    the torch engine. Refused (with what to use instead): a model whose every layer slides (no
-    global layer for the method), and attention logit soft-capping (Gemma 2), which the op's
-    plain softmax attention does not implement.
+    Models with local and global layers (Gemma 3): the local layers keep a ring of
+    ``sliding_window`` positions in the op and the method runs on the global ones, as in the torch
+    engine. A model whose every layer slides (Mistral) is run within its window (its context is
+    capped there, :func:`~ov_kvcrush.engines.model_family.sliding_context`), where a window changes
+    nothing: the method runs on every layer, as in the torch engine. A family not verified, or
+    one whose attention the op does not compute (soft-capping), is refused first.
     """
-    text = cfg.get("text_config") or cfg
-    layer_types = [str(t) for t in text.get("layer_types") or []]
-    name = f"{model_dir.name}: model type {text.get('model_type')!r}"
-    if text.get("attn_logit_softcapping"):
-        raise UserError(f"{name} caps its attention logits (soft-capping), which backend openvino does not implement")
-    sliding = [t == "sliding_attention" for t in layer_types]
-    if (sliding and all(sliding)) or (not layer_types and text.get("use_sliding_window")):
-        raise UserError(
-            f"{name} uses sliding-window attention on every layer, which backend openvino's op does not implement "
-            "(it runs models whose global layers hold the method); use backend genai or torch"
-        )
-    window = int(text.get("sliding_window") or 0)
-    if any(sliding) and window < 1:
-        raise UserError(f"{name} has sliding-window layers but no sliding_window span in its config.json")
-    return [window if s else 0 for s in sliding]
+    check_family(cfg, model_dir.name)
+    windows = layer_windows(cfg)
+    return [0] * len(windows) if sliding_context(cfg) else windows
 
 
 def error_line(exc: Exception) -> str:

@@ -11,12 +11,10 @@ from pathlib import Path
 import torch
 
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION
+from ov_kvcrush.engines.model_family import check_family
 from ov_kvcrush.engines.random_model import build_random_model, is_random_model
 from ov_kvcrush.errors import ConfigError, UserError
 
-#: Model families whose attention modules call the cache and the attention interface the way
-#: :mod:`~ov_kvcrush.engines.hf_cache` expects (rotary position embeddings, ``layer_idx``).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -64,15 +62,8 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "auto", 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise UserError(f"not a Hugging Face model directory (no config.json): {path}")
-    cfg = AutoConfig.from_pretrained(path)
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(
-            f"model type {model_type!r} is not supported by the torch engine: supported "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-        )
-    if getattr(cfg, "attn_logit_softcapping", None):
-        raise UserError("models with attention logit soft-capping are not supported by the compressed cache")
+    # a family not verified, or one whose attention the cache does not compute, is refused here
+    check_family(AutoConfig.from_pretrained(path).to_dict(), path.name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn).to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

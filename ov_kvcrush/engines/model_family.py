@@ -1,0 +1,67 @@
+"""What a model's ``config.json`` says about its attention, read once for every engine.
+
+* **Its family**: the op's graph pass and the torch engine's cache rely on how a family computes
+  attention (RoPE before the cache, K/V shapes and groups, the scale, the mask). A family is run
+  only once it has been verified (:mod:`ov_kvcrush.models.families`: full-cache logits equal the
+  unmodified model's, every method's tokens equal the torch reference's); any other is refused
+  before any work, with the families that are verified, never run to give wrong tokens silently.
+* **Its sliding windows**, as transformers applies them: per layer from ``layer_types`` (Gemma 2
+  and 3, Cohere 2); on every layer when there are no layer types and ``sliding_window`` is set
+  (Mistral, Mixtral, StarCoder2, Phi-3), unless ``use_sliding_window`` is off (Qwen2's configs).
+* **The context the compressed cache gives it**: a model whose every layer slides has no global
+  layer to hold a method, so the compressed cache runs the method on every layer, which is exact
+  only while the sequence fits the window: its context is capped at the window (every engine
+  refuses longer requests up front, :func:`~ov_kvcrush.engines.base.check_context`).
+"""
+
+from __future__ import annotations
+
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.models.families import refused_families, verified_model_types
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's part of a config (a multimodal model's ``text_config``)."""
+    return cfg.get("text_config") or cfg
+
+
+def check_family(cfg: dict, name: str) -> None:
+    """Refuse a model whose attention the compressed cache does not reproduce, naming the family and
+    what it breaks; ``name`` says which model (its directory)."""
+    text = text_config(cfg)
+    model_type = text.get("model_type")
+    refused = refused_families().get(str(model_type))
+    if refused:
+        raise UserError(f"{name}: model type {model_type!r} is refused: {refused}")
+    if text.get("attn_logit_softcapping"):
+        raise UserError(
+            f"{name}: model type {model_type!r} caps its attention logits (soft-capping), which the "
+            "compressed cache's softmax attention does not compute"
+        )
+    if model_type not in verified_model_types():
+        raise UserError(
+            f"{name}: model type {model_type!r} has not been verified with the compressed cache (its logits "
+            "and tokens against the unmodified model's); verified: " + ", ".join(verified_model_types())
+        )
+
+
+def layer_windows(cfg: dict) -> list[int]:
+    """Per layer, its sliding-window span (0: a global layer), as transformers applies them."""
+    text = text_config(cfg)
+    layers = int(text.get("num_hidden_layers") or 0)
+    window = int(text.get("sliding_window") or 0)
+    layer_types = [str(t) for t in text.get("layer_types") or []]
+    if layer_types:
+        sliding = [t == "sliding_attention" for t in layer_types]
+        if any(sliding) and window < 1:
+            raise UserError(f"model type {text.get('model_type')!r} has sliding-window layers but no sliding_window")
+        return [window if s else 0 for s in sliding]
+    if window and text.get("use_sliding_window", True) is not False:
+        return [window] * layers
+    return [0] * layers
+
+
+def sliding_context(cfg: dict) -> int:
+    """The window, when every layer slides (the compressed cache's context); else 0 (no cap)."""
+    windows = layer_windows(cfg)
+    return min(windows) if windows and all(windows) else 0
