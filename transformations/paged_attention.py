@@ -259,6 +259,11 @@ def _plan_layer(layer: int, sdpa, layers: int) -> _LayerPlan:
     q_ps = _src(sdpa, 0).get_partial_shape()
     if q_ps.rank.is_dynamic or q_ps.rank.get_length() != 4:
         raise ConversionError(f"layer {layer}: the query of ScaledDotProductAttention is not 4-D [B, H, L, D]")
+    if sdpa.get_input_size() > 5:
+        raise ConversionError(
+            f"layer {layer}: ScaledDotProductAttention '{sdpa.get_friendly_name()}' takes attention sinks (a sixth "
+            "input: a learned logit per head in the softmax, as gpt-oss has), which the op does not compute"
+        )
     k_concat, _k_state, k_assigns = _find_state_concat(sdpa, 1, layer)
     v_concat, _v_state, v_assigns = _find_state_concat(sdpa, 2, layer)
     k_ps = _src(k_concat, 1).get_partial_shape()

@@ -368,6 +368,8 @@ def compressed_attention(
         raise UserError("padded batches are not supported by the compressed cache: generate one sequence at a time")
     if softcap is not None or getattr(module, "attn_logit_softcapping", None):
         raise UserError("attention logit soft-capping (Gemma 2) is not supported by the compressed cache")
+    if kwargs.get("s_aux") is not None:
+        raise UserError("attention sinks (gpt-oss) are not supported by the compressed cache")
     if dropout:
         raise UserError("the compressed cache is for inference: attention dropout must be 0 (call model.eval())")
     k, v = layer.pending

@@ -192,6 +192,9 @@ class MethodConfig:
     #: (``quant.prompt_tail``): not for a method that re-encodes its store (Chelsea) or indexes
     #: its tokens in flush order (ClusterKV)
     pins_prompt_tail: ClassVar[bool] = True
+    #: whether our op runs the method over the 2-bit store (``quant``); where it does not, the
+    #: torch engine still does (Chelsea: its merges re-encode the store)
+    op_quant: ClassVar[bool] = True
     #: whether the method scores the cache with a second pass after each prompt (KVzip): the
     #: engine then feeds :meth:`scoring_pass_inputs` through the layers' :meth:`LayerCache.score_step`
     #: (the op's scoring mode) and calls :meth:`finish_scoring_pass`, when :meth:`scoring_pass_due`

@@ -337,6 +337,7 @@ class ChelseaConfig(MethodConfig):
     )
     engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
     pins_prompt_tail: ClassVar[bool] = False
+    op_quant: ClassVar[bool] = False
     #: the engines calibrate outlier heads on the model unless told otherwise (the paper's
     #: Chelsea keeps 4 % of heads whole); a config built directly has none
     engine_defaults: ClassVar[dict[str, Any]] = {"outlier_heads": OUTLIERS_AUTO}
@@ -433,8 +434,6 @@ class ChelseaConfig(MethodConfig):
         return self.outlier_heads
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
-        if self.quant is not None:
-            raise ConfigError("options.quant", "set", "None for chelsea (backend openvino; the torch engine runs it)")
         pairs = self._pairs()
         return {
             "sinks": self.sink_tokens,

@@ -10,9 +10,10 @@ For each family's tiny checkpoint, exported as users export (``optimum-cli expor
    own SDPA and state), in f32 and on the u8 store (against OpenVINO's u8 cache), and its greedy
    tokens equal native ``openvino_genai``'s.
 4. **Every op method** at a budget that evicts: greedy tokens equal the torch engine's (the
-   reference), at f32 exactly; on the u8 store and the 2-bit store up to the first step the op
-   decides by less than :data:`NEAR_TIE` (random weights give near-tied logits; a quantized
-   value at a bucket edge then flips a token without anything being wrong).
+   reference), at f32 exactly; on the u8 store and over MiniKV's 2-bit store (every method but
+   the full cache) up to the first step the op decides by less than :data:`NEAR_TIE` (random
+   weights give near-tied logits; a quantized value at a bucket edge then flips a token without
+   anything being wrong).
 
 :func:`check` returns a :class:`FamilyReport`; ``python -m ov_kvcrush.models.coverage --write``
 runs every family and writes ``docs/results/models/coverage.json`` and the table in the README and
@@ -30,7 +31,7 @@ import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.methods import methods_for
+from ov_kvcrush.methods import REGISTRY, methods_for
 from ov_kvcrush.models.families import family
 
 #: Exact f32 on OpenVINO: no bf16 matmuls, no dynamic quantization of activations.
@@ -43,14 +44,24 @@ NEW_TOKENS = 8
 NEAR_TIE = 0.05
 #: relative logit error allowed: f32 (exact but for summation order) and the u8 store
 TOLERANCE = {"f32": 1e-4, "u8": 3e-2}
-#: (name, method, options): every method the op runs, block-wise KVCrush, SnapKV on the 2-bit store
+#: (name, method, options): every method the op runs, and block-wise KVCrush
 VARIANTS: tuple[tuple[str, str, dict], ...] = (
     *((m, m, {}) for m in methods_for("openvino")),
     ("kvcrush:block_size=32", "kvcrush", {"block_size": 32}),
-    ("snapkv+2bit", "snapkv", {"quant": True}),
 )
-#: stores a method is checked on: the op's f32 and u8 caches (MiniKV and ``+2bit`` hold 2-bit blocks)
-STORES = ("f32", "u8")
+#: the stores every method is checked on: the op's f32 and u8 caches, and MiniKV's 2-bit blocks
+#: (``quant``, under any method but the full cache; the pool's f32 blocks hold the residual)
+STORES = ("f32", "u8", "2-bit")
+
+
+def store_compression(method: str, options: dict, store: str) -> CompressionConfig | None:
+    """The compression of ``method`` on ``store`` (``None``: the op holds no 2-bit store for it:
+    the full cache, and Chelsea, whose merges the torch engine re-encodes in the store)."""
+    if store != "2-bit":
+        return CompressionConfig(method=method, budget=BUDGET, options=options)
+    if method == "full" or not REGISTRY[method].op_quant:
+        return None
+    return CompressionConfig(method=method, budget=BUDGET, options={**options, "quant": {"bits": 2}})
 
 
 @dataclass
@@ -210,29 +221,42 @@ def _methods(report: FamilyReport, ir: Path, hf_dir: Path) -> None:
     torch_engine = TorchEngine(hf_dir)
     text = prompt_text(torch_engine.tokenizer)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    engines = {p: OpenVINOEngine(ir, kv_precision=p, properties=F32) for p in STORES}
+    engines = {p: OpenVINOEngine(ir, kv_precision=p, properties=F32) for p in ("f32", "u8")}
     prompt = engines["f32"].encode(text)  # the chat template, through the exported tokenizer
     if prompt != torch_engine.encode(text):
         raise AssertionError(f"{report.family}: the exported tokenizer encodes the prompt differently")
     for label, method, options in VARIANTS:
-        compression = CompressionConfig(method=method, budget=BUDGET, options=options)
-        try:
-            torch_engine.set_compression(compression)
-            want = list(torch_engine.generate(text, settings).token_ids)
-        except Exception as exc:  # the reference itself fails: the row says so
-            report.methods[label] = {p: f"torch engine: {type(exc).__name__}: {exc}" for p in STORES}
-            continue
-        quantized = method == "minikv" or "quant" in options
         report.methods[label] = {}
-        for precision, engine in engines.items():
+        want: dict[str, list[int] | str] = {}
+        for store in STORES:
+            compression = store_compression(method, options, store)
+            if compression is None:
+                continue
+            quantized = store == "2-bit" or method == "minikv"  # MiniKV's own store is 4-bit by default
+            ref = "2-bit" if store == "2-bit" else "f32"  # the torch engine has no u8 store: its f32 tokens
+            if ref not in want:
+                want[ref] = _torch_tokens(torch_engine, compression, text, settings)
+            if isinstance(want[ref], str):
+                report.methods[label][store] = want[ref]
+                continue
+            engine = engines["u8" if store == "u8" else "f32"]
             try:
                 engine.set_compression(compression)
                 logits, margins = op_steps(engine, prompt, NEW_TOKENS - 1)
             except Exception as exc:
-                report.methods[label][precision] = f"{type(exc).__name__}: {exc}"
+                report.methods[label][store] = f"{type(exc).__name__}: {exc}"
                 continue
             got = [int(x.argmax()) for x in logits]
-            exact = precision == "f32" and not quantized
-            report.methods[label][precision] = compare_tokens(got, margins, want, exact)
+            exact = store == "f32" and not quantized
+            report.methods[label][store] = compare_tokens(got, margins, want[ref], exact)
     for engine in engines.values():
         engine.close()
+
+
+def _torch_tokens(engine, compression: CompressionConfig, text: str, settings: GenerationSettings) -> list[int] | str:
+    """The torch engine's greedy tokens, or why the reference itself fails (the row then says so)."""
+    try:
+        engine.set_compression(compression)
+        return list(engine.generate(text, settings).token_ids)
+    except Exception as exc:
+        return f"torch engine: {type(exc).__name__}: {exc}"

@@ -54,6 +54,8 @@ class Family:
     derived: tuple[str, ...] = ()
     #: why the compressed cache refuses this family (before any work), or "" when it runs it
     refused: str = ""
+    #: whether optimum-intel exports it here (where not, ``refused`` says why; nothing tries)
+    exportable: bool = True
 
     def config_fields(self) -> dict[str, Any]:
         return {k: v for k, v in {**BASE, **self.fields}.items() if k not in self.derived}
@@ -80,6 +82,13 @@ def _longrope() -> dict[str, Any]:
         original_max_position_embeddings=128,
     )
 
+
+_ALTERNATING = ["sliding_attention", "full_attention"]
+_DEEPSEEK_MLA = dict(
+    kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_key_value_heads=8,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+    first_k_dense_replace=1, n_group=1, topk_group=1,
+)  # fmt: skip
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama3", "llama", dict(rope_parameters=_llama3_rope()), "Llama 3.x: llama3 RoPE scaling"),
@@ -108,7 +117,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "gemma3",
         "gemma3_text",
-        dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24),
+        dict(sliding_window=WINDOW, layer_types=_ALTERNATING, query_pre_attn_scalar=24),
         "Gemma 3: local and global layers, q/k norms, a scale other than 1/sqrt(d)",
     ),
     Family(
@@ -134,6 +143,54 @@ FAMILIES: tuple[Family, ...] = (
     Family("smollm3", "smollm3", dict(no_rope_layer_interval=2), "SmolLM3: layers without RoPE"),
     Family("phi", "phi", dict(num_key_value_heads=8), "Phi-2: partial RoPE, dense head"),
     Family("glm", "glm", {}, "GLM-4: partial interleaved RoPE"),
+    Family("gemma", "gemma", {}, "Gemma (1): GeGLU, scaled embeddings"),
+    Family("olmo", "olmo", dict(clip_qkv=8.0), "OLMo: clipped q/k/v, LayerNorm without weights"),
+    Family("arcee", "arcee", {}, "Arcee (AFM): ReLU² MLP"),
+    Family(
+        "cohere2",
+        "cohere2",
+        dict(sliding_window=WINDOW, layer_types=_ALTERNATING),
+        "Command R7B: local layers with RoPE, global ones without",
+    ),
+    Family(
+        "exaone4",
+        "exaone4",
+        dict(sliding_window=WINDOW, layer_types=_ALTERNATING),
+        "EXAONE 4: local and global layers, q/k norms",
+    ),
+    Family("glm4", "glm4", {}, "GLM-4-0414: partial RoPE, post-norms"),
+    Family("hunyuan", "hunyuan_v1_dense", {}, "Hunyuan dense: q/k norms"),
+    Family(
+        "granitemoe",
+        "granitemoe",
+        dict(num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.05),
+        "Granite MoE",
+    ),
+    Family(
+        "qwen2_moe",
+        "qwen2_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128),
+        "Qwen1.5/2-MoE: a shared expert",
+    ),
+    Family("phimoe", "phimoe", dict(num_local_experts=4, num_experts_per_tok=2), "Phi-3.5-MoE"),
+    Family(
+        "deepseek_v3",
+        "deepseek_v3",
+        _DEEPSEEK_MLA,
+        "DeepSeek-V3: multi-head latent attention",
+        derived=("head_dim",),
+        refused="optimum-intel 2.2 cannot export it under transformers 5 (its attention patch predates 5.x: "
+        "tracing stops at an unexpected past_key_values argument)",
+        exportable=False,
+    ),
+    Family(
+        "gpt_oss",
+        "gpt_oss",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=_ALTERNATING),
+        "gpt-oss: attention sinks, local and global layers, MoE",
+        refused="its attention has sinks (a learned logit per head in the softmax's denominator), which the "
+        "compressed cache's attention does not compute",
+    ),
     Family("mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "Mixtral: MoE"),
     Family(
         "qwen3_moe",

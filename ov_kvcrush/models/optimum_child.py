@@ -7,7 +7,8 @@ optimum-intel 2.2 caps its Gemma export configs (Gemma 3's text model included) 
 5.0 and refuses 5.5 outright, although its Gemma 2 patcher traces Gemma 3 correctly there: the
 exported IR's logits equal transformers' own on a prompt longer than the sliding window
 (``tests/test_gemma3.py`` checks it on every run). The cap is lifted for ``gemma3_text``, and
-for Gemma 2 and GLM, whose exports give transformers' logits too (``tests/test_model_families.py``);
+for Gemma, Gemma 2, GLM and EXAONE 4, whose exports give transformers' logits too
+(``tests/test_model_families.py``);
 every other model type keeps optimum's own check (a config deriving from Gemma 3's without a
 cap of its own would inherit the lifted one; none is used here). Runs in a child process, so
 nothing here touches the caller's optimum.
@@ -21,7 +22,7 @@ import traceback
 from pathlib import Path
 
 #: optimum-intel export configs whose transformers cap is lifted, by model type.
-UNCAPPED = ("gemma3_text", "gemma2", "glm")
+UNCAPPED = ("gemma3_text", "gemma2", "glm", "gemma", "exaone4")
 
 
 def lift_caps() -> None:

@@ -21,6 +21,10 @@ def store_fields(config: MethodConfig, block_size: int) -> dict[str, object]:
     quant = getattr(config, "quant", None)
     if quant is None:
         return {"quant": 0}
+    if not config.op_quant:
+        raise ConfigError(
+            "options.quant", "set", f"None for {config.name} (backend openvino; the torch engine runs it)"
+        )
     if quant.residual_tokens % block_size or block_size % quant.group_size:
         raise ConfigError(
             "options.quant.residual_tokens",
