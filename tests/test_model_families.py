@@ -122,11 +122,14 @@ def test_the_tables_are_generated_from_the_committed_results():
         assert coverage_table.with_table(text, coverage_table.table(results, form)) == text, page
 
 
-def test_ov_kvcrush_export_takes_a_family_checkpoint(exports):
-    hf, ir = exports["qwen3"]
-    proc = cli("export", "--model", str(hf), "--weight-format", "fp32")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == str(ir)
+def test_ov_kvcrush_export_takes_a_family_checkpoint_and_says_if_it_is_refused(exports):
+    for name in ("qwen3", "gemma2"):
+        hf, ir = exports[name]
+        proc = cli("export", "--model", str(hf), "--weight-format", "fp32")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip().splitlines()[-1] == str(ir)
+        refused = "note: backends openvino and torch will refuse it: " in proc.stderr
+        assert refused == (name == "gemma2"), proc.stderr[-500:]
 
 
 def test_the_pass_refuses_attention_sinks_naming_the_layer(exports):

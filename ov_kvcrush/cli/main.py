@@ -300,10 +300,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from ov_kvcrush.engines.model_family import family_refusal
     from ov_kvcrush.models.export import export_model
 
     out = export_model(args.model, weight_format=args.weight_format, output=args.output, force=args.force)
     print(out)
+    refusal = family_refusal(out)
+    if refusal:  # the export is still native openvino_genai's to run
+        print(f"note: backends openvino and torch will refuse it: {refusal}; backend genai runs it", file=sys.stderr)
     return 0
 
 

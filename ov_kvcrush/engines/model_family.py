@@ -16,6 +16,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.models.families import refused_families, verified_model_types
 
@@ -43,6 +46,19 @@ def check_family(cfg: dict, name: str) -> None:
             f"{name}: model type {model_type!r} has not been verified with the compressed cache (its logits "
             "and tokens against the unmodified model's); verified: " + ", ".join(verified_model_types())
         )
+
+
+def family_refusal(model_dir: Path) -> str:
+    """Why the compressed cache refuses the model at ``model_dir`` ("" when it runs it)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""  # no readable config: the engine that loads it says what is wrong
+    try:
+        check_family(cfg, Path(model_dir).name)
+    except UserError as exc:
+        return str(exc)
+    return ""
 
 
 def layer_windows(cfg: dict) -> list[int]:
