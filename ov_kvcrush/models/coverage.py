@@ -10,10 +10,13 @@ For each family's tiny checkpoint, exported as users export (``optimum-cli expor
    own SDPA and state), in f32 and on the u8 store (against OpenVINO's u8 cache), and its greedy
    tokens equal native ``openvino_genai``'s.
 4. **Every op method** at a budget that evicts: greedy tokens equal the torch engine's (the
-   reference), at f32 exactly; on the u8 store and over MiniKV's 2-bit store (every method but
-   the full cache) up to the first step the op decides by less than :data:`NEAR_TIE` (random
-   weights give near-tied logits; a quantized value at a bucket edge then flips a token without
-   anything being wrong).
+   reference) on the f32 store and over MiniKV's 2-bit store (every method but the full cache and
+   Chelsea): the op is fed the reference's tokens and its choice at each step must be the
+   reference's, except at a near tie (a step decided by less than :data:`NEAR_TIE` of its largest
+   logit, where rounding may pick either token without anything being wrong); at least
+   :data:`MIN_COMPARED` of the f32 steps must be compared. On the u8 store,
+   which the torch engine does not have, every method must run; how often its tokens agree with
+   the f32 reference is reported, not required (:func:`_passes`).
 
 :func:`check` returns a :class:`FamilyReport`; ``python -m ov_kvcrush.models.coverage --write``
 runs every family and writes ``docs/results/models/coverage.json`` and the table in the README and
@@ -40,8 +43,12 @@ F32 = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"
 PROMPT_TOKENS = 320
 BUDGET = 128
 NEW_TOKENS = 8
-#: greedy tokens on a quantized store are compared up to the first step the op decides by less
-NEAR_TIE = 0.05
+#: a step is a near tie (not compared) when the op decides it by less than this share of its
+#: largest logit: ~100x f32's summation noise; twice the u8 store's largest logit error
+#: (9e-3); a 2-bit value at a bucket edge lands in either bucket on 1e-6 differences, as on u8
+NEAR_TIE = {"f32": 1e-4, "u8": 2e-2, "2-bit": 2e-2}
+#: the share of greedy tokens a store's checks must compare for the family to count as running
+MIN_COMPARED = 0.5
 #: relative logit error allowed: f32 (exact but for summation order) and the u8 store
 TOLERANCE = {"f32": 1e-4, "u8": 3e-2}
 #: (name, method, options): every method the op runs, and block-wise KVCrush
@@ -78,6 +85,9 @@ class FamilyReport:
     genai_tokens: bool | None = None
     #: variant -> store -> "ok", or what differed
     methods: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: store -> greedy tokens compared over every variant (each up to its first near tie), of
+    #: :data:`NEW_TOKENS` per variant
+    compared: dict[str, int] = field(default_factory=dict)
 
     @property
     def runs(self) -> bool:
@@ -85,12 +95,27 @@ class FamilyReport:
         full = self.full_f32 is not None and self.full_f32 <= TOLERANCE["f32"]
         u8 = self.full_u8 is not None and self.full_u8 <= TOLERANCE["u8"]
         methods = len(self.methods) == len(VARIANTS) and all(
-            v == "ok" for stores in self.methods.values() for v in stores.values()
+            _passes(store, v) for stores in self.methods.values() for store, v in stores.items()
         )
-        return not self.refused and full and u8 and bool(self.genai_tokens) and methods
+        return not self.refused and full and u8 and bool(self.genai_tokens) and methods and self.compares_enough
+
+    @property
+    def compares_enough(self) -> bool:
+        """At least :data:`MIN_COMPARED` of the f32 store's greedy tokens were compared (not cut
+        short by near ties): a check that compares nothing proves nothing."""
+        cells = sum("f32" in stores for stores in self.methods.values())
+        return bool(cells) and self.compared.get("f32", 0) >= MIN_COMPARED * cells * NEW_TOKENS
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def _passes(store: str, verdict: str) -> bool:
+    """The f32 and 2-bit stores must give the reference's tokens (the torch engine holds both);
+    the u8 store must run: the torch engine has no u8 store, so a selection made over u8 keys may
+    rightly differ from its f32 one (how often it agrees is reported; the full cache's u8 logits
+    are checked against OpenVINO's own u8 cache)."""
+    return verdict == "ok" or (store == "u8" and verdict.startswith("token "))
 
 
 def prompt_text(tokenizer) -> str:
@@ -143,7 +168,7 @@ def transformers_logits(hf_dir: Path, prompt: list[int]) -> np.ndarray:
 
 def op_steps(engine, prompt: list[int], steps: int, feed: list[int] | None = None) -> tuple[np.ndarray, list[float]]:
     """The op engine's logits over ``prompt`` then ``steps`` greedy tokens (or ``feed``), and the
-    margin of each choice (top-1 minus top-2)."""
+    margin of each choice (top-1 minus top-2) as a share of the step's largest logit."""
     engine.cache.reset()
     out = [engine.forward(list(prompt))]
     engine.scoring_pass()  # KVzip's selection (no-op for the other methods)
@@ -153,17 +178,28 @@ def op_steps(engine, prompt: list[int], steps: int, feed: list[int] | None = Non
     logits = np.stack(out)
     top2 = np.sort(logits, axis=-1)[:, -2:]
     engine.cache.reset()
-    return logits, (top2[:, 1] - top2[:, 0]).tolist()
+    return logits, ((top2[:, 1] - top2[:, 0]) / np.abs(logits).max(axis=-1)).tolist()
 
 
-def compare_tokens(got: list[int], margins: list[float], want: list[int], exact: bool) -> str:
-    """``ok``, or where the op's greedy tokens leave the reference's (``exact``: every token;
-    otherwise up to the first step the op decides by less than :data:`NEAR_TIE`)."""
-    n = len(want) if exact else next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(want))
-    if got[:n] == want[:n]:
-        return "ok"
-    first = next(i for i in range(n) if got[i] != want[i])
-    return f"token {first} differs: {got[first]} vs the torch engine's {want[first]}"
+@dataclass
+class TokenCheck:
+    """Greedy choices against the reference's tokens: how many steps were compared (all but the
+    near ties), and ``ok`` or the first step that chose otherwise."""
+
+    compared: int
+    verdict: str
+
+
+def compare_tokens(got: list[int], margins: list[float], want: list[int], store: str) -> TokenCheck:
+    """The op's greedy choice at each step, fed the torch engine's tokens ``want`` (teacher
+    forcing: one near tie does not end the comparison), against ``want``, at every step the op
+    decides by at least :data:`NEAR_TIE` of ``store`` (at a near tie either token is right)."""
+    steps = [i for i in range(len(want)) if margins[i] >= NEAR_TIE[store]]
+    wrong = [i for i in steps if got[i] != want[i]]
+    if not wrong:
+        return TokenCheck(len(steps), "ok")
+    first = wrong[0]
+    return TokenCheck(len(steps), f"token {first} differs: {got[first]} vs the torch engine's {want[first]}")
 
 
 def check(name: str, ir: Path | str, hf_dir: Path) -> FamilyReport:
@@ -242,13 +278,14 @@ def _methods(report: FamilyReport, ir: Path, hf_dir: Path) -> None:
             engine = engines["u8" if store == "u8" else "f32"]
             try:
                 engine.set_compression(compression)
-                logits, margins = op_steps(engine, prompt, NEW_TOKENS - 1)
+                logits, margins = op_steps(engine, prompt, NEW_TOKENS - 1, feed=want[ref][:-1])
             except Exception as exc:
                 report.methods[label][store] = f"{type(exc).__name__}: {exc}"
                 continue
             got = [int(x.argmax()) for x in logits]
-            exact = store == "f32" and not quantized
-            report.methods[label][store] = compare_tokens(got, margins, want[ref], exact)
+            result = compare_tokens(got, margins, want[ref], "2-bit" if quantized else store)
+            report.methods[label][store] = result.verdict
+            report.compared[store] = report.compared.get(store, 0) + result.compared
     for engine in engines.values():
         engine.close()
 

@@ -85,16 +85,26 @@ def render(results: dict) -> str:
                 f"{'✔' if u8 <= coverage.TOLERANCE['u8'] else '✘'} {u8:.0e}; "
                 f"{'✔' if rep['genai_tokens'] else '✘ tokens differ'}"
             )
-            methods = " · ".join(_store_cell(rep["methods"], store) for store in coverage.STORES)
+            methods = " · ".join(_store_cell(rep, store) for store in coverage.STORES)
         lines.append(f"| {name} | `{rep['model_type']}` | {notes.get(name, '')} | {full} | {methods} |")
     return "\n".join(lines)
 
 
-def _store_cell(methods: dict[str, dict[str, str]], store: str) -> str:
-    """``✔ n/n`` when every method checked on ``store`` passed, else what failed."""
-    checked = {variant: stores[store] for variant, stores in methods.items() if store in stores}
+def _store_cell(rep: dict, store: str) -> str:
+    """``✔ n/n`` when every method checked on ``store`` passed (with the share of steps compared:
+    all but near ties), else what failed; on u8, which methods run and where the tokens
+    differ from the f32 reference."""
+    checked = {variant: stores[store] for variant, stores in rep["methods"].items() if store in stores}
+    share = rep["compared"].get(store, 0) / max(1, len(checked) * coverage.NEW_TOKENS)
+    if store == "u8":  # runs; agreement with the f32 reference reported (coverage._passes)
+        apart = [variant for variant, why in checked.items() if why.startswith("token ")]
+        failed = [f"{v}: {why}" for v, why in checked.items() if why != "ok" and v not in apart]
+        if failed:
+            return "✘ u8: " + "; ".join(failed)
+        differ = f"; tokens differ: {', '.join(apart)}" if apart else ""
+        return f"runs {len(checked)}/{len(checked)} ({share:.0%}{differ})"
     bad = [f"{variant}: {why}" for variant, why in checked.items() if why != "ok"]
-    return f"✔ {len(checked)}/{len(checked)}" if not bad else f"✘ {store}: " + "; ".join(bad)
+    return f"✔ {len(checked)}/{len(checked)} ({share:.0%})" if not bad else f"✘ {store}: " + "; ".join(bad)
 
 
 def render_compact(results: dict) -> str:

@@ -35,6 +35,8 @@ BASE: dict[str, Any] = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=False,
 )
+#: the LM head's weights times this: logits of a spread like a trained model's (std ~3, not ~0.3)
+LOGIT_SCALE = 10.0
 #: Sliding-window span of the families with local layers (shorter than the tests' prompts, so it matters).
 WINDOW = 96
 #: Mistral's window, on every layer: its context (longer than the tests' prompts and answers).
@@ -276,7 +278,7 @@ def checkpoint_dir(fam: Family) -> Path:
 
 
 #: Bump when the checkpoint recipe changes (seed, tokenizer), so cached checkpoints are rebuilt.
-_RECIPE = 2
+_RECIPE = 3
 
 
 def tiny_checkpoint(name: str) -> Path:
@@ -299,6 +301,8 @@ def tiny_checkpoint(name: str) -> Path:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         randomize_vectors(model)
+        with torch.no_grad():  # logits spread as a trained model's are (init gives ~0.3: every step a near tie)
+            model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.bos_token_id = tok.bos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
