@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ov_kvcrush.methods.vectors import layer_vectors
+
+# Exact f32 execution on both sides (no bf16 matmuls, no dynamic quantization of activations), and
+# the unmodified IR run step by step: the model-coverage checks' own (no OpenVINO import at import time).
+from ov_kvcrush.models.coverage import F32 as F32
+from ov_kvcrush.models.coverage import native_steps as native_steps
 from ov_kvcrush.op.method_spec import method_spec
 
 if TYPE_CHECKING:
@@ -27,38 +32,6 @@ if TYPE_CHECKING:
 
 # The OpenVINO side (the op, the pool, the graph transformation) is imported where it is used:
 # the CUDA tests import this module on a GPU machine that has torch but no openvino.
-
-#: Exact f32 execution on both sides: no bf16 matmuls, and no dynamic quantization of activations
-#: for int8 weights (the plugin picks it per graph, so the two graphs would differ by ~2 % in the
-#: logits for reasons that have nothing to do with attention).
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
-
-
-def native_steps(xml: Path, prompt: list[int], steps: int, kv_precision: str, feed: list[int] | None = None):
-    """Logits [steps + 1, vocab] of the unmodified model (OpenVINO's SDPA and state), greedy tokens."""
-    from ov_kvcrush.op import plugin
-
-    core = plugin.shared_core()
-    req = core.compile_model(core.read_model(xml), "CPU", {**F32, "KV_CACHE_PRECISION": kv_precision})
-    req = req.create_infer_request()
-    req.reset_state()
-    out, tokens, past, ids = [], [], 0, list(prompt)
-    for step in range(steps + 1):
-        n = len(ids)
-        req.infer(
-            {
-                "input_ids": np.asarray([ids], dtype=np.int64),
-                "attention_mask": np.ones((1, past + n), dtype=np.int64),
-                "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
-                "beam_idx": np.zeros(1, dtype=np.int32),
-            }
-        )
-        past += n
-        logits = np.array(req.get_output_tensor(0).data[0, -1], dtype=np.float32)
-        out.append(logits)
-        tokens.append(int(np.argmax(logits)))
-        ids = [feed[step] if feed is not None else tokens[-1]]
-    return np.stack(out), tokens
 
 
 def converted_steps(

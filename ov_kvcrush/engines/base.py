@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.engines.model_family import sliding_context
+from ov_kvcrush.engines.model_family import sliding_context, text_config
 from ov_kvcrush.errors import UserError
 
 #: A prompt: plain text (the chat template is applied by default) or chat messages.
@@ -98,8 +98,7 @@ def model_context(model: str | Path) -> int:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return 0
-    text = cfg.get("text_config") or cfg
-    context = int(text.get("max_position_embeddings") or 0)
+    context = int(text_config(cfg).get("max_position_embeddings") or 0)
     window = sliding_context(cfg)  # every layer slides: exact only within the window
     return min(context, window) if context and window else context or window
 

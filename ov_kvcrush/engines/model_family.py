@@ -28,37 +28,42 @@ def text_config(cfg: dict) -> dict:
     return cfg.get("text_config") or cfg
 
 
-def check_family(cfg: dict, name: str) -> None:
-    """Refuse a model whose attention the compressed cache does not reproduce, naming the family and
-    what it breaks; ``name`` says which model (its directory)."""
+def refusal(cfg: dict) -> str:
+    """Why the compressed cache refuses a model of this config, naming its family and what it
+    breaks ("" when it runs it)."""
     text = text_config(cfg)
     model_type = text.get("model_type")
     refused = refused_families().get(str(model_type))
     if refused:
-        raise UserError(f"{name}: model type {model_type!r} is refused: {refused}")
+        return f"model type {model_type!r} is refused: {refused}"
     if text.get("attn_logit_softcapping"):
-        raise UserError(
-            f"{name}: model type {model_type!r} caps its attention logits (soft-capping), which the "
+        return (
+            f"model type {model_type!r} caps its attention logits (soft-capping), which the "
             "compressed cache's softmax attention does not compute"
         )
     if model_type not in verified_model_types():
-        raise UserError(
-            f"{name}: model type {model_type!r} has not been verified with the compressed cache (its logits "
+        return (
+            f"model type {model_type!r} has not been verified with the compressed cache (its logits "
             "and tokens against the unmodified model's); verified: " + ", ".join(verified_model_types())
         )
+    return ""
+
+
+def check_family(cfg: dict, name: str) -> None:
+    """Raise :func:`refusal`'s reason, if any, naming the model (``name``: its directory)."""
+    reason = refusal(cfg)
+    if reason:
+        raise UserError(f"{name}: {reason}")
 
 
 def family_refusal(model_dir: Path) -> str:
-    """Why the compressed cache refuses the model at ``model_dir`` ("" when it runs it)."""
+    """:func:`refusal` of the model at ``model_dir`` ("" also when it has no readable config: the
+    engine that loads it says what is wrong)."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return ""  # no readable config: the engine that loads it says what is wrong
-    try:
-        check_family(cfg, Path(model_dir).name)
-    except UserError as exc:
-        return str(exc)
-    return ""
+        return ""
+    return refusal(cfg)
 
 
 def layer_windows(cfg: dict) -> list[int]:
