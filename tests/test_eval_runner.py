@@ -64,6 +64,7 @@ def test_shared_prefill_gives_each_methods_own_tokens(engine, prompt, shared):
         assert 0.0 < result.counters["recall_rate"] <= 1.0
 
 
+@pytest.mark.slow
 def test_memory_probe_equals_what_the_engine_held(engine, shared):
     shape = ModelShape.from_config(engine.model.config, engine.model.dtype)
     for config, result in zip(CONFIGS[1:], shared[1:], strict=True):

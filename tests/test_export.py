@@ -163,6 +163,7 @@ def test_repaired_tokenizer_round_trip(model_dir, gguf_tokenizer, text):
     assert ov_tok.decode(ov_ids) == text
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_broken_tokenizer_is_what_we_repair(gguf_tokenizer, tmp_path):
     """The defect itself, so the repair stays justified: without it, spaces become <|endoftext|>."""

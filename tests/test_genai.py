@@ -221,6 +221,7 @@ print("stack", *current_signal_stack())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("made_by", ["engine", "openvino_genai alone"])
 def test_a_signal_is_handled_after_engines_are_dropped(model_dir, made_by):
     """GenAIEngine puts a signal stack of ours on the thread after making its pipeline

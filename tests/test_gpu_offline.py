@@ -10,6 +10,8 @@ import pytest
 from ov_kvcrush.gpu import offline
 
 BUILDS = offline.builds()
+#: each kernel source's first build (its index): ``make test-fast`` compiles these, ``make test`` (CI) all
+FIRST_OF_EACH_SOURCE = {b[0]: i for i, b in reversed(list(enumerate(BUILDS)))}
 
 
 def build_id(build: tuple) -> str:
@@ -18,7 +20,11 @@ def build_id(build: tuple) -> str:
 
 
 @pytest.mark.skipif(offline.ocloc() is None, reason="ocloc is not installed (Debian: apt-get install intel-opencl-icd)")
-@pytest.mark.parametrize("build", BUILDS, ids=[build_id(b) for b in BUILDS])
+@pytest.mark.parametrize(
+    "build",
+    [pytest.param(b, marks=() if FIRST_OF_EACH_SOURCE[b[0]] == i else pytest.mark.slow) for i, b in enumerate(BUILDS)],
+    ids=[build_id(b) for b in BUILDS],
+)
 def test_the_kernel_compiles_for_the_target_without_error(build):
     result = offline.compile_one(*build)
     assert result.ok, result.log

@@ -103,6 +103,7 @@ def test_greedy_equals_torch_engine(fp32_ir, hf_dir, essay_prompt):
     assert b.full_kv_bytes <= a.full_kv_bytes < b.full_kv_bytes * (tokens + 32) / tokens
 
 
+@pytest.mark.slow
 def test_chat_turns_equal_whole_conversation(engine):
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 
@@ -277,6 +278,7 @@ def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_chat_keeps_context_across_turns(model_dir):
     """Scripted stdin: the second answer uses the first turn; /stats reads the op's cache; /reset forgets."""
     proc = _cli(

@@ -81,6 +81,7 @@ def test_the_same_prompt_again_is_a_new_question_not_the_next_turn(client):
     assert u1.prompt_tokens_details.cached_tokens == u2.prompt_tokens_details.cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_under_pool_pressure_kept_caches_go_first_and_no_request_is_preempted(client, backend):
     loop = backend.pipeline
     preempted, failed = loop.stats["preemptions"], loop.stats["failed"]

@@ -144,6 +144,7 @@ def test_decode_growth_preempts_a_request_which_is_recomputed_to_the_same_tokens
     assert cb.stats["failed"] == 0 and cb.pool.stats().blocks_in_use == 0
 
 
+@pytest.mark.slow
 def test_requests_from_threads_join_one_batch(engine):
     engine.set_compression(CompressionConfig(method="snapkv", budget=128))
     settings = GenerationSettings(max_new_tokens=NEW, ignore_eos=True)

@@ -132,6 +132,7 @@ def test_passkey_at_budget_256_memory_is_real(passkey_runs, method):
     assert r.peak_kv_bytes >= r.kv_bytes
 
 
+@pytest.mark.slow
 def test_full_cache_finds_the_passkey(engine, passkey):
     r = _run(engine, CompressionConfig(), passkey.prompt, max_new_tokens=12)
     assert passkey.score(r.text) == 1.0, r.text
