@@ -25,6 +25,11 @@ class ConfigError(UserError):
         self.allowed = allowed
         super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")
 
+    def __reduce__(self) -> tuple:
+        # pickled by its fields, so it crosses a process boundary (the GPU path's worker, the
+        # bench's): the default pickles the message alone, and unpickling it then fails
+        return type(self), (self.field, self.value, self.allowed)
+
 
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line: its last non-empty line (native errors carry a trace of

@@ -200,3 +200,14 @@ def test_pipeline_generate_names_the_bad_argument(model_dir):
             call()
     # a mapping of settings works like GenerationSettings
     assert pipe.generate("Say hi.", generation_config={"max_new_tokens": 3}).token_ids
+
+
+def test_a_config_error_crosses_a_process_boundary_whole():
+    """Pickled and back (a worker process's error, as the GPU path's and the bench's workers send
+    them): the same type, field, value and message."""
+    import pickle
+
+    allowed = "a positive multiple of 32"
+    err = pickle.loads(pickle.dumps(ConfigError("budget", 300, allowed)))
+    assert type(err) is ConfigError and (err.field, err.value, err.allowed) == ("budget", 300, allowed)
+    assert str(err) == "budget=300 is invalid: allowed a positive multiple of 32"

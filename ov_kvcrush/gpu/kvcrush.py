@@ -42,7 +42,7 @@ def _kernel(dev: Device, name: str) -> Any:
     return dev.kernel("kvcrush.cl", name, {})
 
 
-def _top_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: int, keep: int) -> Any:
+def top_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: int, keep: int) -> Any:
     """Device buffer uchar ``[rows][mid]``: is middle token i among row r's ``keep`` highest."""
     out = dev.empty(max(rows * mid, 1))
     if mid > 0:
@@ -97,7 +97,7 @@ def kvcrush_select(
     mid = n - sink_tokens - recent_tokens
     heavy = budget - representatives - sink_tokens - recent_tokens
     flags = dev.empty(4 * n)
-    top = _top_mask(dev, combined, 1, n, sink_tokens, mid, heavy)
+    top = top_mask(dev, combined, 1, n, sink_tokens, mid, heavy)
     dev.run(_kernel(dev, "important_flags"), (n,), None, top, i32(n), i32(sink_tokens), i32(mid), flags)
     # evictable, then important, each in position order: the stable order by the flag
     m = n - (budget - representatives)
@@ -105,7 +105,7 @@ def kvcrush_select(
     evictable, important = by_flag[:m], by_flag[m:]
     # each head's decisions over the middle, packed into signatures
     decisions = (
-        _top_mask(dev, sc, h, n, sink_tokens, mid, budget - sink_tokens - recent_tokens)
+        top_mask(dev, sc, h, n, sink_tokens, mid, budget - sink_tokens - recent_tokens)
         if signature == "topk"
         else _threshold_mask(dev, sc, h, n, sink_tokens, mid)
     )

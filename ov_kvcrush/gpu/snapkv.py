@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.gpu.device import device
+from ov_kvcrush.gpu.kvcrush import top_mask
+from ov_kvcrush.validation import check_choice, check_int
 
+#: ``methods.selection.POOLS``, which this torch-free module cannot import (the worker has no torch)
 POOLS = ("max", "avg")
 
 
@@ -32,15 +36,13 @@ def snapkv_keep(
     """Per KV head, the ascending tokens kept of the ``n`` scored by ``scores`` ``[Hq, n]``
     (``budget < n``; ``width``: the odd pooling width, 1 for none)."""
     hq, n = scores.shape
-    checks = [
-        ("pool", pool, pool in POOLS, "one of " + ", ".join(POOLS)),
-        ("width", width, 1 <= width <= 129 and width % 2 == 1, "an odd integer in [1, 129]"),
-        ("kv_heads", kv_heads, kv_heads >= 1 and hq % kv_heads == 0, f"a divisor of the {hq} query heads"),
-        ("budget", budget, sink_tokens + recent_tokens <= budget < n, f"in [{sink_tokens + recent_tokens}, {n - 1}]"),
-    ]
-    for name, value, ok, allowed in checks:  # plain ValueErrors: they cross the worker's process boundary
-        if not ok:
-            raise ValueError(f"{name}={value!r} is invalid: allowed {allowed}")
+    check_choice("pool", pool, POOLS)
+    check_int("width", width, 1, 129)
+    if width % 2 == 0:
+        raise ConfigError("width", width, "an odd integer in [1, 129]")
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or hq % kv_heads:
+        raise ConfigError("kv_heads", kv_heads, f"a divisor of the {hq} query heads")
+    check_int("budget", budget, sink_tokens + recent_tokens, n - 1)
     dev = device(sub_group)
     i32 = np.int32
     pooled = dev.empty(4 * kv_heads * n)
@@ -49,10 +51,7 @@ def snapkv_keep(
             i32(width), i32(pool == "avg"), pooled)  # fmt: skip
     mid = n - sink_tokens - recent_tokens
     heavy = budget - sink_tokens - recent_tokens
-    decisions = dev.empty(max(kv_heads * mid, 1))
-    if mid > 0:
-        top = dev.kernel("kvcrush.cl", "head_decisions_topk", {})
-        dev.run(top, (mid, kv_heads), None, pooled, i32(n), i32(sink_tokens), i32(mid), i32(heavy), decisions)
+    decisions = top_mask(dev, pooled, kv_heads, n, sink_tokens, mid, heavy)
     chosen = dev.to_host(decisions, np.uint8, (kv_heads, mid)) if mid > 0 else np.zeros((kv_heads, 0), np.uint8)
     sinks, recent = np.arange(sink_tokens), np.arange(n - recent_tokens, n)
     return [np.concatenate([sinks, np.flatnonzero(row) + sink_tokens, recent]) for row in chosen]
