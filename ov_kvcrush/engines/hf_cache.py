@@ -172,9 +172,18 @@ class CompressedCache(Cache):
             (:func:`ov_kvcrush.fastpath.fast_layer`: same results, no host work per step; the
             torch engine turns it on for CUDA), the reference elsewhere.
         reserve: tokens the cache will receive after the prompt (fast layers preallocate them).
+        layer_source: builds each global layer's cache instead (``(method, layer, layers)``; the
+            GPU path's device layers, :func:`ov_kvcrush.gpu.layer_cache.device_layer`).
     """
 
-    def __init__(self, method: MethodConfig, model_config: Any, fast_path: bool = False, reserve: int = 0) -> None:
+    def __init__(
+        self,
+        method: MethodConfig,
+        model_config: Any,
+        fast_path: bool = False,
+        reserve: int = 0,
+        layer_source: Callable[[MethodConfig, int, int], LayerCache] | None = None,
+    ) -> None:
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         n = int(text.num_hidden_layers)
         types = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
@@ -188,6 +197,9 @@ class CompressedCache(Cache):
                 layers.append(CompressedLayer(SlidingWindowLayerCache(int(text.sliding_window)), sliding=True))
             else:
                 g, total = global_layers.index(i), len(global_layers)
+                if layer_source is not None:
+                    layers.append(CompressedLayer(layer_source(method, g, total)))
+                    continue
                 fast = fast_layer(method, g, total, reserve) if fast_path else None
                 layers.append(CompressedLayer(fast or method.make_layer(g, total)))
         super().__init__(layers=layers)

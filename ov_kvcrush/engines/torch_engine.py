@@ -22,7 +22,7 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,10 @@ from ov_kvcrush.engines.sampling import pick_rows
 from ov_kvcrush.engines.torch_model import load_model
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.kernels import use_triton
-from ov_kvcrush.methods import MethodConfig
+from ov_kvcrush.methods import LayerCache, MethodConfig
+
+#: tokens per block of the GPU path's device pool (the CPU op's default block)
+PAGED_BLOCK_SIZE = 32
 
 
 class TorchEngine:
@@ -77,6 +80,10 @@ class TorchEngine:
         fused_ops: run the model's RMSNorms, rotary embeddings and SiLU gates on fused kernels
             (:mod:`ov_kvcrush.engines.fused_ops`: one launch each, transformers' rounding);
             ``None`` (default): with the fast path where the Triton kernels run (CUDA).
+        paged_device: ``"opencl"`` keeps the KV cache in the Intel GPU path's device pool (an
+            Intel GPU, or Intel's OpenCL CPU runtime) and runs the cache's steps there, in
+            ``plugins/gpu``'s kernels (:mod:`ov_kvcrush.gpu.layer_cache`: full, H2O, SnapKV; one
+            sequence at a time); ``None`` (default): the cache in torch tensors.
     """
 
     backend = "torch"
@@ -93,7 +100,14 @@ class TorchEngine:
         fast_path: bool | None = None,
         cuda_graphs: bool | None = None,
         fused_ops: bool | None = None,
+        paged_device: str | None = None,
     ) -> None:
+        if paged_device not in (None, "opencl"):
+            raise ConfigError("paged_device", paged_device, "None or 'opencl'")
+        if paged_device and (fast_path or device.lower() != "cpu"):
+            raise ConfigError("paged_device", paged_device, "None with fast_path or a CUDA device")
+        self.paged_device = paged_device
+        self.last_pool: Any = None  # the last generation's device pool (paged_device), for inspection
         if fast_path is not None and not isinstance(fast_path, bool):
             raise ConfigError("fast_path", fast_path, "true, false or None (auto: on CUDA)")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
@@ -135,7 +149,12 @@ class TorchEngine:
         """Switch method/budget for the next generations (the model stays loaded)."""
         if not isinstance(compression, CompressionConfig):
             raise ConfigError("compression", compression, "a CompressionConfig")
-        self.method = self._calibrated(compression.method_config())
+        method = compression.method_config()
+        if self.paged_device:
+            from ov_kvcrush.gpu.layer_cache import check_served
+
+            check_served(method)
+        self.method = self._calibrated(method)
         self.compression = compression
 
     def _calibrated(self, method: Any) -> Any:
@@ -187,7 +206,8 @@ class TorchEngine:
         (:meth:`CompressedCache.share_prefill`): every method compresses the same prompt as its
         own prefill would, without running the model once per method.
         """
-        caches = [CompressedCache(m, self.model.config, self.fast_path, reserve) for m in methods]
+        source = self._device_layers(len(rows), len(rows[0]) + reserve) if self.paged_device else None
+        caches = [CompressedCache(m, self.model.config, self.fast_path, reserve, source) for m in methods]
         caches[0].share_prefill(caches[1:])
         with torch.inference_mode(), self._model_ops():
             t0 = time.perf_counter()
@@ -200,6 +220,22 @@ class TorchEngine:
             for cache in caches:
                 cache.finish_prefill()
             return caches, out.logits[:, -1], time.perf_counter() - t0
+
+    def _device_layers(self, rows: int, tokens: int) -> Callable[[MethodConfig, int, int], LayerCache]:
+        """Each layer's cache on the GPU path's device, in one pool sized for ``tokens`` per
+        sequence (every layer's KV heads, and room for one eviction's fresh blocks)."""
+        from ov_kvcrush.gpu.layer_cache import device_layer
+        from ov_kvcrush.gpu.layout import PoolShape
+        from ov_kvcrush.gpu.pool import DevicePool
+
+        if rows != 1:
+            raise ConfigError("prompts", rows, "1 at a time with paged_device='opencl'")
+        s = self.shape
+        shape = PoolShape("f32", PAGED_BLOCK_SIZE, s.head_dim, s.q_heads // s.kv_heads)
+        per_head = -(-tokens // PAGED_BLOCK_SIZE)
+        pool = DevicePool(shape, (s.num_layers + 1) * s.kv_heads * per_head)
+        self.last_pool = pool
+        return lambda method, layer, layers: device_layer(method, layer, layers, pool, s.kv_heads, s.q_heads)
 
     def _step(self, cache: CompressedCache, tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token per row through ``cache``; the next-token logits ``[rows, vocab]``."""

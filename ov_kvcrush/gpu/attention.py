@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, device, round_up
+from ov_kvcrush.gpu.device import Device, HeadsOnDevice, device, round_up
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape, check_tables
 
 
@@ -101,57 +101,53 @@ def paged_decode(
     totals = qlengths + lengths.astype(np.int32)
     width = max(int(totals.max()), 1)
     stride = round_up(width, sg)
-    bufs = DecodeBuffers(
-        q=dev.to_device(q.astype(np.float32)),
-        logits=dev.empty(4 * hq * stride),
-        probs=dev.to_device(np.zeros((hq, stride), np.float32)),
-        out=dev.to_device(np.zeros((hq, d), np.float32)),
-        first=dev.to_device(qlengths),
-        stride=np.int32(stride),
-    )
+    bufs = decode_buffers(dev, dev.to_device(q.astype(np.float32)), hq, d, width, dev.to_device(qlengths))
     quant_pass = _quant_logits(dev, quant, bufs, hq, scale) if quant else None
     slot_map, map_width = _slot_map(slots, len(lengths))
-    fp = (
-        dev.to_device(pool.view(np.uint8)),
-        dev.to_device(tables.astype(np.int32)),
-        np.int32(tables.shape[1]),
-        dev.to_device(lengths.astype(np.int32)),
-        bufs.first,
-        dev.to_device(slot_map),
-        np.int32(map_width),
+    heads = HeadsOnDevice(
+        pool=dev.to_device(pool.view(np.uint8)),
+        tables=dev.to_device(tables.astype(np.int32)),
+        table_stride=tables.shape[1],
+        lengths=dev.to_device(lengths.astype(np.int32)),
     )
+    launch_decode(dev, shape, heads, bufs, hq, int(lengths.max()), dev.to_device(totals), scale,
+                  (dev.to_device(slot_map), map_width), quant_pass)  # fmt: skip
+    return dev.to_host(bufs.out, np.float32, (hq, d)), dev.to_host(bufs.probs, np.float32, (hq, stride))[:, :width]
+
+
+def decode_buffers(dev: Device, q: Any, hq: int, d: int, width: int, first: Any) -> DecodeBuffers:
+    """A step's buffers for ``hq`` query heads over at most ``width`` slots (device query ``q``)."""
+    stride = round_up(max(width, 1), dev.sub_group)
+    return DecodeBuffers(q=q, logits=dev.empty(4 * hq * stride), probs=dev.zeros(4 * hq * stride),
+                         out=dev.zeros(4 * hq * d), first=first, stride=np.int32(stride))  # fmt: skip
+
+
+def launch_decode(
+    dev: Device,
+    shape: PoolShape,
+    heads: HeadsOnDevice,
+    bufs: DecodeBuffers,
+    hq: int,
+    longest: int,
+    totals: Any,
+    scale: float,
+    slot_map: tuple[Any, int],
+    quant_pass: tuple[Any, Any, tuple[Any, np.int32], Any] | None = None,
+) -> None:
+    """Enqueue a decode step over ``heads``' full-precision slots (``longest``: the most any head
+    attends; ``totals``: each head's slots, 2-bit ones included; ``slot_map``: the slot lists and
+    their width, 0 for none), after the 2-bit slots' logits when ``quant_pass`` is given."""
+    sg = dev.sub_group
+    fp = (heads.pool, heads.tables, np.int32(heads.table_stride), heads.lengths, bufs.first, slot_map[0],
+          np.int32(slot_map[1]))  # fmt: skip
     consts = shape.constants()
-    fwidth = round_up(max(int(lengths.max()), 1), sg)
-    dev.run(
-        dev.kernel("paged_attention.cl", "paged_logits", consts),
-        (fwidth, hq),
-        (sg, 1),
-        *fp,
-        bufs.q,
-        np.float32(scale),
-        bufs.logits,
-        bufs.stride,
-    )
-    dev.run(
-        dev.kernel("paged_attention.cl", "paged_softmax", consts),
-        (sg, hq),
-        (sg, 1),
-        bufs.logits,
-        bufs.stride,
-        dev.to_device(totals),
-        bufs.probs,
-    )
+    dev.run(dev.kernel("paged_attention.cl", "paged_logits", consts), (round_up(max(longest, 1), sg), hq), (sg, 1),
+            *fp, bufs.q, np.float32(scale), bufs.logits, bufs.stride)  # fmt: skip
+    dev.run(dev.kernel("paged_attention.cl", "paged_softmax", consts), (sg, hq), (sg, 1), bufs.logits, bufs.stride,
+            totals, bufs.probs)  # fmt: skip
+    d = shape.head_dim
     if quant_pass:
         kernel, qpool_b, (qtables_b, qstride), qlengths_b = quant_pass
         dev.run(kernel, (d, hq), (sg, 1), qpool_b, qtables_b, qstride, qlengths_b, bufs.probs, bufs.stride, bufs.out)
-    dev.run(
-        dev.kernel("paged_attention.cl", "paged_values", consts),
-        (d, hq),
-        (sg, 1),
-        *fp,
-        bufs.probs,
-        bufs.stride,
-        np.int32(quant is not None),
-        bufs.out,
-    )
-    return dev.to_host(bufs.out, np.float32, (hq, d)), dev.to_host(bufs.probs, np.float32, (hq, stride))[:, :width]
+    dev.run(dev.kernel("paged_attention.cl", "paged_values", consts), (d, hq), (sg, 1), *fp, bufs.probs,
+            bufs.stride, np.int32(quant_pass is not None), bufs.out)  # fmt: skip

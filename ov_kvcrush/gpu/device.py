@@ -75,10 +75,27 @@ class Device:
     def empty(self, nbytes: int) -> Any:
         return self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
 
+    def zeros(self, nbytes: int) -> Any:
+        return self.to_device(np.zeros(max(int(nbytes), 4), np.uint8))
+
     def to_host(self, buffer: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)
         self.cl.enqueue_copy(self.queue, out, buffer)
         return out
+
+
+@dataclass
+class HeadsOnDevice:
+    """One layer's KV heads as the kernels read them: the pool's device buffer, the block tables
+    ``[kv, table_stride]`` int32, the token counts ``[kv]`` and (prompt attention) each slot's
+    position ``[kv, pos_stride]``."""
+
+    pool: Any
+    tables: Any
+    table_stride: int
+    lengths: Any
+    positions: Any = None
+    pos_stride: int = 0
 
 
 @cache

@@ -11,10 +11,12 @@ token per KV head (its decision), from which the block tables are rewritten.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.gpu.device import device
+from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.kvcrush import top_mask
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -44,14 +46,41 @@ def snapkv_keep(
         raise ConfigError("kv_heads", kv_heads, f"a divisor of the {hq} query heads")
     check_int("budget", budget, sink_tokens + recent_tokens, n - 1)
     dev = device(sub_group)
+    scores_b = dev.to_device(scores.astype(np.float32))
+    decisions, mid = launch_keep(dev, scores_b, n, n, hq // kv_heads, kv_heads, budget, sink_tokens, recent_tokens,
+                                 width, pool)  # fmt: skip
+    chosen = dev.to_host(decisions, np.uint8, (kv_heads, mid)) if mid > 0 else np.zeros((kv_heads, 0), np.uint8)
+    return kept_tokens(chosen, n, sink_tokens, recent_tokens)
+
+
+def launch_keep(
+    dev: Device,
+    scores: Any,
+    stride: int,
+    n: int,
+    group: int,
+    kv_heads: int,
+    budget: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    width: int = 1,
+    pool: str = "max",
+) -> tuple[Any, int]:
+    """Enqueue the selection over device ``scores`` ``[Hq, stride]`` (their first ``n`` slots):
+    the device buffer of each KV head's decisions ``[kv, mid]`` (uchar) on its middle tokens,
+    and ``mid``."""
     i32 = np.int32
     pooled = dev.empty(4 * kv_heads * n)
     kernel = dev.kernel("snapkv.cl", "pooled_group_scores", {})
-    dev.run(kernel, (n, kv_heads), None, dev.to_device(scores.astype(np.float32)), i32(n), i32(hq // kv_heads),
-            i32(width), i32(pool == "avg"), pooled)  # fmt: skip
+    dev.run(kernel, (n, kv_heads), None, scores, i32(stride), i32(n), i32(group), i32(width), i32(pool == "avg"),
+            pooled)  # fmt: skip
     mid = n - sink_tokens - recent_tokens
     heavy = budget - sink_tokens - recent_tokens
-    decisions = top_mask(dev, pooled, kv_heads, n, sink_tokens, mid, heavy)
-    chosen = dev.to_host(decisions, np.uint8, (kv_heads, mid)) if mid > 0 else np.zeros((kv_heads, 0), np.uint8)
+    return top_mask(dev, pooled, kv_heads, n, sink_tokens, mid, heavy), mid
+
+
+def kept_tokens(decisions: np.ndarray, n: int, sink_tokens: int, recent_tokens: int) -> list[np.ndarray]:
+    """Per KV head, its sinks, the middle tokens its ``decisions`` ``[kv, mid]`` keep and its recent
+    tokens, ascending."""
     sinks, recent = np.arange(sink_tokens), np.arange(n - recent_tokens, n)
-    return [np.concatenate([sinks, np.flatnonzero(row) + sink_tokens, recent]) for row in chosen]
+    return [np.concatenate([sinks, np.flatnonzero(row) + sink_tokens, recent]) for row in decisions]

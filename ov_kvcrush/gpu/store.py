@@ -4,10 +4,37 @@ into fresh blocks that eviction uses."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from ov_kvcrush.gpu.device import device
+from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape, check_tables
+
+
+def store_constants(shape: PoolShape) -> dict[str, int]:
+    """What ``paged_store.cl`` is built with (no query group: it moves tokens, not heads' scores)."""
+    constants = shape.constants()
+    return {k: constants[k] for k in ("KV_PRECISION", "BLOCK_SIZE", "HEAD_DIM")}
+
+
+def launch_store(dev: Device, shape: PoolShape, pool: Any, tables: Any, table_stride: int, first: Any,
+                 k: Any, v: Any, tokens: int, kv_heads: int) -> None:  # fmt: skip
+    """Enqueue the store of ``tokens`` tokens per KV head (device buffers ``k``, ``v`` ``[kv, tokens,
+    D]`` f32) at slots ``first[kv] + t`` of the heads' blocks in device ``pool``."""
+    sg = dev.sub_group
+    kernel = dev.kernel("paged_store.cl", "store_tokens", store_constants(shape))
+    dev.run(kernel, (sg, tokens, kv_heads), (sg, 1, 1), pool, tables, np.int32(table_stride), first, k, v)
+
+
+def launch_gather(dev: Device, shape: PoolShape, pool: Any, tables: Any, table_stride: int, new_tables: Any,
+                  new_stride: int, src: Any, width: int, counts: Any, kv_heads: int) -> None:  # fmt: skip
+    """Enqueue the gather of each KV head's ``src`` slots (``[kv, width]``, ``counts[kv]`` of them)
+    to slots ``0 ..`` of its ``new_tables`` blocks, within one device ``pool`` (the kept slots'
+    blocks and the new ones are disjoint)."""
+    kernel = dev.kernel("paged_store.cl", "gather_slots", store_constants(shape))
+    dev.run(kernel, (shape.head_dim + 4, max(width, 1), kv_heads), None, pool, tables, np.int32(table_stride),
+            pool, new_tables, np.int32(new_stride), src, np.int32(width), counts)  # fmt: skip
 
 
 def store_tokens(
@@ -25,23 +52,9 @@ def store_tokens(
     check_tables("tables", tables, first.astype(np.int64) + tokens, shape.block_size, pool.nbytes, shape.block_bytes)
     dev = device(sub_group)
     pool_b = dev.to_device(pool.view(np.uint8))
-    consts = {
-        "KV_PRECISION": shape.constants()["KV_PRECISION"],
-        "BLOCK_SIZE": shape.block_size,
-        "HEAD_DIM": shape.head_dim,
-    }
-    sg = dev.sub_group
-    dev.run(
-        dev.kernel("paged_store.cl", "store_tokens", consts),
-        (sg, tokens, kv),
-        (sg, 1, 1),
-        pool_b,
-        dev.to_device(tables.astype(np.int32)),
-        np.int32(tables.shape[1]),
-        dev.to_device(first.astype(np.int32)),
-        dev.to_device(k.astype(np.float32)),
-        dev.to_device(v.astype(np.float32)),
-    )
+    launch_store(dev, shape, pool_b, dev.to_device(tables.astype(np.int32)), tables.shape[1],
+                 dev.to_device(first.astype(np.int32)), dev.to_device(k.astype(np.float32)),
+                 dev.to_device(v.astype(np.float32)), tokens, kv)  # fmt: skip
     return dev.to_host(pool_b, np.uint8, (pool.nbytes,))
 
 
@@ -66,24 +79,7 @@ def gather_slots(
     check_tables("tables", tables, held, shape.block_size, pool.nbytes, shape.block_bytes)
     check_tables("new_tables", new_tables, counts, shape.block_size, pool.nbytes, shape.block_bytes)
     pool_b = dev.to_device(pool.view(np.uint8))
-    consts = {
-        "KV_PRECISION": shape.constants()["KV_PRECISION"],
-        "BLOCK_SIZE": shape.block_size,
-        "HEAD_DIM": shape.head_dim,
-    }
-    # the gather reads and writes one buffer: the kept slots' blocks and the new ones are disjoint
-    dev.run(
-        dev.kernel("paged_store.cl", "gather_slots", consts),
-        (shape.head_dim + 4, width, kv),
-        None,
-        pool_b,
-        dev.to_device(tables.astype(np.int32)),
-        np.int32(tables.shape[1]),
-        pool_b,
-        dev.to_device(new_tables.astype(np.int32)),
-        np.int32(new_tables.shape[1]),
-        dev.to_device(src),
-        np.int32(width),
-        dev.to_device(counts),
-    )
+    launch_gather(dev, shape, pool_b, dev.to_device(tables.astype(np.int32)), tables.shape[1],
+                  dev.to_device(new_tables.astype(np.int32)), new_tables.shape[1], dev.to_device(src), width,
+                  dev.to_device(counts), kv)  # fmt: skip
     return dev.to_host(pool_b, np.uint8, (pool.nbytes,))

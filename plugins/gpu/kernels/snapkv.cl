@@ -7,17 +7,17 @@
 
 // out[g][i]: query heads g * group .. g * group + group - 1 (the first first), each head's window
 // scores pooled over the `width` tokens around i (odd width; max, or with `average` the mean of
-// those inside the prompt: the reference's count_include_pad=False), summed. scores [Hq][n],
-// out [Hkv][n]. Global size (n, Hkv).
-__kernel void pooled_group_scores(__global const float* scores, int n, int group, int width, int average,
-                                  __global float* out) {
+// those inside the prompt: the reference's count_include_pad=False), summed. scores
+// [Hq][stride] (stride >= n), out [Hkv][n]. Global size (n, Hkv).
+__kernel void pooled_group_scores(__global const float* scores, int stride, int n, int group, int width,
+                                  int average, __global float* out) {
     const int i = get_global_id(0);
     const int g = get_global_id(1);
     if (i >= n) return;
     const int lo = max(0, i - width / 2), hi = min(n, i + width / 2 + 1);
     float acc = 0.0f;
     for (int h = g * group; h < (g + 1) * group; ++h) {
-        __global const float* s = scores + (long)h * n;
+        __global const float* s = scores + (long)h * stride;
         float pooled = s[lo];
         if (average) {
             for (int j = lo + 1; j < hi; ++j) pooled += s[j];
@@ -28,4 +28,63 @@ __kernel void pooled_group_scores(__global const float* scores, int n, int group
         acc += pooled;
     }
     out[(long)g * n + i] = acc;
+}
+
+// The scores a decoding sequence keeps per query head and slot (the reference's `acc`
+// ov_kvcrush/methods/importance.py): the prompt's pooled window scores, then each decode step's
+// probabilities on top, gathered with the slots an eviction keeps.
+
+// out[h][i]: head h's scores pooled over the `width` tokens around i, as pooled_group_scores
+// pools them (one head per row, not summed). scores, out [rows][stride]. Global (n, rows).
+__kernel void pool_rows(__global const float* scores, int stride, int n, int width, int average,
+                        __global float* out) {
+    const int i = get_global_id(0);
+    const int h = get_global_id(1);
+    if (i >= n) return;
+    const int lo = max(0, i - width / 2), hi = min(n, i + width / 2 + 1);
+    __global const float* s = scores + (long)h * stride;
+    float pooled = s[lo];
+    if (average) {
+        for (int j = lo + 1; j < hi; ++j) pooled += s[j];
+        pooled /= (float)(hi - lo);
+    } else {
+        for (int j = lo + 1; j < hi; ++j) pooled = fmax(pooled, s[j]);
+    }
+    out[(long)h * stride + i] = pooled;
+}
+
+// acc[h][j] = (j < before ? acc[h][j] : 0) + probs[h][j] for j < held: a step's new slots start
+// at zero, then every held slot gets the step's probability. Global (held, rows).
+__kernel void add_step_scores(__global float* acc, int acc_stride, int before, int held,
+                              __global const float* probs, int prob_stride) {
+    const int j = get_global_id(0);
+    const int h = get_global_id(1);
+    if (j >= held) return;
+    const float old = j < before ? acc[(long)h * acc_stride + j] : 0.0f;
+    acc[(long)h * acc_stride + j] = old + probs[(long)h * prob_stride + j];
+}
+
+// dst[h][i] = src[h][kept[h / group][i]] for i < count: the scores of the slots each KV head
+// keeps (its query heads h of the group alike). Global (count, rows).
+__kernel void gather_rows(__global const float* src, int src_stride, __global const int* kept, int kept_stride,
+                          int count, int group, __global float* dst, int dst_stride) {
+    const int i = get_global_id(0);
+    const int h = get_global_id(1);
+    if (i >= count) return;
+    dst[(long)h * dst_stride + i] = src[(long)h * src_stride + kept[(h / group) * kept_stride + i]];
+}
+
+// kept[kv][0 ..): head kv's sinks, the middle tokens its decisions keep (in order), then its
+// recent tokens: the slots an eviction gathers, listed on the device from the decisions that
+// also go to the host (which lists them the same way for its own bookkeeping), so that no slot
+// list crosses. One work-item per KV head: global (kv_heads).
+__kernel void kept_slots(__global const uchar* decisions, int mid, int sinks, int recent, int n,
+                         __global int* kept, int kept_stride) {
+    const int kv = get_global_id(0);
+    __global int* out = kept + (long)kv * kept_stride;
+    int at = 0;
+    for (int i = 0; i < sinks; ++i) out[at++] = i;
+    for (int i = 0; i < mid; ++i)
+        if (decisions[(long)kv * mid + i]) out[at++] = sinks + i;
+    for (int i = n - recent; i < n; ++i) out[at++] = i;
 }

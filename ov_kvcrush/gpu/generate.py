@@ -1,0 +1,137 @@
+"""A real decode through the GPU path's kernels, beside the reference, and what crosses per step.
+
+:func:`run_on_device` generates greedily with the torch engine whose cache lives in the device
+pool (``TorchEngine(paged_device="opencl")``: the model's layers run in torch on the host, the
+cache's steps in ``plugins/gpu``'s kernels) and, in the same process, with the reference cache,
+so the two token lists can be compared. It runs where Intel's OpenCL runtime can load: a process
+that prepared it before ``openvino`` was imported (the tests' ``gpu_worker``, or this module run
+as a script).
+
+``python -m ov_kvcrush.gpu.generate --methods full,snapkv,h2o --budget 1024 --chars 8200``
+prints, per method, whether the tokens equal the reference's and the bytes that crossed per
+decode step and layer beside the KV bytes that step read in place (JSON with ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.gpu import runtime
+from ov_kvcrush.gpu.pool import Crossings
+
+#: what a step crosses only because the model runs on the host here: its queries, keys and
+#: values in, the attention output back (with the model on the device none of it crosses)
+MODEL_TENSORS = ("queries", "step keys and values", "attention output")
+
+
+@dataclass
+class DeviceRun:
+    """One prompt generated through the device cache and through the reference cache."""
+
+    method: str
+    prompt_tokens: int
+    token_ids: list[int]
+    reference_ids: list[int]
+    kv_bytes: int
+    reference_kv_bytes: int
+    device_s: float
+    reference_s: float
+    prompt: Crossings
+    decode: Crossings
+
+    def per_step(self) -> dict[str, float]:
+        """Per decode step and layer: bytes crossed each way, those of them that are the cache's
+        own (block tables, counts, selection decisions: what crosses with the model on the
+        device too), the KV bytes read in place, and the ratios."""
+        steps = max(self.decode.layer_steps, 1)
+        moved = {**self.decode.to_device, **{f"out:{k}": v for k, v in self.decode.to_host.items()}}
+        own = sum(v for k, v in moved.items() if k.removeprefix("out:") not in MODEL_TENSORS) / steps
+        read = self.decode.kv_read / steps
+        return {
+            "to_device": sum(self.decode.to_device.values()) / steps,
+            "to_host": sum(self.decode.to_host.values()) / steps,
+            "cache_own": own,
+            "kv_read": read,
+            "crossed_over_read": self.decode.total() / steps / read if read else 0.0,
+            "cache_own_over_read": own / read if read else 0.0,
+        }
+
+
+def essay_prompt(chars: int) -> str:
+    """The first ``chars`` characters of an essay and a request for a long answer (as the
+    op's end-to-end tests use)."""
+    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+
+    request = "\n\nSummarise the text above as a detailed list of its main points."
+    return essay_text(haystack_essays()[1])[:chars] + request
+
+
+def run_on_device(model_dir: str | Path, compression: CompressionConfig, prompt: str, new_tokens: int) -> DeviceRun:
+    """Greedy ``new_tokens`` for ``prompt`` through the device cache, then the reference's."""
+    runtime.prepare()
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+
+    settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
+    engine = TorchEngine(model_dir, compression, paged_device="opencl")
+    t0 = time.perf_counter()
+    got = engine.generate(prompt, settings)
+    device_s = time.perf_counter() - t0
+    crossings = engine.last_pool.crossings
+    engine.paged_device = None  # the same loaded model, now through the reference cache
+    t0 = time.perf_counter()
+    ref = engine.generate(prompt, settings)
+    return DeviceRun(
+        method=compression.method,
+        prompt_tokens=got.prompt_tokens,
+        token_ids=got.token_ids,
+        reference_ids=ref.token_ids,
+        kv_bytes=got.kv_bytes,
+        reference_kv_bytes=ref.kv_bytes,
+        device_s=device_s,
+        reference_s=time.perf_counter() - t0,
+        prompt=crossings["prompt"],
+        decode=crossings["decode"],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ov_kvcrush.gpu.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="full,snapkv,h2o")
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--chars", type=int, default=8200, help="characters of essay in the prompt")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    runtime.prepare()
+    from ov_kvcrush.models.export import hf_checkpoint
+
+    model = hf_checkpoint(progress=False)
+    prompt = essay_prompt(args.chars)
+    rows = []
+    for method in args.methods.split(","):
+        compression = CompressionConfig(method=method, budget=None if method == "full" else args.budget)
+        run = run_on_device(model, compression, prompt, args.new_tokens)
+        row = {**asdict(run), "equal": run.token_ids == run.reference_ids, "per_step": run.per_step()}
+        rows.append(row)
+        step = row["per_step"]
+        print(
+            f"{method:8s} prompt {run.prompt_tokens} tokens equal={row['equal']} per decode step and layer: "
+            f"{step['to_device']:.0f} B in, {step['to_host']:.0f} B out ({step['cache_own']:.0f} B the cache's own), "
+            f"KV read {step['kv_read']:.0f} B ({100 * step['crossed_over_read']:.2f} %, own "
+            f"{100 * step['cache_own_over_read']:.3f} %); device {run.device_s:.1f} s, "
+            f"reference {run.reference_s:.1f} s"
+        )
+    if args.out:
+        command = " ".join([parser.prog, *(sys.argv[1:] if argv is None else argv)])
+        args.out.write_text(json.dumps({"command": command, "runs": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

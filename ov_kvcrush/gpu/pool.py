@@ -1,0 +1,202 @@
+"""A decoding sequence's KV cache resident on the GPU path's device: the pool of blocks, each
+layer's block tables, and the kernels run over them in place.
+
+The kernels' hosts beside this module take and return numpy arrays (each call copies its pool
+in and out: how they are tested against the reference). A decode cannot: the pool must stay on
+the device and only a step's tensors may cross. :class:`DevicePool` holds the blocks (one
+buffer, a free list, the CPU op's block layout) and counts every byte that crosses between host
+and device; :class:`PagedLayer` is one layer's KV heads in it: their block tables (on the host,
+uploaded when they change), the positions of their slots, and the steps a method's cache runs
+(store a step's tokens, attend a prompt or a decode token, keep a selection of slots).
+
+Every KV head of a layer holds the same number of slots here (the full cache and the uniform
+budgets of the importance methods); ragged heads (adaptive budgets, ClusterKV's recall) are not
+served yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.gpu.attention import decode_buffers, launch_decode
+from ov_kvcrush.gpu.device import Device, HeadsOnDevice, device
+from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.prefill import launch_prompt
+from ov_kvcrush.gpu.runtime import GPUPathError
+from ov_kvcrush.gpu.store import launch_gather, launch_store
+
+
+@dataclass
+class Crossings:
+    """Bytes copied between host and device in one phase, by direction and by what they were;
+    for decode, the layer steps taken and the KV bytes they read in place (what the crossings
+    compare with)."""
+
+    to_device: dict[str, int] = field(default_factory=dict)
+    to_host: dict[str, int] = field(default_factory=dict)
+    layer_steps: int = 0
+    kv_read: int = 0
+
+    def total(self) -> int:
+        return sum(self.to_device.values()) + sum(self.to_host.values())
+
+
+class DevicePool:
+    """``blocks`` blocks of ``shape`` in one device buffer, handed out to layers' KV heads."""
+
+    def __init__(self, shape: PoolShape, blocks: int, sub_group: int | None = None) -> None:
+        if blocks < 1:
+            raise GPUPathError(f"a device pool needs at least one block, got {blocks}")
+        self.shape = shape
+        self.dev: Device = device(sub_group)
+        self.blocks = blocks
+        self.buffer = self.dev.empty(blocks * shape.block_bytes)
+        self._free = list(range(blocks - 1, -1, -1))
+        #: what crossed while prompts were attended, and while tokens were decoded
+        self.crossings = {"prompt": Crossings(), "decode": Crossings()}
+        self.phase = "prompt"  # set by the layer caches
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise GPUPathError(
+                f"the device pool is out of blocks: {n} asked, {len(self._free)} free of {self.blocks} "
+                "(give the engine a larger pool)"
+            )
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+    def upload(self, what: str, array: np.ndarray) -> Any:
+        """A device copy of ``array``, counted under ``what``."""
+        c = self.crossings[self.phase]
+        c.to_device[what] = c.to_device.get(what, 0) + array.nbytes
+        return self.dev.to_device(array)
+
+    def download(self, what: str, buffer: Any, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+        """``buffer``'s first ``prod(shape)`` elements on the host, counted under ``what``."""
+        out = self.dev.to_host(buffer, np.dtype(dtype), shape)
+        c = self.crossings[self.phase]
+        c.to_host[what] = c.to_host.get(what, 0) + out.nbytes
+        return out
+
+
+class PagedLayer:
+    """One layer's KV heads in a :class:`DevicePool`: each head its own blocks, all holding
+    :attr:`held` slots, each slot's position kept for prompt attention's causal mask."""
+
+    def __init__(self, pool: DevicePool, kv_heads: int, q_heads: int) -> None:
+        if q_heads % kv_heads or q_heads // kv_heads != pool.shape.group:
+            raise GPUPathError(f"{q_heads} query heads over {kv_heads} KV heads do not match the pool's group")
+        self.pool = pool
+        self.kv_heads = kv_heads
+        self.q_heads = q_heads
+        self.tables: list[list[int]] = [[] for _ in range(kv_heads)]
+        self.held = 0
+        self.positions = np.zeros((kv_heads, 0), np.int32)
+        self._tables_on_device: Any = None
+
+    # ---- the tables the kernels read
+    def _table_array(self, tables: list[list[int]]) -> np.ndarray:
+        width = max(max(len(t) for t in tables), 1)
+        out = np.zeros((self.kv_heads, width), np.int32)
+        for h, t in enumerate(tables):
+            out[h, : len(t)] = t
+        return out
+
+    def _device_tables(self) -> tuple[Any, int]:
+        if self._tables_on_device is None:  # uploaded when the blocks change
+            table = self._table_array(self.tables)
+            self._tables_on_device = (self.pool.upload("block tables", table), table.shape[1])
+        return self._tables_on_device
+
+    def _heads(self, lengths: int, positions: bool = False) -> HeadsOnDevice:
+        p = self.pool
+        tables, stride = self._device_tables()
+        pos = p.upload("positions", self.positions) if positions else None
+        lengths_b = p.upload("lengths", np.full(self.kv_heads, lengths, np.int32))
+        return HeadsOnDevice(p.buffer, tables, stride, lengths_b, pos, self.positions.shape[1])
+
+    # ---- the steps
+    def append(self, keys: np.ndarray, values: np.ndarray, first_position: int) -> None:
+        """Store ``keys``, ``values`` ``[kv, t, D]`` at slots ``held ..`` of every head."""
+        kv, t, _ = keys.shape
+        bs = self.pool.shape.block_size
+        need = -(-(self.held + t) // bs) - len(self.tables[0])
+        if need > 0:
+            for table in self.tables:
+                table.extend(self.pool.allocate(need))
+            self._tables_on_device = None
+        tables, stride = self._device_tables()
+        p = self.pool
+        launch_store(p.dev, p.shape, p.buffer, tables, stride,
+                     p.upload("step slots", np.full(kv, self.held, np.int32)),
+                     p.upload("step keys and values", np.ascontiguousarray(keys, np.float32)),
+                     p.upload("step keys and values", np.ascontiguousarray(values, np.float32)), t, kv)  # fmt: skip
+        step = np.arange(first_position, first_position + t, dtype=np.int32)
+        self.positions = np.concatenate([self.positions, np.broadcast_to(step, (kv, t))], axis=1)
+        self.held += t
+
+    def attend_prompt(self, q: np.ndarray, first_position: int, scale: float, window: int) -> tuple[np.ndarray, Any]:
+        """Rows ``q`` ``[Hq, t, D]`` (positions from ``first_position``, stored already) over every
+        slot at or before their position: the output on the host, and the device buffer of each
+        slot's probability summed over the last ``window`` rows ``[Hq, held]``."""
+        hq, rows, d = q.shape
+        p = self.pool
+        heads = self._heads(self.held, positions=True)
+        q_b = p.upload("queries", np.ascontiguousarray(q, np.float32))
+        out_b, _, scores_b = launch_prompt(p.dev, p.shape, heads, q_b, hq, rows, first_position, scale, window,
+                                           self.held)  # fmt: skip
+        return p.download("attention output", out_b, np.float32, (hq, rows, d)), scores_b
+
+    def attend_decode(self, q: np.ndarray, scale: float) -> tuple[np.ndarray, Any, int]:
+        """One query row ``q`` ``[Hq, D]`` over every held slot: the output on the host, and the
+        device buffer of the probabilities ``[Hq, stride]`` with its row stride."""
+        hq, d = q.shape
+        p = self.pool
+        heads = self._heads(self.held)
+        first = p.upload("lengths", np.zeros(self.kv_heads, np.int32))
+        bufs = decode_buffers(p.dev, p.upload("queries", np.ascontiguousarray(q, np.float32)), hq, d, self.held, first)
+        no_map = (p.dev.zeros(4), 0)
+        launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, heads.lengths, scale, no_map)
+        c = p.crossings["decode"]
+        c.layer_steps += 1
+        c.kv_read += self.kv_heads * self.held * 2 * p.shape.head_dim * p.shape.elem_bytes
+        return p.download("attention output", bufs.out, np.float32, (hq, d)), bufs.probs, int(bufs.stride)
+
+    def keep(self, kept: np.ndarray, kept_on_device: Any) -> None:
+        """Keep slots ``kept`` ``[kv, n]`` (ascending per head; ``kept_on_device``: the same list
+        on the device) of every head, moved to fresh blocks in that order; the old blocks go back
+        to the pool."""
+        kv, n = kept.shape
+        p = self.pool
+        bs = p.shape.block_size
+        new_tables = [p.allocate(-(-n // bs)) for _ in range(kv)]
+        old_tables, old_stride = self._device_tables()
+        new_array = self._table_array(new_tables)
+        new_b = p.upload("block tables", new_array)
+        launch_gather(p.dev, p.shape, p.buffer, old_tables, old_stride, new_b, new_array.shape[1],
+                      kept_on_device, n, p.upload("kept counts", np.full(kv, n, np.int32)), kv)  # fmt: skip
+        for table in self.tables:
+            p.release(table)
+        self.tables = new_tables
+        self._tables_on_device = (new_b, new_array.shape[1])
+        self.positions = np.take_along_axis(self.positions, kept.astype(np.int64), axis=1)
+        self.held = n
+
+    def release(self) -> None:
+        for table in self.tables:
+            self.pool.release(table)
+        self.tables = [[] for _ in range(self.kv_heads)]
+        self._tables_on_device = None
+        self.held = 0
+
+    def kv_bytes(self) -> int:
+        return sum(len(t) for t in self.tables) * self.pool.shape.block_bytes
