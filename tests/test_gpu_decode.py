@@ -19,8 +19,11 @@ import torch
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import MethodConfig
+from ov_kvcrush.methods.base import QuantSettings
+from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig
+from ov_kvcrush.methods.kvcrush import KVCrushConfig
 
 SUB_GROUPS = (8, 16)
 #: every kind of config the path serves, over scores with and without pooling
@@ -29,6 +32,25 @@ CASES = [
     H2OConfig(budget=40, sink_tokens=4, recent_tokens=8),
     SnapKVConfig(budget=40, sink_tokens=4, recent_tokens=8, window=16, pool_kernel=7),
     SnapKVConfig(budget=40, sink_tokens=0, recent_tokens=16, pool="avg"),
+    KVCrushConfig(budget=40, sink_tokens=4, recent_tokens=8, window=16, anchor=("random", "mean")),
+    KVCrushConfig(budget=72, sink_tokens=8, recent_tokens=16, block_size=8, representatives=16, signature="threshold"),
+    # the 2-bit store in chunks of 16: prompt chunks, a pinned tail, a chunk quantized every 16 - 8
+    # steps and chunk evictions; 4-bit values beside 2-bit keys under H2O
+    SnapKVConfig(budget=64, sink_tokens=4, recent_tokens=8, quant=QuantSettings(residual_tokens=16, prompt_tail=8)),
+    H2OConfig(budget=64, sink_tokens=4, recent_tokens=8, quant=QuantSettings(residual_tokens=16, value_bits=4)),
+    # clusters of 8 prompt tokens, 2 more from every 8 generated ones: several clusterings a run
+    ClusterKVConfig(budget=40, sink_tokens=4, tokens_per_cluster=8, cluster_every=8, new_clusters=2, dense_layers=0),
+]
+CASE_IDS = [
+    "full",
+    "h2o",
+    "snapkv-max7",
+    "snapkv-avg31",
+    "kvcrush",
+    "kvcrush-blocks",
+    "snapkv-2bit",
+    "h2o-k2v4",
+    "clusterkv",
 ]
 HQ, HKV, D, BLOCK = 6, 2, 64, 16
 
@@ -40,68 +62,99 @@ def _tensor(g: torch.Generator, t: int, heads: int) -> torch.Tensor:
 def run_layer_beside_reference(config: MethodConfig, sub_group: int) -> dict[str, float]:
     """In the worker: a 100-token prompt, 30 decode steps and one 3-token step through a device
     layer and the reference layer; the largest differences seen."""
-    from ov_kvcrush.gpu.layer_cache import device_layer
+    from ov_kvcrush.gpu.device_layers import device_layer
     from ov_kvcrush.gpu.layout import PoolShape
     from ov_kvcrush.gpu.pool import DevicePool
 
     method = config.name
+    quant = getattr(config, "quant", None)
     pool = DevicePool(PoolShape("f32", BLOCK, D, HQ // HKV), blocks=64, sub_group=sub_group)
     ours, ref = device_layer(config, 0, 1, pool, HKV, HQ), config.make_layer(0, 1)
     g = torch.Generator().manual_seed(sub_group + len(repr(config)))
     worst = {"output": 0.0, "scores": 0.0, "positions": 0.0}
-    steps = [100] + [1] * 15 + [3] + [1] * 15
+    steps = _steps(config)
     for t in steps:
         q, k, v = _tensor(g, t, HQ), _tensor(g, t, HKV), _tensor(g, t, HKV)
         a, b = ours.decode(q, k, v), ref.decode(q, k, v)
         worst["output"] = max(worst["output"], float((a - b).abs().max()))
-        if method == "full":
+        if method in ("full", "clusterkv"):  # every token held
             continue
         positions = ref.store.positions[0].numpy()
-        if positions.shape != ours.layer.positions.shape or (positions != ours.layer.positions).any():
+        held = ours.layer.positions if quant is None else np.concatenate([ours.qpos, ours.layer.positions], axis=1)
+        if positions.shape != held.shape or (positions != held).any():
             worst["positions"] = 1.0
             break
-        held = ours.layer.held
-        got = pool.dev.to_host(ours.scores, np.float32, (HQ, ours.stride))[:, :held]
+        n = int(ours.tokens_held()[0, 0])
+        got = pool.dev.to_host(ours.scores, np.float32, (HQ, ours.stride))[:, :n]
         worst["scores"] = max(worst["scores"], float(np.abs(got - ref.acc[0].numpy()).max()))
-    worst["held"] = float(ours.layer.held)
+    worst["held"] = float(ours.tokens_held()[0, 0])
+    worst["evicted"] = float(ours.counters.get("evicted", 0) == ref.counters.get("evicted", 0))
+    worst["same_counters"] = float(
+        all(ours.counters.get(c) == ref.counters.get(c) for c in ("clusterings", "kmeans_iterations"))
+    )
     worst["blocks_in_use"] = float(pool.blocks_in_use)
     ours.release()
     worst["blocks_after_release"] = float(pool.blocks_in_use)
     return worst
 
 
+def _steps(config: MethodConfig) -> list[int]:
+    """A 100-token prompt, then 31 decode steps: one of 3 tokens (a chat turn) in the middle,
+    where the cache takes several (ClusterKV and the 2-bit store decode one at a time)."""
+    one_at_a_time = config.name == "clusterkv" or getattr(config, "quant", None) is not None
+    return [100] + [1] * 15 + ([1] if one_at_a_time else [3]) + [1] * 15
+
+
 @pytest.mark.parametrize("sub_group", SUB_GROUPS)
-@pytest.mark.parametrize("config", CASES, ids=["full", "h2o", "snapkv-max7", "snapkv-avg31"])
+@pytest.mark.parametrize("config", CASES, ids=CASE_IDS)
 def test_device_layer_steps_as_the_reference(gpu_worker, config, sub_group):
     worst = gpu_worker.submit(run_layer_beside_reference, config, sub_group).result()
     assert worst["output"] < 1e-4, worst
     assert worst["positions"] == 0.0, worst  # every KV head keeps the reference's tokens
     assert worst["scores"] < 1e-4, worst
-    tokens = sum([100] + [1] * 15 + [3] + [1] * 15)
-    assert worst["held"] == (tokens if config.name == "full" else config.budget)
-    assert worst["blocks_in_use"] == HKV * -(-worst["held"] // BLOCK)  # evicted blocks went back
+    assert worst["same_counters"] == 1.0, worst  # ClusterKV: the same clusterings, the same k-means iterations
+    assert worst["evicted"] == 1.0, worst  # as many tokens evicted as the reference
+    tokens = sum(_steps(config))
+    if config.name in ("full", "clusterkv"):
+        assert worst["held"] == tokens
+    elif getattr(config, "quant", None) is not None:  # whole chunks go: up to a chunk over the budget
+        assert config.budget <= worst["held"] < config.budget + config.quant.residual_tokens
+    else:  # the budget (block-wise: whole blocks and the partial one, at most the budget)
+        assert worst["held"] <= config.budget and (worst["held"] == config.budget or config.name == "kvcrush")
+    if getattr(config, "quant", None) is None:
+        assert worst["blocks_in_use"] == HKV * -(-worst["held"] // BLOCK)  # evicted blocks went back
     assert worst["blocks_after_release"] == 0
 
 
-def generate_through_device(method: str, budget: int) -> dict:
+#: (method, options) run end to end: every kind the path serves
+E2E_CASES = [("full", {}), ("snapkv", {}), ("h2o", {}), ("kvcrush", {}), ("kvcrush", {"block_size": 32})]
+E2E_CASES += [("clusterkv", {}), ("snapkv", {"quant": True})]
+
+
+def generate_through_device(method: str, options: dict, budget: int) -> dict:
     """In the worker: the embedded model's greedy tokens through the device cache and the reference's."""
     from ov_kvcrush.gpu.generate import essay_prompt, run_on_device
     from ov_kvcrush.models.export import hf_checkpoint
 
-    run = run_on_device(hf_checkpoint(progress=False), CompressionConfig(method=method, budget=budget),
-                        essay_prompt(3300), 12)  # fmt: skip
+    compression = CompressionConfig(method=method, budget=budget, options=options)
+    run = run_on_device(hf_checkpoint(progress=False), compression, essay_prompt(3300), 12)
     return {"run": run, "per_step": run.per_step()}
 
 
 @pytest.mark.slow
 @pytest.mark.model
-@pytest.mark.parametrize("method", ["full", "snapkv", "h2o"])
-def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method):
+@pytest.mark.parametrize(
+    ("method", "options"),
+    E2E_CASES,
+    ids=["full", "snapkv", "h2o", "kvcrush", "kvcrush-blocks", "clusterkv", "snapkv-2bit"],
+)
+def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method, options):
     """~750 tokens at budget 128 (the prompt and budget on which the CPU op's tokens equal the
     reference's: test_openvino_methods): the same 12 greedy tokens, the same tokens held, and
     per decode step the cache's own crossings (tables, counts, decisions) under 1 % of the KV
     bytes the step reads in place."""
-    out = gpu_worker.submit(generate_through_device, method, 128).result()
+    quant = "quant" in options  # budget 512: whole 128-token chunks of the prompt are quantized
+    out = gpu_worker.submit(generate_through_device, method, options, 512 if quant else 128).result()
     run, step = out["run"], out["per_step"]
     assert 650 <= run.prompt_tokens <= 850
     assert run.token_ids == run.reference_ids
@@ -109,14 +162,22 @@ def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method
     # the slots a step reads: the prompt and the tokens so far (full: step j holds prompt + j), or
     # the budget and the step's token (evicted after the step)
     held = run.prompt_tokens + 6 if method == "full" else 128 + 1
-    assert step["kv_read"] == 3 * held * 2 * 64 * 4  # KV heads x slots x (key, value) x head size x f32
+    slot_bytes = 3 * 2 * 64 * 4  # KV heads x (key, value) x head size x f32
+    if quant:  # 2-bit chunks and the full-precision rest: less than the budget in f32
+        assert step["kv_read"] < 513 * slot_bytes
+    elif method == "clusterkv":  # 2 dense layers read everything, the others their recalled budget
+        assert step["kv_read"] < 0.35 * (run.prompt_tokens + 6) * slot_bytes
+    elif options:  # block-wise: whole blocks and the partial one, at most the budget and the step's token
+        assert step["kv_read"] <= held * slot_bytes
+    else:
+        assert step["kv_read"] == held * slot_bytes
     assert step["cache_own_over_read"] < 0.01, step
 
 
 def test_a_method_the_path_does_not_serve_is_named():
-    from ov_kvcrush.gpu.layer_cache import check_served
+    from ov_kvcrush.gpu.device_layers import check_served
 
-    for method, options in [("chelsea", {}), ("snapkv", {"quant": True}), ("h2o", {"block_size": 32})]:
+    for method, options in [("chelsea", {}), ("kvcrush", {"quant": True}), ("h2o", {"block_size": 32})]:
         with pytest.raises(ConfigError, match="full, h2o, snapkv"):
             check_served(CompressionConfig(method=method, budget=512, options=options).method_config())
     check_served(CompressionConfig(method="snapkv", budget=512).method_config())
@@ -129,3 +190,27 @@ def test_paged_device_is_checked_before_loading(tmp_path):
         TorchEngine(tmp_path, paged_device="cuda")
     with pytest.raises(ConfigError, match="paged_device"):
         TorchEngine(tmp_path, device="cuda", paged_device="opencl")
+
+
+def dry_run_hardware_check(out: str) -> int:
+    """In the worker: the hardware script on Intel's OpenCL CPU runtime (native GenAI on the CPU)."""
+    from ov_kvcrush.gpu.hardware import main
+
+    return main(["--allow-cpu", "--chars", "1500", "--new-tokens", "4", "--budget", "256", "--out", out])
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_the_hardware_script_runs_dry_here(gpu_worker, tmp_path):
+    """The script for people with an Intel GPU, end to end on the CPU runtime: every row the path
+    serves gives the CPU op's greedy tokens, and the native rows are measured beside them."""
+    import json
+
+    out = tmp_path / "check.json"
+    assert gpu_worker.submit(dry_run_hardware_check, str(out)).result() == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    ours = ("full", "snapkv", "snapkv 2bit", "kvcrush blocks", "clusterkv")
+    assert set(rows) == {*ours, "native full", "native kvcrush"}
+    assert all(rows[n]["equal_to_cpu_op"] for n in ours)
+    assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["kv_bytes"] > 0 for r in rows.values())
+    assert rows["snapkv"]["kv_bytes"] < rows["full"]["kv_bytes"]

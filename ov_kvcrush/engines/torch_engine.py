@@ -82,7 +82,7 @@ class TorchEngine:
             ``None`` (default): with the fast path where the Triton kernels run (CUDA).
         paged_device: ``"opencl"`` keeps the KV cache in the Intel GPU path's device pool (an
             Intel GPU, or Intel's OpenCL CPU runtime) and runs the cache's steps there, in
-            ``plugins/gpu``'s kernels (:mod:`ov_kvcrush.gpu.layer_cache`: full, H2O, SnapKV; one
+            ``plugins/gpu``'s kernels (:mod:`ov_kvcrush.gpu.device_layers`: full, H2O, SnapKV, KVCrush, ClusterKV; one
             sequence at a time); ``None`` (default): the cache in torch tensors.
     """
 
@@ -151,7 +151,7 @@ class TorchEngine:
             raise ConfigError("compression", compression, "a CompressionConfig")
         method = compression.method_config()
         if self.paged_device:
-            from ov_kvcrush.gpu.layer_cache import check_served
+            from ov_kvcrush.gpu.device_layers import check_served
 
             check_served(method)
         self.method = self._calibrated(method)
@@ -206,8 +206,16 @@ class TorchEngine:
         (:meth:`CompressedCache.share_prefill`): every method compresses the same prompt as its
         own prefill would, without running the model once per method.
         """
-        source = self._device_layers(len(rows), len(rows[0]) + reserve) if self.paged_device else None
-        caches = [CompressedCache(m, self.model.config, self.fast_path, reserve, source) for m in methods]
+        caches = [
+            CompressedCache(
+                m,
+                self.model.config,
+                self.fast_path,
+                reserve,
+                self._device_layers(len(rows), len(rows[0]) + reserve) if self.paged_device else None,
+            )
+            for m in methods
+        ]
         caches[0].share_prefill(caches[1:])
         with torch.inference_mode(), self._model_ops():
             t0 = time.perf_counter()
@@ -222,9 +230,9 @@ class TorchEngine:
             return caches, out.logits[:, -1], time.perf_counter() - t0
 
     def _device_layers(self, rows: int, tokens: int) -> Callable[[MethodConfig, int, int], LayerCache]:
-        """Each layer's cache on the GPU path's device, in one pool sized for ``tokens`` per
-        sequence (every layer's KV heads, and room for one eviction's fresh blocks)."""
-        from ov_kvcrush.gpu.layer_cache import device_layer
+        """Each layer's cache on the GPU path's device, in a pool of its own (one per cache) sized
+        for ``tokens`` (every layer's KV heads, and room for one eviction's fresh blocks)."""
+        from ov_kvcrush.gpu.device_layers import device_layer
         from ov_kvcrush.gpu.layout import PoolShape
         from ov_kvcrush.gpu.pool import DevicePool
 

@@ -43,29 +43,41 @@ def _slot_map(slots: list[np.ndarray] | None, heads: int) -> tuple[np.ndarray, i
     return table, width
 
 
+@dataclass
+class QuantHeads:
+    """The 2-bit store's blocks of one layer as the decode reads them: the quantized pool's device
+    buffer, the per-KV-head block tables ``[kv, table_stride]`` and 2-bit token counts ``[kv]``."""
+
+    shape: QuantShape
+    pool: Any
+    tables: Any
+    table_stride: int
+    lengths: Any
+    longest: int
+
+
+def launch_quant_logits(
+    dev: Device, quant: QuantHeads, bufs: DecodeBuffers, hq: int, scale: float
+) -> tuple[Any, Any, tuple[Any, np.int32], Any]:
+    """Enqueue the 2-bit slots' logits; returns what their values pass needs (kernel, pool,
+    tables, lengths: :func:`launch_decode`'s ``quant_pass``)."""
+    width = round_up(max(quant.longest, 1), dev.sub_group)
+    consts = quant.shape.constants()
+    stride = np.int32(quant.table_stride)
+    dev.run(dev.kernel("quant2.cl", "quant_logits", consts), (width, hq), (dev.sub_group, 1), quant.pool,
+            quant.tables, stride, quant.lengths, bufs.q, np.float32(scale), bufs.logits, bufs.stride)  # fmt: skip
+    return dev.kernel("quant2.cl", "quant_values", consts), quant.pool, (quant.tables, stride), quant.lengths
+
+
 def _quant_logits(
     dev: Device, quant: tuple[QuantShape, np.ndarray, HeadTables], bufs: DecodeBuffers, hq: int, scale: float
 ) -> tuple[Any, Any, tuple[Any, np.int32], Any]:
-    """The 2-bit slots' logits; returns what their values pass needs (kernel, pool, tables, lengths)."""
+    """The 2-bit slots' logits over numpy tables and pool (uploaded)."""
     shape, pool, heads = quant
-    qpool = dev.to_device(pool.view(np.uint8))
-    tables, lengths = dev.to_device(heads.tables.astype(np.int32)), dev.to_device(heads.lengths.astype(np.int32))
-    width = round_up(max(int(heads.lengths.max()), 1), dev.sub_group)
-    consts = shape.constants()
-    dev.run(
-        dev.kernel("quant2.cl", "quant_logits", consts),
-        (width, hq),
-        (dev.sub_group, 1),
-        qpool,
-        tables,
-        np.int32(heads.tables.shape[1]),
-        lengths,
-        bufs.q,
-        np.float32(scale),
-        bufs.logits,
-        bufs.stride,
-    )
-    return dev.kernel("quant2.cl", "quant_values", consts), qpool, (tables, np.int32(heads.tables.shape[1])), lengths
+    on_device = QuantHeads(shape, dev.to_device(pool.view(np.uint8)), dev.to_device(heads.tables.astype(np.int32)),
+                           heads.tables.shape[1], dev.to_device(heads.lengths.astype(np.int32)),
+                           int(heads.lengths.max()))  # fmt: skip
+    return launch_quant_logits(dev, on_device, bufs, hq, scale)
 
 
 def paged_decode(

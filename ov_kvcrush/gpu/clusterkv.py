@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, device
+from ov_kvcrush.gpu.device import Device, DirectTransfers, Transfers, device
 from ov_kvcrush.gpu.sort import stable_order
 from ov_kvcrush.validation import check_int
 
@@ -36,6 +36,51 @@ def _kernel(dev: Device, name: str, head_dim: int, group: int = 1) -> Any:
     return dev.kernel("clusterkv.cl", name, {"HEAD_DIM": head_dim, "GROUP": group})
 
 
+@dataclass
+class ClustersOnDevice:
+    """One clustering's device buffers: labels ``[rows, n]``, directions and centroids ``[rows, k,
+    D]``, sizes ``[rows, k]``, the slots sorted by label ``[rows, n]`` (counting from 0)."""
+
+    labels: Any
+    directions: Any
+    centroids: Any
+    sizes: Any
+    order: Any
+    iterations: int
+
+
+def launch_kmeans(
+    dev: Device, io: Transfers, x: Any, rows: int, n: int, d: int, picks: np.ndarray, max_iters: int
+) -> ClustersOnDevice:
+    """Spherical k-means of device ``x`` ``[rows, n, D]`` from the initial ``picks`` ``[rows, k]``;
+    one int crosses per iteration (did a label move?)."""
+    k = picks.shape[1]
+    i32 = np.int32
+    xn_b = dev.empty(4 * rows * n * d)
+    dev.run(_kernel(dev, "normalize_rows", d), (dev.sub_group, n, rows), (dev.sub_group, 1, 1), x, xn_b)
+    directions = dev.empty(4 * rows * k * d)
+    dev.run(_kernel(dev, "gather_picks", d), (d, k, rows), None, xn_b, i32(n),
+            io.upload("k-means picks", picks.astype(np.int32)), directions)  # fmt: skip
+    labels = dev.to_device(np.full((rows, n), -1, np.int32))  # (filled on the device in a real host)
+    changed = dev.empty(4)
+    means, sizes = dev.empty(4 * rows * k * d), dev.empty(4 * rows * k)
+    iterations = 0
+
+    def update(final_step: int) -> None:  # directions to the members' normalised sums, or (final) the means
+        dev.run(_kernel(dev, "update_directions", d), (k, rows), None, xn_b, x, i32(n), labels, directions, means,
+                sizes, i32(final_step))  # fmt: skip
+
+    while iterations < max_iters:
+        iterations += 1
+        dev.cl.enqueue_fill_buffer(dev.queue, changed, np.int32(0), 0, 4)
+        dev.run(_kernel(dev, "assign_nearest", d), (n, rows), None, xn_b, directions, i32(k), labels, changed)
+        if not io.download("k-means convergence", changed, np.int32, (1,))[0]:
+            break
+        update(0)
+    update(1)
+    return ClustersOnDevice(labels, directions, means, sizes, stable_order(dev, labels, n, k, rows), iterations)
+
+
 def kmeans_cosine(
     x: np.ndarray, picks: np.ndarray, max_iters: int, first_slot: int = 0, sub_group: int | None = None
 ) -> GPUClusters:
@@ -47,48 +92,43 @@ def kmeans_cosine(
     dev = device(None if sub_group is None else sub_group)
     rows, n, d = x.shape
     k = picks.shape[1]
-    i32 = np.int32
-    x_b = dev.to_device(x.astype(np.float32))
-    xn_b = dev.empty(4 * x.size)
-    dev.run(_kernel(dev, "normalize_rows", d), (dev.sub_group, n, rows), (dev.sub_group, 1, 1), x_b, xn_b)
-    directions = dev.empty(4 * rows * k * d)
-    dev.run(
-        _kernel(dev, "gather_picks", d),
-        (d, k, rows),
-        None,
-        xn_b,
-        i32(n),
-        dev.to_device(picks.astype(np.int32)),
-        directions,
-    )
-    labels = dev.to_device(np.full((rows, n), -1, np.int32))
-    changed = dev.empty(4)
-    means, sizes = dev.empty(4 * rows * k * d), dev.empty(4 * rows * k)
-    iterations = 0
-
-    def update(final_step: int) -> None:  # directions to the members' normalised sums, or (final) the means
-        dev.run(_kernel(dev, "update_directions", d), (k, rows), None, xn_b, x_b, i32(n), labels, directions, means,
-                sizes, i32(final_step))  # fmt: skip
-
-    while iterations < max_iters:
-        iterations += 1
-        dev.cl.enqueue_fill_buffer(dev.queue, changed, np.int32(0), 0, 4)
-        dev.run(_kernel(dev, "assign_nearest", d), (n, rows), None, xn_b, directions, i32(k), labels, changed)
-        if not dev.to_host(changed, np.int32, (1,))[0]:
-            break
-        update(0)
-    update(1)
-    order = dev.to_host(stable_order(dev, labels, n, k, rows), np.int32, (rows, n))
-    size = dev.to_host(sizes, np.int32, (rows, k))
+    c = launch_kmeans(dev, DirectTransfers(dev), dev.to_device(x.astype(np.float32)), rows, n, d, picks, max_iters)
+    size = dev.to_host(c.sizes, np.int32, (rows, k))
     return GPUClusters(
-        labels=dev.to_host(labels, np.int32, (rows, n)),
-        directions=dev.to_host(directions, np.float32, (rows, k, d)),
-        centroids=dev.to_host(means, np.float32, (rows, k, d)),
+        labels=dev.to_host(c.labels, np.int32, (rows, n)),
+        directions=dev.to_host(c.directions, np.float32, (rows, k, d)),
+        centroids=dev.to_host(c.centroids, np.float32, (rows, k, d)),
         sizes=size,
         offsets=np.concatenate([np.zeros((rows, 1), np.int32), np.cumsum(size, axis=1, dtype=np.int32)], axis=1),
-        sorted_tokens=order + first_slot,
-        iterations=iterations,
+        sorted_tokens=dev.to_host(c.order, np.int32, (rows, n)) + first_slot,
+        iterations=c.iterations,
     )
+
+
+def launch_recall(
+    dev: Device,
+    q: Any,
+    heads: tuple[int, int, int],
+    index: tuple[Any, Any, Any, Any],
+    clusters: int,
+    clustered: int,
+    budget: int,
+) -> tuple[Any, Any, Any]:
+    """Enqueue one decode step's recall for device query ``q`` ``[Hq, D]``: ``heads`` (KV heads,
+    head size, query group), ``index`` the device centroids ``[kv, C, D]``, sizes ``[kv, C]``, offsets ``[kv,
+    C + 1]`` and sorted slots ``[kv, N]``. Returns the device cluster order ``[kv, C]``, recalled
+    slots ``[kv, budget]`` and their counts ``[kv]``."""
+    kv, d, group = heads
+    centroids, sizes, offsets, sorted_tokens = index
+    i32 = np.int32
+    scores = dev.empty(4 * kv * max(clusters, 1))
+    dev.run(_kernel(dev, "centroid_scores", d, group), (clusters, kv), None, q, centroids, i32(clusters), scores)
+    order = dev.empty(4 * kv * max(clusters, 1))
+    dev.run(_kernel(dev, "rank_order", d, group), (clusters, kv), None, scores, i32(clusters), order)
+    slots, counts = dev.empty(4 * kv * max(budget, 1)), dev.empty(4 * kv)
+    dev.run(_kernel(dev, "recall_slots", d, group), (dev.sub_group, kv), (dev.sub_group, 1), order, sizes, offsets,
+            sorted_tokens, i32(clusters), i32(clustered), i32(budget), slots, counts)  # fmt: skip
+    return order, slots, counts
 
 
 def recall(
@@ -102,35 +142,14 @@ def recall(
     dev = device(sub_group)
     kv, c, d = clusters.centroids.shape
     n = clusters.sorted_tokens.shape[1]
-    group = q.shape[0] // kv
-    i32 = np.int32
-    scores = dev.empty(4 * kv * c)
-    dev.run(
-        _kernel(dev, "centroid_scores", d, group),
-        (c, kv),
-        None,
-        dev.to_device(q.astype(np.float32)),
+    index = (
         dev.to_device(clusters.centroids),
-        i32(c),
-        scores,
-    )
-    order = dev.empty(4 * kv * c)
-    dev.run(_kernel(dev, "rank_order", d, group), (c, kv), None, scores, i32(c), order)
-    slots, counts = dev.empty(4 * kv * max(budget, 1)), dev.empty(4 * kv)
-    dev.run(
-        _kernel(dev, "recall_slots", d, group),
-        (dev.sub_group, kv),
-        (dev.sub_group, 1),
-        order,
         dev.to_device(clusters.sizes),
         dev.to_device(clusters.offsets.astype(np.int32)),
         dev.to_device(clusters.sorted_tokens.astype(np.int32)),
-        i32(c),
-        i32(n),
-        i32(budget),
-        slots,
-        counts,
     )
+    heads = (kv, d, q.shape[0] // kv)
+    order, slots, counts = launch_recall(dev, dev.to_device(q.astype(np.float32)), heads, index, c, n, budget)
     taken = dev.to_host(counts, np.int32, (kv,))
     picked = dev.to_host(slots, np.int32, (kv, max(budget, 1)))
     return dev.to_host(order, np.int32, (kv, c)), [picked[h, : taken[h]] for h in range(kv)]

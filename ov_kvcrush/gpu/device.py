@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -75,6 +75,21 @@ class Device:
     def empty(self, nbytes: int) -> Any:
         return self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
 
+    def copy_rows(self, src: Any, src_stride: int, rows: int, n: int) -> Any:
+        """A new buffer of the first ``n`` floats of each of ``rows`` rows of ``src`` (row stride
+        ``src_stride`` floats), packed: a copy on the device."""
+        dst = self.empty(4 * rows * max(n, 1))
+        self.copy_rect(src, src_stride, dst, n, 0, rows, n)
+        return dst
+
+    def copy_rect(self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int) -> None:
+        """Copy the first ``n`` 4-byte elements of each of ``rows`` rows of ``src`` to elements
+        ``at ..`` of the rows of ``dst`` (strides in elements), on the device."""
+        if n and rows:
+            self.cl.enqueue_copy(self.queue, dst, src, src_origin=(0, 0), dst_origin=(4 * at, 0),
+                                 region=(4 * n, rows), src_pitches=(4 * src_stride,),
+                                 dst_pitches=(4 * dst_stride,))  # fmt: skip
+
     def zeros(self, nbytes: int) -> Any:
         return self.to_device(np.zeros(max(int(nbytes), 4), np.uint8))
 
@@ -82,6 +97,28 @@ class Device:
         out = np.empty(shape, dtype=dtype)
         self.cl.enqueue_copy(self.queue, out, buffer)
         return out
+
+
+class Transfers(Protocol):
+    """Where a host's copies between host and device go: straight to the device, or through a
+    decode's pool, which counts them (:class:`ov_kvcrush.gpu.pool.DevicePool`)."""
+
+    def upload(self, what: str, array: np.ndarray) -> Any: ...
+
+    def download(self, what: str, buffer: Any, dtype: type, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+@dataclass
+class DirectTransfers:
+    """Copies straight to and from the device, uncounted (the kernels' numpy hosts)."""
+
+    dev: Device
+
+    def upload(self, what: str, array: np.ndarray) -> Any:
+        return self.dev.to_device(array)
+
+    def download(self, what: str, buffer: Any, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+        return self.dev.to_host(buffer, np.dtype(dtype), shape)
 
 
 @dataclass

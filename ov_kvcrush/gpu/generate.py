@@ -7,7 +7,7 @@ so the two token lists can be compared. It runs where Intel's OpenCL runtime can
 that prepared it before ``openvino`` was imported (the tests' ``gpu_worker``, or this module run
 as a script).
 
-``python -m ov_kvcrush.gpu.generate --methods full,snapkv,h2o --budget 1024 --chars 8200``
+``python -m ov_kvcrush.gpu.generate --methods full,snapkv,kvcrush:block_size=32 --budget 1024``
 prints, per method, whether the tokens equal the reference's and the bytes that crossed per
 decode step and layer beside the KV bytes that step read in place (JSON with ``--out``).
 """
@@ -21,9 +21,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_options
 from ov_kvcrush.gpu import runtime
 from ov_kvcrush.gpu.pool import Crossings
+
+#: every kind of config the path serves
+DEFAULT_METHODS = "full,snapkv,h2o,kvcrush,kvcrush:block_size=32,clusterkv,snapkv:quant=true"
 
 #: what a step crosses only because the model runs on the host here: its queries, keys and
 #: values in, the attention output back (with the model on the device none of it crosses)
@@ -35,6 +38,7 @@ class DeviceRun:
     """One prompt generated through the device cache and through the reference cache."""
 
     method: str
+    options: dict
     prompt_tokens: int
     token_ids: list[int]
     reference_ids: list[int]
@@ -88,6 +92,7 @@ def run_on_device(model_dir: str | Path, compression: CompressionConfig, prompt:
     ref = engine.generate(prompt, settings)
     return DeviceRun(
         method=compression.method,
+        options=dict(compression.options),
         prompt_tokens=got.prompt_tokens,
         token_ids=got.token_ids,
         reference_ids=ref.token_ids,
@@ -100,14 +105,43 @@ def run_on_device(model_dir: str | Path, compression: CompressionConfig, prompt:
     )
 
 
+def markdown_table(paths: list[Path]) -> str:
+    """The per-step table of ``docs/intel_gpu.md`` from runs this module wrote (``--out``)."""
+    lines = [
+        "| method | budget | greedy tokens equal the reference's | KV bytes read in place "
+        "| the cache's own bytes crossed | all bytes crossed |",
+        "|---|---|---|---|---|---|",
+    ]
+    seen = set()
+    for path in paths:
+        budget = json.loads(path.read_text())["command"].split("--budget ")[1].split()[0]
+        for run in json.loads(path.read_text())["runs"]:
+            name = run["method"] + "".join(f":{k}={v}" for k, v in run["options"].items())
+            if name == "full" and name in seen:
+                continue  # the full cache has no budget: once
+            seen.add(name)
+            st = run["per_step"]
+            crossed = st["to_device"] + st["to_host"]
+            lines.append(
+                f"| {name} | {'—' if name == 'full' else budget} | {'yes' if run['equal'] else 'no'} "
+                f"| {st['kv_read']:,.0f} | {st['cache_own']:,.0f} ({100 * st['cache_own_over_read']:.2f} %) "
+                f"| {crossed:,.0f} ({100 * st['crossed_over_read']:.2f} %) |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ov_kvcrush.gpu.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", default="full,snapkv,h2o")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated, each NAME or NAME:KEY=VALUE[:...]")
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--chars", type=int, default=8200, help="characters of essay in the prompt")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--table", type=Path, nargs="+", help="print the table of these runs (JSON), run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table(args.table))
+        return 0
     runtime.prepare()
     from ov_kvcrush.models.export import hf_checkpoint
 
@@ -115,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt = essay_prompt(args.chars)
     rows = []
     for method in args.methods.split(","):
-        compression = CompressionConfig(method=method, budget=None if method == "full" else args.budget)
+        name, *pairs = method.split(":")
+        compression = CompressionConfig(method=name, budget=args.budget, options=parse_options(pairs, "--methods"))
         run = run_on_device(model, compression, prompt, args.new_tokens)
         row = {**asdict(run), "equal": run.token_ids == run.reference_ids, "per_step": run.per_step()}
         rows.append(row)
         step = row["per_step"]
         print(
-            f"{method:8s} prompt {run.prompt_tokens} tokens equal={row['equal']} per decode step and layer: "
+            f"{method:22s} prompt {run.prompt_tokens} tokens equal={row['equal']} per decode step and layer: "
             f"{step['to_device']:.0f} B in, {step['to_host']:.0f} B out ({step['cache_own']:.0f} B the cache's own), "
             f"KV read {step['kv_read']:.0f} B ({100 * step['crossed_over_read']:.2f} %, own "
             f"{100 * step['cache_own_over_read']:.3f} %); device {run.device_s:.1f} s, "

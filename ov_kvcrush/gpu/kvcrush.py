@@ -1,23 +1,23 @@
 """KVCrush's selection on the GPU path (``plugins/gpu/kernels/kvcrush.cl``), step for step as
 :func:`ov_kvcrush.methods.kvcrush.kvcrush_select` takes them.
 
-Every step runs on the device: the heads' scores summed, the important tokens (sinks, recent,
-the top summed scores), each head's decisions and the packed signatures, the anchors' distances,
-the stable bucketing order and one representative per bucket. What comes back to the host is
-what the cache's block tables need: the tokens in evictable-then-important order (4 bytes a
-token) and the representatives (the other read-backs here are for the tests' step checks). Random anchors
-are drawn by the caller (the reference's seeded generator); a ``mean`` anchor is the evictable
-tokens' per-bit majority, computed here.
+Every step runs on the device: the heads' scores summed, the important tokens (sinks, recent, the
+top summed scores), each head's decisions and the packed signatures, the anchors' distances, the
+stable bucketing order, one representative per bucket, and the kept tokens as a mask. What comes
+back to the host is what the cache's block tables need: that mask, a byte a token (the kept slots
+are listed from it on both sides; the other read-backs here are for the tests' step checks), and
+with a ``mean`` anchor its bits. Random anchors are drawn by the caller (the reference's seeded
+generator); a ``mean`` anchor is the evictable tokens' per-bit majority, computed here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, device, round_up
+from ov_kvcrush.gpu.device import Device, DirectTransfers, Transfers, device
 from ov_kvcrush.gpu.sort import MAX_KEYS, stable_order
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -26,16 +26,18 @@ SIGNATURES = ("topk", "threshold")
 
 @dataclass
 class KVCrushGPUSelection:
-    """What the device decided, in the reference's terms (``KVCrushSelection``)."""
+    """What the device decided, in the reference's terms (``KVCrushSelection``); the steps'
+    read-backs (``None`` unless asked for) are for the tests' step checks."""
 
     keep: np.ndarray  # ascending kept tokens
-    important: np.ndarray  # ascending
-    representatives: np.ndarray  # bucket order
-    evictable: np.ndarray  # position order
-    order: np.ndarray  # positions into evictable, bucketing order
-    distances: np.ndarray  # [m, A]
-    signatures: np.ndarray  # [n, W] packed, 32 heads per word
-    anchors: np.ndarray  # [A, W] packed
+    keep_mask: Any  # device uchar [n]: 1 for a kept token (None once returned to numpy callers)
+    important: np.ndarray | None = None  # ascending
+    representatives: np.ndarray | None = None  # bucket order
+    evictable: np.ndarray | None = None  # position order
+    order: np.ndarray | None = None  # positions into evictable, bucketing order
+    distances: np.ndarray | None = None  # [m, A]
+    signatures: np.ndarray | None = None  # [n, W] packed, 32 heads per word
+    anchors: np.ndarray | None = None  # [A, W] packed
 
 
 def _kernel(dev: Device, name: str) -> Any:
@@ -89,7 +91,37 @@ def kvcrush_select(
     if key_range > MAX_KEYS:  # before any device work
         raise ValueError(f"{a} anchors over {h} heads: {key_range} bucketing keys exceed the device sort's {MAX_KEYS}")
     dev = device(sub_group)
-    sc = dev.to_device(scores.astype(np.float32))
+    choice = KVCrushChoice(budget, sink_tokens, recent_tokens, representatives, anchor_bits, mean_anchor, signature,
+                           multi_anchor, representative)  # fmt: skip
+    sel = select_on_device(dev, DirectTransfers(dev), dev.to_device(scores.astype(np.float32)), h, n, choice)
+    return replace(sel, keep_mask=None)  # numpy in, numpy out (a device buffer does not pickle)
+
+
+@dataclass(frozen=True)
+class KVCrushChoice:
+    """What a KVCrush selection is asked for (the arguments of :func:`kvcrush_select`)."""
+
+    budget: int
+    sink_tokens: int
+    recent_tokens: int
+    representatives: int
+    anchor_bits: np.ndarray  # [A, H] the fixed anchors
+    mean_anchor: tuple[bool, ...] | None = None
+    signature: str = "topk"
+    multi_anchor: str = "tuple"
+    representative: str = "max_score"
+
+
+def select_on_device(
+    dev: Device, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice, details: bool = True
+) -> KVCrushGPUSelection:
+    """KVCrush over device scores ``sc`` ``[h, n]``; what comes back crosses through ``io``
+    (``details``: also the signatures, order and distances the tests check step by step)."""
+    budget, sink_tokens, recent_tokens, representatives = c.budget, c.sink_tokens, c.recent_tokens, c.representatives
+    signature, multi_anchor, representative, mean_anchor = c.signature, c.multi_anchor, c.representative, c.mean_anchor
+    a = c.anchor_bits.shape[0]
+    nearest = int(multi_anchor == "nearest")
+    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
     i32 = np.int32
     # the important tokens: sinks, recent, the top summed scores between
     combined = dev.empty(4 * n)
@@ -101,8 +133,9 @@ def kvcrush_select(
     dev.run(_kernel(dev, "important_flags"), (n,), None, top, i32(n), i32(sink_tokens), i32(mid), flags)
     # evictable, then important, each in position order: the stable order by the flag
     m = n - (budget - representatives)
-    by_flag = dev.to_host(stable_order(dev, flags, n, 2), np.int32, (n,))
-    evictable, important = by_flag[:m], by_flag[m:]
+    by_flag_b = stable_order(dev, flags, n, 2)
+    ev = by_flag_b  # its first m entries: the evictable tokens, read in place
+    by_flag = dev.to_host(by_flag_b, np.int32, (n,)) if details else None
     # each head's decisions over the middle, packed into signatures
     decisions = (
         top_mask(dev, sc, h, n, sink_tokens, mid, budget - sink_tokens - recent_tokens)
@@ -122,13 +155,12 @@ def kvcrush_select(
         i32(mid),
         sig,
     )
-    signatures = dev.to_host(sig, np.uint32, (n, w))  # for the caller's checks; the steps use `sig`
-    anchors = pack_anchor_bits(anchor_bits.astype(bool))
-    ev = dev.to_device(evictable.astype(np.int32))
+    signatures = dev.to_host(sig, np.uint32, (n, w)) if details else None  # for the tests; the steps use `sig`
+    anchors = pack_anchor_bits(c.anchor_bits.astype(bool))
     if any(mean_anchor or ()):
         majority = dev.empty(h)
         dev.run(_kernel(dev, "majority_bits"), (h,), None, sig, i32(w), ev, i32(m), majority)
-        mean_bits = pack_anchor_bits(dev.to_host(majority, np.uint8, (h,))[None].astype(bool))[0]
+        mean_bits = pack_anchor_bits(io.download("mean anchor", majority, np.uint8, (h,))[None].astype(bool))[0]
         for i, mean in enumerate(mean_anchor or ()):
             if mean:
                 anchors[i] = mean_bits
@@ -142,7 +174,7 @@ def kvcrush_select(
             i32(w),
             ev,
             i32(m),
-            dev.to_device(anchors),
+            io.upload("anchors", anchors),
             dist_b,
         )
     keys = dev.empty(4 * max(m, 1))
@@ -174,12 +206,18 @@ def kvcrush_select(
             i32(representative == "first"),
             reps_b,
         )
-    reps = dev.to_host(reps_b, np.int32, (max(buckets, 1),))[:buckets]
+    mask_b = dev.empty(max(n, 1))
+    dev.run(_kernel(dev, "kept_mask"), (n,), None, flags, i32(n), reps_b, i32(buckets), mask_b)
+    keep = np.flatnonzero(io.download("selection decisions", mask_b, np.uint8, (n,))).astype(np.int32)
+    if not details:
+        return KVCrushGPUSelection(keep=keep, keep_mask=mask_b)
+    assert by_flag is not None
     return KVCrushGPUSelection(
-        keep=np.sort(np.concatenate([important, reps])),
-        important=important,
-        representatives=reps,
-        evictable=evictable,
+        keep=keep,
+        keep_mask=mask_b,
+        important=np.sort(by_flag[m:]),
+        representatives=dev.to_host(reps_b, np.int32, (max(buckets, 1),))[:buckets],
+        evictable=by_flag[:m],
         order=dev.to_host(order_b, np.int32, (max(m, 1),))[:m],
         distances=dev.to_host(dist_b, np.int32, (max(m, 1), a))[:m],
         signatures=signatures,
@@ -197,20 +235,17 @@ def _threshold_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: i
     return out
 
 
+def launch_block_sums(dev: Device, scores: Any, h: int, n: int, block: int) -> Any:
+    """Device ``[h, ceil(n / block)]``: per-head sums of device ``scores`` ``[h, n]`` over blocks."""
+    blocks = -(-n // block)
+    out = dev.empty(4 * h * max(blocks, 1))
+    dev.run(_kernel(dev, "block_sums"), (max(blocks, 1), h), None, scores, np.int32(n), np.int32(block), out)
+    return out
+
+
 def block_sums(scores: np.ndarray, block: int, sub_group: int | None = None) -> np.ndarray:
     """Per-head sums of ``scores`` ``[H, n]`` over blocks of ``block`` tokens (the last may be partial)."""
     dev = device(sub_group)
     h, n = scores.shape
-    blocks = -(-n // block)
-    out = dev.empty(4 * h * blocks)
-    kernel = _kernel(dev, "block_sums")
-    dev.run(
-        kernel,
-        (round_up(blocks, 1), h),
-        None,
-        dev.to_device(scores.astype(np.float32)),
-        np.int32(n),
-        np.int32(block),
-        out,
-    )
-    return dev.to_host(out, np.float32, (h, blocks))
+    out = launch_block_sums(dev, dev.to_device(scores.astype(np.float32)), h, n, block)
+    return dev.to_host(out, np.float32, (h, -(-n // block)))

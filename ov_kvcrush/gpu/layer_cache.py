@@ -14,29 +14,31 @@ tokens; what crosses to the host per step is the step's queries, keys, values an
 model runs on the host here), the block tables when they change, and one byte per middle token
 and KV head when a selection runs. :attr:`DevicePool.crossings` counts it.
 
-Served: the full cache, H2O and SnapKV (uniform budgets, single tokens, full-precision store),
-one sequence at a time. The other methods keep their reference caches and the engine refuses
-them on this path, naming the ones it serves.
+Here: the full cache, H2O, SnapKV (uniform budgets, single tokens) and KVCrush (one selection per
+layer, token by token or in blocks) over the full-precision store; the 2-bit store's are in
+:mod:`ov_kvcrush.gpu.quant_cache`, ClusterKV's in :mod:`ov_kvcrush.gpu.recall_cache`, and
+:mod:`ov_kvcrush.gpu.device_layers` says which configs the path serves.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_device
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.snapkv import kept_tokens, launch_keep
-from ov_kvcrush.methods import LayerCache, MethodConfig
+from ov_kvcrush.methods import LayerCache
 from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig
+from ov_kvcrush.methods.kvcrush import KVCrushConfig
+from ov_kvcrush.methods.selection import plan_spans
 
 
-def _host(x: torch.Tensor) -> np.ndarray:
+def host_array(x: torch.Tensor) -> np.ndarray:
     """One sequence's ``[1, heads, t, D]`` tensor as float32 ``[heads, t, D]``."""
     if x.shape[0] != 1:
         raise ConfigError("batch", x.shape[0], "1 (the GPU path's caches hold one sequence each)")
@@ -58,8 +60,8 @@ class DeviceFullLayerCache(LayerCache):
         """Store the step's tokens, then attend its rows (the last ``window`` rows' probabilities
         summed per slot on the device, for the subclasses' scores)."""
         first = self.seen - keys.shape[2]
-        self.layer.append(_host(keys), _host(values), first)
-        q = _host(queries)
+        self.layer.append(host_array(keys), host_array(values), first)
+        q = host_array(queries)
         scale = self._scale(q.shape[2])
         if q.shape[1] == 1 and not window:
             out = self.layer.attend_decode(q[:, 0], scale)[0][:, None]
@@ -140,15 +142,15 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         return out
 
     def _decode_token(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        self.layer.append(_host(keys), _host(values), self.seen - 1)
-        q = _host(queries)
+        self.layer.append(host_array(keys), host_array(values), self.seen - 1)
+        q = host_array(queries)
         out, probs, stride = self.layer.attend_decode(q[:, 0], self._scale(q.shape[2]))
         self._add(probs, stride, self.layer.held - 1)
         return torch.from_numpy(out)[None, :, None].to(queries.dtype)
 
     # ---- the scores, on the device
-    def _kernel(self, name: str) -> Any:
-        return self.layer.pool.dev.kernel("snapkv.cl", name, {})
+    def _kernel(self, name: str, source: str = "snapkv.cl") -> Any:
+        return self.layer.pool.dev.kernel(source, name, {})
 
     def _pooled(self, sums: Any, n: int, width: int, pool: str) -> Any:
         dev = self.layer.pool.dev
@@ -160,36 +162,49 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
                 i32(pool == "avg"), out)  # fmt: skip
         return out
 
+    def _scored(self) -> int:
+        """Slots the scores cover (the store's: here the pool's)."""
+        return self.layer.held
+
     def _add(self, probs: Any, prob_stride: int, before: int) -> None:
         i32 = np.int32
-        held = self.layer.held
+        held = self._scored()
         self.layer.pool.dev.run(self._kernel("add_step_scores"), (held, self.layer.q_heads), None, self.scores,
                                 i32(self.stride), i32(before), i32(held), probs, i32(prob_stride))  # fmt: skip
 
-    def _gather_scores(self, kept: Any, count: int, stride: int) -> Any:
-        """The scores of each KV head's slots ``kept`` (device ``[kv, count]``) in a new buffer of
-        row stride ``stride``."""
+    def _gather_scores(self, kept: tuple[Any, int], count: int, stride: int) -> Any:
+        """The scores of each KV head's slots ``kept`` (device ``[kv, count]`` and its row stride:
+        0 when every head keeps the same list) in a new buffer of row stride ``stride``."""
         dev, lay = self.layer.pool.dev, self.layer
         out = dev.zeros(4 * lay.q_heads * stride)
         i32 = np.int32
         dev.run(self._kernel("gather_rows"), (max(count, 1), lay.q_heads), None, self.scores, i32(self.stride),
-                kept, i32(count), i32(count), i32(lay.q_heads // lay.kv_heads), out, i32(stride))  # fmt: skip
+                kept[0], i32(kept[1]), i32(count), i32(lay.q_heads // lay.kv_heads), out, i32(stride))  # fmt: skip
         return out
 
     def _grow(self, need: int) -> None:
         """Room for ``need`` slots' scores (the held ones copied over)."""
-        lay = self.layer
-        held = lay.held
+        held = self._scored()
         stride = max(need, self.budget + 1, 2 * self.stride)
-        every = np.ascontiguousarray(np.broadcast_to(np.arange(held, dtype=np.int32), (lay.kv_heads, held)))
-        self.scores = self._gather_scores(lay.pool.upload("held slots", every), held, stride)
+        every = self.layer.pool.upload("held slots", np.arange(held, dtype=np.int32))
+        self.scores = self._gather_scores((every, 0), held, stride)  # one list for every head
         self.stride = stride
 
     def _evict(self, width: int) -> None:
-        """Keep each KV head's sinks, recent tokens and top summed scores (``budget`` in all): the
-        decisions come to the host, the kept slots are listed on both sides from them."""
+        """Keep the selection's slots in every KV head (fresh blocks; their scores gathered)."""
+        lay = self.layer
+        n = lay.held
+        kept, kept_b = self._select(n, width)
+        self.scores = self._gather_scores(kept_b, kept.shape[1], self.stride)
+        lay.keep(kept, *kept_b)
+        self._bump("evicted", float((n - kept.shape[1]) * lay.kv_heads))
+
+    def _select(self, n: int, width: int) -> tuple[np.ndarray, tuple[Any, int]]:
+        """Each KV head's sinks, recent tokens and top summed scores (``budget`` in all), as
+        ``[kv, budget]`` on the host and on the device (with its row stride): the decisions come
+        to the host and the kept slots are listed on both sides from them."""
         lay, cfg = self.layer, self.config
-        dev, n, kv = lay.pool.dev, lay.held, lay.kv_heads
+        dev, kv = lay.pool.dev, lay.kv_heads
         sinks, recent = cfg.sink_tokens, cfg.recent_tokens
         decisions_b, mid = launch_keep(dev, self.scores, self.stride, n, lay.q_heads // kv, kv, self.budget, sinks,
                                        recent, width)  # fmt: skip
@@ -199,9 +214,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         i32 = np.int32
         dev.run(self._kernel("kept_slots"), (kv,), None, decisions_b, i32(mid), i32(sinks), i32(recent), i32(n),
                 kept_b, i32(kept.shape[1]))  # fmt: skip
-        self.scores = self._gather_scores(kept_b, kept.shape[1], self.stride)
-        lay.keep(kept, kept_b)
-        self._bump("evicted", float((n - kept.shape[1]) * kv))
+        return kept, (kept_b, kept.shape[1])
 
 
 class DeviceSnapKVLayerCache(DeviceH2OLayerCache):
@@ -211,60 +224,49 @@ class DeviceSnapKVLayerCache(DeviceH2OLayerCache):
     config: SnapKVConfig
 
     def prompt_scoring(self, tokens: int) -> tuple[int, int, str]:
+        if self.config.scoring_mode() != "snapkv":  # as SnapKVConfig.prompt_scores falls back
+            return super().prompt_scoring(tokens)
         return min(self.config.window, tokens), self.config.pool_width, self.config.pool
 
 
-def _always(config: MethodConfig) -> bool:
-    return True
+class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
+    """KVCrush over the device pool (``scope="layer"``: every KV head keeps the same tokens):
+    SnapKV's scores, and KVCrush's selection over them on the device (``kvcrush.cl``: the
+    important tokens, the heads' signatures, the anchors' distances, the buckets and their
+    representatives), token by token or over whole blocks (``block_size``: the blocks' summed
+    scores, the reference's plan of sink, recent and partial blocks)."""
 
+    config: KVCrushConfig
 
-def _uniform_single_tokens(config: MethodConfig) -> bool:
-    """An importance config this path serves: full-precision store, uniform head budgets, single
-    tokens (the 2-bit store, adaptive budgets and spans stay on the reference)."""
-    assert isinstance(config, H2OConfig)
-    return config.quant is None and config.head_budget_mode() == "uniform" and config.span_tokens() is None
+    def _choice(self, budget: int, sinks: int, recent: int, representatives: int) -> KVCrushChoice:
+        cfg = self.config
+        bits = cfg.anchor_bits(self.layer.q_heads)
+        anchors = np.array([[c == "1" for c in b] if b != "mean" else [False] * self.layer.q_heads for b in bits])
+        return KVCrushChoice(budget, sinks, recent, representatives, anchors, tuple(b == "mean" for b in bits),
+                             cfg.signature, cfg.multi_anchor, cfg.representative)  # fmt: skip
 
-
-def _full(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
-    return DeviceFullLayerCache(pool, kv, hq)
-
-
-def _importance(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
-    assert isinstance(config, H2OConfig)
-    kind = DeviceSnapKVLayerCache if isinstance(config, SnapKVConfig) else DeviceH2OLayerCache
-    return kind(config, pool, kv, hq, config.layer_budget(layer, layers))
-
-
-@dataclass(frozen=True)
-class DeviceLayerKind:
-    """Which configs of a method this path serves, and how its layer cache is built."""
-
-    served: Callable[[MethodConfig], bool]
-    build: Callable[[MethodConfig, int, int, DevicePool, int, int], LayerCache]
-
-
-#: method name -> its device layer cache
-DEVICE_LAYERS: dict[str, DeviceLayerKind] = {
-    "full": DeviceLayerKind(_always, _full),
-    "h2o": DeviceLayerKind(_uniform_single_tokens, _importance),
-    "snapkv": DeviceLayerKind(_uniform_single_tokens, _importance),
-}
-
-
-def check_served(config: MethodConfig) -> None:
-    """A ``ConfigError`` naming what this path serves, unless it serves ``config``."""
-    kind = DEVICE_LAYERS.get(config.name)
-    if kind is None or not kind.served(config):
-        raise ConfigError(
-            "method",
-            config.name,
-            ", ".join(DEVICE_LAYERS) + " (paged_device='opencl': uniform budgets, single tokens, no 2-bit store)",
-        )
-
-
-def device_layer(
-    config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv_heads: int, q_heads: int
-) -> LayerCache:
-    """The device layer cache of ``config``'s method for one layer (:func:`check_served` first)."""
-    check_served(config)
-    return DEVICE_LAYERS[config.name].build(config, layer, layers, pool, kv_heads, q_heads)
+    def _select(self, n: int, width: int) -> tuple[np.ndarray, tuple[Any, int]]:
+        lay, cfg = self.layer, self.config
+        dev, hq = lay.pool.dev, lay.q_heads
+        i32 = np.int32
+        reps = cfg.n_representatives
+        if cfg.block_size is None:
+            scores = dev.copy_rows(self.scores, self.stride, hq, n)  # [Hq, n] packed, on the device
+            choice = self._choice(self.budget, cfg.sink_tokens, cfg.recent_tokens, reps)
+            sel = select_on_device(dev, lay.pool, scores, hq, n, choice, details=False)
+            keep, mask_b = sel.keep, sel.keep_mask
+        else:
+            block = cfg.block_size
+            plan = plan_spans(torch.zeros(1, 1, n), self.budget, cfg.sink_tokens, cfg.recent_tokens, block,
+                              reserved=reps // block, what="sink, recent and representative blocks")  # fmt: skip
+            whole = plan.full * block  # the whole blocks' scores, packed
+            sums = launch_block_sums(dev, dev.copy_rows(self.scores, self.stride, hq, whole), hq, whole, block)
+            choice = self._choice(plan.budget, plan.sink, plan.recent, reps // block)
+            blocks = select_on_device(dev, lay.pool, sums, hq, plan.full, choice, details=False)
+            keep = plan.tokens(torch.from_numpy(blocks.keep).long()).numpy()
+            mask_b = dev.empty(max(n, 1))
+            dev.run(self._kernel("block_mask", "kvcrush.cl"), (n,), None, blocks.keep_mask, i32(block), i32(whole),
+                    i32(n), mask_b)  # fmt: skip
+        kept_b = dev.empty(4 * max(len(keep), 1))  # one list every KV head reads (stride 0)
+        dev.run(self._kernel("kept_slots"), (1,), None, mask_b, i32(n), i32(0), i32(0), i32(n), kept_b, i32(len(keep)))
+        return np.ascontiguousarray(np.broadcast_to(keep.astype(np.int32), (lay.kv_heads, len(keep)))), (kept_b, 0)

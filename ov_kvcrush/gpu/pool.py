@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.attention import decode_buffers, launch_decode
+from ov_kvcrush.gpu.attention import QuantHeads, decode_buffers, launch_decode, launch_quant_logits
 from ov_kvcrush.gpu.device import Device, HeadsOnDevice, device
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
-from ov_kvcrush.gpu.store import launch_gather, launch_store
+from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
 
 
 @dataclass
@@ -156,25 +156,69 @@ class PagedLayer:
                                            self.held)  # fmt: skip
         return p.download("attention output", out_b, np.float32, (hq, rows, d)), scores_b
 
-    def attend_decode(self, q: np.ndarray, scale: float) -> tuple[np.ndarray, Any, int]:
-        """One query row ``q`` ``[Hq, D]`` over every held slot: the output on the host, and the
-        device buffer of the probabilities ``[Hq, stride]`` with its row stride."""
+    def attend_decode(
+        self, q: np.ndarray, scale: float, quant: QuantHeads | None = None, quant_read: int = 0
+    ) -> tuple[np.ndarray, Any, int]:
+        """One query row ``q`` ``[Hq, D]`` over every held slot (after ``quant``'s 2-bit slots,
+        under one softmax; ``quant_read``: their bytes): the output on the host, and the device
+        buffer of the probabilities ``[Hq, stride]`` (2-bit slots first) with its row stride."""
         hq, d = q.shape
         p = self.pool
         heads = self._heads(self.held)
-        first = p.upload("lengths", np.zeros(self.kv_heads, np.int32))
-        bufs = decode_buffers(p.dev, p.upload("queries", np.ascontiguousarray(q, np.float32)), hq, d, self.held, first)
+        nq = quant.longest if quant else 0
+        first = quant.lengths if quant else p.upload("lengths", np.zeros(self.kv_heads, np.int32))
+        q_b = p.upload("queries", np.ascontiguousarray(q, np.float32))
+        bufs = decode_buffers(p.dev, q_b, hq, d, nq + self.held, first)
         no_map = (p.dev.zeros(4), 0)
-        launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, heads.lengths, scale, no_map)
+        quant_pass = launch_quant_logits(p.dev, quant, bufs, hq, scale) if quant else None
+        totals = p.upload("lengths", np.full(self.kv_heads, nq + self.held, np.int32)) if quant else heads.lengths
+        launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, totals, scale, no_map, quant_pass)
         c = p.crossings["decode"]
         c.layer_steps += 1
-        c.kv_read += self.kv_heads * self.held * 2 * p.shape.head_dim * p.shape.elem_bytes
+        c.kv_read += self.kv_heads * self.held * 2 * p.shape.head_dim * p.shape.elem_bytes + quant_read
         return p.download("attention output", bufs.out, np.float32, (hq, d)), bufs.probs, int(bufs.stride)
 
-    def keep(self, kept: np.ndarray, kept_on_device: Any) -> None:
-        """Keep slots ``kept`` ``[kv, n]`` (ascending per head; ``kept_on_device``: the same list
-        on the device) of every head, moved to fresh blocks in that order; the old blocks go back
-        to the pool."""
+    def attend_slots(self, q: Any, scale: float, slots: tuple[Any, int], lengths: Any, counts: np.ndarray,
+                     extra_read: int = 0) -> np.ndarray:  # fmt: skip
+        """One query row (device ``q`` ``[Hq, D]``) over a list of slots per KV head (device
+        ``slots``: the map and its row stride; ``lengths`` its device counts, ``counts`` the same
+        on the host): the output on the host. ``extra_read``: other bytes the step read in place
+        (ClusterKV's centroids), counted with the slots'."""
+        hq, d = self.q_heads, self.pool.shape.head_dim
+        p = self.pool
+        tables, stride = self._device_tables()
+        heads = HeadsOnDevice(p.buffer, tables, stride, lengths)
+        first = p.upload("lengths", np.zeros(self.kv_heads, np.int32))
+        longest = int(counts.max()) if counts.size else 0
+        bufs = decode_buffers(p.dev, q, hq, d, longest, first)
+        launch_decode(p.dev, p.shape, heads, bufs, hq, longest, lengths, scale, slots)
+        c = p.crossings["decode"]
+        c.layer_steps += 1
+        c.kv_read += int(counts.sum()) * 2 * p.shape.head_dim * p.shape.elem_bytes + extra_read
+        return p.download("attention output", bufs.out, np.float32, (hq, d))
+
+    def read_keys(self, first: int, count: int) -> Any:
+        """Device ``[kv, count, D]`` float32: the keys of slots ``first ..`` of every head, read
+        from the pool on the device."""
+        return self._read("read_keys", first, count)
+
+    def read_values(self, first: int, count: int) -> Any:
+        """The same for the values."""
+        return self._read("read_values", first, count)
+
+    def _read(self, kernel_name: str, first: int, count: int) -> Any:
+        p = self.pool
+        tables, stride = self._device_tables()
+        out = p.dev.empty(4 * self.kv_heads * max(count, 1) * p.shape.head_dim)
+        kernel = p.dev.kernel("paged_store.cl", kernel_name, store_constants(p.shape))
+        p.dev.run(kernel, (p.shape.head_dim, max(count, 1), self.kv_heads), None, p.buffer, tables, np.int32(stride),
+                  np.int32(first), np.int32(count), out)  # fmt: skip
+        return out
+
+    def keep(self, kept: np.ndarray, kept_on_device: Any, device_stride: int) -> None:
+        """Keep slots ``kept`` ``[kv, n]`` (ascending per head; ``kept_on_device``: the same lists
+        on the device, rows ``device_stride`` apart: 0 when every head keeps one list) of every
+        head, moved to fresh blocks in that order; the old blocks go back to the pool."""
         kv, n = kept.shape
         p = self.pool
         bs = p.shape.block_size
@@ -183,7 +227,8 @@ class PagedLayer:
         new_array = self._table_array(new_tables)
         new_b = p.upload("block tables", new_array)
         launch_gather(p.dev, p.shape, p.buffer, old_tables, old_stride, new_b, new_array.shape[1],
-                      kept_on_device, n, p.upload("kept counts", np.full(kv, n, np.int32)), kv)  # fmt: skip
+                      kept_on_device, device_stride, p.upload("kept counts", np.full(kv, n, np.int32)), kv,
+                      width=n)  # fmt: skip
         for table in self.tables:
             p.release(table)
         self.tables = new_tables

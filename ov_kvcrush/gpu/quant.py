@@ -4,10 +4,21 @@ quantized into the CPU op's 2-bit block layout, and read back. The store's decod
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from ov_kvcrush.gpu.device import device
+from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import QuantShape
+
+
+def launch_quantize(dev: Device, shape: QuantShape, k: Any, v: Any, ids: Any, blocks: int, pool: Any) -> None:
+    """Enqueue the quantization of device ``k``, ``v`` ``[blocks, T, D]`` into blocks ``ids`` of
+    the 2-bit device ``pool``."""
+    d, t = shape.head_dim, shape.block_size
+    consts = shape.constants()
+    dev.run(dev.kernel("quant2.cl", "quantize_keys", consts), (d, t // shape.qgroup, blocks), None, k, ids, pool)
+    dev.run(dev.kernel("quant2.cl", "quantize_values", consts), (d // shape.qgroup, t, blocks), None, v, ids, pool)
 
 
 def quantize_blocks(
@@ -16,26 +27,9 @@ def quantize_blocks(
     """A pool of ``pool_blocks`` 2-bit blocks (bytes) holding ``k``, ``v`` ``[nb, T, D]`` at block
     ``ids[b]`` (the other blocks zero)."""
     dev = device(sub_group)
-    nb, t, d = k.shape
     pool_b = dev.to_device(np.zeros(pool_blocks * shape.block_bytes, np.uint8))
-    ids_b = dev.to_device(ids.astype(np.int32))
-    consts = shape.constants()
-    dev.run(
-        dev.kernel("quant2.cl", "quantize_keys", consts),
-        (d, t // shape.qgroup, nb),
-        None,
-        dev.to_device(k.astype(np.float32)),
-        ids_b,
-        pool_b,
-    )
-    dev.run(
-        dev.kernel("quant2.cl", "quantize_values", consts),
-        (d // shape.qgroup, t, nb),
-        None,
-        dev.to_device(v.astype(np.float32)),
-        ids_b,
-        pool_b,
-    )
+    launch_quantize(dev, shape, dev.to_device(k.astype(np.float32)), dev.to_device(v.astype(np.float32)),
+                    dev.to_device(ids.astype(np.int32)), k.shape[0], pool_b)  # fmt: skip
     return dev.to_host(pool_b, np.uint8, (pool_blocks * shape.block_bytes,))
 
 

@@ -28,13 +28,16 @@ def launch_store(dev: Device, shape: PoolShape, pool: Any, tables: Any, table_st
 
 
 def launch_gather(dev: Device, shape: PoolShape, pool: Any, tables: Any, table_stride: int, new_tables: Any,
-                  new_stride: int, src: Any, width: int, counts: Any, kv_heads: int) -> None:  # fmt: skip
-    """Enqueue the gather of each KV head's ``src`` slots (``[kv, width]``, ``counts[kv]`` of them)
-    to slots ``0 ..`` of its ``new_tables`` blocks, within one device ``pool`` (the kept slots'
+                  new_stride: int, src: Any, src_stride: int, counts: Any, kv_heads: int,
+                  width: int | None = None) -> None:  # fmt: skip
+    """Enqueue the gather of each KV head's ``src`` slots (rows ``src_stride`` apart: 0 when every
+    head gathers one list; ``counts[kv]`` of them, at most ``width``, default ``src_stride``) to
+    slots ``0 ..`` of its ``new_tables`` blocks, within one device ``pool`` (the kept slots'
     blocks and the new ones are disjoint)."""
+    width = src_stride if width is None else width
     kernel = dev.kernel("paged_store.cl", "gather_slots", store_constants(shape))
     dev.run(kernel, (shape.head_dim + 4, max(width, 1), kv_heads), None, pool, tables, np.int32(table_stride),
-            pool, new_tables, np.int32(new_stride), src, np.int32(width), counts)  # fmt: skip
+            pool, new_tables, np.int32(new_stride), src, np.int32(src_stride), counts)  # fmt: skip
 
 
 def store_tokens(

@@ -124,3 +124,29 @@ __kernel void recall_slots(__global const int* order, __global const int* sizes,
     }
     if (lane == 0) counts[kv] = taken;
 }
+
+// dst[r][at + i] = src[r][i] + add for i < count: the cluster index grown on the device (the
+// clustered slots sorted by label, old clusters' then a new clustering's, whose order counts
+// from its first slot `add`). Global (count, rows).
+__kernel void append_rows(__global const int* src, int src_stride, int count, int add, __global int* dst,
+                          int dst_stride, int at) {
+    const int i = get_global_id(0), r = get_global_id(1);
+    if (i < count) dst[(long)r * dst_stride + at + i] = src[(long)r * src_stride + i] + add;
+}
+
+// The slots a decode step attends per KV head: the sinks [0, sinks), the recalled slots
+// (counts[kv] of recalled[kv]), then the pending tokens [pending, held); lengths[kv] their count.
+// map [kv][map_stride]. Global (map_stride, kv).
+__kernel void attended_slots(__global const int* recalled, int recall_stride, __global const int* counts, int sinks,
+                             int pending, int held, __global int* map, int map_stride, __global int* lengths) {
+    const int j = get_global_id(0), kv = get_global_id(1);
+    const int r = counts[kv];
+    const int n = sinks + r + (held - pending);
+    if (j == 0) lengths[kv] = n;
+    if (j >= n) return;
+    int slot;
+    if (j < sinks) slot = j;
+    else if (j < sinks + r) slot = recalled[(long)kv * recall_stride + j - sinks];
+    else slot = pending + (j - sinks - r);
+    map[(long)kv * map_stride + j] = slot;
+}

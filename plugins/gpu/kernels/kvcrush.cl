@@ -141,3 +141,23 @@ __kernel void majority_bits(__global const uint* signatures, int W, __global con
     for (int e = 0; e < m; ++e) ones += (signatures[(long)evictable[e] * W + h / 32] >> (h % 32)) & 1u;
     bits[h] = m > 0 && 2 * ones >= m;
 }
+
+// mask[t] = 1 for the tokens KVCrush keeps: the important ones (flags, from important_flags) and
+// the bucket representatives; what comes back to the host (a byte a token) and what the kept
+// slots are listed from on the device (snapkv.cl's kept_slots). Global (n).
+__kernel void kept_mask(__global const int* flags, int n, __global const int* reps, int buckets,
+                        __global uchar* mask) {
+    const int t = get_global_id(0);
+    if (t >= n) return;
+    int keep = flags[t];
+    for (int j = 0; j < buckets && !keep; ++j) keep = reps[j] == t;
+    mask[t] = (uchar)keep;
+}
+
+// Block-wise: mask[t] = blocks[t / block] (a kept block keeps its tokens) for the whole blocks'
+// tokens (t < whole), 1 for the partial block being filled. Global (n).
+__kernel void block_mask(__global const uchar* blocks, int block, int whole, int n, __global uchar* mask) {
+    const int t = get_global_id(0);
+    if (t >= n) return;
+    mask[t] = t < whole ? blocks[t / block] : (uchar)1;
+}

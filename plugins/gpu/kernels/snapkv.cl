@@ -88,3 +88,9 @@ __kernel void kept_slots(__global const uchar* decisions, int mid, int sinks, in
         if (decisions[(long)kv * mid + i]) out[at++] = sinks + i;
     for (int i = n - recent; i < n; ++i) out[at++] = i;
 }
+
+// acc[h][j] = 0: a new token's score starts at zero wherever the store's order puts it (the
+// 2-bit store's flush can move it among the quantized chunk's slots). Global (rows).
+__kernel void zero_slot(__global float* acc, int acc_stride, int j) {
+    acc[(long)get_global_id(0) * acc_stride + j] = 0.0f;
+}

@@ -1,0 +1,117 @@
+"""For people with an Intel GPU: confirm the GPU path on it, and set it beside native OpenVINO
+GenAI on the same GPU.
+
+``python -m ov_kvcrush.gpu.hardware [--budget 512] [--chars 8200] [--new-tokens 32] [--out FILE]``
+
+1. The device: the first Intel GPU OpenCL lists (with ``--allow-cpu``, Intel's OpenCL CPU runtime
+   instead, and native GenAI on the CPU: a dry run of the script, which is how it is tested here).
+2. For each method the path serves (full, SnapKV and over the 2-bit store, block-wise KVCrush, ClusterKV): greedy tokens
+   through the device cache (``TorchEngine(paged_device="opencl")``: the kernels on the GPU, the
+   model's layers in torch on the host) equal to the CPU op's (the openvino engine, f32).
+3. TTFT, TPOT and KV bytes of those runs beside native ``openvino_genai`` on the GPU with its
+   full cache and with its KVCrush eviction, one prompt, the same budget.
+
+What it cannot show: our op inside OpenVINO's GPU plugin (not built, docs/intel_gpu.md), so the
+device path's times include the model run by torch on the host and a copy of each step's
+tensors; they say whether the kernels run and agree on real hardware, not how fast a finished
+integration would be. Nothing here has been run on an Intel GPU by this project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.gpu import runtime
+
+#: (row name, method, options): what the GPU path serves, as the issue's targets name it
+OURS = [
+    ("full", "full", {}),
+    ("snapkv", "snapkv", {}),
+    ("snapkv 2bit", "snapkv", {"quant": True}),
+    ("kvcrush blocks", "kvcrush", {"block_size": 32}),
+    ("clusterkv", "clusterkv", {}),
+]
+#: native GenAI's rows: its full cache and its KVCrush eviction (its own block-wise form)
+NATIVE = [("native full", "full"), ("native kvcrush", "kvcrush")]
+
+
+@dataclass
+class Row:
+    name: str
+    device: str
+    prompt_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+    kv_bytes: int
+    equal_to_cpu_op: bool | None  # None: not compared (native rows)
+
+
+def _settings(new_tokens: int) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
+
+
+def check(budget: int, chars: int, new_tokens: int, allow_cpu: bool) -> list[Row]:
+    """The rows above, in one process (the runtime is prepared before openvino is imported)."""
+    runtime.prepare()
+    info = runtime.describe(runtime.find_device(allow_cpu=allow_cpu))
+    from ov_kvcrush.engines.genai import GenAIEngine
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.gpu.generate import essay_prompt
+    from ov_kvcrush.models.coverage import F32
+    from ov_kvcrush.models.export import ensure_default_model, hf_checkpoint
+
+    prompt, settings = essay_prompt(chars), _settings(new_tokens)
+    op = OpenVINOEngine(ensure_default_model("fp32", progress=False), kv_precision="f32", properties=F32)
+    ours = TorchEngine(hf_checkpoint(progress=False), paged_device="opencl")
+    rows = []
+    for name, method, options in OURS:
+        compression = CompressionConfig(method=method, budget=budget, options=options)
+        op.set_compression(compression)
+        want = op.generate(prompt, settings).token_ids
+        ours.set_compression(compression)
+        got = ours.generate(prompt, settings)
+        rows.append(Row(name, info.name, got.prompt_tokens, got.ttft_ms, got.tpot_ms, got.kv_bytes,
+                        got.token_ids == want))  # fmt: skip
+    native_device = "GPU" if info.is_gpu else "CPU"
+    for name, method in NATIVE:
+        native = GenAIEngine(ensure_default_model(progress=False), CompressionConfig(method=method, budget=budget),
+                             device=native_device)  # fmt: skip
+        res = native.generate(prompt, settings)
+        rows.append(Row(name, native_device, res.prompt_tokens, res.ttft_ms, res.tpot_ms, res.kv_bytes, None))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ov_kvcrush.gpu.hardware", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument(
+        "--chars", type=int, default=8200, help="characters of essay in the prompt (8200: ~1.8k tokens)"
+    )
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--allow-cpu", action="store_true", help="a dry run on Intel's OpenCL CPU runtime")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        rows = check(args.budget, args.chars, args.new_tokens, args.allow_cpu)
+    except runtime.GPUPathError as e:
+        print(f"hardware check: {e}")
+        return 2
+    print(
+        f"{'row':16s} {'device':40s} {'prompt':>6s} {'TTFT ms':>9s} {'TPOT ms':>8s} {'KV bytes':>11s}  tokens = CPU op"
+    )
+    for r in rows:
+        same = "-" if r.equal_to_cpu_op is None else str(r.equal_to_cpu_op)
+        print(f"{r.name:16s} {r.device[:40]:40s} {r.prompt_tokens:6d} {r.ttft_ms:9.1f} {r.tpot_ms:8.2f} "
+              f"{r.kv_bytes:11d}  {same}")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps([r.__dict__ for r in rows], indent=1) + "\n")
+    return 0 if all(r.equal_to_cpu_op is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""H2O's and SnapKV's layer caches over the 2-/4-bit store on the GPU path's device: the kept
+tokens quantized in chunks of ``residual_tokens`` into the CPU op's 2-bit blocks (``quant2.cl``),
+the prompt's tail and the newest tokens in full precision, and decode-time eviction of whole
+quantized chunks.
+
+The steps are the reference's (:class:`~ov_kvcrush.methods.importance.ImportanceLayerCache` over
+a :class:`~ov_kvcrush.methods.store.QuantStore`), in its order of slots: the quantized chunks,
+then the pinned prompt tail, then the residual. After the prompt's selection the kept tokens'
+tail is pinned and whole chunks of the rest are quantized (their keys and values read from the
+full-precision pool and packed on the device, one 2-bit block a chunk and KV head); a decode step
+stores its token, quantizes a chunk when the residual fills one (before attending, as the
+reference), attends the 2-bit slots then the full-precision ones under one softmax, adds the
+probabilities to the scores (kept in the store's order on the device), and, when a head holds a
+chunk more than its budget, drops the lowest-scoring whole chunks: their summed scores come to the
+host (a float a chunk and KV head), where the reference's rule picks them (sinks and recent
+tokens stay).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.gpu.attention import QuantHeads
+from ov_kvcrush.gpu.kvcrush import launch_block_sums
+from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache, host_array
+from ov_kvcrush.gpu.layout import QuantShape
+from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.gpu.quant import launch_quantize
+from ov_kvcrush.gpu.runtime import GPUPathError
+from ov_kvcrush.methods.importance import H2OConfig
+from ov_kvcrush.methods.selection import keep_chunk_indices
+
+
+class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
+    """H2O or SnapKV (its config's scoring) over the 2-bit store: :attr:`layer` holds the pinned
+    tail and the residual in full precision, :attr:`chunks` each KV head's 2-bit blocks."""
+
+    def __init__(self, config: H2OConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
+        super().__init__(config, pool, kv_heads, q_heads, budget)  # type: ignore[arg-type]
+        st = config.quant
+        assert st is not None
+        self.settings = st
+        self.r = st.residual_tokens
+        self.qshape = QuantShape(self.r, pool.shape.head_dim, st.group_size, st.kbits, st.vbits, q_heads // kv_heads)
+        capacity = kv_heads * (budget // self.r + 3)  # a head quantizes at most its budget and a chunk
+        self.qpool = pool.dev.zeros(capacity * self.qshape.block_bytes)
+        self._qfree = list(range(capacity - 1, -1, -1))
+        self.chunks: list[list[int]] = [[] for _ in range(kv_heads)]
+        self.qpos = np.zeros((kv_heads, 0), np.int32)  # positions of the quantized tokens
+        self.pinned = 0
+
+    @property
+    def nq(self) -> int:
+        return self.qpos.shape[1]
+
+    # ---- the protocol
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = super().prefill(queries, keys, values)  # attend, score, keep the selection
+        held = self.layer.held
+        self.pinned = min(self.settings.pinned_tail(selecting=self.config.pins_prompt_tail), held)
+        flush = (held - self.pinned) // self.r * self.r
+        # the store's order: quantized (the first `flush`), pinned (the last `pinned`), residual
+        tail = held - self.pinned
+        order = np.concatenate([np.arange(flush), np.arange(tail, held), np.arange(flush, tail)])
+        self._quantize(0, flush)
+        self._reorder_scores(order)
+        self._keep_full_precision(order[flush:])
+        return out
+
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if keys.shape[2] != 1:
+            raise UserError("the 2-bit store with paged_device='opencl' decodes one token per step (several came)")
+        self._positions(1, keys.device)
+        self.layer.pool.phase = "decode"
+        lay = self.layer
+        if self._scored() + 1 > self.stride:
+            self._grow(self._scored() + 1)
+        lay.append(host_array(keys), host_array(values), self.seen - 1)
+        # the new token's score starts at zero, in the slot after the others (the order moves it)
+        lay.pool.dev.run(self._kernel("zero_slot"), (lay.q_heads,), None, self.scores, np.int32(self.stride),
+                         np.int32(self._scored() - 1))  # fmt: skip
+        if lay.held - self.pinned >= self.r:  # the residual fills a chunk: quantized before attending
+            start = self.pinned
+            nq, held = self.nq, lay.held
+            self._quantize(start, start + self.r)
+            fp = np.concatenate([np.arange(start), np.arange(start + self.r, held)])
+            order = np.concatenate([np.arange(nq), nq + start + np.arange(self.r), nq + fp])
+            self._reorder_scores(order)
+            self._keep_full_precision(fp)
+        q = host_array(queries)[:, 0]
+        out, probs, stride = lay.attend_decode(q, self._scale(q.shape[1]), self._quant_heads(), self._quant_read())
+        self._add(probs, stride, self._scored())  # every slot's own score, the new one's zeroed above
+        self._evict_chunks()
+        return torch.from_numpy(out)[None, :, None].to(queries.dtype)
+
+    def tokens_held(self) -> torch.Tensor:
+        return torch.full((1, self.layer.kv_heads), self._scored())
+
+    def _scored(self) -> int:
+        return self.nq + self.layer.held
+
+    def memory(self) -> dict[str, int]:
+        m = super().memory()
+        quant = sum(len(c) for c in self.chunks) * self.qshape.block_bytes
+        meta = m["metadata"] + self.qpos.nbytes
+        return {"kv": m["kv"] + quant, "metadata": meta, "total": m["kv"] + quant + meta}
+
+    # ---- the store
+    def _quantize(self, start: int, end: int) -> None:
+        """Quantize full-precision slots ``[start, end)`` of every head (whole chunks) into new 2-bit
+        blocks after the head's others (the full-precision slots are dropped by the caller)."""
+        lay, dev, kv = self.layer, self.layer.pool.dev, self.layer.kv_heads
+        for c in range(start, end, self.r):
+            if len(self._qfree) < kv:
+                raise GPUPathError(f"the 2-bit blocks of a layer ran out ({len(self._qfree)} free)")
+            ids = [self._qfree.pop() for _ in range(kv)]
+            k, v = lay.read_keys(c, self.r), lay.read_values(c, self.r)
+            launch_quantize(dev, self.qshape, k, v, lay.pool.upload("block tables", np.array(ids, np.int32)), kv,
+                            self.qpool)  # fmt: skip
+            for h in range(kv):
+                self.chunks[h].append(ids[h])
+        self.qpos = np.concatenate([self.qpos, lay.positions[:, start:end]], axis=1)
+
+    def _keep_full_precision(self, slots: np.ndarray) -> None:
+        """The full-precision part keeps ``slots`` (the same for every head), in that order."""
+        lay = self.layer
+        kept = np.ascontiguousarray(np.broadcast_to(slots.astype(np.int32), (lay.kv_heads, len(slots))))
+        lay.keep(kept, lay.pool.upload("kept slots", kept), kept.shape[1])
+
+    def _reorder_scores(self, order: np.ndarray) -> None:
+        """The scores in a new order of slots (the same for every head): the store's after a flush."""
+        uploaded = self.layer.pool.upload("score order", order.astype(np.int32))
+        self.scores = self._gather_scores((uploaded, 0), len(order), self.stride)
+
+    def _quant_heads(self) -> QuantHeads | None:
+        if not self.nq:
+            return None
+        pool = self.layer.pool
+        width = max(len(c) for c in self.chunks)
+        tables = np.zeros((self.layer.kv_heads, width), np.int32)
+        for h, c in enumerate(self.chunks):
+            tables[h, : len(c)] = c
+        lengths = np.full(self.layer.kv_heads, self.nq, np.int32)
+        return QuantHeads(self.qshape, self.qpool, pool.upload("block tables", tables), width,
+                          pool.upload("lengths", lengths), self.nq)  # fmt: skip
+
+    def _quant_read(self) -> int:
+        return sum(len(c) for c in self.chunks) * self.qshape.block_bytes
+
+    def _evict_chunks(self) -> None:
+        """Drop, per KV head, the lowest-scoring whole chunks while it keeps its budget (the
+        reference's ``_evict_quantized_chunks``: sinks' and recent tokens' chunks stay, ties drop
+        the older chunk; every head drops as many)."""
+        lay, cfg = self.layer, self.config
+        nq, kv = self.nq, lay.kv_heads
+        drop = (nq + lay.held - self.budget) // self.r
+        if drop <= 0 or nq == 0:
+            return
+        dev = lay.pool.dev
+        grouped = dev.empty(4 * kv * nq)
+        i32 = np.int32
+        dev.run(self._kernel("pooled_group_scores"), (nq, kv), None, self.scores, i32(self.stride), i32(nq),
+                i32(lay.q_heads // kv), i32(1), i32(0), grouped)  # fmt: skip
+        sums = launch_block_sums(dev, grouped, kv, nq, self.r)
+        chunks = nq // self.r
+        score = lay.pool.download("chunk scores", sums, np.float32, (kv, chunks))
+        newest = int(max(self.qpos.max(), lay.positions.max() if lay.held else -1))
+        keep = keep_chunk_indices(torch.from_numpy(score)[None], torch.from_numpy(self.qpos)[None], drop,
+                                  cfg.sink_tokens, newest - cfg.recent_tokens)[0].numpy()  # fmt: skip
+        if keep.shape[1] == chunks:
+            return
+        slots = (keep[:, :, None] * self.r + np.arange(self.r)).reshape(kv, -1)
+        order = np.concatenate([slots, np.broadcast_to(np.arange(nq, nq + lay.held), (kv, lay.held))], axis=1)
+        uploaded = lay.pool.upload("score order", np.ascontiguousarray(order, np.int32))
+        self.scores = self._gather_scores((uploaded, order.shape[1]), order.shape[1], self.stride)
+        for h in range(kv):
+            gone = [b for i, b in enumerate(self.chunks[h]) if i not in set(keep[h].tolist())]
+            self._qfree.extend(gone)
+            self.chunks[h] = [self.chunks[h][i] for i in keep[h]]
+        self.qpos = np.take_along_axis(self.qpos, slots.astype(np.int64), axis=1)
+        self._bump("evicted", float((chunks - keep.shape[1]) * self.r * kv))
