@@ -178,6 +178,8 @@ def test_native_gguf_runs_without_export():
         (["--method", "h2o", "--budget", "256", "--dtype", "float16"], "--dtype is for --backend torch"),
         (["--backend", "cuda"], "--backend='cuda' is invalid"),
         (["--native-gguf", "--backend", "torch"], "--native-gguf is only for --backend genai"),
+        (["--paged-device", "opencl"], "--paged-device is for --backend torch"),
+        (["--paged-device", "vulkan", "--backend", "torch"], "argument --paged-device: invalid choice"),
     ],
 )
 def test_cli_generate_bad_input(model_dir, tmp_path, args, needle):

@@ -132,9 +132,15 @@ def _add_generate(sub: Any) -> None:
         help="genai: exported IR directory; torch: HF checkpoint directory; either: a GGUF file or HF directory "
         "(converted once and cached); or an embedded model: smollm2-135m (default), gemma3-270m",
     )
-    g.add_argument("--device", default="CPU", help="CPU (default); cuda for --backend torch on a GPU")
+    g.add_argument("--device", default="CPU", help="CPU (default); cuda for --backend torch on an NVIDIA GPU")
     g.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU, bf16 on CUDA), float32 ...")
     g.add_argument("--kv-precision", help="backend openvino: KV cache u8 (default, as native), f16 or f32")
+    g.add_argument(
+        "--paged-device",
+        choices=["opencl"],
+        help="backend torch: keep the KV cache on an Intel GPU (else Intel's OpenCL CPU runtime) and run it in "
+        "the GPU path's kernels (docs/intel_gpu.md)",
+    )
     g.add_argument(
         "--native-gguf",
         action="store_true",
@@ -330,6 +336,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         extra["dtype"] = args.dtype
     elif args.dtype != "auto":
         raise UserError(f"--dtype is for --backend torch, got --backend={args.backend}")
+    if args.paged_device is not None:
+        if args.backend != "torch":
+            raise UserError(f"--paged-device is for --backend torch, got --backend={args.backend}")
+        from ov_kvcrush.gpu import runtime
+
+        runtime.prepare()  # before anything imports openvino (its TBB hides Intel's OpenCL runtime)
+        extra["paged_device"] = args.paged_device
     if args.kv_precision is not None:
         if args.backend != "openvino":
             raise UserError(f"--kv-precision is for --backend openvino, got --backend={args.backend}")

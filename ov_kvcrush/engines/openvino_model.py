@@ -88,7 +88,8 @@ class OpenVINOModel:
         compression: method and budget; every method whose config declares the ``openvino``
             engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
             eviction, the 2-bit store ...), as the torch reference defines it.
-        device: ``CPU`` (the op is a CPU extension).
+        device: ``CPU`` (the op is a CPU extension; its GPU form is not built: an Intel GPU runs the
+            cache through the torch engine's ``paged_device="opencl"``).
         kv_precision: ``u8`` (default: 8-bit codes with a per-token min and scale, as native on
             CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache; openvino_genai's
             ``KV_CACHE_PRECISION`` property says the same.
@@ -119,7 +120,12 @@ class OpenVINOModel:
         from ov_kvcrush.transformations import convert_model
 
         if str(device).upper() != "CPU":
-            raise ConfigError("device", device, "CPU (backend openvino: the op is a CPU extension)")
+            raise ConfigError(
+                "device",
+                device,
+                "CPU (backend openvino: our op in OpenVINO's GPU plugin is not built yet; on an Intel GPU the "
+                "cache runs as backend torch with paged_device='opencl', docs/intel_gpu.md)",
+            )
         kv_precision = _kv_precision(kv_precision, properties)
         _check_block_size("block_size", block_size)
         if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
