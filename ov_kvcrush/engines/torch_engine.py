@@ -82,8 +82,9 @@ class TorchEngine:
             ``None`` (default): with the fast path where the Triton kernels run (CUDA).
         paged_device: ``"opencl"`` keeps the KV cache in the Intel GPU path's device pool (an
             Intel GPU, or Intel's OpenCL CPU runtime) and runs the cache's steps there, in
-            ``plugins/gpu``'s kernels (:mod:`ov_kvcrush.gpu.device_layers`: full, H2O, SnapKV, KVCrush, ClusterKV; one
-            sequence at a time); ``None`` (default): the cache in torch tensors.
+            ``plugins/gpu``'s kernels (:mod:`ov_kvcrush.gpu.device_layers`: full, H2O, SnapKV,
+            PyramidKV, MiniKV, KVCrush, ClusterKV; one sequence at a time); ``None`` (default):
+            the cache in torch tensors.
     """
 
     backend = "torch"

@@ -28,10 +28,11 @@ def _always(config: MethodConfig) -> bool:
 
 
 def _uniform_single_tokens(config: MethodConfig) -> bool:
-    """An importance config this path serves: uniform head budgets, single tokens, over the
-    full-precision or the 2-bit store (adaptive budgets and spans stay on the reference)."""
+    """An importance config this path serves: uniform head budgets (per layer: PyramidKV's and
+    MiniKV's pyramids), single tokens, over the full-precision or the 2-bit store (adaptive
+    budgets and spans stay on the reference)."""
     assert isinstance(config, H2OConfig)
-    return config.head_budget_mode() == "uniform" and config.span_tokens() is None and not config.selection_frozen()
+    return config.head_budget_mode() == "uniform" and config.span_tokens() is None
 
 
 def _full(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
@@ -81,6 +82,8 @@ DEVICE_LAYERS: dict[str, DeviceLayerKind] = {
     "full": DeviceLayerKind(_always, _full),
     "h2o": DeviceLayerKind(_uniform_single_tokens, _importance),
     "snapkv": DeviceLayerKind(_uniform_single_tokens, _importance),
+    "pyramidkv": DeviceLayerKind(_uniform_single_tokens, _importance),
+    "minikv": DeviceLayerKind(_uniform_single_tokens, _importance),
     "kvcrush": DeviceLayerKind(_kvcrush_served, _kvcrush),
     "clusterkv": DeviceLayerKind(_clusterkv_served, _clusterkv),
 }
@@ -94,8 +97,8 @@ def check_served(config: MethodConfig) -> None:
             "method",
             config.name,
             ", ".join(DEVICE_LAYERS)
-            + " (paged_device='opencl': uniform budgets, single tokens or KVCrush's blocks, the 2-bit store under "
-            "H2O and SnapKV, no recall tracking)",
+            + " (paged_device='opencl': uniform head budgets, single tokens or KVCrush's blocks, the 2-bit store "
+            "under the importance methods, no recall tracking)",
         )
 
 

@@ -26,7 +26,7 @@ from ov_kvcrush.gpu import runtime
 from ov_kvcrush.gpu.pool import Crossings
 
 #: every kind of config the path serves
-DEFAULT_METHODS = "full,snapkv,h2o,kvcrush,kvcrush:block_size=32,clusterkv,snapkv:quant=true"
+DEFAULT_METHODS = "full,snapkv,h2o,kvcrush,kvcrush:block_size=32,clusterkv,snapkv:quant=true,minikv"
 
 #: what a step crosses only because the model runs on the host here: its queries, keys and
 #: values in, the attention output back (with the model on the device none of it crosses)

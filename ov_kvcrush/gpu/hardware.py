@@ -5,9 +5,10 @@ GenAI on the same GPU.
 
 1. The device: the first Intel GPU OpenCL lists (with ``--allow-cpu``, Intel's OpenCL CPU runtime
    instead, and native GenAI on the CPU: a dry run of the script, which is how it is tested here).
-2. For each method the path serves (full, SnapKV and over the 2-bit store, block-wise KVCrush, ClusterKV): greedy tokens
-   through the device cache (``TorchEngine(paged_device="opencl")``: the kernels on the GPU, the
-   model's layers in torch on the host) equal to the CPU op's (the openvino engine, f32).
+2. For each seed method the path serves and the baselines beside them (full, SnapKV and SnapKV
+   over the 2-bit store, block-wise KVCrush, ClusterKV, MiniKV): greedy tokens through the device
+   cache (``TorchEngine(paged_device="opencl")``: the kernels on the GPU, the model's layers in
+   torch on the host) equal to the CPU op's (the openvino engine, f32).
 3. TTFT, TPOT and KV bytes of those runs beside native ``openvino_genai`` on the GPU with its
    full cache and with its KVCrush eviction, one prompt, the same budget.
 
@@ -34,6 +35,7 @@ OURS = [
     ("snapkv 2bit", "snapkv", {"quant": True}),
     ("kvcrush blocks", "kvcrush", {"block_size": 32}),
     ("clusterkv", "clusterkv", {}),
+    ("minikv", "minikv", {}),
 ]
 #: native GenAI's rows: its full cache and its KVCrush eviction (its own block-wise form)
 NATIVE = [("native full", "full"), ("native kvcrush", "kvcrush")]

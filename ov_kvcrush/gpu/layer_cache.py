@@ -106,6 +106,8 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         self.budget = budget
         self.scores: Any = None  # device [Hq, stride] float32: each held slot's accumulated score
         self.stride = 0
+        #: the prompt's selection is final (MiniKV): decode steps keep every token
+        self.frozen = config.selection_frozen()
 
     def _metadata_bytes(self) -> int:
         return 4 * self.layer.q_heads * self.stride
@@ -137,7 +139,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         else:  # several tokens (a chat turn): every row's probabilities
             out = self._step(queries, keys, values, t)
             self._add(self._window_scores, self.layer.held, before)
-        if self.layer.held > self.budget:
+        if self.layer.held > self.budget and not self.frozen:
             self._evict(width=1)
         return out
 

@@ -1,4 +1,4 @@
-"""H2O's and SnapKV's layer caches over the 2-/4-bit store on the GPU path's device: the kept
+"""The importance methods' layer caches over the 2-/4-bit store on the GPU path's device: the kept
 tokens quantized in chunks of ``residual_tokens`` into the CPU op's 2-bit blocks (``quant2.cl``),
 the prompt's tail and the newest tokens in full precision, and decode-time eviction of whole
 quantized chunks.
@@ -13,7 +13,8 @@ reference), attends the 2-bit slots then the full-precision ones under one softm
 probabilities to the scores (kept in the store's order on the device), and, when a head holds a
 chunk more than its budget, drops the lowest-scoring whole chunks: their summed scores come to the
 host (a float a chunk and KV head), where the reference's rule picks them (sinks and recent
-tokens stay).
+tokens stay). MiniKV's selection is frozen: its decode steps keep every token (PyramidKV's
+budgets, a layer's own).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache, host_array
 from ov_kvcrush.gpu.layout import QuantShape
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant import launch_quantize
-from ov_kvcrush.gpu.runtime import GPUPathError
 from ov_kvcrush.methods.importance import H2OConfig
 from ov_kvcrush.methods.selection import keep_chunk_indices
 
 
 class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
-    """H2O or SnapKV (its config's scoring) over the 2-bit store: :attr:`layer` holds the pinned
-    tail and the residual in full precision, :attr:`chunks` each KV head's 2-bit blocks."""
+    """H2O, SnapKV, PyramidKV or MiniKV (its config's scoring and layer budget) over the 2-bit
+    store: :attr:`layer` holds the pinned tail and the residual in full precision, :attr:`chunks`
+    each KV head's 2-bit blocks."""
 
     def __init__(self, config: H2OConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
         super().__init__(config, pool, kv_heads, q_heads, budget)  # type: ignore[arg-type]
@@ -44,9 +45,10 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         self.settings = st
         self.r = st.residual_tokens
         self.qshape = QuantShape(self.r, pool.shape.head_dim, st.group_size, st.kbits, st.vbits, q_heads // kv_heads)
-        capacity = kv_heads * (budget // self.r + 3)  # a head quantizes at most its budget and a chunk
-        self.qpool = pool.dev.zeros(capacity * self.qshape.block_bytes)
-        self._qfree = list(range(capacity - 1, -1, -1))
+        # an evicting head quantizes at most its budget and a chunk; a frozen one grows (_more_blocks)
+        self.qcapacity = kv_heads * (budget // self.r + 3)
+        self.qpool = pool.dev.zeros(self.qcapacity * self.qshape.block_bytes)
+        self._qfree = list(range(self.qcapacity - 1, -1, -1))
         self.chunks: list[list[int]] = [[] for _ in range(kv_heads)]
         self.qpos = np.zeros((kv_heads, 0), np.int32)  # positions of the quantized tokens
         self.pinned = 0
@@ -92,7 +94,8 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         q = host_array(queries)[:, 0]
         out, probs, stride = lay.attend_decode(q, self._scale(q.shape[1]), self._quant_heads(), self._quant_read())
         self._add(probs, stride, self._scored())  # every slot's own score, the new one's zeroed above
-        self._evict_chunks()
+        if not self.frozen:
+            self._evict_chunks()
         return torch.from_numpy(out)[None, :, None].to(queries.dtype)
 
     def tokens_held(self) -> torch.Tensor:
@@ -114,7 +117,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         lay, dev, kv = self.layer, self.layer.pool.dev, self.layer.kv_heads
         for c in range(start, end, self.r):
             if len(self._qfree) < kv:
-                raise GPUPathError(f"the 2-bit blocks of a layer ran out ({len(self._qfree)} free)")
+                self._more_blocks()
             ids = [self._qfree.pop() for _ in range(kv)]
             k, v = lay.read_keys(c, self.r), lay.read_values(c, self.r)
             launch_quantize(dev, self.qshape, k, v, lay.pool.upload("block tables", np.array(ids, np.int32)), kv,
@@ -122,6 +125,15 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             for h in range(kv):
                 self.chunks[h].append(ids[h])
         self.qpos = np.concatenate([self.qpos, lay.positions[:, start:end]], axis=1)
+
+    def _more_blocks(self) -> None:
+        """Twice the 2-bit blocks (a frozen selection keeps every generated token): a new buffer,
+        the held blocks copied over on the device."""
+        dev, bytes_per = self.layer.pool.dev, self.qshape.block_bytes
+        grown = dev.zeros(2 * self.qcapacity * bytes_per)
+        dev.cl.enqueue_copy(dev.queue, grown, self.qpool, byte_count=self.qcapacity * bytes_per)
+        self._qfree.extend(range(2 * self.qcapacity - 1, self.qcapacity - 1, -1))
+        self.qpool, self.qcapacity = grown, 2 * self.qcapacity
 
     def _keep_full_precision(self, slots: np.ndarray) -> None:
         """The full-precision part keeps ``slots`` (the same for every head), in that order."""
