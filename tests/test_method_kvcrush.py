@@ -110,6 +110,22 @@ def test_head_scope_selects_per_kv_head_from_its_own_query_group():
         KVCrushConfig(budget=96, scope="group")
 
 
+def test_selection_h2o_scores_the_prompt_by_every_row():
+    """selection="h2o": the prompt's tokens are scored by the attention every row gave them (H2O's
+    sums), the default by SnapKV's window; the op is told the same."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 200, 64, generator=g) for h in (6, 2, 2))
+    every_row = attend(q, k, k, q_positions=torch.arange(200), k_positions=torch.arange(200), return_scores=True)
+    for selection, scoring in (("h2o", "h2o"), ("snapkv", "snapkv")):
+        cfg = KVCrushConfig(budget=96, sink_tokens=8, recent_tokens=16, selection=selection)
+        assert cfg.scoring_mode() == scoring and cfg.op_fields(1, 6, 32)["scoring"] == scoring
+        layer = cfg.make_layer(0, 1)
+        layer.prefill(q, k, v)
+        kept = layer.store.positions[0, 0]
+        want = every_row.scores if selection == "h2o" else cfg.prompt_scores(q, k, None, 64**-0.5)
+        assert torch.allclose(layer.acc[0], want[0][:, kept], atol=1e-5)
+
+
 def test_bucket_order_single_and_multi_anchor():
     d = torch.tensor([[[2, 0], [1, 3], [2, 1], [1, 0], [0, 2]]])
     assert bucket_order(d[..., :1]).tolist() == [[4, 1, 3, 0, 2]]  # by distance, ties by position

@@ -390,6 +390,11 @@ class KVCrushConfig(SnapKVConfig):
             check_int("block_size", self.block_size, 1, 4096)
         check_choice("scope", self.scope, SCOPES)
 
+    def scoring_mode(self) -> str:
+        """``selection``: SnapKV's window (the default) or H2O's sums over every prompt row (the
+        field was read by nothing before: every KVCrush scored by the window)."""
+        return self.selection
+
     def reserved_spans(self) -> int:
         """Whole spans of representatives (a block-wise selection rounds them down; a negative
         count is refused by ``__post_init__`` after the span check)."""
