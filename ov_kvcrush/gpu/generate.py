@@ -68,12 +68,14 @@ class DeviceRun:
 
 
 def essay_prompt(chars: int) -> str:
-    """The first ``chars`` characters of an essay and a request for a long answer (as the
-    op's end-to-end tests use)."""
+    """The first ``chars`` characters of the haystack's essays (the second first, as the op's
+    end-to-end tests use it) and a request for a long answer."""
     from ov_kvcrush.eval.corpus import essay_text, haystack_essays
 
     request = "\n\nSummarise the text above as a detailed list of its main points."
-    return essay_text(haystack_essays()[1])[:chars] + request
+    essays = haystack_essays()
+    text = "\n\n".join(essay_text(e) for e in essays[1:] + essays[:1])  # longer prompts: the next essays
+    return text[:chars] + request
 
 
 def run_on_device(model_dir: str | Path, compression: CompressionConfig, prompt: str, new_tokens: int) -> DeviceRun:
