@@ -35,6 +35,7 @@ CASES = [
     SnapKVConfig(budget=40, sink_tokens=0, recent_tokens=16, pool="avg"),
     KVCrushConfig(budget=40, sink_tokens=4, recent_tokens=8, window=16, anchor=("random", "mean")),
     KVCrushConfig(budget=72, sink_tokens=8, recent_tokens=16, block_size=8, representatives=16, signature="threshold"),
+    KVCrushConfig(budget=40, sink_tokens=4, recent_tokens=8, anchor=("random", "mean"), scope="head"),
     # the 2-bit store in chunks of 16: prompt chunks, a pinned tail, a chunk quantized every 16 - 8
     # steps and chunk evictions; 4-bit values beside 2-bit keys under H2O
     SnapKVConfig(budget=64, sink_tokens=4, recent_tokens=8, quant=QuantSettings(residual_tokens=16, prompt_tail=8)),
@@ -45,7 +46,8 @@ CASES = [
     # clusters of 8 prompt tokens, 2 more from every 8 generated ones: several clusterings a run
     ClusterKVConfig(budget=40, sink_tokens=4, tokens_per_cluster=8, cluster_every=8, new_clusters=2, dense_layers=0),
 ]
-CASE_IDS = ["full", "h2o", "snapkv-max7", "snapkv-avg31", "kvcrush", "kvcrush-blocks", "snapkv-2bit", "h2o-k2v4"]
+CASE_IDS = ["full", "h2o", "snapkv-max7", "snapkv-avg31", "kvcrush", "kvcrush-blocks", "kvcrush-heads"]
+CASE_IDS += ["snapkv-2bit", "h2o-k2v4"]
 CASE_IDS += ["pyramidkv-h2o", "minikv-4bit", "clusterkv"]
 HQ, HKV, D, BLOCK = 6, 2, 64, 16
 

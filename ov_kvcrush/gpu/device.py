@@ -75,20 +75,27 @@ class Device:
     def empty(self, nbytes: int) -> Any:
         return self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
 
-    def copy_rows(self, src: Any, src_stride: int, rows: int, n: int) -> Any:
-        """A new buffer of the first ``n`` floats of each of ``rows`` rows of ``src`` (row stride
-        ``src_stride`` floats), packed: a copy on the device."""
+    def copy_rows(self, src: Any, src_stride: int, rows: int, n: int, first_row: int = 0) -> Any:
+        """A new buffer of the first ``n`` floats of rows ``first_row ..`` (``rows`` of them) of
+        ``src`` (row stride ``src_stride`` floats), packed: a copy on the device."""
         dst = self.empty(4 * rows * max(n, 1))
-        self.copy_rect(src, src_stride, dst, n, 0, rows, n)
+        self.copy_rect(src, src_stride, dst, n, 0, rows, n, first_row)
         return dst
 
-    def copy_rect(self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int) -> None:
-        """Copy the first ``n`` 4-byte elements of each of ``rows`` rows of ``src`` to elements
+    def copy_rect(
+        self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0
+    ) -> None:
+        """Copy the first ``n`` 4-byte elements of rows ``first_row ..`` of ``src`` to elements
         ``at ..`` of the rows of ``dst`` (strides in elements), on the device."""
         if n and rows:
-            self.cl.enqueue_copy(self.queue, dst, src, src_origin=(0, 0), dst_origin=(4 * at, 0),
+            self.cl.enqueue_copy(self.queue, dst, src, src_origin=(0, first_row), dst_origin=(4 * at, 0),
                                  region=(4 * n, rows), src_pitches=(4 * src_stride,),
                                  dst_pitches=(4 * dst_stride,))  # fmt: skip
+
+    def copy_bytes(self, src: Any, dst: Any, nbytes: int, dst_offset: int) -> None:
+        """``nbytes`` of ``src`` to byte ``dst_offset ..`` of ``dst``, on the device."""
+        if nbytes:
+            self.cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes, dst_offset=dst_offset)
 
     def zeros(self, nbytes: int) -> Any:
         return self.to_device(np.zeros(max(int(nbytes), 4), np.uint8))

@@ -48,9 +48,9 @@ def _importance(config: MethodConfig, layer: int, layers: int, pool: DevicePool,
 
 
 def _kvcrush_served(config: MethodConfig) -> bool:
-    """One selection per layer (``scope="layer"``), full-precision store."""
+    """The full-precision store (either scope)."""
     assert isinstance(config, KVCrushConfig)
-    return config.quant is None and config.scope == "layer"
+    return config.quant is None
 
 
 def _kvcrush(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
