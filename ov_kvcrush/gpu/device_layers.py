@@ -15,7 +15,7 @@ from ov_kvcrush.gpu.layer_cache import (
     DeviceSnapKVLayerCache,
 )
 from ov_kvcrush.gpu.pool import DevicePool
-from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache
+from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, DeviceQuantKVCrushLayerCache
 from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache
 from ov_kvcrush.methods import LayerCache, MethodConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
@@ -47,15 +47,10 @@ def _importance(config: MethodConfig, layer: int, layers: int, pool: DevicePool,
     return kind(config, pool, kv, hq, config.layer_budget(layer, layers))
 
 
-def _kvcrush_served(config: MethodConfig) -> bool:
-    """The full-precision store (either scope)."""
-    assert isinstance(config, KVCrushConfig)
-    return config.quant is None
-
-
 def _kvcrush(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
     assert isinstance(config, KVCrushConfig)
-    return DeviceKVCrushLayerCache(config, pool, kv, hq, config.layer_budget(layer, layers))
+    kind = DeviceKVCrushLayerCache if config.quant is None else DeviceQuantKVCrushLayerCache
+    return kind(config, pool, kv, hq, config.layer_budget(layer, layers))
 
 
 def _clusterkv_served(config: MethodConfig) -> bool:
@@ -84,7 +79,7 @@ DEVICE_LAYERS: dict[str, DeviceLayerKind] = {
     "snapkv": DeviceLayerKind(_uniform_single_tokens, _importance),
     "pyramidkv": DeviceLayerKind(_uniform_single_tokens, _importance),
     "minikv": DeviceLayerKind(_uniform_single_tokens, _importance),
-    "kvcrush": DeviceLayerKind(_kvcrush_served, _kvcrush),
+    "kvcrush": DeviceLayerKind(_always, _kvcrush),
     "clusterkv": DeviceLayerKind(_clusterkv_served, _clusterkv),
 }
 
@@ -97,8 +92,8 @@ def check_served(config: MethodConfig) -> None:
             "method",
             config.name,
             ", ".join(DEVICE_LAYERS)
-            + " (paged_device='opencl': uniform head budgets, single tokens or KVCrush's blocks, the 2-bit store "
-            "under the importance methods, no recall tracking)",
+            + " (paged_device='opencl': uniform head budgets, single tokens or KVCrush's blocks, ClusterKV's "
+            "full-precision store without recall tracking)",
         )
 
 

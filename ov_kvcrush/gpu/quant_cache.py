@@ -25,11 +25,12 @@ import torch
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.attention import QuantHeads
 from ov_kvcrush.gpu.kvcrush import launch_block_sums
-from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache, host_array
+from ov_kvcrush.gpu.layer_cache import DeviceKVCrushLayerCache, DeviceSnapKVLayerCache, host_array
 from ov_kvcrush.gpu.layout import QuantShape
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant import launch_quantize
 from ov_kvcrush.methods.importance import H2OConfig
+from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.selection import keep_chunk_indices
 
 
@@ -135,6 +136,11 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         self._qfree.extend(range(2 * self.qcapacity - 1, self.qcapacity - 1, -1))
         self.qpool, self.qcapacity = grown, 2 * self.qcapacity
 
+    def _chunk_scores(self, per_head: np.ndarray) -> np.ndarray:
+        """``[kv, chunks]``: what each KV head ranks its chunks by (its own sums; the reference's
+        ``_chunk_scores``)."""
+        return per_head
+
     def _keep_full_precision(self, slots: np.ndarray) -> None:
         """The full-precision part keeps ``slots`` (the same for every head), in that order."""
         lay = self.layer
@@ -177,7 +183,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
                 i32(lay.q_heads // kv), i32(1), i32(0), grouped)  # fmt: skip
         sums = launch_block_sums(dev, grouped, kv, nq, self.r)
         chunks = nq // self.r
-        score = lay.pool.download("chunk scores", sums, np.float32, (kv, chunks))
+        score = self._chunk_scores(lay.pool.download("chunk scores", sums, np.float32, (kv, chunks)))
         newest = int(max(self.qpos.max(), lay.positions.max() if lay.held else -1))
         keep = keep_chunk_indices(torch.from_numpy(score)[None], torch.from_numpy(self.qpos)[None], drop,
                                   cfg.sink_tokens, newest - cfg.recent_tokens)[0].numpy()  # fmt: skip
@@ -193,3 +199,16 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             self.chunks[h] = [self.chunks[h][i] for i in keep[h]]
         self.qpos = np.take_along_axis(self.qpos, slots.astype(np.int64), axis=1)
         self._bump("evicted", float((chunks - keep.shape[1]) * self.r * kv))
+
+
+class DeviceQuantKVCrushLayerCache(DeviceQuantEvictionLayerCache, DeviceKVCrushLayerCache):
+    """KVCrush over the 2-bit store: KVCrush's prompt selection (:class:`DeviceKVCrushLayerCache`),
+    then the store's chunks; with ``scope="layer"`` every head ranks the chunks by the layer's
+    summed scores, so every head drops the same ones (the reference's ``_chunk_scores``)."""
+
+    config: KVCrushConfig
+
+    def _chunk_scores(self, per_head: np.ndarray) -> np.ndarray:
+        if self.config.scope == "layer":
+            return np.broadcast_to(per_head.sum(0, keepdims=True), per_head.shape).copy()
+        return per_head
