@@ -116,8 +116,9 @@ def markdown_table(paths: list[Path]) -> str:
     ]
     seen = set()
     for path in paths:
-        budget = json.loads(path.read_text())["command"].split("--budget ")[1].split()[0]
-        for run in json.loads(path.read_text())["runs"]:
+        recorded = json.loads(path.read_text())
+        budget = recorded["command"].split("--budget ")[1].split()[0]
+        for run in recorded["runs"]:
             name = run["method"] + "".join(f":{k}={v}" for k, v in run["options"].items())
             if name == "full" and name in seen:
                 continue  # the full cache has no budget: once

@@ -173,9 +173,7 @@ class PagedLayer:
         quant_pass = launch_quant_logits(p.dev, quant, bufs, hq, scale) if quant else None
         totals = p.upload("lengths", np.full(self.kv_heads, nq + self.held, np.int32)) if quant else heads.lengths
         launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, totals, scale, no_map, quant_pass)
-        c = p.crossings["decode"]
-        c.layer_steps += 1
-        c.kv_read += self.kv_heads * self.held * 2 * p.shape.head_dim * p.shape.elem_bytes + quant_read
+        self._count_decode_step(self.kv_heads * self.held, quant_read)
         return p.download("attention output", bufs.out, np.float32, (hq, d)), bufs.probs, int(bufs.stride)
 
     def attend_slots(self, q: Any, scale: float, slots: tuple[Any, int], lengths: Any, counts: np.ndarray,
@@ -192,27 +190,32 @@ class PagedLayer:
         longest = int(counts.max()) if counts.size else 0
         bufs = decode_buffers(p.dev, q, hq, d, longest, first)
         launch_decode(p.dev, p.shape, heads, bufs, hq, longest, lengths, scale, slots)
-        c = p.crossings["decode"]
-        c.layer_steps += 1
-        c.kv_read += int(counts.sum()) * 2 * p.shape.head_dim * p.shape.elem_bytes + extra_read
+        self._count_decode_step(int(counts.sum()), extra_read)
         return p.download("attention output", bufs.out, np.float32, (hq, d))
+
+    def _count_decode_step(self, slots_read: int, other_bytes: int) -> None:
+        """A decode step of this layer, and the bytes it read in place: ``slots_read`` full-precision
+        slots (keys and values, all heads together) and ``other_bytes`` beside them."""
+        c = self.pool.crossings["decode"]
+        c.layer_steps += 1
+        c.kv_read += slots_read * 2 * self.pool.shape.head_dim * self.pool.shape.elem_bytes + other_bytes
 
     def read_keys(self, first: int, count: int) -> Any:
         """Device ``[kv, count, D]`` float32: the keys of slots ``first ..`` of every head, read
         from the pool on the device."""
-        return self._read("read_keys", first, count)
+        return self._read(first, count, values=False)
 
     def read_values(self, first: int, count: int) -> Any:
         """The same for the values."""
-        return self._read("read_values", first, count)
+        return self._read(first, count, values=True)
 
-    def _read(self, kernel_name: str, first: int, count: int) -> Any:
+    def _read(self, first: int, count: int, values: bool) -> Any:
         p = self.pool
         tables, stride = self._device_tables()
         out = p.dev.empty(4 * self.kv_heads * max(count, 1) * p.shape.head_dim)
-        kernel = p.dev.kernel("paged_store.cl", kernel_name, store_constants(p.shape))
+        kernel = p.dev.kernel("paged_store.cl", "read_slots", store_constants(p.shape))
         p.dev.run(kernel, (p.shape.head_dim, max(count, 1), self.kv_heads), None, p.buffer, tables, np.int32(stride),
-                  np.int32(first), np.int32(count), out)  # fmt: skip
+                  np.int32(first), np.int32(count), np.int32(values), out)  # fmt: skip
         return out
 
     def keep(self, kept: np.ndarray, kept_on_device: Any, device_stride: int) -> None:

@@ -194,8 +194,8 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         uploaded = lay.pool.upload("score order", np.ascontiguousarray(order, np.int32))
         self.scores = self._gather_scores((uploaded, order.shape[1]), order.shape[1], self.stride)
         for h in range(kv):
-            gone = [b for i, b in enumerate(self.chunks[h]) if i not in set(keep[h].tolist())]
-            self._qfree.extend(gone)
+            kept = set(keep[h].tolist())
+            self._qfree.extend(b for i, b in enumerate(self.chunks[h]) if i not in kept)
             self.chunks[h] = [self.chunks[h][i] for i in keep[h]]
         self.qpos = np.take_along_axis(self.qpos, slots.astype(np.int64), axis=1)
         self._bump("evicted", float((chunks - keep.shape[1]) * self.r * kv))

@@ -4,7 +4,7 @@ attending the sinks, the clusters its query recalls and the tokens not clustered
 The steps are the reference's (:class:`~ov_kvcrush.methods.clusterkv.ClusterKVLayerCache`), on
 the device: the prompt's keys past the sinks clustered by cosine k-means from the reference's
 seeded picks (``clusterkv.cl``; the keys read from the pool in place, ``paged_store.cl``'s
-``read_keys``), every ``cluster_every`` generated tokens clustered into ``new_clusters`` more,
+``read_slots``), every ``cluster_every`` generated tokens clustered into ``new_clusters`` more,
 the index (centroids, the slots sorted by cluster) grown on the device; per step the centroids
 ranked by the query, whole clusters recalled up to the budget, and the list of slots attended
 built there. What crosses per decode step beside the model's tensors: the recalled count per KV

@@ -99,26 +99,15 @@ __kernel void gather_slots(__global const uchar* src_pool, __global const int* t
     }
 }
 
-// keys[kv][i][d] = the key of slot first + i of KV head kv, read back from the pool (as attention
-// reads it): what ClusterKV's k-means clusters, without the keys crossing to the host. Global
-// (HEAD_DIM, count, kv_heads).
-__kernel void read_keys(__global const uchar* pool, __global const int* tables, int table_stride, int first,
-                        int count, __global float* keys) {
+// out[kv][i][d] = the key (or, with `values`, the value) of slot first + i of KV head kv, read
+// back as attention reads it: the keys ClusterKV's k-means clusters and the tokens the 2-bit
+// store's flush quantizes (quant2.cl), without crossing to the host. Global (HEAD_DIM, count,
+// kv_heads).
+__kernel void read_slots(__global const uchar* pool, __global const int* tables, int table_stride, int first,
+                         int count, int values, __global float* out) {
     const int d = get_global_id(0), i = get_global_id(1), kv = get_global_id(2);
     if (i >= count) return;
-    const int slot = first + i;
+    const int slot = first + i, j = slot % BLOCK_SIZE;
     __global const uchar* block = pool + (ulong)tables[kv * table_stride + slot / BLOCK_SIZE] * BLOCK_BYTES;
-    keys[((long)kv * count + i) * HEAD_DIM + d] = load_key(block, d, slot % BLOCK_SIZE);
-}
-
-// values[kv][i][d] = the value of slot first + i of KV head kv, read back as attention reads it
-// (with read_keys: the tokens the 2-bit store's flush quantizes, quant2.cl). Global (HEAD_DIM,
-// count, kv_heads).
-__kernel void read_values(__global const uchar* pool, __global const int* tables, int table_stride, int first,
-                          int count, __global float* values) {
-    const int d = get_global_id(0), i = get_global_id(1), kv = get_global_id(2);
-    if (i >= count) return;
-    const int slot = first + i;
-    __global const uchar* block = pool + (ulong)tables[kv * table_stride + slot / BLOCK_SIZE] * BLOCK_BYTES;
-    values[((long)kv * count + i) * HEAD_DIM + d] = load_value(block, slot % BLOCK_SIZE, d);
+    out[((long)kv * count + i) * HEAD_DIM + d] = values ? load_value(block, j, d) : load_key(block, d, j);
 }

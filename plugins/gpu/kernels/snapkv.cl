@@ -5,6 +5,17 @@
 //
 // Compile-time constants (-D): SG (sub-group size; unused here, every source gets it).
 
+// One head's scores s pooled over [lo, hi): their max, or with `average` their mean.
+inline float pooled(__global const float* s, int lo, int hi, int average) {
+    float out = s[lo];
+    if (average) {
+        for (int j = lo + 1; j < hi; ++j) out += s[j];
+        return out / (float)(hi - lo);
+    }
+    for (int j = lo + 1; j < hi; ++j) out = fmax(out, s[j]);
+    return out;
+}
+
 // out[g][i]: query heads g * group .. g * group + group - 1 (the first first), each head's window
 // scores pooled over the `width` tokens around i (odd width; max, or with `average` the mean of
 // those inside the prompt: the reference's count_include_pad=False), summed. scores
@@ -16,17 +27,7 @@ __kernel void pooled_group_scores(__global const float* scores, int stride, int 
     if (i >= n) return;
     const int lo = max(0, i - width / 2), hi = min(n, i + width / 2 + 1);
     float acc = 0.0f;
-    for (int h = g * group; h < (g + 1) * group; ++h) {
-        __global const float* s = scores + (long)h * stride;
-        float pooled = s[lo];
-        if (average) {
-            for (int j = lo + 1; j < hi; ++j) pooled += s[j];
-            pooled /= (float)(hi - lo);
-        } else {
-            for (int j = lo + 1; j < hi; ++j) pooled = fmax(pooled, s[j]);
-        }
-        acc += pooled;
-    }
+    for (int h = g * group; h < (g + 1) * group; ++h) acc += pooled(scores + (long)h * stride, lo, hi, average);
     out[(long)g * n + i] = acc;
 }
 
@@ -42,15 +43,7 @@ __kernel void pool_rows(__global const float* scores, int stride, int n, int wid
     const int h = get_global_id(1);
     if (i >= n) return;
     const int lo = max(0, i - width / 2), hi = min(n, i + width / 2 + 1);
-    __global const float* s = scores + (long)h * stride;
-    float pooled = s[lo];
-    if (average) {
-        for (int j = lo + 1; j < hi; ++j) pooled += s[j];
-        pooled /= (float)(hi - lo);
-    } else {
-        for (int j = lo + 1; j < hi; ++j) pooled = fmax(pooled, s[j]);
-    }
-    out[(long)h * stride + i] = pooled;
+    out[(long)h * stride + i] = pooled(scores + (long)h * stride, lo, hi, average);
 }
 
 // acc[h][j] = (j < before ? acc[h][j] : 0) + probs[h][j] for j < held: a step's new slots start
