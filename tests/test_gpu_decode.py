@@ -12,6 +12,8 @@ and 16.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -145,13 +147,21 @@ E2E_CASES = [("full", {}), ("snapkv", {}), ("h2o", {}), ("kvcrush", {}), ("kvcru
 E2E_CASES += [("clusterkv", {}), ("snapkv", {"quant": True}), ("minikv", {})]
 
 
+@functools.cache
+def loaded_engine():
+    """In the worker: the embedded model loaded once for every case (each switches the method)."""
+    from ov_kvcrush.gpu.generate import device_engine
+    from ov_kvcrush.models.export import hf_checkpoint
+
+    return device_engine(hf_checkpoint(progress=False))
+
+
 def generate_through_device(method: str, options: dict, budget: int) -> dict:
     """In the worker: the embedded model's greedy tokens through the device cache and the reference's."""
     from ov_kvcrush.gpu.generate import essay_prompt, run_on_device
-    from ov_kvcrush.models.export import hf_checkpoint
 
     compression = CompressionConfig(method=method, budget=budget, options=options)
-    run = run_on_device(hf_checkpoint(progress=False), compression, essay_prompt(3300), 12)
+    run = run_on_device(loaded_engine(), compression, essay_prompt(3300), 12)
     return {"run": run, "per_step": run.per_step()}
 
 

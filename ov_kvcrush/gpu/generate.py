@@ -20,10 +20,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_options
 from ov_kvcrush.gpu import runtime
 from ov_kvcrush.gpu.pool import Crossings
+
+if TYPE_CHECKING:
+    from ov_kvcrush.engines.torch_engine import TorchEngine
 
 #: every kind of config the path serves
 DEFAULT_METHODS = "full,snapkv,h2o,kvcrush,kvcrush:block_size=32,clusterkv,snapkv:quant=true,minikv"
@@ -78,13 +82,21 @@ def essay_prompt(chars: int) -> str:
     return text[:chars] + request
 
 
-def run_on_device(model_dir: str | Path, compression: CompressionConfig, prompt: str, new_tokens: int) -> DeviceRun:
-    """Greedy ``new_tokens`` for ``prompt`` through the device cache, then the reference's."""
+def device_engine(model_dir: str | Path) -> TorchEngine:
+    """The torch engine over ``model_dir`` with its caches in the device pool: loaded once, it
+    serves every method's run (:func:`run_on_device` switches the method)."""
     runtime.prepare()
     from ov_kvcrush.engines.torch_engine import TorchEngine
 
+    return TorchEngine(model_dir, paged_device="opencl")
+
+
+def run_on_device(engine: TorchEngine, compression: CompressionConfig, prompt: str, new_tokens: int) -> DeviceRun:
+    """Greedy ``new_tokens`` for ``prompt`` through the device cache, then the reference's, with
+    ``engine`` (:func:`device_engine`) under ``compression``."""
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
-    engine = TorchEngine(model_dir, compression, paged_device="opencl")
+    engine.paged_device = "opencl"
+    engine.set_compression(compression)  # a method the path does not serve is refused here
     t0 = time.perf_counter()
     got = engine.generate(prompt, settings)
     device_s = time.perf_counter() - t0
@@ -145,16 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(markdown_table(args.table))
         return 0
-    runtime.prepare()
     from ov_kvcrush.models.export import hf_checkpoint
 
-    model = hf_checkpoint(progress=False)
+    engine = device_engine(hf_checkpoint(progress=False))
     prompt = essay_prompt(args.chars)
     rows = []
     for method in args.methods.split(","):
         name, *pairs = method.split(":")
         compression = CompressionConfig(method=name, budget=args.budget, options=parse_options(pairs, "--methods"))
-        run = run_on_device(model, compression, prompt, args.new_tokens)
+        run = run_on_device(engine, compression, prompt, args.new_tokens)
         row = {**asdict(run), "equal": run.token_ids == run.reference_ids, "per_step": run.per_step()}
         rows.append(row)
         step = row["per_step"]

@@ -62,14 +62,13 @@ def check(budget: int, chars: int, new_tokens: int, allow_cpu: bool) -> list[Row
     info = runtime.describe(runtime.find_device(allow_cpu=allow_cpu))
     from ov_kvcrush.engines.genai import GenAIEngine
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.engines.torch_engine import TorchEngine
-    from ov_kvcrush.gpu.generate import essay_prompt
+    from ov_kvcrush.gpu.generate import device_engine, essay_prompt
     from ov_kvcrush.models.coverage import F32
     from ov_kvcrush.models.export import ensure_default_model, hf_checkpoint
 
     prompt, settings = essay_prompt(chars), _settings(new_tokens)
     op = OpenVINOEngine(ensure_default_model("fp32", progress=False), kv_precision="f32", properties=F32)
-    ours = TorchEngine(hf_checkpoint(progress=False), paged_device="opencl")
+    ours = device_engine(hf_checkpoint(progress=False))
     rows = []
     for name, method, options in OURS:
         compression = CompressionConfig(method=method, budget=budget, options=options)

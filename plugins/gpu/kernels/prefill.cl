@@ -5,7 +5,9 @@
 // the last `window` rows (SnapKV's window; every row for H2O's sums).
 //
 // One work-item per (query row, query head), rows in sub-group-wide tiles: the lanes of a
-// sub-group read the same key element at once (one broadcast load), each against its own row.
+// sub-group read the same key element at once (one broadcast load), each against its own row, and
+// a slot after every row of the tile is skipped by the whole sub-group (the causal mask's upper
+// half is never computed).
 //
 // Compile-time constants (-D): SG, KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM, GROUP.
 
@@ -31,11 +33,13 @@ __kernel void paged_prefill(__global const uchar* pool, __global const int* tabl
     float m = -INFINITY, l = 0.0f;
     const int n = lengths[kv];
     for (int j = 0; j < n; ++j) {
+        const bool masked = !live || positions[kv * pos_stride + j] > qpos;
+        if (sub_group_all(masked)) continue;  // after every row of the tile: half the causal square
         __global const uchar* block = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
         const int jj = j % BLOCK_SIZE;
         float s = 0.0f;
         for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d], load_key(block, d, jj), s);
-        if (!live || positions[kv * pos_stride + j] > qpos) continue;
+        if (masked) continue;
         const float m_new = fmax(m, s);
         const float alpha = exp(m - m_new), p = exp(s - m_new);
         l = l * alpha + p;
