@@ -6,7 +6,7 @@
 //
 // One work-item per (query row, query head), rows in sub-group-wide tiles: the lanes of a
 // sub-group read the same key element at once (one broadcast load), each against its own row, and
-// a slot after every row of the tile is skipped by the whole sub-group (the causal mask's upper
+// slots after every row of the tile are skipped by the whole sub-group (the causal mask's upper
 // half is never computed).
 //
 // Compile-time constants (-D): SG, KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM, GROUP.
@@ -16,6 +16,11 @@
 // out[h][r] and lse[h][r] (log-sum-exp of the row's scaled logits) for query rows q[h][r] at
 // positions qpos0 + r over the slots j < lengths[kv] with positions[kv][j] <= the row's. Global
 // (rows rounded up to SG, query heads), local (SG, 1).
+//
+// The slots go CHUNK at a time: their logits first (each query element loaded once for the
+// chunk), then one rescale of the accumulator and the chunk's values added to it (each
+// accumulator element loaded and stored once for the chunk, not once a slot).
+#define CHUNK 8
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void paged_prefill(__global const uchar* pool, __global const int* tables, int table_stride,
                             __global const int* lengths, __global const int* positions, int pos_stride,
@@ -32,18 +37,39 @@ __kernel void paged_prefill(__global const uchar* pool, __global const int* tabl
     }
     float m = -INFINITY, l = 0.0f;
     const int n = lengths[kv];
-    for (int j = 0; j < n; ++j) {
-        const bool masked = !live || positions[kv * pos_stride + j] > qpos;
-        if (sub_group_all(masked)) continue;  // after every row of the tile: half the causal square
-        __global const uchar* block = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
-        const int jj = j % BLOCK_SIZE;
-        float s = 0.0f;
-        for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d], load_key(block, d, jj), s);
-        if (masked) continue;
-        const float m_new = fmax(m, s);
-        const float alpha = exp(m - m_new), p = exp(s - m_new);
-        l = l * alpha + p;
-        for (int d = 0; d < HEAD_DIM; ++d) acc[d] = fma(p, load_value(block, jj, d), acc[d] * alpha);
+    for (int j0 = 0; j0 < n; j0 += CHUNK) {
+        __global const uchar* block[CHUNK];
+        int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
+        bool masked[CHUNK];
+        bool all_masked = true;
+        for (int c = 0; c < CHUNK; ++c) {
+            const int j = min(j0 + c, n - 1);
+            block[c] = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
+            slot[c] = j % BLOCK_SIZE;
+            masked[c] = !live || j0 + c >= n || positions[kv * pos_stride + j] > qpos;
+            all_masked = all_masked && masked[c];
+        }
+        if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half
+        float s[CHUNK];
+        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            const float qd = qr[d];
+            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
+        }
+        float m_new = m;
+        for (int c = 0; c < CHUNK; ++c) m_new = masked[c] ? m_new : fmax(m_new, s[c]);
+        if (m_new == -INFINITY) continue;  // this row: nothing at or before it yet
+        const float alpha = exp(m - m_new);
+        float p[CHUNK];
+        for (int c = 0; c < CHUNK; ++c) {
+            p[c] = masked[c] ? 0.0f : exp(s[c] - m_new);
+            l = c ? l + p[c] : l * alpha + p[c];
+        }
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            float a = acc[d] * alpha;
+            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
+            acc[d] = a;
+        }
         m = m_new;
     }
     if (!live) return;
