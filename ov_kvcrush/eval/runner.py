@@ -102,7 +102,8 @@ class EvalPlan:
     Attributes:
         tasks: built-in task names (:data:`~ov_kvcrush.eval.tasks.TASKS`); ignored with ``data``.
         lengths: prompt lengths in tokens.
-        methods: methods to compare (the full cache always runs as the reference).
+        methods: methods to compare (the full cache always runs as the reference; empty: every
+            method the backend runs; only ``full``: the reference alone).
         budgets: token budgets per layer and KV head; ignored when ``kv_bytes``/``kv_ratio`` is set.
         kv_bytes: equal-memory targets in bytes: each method gets the budget that holds at most
             that many bytes (:func:`~ov_kvcrush.eval.budget.solve_budget`).
