@@ -24,7 +24,8 @@ from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.base import QuantSettings
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.full import FullConfig
-from ov_kvcrush.methods.importance import H2OConfig, PyramidKVConfig, SnapKVConfig
+from ov_kvcrush.methods.importance import H2OConfig, PyramidKVConfig, SnapKVConfig, StreamingLLMConfig
+from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.minikv import MiniKVConfig
 
@@ -58,11 +59,14 @@ CASES = [
     MiniKVConfig(budget=64, sink_tokens=4, recent_tokens=8, quant=QuantSettings(bits=4, residual_tokens=16)),
     # clusters of 8 prompt tokens, 2 more from every 8 generated ones: several clusterings a run
     ClusterKVConfig(budget=40, sink_tokens=4, tokens_per_cluster=8, cluster_every=8, new_clusters=2, dense_layers=0),
+    # no scores (the sinks and the window); scores set once per token by its key's norm
+    StreamingLLMConfig(budget=40, sink_tokens=4),
+    KnormConfig(budget=40, sink_tokens=4, recent_tokens=8),
 ]
 CASE_IDS = ["full", "h2o", "snapkv-max7", "snapkv-avg31", "kvcrush", "kvcrush-blocks", "kvcrush-heads"]
 CASE_IDS += ["kvcrush-2bit", "kvcrush-blocks-heads-4bit"]
 CASE_IDS += ["snapkv-2bit", "h2o-k2v4"]
-CASE_IDS += ["pyramidkv-h2o", "minikv-4bit", "clusterkv"]
+CASE_IDS += ["pyramidkv-h2o", "minikv-4bit", "clusterkv", "streamingllm", "knorm"]
 HQ, HKV, D, BLOCK = 6, 2, 64, 16
 
 
@@ -95,6 +99,8 @@ def run_layer_beside_reference(config: MethodConfig, sub_group: int) -> dict[str
         if positions.shape != held.shape or (positions != held).any():
             worst["positions"] = 1.0
             break
+        if method == "streamingllm":  # no scores
+            continue
         n = int(ours.tokens_held()[0, 0])
         got = pool.dev.to_host(ours.scores, np.float32, (HQ, ours.stride))[:, :n]
         if not config.selection_frozen():  # a frozen selection's scores are never read again (nor reordered)
@@ -144,7 +150,9 @@ def test_device_layer_steps_as_the_reference(gpu_worker, config, sub_group):
 
 #: (method, options) run end to end: every kind the path serves
 E2E_CASES = [("full", {}), ("snapkv", {}), ("h2o", {}), ("kvcrush", {}), ("kvcrush", {"block_size": 32})]
-E2E_CASES += [("clusterkv", {}), ("snapkv", {"quant": True}), ("minikv", {})]
+E2E_CASES += [("clusterkv", {}), ("snapkv", {"quant": True}), ("minikv", {}), ("streamingllm", {}), ("knorm", {})]
+E2E_IDS = ["full", "snapkv", "h2o", "kvcrush", "kvcrush-blocks", "clusterkv", "snapkv-2bit", "minikv-4bit"]
+E2E_IDS += ["streamingllm", "knorm"]
 
 
 @functools.cache
@@ -170,7 +178,7 @@ def generate_through_device(method: str, options: dict, budget: int) -> dict:
 @pytest.mark.parametrize(
     ("method", "options"),
     E2E_CASES,
-    ids=["full", "snapkv", "h2o", "kvcrush", "kvcrush-blocks", "clusterkv", "snapkv-2bit", "minikv-4bit"],
+    ids=E2E_IDS,
 )
 def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method, options):
     """~750 tokens at budget 128 (the prompt and budget on which the CPU op's tokens equal the

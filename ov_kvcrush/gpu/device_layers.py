@@ -11,15 +11,18 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.gpu.layer_cache import (
     DeviceFullLayerCache,
     DeviceH2OLayerCache,
+    DeviceKnormLayerCache,
     DeviceKVCrushLayerCache,
     DeviceSnapKVLayerCache,
+    DeviceStreamingLLMLayerCache,
 )
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, DeviceQuantKVCrushLayerCache
 from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache
 from ov_kvcrush.methods import LayerCache, MethodConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
-from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig
+from ov_kvcrush.methods.importance import EvictionConfig, H2OConfig, SnapKVConfig, StreamingLLMConfig
+from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 
 
@@ -45,6 +48,22 @@ def _importance(config: MethodConfig, layer: int, layers: int, pool: DevicePool,
         return DeviceQuantEvictionLayerCache(config, pool, kv, hq, config.layer_budget(layer, layers))
     kind = DeviceSnapKVLayerCache if isinstance(config, SnapKVConfig) else DeviceH2OLayerCache
     return kind(config, pool, kv, hq, config.layer_budget(layer, layers))
+
+
+def _full_precision(config: MethodConfig) -> bool:
+    """The full-precision store (StreamingLLM's and Knorm's 2-bit store stays on the reference)."""
+    assert isinstance(config, EvictionConfig)
+    return config.quant is None
+
+
+def _streamingllm(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
+    assert isinstance(config, StreamingLLMConfig) and config.budget is not None
+    return DeviceStreamingLLMLayerCache(config, pool, kv, hq, config.budget)
+
+
+def _knorm(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
+    assert isinstance(config, KnormConfig) and config.budget is not None
+    return DeviceKnormLayerCache(config, pool, kv, hq, config.budget)
 
 
 def _kvcrush(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
@@ -81,6 +100,8 @@ DEVICE_LAYERS: dict[str, DeviceLayerKind] = {
     "minikv": DeviceLayerKind(_uniform_single_tokens, _importance),
     "kvcrush": DeviceLayerKind(_always, _kvcrush),
     "clusterkv": DeviceLayerKind(_clusterkv_served, _clusterkv),
+    "streamingllm": DeviceLayerKind(_full_precision, _streamingllm),
+    "knorm": DeviceLayerKind(_full_precision, _knorm),
 }
 
 
@@ -92,8 +113,8 @@ def check_served(config: MethodConfig) -> None:
             "method",
             config.name,
             ", ".join(DEVICE_LAYERS)
-            + " (paged_device='opencl': uniform head budgets, single tokens or KVCrush's blocks, ClusterKV's "
-            "full-precision store without recall tracking)",
+            + " (paged_device='opencl': uniform head budgets, single tokens or KVCrush's blocks; StreamingLLM's, "
+            "Knorm's and ClusterKV's full-precision store, ClusterKV's without recall tracking)",
         )
 
 

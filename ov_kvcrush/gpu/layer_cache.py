@@ -14,8 +14,8 @@ tokens; what crosses to the host per step is the step's queries, keys, values an
 model runs on the host here), the block tables when they change, and one byte per middle token
 and KV head when a selection runs. :attr:`DevicePool.crossings` counts it.
 
-Here: the full cache, H2O, SnapKV (uniform budgets, single tokens) and KVCrush (one selection per
-layer, token by token or in blocks) over the full-precision store; the 2-bit store's are in
+Here: the full cache, StreamingLLM, H2O, SnapKV, Knorm (uniform budgets, single tokens) and KVCrush
+(token by token or in blocks) over the full-precision store; the 2-bit store's are in
 :mod:`ov_kvcrush.gpu.quant_cache`, ClusterKV's in :mod:`ov_kvcrush.gpu.recall_cache`, and
 :mod:`ov_kvcrush.gpu.device_layers` says which configs the path serves.
 """
@@ -33,7 +33,8 @@ from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_d
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.snapkv import kept_tokens, launch_keep
 from ov_kvcrush.methods import LayerCache
-from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig
+from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig, StreamingLLMConfig
+from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.selection import plan_spans
 
@@ -100,7 +101,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
     per KV head (sinks and recent ones always), each decode step's probabilities added and the
     lowest dropped once a head holds more (:class:`~ov_kvcrush.methods.importance.ImportanceLayerCache`'s steps)."""
 
-    def __init__(self, config: H2OConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
+    def __init__(self, config: EvictionConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
         super().__init__(pool, kv_heads, q_heads)
         self.config = config
         self.budget = budget
@@ -122,7 +123,10 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         t = keys.shape[2]
         window, width, pool = self.prompt_scoring(t)
         out = self._step(queries, keys, values, window)
-        self.scores, self.stride = self._pooled(self._window_scores, t, width, pool), t
+        dev = self.layer.pool.dev
+        scores = self._pooled(self._window_scores, t, width, pool) if window else dev.zeros(4 * self.layer.q_heads * t)
+        self.scores, self.stride = scores, t
+        self._new_token_scores(0)
         if t > self.budget:
             self._evict(width=1)
         return out
@@ -134,11 +138,14 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         before = self.layer.held
         if before + t > self.stride:
             self._grow(before + t)
-        if t == 1:
+        if not self.config.decode_attention_scores:  # Knorm: a token's score is its key's alone
+            out = self._step(queries, keys, values, 0)
+        elif t == 1:
             out = self._decode_token(queries, keys, values)
         else:  # several tokens (a chat turn): every row's probabilities
             out = self._step(queries, keys, values, t)
             self._add(self._window_scores, self.layer.held, before)
+        self._new_token_scores(before)
         if self.layer.held > self.budget and not self.frozen:
             self._evict(width=1)
         return out
@@ -149,6 +156,10 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         out, probs, stride = self.layer.attend_decode(q[:, 0], self._scale(q.shape[2]))
         self._add(probs, stride, self.layer.held - 1)
         return torch.from_numpy(out)[None, :, None].to(queries.dtype)
+
+    def _new_token_scores(self, first: int) -> None:
+        """The starting scores of the slots stored from ``first`` on, beside their attention
+        (the reference's ``new_token_scores``): H2O's start at zero, where they already are."""
 
     # ---- the scores, on the device
     def _kernel(self, name: str, source: str = "snapkv.cl") -> Any:
@@ -217,6 +228,57 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         dev.run(self._kernel("kept_slots"), (kv,), None, decisions_b, i32(mid), i32(sinks), i32(recent), i32(n),
                 kept_b, i32(kept.shape[1]))  # fmt: skip
         return kept, (kept_b, kept.shape[1])
+
+
+class DeviceKnormLayerCache(DeviceH2OLayerCache):
+    """Knorm over the device pool: each token scored once, as it is stored, by ``-||k||`` of its
+    cached key (the reference's ``key_norm_scores``, computed where the keys lie); no attention
+    adds to it; the selection is H2O's."""
+
+    config: KnormConfig
+
+    def prompt_scoring(self, tokens: int) -> tuple[int, int, str]:
+        return 0, 1, "max"  # no row's probabilities
+
+    def _new_token_scores(self, first: int) -> None:
+        self.layer.key_norms(first, self.layer.held - first, self.scores, self.stride)
+
+
+class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
+    """StreamingLLM over the device pool: the sinks and the last ``budget - sinks`` tokens, no
+    scores. The kept slots are listed on the device (``kept_slots`` over a row of no middle
+    decisions), so only the new block tables cross."""
+
+    def __init__(self, config: StreamingLLMConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
+        super().__init__(pool, kv_heads, q_heads)
+        self.budget = budget
+        self.sinks = config.sink_tokens
+        self.recent = budget - config.sink_tokens  # as the reference's make_layer
+
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = super().prefill(queries, keys, values)
+        self._evict()
+        return out
+
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = super()._decode_step(queries, keys, values)
+        self._evict()
+        return out
+
+    def _evict(self) -> None:
+        lay = self.layer
+        n, kv = lay.held, lay.kv_heads
+        if n <= self.budget:
+            return
+        mid = n - self.sinks - self.recent
+        kept = np.stack(kept_tokens(np.zeros((kv, mid), np.uint8), n, self.sinks, self.recent))
+        dev = lay.pool.dev
+        kept_b = dev.empty(4 * kept.size)
+        i32 = np.int32
+        dev.run(dev.kernel("snapkv.cl", "kept_slots", {}), (kv,), None, dev.zeros(kv * mid), i32(mid),
+                i32(self.sinks), i32(self.recent), i32(n), kept_b, i32(kept.shape[1]))  # fmt: skip
+        lay.keep(kept, kept_b, kept.shape[1])
+        self._bump("evicted", float((n - kept.shape[1]) * kv))
 
 
 class DeviceSnapKVLayerCache(DeviceH2OLayerCache):

@@ -218,6 +218,16 @@ class PagedLayer:
                   np.int32(first), np.int32(count), np.int32(values), out)  # fmt: skip
         return out
 
+    def key_norms(self, first: int, count: int, scores: Any, stride: int) -> None:
+        """Knorm's scores of slots ``first ..`` (``count`` of them): ``-||key||`` into row ``kv *
+        group`` of device ``scores`` (rows ``stride`` apart), computed where the keys lie."""
+        p = self.pool
+        tables, table_stride = self._device_tables()
+        kernel = p.dev.kernel("paged_store.cl", "key_norm_scores", store_constants(p.shape))
+        i32 = np.int32
+        p.dev.run(kernel, (max(count, 1), self.kv_heads), None, p.buffer, tables, i32(table_stride), i32(first),
+                  i32(count), i32(self.q_heads // self.kv_heads), scores, i32(stride))  # fmt: skip
+
     def keep(self, kept: np.ndarray, kept_on_device: Any, device_stride: int) -> None:
         """Keep slots ``kept`` ``[kv, n]`` (ascending per head; ``kept_on_device``: the same lists
         on the device, rows ``device_stride`` apart: 0 when every head keeps one list) of every

@@ -111,3 +111,21 @@ __kernel void read_slots(__global const uchar* pool, __global const int* tables,
     __global const uchar* block = pool + (ulong)tables[kv * table_stride + slot / BLOCK_SIZE] * BLOCK_BYTES;
     out[((long)kv * count + i) * HEAD_DIM + d] = values ? load_value(block, j, d) : load_key(block, d, j);
 }
+
+// scores[kv * group][first + i] (rows `stride` apart) = -||key||: Knorm's score of slot first + i
+// of KV head kv (the key as attention reads it), in the first query head of the head's group, as
+// the reference's key_norm_scores puts it (the group's other rows stay 0, so a group's sum is
+// exactly -||key||). Global (count, kv_heads).
+__kernel void key_norm_scores(__global const uchar* pool, __global const int* tables, int table_stride, int first,
+                              int count, int group, __global float* scores, int stride) {
+    const int i = get_global_id(0), kv = get_global_id(1);
+    if (i >= count) return;
+    const int slot = first + i, j = slot % BLOCK_SIZE;
+    __global const uchar* block = pool + (ulong)tables[kv * table_stride + slot / BLOCK_SIZE] * BLOCK_BYTES;
+    float s = 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        const float k = load_key(block, d, j);
+        s = fma(k, k, s);
+    }
+    scores[(long)kv * group * stride + slot] = -sqrt(s);
+}
