@@ -28,6 +28,7 @@ from ov_kvcrush.methods.importance import H2OConfig, PyramidKVConfig, SnapKVConf
 from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.minikv import MiniKVConfig
+from ov_kvcrush.methods.quest import QuestConfig
 
 SUB_GROUPS = (8, 16)
 #: every kind of config the path serves, over scores with and without pooling
@@ -62,11 +63,13 @@ CASES = [
     # no scores (the sinks and the window); scores set once per token by its key's norm
     StreamingLLMConfig(budget=40, sink_tokens=4),
     KnormConfig(budget=40, sink_tokens=4, recent_tokens=8),
+    # pages of 8 (the last one partial at most steps), 5 of them recalled a step
+    QuestConfig(budget=40, page_size=8, dense_layers=0),
 ]
 CASE_IDS = ["full", "h2o", "snapkv-max7", "snapkv-avg31", "kvcrush", "kvcrush-blocks", "kvcrush-heads"]
 CASE_IDS += ["kvcrush-2bit", "kvcrush-blocks-heads-4bit"]
 CASE_IDS += ["snapkv-2bit", "h2o-k2v4"]
-CASE_IDS += ["pyramidkv-h2o", "minikv-4bit", "clusterkv", "streamingllm", "knorm"]
+CASE_IDS += ["pyramidkv-h2o", "minikv-4bit", "clusterkv", "streamingllm", "knorm", "quest"]
 HQ, HKV, D, BLOCK = 6, 2, 64, 16
 
 
@@ -92,7 +95,7 @@ def run_layer_beside_reference(config: MethodConfig, sub_group: int) -> dict[str
         q, k, v = _tensor(g, t, HQ), _tensor(g, t, HKV), _tensor(g, t, HKV)
         a, b = ours.decode(q, k, v), ref.decode(q, k, v)
         worst["output"] = max(worst["output"], float((a - b).abs().max()))
-        if method in ("full", "clusterkv"):  # every token held
+        if method in ("full", "clusterkv", "quest"):  # every token held
             continue
         positions = ref.store.positions[0].numpy()
         held = ours.layer.positions if quant is None else np.concatenate([ours.qpos, ours.layer.positions], axis=1)
@@ -118,11 +121,11 @@ def run_layer_beside_reference(config: MethodConfig, sub_group: int) -> dict[str
 
 def _steps(config: MethodConfig) -> list[int]:
     """A 100-token prompt, then 31 decode steps: one of 3 tokens (a chat turn) in the middle,
-    where the cache takes several (ClusterKV and the 2-bit store decode one at a time; the 2-bit
+    where the cache takes several (ClusterKV, Quest and the 2-bit store decode one at a time; the 2-bit
     store runs 64 steps, for several chunk evictions)."""
     if getattr(config, "quant", None) is not None:
         return [100] + [1] * 64
-    return [100] + [1] * 15 + ([1] if config.name == "clusterkv" else [3]) + [1] * 15
+    return [100] + [1] * 15 + ([1] if config.name in ("clusterkv", "quest") else [3]) + [1] * 15
 
 
 @pytest.mark.parametrize("sub_group", SUB_GROUPS)
@@ -136,7 +139,7 @@ def test_device_layer_steps_as_the_reference(gpu_worker, config, sub_group):
     assert worst["evicted"] == 1.0, worst  # as many tokens evicted as the reference
     tokens = sum(_steps(config))
     quant = getattr(config, "quant", None)
-    if config.name in ("full", "clusterkv"):
+    if config.name in ("full", "clusterkv", "quest"):
         assert worst["held"] == tokens
     elif config.selection_frozen():  # MiniKV keeps every generated token on its prompt selection
         assert worst["held"] == config.budget + tokens - 100
@@ -151,8 +154,9 @@ def test_device_layer_steps_as_the_reference(gpu_worker, config, sub_group):
 #: (method, options) run end to end: every kind the path serves
 E2E_CASES = [("full", {}), ("snapkv", {}), ("h2o", {}), ("kvcrush", {}), ("kvcrush", {"block_size": 32})]
 E2E_CASES += [("clusterkv", {}), ("snapkv", {"quant": True}), ("minikv", {}), ("streamingllm", {}), ("knorm", {})]
+E2E_CASES += [("quest", {})]
 E2E_IDS = ["full", "snapkv", "h2o", "kvcrush", "kvcrush-blocks", "clusterkv", "snapkv-2bit", "minikv-4bit"]
-E2E_IDS += ["streamingllm", "knorm"]
+E2E_IDS += ["streamingllm", "knorm", "quest"]
 
 
 @functools.cache
@@ -199,7 +203,7 @@ def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method
     slot_bytes = 3 * 2 * 64 * 4  # KV heads x (key, value) x head size x f32
     if quant:  # quantized chunks and the full-precision rest: less than the budget in f32
         assert step["kv_read"] < 513 * slot_bytes * (1.5 if method == "minikv" else 1)  # MiniKV: pyramid
-    elif method == "clusterkv":  # 2 dense layers read everything, the others their recalled budget
+    elif method in ("clusterkv", "quest"):  # 2 dense layers read everything, the others their recalled budget
         assert step["kv_read"] < 0.35 * (run.prompt_tokens + 6) * slot_bytes
     elif options:  # block-wise: whole blocks and the partial one, at most the budget and the step's token
         assert step["kv_read"] <= held * slot_bytes

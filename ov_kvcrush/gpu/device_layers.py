@@ -18,12 +18,14 @@ from ov_kvcrush.gpu.layer_cache import (
 )
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, DeviceQuantKVCrushLayerCache
+from ov_kvcrush.gpu.quest_cache import DeviceQuestLayerCache
 from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache
 from ov_kvcrush.methods import LayerCache, MethodConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.importance import EvictionConfig, H2OConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
+from ov_kvcrush.methods.quest import QuestConfig
 
 
 def _always(config: MethodConfig) -> bool:
@@ -83,6 +85,17 @@ def _clusterkv(config: MethodConfig, layer: int, layers: int, pool: DevicePool, 
     return DeviceClusterKVLayerCache(config, pool, kv, hq, dense=layer < config.dense_layers)
 
 
+def _quest_served(config: MethodConfig) -> bool:
+    """Without the evaluation's recall tracking."""
+    assert isinstance(config, QuestConfig)
+    return not config.track_recall
+
+
+def _quest(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
+    assert isinstance(config, QuestConfig)
+    return DeviceQuestLayerCache(config, pool, kv, hq, dense=layer < config.dense_layers)
+
+
 @dataclass(frozen=True)
 class DeviceLayerKind:
     """Which configs of a method this path serves, and how its layer cache is built."""
@@ -102,6 +115,7 @@ DEVICE_LAYERS: dict[str, DeviceLayerKind] = {
     "clusterkv": DeviceLayerKind(_clusterkv_served, _clusterkv),
     "streamingllm": DeviceLayerKind(_full_precision, _streamingllm),
     "knorm": DeviceLayerKind(_full_precision, _knorm),
+    "quest": DeviceLayerKind(_quest_served, _quest),
 }
 
 
@@ -114,7 +128,7 @@ def check_served(config: MethodConfig) -> None:
             config.name,
             ", ".join(DEVICE_LAYERS)
             + " (paged_device='opencl': uniform head budgets, single tokens or KVCrush's blocks; StreamingLLM's, "
-            "Knorm's and ClusterKV's full-precision store, ClusterKV's without recall tracking)",
+            "Knorm's and ClusterKV's full-precision store; ClusterKV and Quest without recall tracking)",
         )
 
 

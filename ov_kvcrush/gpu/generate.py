@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from ov_kvcrush.engines.torch_engine import TorchEngine
 
 #: every kind of config the path serves
-DEFAULT_METHODS = "full,snapkv,h2o,kvcrush,kvcrush:block_size=32,clusterkv,snapkv:quant=true,minikv,streamingllm,knorm"
+DEFAULT_METHODS = (
+    "full,snapkv,h2o,kvcrush,kvcrush:block_size=32,clusterkv,snapkv:quant=true,minikv,streamingllm,knorm,quest"
+)
 
 #: what a step crosses only because the model runs on the host here: its queries, keys and
 #: values in, the attention output back (with the model on the device none of it crosses)

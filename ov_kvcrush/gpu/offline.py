@@ -37,6 +37,7 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
     "prefill.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (1, 2)]
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
     "clusterkv.cl": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4}],
+    "quest.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)],
     "quant2.cl": [
         {"BLOCK_SIZE": 32, "HEAD_DIM": 64, "QGROUP": 16, "KEY_BITS": kb, "VALUE_BITS": vb, "GROUP": 3}
         for kb, vb in ((2, 2), (4, 4))

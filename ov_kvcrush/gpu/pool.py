@@ -111,7 +111,8 @@ class PagedLayer:
             out[h, : len(t)] = t
         return out
 
-    def _device_tables(self) -> tuple[Any, int]:
+    def device_tables(self) -> tuple[Any, int]:
+        """The block tables on the device and their row stride (uploaded when the blocks change)."""
         if self._tables_on_device is None:  # uploaded when the blocks change
             table = self._table_array(self.tables)
             self._tables_on_device = (self.pool.upload("block tables", table), table.shape[1])
@@ -119,7 +120,7 @@ class PagedLayer:
 
     def _heads(self, lengths: int, positions: bool = False) -> HeadsOnDevice:
         p = self.pool
-        tables, stride = self._device_tables()
+        tables, stride = self.device_tables()
         pos = p.upload("positions", self.positions) if positions else None
         lengths_b = p.upload("lengths", np.full(self.kv_heads, lengths, np.int32))
         return HeadsOnDevice(p.buffer, tables, stride, lengths_b, pos, self.positions.shape[1])
@@ -134,7 +135,7 @@ class PagedLayer:
             for table in self.tables:
                 table.extend(self.pool.allocate(need))
             self._tables_on_device = None
-        tables, stride = self._device_tables()
+        tables, stride = self.device_tables()
         p = self.pool
         launch_store(p.dev, p.shape, p.buffer, tables, stride,
                      p.upload("step slots", np.full(kv, self.held, np.int32)),
@@ -184,7 +185,7 @@ class PagedLayer:
         (ClusterKV's centroids), counted with the slots'."""
         hq, d = self.q_heads, self.pool.shape.head_dim
         p = self.pool
-        tables, stride = self._device_tables()
+        tables, stride = self.device_tables()
         heads = HeadsOnDevice(p.buffer, tables, stride, lengths)
         first = p.upload("lengths", np.zeros(self.kv_heads, np.int32))
         longest = int(counts.max()) if counts.size else 0
@@ -211,7 +212,7 @@ class PagedLayer:
 
     def _read(self, first: int, count: int, values: bool) -> Any:
         p = self.pool
-        tables, stride = self._device_tables()
+        tables, stride = self.device_tables()
         out = p.dev.empty(4 * self.kv_heads * max(count, 1) * p.shape.head_dim)
         kernel = p.dev.kernel("paged_store.cl", "read_slots", store_constants(p.shape))
         p.dev.run(kernel, (p.shape.head_dim, max(count, 1), self.kv_heads), None, p.buffer, tables, np.int32(stride),
@@ -222,7 +223,7 @@ class PagedLayer:
         """Knorm's scores of slots ``first ..`` (``count`` of them): ``-||key||`` into row ``kv *
         group`` of device ``scores`` (rows ``stride`` apart), computed where the keys lie."""
         p = self.pool
-        tables, table_stride = self._device_tables()
+        tables, table_stride = self.device_tables()
         kernel = p.dev.kernel("paged_store.cl", "key_norm_scores", store_constants(p.shape))
         i32 = np.int32
         p.dev.run(kernel, (max(count, 1), self.kv_heads), None, p.buffer, tables, i32(table_stride), i32(first),
@@ -236,7 +237,7 @@ class PagedLayer:
         p = self.pool
         bs = p.shape.block_size
         new_tables = [p.allocate(-(-n // bs)) for _ in range(kv)]
-        old_tables, old_stride = self._device_tables()
+        old_tables, old_stride = self.device_tables()
         new_array = self._table_array(new_tables)
         new_b = p.upload("block tables", new_array)
         launch_gather(p.dev, p.shape, p.buffer, old_tables, old_stride, new_b, new_array.shape[1],

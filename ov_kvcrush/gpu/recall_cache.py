@@ -24,16 +24,55 @@ from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.clusterkv import launch_kmeans, launch_recall
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache, host_array
 from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig, initial_picks
 
 
-class DeviceClusterKVLayerCache(DeviceFullLayerCache):
-    """ClusterKV over the device pool (a ``dense`` layer attends everything, as the reference's)."""
+class DeviceRecallLayerCache(DeviceFullLayerCache):
+    """Shared by ClusterKV and Quest, as the reference's ``RecallLayerCache``: every token held,
+    each decode step of one token attending the slots the method recalls for its query (a
+    ``dense`` layer attends everything)."""
 
-    def __init__(self, config: ClusterKVConfig, pool: DevicePool, kv_heads: int, q_heads: int, dense: bool) -> None:
+    def __init__(self, config: MethodConfig, pool: DevicePool, kv_heads: int, q_heads: int, dense: bool) -> None:
         super().__init__(pool, kv_heads, q_heads)
         self.config = config
         self.dense_layer = dense
+
+    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        t = keys.shape[2]
+        self.layer.pool.phase = "decode"
+        if self.dense_layer:
+            self._positions(t, keys.device)
+            return self._step(queries, keys, values, 0)
+        if t != 1:
+            raise UserError(
+                f"{self.config.name} with paged_device='opencl' decodes one token per step (a step of several came)"
+            )
+        self._before_append()
+        self._positions(t, keys.device)
+        self.layer.append(host_array(keys), host_array(values), self.seen - 1)
+        self._after_append()
+        q = np.ascontiguousarray(host_array(queries)[:, 0])
+        return torch.from_numpy(self._attend_recalled(q))[None, :, None].to(queries.dtype)
+
+    def _before_append(self) -> None:
+        """What the method does before the step's token is stored (ClusterKV: cluster when due)."""
+
+    def _after_append(self) -> None:
+        """What the method does once it is stored (Quest: the last page's bounds again)."""
+
+    def _attend_recalled(self, q: np.ndarray) -> np.ndarray:
+        """The query ``[Hq, D]`` over the slots recalled for it: the output ``[Hq, D]``."""
+        raise NotImplementedError
+
+
+class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
+    """ClusterKV over the device pool."""
+
+    config: ClusterKVConfig
+
+    def __init__(self, config: ClusterKVConfig, pool: DevicePool, kv_heads: int, q_heads: int, dense: bool) -> None:
+        super().__init__(config, pool, kv_heads, q_heads, dense)
         self.sinks = 0
         self.pending_from = 0  # slots >= this are generated tokens not clustered yet
         self.clusters = 0  # C: clusters per KV head
@@ -52,21 +91,10 @@ class DeviceClusterKVLayerCache(DeviceFullLayerCache):
             self._cluster(self.sinks, n, self.config.prompt_clusters(n - self.sinks))
         return out
 
-    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        t = keys.shape[2]
-        self.layer.pool.phase = "decode"
-        if self.dense_layer:
-            self._positions(t, keys.device)
-            return self._step(queries, keys, values, 0)
-        if t != 1:
-            raise UserError("ClusterKV with paged_device='opencl' decodes one token per step (a step of several came)")
+    def _before_append(self) -> None:
         n = self.layer.held
         if n - self.pending_from >= self.config.cluster_every:
             self._cluster(self.pending_from, n, self.config.new_clusters)
-        self._positions(t, keys.device)
-        self.layer.append(host_array(keys), host_array(values), self.seen - 1)
-        q = host_array(queries)[:, 0]
-        return torch.from_numpy(self._attend_recalled(q))[None, :, None].to(queries.dtype)
 
     # ---- the steps
     def _cluster(self, start: int, end: int, k: int) -> None:

@@ -1,0 +1,95 @@
+"""Quest's layer cache over the GPU path's device pool: every token held, each decode step
+attending the tokens of the pages its query's upper bound ranks highest.
+
+The steps are the reference's (:class:`~ov_kvcrush.methods.quest.QuestLayerCache`), on the
+device (``quest.cl``): each page's channel-wise key bounds, computed after the prompt and, per
+step, again from the last page on (it fills as tokens arrive); every page's bound for the step's
+query; the top pages (``kvcrush.cl``'s ``head_decisions_topk``: ties to the earlier page, as the
+reference's ``topk_indices``; the newest token's page always); the list of their slots, which
+every KV head attends. What crosses per decode step beside the model's tensors: the count of
+slots attended (the same for every head, known on the host).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ov_kvcrush.gpu.kvcrush import top_mask
+from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
+from ov_kvcrush.gpu.store import store_constants
+from ov_kvcrush.methods.quest import QuestConfig
+
+
+class DeviceQuestLayerCache(DeviceRecallLayerCache):
+    """Quest over the device pool."""
+
+    config: QuestConfig
+
+    def __init__(self, config: QuestConfig, pool: DevicePool, kv_heads: int, q_heads: int, dense: bool) -> None:
+        super().__init__(config, pool, kv_heads, q_heads, dense)
+        self.bounds: tuple[Any, Any] | None = None  # device kmax, kmin [kv, cap, D] float32
+        self.cap = 0  # pages the bounds have room for
+        self.pages = 0  # pages whose bounds are computed
+
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self._start_prefill(queries, keys, values)
+        out = self._step(queries, keys, values, 0)
+        if not self.dense_layer:
+            self._update_bounds()
+        return out
+
+    def _after_append(self) -> None:
+        self._update_bounds()
+
+    # ---- the steps
+    def _kernel(self, name: str) -> Any:
+        return self.layer.pool.dev.kernel("quest.cl", name, store_constants(self.layer.pool.shape))
+
+    def _update_bounds(self) -> None:
+        """The bounds of every page from the last one computed on (it may have been partial)."""
+        lay, ps = self.layer, self.config.page_size
+        dev, kv, d = lay.pool.dev, lay.kv_heads, lay.pool.shape.head_dim
+        n = lay.held
+        pages = -(-n // ps)
+        if pages > self.cap:  # room for more pages: the computed ones copied over
+            cap = max(pages, 2 * self.cap)
+            grown = (dev.empty(4 * kv * cap * d), dev.empty(4 * kv * cap * d))
+            if self.bounds is not None:
+                for old, new in zip(self.bounds, grown, strict=True):
+                    dev.copy_rect(old, self.cap * d, new, cap * d, 0, kv, self.pages * d)
+            self.bounds, self.cap = grown, cap
+        first = max(self.pages - 1, 0)
+        tables, stride = lay.device_tables()
+        i32 = np.int32
+        dev.run(self._kernel("page_bounds"), (d, pages - first, kv), None, lay.pool.buffer, tables, i32(stride),
+                i32(ps), i32(first), i32(n), *self.bounds, i32(self.cap))  # fmt: skip
+        self.pages = pages
+
+    def _attend_recalled(self, q: np.ndarray) -> np.ndarray:
+        """The query ``[Hq, D]`` over the tokens of its top pages: the output ``[Hq, D]``."""
+        lay, cfg = self.layer, self.config
+        pool, dev, kv, d = lay.pool, lay.pool.dev, lay.kv_heads, lay.pool.shape.head_dim
+        assert cfg.budget is not None and self.bounds is not None
+        ps, n, pages = cfg.page_size, lay.held, self.pages
+        want = min(cfg.budget // ps, pages)
+        q_b = pool.upload("queries", q.astype(np.float32))
+        bound = dev.empty(4 * kv * pages)
+        i32 = np.int32
+        dev.run(self._kernel("page_scores"), (pages, kv), None, q_b, i32(lay.q_heads // kv), *self.bounds,
+                i32(self.cap), i32(pages), bound)  # fmt: skip
+        decisions = top_mask(dev, bound, kv, pages, 0, pages - 1, want - 1)  # the last page is always kept
+        count = (want - 1) * ps + n - (pages - 1) * ps
+        slots = dev.empty(4 * kv * count)
+        dev.run(self._kernel("page_slots"), (kv,), None, decisions, i32(pages), i32(ps), i32(n), slots, i32(count))
+        counts = np.full(kv, count, np.int32)
+        bounds_read = 2 * 4 * kv * pages * d
+        return lay.attend_slots(q_b, self._scale(d), (slots, count), pool.upload("slots attended", counts), counts,
+                                bounds_read)  # fmt: skip
+
+    def _metadata_bytes(self) -> int:
+        """The pages' bounds."""
+        return 2 * 4 * self.layer.kv_heads * self.pages * self.layer.pool.shape.head_dim
