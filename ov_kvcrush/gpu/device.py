@@ -98,7 +98,10 @@ class Device:
             self.cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes, dst_offset=dst_offset)
 
     def zeros(self, nbytes: int) -> Any:
-        return self.to_device(np.zeros(max(int(nbytes), 4), np.uint8))
+        """A new buffer of ``nbytes`` zero bytes, filled on the device (nothing crosses)."""
+        buffer = self.empty(nbytes)
+        self.cl.enqueue_fill_buffer(self.queue, buffer, np.uint8(0), 0, max(int(nbytes), 4))
+        return buffer
 
     def to_host(self, buffer: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from ov_kvcrush.gpu.kvcrush import top_mask
 from ov_kvcrush.gpu.pool import DevicePool
@@ -35,12 +34,9 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
         self.cap = 0  # pages the bounds have room for
         self.pages = 0  # pages whose bounds are computed
 
-    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        self._start_prefill(queries, keys, values)
-        out = self._step(queries, keys, values, 0)
+    def _after_prefill(self) -> None:
         if not self.dense_layer:
             self._update_bounds()
-        return out
 
     def _after_append(self) -> None:
         self._update_bounds()

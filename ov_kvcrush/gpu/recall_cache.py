@@ -38,6 +38,15 @@ class DeviceRecallLayerCache(DeviceFullLayerCache):
         self.config = config
         self.dense_layer = dense
 
+    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self._start_prefill(queries, keys, values)
+        out = self._step(queries, keys, values, 0)
+        self._after_prefill()
+        return out
+
+    def _after_prefill(self) -> None:
+        """The method's index over the prompt (ClusterKV's clusters, Quest's page bounds)."""
+
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         t = keys.shape[2]
         self.layer.pool.phase = "decode"
@@ -81,15 +90,12 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         # the index on the device: centroids [kv, C, D], sizes [kv, C], offsets [kv, C + 1], sorted slots [kv, N]
         self.index: tuple[Any, Any, Any, Any] | None = None
 
-    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        self._start_prefill(queries, keys, values)
-        out = self._step(queries, keys, values, 0)
+    def _after_prefill(self) -> None:
         n = self.layer.held
         self.sinks = min(self.config.sink_tokens, n)
         self.pending_from = self.sinks
         if not self.dense_layer and n > self.sinks:
             self._cluster(self.sinks, n, self.config.prompt_clusters(n - self.sinks))
-        return out
 
     def _before_append(self) -> None:
         n = self.layer.held
