@@ -38,6 +38,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
+from ov_kvcrush.bench.measure import cpu_name
 from ov_kvcrush.engines import resolve_model
 from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 from ov_kvcrush.eval import tasks as T
@@ -196,8 +197,8 @@ def main() -> None:
     doc = {
         "what": __doc__.splitlines()[0],
         "command": "python benchmarks/prefill_profile.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(a).items() if v is not None and k != "json"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "openvino": ov.get_version()},
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None and k != "json"),
+        "machine": {"cpu": cpu_name(), "arch": platform.machine(), "openvino": ov.get_version()},
         "results": sorted(results, key=lambda x: (x["length"], x["config"] != "native", x["config"])),
         "runs": {f"{n} {name}": rows for (n, name), rows in runs.items()},
     }
