@@ -2,7 +2,7 @@
 prefill kernel at N tokens, on the embedded model's shape (9 query heads over 3 KV heads, head
 size 64), for A/B runs of kernel changes. Random queries, keys and values; an f32 pool.
 
-    .venv/bin/python benchmarks/prefill_layer.py 8000 5 [--compute f32]     # tokens, runs
+    .venv/bin/python benchmarks/prefill_layer.py 8000 5 [--compute f32] [--products dot|widened]
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ def main() -> None:
     parser.add_argument("tokens", type=int, nargs="?", default=8000)
     parser.add_argument("runs", type=int, nargs="?", default=5)
     parser.add_argument("--compute", choices=("bf16", "f32"), default="bf16", help="the op's prompt arithmetic")
+    parser.add_argument("--products", choices=plugin.BF16_PRODUCTS, help="how bf16 multiplies (default: measured)")
     a = parser.parse_args()
+    if a.products:
+        plugin.set_bf16_products(a.products)
     request = single_op_model(plugin.shared_core(), Q_HEADS, KV_HEADS, HEAD_DIM, compute=a.compute)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, Q_HEADS, a.tokens, HEAD_DIM), dtype=np.float32)
@@ -39,7 +42,8 @@ def main() -> None:
     macs = 2 * Q_HEADS * HEAD_DIM * a.tokens * a.tokens / 2  # QK and PV over the causal half
     best, median = min(times), sorted(times)[len(times) // 2]
     print(
-        f"{a.tokens} tokens, {a.compute}: fastest {best * 1e3:.1f} ms (median {median * 1e3:.1f}, "
+        f"{a.tokens} tokens, {a.compute} ({plugin.bf16_products()} products): fastest {best * 1e3:.1f} ms "
+        f"(median {median * 1e3:.1f}, "
         f"the op's attention clock {min(attend) * 1e3:.1f}), {macs / best / 1e9:.0f} GMAC/s"
     )
 

@@ -42,6 +42,17 @@ def compiled_model_cache(tmp_path_factory):
     plugin.shared_core().set_property({"CACHE_DIR": str(tmp_path_factory.mktemp("compiled-models"))})
 
 
+@pytest.fixture(params=("dot", "widened"))
+def bf16_products(request):
+    """A bf16 prompt test under each way the kernel multiplies (``plugin.BF16_PRODUCTS``), not
+    only the one this CPU picks by itself."""
+    from ov_kvcrush.op import plugin
+
+    before = plugin.set_bf16_products(request.param)
+    yield request.param
+    plugin.set_bf16_products(before)
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     from ov_kvcrush.models.export import ensure_default_model

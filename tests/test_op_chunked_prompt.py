@@ -73,7 +73,7 @@ def test_a_chunked_prompt_keeps_what_the_whole_prompt_keeps(ov_core, case):
 
 @pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
 @pytest.mark.parametrize("case", ["full", "h2o", "snapkv-window-across-chunks"])
-def test_a_chunked_bf16_prompt_matches_the_whole_prompt(ov_core, case):
+def test_a_chunked_bf16_prompt_matches_the_whole_prompt(ov_core, bf16_products, case):
     """compute=bf16 (AMX tiles where the CPU has them): a prompt in chunks gives the whole prompt's result."""
     cfg = make(case)
     whole_out, whole_held = run(ov_core, cfg, [PROMPT], "bf16")

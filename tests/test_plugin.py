@@ -10,11 +10,13 @@ against the token counts, and every error path must raise a Python exception nam
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
 from helpers import causal_reference, infer, op_model, signal_after_drops
 
+from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.op import kvcache, plugin
 
 
@@ -89,7 +91,7 @@ BF16_CASES = [*CASES, (9, 3, 64, 32, [300, 1, 200, 1]), (4, 2, 32, 16, [129, 130
 
 @pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs", "steps"), BF16_CASES)
-def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
+def test_bf16_prefill_is_within_bf16_rounding(ov_core, bf16_products, hq, hkv, d, bs, steps):
     """compute=bf16: prefill in bf16 dot products (fp32 accumulation), decode in f32."""
     rng = np.random.default_rng(d)
     req = op_model(ov_core, hq, hkv, d, compute="bf16")
@@ -106,7 +108,7 @@ def test_bf16_prefill_is_within_bf16_rounding(ov_core, hq, hkv, d, bs, steps):
 
 
 @pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
-def test_bf16_prefill_of_a_sliding_window_layer_is_within_bf16_rounding(ov_core):
+def test_bf16_prefill_of_a_sliding_window_layer_is_within_bf16_rounding(ov_core, bf16_products):
     """A local layer (Gemma 3's): each query sees only the last ``window`` positions, so a span of
     keys may start mid-span and end before the diagonal."""
     import torch
@@ -131,7 +133,7 @@ def test_bf16_prefill_of_a_sliding_window_layer_is_within_bf16_rounding(ov_core)
 
 @pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
 @pytest.mark.parametrize("steps", [[300, 1, 200, 1], [129, 130, 1], [40, 1]])
-def test_bf16_prefill_sums_every_querys_scores_inside_the_attention(ov_core, steps):
+def test_bf16_prefill_sums_every_querys_scores_inside_the_attention(ov_core, bf16_products, steps):
     """H2O's prompt scores (every query's probability of every slot, summed per query head) come
     out of the bf16 attention itself: within bf16 rounding of the reference's column sums."""
     hq, hkv, d = 9, 3, 64
@@ -147,6 +149,49 @@ def test_bf16_prefill_sums_every_querys_scores_inside_the_attention(ov_core, ste
     for g in range(hkv):
         got = seq.read_head(0, g)[3].T  # [group, slots]
         np.testing.assert_allclose(got, want[g * group : (g + 1) * group], rtol=2e-2, atol=2e-3)
+
+
+def test_how_bf16_multiplies_is_chosen_once_or_set_by_name():
+    """The process's choice is one of the two; a bad name is refused naming the field; the
+    environment variable decides in a fresh interpreter, before any measurement."""
+    import subprocess
+    import sys
+
+    chosen = plugin.bf16_products()
+    assert chosen in plugin.BF16_PRODUCTS
+    with pytest.raises(ConfigError, match=r"bf16_products.*dot or widened"):
+        plugin.set_bf16_products("fast")
+    assert plugin.set_bf16_products(chosen) == chosen
+    script = "from ov_kvcrush.op import plugin; print(plugin.bf16_products())"
+    for products in plugin.BF16_PRODUCTS:
+        env = {**os.environ, "OVKC_BF16_PRODUCTS": products}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == products
+
+
+@pytest.mark.skipif("bf16" not in plugin.kernel_isa(), reason="no AVX512-BF16 on this machine")
+def test_widened_bf16_products_are_the_dot_products_summed_in_another_order(ov_core):
+    """Both ways take the same bf16 operands and their exact products; only the order of the f32
+    sums differs (and, where that moves a probability across a bf16 rounding edge, that
+    probability by one bf16 step): outputs and scores agree far inside the bf16 tolerance."""
+    hq, hkv, d = 9, 3, 64
+    runs = {}
+    for products in plugin.BF16_PRODUCTS:
+        before = plugin.set_bf16_products(products)
+        try:
+            rng = np.random.default_rng(5)
+            req = op_model(ov_core, hq, hkv, d, compute="bf16")
+            pool = kvcache.KVPool(1, hq, hkv, d, block_size=32, precision="f32", scores=True)
+            seq = pool.new_sequence()
+            outs = [out for *_, out in run_steps(req, [seq], [300, 1, 200], hq, hkv, d, rng)]
+            runs[products] = (outs, [seq.read_head(0, g)[3] for g in range(hkv)])
+        finally:
+            plugin.set_bf16_products(before)
+    (dot_out, dot_scores), (wide_out, wide_scores) = runs["dot"], runs["widened"]
+    for a, b in zip(dot_out, wide_out, strict=True):  # 4e-5 of the scale seen, 2e-2 the bf16 bound
+        assert np.abs(a - b).max() <= 5e-4 * np.abs(a).max()
+    for a, b in zip(dot_scores, wide_scores, strict=True):  # 1.5e-6 seen, on scores up to about 8
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
 def test_the_op_clocks_its_stages_within_the_step(ov_core):

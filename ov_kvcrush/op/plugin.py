@@ -155,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs = {
         "ovkc_last_error": ([], ctypes.c_char_p),
         "ovkc_kernel_isa": ([], ctypes.c_char_p),
+        "ovkc_bf16_products": ([], i32),
+        "ovkc_set_bf16_products": ([i32], i32),
         "ovkc_take_step_error": ([i64, ctypes.c_char_p, i64], i64),
         "ovkc_pool_create": ([i32, i32, i32, i32, i32, i32, i64, i32, ctypes.c_char_p, p_i64, i32], i64),
         "ovkc_pool_free": ([i64], i64),
@@ -241,6 +243,23 @@ def shared_core() -> Any:
 def kernel_isa() -> str:
     """The vector path the library was compiled with: ``avx512`` or ``scalar``."""
     return load().ovkc_kernel_isa().decode()
+
+
+#: how the bf16 prompt kernel multiplies its bf16 operands (plugins/cpu/src/kernels.hpp)
+BF16_PRODUCTS = ("dot", "widened")
+
+
+def bf16_products() -> str:
+    """``dot`` (AVX512-BF16 dot products) or ``widened`` (each bf16 widened to f32, multiplied in
+    f32 FMAs): the process's choice, measured once on the CPU unless ``OVKC_BF16_PRODUCTS`` sets it."""
+    return BF16_PRODUCTS[load().ovkc_bf16_products()]
+
+
+def set_bf16_products(products: str) -> str:
+    """Use ``products`` from now on in this process (tests, A/B runs); returns the previous choice."""
+    if products not in BF16_PRODUCTS:
+        raise ConfigError("bf16_products", products, " or ".join(BF16_PRODUCTS))
+    return BF16_PRODUCTS[load().ovkc_set_bf16_products(BF16_PRODUCTS.index(products))]
 
 
 def check_result(result: int) -> int:

@@ -51,6 +51,15 @@ OVKC_API const char* ovkc_last_error() { return g_error.c_str(); }
 
 OVKC_API const char* ovkc_kernel_isa() { return ovkc::kernel_isa(); }
 
+// How the bf16 prompt kernel multiplies (kernels.hpp: Bf16Products): 0 dot products, 1 widened
+// to f32 FMAs; the setter (tests, A/B runs) returns the previous choice.
+OVKC_API int32_t ovkc_bf16_products() { return ovkc::bf16_products() == ovkc::Bf16Products::widened ? 1 : 0; }
+OVKC_API int32_t ovkc_set_bf16_products(int32_t widened) {
+    const int32_t before = ovkc_bf16_products();
+    ovkc::set_bf16_products(widened ? ovkc::Bf16Products::widened : ovkc::Bf16Products::dot);
+    return before;
+}
+
 // The error the op raised in the last inference that stepped sequence ``handle`` (taken: it is
 // cleared), copied into ``buf`` (at most ``len`` bytes, NUL-terminated); returns its length, 0 for none.
 OVKC_API int64_t ovkc_take_step_error(int64_t handle, char* buf, int64_t len) {

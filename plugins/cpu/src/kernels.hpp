@@ -89,6 +89,16 @@ struct Bf16Head {
     int64_t n = 0;
 };
 bool has_bf16();
+// How the bf16 prompt kernel multiplies its bf16 operands: AVX512-BF16 dot products (vdpbf16ps,
+// 32 products an instruction), or each operand widened to f32 (a shift or a mask, exact) and
+// multiplied in f32 FMAs (16 an instruction). The products are the same (a bf16 times a bf16 is
+// exact in f32), summed in f32 in another order. Some CPUs retire a quarter as many dot products
+// as FMAs (benchmarks/dot_peak.cpp), so widening does more multiply-adds per second there.
+enum class Bf16Products { dot, widened };
+// The process's choice: OVKC_BF16_PRODUCTS (dot or widened) if set, else measured once (a few
+// hundred microseconds of each instruction on this core).
+Bf16Products bf16_products();
+void set_bf16_products(Bf16Products products);  // for tests and A/B runs
 void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out);
 // The slots of `ranges` ([begin, end) pairs, ascending, disjoint) staged as one head: `view`
 // gets their positions only (what attend_bf16 / attend_amx read of a head besides the staging).

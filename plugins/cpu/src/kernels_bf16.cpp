@@ -1,8 +1,13 @@
-// bf16 prefill (AVX512-BF16 dot products, fp32 accumulation): a head staged once per step in bf16
-// pair layouts, then attended tile by tile (kernels.hpp: stage_bf16, attend_bf16).
+// bf16 prefill (AVX512-BF16 dot products, or the operands widened to f32 FMAs; fp32 accumulation):
+// a head staged once per step in bf16 pair layouts, then attended tile by tile (kernels.hpp:
+// stage_bf16, attend_bf16, Bf16Products).
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "kernels_detail.hpp"
 
@@ -12,6 +17,76 @@ using namespace detail;
 
 
 bool has_bf16() { return OVKC_BF16; }
+
+#if OVKC_BF16
+namespace {
+// seconds for `steps` x 16 independent instructions of `op` (accumulators kept in registers)
+template <typename Op>
+double time_instructions(int steps, Op op) {
+    __m512 acc[16];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    // the empty asm statements pin the loop between the two clock readings (its inputs are
+    // constants and its result unused: a compiler could otherwise move or drop it)
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& a : acc) asm volatile("" : "+v"(a));
+    for (int n = 0; n < steps; ++n) {
+#    pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = op(acc[i]);
+    }
+    for (auto& a : acc) asm volatile("" : "+v"(a));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// widened when this core's f32 FMAs do at least 1.2x the multiply-adds per second of its bf16
+// dot products (the margin pays for the widening and the extra broadcasts); the fastest of three
+Bf16Products measure_bf16_products() {
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
+    const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-9f);
+    const auto dots = [&](int steps) {
+        return time_instructions(steps, [&](__m512 acc) { return _mm512_dpbf16_ps(acc, a, b); });
+    };
+    const auto fmas = [&](int steps) {
+        return time_instructions(steps, [&](__m512 acc) { return _mm512_fmadd_ps(acc, x, y); });
+    };
+    dots(20000);  // untimed: a core may run its first 512-bit instructions at a lower rate
+    double dot = 1e9, fma = 1e9;
+    for (int rep = 0; rep < 3; ++rep) {
+        dot = std::min(dot, dots(20000));
+        fma = std::min(fma, fmas(20000));
+    }
+    // multiply-adds per second: 32 per dot product, 16 per FMA
+    return 16.0 / fma >= 1.2 * 32.0 / dot ? Bf16Products::widened : Bf16Products::dot;
+}
+}  // namespace
+#endif
+
+namespace {
+std::atomic<int> g_bf16_products{-1};  // -1: not chosen yet
+}
+
+Bf16Products bf16_products() {
+    int p = g_bf16_products.load(std::memory_order_relaxed);
+    if (p < 0) {
+        const char* env = std::getenv("OVKC_BF16_PRODUCTS");
+        if (env && std::strcmp(env, "dot") == 0)
+            p = 0;
+        else if (env && std::strcmp(env, "widened") == 0)
+            p = 1;
+        else
+#if OVKC_BF16
+            p = measure_bf16_products() == Bf16Products::widened ? 1 : 0;
+#else
+            p = 0;
+#endif
+        int unset = -1;  // the first thread to choose wins; the others read its choice
+        if (!g_bf16_products.compare_exchange_strong(unset, p)) p = unset;
+    }
+    return p == 1 ? Bf16Products::widened : Bf16Products::dot;
+}
+
+void set_bf16_products(Bf16Products products) {
+    g_bf16_products.store(products == Bf16Products::widened ? 1 : 0);
+}
 
 // token j of a block (keys transposed [D][bs], values [bs][D]) at staged slot t, one value at a time
 void stage_token_bf16(const float* kt, const float* v, int bs, int D, int j, int64_t t, Bf16Head& out) {
@@ -109,72 +184,145 @@ void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache&
 
 #if OVKC_BF16
 namespace {
-template <int R, int NG>
-void qk_bf16(const uint32_t* qp, int D, const uint16_t* kg, float* S, int stride) {
-    // S[r][0..16NG) for NG consecutive 16-token groups; qp: [R][D/2] bf16 pairs of the scaled
-    // query rows (one broadcast of a query pair serves every group)
+// the even and the odd bf16 of 16 pairs as floats (exact): the low halves shifted up, the high
+// halves with the low ones cleared
+inline __m512 even_floats(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 odd_floats(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// A prompt tile's bf16 operands: the pairs the dot products take, and (widened products) the
+// same values as floats, which the FMAs broadcast from memory
+struct Bf16Operands {
+    const uint32_t* pairs;  // [rows][n / 2]
+    const float* floats;    // [rows][n], widened products only
+    int stride;             // pairs per row
+};
+
+template <Bf16Products P, int R, int NG>
+void qk_bf16(Bf16Operands q, int D, const uint16_t* kg, float* S, int stride) {
+    // S[r][0..16NG) for NG consecutive 16-token groups; q: the scaled query rows, [R][D/2] bf16
+    // pairs (one broadcast of a query pair, or of each of its two values, serves every group)
     __m512 acc[R][NG];
     for (int r = 0; r < R; ++r)
         for (int u = 0; u < NG; ++u) acc[r][u] = _mm512_setzero_ps();
     for (int d2 = 0; d2 < D / 2; ++d2) {
-        __m512bh kz[NG];
-        for (int u = 0; u < NG; ++u)
-            kz[u] = (__m512bh)_mm512_loadu_si512(kg + (static_cast<size_t>(u) * D / 2 + d2) * 32);
-        for (int r = 0; r < R; ++r) {
-            const __m512bh qz = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * (D / 2) + d2]));
-            for (int u = 0; u < NG; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], kz[u], qz);
+        __m512i kz[NG];
+        for (int u = 0; u < NG; ++u) kz[u] = _mm512_loadu_si512(kg + (static_cast<size_t>(u) * D / 2 + d2) * 32);
+        if constexpr (P == Bf16Products::dot) {
+            for (int r = 0; r < R; ++r) {
+                const __m512bh qz = (__m512bh)_mm512_set1_epi32(static_cast<int>(q.pairs[r * q.stride + d2]));
+                for (int u = 0; u < NG; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], (__m512bh)kz[u], qz);
+            }
+        } else {
+            __m512 even[NG], odd[NG];
+            for (int u = 0; u < NG; ++u) {
+                even[u] = even_floats(kz[u]);
+                odd[u] = odd_floats(kz[u]);
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m512 q0 = _mm512_set1_ps(q.floats[r * 2 * q.stride + 2 * d2]);
+                const __m512 q1 = _mm512_set1_ps(q.floats[r * 2 * q.stride + 2 * d2 + 1]);
+                for (int u = 0; u < NG; ++u)
+                    acc[r][u] = _mm512_fmadd_ps(q1, odd[u], _mm512_fmadd_ps(q0, even[u], acc[r][u]));
+            }
         }
     }
     for (int r = 0; r < R; ++r)
         for (int u = 0; u < NG; ++u) _mm512_storeu_ps(S + r * stride + 16 * u, acc[r][u]);
 }
 
-template <int RR, int NV>
-void pv_bf16(const uint32_t* pp, int pstride, int npairs, const uint16_t* vst, int D, int c, float* const* out) {
-    // out[r][c..c+16NV) += sum over token pairs; pp: [RR][pstride] bf16 pairs of probabilities
+template <Bf16Products P, int RR, int NV>
+void pv_bf16(Bf16Operands p, int npairs, const uint16_t* vst, int D, int c, float* const* out) {
+    // out[r][c..c+16NV) += sum over token pairs; p: [RR] rows of bf16 pairs of probabilities
     __m512 acc[RR][NV];
     for (int r = 0; r < RR; ++r)
         for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_loadu_ps(out[r] + c + 16 * u);
     for (int jp = 0; jp < npairs; ++jp) {
-        __m512bh vz[NV];
-        for (int u = 0; u < NV; ++u)
-            vz[u] = (__m512bh)_mm512_loadu_si512(vst + (static_cast<size_t>(jp) * D + c + 16 * u) * 2);
-        for (int r = 0; r < RR; ++r) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * pstride + jp]));
-            for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], vz[u], p);
+        __m512i vz[NV];
+        for (int u = 0; u < NV; ++u) vz[u] = _mm512_loadu_si512(vst + (static_cast<size_t>(jp) * D + c + 16 * u) * 2);
+        if constexpr (P == Bf16Products::dot) {
+            for (int r = 0; r < RR; ++r) {
+                const __m512bh pz = (__m512bh)_mm512_set1_epi32(static_cast<int>(p.pairs[r * p.stride + jp]));
+                for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], (__m512bh)vz[u], pz);
+            }
+        } else {
+            __m512 even[NV], odd[NV];  // the pair's first and second token
+            for (int u = 0; u < NV; ++u) {
+                even[u] = even_floats(vz[u]);
+                odd[u] = odd_floats(vz[u]);
+            }
+            for (int r = 0; r < RR; ++r) {
+                const __m512 p0 = _mm512_set1_ps(p.floats[r * 2 * p.stride + 2 * jp]);
+                const __m512 p1 = _mm512_set1_ps(p.floats[r * 2 * p.stride + 2 * jp + 1]);
+                for (int u = 0; u < NV; ++u)
+                    acc[r][u] = _mm512_fmadd_ps(p1, odd[u], _mm512_fmadd_ps(p0, even[u], acc[r][u]));
+            }
         }
     }
     for (int r = 0; r < RR; ++r)
         for (int u = 0; u < NV; ++u) _mm512_storeu_ps(out[r] + c + 16 * u, acc[r][u]);
 }
 
-template <int RR>
-void pv_bf16_rows(const uint32_t* pp, int pstride, int npairs, const uint16_t* vst, int D, float* const* out) {
+template <Bf16Products P, int RR>
+void pv_bf16_rows(Bf16Operands p, int npairs, const uint16_t* vst, int D, float* const* out) {
     int c = 0;
-    for (; c + 64 <= D; c += 64) pv_bf16<RR, 4>(pp, pstride, npairs, vst, D, c, out);
-    for (; c < D; c += 16) pv_bf16<RR, 1>(pp, pstride, npairs, vst, D, c, out);
+    for (; c + 64 <= D; c += 64) pv_bf16<P, RR, 4>(p, npairs, vst, D, c, out);
+    for (; c < D; c += 16) pv_bf16<P, RR, 1>(p, npairs, vst, D, c, out);
 }
 
-template <int NG>
-void qk_bf16_groups(int R, const uint32_t* qp, int D, const uint16_t* kg, float* S, int stride) {
+// the rows of p from `first` on (their pairs and floats)
+Bf16Operands from_row(Bf16Operands p, int first) {
+    return {p.pairs + first * p.stride, p.floats ? p.floats + first * 2 * p.stride : nullptr, p.stride};
+}
+
+// out[r] += P[r] . V for R rows: four at a time, then the rest
+template <Bf16Products P>
+void pv_bf16_tile(int R, Bf16Operands p, int npairs, const uint16_t* vst, int D, float* const* out) {
+    int r = 0;
+    for (; r + 4 <= R; r += 4) pv_bf16_rows<P, 4>(from_row(p, r), npairs, vst, D, out + r);
+    switch (R - r) {
+        case 1: pv_bf16_rows<P, 1>(from_row(p, r), npairs, vst, D, out + r); break;
+        case 2: pv_bf16_rows<P, 2>(from_row(p, r), npairs, vst, D, out + r); break;
+        case 3: pv_bf16_rows<P, 3>(from_row(p, r), npairs, vst, D, out + r); break;
+        default: break;
+    }
+}
+
+template <Bf16Products P, int NG>
+void qk_bf16_groups(int R, Bf16Operands q, int D, const uint16_t* kg, float* S, int stride) {
     switch (R) {
-        case 1: return qk_bf16<1, NG>(qp, D, kg, S, stride);
-        case 2: return qk_bf16<2, NG>(qp, D, kg, S, stride);
-        case 3: return qk_bf16<3, NG>(qp, D, kg, S, stride);
-        case 4: return qk_bf16<4, NG>(qp, D, kg, S, stride);
-        case 5: return qk_bf16<5, NG>(qp, D, kg, S, stride);
-        case 6: return qk_bf16<6, NG>(qp, D, kg, S, stride);
-        case 7: return qk_bf16<7, NG>(qp, D, kg, S, stride);
-        default: return qk_bf16<8, NG>(qp, D, kg, S, stride);
+        case 1: return qk_bf16<P, 1, NG>(q, D, kg, S, stride);
+        case 2: return qk_bf16<P, 2, NG>(q, D, kg, S, stride);
+        case 3: return qk_bf16<P, 3, NG>(q, D, kg, S, stride);
+        case 4: return qk_bf16<P, 4, NG>(q, D, kg, S, stride);
+        case 5: return qk_bf16<P, 5, NG>(q, D, kg, S, stride);
+        case 6: return qk_bf16<P, 6, NG>(q, D, kg, S, stride);
+        case 7: return qk_bf16<P, 7, NG>(q, D, kg, S, stride);
+        default: return qk_bf16<P, 8, NG>(q, D, kg, S, stride);
     }
 }
 
 // S[r][0..cols) for R rows over `cols` keys (a multiple of 16) from key group kg on: two groups
 // at a time, then the odd one
-void qk_bf16_rows(int R, const uint32_t* qp, int D, const uint16_t* kg, int cols, float* S, int stride) {
+template <Bf16Products P>
+void qk_bf16_rows(int R, Bf16Operands q, int D, const uint16_t* kg, int cols, float* S, int stride) {
     int g = 0;
-    for (; g + 2 <= cols / 16; g += 2) qk_bf16_groups<2>(R, qp, D, kg + static_cast<size_t>(g) * D * 16, S + g * 16, stride);
-    if (g < cols / 16) qk_bf16_groups<1>(R, qp, D, kg + static_cast<size_t>(g) * D * 16, S + g * 16, stride);
+    for (; g + 2 <= cols / 16; g += 2)
+        qk_bf16_groups<P, 2>(R, q, D, kg + static_cast<size_t>(g) * D * 16, S + g * 16, stride);
+    if (g < cols / 16) qk_bf16_groups<P, 1>(R, q, D, kg + static_cast<size_t>(g) * D * 16, S + g * 16, stride);
+}
+
+// rows x `values` bf16 (as pairs, `stride` pairs a row) written as floats to `floats` (exact)
+void widen_rows(const uint32_t* pairs, int rows, int stride, int values, float* floats) {
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(pairs + r * stride);
+        float* dst = floats + r * 2 * stride;
+        for (int i = 0; i < values; i += 16) {
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+    }
 }
 
 // One online-softmax step of row r over its `cols` scaled logits s (a multiple of 16, at most
@@ -226,6 +374,11 @@ KeptProbabilities& kept_probabilities() {
     return tls;
 }
 
+std::vector<float>& widened_queries() {
+    thread_local std::vector<float> tls;
+    return tls;
+}
+
 // sums[slot] += each scored row's final probability of the slot: exp(logit - running max) times
 // exp(running max - the row's log-sum-exp), span by span
 void add_kept_probabilities(const KeptProbabilities& kept, const RowSet& rows, int first_row, int64_t n, int chunk,
@@ -271,6 +424,16 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
                                    (static_cast<uint32_t>(to_bf16(rows.q[r][2 * d2 + 1] * scale)) << 16);
     alignas(64) float S[kMaxRows * kChunk];
     alignas(64) uint32_t pp[kMaxRows * kPairs];
+    // widened products: the query rows and each span's probabilities as floats too
+    const bool widened = bf16_products() == Bf16Products::widened;
+    std::vector<float>& qw = widened_queries();
+    if (widened) {
+        qw.resize(static_cast<size_t>(rows.n * D));
+        widen_rows(qp, rows.n, D / 2, D, qw.data());
+    }
+    alignas(64) float pw[kMaxRows * kChunk];
+    const Bf16Operands queries{qp, widened ? qw.data() : nullptr, D / 2};
+    const Bf16Operands probabilities{pp, widened ? pw : nullptr, kPairs};
     const int64_t first = first_visible_slot(hc, rows) / 16 * 16;
     KeptProbabilities* kept = nullptr;  // the rows' probabilities, for the column sums
     if (columns && columns->first_row < rows.n) {
@@ -286,7 +449,11 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
         const int ntok = static_cast<int>(std::min<int64_t>(kChunk, st.n - slot0));
         const int cols = (ntok + 15) / 16 * 16;
         const int cols32 = (ntok + 31) / 32 * 32;  // the probabilities go to bf16 in pairs of 16-lane vectors
-        qk_bf16_rows(rows.n, qp, D, st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16, cols, S, kChunk);
+        const uint16_t* kg = st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16;
+        if (widened)
+            qk_bf16_rows<Bf16Products::widened>(rows.n, queries, D, kg, cols, S, kChunk);
+        else
+            qk_bf16_rows<Bf16Products::dot>(rows.n, queries, D, kg, cols, S, kChunk);
         mask_logits(hc, rows, slot0, ntok, kChunk, S);
         for (int r = 0; r < rows.n; ++r) {
             uint32_t* pr = pp + r * kPairs;
@@ -300,13 +467,11 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
         }
         const int npairs = (ntok + 1) / 2;
         const uint16_t* vst = st.v.data() + static_cast<size_t>(slot0 / 2) * D * 2;
-        int r = 0;
-        for (; r + 4 <= rows.n; r += 4) pv_bf16_rows<4>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r);
-        switch (rows.n - r) {
-            case 1: pv_bf16_rows<1>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r); break;
-            case 2: pv_bf16_rows<2>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r); break;
-            case 3: pv_bf16_rows<3>(pp + r * kPairs, kPairs, npairs, vst, D, rows.out + r); break;
-            default: break;
+        if (widened) {
+            widen_rows(pp, rows.n, kPairs, cols32, pw);
+            pv_bf16_tile<Bf16Products::widened>(rows.n, probabilities, npairs, vst, D, rows.out);
+        } else {
+            pv_bf16_tile<Bf16Products::dot>(rows.n, probabilities, npairs, vst, D, rows.out);
         }
     }
     finish_rows(rows, D);
