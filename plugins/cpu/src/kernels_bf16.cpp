@@ -191,6 +191,23 @@ inline __m512 odd_floats(__m512i pairs) {
     return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// each of N vectors of 16 bf16 pairs as the floats of its even and of its odd members
+template <int N>
+inline void widen_pairs(const __m512i (&pairs)[N], __m512 (&even)[N], __m512 (&odd)[N]) {
+    for (int u = 0; u < N; ++u) {
+        even[u] = even_floats(pairs[u]);
+        odd[u] = odd_floats(pairs[u]);
+    }
+}
+
+// acc[u] += a[0] * even[u] + a[1] * odd[u]: one row's two products with N widened pair vectors
+// (a: the row's two values of the pair, as floats, broadcast from memory)
+template <int N>
+inline void fma_pairs(__m512 (&acc)[N], const float* a, const __m512 (&even)[N], const __m512 (&odd)[N]) {
+    const __m512 a0 = _mm512_set1_ps(a[0]), a1 = _mm512_set1_ps(a[1]);
+    for (int u = 0; u < N; ++u) acc[u] = _mm512_fmadd_ps(a1, odd[u], _mm512_fmadd_ps(a0, even[u], acc[u]));
+}
+
 // A prompt tile's bf16 operands: the pairs the dot products take, and (widened products) the
 // same values as floats, which the FMAs broadcast from memory
 struct Bf16Operands {
@@ -216,16 +233,8 @@ void qk_bf16(Bf16Operands q, int D, const uint16_t* kg, float* S, int stride) {
             }
         } else {
             __m512 even[NG], odd[NG];
-            for (int u = 0; u < NG; ++u) {
-                even[u] = even_floats(kz[u]);
-                odd[u] = odd_floats(kz[u]);
-            }
-            for (int r = 0; r < R; ++r) {
-                const __m512 q0 = _mm512_set1_ps(q.floats[r * 2 * q.stride + 2 * d2]);
-                const __m512 q1 = _mm512_set1_ps(q.floats[r * 2 * q.stride + 2 * d2 + 1]);
-                for (int u = 0; u < NG; ++u)
-                    acc[r][u] = _mm512_fmadd_ps(q1, odd[u], _mm512_fmadd_ps(q0, even[u], acc[r][u]));
-            }
+            widen_pairs(kz, even, odd);
+            for (int r = 0; r < R; ++r) fma_pairs(acc[r], q.floats + r * 2 * q.stride + 2 * d2, even, odd);
         }
     }
     for (int r = 0; r < R; ++r)
@@ -248,16 +257,8 @@ void pv_bf16(Bf16Operands p, int npairs, const uint16_t* vst, int D, int c, floa
             }
         } else {
             __m512 even[NV], odd[NV];  // the pair's first and second token
-            for (int u = 0; u < NV; ++u) {
-                even[u] = even_floats(vz[u]);
-                odd[u] = odd_floats(vz[u]);
-            }
-            for (int r = 0; r < RR; ++r) {
-                const __m512 p0 = _mm512_set1_ps(p.floats[r * 2 * p.stride + 2 * jp]);
-                const __m512 p1 = _mm512_set1_ps(p.floats[r * 2 * p.stride + 2 * jp + 1]);
-                for (int u = 0; u < NV; ++u)
-                    acc[r][u] = _mm512_fmadd_ps(p1, odd[u], _mm512_fmadd_ps(p0, even[u], acc[r][u]));
-            }
+            widen_pairs(vz, even, odd);
+            for (int r = 0; r < RR; ++r) fma_pairs(acc[r], p.floats + r * 2 * p.stride + 2 * jp, even, odd);
         }
     }
     for (int r = 0; r < RR; ++r)
@@ -374,11 +375,6 @@ KeptProbabilities& kept_probabilities() {
     return tls;
 }
 
-std::vector<float>& widened_queries() {
-    thread_local std::vector<float> tls;
-    return tls;
-}
-
 // sums[slot] += each scored row's final probability of the slot: exp(logit - running max) times
 // exp(running max - the row's log-sum-exp), span by span
 void add_kept_probabilities(const KeptProbabilities& kept, const RowSet& rows, int first_row, int64_t n, int chunk,
@@ -426,13 +422,10 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
     alignas(64) uint32_t pp[kMaxRows * kPairs];
     // widened products: the query rows and each span's probabilities as floats too
     const bool widened = bf16_products() == Bf16Products::widened;
-    std::vector<float>& qw = widened_queries();
-    if (widened) {
-        qw.resize(static_cast<size_t>(rows.n * D));
-        widen_rows(qp, rows.n, D / 2, D, qw.data());
-    }
+    alignas(64) float qw[kMaxRows * 512];  // as many values as qp holds in pairs
+    if (widened) widen_rows(qp, rows.n, D / 2, D, qw);
     alignas(64) float pw[kMaxRows * kChunk];
-    const Bf16Operands queries{qp, widened ? qw.data() : nullptr, D / 2};
+    const Bf16Operands queries{qp, widened ? qw : nullptr, D / 2};
     const Bf16Operands probabilities{pp, widened ? pw : nullptr, kPairs};
     const int64_t first = first_visible_slot(hc, rows) / 16 * 16;
     KeptProbabilities* kept = nullptr;  // the rows' probabilities, for the column sums
