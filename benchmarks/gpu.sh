@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 OV_KVCRUSH=${OV_KVCRUSH:-ov-kvcrush}
 out=${OUT_DIR:-docs/results/bench}
 [ -n "${DRY_RUN:-}" ] || mkdir -p "$out"
-gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'nogpu')" 2>/dev/null || echo nogpu)
+gpu=nogpu  # the card's name, in the files' names (a dry run writes none)
+[ -n "${DRY_RUN:-}" ] ||
+    gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'nogpu')" 2>/dev/null || echo nogpu)
 
 bench() {  # bench NAME ARGS...: one run, its three files named NAME_<gpu>.*
     local name=${1}_$gpu

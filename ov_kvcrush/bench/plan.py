@@ -243,7 +243,7 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
             top = f"{context - plan.new_tokens} (the model's context {context} less --new-tokens)" if context else ""
             raise ConfigError("lengths", n, f"prompt lengths in [{MIN_LENGTH}, {top or 'the context'}]")
     if any(c.backend in TORCH_BACKENDS for c in configs):
-        from ov_kvcrush.engines.torch_model import resolve_device
+        from ov_kvcrush.engines.torch_device import resolve_device
 
         resolve_device(plan.device)  # a bad or missing device is refused before any model loads
         if "hf-static-compiled" in plan.backends and not plan.device.lower().startswith(("cuda", "gpu")):
@@ -259,11 +259,11 @@ def plan_context(plan: BenchPlan) -> int:
     """The context of the plan's model (0: unknown), read without loading or exporting it; a
     ``--model`` that is not there, or not a model, is refused here."""
     from ov_kvcrush.engines.base import model_context
-    from ov_kvcrush.engines.random_model import random_config
+    from ov_kvcrush.engines.random_model import random_architecture
     from ov_kvcrush.models.export import embedded_gguf_path, resolve_source
 
     if speed_only(plan):
-        return int(random_config(str(plan.model)).max_position_embeddings)
+        return int(random_architecture(str(plan.model))["max_position_embeddings"])
     if plan.model is None:
         return model_context(embedded_gguf_path())
     path = Path(plan.model).expanduser()

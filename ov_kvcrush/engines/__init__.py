@@ -43,6 +43,10 @@ def make_engine(
         raise ConfigError("device", device, "a device name such as CPU or cuda")
     if compression is not None and not isinstance(compression, CompressionConfig):
         raise ConfigError("compression", compression, "a CompressionConfig")
+    if backend == "torch":
+        from ov_kvcrush.engines.torch_device import resolve_device
+
+        resolve_device(device)  # refused before the engine's modules load (transformers': seconds)
     engine_cls = _engine_class(backend)
     taken = [n for n in inspect.signature(engine_cls).parameters if n not in ("model_dir", "compression", "device")]
     for name, value in options.items():

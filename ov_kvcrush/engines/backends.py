@@ -37,7 +37,7 @@ def resolve_model(backend: str, model: str | Path | None) -> Path | str:
 
 
 def _resolve_model(backend: str, model: str | Path | None) -> Path | str:
-    from ov_kvcrush.engines.random_model import is_random_model, random_config
+    from ov_kvcrush.engines.random_model import is_random_model, random_architecture
     from ov_kvcrush.models.export import ensure_default_model, export_model, hf_checkpoint
 
     if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -45,7 +45,7 @@ def _resolve_model(backend: str, model: str | Path | None) -> Path | str:
     if is_random_model(model):
         if backend != "torch":
             raise ConfigError("model", model, f"a model path for backend {backend} (random weights run on torch only)")
-        random_config(str(model))  # an unknown architecture is refused here, listing the known ones
+        random_architecture(str(model))  # an unknown architecture is refused here, listing the known ones
         return str(model)
     if backend in ("genai", "openvino"):
         if model is None:

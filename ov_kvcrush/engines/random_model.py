@@ -52,16 +52,22 @@ def is_random_model(model: object) -> bool:
     return isinstance(model, (str, os.PathLike)) and str(model).startswith(RANDOM_PREFIX) and not Path(model).exists()
 
 
-def random_config(model: str) -> Any:
-    """The transformers config of ``random:<name>``; an unknown name is refused, listing the known ones."""
-    from transformers import LlamaConfig
-
+def random_architecture(model: str) -> dict[str, Any]:
+    """The config fields of ``random:<name>`` (what a plan or a check needs, without importing
+    transformers: seconds in a fresh interpreter); an unknown name is refused, listing the known ones."""
     name = str(model)[len(RANDOM_PREFIX) :] if is_random_model(model) else str(model)
     if name not in ARCHITECTURES:
         raise ConfigError(
             "model", model, "a path, or random:<architecture> with one of " + ", ".join(sorted(ARCHITECTURES))
         )
-    return LlamaConfig(**ARCHITECTURES[name], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return ARCHITECTURES[name]
+
+
+def random_config(model: str) -> Any:
+    """The transformers config of ``random:<name>`` (:func:`random_architecture`'s fields)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**random_architecture(model), bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def byte_tokenizer() -> Any:

@@ -1,4 +1,4 @@
-"""Loading a transformers model for the torch engine: the device, the dtype, the supported families.
+"""Loading a transformers model for the torch engine: the supported families, on a checked device and dtype.
 
 The torch engine and transformers' own baselines (:mod:`~ov_kvcrush.engines.hf_baseline`) load
 through here; a bad device or dtype is refused before any loading work.
@@ -8,43 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION
 from ov_kvcrush.engines.model_family import check_family
 from ov_kvcrush.engines.random_model import build_random_model, is_random_model
-from ov_kvcrush.errors import ConfigError, UserError
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(device: str) -> torch.device:
-    """``cpu``/``CPU`` or ``cuda``/``cuda:N``/``GPU``; a clear error when CUDA is not there."""
-    name = device.lower()
-    if name == "gpu":
-        name = "cuda"
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("device", device, "cpu (no CUDA device is available on this machine)")
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise ConfigError("device", device, "cpu, cuda or cuda:N") from None
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError("device", device, f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-        return dev
-    raise ConfigError("device", device, "cpu, cuda or cuda:N (backend torch)")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (what the exported checkpoint holds), bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, "auto, " + ", ".join(DTYPES))
-    return DTYPES[dtype]
+from ov_kvcrush.engines.torch_device import resolve_device, resolve_dtype
+from ov_kvcrush.errors import UserError
 
 
 def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "auto", attn: str = ATTN_IMPLEMENTATION):
