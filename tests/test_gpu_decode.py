@@ -168,12 +168,33 @@ def loaded_engine():
     return device_engine(hf_checkpoint(progress=False))
 
 
-def generate_through_device(method: str, options: dict, budget: int) -> dict:
+def e2e_compression(method: str, options: dict) -> CompressionConfig:
+    """Budget 128, or 512 over the 2-bit store (SnapKV's option, MiniKV's default 4 bits), where
+    whole 128-token chunks of the prompt are quantized."""
+    quant = "quant" in options or method == "minikv"
+    return CompressionConfig(method=method, budget=512 if quant else 128, options=options)
+
+
+E2E_PROMPT_CHARS, E2E_NEW_TOKENS = 3300, 12
+
+
+@functools.cache
+def reference_results() -> dict:
+    """In the worker: every case's reference run, the prompt's pass shared (``reference_runs``)."""
+    from ov_kvcrush.gpu.generate import essay_prompt, reference_runs
+
+    compressions = [e2e_compression(m, o) for m, o in E2E_CASES]
+    runs = reference_runs(loaded_engine(), compressions, essay_prompt(E2E_PROMPT_CHARS), E2E_NEW_TOKENS)
+    return {str(c): r for c, r in zip(compressions, runs, strict=True)}
+
+
+def generate_through_device(method: str, options: dict) -> dict:
     """In the worker: the embedded model's greedy tokens through the device cache and the reference's."""
     from ov_kvcrush.gpu.generate import essay_prompt, run_on_device
 
-    compression = CompressionConfig(method=method, budget=budget, options=options)
-    run = run_on_device(loaded_engine(), compression, essay_prompt(3300), 12)
+    compression = e2e_compression(method, options)
+    reference = reference_results()[str(compression)]
+    run = run_on_device(loaded_engine(), compression, essay_prompt(E2E_PROMPT_CHARS), E2E_NEW_TOKENS, reference)
     return {"run": run, "per_step": run.per_step()}
 
 
@@ -189,10 +210,8 @@ def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method
     reference's: test_openvino_methods): the same 12 greedy tokens, the same tokens held, and
     per decode step the cache's own crossings (tables, counts, decisions) under 1 % of the KV
     bytes the step reads in place."""
-    # over the 2-bit store (SnapKV's option, MiniKV's default 4 bits) budget 512: whole 128-token
-    # chunks of the prompt are quantized
-    quant = "quant" in options or method == "minikv"
-    out = gpu_worker.submit(generate_through_device, method, options, 512 if quant else 128).result()
+    quant = "quant" in options or method == "minikv"  # budget 512 (e2e_compression)
+    out = gpu_worker.submit(generate_through_device, method, options).result()
     run, step = out["run"], out["per_step"]
     assert 650 <= run.prompt_tokens <= 850
     assert run.token_ids == run.reference_ids
