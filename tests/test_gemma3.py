@@ -277,14 +277,21 @@ def test_completion_format_lets_the_base_model_answer(gemma_ir, tmp_path):
     assert report.meta["plan"]["prompt_format"] == "completion"
 
 
+@pytest.fixture(scope="module")
+def gemma_engines(gemma_hf, gemma_ir):
+    """Our op's engine (f32) and the torch engine on Gemma 3, loaded once; each test sets its method."""
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+
+    return OpenVINOEngine(gemma_ir, kv_precision="f32", properties=F32), TorchEngine(gemma_hf)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["snapkv", "kvzip"])
-def test_a_method_runs_on_global_layers_as_in_the_torch_engine(gemma_hf, gemma_ir, method):
+def test_a_method_runs_on_global_layers_as_in_the_torch_engine(gemma_engines, gemma_ir, method):
     """SnapKV selects at the prompt; KVzip scores the context with its reconstruction pass, whose
     steps pass through the sliding layers' windows (the question is asked after compression)."""
     from ov_kvcrush import CompressionConfig, GenerationSettings
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.engines.torch_engine import TorchEngine
     from ov_kvcrush.eval.corpus import essay_text, haystack_essays
 
     budget = 256
@@ -292,9 +299,11 @@ def test_a_method_runs_on_global_layers_as_in_the_torch_engine(gemma_hf, gemma_i
     question = "\nQuestion: what is the text about? Answer:"
     prompt = essay_text(haystack_essays()[0])[:3000] + question  # ~650 tokens: past the window
     settings = GenerationSettings(max_new_tokens=16, apply_chat_template=False, ignore_eos=True)
-    op = OpenVINOEngine(gemma_ir, compression=comp, kv_precision="f32", properties=F32)
+    op, torch_engine = gemma_engines
+    op.set_compression(comp)
+    torch_engine.set_compression(comp)
     got = op.generate(prompt, settings, question=question)
-    want = TorchEngine(gemma_hf, compression=comp).generate(prompt, settings, question=question)
+    want = torch_engine.generate(prompt, settings, question=question)
     assert got.prompt_tokens > 600
     assert got.token_ids == want.token_ids
     held = got.counters["tokens_held_per_layer"]  # the generation's cache as it ended (one KV head)
