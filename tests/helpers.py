@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -344,3 +345,36 @@ def tiny_llama(layers: int = 3):
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
     )  # fmt: skip
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="ov_kvcrush").eval(), cfg
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within the block, transformers' GGUF loading parses each file once, quickly.
+
+    transformers parses the whole GGUF twice (for its config, then for its tokenizer), and most
+    of a parse is numpy's memmap subclass finalizing each of the millions of slices gguf takes of
+    the file (10 s for Gemma 3's 262k-token vocabulary). Here the second parse gets the first's
+    reader, and the reader slices a plain array over the same mapping: the same fields."""
+    import gguf
+
+    class PlainViewReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mapping):
+            self._plain = mapping.view(np.ndarray)
+
+    readers: dict[str, gguf.GGUFReader] = {}
+
+    def read_once(path, *args, **kwargs):
+        if str(path) not in readers:
+            readers[str(path)] = PlainViewReader(path, *args, **kwargs)
+        return readers[str(path)]
+
+    original, gguf.GGUFReader = gguf.GGUFReader, read_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original

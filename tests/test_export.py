@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import cli, gguf_parsed_once
 
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.models import export
@@ -139,7 +139,8 @@ def gguf_tokenizer():
     from transformers import AutoTokenizer
 
     path = export.embedded_gguf_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import F32, converted_steps, native_steps
+from helpers import F32, converted_steps, gguf_parsed_once, native_steps
 
 pytestmark = pytest.mark.model
 
@@ -163,7 +163,7 @@ def windows_of(model_dir) -> list[int]:
 
 
 @pytest.mark.slow
-def test_tokenizer_encodes_as_llama_cpp(gguf_vocab, gemma_tokenizer, gemma_ir):
+def test_tokenizer_encodes_as_llama_cpp(gguf_vocab, gemma_hf, gemma_tokenizer, gemma_ir):
     import openvino_genai as ov_genai
 
     saved = gemma_tokenizer  # rebuilt from the GGUF, saved, reloaded
@@ -186,37 +186,15 @@ def test_tokenizer_encodes_as_llama_cpp(gguf_vocab, gemma_tokenizer, gemma_ir):
 
 
 @pytest.mark.slow
-def test_transformers_own_conversion_is_the_defect_repaired(gguf_vocab, monkeypatch):
+def test_transformers_own_conversion_is_the_defect_repaired(gguf_vocab):
     """Without the rebuild, transformers segments per syllable: the repair stays justified."""
-    import gguf
     from transformers import AutoTokenizer
 
     from ov_kvcrush.models.embedded import embedded_gguf_path
 
-    # transformers parses the whole GGUF twice (for its config, then for its tokenizer), 10 s each
-    # for this vocabulary: the second parse gets the first's reader. Most of a parse is numpy's
-    # memmap subclass finalizing each of the 4 million slices gguf takes of the file; the reader
-    # below slices a plain array over the same mapping (the same fields, 5 s faster)
-    class PlainViewReader(gguf.GGUFReader):
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, mapping):
-            self._plain = mapping.view(np.ndarray)
-
-    readers = {}
-
-    def read_once(path, *args, **kwargs):
-        if str(path) not in readers:
-            readers[str(path)] = PlainViewReader(path, *args, **kwargs)
-        return readers[str(path)]
-
-    monkeypatch.setattr(gguf, "GGUFReader", read_once)
-
     path = embedded_gguf_path(GEMMA)
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with gguf_parsed_once():
+        theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     some = [2, 818, 5279, 529, 7001, 563, len(gguf_vocab.tokens) - 1]  # the file's tokens came through
     assert theirs.convert_ids_to_tokens(some) == [gguf_vocab.tokens[i] for i in some]
     text = "The capital of France is"
