@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import bench_script_dry_run, cli
+from helpers import bench_script_dry_run, run_main
 
 from ov_kvcrush.bench.serving import ServingPlan, checked_configs, format_serving, run_serving
 from ov_kvcrush.errors import ConfigError
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_a_serving_run_is_checked_before_anything_loads():
+def test_a_serving_run_is_checked_before_anything_loads(capsys):
     with pytest.raises(ConfigError, match="backends"):
         checked_configs(ServingPlan(backends=("torch",), kv_pool_mib=10))
     with pytest.raises(ConfigError, match="kv_pool_mib"):
@@ -25,10 +25,10 @@ def test_a_serving_run_is_checked_before_anything_loads():
         checked_configs(ServingPlan(concurrency=0, kv_pool_mib=10))
     labels = [c.label for c in checked_configs(ServingPlan(methods=("full", "snapkv"), budgets=(512,), kv_pool_mib=64))]
     assert labels == ["genai full", "openvino full", "genai snapkv @512", "openvino snapkv @512"]
-    proc = cli("bench", "--concurrency", "4")
-    assert proc.returncode == 2 and "--kv-pool-mib is missing" in proc.stderr
-    proc = cli("bench", "--concurrency", "4", "--kv-pool-mib", "64", "--lengths", "1024,2048")
-    assert proc.returncode == 2 and "one prompt length" in proc.stderr
+    code, _, err = run_main(capsys, "bench", "--concurrency", "4")
+    assert code == 2 and "--kv-pool-mib is missing" in err
+    code, _, err = run_main(capsys, "bench", "--concurrency", "4", "--kv-pool-mib", "64", "--lengths", "1024,2048")
+    assert code == 2 and "one prompt length" in err
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import cli, gguf_parsed_once
+from helpers import cli, gguf_parsed_once, run_main
 
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.models import export
@@ -37,37 +37,38 @@ def test_cli_bad_input_is_one_line_exit_2(args, needle):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_cli_directory_that_is_not_a_causal_lm(tmp_path):
+def test_cli_directory_that_is_not_a_causal_lm(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
-    proc = cli("export", "--model", str(tmp_path))
-    assert proc.returncode == 2 and "not a causal language model" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = run_main(capsys, "export", "--model", str(tmp_path))
+    assert code == 2 and "not a causal language model" in err
+    assert "Traceback" not in err
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = cli("export", "--model", str(empty))
-    assert proc.returncode == 2 and "no config.json" in proc.stderr
+    code, _, err = run_main(capsys, "export", "--model", str(empty))
+    assert code == 2 and "no config.json" in err
 
 
-def test_cli_not_a_gguf(tmp_path):
+def test_cli_not_a_gguf(tmp_path, capsys):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"NOPE" + b"\0" * 16)
-    proc = cli("export", "--model", str(fake))
-    assert proc.returncode == 2 and "bad magic" in proc.stderr
+    code, _, err = run_main(capsys, "export", "--model", str(fake))
+    assert code == 2 and "bad magic" in err
 
 
 @pytest.mark.slow
-def test_subcommands_are_listed_and_bench_refuses_bad_input():
+def test_subcommands_are_listed_and_bench_refuses_bad_input(capsys):
+    """The listing in a fresh interpreter, the refusals through the entry point's ``main``."""
     proc = cli("--help")
     for name in ("export", "demo", "generate", "chat", "eval", "bench"):
         assert name in proc.stdout
-    proc = cli("bench", "--backends", "nope")
-    assert proc.returncode == 2 and "backend" in proc.stderr and "genai" in proc.stderr
-    proc = cli("bench", "--methods", "bogus")
-    assert proc.returncode == 2 and "method" in proc.stderr and "bogus" in proc.stderr
-    proc = cli("bench", "--methods", "kvcrush:block_size=-3")
-    assert proc.returncode == 2 and "block_size" in proc.stderr
-    proc = cli("bench", "--backends", "torch", "--device", "cuda:7")
-    assert proc.returncode == 2 and "device" in proc.stderr and "Traceback" not in proc.stderr
+    code, _, err = run_main(capsys, "bench", "--backends", "nope")
+    assert code == 2 and "backend" in err and "genai" in err
+    code, _, err = run_main(capsys, "bench", "--methods", "bogus")
+    assert code == 2 and "method" in err and "bogus" in err
+    code, _, err = run_main(capsys, "bench", "--methods", "kvcrush:block_size=-3")
+    assert code == 2 and "block_size" in err
+    code, _, err = run_main(capsys, "bench", "--backends", "torch", "--device", "cuda:7")
+    assert code == 2 and "device" in err and "Traceback" not in err
 
 
 def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import signal_after_drops, with_all_cores
+from helpers import run_main, signal_after_drops, with_all_cores
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines import signal_stack
@@ -182,15 +182,12 @@ def test_native_gguf_runs_without_export():
         (["--paged-device", "vulkan", "--backend", "torch"], "argument --paged-device: invalid choice"),
     ],
 )
-def test_cli_generate_bad_input(model_dir, tmp_path, args, needle):
+def test_cli_generate_bad_input(model_dir, tmp_path, capsys, args, needle):
+    """Through the entry point's ``main`` (test_user_errors runs such refusals in a fresh interpreter)."""
     prompt = tmp_path / "p.txt"
     prompt.write_text("hi")
-    proc = subprocess.run(
-        [sys.executable, "-m", "ov_kvcrush", "generate", "--prompt-file", str(prompt),
-         "--model", str(model_dir), *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    code, _, err = run_main(capsys, "generate", "--prompt-file", str(prompt), "--model", str(model_dir), *args)
+    assert code == 2 and needle in err and "Traceback" not in err
 
 
 def test_streamer_sees_the_text_and_can_stop(full_engine):

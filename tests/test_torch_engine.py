@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import run_main
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.hf_cache import storage_bytes
@@ -240,8 +241,9 @@ def test_cli_generate_torch_writes_json(tmp_path):
         (["--method", "chelsea", "--budget", "256", "--device", "tpu"], "device='tpu' is invalid"),
     ],
 )
-def test_cli_generate_torch_errors_are_one_line(tmp_path, args, needle):
+def test_cli_generate_torch_errors_are_one_line(tmp_path, capsys, args, needle):
+    """Through the entry point's ``main`` (test_user_errors runs such refusals in a fresh interpreter)."""
     prompt = tmp_path / "p.txt"
     prompt.write_text("hello")
-    proc = _cli("generate", "--backend", "torch", "--prompt-file", str(prompt), *args)
-    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    code, _, err = run_main(capsys, "generate", "--backend", "torch", "--prompt-file", str(prompt), *args)
+    assert code == 2 and needle in err and "Traceback" not in err
