@@ -168,11 +168,16 @@ def loaded_engine():
     return device_engine(hf_checkpoint(progress=False))
 
 
+def over_quantized_store(method: str, options: dict) -> bool:
+    """Over the 2-bit store: SnapKV's option, MiniKV's default (4 bits)."""
+    return "quant" in options or method == "minikv"
+
+
 def e2e_compression(method: str, options: dict) -> CompressionConfig:
-    """Budget 128, or 512 over the 2-bit store (SnapKV's option, MiniKV's default 4 bits), where
-    whole 128-token chunks of the prompt are quantized."""
-    quant = "quant" in options or method == "minikv"
-    return CompressionConfig(method=method, budget=512 if quant else 128, options=options)
+    """Budget 128, or 512 over the quantized store, where whole 128-token chunks of the prompt
+    are quantized."""
+    budget = 512 if over_quantized_store(method, options) else 128
+    return CompressionConfig(method=method, budget=budget, options=options)
 
 
 E2E_PROMPT_CHARS, E2E_NEW_TOKENS = 3300, 12
@@ -210,7 +215,7 @@ def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method
     reference's: test_openvino_methods): the same 12 greedy tokens, the same tokens held, and
     per decode step the cache's own crossings (tables, counts, decisions) under 1 % of the KV
     bytes the step reads in place."""
-    quant = "quant" in options or method == "minikv"  # budget 512 (e2e_compression)
+    quant = over_quantized_store(method, options)  # budget 512 (e2e_compression)
     out = gpu_worker.submit(generate_through_device, method, options).result()
     run, step = out["run"], out["per_step"]
     assert 650 <= run.prompt_tokens <= 850
