@@ -87,6 +87,13 @@ def test_transformers_batches_equal_its_single_runs():
     # and our full cache in a batch answers what transformers does
     ours = TorchEngine(TINY).generate_batch(PROMPTS, GREEDY)
     assert [r.token_ids for r in ours] == [r.token_ids for r in batch]
+    # a step of either reads every row's cache: the bench's floor counts the batch's bytes
+    for engine_rows in (batch, ours):
+        assert engine_rows[0].counters["batch_rows"] == 3 and "batch_rows" not in engine_rows[3].counters
+    assert batch[0].counters["kv_read_bytes"] == 3 * batch[0].kv_bytes
+    assert batch[3].counters["kv_read_bytes"] == batch[3].kv_bytes
+    # the same tokens (ours counts its store's reserve, rounded up)
+    assert batch[0].counters["kv_read_bytes"] == pytest.approx(ours[0].counters["kv_read_bytes"], rel=0.1)
 
 
 #: one layer of each method whose decode runs Triton kernels (layer 2 of 3: not a dense layer)

@@ -116,12 +116,21 @@ class HFBaselineEngine(TorchEngine):
         clock = _TokenClock()
         out = self._generate(rows, settings, clock)
         return [
-            self._result(ids, row[len(ids) :], clock, settings, warmups) for ids, row in zip(rows, out, strict=True)
+            self._result(ids, row[len(ids) :], clock, settings, warmups, len(rows))
+            for ids, row in zip(rows, out, strict=True)
         ]
 
     def _result(
-        self, ids: list[int], generated: list[int], clock: _TokenClock, settings: GenerationSettings, warmups: int
+        self,
+        ids: list[int],
+        generated: list[int],
+        clock: _TokenClock,
+        settings: GenerationSettings,
+        warmups: int,
+        rows: int = 1,
     ) -> GenerationResult:
+        """One row's result: its own bytes; the bytes a step reads are the batch's (``rows``
+        caches of this length), as :class:`TorchEngine`'s counters give them."""
         tokens = generated
         if not settings.ignore_eos:  # a row ends at its first EOS (a batch pads it on after)
             end = next((j for j, t in enumerate(generated) if t in self.eos_ids), len(generated))
@@ -144,7 +153,7 @@ class HFBaselineEngine(TorchEngine):
             method="full",
             budget=None,
             backend=self.backend,
-            counters={"warmup_runs": warmups, "kv_read_bytes": kv},
+            counters={"warmup_runs": warmups, "kv_read_bytes": kv * rows, **({"batch_rows": rows} if rows > 1 else {})},
         )
 
     def _generate(
