@@ -3,7 +3,7 @@
 # bf16, one sequence, our fast path (ClusterKV, Quest, SnapKV, MiniKV, the full cache) beside
 # transformers' own cache (hf-sdpa: the TTFT anchor; hf-static-compiled: StaticCache + CUDA graphs,
 # the TPOT to beat), in one run. Speed only: random weights make no quality claim.
-#   bash benchmarks/gpu.sh [main|long|headline|batch|profile ...]      (default: main)
+#   bash benchmarks/gpu.sh [main|long|headline|batch|profile|profile-batch ...]      (default: main)
 # Runs from a checkout without installing (the device image has torch, transformers and Triton):
 #   OV_KVCRUSH="python3 -m ov_kvcrush" OUT_DIR=$OUT bash benchmarks/gpu.sh main
 # DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
@@ -54,8 +54,15 @@ for run in "${runs[@]}"; do
             python3 benchmarks/gpu_profile.py --lengths 131000 --methods clusterkv,full --steps 8 \
                 --json "$out/profile_cuda_llama3_8b_random_128k_${gpu}.json"
         fi ;;
+    profile-batch)  # issue 52: ClusterKV's and the full cache's step for a batch of 8 at 32k, kernel by kernel
+        if [ -n "${DRY_RUN:-}" ]; then
+            echo "python3 benchmarks/gpu_profile.py --lengths 32768 --batch 8 --methods clusterkv,full --steps 8"
+        else
+            python3 benchmarks/gpu_profile.py --lengths 32768 --batch 8 --methods clusterkv,full --steps 8 \
+                --json "$out/profile_cuda_llama3_8b_random_32k_batch8_${gpu}.json"
+        fi ;;
     *)
-        echo "benchmarks/gpu.sh: unknown run '$run' (main, long, headline, batch, profile)" >&2
+        echo "benchmarks/gpu.sh: unknown run '$run' (main, long, headline, batch, profile, profile-batch)" >&2
         exit 2 ;;
     esac
 done

@@ -91,24 +91,27 @@ def summary(us: dict[str, float], scale: float) -> dict[str, object]:
     }
 
 
-def graphed_step(decoder: GraphedDecoder, token: int, position: int) -> torch.Tensor:
-    """One replayed step of one sequence (``--before`` runs an older package, whose step took one token)."""
+def graphed_step(decoder: GraphedDecoder, tokens: list[int], position: int) -> torch.Tensor:
+    """One replayed step, a token per row (an older package's step took one sequence's token)."""
     try:
-        return decoder.step([token], position)
+        return decoder.step(tokens, position)
     except TypeError:
-        return decoder.step(token, position)  # type: ignore[arg-type]
+        return decoder.step(tokens[0], position)  # type: ignore[arg-type]
 
 
-def measure(model, method: str, budget: int, length: int, steps: int) -> dict[str, object]:
-    """One method at one prompt length, on one prefill: the prefill's kernels, then ``steps``
-    eager decode steps' kernels (per step), then TPOT eager and replayed as CUDA graphs."""
+def measure(model, method: str, budget: int, length: int, steps: int, batch: int = 1) -> dict[str, object]:
+    """One method at one prompt length, on one prefill of ``batch`` rows (each its own prompt):
+    the prefill's kernels, then ``steps`` eager decode steps' kernels (per step), then TPOT
+    eager and replayed as CUDA graphs (one step decodes a token for every row)."""
     comp = CompressionConfig(method=method, budget=None if method == "full" else budget)
     cache = CompressedCache(comp.method_config(), model.config, fast_path=True, reserve=4 * steps + 8)
-    ids = torch.tensor([[3 + (i * 7919) % 250 for i in range(length)]], device=model.device)
+    ids = torch.tensor(
+        [[3 + (i * 7919 + row * 104729) % 250 for i in range(length)] for row in range(batch)], device=model.device
+    )
 
     def forward(x: torch.Tensor, position: int | None = None) -> torch.Tensor:
         with torch.inference_mode(), fused():
-            kw = {} if position is None else {"position_ids": torch.tensor([[position]], device=model.device)}
+            kw = {} if position is None else {"position_ids": torch.full((batch, 1), position, device=model.device)}
             return model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw).logits
 
     t0 = time.perf_counter()
@@ -120,7 +123,7 @@ def measure(model, method: str, budget: int, length: int, steps: int) -> dict[st
     def eager_steps(n: int) -> None:
         nonlocal position
         for _ in range(n):
-            forward(torch.tensor([[token]], device=model.device), position)
+            forward(torch.full((batch, 1), token, device=model.device), position)
             position += 1
 
     eager_steps(2)  # kernels compiled, allocator grown
@@ -132,21 +135,22 @@ def measure(model, method: str, budget: int, length: int, steps: int) -> dict[st
     tpot_eager = (time.perf_counter() - t0) / steps
     tpot_graphs, captures = None, 0
     if model.device.type == "cuda":
-        decoder = GraphedDecoder(model, cache)
+        decoder = GraphedDecoder(model, cache, batch) if batch > 1 else GraphedDecoder(model, cache)
         with fused():
             for _ in range(2):  # the capture, then a replay
-                graphed_step(decoder, token, position)
+                graphed_step(decoder, [token] * batch, position)
                 position += 1
             sync()
             t0 = time.perf_counter()
             for _ in range(steps):
-                graphed_step(decoder, token, position)
+                graphed_step(decoder, [token] * batch, position)
                 position += 1
             sync()
         tpot_graphs, captures = round((time.perf_counter() - t0) / steps * 1e3, 2), decoder.captures
     return {
         "method": method,
         "length": length,
+        "batch": batch,
         "prefill_wall_ms_profiled": round(prefill_wall * 1e3, 1),
         "tpot_ms_eager": round(tpot_eager * 1e3, 2),
         "tpot_ms_graphs": tpot_graphs,
@@ -216,6 +220,7 @@ def main() -> None:
     ap.add_argument("--methods", default="full,clusterkv")
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (one prompt each)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", dest="json_out")
@@ -237,7 +242,7 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         for length in map(int, args.lengths.split(",")):
-            rows.append(measure(model, method, args.budget, length, args.steps))
+            rows.append(measure(model, method, args.budget, length, args.steps, args.batch))
             print(json.dumps(rows[-1], indent=1), flush=True)
             if cuda:
                 torch.cuda.empty_cache()

@@ -305,6 +305,7 @@ SELECTIONS = [
     (1, 2, 1, 50, 1, 20),  # one cluster
     (1, 4, 2, 60, 9, 500),  # a budget over every clustered token
     (1, 2, 1, 60, 6, 25),  # every cluster scores alike: the budget's boundary falls inside the tie
+    (2, 4, 2, 4000, 700, 1024),  # hundreds of clusters a row, as at 32k tokens
 ]
 
 
