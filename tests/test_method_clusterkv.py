@@ -155,6 +155,30 @@ def test_quest_bound_is_an_upper_bound_and_current_page_is_kept():
             assert bound >= true_max - 1e-4
 
 
+def test_quest_bounds_in_two_products_are_the_channel_max_bounds():
+    """:func:`page_upper_bounds` (two products over the group's positive and negative query
+    parts) equals the paper's ``sum_c max(q_c kmax_c, q_c kmin_c)`` summed over the group's heads
+    and the step's query tokens, computed channel by channel; the pages recalled are its top."""
+    from ov_kvcrush.methods.quest import page_bounds, page_upper_bounds
+
+    vec = layer_vectors(7, tokens=200)
+    q, k = vec.queries[:, :, -3:], vec.keys  # three query tokens: summed before the bound
+    kmax, kmin = page_bounds(k, 16)
+    got = page_upper_bounds(q, kmax, kmin)
+    qs = q[0].float().sum(1)  # [hq, d]
+    for h in range(3):
+        for p in range(kmax.shape[2]):
+            want = sum(
+                torch.maximum(qs[j] * kmax[0, h, p], qs[j] * kmin[0, h, p]).sum() for j in range(3 * h, 3 * h + 3)
+            )
+            assert float(got[0, h, p]) == pytest.approx(float(want), rel=1e-5, abs=1e-4)
+    sel = quest_select(q, k, 16, 64)
+    bound = got.clone()
+    bound[..., -1] = float("inf")
+    for h in range(3):
+        assert set((sel[0, h] // 16).tolist()) == set(bound[0, h].topk(4).indices.tolist())
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="budget"):
         ClusterKVConfig(budget=16)

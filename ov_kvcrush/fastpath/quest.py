@@ -18,7 +18,7 @@ import torch
 
 from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.methods.base import gather_tokens, tensor_bytes, topk_indices
-from ov_kvcrush.methods.quest import QuestConfig, page_bounds
+from ov_kvcrush.methods.quest import QuestConfig, page_bounds, page_upper_bounds
 
 
 class FastQuestLayerCache(FastLayerCache):
@@ -71,10 +71,7 @@ class FastQuestLayerCache(FastLayerCache):
         self._write(keys, values)
         k, v = self.buffer.keys, self.buffer.values
         assert k is not None and v is not None
-        b, hk, _, d = k.shape
-        g = queries.shape[1] // hk
-        q = queries.float().sum(dim=2).reshape(b, hk, g, 1, d)
-        bound = torch.maximum(q * self.kmax.unsqueeze(2), q * self.kmin.unsqueeze(2)).sum(-1).sum(2)  # [b, hk, P]
+        bound = page_upper_bounds(queries, self.kmax, self.kmin)  # [b, hk, P]; unreached pages masked below
         index = torch.arange(bound.shape[2], device=k.device)
         bound = torch.where(index > page, float("-inf"), torch.where(index == page, float("inf"), bound))
         top = topk_indices(bound, min(self.pages, bound.shape[2]))

@@ -36,6 +36,20 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return kmax, kmin
 
 
+def page_upper_bounds(queries: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
+    """Each page's upper bound ``sum_c max(q_c * kmax_c, q_c * kmin_c)``, summed over the step's
+    query tokens and a KV head's query group, ``[b, hk, pages]`` float32.
+
+    ``kmax >= kmin`` channel by channel, so the max takes ``kmax`` where ``q_c >= 0`` and ``kmin``
+    where ``q_c < 0``: the bound is two products, ``kmax . sum(q+) + kmin . sum(q-)`` over the
+    group, with no ``[b, hk, group, pages, d]`` temporary (1 GB a layer for a batch of 8 at 32k).
+    """
+    b, hk, _, d = kmax.shape
+    q = queries.float().sum(dim=2).reshape(b, hk, -1, d)  # summed over the step's query tokens
+    above, below = q.clamp_min(0).sum(2), q.clamp_max(0).sum(2)  # [b, hk, d]
+    return (kmax @ above.unsqueeze(-1) + kmin @ below.unsqueeze(-1)).squeeze(-1)
+
+
 def quest_select(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -51,7 +65,7 @@ def quest_select(
     """
     check_query(queries, keys)
     check_int("page_size", page_size, 1, 4096)
-    b, hk, n, d = keys.shape
+    n = keys.shape[2]
     pages = -(-n // page_size)
     want = min(budget // page_size, pages)
     if want == 0:
@@ -60,9 +74,7 @@ def quest_select(
     kmax, kmin = page_bounds(keys, page_size) if bounds is None else bounds
     if kmax.shape[2] != pages:
         raise ShapeError(f"bounds cover {kmax.shape[2]} pages, the keys {pages}")
-    g = queries.shape[1] // hk
-    q = queries.float().sum(dim=2).reshape(b, hk, g, 1, d)  # summed over the step's query tokens
-    bound = torch.maximum(q * kmax.unsqueeze(2), q * kmin.unsqueeze(2)).sum(-1).sum(2)  # [b, hk, pages]
+    bound = page_upper_bounds(queries, kmax, kmin)
     bound[..., -1] = float("inf")  # the current page
     top = topk_indices(bound, want)
     tok = (top.unsqueeze(-1) * page_size + torch.arange(page_size, device=keys.device)).flatten(2)
