@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import cli
+from helpers import cli, run_main
 
 from ov_kvcrush.cli.demo import label, runs
 
@@ -25,10 +25,10 @@ def test_the_main_job_answers_every_row():
 
 
 @pytest.mark.slow
-def test_the_demo_answers_with_the_product_and_with_the_reference_behind_a_flag():
-    proc = cli("demo", "--tokens", "400", "--budget", "192", "--torch")
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def test_the_demo_answers_with_the_product_and_with_the_reference_behind_a_flag(capsys):
+    """Through the entry point's ``main`` (the fresh interpreter's run is the main job's, above)."""
+    code, out, err = run_main(capsys, "demo", "--tokens", "400", "--budget", "192", "--torch")
+    assert code == 0, err
     expected = [label(b, cfg) for b, cfg in runs(192, with_torch=True)]
     positions = [out.find(f"{name} ") for name in expected]
     assert all(p >= 0 for p in positions), [n for n, p in zip(expected, positions, strict=True) if p < 0]

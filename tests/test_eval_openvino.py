@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import cli
+from helpers import run_main
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError
@@ -80,13 +80,14 @@ def test_the_plan_refuses_what_the_op_does_not_run():
 
 
 @pytest.mark.slow
-def test_the_cli_evaluates_the_op(tmp_path):
+def test_the_cli_evaluates_the_op(tmp_path, capsys):
+    """Through the entry point's ``main`` (a fresh interpreter's start: test_user_errors, test_demo)."""
     out = tmp_path / "eval.json"
-    proc = cli(
-        "eval", "--backend", "openvino", "--tasks", "passkey", "--lengths", "300", "--methods", "snapkv,kvcrush",
-        "--budgets", "128", "--max-new-tokens", "6", "--json", str(out),
+    code, _, err = run_main(
+        capsys, "eval", "--backend", "openvino", "--tasks", "passkey", "--lengths", "300",
+        "--methods", "snapkv,kvcrush", "--budgets", "128", "--max-new-tokens", "6", "--json", str(out),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
     doc = json.loads(out.read_text())
     assert {r["method"] for r in doc["results"]} == {"full", "snapkv", "kvcrush"}
     assert all(r["backend"] == "openvino" for r in doc["results"])

@@ -135,22 +135,21 @@ def test_native_failure_becomes_user_error_and_engine_recovers(model_dir):
     assert engine.generate("What is the capital of France?", GenerationSettings(max_new_tokens=8)).text
 
 
-def test_cli_generate_json(model_dir, tmp_path):
+def test_cli_generate_json(model_dir, tmp_path, capsys):
+    """Through the entry point's ``main`` (a fresh interpreter's start: test_user_errors, test_demo)."""
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France?")
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ov_kvcrush", "generate", "--backend", "genai", "--method", "kvcrush",
-         "--budget", "256", "--prompt-file", str(prompt), "--max-new-tokens", "12", "--model", str(model_dir),
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
+    code, stdout, stderr = run_main(
+        capsys, "generate", "--backend", "genai", "--method", "kvcrush", "--budget", "256",
+        "--prompt-file", str(prompt), "--max-new-tokens", "12", "--model", str(model_dir), "--json", str(out),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, stderr
     data = json.loads(out.read_text())
     for key in ("text", "ttft_ms", "tpot_ms", "kv_bytes", "full_kv_bytes", "method", "budget", "backend"):
         assert key in data
     assert data["method"] == "kvcrush" and data["budget"] == 256 and data["backend"] == "genai"
-    assert "Paris" in data["text"] and data["text"] in proc.stdout
+    assert "Paris" in data["text"] and data["text"] in stdout
 
 
 @pytest.mark.slow

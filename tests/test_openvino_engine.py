@@ -308,26 +308,16 @@ def test_cli_generate_openvino_backend(model_dir, tmp_path, capsys):
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France?")
     out = tmp_path / "r.json"
-    proc = _cli(
-        "generate",
-        "--backend",
-        "openvino",
-        "--model",
-        str(model_dir),
-        "--prompt-file",
-        str(prompt),
-        "--max-new-tokens",
-        "8",
-        "--kv-precision",
-        "f32",
-        "--json",
-        str(out),
-    )
-    assert proc.returncode == 0, proc.stderr
+    # through the entry point's main, as the refusals below (a fresh interpreter's start: test_demo)
+    code, _, err = run_main(
+        capsys, "generate", "--backend", "openvino", "--model", str(model_dir), "--prompt-file", str(prompt),
+        "--max-new-tokens", "8", "--kv-precision", "f32", "--json", str(out),
+    )  # fmt: skip
+    assert code == 0, err
     res = json.loads(out.read_text())
     assert res["backend"] == "openvino" and res["counters"]["kv_precision"] == "f32"
     assert res["kv_bytes"] == res["full_kv_bytes"] > 0 and "Paris" in res["text"]
-    # the refusals through the entry point's main (test_user_errors runs such in a fresh interpreter)
+    # refusals (test_user_errors runs such in a fresh interpreter)
     code, _, err = run_main(
         capsys, "generate", "--backend", "openvino", "--model", str(model_dir), "--prompt-file", str(prompt),
         "--method", "quest", "--budget", "128",

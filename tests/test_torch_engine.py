@@ -7,8 +7,6 @@ tensors measured from their storage.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -208,27 +206,23 @@ def test_bad_device_and_dtype_are_named(hf_dir):
             TorchEngine(hf_dir, device="cuda")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ov_kvcrush", *args], capture_output=True, text=True, timeout=600, check=False
-    )
-
-
 @pytest.mark.slow
-def test_cli_generate_torch_writes_json(tmp_path):
+def test_cli_generate_torch_writes_json(tmp_path, capsys):
+    """Through the entry point's ``main`` (a fresh interpreter's start: test_user_errors, test_demo)."""
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France?")
     out = tmp_path / "r.json"
-    proc = _cli(
+    code, stdout, stderr = run_main(
+        capsys,
         "generate", "--backend", "torch", "--method", "kvcrush", "--budget", "128", "--option", "representatives=16",
         "--prompt-file", str(prompt), "--max-new-tokens", "8", "--json", str(out),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, stderr
     data = json.loads(out.read_text())
     for key in ("text", "ttft_ms", "tpot_ms", "kv_bytes", "full_kv_bytes", "method", "budget", "backend"):
         assert key in data
     assert data["backend"] == "torch" and data["method"] == "kvcrush" and data["budget"] == 128
-    assert data["text"].strip() and data["text"].strip() in proc.stdout
+    assert data["text"].strip() and data["text"].strip() in stdout
 
 
 @pytest.mark.slow
