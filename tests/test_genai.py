@@ -106,8 +106,9 @@ def test_prompts_just_past_the_sinks_with_snapkv(model_dir):
     cfg = CompressionConfig(method="snapkv", budget=96, sink_tokens=32, recent_tokens=32, snapkv_window=8)
     engine = GenAIEngine(model_dir, cfg)
     for n in range(33, 41):
+        past = 96 + 32 + 1 - n  # the fewest new tokens that take the sequence past the budget and a block
         r = engine.generate(
-            " ".join(["tick"] * n), GenerationSettings(max_new_tokens=100, apply_chat_template=False, ignore_eos=True)
+            " ".join(["tick"] * n), GenerationSettings(max_new_tokens=past, apply_chat_template=False, ignore_eos=True)
         )
         assert r.prompt_tokens == n and r.prompt_tokens + len(r.token_ids) > 96 + 32  # eviction ran
         assert r.kv_bytes <= (96 + 32) // 32 * r.counters["kv_block_bytes"]
