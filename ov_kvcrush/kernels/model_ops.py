@@ -49,46 +49,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotary(
     X, COS, SIN, Out,
     sxb, sxh, sxt, sxd, scb, sct, scd, sob, soh, sot, sod,
-    T, HALF, BLOCK: tl.constexpr,
+    T, HEADS, HALF, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     bt = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
     b = bt // T
     t = bt % T
-    offs = tl.arange(0, BLOCK)
-    ok = offs < HALF
-    x_base = X + b * sxb + h * sxh + t * sxt
+    heads = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]  # every head of the token in one tile
+    offs = tl.arange(0, BLOCK)[None, :]
+    ok = (heads < HEADS) & (offs < HALF)
+    x_base = X + b * sxb + t * sxt + heads * sxh
     c_base = COS + b * scb + t * sct
     s_base = SIN + b * scb + t * sct
     x1 = tl.load(x_base + offs * sxd, mask=ok, other=0.0)
     x2 = tl.load(x_base + (offs + HALF) * sxd, mask=ok, other=0.0)
-    c1 = tl.load(c_base + offs * scd, mask=ok, other=0.0)
-    c2 = tl.load(c_base + (offs + HALF) * scd, mask=ok, other=0.0)
-    s1 = tl.load(s_base + offs * scd, mask=ok, other=0.0)
-    s2 = tl.load(s_base + (offs + HALF) * scd, mask=ok, other=0.0)
+    c1 = tl.load(c_base + offs * scd, mask=offs < HALF, other=0.0)  # the token's angles, shared by its heads
+    c2 = tl.load(c_base + (offs + HALF) * scd, mask=offs < HALF, other=0.0)
+    s1 = tl.load(s_base + offs * scd, mask=offs < HALF, other=0.0)
+    s2 = tl.load(s_base + (offs + HALF) * scd, mask=offs < HALF, other=0.0)
     dt = Out.dtype.element_ty
     # x * cos + rotate_half(x) * sin, each product and the sum rounded to the model's dtype
     a1 = (x1.to(tl.float32) * c1.to(tl.float32)).to(dt).to(tl.float32)
     b1 = (-x2.to(tl.float32) * s1.to(tl.float32)).to(dt).to(tl.float32)
     a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
     b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
-    o_base = Out + b * sob + h * soh + t * sot
+    o_base = Out + b * sob + t * sot + heads * soh
     tl.store(o_base + offs * sod, (a1 + b1).to(dt), mask=ok)
     tl.store(o_base + (offs + HALF) * sod, (a2 + b2).to(dt), mask=ok)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` for ``x`` ``[b, heads, t, d]`` (any strides) and ``cos``,
-    ``sin`` ``[b, t, d]``, as transformers' ``apply_rotary_pos_emb`` rotates one tensor."""
+    ``sin`` ``[b, t, d]``, as transformers' ``apply_rotary_pos_emb`` rotates one tensor; one
+    program per token, all its heads in one tile (its angles loaded once)."""
     b, heads, t, d = x.shape
     if cos.shape[0] == 1 and b > 1:  # one set of positions for every row (a batch's prompt)
         cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
     if d % 2 or cos.shape != (b, t, d) or sin.shape != cos.shape or sin.stride() != cos.stride():
         raise ValueError(f"rotary: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     out = torch.empty((b, heads, t, d), dtype=torch.result_type(x, cos), device=x.device)
-    _rotary[(b * t, heads)](
-        x, cos, sin, out, *x.stride(), *cos.stride(), *out.stride(), t, d // 2,
-        BLOCK=max(16, triton.next_power_of_2(d // 2)), num_warps=1,
+    block_h, block = triton.next_power_of_2(heads), max(16, triton.next_power_of_2(d // 2))
+    _rotary[(b * t,)](
+        x, cos, sin, out, *x.stride(), *cos.stride(), *out.stride(), t, heads, d // 2,
+        BLOCK_H=block_h, BLOCK=block, num_warps=min(8, max(1, block_h * block // 512)),
     )  # fmt: skip
     return out
 
