@@ -147,6 +147,6 @@ def quant2_decode_attention(
         *qv.stride(), *vs.stride(),
         *residual_keys.stride(), out.stride(0), out.stride(1), out.stride(3),
         hq, hq // hk, quantized_tokens, residual_keys.shape[2], d, group_size, qk_scale,
-        BLOCK_N=64 if queries.device.type == "cuda" else 16, BLOCK_D=block_d, KBITS=key_bits, VBITS=value_bits,
+        BLOCK_N=64 if queries.device.type == "cuda" else 32, BLOCK_D=block_d, KBITS=key_bits, VBITS=value_bits,
     )  # fmt: skip
     return out
