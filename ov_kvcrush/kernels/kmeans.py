@@ -132,8 +132,8 @@ def lloyd_on_device(
     moved[0] = 1  # "the step before the first moved everything": the first step always runs
     loss = torch.zeros(max_iters, dtype=torch.float32, device=dev)
     cuda = dev.type == "cuda"
-    block_m, block_k = (64, 64) if cuda else (16, 16)
-    block_c = 16 if cuda else 8
+    block_m, block_k = (64, 64) if cuda else (32, 32)
+    block_c = 16
     block_d = max(16, triton.next_power_of_2(d))
     for it in range(max_iters):
         _assign_accumulate[(triton.cdiv(n, block_m), bsz)](
