@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create the environment, install everything, run the main job on the embedded model
 #   make test   create the environment if needed, run the test suite (what CI runs)
-#   make test-fast   the same without the tests marked slow: the everyday check (2:30 on two cores)
+#   make test-fast   the same without the tests marked slow: the everyday check (1:30 on two cores)
 # Both are idempotent: once the environment is complete (stamp file newer than pyproject.toml and
 # this Makefile) the set-up step is skipped.
 
