@@ -28,6 +28,16 @@ bench() {  # bench NAME ARGS...: one run, its three files named NAME_<gpu>.*
     fi
 }
 
+profile() {  # profile NAME ARGS...: benchmarks/gpu_profile.py's run, its JSON named NAME_<gpu>.json
+    local name=${1}_$gpu
+    shift
+    if [ -n "${DRY_RUN:-}" ]; then
+        echo "python3 benchmarks/gpu_profile.py $*"
+    else
+        python3 benchmarks/gpu_profile.py "$@" --json "$out/$name.json"
+    fi
+}
+
 common=(--device cuda --model random:llama-3-8b --budgets 1024 --no-isolate)
 runs=("$@")
 [ ${#runs[@]} -eq 0 ] && runs=(main)
@@ -48,19 +58,9 @@ for run in "${runs[@]}"; do
             --methods full,clusterkv,quest,minikv "${common[@]}" --lengths 32768 --concurrency 8 --repeats 1 \
             --new-tokens 32 ;;
     profile)  # issue 52: ClusterKV's and the full cache's decode step at 128k, kernel by kernel
-        if [ -n "${DRY_RUN:-}" ]; then
-            echo "python3 benchmarks/gpu_profile.py --lengths 131000 --methods clusterkv,full --steps 8"
-        else
-            python3 benchmarks/gpu_profile.py --lengths 131000 --methods clusterkv,full --steps 8 \
-                --json "$out/profile_cuda_llama3_8b_random_128k_${gpu}.json"
-        fi ;;
+        profile profile_cuda_llama3_8b_random_128k --lengths 131000 --methods clusterkv,full --steps 8 ;;
     profile-batch)  # issue 52: ClusterKV's and the full cache's step for a batch of 8 at 32k, kernel by kernel
-        if [ -n "${DRY_RUN:-}" ]; then
-            echo "python3 benchmarks/gpu_profile.py --lengths 32768 --batch 8 --methods clusterkv,full --steps 8"
-        else
-            python3 benchmarks/gpu_profile.py --lengths 32768 --batch 8 --methods clusterkv,full --steps 8 \
-                --json "$out/profile_cuda_llama3_8b_random_32k_batch8_${gpu}.json"
-        fi ;;
+        profile profile_cuda_llama3_8b_random_32k_batch8 --lengths 32768 --batch 8 --methods clusterkv,full --steps 8 ;;
     *)
         echo "benchmarks/gpu.sh: unknown run '$run' (main, long, headline, batch, profile, profile-batch)" >&2
         exit 2 ;;

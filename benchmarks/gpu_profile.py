@@ -135,6 +135,7 @@ def measure(model, method: str, budget: int, length: int, steps: int, batch: int
     tpot_eager = (time.perf_counter() - t0) / steps
     tpot_graphs, captures = None, 0
     if model.device.type == "cuda":
+        # an older package's decoder (``--before``) takes no row count: one sequence only
         decoder = GraphedDecoder(model, cache, batch) if batch > 1 else GraphedDecoder(model, cache)
         with fused():
             for _ in range(2):  # the capture, then a replay
