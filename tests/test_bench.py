@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import re
-import statistics
 from pathlib import Path
 
 import pytest
+from bench_fakes import HELD, FakeEngine, crashing_engine, holding_engine, refusing_engine
 from helpers import bench_script_dry_run
 
 from ov_kvcrush import bench
@@ -129,40 +127,6 @@ def test_validate_doc_names_what_is_wrong():
         bench.validate_doc({**good, "results": [{k: v for k, v in row.items() if k != "peak_rss_bytes"}]})
     with pytest.raises(ValueError, match="kv_bytes"):
         bench.validate_doc({**good, "results": [row | {"kv_bytes": -1}]})
-
-
-class FakeEngine:
-    """Answers the passkey with known timings: TTFT = length / 10 ms, steps of `step` ms."""
-
-    def __init__(self, cfg: BenchConfig, step: float, kv_per_token: int, log: list):
-        self.cfg, self.step, self.kv, self.log = cfg, step, kv_per_token, log
-        self.model_dir = "/nonexistent"
-
-    def encode(self, text: str) -> list[int]:
-        return list(range(len(text.split())))
-
-    def generate(self, prompt: str, settings) -> GenerationResult:
-        n = len(self.encode(prompt))
-        self.log.append((self.cfg.label, n))
-        key = re.search(r"pass key is (\d+)", prompt).group(1)
-        steps = [self.step] * (settings.max_new_tokens - 1)
-        steps[-1] = 5 * self.step  # one slow step: median and p90 differ from the mean
-        held = n if self.cfg.budget is None else min(n, self.cfg.budget)
-        return GenerationResult(
-            text=f"The pass key is {key}.",
-            token_ids=list(range(settings.max_new_tokens)),
-            prompt_tokens=n,
-            ttft_ms=n / 10,
-            tpot_ms=statistics.mean(steps),
-            kv_bytes=held * self.kv,
-            full_kv_bytes=n * self.kv,
-            peak_kv_bytes=n * self.kv,
-            method=self.cfg.method,
-            budget=self.cfg.budget,
-            backend=self.cfg.backend,
-            counters={"policy_decode_ms": 1.0, "policy_prefill_ms": 2.0} if self.cfg.backend == "openvino" else {},
-            step_ms=steps,
-        )
 
 
 def test_run_bench_measures_every_configuration_in_the_scheduled_order(monkeypatch):
@@ -295,23 +259,6 @@ def test_method_items_carry_options_checked_by_the_method():
         bench.plan_configs(["openvino"], ["snapkv:quant=true+4bit"], [256])
 
 
-#: bytes each fake configuration keeps allocated from its first run on (a KV cache stand-in)
-HELD = {"openvino snapkv @256": 96 << 20}
-
-
-class HoldingEngine(FakeEngine):
-    """A fake engine that keeps ``HELD[label]`` bytes resident after generating."""
-
-    def generate(self, prompt: str, settings) -> GenerationResult:
-        self.held = b"\x01" * HELD.get(self.cfg.label, 0)  # written, so resident
-        return super().generate(prompt, settings)
-
-
-def holding_engine(cfg: BenchConfig) -> HoldingEngine:
-    """Module level: the worker processes unpickle it by name."""
-    return HoldingEngine(cfg, 1.0, 10, [])
-
-
 @pytest.mark.slow
 def test_isolated_configurations_report_their_own_memory(monkeypatch):
     """In worker processes, one configuration's 96 MiB shows in its own peak RSS and not in the
@@ -332,23 +279,6 @@ def test_isolated_configurations_report_their_own_memory(monkeypatch):
     res = {r["label"]: r for r in doc["results"]}
     # backward on repeat 1: the 96 MiB are held when native full runs
     assert res["genai full"]["peak_rss_bytes"] - res["genai full"]["engine_rss_bytes"] >= 96 << 20
-
-
-class CrashingEngine(FakeEngine):
-    def generate(self, prompt: str, settings) -> GenerationResult:
-        if self.cfg.method == "snapkv":
-            os._exit(7)  # what a native abort looks like from outside
-        return super().generate(prompt, settings)
-
-
-def crashing_engine(cfg: BenchConfig) -> CrashingEngine:
-    return CrashingEngine(cfg, 1.0, 10, [])
-
-
-def refusing_engine(cfg: BenchConfig) -> FakeEngine:
-    if cfg.backend == "openvino":
-        raise ConfigError("kv_precision", "f8", "f16 or f32")
-    return FakeEngine(cfg, 1.0, 10, [])
 
 
 @pytest.mark.slow
