@@ -30,11 +30,11 @@ ROUND_TRIP_TEXTS = [
         ),
     ],
 )
-def test_cli_bad_input_is_one_line_exit_2(args, needle):
-    proc = cli(*args)
-    assert proc.returncode == 2
-    assert needle in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_cli_bad_input_is_one_line_exit_2(args, needle, capsys):
+    code, _, err = run_main(capsys, *args)
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_directory_that_is_not_a_causal_lm(tmp_path, capsys):

@@ -13,7 +13,7 @@ import re
 import shutil
 
 import pytest
-from helpers import cli
+from helpers import run_main
 
 from ov_kvcrush.engines.model_family import layer_windows, sliding_context
 from ov_kvcrush.errors import UserError
@@ -122,14 +122,14 @@ def test_the_tables_are_generated_from_the_committed_results():
         assert coverage_table.with_table(text, coverage_table.table(results, form)) == text, page
 
 
-def test_ov_kvcrush_export_takes_a_family_checkpoint_and_says_if_it_is_refused(exports):
+def test_ov_kvcrush_export_takes_a_family_checkpoint_and_says_if_it_is_refused(exports, capsys):
     for name in ("qwen3", "gemma2"):
         hf, ir = exports[name]
-        proc = cli("export", "--model", str(hf), "--weight-format", "fp32")
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert proc.stdout.strip().splitlines()[-1] == str(ir)
-        refused = "note: backends openvino and torch will refuse it: " in proc.stderr
-        assert refused == (name == "gemma2"), proc.stderr[-500:]
+        code, out, err = run_main(capsys, "export", "--model", str(hf), "--weight-format", "fp32")
+        assert code == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == str(ir)
+        refused = "note: backends openvino and torch will refuse it: " in err
+        assert refused == (name == "gemma2"), err[-500:]
 
 
 def test_the_pass_refuses_attention_sinks_naming_the_layer(exports):
