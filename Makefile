@@ -36,6 +36,9 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PIP) uninstall --disable-pip-version-check -q -y torchvision || true
 	# The CPU extension (plugins/cpu, C++): built against the openvino wheel, cached per source version.
 	$(PY) -m ov_kvcrush.op.plugin build
+	# The Intel GPU path's C++ SYCL host (plugins/gpu/host), built with g++ against intel-sycl-rt (cached per
+	# source version); where intel-sycl-rt does not install (not Linux x86-64) its tests skip, saying so.
+	$(PY) -m ov_kvcrush.gpu.sycl_host build || echo "the SYCL host was not built: its tests will skip"
 	$(PY) -m ov_kvcrush.cli.envcheck
 	# Both embedded models exported once (cached; a partial export is rebuilt, never reused).
 	$(VENV)/bin/ov-kvcrush export

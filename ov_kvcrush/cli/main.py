@@ -137,9 +137,9 @@ def _add_generate(sub: Any) -> None:
     g.add_argument("--kv-precision", help="backend openvino: KV cache u8 (default, as native), f16 or f32")
     g.add_argument(
         "--paged-device",
-        choices=["opencl"],
+        choices=["opencl", "sycl"],
         help="backend torch: keep the KV cache on an Intel GPU (else Intel's OpenCL CPU runtime) and run it in "
-        "the GPU path's kernels (docs/intel_gpu.md)",
+        "the GPU path's kernels, hosted by pyopencl (opencl) or the C++ SYCL host (sycl) (docs/intel_gpu.md)",
     )
     g.add_argument(
         "--native-gguf",

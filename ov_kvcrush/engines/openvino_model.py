@@ -124,7 +124,7 @@ class OpenVINOModel:
                 "device",
                 device,
                 "CPU (backend openvino: our op in OpenVINO's GPU plugin is not built yet; on an Intel GPU the "
-                "cache runs as backend torch with paged_device='opencl', docs/intel_gpu.md)",
+                "cache runs as backend torch with paged_device='opencl' or 'sycl', docs/intel_gpu.md)",
             )
         kv_precision = _kv_precision(kv_precision, properties)
         _check_block_size("block_size", block_size)

@@ -83,8 +83,10 @@ class TorchEngine:
         paged_device: ``"opencl"`` keeps the KV cache in the Intel GPU path's device pool (an
             Intel GPU, or Intel's OpenCL CPU runtime) and runs the cache's steps there, in
             ``plugins/gpu``'s kernels (:mod:`ov_kvcrush.gpu.device_layers`: full, H2O, SnapKV,
-            PyramidKV, MiniKV, KVCrush, ClusterKV; one sequence at a time); ``None`` (default):
-            the cache in torch tensors.
+            PyramidKV, MiniKV, KVCrush, ClusterKV; one sequence at a time), hosted from Python by
+            pyopencl; ``"sycl"`` the same, with the device memory owned and the kernels launched by
+            the C++ SYCL host (:mod:`ov_kvcrush.gpu.sycl_host`); ``None`` (default): the cache in
+            torch tensors.
     """
 
     backend = "torch"
@@ -103,8 +105,8 @@ class TorchEngine:
         fused_ops: bool | None = None,
         paged_device: str | None = None,
     ) -> None:
-        if paged_device not in (None, "opencl"):
-            raise ConfigError("paged_device", paged_device, "None or 'opencl'")
+        if paged_device not in (None, "opencl", "sycl"):
+            raise ConfigError("paged_device", paged_device, "None, 'opencl' or 'sycl'")
         if paged_device and (fast_path or device.lower() != "cpu"):
             raise ConfigError("paged_device", paged_device, "None with fast_path or a CUDA device")
         self.paged_device = paged_device
@@ -238,11 +240,11 @@ class TorchEngine:
         from ov_kvcrush.gpu.pool import DevicePool
 
         if rows != 1:
-            raise ConfigError("prompts", rows, "1 at a time with paged_device='opencl'")
+            raise ConfigError("prompts", rows, f"1 at a time with paged_device={self.paged_device!r}")
         s = self.shape
         shape = PoolShape("f32", PAGED_BLOCK_SIZE, s.head_dim, s.q_heads // s.kv_heads)
         per_head = -(-tokens // PAGED_BLOCK_SIZE)
-        pool = DevicePool(shape, (s.num_layers + 1) * s.kv_heads * per_head)
+        pool = DevicePool(shape, (s.num_layers + 1) * s.kv_heads * per_head, host=self.paged_device or "opencl")
         self.last_pool = pool
         return lambda method, layer, layers: device_layer(method, layer, layers, pool, s.kv_heads, s.q_heads)
 

@@ -72,7 +72,7 @@ def launch_kmeans(
 
     while iterations < max_iters:
         iterations += 1
-        dev.cl.enqueue_fill_buffer(dev.queue, changed, np.int32(0), 0, 4)
+        dev.clear(changed, 4)
         dev.run(_kernel(dev, "assign_nearest", d), (n, rows), None, xn_b, directions, i32(k), labels, changed)
         if not io.download("k-means convergence", changed, np.int32, (1,))[0]:
             break

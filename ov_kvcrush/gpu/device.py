@@ -97,10 +97,14 @@ class Device:
         if nbytes:
             self.cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes, dst_offset=dst_offset)
 
+    def clear(self, buffer: Any, nbytes: int) -> None:
+        """The first ``nbytes`` of ``buffer`` set to zero, on the device (nothing crosses)."""
+        self.cl.enqueue_fill_buffer(self.queue, buffer, np.uint8(0), 0, max(int(nbytes), 4))
+
     def zeros(self, nbytes: int) -> Any:
         """A new buffer of ``nbytes`` zero bytes, filled on the device (nothing crosses)."""
         buffer = self.empty(nbytes)
-        self.cl.enqueue_fill_buffer(self.queue, buffer, np.uint8(0), 0, max(int(nbytes), 4))
+        self.clear(buffer, nbytes)
         return buffer
 
     def to_host(self, buffer: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:

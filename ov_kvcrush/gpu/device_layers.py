@@ -127,7 +127,7 @@ def check_served(config: MethodConfig) -> None:
             "method",
             config.name,
             ", ".join(DEVICE_LAYERS)
-            + " (paged_device='opencl': uniform head budgets, single tokens or KVCrush's blocks; StreamingLLM's, "
+            + " (the GPU path, paged_device: uniform head budgets, single tokens or KVCrush's blocks; StreamingLLM's, "
             "Knorm's and ClusterKV's full-precision store; ClusterKV and Quest without recall tracking)",
         )
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_options
 from ov_kvcrush.gpu import runtime
 from ov_kvcrush.gpu.device_layers import check_served
-from ov_kvcrush.gpu.pool import Crossings
+from ov_kvcrush.gpu.pool import HOSTS, Crossings
 
 if TYPE_CHECKING:
     from ov_kvcrush.engines.base import GenerationResult
@@ -86,13 +86,14 @@ def essay_prompt(chars: int) -> str:
     return text[:chars] + request
 
 
-def device_engine(model_dir: str | Path) -> TorchEngine:
-    """The torch engine over ``model_dir`` with its caches in the device pool: loaded once, it
-    serves every method's run (:func:`run_on_device` switches the method)."""
+def device_engine(model_dir: str | Path, host: str = "opencl") -> TorchEngine:
+    """The torch engine over ``model_dir`` with its caches in the device pool, hosted by ``host``
+    (``opencl``: pyopencl; ``sycl``: the C++ SYCL host): loaded once, it serves every method's run
+    (:func:`run_on_device` switches the method)."""
     runtime.prepare()
     from ov_kvcrush.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model_dir, paged_device="opencl")
+    return TorchEngine(model_dir, paged_device=host)
 
 
 def reference_runs(
@@ -110,12 +111,13 @@ def run_on_device(
     prompt: str,
     new_tokens: int,
     reference: GenerationResult | None = None,
+    host: str = "opencl",
 ) -> DeviceRun:
     """Greedy ``new_tokens`` for ``prompt`` through the device cache, then the reference's, with
-    ``engine`` (:func:`device_engine`) under ``compression``. ``reference``: the reference's run
-    already made (:func:`reference_runs`), else it is made here."""
+    ``engine`` (:func:`device_engine`) under ``compression``, the device hosted by ``host``.
+    ``reference``: the reference's run already made (:func:`reference_runs`), else it is made here."""
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.paged_device = "opencl"
+    engine.paged_device = host
     engine.set_compression(compression)  # a method the path does not serve is refused here
     t0 = time.perf_counter()
     got = engine.generate(prompt, settings)
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--chars", type=int, default=8200, help="characters of essay in the prompt")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--host", choices=HOSTS, default="opencl", help="the device's host: pyopencl or the SYCL host")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", type=Path, nargs="+", help="print the table of these runs (JSON), run nothing")
     args = parser.parse_args(argv)
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from ov_kvcrush.models.export import hf_checkpoint
 
-    engine = device_engine(hf_checkpoint(progress=False))
+    engine = device_engine(hf_checkpoint(progress=False), args.host)
     prompt = essay_prompt(args.chars)
     methods = args.methods.split(",")
     compressions = []
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     references = reference_runs(engine, compressions, prompt, args.new_tokens)
     rows = []
     for method, compression, reference in zip(methods, compressions, references, strict=True):
-        run = run_on_device(engine, compression, prompt, args.new_tokens, reference)
+        run = run_on_device(engine, compression, prompt, args.new_tokens, reference, args.host)
         row = {**asdict(run), "equal": run.token_ids == run.reference_ids, "per_step": run.per_step()}
         rows.append(row)
         step = row["per_step"]

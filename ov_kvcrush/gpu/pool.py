@@ -28,6 +28,22 @@ from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
 from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
 
+#: who owns the pool's memory and launches the kernels: pyopencl from Python, or the C++ SYCL host
+HOSTS = ("opencl", "sycl")
+
+
+def open_device(host: str, sub_group: int | None = None) -> Device:
+    """The process's device through ``host`` (:data:`HOSTS`): the pyopencl host's
+    :class:`~ov_kvcrush.gpu.device.Device`, or the C++ SYCL host's
+    :class:`~ov_kvcrush.gpu.sycl_host.SyclDevice`, which has the same methods."""
+    if host == "sycl":
+        from ov_kvcrush.gpu.sycl_host import sycl_device
+
+        return sycl_device(sub_group)  # type: ignore[return-value]
+    if host != "opencl":
+        raise GPUPathError(f"host={host!r} is invalid: allowed one of {', '.join(HOSTS)}")
+    return device(sub_group)
+
 
 @dataclass
 class Crossings:
@@ -47,11 +63,11 @@ class Crossings:
 class DevicePool:
     """``blocks`` blocks of ``shape`` in one device buffer, handed out to layers' KV heads."""
 
-    def __init__(self, shape: PoolShape, blocks: int, sub_group: int | None = None) -> None:
+    def __init__(self, shape: PoolShape, blocks: int, sub_group: int | None = None, host: str = "opencl") -> None:
         if blocks < 1:
             raise GPUPathError(f"a device pool needs at least one block, got {blocks}")
         self.shape = shape
-        self.dev: Device = device(sub_group)
+        self.dev: Device = open_device(host, sub_group)
         self.blocks = blocks
         self.buffer = self.dev.empty(blocks * shape.block_bytes)
         self._free = list(range(blocks - 1, -1, -1))

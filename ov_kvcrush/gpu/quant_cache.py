@@ -74,7 +74,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
 
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if keys.shape[2] != 1:
-            raise UserError("the 2-bit store with paged_device='opencl' decodes one token per step (several came)")
+            raise UserError("the 2-bit store on the GPU path (paged_device) decodes one token per step (several came)")
         self._positions(1, keys.device)
         self.layer.pool.phase = "decode"
         lay = self.layer
@@ -132,7 +132,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         the held blocks copied over on the device."""
         dev, bytes_per = self.layer.pool.dev, self.qshape.block_bytes
         grown = dev.zeros(2 * self.qcapacity * bytes_per)
-        dev.cl.enqueue_copy(dev.queue, grown, self.qpool, byte_count=self.qcapacity * bytes_per)
+        dev.copy_bytes(self.qpool, grown, self.qcapacity * bytes_per, 0)
         self._qfree.extend(range(2 * self.qcapacity - 1, self.qcapacity - 1, -1))
         self.qpool, self.qcapacity = grown, 2 * self.qcapacity
 

@@ -55,7 +55,7 @@ class DeviceRecallLayerCache(DeviceFullLayerCache):
             return self._step(queries, keys, values, 0)
         if t != 1:
             raise UserError(
-                f"{self.config.name} with paged_device='opencl' decodes one token per step (a step of several came)"
+                f"{self.config.name} on the GPU path (paged_device) decodes one token per step (a step of several came)"
             )
         self._before_append()
         self._positions(t, keys.device)
