@@ -1,7 +1,7 @@
 """For people with an Intel GPU: confirm the GPU path on it, and set it beside native OpenVINO
 GenAI on the same GPU.
 
-``python -m ov_kvcrush.gpu.hardware [--budget 512] [--chars 8200] [--new-tokens 32] [--out FILE]``
+``python -m ov_kvcrush.gpu.hardware [--budget 512] [--chars 8200] [--new-tokens 32] [--host sycl] [--out FILE]``
 
 1. The device: the first Intel GPU OpenCL lists (with ``--allow-cpu``, Intel's OpenCL CPU runtime
    instead, and native GenAI on the CPU: a dry run of the script, which is how it is tested here).
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.gpu import runtime
+from ov_kvcrush.gpu.pool import HOSTS
 
 #: (row name, method, options): what the GPU path serves, as the issue's targets name it
 OURS = [
@@ -56,8 +57,9 @@ def _settings(new_tokens: int) -> GenerationSettings:
     return GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
 
 
-def check(budget: int, chars: int, new_tokens: int, allow_cpu: bool) -> list[Row]:
-    """The rows above, in one process (the runtime is prepared before openvino is imported)."""
+def check(budget: int, chars: int, new_tokens: int, allow_cpu: bool, host: str = "opencl") -> list[Row]:
+    """The rows above, in one process (the runtime is prepared before openvino is imported); the
+    device hosted by ``host`` (pyopencl, or the C++ SYCL host)."""
     runtime.prepare()
     info = runtime.describe(runtime.find_device(allow_cpu=allow_cpu))
     from ov_kvcrush.engines.genai import GenAIEngine
@@ -68,7 +70,7 @@ def check(budget: int, chars: int, new_tokens: int, allow_cpu: bool) -> list[Row
 
     prompt, settings = essay_prompt(chars), _settings(new_tokens)
     op = OpenVINOEngine(ensure_default_model("fp32", progress=False), kv_precision="f32", properties=F32)
-    ours = device_engine(hf_checkpoint(progress=False))
+    ours = device_engine(hf_checkpoint(progress=False), host)
     rows = []
     for name, method, options in OURS:
         compression = CompressionConfig(method=method, budget=budget, options=options)
@@ -95,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--allow-cpu", action="store_true", help="a dry run on Intel's OpenCL CPU runtime")
+    parser.add_argument("--host", choices=HOSTS, default="opencl", help="the device's host: pyopencl or the SYCL host")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
-        rows = check(args.budget, args.chars, args.new_tokens, args.allow_cpu)
+        rows = check(args.budget, args.chars, args.new_tokens, args.allow_cpu, args.host)
     except runtime.GPUPathError as e:
         print(f"hardware check: {e}")
         return 2
