@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, HeadsOnDevice, device, round_up
+from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device, round_up
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape, check_tables
 
 
@@ -57,7 +57,7 @@ class QuantHeads:
 
 
 def launch_quant_logits(
-    dev: Device, quant: QuantHeads, bufs: DecodeBuffers, hq: int, scale: float
+    dev: KernelDevice, quant: QuantHeads, bufs: DecodeBuffers, hq: int, scale: float
 ) -> tuple[Any, Any, tuple[Any, np.int32], Any]:
     """Enqueue the 2-bit slots' logits; returns what their values pass needs (kernel, pool,
     tables, lengths: :func:`launch_decode`'s ``quant_pass``)."""
@@ -70,7 +70,7 @@ def launch_quant_logits(
 
 
 def _quant_logits(
-    dev: Device, quant: tuple[QuantShape, np.ndarray, HeadTables], bufs: DecodeBuffers, hq: int, scale: float
+    dev: KernelDevice, quant: tuple[QuantShape, np.ndarray, HeadTables], bufs: DecodeBuffers, hq: int, scale: float
 ) -> tuple[Any, Any, tuple[Any, np.int32], Any]:
     """The 2-bit slots' logits over numpy tables and pool (uploaded)."""
     shape, pool, heads = quant
@@ -127,7 +127,7 @@ def paged_decode(
     return dev.to_host(bufs.out, np.float32, (hq, d)), dev.to_host(bufs.probs, np.float32, (hq, stride))[:, :width]
 
 
-def decode_buffers(dev: Device, q: Any, hq: int, d: int, width: int, first: Any) -> DecodeBuffers:
+def decode_buffers(dev: KernelDevice, q: Any, hq: int, d: int, width: int, first: Any) -> DecodeBuffers:
     """A step's buffers for ``hq`` query heads over at most ``width`` slots (device query ``q``)."""
     stride = round_up(max(width, 1), dev.sub_group)
     return DecodeBuffers(q=q, logits=dev.empty(4 * hq * stride), probs=dev.zeros(4 * hq * stride),
@@ -135,7 +135,7 @@ def decode_buffers(dev: Device, q: Any, hq: int, d: int, width: int, first: Any)
 
 
 def launch_decode(
-    dev: Device,
+    dev: KernelDevice,
     shape: PoolShape,
     heads: HeadsOnDevice,
     bufs: DecodeBuffers,

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, DirectTransfers, Transfers, device
+from ov_kvcrush.gpu.device import DirectTransfers, KernelDevice, Transfers, device
 from ov_kvcrush.gpu.sort import stable_order
 from ov_kvcrush.validation import check_int
 
@@ -32,7 +32,7 @@ class GPUClusters:
     iterations: int
 
 
-def _kernel(dev: Device, name: str, head_dim: int, group: int = 1) -> Any:
+def _kernel(dev: KernelDevice, name: str, head_dim: int, group: int = 1) -> Any:
     return dev.kernel("clusterkv.cl", name, {"HEAD_DIM": head_dim, "GROUP": group})
 
 
@@ -50,7 +50,7 @@ class ClustersOnDevice:
 
 
 def launch_kmeans(
-    dev: Device, io: Transfers, x: Any, rows: int, n: int, d: int, picks: np.ndarray, max_iters: int
+    dev: KernelDevice, io: Transfers, x: Any, rows: int, n: int, d: int, picks: np.ndarray, max_iters: int
 ) -> ClustersOnDevice:
     """Spherical k-means of device ``x`` ``[rows, n, D]`` from the initial ``picks`` ``[rows, k]``;
     one int crosses per iteration (did a label move?)."""
@@ -106,7 +106,7 @@ def kmeans_cosine(
 
 
 def launch_recall(
-    dev: Device,
+    dev: KernelDevice,
     q: Any,
     heads: tuple[int, int, int],
     index: tuple[Any, Any, Any, Any],

@@ -41,9 +41,59 @@ def build_options(sub_group: int, constants: dict[str, int]) -> list[str]:
     return [f"-DSG={sub_group}", *consts, f"-I{kernel_dir()}", "-cl-fp32-correctly-rounded-divide-sqrt"]
 
 
+class KernelDevice:
+    """What the path's host code drives: the kernels built per set of constants, device buffers,
+    launches and copies. Two hosts implement it: pyopencl's :class:`Device`, and the C++ SYCL
+    host's :class:`~ov_kvcrush.gpu.sycl_host.SyclDevice`; each overrides how a source is built
+    (:meth:`build`) and the buffer primitives, and shares the rest here."""
+
+    sub_group: int
+    kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], Any]
+
+    def build(self, text: str, options: list[str]) -> dict[str, Any]:
+        """The kernels of OpenCL C ``text`` built with ``options``, by function name."""
+        raise NotImplementedError
+
+    def kernel(self, source: str, name: str, constants: dict[str, int]) -> Any:
+        """Kernel ``name`` of ``source`` built for ``constants`` (each source built once per set)."""
+        key = (source, name, tuple(sorted(constants.items())))
+        if key not in self.kernels:
+            built = self.build((kernel_dir() / source).read_text(), build_options(self.sub_group, constants))
+            for function_name, k in built.items():
+                self.kernels[(source, function_name, key[2])] = k
+        return self.kernels[key]
+
+    def empty(self, nbytes: int) -> Any:
+        raise NotImplementedError
+
+    def copy_rect(
+        self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0
+    ) -> None:
+        """Copy the first ``n`` 4-byte elements of rows ``first_row ..`` of ``src`` to elements
+        ``at ..`` of the rows of ``dst`` (strides in elements), on the device."""
+        raise NotImplementedError
+
+    def clear(self, buffer: Any, nbytes: int) -> None:
+        """The first ``nbytes`` of ``buffer`` set to zero, on the device (nothing crosses)."""
+        raise NotImplementedError
+
+    def copy_rows(self, src: Any, src_stride: int, rows: int, n: int, first_row: int = 0) -> Any:
+        """A new buffer of the first ``n`` floats of rows ``first_row ..`` (``rows`` of them) of
+        ``src`` (row stride ``src_stride`` floats), packed: a copy on the device."""
+        dst = self.empty(4 * rows * max(n, 1))
+        self.copy_rect(src, src_stride, dst, n, 0, rows, n, first_row)
+        return dst
+
+    def zeros(self, nbytes: int) -> Any:
+        """A new buffer of ``nbytes`` zero bytes, filled on the device (nothing crosses)."""
+        buffer = self.empty(nbytes)
+        self.clear(buffer, nbytes)
+        return buffer
+
+
 @dataclass
-class Device:
-    """An OpenCL context and queue on one device, with its built programs."""
+class Device(KernelDevice):
+    """An OpenCL context and queue on one device, with its built programs (the pyopencl host)."""
 
     cl: Any
     device: Any
@@ -52,17 +102,11 @@ class Device:
     sub_group: int
     kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], Any] = field(default_factory=dict)
 
-    def kernel(self, source: str, name: str, constants: dict[str, int]) -> Any:
-        """Kernel ``name`` of ``source`` built for ``constants`` (each source built once per set)."""
-        key = (source, name, tuple(sorted(constants.items())))
-        if key not in self.kernels:
-            text = (kernel_dir() / source).read_text()
-            with warnings.catch_warnings():  # the CPU runtime's vectorisation remarks
-                warnings.simplefilter("ignore", self.cl.CompilerWarning)
-                program = self.cl.Program(self.context, text).build(options=build_options(self.sub_group, constants))
-            for k in program.all_kernels():
-                self.kernels[(source, k.function_name, key[2])] = k
-        return self.kernels[key]
+    def build(self, text: str, options: list[str]) -> dict[str, Any]:
+        with warnings.catch_warnings():  # the CPU runtime's vectorisation remarks
+            warnings.simplefilter("ignore", self.cl.CompilerWarning)
+            program = self.cl.Program(self.context, text).build(options=options)
+        return {k.function_name: k for k in program.all_kernels()}
 
     def run(self, kernel: Any, global_size: tuple[int, ...], local_size: tuple[int, ...], *args: Any) -> None:
         kernel.set_args(*args)
@@ -75,18 +119,9 @@ class Device:
     def empty(self, nbytes: int) -> Any:
         return self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
 
-    def copy_rows(self, src: Any, src_stride: int, rows: int, n: int, first_row: int = 0) -> Any:
-        """A new buffer of the first ``n`` floats of rows ``first_row ..`` (``rows`` of them) of
-        ``src`` (row stride ``src_stride`` floats), packed: a copy on the device."""
-        dst = self.empty(4 * rows * max(n, 1))
-        self.copy_rect(src, src_stride, dst, n, 0, rows, n, first_row)
-        return dst
-
     def copy_rect(
         self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0
     ) -> None:
-        """Copy the first ``n`` 4-byte elements of rows ``first_row ..`` of ``src`` to elements
-        ``at ..`` of the rows of ``dst`` (strides in elements), on the device."""
         if n and rows:
             self.cl.enqueue_copy(self.queue, dst, src, src_origin=(0, first_row), dst_origin=(4 * at, 0),
                                  region=(4 * n, rows), src_pitches=(4 * src_stride,),
@@ -98,14 +133,7 @@ class Device:
             self.cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes, dst_offset=dst_offset)
 
     def clear(self, buffer: Any, nbytes: int) -> None:
-        """The first ``nbytes`` of ``buffer`` set to zero, on the device (nothing crosses)."""
         self.cl.enqueue_fill_buffer(self.queue, buffer, np.uint8(0), 0, max(int(nbytes), 4))
-
-    def zeros(self, nbytes: int) -> Any:
-        """A new buffer of ``nbytes`` zero bytes, filled on the device (nothing crosses)."""
-        buffer = self.empty(nbytes)
-        self.clear(buffer, nbytes)
-        return buffer
 
     def to_host(self, buffer: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)
@@ -126,7 +154,7 @@ class Transfers(Protocol):
 class DirectTransfers:
     """Copies straight to and from the device, uncounted (the kernels' numpy hosts)."""
 
-    dev: Device
+    dev: KernelDevice
 
     def upload(self, what: str, array: np.ndarray) -> Any:
         return self.dev.to_device(array)

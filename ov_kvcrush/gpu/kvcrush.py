@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, DirectTransfers, Transfers, device
+from ov_kvcrush.gpu.device import DirectTransfers, KernelDevice, Transfers, device
 from ov_kvcrush.gpu.sort import MAX_KEYS, stable_order
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -40,11 +40,11 @@ class KVCrushGPUSelection:
     anchors: np.ndarray | None = None  # [A, W] packed
 
 
-def _kernel(dev: Device, name: str) -> Any:
+def _kernel(dev: KernelDevice, name: str) -> Any:
     return dev.kernel("kvcrush.cl", name, {})
 
 
-def top_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: int, keep: int) -> Any:
+def top_mask(dev: KernelDevice, scores: Any, rows: int, n: int, lo: int, mid: int, keep: int) -> Any:
     """Device buffer uchar ``[rows][mid]``: is middle token i among row r's ``keep`` highest."""
     out = dev.empty(max(rows * mid, 1))
     if mid > 0:
@@ -113,7 +113,7 @@ class KVCrushChoice:
 
 
 def select_on_device(
-    dev: Device, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice, details: bool = True
+    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice, details: bool = True
 ) -> KVCrushGPUSelection:
     """KVCrush over device scores ``sc`` ``[h, n]``; what comes back crosses through ``io``
     (``details``: also the signatures, order and distances the tests check step by step)."""
@@ -225,7 +225,7 @@ def select_on_device(
     )
 
 
-def _threshold_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: int) -> Any:
+def _threshold_mask(dev: KernelDevice, scores: Any, rows: int, n: int, lo: int, mid: int) -> Any:
     out = dev.empty(max(rows * mid, 1))
     if mid > 0:
         kernel = _kernel(dev, "head_decisions_threshold")
@@ -235,7 +235,7 @@ def _threshold_mask(dev: Device, scores: Any, rows: int, n: int, lo: int, mid: i
     return out
 
 
-def launch_block_sums(dev: Device, scores: Any, h: int, n: int, block: int) -> Any:
+def launch_block_sums(dev: KernelDevice, scores: Any, h: int, n: int, block: int) -> Any:
     """Device ``[h, ceil(n / block)]``: per-head sums of device ``scores`` ``[h, n]`` over blocks."""
     blocks = -(-n // block)
     out = dev.empty(4 * h * max(blocks, 1))

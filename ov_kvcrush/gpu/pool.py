@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu.attention import QuantHeads, decode_buffers, launch_decode, launch_quant_logits
-from ov_kvcrush.gpu.device import Device, HeadsOnDevice, device
+from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
@@ -32,14 +32,14 @@ from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
 HOSTS = ("opencl", "sycl")
 
 
-def open_device(host: str, sub_group: int | None = None) -> Device:
+def open_device(host: str, sub_group: int | None = None) -> KernelDevice:
     """The process's device through ``host`` (:data:`HOSTS`): the pyopencl host's
     :class:`~ov_kvcrush.gpu.device.Device`, or the C++ SYCL host's
-    :class:`~ov_kvcrush.gpu.sycl_host.SyclDevice`, which has the same methods."""
+    :class:`~ov_kvcrush.gpu.sycl_host.SyclDevice` (both :class:`~ov_kvcrush.gpu.device.KernelDevice`)."""
     if host == "sycl":
         from ov_kvcrush.gpu.sycl_host import sycl_device
 
-        return sycl_device(sub_group)  # type: ignore[return-value]
+        return sycl_device(sub_group)
     if host != "opencl":
         raise GPUPathError(f"host={host!r} is invalid: allowed one of {', '.join(HOSTS)}")
     return device(sub_group)
@@ -67,7 +67,7 @@ class DevicePool:
         if blocks < 1:
             raise GPUPathError(f"a device pool needs at least one block, got {blocks}")
         self.shape = shape
-        self.dev: Device = open_device(host, sub_group)
+        self.dev: KernelDevice = open_device(host, sub_group)
         self.blocks = blocks
         self.buffer = self.dev.empty(blocks * shape.block_bytes)
         self._free = list(range(blocks - 1, -1, -1))

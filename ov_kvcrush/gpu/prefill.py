@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, HeadsOnDevice, device, round_up
+from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device, round_up
 from ov_kvcrush.gpu.layout import PoolShape, check_tables
 
 
 def launch_prompt(
-    dev: Device,
+    dev: KernelDevice,
     shape: PoolShape,
     heads: HeadsOnDevice,
     q: Any,

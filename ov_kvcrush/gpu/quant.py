@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, device
+from ov_kvcrush.gpu.device import KernelDevice, device
 from ov_kvcrush.gpu.layout import QuantShape
 
 
-def launch_quantize(dev: Device, shape: QuantShape, k: Any, v: Any, ids: Any, blocks: int, pool: Any) -> None:
+def launch_quantize(dev: KernelDevice, shape: QuantShape, k: Any, v: Any, ids: Any, blocks: int, pool: Any) -> None:
     """Enqueue the quantization of device ``k``, ``v`` ``[blocks, T, D]`` into blocks ``ids`` of
     the 2-bit device ``pool``."""
     d, t = shape.head_dim, shape.block_size

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.gpu.device import Device, device
+from ov_kvcrush.gpu.device import KernelDevice, device
 from ov_kvcrush.gpu.kvcrush import top_mask
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -54,7 +54,7 @@ def snapkv_keep(
 
 
 def launch_keep(
-    dev: Device,
+    dev: KernelDevice,
     scores: Any,
     stride: int,
     n: int,

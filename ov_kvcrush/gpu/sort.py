@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device
+from ov_kvcrush.gpu.device import KernelDevice
 
 MAX_KEYS = 4096  # the kernel's local histogram: every key stays below it
 
 
-def stable_order(dev: Device, keys: Any, m: int, key_range: int, rows: int = 1) -> Any:
+def stable_order(dev: KernelDevice, keys: Any, m: int, key_range: int, rows: int = 1) -> Any:
     """Device buffer ``[rows][m]``: each row's ``m`` items in stable order by ``keys`` ``[rows][m]``
     (each below ``key_range``, at most :data:`MAX_KEYS`)."""
     if key_range > MAX_KEYS:

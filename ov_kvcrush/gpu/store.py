@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import Device, device
+from ov_kvcrush.gpu.device import KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape, check_tables
 
 
@@ -18,7 +18,7 @@ def store_constants(shape: PoolShape) -> dict[str, int]:
     return {k: constants[k] for k in ("KV_PRECISION", "BLOCK_SIZE", "HEAD_DIM")}
 
 
-def launch_store(dev: Device, shape: PoolShape, pool: Any, tables: Any, table_stride: int, first: Any,
+def launch_store(dev: KernelDevice, shape: PoolShape, pool: Any, tables: Any, table_stride: int, first: Any,
                  k: Any, v: Any, tokens: int, kv_heads: int) -> None:  # fmt: skip
     """Enqueue the store of ``tokens`` tokens per KV head (device buffers ``k``, ``v`` ``[kv, tokens,
     D]`` f32) at slots ``first[kv] + t`` of the heads' blocks in device ``pool``."""
@@ -27,7 +27,7 @@ def launch_store(dev: Device, shape: PoolShape, pool: Any, tables: Any, table_st
     dev.run(kernel, (sg, tokens, kv_heads), (sg, 1, 1), pool, tables, np.int32(table_stride), first, k, v)
 
 
-def launch_gather(dev: Device, shape: PoolShape, pool: Any, tables: Any, table_stride: int, new_tables: Any,
+def launch_gather(dev: KernelDevice, shape: PoolShape, pool: Any, tables: Any, table_stride: int, new_tables: Any,
                   new_stride: int, src: Any, src_stride: int, counts: Any, kv_heads: int,
                   width: int | None = None) -> None:  # fmt: skip
     """Enqueue the gather of each KV head's ``src`` slots (rows ``src_stride`` apart: 0 when every

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu import runtime
-from ov_kvcrush.gpu.device import build_options, kernel_dir
+from ov_kvcrush.gpu.device import KernelDevice, kernel_dir
 
 INSTALL_HINT = "pip install intel-sycl-rt (the gpu extra: pip install 'ov_kvcrush[gpu]')"
 #: g++'s flags (DT_RPATH, not RUNPATH: libsycl's own dependencies are found beside it too)
@@ -195,7 +195,7 @@ class SyclKernel:
 
 
 @dataclass
-class SyclDevice:
+class SyclDevice(KernelDevice):
     """The pyopencl host's :class:`~ov_kvcrush.gpu.device.Device`, through the SYCL host: the same
     kernels, built with the same constants, on memory the C++ host owns."""
 
@@ -203,20 +203,16 @@ class SyclDevice:
     sub_group: int
     kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], SyclKernel] = field(default_factory=dict)
 
-    def kernel(self, source: str, name: str, constants: dict[str, int]) -> SyclKernel:
-        """Kernel ``name`` of ``source`` built for ``constants`` (each source built once per set)."""
-        key = (source, name, tuple(sorted(constants.items())))
-        if key not in self.kernels:
-            text = (kernel_dir() / source).read_text().encode()
-            options = " ".join(build_options(self.sub_group, constants)).encode()
-            log = ctypes.create_string_buffer(1 << 16)
-            program = self.host.check(self.host.lib.ovkc_sycl_build(self.host.handle, text, options, log, len(log)))
-            names = ctypes.create_string_buffer(1 << 14)
-            self.host.check(self.host.lib.ovkc_sycl_kernel_names(self.host.handle, program, names, len(names)))
-            for kname in names.value.decode().split(";"):
-                index = self.host.check(self.host.lib.ovkc_sycl_kernel(self.host.handle, program, kname.encode()))
-                self.kernels[(source, kname, key[2])] = SyclKernel(index, kname)
-        return self.kernels[key]
+    def build(self, text: str, options: list[str]) -> dict[str, SyclKernel]:
+        h, lib = self.host.handle, self.host.lib
+        log = ctypes.create_string_buffer(1 << 16)
+        program = self.host.check(lib.ovkc_sycl_build(h, text.encode(), " ".join(options).encode(), log, len(log)))
+        names = ctypes.create_string_buffer(1 << 14)
+        self.host.check(lib.ovkc_sycl_kernel_names(h, program, names, len(names)))
+        return {
+            name: SyclKernel(self.host.check(lib.ovkc_sycl_kernel(h, program, name.encode())), name)
+            for name in names.value.decode().split(";")
+        }
 
     def run(
         self, kernel: SyclKernel, global_size: tuple[int, ...], local_size: tuple[int, ...] | None, *args: Any
@@ -242,11 +238,6 @@ class SyclDevice:
     def empty(self, nbytes: int) -> UsmBuffer:
         return self.host.alloc(nbytes)
 
-    def copy_rows(self, src: UsmBuffer, src_stride: int, rows: int, n: int, first_row: int = 0) -> UsmBuffer:
-        dst = self.empty(4 * rows * max(n, 1))
-        self.copy_rect(src, src_stride, dst, n, 0, rows, n, first_row)
-        return dst
-
     def copy_rect(
         self, src: UsmBuffer, src_stride: int, dst: UsmBuffer, dst_stride: int, at: int, rows: int, n: int,
         first_row: int = 0,
@@ -262,11 +253,6 @@ class SyclDevice:
 
     def clear(self, buffer: UsmBuffer, nbytes: int) -> None:
         self.host.check(self.host.lib.ovkc_sycl_fill(self.host.handle, buffer.ptr, 0, max(int(nbytes), 4)))
-
-    def zeros(self, nbytes: int) -> UsmBuffer:
-        buffer = self.empty(nbytes)
-        self.clear(buffer, nbytes)
-        return buffer
 
     def to_host(self, buffer: UsmBuffer, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)
