@@ -15,6 +15,7 @@ SYCL host's cases skip, saying why, where intel-sycl-rt or g++ is missing.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,6 +291,50 @@ def test_a_host_that_cannot_run_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(sycl_host.sys, "prefix", str(tmp_path))
     with pytest.raises(GPUPathError, match=r"include/sycl/sycl\.hpp, lib/libsycl\.so.*pip install intel-sycl-rt"):
         sycl_host.build(force=True)
+
+
+def sort_twice_through_fresh_devices(cache: str) -> list[dict]:
+    """In the worker, with the cache under ``cache``: the device sort through three fresh
+    :class:`SyclDevice` s on one host (each must build its kernels); after the first, the second
+    finds its binary, and the third finds a corrupted one; each device's order and build counts."""
+    import os
+
+    from ov_kvcrush.gpu.sort import stable_order
+    from ov_kvcrush.gpu.sycl_host import SyclDevice, sycl_device
+
+    before = os.environ.get("OV_KVCRUSH_CACHE")
+    os.environ["OV_KVCRUSH_CACHE"] = cache
+    try:
+        host = sycl_device(16).host
+        keys = np.random.default_rng(3).integers(0, 40, size=(2, 300)).astype(np.int32)
+        runs = []
+        for i in range(3):
+            if i == 2:
+                for binary in Path(cache).rglob("*.bin"):
+                    binary.write_bytes(b"not a binary")
+            dev = SyclDevice(host, 16)
+            order = dev.to_host(stable_order(dev, dev.to_device(keys), 300, 40, rows=2), np.int32, (2, 300))
+            runs.append({"order": order, "builds": dict(dev.builds)})
+        runs.append({"order": np.argsort(keys, axis=1, kind="stable"), "builds": {}})
+        return runs
+    finally:
+        if before is None:
+            os.environ.pop("OV_KVCRUSH_CACHE")
+        else:
+            os.environ["OV_KVCRUSH_CACHE"] = before
+
+
+def test_the_sycl_host_reuses_the_kernels_an_earlier_process_built(gpu_worker, tmp_path):
+    """A kernel built once is cached as the device's binary (whole, keyed by its source, headers,
+    options, device and driver): the next device loads it instead of building the source, a
+    binary the device refuses is built again from source, and every order is numpy's."""
+    usable_host(gpu_worker, "sycl")
+    first, second, third, want = gpu_worker.submit(sort_twice_through_fresh_devices, str(tmp_path)).result()
+    assert first["builds"] == {"source": 1, "binary": 0}
+    assert second["builds"] == {"source": 0, "binary": 1}
+    assert third["builds"] == {"source": 1, "binary": 0}
+    for run in (first, second, third):
+        assert (run["order"] == want["order"]).all()
 
 
 def test_paged_device_is_checked_before_loading(tmp_path):

@@ -99,6 +99,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ovkc_sycl_error": (cp, [vp]),
         "ovkc_sycl_describe": (ctypes.c_int, [vp, cp, sz, ctypes.POINTER(i32), ctypes.POINTER(i32), i32]),
         "ovkc_sycl_build": (ctypes.c_int, [vp, cp, cp, cp, sz]),
+        "ovkc_sycl_build_binary": (ctypes.c_int, [vp, cp, sz, cp]),
+        "ovkc_sycl_program_binary": (ctypes.c_longlong, [vp, ctypes.c_int, cp, sz]),
+        "ovkc_sycl_driver": (ctypes.c_int, [vp, cp, sz]),
         "ovkc_sycl_kernel_names": (ctypes.c_int, [vp, ctypes.c_int, cp, sz]),
         "ovkc_sycl_kernel": (ctypes.c_int, [vp, ctypes.c_int, cp]),
         "ovkc_sycl_launch": (ctypes.c_int, [vp, ctypes.c_int, ctypes.c_int, ctypes.POINTER(sz), ctypes.POINTER(sz),
@@ -158,6 +161,12 @@ class SyclHost:
         return runtime.DeviceInfo(name.value.decode().strip(), "SYCL (OpenCL backend)", bool(is_gpu.value),
                                   tuple(sizes[:n]))  # fmt: skip
 
+    def identity(self) -> str:
+        """The device's name and driver version: what a cached kernel binary is valid for."""
+        driver = ctypes.create_string_buffer(256)
+        self.check(self.lib.ovkc_sycl_driver(self.handle, driver, len(driver)))
+        return f"{self.describe().name} | {driver.value.decode()}"
+
     def alloc(self, nbytes: int) -> UsmBuffer:
         ptr = self.lib.ovkc_sycl_alloc(self.handle, max(int(nbytes), 4))
         if not ptr:
@@ -171,6 +180,30 @@ class SyclHost:
         if self.handle:
             self.lib.ovkc_sycl_close(self.handle)
             self.handle = None
+
+
+def binary_path(text: str, options: list[str], identity: str) -> Path:
+    """Where the device binary of ``text`` built with ``options`` on the device ``identity``
+    (name and driver) is cached; the kernels' shared headers are part of the key."""
+    from ov_kvcrush.models.embedded import cache_root
+
+    key = hashlib.sha256("\0".join([text, *options, identity]).encode())
+    for header in sorted(kernel_dir().glob("*.h")):
+        key.update(header.read_bytes())
+    return cache_root() / "plugins" / "sycl-kernels" / f"{key.hexdigest()[:24]}.bin"
+
+
+def save_binary(host: SyclHost, program: int, path: Path) -> None:
+    """The device binary of a built ``program``, written to ``path`` whole or not at all."""
+    size = host.check(host.lib.ovkc_sycl_program_binary(host.handle, program, None, 0))
+    if size <= 0:
+        return  # nothing to keep: the next process builds the source again
+    binary = ctypes.create_string_buffer(size)
+    host.check(host.lib.ovkc_sycl_program_binary(host.handle, program, binary, size))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(binary.raw)
+    tmp.replace(path)
 
 
 def _arg(value: Any) -> tuple[int, int]:
@@ -202,11 +235,27 @@ class SyclDevice(KernelDevice):
     host: SyclHost
     sub_group: int
     kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], SyclKernel] = field(default_factory=dict)
+    #: programs built, by where from: OpenCL C ``source``, or a ``binary`` an earlier process built
+    builds: dict[str, int] = field(default_factory=lambda: {"source": 0, "binary": 0})
 
     def build(self, text: str, options: list[str]) -> dict[str, SyclKernel]:
+        """The kernels of ``text``: from the device binary an earlier process built for this
+        source, its headers, options, device and driver where one is cached (a driver's build of
+        every source takes seconds), else built from source and their binary cached."""
         h, lib = self.host.handle, self.host.lib
-        log = ctypes.create_string_buffer(1 << 16)
-        program = self.host.check(lib.ovkc_sycl_build(h, text.encode(), " ".join(options).encode(), log, len(log)))
+        opts = " ".join(options).encode()
+        cached = binary_path(text, options, self.host.identity())
+        program = -1
+        if cached.is_file():
+            binary = cached.read_bytes()
+            program = lib.ovkc_sycl_build_binary(h, binary, len(binary), opts)  # -1: refused, build the source
+        if program >= 0:
+            self.builds["binary"] += 1
+        else:
+            log = ctypes.create_string_buffer(1 << 16)
+            program = self.host.check(lib.ovkc_sycl_build(h, text.encode(), opts, log, len(log)))
+            self.builds["source"] += 1
+            save_binary(self.host, program, cached)
         names = ctypes.create_string_buffer(1 << 14)
         self.host.check(lib.ovkc_sycl_kernel_names(h, program, names, len(names)))
         return {

@@ -158,6 +158,50 @@ int ovkc_sycl_build(void* handle, const char* source, const char* options, char*
     return static_cast<int>(h->programs.size() - 1);
 }
 
+// Build a program from a device binary (CL_PROGRAM_BINARIES of an earlier build for this device
+// and driver); returns the program's index, or -1 where the device refuses it (then build from
+// source).
+int ovkc_sycl_build_binary(void* handle, const unsigned char* binary, size_t size, const char* options) {
+    auto* h = static_cast<Host*>(handle);
+    cl_int status = CL_SUCCESS, err = CL_SUCCESS;
+    cl_program program = clCreateProgramWithBinary(h->context, 1, &h->device, &size, &binary, &status, &err);
+    if (err != CL_SUCCESS || status != CL_SUCCESS) {
+        if (program != nullptr) clReleaseProgram(program);
+        return fail(h, "the device refused the cached binary (" + std::to_string(err) + ")");
+    }
+    if (clBuildProgram(program, 1, &h->device, options, nullptr, nullptr) != CL_SUCCESS) {
+        clReleaseProgram(program);
+        return fail(h, "the cached binary did not build");
+    }
+    h->programs.push_back(program);
+    return static_cast<int>(h->programs.size() - 1);
+}
+
+// The device binary of a built program: its size with `binary` null, else copied there (`size`
+// bytes); negative on failure.
+long long ovkc_sycl_program_binary(void* handle, int program, unsigned char* binary, size_t size) {
+    auto* h = static_cast<Host*>(handle);
+    if (program < 0 || static_cast<size_t>(program) >= h->programs.size()) return fail(h, "no such program");
+    size_t have = 0;
+    if (clGetProgramInfo(h->programs[program], CL_PROGRAM_BINARY_SIZES, sizeof have, &have, nullptr) != CL_SUCCESS)
+        return fail(h, "the program's binary size is not available");
+    if (binary == nullptr) return static_cast<long long>(have);
+    if (size < have) return fail(h, "the buffer is smaller than the program's binary");
+    unsigned char* out[] = {binary};
+    if (clGetProgramInfo(h->programs[program], CL_PROGRAM_BINARIES, sizeof out, out, nullptr) != CL_SUCCESS)
+        return fail(h, "the program's binary is not available");
+    return static_cast<long long>(have);
+}
+
+// The device's driver version (what a cached binary is valid for, with the device's name).
+int ovkc_sycl_driver(void* handle, char* out, size_t out_len) {
+    auto* h = static_cast<Host*>(handle);
+    return guarded(h, [&] {
+        std::snprintf(out, out_len, "%s", h->queue.get_device().get_info<sycl::info::device::driver_version>().c_str());
+        return 0;
+    });
+}
+
 // The names of a built program's kernels, ';'-separated.
 int ovkc_sycl_kernel_names(void* handle, int program, char* names, size_t names_len) {
     auto* h = static_cast<Host*>(handle);
