@@ -20,6 +20,7 @@ from ov_kvcrush.cli.inspect_command import add_inspect_arguments, cmd_inspect
 from ov_kvcrush.cli.serve_command import add_serve_arguments, cmd_serve
 from ov_kvcrush.cli.values import parse_float, parse_int, parse_name, parse_size, split_values
 from ov_kvcrush.errors import UserError, one_line
+from ov_kvcrush.gpu import HOSTS
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, read_prompt_file, write_atomic, write_text
 
 #: The demo's compressed runs: (backend, method, extra options).
@@ -137,7 +138,7 @@ def _add_generate(sub: Any) -> None:
     g.add_argument("--kv-precision", help="backend openvino: KV cache u8 (default, as native), f16 or f32")
     g.add_argument(
         "--paged-device",
-        choices=["opencl", "sycl"],
+        choices=HOSTS,
         help="backend torch: keep the KV cache on an Intel GPU (else Intel's OpenCL CPU runtime) and run it in "
         "the GPU path's kernels, hosted by pyopencl (opencl) or the C++ SYCL host (sycl) (docs/intel_gpu.md)",
     )

@@ -53,6 +53,7 @@ from ov_kvcrush.engines.random_model import is_random_model
 from ov_kvcrush.engines.sampling import pick_rows
 from ov_kvcrush.engines.torch_model import load_model
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.gpu import HOSTS
 from ov_kvcrush.kernels import use_triton
 from ov_kvcrush.methods import LayerCache, MethodConfig
 
@@ -105,8 +106,8 @@ class TorchEngine:
         fused_ops: bool | None = None,
         paged_device: str | None = None,
     ) -> None:
-        if paged_device not in (None, "opencl", "sycl"):
-            raise ConfigError("paged_device", paged_device, "None, 'opencl' or 'sycl'")
+        if paged_device is not None and paged_device not in HOSTS:
+            raise ConfigError("paged_device", paged_device, "None, " + " or ".join(map(repr, HOSTS)))
         if paged_device and (fast_path or device.lower() != "cpu"):
             raise ConfigError("paged_device", paged_device, "None with fast_path or a CUDA device")
         self.paged_device = paged_device

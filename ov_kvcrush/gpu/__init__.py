@@ -5,3 +5,7 @@ runtime that runs them (an Intel GPU, or Intel's OpenCL CPU runtime where there 
 runtime's pitfalls; :mod:`ov_kvcrush.gpu.kernels` builds the kernels and launches them on numpy
 arrays laid out as the CPU op's pool. ``docs/intel_gpu.md`` says what is verified where.
 """
+
+#: who owns the device memory and launches the kernels: pyopencl from Python (the default), or the
+#: C++ SYCL host (:mod:`ov_kvcrush.gpu.sycl_host`); ``TorchEngine(paged_device=...)`` names one
+HOSTS = ("opencl", "sycl")

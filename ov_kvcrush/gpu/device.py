@@ -177,16 +177,23 @@ class HeadsOnDevice:
     pos_stride: int = 0
 
 
+def choose_sub_group(sub_group: int | None, info: runtime.DeviceInfo) -> int:
+    """``sub_group`` lanes (default: 16 where listed) on the device ``info`` describes; a size the
+    device does not list is an error naming the allowed ones."""
+    sizes = info.sub_group_sizes or (8, 16, 32)
+    chosen = sub_group if sub_group is not None else (16 if 16 in sizes else sizes[0])
+    if chosen not in sizes:
+        raise runtime.GPUPathError(f"sub_group={chosen} is not supported by {info.name}: allowed {sizes}")
+    return chosen
+
+
 @cache
 def device(sub_group: int | None = None) -> Device:
     """The process's device (an Intel GPU, else Intel's OpenCL CPU runtime) at ``sub_group`` lanes
-    (default: 16 where listed); a size the device does not list is an error naming the allowed ones."""
+    (:func:`choose_sub_group`)."""
     cl = runtime.opencl()
     dev = runtime.find_device()
-    sizes = runtime.describe(dev).sub_group_sizes or (8, 16, 32)
-    chosen = sub_group if sub_group is not None else (16 if 16 in sizes else sizes[0])
-    if chosen not in sizes:
-        raise runtime.GPUPathError(f"sub_group={chosen} is not supported by {dev.name.strip()}: allowed {sizes}")
+    chosen = choose_sub_group(sub_group, runtime.describe(dev))
     context = cl.Context([dev])
     return Device(cl, dev, context, cl.CommandQueue(context), chosen)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_options
-from ov_kvcrush.gpu import runtime
+from ov_kvcrush.gpu import HOSTS, runtime
 from ov_kvcrush.gpu.device_layers import check_served
-from ov_kvcrush.gpu.pool import HOSTS, Crossings
+from ov_kvcrush.gpu.pool import Crossings
 
 if TYPE_CHECKING:
     from ov_kvcrush.engines.base import GenerationResult

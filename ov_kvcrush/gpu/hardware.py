@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.gpu import runtime
-from ov_kvcrush.gpu.pool import HOSTS
+from ov_kvcrush.gpu import HOSTS, runtime
 
 #: (row name, method, options): what the GPU path serves, as the issue's targets name it
 OURS = [

@@ -21,15 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from ov_kvcrush.gpu import HOSTS
 from ov_kvcrush.gpu.attention import QuantHeads, decode_buffers, launch_decode, launch_quant_logits
 from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
 from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
-
-#: who owns the pool's memory and launches the kernels: pyopencl from Python, or the C++ SYCL host
-HOSTS = ("opencl", "sycl")
 
 
 def open_device(host: str, sub_group: int | None = None) -> KernelDevice:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu import runtime
-from ov_kvcrush.gpu.device import KernelDevice, kernel_dir
+from ov_kvcrush.gpu.device import KernelDevice, choose_sub_group, kernel_dir
+from ov_kvcrush.outputs import write_atomic
 
 INSTALL_HINT = "pip install intel-sycl-rt (the gpu extra: pip install 'ov_kvcrush[gpu]')"
 #: g++'s flags (DT_RPATH, not RUNPATH: libsycl's own dependencies are found beside it too)
@@ -79,16 +79,16 @@ def build(force: bool = False) -> Path:
     if compiler is None:
         raise runtime.GPUPathError("the SYCL host is built with g++, which is not on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
     lib = prefix / "lib"
-    cmd = [compiler, *FLAGS, f"-I{prefix / 'include'}", str(source()), f"-L{lib}", "-lsycl", "-lOpenCL",
-           f"-Wl,-rpath,{lib}", "-o", str(tmp)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise runtime.GPUPathError(f"building the SYCL host failed: {proc.stderr.strip()[-2000:]}")
-    tmp.replace(out)  # whole or not at all
-    return out
+
+    def compile_to(tmp: Path) -> None:
+        cmd = [compiler, *FLAGS, f"-I{prefix / 'include'}", str(source()), f"-L{lib}", "-lsycl", "-lOpenCL",
+               f"-Wl,-rpath,{lib}", "-o", str(tmp)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise runtime.GPUPathError(f"building the SYCL host failed: {proc.stderr.strip()[-2000:]}")
+
+    return write_atomic(out, compile_to)  # whole or not at all
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -150,6 +150,7 @@ class SyclHost:
             raise runtime.GPUPathError(f"the SYCL host found no device: {why.value.decode()}")
 
     def check(self, code: int) -> int:
+        """``code``, or the host's last error raised where it is negative."""
         if code < 0:
             raise runtime.GPUPathError(f"SYCL host: {self.lib.ovkc_sycl_error(self.handle).decode()}")
         return code
@@ -161,6 +162,7 @@ class SyclHost:
         return runtime.DeviceInfo(name.value.decode().strip(), "SYCL (OpenCL backend)", bool(is_gpu.value),
                                   tuple(sizes[:n]))  # fmt: skip
 
+    @cached_property
     def identity(self) -> str:
         """The device's name and driver version: what a cached kernel binary is valid for."""
         driver = ctypes.create_string_buffer(256)
@@ -169,8 +171,7 @@ class SyclHost:
 
     def alloc(self, nbytes: int) -> UsmBuffer:
         ptr = self.lib.ovkc_sycl_alloc(self.handle, max(int(nbytes), 4))
-        if not ptr:
-            raise runtime.GPUPathError(f"SYCL host: {self.lib.ovkc_sycl_error(self.handle).decode()}")
+        self.check(0 if ptr else -1)  # a null pointer: the host's error says why
         return UsmBuffer(self, ptr, int(nbytes))
 
     def finish(self) -> None:
@@ -201,9 +202,7 @@ def save_binary(host: SyclHost, program: int, path: Path) -> None:
     binary = ctypes.create_string_buffer(size)
     host.check(host.lib.ovkc_sycl_program_binary(host.handle, program, binary, size))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(binary.raw)
-    tmp.replace(path)
+    write_atomic(path, lambda tmp: tmp.write_bytes(binary.raw))
 
 
 def _arg(value: Any) -> tuple[int, int]:
@@ -244,7 +243,7 @@ class SyclDevice(KernelDevice):
         every source takes seconds), else built from source and their binary cached."""
         h, lib = self.host.handle, self.host.lib
         opts = " ".join(options).encode()
-        cached = binary_path(text, options, self.host.identity())
+        cached = binary_path(text, options, self.host.identity)
         program = -1
         if cached.is_file():
             binary = cached.read_bytes()
@@ -313,13 +312,10 @@ class SyclDevice(KernelDevice):
 @cache
 def sycl_device(sub_group: int | None = None) -> SyclDevice:
     """The process's SYCL host device (an Intel GPU, else Intel's OpenCL CPU runtime) at
-    ``sub_group`` lanes (default: 16 where listed), as :func:`ov_kvcrush.gpu.device.device`."""
+    ``sub_group`` lanes (:func:`~ov_kvcrush.gpu.device.choose_sub_group`), as
+    :func:`ov_kvcrush.gpu.device.device`."""
     host = SyclHost()
-    sizes = host.describe().sub_group_sizes or (8, 16, 32)
-    chosen = sub_group if sub_group is not None else (16 if 16 in sizes else sizes[0])
-    if chosen not in sizes:
-        raise runtime.GPUPathError(f"sub_group={chosen} is not supported by {host.describe().name}: allowed {sizes}")
-    return SyclDevice(host, chosen)
+    return SyclDevice(host, choose_sub_group(sub_group, host.describe()))
 
 
 def main(argv: list[str] | None = None) -> int:
