@@ -307,15 +307,21 @@ def signal_after_drops(making: str, *argv: str, timeout: int = 300) -> subproces
     return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=timeout)
 
 
-def run_main(capsys, *argv: str) -> tuple[int, str, str]:
-    """``ov-kvcrush ARGV`` through the entry point's ``main`` in this interpreter (no fresh
-    interpreter's start-up): (exit code, stdout, stderr), argparse's own refusals included."""
+def call_main(argv: list[str]) -> int:
+    """The exit code of ``ov-kvcrush ARGV`` through the entry point's ``main`` in this
+    interpreter, argparse's own refusals (``SystemExit``) included."""
     from ov_kvcrush.cli.main import main
 
     try:
-        code = main(list(argv))
+        return main(list(argv))
     except SystemExit as exc:
-        code = exc.code
+        return exc.code
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``ov-kvcrush ARGV`` through the entry point's ``main`` in this interpreter (no fresh
+    interpreter's start-up): (exit code, stdout, stderr)."""
+    code = call_main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -341,8 +347,6 @@ def bench_script_dry_run(script: str, run: str) -> subprocess.CompletedProcess:
     import io
     import tempfile
 
-    from ov_kvcrush.cli.main import main
-
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         recorder, calls = Path(tmp) / "ov-kvcrush", Path(tmp) / "calls"
@@ -361,10 +365,7 @@ def bench_script_dry_run(script: str, run: str) -> subprocess.CompletedProcess:
             argv = (calls / line[len(SCRIPT_CALL) :].strip()).read_bytes().decode().split("\0")[:-1]
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    code = main(argv)
-                except SystemExit as exc:  # argparse's own refusals
-                    code = exc.code
+                code = call_main(argv)
             stdout.append(out.getvalue())
             stderr.append(err.getvalue())
             if code:
