@@ -39,6 +39,9 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# The Intel GPU path's C++ SYCL host (plugins/gpu/host), built with g++ against intel-sycl-rt (cached per
 	# source version); where intel-sycl-rt does not install (not Linux x86-64) its tests skip, saying so.
 	$(PY) -m ov_kvcrush.gpu.sycl_host build || echo "the SYCL host was not built: its tests will skip"
+	# The OpenCL loader layer under which OpenVINO's GPU plugin runs on Intel's OpenCL CPU runtime
+	# (plugins/gpu/emulation: a test fixture, docs/intel_gpu.md), built with cc against intel-sycl-rt's CL headers.
+	$(PY) -m ov_kvcrush.gpu.emulation build || echo "the GPU emulation layer was not built: its tests will skip"
 	$(PY) -m ov_kvcrush.cli.envcheck
 	# Both embedded models exported once (cached; a partial export is rebuilt, never reused).
 	$(VENV)/bin/ov-kvcrush export

@@ -1,0 +1,222 @@
+"""OpenVINO's GPU plugin on Intel's OpenCL CPU runtime: how the plugin's own path is verified on
+machines with no Intel GPU.
+
+The plugin lists only OpenCL devices of type GPU, so on such a machine it shows none and nothing
+of ``device="GPU"`` can run. ``plugins/gpu/emulation/gpu_identity_layer.c`` is an OpenCL loader
+layer (the ``OPENCL_LAYERS`` mechanism of the ICD loader the plugin links) that shows the CPU
+runtime's device to the plugin as an Xe-LP GPU and mends the few places where the plugin relies on
+what an Intel GPU does and the CPU runtime does not (each named in the layer's source). Under it
+the plugin compiles and runs models on the CPU runtime: its kernels, SimpleGPU custom layers,
+remote tensors. It is a test fixture: it says nothing of a GPU's speed, and a process uses it only
+after :func:`enable`.
+
+The layer is read when the process's OpenCL loader starts, so :func:`enable` must come before any
+OpenCL call (``openvino`` may be imported, the GPU plugin not yet used); :func:`worker` gives a
+fresh process that enables it first. ``python -m ov_kvcrush.gpu.emulation build`` builds it (g++,
+cached per source, written whole or not at all); ``... check`` runs a small model on the plugin's
+``GPU`` and on ``CPU`` and prints the largest difference; ``... native`` generates greedily with
+native ``openvino_genai`` on both and says whether the texts are equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ov_kvcrush.gpu import runtime
+from ov_kvcrush.gpu.device import kernel_dir
+from ov_kvcrush.outputs import write_atomic
+
+#: the C compiler's flags for the layer
+FLAGS = ("-std=c11", "-O2", "-shared", "-fPIC")
+#: the OpenCL headers the layer needs (intel-sycl-rt ships them under the environment's include/)
+HEADERS = ("CL/cl.h", "CL/cl_icd.h", "CL/cl_layer.h")
+INSTALL_HINT = "pip install intel-sycl-rt (its include/CL headers), and a C compiler"
+#: ``native``'s prompt and length (the plugin compiles the model in about 30 s on 2 cores)
+NATIVE_PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+NATIVE_TOKENS = 12
+
+
+def source() -> Path:
+    """``plugins/gpu/emulation/gpu_identity_layer.c`` of the source tree, or the packaged copy."""
+    return kernel_dir().parent / "emulation" / "gpu_identity_layer.c"
+
+
+def _include_dir() -> Path:
+    for folder in (Path(sys.prefix) / "include", Path("/usr/include")):
+        if all((folder / h).is_file() for h in HEADERS):
+            return folder
+    raise runtime.GPUPathError(f"the GPU emulation layer needs {', '.join(HEADERS)} ({INSTALL_HINT})")
+
+
+def _compiler_path() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _compiler() -> str:
+    compiler = _compiler_path()
+    if compiler is None:
+        raise runtime.GPUPathError(f"no C compiler on PATH builds the GPU emulation layer ({INSTALL_HINT})")
+    return compiler
+
+
+def library_path() -> Path:
+    """The built layer for this source and compiler (not necessarily built yet)."""
+    from ov_kvcrush.models.embedded import cache_root
+
+    key = hashlib.sha256(source().read_bytes() + " ".join((*FLAGS, _compiler_path() or "")).encode())
+    return cache_root() / "plugins" / f"gpu-emulation-{key.hexdigest()[:12]}" / "libovkc_gpu_identity_layer.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the layer (well under a second) unless this version is built; returns the library."""
+    out = library_path()
+    if out.is_file() and not force:
+        return out
+    include, compiler = _include_dir(), _compiler()
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def compile_to(tmp: Path) -> None:
+        cmd = [compiler, *FLAGS, f"-I{include}", str(source()), "-o", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise runtime.GPUPathError(f"building the GPU emulation layer failed: {proc.stderr.strip()[-2000:]}")
+
+    return write_atomic(out, compile_to)
+
+
+def enable() -> Path:
+    """Name the layer in ``OPENCL_LAYERS`` for this process, with Intel's OpenCL CPU runtime
+    prepared (:func:`~ov_kvcrush.gpu.runtime.prepare`). Call before the process's first OpenCL
+    call; returns the layer."""
+    if runtime.runtime_library() is None:
+        raise runtime.GPUPathError(f"the GPU emulation needs Intel's OpenCL CPU runtime ({runtime.INSTALL_HINT})")
+    runtime.prepare()
+    layer = build()
+    os.environ["OPENCL_LAYERS"] = str(layer)
+    return layer
+
+
+def worker() -> ProcessPoolExecutor:
+    """One fresh process whose first act is :func:`enable`: where this process already made an
+    OpenCL call (a test run), the plugin's ``GPU`` runs there."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=enable)
+
+
+def plugin_device(core: object) -> str:
+    """The full name of the device OpenVINO's GPU plugin found (a :class:`GPUPathError` naming what
+    is missing when it found none: the layer was not read, or the loader does not read layers)."""
+    if "GPU" not in core.available_devices:  # type: ignore[attr-defined]
+        hint = "" if os.environ.get("OPENCL_LAYERS") else ": call ov_kvcrush.gpu.emulation.enable() first"
+        raise runtime.GPUPathError(
+            "OpenVINO's GPU plugin lists no device under the emulation layer (the ICD loader it links, "
+            f"libOpenCL.so.1, must read OPENCL_LAYERS: ocl-icd 2.3 or Khronos' loader){hint}"
+        )
+    return str(core.get_property("GPU", "FULL_DEVICE_NAME"))  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """A small model on the plugin's ``GPU`` beside ``CPU``."""
+
+    device: str
+    max_abs_error: float
+
+
+def check_model() -> object:
+    """What a transformer layer's non-attention part asks of the plugin: a MatMul with constant
+    weights (the weights reorder), an RMS norm over signed values (its fused kernel), a softmax."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    rng = np.random.default_rng(0)
+    x = ops.parameter([-1, 64], np.float32, name="x")
+    weights = ops.constant(rng.standard_normal((64, 48)).astype(np.float32))
+    h = ops.matmul(x, weights, False, False)
+    mean_square = ops.reduce_mean(ops.multiply(h, h), np.array([-1], np.int64), True)
+    rms = ops.divide(h, ops.sqrt(ops.add(mean_square, np.float32(1e-5))))
+    return ov.Model([ops.softmax(rms, -1)], [x], "ovkc_emulation_check")
+
+
+def check(rows: int = 7) -> CheckResult:
+    """Run :func:`check_model` on the plugin's ``GPU`` and on ``CPU`` (both in f32) in this process
+    (:func:`enable` called first)."""
+    from ov_kvcrush.op import plugin
+
+    core = plugin.shared_core()
+    device = plugin_device(core)
+    x = np.random.default_rng(1).standard_normal((rows, 64)).astype(np.float32)
+    model = check_model()
+    out = {d: core.compile_model(model, d, {"INFERENCE_PRECISION_HINT": "f32"})(x)[0] for d in ("CPU", "GPU")}
+    return CheckResult(device, float(np.abs(out["GPU"] - out["CPU"]).max()))
+
+
+@dataclass(frozen=True)
+class NativeResult:
+    """Native ``openvino_genai`` greedy text on the plugin's ``GPU`` beside ``CPU``."""
+
+    device: str
+    texts: dict[str, str]
+    seconds: dict[str, float]
+
+
+def native_greedy(prompt: str, new_tokens: int) -> NativeResult:
+    """The embedded model through native ``openvino_genai.LLMPipeline`` (its stateful SDPA path,
+    in f32) on the plugin's ``GPU`` and on ``CPU``, greedy (:func:`enable` called first)."""
+    import time
+
+    import openvino_genai
+
+    from ov_kvcrush.models.export import ensure_default_model
+    from ov_kvcrush.op import plugin
+
+    device = plugin_device(plugin.shared_core())
+    path = str(ensure_default_model("fp32", progress=False))
+    config = openvino_genai.GenerationConfig(max_new_tokens=new_tokens, do_sample=False)
+    texts, seconds = {}, {}
+    for name in ("CPU", "GPU"):
+        t0 = time.perf_counter()
+        pipe = openvino_genai.LLMPipeline(path, name, INFERENCE_PRECISION_HINT="f32")
+        texts[name] = str(pipe.generate(prompt, config))
+        seconds[name] = round(time.perf_counter() - t0, 2)
+    return NativeResult(device, texts, seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if args[:1] == ["build"]:
+            print(build(force="--force" in args))
+            return 0
+        if args[:1] == ["check"]:
+            enable()
+            result = check()
+            print(f"OpenVINO's GPU plugin on {result.device}: largest difference from CPU {result.max_abs_error:.3g}")
+            return 0 if result.max_abs_error < 1e-4 else 1
+        if args[:1] == ["native"]:
+            enable()
+            native = native_greedy(NATIVE_PROMPT, NATIVE_TOKENS)
+            for name, text in native.texts.items():
+                print(f"{name} ({native.seconds[name]} s, compile included): {text!r}")
+            same = native.texts["CPU"] == native.texts["GPU"]
+            verdict = "equals" if same else "differs from"
+            print(f"native greedy text on the plugin's GPU ({native.device}) {verdict} CPU's")
+            return 0 if same else 1
+    except runtime.GPUPathError as e:
+        print(f"emulation: {e}", file=sys.stderr)
+        return 2
+    print("usage: python -m ov_kvcrush.gpu.emulation build [--force] | check | native", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

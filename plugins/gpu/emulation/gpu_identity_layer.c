@@ -1,0 +1,169 @@
+// An OpenCL loader layer (OPENCL_LAYERS) under which OpenVINO's GPU plugin runs on Intel's OpenCL
+// CPU runtime: the plugin's own path (its kernels, SimpleGPU custom layers, remote tensors) can then
+// be exercised on a machine with no Intel GPU. A test fixture only: nothing loads it unless
+// ov_kvcrush.gpu.emulation.enable() names it in OPENCL_LAYERS before the process's first OpenCL call.
+//
+// Each change has one reason, found by running the plugin on the CPU runtime (docs/intel_gpu.md):
+//
+// 1. Identity. A CPU device with cl_intel_subgroups is reported as CL_DEVICE_TYPE_GPU (the plugin
+//    lists GPUs only: ocl_device_detector.cpp) with CL_DEVICE_IP_VERSION_INTEL of Xe-LP, 12.0.0
+//    (oneDNN's nGEN reads the IP version first; with the CPU's it compiles a probe kernel and throws
+//    on finding an x86 binary).
+// 2. A kernel keeps its program's handle valid. The plugin releases a program once its kernels are
+//    made, later asks a kernel for its program (CL_KERNEL_PROGRAM) and retains that handle: Intel's
+//    GPU runtime allows it, the CPU runtime answers CL_INVALID_PROGRAM. The layer holds one program
+//    reference per live kernel.
+// 3. Three shims in the plugin's own kernel sources (those defining KERNEL(name)), for what they
+//    assume of Intel GPUs and the CPU runtime's compiler does not give:
+//    a. sub-groups from the linear local id: reorder_weights_opt runs (1, 1, 16) work-groups whose
+//       lanes lie along dimension 2; the CPU runtime forms sub-groups along dimension 0 only (of one
+//       work-item here), so its lane id becomes get_local_id(2) and its block write a store a lane;
+//    b. native_powr of a negative base: the RMS kernel squares with native_powr(x, 2), which Intel
+//       GPUs compute as x * x there and the CPU runtime as NaN: the base is taken as |x|;
+//    c. mad with float and half arguments: IGC picks an overload, the CPU runtime's clang calls it
+//       ambiguous: mad(a, b, c) is spelled a * b + c.
+#define CL_TARGET_OPENCL_VERSION 300
+#include <CL/cl.h>
+#include <CL/cl_icd.h>
+#include <CL/cl_layer.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define IP_VERSION_INTEL 0x4250
+#define XE_LP_IP_VERSION (12u << 22)  // architecture 12, release 0, revision 0
+
+static struct _cl_icd_dispatch layer_dispatch;
+static const struct _cl_icd_dispatch* next;
+
+static int is_emulated(cl_device_id device) {
+    cl_device_type type = 0;
+    if (next->clGetDeviceInfo(device, CL_DEVICE_TYPE, sizeof(type), &type, NULL) != CL_SUCCESS) return 0;
+    if (!(type & CL_DEVICE_TYPE_CPU)) return 0;
+    size_t size = 0;
+    if (next->clGetDeviceInfo(device, CL_DEVICE_EXTENSIONS, 0, NULL, &size) != CL_SUCCESS || size == 0) return 0;
+    char* extensions = malloc(size);
+    int found = extensions && next->clGetDeviceInfo(device, CL_DEVICE_EXTENSIONS, size, extensions, NULL) == CL_SUCCESS &&
+                strstr(extensions, "cl_intel_subgroups") != NULL;
+    free(extensions);
+    return found;
+}
+
+// -- 1. identity ----------------------------------------------------------------------------------
+static cl_int CL_API_CALL get_device_ids(cl_platform_id platform, cl_device_type type, cl_uint n, cl_device_id* devices,
+                                         cl_uint* found) {
+    if (type & CL_DEVICE_TYPE_GPU) type |= CL_DEVICE_TYPE_CPU;  // the CPU device answers as a GPU
+    return next->clGetDeviceIDs(platform, type, n, devices, found);
+}
+
+static cl_int CL_API_CALL get_device_info(cl_device_id device, cl_device_info what, size_t size, void* value,
+                                          size_t* size_ret) {
+    cl_int err = next->clGetDeviceInfo(device, what, size, value, size_ret);
+    if (err != CL_SUCCESS || value == NULL || !is_emulated(device)) return err;
+    if (what == CL_DEVICE_TYPE) *(cl_device_type*)value = CL_DEVICE_TYPE_GPU;
+    if (what == IP_VERSION_INTEL) *(cl_uint*)value = XE_LP_IP_VERSION;
+    return err;
+}
+
+// -- 2. a kernel keeps its program's handle valid ---------------------------------------------------
+static cl_kernel CL_API_CALL create_kernel(cl_program program, const char* name, cl_int* err) {
+    cl_kernel kernel = next->clCreateKernel(program, name, err);
+    if (kernel) next->clRetainProgram(program);
+    return kernel;
+}
+
+static cl_int CL_API_CALL create_kernels(cl_program program, cl_uint n, cl_kernel* kernels, cl_uint* made_ret) {
+    cl_uint made = 0;
+    cl_int err = next->clCreateKernelsInProgram(program, n, kernels, &made);
+    if (err == CL_SUCCESS && kernels)
+        for (cl_uint i = 0; i < made; ++i) next->clRetainProgram(program);
+    if (made_ret) *made_ret = made;
+    return err;
+}
+
+static cl_int CL_API_CALL release_kernel(cl_kernel kernel) {
+    cl_uint refs = 0;
+    cl_program program = NULL;
+    next->clGetKernelInfo(kernel, CL_KERNEL_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
+    next->clGetKernelInfo(kernel, CL_KERNEL_PROGRAM, sizeof(program), &program, NULL);
+    cl_int err = next->clReleaseKernel(kernel);
+    if (err == CL_SUCCESS && refs == 1 && program) next->clReleaseProgram(program);
+    return err;
+}
+
+// -- 3. shims in the plugin's kernel sources --------------------------------------------------------
+static const char PLUGIN_SOURCE_MARK[] = "#define KERNEL(name)";
+static const char SHIM_PRELUDE[] =
+    "#define native_powr(x, y) native_powr(fabs(x), (y))\n"
+    "#define mad(a, b, c) ((a) * (b) + (c))\n"
+    "#define OVKC_STORE_BY_LANE(out, idx, v) do { for (int b_ = 0; b_ < SECOND_BLOCK_SIZE; ++b_) "
+    "(out)[(idx) + b_ * SECOND_SIZE + lid] = ((OUTPUT_TYPE*)&(v))[b_]; } while (0)\n";
+// reorder_weights_opt's lane id and block write, each replaced by a text of the same length
+static const char* const REORDER_FROM[] = {"const int lid = get_sub_group_local_id();",
+                                           "OUTPUT_BLOCK_WRITE(output, output_idx, val);"};
+static const char* const REORDER_TO[] = {"const int lid = (int)get_local_id(2);    ",
+                                         "OVKC_STORE_BY_LANE(output, output_idx, val);"};
+
+static void replace_same_length(char* text, const char* from, const char* to) {
+    const size_t n = strlen(from);
+    if (strlen(to) != n) return;  // a shim that would move the text is not applied
+    for (char* at = strstr(text, from); at; at = strstr(at + n, from)) memcpy(at, to, n);
+}
+
+static cl_program CL_API_CALL create_program(cl_context context, cl_uint count, const char** strings,
+                                             const size_t* lengths, cl_int* err) {
+    size_t total = 0;
+    for (cl_uint i = 0; i < count; ++i) total += (lengths && lengths[i]) ? lengths[i] : strlen(strings[i]);
+    char* joined = malloc(sizeof(SHIM_PRELUDE) + total);
+    if (joined == NULL) return next->clCreateProgramWithSource(context, count, strings, lengths, err);
+    char* body = joined + sizeof(SHIM_PRELUDE) - 1;
+    size_t at = 0;
+    for (cl_uint i = 0; i < count; ++i) {
+        const size_t n = (lengths && lengths[i]) ? lengths[i] : strlen(strings[i]);
+        memcpy(body + at, strings[i], n);
+        at += n;
+    }
+    body[at] = '\0';
+    cl_program program;
+    if (strstr(body, PLUGIN_SOURCE_MARK) == NULL) {
+        program = next->clCreateProgramWithSource(context, count, strings, lengths, err);
+    } else {
+        memcpy(joined, SHIM_PRELUDE, sizeof(SHIM_PRELUDE) - 1);
+        if (strstr(body, "KERNEL(reorder_weights_opt)"))
+            for (size_t i = 0; i < sizeof(REORDER_FROM) / sizeof(REORDER_FROM[0]); ++i)
+                replace_same_length(body, REORDER_FROM[i], REORDER_TO[i]);
+        const char* text = joined;
+        program = next->clCreateProgramWithSource(context, 1, &text, NULL, err);
+    }
+    free(joined);
+    return program;
+}
+
+// -- the layer's entry points -----------------------------------------------------------------------
+CL_API_ENTRY cl_int CL_API_CALL clGetLayerInfo(cl_layer_info name, size_t size, void* value, size_t* size_ret) {
+    if (name != CL_LAYER_API_VERSION) return CL_INVALID_VALUE;
+    if (size_ret) *size_ret = sizeof(cl_layer_api_version);
+    if (value) {
+        if (size < sizeof(cl_layer_api_version)) return CL_INVALID_VALUE;
+        *(cl_layer_api_version*)value = CL_LAYER_API_VERSION_100;
+    }
+    return CL_SUCCESS;
+}
+
+CL_API_ENTRY cl_int CL_API_CALL clInitLayer(cl_uint entries, const struct _cl_icd_dispatch* target,
+                                            cl_uint* entries_ret, const struct _cl_icd_dispatch** layer) {
+    // the loader's table may be shorter than these headers' (an older loader): copy what it has
+    size_t own = sizeof(layer_dispatch) / sizeof(void*);
+    if (entries < own) own = entries;
+    if (target == NULL || entries_ret == NULL || layer == NULL) return CL_INVALID_VALUE;
+    next = target;
+    memcpy(&layer_dispatch, target, own * sizeof(void*));
+    layer_dispatch.clGetDeviceIDs = get_device_ids;
+    layer_dispatch.clGetDeviceInfo = get_device_info;
+    layer_dispatch.clCreateKernel = create_kernel;
+    layer_dispatch.clCreateKernelsInProgram = create_kernels;
+    layer_dispatch.clReleaseKernel = release_kernel;
+    layer_dispatch.clCreateProgramWithSource = create_program;
+    *entries_ret = (cl_uint)own;
+    *layer = &layer_dispatch;
+    return CL_SUCCESS;
+}
