@@ -27,6 +27,8 @@ ALSO_ON = ("dg2-g10", 16)
 
 # the compile-time constants each source is built with by its host (a few representative shapes:
 # SmolLM2's and Llama-3-8B's head sizes and groups, every store precision)
+#: every layer of plugin_layers.cl at once (the plugin builds each alone: ov_kvcrush.gpu.plugin_layers)
+PLUGIN_LAYER_GUARDS = {f"OVKC_LAYER_{name}": 1 for name in ("STORE", "LOGITS", "SOFTMAX", "VALUES")}
 VARIANTS: dict[str, list[dict[str, int]]] = {
     "paged_attention.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (0, 1, 2)]
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
@@ -37,6 +39,10 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
     "prefill.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (1, 2)]
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
     "clusterkv.cl": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4}],
+    "plugin_layers.cl": [
+        {"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3, "SCALE": 1, **PLUGIN_LAYER_GUARDS}
+        for p in (0, 1, 2)
+    ],
     "quest.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)],
     "quant2.cl": [
         {"BLOCK_SIZE": 32, "HEAD_DIM": 64, "QGROUP": 16, "KEY_BITS": kb, "VALUE_BITS": vb, "GROUP": 3}
