@@ -7,7 +7,6 @@ the tests skip, saying so."""
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 
 import pytest
@@ -16,14 +15,9 @@ from ov_kvcrush.gpu import emulation, runtime
 
 
 def _layer_or_skip() -> None:
-    if runtime.runtime_library() is None:
-        pytest.skip(f"Intel's OpenCL CPU runtime is not installed ({runtime.INSTALL_HINT})")
-    if ctypes.util.find_library("OpenCL") is None:
-        pytest.skip("no system OpenCL ICD loader (libOpenCL.so.1: Debian's ocl-icd-libopencl1)")
-    try:
-        emulation.build()
-    except runtime.GPUPathError as e:
-        pytest.skip(str(e))
+    reason = emulation.unavailable()
+    if reason:
+        pytest.skip(reason)
 
 
 def _check_in_worker() -> tuple[str, float, str]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ov_kvcrush.gpu.layout import PoolShape, page_heads, stored
+from ov_kvcrush.gpu import emulation, plugin_layers
+from ov_kvcrush.gpu.layout import PoolShape, stored
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 16
 TOKENS = (29, 45)  # each KV head's tokens before the steps: a partial last block each
@@ -19,42 +20,19 @@ CONFIGS = [("f32", 16), ("f16", 16), ("u8", 16), ("u8", 8)]
 
 
 def _layer_or_skip() -> None:
-    from ov_kvcrush.gpu import emulation, runtime
-
-    if runtime.runtime_library() is None:
-        pytest.skip(f"Intel's OpenCL CPU runtime is not installed ({runtime.INSTALL_HINT})")
-    try:
-        emulation.build()
-    except runtime.GPUPathError as e:
-        pytest.skip(str(e))
+    reason = emulation.unavailable()
+    if reason:
+        pytest.skip(reason)
 
 
-def _steps_on_the_plugin(folder: str, precision: str, sub_group: int, pool: np.ndarray, steps: list[dict]) -> list:
-    """In the emulation worker: compile the decode-step model on the plugin's GPU, hold ``pool``
-    in a remote tensor, run ``steps``; each step's (attention, probabilities)."""
+def _run_in_worker(folder: str, scenario) -> list:
+    """In the emulation worker: the scenario's steps run by the plugin."""
     from pathlib import Path
-
-    import openvino as ov
 
     from ov_kvcrush.gpu import plugin_layers
     from ov_kvcrush.op import plugin
 
-    attributes = plugin_layers.LayerAttributes(PoolShape(precision, BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS), sub_group,
-                                               HEAD_DIM**-0.5)  # fmt: skip
-    core = plugin.shared_core()
-    core.set_property("GPU", {"CONFIG_FILE": str(plugin_layers.write_config(Path(folder), attributes))})
-    model = plugin_layers.decode_step_model(attributes, Q_HEADS, KV_HEADS)
-    request = core.compile_model(model, "GPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
-    remote = core.get_default_context("GPU").create_tensor(ov.Type.u8, ov.Shape([pool.size]), {})
-    remote.copy_from(ov.Tensor(pool))
-    request.set_tensor("pool", remote)
-    results = []
-    for feeds in steps:
-        for name, array in feeds.items():
-            request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
-        request.infer()
-        results.append((request.get_output_tensor(0).data.copy(), request.get_output_tensor(1).data.copy()))
-    return results
+    return plugin_layers.run_on_plugin(plugin.shared_core(), Path(folder), scenario)
 
 
 def _reference(shape: PoolShape, q: np.ndarray, keys: list, values: list) -> tuple[np.ndarray, list]:
@@ -73,32 +51,18 @@ def _reference(shape: PoolShape, q: np.ndarray, keys: list, values: list) -> tup
 @pytest.fixture(scope="module")
 def plugin_worker():
     _layer_or_skip()
-    from ov_kvcrush.gpu import emulation
-
     with emulation.worker() as worker:
         yield worker
 
 
 @pytest.mark.parametrize(("precision", "sub_group"), CONFIGS, ids=[f"{p}-sg{s}" for p, s in CONFIGS])
 def test_the_plugin_runs_our_decode_step_over_a_pool_it_holds(plugin_worker, tmp_path, precision, sub_group):
-    rng = np.random.default_rng(7)
     shape = PoolShape(precision, BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS)
-    keys = [rng.standard_normal((n, HEAD_DIM)).astype(np.float32) for n in TOKENS]
-    values = [rng.standard_normal((n, HEAD_DIM)).astype(np.float32) for n in TOKENS]
-    heads = page_heads(shape, keys, values, rng)
-    steps, expected = [], []
-    for _ in range(2):
-        q = rng.standard_normal((Q_HEADS, HEAD_DIM)).astype(np.float32)
-        k = rng.standard_normal((KV_HEADS, 1, HEAD_DIM)).astype(np.float32)
-        v = rng.standard_normal((KV_HEADS, 1, HEAD_DIM)).astype(np.float32)
-        first = np.array([len(x) for x in keys], np.int32)
-        keys = [np.concatenate([keys[i], k[i]]) for i in range(KV_HEADS)]
-        values = [np.concatenate([values[i], v[i]]) for i in range(KV_HEADS)]
-        width = np.array([heads.tables.shape[1]], np.int32)
-        step = {"q": q, "k": k, "v": v, "tables": heads.tables, "first": first, "lengths": first + 1}
-        steps.append({**step, "step": width})
-        expected.append(_reference(shape, q, keys, values))
-    got = plugin_worker.submit(_steps_on_the_plugin, str(tmp_path), precision, sub_group, heads.pool, steps).result(600)
+    attributes = plugin_layers.LayerAttributes(shape, sub_group, HEAD_DIM**-0.5)
+    scenario = plugin_layers.random_scenario(attributes, KV_HEADS, TOKENS, 2, np.random.default_rng(7))
+    steps = zip(scenario.steps, scenario.keys, scenario.values, strict=True)
+    expected = [_reference(shape, step["q"], keys, values) for step, keys, values in steps]
+    got = plugin_worker.submit(_run_in_worker, str(tmp_path), scenario).result(600)
     for (out, probs), (ref_out, ref_probs) in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, ref_out, atol=1e-5)
         for h, p in enumerate(ref_probs):

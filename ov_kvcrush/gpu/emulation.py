@@ -94,6 +94,22 @@ def build(force: bool = False) -> Path:
     return write_atomic(out, compile_to)
 
 
+def unavailable() -> str | None:
+    """Why the emulation cannot run here (the runtime, the system's ICD loader, or the layer's
+    build is missing), or ``None``: it can (the layer is built if it was not)."""
+    import ctypes.util
+
+    if runtime.runtime_library() is None:
+        return f"Intel's OpenCL CPU runtime is not installed ({runtime.INSTALL_HINT})"
+    if ctypes.util.find_library("OpenCL") is None:
+        return "no system OpenCL ICD loader (libOpenCL.so.1, which OpenVINO's GPU plugin links: ocl-icd-libopencl1)"
+    try:
+        build()
+    except runtime.GPUPathError as e:
+        return str(e)
+    return None
+
+
 def enable() -> Path:
     """Name the layer in ``OPENCL_LAYERS`` for this process, with Intel's OpenCL CPU runtime
     prepared (:func:`~ov_kvcrush.gpu.runtime.prepare`). Call before the process's first OpenCL

@@ -239,3 +239,68 @@ def decode_step_model(attributes: LayerAttributes, q_heads: int, kv_heads: int) 
     values["probs"] = layer("OvkcSoftmax")
     out = layer("OvkcValues")
     return ov.Model([out, values["probs"]], list(params.values()), "ovkc_decode_step")
+
+
+@dataclass
+class DecodeScenario:
+    """A pool laid out as the CPU op's (each KV head its own tokens, shuffled blocks with garbage
+    between them) and decode steps over it, each storing one token per KV head."""
+
+    attributes: LayerAttributes
+    q_heads: int
+    pool: np.ndarray
+    steps: list[dict[str, np.ndarray]]
+    #: per step, each KV head's keys and values after it (what its attention reads, as given)
+    keys: list[list[np.ndarray]]
+    values: list[list[np.ndarray]]
+
+
+def random_scenario(attributes: LayerAttributes, kv_heads: int, tokens: tuple[int, ...], steps: int,
+                    rng: np.random.Generator) -> DecodeScenario:  # fmt: skip
+    """``steps`` decode steps after ``tokens[h]`` tokens of KV head ``h``, from ``rng``."""
+    from ov_kvcrush.gpu.layout import page_heads
+
+    shape, d = attributes.shape, attributes.shape.head_dim
+    q_heads = kv_heads * shape.group
+    keys = [rng.standard_normal((n, d)).astype(np.float32) for n in tokens]
+    values = [rng.standard_normal((n, d)).astype(np.float32) for n in tokens]
+    heads = page_heads(shape, keys, values, rng)
+    width = np.array([heads.tables.shape[1]], np.int32)
+    scenario = DecodeScenario(attributes, q_heads, heads.pool, [], [], [])
+    for _ in range(steps):
+        q = rng.standard_normal((q_heads, d)).astype(np.float32)
+        k = rng.standard_normal((kv_heads, 1, d)).astype(np.float32)
+        v = rng.standard_normal((kv_heads, 1, d)).astype(np.float32)
+        first = np.array([len(x) for x in keys], np.int32)
+        keys = [np.concatenate([keys[i], k[i]]) for i in range(kv_heads)]
+        values = [np.concatenate([values[i], v[i]]) for i in range(kv_heads)]
+        feeds = {"q": q, "k": k, "v": v, "tables": heads.tables, "first": first, "lengths": first + 1}
+        scenario.steps.append({**feeds, "step": width})
+        scenario.keys.append(keys)
+        scenario.values.append(values)
+    return scenario
+
+
+def run_on_plugin(core: object, folder: Path, scenario: DecodeScenario) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Compile the decode-step model on ``core``'s ``GPU`` (the layers' ``CONFIG_FILE`` written
+    into ``folder``), hold the scenario's pool in a remote tensor of the plugin's context and run
+    its steps; each step's (attention, probabilities)."""
+    import openvino as ov
+
+    config = write_config(folder, scenario.attributes)
+    core.set_property("GPU", {"CONFIG_FILE": str(config)})  # type: ignore[attr-defined]
+    kv_heads = len(scenario.keys[0]) if scenario.keys else 1
+    model = decode_step_model(scenario.attributes, scenario.q_heads, kv_heads)
+    compiled = core.compile_model(model, "GPU", {"INFERENCE_PRECISION_HINT": "f32"})  # type: ignore[attr-defined]
+    request = compiled.create_infer_request()
+    context = core.get_default_context("GPU")  # type: ignore[attr-defined]
+    pool = context.create_tensor(ov.Type.u8, ov.Shape([scenario.pool.size]), {})
+    pool.copy_from(ov.Tensor(scenario.pool))
+    request.set_tensor("pool", pool)
+    results = []
+    for feeds in scenario.steps:
+        for name, array in feeds.items():
+            request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
+        request.infer()
+        results.append((request.get_output_tensor(0).data.copy(), request.get_output_tensor(1).data.copy()))
+    return results
