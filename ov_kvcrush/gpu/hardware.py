@@ -77,7 +77,7 @@ class PluginCheck:
         return self.max_abs_error < PLUGIN_TOLERANCE
 
 
-def _plugin_reference_error(scenario: plugin_layers.DecodeScenario, results: list) -> float:
+def _plugin_reference_error(scenario: plugin_layers.StepScenario, results: list) -> float:
     """The largest difference of the steps' attention and probabilities from the reference
     (``methods.attention.attend``) over each KV head's tokens as the store holds them."""
     import torch
@@ -106,8 +106,7 @@ def plugin_check_here() -> PluginCheck:
     device = emulation.plugin_device(core)
     sub_group = 16  # every Xe GPU runs 16 (Xe-HPC refuses 8)
     attributes = plugin_layers.LayerAttributes(PLUGIN_SHAPE, sub_group, PLUGIN_SHAPE.head_dim**-0.5)
-    scenario = plugin_layers.random_scenario(attributes, len(PLUGIN_TOKENS), PLUGIN_TOKENS, 2,
-                                             np.random.default_rng(0))  # fmt: skip
+    scenario = plugin_layers.random_scenario(attributes, "decode", PLUGIN_TOKENS, (1, 1), np.random.default_rng(0))
     with tempfile.TemporaryDirectory() as folder:
         results = plugin_layers.run_on_plugin(core, Path(folder), scenario)
     return PluginCheck(device, _plugin_reference_error(scenario, results))

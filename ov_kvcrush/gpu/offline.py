@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ov_kvcrush.gpu.device import build_options, kernel_dir
+from ov_kvcrush.gpu.plugin_layers import KERNELS
 
 # sub-group sizes each target compiles (Xe-HPC refuses a required size of 8)
 TARGETS: dict[str, tuple[int, ...]] = {"tgllp": (8, 16), "dg2-g10": (8, 16), "pvc": (16,)}
@@ -28,7 +29,7 @@ ALSO_ON = ("dg2-g10", 16)
 # the compile-time constants each source is built with by its host (a few representative shapes:
 # SmolLM2's and Llama-3-8B's head sizes and groups, every store precision)
 #: every layer of plugin_layers.cl at once (the plugin builds each alone: ov_kvcrush.gpu.plugin_layers)
-PLUGIN_LAYER_GUARDS = {f"OVKC_LAYER_{name}": 1 for name in ("STORE", "LOGITS", "SOFTMAX", "VALUES")}
+PLUGIN_LAYER_GUARDS = {kernel.guard: 1 for kernel in KERNELS.values()}
 VARIANTS: dict[str, list[dict[str, int]]] = {
     "paged_attention.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (0, 1, 2)]
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],

@@ -10,9 +10,13 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
   a remote tensor of the plugin's context keeps them across inferences);
 * :class:`OvkcLogits`, :class:`OvkcSoftmax`, :class:`OvkcValues`: the three passes of paged decode
   attention over each KV head's block table and token count; the softmax's output is the per-head
-  probabilities the importance methods accumulate.
+  probabilities the importance methods accumulate;
+* :class:`OvkcPrefill`: a step's query rows over every slot at or before their position (a
+  prompt's chunk; a decode step as one row), each slot's position given (heads that evicted have
+  gaps).
 
-What is built here is the layers and a one-layer model of them (:func:`decode_step_model`),
+What is built here is the layers and one-layer models of them (:func:`decode_step_model`,
+:func:`prefill_step_model`),
 verified on Intel's OpenCL CPU runtime under :mod:`~ov_kvcrush.gpu.emulation`. The graph pass that
 puts them in a whole model, and the engine that drives it, are not built yet (docs/intel_gpu.md).
 """
@@ -68,7 +72,21 @@ KERNELS = {
     "OvkcValues": LayerKernel(
         "ovkc_values", "OVKC_LAYER_VALUES", ("pool", "tables", "lengths", "probs", "step"), "F,B", "{sg},1"
     ),
+    "OvkcPrefill": LayerKernel(
+        "ovkc_prefill",
+        "OVKC_LAYER_PREFILL",
+        ("pool", "tables", "lengths", "positions", "q", "step", "stored"),
+        "((F+{sg}-1)/{sg})*{sg},B",
+        "{sg},1",
+    ),
 }
+#: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
+STEP_FIELDS = ("table_width", "positions_width", "first_position", "rows")
+
+
+def step_tensor(table_width: int, positions_width: int = 0, first_position: int = 0, rows: int = 1) -> np.ndarray:
+    """The ``step`` input (:data:`STEP_FIELDS`)."""
+    return np.array([table_width, positions_width, first_position, rows], np.int32)
 
 
 @dataclass(frozen=True)
@@ -136,7 +154,12 @@ def _layer_classes() -> dict[str, type]:
             probs = self.input_shape("probs")
             self.set_output_type(0, ov.Type.f32, ov.PartialShape([probs[0], self._attributes["head_dim"]]))
 
-    return {cls.__name__: cls for cls in (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues)}
+    class OvkcPrefill(PluginLayer):
+        def validate_and_infer_types(self) -> None:
+            q = self.input_shape("q")  # [q_heads, rows, head_dim]
+            self.set_output_type(0, ov.Type.f32, ov.PartialShape([q[0], q[1], self._attributes["head_dim"]]))
+
+    return {cls.__name__: cls for cls in (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcPrefill)}
 
 
 _CLASSES: dict[str, type] = {}
@@ -206,91 +229,138 @@ def write_config(folder: Path, attributes: LayerAttributes) -> Path:
     return write_atomic(folder / "ovkc_plugin_layers.xml", lambda p: p.write_text(config_xml(attributes, source.name)))
 
 
-def decode_step_model(attributes: LayerAttributes, q_heads: int, kv_heads: int) -> object:
-    """One layer's decode step as a model of the four layers. Inputs: ``q`` [q_heads, D], ``k``
-    and ``v`` [kv_heads, tokens, D] (the step's), ``pool`` (uint8 bytes, written in place),
-    ``tables`` [kv_heads, width] (block ids), ``first`` [kv_heads] (each head's first new slot),
-    ``lengths`` [kv_heads] (its slots after the step), ``step`` [1] (``width``). Outputs: the
-    attention [q_heads, D] and the probabilities [q_heads, width * block_size]."""
-    import openvino as ov
+def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[int], positions: bool) -> dict:
     from openvino import opset13 as ops
 
     d = attributes.shape.head_dim
-    params = {
-        # dynamic query heads: the plugin gives a static custom layer a 4-D output its Result refuses
-        "q": ops.parameter([-1, d], np.float32, name="q"),
-        "k": ops.parameter([kv_heads, -1, d], np.float32, name="k"),
-        "v": ops.parameter([kv_heads, -1, d], np.float32, name="v"),
-        "pool": ops.parameter([-1], np.uint8, name="pool"),
-        "tables": ops.parameter([kv_heads, -1], np.int32, name="tables"),
-        "first": ops.parameter([kv_heads], np.int32, name="first"),
-        "lengths": ops.parameter([kv_heads], np.int32, name="lengths"),
-        "step": ops.parameter([1], np.int32, name="step"),
+    shapes = {
+        "q": (q_shape, np.float32),
+        "k": ([kv_heads, -1, d], np.float32),
+        "v": ([kv_heads, -1, d], np.float32),
+        "pool": ([-1], np.uint8),
+        "tables": ([kv_heads, -1], np.int32),
+        "first": ([kv_heads], np.int32),
+        "lengths": ([kv_heads], np.int32),
+        **({"positions": ([kv_heads, -1], np.int32)} if positions else {}),
+        "step": ([len(STEP_FIELDS)], np.int32),
     }
-    attrs = attributes.as_dict()
+    return {name: ops.parameter(shape, dtype, name=name) for name, (shape, dtype) in shapes.items()}
+
+
+def _chain(attributes: LayerAttributes, params: dict, layers: tuple[str, ...]) -> dict:
+    """Each layer of ``layers`` in turn, its inputs by name from the parameters and the outputs
+    before it (a layer's output is named as the next layers' input: stored, logits, probs)."""
+    names = {"OvkcStore": "stored", "OvkcLogits": "logits", "OvkcSoftmax": "probs"}
     values = {name: p.output(0) for name, p in params.items()}
-
-    def layer(name: str) -> object:
+    attrs = attributes.as_dict()
+    for name in layers:
         node = layer_class(name)([values[i] for i in KERNELS[name].inputs], attrs)
-        return node.output(0)
+        values[names.get(name, "out")] = node.output(0)
+    return values
 
-    values["stored"] = layer("OvkcStore")
-    values["logits"] = layer("OvkcLogits")
-    values["probs"] = layer("OvkcSoftmax")
-    out = layer("OvkcValues")
-    return ov.Model([out, values["probs"]], list(params.values()), "ovkc_decode_step")
+
+def decode_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
+    """One layer's decode step as a model of the store and decode attention's three passes.
+    Inputs: ``q`` [q_heads, D] (the query heads a dynamic dimension: the plugin gives a static
+    custom layer a 4-D output its Result refuses), ``k`` and ``v`` [kv_heads, tokens, D] (the
+    step's), ``pool`` (uint8 bytes, written in place), ``tables`` [kv_heads, width] (block ids),
+    ``first`` [kv_heads] (each head's first new slot), ``lengths`` [kv_heads] (its slots after
+    the step), ``step`` (:func:`step_tensor`). Outputs: the attention [q_heads, D] and the
+    probabilities [q_heads, width * block_size]."""
+    import openvino as ov
+
+    params = _step_parameters(attributes, kv_heads, [-1, attributes.shape.head_dim], positions=False)
+    values = _chain(attributes, params, ("OvkcStore", "OvkcLogits", "OvkcSoftmax", "OvkcValues"))
+    return ov.Model([values["out"], values["probs"]], list(params.values()), "ovkc_decode_step")
+
+
+def prefill_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
+    """One layer's prompt step (or decode step as one row) as a model of the store and the
+    prefill layer: inputs as :func:`decode_step_model`'s, with ``q`` [q_heads, rows, D] and
+    ``positions`` [kv_heads, width'] (each slot's position); output the attention [q_heads,
+    rows, D]."""
+    import openvino as ov
+
+    params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim], positions=True)
+    values = _chain(attributes, params, ("OvkcStore", "OvkcPrefill"))
+    return ov.Model([values["out"]], list(params.values()), "ovkc_prefill_step")
 
 
 @dataclass
-class DecodeScenario:
+class StepScenario:
     """A pool laid out as the CPU op's (each KV head its own tokens, shuffled blocks with garbage
-    between them) and decode steps over it, each storing one token per KV head."""
+    between them) and steps over it (``kind``: ``"decode"``, one token per KV head through
+    :func:`decode_step_model`; ``"prefill"``, ``rows`` tokens through :func:`prefill_step_model`)."""
 
     attributes: LayerAttributes
+    kind: str
     q_heads: int
     pool: np.ndarray
     steps: list[dict[str, np.ndarray]]
-    #: per step, each KV head's keys and values after it (what its attention reads, as given)
+    #: per step, each KV head's keys, values and their positions after it (what its attention reads)
     keys: list[list[np.ndarray]]
     values: list[list[np.ndarray]]
+    positions: list[list[np.ndarray]]
 
 
-def random_scenario(attributes: LayerAttributes, kv_heads: int, tokens: tuple[int, ...], steps: int,
-                    rng: np.random.Generator) -> DecodeScenario:  # fmt: skip
-    """``steps`` decode steps after ``tokens[h]`` tokens of KV head ``h``, from ``rng``."""
+def random_scenario(attributes: LayerAttributes, kind: str, tokens: tuple[int, ...], rows: tuple[int, ...],
+                    rng: np.random.Generator) -> StepScenario:  # fmt: skip
+    """Steps of ``rows[i]`` tokens (``kind`` ``"decode"``: 1 each) after ``tokens[h]`` tokens of
+    KV head ``h``, at positions drawn below the first step's (gaps, as after eviction), from ``rng``."""
     from ov_kvcrush.gpu.layout import page_heads
 
+    if kind not in ("decode", "prefill") or (kind == "decode" and set(rows) != {1}):
+        raise ValueError(f"kind {kind!r} with rows {rows}: 'decode' steps have one row each, or 'prefill'")
     shape, d = attributes.shape, attributes.shape.head_dim
+    kv_heads = len(tokens)
     q_heads = kv_heads * shape.group
     keys = [rng.standard_normal((n, d)).astype(np.float32) for n in tokens]
     values = [rng.standard_normal((n, d)).astype(np.float32) for n in tokens]
-    heads = page_heads(shape, keys, values, rng)
-    width = np.array([heads.tables.shape[1]], np.int32)
-    scenario = DecodeScenario(attributes, q_heads, heads.pool, [], [], [])
-    for _ in range(steps):
-        q = rng.standard_normal((q_heads, d)).astype(np.float32)
-        k = rng.standard_normal((kv_heads, 1, d)).astype(np.float32)
-        v = rng.standard_normal((kv_heads, 1, d)).astype(np.float32)
+    start = 2 * max(tokens)
+    positions = [np.sort(rng.choice(start, n, replace=False)).astype(np.int32) for n in tokens]
+
+    # blocks for the steps' tokens too: the heads laid out as if they held them all (zeros, stored over)
+    def pad(xs: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.pad(x, ((0, sum(rows)), (0, 0))) for x in xs]
+
+    heads = page_heads(shape, pad(keys), pad(values), rng)
+    capacity = heads.tables.shape[1] * shape.block_size
+    scenario = StepScenario(attributes, kind, q_heads, heads.pool, [], [], [], [])
+    for n in rows:
+        q_shape = (q_heads, d) if kind == "decode" else (q_heads, n, d)
+        q = rng.standard_normal(q_shape).astype(np.float32)
+        k = rng.standard_normal((kv_heads, n, d)).astype(np.float32)
+        v = rng.standard_normal((kv_heads, n, d)).astype(np.float32)
         first = np.array([len(x) for x in keys], np.int32)
         keys = [np.concatenate([keys[i], k[i]]) for i in range(kv_heads)]
         values = [np.concatenate([values[i], v[i]]) for i in range(kv_heads)]
-        feeds = {"q": q, "k": k, "v": v, "tables": heads.tables, "first": first, "lengths": first + 1}
-        scenario.steps.append({**feeds, "step": width})
+        positions = [
+            np.concatenate([positions[i], np.arange(start, start + n, dtype=np.int32)]) for i in range(kv_heads)
+        ]
+        table = np.full((kv_heads, capacity), 0, np.int32)
+        for i, p in enumerate(positions):
+            table[i, : len(p)] = p
+        feeds = {"q": q, "k": k, "v": v, "tables": heads.tables, "first": first, "lengths": first + n}
+        if kind == "prefill":
+            feeds["positions"] = table
+        scenario.steps.append({**feeds, "step": step_tensor(heads.tables.shape[1], capacity, start, n)})
         scenario.keys.append(keys)
         scenario.values.append(values)
+        scenario.positions.append(positions)
+        start += n
     return scenario
 
 
-def run_on_plugin(core: object, folder: Path, scenario: DecodeScenario) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Compile the decode-step model on ``core``'s ``GPU`` (the layers' ``CONFIG_FILE`` written
-    into ``folder``), hold the scenario's pool in a remote tensor of the plugin's context and run
-    its steps; each step's (attention, probabilities)."""
+def run_on_plugin(core: object, folder: Path, scenario: StepScenario) -> list[tuple[np.ndarray, ...]]:
+    """Compile the scenario's step model on ``core``'s ``GPU`` (the layers' ``CONFIG_FILE``
+    written into ``folder``), hold its pool in a remote tensor of the plugin's context and run its
+    steps; each step's outputs."""
     import openvino as ov
 
     config = write_config(folder, scenario.attributes)
     core.set_property("GPU", {"CONFIG_FILE": str(config)})  # type: ignore[attr-defined]
-    kv_heads = len(scenario.keys[0]) if scenario.keys else 1
-    model = decode_step_model(scenario.attributes, scenario.q_heads, kv_heads)
+    build = decode_step_model if scenario.kind == "decode" else prefill_step_model
+    model = build(scenario.attributes, len(scenario.keys[0]))
     compiled = core.compile_model(model, "GPU", {"INFERENCE_PRECISION_HINT": "f32"})  # type: ignore[attr-defined]
     request = compiled.create_infer_request()
     context = core.get_default_context("GPU")  # type: ignore[attr-defined]
@@ -302,5 +372,5 @@ def run_on_plugin(core: object, folder: Path, scenario: DecodeScenario) -> list[
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         request.infer()
-        results.append((request.get_output_tensor(0).data.copy(), request.get_output_tensor(1).data.copy()))
+        results.append(tuple(request.get_output_tensor(i).data.copy() for i in range(len(compiled.outputs))))
     return results

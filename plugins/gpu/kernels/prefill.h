@@ -1,0 +1,66 @@
+// Prompt attention's body (one query row of one query head), shared by the hosts' kernel
+// (prefill.cl) and the GPU plugin's prefill layer (plugin_layers.cl). Compile-time constants: as
+// prefill.cl.
+#ifndef OVKC_PREFILL_H
+#define OVKC_PREFILL_H
+
+#include "paged_block.h"
+
+#define CHUNK 8
+// Row r of query head h of paged_prefill; `lse` may be null (the plugin's layer: no window scores).
+inline void prefill_row(int r, int h, __global const uchar* pool, __global const int* tables, int table_stride,
+                        __global const int* lengths, __global const int* positions, int pos_stride,
+                        __global const float* q, int rows, int qpos0, float scale, __global float* out,
+                        __global float* lse) {
+    const int kv = h / GROUP;
+    const bool live = r < rows;
+    const int qpos = qpos0 + r;
+    float qr[HEAD_DIM], acc[HEAD_DIM];
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        qr[d] = live ? q[((long)h * rows + r) * HEAD_DIM + d] * scale : 0.0f;
+        acc[d] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    const int n = lengths[kv];
+    for (int j0 = 0; j0 < n; j0 += CHUNK) {
+        __global const uchar* block[CHUNK];
+        int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
+        bool masked[CHUNK];
+        bool all_masked = true;
+        for (int c = 0; c < CHUNK; ++c) {
+            const int j = min(j0 + c, n - 1);
+            block[c] = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
+            slot[c] = j % BLOCK_SIZE;
+            masked[c] = !live || j0 + c >= n || positions[kv * pos_stride + j] > qpos;
+            all_masked = all_masked && masked[c];
+        }
+        if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half
+        float s[CHUNK];
+        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            const float qd = qr[d];
+            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
+        }
+        float m_new = m;
+        for (int c = 0; c < CHUNK; ++c) m_new = masked[c] ? m_new : fmax(m_new, s[c]);
+        if (m_new == -INFINITY) continue;  // this row: nothing at or before it yet
+        const float alpha = exp(m - m_new);
+        float p[CHUNK];
+        for (int c = 0; c < CHUNK; ++c) {
+            p[c] = masked[c] ? 0.0f : exp(s[c] - m_new);
+            l = c ? l + p[c] : l * alpha + p[c];
+        }
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            float a = acc[d] * alpha;
+            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
+            acc[d] = a;
+        }
+        m = m_new;
+    }
+    if (!live) return;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) out[((long)h * rows + r) * HEAD_DIM + d] = acc[d] * inv;
+    if (lse) lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
+}
+
+#endif  // OVKC_PREFILL_H
