@@ -159,3 +159,18 @@ def gpu_worker():
         except runtime.GPUPathError as e:
             pytest.skip(str(e))
         yield worker
+
+
+@pytest.fixture(scope="session")
+def emulation_worker():
+    """A worker process running OpenVINO's GPU plugin on Intel's OpenCL CPU runtime under the
+    emulation layer (``ov_kvcrush.gpu.emulation``), enabled before its first OpenCL call; one a
+    test process, shared by the plugin's tests. Skips, naming what is missing, where the emulation
+    cannot run."""
+    from ov_kvcrush.gpu import emulation
+
+    reason = emulation.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with emulation.worker() as worker:
+        yield worker

@@ -362,11 +362,9 @@ def test_the_hardware_script_runs_dry_here(gpu_worker, tmp_path):
 
     out = tmp_path / "check.json"
     assert gpu_worker.submit(dry_run_hardware_check, str(out)).result() == 0
-    report = json.loads(out.read_text())
-    rows = {r["name"]: r for r in report["rows"]}
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
     ours = ("full", "snapkv", "snapkv 2bit", "kvcrush blocks", "clusterkv", "minikv")
     assert set(rows) == {*ours, "native full", "native kvcrush"}
     assert all(rows[n]["equal_to_cpu_op"] for n in ours)
     assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["kv_bytes"] > 0 for r in rows.values())
     assert rows["snapkv"]["kv_bytes"] < rows["full"]["kv_bytes"]
-    assert report["plugin_layers"]["ok"]  # our decode step in the GPU plugin (emulated): the reference

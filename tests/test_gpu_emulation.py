@@ -14,21 +14,13 @@ import pytest
 from ov_kvcrush.gpu import emulation, runtime
 
 
-def _layer_or_skip() -> None:
-    reason = emulation.unavailable()
-    if reason:
-        pytest.skip(reason)
-
-
 def _check_in_worker() -> tuple[str, float, str]:
     result = emulation.check()
     return result.device, result.max_abs_error, runtime.device_info().name
 
 
-def test_the_gpu_plugin_runs_a_model_on_the_cpu_runtime_as_cpu_does():
-    _layer_or_skip()
-    with emulation.worker() as worker:
-        device, error, runtime_device = worker.submit(_check_in_worker).result(timeout=600)
+def test_the_gpu_plugin_runs_a_model_on_the_cpu_runtime_as_cpu_does(emulation_worker):
+    device, error, runtime_device = emulation_worker.submit(_check_in_worker).result(timeout=600)
     assert runtime_device in device  # the plugin's GPU is the CPU runtime's device
     assert error < 1e-4
 

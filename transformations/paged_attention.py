@@ -192,16 +192,30 @@ def convert_model(
 
     if compute not in COMPUTE:
         raise ConversionError(f"compute={compute!r} is invalid: allowed {', '.join(COMPUTE)}")
+    plans, shape = layer_plans(model)
+    seq = ops.parameter([-1], ov.Type.i64, name=SEQUENCE_INPUT)
+    seq.output(0).get_tensor().set_names({SEQUENCE_INPUT})
+    _replace_attention(model, plans, seq.output(0), library, compute)
+    model.add_parameters([seq])
+    return finish_conversion(model, plans, shape, last_token_logits)
+
+
+def layer_plans(model) -> tuple[list[LayerPlan], AttentionShape]:
+    """Each layer's plan, and the attention shape every layer shares (refused when they differ)."""
     sdpas = _attention_ops(model)
     plans = [_plan_layer(layer, sdpa, len(sdpas)) for layer, sdpa in enumerate(sdpas)]
     shape = plans[0].shape
     for plan in plans[1:]:
         if plan.shape != shape:
             raise ConversionError(f"layer {plan.layer}: attention shape {plan.shape} differs from layer 0's {shape}")
-    seq = ops.parameter([-1], ov.Type.i64, name=SEQUENCE_INPUT)
-    seq.output(0).get_tensor().set_names({SEQUENCE_INPUT})
-    _replace_attention(model, plans, seq.output(0), library, compute)
-    model.add_parameters([seq])
+    return plans, shape
+
+
+def finish_conversion(model, plans: list[LayerPlan], shape: AttentionShape, last_token_logits: bool) -> ConvertedModel:
+    """Drop the state and inputs nothing reads, gather the logits' positions, validate."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
     removed_vars, removed = _drop_unused_state(model)
     if last_token_logits:
         logits_at = ops.parameter([-1], ov.Type.i64, name=LOGITS_INPUT)
@@ -241,7 +255,7 @@ def _attention_ops(model) -> list:
 
 
 @dataclass
-class _LayerPlan:
+class LayerPlan:
     """What replaces one layer's attention: its SDPA, the concats of its K/V state (their new
     token inputs feed the op), the Assigns to drop, its shape and its scale."""
 
@@ -253,8 +267,18 @@ class _LayerPlan:
     shape: AttentionShape
     scale: float
 
+    def inputs(self) -> tuple:
+        """The attention's query, and the step's own keys and values (the Concats' new tokens)."""
+        return _src(self.sdpa, 0), _src(self.k_concat, 1), _src(self.v_concat, 1)
 
-def _plan_layer(layer: int, sdpa, layers: int) -> _LayerPlan:
+    def replace_with(self, model, output) -> None:
+        """``output`` takes the SDPA's place; the state's Assigns go."""
+        self.sdpa.output(0).replace(output)
+        for a in self.assigns:
+            model.remove_sink(a)
+
+
+def _plan_layer(layer: int, sdpa, layers: int) -> LayerPlan:
     """Read one layer's attention and state; refuses shapes the op cannot take, naming the layer."""
     q_ps = _src(sdpa, 0).get_partial_shape()
     if q_ps.rank.is_dynamic or q_ps.rank.get_length() != 4:
@@ -285,10 +309,10 @@ def _plan_layer(layer: int, sdpa, layers: int) -> _LayerPlan:
     if s.head_dim % 16 or not 16 <= s.head_dim <= 512:
         raise ConversionError(f"layer {layer}: head size {s.head_dim} is not supported (a multiple of 16, 16..512)")
     scale = _scale(sdpa, s.head_dim, layer)
-    return _LayerPlan(layer, sdpa, k_concat, v_concat, k_assigns + v_assigns, s, scale)
+    return LayerPlan(layer, sdpa, k_concat, v_concat, k_assigns + v_assigns, s, scale)
 
 
-def _replace_attention(model, plans: list[_LayerPlan], sequence, library: str | Path, compute: str) -> None:
+def _replace_attention(model, plans: list[LayerPlan], sequence, library: str | Path, compute: str) -> None:
     """Each layer's SDPA becomes our op (query, the step's K and V, the sequence handles); its
     state's Assigns go."""
     from openvino.utils.node_factory import NodeFactory
@@ -298,14 +322,10 @@ def _replace_attention(model, plans: list[_LayerPlan], sequence, library: str | 
     for plan in plans:
         sdpa = plan.sdpa
         node = factory.create(
-            "PagedAttention",
-            [_src(sdpa, 0), _src(plan.k_concat, 1), _src(plan.v_concat, 1), sequence],
-            {"layer": plan.layer, "scale": plan.scale, "compute": compute},
+            "PagedAttention", [*plan.inputs(), sequence], {"layer": plan.layer, "scale": plan.scale, "compute": compute}
         )
         node.set_friendly_name(f"{sdpa.get_friendly_name()}/ov_kvcrush_paged")
-        sdpa.output(0).replace(node.output(0))
-        for a in plan.assigns:
-            model.remove_sink(a)
+        plan.replace_with(model, node.output(0))
 
 
 def _drop_unused_state(model) -> tuple[int, list[str]]:

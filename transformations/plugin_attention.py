@@ -1,0 +1,82 @@
+"""Replace SDPA + KV state in optimum's stateful IR with our layers for OpenVINO's GPU plugin.
+
+The GPU form of :mod:`~ov_kvcrush.transformations.paged_attention`'s pass: the same layers found
+the same way (:func:`~ov_kvcrush.transformations.paged_attention.layer_plans`), but each layer's
+attention becomes two of the plugin's ``SimpleGPU`` layers (:mod:`ov_kvcrush.gpu.plugin_layers`):
+``OvkcStore`` writes the step's keys and values into the pool, then ``OvkcPrefill`` attends the
+step's rows over each KV head's slots at or before their position (a prompt's chunk, or a decode
+step as one row). The cache's bookkeeping comes in as inputs the pass adds, one set for every
+layer (each layer reads its row with a Gather):
+
+* ``kvc_pool``: the pool's bytes (uint8), every layer's blocks in one buffer; a remote tensor of
+  the plugin's context, written in place by the store layers, kept across inferences;
+* ``kvc_tables`` [layers, kv_heads, width]: each head's block ids; ``kvc_first`` and
+  ``kvc_lengths`` [layers, kv_heads]: its first new slot and its slot count after the step;
+  ``kvc_positions`` [layers, kv_heads, width']: each slot's position;
+* ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`.
+
+One sequence a step (the batch dimension is 1). As the CPU pass, the logits come only at the
+positions ``kvc_logits_at`` names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
+
+#: the inputs the pass adds (besides ``kvc_logits_at``): name -> (element type, shape; -1 dynamic,
+#: "layers" and "kv_heads" the model's)
+PLUGIN_INPUTS = {
+    "kvc_pool": (np.uint8, (-1,)),
+    "kvc_tables": (np.int32, ("layers", "kv_heads", -1)),
+    "kvc_first": (np.int32, ("layers", "kv_heads")),
+    "kvc_lengths": (np.int32, ("layers", "kv_heads")),
+    "kvc_positions": (np.int32, ("layers", "kv_heads", -1)),
+    "kvc_step": (np.int32, (4,)),
+}
+
+
+def convert_model_for_plugin(
+    model, *, kv_precision: str, block_size: int, sub_group: int, last_token_logits: bool = True
+) -> ConvertedModel:
+    """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
+    GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
+    kernels at ``sub_group`` lanes. Raises :class:`ConversionError` as the CPU pass does."""
+    import openvino.opset13 as ops
+
+    from ov_kvcrush.gpu.layout import PoolShape
+    from ov_kvcrush.gpu.plugin_layers import LayerAttributes, layer_class
+
+    plans, shape = layer_plans(model)
+    dims = {"layers": shape.layers, "kv_heads": shape.kv_heads}
+    params = {}
+    for name, (kind, dim_names) in PLUGIN_INPUTS.items():
+        params[name] = ops.parameter([dims.get(d, d) for d in dim_names], kind, name=name)
+        params[name].output(0).get_tensor().set_names({name})
+    pool, step = params["kvc_pool"].output(0), params["kvc_step"].output(0)
+    group = shape.q_heads // shape.kv_heads
+    for plan in plans:
+        attributes = LayerAttributes(PoolShape(kv_precision, block_size, shape.head_dim, group), sub_group, plan.scale)
+        attrs = attributes.as_dict()
+        row = {
+            name: ops.gather(params[f"kvc_{name}"], np.array(plan.layer, np.int64), np.array(0, np.int64)).output(0)
+            for name in ("tables", "first", "lengths", "positions")
+        }
+        q, k, v = (_squeezed_f32(x) for x in plan.inputs())  # [heads, tokens, head_dim]
+        stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], k, v, step], attrs).output(0)
+        out = layer_class("OvkcPrefill")(
+            [pool, row["tables"], row["lengths"], row["positions"], q, step, stored], attrs
+        ).output(0)
+        back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
+        plan.replace_with(model, back.output(0))
+    model.add_parameters(list(params.values()))
+    return finish_conversion(model, plans, shape, last_token_logits)
+
+
+def _squeezed_f32(x):
+    """``x`` [1, heads, tokens, head_dim] as the layers take it: [heads, tokens, head_dim], f32."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    squeezed = ops.squeeze(x, np.array([0], np.int64))
+    return (ops.convert(squeezed, ov.Type.f32) if x.get_element_type() != ov.Type.f32 else squeezed).output(0)
