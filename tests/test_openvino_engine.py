@@ -256,7 +256,7 @@ def test_scheduler_config_eviction_maps_to_methods():
 def test_bad_engine_arguments(model_dir, tmp_path):
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 
-    with pytest.raises(ConfigError, match=r"device.*GPU plugin is not built.*paged_device='opencl'"):
+    with pytest.raises(ConfigError, match=r"device.*GPU plugin run only the full cache.*paged_device='opencl'"):
         OpenVINOEngine(model_dir, device="GPU")
     with pytest.raises(ConfigError, match="kv_precision"):
         OpenVINOEngine(model_dir, kv_precision="u4")

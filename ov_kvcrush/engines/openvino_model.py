@@ -88,8 +88,10 @@ class OpenVINOModel:
         compression: method and budget; every method whose config declares the ``openvino``
             engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
             eviction, the 2-bit store ...), as the torch reference defines it.
-        device: ``CPU`` (the op is a CPU extension; its GPU form is not built: an Intel GPU runs the
-            cache through the torch engine's ``paged_device="opencl"``).
+        device: ``CPU`` (the op is a CPU extension; its GPU form, our layers in OpenVINO's GPU
+            plugin, runs a model with the full cache in :mod:`ov_kvcrush.gpu.plugin_model` but is
+            not this engine's yet: an Intel GPU runs the methods through the torch engine's
+            ``paged_device="opencl"``).
         kv_precision: ``u8`` (default: 8-bit codes with a per-token min and scale, as native on
             CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache; openvino_genai's
             ``KV_CACHE_PRECISION`` property says the same.
@@ -123,8 +125,9 @@ class OpenVINOModel:
             raise ConfigError(
                 "device",
                 device,
-                "CPU (backend openvino: our op in OpenVINO's GPU plugin is not built yet; on an Intel GPU the "
-                "cache runs as backend torch with paged_device='opencl' or 'sycl', docs/intel_gpu.md)",
+                "CPU (backend openvino: our layers in OpenVINO's GPU plugin run only the full cache, outside "
+                "this engine, python -m ov_kvcrush.gpu.plugin_model; on an Intel GPU the methods run as backend "
+                "torch with paged_device='opencl' or 'sycl', docs/intel_gpu.md)",
             )
         kv_precision = _kv_precision(kv_precision, properties)
         _check_block_size("block_size", block_size)

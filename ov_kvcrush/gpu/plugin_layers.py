@@ -15,10 +15,11 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
   prompt's chunk; a decode step as one row), each slot's position given (heads that evicted have
   gaps).
 
-What is built here is the layers and one-layer models of them (:func:`decode_step_model`,
-:func:`prefill_step_model`),
-verified on Intel's OpenCL CPU runtime under :mod:`~ov_kvcrush.gpu.emulation`. The graph pass that
-puts them in a whole model, and the engine that drives it, are not built yet (docs/intel_gpu.md).
+Here are the layers and one-layer models of them (:func:`decode_step_model`,
+:func:`prefill_step_model`), verified on Intel's OpenCL CPU runtime under
+:mod:`~ov_kvcrush.gpu.emulation`; ``transformations/plugin_attention.py`` puts the store and
+prompt layers in a whole model (:mod:`~ov_kvcrush.gpu.plugin_model` runs it, full cache). The
+openvino engine does not drive it yet (docs/intel_gpu.md).
 """
 
 from __future__ import annotations
