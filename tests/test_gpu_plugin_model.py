@@ -37,7 +37,7 @@ def _cpu_op_greedy(model_dir, ids: list[int], kv_precision: str) -> list[int]:
 
 
 @pytest.mark.model
-def test_a_model_through_our_plugin_layers_gives_the_cpu_ops_greedy_tokens(emulation_worker, kv_precision="f16"):
+def test_a_model_through_our_plugin_layers_gives_the_cpu_ops_greedy_tokens(emulation_worker, kv_precision="f32"):
     from ov_kvcrush.models.export import export_models
     from ov_kvcrush.models.families import tiny_checkpoint
 
