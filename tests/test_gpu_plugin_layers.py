@@ -1,4 +1,4 @@
-"""Our decode step as OpenVINO GPU plugin layers (issue 49): the four SimpleGPU layers
+"""Our decode and prompt steps as OpenVINO GPU plugin layers (issue 49): the SimpleGPU layers
 (``ov_kvcrush.gpu.plugin_layers``) compiled and run by the plugin itself, on Intel's OpenCL CPU
 runtime under the emulation layer. The pool is a remote tensor of the plugin's context, laid out
 as the CPU op's (shuffled blocks, garbage between them, each KV head its own token count); two

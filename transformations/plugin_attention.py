@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
 
+from ov_kvcrush.gpu.plugin_layers import STEP_FIELDS
+
 #: the inputs the pass adds (besides ``kvc_logits_at``): name -> (element type, shape; -1 dynamic,
 #: "layers" and "kv_heads" the model's)
 PLUGIN_INPUTS = {
@@ -32,7 +34,7 @@ PLUGIN_INPUTS = {
     "kvc_first": (np.int32, ("layers", "kv_heads")),
     "kvc_lengths": (np.int32, ("layers", "kv_heads")),
     "kvc_positions": (np.int32, ("layers", "kv_heads", -1)),
-    "kvc_step": (np.int32, (4,)),
+    "kvc_step": (np.int32, (len(STEP_FIELDS),)),
 }
 
 

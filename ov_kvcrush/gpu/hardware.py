@@ -1,7 +1,8 @@
 """For people with an Intel GPU: confirm the GPU path on it, and set it beside native OpenVINO
 GenAI on the same GPU.
 
-``python -m ov_kvcrush.gpu.hardware [--budget 512] [--chars 8200] [--new-tokens 32] [--host sycl] [--out FILE]``
+``python -m ov_kvcrush.gpu.hardware [--budget 512] [--chars 8200] [--new-tokens 32] [--host sycl] [--plugin]
+[--out FILE]``
 
 1. The device: the first Intel GPU OpenCL lists (with ``--allow-cpu``, Intel's OpenCL CPU runtime
    instead, and native GenAI on the CPU: a dry run of the script, which is how it is tested here).
@@ -11,14 +12,15 @@ GenAI on the same GPU.
    torch on the host) equal to the CPU op's (the openvino engine, f32).
 3. TTFT, TPOT and KV bytes of those runs beside native ``openvino_genai`` on the GPU with its
    full cache and with its KVCrush eviction, one prompt, the same budget.
-4. Our decode step as OpenVINO GPU plugin layers (:mod:`~ov_kvcrush.gpu.plugin_layers`), run by
-   the plugin over a pool it holds, against the reference attention (with ``--allow-cpu`` and no
-   Intel GPU: the plugin on the CPU runtime under :mod:`~ov_kvcrush.gpu.emulation`).
+4. The embedded model in OpenVINO's GPU plugin with our layers in place of its attention (full
+   cache: :mod:`~ov_kvcrush.gpu.plugin_model`), its greedy tokens against the CPU op's ("plugin
+   full"; in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
+   :mod:`~ov_kvcrush.gpu.emulation`).
 
-What it cannot show: our op in a whole model inside OpenVINO's GPU plugin (not built,
-docs/intel_gpu.md), so the device path's times include the model run by torch on the host and a
-copy of each step's tensors; they say whether the kernels run and agree on real hardware, not how
-fast a finished integration would be. Nothing here has been run on an Intel GPU by this project.
+What it cannot show: the methods over the plugin's pool (not built, docs/intel_gpu.md), so the
+device path's rows run the model in torch on the host and copy each step's tensors; they say
+whether the kernels run and agree on real hardware, not how fast a finished integration would
+be. Nothing here has been run on an Intel GPU by this project.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 The plugin runs a custom layer as one OpenCL kernel, given the layer's input tensors and its one
 output, with compile-time ``-D`` constants taken from the op's attributes (the ``CONFIG_FILE`` XML
-that :func:`write_config` writes). Our decode step is four such layers, each the body of the
+that :func:`write_config` writes). Our steps are five such layers, each the body of the
 pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 
 * :class:`OvkcStore` writes the step's keys and values into the pool (an input, written in place:
@@ -25,6 +25,7 @@ openvino engine does not drive it yet (docs/intel_gpu.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
@@ -92,7 +93,7 @@ def step_tensor(table_width: int, positions_width: int = 0, first_position: int 
 
 @dataclass(frozen=True)
 class LayerAttributes:
-    """What the four layers are compiled for (their ``-D`` constants)."""
+    """What the layers are compiled for (their ``-D`` constants)."""
 
     shape: PoolShape
     sub_group: int
@@ -109,8 +110,9 @@ class LayerAttributes:
         }
 
 
+@cache
 def _layer_classes() -> dict[str, type]:
-    """The four op classes (``openvino.Op`` subclasses, made when first needed: ``openvino`` is
+    """The layers' op classes (``openvino.Op`` subclasses, made when first needed: ``openvino`` is
     imported here, not when :mod:`ov_kvcrush.gpu` is)."""
     import openvino as ov
 
@@ -163,14 +165,9 @@ def _layer_classes() -> dict[str, type]:
     return {cls.__name__: cls for cls in (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcPrefill)}
 
 
-_CLASSES: dict[str, type] = {}
-
-
 def layer_class(name: str) -> type:
     """The op class of layer ``name`` (one of :data:`KERNELS`)."""
-    if not _CLASSES:
-        _CLASSES.update(_layer_classes())
-    return _CLASSES[name]
+    return _layer_classes()[name]
 
 
 def kernel_source() -> str:

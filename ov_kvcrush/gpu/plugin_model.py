@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ov_kvcrush.engines import model_inputs
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.layout import PoolShape
@@ -83,7 +84,8 @@ class PluginModel:
         from ov_kvcrush.transformations.plugin_attention import convert_model_for_plugin
 
         core = plugin.shared_core()
-        emulation.plugin_device(core)  # a GPUPathError naming what is missing, before the compilation
+        #: the plugin's device (a GPUPathError naming what is missing, before the compilation)
+        self.device = emulation.plugin_device(core)
         model_dir = Path(model_dir)
         converted = convert_model_for_plugin(
             core.read_model(model_dir / "openvino_model.xml"),
@@ -117,16 +119,10 @@ class PluginModel:
         """Feed ``ids`` after the cached tokens; the next-token logits."""
         import openvino as ov
 
-        from ov_kvcrush.transformations import LOGITS_INPUT
-
         past, n = self.blocks.tokens, len(ids)
-        feeds = {"input_ids": np.asarray([ids], np.int64), **self.blocks.step_inputs(n)}
-        if "position_ids" in self.input_names:
-            feeds["position_ids"] = np.arange(past, past + n, dtype=np.int64)[None]
-        if "attention_mask" in self.input_names:
-            feeds["attention_mask"] = np.ones((1, past + n), np.int64)
-        if LOGITS_INPUT in self.input_names:
-            feeds[LOGITS_INPUT] = np.asarray([n - 1], np.int64)
+        # the model's own inputs as the CPU op's step feeds them (no sequence handle here)
+        model = model_inputs.step_inputs(self.input_names, [ids], [0], [past])
+        feeds = {name: x for name, x in model.items() if name in self.input_names} | self.blocks.step_inputs(n)
         for name, array in feeds.items():
             self.request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         self.request.infer()
@@ -159,12 +155,9 @@ class PluginRun:
 
 def run_greedy(model_dir: str | Path, ids: list[int], new_tokens: int, kv_precision: str = "f32") -> PluginRun:
     """``new_tokens`` greedy tokens after ``ids`` through :class:`PluginModel`, in this process."""
-    from ov_kvcrush.op import plugin
-
     model = PluginModel(model_dir, kv_precision=kv_precision)
     tokens, prompt_s, step_s = model.greedy(ids, new_tokens)
-    return PluginRun(emulation.plugin_device(plugin.shared_core()), tokens, model.compile_seconds, prompt_s * 1e3,
-                     step_s * 1e3, model.kv_bytes)  # fmt: skip
+    return PluginRun(model.device, tokens, model.compile_seconds, prompt_s * 1e3, step_s * 1e3, model.kv_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
