@@ -1,49 +1,74 @@
-"""A whole exported model in OpenVINO's GPU plugin with our layers in place of its attention
-(issue 49): the graph pass (``transformations/plugin_attention.py``) and ``PluginModel`` (the
-pool a remote tensor of the plugin's context, full cache), run by the plugin on Intel's OpenCL
-CPU runtime under the emulation layer. The model is the tiny random-weight Llama 3 of the family
-checks (2 layers, 8 query and 2 KV heads of 32 dims; the embedded model's run is in
-docs/intel_gpu.md: its compilation by the CPU runtime alone takes longer than this test). Oracle:
-the CPU op's greedy tokens (the openvino engine, full cache, the same KV precision) for the same
-ids, a prompt step then decode steps."""
+"""The openvino backend on ``GPU`` (issue 49): the exported model in OpenVINO's GPU plugin with our
+layers in place of its attention (``transformations/plugin_attention.py``), the pool our own
+OpenCL buffer shared with the plugin, and the methods' layer caches over it between steps
+(``ov_kvcrush/gpu/plugin_cache.py``), generating through the one loop; run by the plugin on Intel's
+OpenCL CPU runtime under the emulation layer. The model is the tiny random-weight Llama 3 of the
+family checks (2 layers, 8 query and 2 KV heads of 32 dims; the embedded model's runs are in
+docs/intel_gpu.md). Oracle: the CPU op's greedy tokens and KV bytes (the openvino engine on CPU,
+the same method, budget, KV precision and block size)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-PROMPT_TOKENS, NEW_TOKENS = 24, 3
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.errors import ConfigError
+
+PROMPT_TOKENS, NEW_TOKENS, BLOCK = 150, 5, 16  # 150: the CPU op's loop feeds 128 then 22
+#: (method, budget, options): the full cache, a score-free eviction, SnapKV's prompt selection
+#: with decode-time eviction, block-wise KVCrush
+CASES = [
+    ("full", None, {}),
+    ("streamingllm", 24, {}),
+    ("snapkv", 24, {}),
+    ("kvcrush", 64, {"block_size": BLOCK}),
+]
 
 
-def _greedy_in_worker(model_dir: str, ids: list[int], kv_precision: str) -> list[int]:
-    from ov_kvcrush.gpu.plugin_model import PluginModel
+def _compression(method: str, budget: int | None, options: dict) -> CompressionConfig:
+    small = {"sink_tokens": 4, "recent_tokens": 8} if budget else {}
+    return CompressionConfig(method=method, budget=budget, options=options, **small)
 
-    return PluginModel(model_dir, kv_precision=kv_precision, pool_blocks=64, block_size=16).greedy(ids, NEW_TOKENS)[0]
 
-
-def _cpu_op_greedy(model_dir, ids: list[int], kv_precision: str) -> list[int]:
-    from ov_kvcrush.config import CompressionConfig
-    from ov_kvcrush.engines.openvino_model import OpenVINOModel
+def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[int], int]]:
+    """Each case's greedy tokens and KV bytes through the openvino engine on ``device``."""
+    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.models.coverage import F32
 
-    op = OpenVINOModel(model_dir, CompressionConfig(method="full"), kv_precision=kv_precision, properties=F32)
+    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    out = []
     try:
-        out = [int(np.argmax(op.prefill(ids)))]
-        while len(out) < NEW_TOKENS:
-            out.append(int(np.argmax(op.forward([out[-1]]))))
-        return out
+        for case in CASES:
+            engine.set_compression(_compression(*case))
+            res = engine.batcher.run(ids, settings, None)
+            out.append((list(res.token_ids), res.kv_bytes))
     finally:
-        op.close()
+        engine.close()
+    return out
 
 
 @pytest.mark.model
-def test_a_model_through_our_plugin_layers_gives_the_cpu_ops_greedy_tokens(emulation_worker, kv_precision="f32"):
+def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emulation_worker):
     from ov_kvcrush.models.export import export_models
     from ov_kvcrush.models.families import tiny_checkpoint
 
     checkpoint = tiny_checkpoint("llama3")
-    model_dir = export_models([checkpoint], "fp32")[checkpoint]
+    model_dir = str(export_models([checkpoint], "fp32")[checkpoint])
     ids = [int(t) for t in np.random.default_rng(3).integers(10, 380, PROMPT_TOKENS)]
-    want = _cpu_op_greedy(model_dir, ids, kv_precision)
-    got = emulation_worker.submit(_greedy_in_worker, str(model_dir), ids, kv_precision).result(timeout=600)
-    assert got == want
+    want = _generate(model_dir, ids, "CPU")
+    got = emulation_worker.submit(_generate, model_dir, ids, "GPU").result(timeout=600)
+    for case, (tokens, kv_bytes), (want_tokens, want_bytes) in zip(CASES, got, want, strict=True):
+        assert tokens == want_tokens, case
+        assert kv_bytes == want_bytes, case
+    assert got[1][1] < got[0][1]  # the evictions held fewer blocks than the full cache
+
+
+def test_device_gpu_names_the_methods_it_runs():
+    from ov_kvcrush.gpu.plugin_cache import PLUGIN_METHODS, check_plugin_method
+
+    check_plugin_method(_compression("h2o", 24, {}).method_config())
+    for refused in (CompressionConfig(method="clusterkv", budget=64), _compression("snapkv", 64, {"quant": True})):
+        with pytest.raises(ConfigError, match="method=.*" + ", ".join(PLUGIN_METHODS) + " over the full-precision"):
+            check_plugin_method(refused.method_config())

@@ -20,6 +20,7 @@ from helpers import F32, converted_steps, native_steps, run_main
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.op.plugin import shared_core
 
 pytestmark = pytest.mark.model
 
@@ -256,8 +257,11 @@ def test_scheduler_config_eviction_maps_to_methods():
 def test_bad_engine_arguments(model_dir, tmp_path):
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 
-    with pytest.raises(ConfigError, match=r"device.*GPU plugin run only the full cache.*paged_device='opencl'"):
-        OpenVINOEngine(model_dir, device="GPU")
+    with pytest.raises(ConfigError, match=r"device=.TPU.*CPU or GPU"):
+        OpenVINOEngine(model_dir, device="TPU")
+    if "GPU" not in shared_core().available_devices:  # here: no Intel GPU, and no emulation layer in this process
+        with pytest.raises(UserError, match=r"device GPU needs an Intel GPU .*lists: CPU"):
+            OpenVINOEngine(model_dir, device="GPU")
     with pytest.raises(ConfigError, match="kv_precision"):
         OpenVINOEngine(model_dir, kv_precision="u4")
     with pytest.raises(ConfigError, match="block_size"):

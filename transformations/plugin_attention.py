@@ -13,7 +13,10 @@ layer (each layer reads its row with a Gather):
 * ``kvc_tables`` [layers, kv_heads, width]: each head's block ids; ``kvc_first`` and
   ``kvc_lengths`` [layers, kv_heads]: its first new slot and its slot count after the step;
   ``kvc_positions`` [layers, kv_heads, width']: each slot's position;
-* ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`.
+* ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`;
+* ``kvc_score_rows`` [1] (int64, at least 1): how many of the step's last query rows each layer
+  returns as its output ``kvc_rows.<layer>`` [q_heads, rows, head_dim] (f32), which the methods'
+  scores are computed from (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
 
 One sequence a step (the batch dimension is 1). As the CPU pass, the logits come only at the
 positions ``kvc_logits_at`` names.
@@ -35,7 +38,10 @@ PLUGIN_INPUTS = {
     "kvc_lengths": (np.int32, ("layers", "kv_heads")),
     "kvc_positions": (np.int32, ("layers", "kv_heads", -1)),
     "kvc_step": (np.int32, (len(STEP_FIELDS),)),
+    "kvc_score_rows": (np.int64, (1,)),
 }
+#: the name of layer ``i``'s query rows output
+ROWS_OUTPUT = "kvc_rows.{}"
 
 
 def convert_model_for_plugin(
@@ -56,7 +62,9 @@ def convert_model_for_plugin(
         params[name] = ops.parameter([dims.get(d, d) for d in dim_names], kind, name=name)
         params[name].output(0).get_tensor().set_names({name})
     pool, step = params["kvc_pool"].output(0), params["kvc_step"].output(0)
+    rows_start = ops.negative(params["kvc_score_rows"])
     group = shape.q_heads // shape.kv_heads
+    rows = []
     for plan in plans:
         attributes = LayerAttributes(PoolShape(kv_precision, block_size, shape.head_dim, group), sub_group, plan.scale)
         attrs = attributes.as_dict()
@@ -71,7 +79,11 @@ def convert_model_for_plugin(
         ).output(0)
         back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
         plan.replace_with(model, back.output(0))
+        last = ops.slice(q, rows_start, np.array([np.iinfo(np.int64).max]), np.array([1]), np.array([1]))
+        last.output(0).get_tensor().set_names({ROWS_OUTPUT.format(plan.layer)})
+        rows.append(last)
     model.add_parameters(list(params.values()))
+    model.add_results([ops.result(r) for r in rows])  # before the pass drops inputs nothing reads
     return finish_conversion(model, plans, shape, last_token_logits)
 
 

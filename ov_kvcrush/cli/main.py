@@ -133,7 +133,11 @@ def _add_generate(sub: Any) -> None:
         help="genai: exported IR directory; torch: HF checkpoint directory; either: a GGUF file or HF directory "
         "(converted once and cached); or an embedded model: smollm2-135m (default), gemma3-270m",
     )
-    g.add_argument("--device", default="CPU", help="CPU (default); cuda for --backend torch on an NVIDIA GPU")
+    g.add_argument(
+        "--device",
+        default="CPU",
+        help="CPU (default); GPU for --backend openvino on an Intel GPU; cuda for --backend torch",
+    )
     g.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU, bf16 on CUDA), float32 ...")
     g.add_argument("--kv-precision", help="backend openvino: KV cache u8 (default, as native), f16 or f32")
     g.add_argument(

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequ
 from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.op.method_spec import method_spec
 from ov_kvcrush.op.plugin import PluginError
+
+if TYPE_CHECKING:
+    from ov_kvcrush.gpu.plugin_model import PluginModel
 
 #: KV precision of the op's cache by default: u8, as OpenVINO's CPU plugin (and so native
 #: openvino_genai) stores its cache on CPU; f16 and f32 on request.
@@ -88,15 +91,17 @@ class OpenVINOModel:
         compression: method and budget; every method whose config declares the ``openvino``
             engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
             eviction, the 2-bit store ...), as the torch reference defines it.
-        device: ``CPU`` (the op is a CPU extension; its GPU form, our layers in OpenVINO's GPU
-            plugin, runs a model with the full cache in :mod:`ov_kvcrush.gpu.plugin_model` but is
-            not this engine's yet: an Intel GPU runs the methods through the torch engine's
-            ``paged_device="opencl"``).
-        kv_precision: ``u8`` (default: 8-bit codes with a per-token min and scale, as native on
-            CPU), ``f16`` or ``f32`` storage of keys and values in the op's cache; openvino_genai's
-            ``KV_CACHE_PRECISION`` property says the same.
+        device: ``CPU`` (the op, a CPU extension), or ``GPU``: an Intel GPU through OpenVINO's
+            GPU plugin with our layers in place of its attention and the methods' kernels over
+            the same pool (:mod:`ov_kvcrush.gpu.plugin_model`; the methods of
+            :data:`~ov_kvcrush.gpu.plugin_cache.PLUGIN_METHODS`, one sequence a step, whole
+            prompts). Without an Intel GPU, ``GPU`` fails at once, naming what is missing.
+        kv_precision: ``u8`` (default on CPU: 8-bit codes with a per-token min and scale, as native
+            on CPU), ``f16`` (default on GPU) or ``f32`` storage of keys and values in the cache;
+            openvino_genai's ``KV_CACHE_PRECISION`` property says the same.
         block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
-        max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited).
+        max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited, on GPU
+            one sequence of the model's context: the device buffer is allocated whole).
         scheduler_config: an ``openvino_genai.SchedulerConfig``: its ``num_kv_blocks`` /
             ``cache_size`` give the pool limit (instead of ``max_kv_blocks``) and, with
             ``use_cache_eviction``, its cache eviction settings the compression (instead of
@@ -121,15 +126,10 @@ class OpenVINOModel:
         from ov_kvcrush.op import plugin
         from ov_kvcrush.transformations import convert_model
 
-        if str(device).upper() != "CPU":
-            raise ConfigError(
-                "device",
-                device,
-                "CPU (backend openvino: our layers in OpenVINO's GPU plugin run only the full cache, outside "
-                "this engine, python -m ov_kvcrush.gpu.plugin_model; on an Intel GPU the methods run as backend "
-                "torch with paged_device='opencl' or 'sycl', docs/intel_gpu.md)",
-            )
-        kv_precision = _kv_precision(kv_precision, properties)
+        self.device = str(device).upper()
+        if self.device not in ("CPU", "GPU"):
+            raise ConfigError("device", device, "CPU or GPU (an Intel GPU through OpenVINO's GPU plugin)")
+        kv_precision = _kv_precision(kv_precision, properties, "f16" if self.device == "GPU" else DEFAULT_KV_PRECISION)
         _check_block_size("block_size", block_size)
         if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
             raise ConfigError("max_kv_blocks", max_kv_blocks, "an integer >= 0 (0: unlimited)")
@@ -138,19 +138,28 @@ class OpenVINOModel:
         if not xml.is_file():
             raise UserError(f"not an exported OpenVINO model directory (no openvino_model.xml): {self.model_dir}")
         self.hf_config = _read_json(self.model_dir / "config.json")
+        self.max_context = model_context(self.model_dir)
         windows = op_windows(self.hf_config, self.model_dir)
 
-        self.library = plugin.loaded_path()
         self.core = plugin.shared_core()
         self.properties = dict(properties or {})
-        # prefill arithmetic follows the plugin's inference precision, as its own SDPA does
-        hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(
-            "CPU", "INFERENCE_PRECISION_HINT"
-        )
-        self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
-        converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
-        self.shape = converted.shape
         self.kv_precision = kv_precision
+        #: our layers in OpenVINO's GPU plugin (device GPU), else None: the CPU op
+        self.plugin: PluginModel | None = None
+        if self.device == "GPU":
+            from ov_kvcrush.gpu.plugin_model import plugin_engine_model
+
+            self.plugin = plugin_engine_model(self.model_dir, windows, kv_precision, block_size, self.properties)
+            self.shape = self.plugin.shape
+        else:
+            self.library = plugin.loaded_path()
+            # prefill arithmetic follows the plugin's inference precision, as its own SDPA does
+            hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(
+                "CPU", "INFERENCE_PRECISION_HINT"
+            )
+            self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
+            converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
+            self.shape = converted.shape
         if windows and len(windows) != self.shape.layers:
             raise UserError(
                 f"{self.model_dir.name}: config.json names {len(windows)} layer types for "
@@ -166,17 +175,21 @@ class OpenVINOModel:
         #: what the one loop over this model is limited by (``None``: whole prompts, any number of sequences)
         self.scheduler_config = scheduler_config
         self.default_block_size = block_size
+        if self.plugin is not None and not max_kv_blocks:
+            # a device buffer has a size: one sequence of the model's context (32k tokens where it does not say)
+            max_kv_blocks = self.shape.layers * self.shape.kv_heads * -(-(self.max_context or 32768) // block_size)
         self.max_kv_blocks = max_kv_blocks
         compression = compression or CompressionConfig()
         self.pool_spec(compression)  # a method the op refuses fails here, before the compilation
-        self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
-        self.request = self.compiled.create_infer_request()
+        if self.plugin is not None:
+            self.compiled = self.plugin.compile()
+        else:
+            self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
         self.input_names = {p.get_any_name() for p in self.compiled.inputs}
         self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
         self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
         self._make_pool(compression)  # a method's calibration (Chelsea's "auto" outliers) runs here
         self.eos_ids = _eos_ids(self.model_dir, self.hf_config, self.tokenizer.get_eos_token_id())
-        self.max_context = model_context(self.model_dir)
 
     def _read_scheduler_config(
         self, sc: Any, compression: CompressionConfig | None, max_kv_blocks: int, block_size: int
@@ -208,6 +221,7 @@ class OpenVINOModel:
         self.pool = pool
         #: the model's own sequence: what :meth:`forward` feeds, and a chat's cache
         self.cache = SequenceCache(pool.new_sequence())
+        self.request = self.new_request()
 
     @property
     def sequence(self) -> KVSequence:
@@ -220,6 +234,8 @@ class OpenVINOModel:
         ``count_only``: a byte probe's pool (see :class:`~ov_kvcrush.op.kvcache.KVPool`)."""
         method, block_size, spec = self.pool_spec(compression)
         s = self.shape
+        if self.plugin is not None:
+            return method, block_size, self.plugin.new_pool(method, self.max_kv_blocks)
         pool = KVPool(
             s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=self.kv_precision,
             max_blocks=self.max_kv_blocks, method=spec, windows=self.windows, count_only=count_only,
@@ -230,6 +246,9 @@ class OpenVINOModel:
         """``(method config, block size, the op's spec)`` of ``compression``, checked."""
         method = self._calibrated(compression.method_config())
         block_size = self.default_block_size
+        if self.plugin is not None:  # the layers are compiled for the engine's block size
+            self.plugin.check_method(method)
+            return method, block_size, method.name
         method_block = getattr(method, "block_size", None)
         if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
             _check_block_size("options.block_size", method_block)
@@ -281,6 +300,26 @@ class OpenVINOModel:
         return per_head * self.shape.kv_heads * kv_block_bytes(bs, self.shape.head_dim, self.kv_precision)
 
     # -- model steps ----------------------------------------------------------------------------
+    def new_request(self) -> Any:
+        """An inference request over the compiled model (on GPU: bound to the pool's buffer)."""
+        if self.plugin is not None:
+            return self.plugin.new_request(self.pool.device_pool.buffer)
+        return self.compiled.create_infer_request()
+
+    def run_step(self, request: Any, ids: list[list[int]], sequences: list[Any], past: list[int]) -> np.ndarray:
+        """One inference of ``ids`` (a list per sequence, after its ``past`` tokens) through
+        ``request``: the logits at each sequence's last token, ``[sequences, vocab]``. A
+        ``RuntimeError`` leaves the sequences in an unknown state."""
+        if self.plugin is not None:
+            if len(sequences) != 1:
+                raise UserError(f"device GPU runs one sequence a step, got {len(sequences)}")
+            return self.plugin.run_step(request, ids[0], sequences[0])[None]
+        ragged = len({len(x) for x in ids}) > 1
+        inputs = (self.ragged_step_inputs if ragged else self.step_inputs)(ids, sequences, past)
+        infer_steps(request, inputs, [s.handle for s in sequences])
+        out = request.get_output_tensor(0).data
+        return np.array(out[0] if ragged else out[:, -1], dtype=np.float32)
+
     def forward(self, ids: list[int]) -> np.ndarray:
         """Feed ``ids`` after the cached tokens; the next-token logits (last position)."""
         if not ids:
@@ -288,22 +327,21 @@ class OpenVINOModel:
         past = len(self.cache.ids)
         n = len(ids)
         try:
-            infer_steps(self.request, self.step_inputs([list(ids)], [self.sequence], [past]), [self.sequence.handle])
+            logits = self.run_step(self.request, [list(ids)], [self.sequence], [past])
         except RuntimeError as exc:
             self.cache.reset()  # a failed step leaves the layers out of step: start clean
             raise UserError(
                 f"backend openvino failed on a {n}-token step after {past} tokens: {error_line(exc)}"
             ) from None
         self.cache.ids.extend(ids)
-        logits = self.request.get_output_tensor(0).data
-        return np.array(logits[0, -1], dtype=np.float32)
+        return logits[0]
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """:meth:`forward` for a prompt; a first prompt (nothing cached) goes in as two chunks of
         one prompt (:meth:`KVSequence.set_prompt`, the method selects once over the whole of it):
         the largest multiple of :data:`~ov_kvcrush.engines.model_inputs.FAST_STEP_TOKENS`, then
         the rest."""
-        cut = len(ids) if self.cache.ids else model_inputs.fast_prompt_cut(len(ids))
+        cut = len(ids) if self.cache.ids or self.plugin else model_inputs.fast_prompt_cut(len(ids))
         if cut == len(ids):
             return self.forward(ids)
         self.sequence.set_prompt(len(ids))
@@ -358,9 +396,9 @@ class OpenVINOModel:
         return model_inputs.ragged_step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
 
 
-def _kv_precision(value: Any, properties: dict | None) -> str:
+def _kv_precision(value: Any, properties: dict | None, default: str) -> str:
     """The op's KV precision: ``kv_precision``, else the ``KV_CACHE_PRECISION`` property users of
-    openvino_genai pass (a string or an ``openvino.Type``), else the default; both set must agree."""
+    openvino_genai pass (a string or an ``openvino.Type``), else ``default``; both set must agree."""
     prop = (properties or {}).get("KV_CACHE_PRECISION")
     if prop is not None:
         name = prop if isinstance(prop, str) else getattr(prop, "get_type_name", lambda: str(prop))()
@@ -372,7 +410,7 @@ def _kv_precision(value: Any, properties: dict | None) -> str:
             raise ConfigError("kv_precision", value, f"{name}, as KV_CACHE_PRECISION says (or leave one out)")
         return name
     if value is None:
-        return DEFAULT_KV_PRECISION
+        return default
     if not isinstance(value, str) or value not in PRECISIONS:
         raise ConfigError("kv_precision", value, "one of " + ", ".join(PRECISIONS))
     return value

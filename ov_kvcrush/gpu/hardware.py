@@ -12,15 +12,18 @@ GenAI on the same GPU.
    torch on the host) equal to the CPU op's (the openvino engine, f32).
 3. TTFT, TPOT and KV bytes of those runs beside native ``openvino_genai`` on the GPU with its
    full cache and with its KVCrush eviction, one prompt, the same budget.
-4. The embedded model in OpenVINO's GPU plugin with our layers in place of its attention (full
-   cache: :mod:`~ov_kvcrush.gpu.plugin_model`), its greedy tokens against the CPU op's ("plugin
-   full"; in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
+4. The product path on the GPU: the embedded model through the openvino engine on ``GPU`` (our
+   layers in OpenVINO's GPU plugin, the methods' kernels over the same pool between steps:
+   :mod:`~ov_kvcrush.gpu.plugin_model`) for the full cache, SnapKV and block-wise KVCrush
+   ("plugin ..." rows), their greedy tokens against the CPU op's, with TTFT, TPOT and KV bytes
+   (in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
    :mod:`~ov_kvcrush.gpu.emulation`).
 
-What it cannot show: the methods over the plugin's pool (not built, docs/intel_gpu.md), so the
-device path's rows run the model in torch on the host and copy each step's tensors; they say
-whether the kernels run and agree on real hardware, not how fast a finished integration would
-be. Nothing here has been run on an Intel GPU by this project.
+The rows of step 2 run the model's layers in torch on the host and copy each step's tensors:
+they say whether every method's kernels run and agree on real hardware. The "plugin" rows are
+what ``device="GPU"`` runs; their times on a GPU are what a user would see, f32 inference
+precision and one sequence a step as built (docs/intel_gpu.md). Nothing here has been run on an
+Intel GPU by this project.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ OURS = [
     ("clusterkv", "clusterkv", {}),
     ("minikv", "minikv", {}),
 ]
+#: the rows of the openvino engine on ``GPU`` (named as in :data:`OURS`, whose CPU op runs are their oracle)
+PLUGIN_ROWS = [row for row in OURS if row[0] in ("full", "snapkv", "kvcrush blocks")]
 #: native GenAI's rows: its full cache and its KVCrush eviction (its own block-wise form)
 NATIVE = [("native full", "full"), ("native kvcrush", "kvcrush")]
 
@@ -57,23 +62,27 @@ class Row:
     equal_to_cpu_op: bool | None  # None: not compared (native rows)
 
 
-def plugin_row(ids: list[int], want: list[int], new_tokens: int, is_gpu: bool) -> Row:
-    """The embedded model through our layers in OpenVINO's GPU plugin (full cache, f32 KV:
-    :mod:`~ov_kvcrush.gpu.plugin_model`), its greedy tokens against the CPU op's ``want``: on an
+def plugin_rows(ids: list[int], want: dict[str, list[int]], new_tokens: int, budget: int, is_gpu: bool) -> list[Row]:
+    """The embedded model through the openvino engine on ``GPU`` (our layers in OpenVINO's GPU
+    plugin, the methods over its pool: :mod:`~ov_kvcrush.gpu.plugin_model`, f32 KV) for the rows of
+    :data:`PLUGIN_ROWS`, their greedy tokens against the CPU op's ``want`` (by row name): on an
     Intel GPU in this process, else under the emulation layer in a fresh process."""
-    from ov_kvcrush.gpu.plugin_model import run_greedy
+    from ov_kvcrush.gpu.plugin_check import run_greedy
     from ov_kvcrush.models.export import ensure_default_model
 
     model_dir = ensure_default_model("fp32", progress=False)
+    compressions = [CompressionConfig(method=m, budget=None if m == "full" else budget, options=o)
+                    for _, m, o in PLUGIN_ROWS]  # fmt: skip
     if is_gpu:
-        run = run_greedy(model_dir, ids, new_tokens)
+        runs = run_greedy(model_dir, ids, new_tokens, compressions)
     else:
         reason = emulation.unavailable()
         if reason:
-            raise runtime.GPUPathError(f"the plugin row needs the GPU emulation: {reason}")
+            raise runtime.GPUPathError(f"the plugin rows need the GPU emulation: {reason}")
         with emulation.worker() as worker:
-            run = worker.submit(run_greedy, model_dir, ids, new_tokens).result()
-    return Row("plugin full", run.device, len(ids), run.prompt_ms, run.decode_ms, run.kv_bytes, run.tokens == want)
+            runs = worker.submit(run_greedy, model_dir, ids, new_tokens, compressions).result()
+    return [Row(f"plugin {name}", r.device, len(ids), r.prompt_ms, r.decode_ms, r.kv_bytes, r.tokens == want[name])
+            for (name, _, _), r in zip(PLUGIN_ROWS, runs, strict=True)]  # fmt: skip
 
 
 def _settings(new_tokens: int) -> GenerationSettings:
@@ -97,13 +106,12 @@ def check(
     prompt, settings = essay_prompt(chars), _settings(new_tokens)
     op = OpenVINOEngine(ensure_default_model("fp32", progress=False), kv_precision="f32", properties=F32)
     ours = device_engine(hf_checkpoint(progress=False), host)
-    rows, full_tokens = [], []
+    rows, cpu_tokens = [], {}
     for name, method, options in OURS:
         compression = CompressionConfig(method=method, budget=budget, options=options)
         op.set_compression(compression)
         want = op.generate(prompt, settings).token_ids
-        if method == "full":
-            full_tokens = list(want)  # the plugin row's oracle
+        cpu_tokens[name] = list(want)  # the plugin rows' oracle too
         ours.set_compression(compression)
         got = ours.generate(prompt, settings)
         rows.append(Row(name, info.name, got.prompt_tokens, got.ttft_ms, got.tpot_ms, got.kv_bytes,
@@ -115,7 +123,7 @@ def check(
         res = native.generate(prompt, settings)
         rows.append(Row(name, native_device, res.prompt_tokens, res.ttft_ms, res.tpot_ms, res.kv_bytes, None))
     if info.is_gpu or plugin:
-        rows.append(plugin_row(op.encode(prompt), full_tokens, new_tokens, info.is_gpu))
+        rows += plugin_rows(op.encode(prompt), cpu_tokens, new_tokens, budget, info.is_gpu)
     return rows
 
 

@@ -95,6 +95,25 @@ class DeviceFullLayerCache(LayerCache):
         """Give the layer's blocks back to the pool."""
         self.layer.release()
 
+    # ---- a model that stores and attends itself (our layers in OpenVINO's GPU plugin)
+    def reserve(self, t: int) -> None:
+        """Room for the next step's ``t`` tokens, which the model's own store layer writes and its
+        prompt layer attends (:mod:`ov_kvcrush.gpu.plugin_cache`): what :meth:`prefill` and
+        :meth:`decode` do before their store."""
+        if self.seen:
+            self.layer.pool.phase = "decode"
+        self.layer.reserve(t, self.seen)
+        self.seen += t
+
+    def score_rows(self, t: int) -> int:
+        """How many of a ``t``-token step's last query rows :meth:`after_model_step` reads: none."""
+        return 0
+
+    def after_model_step(self, rows: Any, t: int) -> None:
+        """The method's work after a model step stored and attended ``t`` tokens (``rows``: the
+        step's last :meth:`score_rows` query rows ``[Hq, rows, D]`` on the device): the full
+        cache's is none."""
+
 
 class DeviceH2OLayerCache(DeviceFullLayerCache):
     """H2O over the device pool: every prompt row's probabilities scored, ``budget`` tokens kept
@@ -121,15 +140,20 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         self._start_prefill(queries, keys, values)
         t = keys.shape[2]
+        out = self._step(queries, keys, values, self.prompt_scoring(t)[0])
+        self._prompt_scored(self._window_scores, t)
+        return out
+
+    def _prompt_scored(self, window_sums: Any, t: int) -> None:
+        """The prompt's scores from its window's per-slot sums (device ``[Hq, t]``, pooled here;
+        none without a window), then the prompt's selection."""
         window, width, pool = self.prompt_scoring(t)
-        out = self._step(queries, keys, values, window)
         dev = self.layer.pool.dev
-        scores = self._pooled(self._window_scores, t, width, pool) if window else dev.zeros(4 * self.layer.q_heads * t)
+        scores = self._pooled(window_sums, t, width, pool) if window else dev.zeros(4 * self.layer.q_heads * t)
         self.scores, self.stride = scores, t
         self._new_token_scores(0)
         if t > self.budget:
             self._evict(width=1)
-        return out
 
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         t = keys.shape[2]
@@ -145,10 +169,48 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         else:  # several tokens (a chat turn): every row's probabilities
             out = self._step(queries, keys, values, t)
             self._add(self._window_scores, self.layer.held, before)
+        self._decode_scored(before)
+        return out
+
+    def _decode_scored(self, before: int) -> None:
+        """After a decode step's probabilities were added: the new slots' starting scores, then
+        eviction once a head holds more than the budget."""
         self._new_token_scores(before)
         if self.layer.held > self.budget and not self.frozen:
             self._evict(width=1)
-        return out
+
+    # ---- a model that stores and attends itself: the same scores from the step's query rows
+    def reserve(self, t: int) -> None:
+        before = self.layer.held
+        if self.scores is not None and before + t > self.stride:
+            self._grow(before + t)  # as _decode_step grows before its store
+        super().reserve(t)
+
+    def score_rows(self, t: int) -> int:
+        """The prompt's window rows (H2O: every row); a decode step's rows; none for Knorm's."""
+        if self.scores is None:
+            return self.prompt_scoring(t)[0]
+        return t if self.config.decode_attention_scores else 0
+
+    def after_model_step(self, rows: Any, t: int) -> None:
+        """:meth:`prefill`'s or :meth:`_decode_step`'s scores and selection, the step's attention
+        recomputed on the device from its last query rows (the model's layer returns only its
+        output): the window's sums over the rows, or a decode row's probabilities."""
+        lay = self.layer
+        scale = self._scale(lay.pool.shape.head_dim)
+        n = self.score_rows(t)
+        first_row = self.seen - n
+        if self.scores is None:
+            sums = lay.prompt_on_device(rows, n, first_row, scale, n)[1] if n else None
+            self._prompt_scored(sums, t)
+            return
+        before = lay.held - t
+        if n == 1:
+            bufs = lay.decode_on_device(rows, scale)
+            self._add(bufs.probs, int(bufs.stride), lay.held - 1)
+        elif n:
+            self._add(lay.prompt_on_device(rows, n, first_row, scale, n)[1], lay.held, before)
+        self._decode_scored(before)
 
     def _decode_token(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         self.layer.append(host_array(keys), host_array(values), self.seen - 1)
@@ -264,6 +326,9 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
         out = super()._decode_step(queries, keys, values)
         self._evict()
         return out
+
+    def after_model_step(self, rows: Any, t: int) -> None:
+        self._evict()
 
     def _evict(self) -> None:
         lay = self.layer

@@ -1,204 +1,176 @@
-"""The exported model in OpenVINO's GPU plugin with our layers in place of its attention, the full
-cache: the GPU form of the openvino backend's path, end to end, for one sequence.
+"""The exported model in OpenVINO's GPU plugin with our layers in place of its attention: the
+GPU form of the openvino backend (``OpenVINOEngine(..., device="GPU")``), one sequence a step.
 
 The graph pass (:func:`~ov_kvcrush.transformations.plugin_attention.convert_model_for_plugin`)
-puts the store and prefill layers in every layer; the pool is one remote tensor of the plugin's
-context, and :class:`PluginModel` keeps its bookkeeping on the host (each KV head's blocks, the
-slots' positions, the free blocks) and feeds it with each step. What it is for: checking our
-layers in a whole model against the CPU op (``python -m ov_kvcrush.gpu.plugin_model``, greedy
-tokens equal or not). The methods' selections over this pool and the serving loop over it are
-not built (docs/intel_gpu.md).
+puts the store and prefill layers in every layer. :class:`PluginModel` compiles it on a remote
+context the plugin makes over our own OpenCL context and queue (the pyopencl host's,
+:func:`ov_kvcrush.gpu.device.device`): the pool is our buffer, handed to the plugin as a remote
+tensor, and each layer's last query rows come back into our buffers, so the methods' kernels
+(:mod:`ov_kvcrush.gpu.plugin_cache`) run over the same blocks between the model's steps, in
+order on the one queue, with nothing copied. Python's API takes the handles as hexadecimal
+strings (``ov::Any`` reads a ``void*`` from text; an integer is refused: "Bad as from: l to:
+Pv"). :mod:`ov_kvcrush.gpu.plugin_check` runs the embedded model through it beside the CPU op.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import sys
+import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ov_kvcrush.engines import model_inputs
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import emulation, plugin_layers, runtime
+from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, check_plugin_method
+from ov_kvcrush.methods import MethodConfig
+
+#: the kernels' compile properties: our layers take and return f32
+PLUGIN_PROPERTIES = {"INFERENCE_PRECISION_HINT": "f32"}
 
 
-@dataclass
-class FullCacheBlocks:
-    """Every layer's KV heads' blocks in a pool of ``capacity`` blocks, all holding ``tokens``
-    tokens (a full cache: slot j holds position j)."""
+def plugin_gpu(core: Any) -> str:
+    """The full name of the ``GPU`` OpenVINO's GPU plugin lists; a :class:`GPUPathError` naming
+    what is missing where it lists none (under the emulation layer: the layer's own reason)."""
+    if "GPU" in core.available_devices or os.environ.get("OPENCL_LAYERS"):
+        return emulation.plugin_device(core)
+    listed = ", ".join(core.available_devices)
+    raise runtime.GPUPathError(
+        f"device GPU needs an Intel GPU that OpenVINO's GPU plugin lists (it lists: {listed}): an Intel GPU with "
+        "its OpenCL driver (intel-opencl-icd); without one, use device CPU"
+    )
 
-    layers: int
-    kv_heads: int
-    block_size: int
-    capacity: int
-    tokens: int = 0
 
-    def __post_init__(self) -> None:
-        self.free = list(range(self.capacity - 1, -1, -1))
-        self.tables = np.zeros((self.layers, self.kv_heads, 0), np.int32)
+def shared_context(core: Any, dev: Device) -> Any:
+    """The plugin's remote context over ``dev``'s OpenCL context and in-order queue: the plugin's
+    work and ours are then ordered by the one queue."""
+    return core.create_context(
+        "GPU", {"CONTEXT_TYPE": "OCL", "OCL_CONTEXT": hex(dev.context.int_ptr), "OCL_QUEUE": hex(dev.queue.int_ptr)}
+    )
 
-    def grow(self, new_tokens: int) -> None:
-        """Blocks for ``new_tokens`` more tokens in every head (a :class:`UserError` when the pool
-        runs out)."""
-        width = math.ceil((self.tokens + new_tokens) / self.block_size)
-        more = width - self.tables.shape[2]
-        if more <= 0:
-            return
-        need = more * self.layers * self.kv_heads
-        if need > len(self.free):
-            raise UserError(f"the pool's {self.capacity} blocks are exhausted ({len(self.free)} free, {need} needed)")
-        added = np.array([self.free.pop() for _ in range(need)], np.int32).reshape(self.layers, self.kv_heads, more)
-        self.tables = np.concatenate([self.tables, added], axis=2)
 
-    def step_inputs(self, new_tokens: int) -> dict[str, np.ndarray]:
-        """The pass's cache inputs for a step of ``new_tokens`` (blocks grown first)."""
-        self.grow(new_tokens)
-        width = self.tables.shape[2]
-        slots = width * self.block_size
-        counts = np.full((self.layers, self.kv_heads), self.tokens, np.int32)
-        positions = np.broadcast_to(np.arange(slots, dtype=np.int32), (self.layers, self.kv_heads, slots))
-        return {
-            "kvc_tables": self.tables,
-            "kvc_first": counts,
-            "kvc_lengths": counts + new_tokens,
-            "kvc_positions": np.ascontiguousarray(positions),
-            "kvc_step": plugin_layers.step_tensor(width, slots, self.tokens, new_tokens),
-        }
+def buffer_tensor(context: Any, buffer: Any, dtype: Any, shape: list[int]) -> Any:
+    """Our OpenCL ``buffer`` as a remote tensor of ``context`` (no copy)."""
+    import openvino as ov
+
+    params = {"SHARED_MEM_TYPE": "OCL_BUFFER", "MEM_HANDLE": hex(buffer.int_ptr)}
+    return context.create_tensor(dtype, ov.Shape(shape), params)
 
 
 class PluginModel:
-    """``model_dir`` (an ``optimum-cli export openvino`` folder) on the plugin's ``GPU`` with our
-    layers; ``kv_precision`` blocks of ``block_size`` tokens, a pool of ``pool_blocks`` blocks."""
+    """``model_dir`` (an ``optimum-cli export openvino`` folder) with our layers for the plugin's
+    ``GPU``, over our OpenCL context, its pool in ``kv_precision`` blocks of ``block_size``
+    tokens: :meth:`compile`, then :meth:`new_pool` and :meth:`new_request`, and :meth:`run_step`
+    feeds one sequence's step."""
 
-    def __init__(self, model_dir: str | Path, *, kv_precision: str = "f32", block_size: int = 32,
-                 pool_blocks: int = 2048, sub_group: int = 16) -> None:  # fmt: skip
-        import openvino as ov
-
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        kv_precision: str,
+        block_size: int,
+        sub_group: int | None = None,
+        properties: dict | None = None,
+    ) -> None:
         from ov_kvcrush.models.embedded import cache_root
         from ov_kvcrush.op import plugin
-        from ov_kvcrush.transformations.plugin_attention import convert_model_for_plugin
+        from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_model_for_plugin
 
-        core = plugin.shared_core()
-        #: the plugin's device (a GPUPathError naming what is missing, before the compilation)
-        self.device = emulation.plugin_device(core)
-        model_dir = Path(model_dir)
-        converted = convert_model_for_plugin(
-            core.read_model(model_dir / "openvino_model.xml"),
+        self.core = plugin.shared_core()
+        #: the plugin's device (a GPUPathError naming what is missing, before anything is built)
+        self.device = plugin_gpu(self.core)
+        self.dev = device(sub_group)
+        self.context = shared_context(self.core, self.dev)
+        self.converted = convert_model_for_plugin(
+            self.core.read_model(Path(model_dir) / "openvino_model.xml"),
             kv_precision=kv_precision,
             block_size=block_size,
-            sub_group=sub_group,
+            sub_group=self.dev.sub_group,
         )
-        s = converted.shape
-        pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
-        attributes = plugin_layers.LayerAttributes(pool_shape, sub_group, converted.scales[0])
-        config = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
-        core.set_property("GPU", {"CONFIG_FILE": str(config)})
-        t0 = time.perf_counter()
-        self.compiled = core.compile_model(converted.model, "GPU", {"INFERENCE_PRECISION_HINT": "f32"})
-        self.compile_seconds = time.perf_counter() - t0
-        self.request = self.compiled.create_infer_request()
-        self.input_names = {p.get_any_name() for p in self.compiled.inputs}
-        pool = core.get_default_context("GPU").create_tensor(
-            ov.Type.u8, ov.Shape([pool_blocks * pool_shape.block_bytes]), {}
-        )
-        self.request.set_tensor("kvc_pool", pool)
-        self.blocks = FullCacheBlocks(s.layers, s.kv_heads, block_size, pool_blocks)
-        self.block_bytes = pool_shape.block_bytes
+        s = self.converted.shape
+        self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales))
+        self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
+        attributes = plugin_layers.LayerAttributes(self.pool_shape, self.dev.sub_group, self.converted.scales[0])
+        self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
+        self.properties = PLUGIN_PROPERTIES | dict(properties or {})
+        self.rows_outputs = [ROWS_OUTPUT.format(i) for i in range(s.layers)]
+        self._rows: list[Any] = []  # each layer's buffer of query rows, reused while large enough
+        self._rows_bytes = 0
+        self.compiled: Any = None
+        self.compile_seconds = 0.0
 
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of the blocks the sequence holds (every layer's KV heads, keys and values)."""
-        return int(self.blocks.tables.size) * self.block_bytes
+    def compile(self) -> Any:
+        """Compile the converted model on the shared context (once)."""
+        if self.compiled is None:
+            self.core.set_property("GPU", {"CONFIG_FILE": str(self.config_file)})
+            t0 = time.perf_counter()
+            self.compiled = self.core.compile_model(self.converted.model, self.context, self.properties)
+            self.compile_seconds = time.perf_counter() - t0
+            self.input_names = {p.get_any_name() for p in self.compiled.inputs}
+        return self.compiled
 
-    def forward(self, ids: list[int]) -> np.ndarray:
-        """Feed ``ids`` after the cached tokens; the next-token logits."""
+    def check_method(self, method: MethodConfig) -> None:
+        """A ``ConfigError`` unless this path runs ``method``."""
+        check_plugin_method(method)
+
+    def new_pool(self, method: MethodConfig, blocks: int) -> PluginKVPool:
+        """A pool of ``blocks`` blocks on our device and ``method``'s sequences over it."""
+        return PluginKVPool(self.shape, self.pool_shape, blocks, method, self.dev)
+
+    def new_request(self, pool_buffer: Any) -> Any:
+        """An inference request whose ``kvc_pool`` is our ``pool_buffer``."""
         import openvino as ov
 
-        past, n = self.blocks.tokens, len(ids)
-        # the model's own inputs as the CPU op's step feeds them (no sequence handle here)
+        request = self.compiled.create_infer_request()
+        nbytes = pool_buffer.get_info(self.dev.cl.mem_info.SIZE)
+        request.set_tensor("kvc_pool", buffer_tensor(self.context, pool_buffer, ov.Type.u8, [nbytes]))
+        return request
+
+    def _rows_buffers(self, nbytes: int) -> list[Any]:
+        """Each layer's buffer for a step's query rows (``nbytes`` each): the previous step's are
+        read by its methods' kernels before this step's model writes them (one in-order queue)."""
+        if nbytes > self._rows_bytes:
+            self._rows_bytes = max(nbytes, 2 * self._rows_bytes)
+            self._rows = [self.dev.empty(self._rows_bytes) for _ in self.rows_outputs]
+        return self._rows
+
+    def run_step(self, request: Any, ids: list[int], sequence: PluginKVSequence) -> np.ndarray:
+        """Feed ``ids`` after ``sequence``'s tokens: store and attend them in the model, then the
+        method's work over the pool; the next-token logits (last position). A ``RuntimeError``
+        from the plugin leaves the sequence to be reset."""
+        import openvino as ov
+
+        past, t = sequence.seen, len(ids)
         model = model_inputs.step_inputs(self.input_names, [ids], [0], [past])
-        feeds = {name: x for name, x in model.items() if name in self.input_names} | self.blocks.step_inputs(n)
+        feeds = {name: x for name, x in model.items() if name in self.input_names} | sequence.step_inputs(t)
         for name, array in feeds.items():
-            self.request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
-        self.request.infer()
-        self.blocks.tokens += n
-        return np.array(self.request.get_output_tensor(0).data[0, -1], np.float32)
-
-    def greedy(self, ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
-        """``new_tokens`` greedy tokens after the prompt ``ids`` (fed whole); with the prompt's
-        step and the mean decode step, in seconds."""
-        t0 = time.perf_counter()
-        out = [int(np.argmax(self.forward(ids)))]
-        prompt_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        while len(out) < new_tokens:
-            out.append(int(np.argmax(self.forward([out[-1]]))))
-        return out, prompt_s, (time.perf_counter() - t1) / max(new_tokens - 1, 1)
+            request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
+        s, rows = self.shape, min(int(feeds["kvc_score_rows"][0]), t)
+        buffers = self._rows_buffers(4 * s.q_heads * rows * s.head_dim)
+        for name, buffer in zip(self.rows_outputs, buffers, strict=True):
+            request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.f32, [s.q_heads, rows, s.head_dim]))
+        request.start_async()  # infer() would read every output back, our buffers too
+        request.wait()
+        sequence.after_step(buffers, t)
+        logits = np.array(request.get_output_tensor(0).data[0, -1], np.float32)
+        crossed = sequence.pool.device_pool.crossings["prompt" if past == 0 else "decode"].to_host
+        crossed["logits"] = crossed.get("logits", 0) + logits.nbytes
+        return logits
 
 
-@dataclass
-class PluginRun:
-    """A greedy run through :class:`PluginModel`."""
-
-    device: str
-    tokens: list[int]
-    compile_s: float
-    prompt_ms: float
-    decode_ms: float
-    kv_bytes: int
-
-
-def run_greedy(model_dir: str | Path, ids: list[int], new_tokens: int, kv_precision: str = "f32") -> PluginRun:
-    """``new_tokens`` greedy tokens after ``ids`` through :class:`PluginModel`, in this process."""
-    model = PluginModel(model_dir, kv_precision=kv_precision)
-    tokens, prompt_s, step_s = model.greedy(ids, new_tokens)
-    return PluginRun(model.device, tokens, model.compile_seconds, prompt_s * 1e3, step_s * 1e3, model.kv_bytes)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ov_kvcrush.gpu.plugin_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chars", type=int, default=1500, help="characters of essay in the prompt")
-    parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--kv-precision", choices=("f32", "f16", "u8"), default="f32")
-    parser.add_argument(
-        "--allow-cpu", action="store_true", help="without an Intel GPU: the plugin on Intel's OpenCL CPU runtime"
-    )
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.allow_cpu:
-        reason = emulation.unavailable()
-        if reason:
-            print(f"plugin_model: {reason}", file=sys.stderr)
-            return 2
-        emulation.enable()  # before any OpenCL call: a real Intel GPU is still listed first
-    from ov_kvcrush.config import CompressionConfig, GenerationSettings
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.gpu.generate import essay_prompt
-    from ov_kvcrush.models.coverage import F32
-    from ov_kvcrush.models.export import ensure_default_model
-
-    model_dir = ensure_default_model("fp32", progress=False)
-    op = OpenVINOEngine(model_dir, CompressionConfig(method="full"), kv_precision=args.kv_precision, properties=F32)
-    prompt = essay_prompt(args.chars)
-    ids = op.encode(prompt)
-    want = op.generate(prompt, GenerationSettings(max_new_tokens=args.new_tokens, ignore_eos=True)).token_ids
-    try:
-        run = run_greedy(model_dir, ids, args.new_tokens, args.kv_precision)
-    except runtime.GPUPathError as e:
-        print(f"plugin_model: {e}", file=sys.stderr)
-        return 2
-    same = run.tokens == list(want)
-    verdict = "equal to" if same else "NOT equal to"
-    print(f"{len(ids)}-token prompt, {args.new_tokens} greedy tokens, {args.kv_precision} KV, full cache: through our "
-          f"layers in the GPU plugin ({run.device}) {verdict} the CPU op's")  # fmt: skip
-    times = f"compile {run.compile_s:.1f} s, prompt step {run.prompt_ms:.0f} ms, decode step {run.decode_ms:.0f} ms"
-    print(times + (" (the emulation's: they say nothing of a GPU)" if args.allow_cpu else ""))
-    return 0 if same else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def plugin_engine_model(
+    model_dir: Path, windows: list[int], kv_precision: str, block_size: int, properties: dict
+) -> PluginModel:
+    """The openvino engine's model on ``GPU``, checked: global attention layers only, the layers'
+    f32 inference precision."""
+    if any(windows):
+        raise UserError(f"{model_dir.name}: device GPU runs global attention layers only (this model has local ones)")
+    hint = properties.get("INFERENCE_PRECISION_HINT")
+    if hint is not None and "32" not in str(hint):
+        raise ConfigError("INFERENCE_PRECISION_HINT", hint, "f32 on device GPU (our layers take f32)")
+    compile_properties = {k: v for k, v in properties.items() if k != "KV_CACHE_PRECISION"}  # our pool's, not its
+    return PluginModel(model_dir, kv_precision=kv_precision, block_size=block_size, properties=compile_properties)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu import HOSTS
-from ov_kvcrush.gpu.attention import QuantHeads, decode_buffers, launch_decode, launch_quant_logits
+from ov_kvcrush.gpu.attention import DecodeBuffers, QuantHeads, decode_buffers, launch_decode, launch_quant_logits
 from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.prefill import launch_prompt
@@ -59,13 +59,21 @@ class Crossings:
 
 
 class DevicePool:
-    """``blocks`` blocks of ``shape`` in one device buffer, handed out to layers' KV heads."""
+    """``blocks`` blocks of ``shape`` in one device buffer, handed out to layers' KV heads; on
+    ``dev``, or the process's device through ``host`` at ``sub_group`` lanes."""
 
-    def __init__(self, shape: PoolShape, blocks: int, sub_group: int | None = None, host: str = "opencl") -> None:
+    def __init__(
+        self,
+        shape: PoolShape,
+        blocks: int,
+        sub_group: int | None = None,
+        host: str = "opencl",
+        dev: KernelDevice | None = None,
+    ) -> None:
         if blocks < 1:
             raise GPUPathError(f"a device pool needs at least one block, got {blocks}")
         self.shape = shape
-        self.dev: KernelDevice = open_device(host, sub_group)
+        self.dev: KernelDevice = dev if dev is not None else open_device(host, sub_group)
         self.blocks = blocks
         self.buffer = self.dev.empty(blocks * shape.block_bytes)
         self._free = list(range(blocks - 1, -1, -1))
@@ -140,24 +148,32 @@ class PagedLayer:
         return HeadsOnDevice(p.buffer, tables, stride, lengths_b, pos, self.positions.shape[1])
 
     # ---- the steps
-    def append(self, keys: np.ndarray, values: np.ndarray, first_position: int) -> None:
-        """Store ``keys``, ``values`` ``[kv, t, D]`` at slots ``held ..`` of every head."""
-        kv, t, _ = keys.shape
+    def reserve(self, t: int, first_position: int) -> int:
+        """Room for ``t`` more tokens at positions ``first_position ..`` in every head (blocks
+        allocated as needed, the slots' positions recorded); returns the first new slot. The
+        tokens are stored by :meth:`append`, or by the model's own store layer (OpenVINO's GPU
+        plugin, :mod:`ov_kvcrush.gpu.plugin_cache`)."""
         bs = self.pool.shape.block_size
         need = -(-(self.held + t) // bs) - len(self.tables[0])
         if need > 0:
             for table in self.tables:
                 table.extend(self.pool.allocate(need))
             self._tables_on_device = None
+        step = np.arange(first_position, first_position + t, dtype=np.int32)
+        self.positions = np.concatenate([self.positions, np.broadcast_to(step, (self.kv_heads, t))], axis=1)
+        first, self.held = self.held, self.held + t
+        return first
+
+    def append(self, keys: np.ndarray, values: np.ndarray, first_position: int) -> None:
+        """Store ``keys``, ``values`` ``[kv, t, D]`` at slots ``held ..`` of every head."""
+        kv, t, _ = keys.shape
+        first = self.reserve(t, first_position)
         tables, stride = self.device_tables()
         p = self.pool
         launch_store(p.dev, p.shape, p.buffer, tables, stride,
-                     p.upload("step slots", np.full(kv, self.held, np.int32)),
+                     p.upload("step slots", np.full(kv, first, np.int32)),
                      p.upload("step keys and values", np.ascontiguousarray(keys, np.float32)),
                      p.upload("step keys and values", np.ascontiguousarray(values, np.float32)), t, kv)  # fmt: skip
-        step = np.arange(first_position, first_position + t, dtype=np.int32)
-        self.positions = np.concatenate([self.positions, np.broadcast_to(step, (kv, t))], axis=1)
-        self.held += t
 
     def attend_prompt(self, q: np.ndarray, first_position: int, scale: float, window: int) -> tuple[np.ndarray, Any]:
         """Rows ``q`` ``[Hq, t, D]`` (positions from ``first_position``, stored already) over every
@@ -165,11 +181,18 @@ class PagedLayer:
         slot's probability summed over the last ``window`` rows ``[Hq, held]``."""
         hq, rows, d = q.shape
         p = self.pool
-        heads = self._heads(self.held, positions=True)
         q_b = p.upload("queries", np.ascontiguousarray(q, np.float32))
-        out_b, _, scores_b = launch_prompt(p.dev, p.shape, heads, q_b, hq, rows, first_position, scale, window,
-                                           self.held)  # fmt: skip
+        out_b, scores_b = self.prompt_on_device(q_b, rows, first_position, scale, window)
         return p.download("attention output", out_b, np.float32, (hq, rows, d)), scores_b
+
+    def prompt_on_device(self, q_b: Any, rows: int, first_position: int, scale: float, window: int) -> tuple[Any, Any]:
+        """:meth:`attend_prompt` of ``rows`` query rows already on the device (``q_b`` ``[Hq,
+        rows, D]``): the device buffers of the output and of the window's per-slot sums."""
+        p = self.pool
+        heads = self._heads(self.held, positions=True)
+        out_b, _, scores_b = launch_prompt(p.dev, p.shape, heads, q_b, self.q_heads, rows, first_position, scale,
+                                           window, self.held)  # fmt: skip
+        return out_b, scores_b
 
     def attend_decode(
         self, q: np.ndarray, scale: float, quant: QuantHeads | None = None, quant_read: int = 0
@@ -179,17 +202,27 @@ class PagedLayer:
         buffer of the probabilities ``[Hq, stride]`` (2-bit slots first) with its row stride."""
         hq, d = q.shape
         p = self.pool
+        q_b = p.upload("queries", np.ascontiguousarray(q, np.float32))
+        bufs = self.decode_on_device(q_b, scale, quant, quant_read)
+        return p.download("attention output", bufs.out, np.float32, (hq, d)), bufs.probs, int(bufs.stride)
+
+    def decode_on_device(
+        self, q_b: Any, scale: float, quant: QuantHeads | None = None, quant_read: int = 0
+    ) -> DecodeBuffers:
+        """:meth:`attend_decode` of a query row already on the device (``q_b`` ``[Hq, D]``): its
+        buffers, the output and the probabilities left there."""
+        hq, d = self.q_heads, self.pool.shape.head_dim
+        p = self.pool
         heads = self._heads(self.held)
         nq = quant.longest if quant else 0
         first = quant.lengths if quant else p.upload("lengths", np.zeros(self.kv_heads, np.int32))
-        q_b = p.upload("queries", np.ascontiguousarray(q, np.float32))
         bufs = decode_buffers(p.dev, q_b, hq, d, nq + self.held, first)
         no_map = (p.dev.zeros(4), 0)
         quant_pass = launch_quant_logits(p.dev, quant, bufs, hq, scale) if quant else None
         totals = p.upload("lengths", np.full(self.kv_heads, nq + self.held, np.int32)) if quant else heads.lengths
         launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, totals, scale, no_map, quant_pass)
         self._count_decode_step(self.kv_heads * self.held, quant_read)
-        return p.download("attention output", bufs.out, np.float32, (hq, d)), bufs.probs, int(bufs.stride)
+        return bufs
 
     def attend_slots(self, q: Any, scale: float, slots: tuple[Any, int], lengths: Any, counts: np.ndarray,
                      extra_read: int = 0) -> np.ndarray:  # fmt: skip

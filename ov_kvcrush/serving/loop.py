@@ -54,7 +54,6 @@ from ov_kvcrush.engines.model_inputs import fast_prompt_cut
 from ov_kvcrush.engines.openvino_model import OpenVINOModel, SequenceCache, error_line
 from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.op.kvcache import infer_steps
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.kept import KeptCaches
 from ov_kvcrush.serving.request import ServedRequest
@@ -97,8 +96,10 @@ class GenerationLoop:
         check_int("scheduler_config.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         self.chunked = bool(sc.dynamic_split_fuse) if sc is not None else True
         e = self.engine
+        if e.plugin is not None:  # device GPU: one sequence a step, each prompt whole (docs/intel_gpu.md)
+            self.max_num_seqs, self.max_num_batched_tokens, self.chunked = 1, 1 << 24, False
         self.pool = e.pool
-        self.request = e.compiled.create_infer_request()  # the engine's own request stays free for it
+        self.request = e.new_request()  # the engine's own request stays free for it
         limits = SchedulerLimits(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -108,7 +109,7 @@ class GenerationLoop:
             block_size=e.block_size,
             holds_everything=not e.compression.compresses,
             scoring_tokens=e.scoring.step_bound(),
-            first_chunk=fast_prompt_cut,
+            first_chunk=None if e.plugin is not None else fast_prompt_cut,
         )
         #: finished requests' caches kept for their conversation's next turn (the server keeps
         #: them; empty otherwise): the scheduler reclaims them before it preempts a request
@@ -377,19 +378,16 @@ class GenerationLoop:
         are in an unknown state), no other request is touched."""
         seqs = [r.cache.sequence for r in reqs]  # type: ignore[union-attr]
         past = [r.slot.done for r in reqs]
-        ragged = len({len(x) for x in ids}) > 1
-        inputs = (self.engine.ragged_step_inputs if ragged else self.engine.step_inputs)(ids, seqs, past)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:
-            infer_steps(self.request, inputs, [s.handle for s in seqs])
+            logits = self.engine.run_step(self.request, ids, seqs, past)
         except RuntimeError as exc:
             for r in reqs:
                 self._fail(r, f"backend openvino failed on {what}: {error_line(exc)}")
             return None
         if self.trace is not None:
             self.trace.append((len(ids), sum(map(len, ids)), time.perf_counter() - t0))
-        out = self.request.get_output_tensor(0).data
-        return np.array(out[0] if ragged else out[:, -1], dtype=np.float32)
+        return logits
 
     def _emit(self, req: ServedRequest, logits: np.ndarray) -> None:
         """Sample the request's next token (the one place the openvino backend samples), stop at

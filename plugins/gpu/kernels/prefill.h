@@ -8,6 +8,7 @@
 
 #define CHUNK 8
 // Row r of query head h of paged_prefill; `lse` may be null (the plugin's layer: no window scores).
+// pos_stride 0: every slot is at or before the row (a decode step's row: no positions are sent).
 inline void prefill_row(int r, int h, __global const uchar* pool, __global const int* tables, int table_stride,
                         __global const int* lengths, __global const int* positions, int pos_stride,
                         __global const float* q, int rows, int qpos0, float scale, __global float* out,
@@ -31,7 +32,7 @@ inline void prefill_row(int r, int h, __global const uchar* pool, __global const
             const int j = min(j0 + c, n - 1);
             block[c] = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
             slot[c] = j % BLOCK_SIZE;
-            masked[c] = !live || j0 + c >= n || positions[kv * pos_stride + j] > qpos;
+            masked[c] = !live || j0 + c >= n || (pos_stride > 0 && positions[kv * pos_stride + j] > qpos);
             all_masked = all_masked && masked[c];
         }
         if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half

@@ -1,0 +1,227 @@
+"""The openvino backend's KV cache on an Intel GPU: the pool shared with OpenVINO's GPU plugin,
+each sequence's layer caches over it, and what a step feeds the model and does after it.
+
+The model (our layers in the plugin, :mod:`ov_kvcrush.gpu.plugin_model`) stores each step's keys
+and values in the pool and attends them; the pool is our own OpenCL buffer
+(:class:`~ov_kvcrush.gpu.pool.DevicePool`), handed to the plugin as a remote tensor of a context
+made over our OpenCL context and queue, so the methods' kernels and the model's layers work on
+one copy of the blocks, in order, with nothing copied between them. A sequence's cache is the GPU
+path's layer caches (:mod:`ov_kvcrush.gpu.device_layers`, the same policies the torch engine's
+``paged_device`` runs), driven through their model-step entry points: before a step each layer
+reserves its slots (:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.reserve`), the
+tables, counts and positions go in as the model's inputs, and after it each layer scores and
+selects on the device from the step's last query rows, which the model leaves in our buffers
+(:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
+
+:class:`PluginKVPool` and :class:`PluginKVSequence` answer what the one loop
+(:mod:`ov_kvcrush.serving.loop`) asks of the CPU op's :class:`~ov_kvcrush.op.kvcache.KVPool` and
+:class:`~ov_kvcrush.op.kvcache.KVSequence`: new sequences, their stats, reset and free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.gpu import device_layers, plugin_layers
+from ov_kvcrush.gpu.device import Device
+from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
+from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.methods import MethodConfig
+from ov_kvcrush.methods.importance import EvictionConfig
+from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
+from ov_kvcrush.op.plugin import PluginError
+
+#: the methods whose caches run over the plugin's pool: the model's layers attend every slot a
+#: head holds in full precision (the 2-bit store, ClusterKV's and Quest's slot lists are the torch
+#: engine's ``paged_device`` path's)
+PLUGIN_METHODS = ("full", "h2o", "snapkv", "pyramidkv", "kvcrush", "streamingllm", "knorm")
+
+
+def check_plugin_method(config: MethodConfig) -> None:
+    """A :class:`ConfigError` naming what the GPU form of the openvino backend runs, unless it
+    runs ``config``."""
+    two_bit = isinstance(config, EvictionConfig) and config.quant is not None
+    if config.name in PLUGIN_METHODS and not two_bit:
+        device_layers.check_served(config)
+        return
+    raise ConfigError(
+        "method",
+        config.name,
+        ", ".join(PLUGIN_METHODS) + " over the full-precision store (backend openvino, device GPU; the 2-bit store, "
+        "ClusterKV and Quest run on an Intel GPU as backend torch with paged_device='opencl')",
+    )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the caches are made for: the model's attention layers, their heads and scales."""
+
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    scales: tuple[float, ...]
+
+
+class PluginKVPool:
+    """``blocks`` blocks of ``shape`` on the device (a :class:`DevicePool`), shared with the
+    plugin, and the sequences of ``method`` over them."""
+
+    def __init__(self, model: ModelShape, shape: PoolShape, blocks: int, method: MethodConfig, dev: Device) -> None:
+        check_plugin_method(method)
+        self.model = model
+        self.method = method
+        self.device_pool = DevicePool(shape, blocks, dev=dev)
+        self.block_bytes = shape.block_bytes
+        self.peak_blocks = 0
+        self.sequences: dict[int, PluginKVSequence] = {}
+        self._handles = itertools.count(1)
+        #: decode steps fed, and the KV bytes the model's attention read in them (what the bytes
+        #: crossing are measured against; the methods' own reads, such as the scores'
+        #: recomputation, are the device pool's ``kv_read``)
+        self.decode_steps = 0
+        self.decode_kv_read = 0
+
+    def new_sequence(self) -> PluginKVSequence:
+        return PluginKVSequence(self, next(self._handles))
+
+    def stats(self) -> PoolStats:
+        p = self.device_pool
+        self.peak_blocks = max(self.peak_blocks, p.blocks_in_use)
+        return PoolStats(p.blocks_in_use, p.blocks, self.peak_blocks, self.block_bytes, len(self.sequences))
+
+    def close(self) -> None:
+        """Free every sequence (idempotent; the buffer goes with the pool)."""
+        for seq in list(self.sequences.values()):
+            seq.free()
+
+
+class PluginKVSequence:
+    """One sequence's layer caches in a :class:`PluginKVPool` (``handle``: its id there)."""
+
+    def __init__(self, pool: PluginKVPool, handle: int) -> None:
+        self.pool = pool
+        self.handle = handle
+        self.policy_ns = {"prompt": 0, "decode": 0}
+        self.caches = self._new_caches()
+        pool.sequences[handle] = self
+
+    def _new_caches(self) -> list[DeviceFullLayerCache]:
+        m, p = self.pool.model, self.pool
+        caches = []
+        for layer in range(m.layers):
+            cache = device_layers.device_layer(p.method, layer, m.layers, p.device_pool, m.kv_heads, m.q_heads)
+            assert isinstance(cache, DeviceFullLayerCache)
+            cache.scale = m.scales[layer]
+            caches.append(cache)
+        return caches
+
+    @property
+    def seen(self) -> int:
+        return self.caches[0].seen
+
+    # ---- what the loop asks of a sequence
+    def reset(self) -> None:
+        """Every block back to the pool; the next step starts at position 0."""
+        for cache in self.caches:
+            cache.release()
+        self.caches = self._new_caches()
+        self.policy_ns = {"prompt": 0, "decode": 0}
+
+    def truncate(self, tokens: int) -> None:
+        """Keep the first ``tokens`` tokens: only all of them (a chat's next turn then feeds the
+        rest; the loop resets a sequence that refuses)."""
+        if tokens != self.seen:
+            raise PluginError(f"device GPU cannot drop tokens from a sequence ({self.seen} held, {tokens} asked)")
+
+    def set_prompt(self, tokens: int) -> None:
+        """A prompt in chunks: not on this path (the loop gives it whole prompts)."""
+        if tokens:
+            raise UserError("device GPU takes a prompt in one step (its methods select once, over the whole prompt)")
+
+    def free(self) -> None:
+        if self.handle:
+            for cache in self.caches:
+                cache.release()
+            self.pool.sequences.pop(self.handle, None)
+            self.handle = 0
+
+    def head_tokens(self) -> np.ndarray:
+        """Tokens held per layer and KV head, ``[layers, kv_heads]``."""
+        return np.array([[c.layer.held] * c.layer.kv_heads for c in self.caches], np.int64)
+
+    def method_counters(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for cache in self.caches:
+            for k, v in cache.counters.items():
+                out[k] = out.get(k, 0.0) + float(v)
+        return out
+
+    def stats(self) -> SequenceStats:
+        blocks = sum(len(t) for c in self.caches for t in c.layer.tables)
+        held = int(self.head_tokens().sum())
+        bb = self.pool.block_bytes
+        ns = self.policy_ns
+        return SequenceStats(blocks, self.seen, held, blocks * bb, 0, ns["prompt"], ns["decode"], 0, 0, 0, 0, 0, 0, bb)
+
+    # ---- a step
+    def step_inputs(self, t: int) -> dict[str, np.ndarray]:
+        """Reserve ``t`` slots in every layer and return the model's cache inputs for the step
+        (:data:`~ov_kvcrush.transformations.plugin_attention.PLUGIN_INPUTS`, the pool aside)."""
+        first_position = self.seen
+        firsts = []
+        for cache in self.caches:
+            firsts.append(cache.layer.held)
+            cache.reserve(t)
+        layers = [c.layer for c in self.caches]
+        kv = layers[0].kv_heads
+        width = max(max(len(tb) for tb in lay.tables) for lay in layers)
+        tables = np.zeros((len(layers), kv, width), np.int32)
+        for i, lay in enumerate(layers):
+            for h, tb in enumerate(lay.tables):
+                tables[i, h, : len(tb)] = tb
+        # a single row attends every slot it holds: positions are sent for prompt rows only
+        slots = max(lay.held for lay in layers) if t > 1 else 0
+        positions = np.zeros((len(layers), kv, max(slots, 1)), np.int32)
+        if slots:
+            for i, lay in enumerate(layers):
+                positions[i, :, : lay.held] = lay.positions
+        inputs = {
+            "kvc_tables": tables,
+            "kvc_first": np.repeat(np.array(firsts, np.int32)[:, None], kv, axis=1),
+            "kvc_lengths": np.array([[lay.held] * kv for lay in layers], np.int32),
+            "kvc_positions": positions,
+            "kvc_step": plugin_layers.step_tensor(width, slots, first_position, t),
+            "kvc_score_rows": np.array([max(self.score_rows(t), 1)], np.int64),
+        }
+        phase = layers[0].pool.phase
+        crossed = self.pool.device_pool.crossings[phase].to_device
+        crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in inputs.values())
+        if phase == "decode":
+            shape = self.pool.device_pool.shape
+            self.pool.decode_steps += 1
+            self.pool.decode_kv_read += sum(lay.held for lay in layers) * kv * 2 * shape.head_dim * shape.elem_bytes
+        return inputs
+
+    def score_rows(self, t: int) -> int:
+        """The query rows the layers read after a ``t``-token step (the same for every layer)."""
+        rows = {c.score_rows(t) for c in self.caches}
+        if len(rows) > 1:
+            raise UserError(f"the layers of {self.pool.method.name} score different rows: {sorted(rows)}")
+        return rows.pop()
+
+    def after_step(self, rows: list[Any], t: int) -> None:
+        """Each layer's method work after the model's step (``rows``: each layer's device buffer
+        of the step's last query rows), timed as the op times its policies."""
+        phase = "prompt" if self.seen == t else "decode"
+        t0 = time.perf_counter_ns()
+        for cache, buffer in zip(self.caches, rows, strict=True):
+            cache.after_model_step(buffer, t)
+        self.policy_ns[phase] += time.perf_counter_ns() - t0
