@@ -145,10 +145,12 @@ def launch_decode(
     scale: float,
     slot_map: tuple[Any, int],
     quant_pass: tuple[Any, Any, tuple[Any, np.int32], Any] | None = None,
+    values: bool = True,
 ) -> None:
     """Enqueue a decode step over ``heads``' full-precision slots (``longest``: the most any head
     attends; ``totals``: each head's slots, 2-bit ones included; ``slot_map``: the slot lists and
-    their width, 0 for none), after the 2-bit slots' logits when ``quant_pass`` is given."""
+    their width, 0 for none), after the 2-bit slots' logits when ``quant_pass`` is given;
+    ``values=False``: the probabilities only (the keys read, not the values)."""
     sg = dev.sub_group
     fp = (heads.pool, heads.tables, np.int32(heads.table_stride), heads.lengths, bufs.first, slot_map[0],
           np.int32(slot_map[1]))  # fmt: skip
@@ -158,6 +160,8 @@ def launch_decode(
     dev.run(dev.kernel("paged_attention.cl", "paged_softmax", consts), (sg, hq), (sg, 1), bufs.logits, bufs.stride,
             totals, bufs.probs)  # fmt: skip
     d = shape.head_dim
+    if not values:
+        return
     if quant_pass:
         kernel, qpool_b, (qtables_b, qstride), qlengths_b = quant_pass
         dev.run(kernel, (d, hq), (sg, 1), qpool_b, qtables_b, qstride, qlengths_b, bufs.probs, bufs.stride, bufs.out)

@@ -31,7 +31,7 @@ import torch
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_device
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
-from ov_kvcrush.gpu.snapkv import kept_tokens, launch_keep
+from ov_kvcrush.gpu.snapkv import kept_on_host, kept_tokens, launch_keep
 from ov_kvcrush.methods import LayerCache
 from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.knorm import KnormConfig
@@ -206,7 +206,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
             return
         before = lay.held - t
         if n == 1:
-            bufs = lay.decode_on_device(rows, scale)
+            bufs = lay.decode_on_device(rows, scale, values=False)  # the probabilities: the keys alone
             self._add(bufs.probs, int(bufs.stride), lay.held - 1)
         elif n:
             self._add(lay.prompt_on_device(rows, n, first_row, scale, n)[1], lay.held, before)
@@ -283,8 +283,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         sinks, recent = cfg.sink_tokens, cfg.recent_tokens
         decisions_b, mid = launch_keep(dev, self.scores, self.stride, n, lay.q_heads // kv, kv, self.budget, sinks,
                                        recent, width)  # fmt: skip
-        decisions = lay.pool.download("selection decisions", decisions_b, np.uint8, (kv, mid))
-        kept = np.stack(kept_tokens(decisions, n, sinks, recent))
+        kept = kept_on_host(dev, lay.pool, decisions_b, kv, n, self.budget - sinks - recent, sinks, recent)
         kept_b = dev.empty(4 * kept.size)
         i32 = np.int32
         dev.run(self._kernel("kept_slots"), (kv,), None, decisions_b, i32(mid), i32(sinks), i32(recent), i32(n),

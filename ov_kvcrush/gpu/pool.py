@@ -207,10 +207,11 @@ class PagedLayer:
         return p.download("attention output", bufs.out, np.float32, (hq, d)), bufs.probs, int(bufs.stride)
 
     def decode_on_device(
-        self, q_b: Any, scale: float, quant: QuantHeads | None = None, quant_read: int = 0
+        self, q_b: Any, scale: float, quant: QuantHeads | None = None, quant_read: int = 0, values: bool = True
     ) -> DecodeBuffers:
         """:meth:`attend_decode` of a query row already on the device (``q_b`` ``[Hq, D]``): its
-        buffers, the output and the probabilities left there."""
+        buffers, the output and the probabilities left there (``values=False``: the probabilities
+        only, the keys alone read)."""
         hq, d = self.q_heads, self.pool.shape.head_dim
         p = self.pool
         heads = self._heads(self.held)
@@ -220,8 +221,11 @@ class PagedLayer:
         no_map = (p.dev.zeros(4), 0)
         quant_pass = launch_quant_logits(p.dev, quant, bufs, hq, scale) if quant else None
         totals = p.upload("lengths", np.full(self.kv_heads, nq + self.held, np.int32)) if quant else heads.lengths
-        launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, totals, scale, no_map, quant_pass)
-        self._count_decode_step(self.kv_heads * self.held, quant_read)
+        launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, totals, scale, no_map, quant_pass, values)
+        if values:
+            self._count_decode_step(self.kv_heads * self.held, quant_read)
+        else:  # the keys only
+            self._count_decode_step(0, self.kv_heads * self.held * p.shape.head_dim * p.shape.elem_bytes + quant_read)
         return bufs
 
     def attend_slots(self, q: Any, scale: float, slots: tuple[Any, int], lengths: Any, counts: np.ndarray,

@@ -82,6 +82,18 @@ __kernel void kept_slots(__global const uchar* decisions, int mid, int sinks, in
     for (int i = n - recent; i < n; ++i) out[at++] = i;
 }
 
+// Each KV head's middle tokens its decisions drop, ascending (mid - kept of them): what crosses
+// to the host instead of the decisions when it is fewer bytes (a decode step's eviction drops one
+// token a head). One work-item per KV head: global (kv_heads).
+__kernel void dropped_slots(__global const uchar* decisions, int mid, int sinks, __global int* dropped,
+                            int dropped_stride) {
+    const int kv = get_global_id(0);
+    __global int* out = dropped + (long)kv * dropped_stride;
+    int at = 0;
+    for (int i = 0; i < mid; ++i)
+        if (!decisions[(long)kv * mid + i]) out[at++] = sinks + i;
+}
+
 // acc[h][j] = 0: a new token's score starts at zero wherever the store's order puts it (the
 // 2-bit store's flush can move it among the quantized chunk's slots). Global (rows).
 __kernel void zero_slot(__global float* acc, int acc_stride, int j) {
