@@ -185,6 +185,7 @@ class OpenVINOModel:
             self.compiled = self.plugin.compile()
         else:
             self.compiled = self.core.compile_model(converted.model, "CPU", self.properties)
+            self.request = self.compiled.create_infer_request()  # a calibration in _make_pool runs it
         self.input_names = {p.get_any_name() for p in self.compiled.inputs}
         self.tokenizer = ov_genai.Tokenizer(str(self.model_dir))
         self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
@@ -221,7 +222,8 @@ class OpenVINOModel:
         self.pool = pool
         #: the model's own sequence: what :meth:`forward` feeds, and a chat's cache
         self.cache = SequenceCache(pool.new_sequence())
-        self.request = self.new_request()
+        if self.plugin is not None:
+            self.request = self.new_request()  # bound to this pool's buffer
 
     @property
     def sequence(self) -> KVSequence:

@@ -101,6 +101,7 @@ class PluginModel:
         self._rows: list[Any] = []  # each layer's buffer of query rows, reused while large enough
         self._rows_bytes = 0
         self.compiled: Any = None
+        self.input_names: set[str] = set()
         self.compile_seconds = 0.0
 
     def compile(self) -> Any:
