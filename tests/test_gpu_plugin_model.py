@@ -32,7 +32,9 @@ def _compression(method: str, budget: int | None, options: dict) -> CompressionC
 
 
 def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[int], int]]:
-    """Each case's greedy tokens and KV bytes through the openvino engine on ``device``."""
+    """Each case's greedy tokens and KV bytes through the openvino engine on ``device``, then a
+    chat's two turns with SnapKV (the second keeps the prefix the conversation shares: the cache
+    truncated to it, the rest fed as one step of several rows)."""
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.models.coverage import F32
 
@@ -43,6 +45,11 @@ def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[in
         for case in CASES:
             engine.set_compression(_compression(*case))
             res = engine.batcher.run(ids, settings, None)
+            out.append((list(res.token_ids), res.kv_bytes))
+        engine.set_compression(_compression(*CASES[2]))
+        engine.start_chat("You are terse.")
+        for turn in ("Tell me about the weather, in a long sentence of many words. " * 3, "And tomorrow?"):
+            res = engine.generate(turn, settings)
             out.append((list(res.token_ids), res.kv_bytes))
     finally:
         engine.close()
@@ -59,7 +66,8 @@ def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emu
     ids = [int(t) for t in np.random.default_rng(3).integers(10, 380, PROMPT_TOKENS)]
     want = _generate(model_dir, ids, "CPU")
     got = emulation_worker.submit(_generate, model_dir, ids, "GPU").result(timeout=600)
-    for case, (tokens, kv_bytes), (want_tokens, want_bytes) in zip(CASES, got, want, strict=True):
+    names = [*CASES, "chat turn 1", "chat turn 2"]
+    for case, (tokens, kv_bytes), (want_tokens, want_bytes) in zip(names, got, want, strict=True):
         assert tokens == want_tokens, case
         assert kv_bytes == want_bytes, case
     assert got[1][1] < got[0][1]  # the evictions held fewer blocks than the full cache

@@ -109,6 +109,14 @@ class DeviceFullLayerCache(LayerCache):
         """How many of a ``t``-token step's last query rows :meth:`after_model_step` reads: none."""
         return 0
 
+    def truncate(self, tokens: int) -> bool:
+        """Forget every token at position ``tokens`` or later, as the CPU op's sequence does (the
+        kept slots' state stays); False where the heads would keep different counts."""
+        if not self.layer.truncate(tokens):
+            return False
+        self.seen = min(self.seen, tokens)
+        return True
+
     def after_model_step(self, rows: Any, t: int) -> None:
         """The method's work after a model step stored and attended ``t`` tokens (``rows``: the
         step's last :meth:`score_rows` query rows ``[Hq, rows, D]`` on the device): the full
@@ -185,6 +193,16 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         if self.scores is not None and before + t > self.stride:
             self._grow(before + t)  # as _decode_step grows before its store
         super().reserve(t)
+
+    def truncate(self, tokens: int) -> bool:
+        """As the full cache's; the kept slots' scores stay, the dropped ones' start again at zero."""
+        if not super().truncate(tokens):
+            return False
+        if self.scores is not None:
+            held = self.layer.held
+            every = self.layer.pool.upload("held slots", np.arange(held, dtype=np.int32))
+            self.scores = self._gather_scores((every, 0), held, self.stride)
+        return True
 
     def score_rows(self, t: int) -> int:
         """The prompt's window rows (H2O: every row); a decode step's rows; none for Knorm's."""

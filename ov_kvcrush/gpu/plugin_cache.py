@@ -136,10 +136,14 @@ class PluginKVSequence:
         self.policy_ns = {"prompt": 0, "decode": 0}
 
     def truncate(self, tokens: int) -> None:
-        """Keep the first ``tokens`` tokens: only all of them (a chat's next turn then feeds the
-        rest; the loop resets a sequence that refuses)."""
-        if tokens != self.seen:
-            raise PluginError(f"device GPU cannot drop tokens from a sequence ({self.seen} held, {tokens} asked)")
+        """Forget every token at position ``tokens`` or later (a chat's next turn keeps the prefix
+        it shares); a :class:`PluginError` where a layer's heads would keep different counts (the
+        loop then resets the sequence and feeds the conversation again)."""
+        if tokens >= self.seen:
+            return
+        if not all(cache.truncate(tokens) for cache in self.caches):
+            self.reset()
+            raise PluginError(f"cannot truncate to {tokens} tokens: the heads keep different tokens (reset)")
 
     def set_prompt(self, tokens: int) -> None:
         """A prompt in chunks: not on this path (the loop gives it whole prompts)."""

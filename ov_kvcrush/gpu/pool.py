@@ -301,6 +301,23 @@ class PagedLayer:
         self.positions = np.take_along_axis(self.positions, kept.astype(np.int64), axis=1)
         self.held = n
 
+    def truncate(self, tokens: int) -> bool:
+        """Drop every slot at position ``tokens`` or later (a chat rolled back to a common prefix):
+        the slots ascend in position, so the kept ones are each head's first; their trailing blocks
+        go back to the pool. False (nothing dropped) when the heads would keep different counts."""
+        keep = (self.positions < tokens).sum(axis=1)
+        if keep.size and keep.min() != keep.max():
+            return False
+        n = int(keep[0]) if keep.size else 0
+        blocks = -(-n // self.pool.shape.block_size)
+        for table in self.tables:
+            self.pool.release(table[blocks:])
+            del table[blocks:]
+        self._tables_on_device = None
+        self.positions = self.positions[:, :n]
+        self.held = n
+        return True
+
     def release(self) -> None:
         for table in self.tables:
             self.pool.release(table)
