@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_options
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.gpu import HOSTS, runtime
 from ov_kvcrush.gpu.device_layers import check_served
 from ov_kvcrush.gpu.pool import Crossings
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(markdown_table(args.table))
         return 0
+    from ov_kvcrush.bench.plan import parse_method
     from ov_kvcrush.models.export import hf_checkpoint
 
     engine = device_engine(hf_checkpoint(progress=False), args.host)
@@ -191,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
     compressions = []
     for method in methods:
-        name, *pairs = method.split(":")
-        options = parse_options(pairs, "--methods")
+        name, options = parse_method(method)
         compressions.append(CompressionConfig(method=name, budget=args.budget, options=options))
     for compression in compressions:
         check_served(compression.method_config())  # before any run: a method the path does not serve

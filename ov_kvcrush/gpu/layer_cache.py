@@ -100,8 +100,7 @@ class DeviceFullLayerCache(LayerCache):
         """Room for the next step's ``t`` tokens, which the model's own store layer writes and its
         prompt layer attends (:mod:`ov_kvcrush.gpu.plugin_cache`): what :meth:`prefill` and
         :meth:`decode` do before their store."""
-        if self.seen:
-            self.layer.pool.phase = "decode"
+        self.layer.pool.phase = "decode" if self.seen else "prompt"  # the pool's next sequence starts a prompt
         self.layer.reserve(t, self.seen)
         self.seen += t
 
@@ -199,9 +198,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         if not super().truncate(tokens):
             return False
         if self.scores is not None:
-            held = self.layer.held
-            every = self.layer.pool.upload("held slots", np.arange(held, dtype=np.int32))
-            self.scores = self._gather_scores((every, 0), held, self.stride)
+            self._keep_held_scores(self.stride)
         return True
 
     def score_rows(self, t: int) -> int:
@@ -277,8 +274,11 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
 
     def _grow(self, need: int) -> None:
         """Room for ``need`` slots' scores (the held ones copied over)."""
+        self._keep_held_scores(max(need, self.budget + 1, 2 * self.stride))
+
+    def _keep_held_scores(self, stride: int) -> None:
+        """The held slots' scores copied into a fresh buffer of row stride ``stride``, zero past them."""
         held = self._scored()
-        stride = max(need, self.budget + 1, 2 * self.stride)
         every = self.layer.pool.upload("held slots", np.arange(held, dtype=np.int32))
         self.scores = self._gather_scores((every, 0), held, stride)  # one list for every head
         self.stride = stride

@@ -205,7 +205,7 @@ class PluginKVSequence:
             "kvc_step": plugin_layers.step_tensor(width, slots, first_position, t),
             "kvc_score_rows": np.array([max(self.score_rows(t), 1)], np.int64),
         }
-        phase = layers[0].pool.phase
+        phase = self.pool.device_pool.phase
         crossed = self.pool.device_pool.crossings[phase].to_device
         crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in inputs.values())
         if phase == "decode":
@@ -224,7 +224,7 @@ class PluginKVSequence:
     def after_step(self, rows: list[Any], t: int) -> None:
         """Each layer's method work after the model's step (``rows``: each layer's device buffer
         of the step's last query rows), timed as the op times its policies."""
-        phase = "prompt" if self.seen == t else "decode"
+        phase = self.pool.device_pool.phase  # as the layers' reserve set it
         t0 = time.perf_counter_ns()
         for cache, buffer in zip(self.caches, rows, strict=True):
             cache.after_model_step(buffer, t)

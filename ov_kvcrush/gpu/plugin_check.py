@@ -25,7 +25,7 @@ from ov_kvcrush.outputs import write_atomic
 
 @dataclass
 class PluginRun:
-    """A greedy run through :class:`PluginModel`."""
+    """A greedy run through the openvino engine on ``GPU``."""
 
     device: str
     tokens: list[int]
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plugin_check: {reason}", file=sys.stderr)
             return 2
         emulation.enable()  # before any OpenCL call: a real Intel GPU is still listed first
-    from ov_kvcrush.config import parse_options
+    from ov_kvcrush.bench.plan import parse_method
     from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.gpu.generate import essay_prompt
     from ov_kvcrush.models.coverage import F32
@@ -94,12 +94,15 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = args.methods.split(",")
     compressions = []
-    for method in methods:
-        name, *pairs = method.split(":")
-        budget = None if name == "full" else args.budget
-        compressions.append(CompressionConfig(method=name, budget=budget, options=parse_options(pairs, "--methods")))
-    for compression in compressions:
-        check_plugin_method(compression.method_config())  # before any run
+    try:
+        for method in methods:
+            name, options = parse_method(method)
+            budget = None if name == "full" else args.budget
+            compressions.append(CompressionConfig(method=name, budget=budget, options=options))
+            check_plugin_method(compressions[-1].method_config())  # before any run
+    except UserError as e:
+        print(f"plugin_check: {e}", file=sys.stderr)
+        return 2
     model_dir = ensure_default_model("fp32", progress=False)
     op = OpenVINOEngine(model_dir, kv_precision=args.kv_precision, properties=F32)
     prompt, settings = essay_prompt(args.chars), GenerationSettings(max_new_tokens=args.new_tokens, ignore_eos=True)

@@ -158,7 +158,8 @@ class PluginModel:
         request.wait()
         sequence.after_step(buffers, t)
         logits = np.array(request.get_output_tensor(0).data[0, -1], np.float32)
-        crossed = sequence.pool.device_pool.crossings["prompt" if past == 0 else "decode"].to_host
+        device_pool = sequence.pool.device_pool
+        crossed = device_pool.crossings[device_pool.phase].to_host
         crossed["logits"] = crossed.get("logits", 0) + logits.nbytes
         return logits
 
