@@ -276,7 +276,7 @@ def _python_state(x, seen=None):
     if isinstance(x, (list, tuple)) or hasattr(x, "maxlen"):
         return [_python_state(v, seen) for v in x]
     if hasattr(x, "__dict__"):
-        skip = {"attend_ms", "last_selected", "policy_ms", "config"}  # timings; an output of the step
+        skip = {"attend_ms", "last_selected", "_last_selected", "policy_ms", "config"}  # timings; an output of the step
         return {k: _python_state(v, seen) for k, v in vars(x).items() if k not in skip}
     return repr(x)
 

@@ -360,3 +360,23 @@ def test_fused_cluster_selection_is_the_reference_selection(device, dtype, shape
     fresh = chosen & ~cached
     want = [int(chosen.sum()), int((chosen & cached).sum()), int((index.sizes * fresh).sum())]
     assert got_counts.cpu().tolist() == want
+
+
+@pytest.mark.parametrize(("device", "dtype"), _devices_and_dtypes())
+@pytest.mark.parametrize(("b", "hk", "d"), [(1, 2, 16), (2, 24, 128)], ids=["one", "rows-in-blocks"])
+def test_one_launch_appends_a_token_and_counts_it(device, dtype, b, hk, d):
+    """:func:`append_token` writes the token where ``index_copy_`` at the count writes it (keys and
+    values as strided views of a packed projection), leaves every other slot alone, and counts it."""
+    from ov_kvcrush.kernels.kv_store import append_token
+
+    gen = torch.Generator().manual_seed(hk)
+    stores = [torch.randn(b, hk, 40, d, generator=gen).to(device, dtype) for _ in range(2)]
+    kv = torch.randn(b, 1, 3 * hk * d, generator=gen).to(device, dtype)
+    keys = kv[..., hk * d : 2 * hk * d].view(b, 1, hk, d).transpose(1, 2)
+    values = kv[..., 2 * hk * d :].view(b, 1, hk, d).transpose(1, 2)
+    n = torch.tensor([17], device=device)
+    want = [s.clone().index_copy_(2, n, x) for s, x in zip(stores, (keys, values), strict=True)]
+    append_token(*stores, keys, values, n)
+    assert int(n) == 18
+    for got, exp in zip(stores, want, strict=True):
+        assert torch.equal(got, exp)

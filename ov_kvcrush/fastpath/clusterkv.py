@@ -12,7 +12,7 @@ the same tokens attended, the same counters; tested against it) with:
   the recall budget -> a token's place is its cluster's start plus its rank inside the cluster,
   and it is recalled when that place is under the budget (the last cluster trimmed to its
   earliest tokens, as in the reference) -> the recalled slots scattered to their places, a fixed
-  ``[rows, budget]`` in ranked order; where Triton runs, the same tokens are chosen in three
+  ``[rows, budget]`` in ranked order; where Triton runs, the same tokens are chosen in two
   launches without ranking (:mod:`ov_kvcrush.kernels.cluster_select`: the budget's boundary
   score by bisection), listed cluster by cluster;
 * the recall cache as a ring of boolean masks of the last ``recall_cache_steps`` steps, and its
@@ -94,7 +94,10 @@ class FastClusterKVLayerCache(FastLayerCache):
         self._pending_key: tuple[int, int, int] | None = None
         self.ring: torch.Tensor | None = None  # [R, rows, C] clusters recalled at the last R steps
         self.ring_ptr: torch.Tensor | None = None  # [1] the ring's next row
-        self.last_selected: torch.Tensor | None = None  # [b, hk, S] slots of the last step (-1: masked)
+        self._last_selected: torch.Tensor | None = None  # [b, hk, S] slots of the last step (-1: masked)
+        #: the fused step's selection buffer (:attr:`fused_slots`) when the last step was fused:
+        #: its slots past the store's count are masked when :attr:`last_selected` is read
+        self._fused_selection: torch.Tensor | None = None
         #: int64 [3]: cluster lookups, hits, tokens loaded (views registered as device counters)
         self.recall_counts: torch.Tensor | None = None
         #: the fused selection's output, [b, hk, sinks + take + window], rebuilt when the shapes change:
@@ -242,13 +245,13 @@ class FastClusterKVLayerCache(FastLayerCache):
             return self._fused_step(queries, self.fused_slots)
         b, hk = keys.shape[:2]
         slots, visible = self._select(queries, b, hk, self.pending_slots, self.pending_slots < self.n_dev)
-        self.last_selected = torch.where(visible, slots, -1)
-        return self._attend_store(queries, self.last_selected)
+        self._fused_selection, self._last_selected = None, torch.where(visible, slots, -1)
+        return self._attend_store(queries, self._last_selected)
 
     def _fused_step(self, queries: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The selection in three launches (:mod:`ov_kvcrush.kernels.cluster_select`) written into
-        ``slots``, then attention over them in place: the same tokens (in cluster order) and
-        counters as :meth:`_select`."""
+        """The selection in two launches (:mod:`ov_kvcrush.kernels.cluster_select`) written into
+        ``slots``, then attention over them in place (the pending window's unwritten slots masked
+        by the store's count): the same tokens (in cluster order) and counters as :meth:`_select`."""
         from ov_kvcrush.kernels.cluster_select import select_recalled
 
         idx = self.index
@@ -259,7 +262,7 @@ class FastClusterKVLayerCache(FastLayerCache):
             budget=self.config.budget - self.sinks, slots=slots.view(rows, -1), offset=self.sinks,
             counts=self._recall_counts(queries.device), ring=self.ring, ring_ptr=self.ring_ptr,
         )  # fmt: skip
-        self.last_selected = torch.where(slots < self.n_dev, slots, -1)  # the window's unwritten slots
+        self._fused_selection, self._last_selected = slots, None  # masked when read: no launch a step
         return self._attend_store(queries, slots)
 
     def _recall_counts(self, device: torch.device, names: tuple[str, ...] = RECALL_COUNTERS) -> torch.Tensor:
@@ -279,7 +282,7 @@ class FastClusterKVLayerCache(FastLayerCache):
         pending = torch.arange(self.pending_from, k.shape[2], device=keys.device)
         b, hk = keys.shape[:2]
         slots, _ = self._select(queries, b, hk, pending, torch.ones_like(pending, dtype=torch.bool))
-        self.last_selected = slots
+        self._fused_selection, self._last_selected = None, slots
         pos = torch.arange(self.seen, self.seen + t, device=keys.device)
         return self._attend(
             queries, gather_tokens(k, slots), gather_tokens(v, slots), q_positions=pos, k_positions=slots
@@ -330,6 +333,15 @@ class FastClusterKVLayerCache(FastLayerCache):
             self.ring_ptr.add_(1).remainder_(self.ring.shape[0])
 
     # -- what is held ---------------------------------------------------------------------------
+    @property
+    def last_selected(self) -> torch.Tensor | None:
+        """``[b, hk, S]`` store slots the last decode step attended (``-1``: none). After a fused
+        step, the selection buffer with the pending window's slots not written by then masked
+        (read after the step: the store's count is the step's)."""
+        if self._fused_selection is not None:
+            return torch.where(self._fused_selection < self.buffer.n, self._fused_selection, -1)
+        return self._last_selected
+
     def tokens_attended(self) -> torch.Tensor:
         """``[b, hk]`` tokens the last decode step attended."""
         if self.last_selected is None:
@@ -354,6 +366,6 @@ class FastClusterKVLayerCache(FastLayerCache):
         index = (
             [] if idx is None else [idx.centroids, idx.sizes, idx.offsets, idx.sorted_tokens, idx.labels, idx.tokens]
         )
-        state = [self.sorted_labels, self.within, self.pending_slots, self.ring, self.ring_ptr, self.last_selected]
+        state = [self.sorted_labels, self.within, self.pending_slots, self.ring, self.ring_ptr, self._last_selected]
         state.append(self.fused_slots)  # recall_counts: counted as the device counters' views
         return [*super()._metadata(), *index, *state]

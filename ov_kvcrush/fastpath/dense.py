@@ -113,8 +113,14 @@ class FastLayerCache(LayerCache):
         return (self.buffer.capacity,)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append one token at ``n_dev`` (in place) and count it."""
+        """Append one token at ``n_dev`` (in place) and count it: one launch where Triton runs
+        (:func:`~ov_kvcrush.kernels.kv_store.append_token`), three torch operations elsewhere."""
         assert self.n_dev is not None and self.buffer.keys is not None and self.buffer.values is not None
+        if use_triton(keys.device):
+            from ov_kvcrush.kernels.kv_store import append_token  # Triton: imported where it runs
+
+            append_token(self.buffer.keys, self.buffer.values, keys, values, self.n_dev)
+            return
         self.buffer.keys.index_copy_(2, self.n_dev, keys)
         self.buffer.values.index_copy_(2, self.n_dev, values)
         self.n_dev.add_(1)

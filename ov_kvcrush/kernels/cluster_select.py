@@ -1,24 +1,29 @@
-"""ClusterKV's decode-step selection in three launches: score the clusters, choose them, place the recalled tokens.
+"""ClusterKV's decode-step selection in two launches: score the clusters, then choose and place.
 
 Written as tensor operations (score the centroids, a stable sort, prefix sums, gathers and
 scatters, then the recall cache's counters), one layer's selection was ~25 small kernels; over
 30 layers that cost ~3 ms a token on an H100 (measured), more than the attention it saves. Here,
 per KV head (``row``):
 
-1. :func:`_cluster_scores`: each cluster's score, ``q . mu`` summed over the head's query group
-   (float32, as :func:`ov_kvcrush.methods.clusterkv.rank_clusters`);
-2. :func:`_choose_clusters`: one program per row finds the budget's boundary without ranking:
-   a bisection over the scores (as order-preserving integers, 33 steps) for the lowest score
-   whose higher-scoring clusters hold fewer tokens than the budget. Those are recalled whole;
-   the clusters at exactly that score share what is left in cluster-id order (the reference's
-   stable order), the last one trimmed to its earliest tokens. Each cluster's first place in
-   the selection is the prefix sum of what is taken, in cluster order. The recall cache's ring
-   (the clusters recalled at the last ``R`` steps) and its three counters (lookups, hits,
-   tokens loaded) are updated here, as the reference counts them;
-3. :func:`_place_recalled`: one lane per place of the budget: a binary search in those prefix
-   sums finds the cluster holding the place, and the token at that rank inside it is written
-   to the selection buffer. The first program also advances the ring's pointer (after step 2
-   read it).
+1. :func:`_cluster_scores` (many programs a row): each cluster's score, ``q . mu`` summed over
+   the head's query group (float32, as :func:`ov_kvcrush.methods.clusterkv.rank_clusters`). Its
+   first program also moves the recall cache's ring pointer on, so that the next launch, whose
+   programs all read it, never races a write of it;
+2. :func:`_choose_clusters` (one program a row, inside :func:`_choose_and_place`): the budget's
+   boundary without ranking: a bisection over the scores (as order-preserving integers, 33
+   steps) for the lowest score whose higher-scoring clusters hold fewer tokens than the budget.
+   Those are recalled whole; the clusters at exactly that score share what is left in
+   cluster-id order (the reference's stable order), the last one trimmed to its earliest
+   tokens. Each cluster's first place in the selection is the prefix sum of what is taken, in
+   cluster order. The recall cache's ring (the clusters recalled at the last ``R`` steps) and
+   its three counters (lookups, hits, tokens loaded) are updated here, as the reference counts
+   them;
+3. placing, in the same program: each chosen cluster's id is written at its first place of the
+   selection row, a running maximum over the places gives every place its cluster and that
+   cluster's first place, and the token at that rank inside the cluster replaces the id. An
+   earlier version placed in a third launch, one lane per place binary-searching the prefix
+   sums (``profile_cuda_llama3_8b_random_128k_h200.json``: 0.12 ms of a step at 128k, and a
+   launch a layer).
 
 The recalled tokens are the reference's; they are listed cluster by cluster in id order, not in
 ranked order (attention does not depend on the order). Two earlier versions ranked every
@@ -47,12 +52,15 @@ MAX_RANKED_CLUSTERS = 16384
 
 @triton.jit
 def _cluster_scores(
-    Q, CENT, SCORES,
+    Q, CENT, SCORES, PTR,
     sqb, sqh, sqd, scr, scc, scd,
-    HK, GROUP, C, D,
-    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    HK, GROUP, C, D, R,
+    HAS_RING: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    if HAS_RING:  # the first program moves the ring on: the next launch writes the row before it
+        if (row == 0) & (tl.program_id(1) == 0):
+            tl.store(PTR, (tl.load(PTR) + 1) % R)
     b = row // HK
     hk = row % HK
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -71,12 +79,17 @@ def _cluster_scores(
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _choose_clusters(
-    SCORES, SIZES, CUM, RING, PTR, COUNTS,
-    ssr, ssc, srr, srw, src,
-    C, BUDGET, R,
+    SCORES, SIZES, RING, PTR, COUNTS, ssr, ssc, srr, srw, src, C, BUDGET, R,
     HAS_RING: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    """One row's choice (step 2 of the module doc): ``(taken, first place)`` per cluster, in
+    cluster order; the recall cache's ring row and counters updated."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     ok = offs < C
@@ -101,11 +114,10 @@ def _choose_clusters(
     tie = tl.where(ok & (key == hi), size, 0)
     before = tl.cumsum(tie, 0) - tie
     taken = tl.where(whole, size, tl.minimum(tie, tl.maximum(left - before, 0)))
-    tl.store(CUM + row * C + offs, tl.cumsum(taken, 0) - taken, mask=ok)  # places, in cluster order
     chosen = ok & (taken > 0)
     cached = offs < 0  # all false
-    if HAS_RING:
-        ptr = tl.load(PTR)
+    if HAS_RING:  # the scores' launch moved the pointer on: this step's row is the one before it
+        ptr = (tl.load(PTR) + R - 1) % R
         for r in range(R):
             cached = cached | (tl.load(RING + r * srr + row * srw + offs * src, mask=ok, other=0) != 0)
         tl.store(RING + ptr * srr + row * srw + offs * src, chosen.to(tl.int8), mask=ok)
@@ -113,36 +125,46 @@ def _choose_clusters(
     tl.atomic_add(COUNTS + 0, tl.sum(chosen.to(tl.int64), 0))
     tl.atomic_add(COUNTS + 1, tl.sum((chosen & cached).to(tl.int64), 0))
     tl.atomic_add(COUNTS + 2, tl.sum(tl.where(fresh, size, 0).to(tl.int64), 0))
+    return taken, tl.cumsum(taken, 0) - taken
 
 
 @triton.jit
-def _place_recalled(
-    CUM, OFFSETS, TOKENS, SLOTS, PTR,
-    sor, soc, str_, stn, slr, sln,
-    C, TAKE, OFFSET, R, SEARCH_STEPS,
-    HAS_RING: tl.constexpr, BLOCK: tl.constexpr,
+def _choose_and_place(
+    SCORES, SIZES, OFFSETS, TOKENS, SLOTS, RING, PTR, COUNTS,
+    ssr, ssc, sor, soc, str_, stn, slr, sln, srr, srw, src,
+    C, BUDGET, TAKE, OFFSET, R,
+    HAS_RING: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    pid = tl.program_id(1)
-    place = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = place < TAKE
-    # the last cluster whose first place is at or before this place holds it (a later one starts past it)
-    lo = tl.zeros([BLOCK], dtype=tl.int32)
-    hi = tl.zeros([BLOCK], dtype=tl.int32) + C
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        go_right = tl.load(CUM + row * C + mid, mask=ok & (lo < hi), other=0) <= place
-        active = lo < hi
-        lo = tl.where(active & go_right, mid + 1, lo)
-        hi = tl.where(active & ~go_right, mid, hi)
-    cid = tl.maximum(lo - 1, 0)
-    inside = place - tl.load(CUM + row * C + cid, mask=ok, other=0)
-    first = tl.load(OFFSETS + row * sor + cid * soc, mask=ok, other=0)
-    tok = tl.load(TOKENS + row * str_ + (first + inside) * stn, mask=ok, other=0)
-    tl.store(SLOTS + row * slr + (OFFSET + place) * sln, tok, mask=ok)
-    if HAS_RING:  # the first program moves the ring on (the previous launch has read it)
-        ptr = tl.load(PTR)
-        tl.store(PTR, (ptr + 1) % R, mask=(row == 0) & (pid == 0))
+    row = tl.program_id(0).to(tl.int64)
+    taken, first = _choose_clusters(
+        SCORES, SIZES, RING, PTR, COUNTS, ssr, ssc, srr, srw, src, C, BUDGET, R,
+        HAS_RING=HAS_RING, BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    # step 3: the selection row's recalled places first hold, at each chosen cluster's first
+    # place, that cluster's id (-1 elsewhere); a running maximum over the places then gives
+    # every place its cluster and that cluster's first place
+    out = SLOTS + row * slr + OFFSET * sln
+    for p0 in range(0, TAKE, BLOCK_P):
+        places = p0 + tl.arange(0, BLOCK_P)
+        tl.store(out + places * sln, -1, mask=places < TAKE)
+    tl.debug_barrier()  # the -1s before the ids (another thread may own a place)
+    cids = tl.arange(0, BLOCK_C)
+    tl.store(out + first * sln, cids.to(tl.int64), mask=(cids < C) & (taken > 0))
+    tl.debug_barrier()  # every id written before any place reads them
+    cid_before = tl.full([], -1, tl.int64)
+    start_before = tl.full([], -1, tl.int64)
+    for p0 in range(0, TAKE, BLOCK_P):
+        places = p0 + tl.arange(0, BLOCK_P).to(tl.int64)
+        ok = places < TAKE
+        mark = tl.load(out + places * sln, mask=ok, other=-1)
+        cid = tl.maximum(tl.associative_scan(mark, 0, _max), cid_before)
+        start = tl.maximum(tl.associative_scan(tl.where(mark >= 0, places, -1), 0, _max), start_before)
+        cid_before = tl.max(cid, 0)
+        start_before = tl.max(start, 0)
+        cid = tl.where(ok, cid, 0)
+        begin = tl.load(OFFSETS + row * sor + cid * soc, mask=ok, other=0)
+        tok = tl.load(TOKENS + row * str_ + (begin + places - start) * stn, mask=ok, other=0)
+        tl.store(out + places * sln, tok, mask=ok)
 
 
 def rankable(clusters: int) -> bool:
@@ -190,25 +212,22 @@ def select_recalled(
     cuda = dev.type == "cuda"
     block_d = max(16, triton.next_power_of_2(d))
     block_c = 32 if cuda else 16
-    scores = torch.empty((rows, c), dtype=torch.float32, device=dev)
-    _cluster_scores[(rows, triton.cdiv(c, block_c))](
-        queries, centroids, scores, queries.stride(0), queries.stride(1), queries.stride(3), *centroids.stride(),
-        hk, hq // hk, c, d, BLOCK_C=block_c, BLOCK_D=block_d,
-    )  # fmt: skip
     has_ring = ring is not None and ring_ptr is not None
     ring_arg = ring if has_ring else counts
     ptr_arg = ring_ptr if has_ring else counts
     r_strides = ring.stride() if has_ring else (0, 0, 0)
     r_count = ring.shape[0] if has_ring else 1
-    cum = torch.empty((rows, c), dtype=torch.int32, device=dev)
-    block_all = max(16, triton.next_power_of_2(c))
-    _choose_clusters[(rows,)](
-        scores, sizes, cum, ring_arg, ptr_arg, counts, *sizes.stride(), *r_strides, c, budget, r_count,
-        HAS_RING=has_ring, BLOCK_C=block_all, num_warps=min(16, max(4, block_all // 256)),
+    scores = torch.empty((rows, c), dtype=torch.float32, device=dev)
+    _cluster_scores[(rows, triton.cdiv(c, block_c))](
+        queries, centroids, scores, ptr_arg, queries.stride(0), queries.stride(1), queries.stride(3),
+        *centroids.stride(), hk, hq // hk, c, d, r_count, HAS_RING=has_ring, BLOCK_C=block_c, BLOCK_D=block_d,
     )  # fmt: skip
+    block_all = max(16, triton.next_power_of_2(c))
     take = min(budget, n)
-    block = 128 if cuda else 64
-    _place_recalled[(rows, max(1, triton.cdiv(take, block)))](
-        cum, offsets, sorted_tokens, slots, ptr_arg, *offsets.stride(), *sorted_tokens.stride(), *slots.stride(),
-        c, take, offset, r_count, c.bit_length(), HAS_RING=has_ring, BLOCK=block,
+    block_p = min(max(16, triton.next_power_of_2(take)), 2048 if cuda else 256)
+    _choose_and_place[(rows,)](
+        scores, sizes, offsets, sorted_tokens, slots, ring_arg, ptr_arg, counts,
+        *sizes.stride(), *offsets.stride(), *sorted_tokens.stride(), *slots.stride(), *r_strides,
+        c, budget, take, offset, r_count,
+        HAS_RING=has_ring, BLOCK_C=block_all, BLOCK_P=block_p, num_warps=min(16, max(4, block_all // 256)),
     )  # fmt: skip

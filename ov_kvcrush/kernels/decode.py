@@ -34,8 +34,11 @@ from ov_kvcrush.kernels import LOG2E, dot_precision
 
 #: programs to aim for per launch (about two per multiprocessor of an H100)
 TARGET_PROGRAMS = 264
-#: keys per chunk at least (a chunk below this costs more in merging than it saves)
-MIN_CHUNK = 256
+#: keys per chunk at least (a chunk below this costs more in merging than it saves). On an H200
+#: (``docs/results/bench/kernels_cuda_issue74_after_h200.json``) ClusterKV's ~1.3k slots of one sequence
+#: attended in 9.6 us a layer with 64 (21 programs a KV head) against 13.6 with 256; a batch of
+#: eight (5 programs a KV head either way) is unchanged
+MIN_CHUNK = 64
 
 
 @triton.jit
