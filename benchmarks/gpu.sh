@@ -3,7 +3,7 @@
 # bf16, one sequence, our fast path (ClusterKV, Quest, SnapKV, MiniKV, the full cache) beside
 # transformers' own cache (hf-sdpa: the TTFT anchor; hf-static-compiled: StaticCache + CUDA graphs,
 # the TPOT to beat), in one run. Speed only: random weights make no quality claim.
-#   bash benchmarks/gpu.sh [main|long|headline|batch|profile|profile-batch ...]      (default: main)
+#   bash benchmarks/gpu.sh [main|long|headline|batch|ours|profile|profile-batch|kernels ...]  (default: main)
 # Runs from a checkout without installing (the device image has torch, transformers and Triton):
 #   OV_KVCRUSH="python3 -m ov_kvcrush" OUT_DIR=$OUT bash benchmarks/gpu.sh main
 # DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
@@ -28,13 +28,13 @@ bench() {  # bench NAME ARGS...: one run, its three files named NAME_<gpu>.*
     fi
 }
 
-profile() {  # profile NAME ARGS...: benchmarks/gpu_profile.py's run, its JSON named NAME_<gpu>.json
-    local name=${1}_$gpu
-    shift
+script() {  # script NAME SCRIPT ARGS...: a benchmarks/ script's run, its JSON named NAME_<gpu>.json
+    local name=${1}_$gpu file=benchmarks/$2
+    shift 2
     if [ -n "${DRY_RUN:-}" ]; then
-        echo "python3 benchmarks/gpu_profile.py $*"
+        echo "python3 $file $*"
     else
-        python3 benchmarks/gpu_profile.py "$@" --json "$out/$name.json"
+        python3 "$file" "$@" --json "$out/$name.json"
     fi
 }
 
@@ -58,11 +58,19 @@ for run in "${runs[@]}"; do
             --methods full,clusterkv,quest,minikv "${common[@]}" --lengths 32768 --concurrency 8 --repeats 1 \
             --new-tokens 32 ;;
     profile)  # issue 52: ClusterKV's and the full cache's decode step at 128k, kernel by kernel
-        profile profile_cuda_llama3_8b_random_128k --lengths 131000 --methods clusterkv,full --steps 8 ;;
+        script profile_cuda_llama3_8b_random_128k gpu_profile.py --lengths 131000 --methods clusterkv,full --steps 8 ;;
     profile-batch)  # issue 52: ClusterKV's and the full cache's step for a batch of 8 at 32k, kernel by kernel
-        profile profile_cuda_llama3_8b_random_32k_batch8 --lengths 32768 --batch 8 --methods clusterkv,full --steps 8 ;;
+        script profile_cuda_llama3_8b_random_32k_batch8 gpu_profile.py --lengths 32768 --batch 8 --methods clusterkv,full \
+            --steps 8 ;;
+    ours)  # issue 74's targets alone, in a third of headline + batch's time: our full cache beside ClusterKV
+        bench bench_cuda_llama3_8b_random_headline_ours --backends torch --methods full,clusterkv "${common[@]}" \
+            --lengths 32768,131000 --repeats 1 --new-tokens 64
+        bench bench_cuda_llama3_8b_random_batch8_ours --backends torch --methods full,clusterkv "${common[@]}" \
+            --lengths 32768 --concurrency 8 --repeats 1 --new-tokens 32 ;;
+    kernels)  # issue 74: a step's small kernels alone, graphed (ClusterKV's selection, its attention, the append)
+        script kernels_cuda gpu_kernels.py --min-chunks 128,256 ;;
     *)
-        echo "benchmarks/gpu.sh: unknown run '$run' (main, long, headline, batch, profile, profile-batch)" >&2
+        echo "benchmarks/gpu.sh: unknown run '$run' (main, long, headline, batch, ours, profile, profile-batch, kernels)" >&2
         exit 2 ;;
     esac
 done

@@ -66,28 +66,34 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def kernel_us(run) -> dict[str, float]:
-    """GPU time (µs) per kernel name of ``run()``, under the profiler."""
+def kernel_us(run) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU time (µs) and launches per kernel name of ``run()``, under the profiler."""
     sync()
     with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
         run()
         sync()
     out: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     for evt in prof.events():
         if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
             out[evt.name] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
-    return out
+            launches[evt.name] += 1
+    return out, launches
 
 
-def summary(us: dict[str, float], scale: float) -> dict[str, object]:
+def summary(timed: tuple[dict[str, float], dict[str, int]], scale: float) -> dict[str, object]:
+    """Kernel time by kind and the largest kernels, per ``scale`` (steps); the launches too (the
+    gaps between a replayed graph's kernels grow with them)."""
+    us, launches = timed
     kinds: dict[str, float] = defaultdict(float)
     for name, t in us.items():
         kinds[kind_of(name)] += t / scale
-    top = sorted(us.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(us.items(), key=lambda kv: -kv[1])[:20]
     return {
         "total_ms": round(sum(kinds.values()) / 1e3, 3),
+        "launches": round(sum(launches.values()) / scale, 1),
         "by_kind_ms": {k: round(v / 1e3, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-        "top_ms": [[name[:110], round(t / scale / 1e3, 4)] for name, t in top],
+        "top_ms": [[name[:110], round(t / scale / 1e3, 4), round(launches[name] / scale, 1)] for name, t in top],
     }
 
 

@@ -102,7 +102,7 @@ def test_engines_in_one_process_share_one_random_model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["main", "long", "headline", "batch"])
+@pytest.mark.parametrize("run", ["main", "long", "headline", "batch", "ours"])
 def test_the_gpu_benchmark_command_plans(run):
     """`benchmarks/gpu.sh` (the committed GPU command) passes every check a real run makes; without
     a GPU the last check, the device, refuses it by name."""
