@@ -271,12 +271,15 @@ def test_greedy_tokens_through_the_device_equal_the_reference(gpu_worker, method
 
 
 def test_a_method_the_path_does_not_serve_is_named():
-    from ov_kvcrush.gpu.device_layers import check_served
+    from ov_kvcrush.methods import require
 
-    for method, options in [("chelsea", {}), ("clusterkv", {"quant": True}), ("h2o", {"block_size": 32})]:
-        with pytest.raises(ConfigError, match="full, h2o, snapkv"):
-            check_served(CompressionConfig(method=method, budget=512, options=options).method_config())
-    check_served(CompressionConfig(method="snapkv", budget=512).method_config())
+    refused = [("chelsea", {}, "method='chelsea'.*one of full, streamingllm, h2o, snapkv"),
+               ("clusterkv", {"quant": True}, "options.quant=.*runs on: backend torch, the reference"),
+               ("h2o", {"block_size": 32}, "options.block_size=32 .*None \\(single tokens\\)")]  # fmt: skip
+    for method, options, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            require(CompressionConfig(method=method, budget=512, options=options).method_config(), "gpu-pool")
+    require(CompressionConfig(method="snapkv", budget=512).method_config(), "gpu-pool")
 
 
 def test_a_host_that_cannot_run_is_named(tmp_path, monkeypatch):

@@ -74,9 +74,12 @@ def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emu
 
 
 def test_device_gpu_names_the_methods_it_runs():
-    from ov_kvcrush.gpu.plugin_cache import PLUGIN_METHODS, check_plugin_method
+    from ov_kvcrush.methods import methods_on, require
 
-    check_plugin_method(_compression("h2o", 24, {}).method_config())
-    for refused in (CompressionConfig(method="clusterkv", budget=64), _compression("snapkv", 64, {"quant": True})):
-        with pytest.raises(ConfigError, match="method=.*" + ", ".join(PLUGIN_METHODS) + " over the full-precision"):
-            check_plugin_method(refused.method_config())
+    require(_compression("h2o", 24, {}).method_config(), "gpu-plugin")
+    runs = ", ".join(methods_on("gpu-plugin"))
+    with pytest.raises(ConfigError, match=f"method='clusterkv'.*{runs} .*device GPU"):
+        require(CompressionConfig(method="clusterkv", budget=64).method_config(), "gpu-plugin")
+    quant = r"options.quant=.*None \(the full-precision store\).*device GPU.*runs on:.*paged_device"
+    with pytest.raises(ConfigError, match=quant):
+        require(_compression("snapkv", 64, {"quant": True}).method_config(), "gpu-plugin")

@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import ENGINES, REGISTRY, ShapeError, method_config, methods_for, methods_table
-from ov_kvcrush.methods.base import storage_bytes
+from ov_kvcrush.methods.base import MethodConfig, storage_bytes
 from ov_kvcrush.methods.full import FullConfig
 from ov_kvcrush.methods.vectors import layer_vectors
 from ov_kvcrush.op.method_spec import method_spec
@@ -181,12 +181,16 @@ def test_any_shape_and_budget_gives_the_right_output_shape(name, batch, kv_heads
 # the registry drives every list of methods per engine
 
 
-def test_every_method_declares_its_own_engines():
-    """A subclass does not inherit its parent's engines (PyramidKV is SnapKV's subclass, but native
-    openvino_genai has no PyramidKV): every registered class names them itself."""
+def test_every_method_declares_its_own_runtimes():
+    """A subclass does not inherit its parent's runtimes (PyramidKV is SnapKV's subclass, but native
+    openvino_genai has no PyramidKV): every registered class names them itself, the reference
+    among them; its engines are derived from them."""
     for name, cls in REGISTRY.items():
-        assert "engines" in vars(cls), name
+        assert "runtimes" in vars(cls), name
+        assert cls.runtimes["reference"] == (), name
         assert "torch" in cls.engines and set(cls.engines) <= set(ENGINES), name
+    with pytest.raises(TypeError, match="runtimes"):
+        type("Bad", (MethodConfig,), {"runtimes": {"cuda": ()}})
 
 
 def test_methods_for_each_engine_are_the_declared_ones():
@@ -206,7 +210,7 @@ def test_the_op_spec_is_built_by_the_method_or_refused_by_name(name):
         assert spec["method"] == name and len(spec["budgets"].split(",")) == 4
         assert spec["quant"] == ("1" if getattr(cfg, "quant", None) is not None else "0")
     else:
-        with pytest.raises(UserError, match=f"method={name} does not run inside the OpenVINO op"):
+        with pytest.raises(ConfigError, match=f"method='{name}' .*our op .*{name} runs on: backend torch"):
             method_spec(cfg, 4, 9, 32)
 
 

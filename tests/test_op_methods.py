@@ -29,7 +29,7 @@ from helpers import (
     run_both,
 )
 
-from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config, methods_for
+from ov_kvcrush.methods import REGISTRY, QuantSettings, method_config, methods_for, methods_on
 from ov_kvcrush.methods.kvcrush import kvcrush_select, kvcrush_select_blocks
 from ov_kvcrush.methods.selection import keep_indices, pool_scores
 from ov_kvcrush.op import kvcache, plugin
@@ -322,9 +322,10 @@ def test_bad_method_specs_name_the_field():
         kvcache.KVPool(1, HQ, HKV, D, method=bad_anchor.replace("anchors=", "anchors=101"))
 
 
-def test_the_op_runs_exactly_the_registry_methods_marked_openvino():
-    """The op's policy table and the registry agree: a method is marked ``openvino`` iff the op has it."""
-    assert kvcache.policy_names() == sorted(methods_for("openvino"))
+def test_the_op_runs_exactly_the_methods_that_declare_it():
+    """The op's policy table (``OVKC_REGISTER_POLICY``) and the declarations agree: a method declares
+    the ``cpu-op`` runtime iff the op has its policy."""
+    assert kvcache.policy_names() == sorted(methods_on("cpu-op")) == sorted(methods_for("openvino"))
 
 
 @pytest.mark.parametrize("bits", [(2, 2), (4, 4), (2, 4)])

@@ -55,7 +55,8 @@ from ov_kvcrush.engines.torch_model import load_model
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import HOSTS
 from ov_kvcrush.kernels import use_triton
-from ov_kvcrush.methods import LayerCache, MethodConfig
+from ov_kvcrush.methods import LayerCache, MethodConfig, require
+from ov_kvcrush.methods.runtimes import GPU_POOL
 
 #: tokens per block of the GPU path's device pool (the CPU op's default block)
 PAGED_BLOCK_SIZE = 32
@@ -155,9 +156,7 @@ class TorchEngine:
             raise ConfigError("compression", compression, "a CompressionConfig")
         method = compression.method_config()
         if self.paged_device:
-            from ov_kvcrush.gpu.device_layers import check_served
-
-            check_served(method)
+            require(method, GPU_POOL.name)
         self.method = self._calibrated(method)
         self.compression = compression
 

@@ -8,12 +8,12 @@ no host synchronisation per step; :class:`~ov_kvcrush.engines.hf_cache.Compresse
 where :func:`fast_layer` offers one (the torch engine on CUDA does by default), and the reference
 everywhere else.
 
-A method gets a fast path by adding its factory to :data:`FAST_LAYERS`: today the full cache,
-ClusterKV (without the 2-bit store and without recall tracking, which stay on the reference),
-Quest (without recall tracking),
+A method gets a fast path by declaring the ``cuda`` runtime (with the options it refuses: their
+configs stay on the reference) and adding its factory to :data:`FAST_LAYERS`; a test holds the
+two to each other, and ``docs/support.md`` lists them: today the full cache, ClusterKV, Quest,
 MiniKV (its 2-bit store read in place by a Triton kernel) and the importance evictions
-StreamingLLM, H2O, SnapKV and PyramidKV (uniform head budgets; KVCrush and Knorm select
-differently and stay on the reference).
+StreamingLLM, H2O, SnapKV and PyramidKV (KVCrush and Knorm select differently and stay on the
+reference).
 Their single-token decode steps can be captured and replayed as CUDA graphs
 (:mod:`ov_kvcrush.fastpath.dense` says what that asks of a layer). The prefill of every
 method is fast already: its attention goes through :mod:`ov_kvcrush.kernels`.
@@ -31,47 +31,35 @@ from ov_kvcrush.fastpath.quest import FastQuestLayerCache
 from ov_kvcrush.methods import ClusterKVConfig, LayerCache, MethodConfig, MiniKVConfig, QuestConfig
 from ov_kvcrush.methods.base import check_layer
 from ov_kvcrush.methods.importance import EvictionConfig
+from ov_kvcrush.methods.runtimes import CUDA, runs
 
 
-def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+def _clusterkv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache:
     assert isinstance(config, ClusterKVConfig)
-    if config.quant is not None or config.track_recall:
-        return None
     return FastClusterKVLayerCache(config, dense=layer_idx < config.dense_layers, reserve=reserve)
 
 
-def _minikv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+def _minikv(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache:
     assert isinstance(config, MiniKVConfig)
-    if config.quant is None or config.head_budget_mode() != "uniform" or config.span_tokens():
-        return None  # span selection stays on the reference
     return FastMiniKVLayerCache(config, layer_idx, num_layers, reserve)
 
 
-def _eviction(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
-    assert isinstance(config, EvictionConfig)
-    if (
-        config.quant is not None
-        or config.selection_frozen()
-        or config.head_budget_mode() != "uniform"
-        or config.span_tokens()
-    ):
-        return None  # the quantized store, frozen selections, adaptive head budgets and spans stay on the reference
+def _eviction(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache:
+    assert isinstance(config, EvictionConfig) and not config.selection_frozen()  # frozen: the 2-bit store's
     return FastEvictionLayerCache(config, layer_idx, num_layers)
 
 
-def _quest(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+def _quest(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache:
     assert isinstance(config, QuestConfig)
-    if config.track_recall:
-        return None
     return FastQuestLayerCache(config, dense=layer_idx < config.dense_layers, reserve=reserve)
 
 
-def _full(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache | None:
+def _full(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int) -> LayerCache:
     return FastLayerCache(reserve)
 
 
-#: method name -> factory of its fast layer cache (``None`` where that config needs the reference).
-FAST_LAYERS: dict[str, Callable[[MethodConfig, int, int, int], LayerCache | None]] = {
+#: method name -> factory of its fast layer cache, for the configs the ``cuda`` runtime runs
+FAST_LAYERS: dict[str, Callable[[MethodConfig, int, int, int], LayerCache]] = {
     "full": _full,
     "clusterkv": _clusterkv,
     "minikv": _minikv,
@@ -84,10 +72,12 @@ FAST_LAYERS: dict[str, Callable[[MethodConfig, int, int, int], LayerCache | None
 
 
 def fast_layer(config: MethodConfig, layer_idx: int, num_layers: int, reserve: int = 0) -> LayerCache | None:
-    """The fast layer cache of ``config``'s method for one layer, or ``None`` (use the reference).
+    """The fast layer cache of ``config``'s method for one layer, or ``None`` where the ``cuda``
+    runtime does not run ``config`` (use the reference).
 
     ``reserve``: tokens the layer will receive after the prompt (preallocated).
     """
     check_layer(layer_idx, num_layers)
-    factory = FAST_LAYERS.get(config.name)
-    return None if factory is None else factory(config, layer_idx, num_layers, reserve)
+    if not runs(config, CUDA.name):
+        return None
+    return FAST_LAYERS[config.name](config, layer_idx, num_layers, reserve)

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.gpu import HOSTS, runtime
-from ov_kvcrush.gpu.device_layers import check_served
 from ov_kvcrush.gpu.pool import Crossings
+from ov_kvcrush.methods import require
+from ov_kvcrush.methods.runtimes import GPU_POOL
 
 if TYPE_CHECKING:
     from ov_kvcrush.engines.base import GenerationResult
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         name, options = parse_method(method)
         compressions.append(CompressionConfig(method=name, budget=args.budget, options=options))
     for compression in compressions:
-        check_served(compression.method_config())  # before any run: a method the path does not serve
+        require(compression.method_config(), GPU_POOL.name)  # before any run: a method the path does not serve
     references = reference_runs(engine, compressions, prompt, args.new_tokens)
     rows = []
     for method, compression, reference in zip(methods, compressions, references, strict=True):

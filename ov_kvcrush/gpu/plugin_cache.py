@@ -27,36 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import device_layers, plugin_layers
 from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.pool import DevicePool
-from ov_kvcrush.methods import MethodConfig
-from ov_kvcrush.methods.importance import EvictionConfig
+from ov_kvcrush.methods import MethodConfig, require
+from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
 from ov_kvcrush.op.plugin import PluginError
-
-#: the methods whose caches run over the plugin's pool: the model's layers attend every slot a
-#: head holds in full precision (the 2-bit store, ClusterKV's and Quest's slot lists are the torch
-#: engine's ``paged_device`` path's)
-PLUGIN_METHODS = ("full", "h2o", "snapkv", "pyramidkv", "kvcrush", "streamingllm", "knorm")
-
-
-def check_plugin_method(config: MethodConfig) -> None:
-    """A :class:`ConfigError` naming what the GPU form of the openvino backend runs, unless it
-    runs ``config``."""
-    two_bit = isinstance(config, EvictionConfig) and config.quant is not None
-    if config.name in PLUGIN_METHODS and not two_bit:
-        device_layers.check_served(config)
-        return
-    raise ConfigError(
-        "method",
-        config.name,
-        ", ".join(PLUGIN_METHODS) + " over the full-precision store (backend openvino, device GPU; the 2-bit store, "
-        "ClusterKV and Quest run on an Intel GPU as backend torch with paged_device='opencl')",
-    )
 
 
 @dataclass(frozen=True)
@@ -75,7 +55,7 @@ class PluginKVPool:
     plugin, and the sequences of ``method`` over them."""
 
     def __init__(self, model: ModelShape, shape: PoolShape, blocks: int, method: MethodConfig, dev: Device) -> None:
-        check_plugin_method(method)
+        require(method, GPU_PLUGIN.name)  # the model's layers attend every slot a head holds in full precision
         self.model = model
         self.method = method
         self.device_pool = DevicePool(shape, blocks, dev=dev)

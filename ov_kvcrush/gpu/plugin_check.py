@@ -19,7 +19,8 @@ from pathlib import Path
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import emulation, runtime
-from ov_kvcrush.gpu.plugin_cache import check_plugin_method
+from ov_kvcrush.methods import require
+from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.outputs import write_atomic
 
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             name, options = parse_method(method)
             budget = None if name == "full" else args.budget
             compressions.append(CompressionConfig(method=name, budget=budget, options=options))
-            check_plugin_method(compressions[-1].method_config())  # before any run
+            require(compressions[-1].method_config(), GPU_PLUGIN.name)  # before any run
     except UserError as e:
         print(f"plugin_check: {e}", file=sys.stderr)
         return 2

@@ -26,8 +26,9 @@ from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape
-from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, check_plugin_method
-from ov_kvcrush.methods import MethodConfig
+from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence
+from ov_kvcrush.methods import MethodConfig, require
+from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 
 #: the kernels' compile properties: our layers take and return f32
 PLUGIN_PROPERTIES = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -116,7 +117,7 @@ class PluginModel:
 
     def check_method(self, method: MethodConfig) -> None:
         """A ``ConfigError`` unless this path runs ``method``."""
-        check_plugin_method(method)
+        require(method, GPU_PLUGIN.name)
 
     def new_pool(self, method: MethodConfig, blocks: int) -> PluginKVPool:
         """A pool of ``blocks`` blocks on our device and ``method``'s sequences over it."""

@@ -6,9 +6,11 @@ engines drive. These define the semantics every fast path (the C++ OpenVINO op, 
 against.
 
 ``REGISTRY`` maps the method names used everywhere (configs, CLI flags, reports) to their config
-classes. Each class declares the engines that run it (:attr:`MethodConfig.engines`), and every
-list of methods per engine is derived here (:func:`methods_for`, :func:`methods_table`). How to
-add a method, file by file: ``docs/architecture.md``.
+classes. Each class declares the runtimes that run it and the options each refuses
+(:attr:`MethodConfig.runtimes`, :mod:`~ov_kvcrush.methods.runtimes`), and everything that lists
+or refuses methods per runtime or engine is derived here (:func:`require`, :func:`methods_on`,
+:func:`methods_for`, :func:`methods_table`, :func:`support_table`). How to add a method, file by
+file: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.kvzip import KVzipConfig
 from ov_kvcrush.methods.minikv import MiniKVConfig
 from ov_kvcrush.methods.quest import QuestConfig
+from ov_kvcrush.methods.runtimes import BY_NAME, RUNTIMES, refusal, runs_method, support_cell
 from ov_kvcrush.validation import check_choice
 
 REGISTRY: dict[str, type[MethodConfig]] = {
@@ -95,9 +98,69 @@ def methods_by_engine() -> str:
     return "; ".join(f"{engine}: " + ", ".join(methods_for(engine)) for engine in sorted(ENGINES))
 
 
+def methods_on(runtime: str) -> tuple[str, ...]:
+    """The methods ``runtime`` runs (some of their configs), in registry order."""
+    check_choice("runtime", runtime, tuple(BY_NAME))
+    return tuple(name for name, cls in REGISTRY.items() if runs_method(cls, runtime))
+
+
+def require(config: MethodConfig, runtime: str) -> None:
+    """Raise :class:`~ov_kvcrush.errors.ConfigError` unless ``runtime`` runs ``config``: it names
+    the method (or the option refused), what the runtime takes, and where the method (with that
+    option) does run. Every runtime refuses through here."""
+    rt = BY_NAME[runtime]
+    if not runs_method(type(config), runtime):
+        elsewhere = "; ".join(BY_NAME[r].title for r in config.runtimes)
+        raise ConfigError(
+            "method",
+            config.name,
+            f"one of {', '.join(methods_on(runtime))} ({rt.title}); {config.name} runs on: {elsewhere}",
+        )
+    refused = refusal(config, runtime)
+    if refused is not None:
+        elsewhere = "; ".join(
+            BY_NAME[r].title for r, rs in config.runtimes.items() if all(x.option != refused.option for x in rs)
+        )
+        raise ConfigError(
+            f"options.{refused.option}",
+            getattr(config, refused.option),
+            f"{refused.allowed} ({rt.title}); {config.name} with this {refused.option} runs on: {elsewhere}",
+        )
+
+
+def support_table() -> str:
+    """``docs/support.md``: every method against every runtime, with the options each refuses.
+
+    The page holds it verbatim (a test compares); regenerate with ``python -c "from
+    ov_kvcrush.methods import support_table; print(support_table(), end='')" > docs/support.md``.
+    """
+    head = [
+        "# Where each method runs",
+        "",
+        "Generated from the methods' declarations (`MethodConfig.runtimes`; a test holds this page to the",
+        "code). A blank cell: the runtime does not run the method; *yes, not ...*: it runs the method",
+        "except with those options. Where the CUDA fast path does not run a config, the torch engine runs",
+        "the reference instead; every other runtime refuses the config with an error that names the",
+        "option and the runtimes that run it.",
+        "",
+        "| runtime | how to reach it |",
+        "|---|---|",
+        *(f"| `{r.name}` | {r.title} |" for r in RUNTIMES),
+        "",
+        "| method | " + " | ".join(f"`{r.name}`" for r in RUNTIMES) + " |",
+        "|---|" + "---|" * len(RUNTIMES),
+    ]
+    rows = [
+        f"| `{name}` | " + " | ".join(support_cell(cls, r.name) for r in RUNTIMES) + " |"
+        for name, cls in REGISTRY.items()
+    ]
+    return "\n".join(head + rows) + "\n"
+
+
 def methods_table() -> str:
     """The README's methods table (Markdown): each method, what it does, how its default departs
-    from its paper, its module and its engines.
+    from its paper, its module and its engines (the short form of :func:`support_table`, which
+    ``docs/support.md`` holds: every runtime and the options each refuses).
 
     The README holds it verbatim (a test compares); regenerate with
     ``python -c "from ov_kvcrush.methods import methods_table; print(methods_table())"``.
@@ -138,5 +201,8 @@ __all__ = [
     "method_config",
     "methods_by_engine",
     "methods_for",
+    "methods_on",
     "methods_table",
+    "require",
+    "support_table",
 ]

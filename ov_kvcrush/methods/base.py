@@ -19,6 +19,7 @@ import torch
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.kernels.prefill import causal_prefill
 from ov_kvcrush.methods.attention import AttentionOutput, ShapeError, attend, check_kv, check_query
+from ov_kvcrush.methods.runtimes import REFERENCE, Declaration, check_declaration, engines_of
 from ov_kvcrush.validation import check_int
 
 # --------------------------------------------------------------------------------------------
@@ -182,19 +183,19 @@ class MethodConfig:
     departure: ClassVar[str] = ""
     #: whether the method keeps a bounded number of tokens (``budget`` is required).
     needs_budget: ClassVar[bool] = True
-    #: the engines that run this method, from :data:`ENGINES`: ``torch`` (this reference, through
-    #: transformers), ``openvino`` (our op: the class builds its :meth:`op_fields`), ``genai``
-    #: (native ``openvino_genai`` eviction). Every registered class declares its own: a subclass
-    #: does not inherit its parent's engines (a test checks it). Every list of methods per engine
-    #: (configs, eval, bench, CLI help, README) is derived from these.
+    #: the runtimes that run this method, and the options each refuses
+    #: (:mod:`ov_kvcrush.methods.runtimes`: the reference, the CUDA fast path, our CPU op, our GPU
+    #: plugin layers, the Intel GPU pool, native ``openvino_genai``). Every registered class
+    #: declares its own: a subclass does not inherit its parent's (a test checks it). Every list
+    #: of methods per runtime or engine, and every runtime's refusal, is derived from these.
+    runtimes: ClassVar[Declaration] = {REFERENCE.name: ()}
+    #: the backends that run this method (``torch``, ``openvino``, ``genai``), derived from
+    #: :attr:`runtimes`
     engines: ClassVar[tuple[str, ...]] = ("torch",)
     #: over the 2-bit store, whether the prompt's tail can stay pinned in full precision
     #: (``quant.prompt_tail``): not for a method that re-encodes its store (Chelsea) or indexes
     #: its tokens in flush order (ClusterKV)
     pins_prompt_tail: ClassVar[bool] = True
-    #: whether our op runs the method over the 2-bit store (``quant``); where it does not, the
-    #: torch engine still does (Chelsea: its merges re-encode the store)
-    op_quant: ClassVar[bool] = True
     #: whether the method scores the cache with a second pass after each prompt (KVzip): the
     #: engine then feeds :meth:`scoring_pass_inputs` through the layers' :meth:`LayerCache.score_step`
     #: (the op's scoring mode) and calls :meth:`finish_scoring_pass`, when :meth:`scoring_pass_due`
@@ -208,6 +209,11 @@ class MethodConfig:
     #: an engine resolves on the model (Chelsea's ``outlier_heads="auto"``).
     #: A config built directly keeps its model-free defaults, so the reference runs without a model.
     engine_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_declaration(cls.__name__, cls.runtimes)
+        cls.engines = engines_of(cls.runtimes)
 
     @property
     def needs_calibration(self) -> bool:

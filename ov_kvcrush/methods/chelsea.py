@@ -62,6 +62,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, group_heads
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings, check_layer, tensor_bytes, topk_indices
 from ov_kvcrush.methods.importance import DEFAULT_POOL_KERNEL
+from ov_kvcrush.methods.runtimes import TWO_BIT_STORE, Declaration
 from ov_kvcrush.methods.selection import snapkv_scores
 from ov_kvcrush.methods.store import FPStore, make_store
 from ov_kvcrush.validation import check_budget, check_choice, check_float, check_int
@@ -335,9 +336,12 @@ class ChelseaConfig(MethodConfig):
     departure: ClassVar[str] = (
         "keeps 3/4 of the budget out of merging, the window's favourites (`preset=paper`: the paper's merge)"
     )
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    #: our op does not run its merges over the 2-bit store (they re-encode it)
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cpu-op": (TWO_BIT_STORE,),
+    }
     pins_prompt_tail: ClassVar[bool] = False
-    op_quant: ClassVar[bool] = False
     #: the engines calibrate outlier heads on the model unless told otherwise (the paper's
     #: Chelsea keeps 4 % of heads whole); a config built directly has none
     engine_defaults: ClassVar[dict[str, Any]] = {"outlier_heads": OUTLIERS_AUTO}

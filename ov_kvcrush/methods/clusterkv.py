@@ -71,6 +71,7 @@ from ov_kvcrush.methods.base import (
     tensor_bytes,
 )
 from ov_kvcrush.methods.recall import RecallLayerCache, recall_rate, summarize_recall
+from ov_kvcrush.methods.runtimes import RECALL_TRACKING, TWO_BIT_STORE, Declaration
 from ov_kvcrush.validation import check_budget, check_int
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +382,12 @@ class ClusterKVConfig(MethodConfig):
     departure: ClassVar[str] = (
         "clusters under 80 tokens below budget 976 so a budget spans 12 (`tokens_per_cluster=80`: the paper's)"
     )
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (TWO_BIT_STORE, RECALL_TRACKING),
+        "cpu-op": (RECALL_TRACKING,),
+        "gpu-pool": (TWO_BIT_STORE, RECALL_TRACKING),
+    }
     pins_prompt_tail: ClassVar[bool] = False
     budget: int | None = None
     sink_tokens: int = 16
@@ -435,8 +441,6 @@ class ClusterKVConfig(MethodConfig):
         return None if layer_idx < self.dense_layers else self.budget
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
-        if self.track_recall:
-            raise ConfigError("options.track_recall", True, "false (backend openvino; the torch engine tracks recall)")
         return {
             "sinks": self.sink_tokens,
             "tokens_per_cluster": self.cluster_tokens,

@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, check_layer
+from ov_kvcrush.methods.runtimes import Declaration
 from ov_kvcrush.methods.store import FPStore
 
 
@@ -21,7 +22,14 @@ class FullConfig(MethodConfig):
     name: ClassVar[str] = "full"
     departure: ClassVar[str] = "no paper: nothing is compressed"
     needs_budget: ClassVar[bool] = False
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (),
+        "cpu-op": (),
+        "gpu-plugin": (),
+        "gpu-pool": (),
+        "genai": (),
+    }
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         return {}

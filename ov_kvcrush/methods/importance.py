@@ -74,6 +74,7 @@ from ov_kvcrush.methods.base import (
     check_layer,
     gather_tokens,
 )
+from ov_kvcrush.methods.runtimes import ADAPTIVE_HEAD_BUDGETS, SPANS, TWO_BIT_STORE, Declaration
 from ov_kvcrush.methods.selection import (
     HEAD_BUDGETS,
     POOLS,
@@ -187,7 +188,13 @@ class StreamingLLMConfig(EvictionConfig):
 
     name: ClassVar[str] = "streamingllm"
     departure: ClassVar[str] = "the paper's"
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (TWO_BIT_STORE,),
+        "cpu-op": (),
+        "gpu-plugin": (TWO_BIT_STORE,),
+        "gpu-pool": (TWO_BIT_STORE,),
+    }
     evicts_quantized_chunks: ClassVar[bool] = True
     sink_tokens: int = 4
     recent_tokens: int = 0
@@ -228,7 +235,14 @@ class H2OConfig(EvictionConfig):
 
     name: ClassVar[str] = "h2o"
     departure: ClassVar[str] = "the paper's, with sinks kept and scores summed per KV head (GQA)"
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
+        "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "genai": (),
+    }
     evicts_quantized_chunks: ClassVar[bool] = True
     head_budgets: str = "uniform"
     min_head_tokens: int = 0
@@ -278,8 +292,6 @@ class H2OConfig(EvictionConfig):
         return self.block_size
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
-        if self.head_budgets != "uniform":
-            raise ConfigError("options.head_budgets", self.head_budgets, "uniform (backend openvino)")
         if self.block_size is not None and self.block_size != block_size:
             raise ConfigError(
                 "options.block_size",
@@ -323,7 +335,14 @@ class SnapKVConfig(H2OConfig):
 
     name: ClassVar[str] = "snapkv"
     departure: ClassVar[str] = "pools over 31 tokens (paper: 7, `pool_kernel=7`) and keeps its budget while decoding"
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
+        "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "genai": (),
+    }
     scoring: ClassVar[str] = "snapkv"
     window: int = 32
     pool_kernel: int | None = None
@@ -380,7 +399,13 @@ class PyramidKVConfig(SnapKVConfig):
 
     name: ClassVar[str] = "pyramidkv"
     departure: ClassVar[str] = "the paper's linear schedule (no entropy variant)"
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
+        "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
+    }
     pyramid_depth: float = 4.0
     selection: str = "snapkv"
 

@@ -29,6 +29,7 @@ import torch
 
 from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig, ImportanceLayerCache
+from ov_kvcrush.methods.runtimes import TWO_BIT_STORE, Declaration
 
 
 def key_norm_scores(keys: torch.Tensor, q_heads: int) -> torch.Tensor:
@@ -54,7 +55,12 @@ class KnormConfig(EvictionConfig):
 
     name: ClassVar[str] = "knorm"
     departure: ClassVar[str] = "the paper's, with sinks and a recent window kept"
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cpu-op": (),
+        "gpu-plugin": (TWO_BIT_STORE,),
+        "gpu-pool": (TWO_BIT_STORE,),
+    }
 
     scoring: ClassVar[str] = "knorm"
     #: a token's score is its key's, set once when it arrives: decode attention adds nothing

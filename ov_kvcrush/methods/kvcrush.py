@@ -55,6 +55,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, check_scores
 from ov_kvcrush.methods.base import topk_indices
 from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig
+from ov_kvcrush.methods.runtimes import ADAPTIVE_HEAD_BUDGETS, TWO_BIT_STORE, Declaration
 from ov_kvcrush.methods.selection import keep_indices, plan_spans
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -353,7 +354,13 @@ class KVCrushConfig(SnapKVConfig):
     #: over the quantized store decode steps drop whole flushed chunks, ranked per layer with
     #: ``scope="layer"`` (every head keeps the same tokens), per KV head with ``"head"``
     evicts_quantized_chunks: ClassVar[bool] = True
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino", "genai")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
+        "gpu-plugin": (TWO_BIT_STORE,),
+        "gpu-pool": (),
+        "genai": (),
+    }
     representatives: int | None = None
     selection: str = "snapkv"
     signature: str = "topk"

@@ -73,6 +73,7 @@ import torch
 from ov_kvcrush.methods.attention import check_kv, check_query
 from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig
+from ov_kvcrush.methods.runtimes import Declaration
 from ov_kvcrush.methods.store import QuantStore, StoredLayerCache, make_store
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -120,7 +121,10 @@ class KVzipConfig(EvictionConfig):
 
     name: ClassVar[str] = "kvzip"
     departure: ClassVar[str] = "scoring chunks of 512 tokens attending a subsample (paper: 2048, the whole cache)"
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cpu-op": (),
+    }
     scoring_pass: ClassVar[bool] = True
     pins_prompt_tail: ClassVar[bool] = False
     sink_tokens: int = 4

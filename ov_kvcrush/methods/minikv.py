@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 
 from ov_kvcrush.methods.base import QuantSettings
 from ov_kvcrush.methods.importance import PyramidKVConfig
+from ov_kvcrush.methods.runtimes import ADAPTIVE_HEAD_BUDGETS, FULL_PRECISION_STORE, SPANS, Declaration
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,12 @@ class MiniKVConfig(PyramidKVConfig):
 
     name: ClassVar[str] = "minikv"
     departure: ClassVar[str] = "selects by SnapKV's window over a 4-bit store (`preset=paper`: H2O, 2 bits)"
-    engines: ClassVar[tuple[str, ...]] = ("torch", "openvino")
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (FULL_PRECISION_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
+        "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
+    }
     #: the prefill selection is never revisited (see the module docstring)
     frozen_selection: ClassVar[bool] = True
     presets: ClassVar[dict[str, dict[str, Any]]] = {

@@ -22,6 +22,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, check_query, group_heads
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, check_layer, tensor_bytes, topk_indices
 from ov_kvcrush.methods.recall import RecallLayerCache, recall_rate, summarize_recall
+from ov_kvcrush.methods.runtimes import RECALL_TRACKING, Declaration
 from ov_kvcrush.validation import check_budget, check_int
 
 
@@ -97,7 +98,11 @@ class QuestConfig(MethodConfig):
 
     name: ClassVar[str] = "quest"
     departure: ClassVar[str] = "the paper's, bounds per KV head (GQA)"
-    engines: ClassVar[tuple[str, ...]] = ("torch",)
+    runtimes: ClassVar[Declaration] = {
+        "reference": (),
+        "cuda": (RECALL_TRACKING,),
+        "gpu-pool": (RECALL_TRACKING,),
+    }
     budget: int | None = None
     page_size: int = 16
     dense_layers: int = 2

@@ -34,6 +34,7 @@ import numpy as np
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.methods import REGISTRY, methods_for
+from ov_kvcrush.methods.runtimes import CPU_OP, refuses_option
 from ov_kvcrush.models.families import family
 
 #: Exact f32 on OpenVINO: no bf16 matmuls, and no dynamic quantization of activations for int8
@@ -67,7 +68,7 @@ def store_compression(method: str, options: dict, store: str) -> CompressionConf
     the full cache, and Chelsea, whose merges the torch engine re-encodes in the store)."""
     if store != "2-bit":
         return CompressionConfig(method=method, budget=BUDGET, options=options)
-    if method == "full" or not REGISTRY[method].op_quant:
+    if method == "full" or refuses_option(REGISTRY[method], CPU_OP.name, "quant"):
         return None
     return CompressionConfig(method=method, budget=BUDGET, options={**options, "quant": {"bits": 2}})
 

@@ -12,8 +12,9 @@ validates each again, and names a missing, unknown or bad one.
 
 from __future__ import annotations
 
-from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.methods import MethodConfig, methods_for
+from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.methods import MethodConfig, require
+from ov_kvcrush.methods.runtimes import CPU_OP
 
 
 def store_fields(config: MethodConfig, block_size: int) -> dict[str, object]:
@@ -21,10 +22,6 @@ def store_fields(config: MethodConfig, block_size: int) -> dict[str, object]:
     quant = getattr(config, "quant", None)
     if quant is None:
         return {"quant": 0}
-    if not config.op_quant:
-        raise ConfigError(
-            "options.quant", "set", f"None for {config.name} (backend openvino; the torch engine runs it)"
-        )
     if quant.residual_tokens % block_size or block_size % quant.group_size:
         raise ConfigError(
             "options.quant.residual_tokens",
@@ -52,15 +49,10 @@ def method_spec(
     those of the n-th global layer of n global layers; a local layer gets none (the op keeps
     its window).
 
-    Raises :class:`~ov_kvcrush.errors.UserError` for a method (or option) the op does not run.
+    Raises :class:`~ov_kvcrush.errors.ConfigError` for a method (or option) the op does not run
+    (its declaration of the ``cpu-op`` runtime), naming where it runs.
     """
-    if "openvino" not in config.engines:
-        raise UserError(
-            f"method={config.name} does not run inside the OpenVINO op; backend openvino runs: "
-            + ", ".join(methods_for("openvino"))
-            + "; backend torch runs: "
-            + ", ".join(methods_for("torch"))
-        )
+    require(config, CPU_OP.name)
     global_layers = [i for i in range(layers) if not (windows and windows[i])]
     budgets = [0] * layers
     for g, i in enumerate(global_layers):
