@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(VENV)/bin/ov-kvcrush export
 	$(VENV)/bin/ov-kvcrush export --model gemma3-270m
 	# The model-coverage families (tiny random checkpoints, one optimum process; tests/test_model_families.py).
-	$(PY) -m ov_kvcrush.models.coverage_table --export
+	$(PY) -m ov_kvcrush.tools.model_coverage_table --export
 	touch $(STAMP)
 
 demo: setup

@@ -14,11 +14,10 @@ import argparse
 import json
 from pathlib import Path
 
-from ov_kvcrush.config import GenerationSettings
-from ov_kvcrush.engines import resolve_model
-from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+from ov_kvcrush.config import GenerationSettings, MethodSpec
 from ov_kvcrush.eval import tasks as T
-from ov_kvcrush.eval.runner import MethodSpec
+from ov_kvcrush.serving.backends import resolve_model
+from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
 #: the methods of issue 25's table; ``--methods`` takes eval's spellings (``kvzip+4bit``)
 METHODS = "full,snapkv,kvcrush:block_size=32,kvcrush,kvzip"

@@ -25,9 +25,9 @@ from pathlib import Path
 
 
 def dump(length: int, samples: int, out: str) -> None:
-    from ov_kvcrush.engines import resolve_model
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.eval import tasks
+    from ov_kvcrush.serving.backends import resolve_model
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     tok = OpenVINOEngine(resolve_model("openvino", None)).tokenizer
     count = lambda t: len(tok.encode(t, add_special_tokens=False).input_ids.data[0])  # noqa: E731

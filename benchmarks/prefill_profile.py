@@ -10,7 +10,7 @@ plugin's default precision), the whole prompt in one inference (as the bench's `
 feeds it). It runs in a fresh process for each prompt length: the CPU plugin's per-node counters
 are only consistent with the wall time (their sum within a few percent of it) while a compiled
 model has seen one input shape. Ours is
-:class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine`'s prefill (two inferences: a
+:class:`~ov_kvcrush.serving.openvino_engine.OpenVINOEngine`'s prefill (two inferences: a
 multiple of 128 tokens, then the rest), each method on its own pool of the same compiled model.
 Every measurement follows an untimed warm-up of the same prompt.
 
@@ -39,11 +39,11 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from ov_kvcrush.bench.measure import cpu_name
-from ov_kvcrush.engines import resolve_model
-from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+from ov_kvcrush.config import MethodSpec
 from ov_kvcrush.eval import tasks as T
-from ov_kvcrush.eval.runner import MethodSpec
 from ov_kvcrush.op import plugin
+from ov_kvcrush.serving.backends import resolve_model
+from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
 METHODS = "full,snapkv,kvcrush:block_size=32,minikv,chelsea,h2o"
 #: node types summed into one column: the projections and MLP, the attention, the rest

@@ -30,12 +30,11 @@ from typing import Any
 def run(method: str, a: argparse.Namespace) -> dict[str, Any]:
     import openvino_genai as ov_genai
 
-    from ov_kvcrush.config import GenerationSettings
-    from ov_kvcrush.engines import resolve_model
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.eval.runner import MethodSpec
+    from ov_kvcrush.config import GenerationSettings, MethodSpec
     from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
     from ov_kvcrush.serving import ContinuousBatchingPipeline
+    from ov_kvcrush.serving.backends import resolve_model
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     spec = MethodSpec.parse(method)
     engine = OpenVINOEngine(resolve_model("openvino", None), spec.compression(a.budget, track_recall=False))

@@ -1,12 +1,12 @@
 """What one inference of our op's model costs by its token count: the basis of
-``model_inputs.FAST_STEP_TOKENS`` (a first prompt fed as a multiple of 128 tokens and the rest)
+``step_inputs.FAST_STEP_TOKENS`` (a first prompt fed as a multiple of 128 tokens and the rest)
 and of KVzip's ``step_multiple`` (its scoring steps).
 
 Two tables, on the embedded model with the full cache, same process, interleaved repeats:
 
 * ``steps``: a step of ``n`` tokens after 64 held tokens, for ``n`` around multiples of 128;
 * ``prompts``: a prompt of ``n`` tokens fed whole (one inference) against the engine's
-  :meth:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine.prefill` (a multiple of 128, then
+  :meth:`~ov_kvcrush.serving.openvino_engine.OpenVINOEngine.prefill` (a multiple of 128, then
   the rest, as two chunks of one prompt).
 
 Run on an idle machine::
@@ -22,10 +22,10 @@ import statistics
 import time
 from pathlib import Path
 
-from ov_kvcrush.engines import resolve_model
-from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+from ov_kvcrush.config import MethodSpec
 from ov_kvcrush.eval import tasks as T
-from ov_kvcrush.eval.runner import MethodSpec
+from ov_kvcrush.serving.backends import resolve_model
+from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
 STEPS = "256,320,384,448,480,496,512,528,544,576,640,768,1024"
 PROMPTS = "1000,2000,3059,3089,4000,6000"

@@ -354,6 +354,89 @@ def parse_options(items: Iterable[str], flag: str = "--option") -> dict[str, Any
     return out
 
 
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method as the commands name it: a registry name, optionally with method options
+    (``snapkv:block_size=32``) and over a quantized store (``name+2bit``, ``name+4bit``,
+    ``name+k2v4`` for keys 2 and values 4 bits), e.g. ``snapkv:block_size=32+4bit``. The one
+    parser of such items: ``eval``'s and ``bench``'s ``--methods`` and the GPU tools' read them
+    here (:meth:`read`, :meth:`parse`)."""
+
+    method: str
+    quant: bool = False
+    store: str = "2bit"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def read(cls, text: str) -> MethodSpec:
+        """The item as written, its method not looked up: a store not in :data:`STORE_WIDTHS`, a
+        malformed option or a store named twice (``+4bit`` and ``:quant=``) is an error naming
+        ``methods``."""
+        head, store = split_store(text)
+        name, *opts = head.split(":")
+        if not name.strip():
+            raise ConfigError("methods", text, "a method name, optionally followed by :KEY=VALUE options")
+        options = parse_options(opts, flag=f"--methods {name.strip()}:")
+        if store and "quant" in options:
+            raise ConfigError("methods", text, f"either +{store} or :quant=..., not both")
+        return cls(name.strip(), bool(store), store or "2bit", tuple(sorted(options.items())))
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        """:meth:`read`, and the method looked up: a registry name, a store only where the method
+        keeps one (not on MiniKV's default 2-bit store again), options its config takes."""
+        from ov_kvcrush.methods import REGISTRY  # torch's import: not for `import ov_kvcrush`
+
+        allowed = (
+            "registry names ("
+            + ", ".join(REGISTRY)
+            + "), optionally with :KEY=VALUE options and +"
+            + ", +".join(STORE_WIDTHS)
+        )
+        try:
+            spec = cls.read(text)
+        except ConfigError as exc:
+            raise ConfigError("methods", text, exc.allowed if "not both" in exc.allowed else allowed) from None
+        name = spec.method
+        if name not in REGISTRY:
+            raise ConfigError("methods", text, allowed)
+        field_ = REGISTRY[name].__dataclass_fields__.get("quant")
+        quantized_already = field_ is not None and field_.default is not None  # MiniKV: 2-bit by default
+        if spec.quant and (field_ is None or (quantized_already and spec.store == "2bit")):
+            raise ConfigError(
+                "methods", text, f"+{spec.store} on a method whose store is full precision ({name} cannot)"
+            )
+        if name != "full":
+            spec.compression(None if not REGISTRY[name].needs_budget else 4096).method_config()  # names a bad option
+        return spec
+
+    @property
+    def label(self) -> str:
+        opts = "".join(f":{k}={v}" for k, v in self.options)
+        return self.method + opts + (f"+{self.store}" if self.quant else "")
+
+    def method_options(self) -> dict[str, Any]:
+        """The options as :class:`CompressionConfig` takes them, the store as ``quant``'s widths."""
+        options = dict(self.options)
+        if self.quant:
+            kbits, vbits = STORE_WIDTHS[self.store]
+            options["quant"] = {"key_bits": kbits, "value_bits": vbits}
+        return options
+
+    def compression(self, budget: int | None, track_recall: bool = True) -> CompressionConfig:
+        """The config at ``budget`` (recall methods also measure their top-B recall rate)."""
+        from ov_kvcrush.methods import REGISTRY  # torch's import: not for `import ov_kvcrush`
+
+        if self.method == "full":
+            return CompressionConfig()
+        options = self.method_options()
+        if track_recall and "track_recall" in REGISTRY[self.method].__dataclass_fields__:  # a recall method
+            options["track_recall"] = True
+        # the windows are CompressionConfig's own fields, not method options
+        sinks, recent = options.pop("sink_tokens", None), options.pop("recent_tokens", None)
+        return CompressionConfig(self.method, budget, sink_tokens=sinks, recent_tokens=recent, options=options)
+
+
 _SETTINGS_FIELDS = tuple(f.name for f in fields(GenerationSettings))
 
 

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_settings
-from ov_kvcrush.engines import make_engine, resolve_model
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.serving.backends import backend_info, make_engine, resolve_model
 from ov_kvcrush.serving.chat import Answer, Chat
 from ov_kvcrush.serving.request_queue import RequestQueue
 
@@ -88,7 +88,7 @@ class LLMPipeline:
             # openvino_genai's way of configuring the cache: the compression and (openvino) the pool limit
             if compression is not None or budget is not None:
                 raise UserError("pass either scheduler_config or compression/budget, not both")
-            if backend != "openvino":  # genai/torch take the compression it describes
+            if "scheduler_config" not in backend_info(backend).options():  # the compression it describes
                 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config
 
                 compression = compression_from_scheduler_config(engine_options.pop("scheduler_config"))
@@ -116,14 +116,14 @@ class LLMPipeline:
         self._chat = Chat(self._chat_answer(), system_message)
 
     def _chat_answer(self) -> Answer:
-        """How a turn is answered: backend openvino continues the sequence holding the
-        conversation; the other backends are given the whole conversation."""
-        if self.backend == "openvino":
+        """How a turn is answered: an engine that keeps a chat's cache continues the sequence
+        holding the conversation; the others are given the whole conversation."""
+        if self.engine.capabilities.keeps_chat_cache:
             return self.engine.generate_in_cache
         return self.engine.generate
 
     def _forget_chat_cache(self) -> None:
-        if self.backend == "openvino":
+        if self.engine.capabilities.keeps_chat_cache:
             self.engine.cache.reset()  # its blocks go back
 
     def finish_chat(self) -> None:
@@ -200,9 +200,9 @@ class LLMPipeline:
 
     @property
     def batcher(self) -> Any:
-        """Backend openvino: the engine's :class:`~ov_kvcrush.serving.loop.GenerationLoop` that serves
-        ``generate`` outside a chat (made on first use; ``None`` on the other backends)."""
-        return self.engine.batcher if self.backend == "openvino" else None
+        """The engine's :class:`~ov_kvcrush.serving.loop.GenerationLoop` that serves ``generate``
+        outside a chat, where it batches (backend openvino; made on first use), else ``None``."""
+        return self.engine.batcher if self.engine.capabilities.batches else None
 
     def _generate(
         self, inputs: Prompt | Sequence[str], settings: GenerationSettings, streamer: Streamer | None

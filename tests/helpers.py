@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ov_kvcrush.methods.vectors import layer_vectors
+from ov_kvcrush.op.method_spec import method_spec
 
 # Exact f32 execution on both sides (no bf16 matmuls, no dynamic quantization of activations), and
 # the unmodified IR run step by step: the model-coverage checks' own (no OpenVINO import at import time).
-from ov_kvcrush.models.coverage import F32 as F32
-from ov_kvcrush.models.coverage import native_steps as native_steps
-from ov_kvcrush.op.method_spec import method_spec
+from ov_kvcrush.tools.model_coverage import F32 as F32
+from ov_kvcrush.tools.model_coverage import native_steps as native_steps
 
 if TYPE_CHECKING:
     from ov_kvcrush.op import kvcache
@@ -85,9 +85,9 @@ def infer(req, inputs: dict):
 
 def run_step(req, names: set[str], seq: kvcache.KVSequence, ids: list[int], past: int) -> None:
     """One inference of the converted model: ``ids`` after ``past`` tokens of ``seq``."""
-    from ov_kvcrush.engines import model_inputs
+    from ov_kvcrush.op import step_inputs
 
-    infer(req, model_inputs.step_inputs(names, [ids], [seq.handle], [past]))
+    infer(req, step_inputs.step_inputs(names, [ids], [seq.handle], [past]))
 
 
 HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape

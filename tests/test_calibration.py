@@ -123,8 +123,8 @@ def test_both_engines_calibrate_the_same_outlier_heads(model_dir, hf_dir, tmp_pa
     """The op's full cache and transformers' give the same keys to the paper's calibration: the
     same 4 % of SmolLM2's 90 heads, and the op's pool then keeps them whole."""
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     monkeypatch.setenv("OV_KVCRUSH_CACHE", str(tmp_path))
     comp = CompressionConfig(method="chelsea", budget=128, options={"outlier_heads": "auto"})

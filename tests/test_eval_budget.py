@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.config import CompressionConfig, MethodSpec
 from ov_kvcrush.engines.hf_cache import CompressedCache
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval.budget import ModelShape, block_bytes, calibrated_on_noise, held_bytes, solve_budget
-from ov_kvcrush.eval.runner import MethodSpec
 from ov_kvcrush.methods import REGISTRY
 from ov_kvcrush.methods.base import storage_bytes
 

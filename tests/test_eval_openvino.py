@@ -8,9 +8,9 @@ import json
 import pytest
 from helpers import run_main
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, MethodSpec
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
+from ov_kvcrush.eval.runner import EvalPlan, run_eval
 from ov_kvcrush.eval.tasks import passkey_prompt
 from ov_kvcrush.methods import REGISTRY, methods_for
 from ov_kvcrush.op.probe import OpProbe
@@ -18,7 +18,7 @@ from ov_kvcrush.op.probe import OpProbe
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     return OpenVINOEngine(model_dir)
 

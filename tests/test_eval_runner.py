@@ -13,10 +13,9 @@ import pytest
 import torch
 from helpers import run_main
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, MethodSpec
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.eval.budget import ModelShape, held_bytes
-from ov_kvcrush.eval.runner import MethodSpec
 
 pytestmark = pytest.mark.model
 

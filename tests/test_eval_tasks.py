@@ -39,7 +39,7 @@ def test_bad_arguments():
 # --------------------------------------------------------------------------------------------
 # RULER-style tasks on real prose and word lists
 
-from ov_kvcrush.eval import corpus  # noqa: E402
+from ov_kvcrush import corpus  # noqa: E402
 from ov_kvcrush.eval import tasks as T  # noqa: E402
 
 GEN_TASKS = sorted(T.GENERATION_TASKS)

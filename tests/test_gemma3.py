@@ -145,7 +145,7 @@ def gemma_tokenizer(gemma_hf):
 @pytest.fixture(scope="module")
 def window_prompt(gemma_tokenizer):
     """~700 tokens of essay: longer than the 512-token window."""
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     return gemma_tokenizer(essay_text(haystack_essays()[0])).input_ids[:700]
 
@@ -243,7 +243,8 @@ def test_completion_format_lets_the_base_model_answer(gemma_ir, tmp_path):
     """The embedded Gemma is the pretrained model (past 1k tokens, asked in the chat template it
     mostly repeats the instructions): as raw text followed by the answer's first words
     (``--prompt-format completion``) it finds the needle; our op, full cache."""
-    from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
+    from ov_kvcrush.config import MethodSpec
+    from ov_kvcrush.eval.runner import EvalPlan, run_eval
 
     plan = EvalPlan(
         tasks=("niah_single",), lengths=(1024,), methods=(MethodSpec.parse("full"),), samples=2,
@@ -258,8 +259,8 @@ def test_completion_format_lets_the_base_model_answer(gemma_ir, tmp_path):
 @pytest.fixture(scope="module")
 def gemma_engines(gemma_hf, gemma_ir):
     """Our op's engine (f32) and the torch engine on Gemma 3, loaded once; each test sets its method."""
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     return OpenVINOEngine(gemma_ir, kv_precision="f32", properties=F32), TorchEngine(gemma_hf)
 
@@ -270,7 +271,7 @@ def test_a_method_runs_on_global_layers_as_in_the_torch_engine(gemma_engines, ge
     """SnapKV selects at the prompt; KVzip scores the context with its reconstruction pass, whose
     steps pass through the sliding layers' windows (the question is asked after compression)."""
     from ov_kvcrush import CompressionConfig, GenerationSettings
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     budget = 256
     comp = CompressionConfig(method=method, budget=budget)

@@ -191,8 +191,8 @@ SYCL_E2E = [("full", {}), ("kvcrush", {"block_size": 32}), ("snapkv", {"quant": 
 @functools.cache
 def loaded_engine():
     """In the worker: the embedded model loaded once for every case (each switches the method)."""
-    from ov_kvcrush.gpu.generate import device_engine
     from ov_kvcrush.models.export import hf_checkpoint
+    from ov_kvcrush.tools.gpu_generate import device_engine
 
     return device_engine(hf_checkpoint(progress=False))
 
@@ -215,7 +215,7 @@ E2E_PROMPT_CHARS, E2E_NEW_TOKENS = 3300, 12
 @functools.cache
 def reference_results() -> dict:
     """In the worker: every case's reference run, the prompt's pass shared (``reference_runs``)."""
-    from ov_kvcrush.gpu.generate import essay_prompt, reference_runs
+    from ov_kvcrush.tools.gpu_generate import essay_prompt, reference_runs
 
     compressions = [e2e_compression(m, o) for m, o in E2E_CASES]
     runs = reference_runs(loaded_engine(), compressions, essay_prompt(E2E_PROMPT_CHARS), E2E_NEW_TOKENS)
@@ -225,7 +225,7 @@ def reference_results() -> dict:
 def generate_through_device(method: str, options: dict, host: str) -> dict:
     """In the worker: the embedded model's greedy tokens through the device cache (hosted by
     ``host``) and the reference's."""
-    from ov_kvcrush.gpu.generate import essay_prompt, run_on_device
+    from ov_kvcrush.tools.gpu_generate import essay_prompt, run_on_device
 
     compression = e2e_compression(method, options)
     reference = reference_results()[str(compression)]
@@ -351,7 +351,7 @@ def test_paged_device_is_checked_before_loading(tmp_path):
 
 def dry_run_hardware_check(out: str) -> int:
     """In the worker: the hardware script on Intel's OpenCL CPU runtime (native GenAI on the CPU)."""
-    from ov_kvcrush.gpu.hardware import main
+    from ov_kvcrush.tools.gpu_hardware import main
 
     return main(["--allow-cpu", "--chars", "1500", "--new-tokens", "4", "--budget", "256", "--out", out])
 

@@ -35,8 +35,8 @@ def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[in
     """Each case's greedy tokens and KV bytes through the openvino engine on ``device``, then a
     chat's two turns with SnapKV (the second keeps the prefix the conversation shares: the cache
     truncated to it, the rest fed as one step of several rows)."""
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.models.coverage import F32
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
 
     engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)

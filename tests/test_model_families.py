@@ -1,4 +1,4 @@
-"""Every decoder family of the coverage table, checked end to end (``ov_kvcrush/models/coverage.py``).
+"""Every decoder family of the coverage table, checked end to end (``ov_kvcrush/tools/model_coverage.py``).
 
 Each family's tiny checkpoint is exported as users export it; our op's logits must equal the
 unmodified IR's and native ``openvino_genai``'s tokens, every op method's tokens the torch
@@ -17,8 +17,9 @@ from helpers import run_main
 
 from ov_kvcrush.engines.model_family import layer_windows, sliding_context
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.models import coverage, coverage_table
 from ov_kvcrush.models.families import FAMILIES, FAMILY_NAMES, MISTRAL_WINDOW
+from ov_kvcrush.tools import model_coverage as coverage
+from ov_kvcrush.tools import model_coverage_table as coverage_table
 
 pytestmark = pytest.mark.model
 
@@ -61,8 +62,8 @@ def test_at_least_ten_families_run_and_every_other_is_refused():
 
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.refused])
 def test_a_refused_family_is_refused_by_both_engines_before_any_work(exports, name):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     hf, ir = exports[name]
     reason = re.escape(COMMITTED[name]["refused"][:40])
@@ -74,8 +75,8 @@ def test_a_refused_family_is_refused_by_both_engines_before_any_work(exports, na
 
 
 def test_an_unverified_model_type_is_refused_naming_the_verified_ones(exports, tmp_path):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     hf, ir = exports["llama3"]
     for src, dst in ((ir, tmp_path / "ir"), (hf, tmp_path / "hf")):
@@ -93,8 +94,8 @@ def test_a_window_on_every_layer_caps_every_engines_context(exports):
     family's check above); past it, every engine refuses the request before any work."""
     from ov_kvcrush.config import GenerationSettings
     from ov_kvcrush.engines.genai import GenAIEngine
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     hf, ir = exports["mistral"]
     long_prompt = "word " * (MISTRAL_WINDOW + 50)

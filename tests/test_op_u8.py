@@ -115,7 +115,7 @@ def test_the_engine_stores_u8_by_default_within_5_percent_of_native_bytes(model_
     """Native's CPU cache is u8 too (keys per channel per block, values per token): the same
     prompt's full cache in our op must not hold more than 5 % above native's bytes, and answer the same."""
     from ov_kvcrush.config import GenerationSettings
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     prompt = "Summarize in one sentence: " + "The river flows past the old mill and the bridge. " * 40
     settings = GenerationSettings(max_new_tokens=12)
@@ -131,8 +131,8 @@ def test_kv_cache_precision_property_selects_the_store(model_dir):
     """openvino_genai users pass KV_CACHE_PRECISION as a property: the op's store follows it."""
     import openvino as ov
 
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.errors import ConfigError
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     with pytest.raises(ConfigError, match=r"KV_CACHE_PRECISION='u4' is invalid: allowed one of f32, f16, u8"):
         OpenVINOEngine(model_dir, properties={"KV_CACHE_PRECISION": "u4"})

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     return OpenVINOEngine(model_dir, kv_precision="f32", properties=F32)
 
@@ -35,7 +35,7 @@ def engine(model_dir):
 @pytest.fixture(scope="module")
 def essay_prompt():
     """~1k tokens of essay prose and a request for a long answer (so greedy runs 64 tokens)."""
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     text = essay_text(haystack_essays()[0])[:4200]
     return text + "\n\nRewrite the text above as a long, detailed list of its main points."
@@ -87,8 +87,8 @@ def fp32_ir():
 
 @pytest.mark.slow
 def test_greedy_equals_torch_engine(fp32_ir, hf_dir, essay_prompt):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
     from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     ov_engine = OpenVINOEngine(fp32_ir, kv_precision="f32", properties=F32)
     torch_engine = TorchEngine(hf_dir)
@@ -106,7 +106,7 @@ def test_greedy_equals_torch_engine(fp32_ir, hf_dir, essay_prompt):
 
 @pytest.mark.slow
 def test_chat_turns_equal_whole_conversation(engine):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     questions = [
         "My name is Ada and I keep bees. What is a good first hive?",
@@ -147,7 +147,7 @@ def test_hundred_generations_leak_no_blocks(engine):
 
 
 def test_pipelines_do_not_share_state(model_dir, engine):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     other = OpenVINOEngine(model_dir, kv_precision="f32", properties=F32)
     settings = GenerationSettings(max_new_tokens=12)
@@ -185,7 +185,7 @@ def test_sampling_is_seeded_and_streams(engine):
 def test_pool_limit_from_scheduler_config_is_honoured(model_dir):
     import openvino_genai as ov_genai
 
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     sc = ov_genai.SchedulerConfig()
     sc.num_kv_blocks = 2  # two native blocks: 64 tokens of every layer
@@ -210,7 +210,7 @@ def test_pool_limit_from_scheduler_config_is_honoured(model_dir):
 def test_a_full_pool_is_an_error_on_one_inference_thread_too(model_dir):
     """With INFERENCE_NUM_THREADS=1 OpenVINO drops the op's exception; the engine still refuses the
     step that does not fit, naming the limit, and serves the next request."""
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     small = OpenVINOEngine(model_dir, max_kv_blocks=180, properties={"INFERENCE_NUM_THREADS": 1})
     with pytest.raises(UserError, match="max_blocks=180"):
@@ -255,7 +255,7 @@ def test_scheduler_config_eviction_maps_to_methods():
 
 
 def test_bad_engine_arguments(model_dir, tmp_path):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     with pytest.raises(ConfigError, match=r"device=.TPU.*CPU or GPU"):
         OpenVINOEngine(model_dir, device="TPU")

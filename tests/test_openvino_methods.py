@@ -34,7 +34,7 @@ SETTINGS = GenerationSettings(max_new_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def prompt():
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     return (
         essay_text(haystack_essays()[1])[:3300] + "\n\nSummarise the text above as a detailed list of its main points."
@@ -68,7 +68,7 @@ def fp32_ir():
 def fp32_engine(fp32_ir):
     """One compiled fp32 model for every method: ``set_compression`` gives each its own pool, as
     an evaluation switches methods."""
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     return OpenVINOEngine(fp32_ir, kv_precision="f32", properties=F32)
 
@@ -146,7 +146,7 @@ def test_greedy_equals_torch_engine_within_budget(fp32_engine, torch_tokens, pro
 
 def test_chat_over_the_two_bit_store(model_dir):
     """MiniKV in a chat: the store cannot roll back tokens, so a turn that needs it re-feeds the conversation."""
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     engine = OpenVINOEngine(model_dir, CompressionConfig(method="minikv", budget=128))
     engine.start_chat()

@@ -27,7 +27,7 @@ QUESTION = "What is the secret number in the text above? Answer with the number 
 
 @pytest.fixture(scope="module")
 def document():
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     text = essay_text(haystack_essays()[2])[:2400]
     cut = text.rfind(". ", 0, 1200) + 2
@@ -36,7 +36,7 @@ def document():
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     return OpenVINOEngine(model_dir)
 

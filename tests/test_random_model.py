@@ -12,11 +12,11 @@ from helpers import bench_script_dry_run
 
 from ov_kvcrush import bench
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines import resolve_model
 from ov_kvcrush.engines.hf_baseline import HFBaselineEngine
 from ov_kvcrush.engines.random_model import ARCHITECTURES, byte_tokenizer, random_config
 from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.serving.backends import resolve_model
 
 TINY = "random:tiny-llama"
 PROMPT = "The pass key is 52445. Remember it. " * 6 + "What is the pass key?"

@@ -17,9 +17,9 @@ import pytest
 
 from ov_kvcrush import LLMPipeline
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.serving import ContinuousBatchingPipeline, GenerationStatus
+from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
 TOPICS = ["lighthouses", "honey bees", "the Roman road network", "glaciers"]

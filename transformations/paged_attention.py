@@ -29,12 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.op.step_inputs import LOGITS_INPUT, SEQUENCE_INPUT  # the op's input contract
 
-#: Name of the input the converted model adds: one cache sequence handle per batch row (or, in a
-#: one-row batch, per token: a ragged step of several sequences).
-SEQUENCE_INPUT = "kvc_sequence"
-#: With ``last_token_logits``: the positions (along the token axis) whose logits the model returns.
-LOGITS_INPUT = "kvc_logits_at"
 #: Ops between the KV Concat and the SDPA that only expand KV heads for grouped-query attention.
 _GQA_OPS = ("Reshape", "Broadcast", "Unsqueeze", "Convert", "Tile", "Squeeze")
 #: Ops between ReadValue and the Concat (beam reordering, precision).

@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ov_kvcrush.config import MethodSpec
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.serving.backends import ALL
 from ov_kvcrush.validation import check_int
 
-#: transformers without compression, rows of their own beside the torch engine on a GPU
-#: (:mod:`ov_kvcrush.engines.hf_baseline`); they run method ``full`` only
-HF_BASELINE_BACKENDS = ("hf-sdpa", "hf-static-compiled")
-#: backends the harness runs (``genai``: native openvino_genai, the anchor)
-BENCH_BACKENDS = ("genai", "openvino", "torch", *HF_BASELINE_BACKENDS)
-#: backends that run on the plan's ``--device`` (the OpenVINO ones run on the CPU)
-TORCH_BACKENDS = ("torch", *HF_BASELINE_BACKENDS)
+#: backends the harness runs (``genai``: native openvino_genai, the anchor; transformers' own
+#: caches as rows of their own beside the torch engine on a GPU, method ``full`` only)
+BENCH_BACKENDS = tuple(ALL)
+#: backends that run on the plan's ``--device`` (the OpenVINO ones run on the CPU), for messages
+TORCH_BACKENDS = tuple(name for name, b in ALL.items() if b.torch_devices)
 
 
 #: fit the embedded model's 8192-token context with the default 32 new tokens
@@ -58,16 +58,13 @@ class BenchConfig:
 
 def backend_methods(backend: str) -> tuple[str, ...]:
     """The methods ``backend`` runs (``full`` included)."""
-    from ov_kvcrush.methods import methods_for
-
-    if backend not in BENCH_BACKENDS:
+    if backend not in ALL:
         raise ConfigError("backend", backend, "one of " + ", ".join(BENCH_BACKENDS))
-    return ("full",) if backend in HF_BASELINE_BACKENDS else methods_for(backend)
+    return ALL[backend].methods()
 
 
 def check_config(cfg: BenchConfig) -> None:
     """Refuse a configuration the backend cannot run, naming the field and what is allowed."""
-    from ov_kvcrush.config import to_native_scheduler_config
 
     allowed = backend_methods(cfg.backend)
     if cfg.method not in allowed:
@@ -81,13 +78,7 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.budget is None or cfg.budget < 1:
         raise ConfigError("budget", cfg.budget, f"a positive token count for method {cfg.method}")
     comp = compression(cfg)  # the method checks its own options and ranges
-    if cfg.backend == "genai":  # native constraints (block multiples ...)
-        to_native_scheduler_config(comp, "CPU")
-    if cfg.backend == "openvino":  # the op's own (e.g. block-wise KVCrush on the pool's block size)
-        from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE
-        from ov_kvcrush.op.method_spec import method_spec
-
-        method_spec(comp.method_config().model_free(), 1, 1, DEFAULT_BLOCK_SIZE)
+    ALL[cfg.backend].constraints(comp)  # the backend's own (native block multiples, the op's block size)
 
 
 def compression(cfg: BenchConfig) -> Any:
@@ -100,22 +91,11 @@ def compression(cfg: BenchConfig) -> Any:
 
 
 def parse_method(item: str) -> tuple[str, dict[str, Any]]:
-    """A ``--methods`` item: a method name, optionally with method options after colons
-    (``kvcrush:block_size=32``, ``snapkv:quant=true``; values as in ``--option``) and a quantized
-    store after ``+`` as eval names it (``kvzip+4bit``, ``snapkv:block_size=32+k2v4``)."""
-    from ov_kvcrush.config import STORE_WIDTHS, parse_options, split_store
-
-    head, store = split_store(item)
-    name, *opts = head.split(":")
-    if not name.strip():
-        raise ConfigError("methods", item, "a method name, optionally followed by :KEY=VALUE options")
-    options = parse_options(opts, flag=f"--methods {name.strip()}:")
-    if store:
-        if "quant" in options:
-            raise ConfigError("methods", item, f"either +{store} or :quant=..., not both")
-        kbits, vbits = STORE_WIDTHS[store]
-        options["quant"] = {"key_bits": kbits, "value_bits": vbits}
-    return name.strip(), options
+    """A ``--methods`` item (:class:`~ov_kvcrush.config.MethodSpec`: ``kvcrush:block_size=32``,
+    ``snapkv:quant=true``, ``kvzip+4bit``, ``snapkv:block_size=32+k2v4``): the method's name and
+    its options, the store as ``quant``'s widths. The method is looked up per backend."""
+    spec = MethodSpec.read(item)
+    return spec.method, spec.method_options()
 
 
 def plan_configs(
@@ -134,7 +114,7 @@ def plan_configs(
     for b in backends:
         backend_methods(b)
     configs: list[BenchConfig] = [BenchConfig(anchor, "full")] if anchor else []
-    configs += [BenchConfig(b, "full") for b in backends if b in HF_BASELINE_BACKENDS and b != anchor]
+    configs += [BenchConfig(b, "full") for b in backends if ALL[b].baseline and b != anchor]
     for item in methods:
         m, options = parse_method(item)
         where = [b for b in backends if m in backend_methods(b)]
@@ -200,7 +180,7 @@ class BenchPlan:
 
 def device_of(cfg: BenchConfig, plan: BenchPlan) -> str:
     """Where a configuration runs: the plan's device for the torch backends, else the CPU."""
-    return plan.device.lower() if cfg.backend in TORCH_BACKENDS else "cpu"
+    return plan.device.lower() if ALL[cfg.backend].torch_devices else "cpu"
 
 
 def speed_only(plan: BenchPlan) -> bool:
@@ -220,7 +200,7 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
     """The plan's configurations and run order, every field checked; nothing is loaded."""
     anchor = anchor_backend(plan)
     if speed_only(plan):
-        others = [b for b in plan.backends if b not in TORCH_BACKENDS]
+        others = [b for b in plan.backends if b not in ALL or not ALL[b].torch_devices]
         if others:
             raise ConfigError(
                 "backends", ",".join(others), f"{', '.join(TORCH_BACKENDS)} (a random-weight model runs on torch)"
@@ -228,7 +208,7 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
     configs = plan_configs(plan.backends, plan.methods, plan.budgets, anchor=anchor)
     order = schedule(configs, plan.lengths, plan.repeats)
     check_int("concurrency", plan.batch, 1, MAX_BATCH)
-    if plan.batch > 1 and any(c.backend not in TORCH_BACKENDS for c in configs):
+    if plan.batch > 1 and any(not ALL[c.backend].torch_devices for c in configs):
         raise ConfigError(
             "concurrency",
             plan.batch,
@@ -242,12 +222,13 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
         if not isinstance(n, int) or not MIN_LENGTH <= n <= (context or n + plan.new_tokens) - plan.new_tokens:
             top = f"{context - plan.new_tokens} (the model's context {context} less --new-tokens)" if context else ""
             raise ConfigError("lengths", n, f"prompt lengths in [{MIN_LENGTH}, {top or 'the context'}]")
-    if any(c.backend in TORCH_BACKENDS for c in configs):
+    if any(ALL[c.backend].torch_devices for c in configs):
         from ov_kvcrush.engines.torch_device import resolve_device
 
         resolve_device(plan.device)  # a bad or missing device is refused before any model loads
-        if "hf-static-compiled" in plan.backends and not plan.device.lower().startswith(("cuda", "gpu")):
-            raise ConfigError("device", plan.device, "cuda for backend hf-static-compiled (it compiles CUDA graphs)")
+        for name in (c.backend for c in configs if ALL[c.backend].cuda_only):
+            if not plan.device.lower().startswith(("cuda", "gpu")):
+                raise ConfigError("device", plan.device, f"cuda for backend {name} (it compiles CUDA graphs)")
     elif plan.device.lower() != "cpu":
         raise ConfigError(
             "device", plan.device, "cpu (--device places the torch backends; OpenVINO backends run on CPU)"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.bench.measure import floor_ms
+from ov_kvcrush.serving.backends import backend_info
 
 #: keys every entry of ``results`` carries (the JSON schema's required part; more keys are added)
 RESULT_KEYS = ("backend", "method", "budget", "length", "ttft_ms", "tpot_ms", "kv_bytes", "peak_rss_bytes")
@@ -82,7 +83,7 @@ def summarize(
         r["tpot_vs_anchor"] = ratio(r["tpot_ms"], base, "tpot_ms")
         r["kv_vs_anchor"] = ratio(r["kv_bytes"], base, "kv_bytes")
         r["ttft_vs_anchor"] = ratio(r["ttft_ms"], base, "ttft_ms")
-        native = base if anchor == "genai" else None
+        native = base if backend_info(anchor).native else None
         r["tpot_vs_native_full"] = ratio(r["tpot_ms"], native, "tpot_ms")
         r["kv_vs_native_full"] = ratio(r["kv_bytes"], native, "kv_bytes")
         if static:

@@ -11,7 +11,6 @@ from typing import Any
 
 from ov_kvcrush.bench import measure
 from ov_kvcrush.bench.plan import (
-    TORCH_BACKENDS,
     BenchConfig,
     BenchPlan,
     anchor_backend,
@@ -39,12 +38,10 @@ def run_bench(
     say = progress or (lambda line: None)
     models: dict[str, Any] = {}
     if engine_factory is None:  # export/convert once, here, before the workers share the cache
-        from ov_kvcrush.engines import resolve_model
+        from ov_kvcrush.serving.backends import resolve_model
 
-        # the transformers baselines run the torch engine's model
-        models = {
-            c.backend: resolve_model("torch" if c.backend in TORCH_BACKENDS else c.backend, plan.model) for c in configs
-        }
+        # the transformers baselines run the torch engine's model (a checkpoint)
+        models = {c.backend: resolve_model(c.backend, plan.model) for c in configs}
     runners: dict[str, Any] = {}
     t_start = time.time()
     try:

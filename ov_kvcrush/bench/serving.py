@@ -34,6 +34,7 @@ from typing import Any
 from ov_kvcrush.bench import measure
 from ov_kvcrush.bench.plan import BenchConfig, compression, plan_configs
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.serving.backends import backend_info, resolve_model
 from ov_kvcrush.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ov_kvcrush.validation import check_int
 
@@ -76,7 +77,7 @@ def checked_configs(plan: ServingPlan) -> list[BenchConfig]:
 
 def serve_config(cfg: BenchConfig, plan: ServingPlan, model_dir: str, prompts: list[str]) -> dict[str, Any]:
     """One configuration's run (in a worker process): build, warm up, serve every prompt, measure."""
-    if cfg.backend == "genai":
+    if backend_info(cfg.backend).native:
         server = _NativeServer(cfg, plan, model_dir)
     else:
         server = _OurServer(cfg, plan, model_dir)
@@ -204,8 +205,8 @@ class _OurServer(_Loop):
         import openvino_genai as ov_genai
 
         from ov_kvcrush.config import GenerationSettings
-        from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
         from ov_kvcrush.serving import ContinuousBatchingPipeline
+        from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
         sc = ov_genai.SchedulerConfig()
         sc.max_num_batched_tokens = plan.max_num_batched_tokens
@@ -259,7 +260,6 @@ def run_serving(plan: ServingPlan, progress: Callable[[str], None] | None = None
     """Every configuration, one after another, each in its own process; the JSON document."""
     import multiprocessing
 
-    from ov_kvcrush.engines import resolve_model
     from ov_kvcrush.engines.genai import encode_prompt
     from ov_kvcrush.eval.tasks import passkey_prompt
 
@@ -358,7 +358,7 @@ def plot_serving(doc: dict[str, Any], path: Any) -> None:
     rows = doc["results"]
     labels = [r["label"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2.5))
-    colors = ["tab:gray" if r["backend"] == "genai" else "tab:blue" for r in rows]
+    colors = ["tab:gray" if backend_info(r["backend"]).native else "tab:blue" for r in rows]
     axes[0].barh(labels, [r["throughput_tps"] for r in rows], color=colors)
     axes[0].set_xlabel("generated tokens/s (higher is better)")
     axes[1].barh(labels, [r["ttft_p50_ms"] / 1e3 for r in rows], color=colors)

@@ -11,19 +11,13 @@ from typing import Any
 from ov_kvcrush.bench import measure
 from ov_kvcrush.bench.plan import BenchConfig, compression
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.serving.backends import backend_info, make_engine
 
 
 def build_engine(cfg: BenchConfig, model: str | Path, device: str) -> Any:
     """The engine a configuration runs, on an already resolved model."""
-    from ov_kvcrush.bench.plan import HF_BASELINE_BACKENDS
-    from ov_kvcrush.engines import make_engine
-
-    if cfg.backend in HF_BASELINE_BACKENDS:
-        from ov_kvcrush.engines.hf_baseline import HFBaselineEngine
-
-        return HFBaselineEngine(model, compression(cfg), device=device, backend=cfg.backend)
     # the OpenVINO backends name their device as OpenVINO does
-    return make_engine(cfg.backend, model, compression(cfg), device=device if cfg.backend == "torch" else "CPU")
+    return make_engine(cfg.backend, model, compression(cfg), device=backend_info(cfg.backend).device_name(device))
 
 
 class LocalRunner:

@@ -22,10 +22,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     json_out = prepare_output("--json", args.json_out)
     plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
     markdown_out = prepare_output("--markdown", args.markdown)
-    from ov_kvcrush.bench.plan import TORCH_BACKENDS
+    from ov_kvcrush.serving.backends import ALL
 
     backends = split_values("--backends", args.backends, parse_name)
-    batched = args.concurrency is not None and set(backends) <= set(TORCH_BACKENDS)
+    batched = args.concurrency is not None and all(b in ALL and ALL[b].torch_devices for b in backends)
     if args.kv_pool_mib is not None or (args.concurrency is not None and not batched):
         return _bench_serving(args, json_out, plot_out, markdown_out)
     plan = BenchPlan(

@@ -21,6 +21,7 @@ from typing import TextIO
 from ov_kvcrush.config import GenerationSettings, parse_method_budget
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.pipeline import LLMPipeline
+from ov_kvcrush.serving.backends import engine_options
 from ov_kvcrush.serving.chat import CHAT_METHOD, chat_method
 
 
@@ -92,11 +93,7 @@ def chat(
     Commands never reach the model. On a terminal the line editor takes long and multi-line
     pastes whole (a terminal's own line buffer cuts lines past 4095 characters).
     """
-    options = {}
-    if args.kv_precision is not None:
-        if args.backend != "openvino":
-            raise UserError(f"--kv-precision is for --backend openvino, got --backend={args.backend}")
-        options["kv_precision"] = args.kv_precision
+    options = engine_options(args.backend, {"kv_precision": ("--kv-precision", args.kv_precision, None)})
     method = chat_method(args.method, args.budget)
     compression = parse_method_budget(method, args.budget)
     settings = GenerationSettings(

@@ -81,23 +81,23 @@ def label(backend: str, cfg: CompressionConfig) -> str:
 
 def run_demo(tokens: int, budget: int, with_torch: bool, say: Callable[[str], None] = print) -> list[DemoRow]:
     """Run every configuration on one passkey prompt of about ``tokens`` tokens; print as it goes."""
-    from ov_kvcrush.engines import make_engine, resolve_model
     from ov_kvcrush.eval.tasks import passkey_prompt
+    from ov_kvcrush.serving.backends import make_engine, resolve_model
 
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
     plan = runs(budget, with_torch)
     backends = dict.fromkeys(b for b, _ in plan)
     models = {b: resolve_model(b, None) for b in backends}
-    say(f"model: {models['genai']}" + (f" (torch: {models['torch']})" if "torch" in models else ""))
-    shared: dict[str, Any] = {}  # our op and torch: one engine each, the method switched per row
+    (_, first), *others = models.items()
+    say(f"model: {first}" + "".join(f" ({b}: {m})" for b, m in others if m != first))
+    shared: dict[str, Any] = {}  # one engine a backend, the method switched per row where it can be
     sample = None
     rows = []
     for backend, cfg in plan:
-        if backend == "genai":
-            engine = make_engine(backend, models[backend], cfg)  # native: the config is fixed per pipeline
+        engine = shared.get(backend)
+        if engine is None or not engine.capabilities.switches_compression:  # native: fixed per pipeline
+            engine = shared[backend] = make_engine(backend, models[backend], cfg)
         else:
-            engine = shared.get(backend) or make_engine(backend, models[backend], cfg)
-            shared[backend] = engine
             engine.set_compression(cfg)
         if sample is None:
             sample = passkey_prompt(tokens, lambda t, e=engine: len(e.encode(t)), seed=7)

@@ -29,7 +29,7 @@ def main() -> int:
     import openvino_tokenizers  # noqa: F401
 
     try:  # the evaluation's offline text and word lists
-        from ov_kvcrush.eval import corpus
+        from ov_kvcrush import corpus
 
         corpus.essay_files()
         corpus.word_list("noun")

@@ -36,8 +36,8 @@ def add_inspect_arguments(sub: argparse._SubParsersAction) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import parse_method_budget, parse_options
-    from ov_kvcrush.engines import resolve_model
     from ov_kvcrush.eval.inspector import inspect_prompt, plot_inspection
+    from ov_kvcrush.serving.backends import resolve_model
 
     json_out = prepare_output("--json", args.json_out)
     plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)

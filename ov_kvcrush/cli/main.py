@@ -273,8 +273,9 @@ _TASKS = ("passkey", "niah_single", "niah_multikey", "vt", "ppl")
 def cmd_eval(args: argparse.Namespace) -> int:
     import shlex
 
+    from ov_kvcrush.config import MethodSpec
     from ov_kvcrush.eval.report import format_table, plot, write_json
-    from ov_kvcrush.eval.runner import EvalPlan, MethodSpec, run_eval
+    from ov_kvcrush.eval.runner import EvalPlan, run_eval
 
     json_out = prepare_output("--json", args.json_out)
     plot_out = prepare_output("--plot", args.plot, PLOT_SUFFIXES)
@@ -324,7 +325,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ov_kvcrush.config import GenerationSettings, parse_method_budget, parse_options
-    from ov_kvcrush.engines import make_engine, resolve_model
+    from ov_kvcrush.serving.backends import check_backend, engine_options, make_engine, resolve_model
 
     json_out = prepare_output("--json", args.json_out)
     compression = parse_method_budget(
@@ -336,24 +337,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, apply_chat_template=not args.no_chat_template)
     prompt = read_prompt_file(args.prompt_file)
-    extra = {}
-    if args.backend == "torch":
-        extra["dtype"] = args.dtype
-    elif args.dtype != "auto":
-        raise UserError(f"--dtype is for --backend torch, got --backend={args.backend}")
-    if args.paged_device is not None:
-        if args.backend != "torch":
-            raise UserError(f"--paged-device is for --backend torch, got --backend={args.backend}")
+    backend = check_backend(args.backend)
+    flags = {"dtype": ("--dtype", args.dtype, "auto"), "paged_device": ("--paged-device", args.paged_device, None)}
+    flags["kv_precision"] = ("--kv-precision", args.kv_precision, None)
+    extra = engine_options(args.backend, flags)
+    if "paged_device" in extra:
         from ov_kvcrush.gpu import runtime
 
         runtime.prepare()  # before anything imports openvino (its TBB hides Intel's OpenCL runtime)
-        extra["paged_device"] = args.paged_device
-    if args.kv_precision is not None:
-        if args.backend != "openvino":
-            raise UserError(f"--kv-precision is for --backend openvino, got --backend={args.backend}")
-        extra["kv_precision"] = args.kv_precision
     if args.native_gguf:
-        if args.backend != "genai":
+        if not backend.native:
             raise UserError(f"--native-gguf is only for --backend genai, got --backend={args.backend}")
         from ov_kvcrush.models.export import resolve_source
 

@@ -160,6 +160,43 @@ def check_context(prompt_tokens: int, new_tokens: int, limit: int | None) -> Non
         )
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, declared by each engine class (its ``capabilities``): callers ask the
+    engine, never its backend's name.
+
+    Attributes:
+        switches_compression: ``set_compression`` switches the method in place (native
+            ``openvino_genai`` fixes it per pipeline: a new engine per configuration).
+        shares_prompt: ``generate_each`` fills every configuration's cache from one pass over the
+            prompt (the evaluations' grid at the cost of one prefill).
+        asks_question_after: ``generate(..., question=)`` compresses the context, then asks.
+        keeps_chat_cache: ``generate_in_cache`` continues the sequence that holds the
+            conversation (a chat turn prefills only what is new); else each turn is the whole
+            conversation.
+        batches: a continuous-batching loop serves its requests (``batcher``).
+        tracks_recall: the recall methods measure their top-budget recall against the model's
+            real attention at every step.
+        scores_continuations: ``score_continuation_each`` (perplexity) runs.
+        solves_kv_bytes: a budget can be solved for a target of KV bytes (equal memory): by the
+            reference's caches, or by our op's probe.
+        measures_held_bytes: the bytes a configuration holds are measured without the model
+            (our op's probe: the equal-memory budgets are solved on it).
+        takes_method_options: a method's own options apply (native eviction has its own settings).
+    """
+
+    switches_compression: bool = True
+    shares_prompt: bool = False
+    asks_question_after: bool = False
+    keeps_chat_cache: bool = False
+    batches: bool = False
+    tracks_recall: bool = False
+    scores_continuations: bool = False
+    solves_kv_bytes: bool = False
+    measures_held_bytes: bool = False
+    takes_method_options: bool = True
+
+
 @dataclass
 class GenerationResult:
     """One generation and what it cost.

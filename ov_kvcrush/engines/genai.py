@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ov_kvcrush.config import (
     CompressionConfig,
@@ -27,6 +27,7 @@ from ov_kvcrush.config import (
     to_native_scheduler_config,
 )
 from ov_kvcrush.engines.base import (
+    Capabilities,
     GenerationResult,
     Prompt,
     Streamer,
@@ -95,6 +96,8 @@ class GenAIEngine:
     """
 
     backend = "genai"
+    #: openvino_genai fixes a pipeline's cache eviction at its start; its own settings, no method options
+    capabilities: ClassVar[Capabilities] = Capabilities(switches_compression=False, takes_method_options=False)
 
     def __init__(
         self,
@@ -164,6 +167,10 @@ class GenAIEngine:
         return self._block_bytes
 
     # -- prompts ------------------------------------------------------------------------------
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` as raw text (no template, no special tokens)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False).input_ids.data[0])
+
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
         return encode_prompt(self.tokenizer, prompt, apply_chat_template)

@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, equal_length_groups, step_ms, ttft_tpot_ms
+from ov_kvcrush.engines.base import (
+    Capabilities,
+    GenerationResult,
+    Prompt,
+    Streamer,
+    equal_length_groups,
+    step_ms,
+    ttft_tpot_ms,
+)
 from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.errors import ConfigError
 
@@ -59,6 +67,8 @@ class HFBaselineEngine(TorchEngine):
     """
 
     attn_implementation = "sdpa"
+    #: transformers' own cache: the full cache only, one sequence's generate at a time
+    capabilities: ClassVar[Capabilities] = Capabilities(switches_compression=False, takes_method_options=False)
 
     def __init__(
         self,

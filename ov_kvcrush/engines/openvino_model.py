@@ -11,7 +11,7 @@ OpenVINO's, so a step runs at the speed of the plugin plus our attention.
 This module is the backend's lower half: :meth:`OpenVINOModel.forward` feeds one step, and the
 step inputs of a batch of sequences are built here. Generating (sampling, stopping, streaming,
 results, chat turns) is the one loop of :mod:`ov_kvcrush.serving.loop`;
-:class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine` puts the two together.
+:class:`~ov_kvcrush.serving.openvino_engine.OpenVINOEngine` puts the two together.
 
 Tokenisation is openvino_tokenizers' (through ``openvino_genai.Tokenizer``, which runs the
 ``openvino_tokenizer.xml``/``openvino_detokenizer.xml`` models written by the export).
@@ -29,20 +29,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig
-from ov_kvcrush.engines import calibration, model_inputs
+from ov_kvcrush.engines import calibration
 from ov_kvcrush.engines.base import Prompt, model_context
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.engines.model_family import check_family, layer_windows, sliding_context
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.engines.scoring_pass import ScoringPass
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.op import step_inputs
 from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence, infer_steps
 from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.op.method_spec import method_spec
 from ov_kvcrush.op.plugin import PluginError
 
 if TYPE_CHECKING:
-    from ov_kvcrush.gpu.plugin_model import PluginModel
+    from ov_kvcrush.engines.gpu_plugin_model import PluginModel
 
 #: KV precision of the op's cache by default: u8, as OpenVINO's CPU plugin (and so native
 #: openvino_genai) stores its cache on CPU; f16 and f32 on request.
@@ -93,7 +94,7 @@ class OpenVINOModel:
             eviction, the 2-bit store ...), as the torch reference defines it.
         device: ``CPU`` (the op, a CPU extension), or ``GPU``: an Intel GPU through OpenVINO's
             GPU plugin with our layers in place of its attention and the methods' kernels over
-            the same pool (:mod:`ov_kvcrush.gpu.plugin_model`; the methods of
+            the same pool (:mod:`ov_kvcrush.engines.gpu_plugin_model`; the methods of
             :data:`~ov_kvcrush.gpu.plugin_cache.PLUGIN_METHODS`, one sequence a step, whole
             prompts). Without an Intel GPU, ``GPU`` fails at once, naming what is missing.
         kv_precision: ``u8`` (default on CPU: 8-bit codes with a per-token min and scale, as native
@@ -147,7 +148,7 @@ class OpenVINOModel:
         #: our layers in OpenVINO's GPU plugin (device GPU), else None: the CPU op
         self.plugin: PluginModel | None = None
         if self.device == "GPU":
-            from ov_kvcrush.gpu.plugin_model import plugin_engine_model
+            from ov_kvcrush.engines.gpu_plugin_model import plugin_engine_model
 
             self.plugin = plugin_engine_model(self.model_dir, windows, kv_precision, block_size, self.properties)
             self.shape = self.plugin.shape
@@ -290,6 +291,10 @@ class OpenVINOModel:
             pass
 
     # -- prompts ------------------------------------------------------------------------------
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` as raw text (no template, no special tokens)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False).input_ids.data[0])
+
     def encode(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """Token ids of ``prompt``; strings get the chat template, as openvino_genai does."""
         return encode_prompt(self.tokenizer, prompt, apply_chat_template)
@@ -341,9 +346,9 @@ class OpenVINOModel:
     def prefill(self, ids: list[int]) -> np.ndarray:
         """:meth:`forward` for a prompt; a first prompt (nothing cached) goes in as two chunks of
         one prompt (:meth:`KVSequence.set_prompt`, the method selects once over the whole of it):
-        the largest multiple of :data:`~ov_kvcrush.engines.model_inputs.FAST_STEP_TOKENS`, then
+        the largest multiple of :data:`~ov_kvcrush.op.step_inputs.FAST_STEP_TOKENS`, then
         the rest."""
-        cut = len(ids) if self.cache.ids or self.plugin else model_inputs.fast_prompt_cut(len(ids))
+        cut = len(ids) if self.cache.ids or self.plugin else step_inputs.fast_prompt_cut(len(ids))
         if cut == len(ids):
             return self.forward(ids)
         self.sequence.set_prompt(len(ids))
@@ -388,14 +393,14 @@ class OpenVINOModel:
         }
 
     def step_inputs(self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]) -> dict[str, np.ndarray]:
-        """One step of several sequences, equal token counts (:func:`model_inputs.step_inputs`)."""
-        return model_inputs.step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
+        """One step of several sequences, equal token counts (:func:`step_inputs.step_inputs`)."""
+        return step_inputs.step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
 
     def ragged_step_inputs(
         self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]
     ) -> dict[str, np.ndarray]:
-        """One step of several sequences, any token counts (:func:`model_inputs.ragged_step_inputs`)."""
-        return model_inputs.ragged_step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
+        """One step of several sequences, any token counts (:func:`step_inputs.ragged_step_inputs`)."""
+        return step_inputs.ragged_step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
 
 
 def _kv_precision(value: Any, properties: dict | None, default: str) -> str:

@@ -25,13 +25,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines import calibration
 from ov_kvcrush.engines.base import (
+    Capabilities,
     GenerationResult,
     Prompt,
     Streamer,
@@ -92,6 +93,13 @@ class TorchEngine:
     """
 
     backend = "torch"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        shares_prompt=True,
+        asks_question_after=True,
+        tracks_recall=True,
+        scores_continuations=True,
+        solves_kv_bytes=True,
+    )
     #: the attention the model is loaded with (the transformers baselines load ``sdpa``)
     attn_implementation = ATTN_IMPLEMENTATION
 
@@ -180,6 +188,10 @@ class TorchEngine:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)  # the template has the BOS
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` as raw text (no template, no special tokens)."""
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def full_kv_bytes(self, tokens: int) -> int:
         """Bytes transformers' ``DynamicCache`` holds for ``tokens`` tokens (sliding layers capped)."""

@@ -21,78 +21,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ov_kvcrush.config import STORE_WIDTHS, CompressionConfig, GenerationSettings, split_store
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, MethodSpec
+from ov_kvcrush.engines.base import Capabilities
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.eval.budget import BudgetChoice, block_bytes, solve_budget
 from ov_kvcrush.eval.data import DATA_TASK, read_jsonl
 from ov_kvcrush.eval.scoring import agreement
-from ov_kvcrush.methods import REGISTRY, QuantSettings, methods_for
+from ov_kvcrush.methods import REGISTRY
+from ov_kvcrush.op.probe import OpProbe
+from ov_kvcrush.serving.backends import backend_info, make_engine, resolve_model
 from ov_kvcrush.validation import MAX_TOKENS, check_int
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_BUDGETS = (128, 256, 512)
-EVAL_BACKENDS = ("torch", "openvino", "genai")
+EVAL_BACKENDS = ("torch", "openvino", "genai")  # --backend's choices here, in its help's order
 #: How a sample is put to the model: the chat template, or raw text and an answer prefix.
 PROMPT_FORMATS = ("chat", "completion")
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method as the evaluation names it: a registry name, optionally with method options
-    (``snapkv:block_size=32``) and over a quantized store (``name+2bit``, ``name+4bit``,
-    ``name+k2v4`` for keys 2 and values 4 bits), e.g. ``snapkv:block_size=32+4bit``."""
-
-    method: str
-    quant: bool = False
-    store: str = "2bit"
-    options: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> MethodSpec:
-        from ov_kvcrush.config import parse_options
-
-        allowed = (
-            "registry names ("
-            + ", ".join(REGISTRY)
-            + "), optionally with :KEY=VALUE options and +"
-            + ", +".join(STORE_WIDTHS)
-        )
-        try:
-            head, store = split_store(text)
-        except ConfigError:
-            raise ConfigError("methods", text, allowed) from None
-        name, *opts = head.split(":")
-        if name not in REGISTRY:
-            raise ConfigError("methods", text, allowed)
-        field = REGISTRY[name].__dataclass_fields__.get("quant")
-        quantized_already = field is not None and field.default is not None  # MiniKV: 2-bit by default
-        if store and (field is None or (quantized_already and store == "2bit")):
-            raise ConfigError("methods", text, f"+{store} on a method whose store is full precision ({name} cannot)")
-        options = tuple(sorted(parse_options(opts, flag=f"--methods {name}:").items()))
-        spec = cls(name, bool(store), store or "2bit", options)
-        if name != "full":
-            spec.compression(None if not REGISTRY[name].needs_budget else 4096).method_config()  # names a bad option
-        return spec
-
-    @property
-    def label(self) -> str:
-        opts = "".join(f":{k}={v}" for k, v in self.options)
-        return self.method + opts + (f"+{self.store}" if self.quant else "")
-
-    def compression(self, budget: int | None, track_recall: bool = True) -> CompressionConfig:
-        """The config at ``budget`` (recall methods also measure their top-B recall rate)."""
-        if self.method == "full":
-            return CompressionConfig()
-        options: dict[str, Any] = dict(self.options)
-        if self.quant:
-            kbits, vbits = STORE_WIDTHS[self.store]
-            options["quant"] = QuantSettings(key_bits=kbits, value_bits=vbits)
-        if track_recall and "track_recall" in REGISTRY[self.method].__dataclass_fields__:  # a recall method
-            options["track_recall"] = True
-        # the windows are CompressionConfig's own fields, not method options
-        sinks, recent = options.pop("sink_tokens", None), options.pop("recent_tokens", None)
-        return CompressionConfig(self.method, budget, sink_tokens=sinks, recent_tokens=recent, options=options)
 
 
 @dataclass(frozen=True)
@@ -174,20 +119,15 @@ class EvalPlan:
         check_int("ppl_tokens", self.ppl_tokens, 1, 4096)
         if not all(isinstance(m, MethodSpec) for m in self.methods):
             raise ConfigError("methods", self.methods, "MethodSpec items (MethodSpec.parse('kvcrush+2bit'))")
-        if self.backend == "openvino":
-            bad = [m.label for m in self.methods if m.method not in methods_for("openvino")]
-            if bad:
-                raise ConfigError(
-                    "methods", ",".join(bad), "on backend openvino: " + ", ".join(methods_for("openvino"))
-                )
-        if self.backend == "genai":
-            bad = [m.label for m in self.methods if m.method not in methods_for("genai") or m.quant]
-            if bad:
-                raise ConfigError("methods", ",".join(bad), "on backend genai: " + ", ".join(methods_for("genai")))
-            if self.equal_memory:
-                raise ConfigError(
-                    "kv_bytes", self.kv_bytes or self.kv_ratio, "unset on backend genai (torch and openvino only)"
-                )
+        runs = backend_info(self.backend).methods()
+        can = self.capabilities()
+        bad = [m.label for m in self.methods if m.method not in runs or (m.quant and not can.takes_method_options)]
+        if bad:
+            raise ConfigError("methods", ",".join(bad), f"on backend {self.backend}: " + ", ".join(runs))
+        if self.equal_memory and not can.solves_kv_bytes:
+            raise ConfigError(
+                "kv_bytes", self.kv_bytes or self.kv_ratio, f"unset on backend {self.backend} (torch and openvino only)"
+            )
         if self.equal_memory:
             scoring = [m.label for m in self.compressed() if REGISTRY[m.method].scoring_pass]
             if scoring:
@@ -199,11 +139,13 @@ class EvalPlan:
                 )
         if self.prompt_format not in PROMPT_FORMATS:
             raise ConfigError("prompt_format", self.prompt_format, "one of " + ", ".join(PROMPT_FORMATS))
-        if self.question_after and self.backend == "genai":
-            raise ConfigError("question_after", True, "false on backend genai (torch and openvino ask it after)")
+        if self.question_after and not can.asks_question_after:
+            raise ConfigError(
+                "question_after", True, f"false on backend {self.backend} (torch and openvino ask it after)"
+            )
         if self.question_after and "ppl" in self.tasks and self.data is None:
             raise ConfigError("tasks", "ppl", "generation tasks with question_after (ppl has no question)")
-        if self.backend != "torch" and "ppl" in self.tasks and self.data is None:
+        if not can.scores_continuations and "ppl" in self.tasks and self.data is None:
             raise ConfigError(
                 "tasks", "ppl", f"generation tasks on backend {self.backend} (ppl needs the torch engine)"
             )
@@ -216,13 +158,16 @@ class EvalPlan:
     def equal_memory(self) -> bool:
         return bool(self.kv_bytes or self.kv_ratio)
 
+    def capabilities(self) -> Capabilities:
+        """What the backend's engine can do (asked of its class: nothing is loaded)."""
+        return backend_info(self.backend).engine_class().capabilities
+
     def compressed(self) -> list[MethodSpec]:
         """The compressing methods of the plan (the default: every method the backend runs)."""
 
         specs = list(self.methods) or [MethodSpec(m) for m in REGISTRY]
-        if self.backend != "torch":
-            specs = [s for s in specs if s.method in methods_for(self.backend)]
-        return [s for s in specs if s.method != "full"]
+        runs = backend_info(self.backend).methods()
+        return [s for s in specs if s.method in runs and s.method != "full"]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -248,93 +193,77 @@ class EvalReport:
 
 
 class _Runner:
-    """Runs one sample under a list of compressions on the plan's backend."""
+    """Runs one sample under a list of compressions on the plan's backend, asking its engine what
+    it can do (:class:`~ov_kvcrush.engines.base.Capabilities`)."""
 
     def __init__(self, plan: EvalPlan) -> None:
-        from ov_kvcrush.engines import resolve_model
-
+        info = backend_info(plan.backend)
         self.plan = plan
         self.model_dir = resolve_model(plan.backend, plan.model)
         self.settings = GenerationSettings(
             max_new_tokens=plan.max_new_tokens, apply_chat_template=plan.prompt_format == "chat"
         )
-        if plan.backend == "torch":
-            from ov_kvcrush.engines.torch_engine import TorchEngine
+        self.device = info.device_name(plan.device)
+        options = {"dtype": plan.dtype} if "dtype" in info.options() else {}
+        self.engine = make_engine(plan.backend, self.model_dir, None, self.device, **options)
+        self.can: Capabilities = self.engine.capabilities
+        #: engines whose compression is fixed (native), one per configuration
+        self._fixed = {repr(self.engine.compression): self.engine}
+        self.probe = OpProbe.for_engine(self.engine) if self.can.measures_held_bytes else None
 
-            self.torch = TorchEngine(self.model_dir, device=plan.device, dtype=plan.dtype)
-            self.shape = self.torch.shape
-            self._count = lambda text: len(self.torch.tokenizer(text, add_special_tokens=False).input_ids)
-        elif plan.backend == "openvino":
-            from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-            from ov_kvcrush.op.probe import OpProbe
+    @property
+    def shape(self) -> Any:
+        """The model's attention shape (``None`` where the backend solves no budgets)."""
+        return self.engine.shape if self.can.solves_kv_bytes else None
 
-            self.torch = None
-            self.openvino = OpenVINOEngine(self.model_dir, device=plan.device.upper())
-            self.shape = self.openvino.shape
-            self.probe = OpProbe.for_engine(self.openvino)
-            tok = self.openvino.tokenizer
-            self._count = lambda text: len(tok.encode(text, add_special_tokens=False).input_ids.data[0])
-        else:
-            self.torch = None
-            self.shape = None
-            self._genai: dict[str, Any] = {}
-            ref = self._genai_engine(CompressionConfig())
-            self._count = lambda text: len(ref.tokenizer.encode(text, add_special_tokens=False).input_ids.data[0])
-
-    def _genai_engine(self, config: CompressionConfig):
-        from ov_kvcrush.engines.genai import GenAIEngine
-
+    def _engine(self, config: CompressionConfig) -> Any:
+        """The engine that runs ``config``: the one engine, switched; or one per configuration."""
+        if self.can.switches_compression:
+            self.engine.set_compression(config)
+            return self.engine
         key = repr(config)
-        if key not in self._genai:
-            self._genai[key] = GenAIEngine(self.model_dir, config, device=self.plan.device.upper())
-        return self._genai[key]
+        if key not in self._fixed:
+            self._fixed[key] = make_engine(self.plan.backend, self.model_dir, config, self.device)
+        return self._fixed[key]
 
     def count_tokens(self, text: str) -> int:
-        return self._count(text)
+        return self.engine.count_tokens(text)
 
     def generate(self, prompt: str, configs: list[CompressionConfig], question: str | None = None):
-        if self.torch is not None:
-            return self.torch.generate_each(prompt, configs, self.settings, question=question)
-        if self.plan.backend == "openvino":  # one compiled model, a pool per method
-            out = []
-            for c in configs:
-                self.openvino.set_compression(c)
-                out.append(self.openvino.generate(prompt, self.settings, question=question))
-            return out
-        return [self._genai_engine(c).generate(prompt, self.settings) for c in configs]
+        if self.can.shares_prompt:  # one pass over the prompt fills every configuration's cache
+            return self.engine.generate_each(prompt, configs, self.settings, question=question)
+        asked = {} if question is None else {"question": question}
+        return [self._engine(c).generate(prompt, self.settings, **asked) for c in configs]
 
     def full_kv_bytes(self, tokens: int) -> int:
-        """Bytes of the full cache for ``tokens`` tokens, in this backend's storage."""
-        if self.plan.backend == "openvino":  # the full cache's blocks, whichever pool is set now
-            return self.openvino.full_kv_bytes(tokens, self.openvino.default_block_size)
-        assert self.shape is not None
-        return self.shape.full_kv_bytes(tokens)
+        """Bytes of the full cache for ``tokens`` tokens, in this backend's storage (our op: the
+        full cache's blocks, whichever pool is set now)."""
+        if self.can.measures_held_bytes:
+            return self.engine.full_kv_bytes(tokens, self.engine.default_block_size)
+        return self.engine.full_kv_bytes(tokens)
 
     def block_bytes(self) -> int:
         """The solver's precision: one block of tokens of every layer, in this backend's storage."""
-        if self.plan.backend == "openvino":
-            return self.full_kv_bytes(self.openvino.default_block_size)
-        assert self.shape is not None
-        return block_bytes(self.shape)
+        if self.can.measures_held_bytes:
+            return self.full_kv_bytes(self.engine.default_block_size)
+        return block_bytes(self.engine.shape)
 
     def held_bytes(self, length: int) -> Callable[[CompressionConfig], int] | None:
         """What measures a config's bytes at ``length`` (``None``: the torch reference's caches)."""
-        if self.plan.backend != "openvino":
+        probe = self.probe
+        if probe is None:
             return None
-        return lambda c: self.probe.held_bytes(c, length, self.plan.max_new_tokens)
+        return lambda c: probe.held_bytes(c, length, self.plan.max_new_tokens)
 
     def perplexity(self, sample: T.PerplexitySample, configs: list[CompressionConfig]):
-        assert self.torch is not None
-        return self.torch.score_continuation_each(sample.context, sample.continuation, configs)
+        return self.engine.score_continuation_each(sample.context, sample.continuation, configs)
 
     def tokenize_raw(self, text: str) -> list[int]:
-        assert self.torch is not None
-        return list(self.torch.tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self.engine.tokenizer(text, add_special_tokens=False).input_ids)
 
     def bos(self) -> int | None:
-        assert self.torch is not None
-        ids = self.torch.tokenizer("x", add_special_tokens=True).input_ids
-        plain = self.torch.tokenizer("x", add_special_tokens=False).input_ids
+        ids = self.engine.tokenizer("x", add_special_tokens=True).input_ids
+        plain = self.engine.tokenizer("x", add_special_tokens=False).input_ids
         return ids[0] if len(ids) > len(plain) else None
 
 
@@ -402,7 +331,7 @@ def run_eval(plan: EvalPlan, progress: bool = True, log: Callable[[str], None] =
     bar = tqdm(total=total, disable=not progress, unit="run", desc="eval")
     for length in lengths:
         grid = [(label, budget, target) for label, pairs in per_length[length].items() for budget, target in pairs]
-        recall = plan.backend == "torch"  # the op does not track the recall rate
+        recall = runner.can.tracks_recall  # the op does not track the recall rate
         configs = [CompressionConfig()] + [specs[label].compression(b, track_recall=recall) for label, b, _ in grid]
         for task in task_names:
             for index in range(n_samples):

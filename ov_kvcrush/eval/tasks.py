@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ov_kvcrush.eval import corpus
+from ov_kvcrush import corpus
 from ov_kvcrush.eval.scoring import score_output
 
 CountTokens = Callable[[str], int]

@@ -14,8 +14,8 @@ The layer is read when the process's OpenCL loader starts, so :func:`enable` mus
 OpenCL call (``openvino`` may be imported, the GPU plugin not yet used); :func:`worker` gives a
 fresh process that enables it first. ``python -m ov_kvcrush.gpu.emulation build`` builds it (g++,
 cached per source, written whole or not at all); ``... check`` runs a small model on the plugin's
-``GPU`` and on ``CPU`` and prints the largest difference; ``... native`` generates greedily with
-native ``openvino_genai`` on both and says whether the texts are equal.
+``GPU`` and on ``CPU`` and prints the largest difference (native ``openvino_genai``'s greedy text
+on both: ``python -m ov_kvcrush.tools.gpu_native``).
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ FLAGS = ("-std=c11", "-O2", "-shared", "-fPIC")
 #: the OpenCL headers the layer needs (intel-sycl-rt ships them under the environment's include/)
 HEADERS = ("CL/cl.h", "CL/cl_icd.h", "CL/cl_layer.h")
 INSTALL_HINT = "pip install intel-sycl-rt (its include/CL headers), and a C compiler"
-#: ``native``'s prompt and length (the plugin compiles the model in about 30 s on 2 cores)
-NATIVE_PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
-NATIVE_TOKENS = 12
 
 
 def source() -> Path:
@@ -71,7 +68,7 @@ def _compiler() -> str:
 
 def library_path() -> Path:
     """The built layer for this source and compiler (not necessarily built yet)."""
-    from ov_kvcrush.models.embedded import cache_root
+    from ov_kvcrush.paths import cache_root
 
     key = hashlib.sha256(source().read_bytes() + " ".join((*FLAGS, _compiler_path() or "")).encode())
     return cache_root() / "plugins" / f"gpu-emulation-{key.hexdigest()[:12]}" / "libovkc_gpu_identity_layer.so"
@@ -176,37 +173,6 @@ def check(rows: int = 7) -> CheckResult:
     return CheckResult(device, float(np.abs(out["GPU"] - out["CPU"]).max()))
 
 
-@dataclass(frozen=True)
-class NativeResult:
-    """Native ``openvino_genai`` greedy text on the plugin's ``GPU`` beside ``CPU``."""
-
-    device: str
-    texts: dict[str, str]
-    seconds: dict[str, float]
-
-
-def native_greedy(prompt: str, new_tokens: int) -> NativeResult:
-    """The embedded model through native ``openvino_genai.LLMPipeline`` (its stateful SDPA path,
-    in f32) on the plugin's ``GPU`` and on ``CPU``, greedy (:func:`enable` called first)."""
-    import time
-
-    import openvino_genai
-
-    from ov_kvcrush.models.export import ensure_default_model
-    from ov_kvcrush.op import plugin
-
-    device = plugin_device(plugin.shared_core())
-    path = str(ensure_default_model("fp32", progress=False))
-    config = openvino_genai.GenerationConfig(max_new_tokens=new_tokens, do_sample=False)
-    texts, seconds = {}, {}
-    for name in ("CPU", "GPU"):
-        t0 = time.perf_counter()
-        pipe = openvino_genai.LLMPipeline(path, name, INFERENCE_PRECISION_HINT="f32")
-        texts[name] = str(pipe.generate(prompt, config))
-        seconds[name] = round(time.perf_counter() - t0, 2)
-    return NativeResult(device, texts, seconds)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -218,19 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             result = check()
             print(f"OpenVINO's GPU plugin on {result.device}: largest difference from CPU {result.max_abs_error:.3g}")
             return 0 if result.max_abs_error < 1e-4 else 1
-        if args[:1] == ["native"]:
-            enable()
-            native = native_greedy(NATIVE_PROMPT, NATIVE_TOKENS)
-            for name, text in native.texts.items():
-                print(f"{name} ({native.seconds[name]} s, compile included): {text!r}")
-            same = native.texts["CPU"] == native.texts["GPU"]
-            verdict = "equals" if same else "differs from"
-            print(f"native greedy text on the plugin's GPU ({native.device}) {verdict} CPU's")
-            return 0 if same else 1
     except runtime.GPUPathError as e:
         print(f"emulation: {e}", file=sys.stderr)
         return 2
-    print("usage: python -m ov_kvcrush.gpu.emulation build [--force] | check | native", file=sys.stderr)
+    print("usage: python -m ov_kvcrush.gpu.emulation build [--force] | check", file=sys.stderr)
     return 2
 
 

@@ -1,7 +1,7 @@
 """The openvino backend's KV cache on an Intel GPU: the pool shared with OpenVINO's GPU plugin,
 each sequence's layer caches over it, and what a step feeds the model and does after it.
 
-The model (our layers in the plugin, :mod:`ov_kvcrush.gpu.plugin_model`) stores each step's keys
+The model (our layers in the plugin, :mod:`ov_kvcrush.engines.gpu_plugin_model`) stores each step's keys
 and values in the pool and attends them; the pool is our own OpenCL buffer
 (:class:`~ov_kvcrush.gpu.pool.DevicePool`), handed to the plugin as a remote tensor of a context
 made over our OpenCL context and queue, so the methods' kernels and the model's layers work on

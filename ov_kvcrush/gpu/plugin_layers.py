@@ -18,7 +18,7 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 Here are the layers and one-layer models of them (:func:`decode_step_model`,
 :func:`prefill_step_model`), verified on Intel's OpenCL CPU runtime under
 :mod:`~ov_kvcrush.gpu.emulation`; ``transformations/plugin_attention.py`` puts the store and
-prompt layers in a whole model (:mod:`~ov_kvcrush.gpu.plugin_model` runs it, full cache). The
+prompt layers in a whole model (:mod:`~ov_kvcrush.engines.gpu_plugin_model` runs it, full cache). The
 openvino engine does not drive it yet (docs/intel_gpu.md).
 """
 

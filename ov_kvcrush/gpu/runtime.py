@@ -66,7 +66,7 @@ def _write_icd(folder: Path, name: str, text: str) -> None:
 def _icd_dir(library: Path) -> Path:
     """A folder of ICD files: the system's (an Intel GPU's driver among them) and one naming
     ``library``, each written atomically."""
-    from ov_kvcrush.models.embedded import cache_root
+    from ov_kvcrush.paths import cache_root
 
     folder = cache_root() / "opencl-icd"
     folder.mkdir(parents=True, exist_ok=True)

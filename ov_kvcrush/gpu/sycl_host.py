@@ -62,7 +62,7 @@ def _runtime_version() -> str:
 
 def library_path() -> Path:
     """The built host for this source, compiler and runtime (not necessarily built yet)."""
-    from ov_kvcrush.models.embedded import cache_root
+    from ov_kvcrush.paths import cache_root
 
     text = source().read_bytes() + " ".join((*FLAGS, _runtime_version(), shutil.which("g++") or "")).encode()
     key = hashlib.sha256(text)
@@ -186,7 +186,7 @@ class SyclHost:
 def binary_path(text: str, options: list[str], identity: str) -> Path:
     """Where the device binary of ``text`` built with ``options`` on the device ``identity``
     (name and driver) is cached; the kernels' shared headers are part of the key."""
-    from ov_kvcrush.models.embedded import cache_root
+    from ov_kvcrush.paths import cache_root
 
     key = hashlib.sha256("\0".join([text, *options, identity]).encode())
     for header in sorted(kernel_dir().glob("*.h")):

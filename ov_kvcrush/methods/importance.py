@@ -95,6 +95,17 @@ from ov_kvcrush.validation import check_budget, check_choice, check_float, check
 # configs
 
 
+#: where H2O's selection and its kin run: the fast paths and the pool keep single tokens under
+#: uniform head budgets, our op takes spans but not adaptive budgets
+SELECTION_RUNTIMES: Declaration = {
+    "reference": (),
+    "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+    "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
+    "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+    "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
+}
+
+
 @dataclass(frozen=True)
 class EvictionConfig(MethodConfig):
     """Fields shared by the methods that keep ``budget`` tokens per layer and KV head.
@@ -235,14 +246,7 @@ class H2OConfig(EvictionConfig):
 
     name: ClassVar[str] = "h2o"
     departure: ClassVar[str] = "the paper's, with sinks kept and scores summed per KV head (GQA)"
-    runtimes: ClassVar[Declaration] = {
-        "reference": (),
-        "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
-        "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "genai": (),
-    }
+    runtimes: ClassVar[Declaration] = {**SELECTION_RUNTIMES, "genai": ()}
     evicts_quantized_chunks: ClassVar[bool] = True
     head_budgets: str = "uniform"
     min_head_tokens: int = 0
@@ -335,14 +339,7 @@ class SnapKVConfig(H2OConfig):
 
     name: ClassVar[str] = "snapkv"
     departure: ClassVar[str] = "pools over 31 tokens (paper: 7, `pool_kernel=7`) and keeps its budget while decoding"
-    runtimes: ClassVar[Declaration] = {
-        "reference": (),
-        "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
-        "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "genai": (),
-    }
+    runtimes: ClassVar[Declaration] = {**SELECTION_RUNTIMES, "genai": ()}
     scoring: ClassVar[str] = "snapkv"
     window: int = 32
     pool_kernel: int | None = None
@@ -399,13 +396,7 @@ class PyramidKVConfig(SnapKVConfig):
 
     name: ClassVar[str] = "pyramidkv"
     departure: ClassVar[str] = "the paper's linear schedule (no entropy variant)"
-    runtimes: ClassVar[Declaration] = {
-        "reference": (),
-        "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
-        "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
-        "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
-    }
+    runtimes: ClassVar[Declaration] = SELECTION_RUNTIMES
     pyramid_depth: float = 4.0
     selection: str = "snapkv"
 

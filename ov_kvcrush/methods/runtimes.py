@@ -17,10 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the config base imports this module
-    from ov_kvcrush.methods.base import MethodConfig
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -99,28 +96,28 @@ def engines_of(declared: Declaration) -> tuple[str, ...]:
     return tuple(dict.fromkeys(r.engine for r in RUNTIMES if r.name in declared))
 
 
-def refusal(config: MethodConfig, runtime: str) -> Refusal | None:
+def refusal(config: Any, runtime: str) -> Refusal | None:
     """The first option of ``config`` that ``runtime`` refuses (``None``: it runs ``config``).
     The runtime must run the method at all (:func:`runs_method`)."""
     return next((r for r in config.runtimes[runtime] if r.applies(config)), None)
 
 
-def runs_method(cls: type[MethodConfig], runtime: str) -> bool:
+def runs_method(cls: type[Any], runtime: str) -> bool:
     """Whether ``runtime`` runs some configs of the method ``cls``."""
     return runtime in cls.runtimes
 
 
-def runs(config: MethodConfig, runtime: str) -> bool:
+def runs(config: Any, runtime: str) -> bool:
     """Whether ``runtime`` runs ``config`` as it is."""
     return runs_method(type(config), runtime) and refusal(config, runtime) is None
 
 
-def refuses_option(cls: type[MethodConfig], runtime: str, option: str) -> bool:
+def refuses_option(cls: type[Any], runtime: str, option: str) -> bool:
     """Whether ``runtime`` runs the method ``cls`` but refuses its ``option``."""
     return runs_method(cls, runtime) and any(r.option == option for r in cls.runtimes[runtime])
 
 
-def support_cell(cls: type[MethodConfig], runtime: str) -> str:
+def support_cell(cls: type[Any], runtime: str) -> str:
     """A table cell: blank where the runtime does not run the method, ``yes`` where it runs every
     config, else the options it refuses."""
     if not runs_method(cls, runtime):

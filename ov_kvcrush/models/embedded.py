@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.paths import cache_root
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,6 @@ EMBEDDED_MODELS = {
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_root() -> Path:
-    """Where exported and assembled models live: ``$OV_KVCRUSH_CACHE`` or the XDG user cache dir."""
-    env = os.environ.get("OV_KVCRUSH_CACHE")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("ov_kvcrush"))
 
 
 def embedded_name(model: str | os.PathLike | None) -> str | None:

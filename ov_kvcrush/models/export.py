@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, cache_root, embedded_gguf_path, embedded_name
+from ov_kvcrush.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path, embedded_name
 from ov_kvcrush.models.staging import run_child, staging_dir
+from ov_kvcrush.paths import cache_root
 
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.models.embedded import cache_root
 from ov_kvcrush.models.staging import staging_dir
+from ov_kvcrush.paths import cache_root
 
 #: The shape every family starts from: 8 query heads over 2 KV heads (GQA 4:1), head size 32.
 BASE: dict[str, Any] = dict(
@@ -222,7 +222,7 @@ def family(name: str) -> Family:
 
 
 def _training_text() -> str:
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     return essay_text(haystack_essays()[0])[:20000]
 

@@ -89,7 +89,7 @@ def _tool(name: str) -> str | None:
 
 
 def build_dir() -> Path:
-    from ov_kvcrush.models.export import cache_root
+    from ov_kvcrush.paths import cache_root
 
     return cache_root() / "plugins" / f"cpu-{_build_key(source_dir())}"
 

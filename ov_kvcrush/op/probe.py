@@ -82,7 +82,7 @@ class OpProbe:
 
     @classmethod
     def for_engine(cls, engine: Any) -> OpProbe:
-        """The probe of an :class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine`'s model and pools."""
+        """The probe of an :class:`~ov_kvcrush.serving.openvino_engine.OpenVINOEngine`'s model and pools."""
         s = engine.shape
         return cls(s.layers, s.q_heads, s.kv_heads, s.head_dim, engine.new_pool)
 

@@ -2,7 +2,7 @@
 
 ``LLMPipeline.start_chat`` and ``OpenVINOEngine.start_chat`` both hold one. What answers a turn
 is the engine's: the openvino backend continues the sequence that holds the conversation so far
-(:meth:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine.generate_in_cache`); the other
+(:meth:`~ov_kvcrush.serving.openvino_engine.OpenVINOEngine.generate_in_cache`); the other
 backends are given the whole conversation (same answers, more prefill).
 """
 

@@ -28,7 +28,7 @@ chunk (the op prefills a prompt in chunks and runs the method's prompt selection
 last one) side by side with the decode token of every sequence past its prompt, as native
 continuous batching runs a step. The tokens go through the model's matmuls together, each
 carrying its sequence's handle, and the op attends each sequence's run of tokens as that
-sequence's step (:func:`ov_kvcrush.engines.model_inputs.ragged_step_inputs`); a decode-only step
+sequence's step (:func:`ov_kvcrush.op.step_inputs.ragged_step_inputs`); a decode-only step
 is a batch of one-token rows. Each request has its own sequence in the engine's
 pool, its own method state and its own generation settings; a finished request's blocks go back
 at once. What runs when, and what waits, is :mod:`ov_kvcrush.serving.scheduler`'s.
@@ -50,10 +50,10 @@ import numpy as np
 
 from ov_kvcrush.config import GenerationSettings, generation_settings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context
-from ov_kvcrush.engines.model_inputs import fast_prompt_cut
 from ov_kvcrush.engines.openvino_model import OpenVINOModel, SequenceCache, error_line
 from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.op.step_inputs import fast_prompt_cut
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.kept import KeptCaches
 from ov_kvcrush.serving.request import ServedRequest

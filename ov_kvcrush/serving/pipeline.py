@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.config import CompressionConfig
-from ov_kvcrush.engines.backends import resolve_model
-from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
 from ov_kvcrush.engines.openvino_model import OpenVINOModel
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.serving.backends import resolve_model
 from ov_kvcrush.serving.loop import GenerationLoop, check_scheduler_config
+from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
 
 class ContinuousBatchingPipeline(GenerationLoop):
@@ -24,7 +24,7 @@ class ContinuousBatchingPipeline(GenerationLoop):
 
     Args:
         model: an exported IR directory (``None``: the embedded model), or an
-            :class:`~ov_kvcrush.engines.openvino_engine.OpenVINOEngine` to share (its compiled
+            :class:`~ov_kvcrush.serving.openvino_engine.OpenVINOEngine` to share (its compiled
             model, tokenizer, compression and pool: ``scheduler_config`` then gives only the
             scheduling limits).
         scheduler_config: an ``openvino_genai.SchedulerConfig``: ``max_num_seqs``,

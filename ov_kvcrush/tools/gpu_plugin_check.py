@@ -2,7 +2,7 @@
 both for each method, with the times, the KV bytes and the bytes that cross between host and
 device per decode step.
 
-``python -m ov_kvcrush.gpu.plugin_check [--methods full,snapkv,kvcrush:block_size=32] [--budget 512]
+``python -m ov_kvcrush.tools.gpu_plugin_check [--methods full,snapkv,kvcrush:block_size=32] [--budget 512]
 [--chars 1500] [--new-tokens 8] [--kv-precision f32] [--allow-cpu] [--out FILE]``; ``--allow-cpu``:
 without an Intel GPU, the plugin on Intel's OpenCL CPU runtime under the emulation layer (its
 times say nothing of a GPU).
@@ -46,7 +46,7 @@ def run_greedy(
 ) -> list[PluginRun]:  # fmt: skip
     """``new_tokens`` greedy tokens after ``ids`` through the openvino engine on ``GPU`` (compiled
     once), for each of ``compressions``, in this process."""
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     engine = OpenVINOEngine(model_dir, compressions[0], device="GPU", kv_precision=kv_precision)
     assert engine.plugin is not None
@@ -70,7 +70,9 @@ def run_greedy(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ov_kvcrush.gpu.plugin_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ov_kvcrush.tools.gpu_plugin_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--methods", default="full", help="comma-separated, each NAME or NAME:KEY=VALUE[:...]")
     parser.add_argument("--budget", type=int, default=512, help="the methods' budget (not the full cache's)")
     parser.add_argument("--chars", type=int, default=1500, help="characters of essay in the prompt")
@@ -87,17 +89,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plugin_check: {reason}", file=sys.stderr)
             return 2
         emulation.enable()  # before any OpenCL call: a real Intel GPU is still listed first
-    from ov_kvcrush.bench.plan import parse_method
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.gpu.generate import essay_prompt
-    from ov_kvcrush.models.coverage import F32
+    from ov_kvcrush.config import MethodSpec
     from ov_kvcrush.models.export import ensure_default_model
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.gpu_generate import essay_prompt
+    from ov_kvcrush.tools.model_coverage import F32
 
     methods = args.methods.split(",")
     compressions = []
     try:
         for method in methods:
-            name, options = parse_method(method)
+            spec = MethodSpec.read(method)
+            name, options = spec.method, spec.method_options()
             budget = None if name == "full" else args.budget
             compressions.append(CompressionConfig(method=name, budget=budget, options=options))
             require(compressions[-1].method_config(), GPU_PLUGIN.name)  # before any run

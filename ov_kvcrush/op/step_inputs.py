@@ -20,7 +20,13 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.transformations import LOGITS_INPUT, SEQUENCE_INPUT
+
+#: Name of the input the converted model adds (``transformations.convert_model``): one cache
+#: sequence handle per batch row (or, in a one-row batch, per token: a ragged step of several
+#: sequences).
+SEQUENCE_INPUT = "kvc_sequence"
+#: With ``last_token_logits``: the positions (along the token axis) whose logits the model returns.
+LOGITS_INPUT = "kvc_logits_at"
 
 #: OpenVINO's CPU plugin runs a step whose token count is a multiple of this 20-40 % faster per
 #: token than counts just off it (its weight-compressed AMX matmuls; SmolLM2 here: 512 tokens

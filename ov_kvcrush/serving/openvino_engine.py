@@ -17,9 +17,17 @@ fed.
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, context_prompt, question_split
+from ov_kvcrush.engines.base import (
+    Capabilities,
+    GenerationResult,
+    Prompt,
+    Streamer,
+    context_prompt,
+    question_split,
+)
 from ov_kvcrush.engines.openvino_model import OpenVINOModel
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.serving.chat import Chat
@@ -36,6 +44,9 @@ class OpenVINOEngine(OpenVINOModel):
     """
 
     backend = "openvino"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        asks_question_after=True, keeps_chat_cache=True, batches=True, solves_kv_bytes=True, measures_held_bytes=True
+    )
     #: the conversation while one is open
     chat: Chat | None = None
     _batcher: GenerationLoop | None = None

@@ -18,9 +18,9 @@ For each family's tiny checkpoint, exported as users export (``optimum-cli expor
    which the torch engine does not have, every method must run; how often its tokens agree with
    the f32 reference is reported, not required (:func:`_passes`).
 
-:func:`check` returns a :class:`FamilyReport`; ``python -m ov_kvcrush.models.coverage --write``
+:func:`check` returns a :class:`FamilyReport`; ``python -m ov_kvcrush.tools.model_coverage --write``
 runs every family and writes ``docs/results/models/coverage.json`` and the table in the README and
-``docs/models.md`` (:mod:`~ov_kvcrush.models.coverage_table`); ``tests/test_model_families.py``
+``docs/models.md`` (:mod:`~ov_kvcrush.tools.model_coverage_table`); ``tests/test_model_families.py``
 runs the same checks and holds the committed results to them.
 """
 
@@ -122,7 +122,7 @@ def _passes(store: str, verdict: str) -> bool:
 
 def prompt_text(tokenizer) -> str:
     """About :data:`PROMPT_TOKENS` tokens of essay (a whole number of the tokenizer's tokens)."""
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     text = essay_text(haystack_essays()[2])[: PROMPT_TOKENS * 4]
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)
@@ -211,7 +211,7 @@ def check(name: str, ir: Path | str, hf_dir: Path) -> FamilyReport:
     """Run every check on family ``name`` (its checkpoint ``hf_dir``, its export ``ir`` or the
     export's error)."""
     from ov_kvcrush.engines.model_family import refusal
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     fam = family(name)
     report = FamilyReport(fam.name, fam.model_type)

@@ -9,7 +9,7 @@ tensor, and each layer's last query rows come back into our buffers, so the meth
 (:mod:`ov_kvcrush.gpu.plugin_cache`) run over the same blocks between the model's steps, in
 order on the one queue, with nothing copied. Python's API takes the handles as hexadecimal
 strings (``ov::Any`` reads a ``void*`` from text; an integer is refused: "Bad as from: l to:
-Pv"). :mod:`ov_kvcrush.gpu.plugin_check` runs the embedded model through it beside the CPU op.
+Pv"). :mod:`ov_kvcrush.tools.gpu_plugin_check` runs the embedded model through it beside the CPU op.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.engines import model_inputs
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
@@ -29,6 +28,7 @@ from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
+from ov_kvcrush.op import step_inputs
 
 #: the kernels' compile properties: our layers take and return f32
 PLUGIN_PROPERTIES = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -77,8 +77,8 @@ class PluginModel:
         sub_group: int | None = None,
         properties: dict | None = None,
     ) -> None:
-        from ov_kvcrush.models.embedded import cache_root
         from ov_kvcrush.op import plugin
+        from ov_kvcrush.paths import cache_root
         from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_model_for_plugin
 
         self.core = plugin.shared_core()
@@ -147,7 +147,7 @@ class PluginModel:
         import openvino as ov
 
         past, t = sequence.seen, len(ids)
-        model = model_inputs.step_inputs(self.input_names, [ids], [0], [past])
+        model = step_inputs.step_inputs(self.input_names, [ids], [0], [past])
         feeds = {name: x for name, x in model.items() if name in self.input_names} | sequence.step_inputs(t)
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))

@@ -7,7 +7,7 @@ so the two token lists can be compared. It runs where Intel's OpenCL runtime can
 that prepared it before ``openvino`` was imported (the tests' ``gpu_worker``, or this module run
 as a script).
 
-``python -m ov_kvcrush.gpu.generate --methods full,snapkv,kvcrush:block_size=32 --budget 1024``
+``python -m ov_kvcrush.tools.gpu_generate --methods full,snapkv,kvcrush:block_size=32 --budget 1024``
 prints, per method, whether the tokens equal the reference's and the bytes that crossed per
 decode step and layer beside the KV bytes that step read in place (JSON with ``--out``).
 """
@@ -79,7 +79,7 @@ class DeviceRun:
 def essay_prompt(chars: int) -> str:
     """The first ``chars`` characters of the haystack's essays (the second first, as the op's
     end-to-end tests use it) and a request for a long answer."""
-    from ov_kvcrush.eval.corpus import essay_text, haystack_essays
+    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     request = "\n\nSummarise the text above as a detailed list of its main points."
     essays = haystack_essays()
@@ -173,7 +173,9 @@ def markdown_table(paths: list[Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ov_kvcrush.gpu.generate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ov_kvcrush.tools.gpu_generate", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated, each NAME or NAME:KEY=VALUE[:...]")
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--chars", type=int, default=8200, help="characters of essay in the prompt")
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(markdown_table(args.table))
         return 0
-    from ov_kvcrush.bench.plan import parse_method
+    from ov_kvcrush.config import MethodSpec
     from ov_kvcrush.models.export import hf_checkpoint
 
     engine = device_engine(hf_checkpoint(progress=False), args.host)
@@ -193,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
     compressions = []
     for method in methods:
-        name, options = parse_method(method)
+        spec = MethodSpec.read(method)
+        name, options = spec.method, spec.method_options()
         compressions.append(CompressionConfig(method=name, budget=args.budget, options=options))
     for compression in compressions:
         require(compression.method_config(), GPU_POOL.name)  # before any run: a method the path does not serve

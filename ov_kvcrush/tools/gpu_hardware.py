@@ -1,7 +1,7 @@
 """For people with an Intel GPU: confirm the GPU path on it, and set it beside native OpenVINO
 GenAI on the same GPU.
 
-``python -m ov_kvcrush.gpu.hardware [--budget 512] [--chars 8200] [--new-tokens 32] [--host sycl] [--plugin]
+``python -m ov_kvcrush.tools.gpu_hardware [--budget 512] [--chars 8200] [--new-tokens 32] [--host sycl] [--plugin]
 [--out FILE]``
 
 1. The device: the first Intel GPU OpenCL lists (with ``--allow-cpu``, Intel's OpenCL CPU runtime
@@ -14,7 +14,7 @@ GenAI on the same GPU.
    full cache and with its KVCrush eviction, one prompt, the same budget.
 4. The product path on the GPU: the embedded model through the openvino engine on ``GPU`` (our
    layers in OpenVINO's GPU plugin, the methods' kernels over the same pool between steps:
-   :mod:`~ov_kvcrush.gpu.plugin_model`) for the full cache, SnapKV and block-wise KVCrush
+   :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for the full cache, SnapKV and block-wise KVCrush
    ("plugin ..." rows), their greedy tokens against the CPU op's, with TTFT, TPOT and KV bytes
    (in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
    :mod:`~ov_kvcrush.gpu.emulation`).
@@ -64,11 +64,11 @@ class Row:
 
 def plugin_rows(ids: list[int], want: dict[str, list[int]], new_tokens: int, budget: int, is_gpu: bool) -> list[Row]:
     """The embedded model through the openvino engine on ``GPU`` (our layers in OpenVINO's GPU
-    plugin, the methods over its pool: :mod:`~ov_kvcrush.gpu.plugin_model`, f32 KV) for the rows of
+    plugin, the methods over its pool: :mod:`~ov_kvcrush.engines.gpu_plugin_model`, f32 KV) for the rows of
     :data:`PLUGIN_ROWS`, their greedy tokens against the CPU op's ``want`` (by row name): on an
     Intel GPU in this process, else under the emulation layer in a fresh process."""
-    from ov_kvcrush.gpu.plugin_check import run_greedy
     from ov_kvcrush.models.export import ensure_default_model
+    from ov_kvcrush.tools.gpu_plugin_check import run_greedy
 
     model_dir = ensure_default_model("fp32", progress=False)
     compressions = [CompressionConfig(method=m, budget=None if m == "full" else budget, options=o)
@@ -98,10 +98,10 @@ def check(
     runtime.prepare()
     info = runtime.describe(runtime.find_device(allow_cpu=allow_cpu))
     from ov_kvcrush.engines.genai import GenAIEngine
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.gpu.generate import device_engine, essay_prompt
-    from ov_kvcrush.models.coverage import F32
     from ov_kvcrush.models.export import ensure_default_model, hf_checkpoint
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.gpu_generate import device_engine, essay_prompt
+    from ov_kvcrush.tools.model_coverage import F32
 
     prompt, settings = essay_prompt(chars), _settings(new_tokens)
     op = OpenVINOEngine(ensure_default_model("fp32", progress=False), kv_precision="f32", properties=F32)
@@ -128,7 +128,9 @@ def check(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ov_kvcrush.gpu.hardware", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ov_kvcrush.tools.gpu_hardware", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument(
         "--chars", type=int, default=8200, help="characters of essay in the prompt (8200: ~1.8k tokens)"
