@@ -31,6 +31,7 @@ from ov_kvcrush.cli.main import build_parser
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.eval.tasks import passkey_prompt
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.config import ServerConfig
 from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 
@@ -50,7 +51,7 @@ def make_backend(method: str, budget: int | None, pool_mib: float, model: str | 
     argv = ["serve", "--method", method, "--kv-pool-mib", str(pool_mib), "--max-queue", "256"]
     argv += ["--budget", str(budget)] if budget else []
     argv += ["--model", model] if model else []
-    return build_backend(build_parser().parse_args(argv))
+    return build_backend(ServerConfig.from_args(build_parser().parse_args(argv)))
 
 
 async def stream_all(url: str, model: str, conversations: list[list[dict[str, str]]], max_tokens: int):

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ov_kvcrush.cli.main import build_parser
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.config import ServerConfig
 from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 
@@ -39,7 +40,7 @@ QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
 def backend(model_dir):
     args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "96",
                                       "--max-queue", "4", "--served-model-name", "smollm2"])  # fmt: skip
-    return build_backend(args)
+    return build_backend(ServerConfig.from_args(args))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from ov_kvcrush.cli.main import build_parser
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.config import ServerConfig
 from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 from ov_kvcrush.serving.kept import KeptCaches, shared_prefix
@@ -39,7 +40,7 @@ def backend(model_dir):
         ["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "128", "--kv-pool-mib", "16",
          "--served-model-name", "smollm2"]
     )  # fmt: skip
-    return build_backend(args)
+    return build_backend(ServerConfig.from_args(args))
 
 
 @pytest.fixture(scope="module")

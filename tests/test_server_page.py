@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-from ov_kvcrush.cli.main import build_parser
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.server.app import make_app
+from ov_kvcrush.server.config import ServerConfig
 from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
 
@@ -43,7 +43,7 @@ def test_the_page_streams_the_answer_and_shows_its_kv_bytes_and_timings(browser,
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    backend = build_backend(build_parser().parse_args(["serve", "--model", str(model_dir), "--max-queue", "4"]))
+    backend = build_backend(ServerConfig(model=str(model_dir), max_queue=4))
     question = "What is the capital of France?"
     want = backend.pipeline.generate([[{"role": "user", "content": question}]], GenerationSettings(max_new_tokens=256))[
         0

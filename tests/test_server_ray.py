@@ -23,11 +23,13 @@ SERVE = ["serve", "--method", "snapkv", "--budget", "96", "--ray", "--replicas",
 
 @pytest.fixture(scope="module")
 def ray_server(model_dir):
+    from ov_kvcrush.server.config import ServerConfig
     from ov_kvcrush.server.ray_serve import deploy
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        backend = deploy(build_parser().parse_args([*SERVE, "--model", str(model_dir)]))
+        args = build_parser().parse_args([*SERVE, "--model", str(model_dir)])
+        backend = deploy(ServerConfig.from_args(args), args.replicas, args.cpus_per_replica)
         try:
             with ServerThread(make_app(backend)) as server:
                 yield server
@@ -45,10 +47,10 @@ def chat(server, messages):
 
 
 def test_both_replicas_answer_and_a_conversation_stays_on_its_replica(ray_server, model_dir):
+    from ov_kvcrush.server.config import ServerConfig
     from ov_kvcrush.server.factory import build_backend
 
-    local = build_backend(build_parser().parse_args(["serve", "--method", "snapkv", "--budget", "96",
-                                                     "--model", str(model_dir)]))  # fmt: skip
+    local = build_backend(ServerConfig(method="snapkv", budget=96, model=str(model_dir)))
     seen: dict[str, list[dict[str, str]]] = {}
     for i in range(16):  # conversations until each replica has one
         first = [{"role": "user", "content": f"My name is Ada{i}. The lighthouse keeper writes letters. " * 8}]

@@ -50,21 +50,23 @@ def add_serve_arguments(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvicorn  # the server's modules: not for --help
 
     from ov_kvcrush.server.app import make_app
+    from ov_kvcrush.server.config import ServerConfig
     from ov_kvcrush.validation import check_int
 
     check_int("--max-body-kib", args.max_body_kib, 1, 1 << 20)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    config = ServerConfig.from_args(args)
     if args.ray:
-        from ov_kvcrush.server.ray_serve import deploy
+        from ov_kvcrush.server.ray_serve import deploy  # Ray: only with --ray
 
-        backend = deploy(args)
+        backend = deploy(config, args.replicas, args.cpus_per_replica, args.ray_address)
     else:
-        from ov_kvcrush.server.factory import build_backend
+        from ov_kvcrush.server.factory import build_backend  # openvino: not for --help
 
-        backend = build_backend(args)
+        backend = build_backend(config)
     app = make_app(backend, api_key=api_key, max_body_bytes=args.max_body_kib * 1024)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)
     try:

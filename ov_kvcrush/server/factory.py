@@ -1,76 +1,41 @@
-"""A server's backend from ``ov-kvcrush serve``'s flags (an ``argparse.Namespace``, or the same
-values a Ray replica gets as a dict): the pipeline over the model, its compression and pool.
-
-The method and budget are validated as ``ov-kvcrush generate`` validates them.
-"""
+"""A server's backend from its :class:`~ov_kvcrush.server.config.ServerConfig`: the pipeline over
+the model with its compression and pool, and the backend that makes the pipeline of another
+method a request names the same way."""
 
 from __future__ import annotations
 
-import argparse
-import os
 from typing import Any
 
+import openvino_genai
 
-def backend_options(args: argparse.Namespace) -> dict[str, Any]:
-    """What :func:`build_backend` reads of the flags, as plain values (a Ray replica gets them)."""
-    keys = ("model", "method", "budget", "sink_tokens", "recent_tokens", "option", "kv_pool_mib", "kv_precision",
-            "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_methods", "served_model_name", "port",
-            "threads")  # fmt: skip
-    values = vars(args)
-    return {k: values[k] for k in keys}
+from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
+from ov_kvcrush.server.backend import PipelineBackend
+from ov_kvcrush.server.config import ServerConfig
+from ov_kvcrush.serving.backends import make_engine, resolve_model
+from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
 
 
-def build_backend(args: argparse.Namespace) -> Any:
-    """The server's pipeline (its method's) and its backend, which makes the pipeline of another
-    method a request names the same way."""
-    from ov_kvcrush.config import parse_method_budget, parse_options
-    from ov_kvcrush.server.backend import PipelineBackend
-    from ov_kvcrush.serving.chat import chat_method
-    from ov_kvcrush.validation import check_int
-
-    check_int("--max-queue", args.max_queue, 1, 1 << 16)
-    check_int("--max-methods", args.max_methods, 1, 64)
-    check_int("--port", args.port, 1, 65535)
-    method = chat_method(args.method, args.budget)
-    compression = parse_method_budget(
-        method, args.budget, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-        options=parse_options(args.option),
-    )  # fmt: skip
+def build_backend(config: ServerConfig) -> PipelineBackend:
+    """The server's pipeline (its method's) and its backend."""
     return PipelineBackend(
-        make_pipeline(args, compression), served_name(args), args.max_queue,
-        make_pipeline=lambda c: make_pipeline(args, c), max_methods=args.max_methods,
+        make_pipeline(config, config.compression()), config.served_name(), config.max_queue,
+        make_pipeline=lambda c: make_pipeline(config, c), max_methods=config.max_methods,
     )  # fmt: skip
 
 
-def make_pipeline(args: argparse.Namespace, compression: Any) -> Any:
-    """A pipeline over the model with ``compression``, its own pool of ``--kv-pool-mib``."""
-    import openvino_genai
-
-    from ov_kvcrush.engines.backends import resolve_model
-    from ov_kvcrush.engines.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
-    from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
-    from ov_kvcrush.validation import check_float, check_int
-
+def make_pipeline(config: ServerConfig, compression: CompressionConfig) -> ContinuousBatchingPipeline:
+    """A pipeline over the model with ``compression``, its own pool of ``kv_pool_mib``."""
     sc = openvino_genai.SchedulerConfig()
-    sc.max_num_seqs = args.max_num_seqs
-    sc.max_num_batched_tokens = args.max_num_batched_tokens
+    sc.max_num_seqs = config.max_num_seqs
+    sc.max_num_batched_tokens = config.max_num_batched_tokens
     sc.dynamic_split_fuse = True
-    options: dict[str, Any] = {} if args.kv_precision is None else {"kv_precision": args.kv_precision}
-    if args.threads is not None:
-        check_int("--threads", args.threads, 1, 4096)
-        options["properties"] = {"INFERENCE_NUM_THREADS": args.threads}
-    engine = OpenVINOEngine(resolve_model("openvino", args.model), compression, **options)
-    if args.kv_pool_mib is not None:
-        check_float("--kv-pool-mib", args.kv_pool_mib, 1.0, float(1 << 24))
+    options: dict[str, Any] = {} if config.kv_precision is None else {"kv_precision": config.kv_precision}
+    if config.threads is not None:
+        options["properties"] = {"INFERENCE_NUM_THREADS": config.threads}
+    engine = make_engine("openvino", resolve_model("openvino", config.model), compression, **options)
+    if config.kv_pool_mib is not None:
         one = block_bytes(engine.block_size, engine.shape.head_dim, engine.kv_precision)
-        engine.max_kv_blocks = pool_blocks(int(args.kv_pool_mib * 2**20), one)
+        engine.max_kv_blocks = pool_blocks(int(config.kv_pool_mib * 2**20), one)
         engine.set_compression(engine.compression)  # the pool, with its limit
     return ContinuousBatchingPipeline(engine, sc)
-
-
-def served_name(args: argparse.Namespace) -> str:
-    """The model name clients send: ``--served-model-name``, the embedded model's, or the folder's."""
-    from ov_kvcrush.models.embedded import embedded_name
-
-    return args.served_model_name or embedded_name(args.model) or os.path.basename(os.path.normpath(str(args.model)))

@@ -17,7 +17,6 @@ two replicas.) Growing past one machine: ``ray start --head`` on one, ``ray star
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -27,6 +26,8 @@ import ray
 from ray import serve
 
 from ov_kvcrush.server.backend import Answer, Backend
+from ov_kvcrush.server.config import ServerConfig
+from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.protocol import APIError, GenerationRequest
 from ov_kvcrush.validation import check_float, check_int
 
@@ -50,10 +51,8 @@ class Replica:
     """One pipeline and pool on a Ray worker, serving what the ingress routes to it."""
 
     def __init__(self, options: dict[str, Any], name: str) -> None:
-        from ov_kvcrush.server.factory import build_backend
-
         self.name = name
-        self.backend = build_backend(argparse.Namespace(**options))
+        self.backend = build_backend(ServerConfig(**options))
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[str | Answer | APIError]:
         """The request's pieces and answer; an :class:`APIError` as the last item (it crosses
@@ -113,27 +112,23 @@ class RayBackend(Backend):
             ray.shutdown()
 
 
-def deploy(args: argparse.Namespace) -> RayBackend:
-    """Start Ray (a local cluster on 127.0.0.1, or ``--ray-address``'s), deploy ``--replicas``
-    replicas of ``--cpus-per-replica`` CPUs each, and return the ingress's backend."""
-    from ov_kvcrush.server.factory import backend_options, served_name
-
-    check_int("--replicas", args.replicas, 1, 1024)
-    check_float("--cpus-per-replica", args.cpus_per_replica, 0.1, 1024.0)
+def deploy(config: ServerConfig, replicas: int, cpus_per_replica: float, address: str | None = None) -> RayBackend:
+    """Start Ray (a local cluster on 127.0.0.1, or ``address``'s), deploy ``replicas`` replicas of
+    ``cpus_per_replica`` CPUs each, and return the ingress's backend."""
+    check_int("--replicas", replicas, 1, 1024)
+    check_float("--cpus-per-replica", cpus_per_replica, 0.1, 1024.0)
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        if args.ray_address:
-            ray.init(address=args.ray_address, log_to_driver=False)
+        if address:
+            ray.init(address=address, log_to_driver=False)
         else:
             ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(proxy_location="Disabled")  # the HTTP server is ours
-    options = backend_options(args)
-    if options["threads"] is None:  # OpenVINO's threads follow the replica's CPU share
-        options["threads"] = max(1, int(args.cpus_per_replica))
+    options = config.with_threads(max(1, int(cpus_per_replica))).to_dict()  # threads follow the CPU share
     handles, names = [], []
-    for i in range(args.replicas):
+    for i in range(replicas):
         name = f"ovkc-replica-{i}"
-        app = Replica.options(name=name, num_replicas=1, ray_actor_options={"num_cpus": args.cpus_per_replica})
+        app = Replica.options(name=name, num_replicas=1, ray_actor_options={"num_cpus": cpus_per_replica})
         handles.append(serve.run(app.bind(options, name), name=name, route_prefix=None))
         names.append(name)
-    return RayBackend(handles, names, served_name(args), args.max_queue, owns_ray)
+    return RayBackend(handles, names, config.served_name(), config.max_queue, owns_ray)
