@@ -112,106 +112,121 @@ class KVCrushChoice:
     representative: str = "max_score"
 
 
-def select_on_device(
-    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice, details: bool = True
-) -> KVCrushGPUSelection:
-    """KVCrush over device scores ``sc`` ``[h, n]``; what comes back crosses through ``io``
-    (``details``: also the signatures, order and distances the tests check step by step)."""
-    budget, sink_tokens, recent_tokens, representatives = c.budget, c.sink_tokens, c.recent_tokens, c.representatives
-    signature, multi_anchor, representative, mean_anchor = c.signature, c.multi_anchor, c.representative, c.mean_anchor
-    a = c.anchor_bits.shape[0]
-    nearest = int(multi_anchor == "nearest")
-    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
+@dataclass
+class ImportantTokens:
+    """Step 1's result: the summed scores, each token's flag (important or evictable), and the
+    evictable tokens (the first ``evictable`` entries of ``by_flag``, on the device)."""
+
+    combined: Any
+    flags: Any
+    by_flag: Any
+    evictable: int
+
+
+def important_tokens(dev: KernelDevice, sc: Any, h: int, n: int, c: KVCrushChoice) -> ImportantTokens:
+    """The sinks, the recent tokens and the top summed scores between; the rest is evictable."""
     i32 = np.int32
-    # the important tokens: sinks, recent, the top summed scores between
     combined = dev.empty(4 * n)
     dev.run(_kernel(dev, "head_sums"), (n,), None, sc, i32(h), i32(n), combined)
-    mid = n - sink_tokens - recent_tokens
-    heavy = budget - representatives - sink_tokens - recent_tokens
+    mid = n - c.sink_tokens - c.recent_tokens
+    heavy = c.budget - c.representatives - c.sink_tokens - c.recent_tokens
     flags = dev.empty(4 * n)
-    top = top_mask(dev, combined, 1, n, sink_tokens, mid, heavy)
-    dev.run(_kernel(dev, "important_flags"), (n,), None, top, i32(n), i32(sink_tokens), i32(mid), flags)
+    top = top_mask(dev, combined, 1, n, c.sink_tokens, mid, heavy)
+    dev.run(_kernel(dev, "important_flags"), (n,), None, top, i32(n), i32(c.sink_tokens), i32(mid), flags)
     # evictable, then important, each in position order: the stable order by the flag
-    m = n - (budget - representatives)
-    by_flag_b = stable_order(dev, flags, n, 2)
-    ev = by_flag_b  # its first m entries: the evictable tokens, read in place
-    by_flag = dev.to_host(by_flag_b, np.int32, (n,)) if details else None
-    # each head's decisions over the middle, packed into signatures
+    return ImportantTokens(combined, flags, stable_order(dev, flags, n, 2), n - (c.budget - c.representatives))
+
+
+def signatures(dev: KernelDevice, sc: Any, h: int, n: int, c: KVCrushChoice) -> tuple[Any, int]:
+    """Each head's decisions over the middle, packed into ``w`` 32-bit words a token."""
+    mid = n - c.sink_tokens - c.recent_tokens
     decisions = (
-        top_mask(dev, sc, h, n, sink_tokens, mid, budget - sink_tokens - recent_tokens)
-        if signature == "topk"
-        else _threshold_mask(dev, sc, h, n, sink_tokens, mid)
+        top_mask(dev, sc, h, n, c.sink_tokens, mid, c.budget - c.sink_tokens - c.recent_tokens)
+        if c.signature == "topk"
+        else _threshold_mask(dev, sc, h, n, c.sink_tokens, mid)
     )
     w = max(1, -(-h // 32))
     sig = dev.empty(4 * n * w)
-    dev.run(
-        _kernel(dev, "pack_signatures"),
-        (n,),
-        None,
-        decisions,
-        i32(h),
-        i32(n),
-        i32(sink_tokens),
-        i32(mid),
-        sig,
-    )
-    signatures = dev.to_host(sig, np.uint32, (n, w)) if details else None  # for the tests; the steps use `sig`
+    i32 = np.int32
+    dev.run(_kernel(dev, "pack_signatures"), (n,), None, decisions, i32(h), i32(n), i32(c.sink_tokens), i32(mid), sig)
+    return sig, w
+
+
+def anchor_signatures(
+    dev: KernelDevice, io: Transfers, c: KVCrushChoice, sig: Any, w: int, imp: ImportantTokens, h: int
+) -> np.ndarray:
+    """The anchors' packed bits: the fixed ones, a mean anchor as the evictable tokens' majority bits."""
     anchors = pack_anchor_bits(c.anchor_bits.astype(bool))
-    if any(mean_anchor or ()):
+    if any(c.mean_anchor or ()):
         majority = dev.empty(h)
-        dev.run(_kernel(dev, "majority_bits"), (h,), None, sig, i32(w), ev, i32(m), majority)
+        dev.run(
+            _kernel(dev, "majority_bits"), (h,), None, sig, np.int32(w), imp.by_flag, np.int32(imp.evictable), majority
+        )
         mean_bits = pack_anchor_bits(io.download("mean anchor", majority, np.uint8, (h,))[None].astype(bool))[0]
-        for i, mean in enumerate(mean_anchor or ()):
+        for i, mean in enumerate(c.mean_anchor or ()):
             if mean:
                 anchors[i] = mean_bits
+    return anchors
+
+
+def bucket_order(
+    dev: KernelDevice,
+    io: Transfers,
+    c: KVCrushChoice,
+    sig: Any,
+    w: int,
+    imp: ImportantTokens,
+    anchors: np.ndarray,
+    h: int,
+) -> tuple[Any, Any]:
+    """Each evictable token's Hamming distance to every anchor, and the evictable tokens ordered
+    by bucket (the distances as one key): ``(distances, order)`` on the device."""
+    i32, m, a = np.int32, imp.evictable, anchors.shape[0]
+    nearest = int(c.multi_anchor == "nearest")
     dist_b = dev.empty(4 * max(m, 1) * a)
-    if m:
-        dev.run(
-            _kernel(dev, "anchor_distances"),
-            (m, a),
-            None,
-            sig,
-            i32(w),
-            ev,
-            i32(m),
-            io.upload("anchors", anchors),
-            dist_b,
-        )
     keys = dev.empty(4 * max(m, 1))
     if m:
         dev.run(
-            _kernel(dev, "bucket_keys"),
-            (m,),
-            None,
-            dist_b,
-            i32(m),
-            i32(a),
-            i32(h),
-            i32(nearest),
-            keys,
-        )
-    order_b = stable_order(dev, keys, m, key_range)
-    buckets = min(representatives, m)
+            _kernel(dev, "anchor_distances"), (m, a), None, sig, i32(w), imp.by_flag, i32(m),
+            io.upload("anchors", anchors), dist_b,
+        )  # fmt: skip
+        dev.run(_kernel(dev, "bucket_keys"), (m,), None, dist_b, i32(m), i32(a), i32(h), i32(nearest), keys)
+    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
+    return dist_b, stable_order(dev, keys, m, key_range)
+
+
+def representatives(dev: KernelDevice, c: KVCrushChoice, imp: ImportantTokens, order_b: Any) -> tuple[Any, int]:
+    """One token a bucket, by score or the first: ``(representatives, buckets)`` on the device."""
+    i32, m = np.int32, imp.evictable
+    buckets = min(c.representatives, m)
     reps_b = dev.empty(4 * max(buckets, 1))
     if buckets:
         dev.run(
-            _kernel(dev, "representatives"),
-            (buckets,),
-            None,
-            ev,
-            order_b,
-            i32(m),
-            i32(buckets),
-            combined,
-            i32(representative == "first"),
-            reps_b,
-        )
+            _kernel(dev, "representatives"), (buckets,), None, imp.by_flag, order_b, i32(m), i32(buckets),
+            imp.combined, i32(c.representative == "first"), reps_b,
+        )  # fmt: skip
+    return reps_b, buckets
+
+
+def select_on_device(
+    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice, details: bool = True
+) -> KVCrushGPUSelection:
+    """KVCrush over device scores ``sc`` ``[h, n]``: the important tokens, the evictable ones'
+    signatures bucketed by their distances to the anchors, one representative a bucket. What
+    comes back crosses through ``io`` (``details``: also the signatures, order and distances the
+    tests check step by step)."""
+    imp = important_tokens(dev, sc, h, n, c)
+    sig, w = signatures(dev, sc, h, n, c)
+    anchors = anchor_signatures(dev, io, c, sig, w, imp, h)
+    dist_b, order_b = bucket_order(dev, io, c, sig, w, imp, anchors, h)
+    reps_b, buckets = representatives(dev, c, imp, order_b)
     mask_b = dev.empty(max(n, 1))
-    dev.run(_kernel(dev, "kept_mask"), (n,), None, flags, i32(n), reps_b, i32(buckets), mask_b)
+    dev.run(_kernel(dev, "kept_mask"), (n,), None, imp.flags, np.int32(n), reps_b, np.int32(buckets), mask_b)
     keep = np.flatnonzero(io.download("selection decisions", mask_b, np.uint8, (n,))).astype(np.int32)
     if not details:
         return KVCrushGPUSelection(keep=keep, keep_mask=mask_b)
-    assert by_flag is not None
+    m, a = imp.evictable, anchors.shape[0]
+    by_flag = dev.to_host(imp.by_flag, np.int32, (n,))
     return KVCrushGPUSelection(
         keep=keep,
         keep_mask=mask_b,
@@ -220,7 +235,7 @@ def select_on_device(
         evictable=by_flag[:m],
         order=dev.to_host(order_b, np.int32, (max(m, 1),))[:m],
         distances=dev.to_host(dist_b, np.int32, (max(m, 1), a))[:m],
-        signatures=signatures,
+        signatures=dev.to_host(sig, np.uint32, (n, w)),
         anchors=anchors,
     )
 

@@ -91,6 +91,85 @@ void qk_tiles(const uint16_t* a, const uint16_t* kg, int D, int groups, float* S
     if (groups > 2) _tile_stored(2, S + 32, kStep * 4);
     if (groups > 3) _tile_stored(3, S + 48, kStep * 4);
 }
+
+// A step's online softmax (attend_amx): each row's logits S over the step's ntok tokens masked
+// (past its position, or before its window), folded into its running max m and sum l, its
+// output O rescaled, and its probabilities written to P in bf16 (rows past n, or with nothing
+// causal here: zeros).
+void softmax_step(const HeadCache& hc, int64_t slot0, int ntok, int n, const int64_t* qpos, int64_t window, int D,
+                  float* S, uint16_t* P, float* O, float* m, float* l) {
+    const int64_t last_pos = hc.pos[static_cast<size_t>(slot0 + ntok - 1)];
+    for (int r = 0; r < kAmxRows; ++r) {
+        float* s = S + r * kStep;
+        uint16_t* p = P + r * kStep;
+        if (r >= n) {
+            std::fill(p, p + kStep, uint16_t(0));
+            continue;
+        }
+        for (int j = ntok; j < kStep; ++j) s[j] = kNegInf;
+        const int64_t lo = window > 0 ? qpos[r] - window : std::numeric_limits<int64_t>::min();
+        if (last_pos > qpos[r] || hc.pos[static_cast<size_t>(slot0)] <= lo)
+            for (int j = 0; j < ntok; ++j) {
+                const int64_t pos = hc.pos[static_cast<size_t>(slot0 + j)];
+                if (pos > qpos[r] || pos <= lo) s[j] = kNegInf;
+            }
+        const float mx = row_max(s, kStep);
+        if (mx == kNegInf) {  // nothing causal for this row here
+            std::fill(p, p + kStep, uint16_t(0));
+            continue;
+        }
+        const float m_new = std::max(m[r], mx);
+        const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
+        l[r] = l[r] * alpha + exp_sum(s, kStep, m_new);
+        m[r] = m_new;
+        if (alpha != 1.0f)
+            for (int d = 0; d < D; ++d) O[r * D + d] *= alpha;
+        for (int j = 0; j < kStep; j += 32) {
+            const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j));
+            _mm512_store_si512(p + j, (__m512i)pb);
+        }
+    }
+}
+
+// O += P V over a step's kStep tokens (attend_amx), four 16-dim blocks at a time: C tiles 0-3,
+// A (tile 4) 32 tokens of P, B (tile 5) the same tokens' values vs (token pairs x 16 dims x 2);
+// T holds the four C tiles between.
+void pv_tiles(const uint16_t* P, const uint16_t* vs, int D, int n, float* T, float* O) {
+    const int dblocks = D / 16;
+    for (int c0 = 0; c0 < dblocks; c0 += 4) {
+        const int nb = std::min(4, dblocks - c0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int h = 0; h < 2; ++h) {
+            _tile_loadd(4, P + h * 32, kStep * 2);
+            const uint16_t* b = vs + static_cast<size_t>(h) * 16 * D * 2 + static_cast<size_t>(c0) * 32;
+            _tile_loadd(5, b, D * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nb > 1) {
+                _tile_loadd(5, b + 32, D * 4);
+                _tile_dpbf16ps(1, 4, 5);
+            }
+            if (nb > 2) {
+                _tile_loadd(5, b + 64, D * 4);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (nb > 3) {
+                _tile_loadd(5, b + 96, D * 4);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, T, kStep * 4);
+        _tile_stored(1, T + 16, kStep * 4);
+        _tile_stored(2, T + 32, kStep * 4);
+        _tile_stored(3, T + 48, kStep * 4);
+        for (int r = 0; r < n; ++r)
+            for (int u = 0; u < nb * 16; u += 16)
+                _mm512_storeu_ps(O + r * D + c0 * 16 + u,
+                                 _mm512_add_ps(_mm512_loadu_ps(O + r * D + c0 * 16 + u), _mm512_loadu_ps(T + r * kStep + u)));
+    }
+}
 }  // namespace
 #endif
 
@@ -122,80 +201,13 @@ void attend_amx(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, 
     }
     std::fill(O, O + kAmxRows * D, 0.0f);
     configure_tiles();
-    const int dblocks = D / 16;
     for (int64_t slot0 = first_visible_slot(hc, qpos, n, window) / kStep * kStep; slot0 < st.n; slot0 += kStep) {
         if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;
         const int ntok = static_cast<int>(std::min<int64_t>(kStep, st.n - slot0));
         // S = Q K^T over the step's four 16-token key groups
         qk_tiles(qb, st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16, D, 4, S);
-        // causal mask, online softmax, probabilities to bf16
-        const int64_t last_pos = hc.pos[static_cast<size_t>(slot0 + ntok - 1)];
-        for (int r = 0; r < kAmxRows; ++r) {
-            float* s = S + r * kStep;
-            uint16_t* p = P + r * kStep;
-            if (r >= n) {
-                std::fill(p, p + kStep, uint16_t(0));
-                continue;
-            }
-            for (int j = ntok; j < kStep; ++j) s[j] = kNegInf;
-            const int64_t lo = window > 0 ? qpos[r] - window : std::numeric_limits<int64_t>::min();
-            if (last_pos > qpos[r] || hc.pos[static_cast<size_t>(slot0)] <= lo)
-                for (int j = 0; j < ntok; ++j) {
-                    const int64_t p = hc.pos[static_cast<size_t>(slot0 + j)];
-                    if (p > qpos[r] || p <= lo) s[j] = kNegInf;
-                }
-            const float mx = row_max(s, kStep);
-            if (mx == kNegInf) {  // nothing causal for this row here
-                std::fill(p, p + kStep, uint16_t(0));
-                continue;
-            }
-            const float m_new = std::max(m[r], mx);
-            const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
-            l[r] = l[r] * alpha + exp_sum(s, kStep, m_new);
-            m[r] = m_new;
-            if (alpha != 1.0f)
-                for (int d = 0; d < D; ++d) O[r * D + d] *= alpha;
-            for (int j = 0; j < kStep; j += 32) {
-                const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j));
-                _mm512_store_si512(p + j, (__m512i)pb);
-            }
-        }
-        // O += P V, four 16-dim blocks at a time: C tiles 0-3, A (tile 4) 32 tokens of P, B (tile 5)
-        // the same tokens' values (token pairs x 16 dims x 2)
-        const uint16_t* vs = st.v.data() + static_cast<size_t>(slot0 / 2) * D * 2;
-        for (int c0 = 0; c0 < dblocks; c0 += 4) {
-            const int nb = std::min(4, dblocks - c0);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int h = 0; h < 2; ++h) {
-                _tile_loadd(4, P + h * 32, kStep * 2);
-                const uint16_t* b = vs + static_cast<size_t>(h) * 16 * D * 2 + static_cast<size_t>(c0) * 32;
-                _tile_loadd(5, b, D * 4);
-                _tile_dpbf16ps(0, 4, 5);
-                if (nb > 1) {
-                    _tile_loadd(5, b + 32, D * 4);
-                    _tile_dpbf16ps(1, 4, 5);
-                }
-                if (nb > 2) {
-                    _tile_loadd(5, b + 64, D * 4);
-                    _tile_dpbf16ps(2, 4, 5);
-                }
-                if (nb > 3) {
-                    _tile_loadd(5, b + 96, D * 4);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-            }
-            _tile_stored(0, T, kStep * 4);
-            _tile_stored(1, T + 16, kStep * 4);
-            _tile_stored(2, T + 32, kStep * 4);
-            _tile_stored(3, T + 48, kStep * 4);
-            for (int r = 0; r < n; ++r)
-                for (int u = 0; u < nb * 16; u += 16)
-                    _mm512_storeu_ps(O + r * D + c0 * 16 + u,
-                                     _mm512_add_ps(_mm512_loadu_ps(O + r * D + c0 * 16 + u), _mm512_loadu_ps(T + r * kStep + u)));
-        }
+        softmax_step(hc, slot0, ntok, n, qpos, window, D, S, P, O, m, l);
+        pv_tiles(P, st.v.data() + static_cast<size_t>(slot0 / 2) * D * 2, D, n, T, O);
     }
     _tile_release();
     for (int r = 0; r < n; ++r) {
