@@ -179,3 +179,36 @@ def test_every_model_compiles_on_the_one_shared_core():
                     if name == "Core":
                         made.append(str(path.relative_to(ROOT)))
     assert made == ["ov_kvcrush/op/plugin.py"]
+
+
+#: the package's layers, bottom up: a module imports its own layer's and those below, never above
+#: (docs/architecture.md, "The layers"); every folder and top-level module has one
+LAYERS = {
+    "errors": 0, "validation": 0, "outputs": 0, "paths": 0, "corpus": 0,
+    "kernels": 1,
+    "methods": 2,
+    "config": 3,
+    "op": 4, "gpu": 4, "transformations": 4, "fastpath": 4, "models": 4,
+    "engines": 5,
+    "serving": 6, "pipeline": 6,
+    "cli": 7, "server": 7, "bench": 7, "eval": 7, "tools": 7, "__main__": 7, "ov_kvcrush": 7,
+}  # fmt: skip
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return "ov_kvcrush" if len(parts) == 1 else parts[1]
+
+
+def test_every_import_runs_down_the_layers():
+    """No import runs back up a layer (engines never reach the loop, the server or the commands;
+    the GPU library no engine; nothing imports the tools), and the folders of one layer import
+    each other one way only."""
+    graph = import_graph()
+    assert {_part(m) for m in graph} <= set(LAYERS), sorted({_part(m) for m in graph} - set(LAYERS))
+    up = sorted(f"{a} -> {d}" for a, ds in graph.items() for d in ds if LAYERS[_part(d)] > LAYERS[_part(a)])
+    assert up == []
+    folders: dict[str, set[str]] = {}
+    for a, ds in graph.items():
+        folders.setdefault(_part(a), set()).update(_part(d) for d in ds if _part(d) != _part(a))
+    assert cycles({f: folders.get(f, set()) & set(folders) for f in folders}) == []
