@@ -186,3 +186,27 @@ def test_a_tokenizer_that_does_not_reload_faithfully_is_refused(gguf_tokenizer, 
     fixed = export.repair_tokenizer(gguf_tokenizer, 49152)
     fixed.save_pretrained(tmp_path / "fixed")
     export.check_saved_tokenizer(fixed, tmp_path / "fixed", "m.gguf")
+
+
+def test_the_cache_keeps_the_newest_export_of_each_model_and_format(tmp_path, monkeypatch, capsys):
+    """An export replaces the cache's earlier ones of the same model and weight format (an older
+    source or recipe), never another model's, another format's or a folder the cache did not
+    name; ``ov-kvcrush export --list`` and ``--clear`` show and empty the cache."""
+    from ov_kvcrush.cli.main import main as cli
+
+    monkeypatch.setenv("OV_KVCRUSH_CACHE", str(tmp_path))
+    root = tmp_path / "models"
+    names = ["smollm2-int8-aaaaaaaaaaaa", "smollm2-int8-bbbbbbbbbbbb", "smollm2-fp32-cccccccccccc",
+             "smollm2-hf-dddddddddddd", "gemma3-int8-eeeeeeeeeeee", "my-export"]  # fmt: skip
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "openvino_model.bin").write_bytes(b"x" * 1024)
+    gone = export.prune_older(root / "smollm2-int8-bbbbbbbbbbbb")
+    assert gone == [root / "smollm2-int8-aaaaaaaaaaaa"]
+    assert sorted(p.name for p in root.iterdir()) == sorted(names[1:])
+    assert export.prune_older(tmp_path / "elsewhere-int8-bbbbbbbbbbbb") == []  # outside the cache
+    assert cli(["export", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(str(root / n) in listed for n in names[1:]) and "in 5 cached models" in listed
+    assert cli(["export", "--clear"]) == 0
+    assert "removed 0.0 MiB" in capsys.readouterr().out and list(root.iterdir()) == []

@@ -90,6 +90,8 @@ def _add_export(sub: Any) -> None:
     e.add_argument("--weight-format", default="int8", help="int8 (default), fp16 or fp32")
     e.add_argument("--output", help="output directory (default: the user cache dir)")
     e.add_argument("--force", action="store_true", help="re-export even if a complete export exists")
+    e.add_argument("--list", action="store_true", help="list the cached exports and checkpoints, with their sizes")
+    e.add_argument("--clear", action="store_true", help="remove every cached export and checkpoint")
 
 
 def _add_demo(sub: Any) -> None:
@@ -313,8 +315,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ov_kvcrush.engines.model_family import family_refusal
-    from ov_kvcrush.models.export import export_model
+    from ov_kvcrush.models.export import cached_models, clear_cache, export_model
 
+    if args.list:
+        models = cached_models()
+        for path, size in models:
+            print(f"{size / 2**20:10.1f} MiB  {path}")
+        print(f"{sum(s for _, s in models) / 2**20:10.1f} MiB in {len(models)} cached models")
+        return 0
+    if args.clear:
+        print(f"removed {clear_cache() / 2**20:.1f} MiB of cached models")
+        return 0
     out = export_model(args.model, weight_format=args.weight_format, output=args.output, force=args.force)
     print(out)
     refusal = family_refusal(out)

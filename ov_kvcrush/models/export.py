@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path, embedded_name
+from ov_kvcrush.models.gguf_tokenizer import read_gguf_vocab, spm_tokenizer, turn_end_ids
 from ov_kvcrush.models.staging import run_child, staging_dir
 from ov_kvcrush.paths import cache_root
 
@@ -185,9 +186,19 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
     GGUF's own pieces and scores (:mod:`ov_kvcrush.models.gguf_tokenizer`); transformers' conversion of
     it segments per syllable. A byte-level BPE one (SmolLM2) is repaired by :func:`repair_tokenizer`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging  # transformers: seconds to import
 
-    from ov_kvcrush.models.gguf_tokenizer import read_gguf_vocab, spm_tokenizer, turn_end_ids
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the export's own bar says the step; transformers' would nest
+    try:
+        _gguf_to_hf(gguf, out)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _gguf_to_hf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # seconds to import
 
     vocab = read_gguf_vocab(gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -281,6 +292,7 @@ def hf_checkpoint(model: str | os.PathLike | None = None, force: bool = False, p
         if out.exists():
             shutil.rmtree(out)
         stage.rename(out)
+    prune_older(out)
     return out
 
 
@@ -347,7 +359,52 @@ def _finish(job: _Job, weight_format: str) -> Path:
     if job.out.exists():
         shutil.rmtree(job.out)
     job.stage.rename(job.out)
+    prune_older(job.out)
     return job.out
+
+
+def _family(out: Path) -> str | None:
+    """``{model}-{format}-`` of a cached export or checkpoint (``{model}-hf-``), or ``None`` for
+    a folder the cache did not name."""
+    name, dash, digest = out.name.rpartition("-")
+    return name + dash if dash and len(digest) == 12 and "-" in name else None
+
+
+def prune_older(kept: Path) -> list[Path]:
+    """Remove the cache's other exports of the same model and format as ``kept`` (earlier sources
+    or recipe versions of it): the cache keeps the newest of each, not one per upgrade. A folder
+    outside the cache, or a user's ``--output``, is never touched."""
+    family = _family(kept)
+    root = cache_root() / "models"
+    if family is None or kept.parent != root:
+        return []
+    gone = [
+        p for p in root.iterdir() if p.is_dir() and p != kept and p.name.startswith(family) and _family(p) == family
+    ]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def cached_models() -> list[tuple[Path, int]]:
+    """The cache's exports and converted checkpoints, each with its size in bytes."""
+    root = cache_root() / "models"
+    if not root.is_dir():
+        return []
+    return [
+        (p, sum(f.stat().st_size for f in p.rglob("*") if f.is_file()))
+        for p in sorted(root.iterdir())
+        if p.is_dir() and not p.name.startswith(".tmp-")
+    ]
+
+
+def clear_cache() -> int:
+    """Remove every cached export and checkpoint; the bytes freed."""
+    freed = 0
+    for path, size in cached_models():
+        shutil.rmtree(path, ignore_errors=True)
+        freed += size
+    return freed
 
 
 def export_model(

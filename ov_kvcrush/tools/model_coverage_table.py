@@ -3,7 +3,7 @@
 ``python -m ov_kvcrush.tools.model_coverage_table --write`` builds every family's checkpoint, exports
 them all (one optimum process), runs the checks, writes :data:`RESULTS` and puts the table
 between the :data:`START` / :data:`END` markers of the README and ``docs/models.md``.
-``--export`` only builds and exports (``make setup`` does it, so the tests find them cached).
+``--export`` only builds and exports them (cached: the tests build them the same way on first use).
 ``tests/test_model_families.py`` runs the same checks and holds :data:`RESULTS` and both tables
 to them.
 """
