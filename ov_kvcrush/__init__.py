@@ -9,6 +9,9 @@ The package is layered so data flows one way: configuration (:mod:`ov_kvcrush.co
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, KVCrushSettings
 from ov_kvcrush.errors import UserError
 
+# Imported where used, inside functions: what pulls in numpy, platformdirs, heavy to import, so that
+# importing this module stays light.
+
 __version__ = "0.1.0"
 
 __all__ = ["CompressionConfig", "GenerationSettings", "KVCrushSettings", "LLMPipeline", "UserError", "__version__"]

@@ -12,12 +12,16 @@ method's options).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.validation import MAX_TOKENS, check_choice, check_float, check_int
+
+# Imported where used, inside functions: what pulls in numpy, openvino_genai, torch, heavy to
+# import, so that importing this module stays light.
 
 #: Native defaults for sinks and the recent window: whole CPU KV blocks (32 tokens each).
 NATIVE_SINK_TOKENS = 32
@@ -336,7 +340,6 @@ def split_store(item: str, what: str = "methods") -> tuple[str, str]:
 def parse_options(items: Iterable[str], flag: str = "--option") -> dict[str, Any]:
     """``KEY=VALUE`` pairs as method options: JSON values (bare words stay strings, lists become
     tuples, ``-`` in keys becomes ``_``). A malformed pair is an error naming ``flag``."""
-    import json
 
     def tuples(v: Any) -> Any:
         return tuple(tuples(x) for x in v) if isinstance(v, list) else v

@@ -9,6 +9,7 @@ file in the same folder and renames it, so a reader never finds a half-written r
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,7 +66,6 @@ def write_text(path: Path, text: str) -> Path:
 
 def read_prompt_file(path: str) -> str:
     """The text of ``--prompt-file`` (``-``: standard input), decoded with an error naming the flag."""
-    import sys
 
     if path == "-":
         data, where = sys.stdin.buffer.read(), "standard input"

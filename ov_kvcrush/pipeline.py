@@ -36,6 +36,7 @@ from typing import Any
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, generation_settings
 from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer
+from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.serving.backends import backend_info, make_engine, resolve_model
 from ov_kvcrush.serving.chat import Answer, Chat
@@ -89,8 +90,6 @@ class LLMPipeline:
             if compression is not None or budget is not None:
                 raise UserError("pass either scheduler_config or compression/budget, not both")
             if "scheduler_config" not in backend_info(backend).options():  # the compression it describes
-                from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config
-
                 compression = compression_from_scheduler_config(engine_options.pop("scheduler_config"))
         elif compression is None or isinstance(compression, str):
             compression = CompressionConfig(method=compression or "full", budget=budget)

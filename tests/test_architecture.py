@@ -8,6 +8,8 @@ would happen to resolve it at run time.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,3 +214,12 @@ def test_every_import_runs_down_the_layers():
     for a, ds in graph.items():
         folders.setdefault(_part(a), set()).update(_part(d) for d in ds if _part(d) != _part(a))
     assert cycles({f: folders.get(f, set()) & set(folders) for f in folders}) == []
+
+
+def test_the_package_and_its_command_line_import_nothing_heavy():
+    """``import ov_kvcrush`` and the command line's module (``--help``) load no torch,
+    transformers or OpenVINO: the modules that need them import them where used."""
+    heavy = ("torch", "transformers", "openvino", "openvino_genai", "triton", "matplotlib")
+    code = f"import sys, ov_kvcrush, ov_kvcrush.cli.main; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -31,6 +31,9 @@ import numpy as np
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.op.step_inputs import LOGITS_INPUT, SEQUENCE_INPUT  # the op's input contract
 
+# Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
+# this module stays light.
+
 #: Ops between the KV Concat and the SDPA that only expand KV heads for grouped-query attention.
 _GQA_OPS = ("Reshape", "Broadcast", "Unsqueeze", "Convert", "Tile", "Squeeze")
 #: Ops between ReadValue and the Concat (beam reordering, precision).

@@ -27,7 +27,11 @@ from __future__ import annotations
 import numpy as np
 from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
 
-from ov_kvcrush.gpu.plugin_layers import STEP_FIELDS
+from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.plugin_layers import STEP_FIELDS, LayerAttributes, layer_class
+
+# Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
+# this module stays light.
 
 #: the inputs the pass adds (besides ``kvc_logits_at``): name -> (element type, shape; -1 dynamic,
 #: "layers" and "kv_heads" the model's)
@@ -51,9 +55,6 @@ def convert_model_for_plugin(
     GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
     kernels at ``sub_group`` lanes. Raises :class:`ConversionError` as the CPU pass does."""
     import openvino.opset13 as ops
-
-    from ov_kvcrush.gpu.layout import PoolShape
-    from ov_kvcrush.gpu.plugin_layers import LayerAttributes, layer_class
 
     plans, shape = layer_plans(model)
     dims = {"layers": shape.layers, "kv_heads": shape.kv_heads}

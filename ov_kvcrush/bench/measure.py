@@ -16,6 +16,9 @@ from typing import Any
 
 from ov_kvcrush.errors import ConfigError
 
+# Imported where used, inside functions: what pulls in numpy, platformdirs, torch, transformers,
+# heavy to import, so that importing this module stays light.
+
 
 def measure_bandwidth_gbps(mib: int = 256, repeats: int = 5, device: str = "cpu") -> float:
     """The memory bandwidth of ``device``: the best of ``repeats`` copies of a ``mib`` MiB array,

@@ -8,10 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.config import MethodSpec
+from ov_kvcrush.config import STORE_WIDTHS, CompressionConfig, MethodSpec, parse_method_budget
+from ov_kvcrush.engines.base import model_context
+from ov_kvcrush.engines.random_model import is_random_model, random_architecture
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.models.export import embedded_gguf_path, resolve_source
 from ov_kvcrush.serving.backends import ALL
 from ov_kvcrush.validation import check_int
+
+# Imported where used, inside functions: what pulls in torch, heavy to import, so that importing
+# this module stays light.
 
 #: backends the harness runs (``genai``: native openvino_genai, the anchor; transformers' own
 #: caches as rows of their own beside the torch engine on a GPU, method ``full`` only)
@@ -41,7 +47,6 @@ class BenchConfig:
     def label(self) -> str:
         """``backend method[ key=value ...][+store] [@budget]``: a store named as ``--methods``
         names it (``openvino kvzip+4bit @1024``)."""
-        from ov_kvcrush.config import STORE_WIDTHS
 
         tail = "" if self.budget is None else f" @{self.budget}"
         options = dict(self.options)
@@ -83,7 +88,6 @@ def check_config(cfg: BenchConfig) -> None:
 
 def compression(cfg: BenchConfig) -> Any:
     """The :class:`~ov_kvcrush.config.CompressionConfig` a configuration runs."""
-    from ov_kvcrush.config import CompressionConfig, parse_method_budget
 
     if cfg.method == "full":
         return CompressionConfig()
@@ -185,7 +189,6 @@ def device_of(cfg: BenchConfig, plan: BenchPlan) -> str:
 
 def speed_only(plan: BenchPlan) -> bool:
     """Whether the plan's model has random weights (``random:<architecture>``): no quality claim."""
-    from ov_kvcrush.engines.random_model import is_random_model
 
     return is_random_model(plan.model)
 
@@ -239,9 +242,6 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
 def plan_context(plan: BenchPlan) -> int:
     """The context of the plan's model (0: unknown), read without loading or exporting it; a
     ``--model`` that is not there, or not a model, is refused here."""
-    from ov_kvcrush.engines.base import model_context
-    from ov_kvcrush.engines.random_model import random_architecture
-    from ov_kvcrush.models.export import embedded_gguf_path, resolve_source
 
     if speed_only(plan):
         return int(random_architecture(str(plan.model))["max_position_embeddings"])

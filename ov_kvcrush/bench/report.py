@@ -11,6 +11,9 @@ from typing import Any
 from ov_kvcrush.bench.measure import floor_ms
 from ov_kvcrush.serving.backends import backend_info
 
+# Imported where used, inside functions: what pulls in matplotlib, heavy to import, so that
+# importing this module stays light.
+
 #: keys every entry of ``results`` carries (the JSON schema's required part; more keys are added)
 RESULT_KEYS = ("backend", "method", "budget", "length", "ttft_ms", "tpot_ms", "kv_bytes", "peak_rss_bytes")
 

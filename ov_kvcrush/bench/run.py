@@ -20,6 +20,13 @@ from ov_kvcrush.bench.plan import (
 )
 from ov_kvcrush.bench.report import summarize
 from ov_kvcrush.bench.worker import LocalRunner, Worker, build_engine
+from ov_kvcrush.config import GenerationSettings
+from ov_kvcrush.errors import UserError
+from ov_kvcrush.eval.tasks import passkey_prompt
+from ov_kvcrush.serving.backends import resolve_model
+
+# Imported where used, inside functions: what pulls in torch, heavy to import, so that importing
+# this module stays light.
 
 
 def run_bench(
@@ -38,8 +45,6 @@ def run_bench(
     say = progress or (lambda line: None)
     models: dict[str, Any] = {}
     if engine_factory is None:  # export/convert once, here, before the workers share the cache
-        from ov_kvcrush.serving.backends import resolve_model
-
         # the transformers baselines run the torch engine's model (a checkpoint)
         models = {c.backend: resolve_model(c.backend, plan.model) for c in configs}
     runners: dict[str, Any] = {}
@@ -94,7 +99,6 @@ def warm_up(
     """One short untimed generation per configuration on a GPU (of the plan's batch): Triton
     compiles a kernel at its first call (measured on an H200: ClusterKV's first 8k TTFT 1693 ms,
     the next 283 ms), which must not land in a timed repeat. The CPU backends compile when they load."""
-    from ov_kvcrush.config import GenerationSettings
 
     settings = GenerationSettings(max_new_tokens=WARM_UP_NEW, ignore_eos=True)
     for c in configs:
@@ -109,8 +113,6 @@ def batch_prompts(length: int, rows: int, count: Callable[[str], int], seed: int
     """``rows`` passkey prompts of ``length`` tokens at most, with different keys, of one token
     count (a batch is never padded): the first from ``seed``, the others from the next seeds
     whose prompt counts as many tokens."""
-    from ov_kvcrush.errors import UserError
-    from ov_kvcrush.eval.tasks import passkey_prompt
 
     first = passkey_prompt(length, count, seed=seed)
     out, tokens = [first], count(first.prompt)
@@ -142,7 +144,6 @@ def timed_runs(
 ) -> list[dict[str, Any]]:
     """The runs in ``order``: fresh passkey prompts per repeat and length (one, or a batch),
     every configuration."""
-    from ov_kvcrush.config import GenerationSettings
 
     settings = GenerationSettings(max_new_tokens=plan.new_tokens, ignore_eos=True)
     quality = not speed_only(plan)  # random weights: the passkey answer means nothing

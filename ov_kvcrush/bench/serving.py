@@ -23,6 +23,7 @@ counts that queue too), ours' preemptions and requests the pool made wait, and p
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,12 +32,21 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from ov_kvcrush.bench import measure
-from ov_kvcrush.bench.plan import BenchConfig, compression, plan_configs
+from ov_kvcrush.bench.plan import MIN_LENGTH, BenchConfig, BenchPlan, compression, plan_configs, plan_context
+from ov_kvcrush.config import GenerationSettings, to_native_scheduler_config
+from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.eval.tasks import passkey_prompt
+from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
 from ov_kvcrush.serving.backends import backend_info, resolve_model
 from ov_kvcrush.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ov_kvcrush.validation import check_int
+
+# Imported where used, inside functions: what pulls in matplotlib, openvino, openvino_genai, torch,
+# heavy to import, so that importing this module stays light.
 
 SERVING_BACKENDS = ("genai", "openvino")
 
@@ -67,7 +77,6 @@ def checked_configs(plan: ServingPlan) -> list[BenchConfig]:
     check_int("max_num_batched_tokens", plan.max_num_batched_tokens, 16, 1 << 20)
     if isinstance(plan.kv_pool_mib, bool) or not isinstance(plan.kv_pool_mib, (int, float)) or plan.kv_pool_mib <= 0:
         raise ConfigError("kv_pool_mib", plan.kv_pool_mib, "a positive number of MiB (the KV pool every backend gets)")
-    from ov_kvcrush.bench.plan import MIN_LENGTH, BenchPlan, plan_context
 
     context = plan_context(BenchPlan(model=plan.model))
     top = (context - plan.new_tokens) if context else 1 << 20
@@ -134,7 +143,6 @@ class _NativeServer(_Loop):
         self._run_one(probe, [1, 2, 3, 4], 2)  # the pool is allocated on the first step
         self.block_bytes = probe.get_metrics().cache_size_in_bytes // probe_blocks
         del probe
-        from ov_kvcrush.op.kvcache import pool_blocks
 
         self.blocks = pool_blocks(int(plan.kv_pool_mib * 2**20), self.block_bytes)
         self.pipe = ov_genai.ContinuousBatchingPipeline(model_dir, self._sc(self.blocks), "CPU")
@@ -142,7 +150,6 @@ class _NativeServer(_Loop):
 
     def _sc(self, blocks: int) -> Any:
         """The native scheduler config of the method, over a pool of ``blocks`` native blocks."""
-        from ov_kvcrush.config import to_native_scheduler_config
 
         sc = to_native_scheduler_config(
             self.comp, "CPU", num_kv_blocks=blocks, max_num_batched_tokens=self.plan.max_num_batched_tokens
@@ -158,7 +165,6 @@ class _NativeServer(_Loop):
         return gc
 
     def _run_one(self, pipe: Any, ids: list[int], new_tokens: int) -> None:
-        import numpy as np
         import openvino as ov
 
         pipe.add_request(10**6, ov.Tensor(np.asarray([ids], dtype=np.int64)), self._config(new_tokens))
@@ -169,10 +175,7 @@ class _NativeServer(_Loop):
         self._run_one(self.pipe, list(range(100, 164)), 4)
 
     def add(self, i: int, prompt: str) -> Any:
-        import numpy as np
         import openvino as ov
-
-        from ov_kvcrush.engines.genai import encode_prompt
 
         ids = encode_prompt(self.tokenizer, prompt)
         ids_tensor = ov.Tensor(np.asarray([ids], dtype=np.int64))
@@ -204,15 +207,13 @@ class _OurServer(_Loop):
     def __init__(self, cfg: BenchConfig, plan: ServingPlan, model_dir: str) -> None:
         import openvino_genai as ov_genai
 
-        from ov_kvcrush.config import GenerationSettings
-        from ov_kvcrush.serving import ContinuousBatchingPipeline
+        from ov_kvcrush.serving import ContinuousBatchingPipeline  # its engine: torch (a lazy name)
         from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
         sc = ov_genai.SchedulerConfig()
         sc.max_num_batched_tokens = plan.max_num_batched_tokens
         engine = OpenVINOEngine(model_dir, compression(cfg))
         s = engine.shape
-        from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
 
         self.block_bytes = block_bytes(engine.block_size, s.head_dim, engine.kv_precision)
         engine.max_kv_blocks = pool_blocks(int(plan.kv_pool_mib * 2**20), self.block_bytes)
@@ -258,10 +259,6 @@ class _OurServer(_Loop):
 
 def run_serving(plan: ServingPlan, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every configuration, one after another, each in its own process; the JSON document."""
-    import multiprocessing
-
-    from ov_kvcrush.engines.genai import encode_prompt
-    from ov_kvcrush.eval.tasks import passkey_prompt
 
     configs = checked_configs(plan)
     say = progress or (lambda line: None)

@@ -6,6 +6,7 @@ run a batch), or many requests over one pool on the OpenVINO backends (``--concu
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -13,10 +14,11 @@ from ov_kvcrush.cli.values import parse_int, parse_name, split_values
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, write_atomic, write_text
 
+# Imported where used, inside functions: what pulls in numpy, platformdirs, heavy to import, so that
+# importing this module stays light.
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
     from ov_kvcrush.bench import BenchPlan, dry_run, format_markdown, format_table, plot, run_bench
 
     json_out = prepare_output("--json", args.json_out)
@@ -61,8 +63,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_serving(
     args: argparse.Namespace, json_out: Path | None, plot_out: Path | None, markdown_out: Path | None
 ) -> int:
-    import json
-
     from ov_kvcrush.bench.serving import ServingPlan, checked_configs, format_serving, plot_serving, run_serving
     from ov_kvcrush.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 

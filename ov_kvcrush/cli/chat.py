@@ -24,6 +24,9 @@ from ov_kvcrush.pipeline import LLMPipeline
 from ov_kvcrush.serving.backends import engine_options
 from ov_kvcrush.serving.chat import CHAT_METHOD, chat_method
 
+# Imported where used, inside functions: what pulls in prompt_toolkit, torch, heavy to import, so
+# that importing this module stays light.
+
 
 def methods_help() -> str:
     """The ``--method`` help: the methods each backend runs, from the registry (shown with ``--help``)."""

@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.eval.tasks import passkey_prompt
+
+# Imported where used, inside functions: what pulls in numpy, platformdirs, heavy to import, so that
+# importing this module stays light.
 
 #: the product's rows after the full caches: (backend, method, options)
 PRODUCT_RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -81,7 +85,6 @@ def label(backend: str, cfg: CompressionConfig) -> str:
 
 def run_demo(tokens: int, budget: int, with_torch: bool, say: Callable[[str], None] = print) -> list[DemoRow]:
     """Run every configuration on one passkey prompt of about ``tokens`` tokens; print as it goes."""
-    from ov_kvcrush.eval.tasks import passkey_prompt
     from ov_kvcrush.serving.backends import make_engine, resolve_model
 
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS)

@@ -11,6 +11,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+# Imported where used, inside functions: what pulls in openvino, openvino_genai,
+# openvino_tokenizers, torch, transformers, heavy to import, so that importing this module stays
+# light.
+
 
 def main() -> int:
     problems = []

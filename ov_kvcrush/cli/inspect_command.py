@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from ov_kvcrush.config import parse_method_budget, parse_options
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, read_prompt_file, write_atomic, write_text
+
+# Imported where used, inside functions: what pulls in numpy, platformdirs, torch, heavy to import,
+# so that importing this module stays light.
 
 
 def add_inspect_arguments(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +39,6 @@ def add_inspect_arguments(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ov_kvcrush.config import parse_method_budget, parse_options
     from ov_kvcrush.eval.inspector import inspect_prompt, plot_inspection
     from ov_kvcrush.serving.backends import resolve_model
 

@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import Any
 
-from ov_kvcrush.bench.plan import DEFAULT_LENGTHS
+from ov_kvcrush.bench.plan import DEFAULT_LENGTHS, MIN_LENGTH
 from ov_kvcrush.cli.bench_command import cmd_bench
 from ov_kvcrush.cli.chat import __doc__ as CHAT_DOC
 from ov_kvcrush.cli.chat import add_arguments as add_chat_arguments
-from ov_kvcrush.cli.chat import methods_help
+from ov_kvcrush.cli.chat import chat, methods_help
+from ov_kvcrush.cli.demo import DEMO_TOKENS, NEW_TOKENS, run_demo
 from ov_kvcrush.cli.inspect_command import add_inspect_arguments, cmd_inspect
 from ov_kvcrush.cli.serve_command import add_serve_arguments, cmd_serve
 from ov_kvcrush.cli.values import parse_float, parse_int, parse_name, parse_size, split_values
+from ov_kvcrush.config import GenerationSettings, MethodSpec, parse_method_budget, parse_options
+from ov_kvcrush.engines.base import model_context
+from ov_kvcrush.engines.model_family import family_refusal
 from ov_kvcrush.errors import UserError, one_line
-from ov_kvcrush.gpu import HOSTS
+from ov_kvcrush.gpu import HOSTS, runtime
+from ov_kvcrush.models.export import cached_models, clear_cache, embedded_gguf_path, export_model, resolve_source
 from ov_kvcrush.outputs import PLOT_SUFFIXES, prepare_output, read_prompt_file, write_atomic, write_text
+from ov_kvcrush.serving.backends import check_backend, engine_options, make_engine, resolve_model
+from ov_kvcrush.validation import check_int
 
-#: The demo's compressed runs: (backend, method, extra options).
-DEMO_TOKENS = 2000  # ov_kvcrush.cli.demo.DEMO_TOKENS (not imported here: --help stays fast)
+# Imported where used, inside functions: what pulls in torch, transformers, heavy to import, so that
+# importing this module stays light.
 
 
 class _Parser(argparse.ArgumentParser):
@@ -273,9 +281,6 @@ _TASKS = ("passkey", "niah_single", "niah_multikey", "vt", "ppl")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import shlex
-
-    from ov_kvcrush.config import MethodSpec
     from ov_kvcrush.eval.report import format_table, plot, write_json
     from ov_kvcrush.eval.runner import EvalPlan, run_eval
 
@@ -314,9 +319,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ov_kvcrush.engines.model_family import family_refusal
-    from ov_kvcrush.models.export import cached_models, clear_cache, export_model
-
     if args.list:
         models = cached_models()
         for path, size in models:
@@ -335,9 +337,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ov_kvcrush.config import GenerationSettings, parse_method_budget, parse_options
-    from ov_kvcrush.serving.backends import check_backend, engine_options, make_engine, resolve_model
-
     json_out = prepare_output("--json", args.json_out)
     compression = parse_method_budget(
         args.method,
@@ -353,13 +352,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     flags["kv_precision"] = ("--kv-precision", args.kv_precision, None)
     extra = engine_options(args.backend, flags)
     if "paged_device" in extra:
-        from ov_kvcrush.gpu import runtime
-
         runtime.prepare()  # before anything imports openvino (its TBB hides Intel's OpenCL runtime)
     if args.native_gguf:
         if not backend.native:
             raise UserError(f"--native-gguf is only for --backend genai, got --backend={args.backend}")
-        from ov_kvcrush.models.export import resolve_source
 
         source = resolve_source(args.model)
         if source.kind != "gguf":
@@ -382,18 +378,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from ov_kvcrush.cli.chat import chat
-
     return chat(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ov_kvcrush.bench.plan import MIN_LENGTH
-    from ov_kvcrush.cli.demo import NEW_TOKENS, run_demo
-    from ov_kvcrush.engines.base import model_context
-    from ov_kvcrush.models.export import embedded_gguf_path
-    from ov_kvcrush.validation import check_int
-
     check_int("--tokens", args.tokens, MIN_LENGTH, model_context(embedded_gguf_path()) - NEW_TOKENS)
     run_demo(args.tokens, args.budget, args.torch)
     return 0

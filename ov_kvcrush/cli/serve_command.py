@@ -13,6 +13,12 @@ import argparse
 import os
 from typing import Any
 
+from ov_kvcrush.validation import check_int
+
+# Imported where used, inside functions: what pulls in numpy, openvino_genai, platformdirs,
+# prometheus_client, ray, starlette, torch, uvicorn, heavy to import, so that importing this module
+# stays light.
+
 API_KEY_ENV = "OV_KVCRUSH_API_KEY"
 
 
@@ -54,7 +60,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ov_kvcrush.server.app import make_app
     from ov_kvcrush.server.config import ServerConfig
-    from ov_kvcrush.validation import check_int
 
     check_int("--max-body-kib", args.max_body_kib, 1, 1 << 20)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -12,6 +12,9 @@ from typing import Any
 from ov_kvcrush.engines.model_family import sliding_context, text_config
 from ov_kvcrush.errors import UserError
 
+# Imported where used, inside functions: what pulls in numpy, heavy to import, so that importing
+# this module stays light.
+
 #: A prompt: plain text (the chat template is applied by default) or chat messages.
 Prompt = str | Sequence[dict]
 #: Called with each decoded text chunk; return True to stop generation early.

@@ -20,10 +20,14 @@ from typing import Any
 
 import torch
 
+from ov_kvcrush.corpus import essay_text, haystack_essays
 from ov_kvcrush.engines.model_family import sliding_context
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.outputs import write_atomic
 from ov_kvcrush.paths import cache_root
+
+# Imported where used, inside functions: what pulls in numpy, transformers, heavy to import, so that
+# importing this module stays light.
 
 #: tokens of calibration text (the essays are the evaluation's haystack prose)
 CALIBRATION_TOKENS = 2048
@@ -33,7 +37,6 @@ CALIBRATION_ESSAYS = 3
 
 def calibration_ids(encode: Callable[[str], list[int]], tokens: int = CALIBRATION_TOKENS) -> list[int]:
     """The first ``tokens`` ids of the calibration text (no template)."""
-    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     text = " ".join(essay_text(p) for p in haystack_essays()[:CALIBRATION_ESSAYS])
     ids = encode(text)

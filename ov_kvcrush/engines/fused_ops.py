@@ -40,6 +40,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# Imported where used, inside functions: what pulls in triton, heavy to import, so that importing
+# this module stays light.
+
 #: the module classes whose forward the fused kernels replace, by class name
 FUSED_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 FUSED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")

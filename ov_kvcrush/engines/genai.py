@@ -41,6 +41,9 @@ from ov_kvcrush.engines.base import (
 from ov_kvcrush.engines.signal_stack import own_signal_stack
 from ov_kvcrush.errors import UserError
 
+# Imported where used, inside functions: what pulls in numpy, openvino, openvino_genai, heavy to
+# import, so that importing this module stays light.
+
 #: Context the block pool is first sized for; it grows (the pipeline is rebuilt) for longer prompts.
 DEFAULT_POOL_TOKENS = 8192
 

@@ -28,7 +28,11 @@ from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
-from ov_kvcrush.op import step_inputs
+from ov_kvcrush.op import plugin, step_inputs
+from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_model_for_plugin
+
+# Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
+# that importing this module stays light.
 
 #: the kernels' compile properties: our layers take and return f32
 PLUGIN_PROPERTIES = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -77,9 +81,7 @@ class PluginModel:
         sub_group: int | None = None,
         properties: dict | None = None,
     ) -> None:
-        from ov_kvcrush.op import plugin
         from ov_kvcrush.paths import cache_root
-        from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_model_for_plugin
 
         self.core = plugin.shared_core()
         #: the plugin's device (a GPUPathError naming what is missing, before anything is built)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+from transformers.generation import CompileConfig
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines.base import (
@@ -169,8 +170,6 @@ class HFBaselineEngine(TorchEngine):
     def _generate(
         self, rows: list[list[int]], settings: GenerationSettings, clock: _TokenClock | None = None
     ) -> list[list[int]]:
-        from transformers.generation import CompileConfig
-
         kw: dict[str, Any] = {}
         if self.static:
             kw = {

@@ -32,15 +32,20 @@ from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines import calibration
 from ov_kvcrush.engines.base import Prompt, model_context
 from ov_kvcrush.engines.genai import encode_prompt
+from ov_kvcrush.engines.gpu_plugin_model import plugin_engine_model
 from ov_kvcrush.engines.model_family import check_family, layer_windows, sliding_context
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.engines.scoring_pass import ScoringPass
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.op import step_inputs
+from ov_kvcrush.op import plugin, step_inputs
 from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE, PRECISIONS, KVPool, KVSequence, infer_steps
 from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.op.method_spec import method_spec
 from ov_kvcrush.op.plugin import PluginError
+from ov_kvcrush.transformations import convert_model
+
+# Imported where used, inside functions: what pulls in openvino_genai, heavy to import, so that
+# importing this module stays light.
 
 if TYPE_CHECKING:
     from ov_kvcrush.engines.gpu_plugin_model import PluginModel
@@ -124,9 +129,6 @@ class OpenVINOModel:
     ) -> None:
         import openvino_genai as ov_genai
 
-        from ov_kvcrush.op import plugin
-        from ov_kvcrush.transformations import convert_model
-
         self.device = str(device).upper()
         if self.device not in ("CPU", "GPU"):
             raise ConfigError("device", device, "CPU or GPU (an Intel GPU through OpenVINO's GPU plugin)")
@@ -148,8 +150,6 @@ class OpenVINOModel:
         #: our layers in OpenVINO's GPU plugin (device GPU), else None: the CPU op
         self.plugin: PluginModel | None = None
         if self.device == "GPU":
-            from ov_kvcrush.engines.gpu_plugin_model import plugin_engine_model
-
             self.plugin = plugin_engine_model(self.model_dir, windows, kv_precision, block_size, self.properties)
             self.shape = self.plugin.shape
         else:

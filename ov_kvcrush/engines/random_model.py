@@ -21,6 +21,9 @@ from typing import Any
 
 from ov_kvcrush.errors import ConfigError
 
+# Imported where used, inside functions: what pulls in tokenizers, torch, transformers, heavy to
+# import, so that importing this module stays light.
+
 RANDOM_PREFIX = "random:"
 
 #: name -> the config fields of that architecture (all Llama-family: the torch engine's cache

@@ -10,6 +10,9 @@ import numpy as np
 
 from ov_kvcrush.config import GenerationSettings
 
+# Imported where used, inside functions: what pulls in torch, heavy to import, so that importing
+# this module stays light.
+
 if TYPE_CHECKING:
     import torch
 

@@ -12,6 +12,9 @@ from ov_kvcrush.config import CompressionConfig, KVCrushSettings
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.op.kvcache import DEFAULT_BLOCK_SIZE
 
+# Imported where used, inside functions: what pulls in openvino_genai, heavy to import, so that
+# importing this module stays light.
+
 
 def pool_blocks_from_scheduler_config(sc, layers: int, kv_heads: int, block_bytes: int) -> int:
     """The block limit an ``openvino_genai.SchedulerConfig`` sets (0: none).

@@ -55,6 +55,9 @@ from ov_kvcrush.engines.sampling import pick_rows
 from ov_kvcrush.engines.torch_model import load_model
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import HOSTS
+from ov_kvcrush.gpu.device_layers import device_layer
+from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.kernels import use_triton
 from ov_kvcrush.methods import LayerCache, MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_POOL
@@ -247,9 +250,6 @@ class TorchEngine:
     def _device_layers(self, rows: int, tokens: int) -> Callable[[MethodConfig, int, int], LayerCache]:
         """Each layer's cache on the GPU path's device, in a pool of its own (one per cache) sized
         for ``tokens`` (every layer's KV heads, and room for one eviction's fresh blocks)."""
-        from ov_kvcrush.gpu.device_layers import device_layer
-        from ov_kvcrush.gpu.layout import PoolShape
-        from ov_kvcrush.gpu.pool import DevicePool
 
         if rows != 1:
             raise ConfigError("prompts", rows, f"1 at a time with paged_device={self.paged_device!r}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION
 from ov_kvcrush.engines.model_family import check_family
 from ov_kvcrush.engines.random_model import build_random_model, is_random_model
@@ -21,7 +23,6 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "auto", 
     ``attn`` can be any transformers attention implementation (``sdpa``, ``eager``): tests load
     the same checkpoint both ways to compare.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)  # refuse a bad device/dtype before any loading work
     dt = resolve_dtype(dtype, dev)

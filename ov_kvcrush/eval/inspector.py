@@ -35,6 +35,9 @@ from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.methods.attention import attend
 
+# Imported where used, inside functions: what pulls in matplotlib, platformdirs, transformers, heavy
+# to import, so that importing this module stays light.
+
 #: heatmap codes of a prompt position in one (layer, KV head)
 EVICTED, KEPT, QUANTIZED, MERGED = 0, 1, 2, 3
 

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import shlex
+import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import UserError, one_line
 from ov_kvcrush.eval.runner import EvalReport, mean
 from ov_kvcrush.validation import check_choice
+
+# Imported where used, inside functions: what pulls in matplotlib, heavy to import, so that
+# importing this module stays light.
 
 # the plot's x axes: what each shows, as its label
 X_AXES = {"mib": "KV MiB held (log)", "share": "KV held, share of the full cache (log)"}
@@ -174,7 +181,6 @@ def plot(report: EvalReport, path: str | Path, title: str | None = None, x: str 
     # the legend's width follows its longest label (method options and stores make long ones)
     legend_in = 0.7 + 0.065 * max((len(m) for m in [*methods, "full"]), default=4)
     width = 3.6 * n_cols + legend_in
-    import textwrap
 
     title_lines = textwrap.wrap(title, int(width * 14)) if title else []
     height = 2.9 * n_rows + 0.4 + 0.15 * len(title_lines)
@@ -301,11 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     Prints the tables again and re-plots; several runs over the same prompts are merged into one
     report (:func:`merge`), so a frontier measured in parts is shown, and kept, as one.
     """
-    import argparse
-    import shlex
-    import sys
-
-    from ov_kvcrush.errors import one_line
 
     ap = argparse.ArgumentParser(prog="python -m ov_kvcrush.eval.report", description=main.__doc__)
     ap.add_argument("json_paths", nargs="+", metavar="RESULTS.json")

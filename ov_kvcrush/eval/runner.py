@@ -19,6 +19,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, MethodSpec
@@ -32,6 +33,9 @@ from ov_kvcrush.methods import REGISTRY
 from ov_kvcrush.op.probe import OpProbe
 from ov_kvcrush.serving.backends import backend_info, make_engine, resolve_model
 from ov_kvcrush.validation import MAX_TOKENS, check_int
+
+# Imported where used, inside functions: what pulls in tqdm, heavy to import, so that importing this
+# module stays light.
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_BUDGETS = (128, 256, 512)
@@ -459,7 +463,6 @@ def mean(values) -> float:
 
 def package_versions() -> dict[str, str]:
     """Versions of the packages a result depends on (results carry them; bench and eval alike)."""
-    from importlib.metadata import PackageNotFoundError, version
 
     out = {}
     for pkg in ("ov_kvcrush", "torch", "transformers", "openvino", "openvino-genai"):

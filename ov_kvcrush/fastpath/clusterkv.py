@@ -51,6 +51,9 @@ from ov_kvcrush.methods.clusterkv import (
     rank_clusters,
 )
 
+# Imported where used, inside functions: what pulls in triton, heavy to import, so that importing
+# this module stays light.
+
 
 def kmeans_iterate(device: torch.device) -> Iterate:
     """k-means' loop on ``device``: the fused Triton iterations where Triton runs (two launches an

@@ -34,6 +34,9 @@ from ov_kvcrush.fastpath.buffer import KVBuffer
 from ov_kvcrush.kernels import use_triton
 from ov_kvcrush.methods.base import LayerCache, gather_tokens, tensor_bytes
 
+# Imported where used, inside functions: what pulls in triton, heavy to import, so that importing
+# this module stays light.
+
 
 class FastLayerCache(LayerCache):
     """Full attention over a preallocated store (see the module doc).

@@ -31,6 +31,9 @@ from ov_kvcrush.methods.base import QuantSettings, tensor_bytes
 from ov_kvcrush.methods.minikv import MiniKVConfig
 from ov_kvcrush.methods.quant import PACKED_KV, pack_kv, unpack_kv
 
+# Imported where used, inside functions: what pulls in triton, heavy to import, so that importing
+# this module stays light.
+
 
 class FastMiniKVLayerCache(FastLayerCache):
     """One layer of MiniKV for the fast path (see the module doc)."""

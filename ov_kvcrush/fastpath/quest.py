@@ -18,7 +18,7 @@ import torch
 
 from ov_kvcrush.fastpath.dense import FastLayerCache
 from ov_kvcrush.methods.base import gather_tokens, tensor_bytes, topk_indices
-from ov_kvcrush.methods.quest import QuestConfig, page_bounds, page_upper_bounds
+from ov_kvcrush.methods.quest import QuestConfig, page_bounds, page_upper_bounds, quest_select
 
 
 class FastQuestLayerCache(FastLayerCache):
@@ -82,7 +82,6 @@ class FastQuestLayerCache(FastLayerCache):
 
     def _multi_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Several tokens (eager): the reference's selection over everything held, causally."""
-        from ov_kvcrush.methods.quest import quest_select
 
         if self.dense_layer:
             return super()._multi_step(queries, keys, values)

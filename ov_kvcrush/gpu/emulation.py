@@ -20,6 +20,7 @@ on both: ``python -m ov_kvcrush.tools.gpu_native``).
 
 from __future__ import annotations
 
+import ctypes.util
 import hashlib
 import multiprocessing
 import os
@@ -34,7 +35,11 @@ import numpy as np
 
 from ov_kvcrush.gpu import runtime
 from ov_kvcrush.gpu.device import kernel_dir
+from ov_kvcrush.op import plugin
 from ov_kvcrush.outputs import write_atomic
+
+# Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
+# that importing this module stays light.
 
 #: the C compiler's flags for the layer
 FLAGS = ("-std=c11", "-O2", "-shared", "-fPIC")
@@ -94,7 +99,6 @@ def build(force: bool = False) -> Path:
 def unavailable() -> str | None:
     """Why the emulation cannot run here (the runtime, the system's ICD loader, or the layer's
     build is missing), or ``None``: it can (the layer is built if it was not)."""
-    import ctypes.util
 
     if runtime.runtime_library() is None:
         return f"Intel's OpenCL CPU runtime is not installed ({runtime.INSTALL_HINT})"
@@ -163,7 +167,6 @@ def check_model() -> object:
 def check(rows: int = 7) -> CheckResult:
     """Run :func:`check_model` on the plugin's ``GPU`` and on ``CPU`` (both in f32) in this process
     (:func:`enable` called first)."""
-    from ov_kvcrush.op import plugin
 
     core = plugin.shared_core()
     device = plugin_device(core)

@@ -35,6 +35,9 @@ from ov_kvcrush.gpu.device import kernel_dir
 from ov_kvcrush.gpu.layout import PRECISIONS, PoolShape
 from ov_kvcrush.outputs import write_atomic
 
+# Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
+# this module stays light.
+
 #: the file of the layers' kernels, its includes inlined (the plugin compiles one source text)
 SOURCE = "plugin_layers.cl"
 #: the attributes every layer carries, as the kernels' -D constants: (define, attribute)

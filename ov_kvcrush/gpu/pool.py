@@ -28,6 +28,7 @@ from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
 from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
+from ov_kvcrush.gpu.sycl_host import sycl_device
 
 
 def open_device(host: str, sub_group: int | None = None) -> KernelDevice:
@@ -35,8 +36,6 @@ def open_device(host: str, sub_group: int | None = None) -> KernelDevice:
     :class:`~ov_kvcrush.gpu.device.Device`, or the C++ SYCL host's
     :class:`~ov_kvcrush.gpu.sycl_host.SyclDevice` (both :class:`~ov_kvcrush.gpu.device.KernelDevice`)."""
     if host == "sycl":
-        from ov_kvcrush.gpu.sycl_host import sycl_device
-
         return sycl_device(sub_group)
     if host != "opencl":
         raise GPUPathError(f"host={host!r} is invalid: allowed one of {', '.join(HOSTS)}")

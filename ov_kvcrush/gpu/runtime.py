@@ -28,6 +28,9 @@ from typing import Any
 
 from ov_kvcrush.errors import UserError
 
+# Imported where used, inside functions: what pulls in platformdirs, pyopencl, heavy to import, so
+# that importing this module stays light.
+
 RUNTIME_LIBRARY = "libintelocl.so"
 INSTALL_HINT = "pip install pyopencl intel-opencl-rt intel-cmplr-lib-rt"
 

@@ -31,6 +31,9 @@ from ov_kvcrush.gpu import runtime
 from ov_kvcrush.gpu.device import KernelDevice, choose_sub_group, kernel_dir
 from ov_kvcrush.outputs import write_atomic
 
+# Imported where used, inside functions: what pulls in platformdirs, heavy to import, so that
+# importing this module stays light.
+
 INSTALL_HINT = "pip install intel-sycl-rt (the gpu extra: pip install 'ov_kvcrush[gpu]')"
 #: g++'s flags (DT_RPATH, not RUNPATH: libsycl's own dependencies are found beside it too)
 FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-Wl,--disable-new-dtags")

@@ -31,6 +31,9 @@ import torch
 
 from ov_kvcrush.errors import ConfigError
 
+# Imported where used, inside functions: what pulls in triton, heavy to import, so that importing
+# this module stays light.
+
 KERNEL_MODES = ("auto", "triton", "torch")
 
 #: log2(e): the kernels take ``exp2`` of logits pre-scaled by it (one multiply folded into the scale)

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 from ov_kvcrush.kernels import use_triton
 
+# Imported where used, inside functions: what pulls in triton, heavy to import, so that importing
+# this module stays light.
+
 
 def causal_prefill(
     queries: torch.Tensor,

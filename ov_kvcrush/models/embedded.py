@@ -12,8 +12,10 @@ beyond the Gemma package's ``assemble``.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 from ov_kvcrush.errors import UserError
@@ -80,7 +82,6 @@ def _missing(model: EmbeddedModel) -> UserError:
 def _packaged_file(model: EmbeddedModel) -> Path:
     """Locate a GGUF inside an installed wheel without importing it (its ``__init__`` may import
     a CLI that is deliberately not installed), through the distribution's file list."""
-    from importlib import metadata
 
     try:
         dist = metadata.distribution(model.package)
@@ -96,7 +97,6 @@ def _packaged_file(model: EmbeddedModel) -> Path:
 
 def _assembled(model: EmbeddedModel) -> Path:
     """Join the chunk packages' parts once into ``<cache>/gguf/<file>`` (checked, then renamed)."""
-    import importlib
 
     try:
         package = importlib.import_module(str(model.assembled_by))

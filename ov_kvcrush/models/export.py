@@ -33,6 +33,9 @@ from ov_kvcrush.models.gguf_tokenizer import read_gguf_vocab, spm_tokenizer, tur
 from ov_kvcrush.models.staging import run_child, staging_dir
 from ov_kvcrush.paths import cache_root
 
+# Imported where used, inside functions: what pulls in tokenizers, tqdm, transformers, heavy to
+# import, so that importing this module stays light.
+
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHT_FORMATS = ("int8", "fp16", "fp32")

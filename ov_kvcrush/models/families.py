@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ov_kvcrush.corpus import essay_text, haystack_essays
 from ov_kvcrush.models.staging import staging_dir
 from ov_kvcrush.paths import cache_root
+
+# Imported where used, inside functions: what pulls in tokenizers, torch, transformers, heavy to
+# import, so that importing this module stays light.
 
 #: The shape every family starts from: 8 query heads over 2 KV heads (GQA 4:1), head size 32.
 BASE: dict[str, Any] = dict(
@@ -222,8 +227,6 @@ def family(name: str) -> Family:
 
 
 def _training_text() -> str:
-    from ov_kvcrush.corpus import essay_text, haystack_essays
-
     return essay_text(haystack_essays()[0])[:20000]
 
 
@@ -309,8 +312,6 @@ def tiny_checkpoint(name: str) -> Path:
         model.save_pretrained(stage)
         tok.save_pretrained(stage)
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         stage.rename(out)
     return out

@@ -29,6 +29,9 @@ from pathlib import Path
 
 from ov_kvcrush.models.gguf_metadata import read_metadata
 
+# Imported where used, inside functions: what pulls in tokenizers, transformers, heavy to import, so
+# that importing this module stays light.
+
 #: llama.cpp's token types (``llama_token_type``).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 

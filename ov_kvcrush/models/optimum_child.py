@@ -21,6 +21,9 @@ import sys
 import traceback
 from pathlib import Path
 
+# Imported where used, inside functions: what pulls in optimum, heavy to import, so that importing
+# this module stays light.
+
 #: optimum-intel export configs whose transformers cap is lifted, by model type.
 UNCAPPED = ("gemma3_text", "gemma2", "glm", "gemma", "exaone4")
 

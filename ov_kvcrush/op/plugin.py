@@ -15,6 +15,7 @@ wraps. ``dlopen`` of one path returns one handle, so both see the same pools and
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import fcntl
 import hashlib
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
+
+# Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
+# that importing this module stays light.
 
 LIBRARY_NAME = "libov_kvcrush_cpu.so"
 _lock = threading.Lock()
@@ -270,8 +274,6 @@ def check_result(result: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m ov_kvcrush.op.plugin", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["build", "path"], help="build: build if needed and print the path")
     p.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build exists")

@@ -23,7 +23,11 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.op import plugin
 from ov_kvcrush.op.kvcache import KVPool, infer_steps
+
+# Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
+# this module stays light.
 
 
 def single_op_model(
@@ -42,8 +46,6 @@ def single_op_model(
     import openvino as ov
     import openvino.opset13 as ops
     from openvino.utils.node_factory import NodeFactory
-
-    from ov_kvcrush.op import plugin
 
     factory = NodeFactory()
     factory.add_extension(str(plugin.loaded_path()))
@@ -73,7 +75,6 @@ class OpProbe:
     ):
         """``new_pool(compression, count_only=True)`` gives ``(method config, block size, a new
         pool)`` as the engine builds its own (:meth:`OpenVINOEngine.new_pool`)."""
-        from ov_kvcrush.op import plugin
 
         self.layers, self.q_heads, self.kv_heads, self.head_dim = layers, q_heads, kv_heads, head_dim
         self.new_pool = new_pool

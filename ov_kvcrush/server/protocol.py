@@ -14,6 +14,9 @@ from typing import Any
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_method_budget
 from ov_kvcrush.errors import UserError
 
+# Imported where used, inside functions: what pulls in numpy, torch, heavy to import, so that
+# importing this module stays light.
+
 #: fields the server refuses when set to anything but their neutral value
 UNSUPPORTED = {
     "n": 1,

@@ -19,6 +19,9 @@ from typing import Any
 
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 
+# Imported where used, inside functions: what pulls in numpy, torch, heavy to import, so that
+# importing this module stays light.
+
 __all__ = ["ContinuousBatchingPipeline", "GenerationHandle", "GenerationStatus"]
 
 

@@ -66,6 +66,9 @@ from ov_kvcrush.serving.scheduler import (
 )
 from ov_kvcrush.validation import check_int
 
+# Imported where used, inside functions: what pulls in openvino_genai, heavy to import, so that
+# importing this module stays light.
+
 
 class GenerationLoop:
     """Serve many requests over one model's KV block pool with our op (see the module doc).

@@ -22,11 +22,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, MethodSpec
+from ov_kvcrush.corpus import essay_text, haystack_essays
 from ov_kvcrush.gpu import HOSTS, runtime
 from ov_kvcrush.gpu.pool import Crossings
 from ov_kvcrush.methods import require
 from ov_kvcrush.methods.runtimes import GPU_POOL
+
+# Imported where used, inside functions: what pulls in platformdirs, transformers, heavy to import,
+# so that importing this module stays light.
 
 if TYPE_CHECKING:
     from ov_kvcrush.engines.base import GenerationResult
@@ -79,7 +83,6 @@ class DeviceRun:
 def essay_prompt(chars: int) -> str:
     """The first ``chars`` characters of the haystack's essays (the second first, as the op's
     end-to-end tests use it) and a request for a long answer."""
-    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     request = "\n\nSummarise the text above as a detailed list of its main points."
     essays = haystack_essays()
@@ -187,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(markdown_table(args.table))
         return 0
-    from ov_kvcrush.config import MethodSpec
     from ov_kvcrush.models.export import hf_checkpoint
 
     engine = device_engine(hf_checkpoint(progress=False), args.host)

@@ -36,6 +36,9 @@ from pathlib import Path
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.gpu import HOSTS, emulation, runtime
 
+# Imported where used, inside functions: what pulls in platformdirs, torch, heavy to import, so that
+# importing this module stays light.
+
 #: (row name, method, options): what the GPU path serves, as the issue's targets name it
 OURS = [
     ("full", "full", {}),

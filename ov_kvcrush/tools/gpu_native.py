@@ -15,6 +15,9 @@ from ov_kvcrush.gpu import emulation, runtime
 from ov_kvcrush.models.export import ensure_default_model
 from ov_kvcrush.op import plugin
 
+# Imported where used, inside functions: what pulls in openvino_genai, heavy to import, so that
+# importing this module stays light.
+
 #: the prompt and length (the plugin compiles the model in about 30 s on 2 cores)
 NATIVE_PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 NATIVE_TOKENS = 12

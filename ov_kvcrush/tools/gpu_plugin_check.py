@@ -16,12 +16,16 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.config import CompressionConfig, GenerationSettings, MethodSpec
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import emulation, runtime
 from ov_kvcrush.methods import require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.outputs import write_atomic
+from ov_kvcrush.tools.gpu_generate import essay_prompt
+
+# Imported where used, inside functions: what pulls in platformdirs, heavy to import, so that
+# importing this module stays light.
 
 
 @dataclass
@@ -89,10 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plugin_check: {reason}", file=sys.stderr)
             return 2
         emulation.enable()  # before any OpenCL call: a real Intel GPU is still listed first
-    from ov_kvcrush.config import MethodSpec
     from ov_kvcrush.models.export import ensure_default_model
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.tools.gpu_generate import essay_prompt
     from ov_kvcrush.tools.model_coverage import F32
 
     methods = args.methods.split(",")

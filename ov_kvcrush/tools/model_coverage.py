@@ -31,11 +31,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
+from ov_kvcrush.corpus import essay_text, haystack_essays
+from ov_kvcrush.engines.genai import GenAIEngine
+from ov_kvcrush.engines.model_family import refusal
 from ov_kvcrush.methods import REGISTRY, methods_for
 from ov_kvcrush.methods.runtimes import CPU_OP, refuses_option
 from ov_kvcrush.models.families import family
+from ov_kvcrush.op import plugin
+from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+# Imported where used, inside functions: what pulls in transformers, heavy to import, so that
+# importing this module stays light.
 
 #: Exact f32 on OpenVINO: no bf16 matmuls, and no dynamic quantization of activations for int8
 #: weights (the plugin picks it per graph, so two graphs would differ by ~2 % in the logits for
@@ -122,7 +131,6 @@ def _passes(store: str, verdict: str) -> bool:
 
 def prompt_text(tokenizer) -> str:
     """About :data:`PROMPT_TOKENS` tokens of essay (a whole number of the tokenizer's tokens)."""
-    from ov_kvcrush.corpus import essay_text, haystack_essays
 
     text = essay_text(haystack_essays()[2])[: PROMPT_TOKENS * 4]
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)
@@ -138,7 +146,6 @@ def native_steps(
 ) -> tuple[np.ndarray, list[int]]:
     """Logits ``[steps + 1, vocab]`` of the unmodified IR (OpenVINO's SDPA and KV state) over
     ``prompt`` then ``steps`` tokens (its own greedy ones, or ``feed``), and its greedy tokens."""
-    from ov_kvcrush.op import plugin
 
     core = plugin.shared_core()
     req = core.compile_model(core.read_model(xml), "CPU", {**F32, "KV_CACHE_PRECISION": kv_precision})
@@ -163,7 +170,6 @@ def native_steps(
 
 def transformers_logits(hf_dir: Path, prompt: list[int]) -> np.ndarray:
     """The last position's logits of the checkpoint in transformers (eager attention, f32)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32).eval()
@@ -210,8 +216,6 @@ def compare_tokens(got: list[int], margins: list[float], want: list[int], store:
 def check(name: str, ir: Path | str, hf_dir: Path) -> FamilyReport:
     """Run every check on family ``name`` (its checkpoint ``hf_dir``, its export ``ir`` or the
     export's error)."""
-    from ov_kvcrush.engines.model_family import refusal
-    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     fam = family(name)
     report = FamilyReport(fam.name, fam.model_type)
@@ -236,8 +240,6 @@ def check(name: str, ir: Path | str, hf_dir: Path) -> FamilyReport:
 
 def _full_cache(report: FamilyReport, ir: Path, hf_dir: Path, engines: dict) -> None:
     from transformers import AutoTokenizer
-
-    from ov_kvcrush.engines.genai import GenAIEngine
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     prompt = list(tokenizer(prompt_text(tokenizer), add_special_tokens=False).input_ids)

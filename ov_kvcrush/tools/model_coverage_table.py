@@ -11,11 +11,14 @@ to them.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import sys
 from pathlib import Path
 
+from ov_kvcrush.models.export import export_models
 from ov_kvcrush.models.families import FAMILIES, FAMILY_NAMES, family, tiny_checkpoint
+from ov_kvcrush.paths import cache_root
 from ov_kvcrush.tools import model_coverage as coverage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,10 +32,6 @@ COMMAND = "python -m ov_kvcrush.tools.model_coverage_table --write"
 
 def exports() -> dict[str, tuple[Path, Path | str]]:
     """Family -> (its checkpoint, its IR or the export's error); built and exported once, cached."""
-    import fcntl
-
-    from ov_kvcrush.models.export import export_models
-    from ov_kvcrush.paths import cache_root
 
     lock = cache_root() / "families.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
