@@ -8,6 +8,7 @@ would happen to resolve it at run time.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,3 +224,45 @@ def test_the_package_and_its_command_line_import_nothing_heavy():
     code = f"import sys, ov_kvcrush, ov_kvcrush.cli.main; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _python_function_lengths() -> list[tuple[int, str]]:
+    """Every outermost function's lines (nested functions count toward the one holding them)."""
+    out = []
+    for tree_root in SOURCE_TREES:
+        for path in (ROOT / tree_root).rglob("*.py"):
+            stack = list(ast.parse(path.read_text()).body)
+            while stack:
+                node = stack.pop()
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.lineno}"))
+                elif isinstance(node, ast.ClassDef):
+                    stack.extend(node.body)
+    return out
+
+
+def _cpp_function_lengths() -> list[tuple[int, str]]:
+    """Every C/C++ function body's lines: from a line that ends a signature with ``{`` to the line
+    where its braces close (string literals and line comments left out)."""
+    signature = re.compile(r"\)\s*(const)?\s*(noexcept)?\s*(override)?\s*(->\s*[\w:<>]+)?\s*\{")
+    out = []
+    for path in (ROOT / "plugins").rglob("*"):
+        if path.suffix not in (".cpp", ".hpp", ".h", ".c", ".cl"):
+            continue
+        depth, start, base = 0, None, 0
+        for i, line in enumerate(path.read_text(errors="replace").splitlines()):
+            code = re.sub(r'"(\\.|[^"\\])*"', '""', re.sub(r"//.*", "", line))
+            if start is None and signature.search(code) and not re.match(r"\s*(if|for|while|switch|else|do)\b", code):
+                start, base = i, depth
+            depth += code.count("{") - code.count("}")
+            if start is not None and depth <= base:
+                out.append((i - start + 1, f"{path.relative_to(ROOT)}:{start + 1}"))
+                start = None
+    return out
+
+
+def test_no_function_is_over_100_lines_and_few_over_80():
+    lengths = _python_function_lengths() + _cpp_function_lengths()
+    assert len(lengths) > 500  # the walk found the sources
+    assert sorted(name for n, name in lengths if n > 100) == []
+    assert len([n for n, _ in lengths if n > 80]) <= 5, sorted(lengths, reverse=True)[:8]
