@@ -103,7 +103,7 @@ def test_export_reuses_complete_and_rebuilds_partial(tmp_path, monkeypatch):
     assert not export.is_complete(out)
     export.export_model(gguf, output=out, progress=False)
     assert calls == ["hf", "optimum", "optimum"] and export.is_complete(out), "the HF checkpoint is cached"
-    (out / export._MARKER).unlink()  # partial: no marker
+    (out / export.EXPORT_MARKER).unlink()  # partial: no marker
     export.export_model(gguf, output=out, progress=False)
     assert len(calls) == 4 and export.is_complete(out)
     hf = export.hf_checkpoint(gguf, progress=False)
@@ -189,24 +189,54 @@ def test_a_tokenizer_that_does_not_reload_faithfully_is_refused(gguf_tokenizer, 
 
 
 def test_the_cache_keeps_the_newest_export_of_each_model_and_format(tmp_path, monkeypatch, capsys):
-    """An export replaces the cache's earlier ones of the same model and weight format (an older
-    source or recipe), never another model's, another format's or a folder the cache did not
-    name; ``ov-kvcrush export --list`` and ``--clear`` show and empty the cache."""
+    """An export replaces the cache's older ones of what it exports in its format: a GGUF's of the
+    same file name (another copy, an older content or recipe), a directory's of the same
+    directory; never another format's, another model's that shares a name, or a folder the cache
+    did not name. ``ov-kvcrush export --list`` and ``--clear`` show and empty the cache."""
+    import json
+
     from ov_kvcrush.cli.main import main as cli
 
     monkeypatch.setenv("OV_KVCRUSH_CACHE", str(tmp_path))
     root = tmp_path / "models"
-    names = ["smollm2-int8-aaaaaaaaaaaa", "smollm2-int8-bbbbbbbbbbbb", "smollm2-fp32-cccccccccccc",
-             "smollm2-hf-dddddddddddd", "gemma3-int8-eeeeeeeeeeee", "my-export"]  # fmt: skip
-    for name in names:
+    made = {
+        "smollm2-int8-aaaaaaaaaaaa": ("gguf", "/old/site-packages/smollm2.gguf"),
+        "smollm2-int8-bbbbbbbbbbbb": ("gguf", "/new/site-packages/smollm2.gguf"),
+        "smollm2-fp32-cccccccccccc": ("gguf", "/new/site-packages/smollm2.gguf"),
+        "smollm2-hf-dddddddddddd": (None, "/new/site-packages/smollm2.gguf"),
+        "gemma3-int8-eeeeeeeeeeee": ("gguf", "/new/site-packages/gemma3.gguf"),
+        "model-int8-ffffffffffff": ("hf", "/a/model"),
+        "model-int8-999999999999": ("hf", "/b/model"),
+        "my-export": ("hf", "/c/mine"),
+    }
+    for name, (kind, source) in made.items():
         (root / name).mkdir(parents=True)
         (root / name / "openvino_model.bin").write_bytes(b"x" * 1024)
-    gone = export.prune_older(root / "smollm2-int8-bbbbbbbbbbbb")
-    assert gone == [root / "smollm2-int8-aaaaaaaaaaaa"]
-    assert sorted(p.name for p in root.iterdir()) == sorted(names[1:])
+        marker = export.CHECKPOINT_MARKER if kind is None else export.EXPORT_MARKER
+        (root / name / marker).write_text(json.dumps({"source": source, **({"kind": kind} if kind else {})}))
+    assert export.prune_older(root / "smollm2-int8-bbbbbbbbbbbb") == [root / "smollm2-int8-aaaaaaaaaaaa"]
+    assert export.prune_older(root / "model-int8-999999999999") == []  # another directory named alike
     assert export.prune_older(tmp_path / "elsewhere-int8-bbbbbbbbbbbb") == []  # outside the cache
+    kept = sorted(set(made) - {"smollm2-int8-aaaaaaaaaaaa"})
+    assert sorted(p.name for p in root.iterdir()) == kept
     assert cli(["export", "--list"]) == 0
     listed = capsys.readouterr().out
-    assert all(str(root / n) in listed for n in names[1:]) and "in 5 cached models" in listed
+    assert all(str(root / n) in listed for n in kept) and f"in {len(kept)} cached models" in listed
     assert cli(["export", "--clear"]) == 0
     assert "removed 0.0 MiB" in capsys.readouterr().out and list(root.iterdir()) == []
+
+
+def test_every_copy_of_a_gguf_shares_one_export(tmp_path):
+    """A GGUF's cached export is keyed by its content, not where it lies (two checkouts' copies of
+    the embedded model share one export); a directory's by its path."""
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(b"GGUF" + bytes(range(256)) * 9000)
+    assert export.default_output_dir(export.ModelSource(a, "gguf"), "int8") == export.default_output_dir(
+        export.ModelSource(b, "gguf"), "int8"
+    )
+    b.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 9000)
+    assert export.default_output_dir(export.ModelSource(a, "gguf"), "int8") != export.default_output_dir(
+        export.ModelSource(b, "gguf"), "int8"
+    )

@@ -49,7 +49,8 @@ IR_FILES = (
     "openvino_detokenizer.bin",
     "config.json",
 )
-_MARKER = ".ov_kvcrush_complete.json"
+#: written last into a finished export (its files and sizes): a folder without it is rebuilt
+EXPORT_MARKER = ".ov_kvcrush_complete.json"
 # Bump when the export recipe changes, so stale caches are rebuilt rather than trusted.
 _RECIPE_VERSION = 1
 
@@ -105,17 +106,30 @@ def resolve_source(model: str | os.PathLike | None) -> ModelSource:
     return ModelSource(path.resolve(), "hf")
 
 
-def default_output_dir(source: ModelSource, weight_format: str) -> Path:
-    """Cache location keyed by the source's identity (path, size, mtime) and the weight format."""
+def source_digest(source: ModelSource) -> str:
+    """What a cached export of ``source`` is keyed by, with the recipe's version: a GGUF file by
+    its content (its name, size and first and last MiB: every checkout's copy of the embedded
+    model shares one export), a directory by its path, size and time."""
     st = source.path.stat()
-    key = f"{source.path}|{st.st_size}|{int(st.st_mtime)}|{_RECIPE_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{source.name}-{weight_format}-{digest}"
+    if source.kind == "gguf":
+        with source.path.open("rb") as fh:
+            head = fh.read(1 << 20)
+            fh.seek(max(0, st.st_size - (1 << 20)))
+            tail = fh.read()
+        key = f"{source.path.name}|{st.st_size}|{hashlib.sha256(head + tail).hexdigest()}|{_RECIPE_VERSION}"
+    else:
+        key = f"{source.path}|{st.st_size}|{int(st.st_mtime)}|{_RECIPE_VERSION}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def default_output_dir(source: ModelSource, weight_format: str) -> Path:
+    """Cache location keyed by the source's identity (:func:`source_digest`) and the weight format."""
+    return cache_root() / "models" / f"{source.name}-{weight_format}-{source_digest(source)}"
 
 
 def is_complete(out: Path) -> bool:
     """True when ``out`` holds a finished export: marker present and every listed file non-empty."""
-    marker = out / _MARKER
+    marker = out / EXPORT_MARKER
     if not marker.is_file():
         return False
     try:
@@ -253,12 +267,13 @@ def check_saved_tokenizer(tokenizer, out: Path, source: str) -> None:
         )
 
 
-_HF_MARKER = ".ov_kvcrush_hf_complete.json"
+#: the same for a converted checkpoint
+CHECKPOINT_MARKER = ".ov_kvcrush_hf_complete.json"
 
 
 def _hf_complete(out: Path) -> bool:
     """True when ``out`` holds a finished HF checkpoint written by :func:`hf_checkpoint`."""
-    marker = out / _HF_MARKER
+    marker = out / CHECKPOINT_MARKER
     if not marker.is_file():
         return False
     try:
@@ -279,9 +294,7 @@ def hf_checkpoint(model: str | os.PathLike | None = None, force: bool = False, p
     source = resolve_source(model)
     if source.kind == "hf":
         return source.path
-    st = source.path.stat()
-    key = f"{source.path}|{st.st_size}|{int(st.st_mtime)}|{_RECIPE_VERSION}"
-    out = cache_root() / "models" / f"{source.name}-hf-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    out = cache_root() / "models" / f"{source.name}-hf-{source_digest(source)}"
     if not force and _hf_complete(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -291,7 +304,7 @@ def hf_checkpoint(model: str | os.PathLike | None = None, force: bool = False, p
         stage = tmp / "hf"
         gguf_to_hf(source.path, stage)
         files = {p.name: p.stat().st_size for p in stage.iterdir() if p.is_file()}
-        (stage / _HF_MARKER).write_text(json.dumps({"source": str(source.path), "files": files}, indent=1))
+        (stage / CHECKPOINT_MARKER).write_text(json.dumps({"source": str(source.path), "files": files}, indent=1))
         if out.exists():
             shutil.rmtree(out)
         stage.rename(out)
@@ -358,7 +371,7 @@ def _finish(job: _Job, weight_format: str) -> Path:
         "recipe": _RECIPE_VERSION,
         "files": files,
     }
-    (job.stage / _MARKER).write_text(json.dumps(meta, indent=1))
+    (job.stage / EXPORT_MARKER).write_text(json.dumps(meta, indent=1))
     if job.out.exists():
         shutil.rmtree(job.out)
     job.stage.rename(job.out)
@@ -373,17 +386,35 @@ def _family(out: Path) -> str | None:
     return name + dash if dash and len(digest) == 12 and "-" in name else None
 
 
+def _source_of(out: Path) -> tuple[str, str] | None:
+    """``(kind, source path)`` a cached export or checkpoint records (``None``: no record)."""
+    for marker in (EXPORT_MARKER, CHECKPOINT_MARKER):
+        try:
+            info = json.loads((out / marker).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        source = str(info.get("source", ""))
+        return info.get("kind", "gguf" if source.endswith(".gguf") else "hf"), source
+    return None
+
+
 def prune_older(kept: Path) -> list[Path]:
-    """Remove the cache's other exports of the same model and format as ``kept`` (earlier sources
-    or recipe versions of it): the cache keeps the newest of each, not one per upgrade. A folder
-    outside the cache, or a user's ``--output``, is never touched."""
-    family = _family(kept)
-    root = cache_root() / "models"
-    if family is None or kept.parent != root:
+    """Remove the cache's older exports of what ``kept`` exports, in its weight format: the cache
+    keeps the newest of each, not one per upgrade. A GGUF's are those of the same file name (its
+    content or the recipe changed); a directory's, those of the same directory. Another model
+    that shares a name, a folder outside the cache, or a user's ``--output`` is never touched."""
+    family, root, source = _family(kept), cache_root() / "models", _source_of(kept)
+    if family is None or kept.parent != root or source is None:
         return []
-    gone = [
-        p for p in root.iterdir() if p.is_dir() and p != kept and p.name.startswith(family) and _family(p) == family
-    ]
+    kind, path = source
+
+    def same(p: Path) -> bool:
+        other = _source_of(p)
+        if other is None:
+            return False
+        return Path(other[1]).name == Path(path).name if kind == "gguf" else other[1] == path
+
+    gone = [p for p in root.iterdir() if p.is_dir() and p != kept and _family(p) == family and same(p)]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
