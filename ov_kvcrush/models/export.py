@@ -19,7 +19,9 @@ detected and rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -203,15 +205,15 @@ def gguf_to_hf(gguf: Path, out: Path) -> None:
     GGUF's own pieces and scores (:mod:`ov_kvcrush.models.gguf_tokenizer`); transformers' conversion of
     it segments per syllable. A byte-level BPE one (SmolLM2) is repaired by :func:`repair_tokenizer`.
     """
-    from transformers.utils import logging as hf_logging  # transformers: seconds to import
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # the export's own bar says the step; transformers' would nest
+    # transformers' own progress bars (de-quantizing, loading, writing shards) and warnings would
+    # nest under the export's one bar: kept, and shown only if the conversion fails
+    said = io.StringIO()
     try:
-        _gguf_to_hf(gguf, out)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
+        with contextlib.redirect_stderr(said):
+            _gguf_to_hf(gguf, out)
+    except BaseException:
+        sys.stderr.write(said.getvalue()[-4000:])
+        raise
 
 
 def _gguf_to_hf(gguf: Path, out: Path) -> None:
