@@ -28,18 +28,15 @@ class Runtime:
         name: how declarations name it (``cuda``).
         title: how a user reaches it, for tables and errors.
         engine: the backend that drives it (``torch``, ``openvino``, ``genai``).
-        refused: what a config it refuses gets: ``reference`` (the engine runs the torch reference
-            instead, as the CUDA fast path does) or ``error`` (the engine refuses the config).
     """
 
     name: str
     title: str
     engine: str
-    refused: str = "error"
 
 
 REFERENCE = Runtime("reference", "backend torch, the reference (CPU or CUDA)", "torch")
-CUDA = Runtime("cuda", "backend torch on CUDA, the fast path", "torch", refused="reference")
+CUDA = Runtime("cuda", "backend torch on CUDA, the fast path", "torch")
 CPU_OP = Runtime("cpu-op", "backend openvino, our op (CPU)", "openvino")
 GPU_PLUGIN = Runtime("gpu-plugin", "backend openvino, device GPU (our GPU plugin layers)", "openvino")
 GPU_POOL = Runtime("gpu-pool", "backend torch, paged_device (the Intel GPU pool)", "torch")
