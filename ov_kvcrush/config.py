@@ -375,14 +375,24 @@ class MethodSpec:
         """The item as written, its method not looked up: a store not in :data:`STORE_WIDTHS`, a
         malformed option or a store named twice (``+4bit`` and ``:quant=``) is an error naming
         ``methods``."""
+        return cls._written(text).one_store(text)
+
+    @classmethod
+    def _written(cls, text: str) -> MethodSpec:
+        """The item's parts: a store not in :data:`STORE_WIDTHS` or no method name is an error
+        naming ``methods``, a malformed option one naming the option."""
         head, store = split_store(text)
         name, *opts = head.split(":")
         if not name.strip():
             raise ConfigError("methods", text, "a method name, optionally followed by :KEY=VALUE options")
         options = parse_options(opts, flag=f"--methods {name.strip()}:")
-        if store and "quant" in options:
-            raise ConfigError("methods", text, f"either +{store} or :quant=..., not both")
         return cls(name.strip(), bool(store), store or "2bit", tuple(sorted(options.items())))
+
+    def one_store(self, text: str) -> MethodSpec:
+        """This spec, unless ``text`` named its store twice (``+4bit`` and ``:quant=``)."""
+        if self.quant and any(key == "quant" for key, _ in self.options):
+            raise ConfigError("methods", text, f"either +{self.store} or :quant=..., not both")
+        return self
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
@@ -397,9 +407,10 @@ class MethodSpec:
             + ", +".join(STORE_WIDTHS)
         )
         try:
-            spec = cls.read(text)
-        except ConfigError as exc:
-            raise ConfigError("methods", text, exc.allowed if "not both" in exc.allowed else allowed) from None
+            spec = cls._written(text)
+        except ConfigError:
+            raise ConfigError("methods", text, allowed) from None
+        spec.one_store(text)
         name = spec.method
         if name not in REGISTRY:
             raise ConfigError("methods", text, allowed)
