@@ -73,11 +73,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         backend = build_backend(config)
     app = make_app(backend, api_key=api_key, max_body_bytes=args.max_body_kib * 1024)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)
+    http = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)
     try:
-        sock = config.bind_socket()  # listening before the line below: a client that waits for it connects
+        sock = http.bind_socket()  # listening before the line below: a client that waits for it connects
         print(f"serving {backend.model_name} on http://{args.host}:{args.port}/v1", flush=True)
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(http).run(sockets=[sock])
     finally:
         backend.close()
     return 0
