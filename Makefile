@@ -21,7 +21,10 @@ PYTEST_PARALLEL ?= -n 2 --dist worksteal
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile constraints.txt
+$(STAMP): pyproject.toml Makefile constraints.txt setup/system-packages.sh
+	# Debian's packages some tests need (ocloc, the OpenCL ICD loader, headless Chromium), installed
+	# where this runs as root or with sudo; elsewhere it prints the command and the tests skip, saying so.
+	bash setup/system-packages.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q --upgrade pip
 	# torch first, pinned: the only CPU build here; anything later that needs torch sees it satisfied.

@@ -1,7 +1,7 @@
 """Every OpenCL kernel of the GPU path compiles for real Intel GPUs (issue 49): ``ocloc`` for
 Xe-LP (tgllp), Arc / Xe-HPG (dg2-g10) and Xe-HPC (pvc), at each sub-group size the target runs and
-each set of constants the host builds it with. ``.ci/run`` installs ``ocloc`` (Debian's
-``intel-opencl-icd``); where it is missing the tests skip, saying so."""
+each set of constants the host builds it with. ``make setup`` installs ``ocloc`` (Debian's
+``intel-opencl-icd``, ``setup/system-packages.sh``); where it is missing the tests skip, saying so."""
 
 from __future__ import annotations
 
