@@ -15,7 +15,8 @@ layer (each layer reads its row with a Gather):
   ``kvc_positions`` [layers, kv_heads, width']: each slot's position;
 * ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`;
 * ``kvc_score_rows`` [1] (int64, at least 1): how many of the step's last query rows each layer
-  returns as its output ``kvc_rows.<layer>`` [q_heads, rows, head_dim] (f32), which the methods'
+  returns as its output ``kvc_rows.<layer>`` [q_heads, rows, head_dim] (f32 whatever the
+  activations: the plugin gives a model's outputs their declared type), which the methods'
   scores are computed from (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
 
 One sequence a step (the batch dimension is 1). As the CPU pass, the logits come only at the
@@ -49,11 +50,19 @@ ROWS_OUTPUT = "kvc_rows.{}"
 
 
 def convert_model_for_plugin(
-    model, *, kv_precision: str, block_size: int, sub_group: int, last_token_logits: bool = True
+    model,
+    *,
+    kv_precision: str,
+    block_size: int,
+    sub_group: int,
+    activations: str = "f32",
+    last_token_logits: bool = True,
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
     GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
-    kernels at ``sub_group`` lanes. Raises :class:`ConversionError` as the CPU pass does."""
+    kernels at ``sub_group`` lanes, its layers' queries, keys, values and output in
+    ``activations`` (the plugin's inference precision: f32 or f16). Raises
+    :class:`ConversionError` as the CPU pass does."""
     import openvino.opset13 as ops
 
     plans, shape = layer_plans(model)
@@ -67,13 +76,14 @@ def convert_model_for_plugin(
     group = shape.q_heads // shape.kv_heads
     rows = []
     for plan in plans:
-        attributes = LayerAttributes(PoolShape(kv_precision, block_size, shape.head_dim, group), sub_group, plan.scale)
-        attrs = attributes.as_dict()
+        pool_shape = PoolShape(kv_precision, block_size, shape.head_dim, group)
+        attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations)
+        attrs, act = attributes.as_dict(), attributes.element_type()
         row = {
             name: ops.gather(params[f"kvc_{name}"], np.array(plan.layer, np.int64), np.array(0, np.int64)).output(0)
             for name in ("tables", "first", "lengths", "positions")
         }
-        q, k, v = (_squeezed_f32(x) for x in plan.inputs())  # [heads, tokens, head_dim]
+        q, k, v = (_squeezed(x, act) for x in plan.inputs())  # [heads, tokens, head_dim]
         stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], k, v, step], attrs).output(0)
         out = layer_class("OvkcPrefill")(
             [pool, row["tables"], row["lengths"], row["positions"], q, step, stored], attrs
@@ -81,6 +91,7 @@ def convert_model_for_plugin(
         back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
         plan.replace_with(model, back.output(0))
         last = ops.slice(q, rows_start, np.array([np.iinfo(np.int64).max]), np.array([1]), np.array([1]))
+        last = ops.convert(last, np.float32) if activations != "f32" else last  # the methods read f32 rows
         last.output(0).get_tensor().set_names({ROWS_OUTPUT.format(plan.layer)})
         rows.append(last)
     model.add_parameters(list(params.values()))
@@ -88,10 +99,10 @@ def convert_model_for_plugin(
     return finish_conversion(model, plans, shape, last_token_logits)
 
 
-def _squeezed_f32(x):
-    """``x`` [1, heads, tokens, head_dim] as the layers take it: [heads, tokens, head_dim], f32."""
-    import openvino as ov
+def _squeezed(x, element_type):
+    """``x`` [1, heads, tokens, head_dim] as the layers take it: [heads, tokens, head_dim], in
+    ``element_type`` (the activations')."""
     import openvino.opset13 as ops
 
     squeezed = ops.squeeze(x, np.array([0], np.int64))
-    return (ops.convert(squeezed, ov.Type.f32) if x.get_element_type() != ov.Type.f32 else squeezed).output(0)
+    return (ops.convert(squeezed, element_type) if x.get_element_type() != element_type else squeezed).output(0)

@@ -34,9 +34,6 @@ from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_mod
 # Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
 # that importing this module stays light.
 
-#: the kernels' compile properties: our layers take and return f32
-PLUGIN_PROPERTIES = {"INFERENCE_PRECISION_HINT": "f32"}
-
 
 def plugin_gpu(core: Any) -> str:
     """The full name of the ``GPU`` OpenVINO's GPU plugin lists; a :class:`GPUPathError` naming
@@ -66,6 +63,20 @@ def buffer_tensor(context: Any, buffer: Any, dtype: Any, shape: list[int]) -> An
     return context.create_tensor(dtype, ov.Shape(shape), params)
 
 
+def inference_precision(core: Any, gpu: str, properties: dict) -> str:
+    """``f32`` or ``f16``: the precision the plugin runs the model in, as ``properties`` ask
+    (``INFERENCE_PRECISION_HINT``, a string or an ``openvino.Type``) or, unset, the plugin's own
+    default for ``gpu`` (f16 on Intel GPUs); a :class:`ConfigError` for another."""
+    hint = properties.get("INFERENCE_PRECISION_HINT")
+    if hint is None:
+        hint = core.get_property(gpu, "INFERENCE_PRECISION_HINT")
+    name = str(hint.get_type_name() if hasattr(hint, "get_type_name") else hint).lower()
+    aliases = {"f32": "f32", "float32": "f32", "f16": "f16", "float16": "f16"}
+    if name not in aliases:
+        raise ConfigError("INFERENCE_PRECISION_HINT", hint, "f16 (the GPU's default) or f32 on device GPU")
+    return aliases[name]
+
+
 class PluginModel:
     """``model_dir`` (an ``optimum-cli export openvino`` folder) with our layers for the plugin's
     ``GPU``, over our OpenCL context, its pool in ``kv_precision`` blocks of ``block_size``
@@ -88,18 +99,23 @@ class PluginModel:
         self.device = plugin_gpu(self.core)
         self.dev = device(sub_group)
         self.context = shared_context(self.core, self.dev)
+        self.properties = dict(properties or {})
+        #: the plugin's inference precision, which our layers' activations follow (f16 by default)
+        self.activations = inference_precision(self.core, "GPU", self.properties)
         self.converted = convert_model_for_plugin(
             self.core.read_model(Path(model_dir) / "openvino_model.xml"),
             kv_precision=kv_precision,
             block_size=block_size,
             sub_group=self.dev.sub_group,
+            activations=self.activations,
         )
         s = self.converted.shape
         self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales))
         self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
-        attributes = plugin_layers.LayerAttributes(self.pool_shape, self.dev.sub_group, self.converted.scales[0])
+        attributes = plugin_layers.LayerAttributes(
+            self.pool_shape, self.dev.sub_group, self.converted.scales[0], self.activations
+        )
         self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
-        self.properties = PLUGIN_PROPERTIES | dict(properties or {})
         self.rows_outputs = [ROWS_OUTPUT.format(i) for i in range(s.layers)]
         self._rows: list[Any] = []  # each layer's buffer of query rows, reused while large enough
         self._rows_bytes = 0
@@ -170,12 +186,9 @@ class PluginModel:
 def plugin_engine_model(
     model_dir: Path, windows: list[int], kv_precision: str, block_size: int, properties: dict
 ) -> PluginModel:
-    """The openvino engine's model on ``GPU``, checked: global attention layers only, the layers'
-    f32 inference precision."""
+    """The openvino engine's model on ``GPU``, checked: global attention layers only (the
+    inference precision, f16 or f32, is checked by :func:`inference_precision`)."""
     if any(windows):
         raise UserError(f"{model_dir.name}: device GPU runs global attention layers only (this model has local ones)")
-    hint = properties.get("INFERENCE_PRECISION_HINT")
-    if hint is not None and "32" not in str(hint):
-        raise ConfigError("INFERENCE_PRECISION_HINT", hint, "f32 on device GPU (our layers take f32)")
     compile_properties = {k: v for k, v in properties.items() if k != "KV_CACHE_PRECISION"}  # our pool's, not its
     return PluginModel(model_dir, kv_precision=kv_precision, block_size=block_size, properties=compile_properties)

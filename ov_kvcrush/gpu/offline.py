@@ -40,9 +40,12 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
     "prefill.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (1, 2)]
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
     "clusterkv.cl": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4}],
-    # the bodies are the kernels' above (built at each precision there): one precision here
+    # the bodies are the kernels' above (built at each store precision there): one store here, in
+    # f32 and in f16 activations (ACT_HALF: the plugin's default inference precision)
     "plugin_layers.cl": [
-        {"KV_PRECISION": 2, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3, "SCALE": 1, **PLUGIN_LAYER_GUARDS}
+        {"KV_PRECISION": 2, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3, "SCALE": 1, **PLUGIN_LAYER_GUARDS},
+        {"KV_PRECISION": 1, "BLOCK_SIZE": 32, "HEAD_DIM": 128, "GROUP": 4, "SCALE": 1, "ACT_HALF": 1}
+        | PLUGIN_LAYER_GUARDS,
     ],
     "quest.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)],
     "quant2.cl": [

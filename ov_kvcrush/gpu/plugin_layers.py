@@ -48,7 +48,11 @@ DEFINES = (
     ("HEAD_DIM", "head_dim"),
     ("GROUP", "group"),
     ("SCALE", "scale"),
+    ("ACT_HALF", "act_half"),
 )
+#: the activation types the store and prompt layers take and return: the plugin's inference
+#: precision (``INFERENCE_PRECISION_HINT``; its default on Intel GPUs is f16)
+ACTIVATIONS = ("f32", "f16")
 #: the kernels' build options (as the other hosts build them: exact division and square root)
 COMPILER_OPTIONS = "-cl-fp32-correctly-rounded-divide-sqrt"
 
@@ -101,6 +105,11 @@ class LayerAttributes:
     shape: PoolShape
     sub_group: int
     scale: float
+    activations: str = "f32"  # one of ACTIVATIONS
+
+    def __post_init__(self) -> None:
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations {self.activations!r}: one of {', '.join(ACTIVATIONS)}")
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -110,7 +119,14 @@ class LayerAttributes:
             "head_dim": self.shape.head_dim,
             "group": self.shape.group,
             "scale": f"{self.scale:.9g}",  # a string: the plugin prints a float attribute to 6 places
+            "act_half": int(self.activations == "f16"),
         }
+
+    def element_type(self) -> object:
+        """The activations' ``openvino.Type``."""
+        import openvino as ov
+
+        return ov.Type.f16 if self.activations == "f16" else ov.Type.f32
 
 
 @cache
@@ -162,8 +178,9 @@ def _layer_classes() -> dict[str, type]:
 
     class OvkcPrefill(PluginLayer):
         def validate_and_infer_types(self) -> None:
-            q = self.input_shape("q")  # [q_heads, rows, head_dim]
-            self.set_output_type(0, ov.Type.f32, ov.PartialShape([q[0], q[1], self._attributes["head_dim"]]))
+            q = self.input_shape("q")  # [q_heads, rows, head_dim], in the activations' type
+            dims = ov.PartialShape([q[0], q[1], self._attributes["head_dim"]])
+            self.set_output_type(0, ov.Type.f16 if self._attributes.get("act_half") else ov.Type.f32, dims)
 
     return {cls.__name__: cls for cls in (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcPrefill)}
 

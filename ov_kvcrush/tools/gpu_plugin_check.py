@@ -3,9 +3,9 @@ both for each method, with the times, the KV bytes and the bytes that cross betw
 device per decode step.
 
 ``python -m ov_kvcrush.tools.gpu_plugin_check [--methods full,snapkv,kvcrush:block_size=32] [--budget 512]
-[--chars 1500] [--new-tokens 8] [--kv-precision f32] [--allow-cpu] [--out FILE]``; ``--allow-cpu``:
-without an Intel GPU, the plugin on Intel's OpenCL CPU runtime under the emulation layer (its
-times say nothing of a GPU).
+[--chars 1500] [--new-tokens 8] [--kv-precision f32] [--inference-precision f32] [--allow-cpu]
+[--out FILE]``; ``--allow-cpu``: without an Intel GPU, the plugin on Intel's OpenCL CPU runtime
+under the emulation layer (its times say nothing of a GPU).
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ class PluginRun:
 
 def run_greedy(
     model_dir: str | Path, ids: list[int], new_tokens: int, compressions: list[CompressionConfig],
-    kv_precision: str = "f32",
+    kv_precision: str = "f32", inference_precision: str = "f32",
 ) -> list[PluginRun]:  # fmt: skip
     """``new_tokens`` greedy tokens after ``ids`` through the openvino engine on ``GPU`` (compiled
-    once), for each of ``compressions``, in this process."""
+    once, at ``inference_precision``: f32, where the CPU op's tokens are the oracle, or f16, the
+    GPU's default), for each of ``compressions``, in this process."""
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
-    engine = OpenVINOEngine(model_dir, compressions[0], device="GPU", kv_precision=kv_precision)
+    properties = {"INFERENCE_PRECISION_HINT": inference_precision}
+    engine = OpenVINOEngine(model_dir, compressions[0], device="GPU", kv_precision=kv_precision, properties=properties)
     assert engine.plugin is not None
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     runs = []
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chars", type=int, default=1500, help="characters of essay in the prompt")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--kv-precision", choices=("f32", "f16", "u8"), default="f32")
+    parser.add_argument(
+        "--inference-precision", choices=("f32", "f16"), default="f32",
+        help="the plugin's (f16: the GPU's default; the CPU op's tokens, in f32, may then differ at near ties)",
+    )  # fmt: skip
     parser.add_argument(
         "--allow-cpu", action="store_true", help="without an Intel GPU: the plugin on Intel's OpenCL CPU runtime"
     )
@@ -118,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         op.set_compression(compression)
         wants.append(list(op.generate(prompt, settings).token_ids))
     try:
-        runs = run_greedy(model_dir, ids, args.new_tokens, compressions, args.kv_precision)
+        runs = run_greedy(model_dir, ids, args.new_tokens, compressions, args.kv_precision, args.inference_precision)
     except (runtime.GPUPathError, UserError) as e:
         print(f"plugin_check: {e}", file=sys.stderr)
         return 2
     note = " (the emulation's times: they say nothing of a GPU)" if args.allow_cpu else ""
-    print(f"{len(ids)}-token prompt, {args.new_tokens} greedy tokens, {args.kv_precision} KV, device GPU "
+    print(f"{len(ids)}-token prompt, {args.new_tokens} greedy tokens, {args.kv_precision} KV, "
+          f"{args.inference_precision} inference, device GPU "
           f"({runs[0].device}), compile {runs[0].compile_s:.1f} s{note}")  # fmt: skip
     rows = []
     for method, run, want in zip(methods, runs, wants, strict=True):

@@ -6,7 +6,8 @@
 // min, key scale, value min, value scale (x = min + code * scale). A pool is one buffer of equal
 // blocks, block id * BLOCK_BYTES apart.
 //
-// Compile-time constants (-D): KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM.
+// Compile-time constants (-D): KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM; ACT_HALF
+// (optional: the activations' type, below).
 #ifndef OVKC_PAGED_BLOCK_H
 #define OVKC_PAGED_BLOCK_H
 
@@ -20,6 +21,19 @@
 #define KV_BYTES (2 * BLOCK_SIZE * HEAD_DIM * ELEM_BYTES)
 #define PARAM_BYTES (KV_PRECISION == 2 ? 4 * 4 * BLOCK_SIZE : 0)
 #define BLOCK_BYTES ((ulong)(KV_BYTES + PARAM_BYTES))
+
+// The step's activations (queries, keys and values in, attention out): f32, or f16 where
+// OpenVINO's GPU plugin runs the model in f16 (ACT_HALF 1: its layers' tensors are half, read and
+// written through vload_half / vstore_half_rte, computed in float). The hosts' kernels take f32.
+#if defined(ACT_HALF) && ACT_HALF
+#define ACT half
+#define ACT_LOAD(p, i) vload_half((i), (p))
+#define ACT_STORE(x, i, p) vstore_half_rte((x), (i), (p))
+#else
+#define ACT float
+#define ACT_LOAD(p, i) ((p)[i])
+#define ACT_STORE(x, i, p) ((p)[i] = (x))
+#endif
 
 // key element d of slot j of a block
 inline float load_key(__global const uchar* block, int d, int j) {

@@ -8,12 +8,12 @@
 
 // One vector's u8 min and scale over HEAD_DIM values, held across a sub-group (lane l: dims l,
 // l + SG, ...): scale = (max - min) / 255.
-inline float2 u8_params(__global const float* x) {
+inline float2 u8_params(__global const ACT* x) {
     const int lane = get_sub_group_local_id();
     float lo = INFINITY, hi = -INFINITY;
     for (int d = lane; d < HEAD_DIM; d += SG) {
-        lo = fmin(lo, x[d]);
-        hi = fmax(hi, x[d]);
+        lo = fmin(lo, ACT_LOAD(x, d));
+        hi = fmax(hi, ACT_LOAD(x, d));
     }
     lo = sub_group_reduce_min(lo);
     hi = sub_group_reduce_max(hi);
@@ -27,31 +27,31 @@ inline uchar u8_code(float x, float2 p) {
 
 // Token t of KV head kv (of `tokens`) of store_tokens, one sub-group; `first_kv`: first[kv].
 inline void store_token(int t, int kv, int tokens, __global uchar* pool, __global const int* tables, int table_stride,
-                        int first_kv, __global const float* k, __global const float* v) {
+                        int first_kv, __global const ACT* k, __global const ACT* v) {
     const int lane = get_sub_group_local_id();
     const int slot = first_kv + t;
     __global uchar* block = pool + (ulong)tables[kv * table_stride + slot / BLOCK_SIZE] * BLOCK_BYTES;
     const int j = slot % BLOCK_SIZE;
-    __global const float* kx = k + ((long)kv * tokens + t) * HEAD_DIM;
-    __global const float* vx = v + ((long)kv * tokens + t) * HEAD_DIM;
+    __global const ACT* kx = k + ((long)kv * tokens + t) * HEAD_DIM;
+    __global const ACT* vx = v + ((long)kv * tokens + t) * HEAD_DIM;
     const int vat = BLOCK_SIZE * HEAD_DIM + j * HEAD_DIM;
 #if KV_PRECISION == 0
     __global float* f = (__global float*)block;
     for (int d = lane; d < HEAD_DIM; d += SG) {
-        f[d * BLOCK_SIZE + j] = kx[d];
-        f[vat + d] = vx[d];
+        f[d * BLOCK_SIZE + j] = ACT_LOAD(kx, d);
+        f[vat + d] = ACT_LOAD(vx, d);
     }
 #elif KV_PRECISION == 1
     __global half* f = (__global half*)block;
     for (int d = lane; d < HEAD_DIM; d += SG) {
-        vstore_half_rte(kx[d], d * BLOCK_SIZE + j, f);
-        vstore_half_rte(vx[d], vat + d, f);
+        vstore_half_rte(ACT_LOAD(kx, d), d * BLOCK_SIZE + j, f);
+        vstore_half_rte(ACT_LOAD(vx, d), vat + d, f);
     }
 #else
     const float2 kp = u8_params(kx), vp = u8_params(vx);
     for (int d = lane; d < HEAD_DIM; d += SG) {
-        block[d * BLOCK_SIZE + j] = u8_code(kx[d], kp);
-        block[vat + d] = u8_code(vx[d], vp);
+        block[d * BLOCK_SIZE + j] = u8_code(ACT_LOAD(kx, d), kp);
+        block[vat + d] = u8_code(ACT_LOAD(vx, d), vp);
     }
     if (lane == 0) {
         __global float* p = (__global float*)(block + KV_BYTES);

@@ -7,7 +7,8 @@
 // kernels' own (paged_attention.h, paged_store.h): the same code on every host.
 //
 // Compile-time constants (-D, from the layer's attributes): SG, KV_PRECISION, BLOCK_SIZE,
-// HEAD_DIM, GROUP, and SCALE (the logit scale, a float); and the layer's guard (OVKC_LAYER_*):
+// HEAD_DIM, GROUP, SCALE (the logit scale, a float), ACT_HALF (the store's and prompt layer's
+// activations are f16: the plugin runs the model in f16); and the layer's guard (OVKC_LAYER_*):
 // the plugin builds a layer's source as one program that must hold that layer's kernel only.
 
 #include "paged_attention.h"
@@ -20,7 +21,7 @@
 #ifdef OVKC_LAYER_STORE
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_store(__global uchar* pool, __global const int* tables, __global const int* first,
-                         __global const float* k, __global const float* v, __global const int* step,
+                         __global const ACT* k, __global const ACT* v, __global const int* step,
                          __global int* slots) {
     const int t = get_global_id(1), kv = get_global_id(2), tokens = get_global_size(1);
     store_token(t, kv, tokens, pool, tables, step[0], first[kv], k, v);
@@ -68,8 +69,8 @@ __kernel void ovkc_values(__global const uchar* pool, __global const int* tables
 #ifdef OVKC_LAYER_PREFILL
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
-                           __global const int* positions, __global const float* q, __global const int* step,
-                           __global const int* stored, __global float* out) {
+                           __global const int* positions, __global const ACT* q, __global const int* step,
+                           __global const int* stored, __global ACT* out) {
     prefill_row(get_global_id(0), get_global_id(1), pool, tables, step[0], lengths, positions, step[1], q, step[3],
                 step[2], SCALE, out, 0);
 }

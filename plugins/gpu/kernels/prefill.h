@@ -11,14 +11,14 @@
 // pos_stride 0: every slot is at or before the row (a decode step's row: no positions are sent).
 inline void prefill_row(int r, int h, __global const uchar* pool, __global const int* tables, int table_stride,
                         __global const int* lengths, __global const int* positions, int pos_stride,
-                        __global const float* q, int rows, int qpos0, float scale, __global float* out,
+                        __global const ACT* q, int rows, int qpos0, float scale, __global ACT* out,
                         __global float* lse) {
     const int kv = h / GROUP;
     const bool live = r < rows;
     const int qpos = qpos0 + r;
     float qr[HEAD_DIM], acc[HEAD_DIM];
     for (int d = 0; d < HEAD_DIM; ++d) {
-        qr[d] = live ? q[((long)h * rows + r) * HEAD_DIM + d] * scale : 0.0f;
+        qr[d] = live ? ACT_LOAD(q, ((long)h * rows + r) * HEAD_DIM + d) * scale : 0.0f;
         acc[d] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
@@ -60,7 +60,7 @@ inline void prefill_row(int r, int h, __global const uchar* pool, __global const
     }
     if (!live) return;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int d = 0; d < HEAD_DIM; ++d) out[((long)h * rows + r) * HEAD_DIM + d] = acc[d] * inv;
+    for (int d = 0; d < HEAD_DIM; ++d) ACT_STORE(acc[d] * inv, ((long)h * rows + r) * HEAD_DIM + d, out);
     if (lse) lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
 }
 
