@@ -8,7 +8,7 @@ sees the first step's token, kept in the pool between inferences."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ class StepScenario:
     keys: list[list[np.ndarray]]
     values: list[list[np.ndarray]]
     positions: list[list[np.ndarray]]
+    first_positions: list[int] = field(default_factory=list)  # each step's first row's position
 
 
 def random_scenario(
@@ -59,7 +60,6 @@ def random_scenario(
         return [np.pad(x, ((0, sum(rows)), (0, 0))) for x in xs]
 
     heads = page_heads(shape, pad(keys), pad(values), rng)
-    capacity = heads.tables.shape[1] * shape.block_size
     scenario = StepScenario(attributes, kind, q_heads, heads.pool, [], [], [], [])
     for n in rows:
         q_shape = (q_heads, d) if kind == "decode" else (q_heads, n, d)
@@ -72,13 +72,10 @@ def random_scenario(
         positions = [
             np.concatenate([positions[i], np.arange(start, start + n, dtype=np.int32)]) for i in range(kv_heads)
         ]
-        table = np.full((kv_heads, capacity), 0, np.int32)
-        for i, p in enumerate(positions):
-            table[i, : len(p)] = p
         feeds = {"q": q, "k": k, "v": v, "tables": heads.tables, "first": first, "lengths": first + n}
-        if kind == "prefill":
-            feeds["positions"] = table
-        scenario.steps.append({**feeds, "step": plugin_layers.step_tensor(heads.tables.shape[1], capacity, start, n)})
+        feeds["tokens"] = plugin_layers.token_tensor([n])  # one sequence: a row per KV head
+        scenario.steps.append({**feeds, "step": plugin_layers.step_tensor(heads.tables.shape[1], n)})
+        scenario.first_positions.append(start)
         scenario.keys.append(keys)
         scenario.values.append(values)
         scenario.positions.append(positions)
@@ -170,9 +167,92 @@ def test_the_plugin_runs_our_prompt_steps_over_heads_with_gaps(
     attributes = plugin_layers.LayerAttributes(shape, sub_group, HEAD_DIM**-0.5)
     scenario = random_scenario(attributes, "prefill", TOKENS, (20, 17, 1), np.random.default_rng(8))
     got = emulation_worker.submit(_run_in_worker, str(tmp_path), scenario).result(600)
-    for (out,), step, keys, values, positions in zip(
-        got, scenario.steps, scenario.keys, scenario.values, scenario.positions, strict=True
+    for (out,), step, keys, values, positions, first_position in zip(
+        got, scenario.steps, scenario.keys, scenario.values, scenario.positions, scenario.first_positions, strict=True
     ):
-        first_position = int(step["step"][2])
         np.testing.assert_allclose(out, _causal_reference(shape, step["q"], first_position, keys, values, positions),
                                    atol=1e-5)  # fmt: skip
+
+
+def batched_step(attributes: plugin_layers.LayerAttributes, held: list[list[int]], counts: list[int], rng) -> dict:
+    """One step of several sequences side by side: sequence ``s`` holds ``held[s][kv]`` tokens in
+    KV head ``kv`` (paged among the others' blocks, garbage between) and feeds ``counts[s]``
+    tokens. The step's feeds, and each sequence's keys and values after it (per KV head)."""
+    shape, d = attributes.shape, attributes.shape.head_dim
+    kv_heads, q_heads = len(held[0]), len(held[0]) * shape.group
+    t = sum(counts)
+    old_k = [rng.standard_normal((n, d)).astype(np.float32) for per_seq in held for n in per_seq]
+    old_v = [rng.standard_normal((n, d)).astype(np.float32) for per_seq in held for n in per_seq]
+    new_counts = [c for c in counts for _ in range(kv_heads)]  # per row (sequence, KV head)
+    heads = page_heads(shape, [np.pad(k, ((0, c), (0, 0))) for k, c in zip(old_k, new_counts, strict=True)],
+                       [np.pad(v, ((0, c), (0, 0))) for v, c in zip(old_v, new_counts, strict=True)], rng)  # fmt: skip
+    q = rng.standard_normal((q_heads, t, d)).astype(np.float32)
+    k = rng.standard_normal((kv_heads, t, d)).astype(np.float32)
+    v = rng.standard_normal((kv_heads, t, d)).astype(np.float32)
+    first = np.array([n for per_seq in held for n in per_seq], np.int32)
+    starts = np.cumsum([0, *counts])
+    keys, values = [], []
+    for row in range(len(first)):
+        s, h = divmod(row, kv_heads)
+        span = slice(starts[s], starts[s + 1])
+        keys.append(np.concatenate([old_k[row], k[h, span]]))
+        values.append(np.concatenate([old_v[row], v[h, span]]))
+    feeds = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "tables": heads.tables,
+        "first": first,
+        "lengths": first + np.array(new_counts, np.int32),
+    }
+    feeds |= {"tokens": plugin_layers.token_tensor(counts), "step": plugin_layers.step_tensor(heads.tables.shape[1], t)}
+    return {"pool": heads.pool, "feeds": feeds, "keys": keys, "values": values}
+
+
+def _run_batched_in_worker(folder: str, attributes, kv_heads: int, steps: list[dict]) -> list:
+    """In the emulation worker: each step (its own pool) through the prompt layer's model."""
+    import openvino as ov
+
+    from ov_kvcrush.op import plugin
+
+    core = plugin.shared_core()
+    core.set_property("GPU", {"CONFIG_FILE": str(plugin_layers.write_config(Path(folder), attributes))})
+    compiled = core.compile_model(plugin_layers.prefill_step_model(attributes, kv_heads), "GPU",
+                                  {"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    request, context = compiled.create_infer_request(), core.get_default_context("GPU")
+    outs = []
+    for step in steps:
+        pool = context.create_tensor(ov.Type.u8, ov.Shape([step["pool"].size]), {})
+        pool.copy_from(ov.Tensor(step["pool"]))
+        request.set_tensor("pool", pool)
+        for name, array in step["feeds"].items():
+            request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
+        request.infer()
+        outs.append(request.get_output_tensor(0).data.copy())
+    return outs
+
+
+def test_the_plugin_runs_a_step_of_several_sequences_each_over_its_own_slots(emulation_worker, tmp_path):
+    """Continuous batching's step: a prompt chunk beside decode tokens of sequences of other
+    lengths, in one launch (tokens side by side; a row of the cache's tensors per sequence and
+    KV head): each token's rows attend exactly its own sequence's slots up to itself."""
+    shape = PoolShape("f16", BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS)
+    attributes = plugin_layers.LayerAttributes(shape, 16, HEAD_DIM**-0.5)
+    rng = np.random.default_rng(9)
+    plans = [([[0, 0], [29, 29], [45, 45], [3, 3]], [37, 1, 1, 1]),  # a new prompt beside three decoders
+             ([[61, 61], [16, 16]], [1, 1]),  # a decode step of two
+             ([[7, 7], [0, 0], [33, 33]], [1, 20, 1])]  # fmt: skip
+    steps = [batched_step(attributes, held, counts, rng) for held, counts in plans]
+    got = emulation_worker.submit(_run_batched_in_worker, str(tmp_path), attributes, KV_HEADS, steps).result(600)
+    for out, step, (held, counts) in zip(got, steps, plans, strict=True):
+        starts = np.cumsum([0, *counts])
+        for s, c in enumerate(counts):
+            for i in range(c):
+                for h in range(Q_HEADS):
+                    row = s * KV_HEADS + h // shape.group
+                    seen = held[s][h // shape.group] + i + 1
+                    k = stored(shape, step["keys"][row][:seen]).astype(np.float64)
+                    v = stored(shape, step["values"][row][:seen]).astype(np.float64)
+                    logits = k @ step["feeds"]["q"][h, starts[s] + i].astype(np.float64) * HEAD_DIM**-0.5
+                    p = np.exp(logits - logits.max())
+                    np.testing.assert_allclose(out[h, starts[s] + i], (p / p.sum()) @ v, atol=1e-5)

@@ -120,6 +120,73 @@ def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emu
     assert got[1][1] < got[0][1]  # the evictions held fewer blocks than the full cache
 
 
+#: the batch: four prompts decoding together when a fifth arrives (prompt tokens each)
+BATCH_PROMPTS = (150, 90, 121, 70, 110)
+
+
+def _one_at_a_time(model_dir: str, prompts: list[list[int]], device: str) -> list[list[list[int]]]:
+    """Each case's greedy tokens for each prompt, generated alone."""
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        out = []
+        for case in CASES:
+            engine.set_compression(_compression(*case))
+            out.append([list(engine.batcher.run(ids, settings, None).token_ids) for ids in prompts])
+        return out
+    finally:
+        engine.close()
+
+
+def _batched(model_dir: str, prompts: list[list[int]]) -> tuple[list[list[list[int]]], list[tuple[int, int, float]]]:
+    """Each case's greedy tokens for each prompt through the loop on ``GPU``: the first four
+    prompts enter together and decode together when the fifth arrives; the cases' step traces."""
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f32", block_size=BLOCK, properties=F32)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    out, trace = [], []
+    try:
+        for case in CASES:
+            engine.set_compression(_compression(*case))
+            loop = engine.batcher
+            loop.trace = []
+            handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:4])]
+            while loop.stats["decode_rows"] < 4:  # every one of the four has decoded a token
+                loop.step()
+            handles.append(loop.add_request(4, prompts[4], settings))
+            while loop.has_non_finished_requests():
+                loop.step()
+            out.append([list(h.result().token_ids) for h in handles])
+            trace.append(list(loop.trace))
+            assert engine.pool.stats().blocks_in_use <= 1, case  # the engine's own sequence aside
+    finally:
+        engine.close()
+    return out, trace
+
+
+@pytest.mark.model
+def test_on_gpu_sequences_decode_together_beside_a_whole_prompt_with_the_tokens_of_one_at_a_time_runs(
+    emulation_worker,
+):
+    """Continuous batching on ``GPU``: several sequences a step, a prompt fed beside the decoding
+    ones in one inference; each request's tokens equal the CPU op's for its prompt alone."""
+    model_dir = _tiny_llama3()
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in BATCH_PROMPTS]
+    want = _one_at_a_time(model_dir, prompts, "CPU")
+    got, traces = emulation_worker.submit(_batched, model_dir, prompts).result(timeout=900)
+    for case, tokens, want_tokens, trace in zip(CASES, got, want, traces, strict=True):
+        assert tokens == want_tokens, case
+        # a step fed the fifth prompt beside the four decoding sequences
+        assert any(seqs == 5 and fed == BATCH_PROMPTS[4] + 4 for seqs, fed, _ in trace), (case, trace)
+        assert max(seqs for seqs, fed, _ in trace if seqs == fed) >= 4, case  # decode steps of four or more
+
+
 def test_device_gpu_names_the_methods_it_runs():
     from ov_kvcrush.methods import methods_on, require
 
@@ -130,3 +197,46 @@ def test_device_gpu_names_the_methods_it_runs():
     quant = r"options.quant=.*None \(the full-precision store\).*device GPU.*runs on:.*paged_device"
     with pytest.raises(ConfigError, match=quant):
         require(_compression("snapkv", 64, {"quant": True}).method_config(), "gpu-plugin")
+
+
+def _named_devices(model_dir: str) -> dict:
+    """What ``GPU.0``, ``GPU.7`` and the server's ``--device GPU`` give under the emulation."""
+    from ov_kvcrush.server.config import ServerConfig
+    from ov_kvcrush.server.factory import make_pipeline
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    out: dict = {}
+    engine = OpenVINOEngine(model_dir, device="GPU.0", kv_precision="f32", block_size=BLOCK, properties=F32)
+    try:
+        out["gpu.0"] = (engine.plugin.gpu, engine.forward(list(range(20, 60))))
+    finally:
+        engine.close()
+    try:
+        OpenVINOEngine(model_dir, device="GPU.7")
+    except ConfigError as e:
+        out["gpu.7"] = str(e)
+    pipeline = make_pipeline(ServerConfig(model=model_dir, device="GPU", max_num_seqs=4), CompressionConfig())
+    try:
+        settings = GenerationSettings(max_new_tokens=3, ignore_eos=True)
+        out["served"] = (
+            pipeline.engine.device,
+            [len(r.token_ids) for r in pipeline.generate([[20, 30, 40]] * 2, settings)],
+        )
+    finally:
+        pipeline.engine.close()
+    return out
+
+
+@pytest.mark.model
+def test_gpu_n_names_the_plugins_device_and_the_server_serves_on_gpu(emulation_worker):
+    from ov_kvcrush.cli.main import build_parser
+    from ov_kvcrush.server.config import ServerConfig
+
+    model_dir = _tiny_llama3()
+    got = emulation_worker.submit(_named_devices, model_dir).result(timeout=600)
+    assert got["gpu.0"][0] == "GPU.0" and np.isfinite(got["gpu.0"][1]).all()
+    assert "device='GPU.7'" in got["gpu.7"] and "GPU.0" in got["gpu.7"]  # the names the plugin lists
+    assert got["served"] == ("GPU", [3, 3])
+    args = build_parser().parse_args(["serve", "--device", "GPU.1"])
+    assert ServerConfig.from_args(args).device == "GPU.1"

@@ -257,7 +257,7 @@ def test_scheduler_config_eviction_maps_to_methods():
 def test_bad_engine_arguments(model_dir, tmp_path):
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
-    with pytest.raises(ConfigError, match=r"device=.TPU.*CPU or GPU"):
+    with pytest.raises(ConfigError, match=r"device=.TPU.*CPU, or GPU or GPU\.N"):
         OpenVINOEngine(model_dir, device="TPU")
     if "GPU" not in shared_core().available_devices:  # here: no Intel GPU, and no emulation layer in this process
         with pytest.raises(UserError, match=r"device GPU needs an Intel GPU .*lists: CPU"):

@@ -3,24 +3,27 @@
 The GPU form of :mod:`~ov_kvcrush.transformations.paged_attention`'s pass: the same layers found
 the same way (:func:`~ov_kvcrush.transformations.paged_attention.layer_plans`), but each layer's
 attention becomes two of the plugin's ``SimpleGPU`` layers (:mod:`ov_kvcrush.gpu.plugin_layers`):
-``OvkcStore`` writes the step's keys and values into the pool, then ``OvkcPrefill`` attends the
-step's rows over each KV head's slots at or before their position (a prompt's chunk, or a decode
-step as one row). The cache's bookkeeping comes in as inputs the pass adds, one set for every
-layer (each layer reads its row with a Gather):
+``OvkcStore`` writes the step's keys and values into the pool, then ``OvkcPrefill`` attends each
+token's rows over the slots it sees. A step is one row of tokens (``input_ids [1, T]``) from one
+or more sequences side by side, each sequence's tokens adjacent (continuous batching: a prompt's
+chunk beside other sequences' decode tokens, as the CPU op's ragged step). The cache's
+bookkeeping comes in as inputs the pass adds, one set for every layer (each layer reads its row
+with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_heads + kv``:
 
 * ``kvc_pool``: the pool's bytes (uint8), every layer's blocks in one buffer; a remote tensor of
   the plugin's context, written in place by the store layers, kept across inferences;
-* ``kvc_tables`` [layers, kv_heads, width]: each head's block ids; ``kvc_first`` and
-  ``kvc_lengths`` [layers, kv_heads]: its first new slot and its slot count after the step;
-  ``kvc_positions`` [layers, kv_heads, width']: each slot's position;
+* ``kvc_tables`` [layers, rows, width]: each row's block ids; ``kvc_first`` and ``kvc_lengths``
+  [layers, rows]: its first new slot and its slot count after the step;
+* ``kvc_tokens`` [T, 2]: each token's sequence and its index among that sequence's tokens
+  (:func:`ov_kvcrush.gpu.plugin_layers.token_tensor`);
 * ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`;
-* ``kvc_score_rows`` [1] (int64, at least 1): how many of the step's last query rows each layer
-  returns as its output ``kvc_rows.<layer>`` [q_heads, rows, head_dim] (f32 whatever the
-  activations: the plugin gives a model's outputs their declared type), which the methods'
-  scores are computed from (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
+* ``kvc_score_rows`` [R] (int64, at least one): the step's query rows each layer returns as its
+  output ``kvc_rows.<layer>`` [q_heads, R, head_dim] (f32 whatever the activations), from which
+  the methods' scores are computed
+  (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
 
-One sequence a step (the batch dimension is 1). As the CPU pass, the logits come only at the
-positions ``kvc_logits_at`` names.
+As the CPU pass, the logits come only at the positions ``kvc_logits_at`` names (each sequence's
+last token).
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ from ov_kvcrush.gpu.plugin_layers import STEP_FIELDS, LayerAttributes, layer_cla
 #: "layers" and "kv_heads" the model's)
 PLUGIN_INPUTS = {
     "kvc_pool": (np.uint8, (-1,)),
-    "kvc_tables": (np.int32, ("layers", "kv_heads", -1)),
-    "kvc_first": (np.int32, ("layers", "kv_heads")),
-    "kvc_lengths": (np.int32, ("layers", "kv_heads")),
-    "kvc_positions": (np.int32, ("layers", "kv_heads", -1)),
+    "kvc_tables": (np.int32, ("layers", -1, -1)),
+    "kvc_first": (np.int32, ("layers", -1)),
+    "kvc_lengths": (np.int32, ("layers", -1)),
+    "kvc_tokens": (np.int32, (-1, 2)),
     "kvc_step": (np.int32, (len(STEP_FIELDS),)),
-    "kvc_score_rows": (np.int64, (1,)),
+    "kvc_score_rows": (np.int64, (-1,)),
 }
 #: the name of layer ``i``'s query rows output
 ROWS_OUTPUT = "kvc_rows.{}"
@@ -66,13 +69,12 @@ def convert_model_for_plugin(
     import openvino.opset13 as ops
 
     plans, shape = layer_plans(model)
-    dims = {"layers": shape.layers, "kv_heads": shape.kv_heads}
+    dims = {"layers": shape.layers}
     params = {}
     for name, (kind, dim_names) in PLUGIN_INPUTS.items():
         params[name] = ops.parameter([dims.get(d, d) for d in dim_names], kind, name=name)
         params[name].output(0).get_tensor().set_names({name})
-    pool, step = params["kvc_pool"].output(0), params["kvc_step"].output(0)
-    rows_start = ops.negative(params["kvc_score_rows"])
+    pool, step, tokens = (params[f"kvc_{name}"].output(0) for name in ("pool", "step", "tokens"))
     group = shape.q_heads // shape.kv_heads
     rows = []
     for plan in plans:
@@ -81,16 +83,16 @@ def convert_model_for_plugin(
         attrs, act = attributes.as_dict(), attributes.element_type()
         row = {
             name: ops.gather(params[f"kvc_{name}"], np.array(plan.layer, np.int64), np.array(0, np.int64)).output(0)
-            for name in ("tables", "first", "lengths", "positions")
+            for name in ("tables", "first", "lengths")
         }
         q, k, v = (_squeezed(x, act) for x in plan.inputs())  # [heads, tokens, head_dim]
-        stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], k, v, step], attrs).output(0)
+        stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], tokens, k, v, step], attrs).output(0)
         out = layer_class("OvkcPrefill")(
-            [pool, row["tables"], row["lengths"], row["positions"], q, step, stored], attrs
+            [pool, row["tables"], row["lengths"], row["first"], tokens, q, step, stored], attrs
         ).output(0)
         back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
         plan.replace_with(model, back.output(0))
-        last = ops.slice(q, rows_start, np.array([np.iinfo(np.int64).max]), np.array([1]), np.array([1]))
+        last = ops.gather(q, params["kvc_score_rows"], np.array(1, np.int64))
         last = ops.convert(last, np.float32) if activations != "f32" else last  # the methods read f32 rows
         last.output(0).get_tensor().set_names({ROWS_OUTPUT.format(plan.layer)})
         rows.append(last)

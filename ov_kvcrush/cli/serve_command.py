@@ -35,7 +35,10 @@ def add_serve_arguments(sub: Any) -> None:
     s.add_argument("--recent-tokens", type=int, default=None)
     s.add_argument("--option", action="append", default=[], help="method option key=value (repeatable)")
     s.add_argument("--kv-pool-mib", type=float, default=None, help="the KV pool's size in MiB (default: unbounded)")
-    s.add_argument("--kv-precision", default=None, help="u8 (default, as native), f16 or f32")
+    s.add_argument("--kv-precision", default=None, help="u8 (default on CPU, as native), f16 (default on GPU) or f32")
+    s.add_argument(
+        "--device", default="CPU", help="CPU (our op), or GPU / GPU.N: an Intel GPU through OpenVINO's GPU plugin"
+    )
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step (default 2048)")
     s.add_argument("--max-queue", type=int, default=64, help="requests held at once; more get 429 (default 64)")

@@ -1,5 +1,6 @@
 """The exported model in OpenVINO's GPU plugin with our layers in place of its attention: the
-GPU form of the openvino backend (``OpenVINOEngine(..., device="GPU")``), one sequence a step.
+GPU form of the openvino backend (``OpenVINOEngine(..., device="GPU")``), several sequences a
+step (continuous batching through the one loop).
 
 The graph pass (:func:`~ov_kvcrush.transformations.plugin_attention.convert_model_for_plugin`)
 puts the store and prefill layers in every layer. :class:`PluginModel` compiles it on a remote
@@ -25,7 +26,7 @@ from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape
-from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence
+from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, PluginStep, plan_step
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs
@@ -35,16 +36,30 @@ from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_mod
 # that importing this module stays light.
 
 
-def plugin_gpu(core: Any) -> str:
-    """The full name of the ``GPU`` OpenVINO's GPU plugin lists; a :class:`GPUPathError` naming
-    what is missing where it lists none (under the emulation layer: the layer's own reason)."""
-    if "GPU" in core.available_devices or os.environ.get("OPENCL_LAYERS"):
-        return emulation.plugin_device(core)
-    listed = ", ".join(core.available_devices)
-    raise runtime.GPUPathError(
-        f"device GPU needs an Intel GPU that OpenVINO's GPU plugin lists (it lists: {listed}): an Intel GPU with "
-        "its OpenCL driver (intel-opencl-icd); without one, use device CPU"
-    )
+def plugin_gpu(core: Any, name: str = "GPU") -> str:
+    """``name`` (``GPU``, or ``GPU.N`` on a machine with several) checked against the GPUs
+    OpenVINO's GPU plugin lists; a :class:`GPUPathError` naming what is missing where it lists
+    none (under the emulation layer: the layer's own reason), or naming those it lists."""
+    if os.environ.get("OPENCL_LAYERS"):
+        emulation.plugin_device(core)  # the layer's own reason where the plugin lists no GPU
+    listed = [d for d in core.available_devices if d.split(".")[0] == "GPU"]
+    if listed:  # the plugin answers to GPU.N for each of its device ids, one GPU or several
+        listed = [f"GPU.{i}" for i in core.get_property("GPU", "AVAILABLE_DEVICES")]
+    if not listed:
+        raise runtime.GPUPathError(
+            f"device {name} needs an Intel GPU that OpenVINO's GPU plugin lists (it lists: "
+            f"{', '.join(core.available_devices)}): an Intel GPU with its OpenCL driver (intel-opencl-icd); "
+            "without one, use device CPU"
+        )
+    if name != "GPU" and name not in listed:
+        raise ConfigError("device", name, f"one of {', '.join(['GPU', *listed])} (the GPUs OpenVINO's plugin lists)")
+    return name
+
+
+def plugin_uuid(core: Any, gpu: str) -> bytes | None:
+    """The plugin's ``DEVICE_UUID`` of ``gpu``: the OpenCL device our kernels must share with it."""
+    text = "".join(c for c in str(core.get_property(gpu, "DEVICE_UUID")) if c in "0123456789abcdefABCDEF")
+    return bytes.fromhex(text) if len(text) == 32 else None
 
 
 def shared_context(core: Any, dev: Device) -> Any:
@@ -89,19 +104,22 @@ class PluginModel:
         *,
         kv_precision: str,
         block_size: int,
+        gpu: str = "GPU",
         sub_group: int | None = None,
         properties: dict | None = None,
     ) -> None:
         from ov_kvcrush.paths import cache_root
 
         self.core = plugin.shared_core()
-        #: the plugin's device (a GPUPathError naming what is missing, before anything is built)
-        self.device = plugin_gpu(self.core)
-        self.dev = device(sub_group)
+        #: the plugin's device, ``GPU`` or ``GPU.N`` (a GPUPathError naming what is missing, before
+        #: anything is built), and its name
+        self.gpu = plugin_gpu(self.core, gpu)
+        self.device = str(self.core.get_property(self.gpu, "FULL_DEVICE_NAME"))
+        self.dev = self._shared_device(sub_group)
         self.context = shared_context(self.core, self.dev)
         self.properties = dict(properties or {})
         #: the plugin's inference precision, which our layers' activations follow (f16 by default)
-        self.activations = inference_precision(self.core, "GPU", self.properties)
+        self.activations = inference_precision(self.core, self.gpu, self.properties)
         self.converted = convert_model_for_plugin(
             self.core.read_model(Path(model_dir) / "openvino_model.xml"),
             kv_precision=kv_precision,
@@ -119,14 +137,26 @@ class PluginModel:
         self.rows_outputs = [ROWS_OUTPUT.format(i) for i in range(s.layers)]
         self._rows: list[Any] = []  # each layer's buffer of query rows, reused while large enough
         self._rows_bytes = 0
+        self._scratch: dict[int, tuple[int, list[Any]]] = {}  # per place in a step: bytes, a buffer per layer
         self.compiled: Any = None
         self.input_names: set[str] = set()
         self.compile_seconds = 0.0
 
+    def _shared_device(self, sub_group: int | None) -> Device:
+        """Our OpenCL device for the plugin's ``gpu``: the one of its UUID; for plain ``GPU`` on a
+        device that reports none, the first Intel GPU (the plugin's ``GPU`` is its first)."""
+        uuid = plugin_uuid(self.core, self.gpu)
+        try:
+            return device(sub_group, uuid=uuid)
+        except runtime.GPUPathError:
+            if self.gpu != "GPU":
+                raise
+            return device(sub_group)
+
     def compile(self) -> Any:
         """Compile the converted model on the shared context (once)."""
         if self.compiled is None:
-            self.core.set_property("GPU", {"CONFIG_FILE": str(self.config_file)})
+            self.core.set_property("GPU", {"CONFIG_FILE": str(self.config_file)})  # the plugin's, every GPU.N
             t0 = time.perf_counter()
             self.compiled = self.core.compile_model(self.converted.model, self.context, self.properties)
             self.compile_seconds = time.perf_counter() - t0
@@ -151,44 +181,73 @@ class PluginModel:
         return request
 
     def _rows_buffers(self, nbytes: int) -> list[Any]:
-        """Each layer's buffer for a step's query rows (``nbytes`` each): the previous step's are
-        read by its methods' kernels before this step's model writes them (one in-order queue)."""
+        """Each layer's buffer for a step's returned query rows (``nbytes`` each): the previous
+        step's are read by its methods' kernels before this step's model writes them (one
+        in-order queue)."""
         if nbytes > self._rows_bytes:
             self._rows_bytes = max(nbytes, 2 * self._rows_bytes)
             self._rows = [self.dev.empty(self._rows_bytes) for _ in self.rows_outputs]
         return self._rows
 
-    def run_step(self, request: Any, ids: list[int], sequence: PluginKVSequence) -> np.ndarray:
-        """Feed ``ids`` after ``sequence``'s tokens: store and attend them in the model, then the
-        method's work over the pool; the next-token logits (last position). A ``RuntimeError``
-        from the plugin leaves the sequence to be reset."""
+    def _sequence_rows(self, step: PluginStep, s: int, buffers: list[Any]) -> list[Any]:
+        """Sequence ``s``'s score rows ``[Hq, n, D]`` in each layer: the step's buffers
+        themselves when they hold its rows alone, else a copy of its rows on the device (into
+        buffers kept per place in the step, reused as :meth:`_rows_buffers` are)."""
+        n, first = step.score_rows[s], step.first_rows[s]
+        if n == step.returned_rows:
+            return buffers
+        hq, d = self.shape.q_heads, self.shape.head_dim
+        nbytes = 4 * hq * n * d
+        kept = self._scratch.setdefault(s, (0, []))
+        if nbytes > kept[0]:
+            kept = self._scratch[s] = (
+                max(nbytes, 2 * kept[0]),
+                [self.dev.empty(max(nbytes, 2 * kept[0])) for _ in buffers],
+            )
+        total = step.returned_rows * d
+        for src, dst in zip(buffers, kept[1], strict=True):
+            self.dev.copy_rect(src, total, dst, n * d, 0, hq, n * d, src_at=first * d)
+        return kept[1]
+
+    def run_step(self, request: Any, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
+        """Feed ``ids[s]`` after sequence ``s``'s tokens, every sequence in one inference (the
+        tokens side by side): store and attend them in the model, then each method's work over
+        the pool; the next-token logits of each sequence ``[sequences, vocab]``. A
+        ``RuntimeError`` from the plugin leaves the sequences to be reset."""
         import openvino as ov
 
-        past, t = sequence.seen, len(ids)
-        model = step_inputs.step_inputs(self.input_names, [ids], [0], [past])
-        feeds = {name: x for name, x in model.items() if name in self.input_names} | sequence.step_inputs(t)
+        past = [seq.seen for seq in sequences]
+        step = plan_step(sequences, [len(x) for x in ids])
+        model = step_inputs.ragged_step_inputs(self.input_names, ids, list(range(len(ids))), past)
+        feeds = {name: x for name, x in model.items() if name in self.input_names} | step.inputs
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
-        s, rows = self.shape, min(int(feeds["kvc_score_rows"][0]), t)
+        s, rows = self.shape, step.returned_rows
         buffers = self._rows_buffers(4 * s.q_heads * rows * s.head_dim)
         for name, buffer in zip(self.rows_outputs, buffers, strict=True):
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.f32, [s.q_heads, rows, s.head_dim]))
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()
-        sequence.after_step(buffers, t)
-        logits = np.array(request.get_output_tensor(0).data[0, -1], np.float32)
-        device_pool = sequence.pool.device_pool
-        crossed = device_pool.crossings[device_pool.phase].to_host
+        for i, seq in enumerate(sequences):
+            seq.after_step(self._sequence_rows(step, i, buffers) if step.score_rows[i] else buffers,
+                           step.counts[i], step.phases[i])  # fmt: skip
+        self.dev.queue.finish()  # the step's one wait on our queue: its method work done
+        self.dev.synced()
+        logits = np.array(request.get_output_tensor(0).data[0], np.float32)
+        device_pool = sequences[0].pool.device_pool
+        crossed = device_pool.crossings["prompt" if "prompt" in step.phases else "decode"].to_host
         crossed["logits"] = crossed.get("logits", 0) + logits.nbytes
         return logits
 
 
 def plugin_engine_model(
-    model_dir: Path, windows: list[int], kv_precision: str, block_size: int, properties: dict
+    model_dir: Path, windows: list[int], kv_precision: str, block_size: int, properties: dict, gpu: str = "GPU"
 ) -> PluginModel:
     """The openvino engine's model on ``GPU``, checked: global attention layers only (the
     inference precision, f16 or f32, is checked by :func:`inference_precision`)."""
     if any(windows):
         raise UserError(f"{model_dir.name}: device GPU runs global attention layers only (this model has local ones)")
     compile_properties = {k: v for k, v in properties.items() if k != "KV_CACHE_PRECISION"}  # our pool's, not its
-    return PluginModel(model_dir, kv_precision=kv_precision, block_size=block_size, properties=compile_properties)
+    return PluginModel(
+        model_dir, kv_precision=kv_precision, block_size=block_size, gpu=gpu, properties=compile_properties
+    )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,11 +98,12 @@ class OpenVINOModel:
         compression: method and budget; every method whose config declares the ``openvino``
             engine (:func:`~ov_kvcrush.methods.methods_for`) runs inside the op (selection,
             eviction, the 2-bit store ...), as the torch reference defines it.
-        device: ``CPU`` (the op, a CPU extension), or ``GPU``: an Intel GPU through OpenVINO's
+        device: ``CPU`` (the op, a CPU extension), or ``GPU`` (``GPU.N`` where the plugin lists
+            several): an Intel GPU through OpenVINO's
             GPU plugin with our layers in place of its attention and the methods' kernels over
-            the same pool (:mod:`ov_kvcrush.engines.gpu_plugin_model`; the methods of
-            :data:`~ov_kvcrush.gpu.plugin_cache.PLUGIN_METHODS`, one sequence a step, whole
-            prompts). Without an Intel GPU, ``GPU`` fails at once, naming what is missing.
+            the same pool (:mod:`ov_kvcrush.engines.gpu_plugin_model`; the methods whose config
+            declares the ``gpu-plugin`` runtime, several sequences a step, whole prompts).
+            Without an Intel GPU, ``GPU`` fails at once, naming what is missing.
         kv_precision: ``u8`` (default on CPU: 8-bit codes with a per-token min and scale, as native
             on CPU), ``f16`` (default on GPU) or ``f32`` storage of keys and values in the cache;
             openvino_genai's ``KV_CACHE_PRECISION`` property says the same.
@@ -130,9 +132,10 @@ class OpenVINOModel:
         import openvino_genai as ov_genai
 
         self.device = str(device).upper()
-        if self.device not in ("CPU", "GPU"):
-            raise ConfigError("device", device, "CPU or GPU (an Intel GPU through OpenVINO's GPU plugin)")
-        kv_precision = _kv_precision(kv_precision, properties, "f16" if self.device == "GPU" else DEFAULT_KV_PRECISION)
+        on_gpu = re.fullmatch(r"GPU(\.\d+)?", self.device) is not None
+        if self.device != "CPU" and not on_gpu:
+            raise ConfigError("device", device, "CPU, or GPU or GPU.N (an Intel GPU through OpenVINO's GPU plugin)")
+        kv_precision = _kv_precision(kv_precision, properties, "f16" if on_gpu else DEFAULT_KV_PRECISION)
         _check_block_size("block_size", block_size)
         if isinstance(max_kv_blocks, bool) or not isinstance(max_kv_blocks, int) or max_kv_blocks < 0:
             raise ConfigError("max_kv_blocks", max_kv_blocks, "an integer >= 0 (0: unlimited)")
@@ -149,8 +152,10 @@ class OpenVINOModel:
         self.kv_precision = kv_precision
         #: our layers in OpenVINO's GPU plugin (device GPU), else None: the CPU op
         self.plugin: PluginModel | None = None
-        if self.device == "GPU":
-            self.plugin = plugin_engine_model(self.model_dir, windows, kv_precision, block_size, self.properties)
+        if on_gpu:
+            self.plugin = plugin_engine_model(
+                self.model_dir, windows, kv_precision, block_size, self.properties, self.device
+            )
             self.shape = self.plugin.shape
         else:
             self.library = plugin.loaded_path()
@@ -318,9 +323,7 @@ class OpenVINOModel:
         ``request``: the logits at each sequence's last token, ``[sequences, vocab]``. A
         ``RuntimeError`` leaves the sequences in an unknown state."""
         if self.plugin is not None:
-            if len(sequences) != 1:
-                raise UserError(f"device GPU runs one sequence a step, got {len(sequences)}")
-            return self.plugin.run_step(request, ids[0], sequences[0])[None]
+            return self.plugin.run_step(request, ids, sequences)
         ragged = len({len(x) for x in ids}) > 1
         inputs = (self.ragged_step_inputs if ragged else self.step_inputs)(ids, sequences, past)
         infer_steps(request, inputs, [s.handle for s in sequences])

@@ -67,10 +67,11 @@ class KernelDevice:
         raise NotImplementedError
 
     def copy_rect(
-        self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0
-    ) -> None:
-        """Copy the first ``n`` 4-byte elements of rows ``first_row ..`` of ``src`` to elements
-        ``at ..`` of the rows of ``dst`` (strides in elements), on the device."""
+        self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0,
+        src_at: int = 0,
+    ) -> None:  # fmt: skip
+        """Copy ``n`` 4-byte elements from element ``src_at`` of rows ``first_row ..`` of ``src``
+        to elements ``at ..`` of the rows of ``dst`` (strides in elements), on the device."""
         raise NotImplementedError
 
     def clear(self, buffer: Any, nbytes: int) -> None:
@@ -101,6 +102,17 @@ class Device(KernelDevice):
     queue: Any
     sub_group: int
     kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], Any] = field(default_factory=dict)
+    #: every buffer made since the queue was last known idle, held until then: a buffer Python
+    #: drops while a queued command still uses it is released at once, and Intel's OpenCL CPU
+    #: runtime hands its memory to the next buffer under that command (a kernel's temporary
+    #: argument overwritten by the next upload: seen as a nondeterministic token under continuous
+    #: batching on device GPU). The SYCL host frees a buffer only after the work queued before it.
+    in_flight: list[Any] = field(default_factory=list)
+
+    def synced(self) -> None:
+        """Every command enqueued so far has finished (a blocking read returned, an inference
+        sharing the queue was waited for): the buffers made before may be released."""
+        self.in_flight.clear()
 
     def build(self, text: str, options: list[str]) -> dict[str, Any]:
         with warnings.catch_warnings():  # the CPU runtime's vectorisation remarks
@@ -114,16 +126,21 @@ class Device(KernelDevice):
 
     def to_device(self, array: np.ndarray) -> Any:
         flags = self.cl.mem_flags.READ_WRITE | self.cl.mem_flags.COPY_HOST_PTR
-        return self.cl.Buffer(self.context, flags, hostbuf=np.ascontiguousarray(array))
+        buffer = self.cl.Buffer(self.context, flags, hostbuf=np.ascontiguousarray(array))
+        self.in_flight.append(buffer)
+        return buffer
 
     def empty(self, nbytes: int) -> Any:
-        return self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
+        buffer = self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
+        self.in_flight.append(buffer)
+        return buffer
 
     def copy_rect(
-        self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0
-    ) -> None:
+        self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0,
+        src_at: int = 0,
+    ) -> None:  # fmt: skip
         if n and rows:
-            self.cl.enqueue_copy(self.queue, dst, src, src_origin=(0, first_row), dst_origin=(4 * at, 0),
+            self.cl.enqueue_copy(self.queue, dst, src, src_origin=(4 * src_at, first_row), dst_origin=(4 * at, 0),
                                  region=(4 * n, rows), src_pitches=(4 * src_stride,),
                                  dst_pitches=(4 * dst_stride,))  # fmt: skip
 
@@ -137,7 +154,8 @@ class Device(KernelDevice):
 
     def to_host(self, buffer: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)
-        self.cl.enqueue_copy(self.queue, out, buffer)
+        self.cl.enqueue_copy(self.queue, out, buffer)  # blocking: the in-order queue is idle after it
+        self.synced()
         return out
 
 
@@ -188,11 +206,11 @@ def choose_sub_group(sub_group: int | None, info: runtime.DeviceInfo) -> int:
 
 
 @cache
-def device(sub_group: int | None = None) -> Device:
-    """The process's device (an Intel GPU, else Intel's OpenCL CPU runtime) at ``sub_group`` lanes
-    (:func:`choose_sub_group`)."""
+def device(sub_group: int | None = None, uuid: bytes | None = None) -> Device:
+    """The process's device (an Intel GPU, else Intel's OpenCL CPU runtime; with ``uuid``, the
+    device of that UUID) at ``sub_group`` lanes (:func:`choose_sub_group`)."""
     cl = runtime.opencl()
-    dev = runtime.find_device()
+    dev = runtime.find_device(uuid=uuid)
     chosen = choose_sub_group(sub_group, runtime.describe(dev))
     context = cl.Context([dev])
     return Device(cl, dev, context, cl.CommandQueue(context), chosen)

@@ -156,43 +156,13 @@ class PluginKVSequence:
         return SequenceStats(blocks, self.seen, held, blocks * bb, 0, ns["prompt"], ns["decode"], 0, 0, 0, 0, 0, 0, bb)
 
     # ---- a step
-    def step_inputs(self, t: int) -> dict[str, np.ndarray]:
-        """Reserve ``t`` slots in every layer and return the model's cache inputs for the step
-        (:data:`~ov_kvcrush.transformations.plugin_attention.PLUGIN_INPUTS`, the pool aside)."""
-        first_position = self.seen
-        firsts = []
+    def reserve(self, t: int) -> str:
+        """Room for a ``t``-token step in every layer; returns the step's phase for this
+        sequence (``prompt``: its first tokens; ``decode``: tokens after some)."""
+        phase = "decode" if self.seen else "prompt"
         for cache in self.caches:
-            firsts.append(cache.layer.held)
             cache.reserve(t)
-        layers = [c.layer for c in self.caches]
-        kv = layers[0].kv_heads
-        width = max(max(len(tb) for tb in lay.tables) for lay in layers)
-        tables = np.zeros((len(layers), kv, width), np.int32)
-        for i, lay in enumerate(layers):
-            for h, tb in enumerate(lay.tables):
-                tables[i, h, : len(tb)] = tb
-        # a single row attends every slot it holds: positions are sent for prompt rows only
-        slots = max(lay.held for lay in layers) if t > 1 else 0
-        positions = np.zeros((len(layers), kv, max(slots, 1)), np.int32)
-        if slots:
-            for i, lay in enumerate(layers):
-                positions[i, :, : lay.held] = lay.positions
-        inputs = {
-            "kvc_tables": tables,
-            "kvc_first": np.repeat(np.array(firsts, np.int32)[:, None], kv, axis=1),
-            "kvc_lengths": np.array([[lay.held] * kv for lay in layers], np.int32),
-            "kvc_positions": positions,
-            "kvc_step": plugin_layers.step_tensor(width, slots, first_position, t),
-            "kvc_score_rows": np.array([max(self.score_rows(t), 1)], np.int64),
-        }
-        phase = self.pool.device_pool.phase
-        crossed = self.pool.device_pool.crossings[phase].to_device
-        crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in inputs.values())
-        if phase == "decode":
-            shape = self.pool.device_pool.shape
-            self.pool.decode_steps += 1
-            self.pool.decode_kv_read += sum(lay.held for lay in layers) * kv * 2 * shape.head_dim * shape.elem_bytes
-        return inputs
+        return phase
 
     def score_rows(self, t: int) -> int:
         """The query rows the layers read after a ``t``-token step (the same for every layer)."""
@@ -201,11 +171,82 @@ class PluginKVSequence:
             raise UserError(f"the layers of {self.pool.method.name} score different rows: {sorted(rows)}")
         return rows.pop()
 
-    def after_step(self, rows: list[Any], t: int) -> None:
+    def after_step(self, rows: list[Any], t: int, phase: str) -> None:
         """Each layer's method work after the model's step (``rows``: each layer's device buffer
-        of the step's last query rows), timed as the op times its policies."""
-        phase = self.pool.device_pool.phase  # as the layers' reserve set it
+        of this sequence's last query rows of the step), timed as the op times its policies."""
+        self.pool.device_pool.phase = phase  # where the work's crossings count
         t0 = time.perf_counter_ns()
         for cache, buffer in zip(self.caches, rows, strict=True):
             cache.after_model_step(buffer, t)
         self.policy_ns[phase] += time.perf_counter_ns() - t0
+
+
+@dataclass
+class PluginStep:
+    """One model step of several sequences, as :func:`plan_step` laid it out: the model's cache
+    inputs, and per sequence its tokens, its phase and where its score rows sit among the rows the
+    layers return (``first_row``, ``rows``)."""
+
+    inputs: dict[str, np.ndarray]
+    sequences: list[PluginKVSequence]
+    counts: list[int]
+    phases: list[str]
+    first_rows: list[int]
+    score_rows: list[int]
+
+    @property
+    def returned_rows(self) -> int:
+        return len(self.inputs["kvc_score_rows"])
+
+
+def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginStep:
+    """Reserve ``counts[s]`` slots for sequence ``s`` in every layer and lay out the model's cache
+    inputs for the step (:data:`~ov_kvcrush.transformations.plugin_attention.PLUGIN_INPUTS`, the
+    pool aside): a row per (sequence, KV head), the tokens side by side in the sequences' order."""
+    pool = sequences[0].pool
+    layers, kv = pool.model.layers, pool.model.kv_heads
+    firsts = np.zeros((layers, len(sequences) * kv), np.int32)
+    phases, first_rows, score_rows, index = [], [], [], []
+    start = 0
+    for s, (seq, t) in enumerate(zip(sequences, counts, strict=True)):
+        firsts[:, s * kv : (s + 1) * kv] = np.array([c.layer.held for c in seq.caches], np.int32)[:, None]
+        phases.append(seq.reserve(t))
+        n = seq.score_rows(t)
+        first_rows.append(len(index))
+        score_rows.append(n)
+        index.extend(range(start + t - n, start + t))
+        start += t
+    lays = [[c.layer for c in seq.caches] for seq in sequences]
+    width = max(len(table) for per_seq in lays for lay in per_seq for table in lay.tables)
+    tables = np.zeros((layers, len(sequences) * kv, width), np.int32)
+    lengths = np.zeros((layers, len(sequences) * kv), np.int32)
+    for s, per_seq in enumerate(lays):
+        for i, lay in enumerate(per_seq):
+            lengths[i, s * kv : (s + 1) * kv] = lay.held
+            for h, table in enumerate(lay.tables):
+                tables[i, s * kv + h, : len(table)] = table
+    inputs = {
+        "kvc_tables": tables,
+        "kvc_first": firsts,
+        "kvc_lengths": lengths,
+        "kvc_tokens": plugin_layers.token_tensor(counts),
+        "kvc_step": plugin_layers.step_tensor(width, sum(counts)),
+        "kvc_score_rows": np.array(index or [0], np.int64),  # at least one row (none read)
+    }
+    _count_step(pool, inputs, sequences, phases)
+    return PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows)
+
+
+def _count_step(pool: PluginKVPool, inputs: dict[str, np.ndarray], sequences: list, phases: list[str]) -> None:
+    """The step's cache inputs as bytes crossing (a prompt's step where any sequence is in its
+    prompt, else a decode step), and the KV bytes the decoding sequences' attention reads."""
+    device_pool = pool.device_pool
+    phase = "prompt" if "prompt" in phases else "decode"
+    device_pool.phase = phase
+    crossed = device_pool.crossings[phase].to_device
+    crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in inputs.values())
+    if phase == "decode":
+        shape, kv = device_pool.shape, pool.model.kv_heads
+        pool.decode_steps += 1
+        held = sum(c.layer.held for seq in sequences for c in seq.caches)
+        pool.decode_kv_read += held * kv * 2 * shape.head_dim * shape.elem_bytes

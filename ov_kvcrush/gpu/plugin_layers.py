@@ -11,15 +11,15 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 * :class:`OvkcLogits`, :class:`OvkcSoftmax`, :class:`OvkcValues`: the three passes of paged decode
   attention over each KV head's block table and token count; the softmax's output is the per-head
   probabilities the importance methods accumulate;
-* :class:`OvkcPrefill`: a step's query rows over every slot at or before their position (a
-  prompt's chunk; a decode step as one row), each slot's position given (heads that evicted have
-  gaps).
+* :class:`OvkcPrefill`: a step's query rows over the slots each sees (a prompt's chunk row by
+  row; a decode token all its sequence holds), several sequences side by side (``tokens``: each
+  token's sequence and index in it; the cache's tensors a row per sequence and KV head).
 
 Here are the layers and one-layer models of them (:func:`decode_step_model`,
 :func:`prefill_step_model`), verified on Intel's OpenCL CPU runtime under
 :mod:`~ov_kvcrush.gpu.emulation`; ``transformations/plugin_attention.py`` puts the store and
-prompt layers in a whole model (:mod:`~ov_kvcrush.engines.gpu_plugin_model` runs it, full cache). The
-openvino engine does not drive it yet (docs/intel_gpu.md).
+prompt layers in a whole model, which :mod:`~ov_kvcrush.engines.gpu_plugin_model` runs (the
+openvino engine's ``device="GPU"``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,11 @@ class LayerKernel:
 
 KERNELS = {
     "OvkcStore": LayerKernel(
-        "ovkc_store", "OVKC_LAYER_STORE", ("pool", "tables", "first", "k", "v", "step"), "{sg},F,B", "{sg},1,1"
+        "ovkc_store",
+        "OVKC_LAYER_STORE",
+        ("pool", "tables", "first", "tokens", "k", "v", "step"),
+        "{sg},F,B",
+        "{sg},1,1",
     ),
     "OvkcLogits": LayerKernel(
         "ovkc_logits", "OVKC_LAYER_LOGITS", ("pool", "tables", "lengths", "q", "step", "stored"), "F,B", "{sg},1"
@@ -84,18 +88,24 @@ KERNELS = {
     "OvkcPrefill": LayerKernel(
         "ovkc_prefill",
         "OVKC_LAYER_PREFILL",
-        ("pool", "tables", "lengths", "positions", "q", "step", "stored"),
+        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored"),
         "((F+{sg}-1)/{sg})*{sg},B",
         "{sg},1",
     ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
-STEP_FIELDS = ("table_width", "positions_width", "first_position", "rows")
+STEP_FIELDS = ("table_width", "rows")
 
 
-def step_tensor(table_width: int, positions_width: int = 0, first_position: int = 0, rows: int = 1) -> np.ndarray:
-    """The ``step`` input (:data:`STEP_FIELDS`)."""
-    return np.array([table_width, positions_width, first_position, rows], np.int32)
+def step_tensor(table_width: int, rows: int = 1) -> np.ndarray:
+    """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens."""
+    return np.array([table_width, rows], np.int32)
+
+
+def token_tensor(counts: list[int]) -> np.ndarray:
+    """The ``tokens`` input [T, 2] of a step feeding ``counts[s]`` tokens to its sequence ``s``:
+    each token's sequence and its index among that sequence's tokens."""
+    return np.array([(s, i) for s, n in enumerate(counts) for i in range(n)], np.int32).reshape(-1, 2)
 
 
 @dataclass(frozen=True)
@@ -247,7 +257,7 @@ def write_config(folder: Path, attributes: LayerAttributes) -> Path:
     return write_atomic(folder / "ovkc_plugin_layers.xml", lambda p: p.write_text(config_xml(attributes, source.name)))
 
 
-def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[int], positions: bool) -> dict:
+def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[int]) -> dict:
     from openvino import opset13 as ops
 
     d = attributes.shape.head_dim
@@ -256,10 +266,10 @@ def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[i
         "k": ([kv_heads, -1, d], np.float32),
         "v": ([kv_heads, -1, d], np.float32),
         "pool": ([-1], np.uint8),
-        "tables": ([kv_heads, -1], np.int32),
-        "first": ([kv_heads], np.int32),
-        "lengths": ([kv_heads], np.int32),
-        **({"positions": ([kv_heads, -1], np.int32)} if positions else {}),
+        "tables": ([-1, -1], np.int32),
+        "first": ([-1], np.int32),
+        "lengths": ([-1], np.int32),
+        "tokens": ([-1, 2], np.int32),
         "step": ([len(STEP_FIELDS)], np.int32),
     }
     return {name: ops.parameter(shape, dtype, name=name) for name, (shape, dtype) in shapes.items()}
@@ -278,27 +288,28 @@ def _chain(attributes: LayerAttributes, params: dict, layers: tuple[str, ...]) -
 
 
 def decode_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
-    """One layer's decode step as a model of the store and decode attention's three passes.
-    Inputs: ``q`` [q_heads, D] (the query heads a dynamic dimension: the plugin gives a static
-    custom layer a 4-D output its Result refuses), ``k`` and ``v`` [kv_heads, tokens, D] (the
-    step's), ``pool`` (uint8 bytes, written in place), ``tables`` [kv_heads, width] (block ids),
-    ``first`` [kv_heads] (each head's first new slot), ``lengths`` [kv_heads] (its slots after
-    the step), ``step`` (:func:`step_tensor`). Outputs: the attention [q_heads, D] and the
-    probabilities [q_heads, width * block_size]."""
+    """One layer's decode step of one sequence as a model of the store and decode attention's
+    three passes. Inputs: ``q`` [q_heads, D] (the query heads a dynamic dimension: the plugin
+    gives a static custom layer a 4-D output its Result refuses), ``k`` and ``v`` [kv_heads, 1, D]
+    (the step's), ``pool`` (uint8 bytes, written in place), ``tables`` [kv_heads, width] (block
+    ids), ``first`` [kv_heads] (each head's first new slot), ``lengths`` [kv_heads] (its slots
+    after the step), ``tokens`` (:func:`token_tensor`: ``[[0, 0]]``), ``step``
+    (:func:`step_tensor`). Outputs: the attention [q_heads, D] and the probabilities [q_heads,
+    width * block_size]."""
     import openvino as ov
 
-    params = _step_parameters(attributes, kv_heads, [-1, attributes.shape.head_dim], positions=False)
+    params = _step_parameters(attributes, kv_heads, [-1, attributes.shape.head_dim])
     values = _chain(attributes, params, ("OvkcStore", "OvkcLogits", "OvkcSoftmax", "OvkcValues"))
     return ov.Model([values["out"], values["probs"]], list(params.values()), "ovkc_decode_step")
 
 
 def prefill_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
-    """One layer's prompt step (or decode step as one row) as a model of the store and the
-    prefill layer: inputs as :func:`decode_step_model`'s, with ``q`` [q_heads, rows, D] and
-    ``positions`` [kv_heads, width'] (each slot's position); output the attention [q_heads,
-    rows, D]."""
+    """One layer's step of several sequences (a prompt's chunk beside decode tokens, each
+    sequence's tokens adjacent) as a model of the store and the prompt layer: inputs as
+    :func:`decode_step_model`'s, with ``q`` [q_heads, T, D], ``k``, ``v`` [kv_heads, T, D] and
+    the cache's tensors a row per (sequence, KV head); output the attention [q_heads, T, D]."""
     import openvino as ov
 
-    params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim], positions=True)
+    params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
     values = _chain(attributes, params, ("OvkcStore", "OvkcPrefill"))
     return ov.Model([values["out"]], list(params.values()), "ovkc_prefill_step")

@@ -18,6 +18,7 @@ Three pitfalls of that wheel, each handled by :func:`prepare`:
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import multiprocessing
 import os
 import sys
@@ -106,8 +107,28 @@ def opencl() -> Any:
     return pyopencl
 
 
-def find_device(allow_cpu: bool = True) -> Any:
-    """The first Intel GPU, else (``allow_cpu``) Intel's OpenCL CPU device with sub-groups."""
+#: ``CL_DEVICE_UUID_KHR`` (cl_khr_device_uuid): what OpenVINO's GPU plugin reports as ``DEVICE_UUID``
+DEVICE_UUID_KHR = 0x106A
+
+
+def device_uuid(device: Any) -> bytes | None:
+    """The OpenCL device's UUID (cl_khr_device_uuid), or ``None`` where it reports none. Read
+    through the system's ICD loader (pyopencl's ``get_info`` does not know the query; a device
+    handle dispatches through any loader)."""
+    if "cl_khr_device_uuid" not in device.extensions:
+        return None
+    name = ctypes.util.find_library("OpenCL")
+    if name is None:
+        return None
+    value = (ctypes.c_ubyte * 16)()
+    get_info = ctypes.CDLL(name).clGetDeviceInfo
+    err = get_info(ctypes.c_void_p(device.int_ptr), ctypes.c_uint(DEVICE_UUID_KHR), ctypes.c_size_t(16), value, None)
+    return bytes(value) if err == 0 else None
+
+
+def find_device(allow_cpu: bool = True, uuid: bytes | None = None) -> Any:
+    """The first Intel GPU, else (``allow_cpu``) Intel's OpenCL CPU device with sub-groups; with
+    ``uuid``, the device of that UUID (the one OpenVINO's GPU plugin names ``GPU.N``)."""
     prepare()
     cl = opencl()
     try:
@@ -120,6 +141,11 @@ def find_device(allow_cpu: bool = True) -> Any:
             if "cl_intel_subgroups" not in device.extensions:
                 continue
             (gpus if device.type & cl.device_type.GPU else cpus).append(device)
+    if uuid is not None:
+        for device in gpus + (cpus if allow_cpu else []):
+            if device_uuid(device) == uuid:
+                return device
+        raise GPUPathError(f"no OpenCL device with cl_intel_subgroups has the UUID {uuid.hex()}")
     if gpus:
         return gpus[0]
     if allow_cpu and cpus:

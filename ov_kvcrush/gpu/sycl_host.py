@@ -291,11 +291,11 @@ class SyclDevice(KernelDevice):
 
     def copy_rect(
         self, src: UsmBuffer, src_stride: int, dst: UsmBuffer, dst_stride: int, at: int, rows: int, n: int,
-        first_row: int = 0,
+        first_row: int = 0, src_at: int = 0,
     ) -> None:  # fmt: skip
         if n and rows:
             self.host.check(self.host.lib.ovkc_sycl_copy_rect(
-                self.host.handle, dst.ptr + 4 * at, 4 * dst_stride, src.ptr + 4 * src_stride * first_row,
+                self.host.handle, dst.ptr + 4 * at, 4 * dst_stride, src.ptr + 4 * (src_stride * first_row + src_at),
                 4 * src_stride, 4 * n, rows))  # fmt: skip
 
     def copy_bytes(self, src: UsmBuffer, dst: UsmBuffer, nbytes: int, dst_offset: int) -> None:

@@ -26,7 +26,9 @@ class ServerConfig:
         method, budget, sink_tokens, recent_tokens, options: the server's compression
             (``options``: ``KEY=VALUE`` method options); the method defaults as ``chat``'s.
         kv_pool_mib: the KV pool's size (``None``: unbounded).
-        kv_precision: ``u8`` (the op's default), ``f16`` or ``f32``.
+        kv_precision: ``u8`` (the op's default on CPU), ``f16`` (on GPU) or ``f32``.
+        device: ``CPU`` (our op), or ``GPU`` / ``GPU.N``: an Intel GPU through OpenVINO's GPU
+            plugin with our layers (docs/intel_gpu.md).
         max_num_seqs, max_num_batched_tokens: the continuous-batching loop's step.
         max_queue: requests held at once (more get 429).
         max_methods: pipelines at once, one per method a request's ``kv_compression`` names.
@@ -43,6 +45,7 @@ class ServerConfig:
     options: tuple[str, ...] = ()
     kv_pool_mib: float | None = None
     kv_precision: str | None = None
+    device: str = "CPU"
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_queue: int = 64

@@ -31,9 +31,10 @@ def make_pipeline(config: ServerConfig, compression: CompressionConfig) -> Conti
     sc.max_num_batched_tokens = config.max_num_batched_tokens
     sc.dynamic_split_fuse = True
     options: dict[str, Any] = {} if config.kv_precision is None else {"kv_precision": config.kv_precision}
-    if config.threads is not None:
+    if config.threads is not None and config.device.upper() == "CPU":  # the CPU plugin's threads
         options["properties"] = {"INFERENCE_NUM_THREADS": config.threads}
-    engine = make_engine("openvino", resolve_model("openvino", config.model), compression, **options)
+    model = resolve_model("openvino", config.model)
+    engine = make_engine("openvino", model, compression, device=config.device, **options)
     if config.kv_pool_mib is not None:
         one = block_bytes(engine.block_size, engine.shape.head_dim, engine.kv_precision)
         engine.max_kv_blocks = pool_blocks(int(config.kv_pool_mib * 2**20), one)

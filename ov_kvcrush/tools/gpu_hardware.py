@@ -21,8 +21,8 @@ GenAI on the same GPU.
 
 The rows of step 2 run the model's layers in torch on the host and copy each step's tensors:
 they say whether every method's kernels run and agree on real hardware. The "plugin" rows are
-what ``device="GPU"`` runs; their times on a GPU are what a user would see, f32 inference
-precision and one sequence a step as built (docs/intel_gpu.md). Nothing here has been run on an
+what ``device="GPU"`` runs; their times on a GPU are what a user would see of one sequence
+at f32 inference precision (the plugin's default is f16; docs/intel_gpu.md). Nothing here has been run on an
 Intel GPU by this project.
 """
 

@@ -14,8 +14,8 @@
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void store_tokens(__global uchar* pool, __global const int* tables, int table_stride,
                            __global const int* first, __global const float* k, __global const float* v) {
-    const int kv = get_global_id(2);
-    store_token(get_global_id(1), kv, get_global_size(1), pool, tables, table_stride, first[kv], k, v);
+    const int t = get_global_id(1), kv = get_global_id(2);
+    store_token(t, kv, get_global_size(1), pool, tables + kv * table_stride, first[kv] + t, k, v);
 }
 
 // Slot i of KV head kv's new blocks (new_tables) = its slot src[kv][i] in its old blocks

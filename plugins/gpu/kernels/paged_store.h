@@ -25,12 +25,12 @@ inline uchar u8_code(float x, float2 p) {
     return (uchar)clamp(rint((x - p.x) * inv), 0.0f, 255.0f);
 }
 
-// Token t of KV head kv (of `tokens`) of store_tokens, one sub-group; `first_kv`: first[kv].
-inline void store_token(int t, int kv, int tokens, __global uchar* pool, __global const int* tables, int table_stride,
-                        int first_kv, __global const ACT* k, __global const ACT* v) {
+// Token t of KV head kv (of `tokens`: k, v [kv_heads, tokens, HEAD_DIM]) into `slot` of the head's
+// block table `table`, one sub-group.
+inline void store_token(int t, int kv, int tokens, __global uchar* pool, __global const int* table, int slot,
+                        __global const ACT* k, __global const ACT* v) {
     const int lane = get_sub_group_local_id();
-    const int slot = first_kv + t;
-    __global uchar* block = pool + (ulong)tables[kv * table_stride + slot / BLOCK_SIZE] * BLOCK_BYTES;
+    __global uchar* block = pool + (ulong)table[slot / BLOCK_SIZE] * BLOCK_BYTES;
     const int j = slot % BLOCK_SIZE;
     __global const ACT* kx = k + ((long)kv * tokens + t) * HEAD_DIM;
     __global const ACT* vx = v + ((long)kv * tokens + t) * HEAD_DIM;

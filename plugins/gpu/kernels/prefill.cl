@@ -25,8 +25,9 @@ __kernel void paged_prefill(__global const uchar* pool, __global const int* tabl
                             __global const int* lengths, __global const int* positions, int pos_stride,
                             __global const float* q, int rows, int qpos0, float scale, __global float* out,
                             __global float* lse) {
-    prefill_row(get_global_id(0), get_global_id(1), pool, tables, table_stride, lengths, positions, pos_stride, q,
-                rows, qpos0, scale, out, lse);
+    const int r = get_global_id(0), h = get_global_id(1), kv = h / GROUP, n = lengths[kv];
+    __global const int* pos = pos_stride > 0 ? positions + kv * pos_stride : 0;  // none: a decode row sees all
+    prefill_row(r, h, pool, tables + kv * table_stride, n, n, pos, n, qpos0 + r, q, rows, scale, out, lse);
 }
 
 // scores[h][j] += the probability of slot j summed over rows [rows - window, rows) (each row's

@@ -7,32 +7,32 @@
 #include "paged_block.h"
 
 #define CHUNK 8
-// Row r of query head h of paged_prefill; `lse` may be null (the plugin's layer: no window scores).
-// pos_stride 0: every slot is at or before the row (a decode step's row: no positions are sent).
-inline void prefill_row(int r, int h, __global const uchar* pool, __global const int* tables, int table_stride,
-                        __global const int* lengths, __global const int* positions, int pos_stride,
-                        __global const ACT* q, int rows, int qpos0, float scale, __global ACT* out,
-                        __global float* lse) {
-    const int kv = h / GROUP;
+// Row r (of `rows`) of query head h: its attention over the slots of its KV head's block table
+// `table` (n slots held) that it sees: those whose position (`positions`, the head's row) is at
+// most `qpos`, or, without positions, the first `visible` (the slots are in position order: every
+// slot before the step's, then the step's own). `n_max`: the largest n over the sub-group's lanes
+// (the loop's bound: the sub-group's collectives need every lane in it). `lse` may be null (the
+// plugin's layer: no window scores).
+inline void prefill_row(int r, int h, __global const uchar* pool, __global const int* table, int n, int n_max,
+                        __global const int* positions, int visible, int qpos, __global const ACT* q, int rows,
+                        float scale, __global ACT* out, __global float* lse) {
     const bool live = r < rows;
-    const int qpos = qpos0 + r;
     float qr[HEAD_DIM], acc[HEAD_DIM];
     for (int d = 0; d < HEAD_DIM; ++d) {
         qr[d] = live ? ACT_LOAD(q, ((long)h * rows + r) * HEAD_DIM + d) * scale : 0.0f;
         acc[d] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    const int n = lengths[kv];
-    for (int j0 = 0; j0 < n; j0 += CHUNK) {
+    for (int j0 = 0; j0 < n_max; j0 += CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
         bool masked[CHUNK];
         bool all_masked = true;
         for (int c = 0; c < CHUNK; ++c) {
-            const int j = min(j0 + c, n - 1);
-            block[c] = pool + (ulong)tables[kv * table_stride + j / BLOCK_SIZE] * BLOCK_BYTES;
+            const int j = clamp(j0 + c, 0, max(n - 1, 0));
+            block[c] = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
             slot[c] = j % BLOCK_SIZE;
-            masked[c] = !live || j0 + c >= n || (pos_stride > 0 && positions[kv * pos_stride + j] > qpos);
+            masked[c] = !live || j0 + c >= n || (positions ? positions[j] > qpos : j0 + c >= visible);
             all_masked = all_masked && masked[c];
         }
         if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half
