@@ -42,15 +42,14 @@ def plugin_gpu(core: Any, name: str = "GPU") -> str:
     none (under the emulation layer: the layer's own reason), or naming those it lists."""
     if os.environ.get("OPENCL_LAYERS"):
         emulation.plugin_device(core)  # the layer's own reason where the plugin lists no GPU
-    listed = [d for d in core.available_devices if d.split(".")[0] == "GPU"]
-    if listed:  # the plugin answers to GPU.N for each of its device ids, one GPU or several
-        listed = [f"GPU.{i}" for i in core.get_property("GPU", "AVAILABLE_DEVICES")]
-    if not listed:
+    if not any(d.split(".")[0] == "GPU" for d in core.available_devices):
         raise runtime.GPUPathError(
             f"device {name} needs an Intel GPU that OpenVINO's GPU plugin lists (it lists: "
             f"{', '.join(core.available_devices)}): an Intel GPU with its OpenCL driver (intel-opencl-icd); "
             "without one, use device CPU"
         )
+    # the plugin answers to GPU.N for each of its device ids, one GPU or several
+    listed = [f"GPU.{i}" for i in core.get_property("GPU", "AVAILABLE_DEVICES")]
     if name != "GPU" and name not in listed:
         raise ConfigError("device", name, f"one of {', '.join(['GPU', *listed])} (the GPUs OpenVINO's plugin lists)")
     return name
@@ -135,9 +134,9 @@ class PluginModel:
         )
         self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
         self.rows_outputs = [ROWS_OUTPUT.format(i) for i in range(s.layers)]
-        self._rows: list[Any] = []  # each layer's buffer of query rows, reused while large enough
-        self._rows_bytes = 0
-        self._scratch: dict[int, tuple[int, list[Any]]] = {}  # per place in a step: bytes, a buffer per layer
+        #: a buffer per layer, reused while large enough: "rows" (the step's returned query
+        #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
+        self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
         self.compiled: Any = None
         self.input_names: set[str] = set()
         self.compile_seconds = 0.0
@@ -180,34 +179,29 @@ class PluginModel:
         request.set_tensor("kvc_pool", buffer_tensor(self.context, pool_buffer, ov.Type.u8, [nbytes]))
         return request
 
-    def _rows_buffers(self, nbytes: int) -> list[Any]:
-        """Each layer's buffer for a step's returned query rows (``nbytes`` each): the previous
-        step's are read by its methods' kernels before this step's model writes them (one
-        in-order queue)."""
-        if nbytes > self._rows_bytes:
-            self._rows_bytes = max(nbytes, 2 * self._rows_bytes)
-            self._rows = [self.dev.empty(self._rows_bytes) for _ in self.rows_outputs]
-        return self._rows
+    def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
+        """A buffer per layer of at least ``nbytes`` for ``key``, grown by doubling: the previous
+        step's are read by its methods' kernels before this step writes them (one in-order
+        queue)."""
+        size, buffers = self._layer_buffers.get(key, (0, []))
+        if nbytes > size:
+            size = max(nbytes, 2 * size)
+            buffers = [self.dev.empty(size) for _ in self.rows_outputs]
+            self._layer_buffers[key] = (size, buffers)
+        return buffers
 
     def _sequence_rows(self, step: PluginStep, s: int, buffers: list[Any]) -> list[Any]:
         """Sequence ``s``'s score rows ``[Hq, n, D]`` in each layer: the step's buffers
-        themselves when they hold its rows alone, else a copy of its rows on the device (into
-        buffers kept per place in the step, reused as :meth:`_rows_buffers` are)."""
+        themselves when they hold its rows alone, else a copy of its rows on the device."""
         n, first = step.score_rows[s], step.first_rows[s]
         if n == step.returned_rows:
             return buffers
         hq, d = self.shape.q_heads, self.shape.head_dim
-        nbytes = 4 * hq * n * d
-        kept = self._scratch.setdefault(s, (0, []))
-        if nbytes > kept[0]:
-            kept = self._scratch[s] = (
-                max(nbytes, 2 * kept[0]),
-                [self.dev.empty(max(nbytes, 2 * kept[0])) for _ in buffers],
-            )
+        own = self._buffers(s, 4 * hq * n * d)
         total = step.returned_rows * d
-        for src, dst in zip(buffers, kept[1], strict=True):
+        for src, dst in zip(buffers, own, strict=True):
             self.dev.copy_rect(src, total, dst, n * d, 0, hq, n * d, src_at=first * d)
-        return kept[1]
+        return own
 
     def run_step(self, request: Any, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
         """Feed ``ids[s]`` after sequence ``s``'s tokens, every sequence in one inference (the
@@ -223,7 +217,7 @@ class PluginModel:
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         s, rows = self.shape, step.returned_rows
-        buffers = self._rows_buffers(4 * s.q_heads * rows * s.head_dim)
+        buffers = self._buffers("rows", 4 * s.q_heads * rows * s.head_dim)
         for name, buffer in zip(self.rows_outputs, buffers, strict=True):
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.f32, [s.q_heads, rows, s.head_dim]))
         request.start_async()  # infer() would read every output back, our buffers too
@@ -235,7 +229,7 @@ class PluginModel:
         self.dev.synced()
         logits = np.array(request.get_output_tensor(0).data[0], np.float32)
         device_pool = sequences[0].pool.device_pool
-        crossed = device_pool.crossings["prompt" if "prompt" in step.phases else "decode"].to_host
+        crossed = device_pool.crossings[step.phase].to_host
         crossed["logits"] = crossed.get("logits", 0) + logits.nbytes
         return logits
 

@@ -198,6 +198,12 @@ class PluginStep:
     def returned_rows(self) -> int:
         return len(self.inputs["kvc_score_rows"])
 
+    @property
+    def phase(self) -> str:
+        """Where the step's crossings count: a prompt's step where any sequence is in its prompt,
+        else a decode step."""
+        return "prompt" if "prompt" in self.phases else "decode"
+
 
 def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginStep:
     """Reserve ``counts[s]`` slots for sequence ``s`` in every layer and lay out the model's cache
@@ -233,20 +239,20 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
         "kvc_step": plugin_layers.step_tensor(width, sum(counts)),
         "kvc_score_rows": np.array(index or [0], np.int64),  # at least one row (none read)
     }
-    _count_step(pool, inputs, sequences, phases)
-    return PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows)
+    step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows)
+    _count_step(pool, step)
+    return step
 
 
-def _count_step(pool: PluginKVPool, inputs: dict[str, np.ndarray], sequences: list, phases: list[str]) -> None:
-    """The step's cache inputs as bytes crossing (a prompt's step where any sequence is in its
-    prompt, else a decode step), and the KV bytes the decoding sequences' attention reads."""
+def _count_step(pool: PluginKVPool, step: PluginStep) -> None:
+    """The step's cache inputs as bytes crossing in its phase, and in a decode step the KV bytes
+    the sequences' attention reads."""
     device_pool = pool.device_pool
-    phase = "prompt" if "prompt" in phases else "decode"
-    device_pool.phase = phase
-    crossed = device_pool.crossings[phase].to_device
-    crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in inputs.values())
-    if phase == "decode":
+    device_pool.phase = step.phase
+    crossed = device_pool.crossings[step.phase].to_device
+    crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in step.inputs.values())
+    if step.phase == "decode":
         shape, kv = device_pool.shape, pool.model.kv_heads
         pool.decode_steps += 1
-        held = sum(c.layer.held for seq in sequences for c in seq.caches)
+        held = sum(c.layer.held for seq in step.sequences for c in seq.caches)
         pool.decode_kv_read += held * kv * 2 * shape.head_dim * shape.elem_bytes
