@@ -1,6 +1,7 @@
 """The exported model in OpenVINO's GPU plugin with our layers in place of its attention: the
-GPU form of the openvino backend (``OpenVINOEngine(..., device="GPU")``), several sequences a
-step (continuous batching through the one loop).
+GPU form of the openvino backend (``OpenVINOEngine(..., device="GPU")``). A step takes several
+sequences side by side; the loop feeds it one (docs/intel_gpu.md: batched tokens under the
+emulation still varied between runs).
 
 The graph pass (:func:`~ov_kvcrush.transformations.plugin_attention.convert_model_for_plugin`)
 puts the store and prefill layers in every layer. :class:`PluginModel` compiles it on a remote
