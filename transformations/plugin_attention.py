@@ -22,6 +22,17 @@ with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_hea
   the methods' scores are computed
   (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
 
+Over MiniKV's 2-bit store (``quant``: the 2-bit blocks' shape) each layer also quantizes the
+full-precision slots a step fills a chunk with (``OvkcFlush``, after the store) and attends the
+2-bit slots before the full-precision ones (``OvkcQuantPrefill``), from the inputs
+:data:`QUANT_INPUTS` adds, a row per (sequence, KV head) as above:
+
+* ``kvc_qpool``: the 2-bit blocks' bytes, every layer's in one buffer (written in place);
+* ``kvc_qtables`` [layers, rows, width]: each row's 2-bit blocks in the store's order after the
+  step; ``kvc_qlengths`` [layers, rows]: its 2-bit slots after the step;
+* ``kvc_flush`` [layers, rows, 2]: the full-precision slots the step quantizes (first, count:
+  whole 2-bit blocks, the last of ``kvc_qtables``'s row).
+
 As the CPU pass, the logits come only at the positions ``kvc_logits_at`` names (each sequence's
 last token).
 """
@@ -31,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
 
-from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.plugin_layers import STEP_FIELDS, LayerAttributes, layer_class
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
@@ -48,6 +59,13 @@ PLUGIN_INPUTS = {
     "kvc_step": (np.int32, (len(STEP_FIELDS),)),
     "kvc_score_rows": (np.int64, (-1,)),
 }
+#: the inputs the pass adds over the 2-bit store, as :data:`PLUGIN_INPUTS`
+QUANT_INPUTS = {
+    "kvc_qpool": (np.uint8, (-1,)),
+    "kvc_qtables": (np.int32, ("layers", -1, -1)),
+    "kvc_qlengths": (np.int32, ("layers", -1)),
+    "kvc_flush": (np.int32, ("layers", -1, 2)),
+}
 #: the name of layer ``i``'s query rows output
 ROWS_OUTPUT = "kvc_rows.{}"
 
@@ -59,19 +77,21 @@ def convert_model_for_plugin(
     block_size: int,
     sub_group: int,
     activations: str = "f32",
+    quant: QuantShape | None = None,
     last_token_logits: bool = True,
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
     GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
     kernels at ``sub_group`` lanes, its layers' queries, keys, values and output in
-    ``activations`` (the plugin's inference precision: f32 or f16). Raises
-    :class:`ConversionError` as the CPU pass does."""
+    ``activations`` (the plugin's inference precision: f32 or f16), over the 2-bit store of
+    ``quant``'s blocks where given. Raises :class:`ConversionError` as the CPU pass does."""
     import openvino.opset13 as ops
 
     plans, shape = layer_plans(model)
     dims = {"layers": shape.layers}
     params = {}
-    for name, (kind, dim_names) in PLUGIN_INPUTS.items():
+    inputs = PLUGIN_INPUTS | (QUANT_INPUTS if quant is not None else {})
+    for name, (kind, dim_names) in inputs.items():
         params[name] = ops.parameter([dims.get(d, d) for d in dim_names], kind, name=name)
         params[name].output(0).get_tensor().set_names({name})
     pool, step, tokens = (params[f"kvc_{name}"].output(0) for name in ("pool", "step", "tokens"))
@@ -79,17 +99,23 @@ def convert_model_for_plugin(
     rows = []
     for plan in plans:
         pool_shape = PoolShape(kv_precision, block_size, shape.head_dim, group)
-        attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations)
+        attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations, quant)
         attrs, act = attributes.as_dict(), attributes.element_type()
+        per_layer = ("tables", "first", "lengths") + (("qtables", "qlengths", "flush") if quant else ())
         row = {
             name: ops.gather(params[f"kvc_{name}"], np.array(plan.layer, np.int64), np.array(0, np.int64)).output(0)
-            for name in ("tables", "first", "lengths")
+            for name in per_layer
         }
         q, k, v = (_squeezed(x, act) for x in plan.inputs())  # [heads, tokens, head_dim]
         stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], tokens, k, v, step], attrs).output(0)
-        out = layer_class("OvkcPrefill")(
-            [pool, row["tables"], row["lengths"], row["first"], tokens, q, step, stored], attrs
-        ).output(0)
+        attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, step]
+        if quant is None:
+            out = layer_class("OvkcPrefill")([*attend, stored], attrs).output(0)
+        else:
+            qpool = params["kvc_qpool"].output(0)
+            two_bit = [qpool, row["qtables"], row["qlengths"], row["flush"]]
+            flushed = layer_class("OvkcFlush")([pool, row["tables"], *two_bit, step, stored], attrs).output(0)
+            out = layer_class("OvkcQuantPrefill")([*attend, flushed, *two_bit], attrs).output(0)
         back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
         plan.replace_with(model, back.output(0))
         last = ops.gather(q, params["kvc_score_rows"], np.array(1, np.int64))

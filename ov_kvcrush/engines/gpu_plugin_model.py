@@ -26,11 +26,12 @@ import numpy as np
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
-from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, PluginStep, plan_step
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs
+from ov_kvcrush.transformations.paged_attention import ConvertedModel
 from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_model_for_plugin
 
 # Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
@@ -120,13 +121,9 @@ class PluginModel:
         self.properties = dict(properties or {})
         #: the plugin's inference precision, which our layers' activations follow (f16 by default)
         self.activations = inference_precision(self.core, self.gpu, self.properties)
-        self.converted = convert_model_for_plugin(
-            self.core.read_model(Path(model_dir) / "openvino_model.xml"),
-            kv_precision=kv_precision,
-            block_size=block_size,
-            sub_group=self.dev.sub_group,
-            activations=self.activations,
-        )
+        self.xml = Path(model_dir) / "openvino_model.xml"
+        self.kv_precision, self.block_size = kv_precision, block_size
+        self.converted = self._convert(None)
         s = self.converted.shape
         self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales))
         self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
@@ -138,9 +135,21 @@ class PluginModel:
         #: a buffer per layer, reused while large enough: "rows" (the step's returned query
         #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
         self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
-        self.compiled: Any = None
+        #: the compiled model per store: the full-precision one, and one per 2-bit block shape
+        self.compiled_models: dict[QuantShape | None, Any] = {}
         self.input_names: set[str] = set()
         self.compile_seconds = 0.0
+
+    def _convert(self, quant: QuantShape | None) -> ConvertedModel:
+        """The exported model read and converted, over the 2-bit store of ``quant``'s blocks where given."""
+        return convert_model_for_plugin(
+            self.core.read_model(self.xml),
+            kv_precision=self.kv_precision,
+            block_size=self.block_size,
+            sub_group=self.dev.sub_group,
+            activations=self.activations,
+            quant=quant,
+        )
 
     def _shared_device(self, sub_group: int | None) -> Device:
         """Our OpenCL device for the plugin's ``gpu``: the one of its UUID; for plain ``GPU`` on a
@@ -153,15 +162,18 @@ class PluginModel:
                 raise
             return device(sub_group)
 
-    def compile(self) -> Any:
-        """Compile the converted model on the shared context (once)."""
-        if self.compiled is None:
+    def compile(self, quant: QuantShape | None = None) -> Any:
+        """The converted model compiled on the shared context (once per store: the full-precision
+        one, or the 2-bit store of ``quant``'s blocks, converted when first asked for)."""
+        if quant not in self.compiled_models:
             self.core.set_property("GPU", {"CONFIG_FILE": str(self.config_file)})  # the plugin's, every GPU.N
+            converted = self.converted if quant is None else self._convert(quant)
             t0 = time.perf_counter()
-            self.compiled = self.core.compile_model(self.converted.model, self.context, self.properties)
-            self.compile_seconds = time.perf_counter() - t0
-            self.input_names = {p.get_any_name() for p in self.compiled.inputs}
-        return self.compiled
+            self.compiled_models[quant] = self.core.compile_model(converted.model, self.context, self.properties)
+            self.compile_seconds += time.perf_counter() - t0
+            if quant is None:
+                self.input_names = {p.get_any_name() for p in self.compiled_models[None].inputs}
+        return self.compiled_models[quant]
 
     def check_method(self, method: MethodConfig) -> None:
         """A ``ConfigError`` unless this path runs ``method``."""
@@ -171,13 +183,16 @@ class PluginModel:
         """A pool of ``blocks`` blocks on our device and ``method``'s sequences over it."""
         return PluginKVPool(self.shape, self.pool_shape, blocks, method, self.dev)
 
-    def new_request(self, pool_buffer: Any) -> Any:
-        """An inference request whose ``kvc_pool`` is our ``pool_buffer``."""
+    def new_request(self, pool: PluginKVPool) -> Any:
+        """An inference request of the model for ``pool``'s store whose ``kvc_pool`` is the
+        pool's buffer (its 2-bit blocks, which grow, are bound at each step)."""
         import openvino as ov
 
-        request = self.compiled.create_infer_request()
-        nbytes = pool_buffer.get_info(self.dev.cl.mem_info.SIZE)
-        request.set_tensor("kvc_pool", buffer_tensor(self.context, pool_buffer, ov.Type.u8, [nbytes]))
+        self.compile()  # the step's input names are the full-precision model's
+        request = self.compile(pool.quant).create_infer_request()
+        buffer = pool.device_pool.buffer
+        nbytes = buffer.get_info(self.dev.cl.mem_info.SIZE)
+        request.set_tensor("kvc_pool", buffer_tensor(self.context, buffer, ov.Type.u8, [nbytes]))
         return request
 
     def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
@@ -217,6 +232,10 @@ class PluginModel:
         feeds = {name: x for name, x in model.items() if name in self.input_names} | step.inputs
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
+        blocks = sequences[0].pool.quant_blocks
+        if blocks is not None:  # bound each step: the 2-bit blocks' buffer grows
+            qpool = buffer_tensor(self.context, blocks.buffer, ov.Type.u8, [blocks.capacity * blocks.shape.block_bytes])
+            request.set_tensor("kvc_qpool", qpool)
         s, rows = self.shape, step.returned_rows
         buffers = self._buffers("rows", 4 * s.q_heads * rows * s.head_dim)
         for name, buffer in zip(self.rows_outputs, buffers, strict=True):

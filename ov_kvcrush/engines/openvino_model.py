@@ -74,11 +74,15 @@ class SequenceCache:
     def keep_prefix(self, ids: list[int]) -> int:
         """Keep the longest prefix of ``ids`` the sequence holds (leaving at least one token of
         ``ids`` to feed); returns its length. A sequence that cannot drop tokens (the 2-bit
-        store) is reset when it would have to."""
+        store) is reset when it would have to, and one that takes no step of several tokens after
+        its prompt (the 2-bit store on device GPU) when the rest is more than a token."""
         common = 0
         limit = min(len(self.ids), len(ids) - 1)
         while common < limit and self.ids[common] == ids[common]:
             common += 1
+        if common and len(ids) - common > 1 and not self.sequence.several_tokens_after_prompt:
+            self.reset()  # its next turn is fed whole, as a prompt
+            return 0
         if common < len(self.ids):
             try:
                 self.sequence.truncate(common)
@@ -315,7 +319,7 @@ class OpenVINOModel:
     def new_request(self) -> Any:
         """An inference request over the compiled model (on GPU: bound to the pool's buffer)."""
         if self.plugin is not None:
-            return self.plugin.new_request(self.pool.device_pool.buffer)
+            return self.plugin.new_request(self.pool)
         return self.compiled.create_infer_request()
 
     def run_step(self, request: Any, ids: list[list[int]], sequences: list[Any], past: list[int]) -> np.ndarray:

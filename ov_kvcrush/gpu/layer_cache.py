@@ -91,11 +91,24 @@ class DeviceFullLayerCache(LayerCache):
         """Device bytes beside the blocks (the importance methods' scores)."""
         return 0
 
+    def quant_blocks_held(self) -> int:
+        """The 2-bit store's blocks this layer holds (none beside a full-precision store)."""
+        return 0
+
+    def model_step_read(self) -> int:
+        """The KV bytes the model's attention reads in this layer for one row of the step
+        :meth:`reserve` made room for: every held slot's key and value."""
+        shape = self.layer.pool.shape
+        return self.layer.held * self.layer.kv_heads * 2 * shape.head_dim * shape.elem_bytes
+
     def release(self) -> None:
         """Give the layer's blocks back to the pool."""
         self.layer.release()
 
     # ---- a model that stores and attends itself (our layers in OpenVINO's GPU plugin)
+    #: whether a step of several tokens may follow the prompt (a chat's next turn over the kept cache)
+    several_tokens_after_prompt = True
+
     def reserve(self, t: int) -> None:
         """Room for the next step's ``t`` tokens, which the model's own store layer writes and its
         prompt layer attends (:mod:`ov_kvcrush.gpu.plugin_cache`): what :meth:`prefill` and

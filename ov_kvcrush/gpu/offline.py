@@ -42,10 +42,13 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
     "clusterkv.cl": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4}],
     # the bodies are the kernels' above (built at each store precision there): one store here, in
     # f32 and in f16 activations (ACT_HALF: the plugin's default inference precision)
+    # (the 2-bit store's layers: MiniKV's 2-bit chunks of 32 tokens, then 4-bit chunks of 64)
     "plugin_layers.cl": [
-        {"KV_PRECISION": 2, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3, "SCALE": 1, **PLUGIN_LAYER_GUARDS},
-        {"KV_PRECISION": 1, "BLOCK_SIZE": 32, "HEAD_DIM": 128, "GROUP": 4, "SCALE": 1, "ACT_HALF": 1}
-        | PLUGIN_LAYER_GUARDS,
+        {"KV_PRECISION": 2, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3, "SCALE": 1, **PLUGIN_LAYER_GUARDS}
+        | {"QUANT_TOKENS": 32, "QGROUP": 16, "KEY_BITS": 2, "VALUE_BITS": 2},
+        {"KV_PRECISION": 1, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4, "SCALE": 1, "ACT_HALF": 1}
+        | PLUGIN_LAYER_GUARDS
+        | {"QUANT_TOKENS": 64, "QGROUP": 32, "KEY_BITS": 4, "VALUE_BITS": 4},
     ],
     "quest.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)],
     "quant2.cl": [

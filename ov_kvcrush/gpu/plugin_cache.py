@@ -31,8 +31,9 @@ from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import device_layers, plugin_layers
 from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
-from ov_kvcrush.gpu.layout import PoolShape
-from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.gpu.layout import PoolShape, QuantShape
+from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
+from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
@@ -55,10 +56,14 @@ class PluginKVPool:
     plugin, and the sequences of ``method`` over them."""
 
     def __init__(self, model: ModelShape, shape: PoolShape, blocks: int, method: MethodConfig, dev: Device) -> None:
-        require(method, GPU_PLUGIN.name)  # the model's layers attend every slot a head holds in full precision
+        require(method, GPU_PLUGIN.name)
         self.model = model
         self.method = method
         self.device_pool = DevicePool(shape, blocks, dev=dev)
+        #: the 2-bit store's blocks (MiniKV's, or ``quant`` under a method), in a second buffer
+        #: the model reads and writes; None for the full-precision store
+        self.quant: QuantShape | None = store_shape(method, shape)
+        self.quant_blocks: QuantBlocks | None = self.device_pool.quant_blocks(self.quant) if self.quant else None
         self.block_bytes = shape.block_bytes
         self.peak_blocks = 0
         self.sequences: dict[int, PluginKVSequence] = {}
@@ -107,6 +112,12 @@ class PluginKVSequence:
     def seen(self) -> int:
         return self.caches[0].seen
 
+    @property
+    def several_tokens_after_prompt(self) -> bool:
+        """Whether a step of several tokens may follow the prompt (a chat's next turn over the
+        kept cache; not over the 2-bit store here: the conversation is fed again)."""
+        return all(c.several_tokens_after_prompt for c in self.caches)
+
     # ---- what the loop asks of a sequence
     def reset(self) -> None:
         """Every block back to the pool; the next step starts at position 0."""
@@ -139,7 +150,7 @@ class PluginKVSequence:
 
     def head_tokens(self) -> np.ndarray:
         """Tokens held per layer and KV head, ``[layers, kv_heads]``."""
-        return np.array([[c.layer.held] * c.layer.kv_heads for c in self.caches], np.int64)
+        return np.stack([c.tokens_held()[0].numpy() for c in self.caches]).astype(np.int64)
 
     def method_counters(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -150,10 +161,13 @@ class PluginKVSequence:
 
     def stats(self) -> SequenceStats:
         blocks = sum(len(t) for c in self.caches for t in c.layer.tables)
+        qblocks = sum(c.quant_blocks_held() for c in self.caches)
         held = int(self.head_tokens().sum())
-        bb = self.pool.block_bytes
+        bb, quant = self.pool.block_bytes, self.pool.quant
+        kv_bytes = blocks * bb + (qblocks * quant.block_bytes if quant else 0)
         ns = self.policy_ns
-        return SequenceStats(blocks, self.seen, held, blocks * bb, 0, ns["prompt"], ns["decode"], 0, 0, 0, 0, 0, 0, bb)
+        return SequenceStats(blocks, self.seen, held, kv_bytes, qblocks, ns["prompt"], ns["decode"], 0, 0, 0, 0, 0, 0,
+                             bb)  # fmt: skip
 
     # ---- a step
     def reserve(self, t: int) -> str:
@@ -236,12 +250,38 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
         "kvc_first": firsts,
         "kvc_lengths": lengths,
         "kvc_tokens": plugin_layers.token_tensor(counts),
-        "kvc_step": plugin_layers.step_tensor(width, sum(counts)),
         "kvc_score_rows": np.array(index or [0], np.int64),  # at least one row (none read)
     }
+    qwidth = 1
+    if pool.quant is not None:
+        inputs |= _quant_inputs(sequences)
+        qwidth = inputs["kvc_qtables"].shape[2]
+    inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth)
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows)
     _count_step(pool, step)
     return step
+
+
+def _quant_inputs(sequences: list[PluginKVSequence]) -> dict[str, np.ndarray]:
+    """The 2-bit store's inputs of a step (:data:`~ov_kvcrush.transformations.plugin_attention.QUANT_INPUTS`,
+    the pool aside), a row per (sequence, KV head) as :func:`plan_step`'s."""
+    per_seq = []
+    for seq in sequences:
+        caches = [c for c in seq.caches if isinstance(c, DeviceQuantEvictionLayerCache)]
+        assert len(caches) == len(seq.caches), "every layer of a 2-bit store's method keeps one"
+        per_seq.append([c.model_inputs() for c in caches])
+    layers, kv = len(per_seq[0]), sequences[0].pool.model.kv_heads
+    width = max(1, max(len(t) for layer_inputs in per_seq for tables, _, _ in layer_inputs for t in tables))
+    tables = np.zeros((layers, len(sequences) * kv, width), np.int32)
+    lengths = np.zeros((layers, len(sequences) * kv), np.int32)
+    flush = np.zeros((layers, len(sequences) * kv, 2), np.int32)
+    for s, layer_inputs in enumerate(per_seq):
+        for i, (heads, n, flushed) in enumerate(layer_inputs):
+            lengths[i, s * kv : (s + 1) * kv] = n
+            flush[i, s * kv : (s + 1) * kv] = flushed
+            for h, blocks in enumerate(heads):
+                tables[i, s * kv + h, : len(blocks)] = blocks
+    return {"kvc_qtables": tables, "kvc_qlengths": lengths, "kvc_flush": flush}
 
 
 def _count_step(pool: PluginKVPool, step: PluginStep) -> None:
@@ -252,7 +292,5 @@ def _count_step(pool: PluginKVPool, step: PluginStep) -> None:
     crossed = device_pool.crossings[step.phase].to_device
     crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in step.inputs.values())
     if step.phase == "decode":
-        shape, kv = device_pool.shape, pool.model.kv_heads
         pool.decode_steps += 1
-        held = sum(c.layer.held for seq in step.sequences for c in seq.caches)
-        pool.decode_kv_read += held * kv * 2 * shape.head_dim * shape.elem_bytes
+        pool.decode_kv_read += sum(c.model_step_read() for seq in step.sequences for c in seq.caches)

@@ -13,7 +13,11 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
   probabilities the importance methods accumulate;
 * :class:`OvkcPrefill`: a step's query rows over the slots each sees (a prompt's chunk row by
   row; a decode token all its sequence holds), several sequences side by side (``tokens``: each
-  token's sequence and index in it; the cache's tensors a row per sequence and KV head).
+  token's sequence and index in it; the cache's tensors a row per sequence and KV head);
+* over MiniKV's 2-bit store (a second pool of 2-bit blocks, :class:`~ov_kvcrush.gpu.layout.QuantShape`),
+  :class:`OvkcFlush` quantizes the full-precision slots the step fills a chunk with (the step's own
+  token among them, as the reference flushes before attending) and :class:`OvkcQuantPrefill`
+  attends each row over its 2-bit slots, then its full-precision ones, under one softmax.
 
 Here are the layers and one-layer models of them (:func:`decode_step_model`,
 :func:`prefill_step_model`), verified on Intel's OpenCL CPU runtime under
@@ -32,7 +36,7 @@ from xml.sax.saxutils import quoteattr
 import numpy as np
 
 from ov_kvcrush.gpu.device import kernel_dir
-from ov_kvcrush.gpu.layout import PRECISIONS, PoolShape
+from ov_kvcrush.gpu.layout import PRECISIONS, PoolShape, QuantShape
 from ov_kvcrush.outputs import write_atomic
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
@@ -50,6 +54,15 @@ DEFINES = (
     ("SCALE", "scale"),
     ("ACT_HALF", "act_half"),
 )
+#: what the 2-bit store's layers carry besides (:class:`~ov_kvcrush.gpu.layout.QuantShape`'s)
+QUANT_DEFINES = (
+    ("QUANT_TOKENS", "quant_tokens"),
+    ("QGROUP", "qgroup"),
+    ("KEY_BITS", "key_bits"),
+    ("VALUE_BITS", "value_bits"),
+)
+#: the quant defines' values in a config whose model has no 2-bit store (no layer uses them)
+QUANT_DEFAULTS = {"quant_tokens": 32, "qgroup": 16, "key_bits": 2, "value_bits": 2}
 #: the activation types the store and prompt layers take and return: the plugin's inference
 #: precision (``INFERENCE_PRECISION_HINT``; its default on Intel GPUs is f16)
 ACTIVATIONS = ("f32", "f16")
@@ -68,6 +81,7 @@ class LayerKernel:
     inputs: tuple[str, ...]
     global_size: str
     local_size: str
+    quant: bool = False  # a layer of the 2-bit store (QUANT_DEFINES too)
 
 
 KERNELS = {
@@ -92,14 +106,44 @@ KERNELS = {
         "((F+{sg}-1)/{sg})*{sg},B",
         "{sg},1",
     ),
+    "OvkcFlush": LayerKernel(
+        "ovkc_flush",
+        "OVKC_LAYER_FLUSH",
+        ("pool", "tables", "qpool", "qtables", "qlengths", "flush", "step", "stored"),
+        "F,B",
+        "1,1",
+        quant=True,
+    ),
+    "OvkcQuantPrefill": LayerKernel(
+        "ovkc_quant_prefill",
+        "OVKC_LAYER_QPREFILL",
+        (
+            "pool",
+            "tables",
+            "lengths",
+            "first",
+            "tokens",
+            "q",
+            "step",
+            "stored",
+            "qpool",
+            "qtables",
+            "qlengths",
+            "flush",
+        ),
+        "((F+{sg}-1)/{sg})*{sg},B",
+        "{sg},1",
+        quant=True,
+    ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
-STEP_FIELDS = ("table_width", "rows")
+STEP_FIELDS = ("table_width", "rows", "qtable_width")
 
 
-def step_tensor(table_width: int, rows: int = 1) -> np.ndarray:
-    """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens."""
-    return np.array([table_width, rows], np.int32)
+def step_tensor(table_width: int, rows: int = 1, qtable_width: int = 1) -> np.ndarray:
+    """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
+    2-bit block tables' width."""
+    return np.array([table_width, rows, qtable_width], np.int32)
 
 
 def token_tensor(counts: list[int]) -> np.ndarray:
@@ -116,6 +160,7 @@ class LayerAttributes:
     sub_group: int
     scale: float
     activations: str = "f32"  # one of ACTIVATIONS
+    quant: QuantShape | None = None  # the 2-bit store's blocks, where the model has one
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATIONS:
@@ -130,7 +175,14 @@ class LayerAttributes:
             "group": self.shape.group,
             "scale": f"{self.scale:.9g}",  # a string: the plugin prints a float attribute to 6 places
             "act_half": int(self.activations == "f16"),
-        }
+        } | self.quant_values()
+
+    def quant_values(self) -> dict[str, int]:
+        """The 2-bit store's attributes (:data:`QUANT_DEFINES`; their defaults without one)."""
+        q = self.quant
+        if q is None:
+            return dict(QUANT_DEFAULTS)
+        return {"quant_tokens": q.block_size, "qgroup": q.qgroup, "key_bits": q.key_bits, "value_bits": q.value_bits}
 
     def element_type(self) -> object:
         """The activations' ``openvino.Type``."""
@@ -192,7 +244,16 @@ def _layer_classes() -> dict[str, type]:
             dims = ov.PartialShape([q[0], q[1], self._attributes["head_dim"]])
             self.set_output_type(0, ov.Type.f16 if self._attributes.get("act_half") else ov.Type.f32, dims)
 
-    return {cls.__name__: cls for cls in (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcPrefill)}
+    class OvkcQuantPrefill(OvkcPrefill):
+        pass
+
+    class OvkcFlush(PluginLayer):
+        def validate_and_infer_types(self) -> None:
+            rows = self.input_shape("flush")[0]  # [rows, 2]
+            self.set_output_type(0, ov.Type.i32, ov.PartialShape([rows, self._attributes["quant_tokens"]]))
+
+    classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcPrefill, OvkcFlush, OvkcQuantPrefill)
+    return {cls.__name__: cls for cls in classes}
 
 
 def layer_class(name: str) -> type:
@@ -231,7 +292,7 @@ def config_xml(attributes: LayerAttributes, source_name: str) -> str:
         defines = "\n".join(
             f'    <Define name="{define}" param="{attr}" type="{"float" if attr == "scale" else "int"}" '
             f"default={quoteattr(str(values[attr]))}/>"
-            for define, attr in DEFINES
+            for define, attr in DEFINES + (QUANT_DEFINES if kernel.quant else ())
         )
         defines += f'\n    <Define name="{kernel.guard}" param="{kernel.guard.lower()}" type="int" default="1"/>'
         count = len(kernel.inputs)
@@ -272,13 +333,20 @@ def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[i
         "tokens": ([-1, 2], np.int32),
         "step": ([len(STEP_FIELDS)], np.int32),
     }
+    if attributes.quant is not None:
+        shapes |= {
+            "qpool": ([-1], np.uint8),
+            "qtables": ([-1, -1], np.int32),
+            "qlengths": ([-1], np.int32),
+            "flush": ([-1, 2], np.int32),
+        }
     return {name: ops.parameter(shape, dtype, name=name) for name, (shape, dtype) in shapes.items()}
 
 
 def _chain(attributes: LayerAttributes, params: dict, layers: tuple[str, ...]) -> dict:
     """Each layer of ``layers`` in turn, its inputs by name from the parameters and the outputs
     before it (a layer's output is named as the next layers' input: stored, logits, probs)."""
-    names = {"OvkcStore": "stored", "OvkcLogits": "logits", "OvkcSoftmax": "probs"}
+    names = {"OvkcStore": "stored", "OvkcFlush": "stored", "OvkcLogits": "logits", "OvkcSoftmax": "probs"}
     values = {name: p.output(0) for name, p in params.items()}
     attrs = attributes.as_dict()
     for name in layers:
@@ -313,3 +381,18 @@ def prefill_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
     params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
     values = _chain(attributes, params, ("OvkcStore", "OvkcPrefill"))
     return ov.Model([values["out"]], list(params.values()), "ovkc_prefill_step")
+
+
+def quant_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
+    """:func:`prefill_step_model` over the 2-bit store (``attributes.quant``): the store, the
+    flush and the prompt layer over both pools; inputs as :func:`prefill_step_model`'s and
+    ``qpool`` (the 2-bit blocks' bytes, written in place), ``qtables`` [rows, width] (each row's
+    2-bit blocks after the step), ``qlengths`` [rows] (its 2-bit slots after the step), ``flush``
+    [rows, 2] (the full-precision slots the step quantizes: first, count)."""
+    import openvino as ov
+
+    if attributes.quant is None:
+        raise ValueError("quant_step_model needs attributes.quant (the 2-bit blocks' shape)")
+    params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
+    values = _chain(attributes, params, ("OvkcStore", "OvkcFlush", "OvkcQuantPrefill"))
+    return ov.Model([values["out"]], list(params.values()), "ovkc_quant_step")

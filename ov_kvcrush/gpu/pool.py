@@ -24,7 +24,7 @@ import numpy as np
 from ov_kvcrush.gpu import HOSTS
 from ov_kvcrush.gpu.attention import DecodeBuffers, QuantHeads, decode_buffers, launch_decode, launch_quant_logits
 from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
-from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
 from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
@@ -79,6 +79,13 @@ class DevicePool:
         #: what crossed while prompts were attended, and while tokens were decoded
         self.crossings = {"prompt": Crossings(), "decode": Crossings()}
         self.phase = "prompt"  # set by the layer caches
+        self._quant: dict[QuantShape, QuantBlocks] = {}
+
+    def quant_blocks(self, shape: QuantShape) -> QuantBlocks:
+        """The 2-bit blocks of ``shape`` that this pool's layer caches share (made when first asked)."""
+        if shape not in self._quant:
+            self._quant[shape] = QuantBlocks(self.dev, shape)
+        return self._quant[shape]
 
     @property
     def blocks_in_use(self) -> int:
@@ -107,6 +114,42 @@ class DevicePool:
         c = self.crossings[self.phase]
         c.to_host[what] = c.to_host.get(what, 0) + out.nbytes
         return out
+
+
+class QuantBlocks:
+    """The 2-bit store's blocks of ``shape`` (MiniKV's chunks) in one device buffer, shared by a
+    pool's layer caches: the GPU plugin's model reads every layer's from one input. It grows by
+    doubling, the held blocks copied over on the device (a frozen selection keeps every generated
+    token, so its chunks keep coming)."""
+
+    FIRST = 16  # blocks in the first buffer
+
+    def __init__(self, dev: KernelDevice, shape: QuantShape) -> None:
+        self.dev = dev
+        self.shape = shape
+        self.capacity = self.FIRST
+        self.buffer = dev.zeros(self.capacity * shape.block_bytes)
+        self._free = list(range(self.capacity - 1, -1, -1))
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free blocks' ids (the buffer grown first where too few are free)."""
+        while n > len(self._free):
+            self._grow()
+        return [self._free.pop() for _ in range(n)]
+
+    def give(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+    def _grow(self) -> None:
+        bb, old = self.shape.block_bytes, self.capacity
+        grown = self.dev.zeros(2 * old * bb)
+        self.dev.copy_bytes(self.buffer, grown, old * bb, 0)
+        self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
+        self.buffer, self.capacity = grown, 2 * old
 
 
 class PagedLayer:

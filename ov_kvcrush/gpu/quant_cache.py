@@ -19,6 +19,8 @@ budgets, a layer's own).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -26,12 +28,22 @@ from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.attention import QuantHeads
 from ov_kvcrush.gpu.kvcrush import launch_block_sums
 from ov_kvcrush.gpu.layer_cache import DeviceKVCrushLayerCache, DeviceSnapKVLayerCache, host_array
-from ov_kvcrush.gpu.layout import QuantShape
+from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant import launch_quantize
+from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.importance import H2OConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.selection import keep_chunk_indices
+
+
+def store_shape(config: MethodConfig, shape: PoolShape) -> QuantShape | None:
+    """The 2-bit blocks of ``config``'s store over a pool of ``shape`` (a chunk of
+    ``residual_tokens`` per block and KV head); None for a full-precision store."""
+    st = config.store_settings()
+    if st is None:
+        return None
+    return QuantShape(st.residual_tokens, shape.head_dim, st.group_size, st.kbits, st.vbits, shape.group)
 
 
 class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
@@ -45,14 +57,15 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         assert st is not None
         self.settings = st
         self.r = st.residual_tokens
-        self.qshape = QuantShape(self.r, pool.shape.head_dim, st.group_size, st.kbits, st.vbits, q_heads // kv_heads)
-        # an evicting head quantizes at most its budget and a chunk; a frozen one grows (_more_blocks)
-        self.qcapacity = kv_heads * (budget // self.r + 3)
-        self.qpool = pool.dev.zeros(self.qcapacity * self.qshape.block_bytes)
-        self._qfree = list(range(self.qcapacity - 1, -1, -1))
+        self.qshape = store_shape(config, pool.shape)
+        assert self.qshape is not None
+        self.blocks = pool.quant_blocks(self.qshape)  # the pool's 2-bit blocks, shared by its layers
         self.chunks: list[list[int]] = [[] for _ in range(kv_heads)]
         self.qpos = np.zeros((kv_heads, 0), np.int32)  # positions of the quantized tokens
         self.pinned = 0
+        #: the flush the model's step makes (a model that stores and attends itself): the first
+        #: full-precision slot, the slots, and each KV head's new blocks; None when it makes none
+        self.flushing: tuple[int, int, list[list[int]]] | None = None
 
     @property
     def nq(self) -> int:
@@ -61,6 +74,12 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
     # ---- the protocol
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         out = super().prefill(queries, keys, values)  # attend, score, keep the selection
+        self._store_prompt()
+        return out
+
+    def _store_prompt(self) -> None:
+        """The selected prompt into the store: its tail pinned, whole chunks of the rest quantized,
+        the scores in the store's order."""
         held = self.layer.held
         self.pinned = min(self.settings.pinned_tail(selecting=self.config.pins_prompt_tail), held)
         flush = (held - self.pinned) // self.r * self.r
@@ -70,7 +89,6 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         self._quantize(0, flush)
         self._reorder_scores(order)
         self._keep_full_precision(order[flush:])
-        return out
 
     def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if keys.shape[2] != 1:
@@ -81,17 +99,10 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         if self._scored() + 1 > self.stride:
             self._grow(self._scored() + 1)
         lay.append(host_array(keys), host_array(values), self.seen - 1)
-        # the new token's score starts at zero, in the slot after the others (the order moves it)
-        lay.pool.dev.run(self._kernel("zero_slot"), (lay.q_heads,), None, self.scores, np.int32(self.stride),
-                         np.int32(self._scored() - 1))  # fmt: skip
+        self._zero_new_score()
         if lay.held - self.pinned >= self.r:  # the residual fills a chunk: quantized before attending
-            start = self.pinned
-            nq, held = self.nq, lay.held
-            self._quantize(start, start + self.r)
-            fp = np.concatenate([np.arange(start), np.arange(start + self.r, held)])
-            order = np.concatenate([np.arange(nq), nq + start + np.arange(self.r), nq + fp])
-            self._reorder_scores(order)
-            self._keep_full_precision(fp)
+            self._quantize(self.pinned, self.pinned + self.r)
+            self._flushed(self.pinned, self.r)
         q = host_array(queries)[:, 0]
         out, probs, stride = lay.attend_decode(q, self._scale(q.shape[1]), self._quant_heads(), self._quant_read())
         self._add(probs, stride, self._scored())  # every slot's own score, the new one's zeroed above
@@ -99,15 +110,110 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             self._evict_chunks()
         return torch.from_numpy(out)[None, :, None].to(queries.dtype)
 
+    def _zero_new_score(self) -> None:
+        """The new token's score starts at zero, in the slot after the others (a flush's order moves it)."""
+        lay = self.layer
+        lay.pool.dev.run(self._kernel("zero_slot"), (lay.q_heads,), None, self.scores, np.int32(self.stride),
+                         np.int32(self._scored() - 1))  # fmt: skip
+
+    def _flushed(self, start: int, count: int) -> None:
+        """After full-precision slots ``[start, start + count)`` were quantized: the scores in the
+        store's new order (those slots' after the older chunks'), the rest kept in full precision."""
+        nq, held = self.nq - count, self.layer.held
+        fp = np.concatenate([np.arange(start), np.arange(start + count, held)])
+        order = np.concatenate([np.arange(nq), nq + start + np.arange(count), nq + fp])
+        self._reorder_scores(order)
+        self._keep_full_precision(fp)
+
     def tokens_held(self) -> torch.Tensor:
         return torch.full((1, self.layer.kv_heads), self._scored())
+
+    # ---- a model that stores, flushes and attends itself (our layers in OpenVINO's GPU plugin)
+    #: a step of several tokens after the prompt (a chat's next turn over the kept cache) is not
+    #: taken: its rows' scores over the 2-bit slots are not computed here (the conversation is fed
+    #: again as a prompt)
+    several_tokens_after_prompt = False
+
+    def reserve(self, t: int) -> None:
+        """As the full-precision store's, and the flush the model makes when the step fills the
+        residual's chunk (:attr:`flushing`: the new 2-bit blocks taken now, the model's inputs)."""
+        if self.scores is not None:
+            if t != 1:
+                raise UserError("the 2-bit store on device GPU decodes one token per step after the prompt")
+            if self._scored() + t > self.stride:
+                self._grow(self._scored() + t)
+            filled = (self.layer.held + t - self.pinned) // self.r * self.r
+            if filled:
+                ids = [self.blocks.take(self.layer.kv_heads) for _ in range(filled // self.r)]
+                self.flushing = (self.pinned, filled, [list(head) for head in zip(*ids, strict=True)])
+        super().reserve(t)
+
+    def model_inputs(self) -> tuple[list[list[int]], int, tuple[int, int]]:
+        """What the model's 2-bit layers read for the step :meth:`reserve` made room for: each KV
+        head's 2-bit blocks and their slots after the step's flush, and the full-precision slots
+        it flushes (first, count)."""
+        if self.flushing is None:
+            return self.chunks, self.nq, (0, 0)
+        start, count, ids = self.flushing
+        return [c + new for c, new in zip(self.chunks, ids, strict=True)], self.nq + count, (start, count)
+
+    def model_step_read(self) -> int:
+        """The 2-bit slots' bytes after the step's flush, and the full-precision slots' not flushed."""
+        _, nq, (_, flushed) = self.model_inputs()
+        lay, shape = self.layer, self.layer.pool.shape
+        fp = (lay.held - flushed) * lay.kv_heads * 2 * shape.head_dim * shape.elem_bytes
+        return fp + nq * lay.kv_heads * self.qshape.block_bytes // self.r
+
+    def score_rows(self, t: int) -> int:
+        """The prompt's window rows; a decode step's row (its probabilities over both stores)."""
+        return self.prompt_scoring(t)[0] if self.scores is None else t
+
+    def after_model_step(self, rows: Any, t: int) -> None:
+        """:meth:`prefill`'s or :meth:`_decode_step`'s work after the model's step: the prompt's
+        selection and store; or the new token's score, the flush's bookkeeping (the model
+        quantized the chunk), the step's probabilities over both stores and the chunks' eviction."""
+        if self.scores is None:
+            super().after_model_step(rows, t)
+            self._store_prompt()
+            return
+        lay = self.layer
+        self._zero_new_score()
+        if self.flushing is not None:
+            start, count, ids = self.flushing
+            self.flushing = None
+            self._add_chunks(start, start + count, ids)
+            self._flushed(start, count)
+        scale = self._scale(lay.pool.shape.head_dim)
+        bufs = lay.decode_on_device(rows, scale, self._quant_heads(), self._quant_read(), values=False)
+        self._add(bufs.probs, int(bufs.stride), self._scored())
+        if not self.frozen:
+            self._evict_chunks()
+
+    def truncate(self, tokens: int) -> bool:
+        """False (nothing dropped) once the prompt is stored and ``tokens`` would drop any: as the
+        CPU op's, the 2-bit store does not give tokens back."""
+        if self.scores is not None and tokens < self.seen:
+            return False
+        return super().truncate(tokens)
+
+    def release(self) -> None:
+        for chunks in self.chunks:
+            self.blocks.give(chunks)
+        if self.flushing is not None:
+            self.blocks.give([b for head in self.flushing[2] for b in head])
+            self.flushing = None
+        self.chunks = [[] for _ in range(self.layer.kv_heads)]
+        super().release()
 
     def _scored(self) -> int:
         return self.nq + self.layer.held
 
+    def quant_blocks_held(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
     def memory(self) -> dict[str, int]:
         m = super().memory()
-        quant = sum(len(c) for c in self.chunks) * self.qshape.block_bytes
+        quant = self.quant_blocks_held() * self.qshape.block_bytes
         meta = m["metadata"] + self.qpos.nbytes
         return {"kv": m["kv"] + quant, "metadata": meta, "total": m["kv"] + quant + meta}
 
@@ -116,25 +222,21 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         """Quantize full-precision slots ``[start, end)`` of every head (whole chunks) into new 2-bit
         blocks after the head's others (the full-precision slots are dropped by the caller)."""
         lay, dev, kv = self.layer, self.layer.pool.dev, self.layer.kv_heads
+        new: list[list[int]] = [[] for _ in range(kv)]
         for c in range(start, end, self.r):
-            if len(self._qfree) < kv:
-                self._more_blocks()
-            ids = [self._qfree.pop() for _ in range(kv)]
+            ids = self.blocks.take(kv)
             k, v = lay.read_keys(c, self.r), lay.read_values(c, self.r)
             launch_quantize(dev, self.qshape, k, v, lay.pool.upload("block tables", np.array(ids, np.int32)), kv,
-                            self.qpool)  # fmt: skip
+                            self.blocks.buffer)  # fmt: skip
             for h in range(kv):
-                self.chunks[h].append(ids[h])
-        self.qpos = np.concatenate([self.qpos, lay.positions[:, start:end]], axis=1)
+                new[h].append(ids[h])
+        self._add_chunks(start, end, new)
 
-    def _more_blocks(self) -> None:
-        """Twice the 2-bit blocks (a frozen selection keeps every generated token): a new buffer,
-        the held blocks copied over on the device."""
-        dev, bytes_per = self.layer.pool.dev, self.qshape.block_bytes
-        grown = dev.zeros(2 * self.qcapacity * bytes_per)
-        dev.copy_bytes(self.qpool, grown, self.qcapacity * bytes_per, 0)
-        self._qfree.extend(range(2 * self.qcapacity - 1, self.qcapacity - 1, -1))
-        self.qpool, self.qcapacity = grown, 2 * self.qcapacity
+    def _add_chunks(self, start: int, end: int, new: list[list[int]]) -> None:
+        """Each head's new 2-bit blocks ``new[h]``, holding full-precision slots ``[start, end)``."""
+        for h, ids in enumerate(new):
+            self.chunks[h].extend(ids)
+        self.qpos = np.concatenate([self.qpos, self.layer.positions[:, start:end]], axis=1)
 
     def _chunk_scores(self, per_head: np.ndarray) -> np.ndarray:
         """``[kv, chunks]``: what each KV head ranks its chunks by (its own sums; the reference's
@@ -161,7 +263,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         for h, c in enumerate(self.chunks):
             tables[h, : len(c)] = c
         lengths = np.full(self.layer.kv_heads, self.nq, np.int32)
-        return QuantHeads(self.qshape, self.qpool, pool.upload("block tables", tables), width,
+        return QuantHeads(self.qshape, self.blocks.buffer, pool.upload("block tables", tables), width,
                           pool.upload("lengths", lengths), self.nq)  # fmt: skip
 
     def _quant_read(self) -> int:
@@ -195,7 +297,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         self.scores = self._gather_scores((uploaded, order.shape[1]), order.shape[1], self.stride)
         for h in range(kv):
             kept = set(keep[h].tolist())
-            self._qfree.extend(b for i, b in enumerate(self.chunks[h]) if i not in kept)
+            self.blocks.give([b for i, b in enumerate(self.chunks[h]) if i not in kept])
             self.chunks[h] = [self.chunks[h][i] for i in keep[h]]
         self.qpos = np.take_along_axis(self.qpos, slots.astype(np.int64), axis=1)
         self._bump("evicted", float((chunks - keep.shape[1]) * self.r * kv))

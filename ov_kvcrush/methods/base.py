@@ -222,6 +222,11 @@ class MethodConfig:
         :meth:`calibrated` (``ov_kvcrush.engines.calibration``)."""
         return False
 
+    def store_settings(self) -> QuantSettings | None:
+        """MiniKV's 2-bit store under this method (a config with a ``quant`` option answers with
+        it), or None: the full-precision store."""
+        return None
+
     def calibrate(self, layer_keys: list[torch.Tensor]) -> dict[str, Any]:
         """The calibrated fields (JSON-able) from ``layer_keys``: one ``[1, kv_heads, n, d]`` per
         layer the method runs on, of a full cache's prefill."""

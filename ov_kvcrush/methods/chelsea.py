@@ -360,6 +360,9 @@ class ChelseaConfig(MethodConfig):
     link_score: str = "key"
     protect_tokens: int | None = None
 
+    def store_settings(self) -> QuantSettings | None:
+        return self.quant
+
     def __post_init__(self) -> None:
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("recent_tokens", self.recent_tokens, 0)

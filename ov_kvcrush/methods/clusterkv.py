@@ -402,6 +402,9 @@ class ClusterKVConfig(MethodConfig):
     track_recall: bool = False
     quant: QuantSettings | None = None
 
+    def store_settings(self) -> QuantSettings | None:
+        return self.quant
+
     def __post_init__(self) -> None:
         check_int("sink_tokens", self.sink_tokens, 0)
         check_budget("budget", self.budget, self.sink_tokens + 1, " for method clusterkv (sink_tokens + 1)")

@@ -67,13 +67,7 @@ import torch
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import group_heads
-from ov_kvcrush.methods.base import (
-    LayerCache,
-    MethodConfig,
-    QuantSettings,
-    check_layer,
-    gather_tokens,
-)
+from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings, check_layer, gather_tokens
 from ov_kvcrush.methods.runtimes import ADAPTIVE_HEAD_BUDGETS, SPANS, TWO_BIT_STORE, Declaration
 from ov_kvcrush.methods.selection import (
     HEAD_BUDGETS,
@@ -95,13 +89,13 @@ from ov_kvcrush.validation import check_budget, check_choice, check_float, check
 # configs
 
 
-#: where H2O's selection and its kin run: the fast paths and the pool keep single tokens under
+#: where H2O's selection and its kin run: the fast paths and the GPU paths keep single tokens under
 #: uniform head budgets, our op takes spans but not adaptive budgets
 SELECTION_RUNTIMES: Declaration = {
     "reference": (),
     "cuda": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
     "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
-    "gpu-plugin": (TWO_BIT_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
+    "gpu-plugin": (ADAPTIVE_HEAD_BUDGETS, SPANS),
     "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
 }
 
@@ -122,6 +116,9 @@ class EvictionConfig(MethodConfig):
     sink_tokens: int = 16
     recent_tokens: int = 64
     quant: QuantSettings | None = None
+
+    def store_settings(self) -> QuantSettings | None:
+        return self.quant
 
     def __post_init__(self) -> None:
         check_int("sink_tokens", self.sink_tokens, 0)

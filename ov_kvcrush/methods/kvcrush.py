@@ -55,7 +55,7 @@ from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods.attention import ShapeError, check_scores
 from ov_kvcrush.methods.base import topk_indices
 from ov_kvcrush.methods.importance import ImportanceLayerCache, SnapKVConfig
-from ov_kvcrush.methods.runtimes import ADAPTIVE_HEAD_BUDGETS, TWO_BIT_STORE, Declaration
+from ov_kvcrush.methods.runtimes import ADAPTIVE_HEAD_BUDGETS, Declaration
 from ov_kvcrush.methods.selection import keep_indices, plan_spans
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -357,7 +357,7 @@ class KVCrushConfig(SnapKVConfig):
     runtimes: ClassVar[Declaration] = {
         "reference": (),
         "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
-        "gpu-plugin": (TWO_BIT_STORE,),
+        "gpu-plugin": (),
         "gpu-pool": (),
         "genai": (),
     }

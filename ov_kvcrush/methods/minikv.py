@@ -71,6 +71,7 @@ class MiniKVConfig(PyramidKVConfig):
         "reference": (),
         "cuda": (FULL_PRECISION_STORE, ADAPTIVE_HEAD_BUDGETS, SPANS),
         "cpu-op": (ADAPTIVE_HEAD_BUDGETS,),
+        "gpu-plugin": (ADAPTIVE_HEAD_BUDGETS, SPANS),
         "gpu-pool": (ADAPTIVE_HEAD_BUDGETS, SPANS),
     }
     #: the prefill selection is never revisited (see the module docstring)

@@ -282,6 +282,9 @@ class KVPool:
 class KVSequence:
     """One sequence's cache in a :class:`KVPool`; ``handle`` is what the model's ``kvc_sequence`` input takes."""
 
+    #: a step of several tokens may follow the prompt (a chat's next turn over the kept cache)
+    several_tokens_after_prompt = True
+
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.handle = check_result(pool.lib.ovkc_seq_create(pool.handle))

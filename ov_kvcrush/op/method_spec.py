@@ -19,7 +19,7 @@ from ov_kvcrush.methods.runtimes import CPU_OP
 
 def store_fields(config: MethodConfig, block_size: int) -> dict[str, object]:
     """The KV store's fields: full precision, or MiniKV's 2-bit blocks (``quant`` under any method)."""
-    quant = getattr(config, "quant", None)
+    quant = config.store_settings()
     if quant is None:
         return {"quant": 0}
     if quant.residual_tokens % block_size or block_size % quant.group_size:

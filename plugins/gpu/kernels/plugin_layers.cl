@@ -2,7 +2,8 @@
 // ov_kvcrush/gpu/plugin_layers.py writes the XML). A layer's kernel is given its input tensors,
 // then its one output, and nothing else; so the pool and block tables come in as tensors (the
 // pool a remote tensor the store layer writes in place), and the step's numbers in the tensor
-// `step` (int32: the width of the block tables, the step's rows). The bodies are the pyopencl and
+// `step` (int32: the width of the block tables, the step's rows, the width of the 2-bit block
+// tables). The bodies are the pyopencl and
 // SYCL hosts' kernels' own (paged_attention.h, paged_store.h, prefill.h): the same code on every
 // host.
 //
@@ -18,6 +19,12 @@
 // HEAD_DIM, GROUP, SCALE (the logit scale, a float), ACT_HALF (the store's and prompt layer's
 // activations are f16: the plugin runs the model in f16); and the layer's guard (OVKC_LAYER_*):
 // the plugin builds a layer's source as one program that must hold that layer's kernel only.
+//
+// Over MiniKV's 2-bit store (the flush and quant prefill layers; QUANT_TOKENS, QGROUP, KEY_BITS,
+// VALUE_BITS: quant_block.h) each row also has its 2-bit blocks `qtables` [rows, step[2]] in the
+// store's order and their slots `qlengths` [rows] after the step, in a second pool `qpool`; and
+// `flush` [rows, 2]: the full-precision slots the step quantizes (their first, their count: whole
+// 2-bit blocks, the last `count` slots of qlengths), the reference's flush as the residual fills.
 
 #include "paged_attention.h"
 #include "paged_store.h"
@@ -85,5 +92,71 @@ __kernel void ovkc_prefill(__global const uchar* pool, __global const int* table
     const int n = lengths[row], visible = first[row] + tokens[2 * t + 1] + 1;
     prefill_row(r, h, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, q, rows, SCALE, out,
                 0);
+}
+#endif
+
+// The step's flush: each row's full-precision slots [flush[row][0], + flush[row][1]) (whole 2-bit
+// blocks, the step's own tokens among them: the reference quantizes a chunk as it fills, before
+// attending) quantized into the row's last 2-bit blocks. The full-precision slots stay (the prompt
+// layer skips them; the host drops them after the step). Output [rows, QUANT_TOKENS]: each
+// token's count, so that the prompt layer runs after it. Global (QUANT_TOKENS, rows), local (1, 1):
+// token t of each chunk writes its key groups (t a multiple of QGROUP) and its value groups.
+#ifdef OVKC_LAYER_FLUSH
+__kernel void ovkc_flush(__global const uchar* pool, __global const int* tables, __global uchar* qpool,
+                         __global const int* qtables, __global const int* qlengths, __global const int* flush,
+                         __global const int* step, __global const int* stored, __global int* out) {
+    const int t = get_global_id(0), row = get_global_id(1);
+    const int start = flush[2 * row], count = flush[2 * row + 1];
+    out[row * QUANT_TOKENS + t] = count;
+    __global const int* table = tables + row * step[0];
+    const int first_block = (qlengths[row] - count) / QUANT_TOKENS;
+    for (int c = 0; c < count / QUANT_TOKENS; ++c) {
+        __global uchar* blk = qpool + (ulong)qtables[row * step[2] + first_block + c] * QBLOCK_BYTES;
+        const int base = start + c * QUANT_TOKENS;
+        if (t % QGROUP == 0) {
+            for (int ch = 0; ch < HEAD_DIM; ++ch) {
+                float group[QGROUP];
+                for (int i = 0; i < QGROUP; ++i) {
+                    const int j = base + t + i;
+                    group[i] = load_key(pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES, ch, j % BLOCK_SIZE);
+                }
+                store_key_group(group, blk, t / QGROUP, ch);
+            }
+        }
+        const int j = base + t;
+        __global const uchar* src = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
+        for (int cg = 0; cg < HEAD_DIM / QGROUP; ++cg) {
+            float group[QGROUP];
+            for (int i = 0; i < QGROUP; ++i) group[i] = load_value(src, j % BLOCK_SIZE, cg * QGROUP + i);
+            store_value_group(group, blk, t, cg);
+        }
+    }
+}
+#endif
+
+// The prompt layer over the 2-bit store: each token's rows over its row's 2-bit slots (those of
+// the step's flushed chunk at or before it: the rest are older and all seen), then over its
+// full-precision slots as ovkc_prefill, less the flushed ones, under one softmax. Global, local:
+// ovkc_prefill's.
+#ifdef OVKC_LAYER_QPREFILL
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
+                                 __global const int* first, __global const int* tokens, __global const ACT* q,
+                                 __global const int* step, __global const int* stored, __global const uchar* qpool,
+                                 __global const int* qtables, __global const int* qlengths,
+                                 __global const int* flush, __global ACT* out) {
+    const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
+    const int t = min(r, rows - 1);
+    const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
+    const int n = lengths[row], visible = first[row] + tokens[2 * t + 1] + 1;
+    const int start = flush[2 * row], count = flush[2 * row + 1], nq = qlengths[row];
+    const int qvisible = count ? min(nq, nq - count + max(visible - start, 0)) : nq;
+    const bool live = r < rows;
+    row_state st;
+    row_start(&st, live, h, r, q, rows, SCALE);
+    attend_quant_slots(&st, live, qpool, qtables + row * step[2], nq, sub_group_reduce_max(nq), qvisible);
+    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, start,
+                 start + count);
+    row_finish(&st, live, h, r, rows, out, 0);
 }
 #endif

@@ -1,28 +1,59 @@
 // Prompt attention's body (one query row of one query head), shared by the hosts' kernel
-// (prefill.cl) and the GPU plugin's prefill layer (plugin_layers.cl). Compile-time constants: as
-// prefill.cl.
+// (prefill.cl) and the GPU plugin's prefill layers (plugin_layers.cl). Compile-time constants: as
+// prefill.cl; with QUANT_TOKENS (and quant_block.h's constants) also the row over a head's 2-bit
+// slots before its full-precision ones (MiniKV's store, prefill_row_quant).
 #ifndef OVKC_PREFILL_H
 #define OVKC_PREFILL_H
 
 #include "paged_block.h"
+#ifdef QUANT_TOKENS
+#include "quant_block.h"
+#endif
 
 #define CHUNK 8
-// Row r (of `rows`) of query head h: its attention over the slots of its KV head's block table
-// `table` (n slots held) that it sees: those whose position (`positions`, the head's row) is at
-// most `qpos`, or, without positions, the first `visible` (the slots are in position order: every
-// slot before the step's, then the step's own). `n_max`: the largest n over the sub-group's lanes
-// (the loop's bound: the sub-group's collectives need every lane in it). `lse` may be null (the
-// plugin's layer: no window scores).
-inline void prefill_row(int r, int h, __global const uchar* pool, __global const int* table, int n, int n_max,
-                        __global const int* positions, int visible, int qpos, __global const ACT* q, int rows,
-                        float scale, __global ACT* out, __global float* lse) {
-    const bool live = r < rows;
-    float qr[HEAD_DIM], acc[HEAD_DIM];
+
+// The row's query (scaled) and its online softmax: the running max m, sum l and the
+// probability-weighted values acc.
+typedef struct {
+    float q[HEAD_DIM];
+    float acc[HEAD_DIM];
+    float m, l;
+} row_state;
+
+inline void row_start(row_state* st, bool live, int h, int r, __global const ACT* q, int rows, float scale) {
     for (int d = 0; d < HEAD_DIM; ++d) {
-        qr[d] = live ? ACT_LOAD(q, ((long)h * rows + r) * HEAD_DIM + d) * scale : 0.0f;
-        acc[d] = 0.0f;
+        st->q[d] = live ? ACT_LOAD(q, ((long)h * rows + r) * HEAD_DIM + d) * scale : 0.0f;
+        st->acc[d] = 0.0f;
     }
-    float m = -INFINITY, l = 0.0f;
+    st->m = -INFINITY;
+    st->l = 0.0f;
+}
+
+// A tile's logits s (masked ones left out) into the softmax: p its probabilities under the new
+// max, the accumulator rescaled by alpha; false where nothing of the row is in it yet.
+inline bool tile_softmax(row_state* st, const float* s, const bool* masked, float* p, float* alpha) {
+    float m_new = st->m;
+    for (int c = 0; c < CHUNK; ++c) m_new = masked[c] ? m_new : fmax(m_new, s[c]);
+    if (m_new == -INFINITY) return false;
+    *alpha = exp(st->m - m_new);
+    for (int c = 0; c < CHUNK; ++c) {
+        p[c] = masked[c] ? 0.0f : exp(s[c] - m_new);
+        st->l = c ? st->l + p[c] : st->l * *alpha + p[c];
+    }
+    st->m = m_new;
+    return true;
+}
+
+// The row over the full-precision slots of its KV head's block table `table` (n held; n_max the
+// largest n over the sub-group's lanes, the loop's bound: the sub-group's collectives need every
+// lane in it) that it sees: those whose position (`positions`, the head's row) is at most `qpos`,
+// or, without positions, the first `visible` (the slots are in position order: every slot before
+// the step's, then the step's own), less the slots [hole_lo, hole_hi) (the step's flushed chunk,
+// read from the 2-bit store instead). The slots go CHUNK at a time: their logits first (each query
+// element loaded once for the chunk), then one rescale of the accumulator and the chunk's values
+// added to it.
+inline void attend_slots(row_state* st, bool live, __global const uchar* pool, __global const int* table, int n,
+                         int n_max, __global const int* positions, int visible, int qpos, int hole_lo, int hole_hi) {
     for (int j0 = 0; j0 < n_max; j0 += CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
@@ -32,36 +63,80 @@ inline void prefill_row(int r, int h, __global const uchar* pool, __global const
             const int j = clamp(j0 + c, 0, max(n - 1, 0));
             block[c] = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
             slot[c] = j % BLOCK_SIZE;
-            masked[c] = !live || j0 + c >= n || (positions ? positions[j] > qpos : j0 + c >= visible);
+            masked[c] = !live || j0 + c >= n || (positions ? positions[j] > qpos : j0 + c >= visible) ||
+                        (j0 + c >= hole_lo && j0 + c < hole_hi);
             all_masked = all_masked && masked[c];
         }
         if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half
-        float s[CHUNK];
+        float s[CHUNK], p[CHUNK], alpha;
         for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
         for (int d = 0; d < HEAD_DIM; ++d) {
-            const float qd = qr[d];
+            const float qd = st->q[d];
             for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
         }
-        float m_new = m;
-        for (int c = 0; c < CHUNK; ++c) m_new = masked[c] ? m_new : fmax(m_new, s[c]);
-        if (m_new == -INFINITY) continue;  // this row: nothing at or before it yet
-        const float alpha = exp(m - m_new);
-        float p[CHUNK];
-        for (int c = 0; c < CHUNK; ++c) {
-            p[c] = masked[c] ? 0.0f : exp(s[c] - m_new);
-            l = c ? l + p[c] : l * alpha + p[c];
-        }
+        if (!tile_softmax(st, s, masked, p, &alpha)) continue;  // this row: nothing at or before it yet
         for (int d = 0; d < HEAD_DIM; ++d) {
-            float a = acc[d] * alpha;
+            float a = st->acc[d] * alpha;
             for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
-            acc[d] = a;
+            st->acc[d] = a;
         }
-        m = m_new;
     }
+}
+
+#ifdef QUANT_TOKENS
+// The row over its KV head's 2-bit slots (qtable: the head's 2-bit blocks in the store's order; nq
+// held, nq_max the sub-group's largest), the first `visible` of them (the step's own flushed
+// tokens after the row's are not).
+inline void attend_quant_slots(row_state* st, bool live, __global const uchar* qpool, __global const int* qtable,
+                               int nq, int nq_max, int visible) {
+    for (int j0 = 0; j0 < nq_max; j0 += CHUNK) {
+        __global const uchar* block[CHUNK];
+        int slot[CHUNK];
+        bool masked[CHUNK];
+        bool all_masked = true;
+        for (int c = 0; c < CHUNK; ++c) {
+            const int j = clamp(j0 + c, 0, max(nq - 1, 0));
+            block[c] = qpool + (ulong)qtable[j / QUANT_TOKENS] * QBLOCK_BYTES;
+            slot[c] = j % QUANT_TOKENS;
+            masked[c] = !live || j0 + c >= nq || j0 + c >= visible;
+            all_masked = all_masked && masked[c];
+        }
+        if (sub_group_all(all_masked)) continue;
+        float s[CHUNK], p[CHUNK], alpha;
+        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            const float qd = st->q[d];
+            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, quant_key(block[c], slot[c], d), s[c]);
+        }
+        if (!tile_softmax(st, s, masked, p, &alpha)) continue;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            float a = st->acc[d] * alpha;
+            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], quant_value(block[c], slot[c], d), a);
+            st->acc[d] = a;
+        }
+    }
+}
+#endif
+
+// The row's output (and its log-sum-exp, where `lse` is given).
+inline void row_finish(const row_state* st, bool live, int h, int r, int rows, __global ACT* out,
+                       __global float* lse) {
     if (!live) return;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int d = 0; d < HEAD_DIM; ++d) ACT_STORE(acc[d] * inv, ((long)h * rows + r) * HEAD_DIM + d, out);
-    if (lse) lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
+    const float inv = st->l > 0.0f ? 1.0f / st->l : 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) ACT_STORE(st->acc[d] * inv, ((long)h * rows + r) * HEAD_DIM + d, out);
+    if (lse) lse[h * rows + r] = st->l > 0.0f ? st->m + log(st->l) : -INFINITY;
+}
+
+// Row r (of `rows`) of query head h over the full-precision slots it sees (attend_slots). `lse`
+// may be null (the plugin's layer: no window scores).
+inline void prefill_row(int r, int h, __global const uchar* pool, __global const int* table, int n, int n_max,
+                        __global const int* positions, int visible, int qpos, __global const ACT* q, int rows,
+                        float scale, __global ACT* out, __global float* lse) {
+    const bool live = r < rows;
+    row_state st;
+    row_start(&st, live, h, r, q, rows, scale);
+    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0);
+    row_finish(&st, live, h, r, rows, out, lse);
 }
 
 #endif  // OVKC_PREFILL_H
