@@ -89,11 +89,9 @@ def run_on_plugin(core: object, folder: Path, scenario: StepScenario) -> list[tu
     steps; each step's outputs."""
     import openvino as ov
 
-    config = plugin_layers.write_config(folder, scenario.attributes)
-    core.set_property("GPU", {"CONFIG_FILE": str(config)})  # type: ignore[attr-defined]
     build = plugin_layers.decode_step_model if scenario.kind == "decode" else plugin_layers.prefill_step_model
     model = build(scenario.attributes, len(scenario.keys[0]))
-    compiled = core.compile_model(model, "GPU", {"INFERENCE_PRECISION_HINT": "f32"})  # type: ignore[attr-defined]
+    compiled = plugin_layers.compile_step_model(core, folder, scenario.attributes, model)
     request = compiled.create_infer_request()
     context = core.get_default_context("GPU")  # type: ignore[attr-defined]
     pool = context.create_tensor(ov.Type.u8, ov.Shape([scenario.pool.size]), {})
@@ -216,9 +214,8 @@ def _run_batched_in_worker(folder: str, attributes, kv_heads: int, steps: list[d
     from ov_kvcrush.op import plugin
 
     core = plugin.shared_core()
-    core.set_property("GPU", {"CONFIG_FILE": str(plugin_layers.write_config(Path(folder), attributes))})
-    compiled = core.compile_model(plugin_layers.prefill_step_model(attributes, kv_heads), "GPU",
-                                  {"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    compiled = plugin_layers.compile_step_model(core, Path(folder), attributes,
+                                                plugin_layers.prefill_step_model(attributes, kv_heads))  # fmt: skip
     request, context = compiled.create_infer_request(), core.get_default_context("GPU")
     outs = []
     for step in steps:

@@ -89,9 +89,8 @@ def _run_in_worker(folder: str, cases: list[QuantCase]) -> list[tuple[np.ndarray
     from ov_kvcrush.op import plugin
 
     core = plugin.shared_core()
-    core.set_property("GPU", {"CONFIG_FILE": str(plugin_layers.write_config(Path(folder), ATTRIBUTES))})
-    compiled = core.compile_model(plugin_layers.quant_step_model(ATTRIBUTES, KV_HEADS), "GPU",
-                                  {"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    compiled = plugin_layers.compile_step_model(core, Path(folder), ATTRIBUTES,
+                                                plugin_layers.quant_step_model(ATTRIBUTES, KV_HEADS))  # fmt: skip
     request, context = compiled.create_infer_request(), core.get_default_context("GPU")
     results = []
     for case in cases:

@@ -98,8 +98,12 @@ class DeviceFullLayerCache(LayerCache):
     def model_step_read(self) -> int:
         """The KV bytes the model's attention reads in this layer for one row of the step
         :meth:`reserve` made room for: every held slot's key and value."""
+        return self._full_precision_read(self.layer.held)
+
+    def _full_precision_read(self, slots: int) -> int:
+        """The bytes of ``slots`` full-precision slots' keys and values in every KV head."""
         shape = self.layer.pool.shape
-        return self.layer.held * self.layer.kv_heads * 2 * shape.head_dim * shape.elem_bytes
+        return slots * self.layer.kv_heads * 2 * shape.head_dim * shape.elem_bytes
 
     def release(self) -> None:
         """Give the layer's blocks back to the pool."""

@@ -62,8 +62,8 @@ class PluginKVPool:
         self.device_pool = DevicePool(shape, blocks, dev=dev)
         #: the 2-bit store's blocks (MiniKV's, or ``quant`` under a method), in a second buffer
         #: the model reads and writes; None for the full-precision store
-        self.quant: QuantShape | None = store_shape(method, shape)
-        self.quant_blocks: QuantBlocks | None = self.device_pool.quant_blocks(self.quant) if self.quant else None
+        quant = store_shape(method, shape)
+        self.quant_blocks: QuantBlocks | None = self.device_pool.quant_blocks(quant) if quant else None
         self.block_bytes = shape.block_bytes
         self.peak_blocks = 0
         self.sequences: dict[int, PluginKVSequence] = {}
@@ -73,6 +73,11 @@ class PluginKVPool:
         #: recomputation, are the device pool's ``kv_read``)
         self.decode_steps = 0
         self.decode_kv_read = 0
+
+    @property
+    def quant(self) -> QuantShape | None:
+        """The 2-bit store's block shape; None for the full-precision store."""
+        return self.quant_blocks.shape if self.quant_blocks else None
 
     def new_sequence(self) -> PluginKVSequence:
         return PluginKVSequence(self, next(self._handles))

@@ -318,6 +318,13 @@ def write_config(folder: Path, attributes: LayerAttributes) -> Path:
     return write_atomic(folder / "ovkc_plugin_layers.xml", lambda p: p.write_text(config_xml(attributes, source.name)))
 
 
+def compile_step_model(core: object, folder: Path, attributes: LayerAttributes, model: object) -> object:
+    """``model`` (one of the step models below) compiled on ``core``'s ``GPU`` in f32, the layers'
+    ``CONFIG_FILE`` for ``attributes`` written into ``folder`` first."""
+    core.set_property("GPU", {"CONFIG_FILE": str(write_config(folder, attributes))})  # type: ignore[attr-defined]
+    return core.compile_model(model, "GPU", {"INFERENCE_PRECISION_HINT": "f32"})  # type: ignore[attr-defined]
+
+
 def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[int]) -> dict:
     from openvino import opset13 as ops
 

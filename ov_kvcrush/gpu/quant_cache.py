@@ -160,9 +160,8 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
     def model_step_read(self) -> int:
         """The 2-bit slots' bytes after the step's flush, and the full-precision slots' not flushed."""
         _, nq, (_, flushed) = self.model_inputs()
-        lay, shape = self.layer, self.layer.pool.shape
-        fp = (lay.held - flushed) * lay.kv_heads * 2 * shape.head_dim * shape.elem_bytes
-        return fp + nq * lay.kv_heads * self.qshape.block_bytes // self.r
+        quantized = nq * self.layer.kv_heads * self.qshape.block_bytes // self.r
+        return self._full_precision_read(self.layer.held - flushed) + quantized
 
     def score_rows(self, t: int) -> int:
         """The prompt's window rows; a decode step's row (its probabilities over both stores)."""

@@ -43,40 +43,34 @@ inline uint group_code(float x, float2 sz, int bits) {
     return (uint)clamp(rint((x - sz.y) / sz.x), 0.0f, (float)((1 << bits) - 1));
 }
 
-// Key channel c of the block's token group tg, x[i] the key of token tg * QGROUP + i: its scale,
-// zero and codes.
-inline void store_key_group(const float* x, __global uchar* blk, int tg, int c) {
+// One group of QGROUP values x at `bits` bits: its zero and scale at index `at` of `zeros` and
+// `scales`, its codes packed 32 / bits a word into `words`.
+inline void store_group(const float* x, int bits, __global half* scales, __global half* zeros, int at,
+                        __global uint* words) {
     float lo = x[0], hi = x[0];
     for (int i = 1; i < QGROUP; ++i) {
         lo = fmin(lo, x[i]);
         hi = fmax(hi, x[i]);
     }
-    const float2 sz = group_params(lo, hi, KEY_BITS, (__global half*)(blk + KS_OFF), (__global half*)(blk + KZ_OFF),
-                                   tg * QB_D + c);
-    __global uint* words = (__global uint*)(blk + KC_OFF) + c * (QB_T / QB_KP) + tg * QGROUP / QB_KP;
-    for (int w = 0; w < QGROUP / QB_KP; ++w) {
+    const float2 sz = group_params(lo, hi, bits, scales, zeros, at);
+    const int per_word = 32 / bits;
+    for (int w = 0; w < QGROUP / per_word; ++w) {
         uint word = 0;
-        for (int i = 0; i < QB_KP; ++i) word |= group_code(x[w * QB_KP + i], sz, KEY_BITS) << (KEY_BITS * i);
+        for (int i = 0; i < per_word; ++i) word |= group_code(x[w * per_word + i], sz, bits) << (bits * i);
         words[w] = word;
     }
 }
 
-// Token t's value channel group cg of the block, x[i] its channel cg * QGROUP + i: its scale,
-// zero and codes.
+// Key channel c of the block's token group tg, x[i] the key of token tg * QGROUP + i.
+inline void store_key_group(const float* x, __global uchar* blk, int tg, int c) {
+    store_group(x, KEY_BITS, (__global half*)(blk + KS_OFF), (__global half*)(blk + KZ_OFF), tg * QB_D + c,
+                (__global uint*)(blk + KC_OFF) + c * (QB_T / QB_KP) + tg * QGROUP / QB_KP);
+}
+
+// Token t's value channel group cg of the block, x[i] its channel cg * QGROUP + i.
 inline void store_value_group(const float* x, __global uchar* blk, int t, int cg) {
-    float lo = x[0], hi = x[0];
-    for (int i = 1; i < QGROUP; ++i) {
-        lo = fmin(lo, x[i]);
-        hi = fmax(hi, x[i]);
-    }
-    const float2 sz = group_params(lo, hi, VALUE_BITS, (__global half*)(blk + VS_OFF), (__global half*)(blk + VZ_OFF),
-                                   t * (QB_D / QGROUP) + cg);
-    __global uint* words = (__global uint*)(blk + VC_OFF) + t * (QB_D / QB_VP) + cg * QGROUP / QB_VP;
-    for (int w = 0; w < QGROUP / QB_VP; ++w) {
-        uint word = 0;
-        for (int i = 0; i < QB_VP; ++i) word |= group_code(x[w * QB_VP + i], sz, VALUE_BITS) << (VALUE_BITS * i);
-        words[w] = word;
-    }
+    store_group(x, VALUE_BITS, (__global half*)(blk + VS_OFF), (__global half*)(blk + VZ_OFF),
+                t * (QB_D / QGROUP) + cg, (__global uint*)(blk + VC_OFF) + t * (QB_D / QB_VP) + cg * QGROUP / QB_VP);
 }
 
 // key element c of token t of a 2-bit block
