@@ -241,12 +241,12 @@ class PluginModel:
         for name, buffer in zip(self.rows_outputs, buffers, strict=True):
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.f32, [s.q_heads, rows, s.head_dim]))
         request.start_async()  # infer() would read every output back, our buffers too
-        request.wait()
+        request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
+        self.dev.synced()  # the previous step's method work was queued before the model's: done too
         for i, seq in enumerate(sequences):
             seq.after_step(self._sequence_rows(step, i, buffers) if step.score_rows[i] else buffers,
                            step.counts[i], step.phases[i])  # fmt: skip
-        self.dev.queue.finish()  # the step's one wait on our queue: its method work done
-        self.dev.synced()
+        # the methods' work is left queued: the next step's model runs after it on the one queue
         logits = np.array(request.get_output_tensor(0).data[0], np.float32)
         device_pool = sequences[0].pool.device_pool
         crossed = device_pool.crossings[step.phase].to_host

@@ -20,6 +20,7 @@ on both: ``python -m ov_kvcrush.tools.gpu_native``).
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import hashlib
 import multiprocessing
@@ -139,6 +140,64 @@ def plugin_device(core: object) -> str:
             f"libOpenCL.so.1, must read OPENCL_LAYERS: ocl-icd 2.3 or Khronos' loader){hint}"
         )
     return str(core.get_property("GPU", "FULL_DEVICE_NAME"))  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the process asked of the emulated GPU since it started: kernels enqueued
+    (``kernels``: by name), copies and fills on the device, blocking host waits, and bytes copied
+    each way between host and device (``plugins/gpu/emulation/gpu_identity_layer.c`` says what each
+    counts); the difference of two is what was asked between them."""
+
+    kernels: dict[str, int]
+    waits: int
+    to_device: int
+    to_host: int
+    device_copies: int
+
+    def kernels_named(self, names: set[str]) -> int:
+        """The kernels enqueued whose name is in ``names``."""
+        return sum(n for k, n in self.kernels.items() if k in names)
+
+    def __sub__(self, before: Counts) -> Counts:
+        kernels = {k: n - before.kernels.get(k, 0) for k, n in self.kernels.items()}
+        return Counts(
+            {k: n for k, n in kernels.items() if n},
+            self.waits - before.waits,
+            self.to_device - before.to_device,
+            self.to_host - before.to_host,
+            self.device_copies - before.device_copies,
+        )
+
+
+def own_kernels() -> set[str]:
+    """The names of our kernels (``plugins/gpu/kernels``), as against the plugin's own."""
+    import re
+
+    names: set[str] = set()
+    for path in kernel_dir().glob("*.cl"):
+        names |= set(re.findall(r"__kernel\s+void\s+(\w+)", path.read_text()))
+    return names
+
+
+def _layer() -> ctypes.CDLL:
+    """The layer this process's loader loaded (:func:`enable` first)."""
+    path = os.environ.get("OPENCL_LAYERS")
+    if not path:
+        raise runtime.GPUPathError("the emulation layer is not enabled in this process (call enable() first)")
+    return ctypes.CDLL(path)
+
+
+def counts() -> Counts:
+    """The layer's counts now (subtract two to count a stretch of work)."""
+    lib = _layer()
+    totals = (ctypes.c_uint64 * 5)()
+    lib.ovkc_counts(totals, 5)
+    kernels, name, runs, i = {}, ctypes.create_string_buffer(256), ctypes.c_uint64(), 0
+    while lib.ovkc_kernel_runs(i, name, ctypes.c_size_t(256), ctypes.byref(runs)):
+        kernels[name.value.decode()] = int(runs.value)
+        i += 1
+    return Counts(kernels, int(totals[1]), int(totals[2]), int(totals[3]), int(totals[4]))
 
 
 @dataclass(frozen=True)

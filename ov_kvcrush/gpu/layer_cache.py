@@ -11,8 +11,9 @@ window's column sums, pooled per query head, then each decode step's probabiliti
 rule) and eviction gathers the kept slots into fresh blocks. The policy is the reference's
 (:mod:`ov_kvcrush.methods.importance`): when to select, how many to keep, sinks and recent
 tokens; what crosses to the host per step is the step's queries, keys, values and output (the
-model runs on the host here), the block tables when they change, and one byte per middle token
-and KV head when a selection runs. :attr:`DevicePool.crossings` counts it.
+model runs on the host here) and the block tables when they change; a selection's decisions and
+the kept slots' positions stay on the device (KVCrush's kept tokens come back, once, at the
+prompt). :attr:`DevicePool.crossings` counts it.
 
 Here: the full cache, StreamingLLM, H2O, SnapKV, Knorm (uniform budgets, single tokens) and KVCrush
 (token by token or in blocks) over the full-precision store; the 2-bit store's are in
@@ -30,8 +31,8 @@ import torch
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_device
-from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
-from ov_kvcrush.gpu.snapkv import kept_on_host, kept_tokens, launch_keep
+from ov_kvcrush.gpu.pool import DevicePool, KeptSlots, PagedLayer
+from ov_kvcrush.gpu.snapkv import kept_tokens, launch_keep
 from ov_kvcrush.methods import LayerCache
 from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.knorm import KnormConfig
@@ -84,7 +85,7 @@ class DeviceFullLayerCache(LayerCache):
 
     def memory(self) -> dict[str, int]:
         kv = self.layer.kv_bytes()
-        meta = self.layer.positions.nbytes + self._metadata_bytes()
+        meta = self.layer.slot_positions.nbytes + self._metadata_bytes()
         return {"kv": kv, "metadata": meta, "total": kv + meta}
 
     def _metadata_bytes(self) -> int:
@@ -304,26 +305,24 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         """Keep the selection's slots in every KV head (fresh blocks; their scores gathered)."""
         lay = self.layer
         n = lay.held
-        kept, kept_b = self._select(n, width)
-        self.scores = self._gather_scores(kept_b, kept.shape[1], self.stride)
-        lay.keep(kept, *kept_b)
-        self._bump("evicted", float((n - kept.shape[1]) * lay.kv_heads))
+        kept = self._select(n, width)
+        self.scores = self._gather_scores((kept.slots, kept.stride), kept.count, self.stride)
+        lay.keep(kept)
+        self._bump("evicted", float((n - kept.count) * lay.kv_heads))
 
-    def _select(self, n: int, width: int) -> tuple[np.ndarray, tuple[Any, int]]:
-        """Each KV head's sinks, recent tokens and top summed scores (``budget`` in all), as
-        ``[kv, budget]`` on the host and on the device (with its row stride): the decisions come
-        to the host and the kept slots are listed on both sides from them."""
+    def _select(self, n: int, width: int) -> KeptSlots:
+        """Each KV head's sinks, recent tokens and top summed scores (``budget`` in all), listed
+        on the device from the decisions made there: nothing comes back to the host."""
         lay, cfg = self.layer, self.config
         dev, kv = lay.pool.dev, lay.kv_heads
         sinks, recent = cfg.sink_tokens, cfg.recent_tokens
         decisions_b, mid = launch_keep(dev, self.scores, self.stride, n, lay.q_heads // kv, kv, self.budget, sinks,
                                        recent, width)  # fmt: skip
-        kept = kept_on_host(dev, lay.pool, decisions_b, kv, n, self.budget - sinks - recent, sinks, recent)
-        kept_b = dev.empty(4 * kept.size)
+        kept_b = dev.empty(4 * kv * self.budget)
         i32 = np.int32
         dev.run(self._kernel("kept_slots"), (kv,), None, decisions_b, i32(mid), i32(sinks), i32(recent), i32(n),
-                kept_b, i32(kept.shape[1]))  # fmt: skip
-        return kept, (kept_b, kept.shape[1])
+                kept_b, i32(self.budget))  # fmt: skip
+        return KeptSlots(kept_b, self.budget, self.budget)
 
 
 class DeviceKnormLayerCache(DeviceH2OLayerCache):
@@ -376,7 +375,7 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
         i32 = np.int32
         dev.run(dev.kernel("snapkv.cl", "kept_slots", {}), (kv,), None, dev.zeros(kv * mid), i32(mid),
                 i32(self.sinks), i32(self.recent), i32(n), kept_b, i32(kept.shape[1]))  # fmt: skip
-        lay.keep(kept, kept_b, kept.shape[1])
+        lay.keep(KeptSlots(kept_b, kept.shape[1], kept.shape[1], kept))
         self._bump("evicted", float((n - kept.shape[1]) * kv))
 
 
@@ -410,7 +409,7 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         return KVCrushChoice(budget, sinks, recent, representatives, anchors, tuple(b == "mean" for b in bits),
                              cfg.signature, cfg.multi_anchor, cfg.representative)  # fmt: skip
 
-    def _select(self, n: int, width: int) -> tuple[np.ndarray, tuple[Any, int]]:
+    def _select(self, n: int, width: int) -> KeptSlots:
         lay = self.layer
         dev, kv = lay.pool.dev, lay.kv_heads
         group = lay.q_heads // kv
@@ -427,7 +426,7 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         i32 = np.int32
         dev.run(self._kernel("kept_slots"), (len(rows),), None, masks, i32(n), i32(0), i32(0), i32(n), kept_b, i32(k))
         kept = np.stack(keeps if per_head else keeps * kv).astype(np.int32)
-        return kept, (kept_b, k if per_head else 0)
+        return KeptSlots(kept_b, k if per_head else 0, k, kept)
 
     def _select_rows(self, n: int, heads: slice) -> tuple[np.ndarray, Any]:
         """KVCrush over the scores of query heads ``heads``: the kept tokens (ascending) and their

@@ -29,7 +29,7 @@ from ov_kvcrush.gpu.attention import QuantHeads
 from ov_kvcrush.gpu.kvcrush import launch_block_sums
 from ov_kvcrush.gpu.layer_cache import DeviceKVCrushLayerCache, DeviceSnapKVLayerCache, host_array
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.gpu.pool import DevicePool, KeptSlots
 from ov_kvcrush.gpu.quant import launch_quantize
 from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.importance import H2OConfig
@@ -246,7 +246,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         """The full-precision part keeps ``slots`` (the same for every head), in that order."""
         lay = self.layer
         kept = np.ascontiguousarray(np.broadcast_to(slots.astype(np.int32), (lay.kv_heads, len(slots))))
-        lay.keep(kept, lay.pool.upload("kept slots", kept), kept.shape[1])
+        lay.keep(KeptSlots(lay.pool.upload("kept slots", kept), kept.shape[1], kept.shape[1], kept))
 
     def _reorder_scores(self, order: np.ndarray) -> None:
         """The scores in a new order of slots (the same for every head): the store's after a flush."""

@@ -5,9 +5,9 @@ it (:func:`ov_kvcrush.methods.selection.pool_scores`, ``attention.group_heads``,
 The window's per-query-head scores are pooled along tokens and summed per KV head, and each KV
 head keeps its sinks, its recent tokens and the ``budget - sinks - recent`` highest pooled scores
 between (``kvcrush.cl``'s rank rule: ties go to the earlier token). H2O and PyramidKV select the
-same way over unpooled scores (``width=1``). What comes back to the host is one byte per middle
-token per KV head (its decision), or the indices of the tokens dropped where they are fewer bytes
-(:func:`kept_on_host`), from which the block tables are rewritten.
+same way over unpooled scores (``width=1``). A decode's layer cache lists the kept slots on the
+device from the decisions (``kept_slots``) and gathers them there: nothing of the selection comes
+back to the host (:class:`~ov_kvcrush.gpu.pool.SlotPositions`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.gpu.device import KernelDevice, Transfers, device
+from ov_kvcrush.gpu.device import KernelDevice, device
 from ov_kvcrush.gpu.kvcrush import top_mask
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -85,26 +85,3 @@ def kept_tokens(decisions: np.ndarray, n: int, sink_tokens: int, recent_tokens: 
     tokens, ascending."""
     sinks, recent = np.arange(sink_tokens), np.arange(n - recent_tokens, n)
     return [np.concatenate([sinks, np.flatnonzero(row) + sink_tokens, recent]) for row in decisions]
-
-
-def kept_on_host(
-    dev: KernelDevice, transfers: Transfers, decisions: Any, kv_heads: int, n: int, kept_middle: int,
-    sink_tokens: int, recent_tokens: int,
-) -> np.ndarray:  # fmt: skip
-    """Each KV head's kept tokens ``[kv, budget]`` on the host, from the device ``decisions``
-    (:func:`launch_keep`'s, ``kept_middle`` of each head's middle tokens kept): the decisions
-    themselves cross, or the dropped tokens' indices where those are fewer bytes (four a token:
-    a decode step's eviction, which drops one token a head)."""
-    mid = n - sink_tokens - recent_tokens
-    drops = mid - kept_middle
-    if 4 * drops >= mid:
-        chosen = transfers.download("selection decisions", decisions, np.uint8, (kv_heads, mid))
-        return np.stack(kept_tokens(chosen, n, sink_tokens, recent_tokens))
-    dropped_b = dev.empty(4 * kv_heads * max(drops, 1))
-    i32 = np.int32
-    dev.run(dev.kernel("snapkv.cl", "dropped_slots", {}), (kv_heads,), None, decisions, i32(mid), i32(sink_tokens),
-            dropped_b, i32(drops))  # fmt: skip
-    dropped = transfers.download("dropped slots", dropped_b, np.int32, (kv_heads, drops))
-    every = np.ones((kv_heads, n), bool)
-    np.put_along_axis(every, dropped.astype(np.int64), False, axis=1)
-    return np.stack([np.flatnonzero(row) for row in every])

@@ -22,10 +22,22 @@
 //       GPUs compute as x * x there and the CPU runtime as NaN: the base is taken as |x|;
 //    c. mad with float and half arguments: IGC picks an overload, the CPU runtime's clang calls it
 //       ambiguous: mad(a, b, c) is spelled a * b + c.
+//
+// It also counts, for tests of what a step costs (ov_kvcrush.gpu.emulation.Counts), what a GPU
+// would be asked to do: kernels enqueued (by name), copies and fills on the device (commands a
+// GPU runs as kernels too), blocking host waits (clFinish, clWaitForEvents, and every blocking
+// read, write, map or copy) and the bytes copied between host and device (buffer reads and
+// writes, buffers made from host memory, maps, and USM copies between host and device memory).
+// Counting changes nothing of what the calls do.
+#define _POSIX_C_SOURCE 200809L  // strdup
 #define CL_TARGET_OPENCL_VERSION 300
 #include <CL/cl.h>
 #include <CL/cl_icd.h>
 #include <CL/cl_layer.h>
+#include <CL/cl_ext.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -138,6 +150,176 @@ static cl_program CL_API_CALL create_program(cl_context context, cl_uint count, 
     return program;
 }
 
+// -- counts of what a GPU would be asked to do -----------------------------------------------------
+enum { KERNELS, WAITS, TO_DEVICE, TO_HOST, DEVICE_COPIES, N_COUNTS };
+#define MAX_NAMES 512
+static uint64_t counts[N_COUNTS];
+static char* kernel_names[MAX_NAMES];
+static uint64_t kernel_runs[MAX_NAMES];
+static int n_names;
+static pthread_mutex_t names_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void add(int what, uint64_t n) { __atomic_fetch_add(&counts[what], n, __ATOMIC_RELAXED); }
+static void add_wait(cl_bool blocking) {
+    if (blocking) add(WAITS, 1); if (blocking && getenv("OVKC_DBG")) fprintf(stderr, "blocking op\n");
+}
+
+static void count_kernel(cl_kernel kernel) {
+    char name[512] = "";  // longer names are cut (the plugin's are under 200 characters)
+    size_t size = 0;
+    if (next->clGetKernelInfo(kernel, CL_KERNEL_FUNCTION_NAME, 0, NULL, &size) != CL_SUCCESS || size > sizeof(name) ||
+        next->clGetKernelInfo(kernel, CL_KERNEL_FUNCTION_NAME, sizeof(name), name, NULL) != CL_SUCCESS)
+        name[0] = '\0';
+    pthread_mutex_lock(&names_lock);
+    int i = 0;
+    while (i < n_names && strcmp(kernel_names[i], name) != 0) ++i;
+    if (i == n_names && n_names < MAX_NAMES && (kernel_names[i] = strdup(name)) != NULL) ++n_names;
+    if (i < n_names) ++kernel_runs[i];
+    pthread_mutex_unlock(&names_lock);
+    add(KERNELS, 1);
+}
+
+// read by ov_kvcrush.gpu.emulation through ctypes (the loader loaded this library; dlopen of the
+// same path gives the same copy)
+int ovkc_counts(uint64_t* out, int n) {
+    for (int i = 0; i < n && i < N_COUNTS; ++i) out[i] = __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
+    return N_COUNTS;
+}
+
+int ovkc_kernel_runs(int i, char* name, size_t size, uint64_t* runs) {
+    pthread_mutex_lock(&names_lock);
+    int found = i >= 0 && i < n_names;
+    if (found) {
+        strncpy(name, kernel_names[i], size - 1);
+        name[size - 1] = '\0';
+        *runs = kernel_runs[i];
+    }
+    pthread_mutex_unlock(&names_lock);
+    return found;
+}
+
+static size_t rect_bytes(const size_t* region) { return region[0] * region[1] * region[2]; }
+
+static cl_int CL_API_CALL enqueue_kernel(cl_command_queue q, cl_kernel kernel, cl_uint dims, const size_t* offset,
+                                         const size_t* global, const size_t* local, cl_uint n, const cl_event* wait,
+                                         cl_event* event) {
+    cl_int err = next->clEnqueueNDRangeKernel(q, kernel, dims, offset, global, local, n, wait, event);
+    if (err == CL_SUCCESS) count_kernel(kernel);
+    return err;
+}
+
+static cl_int CL_API_CALL finish(cl_command_queue q) {
+    add(WAITS, 1); if (getenv("OVKC_DBG")) fprintf(stderr, "clFinish\n");
+    return next->clFinish(q);
+}
+
+static cl_int CL_API_CALL wait_for_events(cl_uint n, const cl_event* events) {
+    add(WAITS, 1); if (getenv("OVKC_DBG")) fprintf(stderr, "clWaitForEvents %u\n", n);
+    return next->clWaitForEvents(n, events);
+}
+
+static cl_int CL_API_CALL read_buffer(cl_command_queue q, cl_mem buffer, cl_bool blocking, size_t offset, size_t size,
+                                      void* ptr, cl_uint n, const cl_event* wait, cl_event* event) {
+    add_wait(blocking);
+    add(TO_HOST, size);
+    return next->clEnqueueReadBuffer(q, buffer, blocking, offset, size, ptr, n, wait, event);
+}
+
+static cl_int CL_API_CALL write_buffer(cl_command_queue q, cl_mem buffer, cl_bool blocking, size_t offset, size_t size,
+                                       const void* ptr, cl_uint n, const cl_event* wait, cl_event* event) {
+    add_wait(blocking);
+    add(TO_DEVICE, size);
+    return next->clEnqueueWriteBuffer(q, buffer, blocking, offset, size, ptr, n, wait, event);
+}
+
+static cl_int CL_API_CALL read_rect(cl_command_queue q, cl_mem buffer, cl_bool blocking, const size_t* buffer_origin,
+                                    const size_t* host_origin, const size_t* region, size_t buffer_row,
+                                    size_t buffer_slice, size_t host_row, size_t host_slice, void* ptr, cl_uint n,
+                                    const cl_event* wait, cl_event* event) {
+    add_wait(blocking);
+    add(TO_HOST, rect_bytes(region));
+    return next->clEnqueueReadBufferRect(q, buffer, blocking, buffer_origin, host_origin, region, buffer_row,
+                                         buffer_slice, host_row, host_slice, ptr, n, wait, event);
+}
+
+static cl_int CL_API_CALL write_rect(cl_command_queue q, cl_mem buffer, cl_bool blocking, const size_t* buffer_origin,
+                                     const size_t* host_origin, const size_t* region, size_t buffer_row,
+                                     size_t buffer_slice, size_t host_row, size_t host_slice, const void* ptr,
+                                     cl_uint n, const cl_event* wait, cl_event* event) {
+    add_wait(blocking);
+    add(TO_DEVICE, rect_bytes(region));
+    return next->clEnqueueWriteBufferRect(q, buffer, blocking, buffer_origin, host_origin, region, buffer_row,
+                                          buffer_slice, host_row, host_slice, ptr, n, wait, event);
+}
+
+static void* CL_API_CALL map_buffer(cl_command_queue q, cl_mem buffer, cl_bool blocking, cl_map_flags flags,
+                                    size_t offset, size_t size, cl_uint n, const cl_event* wait, cl_event* event,
+                                    cl_int* err) {
+    add_wait(blocking);
+    if (!(flags & CL_MAP_WRITE_INVALIDATE_REGION)) add(TO_HOST, size);  // the host sees the device's bytes
+    if (flags & (CL_MAP_WRITE | CL_MAP_WRITE_INVALIDATE_REGION)) add(TO_DEVICE, size);  // and they go back
+    return next->clEnqueueMapBuffer(q, buffer, blocking, flags, offset, size, n, wait, event, err);
+}
+
+static cl_int CL_API_CALL copy_buffer(cl_command_queue q, cl_mem src, cl_mem dst, size_t src_offset,
+                                      size_t dst_offset, size_t size, cl_uint n, const cl_event* wait,
+                                      cl_event* event) {
+    add(DEVICE_COPIES, 1);
+    return next->clEnqueueCopyBuffer(q, src, dst, src_offset, dst_offset, size, n, wait, event);
+}
+
+static cl_int CL_API_CALL copy_rect(cl_command_queue q, cl_mem src, cl_mem dst, const size_t* src_origin,
+                                    const size_t* dst_origin, const size_t* region, size_t src_row, size_t src_slice,
+                                    size_t dst_row, size_t dst_slice, cl_uint n, const cl_event* wait,
+                                    cl_event* event) {
+    add(DEVICE_COPIES, 1);
+    return next->clEnqueueCopyBufferRect(q, src, dst, src_origin, dst_origin, region, src_row, src_slice, dst_row,
+                                         dst_slice, n, wait, event);
+}
+
+static cl_int CL_API_CALL fill_buffer(cl_command_queue q, cl_mem buffer, const void* pattern, size_t pattern_size,
+                                      size_t offset, size_t size, cl_uint n, const cl_event* wait, cl_event* event) {
+    add(DEVICE_COPIES, 1);
+    return next->clEnqueueFillBuffer(q, buffer, pattern, pattern_size, offset, size, n, wait, event);
+}
+
+static cl_mem CL_API_CALL create_buffer(cl_context context, cl_mem_flags flags, size_t size, void* host, cl_int* err) {
+    if (flags & CL_MEM_COPY_HOST_PTR) add(TO_DEVICE, size);
+    return next->clCreateBuffer(context, flags, size, host, err);
+}
+
+// USM (cl_intel_unified_shared_memory, which the plugin uses where the device has it): its copies
+// are extension functions, reached through clGetExtensionFunctionAddressForPlatform
+static clEnqueueMemcpyINTEL_fn next_memcpy;
+static clGetMemAllocInfoINTEL_fn alloc_info;
+
+static int on_device(cl_context context, const void* ptr) {
+    cl_unified_shared_memory_type_intel type = CL_MEM_TYPE_UNKNOWN_INTEL;
+    if (alloc_info) alloc_info(context, ptr, CL_MEM_ALLOC_TYPE_INTEL, sizeof(type), &type, NULL);
+    return type == CL_MEM_TYPE_DEVICE_INTEL;
+}
+
+static cl_int CL_API_CALL usm_memcpy(cl_command_queue q, cl_bool blocking, void* dst, const void* src, size_t size,
+                                     cl_uint n, const cl_event* wait, cl_event* event) {
+    add_wait(blocking);
+    cl_context context = NULL;
+    next->clGetCommandQueueInfo(q, CL_QUEUE_CONTEXT, sizeof(context), &context, NULL);
+    const int to = on_device(context, dst), from = on_device(context, src);
+    if (to && !from) add(TO_DEVICE, size);
+    if (from && !to) add(TO_HOST, size);
+    if (from && to) add(DEVICE_COPIES, 1);
+    return next_memcpy(q, blocking, dst, src, size, n, wait, event);
+}
+
+static void* CL_API_CALL extension_function(cl_platform_id platform, const char* name) {
+    void* f = next->clGetExtensionFunctionAddressForPlatform(platform, name);
+    if (f == NULL || name == NULL || strcmp(name, "clEnqueueMemcpyINTEL") != 0) return f;
+    next_memcpy = (clEnqueueMemcpyINTEL_fn)f;
+    alloc_info = (clGetMemAllocInfoINTEL_fn)next->clGetExtensionFunctionAddressForPlatform(platform,
+                                                                                           "clGetMemAllocInfoINTEL");
+    return (void*)usm_memcpy;
+}
+
 // -- the layer's entry points -----------------------------------------------------------------------
 CL_API_ENTRY cl_int CL_API_CALL clGetLayerInfo(cl_layer_info name, size_t size, void* value, size_t* size_ret) {
     if (name != CL_LAYER_API_VERSION) return CL_INVALID_VALUE;
@@ -163,6 +345,19 @@ CL_API_ENTRY cl_int CL_API_CALL clInitLayer(cl_uint entries, const struct _cl_ic
     layer_dispatch.clCreateKernelsInProgram = create_kernels;
     layer_dispatch.clReleaseKernel = release_kernel;
     layer_dispatch.clCreateProgramWithSource = create_program;
+    layer_dispatch.clEnqueueNDRangeKernel = enqueue_kernel;
+    layer_dispatch.clFinish = finish;
+    layer_dispatch.clWaitForEvents = wait_for_events;
+    layer_dispatch.clEnqueueReadBuffer = read_buffer;
+    layer_dispatch.clEnqueueWriteBuffer = write_buffer;
+    layer_dispatch.clEnqueueReadBufferRect = read_rect;
+    layer_dispatch.clEnqueueWriteBufferRect = write_rect;
+    layer_dispatch.clEnqueueMapBuffer = map_buffer;
+    layer_dispatch.clCreateBuffer = create_buffer;
+    layer_dispatch.clEnqueueCopyBuffer = copy_buffer;
+    layer_dispatch.clEnqueueCopyBufferRect = copy_rect;
+    layer_dispatch.clEnqueueFillBuffer = fill_buffer;
+    layer_dispatch.clGetExtensionFunctionAddressForPlatform = extension_function;
     *entries_ret = (cl_uint)own;
     *layer = &layer_dispatch;
     return CL_SUCCESS;

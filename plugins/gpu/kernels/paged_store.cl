@@ -77,3 +77,22 @@ __kernel void key_norm_scores(__global const uchar* pool, __global const int* ta
     }
     scores[(long)kv * group * stride + slot] = -sqrt(s);
 }
+
+// Where the slots' positions live (one int per slot, rows `stride` apart per KV head): a step's
+// new slots first .. first + count take positions first_position .. . Global (count, kv_heads).
+__kernel void fill_positions(__global int* positions, int stride, int first, int first_position, int count) {
+    const int i = get_global_id(0), kv = get_global_id(1);
+    if (i < count) positions[(long)kv * stride + first + i] = first_position + i;
+}
+
+// An eviction's gather_slots for the positions: slot i of KV head kv afterwards holds the
+// position of its slot kept[kv][i] before (kept_stride 0: one list for every head); slots from
+// `fresh` on were stored since the positions were last written, at positions fresh_position + (slot
+// - fresh) (a decode step's token: no kernel of its own writes it). Global (count, kv_heads).
+__kernel void gather_positions(__global const int* src, int src_stride, __global const int* kept, int kept_stride,
+                               int count, int fresh, int fresh_position, __global int* dst, int dst_stride) {
+    const int i = get_global_id(0), kv = get_global_id(1);
+    if (i >= count) return;
+    const int slot = kept[kv * kept_stride + i];
+    dst[(long)kv * dst_stride + i] = slot >= fresh ? fresh_position + slot - fresh : src[(long)kv * src_stride + slot];
+}

@@ -68,9 +68,9 @@ __kernel void gather_rows(__global const float* src, int src_stride, __global co
 }
 
 // kept[kv][0 ..): head kv's sinks, the middle tokens its decisions keep (in order), then its
-// recent tokens: the slots an eviction gathers, listed on the device from the decisions that
-// also go to the host (which lists them the same way for its own bookkeeping), so that no slot
-// list crosses. One work-item per KV head: global (kv_heads).
+// recent tokens: the slots an eviction gathers, listed on the device from the decisions, so that
+// nothing of a selection crosses (the slots' positions are gathered on the device too). One
+// work-item per KV head: global (kv_heads).
 __kernel void kept_slots(__global const uchar* decisions, int mid, int sinks, int recent, int n,
                          __global int* kept, int kept_stride) {
     const int kv = get_global_id(0);
@@ -80,18 +80,6 @@ __kernel void kept_slots(__global const uchar* decisions, int mid, int sinks, in
     for (int i = 0; i < mid; ++i)
         if (decisions[(long)kv * mid + i]) out[at++] = sinks + i;
     for (int i = n - recent; i < n; ++i) out[at++] = i;
-}
-
-// Each KV head's middle tokens its decisions drop, ascending (mid - kept of them): what crosses
-// to the host instead of the decisions when it is fewer bytes (a decode step's eviction drops one
-// token a head). One work-item per KV head: global (kv_heads).
-__kernel void dropped_slots(__global const uchar* decisions, int mid, int sinks, __global int* dropped,
-                            int dropped_stride) {
-    const int kv = get_global_id(0);
-    __global int* out = dropped + (long)kv * dropped_stride;
-    int at = 0;
-    for (int i = 0; i < mid; ++i)
-        if (!decisions[(long)kv * mid + i]) out[at++] = sinks + i;
 }
 
 // acc[h][j] = 0: a new token's score starts at zero wherever the store's order puts it (the
