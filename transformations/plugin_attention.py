@@ -17,10 +17,12 @@ with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_hea
 * ``kvc_tokens`` [T, 2]: each token's sequence and its index among that sequence's tokens
   (:func:`ov_kvcrush.gpu.plugin_layers.token_tensor`);
 * ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`;
-* ``kvc_score_rows`` [R] (int64, at least one): the step's query rows each layer returns as its
-  output ``kvc_rows.<layer>`` [q_heads, R, head_dim] (f32 whatever the activations), from which
-  the methods' scores are computed
-  (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
+* ``kvc_score_rows`` [R] (int64, at least one): the step's query rows each layer writes
+  (``OvkcRows``, after the store) into its input ``kvc_rows.<layer>`` (bytes: our buffer, written
+  in place, as f32 [q_heads, R, head_dim] whatever the activations), from which the methods'
+  scores are computed (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
+  An input written in place, not an output: the plugin copies a dynamic output into a buffer of
+  ours through the host.
 
 Over MiniKV's 2-bit store (``quant``: the 2-bit blocks' shape) each layer also quantizes the
 full-precision slots a step fills a chunk with (``OvkcFlush``, after the store) and attends the
@@ -66,8 +68,8 @@ QUANT_INPUTS = {
     "kvc_qlengths": (np.int32, ("layers", -1)),
     "kvc_flush": (np.int32, ("layers", -1, 2)),
 }
-#: the name of layer ``i``'s query rows output
-ROWS_OUTPUT = "kvc_rows.{}"
+#: the name of layer ``i``'s query rows input (bytes, written in place)
+ROWS_INPUT = "kvc_rows.{}"
 
 
 def convert_model_for_plugin(
@@ -95,8 +97,8 @@ def convert_model_for_plugin(
         params[name] = ops.parameter([dims.get(d, d) for d in dim_names], kind, name=name)
         params[name].output(0).get_tensor().set_names({name})
     pool, step, tokens = (params[f"kvc_{name}"].output(0) for name in ("pool", "step", "tokens"))
+    score_rows = params["kvc_score_rows"].output(0)
     group = shape.q_heads // shape.kv_heads
-    rows = []
     for plan in plans:
         pool_shape = PoolShape(kv_precision, block_size, shape.head_dim, group)
         attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations, quant)
@@ -108,6 +110,10 @@ def convert_model_for_plugin(
         }
         q, k, v = (_squeezed(x, act) for x in plan.inputs())  # [heads, tokens, head_dim]
         stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], tokens, k, v, step], attrs).output(0)
+        name = ROWS_INPUT.format(plan.layer)
+        params[name] = ops.parameter([-1], np.uint8, name=name)
+        params[name].output(0).get_tensor().set_names({name})
+        stored = layer_class("OvkcRows")([params[name].output(0), q, score_rows, step, stored], attrs).output(0)
         attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, step]
         if quant is None:
             out = layer_class("OvkcPrefill")([*attend, stored], attrs).output(0)
@@ -118,12 +124,7 @@ def convert_model_for_plugin(
             out = layer_class("OvkcQuantPrefill")([*attend, flushed, *two_bit], attrs).output(0)
         back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
         plan.replace_with(model, back.output(0))
-        last = ops.gather(q, params["kvc_score_rows"], np.array(1, np.int64))
-        last = ops.convert(last, np.float32) if activations != "f32" else last  # the methods read f32 rows
-        last.output(0).get_tensor().set_names({ROWS_OUTPUT.format(plan.layer)})
-        rows.append(last)
     model.add_parameters(list(params.values()))
-    model.add_results([ops.result(r) for r in rows])  # before the pass drops inputs nothing reads
     return finish_conversion(model, plans, shape, last_token_logits)
 
 

@@ -32,7 +32,7 @@ from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs
 from ov_kvcrush.transformations.paged_attention import ConvertedModel
-from ov_kvcrush.transformations.plugin_attention import ROWS_OUTPUT, convert_model_for_plugin
+from ov_kvcrush.transformations.plugin_attention import ROWS_INPUT, convert_model_for_plugin
 
 # Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
 # that importing this module stays light.
@@ -131,7 +131,7 @@ class PluginModel:
             self.pool_shape, self.dev.sub_group, self.converted.scales[0], self.activations
         )
         self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
-        self.rows_outputs = [ROWS_OUTPUT.format(i) for i in range(s.layers)]
+        self.rows_inputs = [ROWS_INPUT.format(i) for i in range(s.layers)]
         #: a buffer per layer, reused while large enough: "rows" (the step's returned query
         #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
         self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
@@ -202,7 +202,7 @@ class PluginModel:
         size, buffers = self._layer_buffers.get(key, (0, []))
         if nbytes > size:
             size = max(nbytes, 2 * size)
-            buffers = [self.dev.empty(size) for _ in self.rows_outputs]
+            buffers = [self.dev.empty(size) for _ in self.rows_inputs]
             self._layer_buffers[key] = (size, buffers)
         return buffers
 
@@ -238,8 +238,9 @@ class PluginModel:
             request.set_tensor("kvc_qpool", qpool)
         s, rows = self.shape, step.returned_rows
         buffers = self._buffers("rows", 4 * s.q_heads * rows * s.head_dim)
-        for name, buffer in zip(self.rows_outputs, buffers, strict=True):
-            request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.f32, [s.q_heads, rows, s.head_dim]))
+        size = self._layer_buffers["rows"][0]
+        for name, buffer in zip(self.rows_inputs, buffers, strict=True):  # the layers write their rows into ours
+            request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.u8, [size]))
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
         self.dev.synced()  # the previous step's method work was queued before the model's: done too

@@ -127,11 +127,17 @@ def paged_decode(
     return dev.to_host(bufs.out, np.float32, (hq, d)), dev.to_host(bufs.probs, np.float32, (hq, stride))[:, :width]
 
 
-def decode_buffers(dev: KernelDevice, q: Any, hq: int, d: int, width: int, first: Any) -> DecodeBuffers:
-    """A step's buffers for ``hq`` query heads over at most ``width`` slots (device query ``q``)."""
+def decode_buffers(
+    dev: KernelDevice, q: Any, hq: int, d: int, width: int, first: Any, ragged: bool = True, values: bool = True
+) -> DecodeBuffers:
+    """A step's buffers for ``hq`` query heads over at most ``width`` slots (device query ``q``):
+    the probabilities zero past each head's slots where the heads hold different counts
+    (``ragged``; else every read column is written), no output where no values are read."""
     stride = round_up(max(width, 1), dev.sub_group)
-    return DecodeBuffers(q=q, logits=dev.empty(4 * hq * stride), probs=dev.zeros(4 * hq * stride),
-                         out=dev.zeros(4 * hq * d), first=first, stride=np.int32(stride))  # fmt: skip
+    probs = dev.zeros(4 * hq * stride) if ragged else dev.empty(4 * hq * stride)
+    out = dev.zeros(4 * hq * d) if values else dev.empty(4)
+    return DecodeBuffers(q=q, logits=dev.empty(4 * hq * stride), probs=probs, out=out, first=first,
+                         stride=np.int32(stride))  # fmt: skip
 
 
 def launch_decode(

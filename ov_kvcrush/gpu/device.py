@@ -102,11 +102,13 @@ class Device(KernelDevice):
     queue: Any
     sub_group: int
     kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], Any] = field(default_factory=dict)
-    #: every buffer made since the queue was last known idle, held until then: a buffer Python
-    #: drops while a queued command still uses it is released at once, and Intel's OpenCL CPU
-    #: runtime hands its memory to the next buffer under that command (a kernel's temporary
-    #: argument overwritten by the next upload: seen as a nondeterministic token under continuous
-    #: batching on device GPU). The SYCL host frees a buffer only after the work queued before it.
+    #: every buffer made, or used by a command enqueued, since the queue was last known idle, held
+    #: until then: a buffer Python drops while a queued command still uses it is released at
+    #: once, and Intel's OpenCL CPU runtime hands its memory to the next buffer under that command
+    #: (a kernel's temporary argument overwritten by the next upload: seen as a nondeterministic
+    #: token under continuous batching on device GPU; a method's scores or positions replaced by
+    #: their gather while it reads them). The SYCL host frees a buffer only after the work queued
+    #: before it.
     in_flight: list[Any] = field(default_factory=list)
 
     def synced(self) -> None:
@@ -123,6 +125,7 @@ class Device(KernelDevice):
     def run(self, kernel: Any, global_size: tuple[int, ...], local_size: tuple[int, ...], *args: Any) -> None:
         kernel.set_args(*args)
         self.cl.enqueue_nd_range_kernel(self.queue, kernel, global_size, local_size)
+        self.in_flight.extend(a for a in args if isinstance(a, self.cl.MemoryObjectHolder))
 
     def to_device(self, array: np.ndarray) -> Any:
         flags = self.cl.mem_flags.READ_WRITE | self.cl.mem_flags.COPY_HOST_PTR
@@ -143,11 +146,13 @@ class Device(KernelDevice):
             self.cl.enqueue_copy(self.queue, dst, src, src_origin=(4 * src_at, first_row), dst_origin=(4 * at, 0),
                                  region=(4 * n, rows), src_pitches=(4 * src_stride,),
                                  dst_pitches=(4 * dst_stride,))  # fmt: skip
+            self.in_flight += (src, dst)
 
     def copy_bytes(self, src: Any, dst: Any, nbytes: int, dst_offset: int) -> None:
         """``nbytes`` of ``src`` to byte ``dst_offset ..`` of ``dst``, on the device."""
         if nbytes:
             self.cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes, dst_offset=dst_offset)
+            self.in_flight += (src, dst)
 
     def clear(self, buffer: Any, nbytes: int) -> None:
         self.cl.enqueue_fill_buffer(self.queue, buffer, np.uint8(0), 0, max(int(nbytes), 4))

@@ -284,9 +284,9 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         """The scores of each KV head's slots ``kept`` (device ``[kv, count]`` and its row stride:
         0 when every head keeps the same list) in a new buffer of row stride ``stride``."""
         dev, lay = self.layer.pool.dev, self.layer
-        out = dev.zeros(4 * lay.q_heads * stride)
+        out = dev.empty(4 * lay.q_heads * max(stride, 1))  # written whole: zero past the kept slots
         i32 = np.int32
-        dev.run(self._kernel("gather_rows"), (max(count, 1), lay.q_heads), None, self.scores, i32(self.stride),
+        dev.run(self._kernel("gather_rows"), (max(stride, 1), lay.q_heads), None, self.scores, i32(self.stride),
                 kept[0], i32(kept[1]), i32(count), i32(lay.q_heads // lay.kv_heads), out, i32(stride))  # fmt: skip
         return out
 
@@ -297,7 +297,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
     def _keep_held_scores(self, stride: int) -> None:
         """The held slots' scores copied into a fresh buffer of row stride ``stride``, zero past them."""
         held = self._scored()
-        every = self.layer.pool.upload("held slots", np.arange(held, dtype=np.int32))
+        every = self.layer.pool.upload_slots("held slots", np.arange(held, dtype=np.int32))
         self.scores = self._gather_scores((every, 0), held, stride)  # one list for every head
         self.stride = stride
 
@@ -341,8 +341,8 @@ class DeviceKnormLayerCache(DeviceH2OLayerCache):
 
 class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
     """StreamingLLM over the device pool: the sinks and the last ``budget - sinks`` tokens, no
-    scores. The kept slots are listed on the device (``kept_slots`` over a row of no middle
-    decisions), so only the new block tables cross."""
+    scores. The kept slots are listed on the device (``kept_slots`` with no middle tokens), so
+    only the new block tables cross."""
 
     def __init__(self, config: StreamingLLMConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
         super().__init__(pool, kv_heads, q_heads)
@@ -373,8 +373,9 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
         dev = lay.pool.dev
         kept_b = dev.empty(4 * kept.size)
         i32 = np.int32
-        dev.run(dev.kernel("snapkv.cl", "kept_slots", {}), (kv,), None, dev.zeros(kv * mid), i32(mid),
-                i32(self.sinks), i32(self.recent), i32(n), kept_b, i32(kept.shape[1]))  # fmt: skip
+        # no middle token is kept: no decisions are read (kept_b stands in for them)
+        dev.run(dev.kernel("snapkv.cl", "kept_slots", {}), (kv,), None, kept_b, i32(0), i32(self.sinks),
+                i32(self.recent), i32(n), kept_b, i32(kept.shape[1]))  # fmt: skip
         lay.keep(KeptSlots(kept_b, kept.shape[1], kept.shape[1], kept))
         self._bump("evicted", float((n - kept.shape[1]) * kv))
 

@@ -261,7 +261,7 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     if pool.quant is not None:
         inputs |= _quant_inputs(sequences)
         qwidth = inputs["kvc_qtables"].shape[2]
-    inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth)
+    inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]))
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows)
     _count_step(pool, step)
     return step

@@ -3,7 +3,7 @@
 
 The plugin runs a custom layer as one OpenCL kernel, given the layer's input tensors and its one
 output, with compile-time ``-D`` constants taken from the op's attributes (the ``CONFIG_FILE`` XML
-that :func:`write_config` writes). Our steps are five such layers, each the body of the
+that :func:`write_config` writes). Our steps are such layers, each the body of the
 pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 
 * :class:`OvkcStore` writes the step's keys and values into the pool (an input, written in place:
@@ -11,6 +11,8 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 * :class:`OvkcLogits`, :class:`OvkcSoftmax`, :class:`OvkcValues`: the three passes of paged decode
   attention over each KV head's block table and token count; the softmax's output is the per-head
   probabilities the importance methods accumulate;
+* :class:`OvkcRows`: the step's query rows the methods score, written into our buffer (an input,
+  written in place: a model output would come back to it through the host);
 * :class:`OvkcPrefill`: a step's query rows over the slots each sees (a prompt's chunk row by
   row; a decode token all its sequence holds), several sequences side by side (``tokens``: each
   token's sequence and index in it; the cache's tensors a row per sequence and KV head);
@@ -99,6 +101,9 @@ KERNELS = {
     "OvkcValues": LayerKernel(
         "ovkc_values", "OVKC_LAYER_VALUES", ("pool", "tables", "lengths", "probs", "step"), "F,B", "{sg},1"
     ),
+    "OvkcRows": LayerKernel(
+        "ovkc_rows", "OVKC_LAYER_ROWS", ("rows", "q", "score_rows", "step", "stored"), "F,B", "1,1"
+    ),
     "OvkcPrefill": LayerKernel(
         "ovkc_prefill",
         "OVKC_LAYER_PREFILL",
@@ -137,13 +142,13 @@ KERNELS = {
     ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
-STEP_FIELDS = ("table_width", "rows", "qtable_width")
+STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows")
 
 
-def step_tensor(table_width: int, rows: int = 1, qtable_width: int = 1) -> np.ndarray:
+def step_tensor(table_width: int, rows: int = 1, qtable_width: int = 1, score_rows: int = 0) -> np.ndarray:
     """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
-    2-bit block tables' width."""
-    return np.array([table_width, rows, qtable_width], np.int32)
+    2-bit block tables' width, the query rows :class:`OvkcRows` writes."""
+    return np.array([table_width, rows, qtable_width, score_rows], np.int32)
 
 
 def token_tensor(counts: list[int]) -> np.ndarray:
@@ -238,6 +243,10 @@ def _layer_classes() -> dict[str, type]:
             probs = self.input_shape("probs")
             self.set_output_type(0, ov.Type.f32, ov.PartialShape([probs[0], self._attributes["head_dim"]]))
 
+    class OvkcRows(PluginLayer):
+        def validate_and_infer_types(self) -> None:
+            self.set_output_type(0, ov.Type.i32, self.input_shape("stored"))
+
     class OvkcPrefill(PluginLayer):
         def validate_and_infer_types(self) -> None:
             q = self.input_shape("q")  # [q_heads, rows, head_dim], in the activations' type
@@ -252,7 +261,7 @@ def _layer_classes() -> dict[str, type]:
             rows = self.input_shape("flush")[0]  # [rows, 2]
             self.set_output_type(0, ov.Type.i32, ov.PartialShape([rows, self._attributes["quant_tokens"]]))
 
-    classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcPrefill, OvkcFlush, OvkcQuantPrefill)
+    classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcRows, OvkcPrefill, OvkcFlush, OvkcQuantPrefill)
     return {cls.__name__: cls for cls in classes}
 
 

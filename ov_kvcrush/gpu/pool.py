@@ -81,6 +81,8 @@ class DevicePool:
         self.crossings = {"prompt": Crossings(), "decode": Crossings()}
         self.phase = "prompt"  # set by the layer caches
         self._quant: dict[QuantShape, QuantBlocks] = {}
+        #: a decode's slot list where it has none (the kernels take a buffer; made once)
+        self.no_slots = self.dev.zeros(4)
 
     def quant_blocks(self, shape: QuantShape) -> QuantBlocks:
         """The 2-bit blocks of ``shape`` that this pool's layer caches share (made when first asked)."""
@@ -108,6 +110,19 @@ class DevicePool:
         c = self.crossings[self.phase]
         c.to_device[what] = c.to_device.get(what, 0) + array.nbytes
         return self.dev.to_device(array)
+
+    def upload_slots(self, what: str, slots: np.ndarray) -> Any:
+        """A device copy of the 1-D slot list ``slots``, sent as its runs of consecutive slots and
+        expanded on the device (a few runs: a store's reorder) where that is fewer bytes."""
+        slots = np.ascontiguousarray(slots, np.int32)
+        starts = np.flatnonzero(np.diff(slots, prepend=slots[:1] - 2) != 1) if slots.size else np.zeros(0, np.int64)
+        if 2 * len(starts) >= len(slots):
+            return self.upload(what, slots)
+        runs = np.stack([starts, slots[starts]], axis=1).astype(np.int32)
+        out = self.dev.empty(4 * len(slots))
+        kernel = self.dev.kernel("snapkv.cl", "expand_runs", {})
+        self.dev.run(kernel, (len(slots),), None, self.upload(what, runs), np.int32(len(runs)), out)
+        return out
 
     def download(self, what: str, buffer: Any, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
         """``buffer``'s first ``prod(shape)`` elements on the host, counted under ``what``."""
@@ -376,11 +391,11 @@ class PagedLayer:
         heads = self._heads(self.held)
         nq = quant.longest if quant else 0
         first = quant.lengths if quant else p.upload("lengths", np.zeros(self.kv_heads, np.int32))
-        bufs = decode_buffers(p.dev, q_b, hq, d, nq + self.held, first)
-        no_map = (p.dev.zeros(4), 0)
+        # every head holds as many slots (and as many 2-bit ones): every probability read is written
+        bufs = decode_buffers(p.dev, q_b, hq, d, nq + self.held, first, ragged=False, values=values)
         quant_pass = launch_quant_logits(p.dev, quant, bufs, hq, scale) if quant else None
         totals = p.upload("lengths", np.full(self.kv_heads, nq + self.held, np.int32)) if quant else heads.lengths
-        launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, totals, scale, no_map, quant_pass, values)
+        launch_decode(p.dev, p.shape, heads, bufs, hq, self.held, totals, scale, (p.no_slots, 0), quant_pass, values)
         if values:
             self._count_decode_step(self.kv_heads * self.held, quant_read)
         else:  # the keys only

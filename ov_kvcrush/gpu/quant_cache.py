@@ -63,6 +63,8 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         self.chunks: list[list[int]] = [[] for _ in range(kv_heads)]
         self.qpos = np.zeros((kv_heads, 0), np.int32)  # positions of the quantized tokens
         self.pinned = 0
+        #: :meth:`_quant_heads` as last uploaded (None: the chunks changed since)
+        self._heads_on_device: QuantHeads | None = None
         #: the flush the model's step makes (a model that stores and attends itself): the first
         #: full-precision slot, the slots, and each KV head's new blocks; None when it makes none
         self.flushing: tuple[int, int, list[list[int]]] | None = None
@@ -202,6 +204,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             self.blocks.give([b for head in self.flushing[2] for b in head])
             self.flushing = None
         self.chunks = [[] for _ in range(self.layer.kv_heads)]
+        self._heads_on_device = None
         super().release()
 
     def _scored(self) -> int:
@@ -233,6 +236,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
 
     def _add_chunks(self, start: int, end: int, new: list[list[int]]) -> None:
         """Each head's new 2-bit blocks ``new[h]``, holding full-precision slots ``[start, end)``."""
+        self._heads_on_device = None
         for h, ids in enumerate(new):
             self.chunks[h].extend(ids)
         self.qpos = np.concatenate([self.qpos, self.layer.positions[:, start:end]], axis=1)
@@ -246,16 +250,24 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         """The full-precision part keeps ``slots`` (the same for every head), in that order."""
         lay = self.layer
         kept = np.ascontiguousarray(np.broadcast_to(slots.astype(np.int32), (lay.kv_heads, len(slots))))
-        lay.keep(KeptSlots(lay.pool.upload("kept slots", kept), kept.shape[1], kept.shape[1], kept))
+        lay.keep(KeptSlots(lay.pool.upload_slots("kept slots", slots), 0, len(slots), kept))  # one list, every head
 
     def _reorder_scores(self, order: np.ndarray) -> None:
         """The scores in a new order of slots (the same for every head): the store's after a flush."""
-        uploaded = self.layer.pool.upload("score order", order.astype(np.int32))
+        uploaded = self.layer.pool.upload_slots("score order", order)
         self.scores = self._gather_scores((uploaded, 0), len(order), self.stride)
 
     def _quant_heads(self) -> QuantHeads | None:
+        """The 2-bit blocks as the decode reads them, uploaded when the chunks (or the 2-bit
+        blocks' buffer, which grows) changed since the last step."""
         if not self.nq:
             return None
+        held = self._heads_on_device
+        if held is None or held.pool is not self.blocks.buffer or held.longest != self.nq:
+            held = self._heads_on_device = self._upload_quant_heads()
+        return held
+
+    def _upload_quant_heads(self) -> QuantHeads:
         pool = self.layer.pool
         width = max(len(c) for c in self.chunks)
         tables = np.zeros((self.layer.kv_heads, width), np.int32)
@@ -294,6 +306,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         order = np.concatenate([slots, np.broadcast_to(np.arange(nq, nq + lay.held), (kv, lay.held))], axis=1)
         uploaded = lay.pool.upload("score order", np.ascontiguousarray(order, np.int32))
         self.scores = self._gather_scores((uploaded, order.shape[1]), order.shape[1], self.stride)
+        self._heads_on_device = None
         for h in range(kv):
             kept = set(keep[h].tolist())
             self.blocks.give([b for i, b in enumerate(self.chunks[h]) if i not in kept])

@@ -3,7 +3,7 @@
 // then its one output, and nothing else; so the pool and block tables come in as tensors (the
 // pool a remote tensor the store layer writes in place), and the step's numbers in the tensor
 // `step` (int32: the width of the block tables, the step's rows, the width of the 2-bit block
-// tables). The bodies are the pyopencl and
+// tables, the query rows the methods read). The bodies are the pyopencl and
 // SYCL hosts' kernels' own (paged_attention.h, paged_store.h, prefill.h): the same code on every
 // host.
 //
@@ -75,6 +75,25 @@ __kernel void ovkc_values(__global const uchar* pool, __global const int* tables
                           __global const float* probs, __global const int* step, __global float* out) {
     values_item(get_global_id(0), get_global_id(1), pool, tables, step[0], lengths, 0, lengths, 0, probs,
                 step[0] * BLOCK_SIZE, 0, out);
+}
+#endif
+
+// The query rows the methods score after the step (step[3] of them: `score_rows`, indices among
+// the step's T tokens, int64 in the model and int32 in the plugin, which runs i64 as i32), written as f32 [q_heads, step[3], HEAD_DIM] into `rows`, our buffer (bytes,
+// written in place: a model output the plugin would copy into it through the host). The output is
+// `stored` passed on, so that the prompt layer runs after it. Global (T, kv_heads), local (1, 1):
+// work-item (t, kv) writes row t of kv's query heads.
+#ifdef OVKC_LAYER_ROWS
+__kernel void ovkc_rows(__global uchar* rows, __global const ACT* q, __global const int* score_rows,
+                        __global const int* step, __global const int* stored, __global int* out) {
+    const int t = get_global_id(0), kv = get_global_id(1), tokens = get_global_size(0), n = step[3];
+    out[kv * tokens + t] = stored[kv * tokens + t];
+    if (t >= n) return;
+    __global float* dst = (__global float*)rows;
+    const int from = score_rows[t];
+    for (int h = kv * GROUP; h < (kv + 1) * GROUP; ++h)
+        for (int d = 0; d < HEAD_DIM; ++d)
+            dst[((long)h * n + t) * HEAD_DIM + d] = ACT_LOAD(q, ((long)h * tokens + from) * HEAD_DIM + d);
 }
 #endif
 

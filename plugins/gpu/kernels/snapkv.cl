@@ -57,14 +57,14 @@ __kernel void add_step_scores(__global float* acc, int acc_stride, int before, i
     acc[(long)h * acc_stride + j] = old + probs[(long)h * prob_stride + j];
 }
 
-// dst[h][i] = src[h][kept[h / group][i]] for i < count: the scores of the slots each KV head
-// keeps (its query heads h of the group alike). Global (count, rows).
+// dst[h][i] = src[h][kept[h / group][i]] for i < count, and 0 from count to dst_stride (where the
+// next tokens' scores start): the scores of the slots each KV head keeps (its query heads h of
+// the group alike). Global (dst_stride, rows).
 __kernel void gather_rows(__global const float* src, int src_stride, __global const int* kept, int kept_stride,
                           int count, int group, __global float* dst, int dst_stride) {
     const int i = get_global_id(0);
     const int h = get_global_id(1);
-    if (i >= count) return;
-    dst[(long)h * dst_stride + i] = src[(long)h * src_stride + kept[(h / group) * kept_stride + i]];
+    dst[(long)h * dst_stride + i] = i < count ? src[(long)h * src_stride + kept[(h / group) * kept_stride + i]] : 0.0f;
 }
 
 // kept[kv][0 ..): head kv's sinks, the middle tokens its decisions keep (in order), then its
@@ -86,4 +86,14 @@ __kernel void kept_slots(__global const uchar* decisions, int mid, int sinks, in
 // 2-bit store's flush can move it among the quantized chunk's slots). Global (rows).
 __kernel void zero_slot(__global float* acc, int acc_stride, int j) {
     acc[(long)get_global_id(0) * acc_stride + j] = 0.0f;
+}
+
+// out[i] for i < total: a list of slots sent as its runs of consecutive slots, runs[r] = (the
+// run's first index in out, its first slot), ascending in index: a store's reorder (a flush's
+// chunk moved after the older ones) crosses as a few runs, not a slot list. Global (total).
+__kernel void expand_runs(__global const int* runs, int n_runs, __global int* out) {
+    const int i = get_global_id(0);
+    int r = 0;
+    while (r + 1 < n_runs && runs[2 * (r + 1)] <= i) ++r;
+    out[i] = runs[2 * r + 1] + i - runs[2 * r];
 }

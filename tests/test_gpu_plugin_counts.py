@@ -1,0 +1,102 @@
+"""What a decode step on ``device="GPU"`` asks of the GPU (issue 71's item 6: no host round trip
+per layer), counted by the emulation layer (``plugins/gpu/emulation/gpu_identity_layer.c``)
+around each step: blocking host waits, bytes copied between host and device, and the kernels and
+device copies enqueued, ours (``plugins/gpu/kernels``) apart from the plugin's. The model is the
+tiny random-weight Llama 3 (2 layers, 2 KV heads of 32 dims), a 1,500-token prompt, budget 1024,
+f16 blocks, after one decode step (the first after a prompt re-lays the plugin's inputs). Oracles:
+the full cache's step (the plugin's own wait for its inference), the logits' bytes, and the KV
+bytes the step's attention reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ov_kvcrush.config import CompressionConfig
+
+PROMPT_TOKENS, BUDGET, STEPS, BLOCK = 1500, 1024, 3, 16
+#: (method, budget, options); ``None``: the full cache
+CASES = [
+    ("full", None, {}),
+    ("streamingllm", BUDGET, {}),
+    ("kvcrush", BUDGET, {"block_size": BLOCK}),
+    ("snapkv", BUDGET, {}),
+    ("h2o", BUDGET, {}),
+    ("knorm", BUDGET, {}),
+    ("minikv", BUDGET, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}),
+]
+#: our commands (kernels and device copies) per layer in a decode step, at most, as measured
+#: (2026-11-28): the full cache's store, rows and attention (issue 71's target: 3); a method that
+#: selects only at the prompt or drops by position, 6 (target: 6). The methods that score every
+#: decode step recompute its probabilities from the keys and add them (3 kernels) and, over
+#: budget, select and gather every kept slot to drop one (6, Knorm 4; MiniKV's frozen selection
+#: none): 9 to 12. What brings them to 6 is the attention layer writing the scores itself and a
+#: fused one-token eviction (issue 71's item 5), not done yet.
+#: the bytes sent to the device a decode step, at most, as a share of the KV bytes its attention
+#: reads (issue 71's target: 1%). The 2-bit store reads an eighth of the bytes while its block
+#: tables (4 bytes a 16-token chunk, sent each step as native's are) stay: at these 32-dim heads
+#: they are 1.2% of its read alone (measured 1,688 of 136,704 bytes), at 128 dims a quarter of that.
+CROSSING_SHARE = {"minikv": 0.02}
+PER_LAYER = {"full": 3, "streamingllm": 6, "kvcrush": 6, "snapkv": 12, "h2o": 12, "knorm": 10, "minikv": 9}
+
+
+def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
+    """Per case, per decode step: the layer's counts around the step, and what the step's
+    attention read (``kv_read``) and returned (``logits``)."""
+    from ov_kvcrush.gpu import emulation
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+    ours = emulation.own_kernels()
+    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
+                            properties={"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    out = []
+    try:
+        for method, budget, options in CASES:
+            small = {"sink_tokens": 4, "recent_tokens": 8} if budget else {}
+            engine.set_compression(CompressionConfig(method=method, budget=budget, options=options, **small))
+            engine.prefill(ids)
+            engine.forward([ids[-1]])  # the first decode step: the plugin re-lays its inputs once (6 KB measured)
+            steps = []
+            for token in ids[:STEPS]:
+                read, before = engine.pool.decode_kv_read, emulation.counts()
+                logits = engine.forward([token])
+                c = emulation.counts() - before
+                steps.append({
+                    "waits": c.waits, "to_device": c.to_device, "to_host": c.to_host,
+                    "ours": c.kernels_named(ours) + c.device_copies, "kv_read": engine.pool.decode_kv_read - read,
+                    "logits": np.asarray(logits).nbytes,
+                })  # fmt: skip
+            out.append(steps)
+    finally:
+        engine.close()
+    return out
+
+
+def _tiny_llama3() -> str:
+    from ov_kvcrush.models.export import export_models
+    from ov_kvcrush.models.families import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint("llama3")
+    return str(export_models([checkpoint], "fp32")[checkpoint])
+
+
+@pytest.mark.model
+def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker):
+    """Every method's decode step waits as often as the full cache's: the plugin's wait for its
+    inference (and, where it copies them, for the logits), no wait of ours; nothing crosses to the
+    host but the logits; what crosses to the device (the step's ids and cache inputs) is at most
+    :data:`CROSSING_SHARE` of the KV bytes its attention reads; and our commands a layer stay
+    within :data:`PER_LAYER`, the same at every step."""
+    rng = np.random.default_rng(11)
+    ids = [int(t) for t in rng.integers(10, 380, PROMPT_TOKENS)]
+    got = emulation_worker.submit(_decode_counts, _tiny_llama3(), ids).result(timeout=900)
+    layers = 2
+    full_waits = {s["waits"] for s in got[0]}
+    assert len(full_waits) == 1 and full_waits.pop() <= 2, got[0]  # the inference (and the logits' copy)
+    for (method, _, _), steps in zip(CASES, got, strict=True):
+        for step in steps:
+            assert step["waits"] == got[0][0]["waits"], (method, step)
+            assert step["to_host"] <= step["logits"], (method, step)
+            assert 0 < step["to_device"] <= CROSSING_SHARE.get(method, 0.01) * step["kv_read"], (method, step)
+        per_layer = {s["ours"] / layers for s in steps}
+        assert len(per_layer) == 1 and per_layer.pop() <= PER_LAYER[method], (method, steps)
