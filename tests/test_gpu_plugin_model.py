@@ -36,12 +36,15 @@ def _compression(method: str, budget: int | None, options: dict) -> CompressionC
 
 
 def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[int], int]]:
-    """Each case's greedy tokens and KV bytes through the openvino engine on ``device``, then a
+    """Each case's greedy tokens and KV bytes through the openvino engine on ``device`` (on GPU
+    its pool grown from a chunk of 8 blocks, checked), then a
     chat's two turns with SnapKV (the second keeps the prefix the conversation shares: the cache
     truncated to it, the rest fed as one step of several rows)."""
+    from ov_kvcrush.gpu.pool import DevicePool
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
     from ov_kvcrush.tools.model_coverage import F32
 
+    DevicePool.CHUNK_BYTES = 8 * BLOCK * 32 * 2 * 4  # 8 f32 blocks: on GPU the pool grows as the prompt is stored
     engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     out = []
@@ -50,6 +53,8 @@ def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[in
             engine.set_compression(_compression(*case))
             res = engine.batcher.run(ids, settings, None)
             out.append((list(res.token_ids), res.kv_bytes))
+            if engine.plugin is not None:  # it grew from its first chunk
+                assert engine.pool.device_pool.capacity > engine.pool.device_pool.chunk, case
         engine.set_compression(_compression(*CASES[2]))
         engine.start_chat("You are terse.")
         for turn in ("Tell me about the weather, in a long sentence of many words. " * 3, "And tomorrow?"):

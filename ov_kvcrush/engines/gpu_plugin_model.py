@@ -179,21 +179,20 @@ class PluginModel:
         """A ``ConfigError`` unless this path runs ``method``."""
         require(method, GPU_PLUGIN.name)
 
+    def pool_limit(self) -> int:
+        """The most blocks a pool may hold: one buffer, the device's largest allocation."""
+        return max(1, int(self.dev.largest_allocation() or 0) // self.pool_shape.block_bytes)
+
     def new_pool(self, method: MethodConfig, blocks: int) -> PluginKVPool:
-        """A pool of ``blocks`` blocks on our device and ``method``'s sequences over it."""
+        """A pool of up to ``blocks`` blocks on our device (grown in chunks as they are asked
+        for) and ``method``'s sequences over it."""
         return PluginKVPool(self.shape, self.pool_shape, blocks, method, self.dev)
 
     def new_request(self, pool: PluginKVPool) -> Any:
-        """An inference request of the model for ``pool``'s store whose ``kvc_pool`` is the
-        pool's buffer (its 2-bit blocks, which grow, are bound at each step)."""
-        import openvino as ov
-
+        """An inference request of the model for ``pool``'s store (its buffers, which grow, are
+        bound at each step)."""
         self.compile()  # the step's input names are the full-precision model's
-        request = self.compile(pool.quant).create_infer_request()
-        buffer = pool.device_pool.buffer
-        nbytes = buffer.get_info(self.dev.cl.mem_info.SIZE)
-        request.set_tensor("kvc_pool", buffer_tensor(self.context, buffer, ov.Type.u8, [nbytes]))
-        return request
+        return self.compile(pool.quant).create_infer_request()
 
     def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` for ``key``, grown by doubling: the previous
@@ -232,8 +231,11 @@ class PluginModel:
         feeds = {name: x for name, x in model.items() if name in self.input_names} | step.inputs
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
-        blocks = sequences[0].pool.quant_blocks
-        if blocks is not None:  # bound each step: the 2-bit blocks' buffer grows
+        pool = sequences[0].pool
+        blocks, kv_pool = pool.quant_blocks, pool.device_pool  # bound each step: both buffers grow
+        pool_bytes = kv_pool.capacity * kv_pool.shape.block_bytes
+        request.set_tensor("kvc_pool", buffer_tensor(self.context, kv_pool.buffer, ov.Type.u8, [pool_bytes]))
+        if blocks is not None:
             qpool = buffer_tensor(self.context, blocks.buffer, ov.Type.u8, [blocks.capacity * blocks.shape.block_bytes])
             request.set_tensor("kvc_qpool", qpool)
         s, rows = self.shape, step.returned_rows
@@ -249,8 +251,7 @@ class PluginModel:
                            step.counts[i], step.phases[i])  # fmt: skip
         # the methods' work is left queued: the next step's model runs after it on the one queue
         logits = np.array(request.get_output_tensor(0).data[0], np.float32)
-        device_pool = sequences[0].pool.device_pool
-        crossed = device_pool.crossings[step.phase].to_host
+        crossed = kv_pool.crossings[step.phase].to_host
         crossed["logits"] = crossed.get("logits", 0) + logits.nbytes
         return logits
 

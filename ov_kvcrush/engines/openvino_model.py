@@ -113,7 +113,8 @@ class OpenVINOModel:
             openvino_genai's ``KV_CACHE_PRECISION`` property says the same.
         block_size: tokens per KV block (a multiple of 16; 32 as openvino_genai on CPU).
         max_kv_blocks: limit of the block pool (per layer and KV head blocks; 0: unlimited, on GPU
-            one sequence of the model's context: the device buffer is allocated whole).
+            the device's largest allocation: the pool is one buffer, which grows in chunks as
+            blocks are asked for, up to the limit).
         scheduler_config: an ``openvino_genai.SchedulerConfig``: its ``num_kv_blocks`` /
             ``cache_size`` give the pool limit (instead of ``max_kv_blocks``) and, with
             ``use_cache_eviction``, its cache eviction settings the compression (instead of
@@ -186,8 +187,7 @@ class OpenVINOModel:
         self.scheduler_config = scheduler_config
         self.default_block_size = block_size
         if self.plugin is not None and not max_kv_blocks:
-            # a device buffer has a size: one sequence of the model's context (32k tokens where it does not say)
-            max_kv_blocks = self.shape.layers * self.shape.kv_heads * -(-(self.max_context or 32768) // block_size)
+            max_kv_blocks = self.plugin.pool_limit()  # one buffer: the device's largest allocation
         self.max_kv_blocks = max_kv_blocks
         compression = compression or CompressionConfig()
         self.pool_spec(compression)  # a method the op refuses fails here, before the compilation

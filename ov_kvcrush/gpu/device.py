@@ -66,6 +66,11 @@ class KernelDevice:
     def empty(self, nbytes: int) -> Any:
         raise NotImplementedError
 
+    def largest_allocation(self) -> int | None:
+        """The most bytes one buffer may hold on this device (``CL_DEVICE_MAX_MEM_ALLOC_SIZE``);
+        None where the host does not say."""
+        return None
+
     def copy_rect(
         self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0,
         src_at: int = 0,
@@ -110,6 +115,9 @@ class Device(KernelDevice):
     #: their gather while it reads them). The SYCL host frees a buffer only after the work queued
     #: before it.
     in_flight: list[Any] = field(default_factory=list)
+
+    def largest_allocation(self) -> int | None:
+        return int(self.device.max_mem_alloc_size)
 
     def synced(self) -> None:
         """Every command enqueued so far has finished (a blocking read returned, an inference

@@ -59,7 +59,7 @@ class PluginKVPool:
         require(method, GPU_PLUGIN.name)
         self.model = model
         self.method = method
-        self.device_pool = DevicePool(shape, blocks, dev=dev)
+        self.device_pool = DevicePool(shape, blocks, dev=dev, grow=True)  # one chunk, more as asked
         #: the 2-bit store's blocks (MiniKV's, or ``quant`` under a method), in a second buffer
         #: the model reads and writes; None for the full-precision store
         quant = store_shape(method, shape)
@@ -85,7 +85,7 @@ class PluginKVPool:
     def stats(self) -> PoolStats:
         p = self.device_pool
         self.peak_blocks = max(self.peak_blocks, p.blocks_in_use)
-        return PoolStats(p.blocks_in_use, p.blocks, self.peak_blocks, self.block_bytes, len(self.sequences))
+        return PoolStats(p.blocks_in_use, p.capacity, self.peak_blocks, self.block_bytes, len(self.sequences))
 
     def close(self) -> None:
         """Free every sequence (idempotent; the buffer goes with the pool)."""

@@ -59,8 +59,17 @@ class Crossings:
 
 
 class DevicePool:
-    """``blocks`` blocks of ``shape`` in one device buffer, handed out to layers' KV heads; on
-    ``dev``, or the process's device through ``host`` at ``sub_group`` lanes."""
+    """Up to ``blocks`` blocks of ``shape`` in one device buffer, handed out to layers' KV heads;
+    on ``dev``, or the process's device through ``host`` at ``sub_group`` lanes.
+
+    ``grow``: the buffer starts at one chunk (:attr:`CHUNK_BYTES`) and grows as blocks are asked
+    for, by a chunk or a tenth of it, whichever is more (the blocks held copied over on the
+    device), so it holds at most 1.1 times the blocks in use plus a chunk; else all ``blocks`` are
+    allocated at once. ``blocks`` is the budget; one buffer cannot pass the device's largest
+    allocation, which caps it (:attr:`limit_reason` says which bound holds)."""
+
+    #: a growing pool's step, in bytes
+    CHUNK_BYTES = 64 << 20
 
     def __init__(
         self,
@@ -69,14 +78,22 @@ class DevicePool:
         sub_group: int | None = None,
         host: str = "opencl",
         dev: KernelDevice | None = None,
+        grow: bool = False,
     ) -> None:
         if blocks < 1:
             raise GPUPathError(f"a device pool needs at least one block, got {blocks}")
         self.shape = shape
         self.dev: KernelDevice = dev if dev is not None else open_device(host, sub_group)
+        largest = self.dev.largest_allocation()
+        self.limit_reason = "its budget"
+        if largest is not None and blocks * shape.block_bytes > largest:
+            blocks = largest // shape.block_bytes
+            self.limit_reason = f"the device's largest allocation ({largest >> 20} MiB, one buffer)"
         self.blocks = blocks
-        self.buffer = self.dev.empty(blocks * shape.block_bytes)
-        self._free = list(range(blocks - 1, -1, -1))
+        self.chunk = max(1, min(blocks, self.CHUNK_BYTES // shape.block_bytes))
+        self.capacity = self.chunk if grow else blocks
+        self.buffer = self.dev.empty(self.capacity * shape.block_bytes)
+        self._free = list(range(self.capacity - 1, -1, -1))
         #: what crossed while prompts were attended, and while tokens were decoded
         self.crossings = {"prompt": Crossings(), "decode": Crossings()}
         self.phase = "prompt"  # set by the layer caches
@@ -92,15 +109,27 @@ class DevicePool:
 
     @property
     def blocks_in_use(self) -> int:
-        return self.blocks - len(self._free)
+        return self.capacity - len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise GPUPathError(
-                f"the device pool is out of blocks: {n} asked, {len(self._free)} free of {self.blocks} "
-                "(give the engine a larger pool)"
-            )
+            self._grow(self.capacity + n - len(self._free))
         return [self._free.pop() for _ in range(n)]
+
+    def _grow(self, need: int) -> None:
+        """Room for ``need`` blocks: a chunk more, or a tenth more, at least ``need``, within the budget."""
+        if need > self.blocks:
+            raise GPUPathError(
+                f"the device pool is out of blocks: {need} needed, {self.blocks} at most "
+                f"({self.blocks * self.shape.block_bytes >> 20} MiB: {self.limit_reason}; a larger max_kv_blocks, "
+                "scheduler_config.cache_size or --kv-pool-mib raises a budget)"
+            )
+        old, bb = self.capacity, self.shape.block_bytes
+        new = min(self.blocks, max(need, old + max(self.chunk, old // 10)))
+        grown = self.dev.empty(new * bb)
+        self.dev.copy_bytes(self.buffer, grown, old * bb, 0)
+        self.buffer, self.capacity = grown, new
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
 
     def release(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
