@@ -64,6 +64,20 @@ def test_a_method_a_runtime_does_not_run_is_named_with_the_ones_it_does():
         require(config, "gpu-pool")
 
 
+def test_where_a_method_says_why_a_runtime_does_not_run_it_the_refusal_and_the_table_say_it():
+    from ov_kvcrush.methods.runtimes import check_declaration
+
+    for name, cls in REGISTRY.items():
+        for runtime, why in cls.not_run_because.items():
+            with pytest.raises(ConfigError, match=f"not {name}: " + why[:40].replace("(", r"\(")):
+                require(method_config(name, budget=256), runtime)
+            row = next(line for line in support_table().splitlines() if line.startswith(f"| `{name}` "))
+            assert f"no: {why}" in row.split(" | ")[1 + [r.name for r in RUNTIMES].index(runtime)], (name, runtime)
+    assert REGISTRY["clusterkv"].not_run_because["gpu-plugin"]  # the issue's methods on device GPU say why
+    with pytest.raises(TypeError, match="not_run_because"):  # a reason for a runtime that runs the method
+        check_declaration("x", {"reference": (), "cpu-op": ()}, {"cpu-op": "because"})
+
+
 def test_the_cuda_fast_path_takes_the_reference_for_what_it_refuses():
     """Where ``cuda`` refuses a config the torch engine runs the reference (no error)."""
     for name, (options, _) in REFUSED.items():

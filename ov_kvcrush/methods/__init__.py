@@ -111,10 +111,13 @@ def require(config: MethodConfig, runtime: str) -> None:
     rt = BY_NAME[runtime]
     if not runs_method(type(config), runtime):
         elsewhere = "; ".join(BY_NAME[r].title for r in config.runtimes)
+        why = config.not_run_because.get(runtime)
         raise ConfigError(
             "method",
             config.name,
-            f"one of {', '.join(methods_on(runtime))} ({rt.title}); {config.name} runs on: {elsewhere}",
+            f"one of {', '.join(methods_on(runtime))} ({rt.title}"
+            + (f"; not {config.name}: {why}" if why else "")
+            + f"); {config.name} runs on: {elsewhere}",
         )
     refused = refusal(config, runtime)
     if refused is not None:
@@ -138,10 +141,10 @@ def support_table() -> str:
         "# Where each method runs",
         "",
         "Generated from the methods' declarations (`MethodConfig.runtimes`; a test holds this page to the",
-        "code). A blank cell: the runtime does not run the method; *yes, not ...*: it runs the method",
-        "except with those options. Where the CUDA fast path does not run a config, the torch engine runs",
-        "the reference instead; every other runtime refuses the config with an error that names the",
-        "option and the runtimes that run it.",
+        "code). A blank cell: the runtime does not run the method (*no: ...*: why not, where a user",
+        "would reach for it); *yes, not ...*: it runs the method except with those options. Where the",
+        "CUDA fast path does not run a config, the torch engine runs the reference instead; every other",
+        "runtime refuses the config with an error that names the option and the runtimes that run it.",
         "",
         "| runtime | how to reach it |",
         "|---|---|",

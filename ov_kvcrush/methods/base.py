@@ -189,6 +189,9 @@ class MethodConfig:
     #: declares its own: a subclass does not inherit its parent's (a test checks it). Every list
     #: of methods per runtime or engine, and every runtime's refusal, is derived from these.
     runtimes: ClassVar[Declaration] = {REFERENCE.name: ()}
+    #: why a runtime a user would reach for does not run this method (runtime name -> the
+    #: reason): the support table's cell and the runtime's refusal say it
+    not_run_because: ClassVar[dict[str, str]] = {}
     #: the backends that run this method (``torch``, ``openvino``, ``genai``), derived from
     #: :attr:`runtimes`
     engines: ClassVar[tuple[str, ...]] = ("torch",)
@@ -212,7 +215,7 @@ class MethodConfig:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        check_declaration(cls.__name__, cls.runtimes)
+        check_declaration(cls.__name__, cls.runtimes, cls.not_run_because)
         cls.engines = engines_of(cls.runtimes)
 
     @property

@@ -341,6 +341,9 @@ class ChelseaConfig(MethodConfig):
         "reference": (),
         "cpu-op": (TWO_BIT_STORE,),
     }
+    not_run_because: ClassVar[dict[str, str]] = {
+        "gpu-plugin": "no device kernels yet for its matching, merges and log(degree) bias"
+    }
     pins_prompt_tail: ClassVar[bool] = False
     #: the engines calibrate outlier heads on the model unless told otherwise (the paper's
     #: Chelsea keeps 4 % of heads whole); a config built directly has none

@@ -388,6 +388,10 @@ class ClusterKVConfig(MethodConfig):
         "cpu-op": (RECALL_TRACKING,),
         "gpu-pool": (TWO_BIT_STORE, RECALL_TRACKING),
     }
+    not_run_because: ClassVar[dict[str, str]] = {
+        "gpu-plugin": "its decode attends each head's recalled slots, a list the plugin layers' attention does not "
+        "read yet (on an Intel GPU: gpu-pool)",
+    }
     pins_prompt_tail: ClassVar[bool] = False
     budget: int | None = None
     sink_tokens: int = 16

@@ -125,6 +125,10 @@ class KVzipConfig(EvictionConfig):
         "reference": (),
         "cpu-op": (),
     }
+    not_run_because: ClassVar[dict[str, str]] = {
+        "gpu-plugin": "its scoring pass (the context fed again, every token scored by how it is recalled) does not run "
+        "over the plugin's pool yet",
+    }
     scoring_pass: ClassVar[bool] = True
     pins_prompt_tail: ClassVar[bool] = False
     sink_tokens: int = 4

@@ -79,13 +79,17 @@ SPANS = Refusal("block_size", "spans", "None (single tokens)", lambda c: c.span_
 Declaration = Mapping[str, tuple[Refusal, ...]]
 
 
-def check_declaration(method: str, declared: Declaration) -> None:
-    """A declaration names known runtimes only, and the reference always (the oracle of every other)."""
+def check_declaration(method: str, declared: Declaration, not_run_because: Mapping[str, str]) -> None:
+    """A declaration names known runtimes only, and the reference always (the oracle of every
+    other); a reason a runtime does not run the method, only for a known runtime not declared."""
     unknown = sorted(set(declared) - set(BY_NAME))
     if unknown or REFERENCE.name not in declared or declared[REFERENCE.name]:
         raise TypeError(
             f"method {method}: runtimes {sorted(declared)} (known: {', '.join(BY_NAME)}; the reference, whole)"
         )
+    wrong = sorted(r for r in not_run_because if r not in BY_NAME or r in declared)
+    if wrong:
+        raise TypeError(f"method {method}: not_run_because names {wrong}: runtimes it does not declare only")
 
 
 def engines_of(declared: Declaration) -> tuple[str, ...]:
@@ -115,10 +119,11 @@ def refuses_option(cls: type[Any], runtime: str, option: str) -> bool:
 
 
 def support_cell(cls: type[Any], runtime: str) -> str:
-    """A table cell: blank where the runtime does not run the method, ``yes`` where it runs every
-    config, else the options it refuses."""
+    """A table cell: blank where the runtime does not run the method (``no: ...`` where the method
+    says why), ``yes`` where it runs every config, else the options it refuses."""
     if not runs_method(cls, runtime):
-        return ""
+        why = cls.not_run_because.get(runtime)
+        return f"no: {why}" if why else ""
     refused = cls.runtimes[runtime]
     if not refused:
         return "yes"
