@@ -71,7 +71,8 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
         "first": np.full(KV_HEADS, held, np.int32),
         "lengths": np.full(KV_HEADS, held + rows, np.int32),
         "tokens": plugin_layers.token_tensor([rows]),
-        "step": plugin_layers.step_tensor(heads.tables.shape[1], rows, ids.shape[1]),
+        # each row's logits asked for (a decode step's, for the methods' scores: every slot)
+        "step": plugin_layers.step_tensor(heads.tables.shape[1], rows, ids.shape[1], 0, (old + new) * r + held + rows),
         "qtables": ids,
         "qlengths": np.full(KV_HEADS, (old + new) * r, np.int32),
         "flush": np.tile(np.array([pinned, case.flushed], np.int32), (KV_HEADS, 1)),
@@ -79,10 +80,10 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
     return case
 
 
-def _run_in_worker(folder: str, cases: list[QuantCase]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _run_in_worker(folder: str, cases: list[QuantCase]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """In the emulation worker: each case's old chunks quantized into a 2-bit pool by the host's
     kernels (``quant2.cl``, the reference's codes: ``test_gpu_attention``), then its step through
-    the plugin; its output and the 2-bit pool after it."""
+    the plugin; its output, the 2-bit pool after it, and the logits it wrote."""
     import openvino as ov
 
     from ov_kvcrush.gpu import quant
@@ -101,16 +102,19 @@ def _run_in_worker(folder: str, cases: list[QuantCase]) -> list[tuple[np.ndarray
             v = np.concatenate([x.reshape(case.old, r, HEAD_DIM) for x in case.old_values])
             qpool = quant.quantize_blocks(QSHAPE, k, v, case.feeds["qtables"][:, : case.old].reshape(-1), QBLOCKS)
         tensors = {}
-        for name, array in (("pool", case.pool), ("qpool", qpool)):
+        stride = int(case.feeds["step"][4])
+        logits = np.zeros(plugin_layers.logits_bytes(Q_HEADS, case.rows, stride), np.uint8)
+        for name, array in (("pool", case.pool), ("qpool", qpool), ("logits", logits)):
             tensors[name] = context.create_tensor(ov.Type.u8, ov.Shape([array.size]), {})
             tensors[name].copy_from(ov.Tensor(array))
             request.set_tensor(name, tensors[name])
         for name, array in case.feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         request.infer()
-        after = ov.Tensor(ov.Type.u8, ov.Shape([qpool.size]))
+        after, written = ov.Tensor(ov.Type.u8, ov.Shape([qpool.size])), ov.Tensor(ov.Type.u8, ov.Shape([logits.size]))
         tensors["qpool"].copy_to(after)
-        results.append((request.get_output_tensor(0).data.copy(), after.data.copy()))
+        tensors["logits"].copy_to(written)
+        results.append((request.get_output_tensor(0).data.copy(), after.data.copy(), written.data.view(np.float32)))
     return results
 
 
@@ -123,11 +127,13 @@ def _roundtrip(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             reference_quant.dequantize_groups(vc, vs, vz, g, -1, torch.float32).numpy())  # fmt: skip
 
 
-def _expected(case: QuantCase) -> np.ndarray:
+def _expected(case: QuantCase) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     """Each row over the reference's store: the 2-bit chunks (the flushed ones' tokens at or
-    before the row), then the full-precision slots it sees that stayed so."""
+    before the row), then the full-precision slots it sees that stayed so; and each row's logits
+    over those slots in that order (per head, per row)."""
     held, f = case.pinned + case.residual, case.flushed
     out = np.zeros((Q_HEADS, case.rows, HEAD_DIM))
+    row_logits: list[list[np.ndarray]] = [[] for _ in range(Q_HEADS)]
     for h in range(Q_HEADS):
         kv = h // SHAPE.group
         k, v = stored(SHAPE, case.keys[kv]), stored(SHAPE, case.values[kv])
@@ -142,7 +148,8 @@ def _expected(case: QuantCase) -> np.ndarray:
             logits = keys @ case.feeds["q"][h, i].astype(np.float64) * HEAD_DIM**-0.5
             p = np.exp(logits - logits.max())
             out[h, i] = (p / p.sum()) @ vals
-    return out
+            row_logits[h].append(logits)
+    return out, row_logits
 
 
 def test_the_plugin_flushes_a_filled_chunk_and_attends_both_pools_as_the_reference(emulation_worker, tmp_path):
@@ -152,8 +159,16 @@ def test_the_plugin_flushes_a_filled_chunk_and_attends_both_pools_as_the_referen
     rng = np.random.default_rng(71)
     cases = [make_case(1, 5, 31, 2, rng), make_case(3, 5, 30, 1, rng), make_case(1, 7, 12, 2, rng)]
     got = emulation_worker.submit(_run_in_worker, str(tmp_path), cases).result(600)
-    for case, (out, qpool) in zip(cases, got, strict=True):
-        np.testing.assert_allclose(out, _expected(case), atol=1e-5)
+    for case, (out, qpool, written) in zip(cases, got, strict=True):
+        want, want_logits = _expected(case)
+        np.testing.assert_allclose(out, want, atol=1e-5)
+        stride = int(case.feeds["step"][4])
+        logits = written[: Q_HEADS * case.rows * stride].reshape(Q_HEADS, case.rows, stride)
+        lse = written[Q_HEADS * case.rows * stride :].reshape(Q_HEADS, case.rows)
+        for h in range(Q_HEADS):  # the logits the methods' scores take: 2-bit slots, then full-precision
+            for i, row in enumerate(want_logits[h]):
+                np.testing.assert_allclose(logits[h, i, : len(row)], row, atol=1e-4)
+                np.testing.assert_allclose(lse[h, i], np.log(np.exp(row - row.max()).sum()) + row.max(), atol=1e-4)
         r, bb = QSHAPE.block_size, QSHAPE.block_bytes
         for kv in range(KV_HEADS):
             for c in range(case.flushed // r):  # the flushed blocks: the reference's codes of the stored tokens

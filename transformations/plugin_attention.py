@@ -22,7 +22,10 @@ with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_hea
   in place, as f32 [q_heads, R, head_dim] whatever the activations), from which the methods'
   scores are computed (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
   An input written in place, not an output: the plugin copies a dynamic output into a buffer of
-  ours through the host.
+  ours through the host. Likewise ``kvc_logits.<layer>``: where ``kvc_step`` gives a stride (a
+  decode step whose methods score it), each row's logits and log-sum-exp
+  (:func:`ov_kvcrush.gpu.plugin_layers.logits_bytes`), the step's probabilities without the keys
+  read again.
 
 Over MiniKV's 2-bit store (``quant``: the 2-bit blocks' shape) each layer also quantizes the
 full-precision slots a step fills a chunk with (``OvkcFlush``, after the store) and attends the
@@ -70,6 +73,8 @@ QUANT_INPUTS = {
 }
 #: the name of layer ``i``'s query rows input (bytes, written in place)
 ROWS_INPUT = "kvc_rows.{}"
+#: the name of layer ``i``'s logits input (bytes, written in place where ``kvc_step`` asks)
+LOGITS_INPUT = "kvc_logits.{}"
 
 
 def convert_model_for_plugin(
@@ -110,22 +115,29 @@ def convert_model_for_plugin(
         }
         q, k, v = (_squeezed(x, act) for x in plan.inputs())  # [heads, tokens, head_dim]
         stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], tokens, k, v, step], attrs).output(0)
-        name = ROWS_INPUT.format(plan.layer)
-        params[name] = ops.parameter([-1], np.uint8, name=name)
-        params[name].output(0).get_tensor().set_names({name})
-        stored = layer_class("OvkcRows")([params[name].output(0), q, score_rows, step, stored], attrs).output(0)
+        rows_in, logits = (_bytes_input(params, name.format(plan.layer)) for name in (ROWS_INPUT, LOGITS_INPUT))
+        stored = layer_class("OvkcRows")([rows_in, q, score_rows, step, stored], attrs).output(0)
         attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, step]
         if quant is None:
-            out = layer_class("OvkcPrefill")([*attend, stored], attrs).output(0)
+            out = layer_class("OvkcPrefill")([*attend, stored, logits], attrs).output(0)
         else:
             qpool = params["kvc_qpool"].output(0)
             two_bit = [qpool, row["qtables"], row["qlengths"], row["flush"]]
             flushed = layer_class("OvkcFlush")([pool, row["tables"], *two_bit, step, stored], attrs).output(0)
-            out = layer_class("OvkcQuantPrefill")([*attend, flushed, *two_bit], attrs).output(0)
+            out = layer_class("OvkcQuantPrefill")([*attend, flushed, *two_bit, logits], attrs).output(0)
         back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
         plan.replace_with(model, back.output(0))
     model.add_parameters(list(params.values()))
     return finish_conversion(model, plans, shape, last_token_logits)
+
+
+def _bytes_input(params: dict, name: str):
+    """A per-layer input of bytes (a buffer of ours the layers write in place), added to ``params``."""
+    import openvino.opset13 as ops
+
+    params[name] = ops.parameter([-1], np.uint8, name=name)
+    params[name].output(0).get_tensor().set_names({name})
+    return params[name].output(0)
 
 
 def _squeezed(x, element_type):

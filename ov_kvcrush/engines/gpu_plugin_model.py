@@ -28,11 +28,12 @@ from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, PluginStep, plan_step
+from ov_kvcrush.gpu.pool import StepLogits
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs
 from ov_kvcrush.transformations.paged_attention import ConvertedModel
-from ov_kvcrush.transformations.plugin_attention import ROWS_INPUT, convert_model_for_plugin
+from ov_kvcrush.transformations.plugin_attention import LOGITS_INPUT, ROWS_INPUT, convert_model_for_plugin
 
 # Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
 # that importing this module stays light.
@@ -132,6 +133,7 @@ class PluginModel:
         )
         self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
         self.rows_inputs = [ROWS_INPUT.format(i) for i in range(s.layers)]
+        self.logits_inputs = [LOGITS_INPUT.format(i) for i in range(s.layers)]
         #: a buffer per layer, reused while large enough: "rows" (the step's returned query
         #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
         self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
@@ -218,6 +220,19 @@ class PluginModel:
             self.dev.copy_rect(src, total, dst, n * d, 0, hq, n * d, src_at=first * d)
         return own
 
+    def _bind_logits(self, request: Any, step: PluginStep) -> list[Any]:
+        """Each layer's logits buffer bound (the layers write a decode step's logits there where
+        the step asks: ``step.logit_stride``); the buffers, or none where it does not ask."""
+        import openvino as ov
+
+        rows = len(step.counts) if step.logit_stride else 1
+        nbytes = plugin_layers.logits_bytes(self.shape.q_heads, rows, step.logit_stride)
+        buffers = self._buffers("logits", nbytes)
+        size = self._layer_buffers["logits"][0]
+        for name, buffer in zip(self.logits_inputs, buffers, strict=True):
+            request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.u8, [size]))
+        return buffers if step.logit_stride else []
+
     def run_step(self, request: Any, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
         """Feed ``ids[s]`` after sequence ``s``'s tokens, every sequence in one inference (the
         tokens side by side): store and attend them in the model, then each method's work over
@@ -243,12 +258,14 @@ class PluginModel:
         size = self._layer_buffers["rows"][0]
         for name, buffer in zip(self.rows_inputs, buffers, strict=True):  # the layers write their rows into ours
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.u8, [size]))
+        logit_buffers = self._bind_logits(request, step)
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
         self.dev.synced()  # the previous step's method work was queued before the model's: done too
         for i, seq in enumerate(sequences):
-            seq.after_step(self._sequence_rows(step, i, buffers) if step.score_rows[i] else buffers,
-                           step.counts[i], step.phases[i])  # fmt: skip
+            rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] else buffers
+            logits_i = [StepLogits(b, step.logit_stride, len(sequences), i) for b in logit_buffers]
+            seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i or None)
         # the methods' work is left queued: the next step's model runs after it on the one queue
         logits = np.array(request.get_output_tensor(0).data[0], np.float32)
         crossed = kv_pool.crossings[step.phase].to_host

@@ -31,7 +31,7 @@ import torch
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_device
-from ov_kvcrush.gpu.pool import DevicePool, KeptSlots, PagedLayer
+from ov_kvcrush.gpu.pool import DevicePool, KeptSlots, PagedLayer, StepLogits
 from ov_kvcrush.gpu.snapkv import kept_tokens, launch_keep
 from ov_kvcrush.methods import LayerCache
 from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig, StreamingLLMConfig
@@ -134,9 +134,10 @@ class DeviceFullLayerCache(LayerCache):
         self.seen = min(self.seen, tokens)
         return True
 
-    def after_model_step(self, rows: Any, t: int) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         """The method's work after a model step stored and attended ``t`` tokens (``rows``: the
-        step's last :meth:`score_rows` query rows ``[Hq, rows, D]`` on the device): the full
+        step's last :meth:`score_rows` query rows ``[Hq, rows, D]`` on the device; ``logits``: a
+        decode row's logits as the model's attention wrote them, where it was asked to): the full
         cache's is none."""
 
 
@@ -225,10 +226,11 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
             return self.prompt_scoring(t)[0]
         return t if self.config.decode_attention_scores else 0
 
-    def after_model_step(self, rows: Any, t: int) -> None:
-        """:meth:`prefill`'s or :meth:`_decode_step`'s scores and selection, the step's attention
-        recomputed on the device from its last query rows (the model's layer returns only its
-        output): the window's sums over the rows, or a decode row's probabilities."""
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+        """:meth:`prefill`'s or :meth:`_decode_step`'s scores and selection: a decode row's
+        probabilities from the logits the model's attention wrote (``logits``), else the step's
+        attention recomputed on the device from its last query rows: the window's sums over the
+        rows, or a decode row's probabilities."""
         lay = self.layer
         scale = self._scale(lay.pool.shape.head_dim)
         n = self.score_rows(t)
@@ -238,7 +240,9 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
             self._prompt_scored(sums, t)
             return
         before = lay.held - t
-        if n == 1:
+        if n == 1 and logits is not None:
+            self._add_logits(logits, lay.held - 1)
+        elif n == 1:
             bufs = lay.decode_on_device(rows, scale, values=False)  # the probabilities: the keys alone
             self._add(bufs.probs, int(bufs.stride), lay.held - 1)
         elif n:
@@ -279,6 +283,13 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         held = self._scored()
         self.layer.pool.dev.run(self._kernel("add_step_scores"), (held, self.layer.q_heads), None, self.scores,
                                 i32(self.stride), i32(before), i32(held), probs, i32(prob_stride))  # fmt: skip
+
+    def _add_logits(self, logits: StepLogits, before: int) -> None:
+        """:meth:`_add` of a decode row's probabilities taken from its logits and log-sum-exp."""
+        i32 = np.int32
+        self.layer.pool.dev.run(self._kernel("add_step_logits"), (self._scored(), self.layer.q_heads), None,
+                                self.scores, i32(self.stride), i32(before), logits.buffer, i32(logits.stride),
+                                i32(logits.rows), i32(logits.row))  # fmt: skip
 
     def _gather_scores(self, kept: tuple[Any, int], count: int, stride: int) -> Any:
         """The scores of each KV head's slots ``kept`` (device ``[kv, count]`` and its row stride:
@@ -360,7 +371,7 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
         self._evict()
         return out
 
-    def after_model_step(self, rows: Any, t: int) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         self._evict()
 
     def _evict(self) -> None:

@@ -32,7 +32,7 @@ from ov_kvcrush.gpu import device_layers, plugin_layers
 from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
+from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks, StepLogits
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
@@ -190,13 +190,14 @@ class PluginKVSequence:
             raise UserError(f"the layers of {self.pool.method.name} score different rows: {sorted(rows)}")
         return rows.pop()
 
-    def after_step(self, rows: list[Any], t: int, phase: str) -> None:
+    def after_step(self, rows: list[Any], t: int, phase: str, logits: list[StepLogits] | None = None) -> None:
         """Each layer's method work after the model's step (``rows``: each layer's device buffer
-        of this sequence's last query rows of the step), timed as the op times its policies."""
+        of this sequence's last query rows of the step; ``logits``: each layer's of its decode
+        row, where the step asked the model for them), timed as the op times its policies."""
         self.pool.device_pool.phase = phase  # where the work's crossings count
         t0 = time.perf_counter_ns()
-        for cache, buffer in zip(self.caches, rows, strict=True):
-            cache.after_model_step(buffer, t)
+        for i, (cache, buffer) in enumerate(zip(self.caches, rows, strict=True)):
+            cache.after_model_step(buffer, t, logits[i] if logits else None)
         self.policy_ns[phase] += time.perf_counter_ns() - t0
 
 
@@ -212,6 +213,8 @@ class PluginStep:
     phases: list[str]
     first_rows: list[int]
     score_rows: list[int]
+    #: the row stride of the logits the model writes for the methods (0: none asked)
+    logit_stride: int = 0
 
     @property
     def returned_rows(self) -> int:
@@ -261,8 +264,13 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     if pool.quant is not None:
         inputs |= _quant_inputs(sequences)
         qwidth = inputs["kvc_qtables"].shape[2]
-    inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]))
-    step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows)
+    # a step of decode tokens whose methods score them: the model writes each row's logits
+    scored_decode = all(t == 1 for t in counts) and "prompt" not in phases and any(score_rows)
+    slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)
+    logit_stride = int(slots.max()) if scored_decode else 0
+    inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]),
+                                                   logit_stride)  # fmt: skip
+    step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride)
     _count_step(pool, step)
     return step
 

@@ -15,7 +15,9 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
   written in place: a model output would come back to it through the host);
 * :class:`OvkcPrefill`: a step's query rows over the slots each sees (a prompt's chunk row by
   row; a decode token all its sequence holds), several sequences side by side (``tokens``: each
-  token's sequence and index in it; the cache's tensors a row per sequence and KV head);
+  token's sequence and index in it; the cache's tensors a row per sequence and KV head); where
+  asked, each row's logits and log-sum-exp into our buffer (``logits``, written in place), from
+  which the scoring methods take a decode step's probabilities;
 * over MiniKV's 2-bit store (a second pool of 2-bit blocks, :class:`~ov_kvcrush.gpu.layout.QuantShape`),
   :class:`OvkcFlush` quantizes the full-precision slots the step fills a chunk with (the step's own
   token among them, as the reference flushes before attending) and :class:`OvkcQuantPrefill`
@@ -107,7 +109,7 @@ KERNELS = {
     "OvkcPrefill": LayerKernel(
         "ovkc_prefill",
         "OVKC_LAYER_PREFILL",
-        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored"),
+        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits"),
         "((F+{sg}-1)/{sg})*{sg},B",
         "{sg},1",
     ),
@@ -135,6 +137,7 @@ KERNELS = {
             "qtables",
             "qlengths",
             "flush",
+            "logits",
         ),
         "((F+{sg}-1)/{sg})*{sg},B",
         "{sg},1",
@@ -142,13 +145,22 @@ KERNELS = {
     ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
-STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows")
+STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows", "logit_stride")
 
 
-def step_tensor(table_width: int, rows: int = 1, qtable_width: int = 1, score_rows: int = 0) -> np.ndarray:
+def step_tensor(
+    table_width: int, rows: int = 1, qtable_width: int = 1, score_rows: int = 0, logit_stride: int = 0
+) -> np.ndarray:
     """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
-    2-bit block tables' width, the query rows :class:`OvkcRows` writes."""
-    return np.array([table_width, rows, qtable_width, score_rows], np.int32)
+    2-bit block tables' width, the query rows :class:`OvkcRows` writes, and the row stride of the
+    logits the prompt layers write (0: none; :func:`logits_bytes`)."""
+    return np.array([table_width, rows, qtable_width, score_rows, logit_stride], np.int32)
+
+
+def logits_bytes(q_heads: int, rows: int, stride: int) -> int:
+    """The bytes of a prompt layer's ``logits`` input for ``rows`` rows of ``stride`` slots: float
+    logits [q_heads, rows, stride], then each row's log-sum-exp [q_heads, rows]."""
+    return 4 * q_heads * rows * (stride + 1)
 
 
 def token_tensor(counts: list[int]) -> np.ndarray:
@@ -348,6 +360,7 @@ def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[i
         "lengths": ([-1], np.int32),
         "tokens": ([-1, 2], np.int32),
         "step": ([len(STEP_FIELDS)], np.int32),
+        "logits": ([-1], np.uint8),  # written where step's logit_stride is set
     }
     if attributes.quant is not None:
         shapes |= {

@@ -210,6 +210,19 @@ class KeptSlots:
     host: np.ndarray | None = None
 
 
+@dataclass
+class StepLogits:
+    """One sequence's decode row in a layer as the model's attention left it: its logits over the
+    layer's slots and its log-sum-exp (``plugin_layers.logits_bytes``'s layout, in ``buffer``: rows
+    of ``stride``, ``rows`` a query head, this sequence's ``row``), from which its probabilities
+    are taken without the keys read again."""
+
+    buffer: Any
+    stride: int
+    rows: int
+    row: int
+
+
 class SlotPositions:
     """Each KV head's slots' positions ``[kv, capacity]`` int32 in a device buffer: an eviction
     gathers them there, as the slots themselves, so an eviction chosen on the device needs nothing

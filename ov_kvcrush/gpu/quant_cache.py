@@ -29,7 +29,7 @@ from ov_kvcrush.gpu.attention import QuantHeads
 from ov_kvcrush.gpu.kvcrush import launch_block_sums
 from ov_kvcrush.gpu.layer_cache import DeviceKVCrushLayerCache, DeviceSnapKVLayerCache, host_array
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.pool import DevicePool, KeptSlots
+from ov_kvcrush.gpu.pool import DevicePool, KeptSlots, StepLogits
 from ov_kvcrush.gpu.quant import launch_quantize
 from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.importance import H2OConfig
@@ -169,7 +169,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         """The prompt's window rows; a decode step's row (its probabilities over both stores)."""
         return self.prompt_scoring(t)[0] if self.scores is None else t
 
-    def after_model_step(self, rows: Any, t: int) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         """:meth:`prefill`'s or :meth:`_decode_step`'s work after the model's step: the prompt's
         selection and store; or the new token's score, the flush's bookkeeping (the model
         quantized the chunk), the step's probabilities over both stores and the chunks' eviction."""
@@ -184,9 +184,12 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             self.flushing = None
             self._add_chunks(start, start + count, ids)
             self._flushed(start, count)
-        scale = self._scale(lay.pool.shape.head_dim)
-        bufs = lay.decode_on_device(rows, scale, self._quant_heads(), self._quant_read(), values=False)
-        self._add(bufs.probs, int(bufs.stride), self._scored())
+        if logits is not None:  # the probabilities over both stores, from the model's logits
+            self._add_logits(logits, self._scored())
+        else:
+            scale = self._scale(lay.pool.shape.head_dim)
+            bufs = lay.decode_on_device(rows, scale, self._quant_heads(), self._quant_read(), values=False)
+            self._add(bufs.probs, int(bufs.stride), self._scored())
         if not self.frozen:
             self._evict_chunks()
 

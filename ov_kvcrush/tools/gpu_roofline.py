@@ -15,15 +15,15 @@ path does today (``ov_kvcrush/gpu/layer_cache.py``, ``quant_cache.py``), not wha
 * full (ours and native's): every held slot's key and value;
 * StreamingLLM: the budget's slots, and the eviction's gather of every kept slot into fresh
   blocks (read and written) each step past the budget;
-* H2O, SnapKV, PyramidKV: as StreamingLLM, and the step's probabilities recomputed from the keys
-  (the keys read again) and the scores kept (added, pooled, gathered: ``SCORE_PASSES`` float
-  reads and writes a slot and query head);
+* H2O, SnapKV, PyramidKV: as StreamingLLM, and the scores kept (the step's probabilities, from
+  the logits the attention layer wrote, added; pooled; gathered: ``SCORE_PASSES`` float reads
+  and writes a slot and query head);
 * Knorm: as StreamingLLM, with the scores pooled and gathered (no probabilities);
-* block-wise KVCrush: its selection is the prompt's alone: the budget's slots, the keys read
-  again for the scores it keeps (and, as tokens are generated, those too: not counted);
+* block-wise KVCrush: its selection is the prompt's alone: the budget's slots, and the scores it
+  keeps (and, as tokens are generated, those too: not counted);
 * MiniKV: the 2-bit chunks (``QuantShape.block_bytes`` a chunk) and the full-precision tail
-  (the pinned prompt tail and the residual, at most a chunk), the 2-bit keys and the
-  full-precision keys read again for the scores; no eviction (its selection is frozen).
+  (the pinned prompt tail and the residual, at most a chunk), and its scores; no eviction (its
+  selection is frozen).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ GPUS = (("Arc B580", 456.0), ("Core Ultra iGPU", 120.0))
 #: the methods estimated beside the full cache (budget-bound), in the table's order
 METHODS = ("streamingllm", "snapkv", "knorm", "kvcrush", "minikv")
 #: float reads and writes of a slot's score per query head a step for the scoring methods: the
-#: probabilities written and read back, the sums read and written, pooled, gathered (read, write)
+#: logits written and read back, the sums read and written, pooled, gathered (read, write)
 SCORE_PASSES = 6
 #: MiniKV's store as the methods' defaults: 2-bit chunks of 128 tokens, groups of 16, 64 pinned
 QUANT_CHUNK, QUANT_GROUP, PINNED = 128, 16, 64
@@ -92,7 +92,7 @@ def kv_step_bytes(method: str, model: ModelShape, held: int, budget: int, kv_pre
     """The KV bytes one decode step reads and writes over a context of ``held`` tokens (all
     layers and KV heads), as the module's docstring lists them."""
     fp = PoolShape(kv_precision, 16, model.head_dim, model.q_heads // model.kv_heads)
-    slot, key = 2 * model.head_dim * fp.elem_bytes, model.head_dim * fp.elem_bytes
+    slot = 2 * model.head_dim * fp.elem_bytes
     score = 4 * fp.group  # a slot's float score in each query head of the group
     kept = min(held, budget)
     if method == "full":
@@ -100,18 +100,16 @@ def kv_step_bytes(method: str, model: ModelShape, held: int, budget: int, kv_pre
     elif method == "streamingllm":
         per_head = kept * slot + 2 * kept * slot
     elif method in ("snapkv", "h2o", "pyramidkv"):
-        per_head = kept * slot + kept * key + 2 * kept * slot + SCORE_PASSES * kept * score
+        per_head = kept * slot + 2 * kept * slot + SCORE_PASSES * kept * score
     elif method == "knorm":
         per_head = kept * slot + 2 * kept * slot + 3 * kept * score
     elif method == "kvcrush":
-        per_head = kept * slot + kept * key + 3 * kept * score
+        per_head = kept * slot + 3 * kept * score
     elif method == "minikv":
         q = QuantShape(QUANT_CHUNK, model.head_dim, QUANT_GROUP, 2, 2, fp.group)
         quantized = max(kept - PINNED, 0) // QUANT_CHUNK * QUANT_CHUNK
         two_bit = quantized // QUANT_CHUNK * q.block_bytes
-        tail = kept - quantized
-        two_bit_keys = quantized * model.head_dim * q.key_bits // 8 + 4 * quantized // QUANT_GROUP * model.head_dim
-        per_head = two_bit + tail * slot + two_bit_keys + tail * key + 3 * kept * score
+        per_head = two_bit + (kept - quantized) * slot + 3 * kept * score
     else:
         raise ValueError(f"method {method!r}: one of full, {', '.join(METHODS)}")
     return model.layers * model.kv_heads * per_head

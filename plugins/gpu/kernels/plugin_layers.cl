@@ -3,7 +3,7 @@
 // then its one output, and nothing else; so the pool and block tables come in as tensors (the
 // pool a remote tensor the store layer writes in place), and the step's numbers in the tensor
 // `step` (int32: the width of the block tables, the step's rows, the width of the 2-bit block
-// tables, the query rows the methods read). The bodies are the pyopencl and
+// tables, the query rows the methods read, the stride of the rows' logits: 0 for none). The bodies are the pyopencl and
 // SYCL hosts' kernels' own (paged_attention.h, paged_store.h, prefill.h): the same code on every
 // host.
 //
@@ -97,6 +97,19 @@ __kernel void ovkc_rows(__global uchar* rows, __global const ACT* q, __global co
 }
 #endif
 
+// Where step[4] (a stride) is set, each row's logits over its slots go to `logits` (bytes: our
+// buffer, written in place), float [q_heads][T][step[4]], then each row's log-sum-exp [q_heads][T]:
+// a decode step's probabilities are exp(logit - lse), which the scoring methods add to their
+// scores without reading the keys again. The slots a row sees, in the store's order: over the
+// 2-bit store its 2-bit slots first, then its full-precision ones (the flushed left out).
+inline __global float* row_logits(__global uchar* logits, __global const int* step, int h, int t) {
+    return step[4] ? (__global float*)logits + ((long)h * step[1] + t) * step[4] : 0;
+}
+
+inline __global float* row_lse(__global uchar* logits, __global const int* step) {
+    return step[4] ? (__global float*)logits + (long)get_global_size(1) * step[1] * step[4] : 0;
+}
+
 // out [q_heads, T, HEAD_DIM]: each token's query rows q [q_heads, T, HEAD_DIM] over the slots its
 // sequence's KV head holds that it sees (a prompt's chunk row by row; a decode token sees them
 // all). Global (T rounded up to SG, q_heads), local (SG, 1).
@@ -104,13 +117,18 @@ __kernel void ovkc_rows(__global uchar* rows, __global const ACT* q, __global co
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                            __global const int* first, __global const int* tokens, __global const ACT* q,
-                           __global const int* step, __global const int* stored, __global ACT* out) {
+                           __global const int* step, __global const int* stored, __global uchar* logits,
+                           __global ACT* out) {
     const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
     const int t = min(r, rows - 1);  // a lane past the last row reads the last (and writes nothing)
     const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
     const int n = lengths[row], visible = first[row] + tokens[2 * t + 1] + 1;
-    prefill_row(r, h, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, q, rows, SCALE, out,
-                0);
+    const bool live = r < rows;
+    row_state st;
+    row_start(&st, live, h, r, q, rows, SCALE);
+    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
+                 row_logits(logits, step, h, t));
+    row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 #endif
 
@@ -163,7 +181,7 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
                                  __global const int* first, __global const int* tokens, __global const ACT* q,
                                  __global const int* step, __global const int* stored, __global const uchar* qpool,
                                  __global const int* qtables, __global const int* qlengths,
-                                 __global const int* flush, __global ACT* out) {
+                                 __global const int* flush, __global uchar* logits, __global ACT* out) {
     const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
     const int t = min(r, rows - 1);
     const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
@@ -173,9 +191,10 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
     const bool live = r < rows;
     row_state st;
     row_start(&st, live, h, r, q, rows, SCALE);
-    attend_quant_slots(&st, live, qpool, qtables + row * step[2], nq, sub_group_reduce_max(nq), qvisible);
+    __global float* lg = row_logits(logits, step, h, t);
+    attend_quant_slots(&st, live, qpool, qtables + row * step[2], nq, sub_group_reduce_max(nq), qvisible, lg);
     attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, start,
-                 start + count);
-    row_finish(&st, live, h, r, rows, out, 0);
+                 start + count, lg ? lg + qvisible : 0);
+    row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 #endif

@@ -51,9 +51,11 @@ inline bool tile_softmax(row_state* st, const float* s, const bool* masked, floa
 // the step's, then the step's own), less the slots [hole_lo, hole_hi) (the step's flushed chunk,
 // read from the 2-bit store instead). The slots go CHUNK at a time: their logits first (each query
 // element loaded once for the chunk), then one rescale of the accumulator and the chunk's values
-// added to it.
+// added to it. Where `slot_logits` is given, each slot's logit goes there (the hole left out: the
+// slots after it move down by its width), for the methods' scores.
 inline void attend_slots(row_state* st, bool live, __global const uchar* pool, __global const int* table, int n,
-                         int n_max, __global const int* positions, int visible, int qpos, int hole_lo, int hole_hi) {
+                         int n_max, __global const int* positions, int visible, int qpos, int hole_lo, int hole_hi,
+                         __global float* slot_logits) {
     for (int j0 = 0; j0 < n_max; j0 += CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
@@ -74,6 +76,9 @@ inline void attend_slots(row_state* st, bool live, __global const uchar* pool, _
             const float qd = st->q[d];
             for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
         }
+        if (slot_logits)
+            for (int c = 0; c < CHUNK; ++c)
+                if (!masked[c]) slot_logits[j0 + c - (j0 + c >= hole_hi ? hole_hi - hole_lo : 0)] = s[c];
         if (!tile_softmax(st, s, masked, p, &alpha)) continue;  // this row: nothing at or before it yet
         for (int d = 0; d < HEAD_DIM; ++d) {
             float a = st->acc[d] * alpha;
@@ -86,9 +91,9 @@ inline void attend_slots(row_state* st, bool live, __global const uchar* pool, _
 #ifdef QUANT_TOKENS
 // The row over its KV head's 2-bit slots (qtable: the head's 2-bit blocks in the store's order; nq
 // held, nq_max the sub-group's largest), the first `visible` of them (the step's own flushed
-// tokens after the row's are not).
+// tokens after the row's are not); each slot's logit into `slot_logits` where given.
 inline void attend_quant_slots(row_state* st, bool live, __global const uchar* qpool, __global const int* qtable,
-                               int nq, int nq_max, int visible) {
+                               int nq, int nq_max, int visible, __global float* slot_logits) {
     for (int j0 = 0; j0 < nq_max; j0 += CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];
@@ -108,6 +113,9 @@ inline void attend_quant_slots(row_state* st, bool live, __global const uchar* q
             const float qd = st->q[d];
             for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, quant_key(block[c], slot[c], d), s[c]);
         }
+        if (slot_logits)
+            for (int c = 0; c < CHUNK; ++c)
+                if (!masked[c]) slot_logits[j0 + c] = s[c];
         if (!tile_softmax(st, s, masked, p, &alpha)) continue;
         for (int d = 0; d < HEAD_DIM; ++d) {
             float a = st->acc[d] * alpha;
@@ -135,7 +143,7 @@ inline void prefill_row(int r, int h, __global const uchar* pool, __global const
     const bool live = r < rows;
     row_state st;
     row_start(&st, live, h, r, q, rows, scale);
-    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0);
+    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0, 0);
     row_finish(&st, live, h, r, rows, out, lse);
 }
 

@@ -97,3 +97,15 @@ __kernel void expand_runs(__global const int* runs, int n_runs, __global int* ou
     while (r + 1 < n_runs && runs[2 * (r + 1)] <= i) ++r;
     out[i] = runs[2 * r + 1] + i - runs[2 * r];
 }
+
+// acc[h][j] (+)= exp(logits[h][row][j] - lse[h][row]) for j < held (j >= before: the new slots,
+// starting from 0): a decode step's probabilities added to the scores from the logits and
+// log-sum-exp the model's attention wrote (logits [q_heads][rows][stride], then lse
+// [q_heads][rows]), so the keys are not read again. Global (held, q_heads).
+__kernel void add_step_logits(__global float* acc, int acc_stride, int before, __global const float* logits,
+                              int stride, int rows, int row) {
+    const int j = get_global_id(0), h = get_global_id(1);
+    const float lse = logits[(long)get_global_size(1) * rows * stride + h * rows + row];
+    const float old = j < before ? acc[(long)h * acc_stride + j] : 0.0f;
+    acc[(long)h * acc_stride + j] = old + exp(logits[((long)h * rows + row) * stride + j] - lse);
+}
