@@ -313,13 +313,35 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         self.stride = stride
 
     def _evict(self, width: int) -> None:
-        """Keep the selection's slots in every KV head (fresh blocks; their scores gathered)."""
+        """Keep the selection's slots in every KV head (fresh blocks; their scores gathered), or,
+        where one slot a head goes (a decode step past the budget), drop it in place."""
         lay = self.layer
         n = lay.held
+        if n == self.budget + 1 and self._drops_lowest() and n > self.config.sink_tokens + self.config.recent_tokens:
+            self._drop_lowest(n)
+            return
         kept = self._select(n, width)
         self.scores = self._gather_scores((kept.slots, kept.stride), kept.count, self.stride)
         lay.keep(kept)
         self._bump("evicted", float((n - kept.count) * lay.kv_heads))
+
+    def _drops_lowest(self) -> bool:
+        """Whether the selection keeps the top summed scores (H2O's rank rule), so that one slot
+        going is the lowest middle one (KVCrush's selection is not)."""
+        return True
+
+    def _drop_lowest(self, n: int) -> None:
+        """:meth:`_select` of all but one slot a head, in place: the middle slot of the lowest
+        summed score (ties: the later, as the rank rule keeps the earlier) dropped, the slots
+        after it moved down with their scores and positions (not every kept slot gathered)."""
+        lay, cfg = self.layer, self.config
+        dev, kv, i32 = lay.pool.dev, lay.kv_heads, np.int32
+        dropped = dev.empty(4 * kv)
+        mid = n - cfg.sink_tokens - cfg.recent_tokens
+        dev.run(self._kernel("drop_lowest"), (dev.sub_group, kv), (dev.sub_group, 1), self.scores, i32(self.stride),
+                i32(lay.q_heads // kv), i32(cfg.sink_tokens), i32(mid), dropped)  # fmt: skip
+        lay.drop_one(dropped, (self.scores, self.stride))
+        self._bump("evicted", float(kv))
 
     def _select(self, n: int, width: int) -> KeptSlots:
         """Each KV head's sinks, recent tokens and top summed scores (``budget`` in all), listed
@@ -420,6 +442,9 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         anchors = np.array([[c == "1" for c in b[heads]] if b != "mean" else [False] * width for b in bits])
         return KVCrushChoice(budget, sinks, recent, representatives, anchors, tuple(b == "mean" for b in bits),
                              cfg.signature, cfg.multi_anchor, cfg.representative)  # fmt: skip
+
+    def _drops_lowest(self) -> bool:
+        return False  # KVCrush's selection: buckets and representatives, not the lowest score
 
     def _select(self, n: int, width: int) -> KeptSlots:
         lay = self.layer

@@ -297,6 +297,17 @@ class SlotPositions:
             self._host = None  # read back when next asked
         self.count = kept.count
 
+    def drop_args(self) -> tuple[Any, ...]:
+        """The positions' arguments of ``drop_slot`` (the buffer, its stride, the fresh range),
+        which writes every position from the dropped slot or the fresh range on."""
+        first, position = self.fresh if self.fresh is not None else (self.count, 0)
+        return self.buffer, np.int32(self.capacity), np.int32(first), np.int32(position)
+
+    def dropped_one(self) -> None:
+        """After ``drop_slot``: one slot fewer a head, every position written, the host's copy stale."""
+        self.count -= 1
+        self.fresh, self._host = None, None
+
     def truncate(self, count: int) -> None:
         """Keep each head's first ``count`` slots."""
         if self.fresh is not None and count <= self.fresh[0]:
@@ -515,6 +526,25 @@ class PagedLayer:
         self._tables_on_device = (new_b, new_array.shape[1])
         self.slot_positions.gather(kept)
         self.held = n
+
+    def drop_one(self, dropped: Any, scores: tuple[Any, int] | None = None) -> None:
+        """Drop slot ``dropped[kv]`` (a device int per KV head) of every head in place: the slots
+        after it move down one, with their positions and (``scores``: the buffer ``[Hq, stride]``
+        and its stride) their scores; a block left empty goes back to the pool."""
+        p, i32 = self.pool, np.int32
+        tables, stride = self.device_tables()
+        group = self.q_heads // self.kv_heads
+        score_buffer, score_stride = scores if scores is not None else (p.no_slots, 0)
+        kernel = p.dev.kernel("paged_store.cl", "drop_slot", store_constants(p.shape))
+        p.dev.run(kernel, (p.shape.head_dim + 5 + group, self.kv_heads), None, p.buffer, tables, i32(stride),
+                  dropped, i32(self.held), *self.slot_positions.drop_args(), score_buffer, i32(score_stride),
+                  i32(group))  # fmt: skip
+        self.slot_positions.dropped_one()
+        self.held -= 1
+        blocks = -(-self.held // p.shape.block_size)
+        for table in self.tables:
+            p.release(table[blocks:])
+            del table[blocks:]
 
     def truncate(self, tokens: int) -> bool:
         """Drop every slot at position ``tokens`` or later (a chat rolled back to a common prefix):

@@ -15,10 +15,12 @@ path does today (``ov_kvcrush/gpu/layer_cache.py``, ``quant_cache.py``), not wha
 * full (ours and native's): every held slot's key and value;
 * StreamingLLM: the budget's slots, and the eviction's gather of every kept slot into fresh
   blocks (read and written) each step past the budget;
-* H2O, SnapKV, PyramidKV: as StreamingLLM, and the scores kept (the step's probabilities, from
-  the logits the attention layer wrote, added; pooled; gathered: ``SCORE_PASSES`` float reads
-  and writes a slot and query head);
-* Knorm: as StreamingLLM, with the scores pooled and gathered (no probabilities);
+* H2O, SnapKV, PyramidKV: the budget's slots, and the eviction of one slot a head in place: the
+  slots after the dropped one move down (read and written; half the kept slots on average, the
+  estimate's count), and the scores kept (the step's probabilities, from the logits the
+  attention layer wrote, added; summed to find the lowest; moved with their slots:
+  ``SCORE_PASSES`` float reads and writes a slot and query head);
+* Knorm: as H2O, with no probabilities added;
 * block-wise KVCrush: its selection is the prompt's alone: the budget's slots, and the scores it
   keeps (and, as tokens are generated, those too: not counted);
 * MiniKV: the 2-bit chunks (``QuantShape.block_bytes`` a chunk) and the full-precision tail
@@ -40,8 +42,9 @@ GPUS = (("Arc B580", 456.0), ("Core Ultra iGPU", 120.0))
 #: the methods estimated beside the full cache (budget-bound), in the table's order
 METHODS = ("streamingllm", "snapkv", "knorm", "kvcrush", "minikv")
 #: float reads and writes of a slot's score per query head a step for the scoring methods: the
-#: logits written and read back, the sums read and written, pooled, gathered (read, write)
-SCORE_PASSES = 6
+#: logits written and read back, the sums read and written, read to find the lowest, half of
+#: them moved (read, write)
+SCORE_PASSES = 5
 #: MiniKV's store as the methods' defaults: 2-bit chunks of 128 tokens, groups of 16, 64 pinned
 QUANT_CHUNK, QUANT_GROUP, PINNED = 128, 16, 64
 
@@ -100,9 +103,9 @@ def kv_step_bytes(method: str, model: ModelShape, held: int, budget: int, kv_pre
     elif method == "streamingllm":
         per_head = kept * slot + 2 * kept * slot
     elif method in ("snapkv", "h2o", "pyramidkv"):
-        per_head = kept * slot + 2 * kept * slot + SCORE_PASSES * kept * score
+        per_head = kept * slot + kept * slot + SCORE_PASSES * kept * score  # half the slots read and written
     elif method == "knorm":
-        per_head = kept * slot + 2 * kept * slot + 3 * kept * score
+        per_head = kept * slot + kept * slot + (SCORE_PASSES - 3) * kept * score  # no probabilities
     elif method == "kvcrush":
         per_head = kept * slot + 3 * kept * score
     elif method == "minikv":

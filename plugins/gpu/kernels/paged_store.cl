@@ -18,6 +18,35 @@ __kernel void store_tokens(__global uchar* pool, __global const int* tables, int
     store_token(t, kv, get_global_size(1), pool, tables + kv * table_stride, first[kv] + t, k, v);
 }
 
+// Element e of slot j (of a head's block table): for e < HEAD_DIM its key's and its value's dim e
+// (ELEM_BYTES each, into k and v), for HEAD_DIM + p (u8) its parameter row p (into k).
+inline void slot_element(__global const uchar* pool, __global const int* table, int j, int e, uint* k, uint* v) {
+    __global const uchar* a = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
+    const int jj = j % BLOCK_SIZE;
+    if (e >= HEAD_DIM) {
+        *k = ((__global const uint*)(a + KV_BYTES))[(e - HEAD_DIM) * BLOCK_SIZE + jj];
+        return;
+    }
+    *k = *v = 0;
+    for (int byte = 0; byte < ELEM_BYTES; ++byte) {
+        *k |= (uint)a[(e * BLOCK_SIZE + jj) * ELEM_BYTES + byte] << (8 * byte);
+        *v |= (uint)a[(BLOCK_SIZE * HEAD_DIM + jj * HEAD_DIM + e) * ELEM_BYTES + byte] << (8 * byte);
+    }
+}
+
+inline void set_slot_element(__global uchar* pool, __global const int* table, int j, int e, uint k, uint v) {
+    __global uchar* b = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
+    const int jj = j % BLOCK_SIZE;
+    if (e >= HEAD_DIM) {
+        ((__global uint*)(b + KV_BYTES))[(e - HEAD_DIM) * BLOCK_SIZE + jj] = k;
+        return;
+    }
+    for (int byte = 0; byte < ELEM_BYTES; ++byte) {
+        b[(e * BLOCK_SIZE + jj) * ELEM_BYTES + byte] = (uchar)(k >> (8 * byte));
+        b[(BLOCK_SIZE * HEAD_DIM + jj * HEAD_DIM + e) * ELEM_BYTES + byte] = (uchar)(v >> (8 * byte));
+    }
+}
+
 // Slot i of KV head kv's new blocks (new_tables) = its slot src[kv][i] in its old blocks
 // (tables), i < counts[kv]: keys, values and (u8) the slot's min and scale. One work-item per
 // (element, slot, head): global (HEAD_DIM + 4, max count, kv_heads); element HEAD_DIM + p copies
@@ -26,25 +55,10 @@ __kernel void gather_slots(__global const uchar* src_pool, __global const int* t
                            __global uchar* dst_pool, __global const int* new_tables, int new_stride,
                            __global const int* src, int src_stride, __global const int* counts) {
     const int e = get_global_id(0), i = get_global_id(1), kv = get_global_id(2);
-    if (i >= counts[kv]) return;
-    const int from = src[kv * src_stride + i];
-    __global const uchar* a = src_pool + (ulong)tables[kv * table_stride + from / BLOCK_SIZE] * BLOCK_BYTES;
-    __global uchar* b = dst_pool + (ulong)new_tables[kv * new_stride + i / BLOCK_SIZE] * BLOCK_BYTES;
-    const int ja = from % BLOCK_SIZE, jb = i % BLOCK_SIZE;
-    if (e >= HEAD_DIM) {
-#if KV_PRECISION == 2
-        const int row = e - HEAD_DIM;
-        ((__global float*)(b + KV_BYTES))[row * BLOCK_SIZE + jb] =
-            ((__global const float*)(a + KV_BYTES))[row * BLOCK_SIZE + ja];
-#endif
-        return;
-    }
-    const int d = e;
-    for (int byte = 0; byte < ELEM_BYTES; ++byte) {
-        b[(d * BLOCK_SIZE + jb) * ELEM_BYTES + byte] = a[(d * BLOCK_SIZE + ja) * ELEM_BYTES + byte];
-        b[(BLOCK_SIZE * HEAD_DIM + jb * HEAD_DIM + d) * ELEM_BYTES + byte] =
-            a[(BLOCK_SIZE * HEAD_DIM + ja * HEAD_DIM + d) * ELEM_BYTES + byte];
-    }
+    if (i >= counts[kv] || (e >= HEAD_DIM && KV_PRECISION != 2)) return;
+    uint k, v;
+    slot_element(src_pool, tables + kv * table_stride, src[kv * src_stride + i], e, &k, &v);
+    set_slot_element(dst_pool, new_tables + kv * new_stride, i, e, k, v);
 }
 
 // out[kv][i][d] = the key (or, with `values`, the value) of slot first + i of KV head kv, read
@@ -95,4 +109,44 @@ __kernel void gather_positions(__global const int* src, int src_stride, __global
     if (i >= count) return;
     const int slot = kept[kv * kept_stride + i];
     dst[(long)kv * dst_stride + i] = slot >= fresh ? fresh_position + slot - fresh : src[(long)kv * src_stride + slot];
+}
+
+// Each KV head drops its slot dropped[kv] (of n): the slots after it move down one in place, each
+// with its position and its scores in the head's query group: an eviction of one slot a head moves
+// the slots after it, not every kept slot into fresh blocks. A work-item per element of a slot
+// (the keys' and values' dims, u8's 4 parameter rows, the position, the group's scores: global
+// (HEAD_DIM + 4 + 1 + group, kv_heads)) walks the slots after the dropped one, MOVE_CHUNK read
+// then MOVE_CHUNK written: each element is read and written by its work-item alone, the later
+// slot read before it is overwritten. positions [kv][pos_stride]: slots from `fresh` on hold
+// fresh_position + (slot - fresh), not yet written (SlotPositions); written from min(dropped,
+// fresh) on. scores [Hq][score_stride], none where score_stride is 0.
+#define MOVE_CHUNK 8
+__kernel void drop_slot(__global uchar* pool, __global const int* tables, int table_stride,
+                        __global const int* dropped, int n, __global int* positions, int pos_stride, int fresh,
+                        int fresh_position, __global float* scores, int score_stride, int group) {
+    const int e = get_global_id(0), kv = get_global_id(1);
+    __global const int* table = tables + kv * table_stride;
+    const int d = dropped[kv];
+    if (e == HEAD_DIM + 4) {  // the position
+        __global int* pos = positions + (long)kv * pos_stride;
+        for (int j = min(d, fresh); j < n - 1; ++j) {
+            const int src = j + (j >= d);
+            pos[j] = src >= fresh ? fresh_position + src - fresh : pos[src];
+        }
+        return;
+    }
+    if (e > HEAD_DIM + 4) {  // a score of the group's query head e - HEAD_DIM - 5
+        if (score_stride == 0) return;
+        __global float* s = scores + (long)(kv * group + e - HEAD_DIM - 5) * score_stride;
+        for (int j = d; j < n - 1; ++j) s[j] = s[j + 1];
+        return;
+    }
+#if KV_PRECISION != 2
+    if (e >= HEAD_DIM) return;  // the u8 parameters' rows: none
+#endif
+    for (int j0 = d; j0 < n - 1; j0 += MOVE_CHUNK) {
+        uint kx[MOVE_CHUNK], vx[MOVE_CHUNK];
+        for (int c = 0; c < MOVE_CHUNK && j0 + c + 1 < n; ++c) slot_element(pool, table, j0 + c + 1, e, &kx[c], &vx[c]);
+        for (int c = 0; c < MOVE_CHUNK && j0 + c + 1 < n; ++c) set_slot_element(pool, table, j0 + c, e, kx[c], vx[c]);
+    }
 }

@@ -109,3 +109,26 @@ __kernel void add_step_logits(__global float* acc, int acc_stride, int before, _
     const float old = j < before ? acc[(long)h * acc_stride + j] : 0.0f;
     acc[(long)h * acc_stride + j] = old + exp(logits[((long)h * rows + row) * stride + j] - lse);
 }
+
+// The middle slot each KV head drops when one goes (an eviction of one slot a head: a decode step
+// past the budget): the lowest of its query group's summed scores (summed as pooled_group_scores
+// sums them at width 1), ties to the later slot (head_decisions_topk keeps the earlier). One
+// sub-group per KV head: global (SG, kv_heads), local (SG, 1).
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void drop_lowest(__global const float* scores, int stride, int group, int sinks, int mid,
+                          __global int* dropped) {
+    const int g = get_global_id(1), lane = get_sub_group_local_id();
+    float best = INFINITY;
+    int at = -1;
+    for (int i = lane; i < mid; i += SG) {
+        float acc = 0.0f;
+        for (int h = g * group; h < (g + 1) * group; ++h) acc += scores[(long)h * stride + sinks + i];
+        if (acc <= best) {  // a lane's slots ascend: the later of equal scores
+            best = acc;
+            at = i;
+        }
+    }
+    const float low = sub_group_reduce_min(best);
+    const int idx = sub_group_reduce_max(best == low ? at : -1);
+    if (lane == 0) dropped[g] = sinks + idx;
+}
