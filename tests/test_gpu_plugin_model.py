@@ -44,7 +44,7 @@ def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[in
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
     from ov_kvcrush.tools.model_coverage import F32
 
-    DevicePool.CHUNK_BYTES = 8 * BLOCK * 32 * 2 * 4  # 8 f32 blocks: on GPU the pool grows as the prompt is stored
+    chunk, DevicePool.CHUNK_BYTES = DevicePool.CHUNK_BYTES, 8 * BLOCK * 32 * 2 * 4  # 8 f32 blocks: the pool grows
     engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     out = []
@@ -62,6 +62,7 @@ def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[in
             out.append((list(res.token_ids), res.kv_bytes))
     finally:
         engine.close()
+        DevicePool.CHUNK_BYTES = chunk  # the worker serves the other tests
     return out
 
 

@@ -18,8 +18,11 @@ def _grow_and_read_back(chunk_blocks: int, steps: list[tuple[int, int]]) -> dict
     from ov_kvcrush.gpu.pool import DevicePool
 
     shape = PoolShape("f32", BLOCK, HEAD_DIM, 4)
-    DevicePool.CHUNK_BYTES = chunk_blocks * shape.block_bytes
-    pool = DevicePool(shape, blocks=10_000, grow=True)
+    chunk, DevicePool.CHUNK_BYTES = DevicePool.CHUNK_BYTES, chunk_blocks * shape.block_bytes
+    try:
+        pool = DevicePool(shape, blocks=10_000, grow=True)  # its chunk fixed when made
+    finally:
+        DevicePool.CHUNK_BYTES = chunk
     bb, held, sizes = shape.block_bytes, {}, []
     rng = np.random.default_rng(0)
     for take, give in steps:

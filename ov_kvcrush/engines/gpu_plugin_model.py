@@ -28,7 +28,7 @@ from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, PluginStep, plan_step
-from ov_kvcrush.gpu.pool import StepLogits
+from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs

@@ -31,7 +31,8 @@ import torch
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_device
-from ov_kvcrush.gpu.pool import DevicePool, KeptSlots, PagedLayer, StepLogits
+from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
+from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
 from ov_kvcrush.gpu.snapkv import kept_tokens, launch_keep
 from ov_kvcrush.methods import LayerCache
 from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig, StreamingLLMConfig

@@ -32,8 +32,9 @@ from ov_kvcrush.gpu import device_layers, plugin_layers
 from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks, StepLogits
+from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
+from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op.kvcache import PoolStats, SequenceStats

@@ -6,8 +6,8 @@ in and out: how they are tested against the reference). A decode cannot: the poo
 the device and only a step's tensors may cross. :class:`DevicePool` holds the blocks (one
 buffer, a free list, the CPU op's block layout) and counts every byte that crosses between host
 and device; :class:`PagedLayer` is one layer's KV heads in it: their block tables (on the host,
-uploaded when they change), the positions of their slots (:class:`SlotPositions`, on the device
-beside the slots), and the steps a method's cache runs (store a step's tokens, attend a prompt or
+uploaded when they change), the positions of their slots (:class:`~ov_kvcrush.gpu.slots.SlotPositions`,
+on the device beside the slots), and the steps a method's cache runs (store a step's tokens, attend a prompt or
 a decode token, keep a selection of slots).
 
 Every KV head of a layer holds the same number of slots here (the full cache and the uniform
@@ -28,6 +28,7 @@ from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
+from ov_kvcrush.gpu.slots import KeptSlots, SlotPositions
 from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
 from ov_kvcrush.gpu.sycl_host import sycl_device
 
@@ -197,141 +198,6 @@ class QuantBlocks:
         self.buffer, self.capacity = grown, 2 * old
 
 
-@dataclass
-class KeptSlots:
-    """The slots each KV head keeps in an eviction, ascending: on the device (``slots`` ``[kv,
-    stride]``; ``stride`` 0: one list every head keeps), ``count`` a head, and on the host
-    (``[kv, count]``) where the host listed them; None where only the device did (a decode step's
-    eviction: nothing is read back)."""
-
-    slots: Any
-    stride: int
-    count: int
-    host: np.ndarray | None = None
-
-
-@dataclass
-class StepLogits:
-    """One sequence's decode row in a layer as the model's attention left it: its logits over the
-    layer's slots and its log-sum-exp (``plugin_layers.logits_bytes``'s layout, in ``buffer``: rows
-    of ``stride``, ``rows`` a query head, this sequence's ``row``), from which its probabilities
-    are taken without the keys read again."""
-
-    buffer: Any
-    stride: int
-    rows: int
-    row: int
-
-
-class SlotPositions:
-    """Each KV head's slots' positions ``[kv, capacity]`` int32 in a device buffer: an eviction
-    gathers them there, as the slots themselves, so an eviction chosen on the device needs nothing
-    back. New slots' positions are a range (a step's tokens, every head alike): the latest ones are
-    kept as :attr:`fresh` and written by the next kernel that reads the buffer (a decode step
-    launches none of its own). :attr:`host` is the host's copy, read back when asked (a chat's
-    truncation, the 2-bit store's chunk positions) and kept while it holds."""
-
-    FIRST = 64  # slots of the first buffer
-
-    def __init__(self, pool: DevicePool, kv_heads: int) -> None:
-        self.pool = pool
-        self.kv_heads = kv_heads
-        self.count = 0
-        self.capacity = 0
-        self.buffer: Any = None
-        #: slots ``first ..`` of every head hold positions ``position ..``, not yet written:
-        #: ``(first, position)``, or None
-        self.fresh: tuple[int, int] | None = None
-        self._host: np.ndarray | None = np.zeros((kv_heads, 0), np.int32)
-
-    def _kernel(self, name: str) -> Any:
-        return self.pool.dev.kernel("paged_store.cl", name, store_constants(self.pool.shape))
-
-    def append(self, first_position: int, t: int) -> None:
-        """``t`` new slots after the others, at positions ``first_position ..``."""
-        if self.fresh is not None and first_position - self.fresh[1] != self.count - self.fresh[0]:
-            self._write_fresh()  # not the same range: the earlier one written first
-        if self.count + t > self.capacity:
-            capacity = max(self.count + t, 2 * self.capacity, self.FIRST)
-            grown = self.pool.dev.empty(4 * self.kv_heads * capacity)
-            written = self.fresh[0] if self.fresh is not None else self.count
-            if written:
-                self.pool.dev.copy_rect(self.buffer, self.capacity, grown, capacity, 0, self.kv_heads, written)
-            self.buffer, self.capacity = grown, capacity
-        if self.fresh is None and t:
-            self.fresh = (self.count, first_position)
-        if self._host is not None:
-            step = np.arange(first_position, first_position + t, dtype=np.int32)
-            self._host = np.concatenate([self._host, np.broadcast_to(step, (self.kv_heads, t))], axis=1)
-        self.count += t
-
-    def _write_fresh(self) -> None:
-        if self.fresh is None:
-            return
-        (first, position), i32 = self.fresh, np.int32
-        n = self.count - first
-        if n > 0:
-            self.pool.dev.run(self._kernel("fill_positions"), (n, self.kv_heads), None, self.buffer,
-                              i32(self.capacity), i32(first), i32(position), i32(n))  # fmt: skip
-        self.fresh = None
-
-    def device(self) -> tuple[Any, int]:
-        """The buffer, every position written, and its row stride."""
-        self._write_fresh()
-        return self.buffer, self.capacity
-
-    def gather(self, kept: KeptSlots) -> None:
-        """Keep the positions of ``kept``'s slots, in that order (the fresh ones written as they
-        are gathered)."""
-        dev, i32 = self.pool.dev, np.int32
-        out = dev.empty(4 * self.kv_heads * max(self.capacity, 1))
-        first, position = self.fresh if self.fresh is not None else (self.count, 0)
-        if kept.count:
-            dev.run(self._kernel("gather_positions"), (kept.count, self.kv_heads), None, self.buffer,
-                    i32(self.capacity), kept.slots, i32(kept.stride), i32(kept.count), i32(first), i32(position),
-                    out, i32(self.capacity))  # fmt: skip
-        self.buffer, self.fresh = out, None
-        if self._host is not None and kept.host is not None:
-            self._host = np.take_along_axis(self._host, kept.host.astype(np.int64), axis=1)
-        else:
-            self._host = None  # read back when next asked
-        self.count = kept.count
-
-    def drop_args(self) -> tuple[Any, ...]:
-        """The positions' arguments of ``drop_slot`` (the buffer, its stride, the fresh range),
-        which writes every position from the dropped slot or the fresh range on."""
-        first, position = self.fresh if self.fresh is not None else (self.count, 0)
-        return self.buffer, np.int32(self.capacity), np.int32(first), np.int32(position)
-
-    def dropped_one(self) -> None:
-        """After ``drop_slot``: one slot fewer a head, every position written, the host's copy stale."""
-        self.count -= 1
-        self.fresh, self._host = None, None
-
-    def truncate(self, count: int) -> None:
-        """Keep each head's first ``count`` slots."""
-        if self.fresh is not None and count <= self.fresh[0]:
-            self.fresh = None
-        if count == 0:
-            self._host = np.zeros((self.kv_heads, 0), np.int32)
-        elif self._host is not None:
-            self._host = self._host[:, :count]
-        self.count = count
-
-    @property
-    def host(self) -> np.ndarray:
-        """``[kv, count]`` on the host (read back where the device alone knows them)."""
-        if self._host is None:
-            buffer, capacity = self.device()
-            whole = self.pool.download("positions", buffer, np.int32, (self.kv_heads, capacity))
-            self._host = np.ascontiguousarray(whole[:, : self.count])
-        return self._host
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * self.kv_heads * self.count
-
-
 class PagedLayer:
     """One layer's KV heads in a :class:`DevicePool`: each head its own blocks, all holding
     :attr:`held` slots, each slot's position kept for prompt attention's causal mask."""
@@ -344,7 +210,7 @@ class PagedLayer:
         self.q_heads = q_heads
         self.tables: list[list[int]] = [[] for _ in range(kv_heads)]
         self.held = 0
-        self.slot_positions = SlotPositions(pool, kv_heads)
+        self.slot_positions = SlotPositions(pool.dev, pool.shape, pool, kv_heads)
         self._tables_on_device: Any = None
 
     @property

@@ -29,8 +29,9 @@ from ov_kvcrush.gpu.attention import QuantHeads
 from ov_kvcrush.gpu.kvcrush import launch_block_sums
 from ov_kvcrush.gpu.layer_cache import DeviceKVCrushLayerCache, DeviceSnapKVLayerCache, host_array
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.pool import DevicePool, KeptSlots, StepLogits
+from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant import launch_quantize
+from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
 from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.importance import H2OConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
