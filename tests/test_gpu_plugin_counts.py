@@ -29,14 +29,14 @@ CASES = [
 #: (2026-11-29; issue 71's targets: 3 for the full cache, 6 for any method): the full cache's
 #: store, rows and attention; a scoring method adds the step's probabilities from the logits the
 #: attention layer wrote (1), MiniKV its new token's zero score too; an eviction of one slot a
-#: head, the lowest (H2O, SnapKV, Knorm), finds it and moves the slots after it down in place (2);
-#: StreamingLLM's eviction lists the kept slots and gathers them with their positions (3).
+#: head moves the slots after it down in place (1), after finding the lowest for H2O, SnapKV and
+#: Knorm (1; StreamingLLM's is the window's oldest).
 #: the bytes sent to the device a decode step, at most, as a share of the KV bytes its attention
 #: reads (issue 71's target: 1%). The 2-bit store reads an eighth of the bytes while its block
 #: tables (4 bytes a 16-token chunk, sent each step as native's are) stay: at these 32-dim heads
 #: they are 1.2% of its read alone (measured 1,688 of 136,704 bytes), at 128 dims a quarter of that.
 CROSSING_SHARE = {"minikv": 0.02}
-PER_LAYER = {"full": 3, "streamingllm": 6, "kvcrush": 4, "snapkv": 6, "h2o": 6, "knorm": 6, "minikv": 6}
+PER_LAYER = {"full": 3, "streamingllm": 4, "kvcrush": 4, "snapkv": 6, "h2o": 6, "knorm": 6, "minikv": 6}
 
 
 def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:

@@ -375,14 +375,17 @@ class DeviceKnormLayerCache(DeviceH2OLayerCache):
 
 class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
     """StreamingLLM over the device pool: the sinks and the last ``budget - sinks`` tokens, no
-    scores. The kept slots are listed on the device (``kept_slots`` with no middle tokens), so
-    only the new block tables cross."""
+    scores. A decode step past the budget drops the window's oldest slot in place (the slots
+    after it moved down: ``drop_slot``); a longer overflow (a prompt) lists the kept slots on the
+    device (``kept_slots`` with no middle tokens) and gathers them, so only new tables cross."""
 
     def __init__(self, config: StreamingLLMConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
         super().__init__(pool, kv_heads, q_heads)
         self.budget = budget
         self.sinks = config.sink_tokens
         self.recent = budget - config.sink_tokens  # as the reference's make_layer
+        #: the slot a decode step drops in every head (the window's oldest), on the device once
+        self._oldest = pool.upload("dropped slots", np.full(kv_heads, self.sinks, np.int32))
 
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         out = super().prefill(queries, keys, values)
@@ -401,6 +404,10 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
         lay = self.layer
         n, kv = lay.held, lay.kv_heads
         if n <= self.budget:
+            return
+        if n == self.budget + 1 and self.recent > 0:  # one slot a head: the window's oldest, in place
+            lay.drop_one(self._oldest, host_dropped=np.full(kv, self.sinks))
+            self._bump("evicted", float(kv))
             return
         mid = n - self.sinks - self.recent
         kept = np.stack(kept_tokens(np.zeros((kv, mid), np.uint8), n, self.sinks, self.recent))

@@ -393,10 +393,13 @@ class PagedLayer:
         self.slot_positions.gather(kept)
         self.held = n
 
-    def drop_one(self, dropped: Any, scores: tuple[Any, int] | None = None) -> None:
+    def drop_one(
+        self, dropped: Any, scores: tuple[Any, int] | None = None, host_dropped: np.ndarray | None = None
+    ) -> None:
         """Drop slot ``dropped[kv]`` (a device int per KV head) of every head in place: the slots
         after it move down one, with their positions and (``scores``: the buffer ``[Hq, stride]``
-        and its stride) their scores; a block left empty goes back to the pool."""
+        and its stride) their scores; a block left empty goes back to the pool. ``host_dropped``:
+        the same slots where the host knows them (its copy of the positions then follows)."""
         p, i32 = self.pool, np.int32
         tables, stride = self.device_tables()
         group = self.q_heads // self.kv_heads
@@ -405,7 +408,7 @@ class PagedLayer:
         p.dev.run(kernel, (p.shape.head_dim + 5 + group, self.kv_heads), None, p.buffer, tables, i32(stride),
                   dropped, i32(self.held), *self.slot_positions.drop_args(), score_buffer, i32(score_stride),
                   i32(group))  # fmt: skip
-        self.slot_positions.dropped_one()
+        self.slot_positions.dropped_one(host_dropped)
         self.held -= 1
         blocks = -(-self.held // p.shape.block_size)
         for table in self.tables:

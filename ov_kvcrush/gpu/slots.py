@@ -122,10 +122,18 @@ class SlotPositions:
         first, position = self.fresh if self.fresh is not None else (self.count, 0)
         return self.buffer, np.int32(self.capacity), np.int32(first), np.int32(position)
 
-    def dropped_one(self) -> None:
-        """After ``drop_slot``: one slot fewer a head, every position written, the host's copy stale."""
+    def dropped_one(self, dropped: np.ndarray | None = None) -> None:
+        """After ``drop_slot``: one slot fewer a head, every position written; the host's copy
+        follows where the host knows the slot each head dropped (``dropped`` ``[kv]``), else it
+        is stale."""
         self.count -= 1
-        self.fresh, self._host = None, None
+        self.fresh = None
+        if self._host is not None and dropped is not None:
+            keep = np.ones(self._host.shape, bool)
+            keep[np.arange(self.kv_heads), dropped] = False
+            self._host = self._host[keep].reshape(self.kv_heads, -1)
+        else:
+            self._host = None
 
     def truncate(self, count: int) -> None:
         """Keep each head's first ``count`` slots."""

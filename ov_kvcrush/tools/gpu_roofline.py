@@ -13,8 +13,8 @@ cache reuse). What each method touches a step, per layer and KV head, is what ou
 path does today (``ov_kvcrush/gpu/layer_cache.py``, ``quant_cache.py``), not what it could do:
 
 * full (ours and native's): every held slot's key and value;
-* StreamingLLM: the budget's slots, and the eviction's gather of every kept slot into fresh
-  blocks (read and written) each step past the budget;
+* StreamingLLM: the budget's slots, and at each step past the budget the window's oldest slot
+  dropped in place: the window after it moved down (read and written: about every kept slot);
 * H2O, SnapKV, PyramidKV: the budget's slots, and the eviction of one slot a head in place: the
   slots after the dropped one move down (read and written; half the kept slots on average, the
   estimate's count), and the scores kept (the step's probabilities, from the logits the
