@@ -78,7 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = make_app(backend, api_key=api_key, max_body_bytes=args.max_body_kib * 1024)
     http = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)
     try:
-        sock = http.bind_socket()  # listening before the line below: a client that waits for it connects
+        sock = http.bind_socket()  # bound only: uvicorn listens when its server starts
+        sock.listen(http.backlog)  # listening before the line below: a client that waits for it connects
         print(f"serving {backend.model_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.Server(http).run(sockets=[sock])
     finally:
