@@ -174,3 +174,14 @@ def emulation_worker():
         pytest.skip(reason)
     with emulation.worker() as worker:
         yield worker
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_ir() -> str:
+    """The family checks' tiny random-weight Llama 3 (2 layers, 8 query and 2 KV heads of 32
+    dims), exported to OpenVINO IR (fp32, cached per machine): the GPU plugin tests' model."""
+    from ov_kvcrush.models.export import export_models
+    from ov_kvcrush.models.families import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint("llama3")
+    return str(export_models([checkpoint], "fp32")[checkpoint])

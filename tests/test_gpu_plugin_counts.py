@@ -71,16 +71,8 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
     return out
 
 
-def _tiny_llama3() -> str:
-    from ov_kvcrush.models.export import export_models
-    from ov_kvcrush.models.families import tiny_checkpoint
-
-    checkpoint = tiny_checkpoint("llama3")
-    return str(export_models([checkpoint], "fp32")[checkpoint])
-
-
 @pytest.mark.model
-def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker):
+def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, tiny_llama3_ir):
     """Every method's decode step waits as often as the full cache's: the plugin's wait for its
     inference (and, where it copies them, for the logits), no wait of ours; nothing crosses to the
     host but the logits; what crosses to the device (the step's ids and cache inputs) is at most
@@ -88,7 +80,7 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker):
     within :data:`PER_LAYER`, the same at every step."""
     rng = np.random.default_rng(11)
     ids = [int(t) for t in rng.integers(10, 380, PROMPT_TOKENS)]
-    got = emulation_worker.submit(_decode_counts, _tiny_llama3(), ids).result(timeout=900)
+    got = emulation_worker.submit(_decode_counts, tiny_llama3_ir, ids).result(timeout=900)
     layers = 2
     full_waits = {s["waits"] for s in got[0]}
     assert len(full_waits) == 1 and full_waits.pop() <= 2, got[0]  # the inference (and the logits' copy)

@@ -84,14 +84,6 @@ def _teacher_forced(model_dir: str, ids: list[int], forced: list[int], device: s
     return out
 
 
-def _tiny_llama3() -> str:
-    from ov_kvcrush.models.export import export_models
-    from ov_kvcrush.models.families import tiny_checkpoint
-
-    checkpoint = tiny_checkpoint("llama3")
-    return str(export_models([checkpoint], "fp32")[checkpoint])
-
-
 #: the largest logit error allowed of the GPU in f16 (its default) against the CPU op in f32,
 #: relative to the largest logit: half precision's rounding of the activations (2^-11) through
 #: every layer; measured 1.8e-3 to 2.6e-3 on the tiny Llama 3 (2026-11-28), f32 against f32 1e-4
@@ -103,14 +95,14 @@ QUANT_F16_TOLERANCE = 5e-2
 
 
 @pytest.mark.model
-def test_the_gpu_in_f16_keeps_the_cpu_ops_f32_logits_within_tolerance(emulation_worker):
+def test_the_gpu_in_f16_keeps_the_cpu_ops_f32_logits_within_tolerance(emulation_worker, tiny_llama3_ir):
     """The GPU's default precision: the plugin runs the model in f16 and our layers take and return
     f16. Teacher-forced (the same tokens fed to both), every method's logits stay within
     :data:`F16_TOLERANCE` of the CPU op's f32 ones (over the 2-bit store,
     :data:`QUANT_F16_TOLERANCE`), and pick the same token."""
     from ov_kvcrush.tools.model_coverage import F32
 
-    model_dir = _tiny_llama3()
+    model_dir = tiny_llama3_ir
     rng = np.random.default_rng(5)
     ids = [int(t) for t in rng.integers(10, 380, PROMPT_TOKENS)]
     forced = [int(t) for t in rng.integers(10, 380, NEW_TOKENS)]
@@ -124,8 +116,8 @@ def test_the_gpu_in_f16_keeps_the_cpu_ops_f32_logits_within_tolerance(emulation_
 
 
 @pytest.mark.model
-def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emulation_worker):
-    model_dir = _tiny_llama3()
+def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emulation_worker, tiny_llama3_ir):
+    model_dir = tiny_llama3_ir
     ids = [int(t) for t in np.random.default_rng(3).integers(10, 380, PROMPT_TOKENS)]
     want = _generate(model_dir, ids, "CPU")
     got = emulation_worker.submit(_generate, model_dir, ids, "GPU").result(timeout=600)
@@ -180,11 +172,11 @@ def _named_devices(model_dir: str) -> dict:
 
 
 @pytest.mark.model
-def test_gpu_n_names_the_plugins_device_and_the_server_serves_on_gpu(emulation_worker):
+def test_gpu_n_names_the_plugins_device_and_the_server_serves_on_gpu(emulation_worker, tiny_llama3_ir):
     from ov_kvcrush.cli.main import build_parser
     from ov_kvcrush.server.config import ServerConfig
 
-    model_dir = _tiny_llama3()
+    model_dir = tiny_llama3_ir
     got = emulation_worker.submit(_named_devices, model_dir).result(timeout=600)
     assert got["gpu.0"][0] == "GPU.0" and np.isfinite(got["gpu.0"][1]).all()
     assert "device='GPU.7'" in got["gpu.7"] and "GPU.0" in got["gpu.7"]  # the names the plugin lists

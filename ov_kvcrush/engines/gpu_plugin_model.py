@@ -28,6 +28,7 @@ from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, PluginStep, plan_step
+from ov_kvcrush.gpu.pool import largest_pool
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
@@ -183,7 +184,7 @@ class PluginModel:
 
     def pool_limit(self) -> int:
         """The most blocks a pool may hold: one buffer, the device's largest allocation."""
-        return max(1, int(self.dev.largest_allocation() or 0) // self.pool_shape.block_bytes)
+        return max(1, largest_pool(self.dev, self.pool_shape) or 0)
 
     def new_pool(self, method: MethodConfig, blocks: int) -> PluginKVPool:
         """A pool of up to ``blocks`` blocks on our device (grown in chunks as they are asked
@@ -220,18 +221,16 @@ class PluginModel:
             self.dev.copy_rect(src, total, dst, n * d, 0, hq, n * d, src_at=first * d)
         return own
 
-    def _bind_logits(self, request: Any, step: PluginStep) -> list[Any]:
-        """Each layer's logits buffer bound (the layers write a decode step's logits there where
-        the step asks: ``step.logit_stride``); the buffers, or none where it does not ask."""
+    def _bind_layer_buffers(self, request: Any, key: str, names: list[str], nbytes: int) -> list[Any]:
+        """A buffer per layer of at least ``nbytes`` (:meth:`_buffers`' for ``key``), each bound
+        whole, as bytes, to its layer's input of ``names`` (the layers write into it in place)."""
         import openvino as ov
 
-        rows = len(step.counts) if step.logit_stride else 1
-        nbytes = plugin_layers.logits_bytes(self.shape.q_heads, rows, step.logit_stride)
-        buffers = self._buffers("logits", nbytes)
-        size = self._layer_buffers["logits"][0]
-        for name, buffer in zip(self.logits_inputs, buffers, strict=True):
+        buffers = self._buffers(key, nbytes)
+        size = self._layer_buffers[key][0]
+        for name, buffer in zip(names, buffers, strict=True):
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.u8, [size]))
-        return buffers if step.logit_stride else []
+        return buffers
 
     def run_step(self, request: Any, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
         """Feed ``ids[s]`` after sequence ``s``'s tokens, every sequence in one inference (the
@@ -253,19 +252,20 @@ class PluginModel:
         if blocks is not None:
             qpool = buffer_tensor(self.context, blocks.buffer, ov.Type.u8, [blocks.capacity * blocks.shape.block_bytes])
             request.set_tensor("kvc_qpool", qpool)
-        s, rows = self.shape, step.returned_rows
-        buffers = self._buffers("rows", 4 * s.q_heads * rows * s.head_dim)
-        size = self._layer_buffers["rows"][0]
-        for name, buffer in zip(self.rows_inputs, buffers, strict=True):  # the layers write their rows into ours
-            request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.u8, [size]))
-        logit_buffers = self._bind_logits(request, step)
+        s, stride = self.shape, step.logit_stride
+        buffers = self._bind_layer_buffers(
+            request, "rows", self.rows_inputs, 4 * s.q_heads * step.returned_rows * s.head_dim
+        )
+        # the layers write a decode step's logits where the step asks (a stride), else nothing
+        nbytes = plugin_layers.logits_bytes(s.q_heads, len(sequences) if stride else 1, stride)
+        logit_buffers = self._bind_layer_buffers(request, "logits", self.logits_inputs, nbytes)
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
         self.dev.synced()  # the previous step's method work was queued before the model's: done too
         for i, seq in enumerate(sequences):
             rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] else buffers
-            logits_i = [StepLogits(b, step.logit_stride, len(sequences), i) for b in logit_buffers]
-            seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i or None)
+            logits_i = [StepLogits(b, stride, len(sequences), i) for b in logit_buffers] if stride else None
+            seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i)
         # the methods' work is left queued: the next step's model runs after it on the one queue
         logits = np.array(request.get_output_tensor(0).data[0], np.float32)
         crossed = kv_pool.crossings[step.phase].to_host

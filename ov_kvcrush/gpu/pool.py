@@ -44,6 +44,13 @@ def open_device(host: str, sub_group: int | None = None) -> KernelDevice:
     return device(sub_group)
 
 
+def largest_pool(dev: KernelDevice, shape: PoolShape) -> int | None:
+    """The most blocks of ``shape`` one buffer on ``dev`` holds (its largest allocation); None
+    where the host does not say."""
+    largest = dev.largest_allocation()
+    return None if largest is None else largest // shape.block_bytes
+
+
 @dataclass
 class Crossings:
     """Bytes copied between host and device in one phase, by direction and by what they were;
@@ -85,11 +92,11 @@ class DevicePool:
             raise GPUPathError(f"a device pool needs at least one block, got {blocks}")
         self.shape = shape
         self.dev: KernelDevice = dev if dev is not None else open_device(host, sub_group)
-        largest = self.dev.largest_allocation()
+        largest = largest_pool(self.dev, shape)
         self.limit_reason = "its budget"
-        if largest is not None and blocks * shape.block_bytes > largest:
-            blocks = largest // shape.block_bytes
-            self.limit_reason = f"the device's largest allocation ({largest >> 20} MiB, one buffer)"
+        if largest is not None and blocks > largest:
+            blocks = largest
+            self.limit_reason = f"the device's largest allocation ({largest * shape.block_bytes >> 20} MiB, one buffer)"
         self.blocks = blocks
         self.chunk = max(1, min(blocks, self.CHUNK_BYTES // shape.block_bytes))
         self.capacity = self.chunk if grow else blocks

@@ -99,6 +99,12 @@ __kernel void fill_positions(__global int* positions, int stride, int first, int
     if (i < count) positions[(long)kv * stride + first + i] = first_position + i;
 }
 
+// The position of slot j of a head's row `pos`: slots from `fresh` on are not written yet, at
+// fresh_position + (j - fresh) (SlotPositions' fresh range).
+inline int slot_position(__global const int* pos, int j, int fresh, int fresh_position) {
+    return j >= fresh ? fresh_position + j - fresh : pos[j];
+}
+
 // An eviction's gather_slots for the positions: slot i of KV head kv afterwards holds the
 // position of its slot kept[kv][i] before (kept_stride 0: one list for every head); slots from
 // `fresh` on were stored since the positions were last written, at positions fresh_position + (slot
@@ -108,7 +114,7 @@ __kernel void gather_positions(__global const int* src, int src_stride, __global
     const int i = get_global_id(0), kv = get_global_id(1);
     if (i >= count) return;
     const int slot = kept[kv * kept_stride + i];
-    dst[(long)kv * dst_stride + i] = slot >= fresh ? fresh_position + slot - fresh : src[(long)kv * src_stride + slot];
+    dst[(long)kv * dst_stride + i] = slot_position(src + (long)kv * src_stride, slot, fresh, fresh_position);
 }
 
 // Each KV head drops its slot dropped[kv] (of n): the slots after it move down one in place, each
@@ -131,7 +137,7 @@ __kernel void drop_slot(__global uchar* pool, __global const int* tables, int ta
         __global int* pos = positions + (long)kv * pos_stride;
         for (int j = min(d, fresh); j < n - 1; ++j) {
             const int src = j + (j >= d);
-            pos[j] = src >= fresh ? fresh_position + src - fresh : pos[src];
+            pos[j] = slot_position(pos, src, fresh, fresh_position);
         }
         return;
     }
