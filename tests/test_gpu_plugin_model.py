@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
-from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.errors import ConfigError, UserError
 
 PROMPT_TOKENS, NEW_TOKENS, BLOCK = 150, 5, 16  # 150: the CPU op's loop feeds 128 then 22
 #: (method, budget, options): the full cache, a score-free eviction, SnapKV's prompt selection
@@ -126,6 +126,88 @@ def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emu
         assert tokens == want_tokens, case
         assert kv_bytes == want_bytes, case
     assert got[1][1] < got[0][1]  # the evictions held fewer blocks than the full cache
+
+
+#: the batch: four prompts decoding together when a fifth arrives (prompt tokens each)
+BATCH_PROMPTS = (150, 90, 121, 70, 110)
+#: the batched cases: the full cache and those whose evictions make and drop device buffers
+BATCH_CASES = CASES[:4]
+
+
+def _one_at_a_time(model_dir: str, prompts: list[list[int]]) -> list[list[list[int]]]:
+    """Each batched case's greedy tokens for each prompt, generated alone by the CPU op."""
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    engine = OpenVINOEngine(model_dir, device="CPU", kv_precision="f32", block_size=BLOCK, properties=F32)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        out = []
+        for case in BATCH_CASES:
+            engine.set_compression(_compression(*case))
+            out.append([list(engine.batcher.run(ids, settings, None).token_ids) for ids in prompts])
+        return out
+    finally:
+        engine.close()
+
+
+def _batched(model_dir: str, prompts: list[list[int]], rounds: int) -> dict:
+    """Each batched case's greedy tokens for each prompt through the loop on ``GPU``, ``rounds``
+    times over (a new pool and loop each time, the last ones' requests let go by the model): the
+    first four prompts enter together and decode together when the fifth arrives; the step
+    traces; what a step through a closed pool's request raises."""
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f32", block_size=BLOCK, properties=F32)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    out: dict = {"tokens": [], "traces": []}
+    try:
+        for _ in range(rounds):
+            for case in BATCH_CASES:
+                engine.set_compression(_compression(*case))
+                loop = engine.batcher
+                loop.trace = []
+                handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:4])]
+                while loop.stats["decode_rows"] < 4:  # every one of the four has decoded a token
+                    loop.step()
+                handles.append(loop.add_request(4, prompts[4], settings))
+                while loop.has_non_finished_requests():
+                    loop.step()
+                out["tokens"].append([list(h.result().token_ids) for h in handles])
+                out["traces"].append(list(loop.trace))
+                assert engine.pool.stats().blocks_in_use <= 1, case  # the engine's own sequence aside
+        closed = engine.request
+        engine.set_compression(_compression(*CASES[0]))
+        try:
+            engine.run_step(closed, [[5]], [engine.sequence], [0])
+        except UserError as e:
+            out["closed"] = str(e)
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.model
+def test_on_gpu_sequences_decode_together_beside_a_whole_prompt_with_the_tokens_of_one_at_a_time_runs(
+    emulation_worker, tiny_llama3_ir
+):
+    """Continuous batching on ``GPU``: several sequences a step, a prompt fed beside the decoding
+    ones in one inference; each request's tokens equal the CPU op's for its prompt alone, in every
+    round (before the model held its requests, a loop's request destroyed by Python's cycle
+    collector during a later step changed that step's tokens in about one round in four)."""
+    model_dir = tiny_llama3_ir
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in BATCH_PROMPTS]
+    want = _one_at_a_time(model_dir, prompts)
+    got = emulation_worker.submit(_batched, model_dir, prompts, 2).result(timeout=900)
+    rounds = [BATCH_CASES[i % len(BATCH_CASES)] for i in range(len(got["tokens"]))]
+    for i, (case, tokens, trace) in enumerate(zip(rounds, got["tokens"], got["traces"], strict=True)):
+        assert tokens == want[i % len(BATCH_CASES)], (i, case)
+        # a step fed the fifth prompt beside the four decoding sequences
+        assert any(seqs == 5 and fed == BATCH_PROMPTS[4] + 4 for seqs, fed, _ in trace), (case, trace)
+        assert max(seqs for seqs, fed, _ in trace if seqs == fed) >= 4, case  # decode steps of four or more
+    assert "closed" in got["closed"]  # a request of a closed pool is refused, not run over freed buffers
 
 
 def test_device_gpu_names_the_methods_it_runs():

@@ -1,7 +1,6 @@
 """The exported model in OpenVINO's GPU plugin with our layers in place of its attention: the
-GPU form of the openvino backend (``OpenVINOEngine(..., device="GPU")``). A step takes several
-sequences side by side; the loop feeds it one (docs/intel_gpu.md: batched tokens under the
-emulation still varied between runs).
+GPU form of the openvino backend (``OpenVINOEngine(..., device="GPU")``): several sequences a
+step, side by side (continuous batching through the one loop).
 
 The graph pass (:func:`~ov_kvcrush.transformations.plugin_attention.convert_model_for_plugin`)
 puts the store and prefill layers in every layer. :class:`PluginModel` compiles it on a remote
@@ -16,8 +15,10 @@ Pv"). :mod:`ov_kvcrush.tools.gpu_plugin_check` runs the embedded model through i
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,19 @@ def inference_precision(core: Any, gpu: str, properties: dict) -> str:
     return aliases[name]
 
 
+@dataclass(frozen=True)
+class PluginRequest:
+    """What :meth:`PluginModel.new_request` hands out: the key of one of the model's inference
+    requests, which the model alone holds, so that none is destroyed in the middle of a step."""
+
+    key: int
+
+
 class PluginModel:
     """``model_dir`` (an ``optimum-cli export openvino`` folder) with our layers for the plugin's
     ``GPU``, over our OpenCL context, its pool in ``kv_precision`` blocks of ``block_size``
     tokens: :meth:`compile`, then :meth:`new_pool` and :meth:`new_request`, and :meth:`run_step`
-    feeds one sequence's step."""
+    feeds a step of several sequences."""
 
     def __init__(
         self,
@@ -142,6 +151,11 @@ class PluginModel:
         self.compiled_models: dict[QuantShape | None, Any] = {}
         self.input_names: set[str] = set()
         self.compile_seconds = 0.0
+        #: every inference request made, by its :class:`PluginRequest`'s key, with the pool it
+        #: serves: held here alone until that pool is closed, then let go at the start of a step
+        #: (:meth:`_let_go_of_closed_pools_requests`)
+        self._requests: dict[int, tuple[PluginKVPool, Any]] = {}
+        self._request_keys = itertools.count()
 
     def _convert(self, quant: QuantShape | None) -> ConvertedModel:
         """The exported model read and converted, over the 2-bit store of ``quant``'s blocks where given."""
@@ -191,11 +205,22 @@ class PluginModel:
         for) and ``method``'s sequences over it."""
         return PluginKVPool(self.shape, self.pool_shape, blocks, method, self.dev)
 
-    def new_request(self, pool: PluginKVPool) -> Any:
+    def new_request(self, pool: PluginKVPool) -> PluginRequest:
         """An inference request of the model for ``pool``'s store (its buffers, which grow, are
-        bound at each step)."""
+        bound at each step), as a key: the model holds the request itself."""
         self.compile()  # the step's input names are the full-precision model's
-        return self.compile(pool.quant).create_infer_request()
+        handle = PluginRequest(next(self._request_keys))
+        self._requests[handle.key] = (pool, self.compile(pool.quant).create_infer_request())
+        return handle
+
+    def _let_go_of_closed_pools_requests(self) -> None:
+        """Destroy the requests of closed pools, here, before a step binds anything. The plugin's
+        requests of one compiled model share its network: one destroyed while another's step was
+        under way changed that step's tokens under the emulation (docs/intel_gpu.md). A request
+        that a caller held would be destroyed when the caller goes, and a loop (a reference
+        cycle) goes when Python's cycle collector runs: at any allocation, in any thread."""
+        for key in [k for k, (pool, _) in self._requests.items() if pool.closed]:
+            del self._requests[key]
 
     def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` for ``key``, grown by doubling: the previous
@@ -232,13 +257,18 @@ class PluginModel:
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.u8, [size]))
         return buffers
 
-    def run_step(self, request: Any, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
+    def run_step(self, handle: PluginRequest, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
         """Feed ``ids[s]`` after sequence ``s``'s tokens, every sequence in one inference (the
-        tokens side by side): store and attend them in the model, then each method's work over
-        the pool; the next-token logits of each sequence ``[sequences, vocab]``. A
-        ``RuntimeError`` from the plugin leaves the sequences to be reset."""
+        tokens side by side) through the request of ``handle``: store and attend them in the
+        model, then each method's work over the pool; the next-token logits of each sequence
+        ``[sequences, vocab]``. A ``RuntimeError`` from the plugin leaves the sequences to be
+        reset."""
         import openvino as ov
 
+        self._let_go_of_closed_pools_requests()
+        if handle.key not in self._requests:
+            raise UserError("this inference request served a pool that is closed: make a new one (new_request)")
+        request = self._requests[handle.key][1]
         past = [seq.seen for seq in sequences]
         step = plan_step(sequences, [len(x) for x in ids])
         model = step_inputs.ragged_step_inputs(self.input_names, ids, list(range(len(ids))), past)

@@ -74,6 +74,7 @@ class PluginKVPool:
         #: recomputation, are the device pool's ``kv_read``)
         self.decode_steps = 0
         self.decode_kv_read = 0
+        self.closed = False
 
     @property
     def quant(self) -> QuantShape | None:
@@ -89,9 +90,11 @@ class PluginKVPool:
         return PoolStats(p.blocks_in_use, p.capacity, self.peak_blocks, self.block_bytes, len(self.sequences))
 
     def close(self) -> None:
-        """Free every sequence (idempotent; the buffer goes with the pool)."""
+        """Free every sequence (idempotent; the buffer goes with the pool); the model's requests
+        bound to it are let go at its next step (:meth:`~ov_kvcrush.engines.gpu_plugin_model.PluginModel.run_step`)."""
         for seq in list(self.sequences.values()):
             seq.free()
+        self.closed = True
 
 
 class PluginKVSequence:

@@ -99,9 +99,8 @@ class GenerationLoop:
         check_int("scheduler_config.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         self.chunked = bool(sc.dynamic_split_fuse) if sc is not None else True
         e = self.engine
-        if e.plugin is not None:  # device GPU: one sequence a step, each prompt whole (docs/intel_gpu.md: the
-            # model's step takes several, but batched tokens under the emulation still varied between runs)
-            self.max_num_seqs, self.max_num_batched_tokens, self.chunked = 1, 1 << 24, False
+        if e.plugin is not None:  # device GPU: each prompt whole, beside the decoding sequences (docs/intel_gpu.md)
+            self.max_num_batched_tokens, self.chunked = 1 << 24, False
         self.pool = e.pool
         self.request = e.new_request()  # the engine's own request stays free for it
         limits = SchedulerLimits(
