@@ -210,6 +210,75 @@ def test_on_gpu_sequences_decode_together_beside_a_whole_prompt_with_the_tokens_
     assert "closed" in got["closed"]  # a request of a closed pool is refused, not run over freed buffers
 
 
+#: the chunked cases: the batched ones, H2O (every prompt row scores), SnapKV with a window
+#: wider than a chunk (its rows in two chunks), Knorm, and MiniKV (the 2-bit store: whole prompts)
+CHUNK_CASES = [
+    *BATCH_CASES,
+    ("h2o", 24, {}),
+    ("snapkv", 24, {"window": 48}),
+    ("knorm", 24, {}),
+    CASES[4],
+]
+#: a step's tokens: a prompt goes in chunks of 32 beside four decoding sequences
+STEP_TOKENS = 36
+
+
+def _chunked(model_dir: str, prompts: list[list[int]], device: str) -> list[tuple[list[list[int]], dict]]:
+    """Each chunked case's greedy tokens for each prompt through the loop on ``device`` with a
+    scheduler config of :data:`STEP_TOKENS` tokens a step (every prompt in chunks, beside the
+    sequences decoding), and the loop's counts."""
+    import openvino_genai
+
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    sc = openvino_genai.SchedulerConfig()
+    sc.max_num_batched_tokens, sc.max_num_seqs = STEP_TOKENS, 8
+    engine = OpenVINOEngine(
+        model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32, scheduler_config=sc
+    )
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    out = []
+    try:
+        for case in CHUNK_CASES:
+            engine.set_compression(_compression(*case))
+            loop = engine.batcher
+            handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:4])]
+            while loop.stats["decode_rows"] < 4:
+                loop.step()
+            handles.append(loop.add_request(4, prompts[4], settings))
+            while loop.has_non_finished_requests():
+                loop.step()
+            out.append(([list(h.result().token_ids) for h in handles], dict(loop.stats)))
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.model
+def test_on_gpu_prompts_go_in_chunks_beside_decoding_sequences_with_the_tokens_of_whole_prompts(
+    emulation_worker, tiny_llama3_ir
+):
+    """Chunked prompts on ``GPU``: each prompt in chunks of 32 tokens beside the sequences
+    decoding; the methods score every chunk's rows of the prompt's window and select once, after
+    the last chunk. Each request's tokens equal the CPU op's for its prompt alone and whole (the
+    CPU op's own chunked run gives them too); the 2-bit store takes its prompts whole."""
+    model_dir = tiny_llama3_ir
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in BATCH_PROMPTS]
+    cpu = _chunked(model_dir, prompts, "CPU")
+    got = emulation_worker.submit(_chunked, model_dir, prompts, "GPU").result(timeout=900)
+    for case, (tokens, stats), (cpu_tokens, _) in zip(CHUNK_CASES, got, cpu, strict=True):
+        assert tokens == cpu_tokens, case
+        chunks = sum(-(-n // STEP_TOKENS) for n in BATCH_PROMPTS)  # at most a step's tokens a chunk
+        if "quant" in case[2] or case[0] == "minikv":
+            assert stats["prefill_chunks"] == len(BATCH_PROMPTS), case  # whole prompts
+        else:
+            assert stats["prefill_chunks"] >= chunks and stats["ragged_steps"] > len(BATCH_PROMPTS), (case, stats)
+    whole = _one_at_a_time(model_dir, prompts)
+    assert [tokens for tokens, _ in got[: len(BATCH_CASES)]] == whole
+
+
 def test_device_gpu_names_the_methods_it_runs():
     from ov_kvcrush.methods import methods_on, require
 

@@ -106,7 +106,7 @@ class OpenVINOModel:
             several): an Intel GPU through OpenVINO's
             GPU plugin with our layers in place of its attention and the methods' kernels over
             the same pool (:mod:`ov_kvcrush.engines.gpu_plugin_model`; the methods whose config
-            declares the ``gpu-plugin`` runtime, several sequences a step, whole prompts).
+            declares the ``gpu-plugin`` runtime, several sequences a step, prompts in chunks).
             Without an Intel GPU, ``GPU`` fails at once, naming what is missing.
         kv_precision: ``u8`` (default on CPU: 8-bit codes with a per-token min and scale, as native
             on CPU), ``f16`` (default on GPU) or ``f32`` storage of keys and values in the cache;

@@ -55,6 +55,8 @@ class DeviceFullLayerCache(LayerCache):
         super().__init__()
         self.layer = PagedLayer(pool, kv_heads, q_heads)
         self._window_scores: Any = None  # device [Hq, held]: the last prompt step's window sums
+        #: the tokens of a prompt fed in chunks (:meth:`set_prompt`), while it is; 0: prompts whole
+        self.prompt_end = 0
 
     def _scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
@@ -115,11 +117,32 @@ class DeviceFullLayerCache(LayerCache):
     #: whether a step of several tokens may follow the prompt (a chat's next turn over the kept cache)
     several_tokens_after_prompt = True
 
+    def set_prompt(self, tokens: int) -> None:
+        """The next steps feed a prompt of ``tokens`` tokens in chunks: each chunk is stored and
+        attended over everything before it, and the method's prompt work (its scores, its
+        selection) is done once, after the last chunk, as for the prompt in one step."""
+        self.prompt_end = tokens
+
+    @property
+    def in_prompt(self) -> bool:
+        """Whether the next step feeds (more of) the prompt."""
+        return not self.seen or self.seen < self.prompt_end
+
+    def _prompt_continues(self) -> bool:
+        """After a step: whether it was a chunk of the prompt before its last (the method's prompt
+        work waits for the last)."""
+        return self.seen < self.prompt_end
+
+    def finish_step(self) -> None:
+        """After :meth:`after_model_step`: a prompt's last chunk ends its chunks."""
+        if not self._prompt_continues():
+            self.prompt_end = 0
+
     def reserve(self, t: int) -> None:
         """Room for the next step's ``t`` tokens, which the model's own store layer writes and its
         prompt layer attends (:mod:`ov_kvcrush.gpu.plugin_cache`): what :meth:`prefill` and
         :meth:`decode` do before their store."""
-        self.layer.pool.phase = "decode" if self.seen else "prompt"  # the pool's next sequence starts a prompt
+        self.layer.pool.phase = "prompt" if self.in_prompt else "decode"  # the pool's next sequence starts a prompt
         self.layer.reserve(t, self.seen)
         self.seen += t
 
@@ -155,6 +178,8 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         self.stride = 0
         #: the prompt's selection is final (MiniKV): decode steps keep every token
         self.frozen = config.selection_frozen()
+        #: device [Hq, prompt_end]: a chunked prompt's window sums so far (None: none yet)
+        self._chunk_sums: Any = None
 
     def _metadata_bytes(self) -> int:
         return 4 * self.layer.q_heads * self.stride
@@ -222,9 +247,12 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         return True
 
     def score_rows(self, t: int) -> int:
-        """The prompt's window rows (H2O: every row); a decode step's rows; none for Knorm's."""
+        """The prompt's window rows (H2O: every row) among the step's (a chunk's: those of the
+        whole prompt's window it holds, its last rows); a decode step's rows; none for Knorm's."""
         if self.scores is None:
-            return self.prompt_scoring(t)[0]
+            prompt = max(self.prompt_end, self.seen)
+            window = self.prompt_scoring(prompt)[0]
+            return min(t, max(0, self.seen - (prompt - window)))
         return t if self.config.decode_attention_scores else 0
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
@@ -238,7 +266,12 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         first_row = self.seen - n
         if self.scores is None:
             sums = lay.prompt_on_device(rows, n, first_row, scale, n)[1] if n else None
-            self._prompt_scored(sums, t)
+            if self.prompt_end:
+                sums = self._add_chunk_sums(sums)
+                if self._prompt_continues():
+                    return
+                self._chunk_sums = None  # now the prompt's (H2O's scores are its sums)
+            self._prompt_scored(sums, self.seen)
             return
         before = lay.held - t
         if n == 1 and logits is not None:
@@ -249,6 +282,20 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         elif n:
             self._add(lay.prompt_on_device(rows, n, first_row, scale, n)[1], lay.held, before)
         self._decode_scored(before)
+
+    def _add_chunk_sums(self, sums: Any) -> Any:
+        """A prompt chunk's window sums over the slots held (``sums`` ``[Hq, held]``; None: none
+        of its rows is in the window) added to the prompt's so far; those so far (None: none yet).
+        A row's probabilities are over the slots before it alone, so the chunks' sums add up to the
+        whole prompt's."""
+        if sums is None:
+            return self._chunk_sums
+        held, i32 = self.layer.held, np.int32
+        if self._chunk_sums is None:
+            self._chunk_sums = self.layer.pool.dev.zeros(4 * self.layer.q_heads * self.prompt_end)
+        self.layer.pool.dev.run(self._kernel("add_step_scores"), (held, self.layer.q_heads), None, self._chunk_sums,
+                                i32(self.prompt_end), i32(held), i32(held), sums, i32(held))  # fmt: skip
+        return self._chunk_sums
 
     def _decode_token(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         self.layer.append(host_array(keys), host_array(values), self.seen - 1)
@@ -398,7 +445,8 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
         return out
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
-        self._evict()
+        if not self._prompt_continues():  # a chunked prompt is evicted after its last chunk
+            self._evict()
 
     def _evict(self) -> None:
         lay = self.layer

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import device_layers, plugin_layers
 from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
@@ -75,6 +75,12 @@ class PluginKVPool:
         self.decode_steps = 0
         self.decode_kv_read = 0
         self.closed = False
+
+    @property
+    def takes_prompt_chunks(self) -> bool:
+        """Whether a prompt may come in chunks (:meth:`PluginKVSequence.set_prompt`): not into the
+        2-bit store, which flushes and selects inside the model's prompt step."""
+        return self.quant_blocks is None
 
     @property
     def quant(self) -> QuantShape | None:
@@ -146,9 +152,17 @@ class PluginKVSequence:
             raise PluginError(f"cannot truncate to {tokens} tokens: the heads keep different tokens (reset)")
 
     def set_prompt(self, tokens: int) -> None:
-        """A prompt in chunks: not on this path (the loop gives it whole prompts)."""
-        if tokens:
-            raise UserError("device GPU takes a prompt in one step (its methods select once, over the whole prompt)")
+        """The next steps feed a prompt of ``tokens`` tokens in chunks (the sequence must be
+        empty): each layer's method scores and selects once, after the last chunk, over the whole
+        prompt, as the CPU op's sequence does. ``0``: prompts come whole."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ConfigError("tokens", tokens, "an integer >= 0")
+        if tokens and not self.pool.takes_prompt_chunks:
+            raise UserError("device GPU takes a prompt into the 2-bit store in one step (it flushes and selects there)")
+        if tokens and self.seen:
+            raise UserError(f"set_prompt: the sequence holds {self.seen} tokens; a prompt in chunks starts empty")
+        for cache in self.caches:
+            cache.set_prompt(tokens)
 
     def free(self) -> None:
         if self.handle:
@@ -182,7 +196,7 @@ class PluginKVSequence:
     def reserve(self, t: int) -> str:
         """Room for a ``t``-token step in every layer; returns the step's phase for this
         sequence (``prompt``: its first tokens; ``decode``: tokens after some)."""
-        phase = "decode" if self.seen else "prompt"
+        phase = "prompt" if self.caches[0].in_prompt else "decode"
         for cache in self.caches:
             cache.reserve(t)
         return phase
@@ -202,6 +216,7 @@ class PluginKVSequence:
         t0 = time.perf_counter_ns()
         for i, (cache, buffer) in enumerate(zip(self.caches, rows, strict=True)):
             cache.after_model_step(buffer, t, logits[i] if logits else None)
+            cache.finish_step()
         self.policy_ns[phase] += time.perf_counter_ns() - t0
 
 

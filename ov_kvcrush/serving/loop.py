@@ -99,7 +99,7 @@ class GenerationLoop:
         check_int("scheduler_config.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         self.chunked = bool(sc.dynamic_split_fuse) if sc is not None else True
         e = self.engine
-        if e.plugin is not None:  # device GPU: each prompt whole, beside the decoding sequences (docs/intel_gpu.md)
+        if e.plugin is not None and not e.pool.takes_prompt_chunks:  # the 2-bit store on GPU: prompts whole
             self.max_num_batched_tokens, self.chunked = 1 << 24, False
         self.pool = e.pool
         self.request = e.new_request()  # the engine's own request stays free for it
