@@ -293,7 +293,8 @@ class PluginModel:
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
         self.dev.synced()  # the previous step's method work was queued before the model's: done too
         for i, seq in enumerate(sequences):
-            rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] else buffers
+            # a decode step that asked for the logits is scored from them: its rows are not read
+            rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] and not stride else buffers
             logits_i = [StepLogits(b, stride, len(sequences), i) for b in logit_buffers] if stride else None
             seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i)
         # the methods' work is left queued: the next step's model runs after it on the one queue

@@ -1,0 +1,125 @@
+"""What a decode step of several sequences on ``device="GPU"`` asks of the GPU, counted, not timed:
+issue 71's targets at their own size (4 sequences of 8k tokens each, budget 1024), which the
+counts test (``tests/test_gpu_plugin_counts.py``: one sequence of 1,500 tokens) holds small.
+
+``python -m ov_kvcrush.tools.gpu_step_counts [--sequences 4] [--tokens 8000] [--budget 1024]
+[--methods full,snapkv,...] [--out FILE.json]`` runs the family checks' tiny random-weight
+Llama 3 (2 layers, 2 KV heads of 32 dims; the counts are per layer and per byte read, so the
+model's size matters little) through the one loop on ``GPU``, under the emulation layer (which is
+what counts: OpenVINO's GPU plugin on Intel's OpenCL CPU runtime). The sequences' prompts go in
+together; once each has decoded, the next steps of every sequence's one token are counted: the
+host's blocking waits, the bytes each way, our commands (kernels and device copies) a layer,
+and the KV bytes the step's attention reads. Also the pool's blocks: held at most, and allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+#: the methods counted by default, with their options (block-wise KVCrush; MiniKV's 2-bit chunks)
+METHODS = {
+    "full": {},
+    "streamingllm": {},
+    "snapkv": {},
+    "h2o": {},
+    "knorm": {},
+    "kvcrush": {"block_size": 16},
+    "minikv": {"quant": {"residual_tokens": 16, "prompt_tail": 12}},
+}
+BLOCK, MEASURED_STEPS = 16, 3
+
+
+def count_steps(
+    model_dir: str, methods: list[str], sequences: int, tokens: int, budget: int, precision: str
+) -> list[dict]:
+    """Per method: each counted decode step's counts, and the pool's blocks (run in a process
+    where the emulation layer is on)."""
+    import numpy as np
+
+    from ov_kvcrush.config import CompressionConfig, GenerationSettings
+    from ov_kvcrush.gpu import emulation
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+    ours = emulation.own_kernels()
+    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
+                            properties={"INFERENCE_PRECISION_HINT": precision})  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(10, 380, tokens)] for _ in range(sequences)]
+    # one prompt enters a step: the first has decoded ``sequences`` tokens when the last starts
+    settings = GenerationSettings(max_new_tokens=2 * sequences + MEASURED_STEPS + 2, ignore_eos=True)
+    layers = engine.shape.layers
+    out = []
+    try:
+        for method in methods:
+            full = method == "full"
+            engine.set_compression(CompressionConfig(method=method, budget=None if full else budget,
+                                                     options=METHODS.get(method, {})))  # fmt: skip
+            loop, pool = engine.batcher, engine.pool
+            for i, ids in enumerate(prompts):
+                loop.add_request(i, ids, settings)
+            while loop.stats["decode_rows"] < 2 * sequences:  # each has decoded twice: the inputs re-laid
+                loop.step()
+            steps, most = [], 0
+            for _ in range(MEASURED_STEPS):
+                rows, read, before = loop.stats["decode_rows"], pool.decode_kv_read, emulation.counts()
+                loop.step()
+                c = emulation.counts() - before
+                most = max(most, pool.device_pool.blocks_in_use)
+                steps.append({
+                    "decode_rows": loop.stats["decode_rows"] - rows, "waits": c.waits, "to_device": c.to_device,
+                    "to_host": c.to_host, "ours_per_layer": (c.kernels_named(ours) + c.device_copies) / layers,
+                    "kv_read": pool.decode_kv_read - read,
+                })  # fmt: skip
+            while loop.has_non_finished_requests():
+                loop.step()
+            p = pool.device_pool
+            out.append({"method": method, "steps": steps, "blocks_held_at_most": most, "blocks_allocated": p.capacity,
+                        "chunk_blocks": p.chunk})  # fmt: skip
+    finally:
+        engine.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--inference-precision", default="f16", choices=["f16", "f32"])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    from ov_kvcrush.gpu import emulation
+    from ov_kvcrush.models.export import export_models
+    from ov_kvcrush.models.families import tiny_checkpoint
+
+    reason = emulation.unavailable()
+    if reason:
+        raise SystemExit(f"the emulation layer cannot run here: {reason}")
+    checkpoint = tiny_checkpoint("llama3")
+    model_dir = str(export_models([checkpoint], "fp32")[checkpoint])
+    methods = [m for m in args.methods.split(",") if m]
+    with emulation.worker() as worker:
+        job = (model_dir, methods, args.sequences, args.tokens, args.budget, args.inference_precision)
+        rows = worker.submit(count_steps, *job).result()
+    print("| method | decode rows a step | waits | bytes to the device (% of KV read) | bytes to the host | "
+          "our commands a layer | blocks allocated / held at most |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = max(r["steps"], key=lambda x: x["to_device"] / max(x["kv_read"], 1))  # the worst step
+        share = 100 * s["to_device"] / max(s["kv_read"], 1)
+        print(f"| {r['method']} | {s['decode_rows']} | {s['waits']} | {s['to_device']:,} ({share:.2f} %) | "
+              f"{s['to_host']:,} | {max(x['ours_per_layer'] for x in r['steps']):g} | "
+              f"{r['blocks_allocated']} / {r['blocks_held_at_most']} (chunk {r['chunk_blocks']}) |")  # fmt: skip
+    if args.out:
+        command = "python -m ov_kvcrush.tools.gpu_step_counts " + " ".join(sys.argv[1:] if argv is None else argv)
+        meta = {"command": command.strip(), "sequences": args.sequences, "tokens": args.tokens, "budget": args.budget}
+        meta["inference_precision"] = args.inference_precision
+        args.out.write_text(json.dumps(meta | {"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
