@@ -83,6 +83,28 @@ def count_steps(
     return out
 
 
+def long_checkpoint(tokens: int) -> Path:
+    """The tiny Llama 3's checkpoint with a context of at least ``tokens`` tokens (its rotary
+    embedding is computed from the positions, so the weights serve any length; a copy, cached)."""
+    import shutil
+
+    from ov_kvcrush.models.families import tiny_checkpoint
+    from ov_kvcrush.paths import cache_root
+
+    source = tiny_checkpoint("llama3")
+    context = 1 << max(tokens + 64, 1).bit_length()
+    out = cache_root() / "families" / f"{source.name}-context{context}"
+    if not (out / "config.json").is_file():
+        stage = out.with_name(out.name + ".tmp")
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.copytree(source, stage)
+        config = json.loads((stage / "config.json").read_text())
+        config["max_position_embeddings"] = context
+        (stage / "config.json").write_text(json.dumps(config, indent=1))
+        stage.rename(out)  # whole or not at all
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=4)
@@ -94,12 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from ov_kvcrush.gpu import emulation
     from ov_kvcrush.models.export import export_models
-    from ov_kvcrush.models.families import tiny_checkpoint
 
     reason = emulation.unavailable()
     if reason:
         raise SystemExit(f"the emulation layer cannot run here: {reason}")
-    checkpoint = tiny_checkpoint("llama3")
+    checkpoint = long_checkpoint(args.tokens)
     model_dir = str(export_models([checkpoint], "fp32")[checkpoint])
     methods = [m for m in args.methods.split(",") if m]
     with emulation.worker() as worker:
