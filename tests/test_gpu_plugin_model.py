@@ -134,6 +134,18 @@ BATCH_PROMPTS = (150, 90, 121, 70, 110)
 BATCH_CASES = CASES[:4]
 
 
+def _four_then_a_fifth(loop, prompts: list[list[int]], settings: GenerationSettings) -> list:
+    """The first four prompts entered together and stepped until each has decoded a token, then
+    the fifth beside them, stepped to the end; the five requests' handles."""
+    handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:4])]
+    while loop.stats["decode_rows"] < 4:  # every one of the four has decoded a token
+        loop.step()
+    handles.append(loop.add_request(4, prompts[4], settings))
+    while loop.has_non_finished_requests():
+        loop.step()
+    return handles
+
+
 def _one_at_a_time(model_dir: str, prompts: list[list[int]]) -> list[list[list[int]]]:
     """Each batched case's greedy tokens for each prompt, generated alone by the CPU op."""
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
@@ -168,12 +180,7 @@ def _batched(model_dir: str, prompts: list[list[int]], rounds: int) -> dict:
                 engine.set_compression(_compression(*case))
                 loop = engine.batcher
                 loop.trace = []
-                handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:4])]
-                while loop.stats["decode_rows"] < 4:  # every one of the four has decoded a token
-                    loop.step()
-                handles.append(loop.add_request(4, prompts[4], settings))
-                while loop.has_non_finished_requests():
-                    loop.step()
+                handles = _four_then_a_fifth(loop, prompts, settings)
                 out["tokens"].append([list(h.result().token_ids) for h in handles])
                 out["traces"].append(list(loop.trace))
                 assert engine.pool.stats().blocks_in_use <= 1, case  # the engine's own sequence aside
@@ -243,12 +250,7 @@ def _chunked(model_dir: str, prompts: list[list[int]], device: str) -> list[tupl
         for case in CHUNK_CASES:
             engine.set_compression(_compression(*case))
             loop = engine.batcher
-            handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:4])]
-            while loop.stats["decode_rows"] < 4:
-                loop.step()
-            handles.append(loop.add_request(4, prompts[4], settings))
-            while loop.has_non_finished_requests():
-                loop.step()
+            handles = _four_then_a_fifth(loop, prompts, settings)
             out.append(([list(h.result().token_ids) for h in handles], dict(loop.stats)))
     finally:
         engine.close()
@@ -268,9 +270,9 @@ def test_on_gpu_prompts_go_in_chunks_beside_decoding_sequences_with_the_tokens_o
     prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in BATCH_PROMPTS]
     cpu = _chunked(model_dir, prompts, "CPU")
     got = emulation_worker.submit(_chunked, model_dir, prompts, "GPU").result(timeout=900)
+    chunks = sum(-(-n // STEP_TOKENS) for n in BATCH_PROMPTS)  # at most a step's tokens a chunk
     for case, (tokens, stats), (cpu_tokens, _) in zip(CHUNK_CASES, got, cpu, strict=True):
         assert tokens == cpu_tokens, case
-        chunks = sum(-(-n // STEP_TOKENS) for n in BATCH_PROMPTS)  # at most a step's tokens a chunk
         if "quant" in case[2] or case[0] == "minikv":
             assert stats["prefill_chunks"] == len(BATCH_PROMPTS), case  # whole prompts
         else:

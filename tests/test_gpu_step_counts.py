@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.model
 def test_the_long_checkpoint_raises_the_context_and_keeps_the_weights():
     from ov_kvcrush.models.families import tiny_checkpoint
-    from ov_kvcrush.tools.gpu_step_counts import long_checkpoint
+    from ov_kvcrush.tools.gpu_step_counts import STAGING_PREFIX, long_checkpoint
 
     source = tiny_checkpoint("llama3")
     long = long_checkpoint(5000)
@@ -22,4 +22,4 @@ def test_the_long_checkpoint_raises_the_context_and_keeps_the_weights():
         k: v for k, v in base.items() if k != "max_position_embeddings"
     }
     assert (long / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
-    assert not long.with_name(long.name + ".tmp").exists()  # no half-written copy left
+    assert not list(long.parent.glob(STAGING_PREFIX + "*"))  # no half-written copy left

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import device_layers, plugin_layers
 from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
@@ -39,6 +39,7 @@ from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
 from ov_kvcrush.op.plugin import PluginError
+from ov_kvcrush.validation import check_int
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,7 @@ class PluginKVSequence:
         """The next steps feed a prompt of ``tokens`` tokens in chunks (the sequence must be
         empty): each layer's method scores and selects once, after the last chunk, over the whole
         prompt, as the CPU op's sequence does. ``0``: prompts come whole."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ConfigError("tokens", tokens, "an integer >= 0")
+        check_int("tokens", tokens, 0)
         if tokens and not self.pool.takes_prompt_chunks:
             raise UserError("device GPU takes a prompt into the 2-bit store in one step (it flushes and selects there)")
         if tokens and self.seen:

@@ -30,6 +30,8 @@ METHODS = {
     "minikv": {"quant": {"residual_tokens": 16, "prompt_tail": 12}},
 }
 BLOCK, MEASURED_STEPS = 16, 3
+#: the prefix of the folder a long-context checkpoint is written in before it is renamed into place
+STAGING_PREFIX = ".tmp-long-context-"
 
 
 def count_steps(
@@ -89,19 +91,19 @@ def long_checkpoint(tokens: int) -> Path:
     import shutil
 
     from ov_kvcrush.models.families import tiny_checkpoint
-    from ov_kvcrush.paths import cache_root
+    from ov_kvcrush.models.staging import staging_dir
 
     source = tiny_checkpoint("llama3")
     context = 1 << max(tokens + 64, 1).bit_length()
-    out = cache_root() / "families" / f"{source.name}-context{context}"
+    out = source.with_name(f"{source.name}-context{context}")
     if not (out / "config.json").is_file():
-        stage = out.with_name(out.name + ".tmp")
-        shutil.rmtree(stage, ignore_errors=True)
-        shutil.copytree(source, stage)
-        config = json.loads((stage / "config.json").read_text())
-        config["max_position_embeddings"] = context
-        (stage / "config.json").write_text(json.dumps(config, indent=1))
-        stage.rename(out)  # whole or not at all
+        with staging_dir(out.parent, STAGING_PREFIX) as tmp:  # whole or not at all
+            stage = tmp / "hf"
+            shutil.copytree(source, stage)
+            config = json.loads((stage / "config.json").read_text())
+            config["max_position_embeddings"] = context
+            (stage / "config.json").write_text(json.dumps(config, indent=1))
+            stage.rename(out)
     return out
 
 
