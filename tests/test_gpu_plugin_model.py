@@ -19,7 +19,9 @@ PROMPT_TOKENS, NEW_TOKENS, BLOCK = 150, 5, 16  # 150: the CPU op's loop feeds 12
 #: (method, budget, options): the full cache, a score-free eviction, SnapKV's prompt selection
 #: with decode-time eviction, block-wise KVCrush; MiniKV's 2-bit store (its pyramid's layers at
 #: 90 and 38 tokens: the first flushes inside the model at the second decode step, its own token
-#: among the chunk, the other not) and SnapKV over it (both layers at the third)
+#: among the chunk, the other not) and SnapKV over it (both layers at the third); ClusterKV's
+#: recall inside the model (the first layer dense, the second recalling 20 of its ~146 clustered
+#: tokens in clusters of 8, the 3 generated after the prompt clustered into 2 more)
 CASES = [
     ("full", None, {}),
     ("streamingllm", 24, {}),
@@ -27,11 +29,13 @@ CASES = [
     ("kvcrush", 64, {"block_size": BLOCK}),
     ("minikv", 64, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}),
     ("snapkv", 64, {"quant": {"residual_tokens": 16, "prompt_tail": 3}}),
+    ("clusterkv", 24, {"tokens_per_cluster": 8, "cluster_every": 3, "new_clusters": 2, "dense_layers": 1}),
 ]
+CLUSTERKV = CASES[6]
 
 
 def _compression(method: str, budget: int | None, options: dict) -> CompressionConfig:
-    small = {"sink_tokens": 4, "recent_tokens": 8} if budget else {}
+    small = {"sink_tokens": 4} | ({"recent_tokens": 8} if method != "clusterkv" else {}) if budget else {}
     return CompressionConfig(method=method, budget=budget, options=options, **small)
 
 
@@ -126,6 +130,7 @@ def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emu
         assert tokens == want_tokens, case
         assert kv_bytes == want_bytes, case
     assert got[1][1] < got[0][1]  # the evictions held fewer blocks than the full cache
+    assert want[CASES.index(CLUSTERKV)][0] != want[0][0]  # its recall changes the tokens: ignoring it would fail
 
 
 #: the batch: four prompts decoding together when a fifth arrives (prompt tokens each)
@@ -218,13 +223,15 @@ def test_on_gpu_sequences_decode_together_beside_a_whole_prompt_with_the_tokens_
 
 
 #: the chunked cases: the batched ones, H2O (every prompt row scores), SnapKV with a window
-#: wider than a chunk (its rows in two chunks), Knorm, and MiniKV (the 2-bit store: whole prompts)
+#: wider than a chunk (its rows in two chunks), Knorm, MiniKV (the 2-bit store: whole prompts),
+#: and ClusterKV (the prompt clustered after its last chunk; four decode rows recalling in a step)
 CHUNK_CASES = [
     *BATCH_CASES,
     ("h2o", 24, {}),
     ("snapkv", 24, {"window": 48}),
     ("knorm", 24, {}),
     CASES[4],
+    CLUSTERKV,
 ]
 #: a step's tokens: a prompt goes in chunks of 32 beside four decoding sequences
 STEP_TOKENS = 36
@@ -286,8 +293,11 @@ def test_device_gpu_names_the_methods_it_runs():
 
     require(_compression("h2o", 24, {}).method_config(), "gpu-plugin")
     runs = ", ".join(methods_on("gpu-plugin"))
-    with pytest.raises(ConfigError, match=f"method='clusterkv'.*{runs} .*device GPU"):
-        require(CompressionConfig(method="clusterkv", budget=64).method_config(), "gpu-plugin")
+    with pytest.raises(ConfigError, match=f"method='quest'.*{runs} .*device GPU"):
+        require(CompressionConfig(method="quest", budget=64).method_config(), "gpu-plugin")
+    require(_compression(*CLUSTERKV).method_config(), "gpu-plugin")  # recall inside the model
+    with pytest.raises(ConfigError, match=r"options.quant=.*device GPU"):
+        require(_compression("clusterkv", 64, {"quant": True}).method_config(), "gpu-plugin")
     require(_compression("snapkv", 64, {"quant": True}).method_config(), "gpu-plugin")  # the 2-bit store
     require(_compression("minikv", 64, {}).method_config(), "gpu-plugin")
     quant = r"options.quant=.*None \(the full-precision store\).*device GPU.*runs on:.*our op \(CPU\)"

@@ -5,6 +5,8 @@ bytes written into each block, read back after every growth; the blocks in use."
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 BLOCK, HEAD_DIM = 16, 32
@@ -78,3 +80,49 @@ def test_a_pool_past_its_budget_is_refused_and_a_budget_past_one_allocation_is_c
     blocks, fits, reason, capacity = got["capped"]
     assert blocks == fits and "largest allocation" in reason
     assert capacity < blocks  # a chunk allocated, not the budget
+
+
+def _arena_runs(steps: list[tuple[int, int]]) -> dict:
+    """Take a run of ``take`` words and give back the ``give``-th run held (-1: none), per step,
+    each run filled with its own words; the arena's capacity and words in use after each step,
+    whether every held run still holds its words at the end, and each run's first word."""
+    from ov_kvcrush.gpu.arena import IndexArena
+    from ov_kvcrush.gpu.device import device
+
+    dev = device()
+    first, IndexArena.FIRST_WORDS = IndexArena.FIRST_WORDS, 64
+    try:
+        arena = IndexArena(dev)
+    finally:
+        IndexArena.FIRST_WORDS = first
+    rng = np.random.default_rng(0)
+    held: dict[int, np.ndarray] = {}
+    sizes, starts = [], []
+    for take, give in steps:
+        start = arena.take(take)
+        starts.append(start)
+        held[start] = rng.integers(0, 1 << 30, take, dtype=np.int32)
+        dev.copy_bytes(dev.to_device(held[start]), arena.buffer, 4 * take, 4 * start)
+        if give >= 0:
+            gone = sorted(held)[give]
+            arena.give(gone, len(held.pop(gone)))
+        sizes.append((arena.capacity, arena.in_use))
+    words = dev.to_host(arena.buffer, np.int32, (arena.capacity,))
+    kept = all((words[s : s + len(w)] == w).all() for s, w in held.items())
+    spans = sorted((s, s + len(w)) for s, w in held.items())
+    apart = all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    return {"sizes": sizes, "kept": kept, "apart": apart, "starts": starts, "in_use": sum(map(len, held.values()))}
+
+
+def test_the_index_arena_hands_out_runs_apart_reuses_freed_ones_and_keeps_them_through_growth(gpu_worker):
+    """ClusterKV's indexes for the GPU plugin's model (``IndexArena``): runs never overlap, a run
+    given back (joined to its free neighbours) serves the next that fits, and the buffer doubles
+    with every held run's words copied over. Oracle: the words written, read back at the end."""
+    steps = [(40, -1), (20, -1), (10, 0), (30, -1), (100, -1), (15, 1), (45, -1), (5, -1)]
+    got = gpu_worker.submit(_arena_runs, steps).result(timeout=300)
+    assert got["kept"] and got["apart"]
+    assert got["starts"][:3] == [0, 40, 60]
+    assert got["starts"][3] == 0  # the first run's 40 words, freed, served the 30
+    capacities = [c for c, _ in got["sizes"]]
+    assert capacities[0] == 64 and capacities == sorted(capacities) and capacities[-1] > 64  # it grew
+    assert got["sizes"][-1][1] == got["in_use"]

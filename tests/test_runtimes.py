@@ -73,7 +73,7 @@ def test_where_a_method_says_why_a_runtime_does_not_run_it_the_refusal_and_the_t
                 require(method_config(name, budget=256), runtime)
             row = next(line for line in support_table().splitlines() if line.startswith(f"| `{name}` "))
             assert f"no: {why}" in row.split(" | ")[1 + [r.name for r in RUNTIMES].index(runtime)], (name, runtime)
-    assert REGISTRY["clusterkv"].not_run_because["gpu-plugin"]  # the methods on device GPU say why
+    assert REGISTRY["chelsea"].not_run_because["gpu-plugin"]  # the methods on device GPU say why
     with pytest.raises(TypeError, match="not_run_because"):  # a reason for a runtime that runs the method
         check_declaration("x", {"reference": (), "cpu-op": ()}, {"cpu-op": "because"})
 

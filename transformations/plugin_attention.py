@@ -38,6 +38,18 @@ full-precision slots a step fills a chunk with (``OvkcFlush``, after the store) 
 * ``kvc_flush`` [layers, rows, 2]: the full-precision slots the step quantizes (first, count:
   whole 2-bit blocks, the last of ``kvc_qtables``'s row).
 
+Under ClusterKV (``recall``) each layer ranks a decode row's centroids by its query and lists
+the slots it attends (``OvkcRecall``, after the rows), then attends a decode row over its list
+(``OvkcRecallPrefill``), from the inputs :data:`RECALL_INPUTS` adds:
+
+* ``kvc_index``: the cluster indexes' int32 words, every layer's and sequence's in one buffer
+  (:class:`~ov_kvcrush.gpu.pool.IndexArena`);
+* ``kvc_recall`` [layers, rows, fields]: each row's recall
+  (:data:`~ov_kvcrush.gpu.plugin_layers.RECALL_FIELDS`; token -1 for a row that attends its
+  slots in order: a prompt's, a dense layer's);
+* ``kvc_recalled.<layer>``: our buffer the recall layer writes each row's list into
+  (:func:`~ov_kvcrush.gpu.plugin_layers.recalled_bytes`).
+
 As the CPU pass, the logits come only at the positions ``kvc_logits_at`` names (each sequence's
 last token).
 """
@@ -48,7 +60,7 @@ import numpy as np
 from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
 
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.plugin_layers import STEP_FIELDS, LayerAttributes, layer_class
+from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS, STEP_FIELDS, LayerAttributes, layer_class
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
 # this module stays light.
@@ -71,6 +83,13 @@ QUANT_INPUTS = {
     "kvc_qlengths": (np.int32, ("layers", -1)),
     "kvc_flush": (np.int32, ("layers", -1, 2)),
 }
+#: the inputs the pass adds under ClusterKV's recall, as :data:`PLUGIN_INPUTS`
+RECALL_INPUTS = {
+    "kvc_index": (np.uint8, (-1,)),
+    "kvc_recall": (np.int32, ("layers", -1, len(RECALL_FIELDS))),
+}
+#: the name of layer ``i``'s recalled slots input (bytes, written in place under ClusterKV)
+RECALLED_INPUT = "kvc_recalled.{}"
 #: the name of layer ``i``'s query rows input (bytes, written in place)
 ROWS_INPUT = "kvc_rows.{}"
 #: the name of layer ``i``'s logits input (bytes, written in place where ``kvc_step`` asks)
@@ -85,19 +104,23 @@ def convert_model_for_plugin(
     sub_group: int,
     activations: str = "f32",
     quant: QuantShape | None = None,
+    recall: bool = False,
     last_token_logits: bool = True,
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
     GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
     kernels at ``sub_group`` lanes, its layers' queries, keys, values and output in
     ``activations`` (the plugin's inference precision: f32 or f16), over the 2-bit store of
-    ``quant``'s blocks where given. Raises :class:`ConversionError` as the CPU pass does."""
+    ``quant``'s blocks where given, with ClusterKV's recall where ``recall``. Raises
+    :class:`ConversionError` as the CPU pass does."""
     import openvino.opset13 as ops
 
+    if quant is not None and recall:
+        raise ValueError("the plugin's layers recall over the full-precision store only (quant and recall)")
     plans, shape = layer_plans(model)
     dims = {"layers": shape.layers}
     params = {}
-    inputs = PLUGIN_INPUTS | (QUANT_INPUTS if quant is not None else {})
+    inputs = PLUGIN_INPUTS | (QUANT_INPUTS if quant is not None else {}) | (RECALL_INPUTS if recall else {})
     for name, (kind, dim_names) in inputs.items():
         params[name] = ops.parameter([dims.get(d, d) for d in dim_names], kind, name=name)
         params[name].output(0).get_tensor().set_names({name})
@@ -109,6 +132,7 @@ def convert_model_for_plugin(
         attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations, quant)
         attrs, act = attributes.as_dict(), attributes.element_type()
         per_layer = ("tables", "first", "lengths") + (("qtables", "qlengths", "flush") if quant else ())
+        per_layer += ("recall",) if recall else ()
         row = {
             name: ops.gather(params[f"kvc_{name}"], np.array(plan.layer, np.int64), np.array(0, np.int64)).output(0)
             for name in per_layer
@@ -118,7 +142,12 @@ def convert_model_for_plugin(
         rows_in, logits = (_bytes_input(params, name.format(plan.layer)) for name in (ROWS_INPUT, LOGITS_INPUT))
         stored = layer_class("OvkcRows")([rows_in, q, score_rows, step, stored], attrs).output(0)
         attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, step]
-        if quant is None:
+        if recall:
+            recalled = _bytes_input(params, RECALLED_INPUT.format(plan.layer))
+            index = params["kvc_index"].output(0)
+            listed = layer_class("OvkcRecall")([index, row["recall"], q, step, stored, recalled], attrs).output(0)
+            out = layer_class("OvkcRecallPrefill")([*attend, listed, logits, recalled], attrs).output(0)
+        elif quant is None:
             out = layer_class("OvkcPrefill")([*attend, stored, logits], attrs).output(0)
         else:
             qpool = params["kvc_qpool"].output(0)

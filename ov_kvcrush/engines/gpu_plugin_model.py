@@ -27,15 +27,30 @@ import numpy as np
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
-from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.plugin_cache import ModelShape, PluginKVPool, PluginKVSequence, PluginStep, plan_step
+from ov_kvcrush.gpu.layout import PoolShape
+from ov_kvcrush.gpu.plugin_cache import (
+    ModelShape,
+    ModelVariant,
+    PluginKVPool,
+    PluginKVSequence,
+    PluginStep,
+    plan_step,
+)
 from ov_kvcrush.gpu.pool import largest_pool
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs
 from ov_kvcrush.transformations.paged_attention import ConvertedModel
-from ov_kvcrush.transformations.plugin_attention import LOGITS_INPUT, ROWS_INPUT, convert_model_for_plugin
+from ov_kvcrush.transformations.plugin_attention import (
+    LOGITS_INPUT,
+    RECALLED_INPUT,
+    ROWS_INPUT,
+    convert_model_for_plugin,
+)
+
+#: the model over the full-precision store, without recall (the one every other is compared to)
+FULL_PRECISION = ModelVariant()
 
 # Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
 # that importing this module stays light.
@@ -134,7 +149,7 @@ class PluginModel:
         self.activations = inference_precision(self.core, self.gpu, self.properties)
         self.xml = Path(model_dir) / "openvino_model.xml"
         self.kv_precision, self.block_size = kv_precision, block_size
-        self.converted = self._convert(None)
+        self.converted = self._convert(FULL_PRECISION)
         s = self.converted.shape
         self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales))
         self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
@@ -144,11 +159,13 @@ class PluginModel:
         self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
         self.rows_inputs = [ROWS_INPUT.format(i) for i in range(s.layers)]
         self.logits_inputs = [LOGITS_INPUT.format(i) for i in range(s.layers)]
+        self.recalled_inputs = [RECALLED_INPUT.format(i) for i in range(s.layers)]
         #: a buffer per layer, reused while large enough: "rows" (the step's returned query
         #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
         self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
-        #: the compiled model per store: the full-precision one, and one per 2-bit block shape
-        self.compiled_models: dict[QuantShape | None, Any] = {}
+        #: the compiled model per variant: the full-precision store's, one per 2-bit block shape,
+        #: ClusterKV's recall
+        self.compiled_models: dict[ModelVariant, Any] = {}
         self.input_names: set[str] = set()
         self.compile_seconds = 0.0
         #: every inference request made, by its :class:`PluginRequest`'s key, with the pool it
@@ -157,15 +174,16 @@ class PluginModel:
         self._requests: dict[int, tuple[PluginKVPool, Any]] = {}
         self._request_keys = itertools.count()
 
-    def _convert(self, quant: QuantShape | None) -> ConvertedModel:
-        """The exported model read and converted, over the 2-bit store of ``quant``'s blocks where given."""
+    def _convert(self, variant: ModelVariant) -> ConvertedModel:
+        """The exported model read and converted for ``variant`` (its store, its recall)."""
         return convert_model_for_plugin(
             self.core.read_model(self.xml),
             kv_precision=self.kv_precision,
             block_size=self.block_size,
             sub_group=self.dev.sub_group,
             activations=self.activations,
-            quant=quant,
+            quant=variant.quant,
+            recall=variant.recall,
         )
 
     def _shared_device(self, sub_group: int | None) -> Device:
@@ -179,18 +197,19 @@ class PluginModel:
                 raise
             return device(sub_group)
 
-    def compile(self, quant: QuantShape | None = None) -> Any:
-        """The converted model compiled on the shared context (once per store: the full-precision
-        one, or the 2-bit store of ``quant``'s blocks, converted when first asked for)."""
-        if quant not in self.compiled_models:
+    def compile(self, variant: ModelVariant = FULL_PRECISION) -> Any:
+        """The converted model compiled on the shared context (once per variant: the
+        full-precision store's, the 2-bit store of a block shape, ClusterKV's recall; converted
+        when first asked for)."""
+        if variant not in self.compiled_models:
             self.core.set_property("GPU", {"CONFIG_FILE": str(self.config_file)})  # the plugin's, every GPU.N
-            converted = self.converted if quant is None else self._convert(quant)
+            converted = self.converted if variant == FULL_PRECISION else self._convert(variant)
             t0 = time.perf_counter()
-            self.compiled_models[quant] = self.core.compile_model(converted.model, self.context, self.properties)
+            self.compiled_models[variant] = self.core.compile_model(converted.model, self.context, self.properties)
             self.compile_seconds += time.perf_counter() - t0
-            if quant is None:
-                self.input_names = {p.get_any_name() for p in self.compiled_models[None].inputs}
-        return self.compiled_models[quant]
+            if variant == FULL_PRECISION:
+                self.input_names = {p.get_any_name() for p in self.compiled_models[variant].inputs}
+        return self.compiled_models[variant]
 
     def check_method(self, method: MethodConfig) -> None:
         """A ``ConfigError`` unless this path runs ``method``."""
@@ -210,7 +229,7 @@ class PluginModel:
         bound at each step), as a key: the model holds the request itself."""
         self.compile()  # the step's input names are the full-precision model's
         handle = PluginRequest(next(self._request_keys))
-        self._requests[handle.key] = (pool, self.compile(pool.quant).create_infer_request())
+        self._requests[handle.key] = (pool, self.compile(pool.variant).create_infer_request())
         return handle
 
     def _let_go_of_closed_pools_requests(self) -> None:
@@ -283,6 +302,12 @@ class PluginModel:
             qpool = buffer_tensor(self.context, blocks.buffer, ov.Type.u8, [blocks.capacity * blocks.shape.block_bytes])
             request.set_tensor("kvc_qpool", qpool)
         s, stride = self.shape, step.logit_stride
+        if pool.variant.recall:  # the cluster indexes (a buffer that grows), and where each row's list goes
+            arena = kv_pool.index_arena()
+            request.set_tensor("kvc_index", buffer_tensor(self.context, arena.buffer, ov.Type.u8, [4 * arena.capacity]))
+            rows = len(sequences) * s.kv_heads
+            nbytes = plugin_layers.recalled_bytes(rows, step.map_width, step.recall_clusters)
+            self._bind_layer_buffers(request, "recalled", self.recalled_inputs, nbytes)
         buffers = self._bind_layer_buffers(
             request, "rows", self.rows_inputs, 4 * s.q_heads * step.returned_rows * s.head_dim
         )

@@ -34,6 +34,7 @@ from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
+from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
@@ -51,6 +52,15 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     scales: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """Which of the plugin's layers a pool's model runs: over the 2-bit store of ``quant``'s
+    blocks, or with ClusterKV's recall (``recall``); neither: the full-precision store's."""
+
+    quant: QuantShape | None = None
+    recall: bool = False
 
 
 class PluginKVPool:
@@ -87,6 +97,11 @@ class PluginKVPool:
     def quant(self) -> QuantShape | None:
         """The 2-bit store's block shape; None for the full-precision store."""
         return self.quant_blocks.shape if self.quant_blocks else None
+
+    @property
+    def variant(self) -> ModelVariant:
+        """The model this pool's steps run (ClusterKV's recalls inside it)."""
+        return ModelVariant(self.quant, self.method.name == "clusterkv")
 
     def new_sequence(self) -> PluginKVSequence:
         return PluginKVSequence(self, next(self._handles))
@@ -234,6 +249,9 @@ class PluginStep:
     score_rows: list[int]
     #: the row stride of the logits the model writes for the methods (0: none asked)
     logit_stride: int = 0
+    #: under ClusterKV: the longest slot list a decode row attends, and the most clusters a row holds
+    map_width: int = 0
+    recall_clusters: int = 0
 
     @property
     def returned_rows(self) -> int:
@@ -253,11 +271,12 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     pool = sequences[0].pool
     layers, kv = pool.model.layers, pool.model.kv_heads
     firsts = np.zeros((layers, len(sequences) * kv), np.int32)
-    phases, first_rows, score_rows, index = [], [], [], []
+    phases, first_rows, score_rows, index, starts = [], [], [], [], []
     start = 0
     for s, (seq, t) in enumerate(zip(sequences, counts, strict=True)):
         firsts[:, s * kv : (s + 1) * kv] = np.array([c.layer.held for c in seq.caches], np.int32)[:, None]
         phases.append(seq.reserve(t))
+        starts.append(start)
         n = seq.score_rows(t)
         first_rows.append(len(index))
         score_rows.append(n)
@@ -279,17 +298,21 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
         "kvc_tokens": plugin_layers.token_tensor(counts),
         "kvc_score_rows": np.array(index or [0], np.int64),  # at least one row (none read)
     }
-    qwidth = 1
+    qwidth, map_width, recall_clusters = 1, 0, 0
     if pool.quant is not None:
         inputs |= _quant_inputs(sequences)
         qwidth = inputs["kvc_qtables"].shape[2]
+    if pool.variant.recall:
+        tokens = [start if phase == "decode" else None for start, phase in zip(starts, phases, strict=True)]
+        inputs["kvc_recall"], map_width, recall_clusters = _recall_inputs(sequences, tokens)
     # a step of decode tokens whose methods score them: the model writes each row's logits
     scored_decode = all(t == 1 for t in counts) and "prompt" not in phases and any(score_rows)
     slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)
     logit_stride = int(slots.max()) if scored_decode else 0
     inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]),
-                                                   logit_stride)  # fmt: skip
-    step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride)
+                                                   logit_stride, map_width, recall_clusters)  # fmt: skip
+    step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride, map_width,
+                      recall_clusters)  # fmt: skip
     _count_step(pool, step)
     return step
 
@@ -314,6 +337,27 @@ def _quant_inputs(sequences: list[PluginKVSequence]) -> dict[str, np.ndarray]:
             for h, blocks in enumerate(heads):
                 tables[i, s * kv + h, : len(blocks)] = blocks
     return {"kvc_qtables": tables, "kvc_qlengths": lengths, "kvc_flush": flush}
+
+
+def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) -> tuple[np.ndarray, int, int]:
+    """ClusterKV's ``kvc_recall`` of a step (:data:`~ov_kvcrush.transformations.plugin_attention.RECALL_INPUTS`),
+    a row per (sequence, KV head) as :func:`plan_step`'s: each sequence's decode token (``tokens[s]``,
+    its index in the step; None in a prompt's step) recalls; and the widest slot list a row
+    attends and the most clusters a row holds (each at least 1)."""
+    per_seq = []
+    for seq in sequences:
+        caches = [c for c in seq.caches if isinstance(c, DeviceClusterKVLayerCache)]
+        assert len(caches) == len(seq.caches), "every layer of ClusterKV's sequence recalls"
+        per_seq.append(caches)
+    rows = np.stack([np.concatenate([c.recall_rows(t) for c in caches]) for caches, t in zip(per_seq, tokens,
+                                                                                             strict=True)])  # fmt: skip
+    layers = len(per_seq[0])
+    # [sequences, layers * kv, fields] -> [layers, sequences * kv, fields]
+    recall = np.ascontiguousarray(rows.reshape(len(sequences), layers, -1, rows.shape[-1]).transpose(1, 0, 2, 3))
+    recall = recall.reshape(layers, -1, rows.shape[-1])
+    width = max(c.attended() for caches in per_seq for c in caches)
+    clusters = max(c.clusters for caches in per_seq for c in caches)
+    return recall, max(width, 1), max(clusters, 1)
 
 
 def _count_step(pool: PluginKVPool, step: PluginStep) -> None:

@@ -21,7 +21,13 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 * over MiniKV's 2-bit store (a second pool of 2-bit blocks, :class:`~ov_kvcrush.gpu.layout.QuantShape`),
   :class:`OvkcFlush` quantizes the full-precision slots the step fills a chunk with (the step's own
   token among them, as the reference flushes before attending) and :class:`OvkcQuantPrefill`
-  attends each row over its 2-bit slots, then its full-precision ones, under one softmax.
+  attends each row over its 2-bit slots, then its full-precision ones, under one softmax;
+* under ClusterKV, :class:`OvkcRecall` ranks each decode row's centroids by its query, recalls
+  whole clusters up to the budget and lists the slots the row attends (the sinks, the recalled,
+  the pending) into our buffer (``recalled``, written in place), over the cluster index in
+  ``index`` (our buffer: every layer's and sequence's, :class:`~ov_kvcrush.gpu.pool.IndexArena`);
+  :class:`OvkcRecallPrefill` attends a decode row over its list, the other rows as
+  :class:`OvkcPrefill`.
 
 Here are the layers and one-layer models of them (:func:`decode_step_model`,
 :func:`prefill_step_model`), verified on Intel's OpenCL CPU runtime under
@@ -143,18 +149,54 @@ KERNELS = {
         "{sg},1",
         quant=True,
     ),
+    "OvkcRecall": LayerKernel(
+        "ovkc_recall",
+        "OVKC_LAYER_RECALL",
+        ("index", "recall", "q", "step", "stored", "recalled"),
+        "{sg},B",
+        "{sg},1",
+    ),
+    "OvkcRecallPrefill": LayerKernel(
+        "ovkc_recall_prefill",
+        "OVKC_LAYER_RPREFILL",
+        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits", "recalled"),
+        "((F+{sg}-1)/{sg})*{sg},B",
+        "{sg},1",
+    ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
-STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows", "logit_stride")
+STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows", "logit_stride", "map_width", "recall_clusters")
+#: a row's ``recall`` under ClusterKV, in order (``plugin_layers.cl``'s R_* defines): the step's
+#: token whose query recalls (-1: none, the row attends its slots in order), the KV head, the
+#: clusters, the words in ``index`` where the centroids, sizes, offsets and sorted slots start, the
+#: slots clustered, the sinks, the first pending slot, the recall budget, the slots held
+RECALL_FIELDS = (
+    "token", "head", "clusters", "centroids", "sizes", "offsets", "sorted", "clustered", "sinks", "pending",
+    "budget", "held",
+)  # fmt: skip
 
 
 def step_tensor(
-    table_width: int, rows: int = 1, qtable_width: int = 1, score_rows: int = 0, logit_stride: int = 0
+    table_width: int,
+    rows: int = 1,
+    qtable_width: int = 1,
+    score_rows: int = 0,
+    logit_stride: int = 0,
+    map_width: int = 0,
+    recall_clusters: int = 0,
 ) -> np.ndarray:
     """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
-    2-bit block tables' width, the query rows :class:`OvkcRows` writes, and the row stride of the
-    logits the prompt layers write (0: none; :func:`logits_bytes`)."""
-    return np.array([table_width, rows, qtable_width, score_rows, logit_stride], np.int32)
+    2-bit block tables' width, the query rows :class:`OvkcRows` writes, the row stride of the
+    logits the prompt layers write (0: none; :func:`logits_bytes`), and under ClusterKV the
+    longest slot list a row attends and the most clusters a row holds (:func:`recalled_bytes`)."""
+    fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, recall_clusters)
+    return np.array(fields, np.int32)
+
+
+def recalled_bytes(rows: int, map_width: int, recall_clusters: int) -> int:
+    """The bytes of :class:`OvkcRecall`'s ``recalled`` input for ``rows`` rows: per row the count
+    of slots it attends, their list (``map_width``), the centroids' scores and their order."""
+    return 4 * rows * (1 + map_width + 2 * recall_clusters)
 
 
 def logits_bytes(q_heads: int, rows: int, stride: int) -> int:
@@ -268,12 +310,20 @@ def _layer_classes() -> dict[str, type]:
     class OvkcQuantPrefill(OvkcPrefill):
         pass
 
+    class OvkcRecallPrefill(OvkcPrefill):
+        pass
+
+    class OvkcRecall(PluginLayer):
+        def validate_and_infer_types(self) -> None:
+            self.set_output_type(0, ov.Type.i32, self.input_shape("recall"))  # [rows, RECALL_FIELDS]
+
     class OvkcFlush(PluginLayer):
         def validate_and_infer_types(self) -> None:
             rows = self.input_shape("flush")[0]  # [rows, 2]
             self.set_output_type(0, ov.Type.i32, ov.PartialShape([rows, self._attributes["quant_tokens"]]))
 
-    classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcRows, OvkcPrefill, OvkcFlush, OvkcQuantPrefill)
+    classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcRows, OvkcPrefill, OvkcFlush, OvkcQuantPrefill,
+               OvkcRecall, OvkcRecallPrefill)  # fmt: skip
     return {cls.__name__: cls for cls in classes}
 
 

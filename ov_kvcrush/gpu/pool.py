@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu import HOSTS
+from ov_kvcrush.gpu.arena import IndexArena
 from ov_kvcrush.gpu.attention import DecodeBuffers, QuantHeads, decode_buffers, launch_decode, launch_quant_logits
 from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
@@ -106,6 +107,7 @@ class DevicePool:
         self.crossings = {"prompt": Crossings(), "decode": Crossings()}
         self.phase = "prompt"  # set by the layer caches
         self._quant: dict[QuantShape, QuantBlocks] = {}
+        self._arena: IndexArena | None = None
         #: a decode's slot list where it has none (the kernels take a buffer; made once)
         self.no_slots = self.dev.zeros(4)
 
@@ -114,6 +116,13 @@ class DevicePool:
         if shape not in self._quant:
             self._quant[shape] = QuantBlocks(self.dev, shape)
         return self._quant[shape]
+
+    def index_arena(self) -> IndexArena:
+        """The words that this pool's ClusterKV layer caches put their index in for the GPU
+        plugin's model (made when first asked)."""
+        if self._arena is None:
+            self._arena = IndexArena(self.dev)
+        return self._arena
 
     @property
     def blocks_in_use(self) -> int:

@@ -11,6 +11,12 @@ built there. What crosses per decode step beside the model's tensors: the recall
 head (and, when tokens are clustered, one int per k-means iteration and the new clusters'
 sizes). The recall cache's hit counters are the reference's alone (they are statistics, and
 would need the chosen clusters on the host).
+
+In OpenVINO's GPU plugin (``device="GPU"``) the model stores and attends itself: the prompt is
+attended densely (in chunks or whole) and clustered after its last chunk; before a decode step
+the tokens due are clustered; the index is copied into the pool's
+:class:`~ov_kvcrush.gpu.arena.IndexArena` when it changes, and each decode row's recall
+(:meth:`DeviceClusterKVLayerCache.recall_rows`) tells the model's recall layer where it is.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import torch
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.clusterkv import launch_kmeans, launch_recall
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache, host_array
+from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS
 from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig, initial_picks
 
@@ -89,6 +97,10 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         self.sizes = np.zeros((kv_heads, 0), np.int32)
         # the index on the device: centroids [kv, C, D], sizes [kv, C], offsets [kv, C + 1], sorted slots [kv, N]
         self.index: tuple[Any, Any, Any, Any] | None = None
+        #: the index's copy in the pool's arena for the plugin's model: (first word, words); None: none
+        self.published: tuple[int, int] | None = None
+        self._index_changed = False  # since it was last copied there
+        self._prompt_clustered = False
 
     def _after_prefill(self) -> None:
         n = self.layer.held
@@ -128,15 +140,16 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         self.index = (centroids, pool.upload("cluster index", self.sizes), pool.upload("cluster index", offsets), slots)
         self.clusters, self.clustered = c1, n1
         self.pending_from = end
+        self._index_changed = True
         self._bump("clusterings")
         self._bump("kmeans_iterations", made.iterations)
 
     def _attend_recalled(self, q: np.ndarray) -> np.ndarray:
         """The query over the sinks, the recalled slots and the pending ones: the output ``[Hq, D]``."""
-        lay, cfg = self.layer, self.config
+        lay = self.layer
         pool, dev, kv, d = lay.pool, lay.pool.dev, lay.kv_heads, lay.pool.shape.head_dim
         q_b = pool.upload("queries", np.ascontiguousarray(q, np.float32))
-        budget = max(int(cfg.budget or 0) - self.sinks, 1)
+        budget = self._recall_budget()
         if self.index is None:
             recalled, counts_b = dev.zeros(4 * kv), dev.zeros(4 * kv)
         else:
@@ -156,5 +169,99 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
 
     def _metadata_bytes(self) -> int:
         """The index: centroids, sizes, offsets and sorted slots."""
+        return 4 * self._index_words()
+
+    def _index_words(self) -> int:
         kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
-        return 4 * kv * (self.clusters * d + 2 * self.clusters + 1 + self.clustered) if self.index else 0
+        return kv * (self.clusters * d + 2 * self.clusters + 1 + self.clustered) if self.index else 0
+
+    # ---- a model that stores and attends itself (our layers in OpenVINO's GPU plugin)
+    #: a decode step recalls for one token: a chat's next turn is fed again, as a prompt
+    several_tokens_after_prompt = False
+
+    def reserve(self, t: int) -> None:
+        """As the full cache's; before a decode token is stored, the tokens due are clustered
+        (:meth:`_decode_step`'s order)."""
+        if not self.in_prompt and not self.dense_layer:
+            if t != 1:
+                raise UserError(f"{self.config.name} on device GPU decodes one token per step (a step of {t} came)")
+            self._before_append()
+        super().reserve(t)
+
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+        """After the prompt's last chunk: its clusters (:meth:`prefill`'s)."""
+        if not self._prompt_clustered and not self._prompt_continues():
+            self._after_prefill()
+            self._prompt_clustered = True
+
+    def truncate(self, tokens: int) -> bool:
+        """As the full cache's where only pending tokens go (the index covers the others); False
+        otherwise."""
+        return tokens >= self.pending_from and super().truncate(tokens)
+
+    def release(self) -> None:
+        self._unpublish()
+        super().release()
+
+    def recall_rows(self, token: int | None) -> np.ndarray:
+        """Each KV head's recall for the plugin's model (``[kv, len(RECALL_FIELDS)]``, after
+        :meth:`reserve`): the step's ``token`` (its index among the step's tokens) recalls over
+        the index, copied into the pool's arena first where it changed; ``None`` (a prompt's
+        step), or a dense layer: the heads attend their slots in order."""
+        lay, kv = self.layer, self.layer.kv_heads
+        rows = np.zeros((kv, len(RECALL_FIELDS)), np.int32)
+        rows[:, 0] = -1
+        if token is None or self.dense_layer:
+            return rows
+        self._publish()
+        c, n, d = self.clusters, self.clustered, lay.pool.shape.head_dim
+        base = self.published[0] if self.published else 0
+        sizes = base + kv * c * d
+        offsets = sizes + kv * c
+        ordered = offsets + kv * (c + 1)
+        heads = np.arange(kv)
+        fields = dict(token=token, head=heads, clusters=c, centroids=base + heads * c * d, sizes=sizes + heads * c,
+                      offsets=offsets + heads * (c + 1), sorted=ordered + heads * n, clustered=n, sinks=self.sinks,
+                      pending=self.pending_from, budget=self._recall_budget(), held=lay.held)  # fmt: skip
+        for i, name in enumerate(RECALL_FIELDS):
+            rows[:, i] = fields[name]
+        return rows
+
+    def attended(self) -> int:
+        """The most slots a decode row of this layer attends (its recall list's width)."""
+        if self.dense_layer:
+            return self.layer.held
+        return self.sinks + min(self._recall_budget(), self.clustered) + self.layer.held - self.pending_from
+
+    def model_step_read(self) -> int:
+        """The KV bytes a decode row of the model reads in this layer: the slots it attends, and
+        the centroids its query ranks."""
+        kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
+        centroids = 0 if self.dense_layer else 4 * kv * self.clusters * d
+        return self._full_precision_read(self.attended()) + centroids
+
+    def _recall_budget(self) -> int:
+        return max(int(self.config.budget or 0) - self.sinks, 1)
+
+    def _publish(self) -> None:
+        """The index copied into the pool's arena (the centroids, sizes, offsets and sorted slots
+        one after another), where it is not there yet."""
+        if not self._index_changed:
+            return
+        self._unpublish()
+        self._index_changed = False
+        words = self._index_words()
+        arena = self.layer.pool.index_arena()
+        first = arena.take(words)
+        kv, c, n, d = self.layer.kv_heads, self.clusters, self.clustered, self.layer.pool.shape.head_dim
+        assert self.index is not None
+        at = first
+        for part, size in zip(self.index, (kv * c * d, kv * c, kv * (c + 1), kv * n), strict=True):
+            self.layer.pool.dev.copy_bytes(part, arena.buffer, 4 * size, 4 * at)
+            at += size
+        self.published = (first, words)
+
+    def _unpublish(self) -> None:
+        if self.published is not None:
+            self.layer.pool.index_arena().give(*self.published)
+            self.published = None

@@ -387,10 +387,7 @@ class ClusterKVConfig(MethodConfig):
         "cuda": (TWO_BIT_STORE, RECALL_TRACKING),
         "cpu-op": (RECALL_TRACKING,),
         "gpu-pool": (TWO_BIT_STORE, RECALL_TRACKING),
-    }
-    not_run_because: ClassVar[dict[str, str]] = {
-        "gpu-plugin": "its decode attends each head's recalled slots, a list the plugin layers' attention does not "
-        "read yet (on an Intel GPU: gpu-pool)",
+        "gpu-plugin": (TWO_BIT_STORE, RECALL_TRACKING),
     }
     pins_prompt_tail: ClassVar[bool] = False
     budget: int | None = None

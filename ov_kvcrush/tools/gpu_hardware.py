@@ -14,8 +14,8 @@ GenAI on the same GPU.
    full cache and with its KVCrush eviction, one prompt, the same budget.
 4. The product path on the GPU: the embedded model through the openvino engine on ``GPU`` (our
    layers in OpenVINO's GPU plugin, the methods' kernels over the same pool between steps:
-   :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for the full cache, SnapKV and block-wise KVCrush
-   ("plugin ..." rows), their greedy tokens against the CPU op's, with TTFT, TPOT and KV bytes
+   :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for every row of step 2 ("plugin ..." rows: the
+   2-bit store and ClusterKV's recall inside the model among them), their greedy tokens against the CPU op's, with TTFT, TPOT and KV bytes
    (in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
    :mod:`~ov_kvcrush.gpu.emulation`).
 
@@ -48,8 +48,9 @@ OURS = [
     ("clusterkv", "clusterkv", {}),
     ("minikv", "minikv", {}),
 ]
-#: the rows of the openvino engine on ``GPU`` (named as in :data:`OURS`, whose CPU op runs are their oracle)
-PLUGIN_ROWS = [row for row in OURS if row[0] in ("full", "snapkv", "kvcrush blocks")]
+#: the rows of the openvino engine on ``GPU`` (named as in :data:`OURS`, whose CPU op runs are their
+#: oracle): every one, since the plugin's layers run them all (the 2-bit store, ClusterKV's recall)
+PLUGIN_ROWS = OURS
 #: native GenAI's rows: its full cache and its KVCrush eviction (its own block-wise form)
 NATIVE = [("native full", "full"), ("native kvcrush", "kvcrush")]
 

@@ -4,6 +4,8 @@
 //
 // Compile-time constants (-D): SG, HEAD_DIM (a multiple of SG), GROUP (query heads per KV head).
 
+#include "clusterkv.h"
+
 #define D HEAD_DIM
 
 // xn[r][i] = x[r][i] / max(|x[r][i]|, 1e-12) (F.normalize). One sub-group per vector: global
@@ -83,26 +85,14 @@ __kernel void update_directions(__global const float* xn, __global const float* 
 __kernel void centroid_scores(__global const float* q, __global const float* centroids, int C,
                               __global float* scores) {
     const int c = get_global_id(0), kv = get_global_id(1);
-    __global const float* mu = centroids + ((long)kv * C + c) * D;
-    float total = 0.0f;
-    for (int g = 0; g < GROUP; ++g) {
-        __global const float* qh = q + (kv * GROUP + g) * D;
-        float s = 0.0f;
-        for (int d = 0; d < D; ++d) s = fma(qh[d], mu[d], s);
-        total += s;
-    }
-    scores[kv * C + c] = total;
+    scores[kv * C + c] = centroid_score(q + kv * GROUP * D, D, centroids + ((long)kv * C + c) * D);
 }
 
 // order[kv][rank] = c: the clusters by score, best first, ties to the lower cluster id (the
 // rank of c counts the clusters above it). Global (C, kv).
 __kernel void rank_order(__global const float* scores, int C, __global int* order) {
     const int c = get_global_id(0), kv = get_global_id(1);
-    __global const float* s = scores + kv * C;
-    const float x = s[c];
-    int rank = 0;
-    for (int o = 0; o < C; ++o) rank += s[o] > x || (s[o] == x && o < c);
-    order[kv * C + rank] = c;
+    order[kv * C + cluster_rank(scores + kv * C, C, c)] = c;
 }
 
 // The recalled slots of each KV head: whole clusters in ranked order until `budget` slots, the
@@ -113,16 +103,9 @@ __kernel void recall_slots(__global const int* order, __global const int* sizes,
                            __global const int* sorted_tokens, int C, int N, int budget, __global int* slots,
                            __global int* counts) {
     const int kv = get_global_id(1);
-    const int lane = get_sub_group_local_id();
-    int taken = 0;
-    for (int rank = 0; rank < C && taken < budget; ++rank) {
-        const int c = order[kv * C + rank];
-        const int size = min(sizes[kv * C + c], budget - taken);
-        for (int i = lane; i < size; i += SG)
-            slots[(long)kv * budget + taken + i] = sorted_tokens[(long)kv * N + offsets[kv * (C + 1) + c] + i];
-        taken += size;
-    }
-    if (lane == 0) counts[kv] = taken;
+    const int taken = recall_clusters(order + kv * C, sizes + kv * C, offsets + kv * (C + 1),
+                                      sorted_tokens + (long)kv * N, C, budget, slots + (long)kv * budget);
+    if (get_sub_group_local_id() == 0) counts[kv] = taken;
 }
 
 // dst[r][at + i] = src[r][i] + add for i < count: the cluster index grown on the device (the
@@ -143,10 +126,5 @@ __kernel void attended_slots(__global const int* recalled, int recall_stride, __
     const int r = counts[kv];
     const int n = sinks + r + (held - pending);
     if (j == 0) lengths[kv] = n;
-    if (j >= n) return;
-    int slot;
-    if (j < sinks) slot = j;
-    else if (j < sinks + r) slot = recalled[(long)kv * recall_stride + j - sinks];
-    else slot = pending + (j - sinks - r);
-    map[(long)kv * map_stride + j] = slot;
+    if (j < n) map[(long)kv * map_stride + j] = attended_slot(j, sinks, r, pending, recalled + (long)kv * recall_stride);
 }

@@ -29,6 +29,7 @@
 #include "paged_attention.h"
 #include "paged_store.h"
 #include "prefill.h"
+#include "clusterkv.h"
 
 // k, v [kv_heads, T, HEAD_DIM] to each token's slot; the output is each token's slot [kv_heads,
 // T], which the prompt layer takes as an input so that it runs after the store. Global (SG, T,
@@ -127,7 +128,93 @@ __kernel void ovkc_prefill(__global const uchar* pool, __global const int* table
     row_state st;
     row_start(&st, live, h, r, q, rows, SCALE);
     attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
-                 row_logits(logits, step, h, t));
+                 row_logits(logits, step, h, t), 0);
+    row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
+}
+#endif
+
+// The fields of a row's `recall` (RECALL_FIELDS of them; ov_kvcrush/gpu/plugin_layers.py:
+// RECALL_FIELDS): the step's token whose query recalls (-1: the row attends its slots in order),
+// the KV head, the clusters C, the word offsets in `index` of the centroids [C, HEAD_DIM] (float),
+// sizes [C], offsets [C + 1] and sorted slots [N], the slots clustered N, the sinks, the first
+// pending slot, the budget of recalled slots, and the slots held after the step.
+#define RECALL_FIELDS 12
+#define R_TOKEN 0
+#define R_HEAD 1
+#define R_CLUSTERS 2
+#define R_CENTROIDS 3
+#define R_SIZES 4
+#define R_OFFSETS 5
+#define R_SORTED 6
+#define R_CLUSTERED 7
+#define R_SINKS 8
+#define R_PENDING 9
+#define R_BUDGET 10
+#define R_HELD 11
+
+// A row's region of `recalled` (ints): the count, the slot list, the scores, the order.
+inline __global int* recall_region(__global uchar* recalled, __global const int* step, int row) {
+    return (__global int*)recalled + (long)row * (1 + step[5] + 2 * step[6]);
+}
+
+// ClusterKV's recall of each row whose token is a decode step's (the reference's decode, in the
+// hosts' steps: centroid_scores, rank_order, recall_slots, attended_slots): the row's query group
+// scores its centroids, ranks them, recalls whole clusters up to the budget, and lists the slots
+// it attends into its region of `recalled`. The output is `recall` passed on, so that the prompt
+// layer runs after it. Global (SG, rows), local (SG, 1): a sub-group (the work-group) per row.
+#ifdef OVKC_LAYER_RECALL
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_recall(__global const uchar* index, __global const int* recall, __global const ACT* q,
+                          __global const int* step, __global const int* stored, __global uchar* recalled,
+                          __global int* out) {
+    const int row = get_global_id(1), lane = get_sub_group_local_id();
+    __global const int* r = recall + row * RECALL_FIELDS;
+    for (int i = lane; i < RECALL_FIELDS; i += SG) out[row * RECALL_FIELDS + i] = r[i];
+    if (r[R_TOKEN] < 0) return;
+    const int C = r[R_CLUSTERS], tokens = step[1];
+    __global const float* words = (__global const float*)index;
+    __global const int* ints = (__global const int*)index;
+    __global int* region = recall_region(recalled, step, row);
+    __global int* map = region + 1;
+    __global float* scores = (__global float*)(map + step[5]);
+    __global int* order = (__global int*)(scores + step[6]);
+    __global const ACT* qg = q + ((long)r[R_HEAD] * GROUP * tokens + r[R_TOKEN]) * HEAD_DIM;
+    for (int c = lane; c < C; c += SG)
+        scores[c] = centroid_score(qg, (long)tokens * HEAD_DIM, words + r[R_CENTROIDS] + (long)c * HEAD_DIM);
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int c = lane; c < C; c += SG) order[cluster_rank(scores, C, c)] = c;
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    const int sinks = r[R_SINKS], pending = r[R_PENDING], held = r[R_HELD];
+    const int count = recall_clusters(order, ints + r[R_SIZES], ints + r[R_OFFSETS], ints + r[R_SORTED], C,
+                                      r[R_BUDGET], map + sinks);
+    for (int j = lane; j < sinks; j += SG) map[j] = attended_slot(j, sinks, count, pending, map + sinks);
+    const int n = sinks + count + (held - pending);
+    for (int j = sinks + count + lane; j < n; j += SG) map[j] = attended_slot(j, sinks, count, pending, map + sinks);
+    if (lane == 0) region[0] = n;
+}
+#endif
+
+// The prompt layer under ClusterKV: ovkc_prefill's, a decode row over the slots ovkc_recall listed
+// for it (every one it sees), the other rows over their slots in order. Global, local: ovkc_prefill's.
+#ifdef OVKC_LAYER_RPREFILL
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_recall_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
+                                  __global const int* first, __global const int* tokens, __global const ACT* q,
+                                  __global const int* step, __global const int* stored, __global uchar* logits,
+                                  __global uchar* recalled, __global ACT* out) {
+    const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
+    const int t = min(r, rows - 1);
+    const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
+    __global const int* recall = (__global const int*)stored;  // ovkc_recall's output: the rows' recall
+    const bool mapped = recall[row * RECALL_FIELDS + R_TOKEN] >= 0;
+    __global const int* region = recall_region(recalled, step, row);
+    const int n = mapped ? region[0] : lengths[row];
+    const int visible = mapped ? n : first[row] + tokens[2 * t + 1] + 1;
+    const bool live = r < rows;
+    row_state st;
+    row_start(&st, live, h, r, q, rows, SCALE);
+    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
+                 row_logits(logits, step, h, t), mapped ? region + 1 : 0);
     row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 #endif
@@ -194,7 +281,7 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
     __global float* lg = row_logits(logits, step, h, t);
     attend_quant_slots(&st, live, qpool, qtables + row * step[2], nq, sub_group_reduce_max(nq), qvisible, lg);
     attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, start,
-                 start + count, lg ? lg + qvisible : 0);
+                 start + count, lg ? lg + qvisible : 0, 0);
     row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 #endif

@@ -52,17 +52,20 @@ inline bool tile_softmax(row_state* st, const float* s, const bool* masked, floa
 // read from the 2-bit store instead). The slots go CHUNK at a time: their logits first (each query
 // element loaded once for the chunk), then one rescale of the accumulator and the chunk's values
 // added to it. Where `slot_logits` is given, each slot's logit goes there (the hole left out: the
-// slots after it move down by its width), for the methods' scores.
+// slots after it move down by its width), for the methods' scores. Where `slot_map` is given, the
+// row's j-th slot is slot_map[j] of the table (ClusterKV's sinks, recalled and pending slots), not
+// slot j.
 inline void attend_slots(row_state* st, bool live, __global const uchar* pool, __global const int* table, int n,
                          int n_max, __global const int* positions, int visible, int qpos, int hole_lo, int hole_hi,
-                         __global float* slot_logits) {
+                         __global float* slot_logits, __global const int* slot_map) {
     for (int j0 = 0; j0 < n_max; j0 += CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
         bool masked[CHUNK];
         bool all_masked = true;
         for (int c = 0; c < CHUNK; ++c) {
-            const int j = clamp(j0 + c, 0, max(n - 1, 0));
+            const int i = clamp(j0 + c, 0, max(n - 1, 0));
+            const int j = slot_map ? slot_map[i] : i;
             block[c] = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
             slot[c] = j % BLOCK_SIZE;
             masked[c] = !live || j0 + c >= n || (positions ? positions[j] > qpos : j0 + c >= visible) ||
@@ -143,7 +146,7 @@ inline void prefill_row(int r, int h, __global const uchar* pool, __global const
     const bool live = r < rows;
     row_state st;
     row_start(&st, live, h, r, q, rows, scale);
-    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0, 0);
+    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0, 0, 0);
     row_finish(&st, live, h, r, rows, out, lse);
 }
 
