@@ -25,19 +25,33 @@ CASES = [
     ("knorm", BUDGET, {}),
     ("minikv", BUDGET, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}),
     ("clusterkv", BUDGET, {"dense_layers": 0}),  # every layer recalls inside the model
+    ("quest", BUDGET, {"dense_layers": 0}),
 ]
 #: our commands (kernels and device copies) per layer in a decode step, at most, as measured
 #: (2026-11-29; issue 71's targets: 3 for the full cache, 6 for any method): the full cache's
 #: store, rows and attention; a scoring method adds the step's probabilities from the logits the
 #: attention layer wrote (1), MiniKV its new token's zero score too; an eviction of one slot a
 #: head moves the slots after it down in place (1), after finding the lowest for H2O, SnapKV and
-#: Knorm (1; StreamingLLM's is the window's oldest). ClusterKV's recall is a layer of the model (1).
+#: Knorm (1; StreamingLLM's is the window's oldest). ClusterKV's recall and Quest's pages are a
+#: layer of the model (1).
 #: the bytes sent to the device a decode step, at most, as a share of the KV bytes its attention
 #: reads (issue 71's target: 1%). The 2-bit store reads an eighth of the bytes while its block
 #: tables (4 bytes a 16-token chunk, sent each step as native's are) stay: at these 32-dim heads
 #: they are 1.2% of its read alone (measured 1,688 of 136,704 bytes), at 128 dims a quarter of that.
 CROSSING_SHARE = {"minikv": 0.02}
-PER_LAYER = {"full": 3, "streamingllm": 4, "kvcrush": 4, "snapkv": 6, "h2o": 6, "knorm": 6, "minikv": 6, "clusterkv": 4}
+#: the methods given 4 sinks and 8 recent tokens (their fields)
+SINKS_AND_RECENT = ("streamingllm", "kvcrush", "snapkv", "h2o", "knorm", "minikv")
+PER_LAYER = {
+    "full": 3,
+    "streamingllm": 4,
+    "kvcrush": 4,
+    "snapkv": 6,
+    "h2o": 6,
+    "knorm": 6,
+    "minikv": 6,
+    "clusterkv": 4,
+    "quest": 4,
+}
 
 
 def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
@@ -52,7 +66,7 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
     out = []
     try:
         for method, budget, options in CASES:
-            small = {"sink_tokens": 4} | ({"recent_tokens": 8} if method != "clusterkv" else {}) if budget else {}
+            small = {"sink_tokens": 4, "recent_tokens": 8} if method in SINKS_AND_RECENT else {}
             engine.set_compression(CompressionConfig(method=method, budget=budget, options=options, **small))
             engine.prefill(ids)
             engine.forward([ids[-1]])  # the first decode step: the plugin re-lays its inputs once (6 KB measured)

@@ -38,15 +38,17 @@ full-precision slots a step fills a chunk with (``OvkcFlush``, after the store) 
 * ``kvc_flush`` [layers, rows, 2]: the full-precision slots the step quantizes (first, count:
   whole 2-bit blocks, the last of ``kvc_qtables``'s row).
 
-Under ClusterKV (``recall``) each layer ranks a decode row's centroids by its query and lists
-the slots it attends (``OvkcRecall``, after the rows), then attends a decode row over its list
-(``OvkcRecallPrefill``), from the inputs :data:`RECALL_INPUTS` adds:
+Under a recalling method (``recall``) each layer recalls for a decode row and lists the slots
+it attends (after the rows: ClusterKV's ``OvkcRecall`` ranks the row's centroids by its query;
+Quest's ``OvkcPages`` computes the bounds of the pages the step changed and ranks the pages),
+then attends a decode row over its list (``OvkcRecallPrefill``), from the inputs
+:data:`RECALL_INPUTS` adds:
 
-* ``kvc_index``: the cluster indexes' int32 words, every layer's and sequence's in one buffer
-  (:class:`~ov_kvcrush.gpu.pool.IndexArena`);
-* ``kvc_recall`` [layers, rows, fields]: each row's recall
-  (:data:`~ov_kvcrush.gpu.plugin_layers.RECALL_FIELDS`; token -1 for a row that attends its
-  slots in order: a prompt's, a dense layer's);
+* ``kvc_index``: int32 words, every layer's and sequence's cluster index or page bounds in one
+  buffer (:class:`~ov_kvcrush.gpu.arena.IndexArena`; the pages layer writes its bounds there);
+* ``kvc_recall`` [layers, rows, RECALL_WIDTH]: each row's recall
+  (:data:`~ov_kvcrush.gpu.plugin_layers.RECALL_FIELDS`, ``PAGE_FIELDS``; token -1 for a row
+  that attends its slots in order: a prompt's, a dense layer's);
 * ``kvc_recalled.<layer>``: our buffer the recall layer writes each row's list into
   (:func:`~ov_kvcrush.gpu.plugin_layers.recalled_bytes`).
 
@@ -60,7 +62,7 @@ import numpy as np
 from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
 
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS, STEP_FIELDS, LayerAttributes, layer_class
+from ov_kvcrush.gpu.plugin_layers import KERNELS, RECALL_WIDTH, STEP_FIELDS, LayerAttributes, layer_class
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
 # this module stays light.
@@ -86,7 +88,7 @@ QUANT_INPUTS = {
 #: the inputs the pass adds under ClusterKV's recall, as :data:`PLUGIN_INPUTS`
 RECALL_INPUTS = {
     "kvc_index": (np.uint8, (-1,)),
-    "kvc_recall": (np.int32, ("layers", -1, len(RECALL_FIELDS))),
+    "kvc_recall": (np.int32, ("layers", -1, RECALL_WIDTH)),
 }
 #: the name of layer ``i``'s recalled slots input (bytes, written in place under ClusterKV)
 RECALLED_INPUT = "kvc_recalled.{}"
@@ -104,15 +106,16 @@ def convert_model_for_plugin(
     sub_group: int,
     activations: str = "f32",
     quant: QuantShape | None = None,
-    recall: bool = False,
+    recall: str | None = None,
     last_token_logits: bool = True,
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
     GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
     kernels at ``sub_group`` lanes, its layers' queries, keys, values and output in
     ``activations`` (the plugin's inference precision: f32 or f16), over the 2-bit store of
-    ``quant``'s blocks where given, with ClusterKV's recall where ``recall``. Raises
-    :class:`ConversionError` as the CPU pass does."""
+    ``quant``'s blocks where given, with a method's recall where ``recall`` names its layer
+    (``OvkcRecall``: ClusterKV's; ``OvkcPages``: Quest's). Raises :class:`ConversionError` as the
+    CPU pass does."""
     import openvino.opset13 as ops
 
     if quant is not None and recall:
@@ -144,8 +147,9 @@ def convert_model_for_plugin(
         attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, step]
         if recall:
             recalled = _bytes_input(params, RECALLED_INPUT.format(plan.layer))
-            index = params["kvc_index"].output(0)
-            listed = layer_class("OvkcRecall")([index, row["recall"], q, step, stored, recalled], attrs).output(0)
+            args = {"pool": pool, "tables": row["tables"], "index": params["kvc_index"].output(0),
+                    "recall": row["recall"], "q": q, "step": step, "stored": stored, "recalled": recalled}  # fmt: skip
+            listed = layer_class(recall)([args[name] for name in KERNELS[recall].inputs], attrs).output(0)
             out = layer_class("OvkcRecallPrefill")([*attend, listed, logits, recalled], attrs).output(0)
         elif quant is None:
             out = layer_class("OvkcPrefill")([*attend, stored, logits], attrs).output(0)

@@ -302,11 +302,11 @@ class PluginModel:
             qpool = buffer_tensor(self.context, blocks.buffer, ov.Type.u8, [blocks.capacity * blocks.shape.block_bytes])
             request.set_tensor("kvc_qpool", qpool)
         s, stride = self.shape, step.logit_stride
-        if pool.variant.recall:  # the cluster indexes (a buffer that grows), and where each row's list goes
+        if pool.variant.recall:  # the indexes or bounds (a buffer that grows), and where each row's list goes
             arena = kv_pool.index_arena()
             request.set_tensor("kvc_index", buffer_tensor(self.context, arena.buffer, ov.Type.u8, [4 * arena.capacity]))
             rows = len(sequences) * s.kv_heads
-            nbytes = plugin_layers.recalled_bytes(rows, step.map_width, step.recall_clusters)
+            nbytes = plugin_layers.recalled_bytes(rows, step.map_width, step.candidates)
             self._bind_layer_buffers(request, "recalled", self.recalled_inputs, nbytes)
         buffers = self._bind_layer_buffers(
             request, "rows", self.rows_inputs, 4 * s.q_heads * step.returned_rows * s.head_dim

@@ -18,7 +18,7 @@ from ov_kvcrush.gpu.layer_cache import (
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, DeviceQuantKVCrushLayerCache
 from ov_kvcrush.gpu.quest_cache import DeviceQuestLayerCache
-from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache
+from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache, DeviceRecallLayerCache
 from ov_kvcrush.methods import LayerCache, MethodConfig, require
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig, StreamingLLMConfig
@@ -79,6 +79,21 @@ DEVICE_LAYERS: dict[str, Callable[[MethodConfig, int, int, DevicePool, int, int]
     "knorm": _knorm,
     "quest": _quest,
 }
+
+
+#: the methods whose decode step attends a list of slots its query recalls, by their layer cache
+#: (whose ``recall_layer`` is the layer of the GPU plugin's model that recalls)
+RECALLING: dict[str, type[DeviceRecallLayerCache]] = {
+    "clusterkv": DeviceClusterKVLayerCache,
+    "quest": DeviceQuestLayerCache,
+}
+
+
+def model_recall_layer(config: MethodConfig) -> str | None:
+    """The layer of the GPU plugin's model that recalls for ``config``'s method; None for a method
+    whose decode attends every slot it holds."""
+    kind = RECALLING.get(config.name)
+    return kind.recall_layer if kind else None
 
 
 def device_layer(

@@ -34,7 +34,7 @@ from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
-from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache
+from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
@@ -57,10 +57,11 @@ class ModelShape:
 @dataclass(frozen=True)
 class ModelVariant:
     """Which of the plugin's layers a pool's model runs: over the 2-bit store of ``quant``'s
-    blocks, or with ClusterKV's recall (``recall``); neither: the full-precision store's."""
+    blocks, or with a method's recall (``recall``: the layer that recalls, ClusterKV's or
+    Quest's); neither: the full-precision store's."""
 
     quant: QuantShape | None = None
-    recall: bool = False
+    recall: str | None = None
 
 
 class PluginKVPool:
@@ -100,8 +101,8 @@ class PluginKVPool:
 
     @property
     def variant(self) -> ModelVariant:
-        """The model this pool's steps run (ClusterKV's recalls inside it)."""
-        return ModelVariant(self.quant, self.method.name == "clusterkv")
+        """The model this pool's steps run (a method's recall inside it)."""
+        return ModelVariant(self.quant, device_layers.model_recall_layer(self.method))
 
     def new_sequence(self) -> PluginKVSequence:
         return PluginKVSequence(self, next(self._handles))
@@ -249,9 +250,9 @@ class PluginStep:
     score_rows: list[int]
     #: the row stride of the logits the model writes for the methods (0: none asked)
     logit_stride: int = 0
-    #: under ClusterKV: the longest slot list a decode row attends, and the most clusters a row holds
+    #: under a recall: the longest slot list a decode row attends, and the most clusters or pages a row ranks
     map_width: int = 0
-    recall_clusters: int = 0
+    candidates: int = 0
 
     @property
     def returned_rows(self) -> int:
@@ -298,21 +299,21 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
         "kvc_tokens": plugin_layers.token_tensor(counts),
         "kvc_score_rows": np.array(index or [0], np.int64),  # at least one row (none read)
     }
-    qwidth, map_width, recall_clusters = 1, 0, 0
+    qwidth, map_width, candidates = 1, 0, 0
     if pool.quant is not None:
         inputs |= _quant_inputs(sequences)
         qwidth = inputs["kvc_qtables"].shape[2]
     if pool.variant.recall:
         tokens = [start if phase == "decode" else None for start, phase in zip(starts, phases, strict=True)]
-        inputs["kvc_recall"], map_width, recall_clusters = _recall_inputs(sequences, tokens)
+        inputs["kvc_recall"], map_width, candidates = _recall_inputs(sequences, tokens)
     # a step of decode tokens whose methods score them: the model writes each row's logits
     scored_decode = all(t == 1 for t in counts) and "prompt" not in phases and any(score_rows)
     slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)
     logit_stride = int(slots.max()) if scored_decode else 0
     inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]),
-                                                   logit_stride, map_width, recall_clusters)  # fmt: skip
+                                                   logit_stride, map_width, candidates)  # fmt: skip
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride, map_width,
-                      recall_clusters)  # fmt: skip
+                      candidates)  # fmt: skip
     _count_step(pool, step)
     return step
 
@@ -340,14 +341,15 @@ def _quant_inputs(sequences: list[PluginKVSequence]) -> dict[str, np.ndarray]:
 
 
 def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) -> tuple[np.ndarray, int, int]:
-    """ClusterKV's ``kvc_recall`` of a step (:data:`~ov_kvcrush.transformations.plugin_attention.RECALL_INPUTS`),
-    a row per (sequence, KV head) as :func:`plan_step`'s: each sequence's decode token (``tokens[s]``,
-    its index in the step; None in a prompt's step) recalls; and the widest slot list a row
-    attends and the most clusters a row holds (each at least 1)."""
+    """A recalling method's ``kvc_recall`` of a step
+    (:data:`~ov_kvcrush.transformations.plugin_attention.RECALL_INPUTS`), a row per (sequence, KV
+    head) as :func:`plan_step`'s: each sequence's decode token (``tokens[s]``, its index in the
+    step; None in a prompt's step) recalls; and the widest slot list a row
+    attends and the most clusters or pages a row ranks (each at least 1)."""
     per_seq = []
     for seq in sequences:
-        caches = [c for c in seq.caches if isinstance(c, DeviceClusterKVLayerCache)]
-        assert len(caches) == len(seq.caches), "every layer of ClusterKV's sequence recalls"
+        caches = [c for c in seq.caches if isinstance(c, DeviceRecallLayerCache)]
+        assert len(caches) == len(seq.caches), "every layer of a recalling method's sequence recalls"
         per_seq.append(caches)
     rows = np.stack([np.concatenate([c.recall_rows(t) for c in caches]) for caches, t in zip(per_seq, tokens,
                                                                                              strict=True)])  # fmt: skip
@@ -356,8 +358,8 @@ def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) 
     recall = np.ascontiguousarray(rows.reshape(len(sequences), layers, -1, rows.shape[-1]).transpose(1, 0, 2, 3))
     recall = recall.reshape(layers, -1, rows.shape[-1])
     width = max(c.attended() for caches in per_seq for c in caches)
-    clusters = max(c.clusters for caches in per_seq for c in caches)
-    return recall, max(width, 1), max(clusters, 1)
+    candidates = max(c.candidates() for caches in per_seq for c in caches)
+    return recall, max(width, 1), max(candidates, 1)
 
 
 def _count_step(pool: PluginKVPool, step: PluginStep) -> None:

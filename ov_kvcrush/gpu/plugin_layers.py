@@ -25,7 +25,9 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 * under ClusterKV, :class:`OvkcRecall` ranks each decode row's centroids by its query, recalls
   whole clusters up to the budget and lists the slots the row attends (the sinks, the recalled,
   the pending) into our buffer (``recalled``, written in place), over the cluster index in
-  ``index`` (our buffer: every layer's and sequence's, :class:`~ov_kvcrush.gpu.pool.IndexArena`);
+  ``index`` (our buffer: every layer's and sequence's, :class:`~ov_kvcrush.gpu.arena.IndexArena`);
+  under Quest, :class:`OvkcPages` computes the bounds of the pages the step changed (into
+  ``index``), ranks the pages by the query's upper bound and lists the slots of the top ones;
   :class:`OvkcRecallPrefill` attends a decode row over its list, the other rows as
   :class:`OvkcPrefill`.
 
@@ -156,6 +158,13 @@ KERNELS = {
         "{sg},B",
         "{sg},1",
     ),
+    "OvkcPages": LayerKernel(
+        "ovkc_pages",
+        "OVKC_LAYER_PAGES",
+        ("pool", "tables", "index", "recall", "q", "step", "stored", "recalled"),
+        "{sg},B",
+        "{sg},1",
+    ),
     "OvkcRecallPrefill": LayerKernel(
         "ovkc_recall_prefill",
         "OVKC_LAYER_RPREFILL",
@@ -165,15 +174,23 @@ KERNELS = {
     ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
-STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows", "logit_stride", "map_width", "recall_clusters")
-#: a row's ``recall`` under ClusterKV, in order (``plugin_layers.cl``'s R_* defines): the step's
-#: token whose query recalls (-1: none, the row attends its slots in order), the KV head, the
-#: clusters, the words in ``index`` where the centroids, sizes, offsets and sorted slots start, the
-#: slots clustered, the sinks, the first pending slot, the recall budget, the slots held
+STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows", "logit_stride", "map_width", "candidates")
+#: the ints of a row's ``recall`` (``plugin_layers.cl``'s RECALL_WIDTH); the first is always the
+#: step's token whose query recalls (-1: none, the row attends its slots in order)
+RECALL_WIDTH = 12
+#: a row's ``recall`` under ClusterKV (:class:`OvkcRecall`; ``plugin_layers.cl``'s R_* defines):
+#: the token, the KV head, the clusters, the words in ``index`` where the centroids, sizes,
+#: offsets and sorted slots start, the slots clustered, the sinks, the first pending slot, the
+#: recall budget, the slots held
 RECALL_FIELDS = (
     "token", "head", "clusters", "centroids", "sizes", "offsets", "sorted", "clustered", "sinks", "pending",
     "budget", "held",
 )  # fmt: skip
+#: a row's ``recall`` under Quest (:class:`OvkcPages`; the P_* defines): the token, the KV head,
+#: the pages after the step, the words in ``index`` of the pages' key maxima and minima ([pages,
+#: HEAD_DIM] floats each, written by the layer), the first page whose bounds it computes, the pages
+#: it keeps (the newest among them), the slots held, the page size
+PAGE_FIELDS = ("token", "head", "pages", "kmax", "kmin", "first_page", "want", "held", "page")
 
 
 def step_tensor(
@@ -183,20 +200,22 @@ def step_tensor(
     score_rows: int = 0,
     logit_stride: int = 0,
     map_width: int = 0,
-    recall_clusters: int = 0,
+    candidates: int = 0,
 ) -> np.ndarray:
     """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
     2-bit block tables' width, the query rows :class:`OvkcRows` writes, the row stride of the
-    logits the prompt layers write (0: none; :func:`logits_bytes`), and under ClusterKV the
-    longest slot list a row attends and the most clusters a row holds (:func:`recalled_bytes`)."""
-    fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, recall_clusters)
+    logits the prompt layers write (0: none; :func:`logits_bytes`), and under a recall (ClusterKV,
+    Quest) the longest slot list a row attends and the most clusters or pages a row ranks
+    (:func:`recalled_bytes`)."""
+    fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, candidates)
     return np.array(fields, np.int32)
 
 
-def recalled_bytes(rows: int, map_width: int, recall_clusters: int) -> int:
-    """The bytes of :class:`OvkcRecall`'s ``recalled`` input for ``rows`` rows: per row the count
-    of slots it attends, their list (``map_width``), the centroids' scores and their order."""
-    return 4 * rows * (1 + map_width + 2 * recall_clusters)
+def recalled_bytes(rows: int, map_width: int, candidates: int) -> int:
+    """The bytes of the recall layers' ``recalled`` input for ``rows`` rows: per row the count of
+    slots it attends, their list (``map_width``), the candidates' scores and their order (or, for
+    Quest's pages, whether each is kept)."""
+    return 4 * rows * (1 + map_width + 2 * candidates)
 
 
 def logits_bytes(q_heads: int, rows: int, stride: int) -> int:
@@ -315,7 +334,10 @@ def _layer_classes() -> dict[str, type]:
 
     class OvkcRecall(PluginLayer):
         def validate_and_infer_types(self) -> None:
-            self.set_output_type(0, ov.Type.i32, self.input_shape("recall"))  # [rows, RECALL_FIELDS]
+            self.set_output_type(0, ov.Type.i32, self.input_shape("recall"))  # [rows, RECALL_WIDTH]
+
+    class OvkcPages(OvkcRecall):
+        pass
 
     class OvkcFlush(PluginLayer):
         def validate_and_infer_types(self) -> None:
@@ -323,7 +345,7 @@ def _layer_classes() -> dict[str, type]:
             self.set_output_type(0, ov.Type.i32, ov.PartialShape([rows, self._attributes["quant_tokens"]]))
 
     classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcRows, OvkcPrefill, OvkcFlush, OvkcQuantPrefill,
-               OvkcRecall, OvkcRecallPrefill)  # fmt: skip
+               OvkcRecall, OvkcPages, OvkcRecallPrefill)  # fmt: skip
     return {cls.__name__: cls for cls in classes}
 
 

@@ -8,6 +8,12 @@ query; the top pages (``kvcrush.cl``'s ``head_decisions_topk``: ties to the earl
 reference's ``topk_indices``; the newest token's page always); the list of their slots, which
 every KV head attends. What crosses per decode step beside the model's tensors: the count of
 slots attended (the same for every head, known on the host).
+
+In OpenVINO's GPU plugin (``device="GPU"``) the model's pages layer (``OvkcPages``) does a decode
+step's work after its store: the bounds of the pages from the last one computed on, into the
+pool's :class:`~ov_kvcrush.gpu.arena.IndexArena` (a run of words per layer, grown by doubling
+before the step where the pages outgrow it), the ranking and the list of slots; the host keeps
+where the bounds lie and how many pages they cover.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu.kvcrush import top_mask
+from ov_kvcrush.gpu.plugin_layers import PAGE_FIELDS
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
+from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.gpu.store import store_constants
 from ov_kvcrush.methods.quest import QuestConfig
 
@@ -89,3 +97,77 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
     def _metadata_bytes(self) -> int:
         """The pages' bounds."""
         return 2 * 4 * self.layer.kv_heads * self.pages * self.layer.pool.shape.head_dim
+
+    # ---- a model that stores and attends itself (our layers in OpenVINO's GPU plugin)
+    recall_layer = "OvkcPages"
+    recall_fields = PAGE_FIELDS
+    #: the bounds' run in the pool's arena, for the plugin's model: (first word, pages per head);
+    #: kmax [kv, cap, D], then kmin
+    bounds_run: tuple[int, int] | None = None
+
+    def _pages_after_step(self) -> int:
+        return -(-self.layer.held // self.config.page_size)
+
+    def _before_model_step(self) -> None:
+        """Room in the arena for the bounds of the pages after the step (the held ones' copied
+        over where the run grows)."""
+        pages = -(-(self.layer.held + 1) // self.config.page_size)
+        first, cap = self.bounds_run or (0, 0)
+        if pages <= cap:
+            return
+        kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
+        arena, dev = self.layer.pool.index_arena(), self.layer.pool.dev
+        new_cap = max(pages, 2 * cap)
+        start = arena.take(2 * kv * new_cap * d)
+        if self.bounds_run is not None:
+            for half in range(2):  # kmax, then kmin: each head's computed pages
+                dev.copy_rect(arena.buffer, cap * d, arena.buffer, new_cap * d, start + half * kv * new_cap * d, kv,
+                              self.pages * d, src_at=first + half * kv * cap * d)  # fmt: skip
+            arena.give(first, 2 * kv * cap * d)
+        self.bounds_run = (start, new_cap)
+
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+        """After a decode step: its pages' bounds were computed inside the model."""
+        if not self.in_prompt and not self.dense_layer and self.bounds_run is not None:
+            self.pages = self._pages_after_step()
+
+    def truncate(self, tokens: int) -> bool:
+        """As the full cache's; the bounds from the page of the first token dropped on are
+        computed again."""
+        if not super().truncate(tokens):
+            return False
+        self.pages = min(self.pages, tokens // self.config.page_size + 1)
+        return True
+
+    def release(self) -> None:
+        if self.bounds_run is not None:
+            kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
+            self.layer.pool.index_arena().give(self.bounds_run[0], 2 * kv * self.bounds_run[1] * d)
+            self.bounds_run = None
+        super().release()
+
+    def _recall_fields(self, token: int) -> dict[str, Any]:
+        assert self.bounds_run is not None and self.config.budget is not None
+        kv, d, ps = self.layer.kv_heads, self.layer.pool.shape.head_dim, self.config.page_size
+        first, cap = self.bounds_run
+        pages = self._pages_after_step()
+        heads = np.arange(kv)
+        return dict(token=token, head=heads, pages=pages, kmax=first + heads * cap * d,
+                    kmin=first + (kv + heads) * cap * d, first_page=max(self.pages - 1, 0),
+                    want=min(self.config.budget // ps, pages), held=self.layer.held, page=ps)  # fmt: skip
+
+    def attended(self) -> int:
+        if self.dense_layer or self.config.budget is None:
+            return self.layer.held
+        ps, n = self.config.page_size, self.layer.held
+        pages = self._pages_after_step()
+        return (min(self.config.budget // ps, pages) - 1) * ps + n - (pages - 1) * ps
+
+    def candidates(self) -> int:
+        return 0 if self.dense_layer else self._pages_after_step()
+
+    def model_step_read(self) -> int:
+        """The slots a decode row attends, and the pages' bounds its query ranks."""
+        kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
+        bounds = 0 if self.dense_layer else 2 * 4 * kv * self._pages_after_step() * d
+        return self._full_precision_read(self.attended()) + bounds

@@ -21,7 +21,7 @@ the tokens due are clustered; the index is copied into the pool's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ import torch
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.clusterkv import launch_kmeans, launch_recall
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache, host_array
-from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS
+from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS, RECALL_WIDTH
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig
@@ -81,6 +81,52 @@ class DeviceRecallLayerCache(DeviceFullLayerCache):
     def _attend_recalled(self, q: np.ndarray) -> np.ndarray:
         """The query ``[Hq, D]`` over the slots recalled for it: the output ``[Hq, D]``."""
         raise NotImplementedError
+
+    # ---- a model that stores and attends itself (our layers in OpenVINO's GPU plugin)
+    #: a decode step recalls for one token: a chat's next turn is fed again, as a prompt
+    several_tokens_after_prompt = False
+    #: the model's layer that recalls for a decode row (:data:`~ov_kvcrush.gpu.plugin_layers.KERNELS`)
+    recall_layer: ClassVar[str]
+    #: the names of a row's recall, in the layer's order (at most RECALL_WIDTH)
+    recall_fields: ClassVar[tuple[str, ...]]
+
+    def reserve(self, t: int) -> None:
+        """As the full cache's, with the method's work before a decode token is stored
+        (:meth:`_before_model_step`)."""
+        if not self.in_prompt and not self.dense_layer:
+            if t != 1:
+                raise UserError(f"{self.config.name} on device GPU decodes one token per step (a step of {t} came)")
+            self._before_model_step()
+        super().reserve(t)
+
+    def _before_model_step(self) -> None:
+        """Before a decode step's token is stored and recalled for inside the model."""
+
+    def recall_rows(self, token: int | None) -> np.ndarray:
+        """Each KV head's recall for the plugin's model (``[kv, RECALL_WIDTH]``, after
+        :meth:`reserve`): the step's ``token`` (its index among the step's tokens) recalls
+        (:meth:`_recall_fields`); ``None`` (a prompt's step), or a dense layer: the heads attend
+        their slots in order (token -1)."""
+        rows = np.zeros((self.layer.kv_heads, RECALL_WIDTH), np.int32)
+        rows[:, 0] = -1
+        if token is None or self.dense_layer:
+            return rows
+        fields = self._recall_fields(token)
+        for i, name in enumerate(self.recall_fields):
+            rows[:, i] = fields[name]
+        return rows
+
+    def _recall_fields(self, token: int) -> dict[str, Any]:
+        """A decode row's recall by field name (an int, or one per KV head)."""
+        raise NotImplementedError
+
+    def attended(self) -> int:
+        """The most slots a decode row of this layer attends after :meth:`reserve` (its list's width)."""
+        return self.layer.held
+
+    def candidates(self) -> int:
+        """The clusters or pages a decode row of this layer ranks (its scores' width)."""
+        return 0
 
 
 class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
@@ -176,17 +222,11 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         return kv * (self.clusters * d + 2 * self.clusters + 1 + self.clustered) if self.index else 0
 
     # ---- a model that stores and attends itself (our layers in OpenVINO's GPU plugin)
-    #: a decode step recalls for one token: a chat's next turn is fed again, as a prompt
-    several_tokens_after_prompt = False
+    recall_layer = "OvkcRecall"
+    recall_fields = RECALL_FIELDS
 
-    def reserve(self, t: int) -> None:
-        """As the full cache's; before a decode token is stored, the tokens due are clustered
-        (:meth:`_decode_step`'s order)."""
-        if not self.in_prompt and not self.dense_layer:
-            if t != 1:
-                raise UserError(f"{self.config.name} on device GPU decodes one token per step (a step of {t} came)")
-            self._before_append()
-        super().reserve(t)
+    def _before_model_step(self) -> None:
+        self._before_append()  # the tokens due clustered, as _decode_step does
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         """After the prompt's last chunk: its clusters (:meth:`prefill`'s)."""
@@ -203,32 +243,23 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         self._unpublish()
         super().release()
 
-    def recall_rows(self, token: int | None) -> np.ndarray:
-        """Each KV head's recall for the plugin's model (``[kv, len(RECALL_FIELDS)]``, after
-        :meth:`reserve`): the step's ``token`` (its index among the step's tokens) recalls over
-        the index, copied into the pool's arena first where it changed; ``None`` (a prompt's
-        step), or a dense layer: the heads attend their slots in order."""
-        lay, kv = self.layer, self.layer.kv_heads
-        rows = np.zeros((kv, len(RECALL_FIELDS)), np.int32)
-        rows[:, 0] = -1
-        if token is None or self.dense_layer:
-            return rows
+    def _recall_fields(self, token: int) -> dict[str, Any]:
+        """Where the index lies in the arena (copied there first where it changed), per KV head."""
         self._publish()
-        c, n, d = self.clusters, self.clustered, lay.pool.shape.head_dim
+        kv, c, n, d = self.layer.kv_heads, self.clusters, self.clustered, self.layer.pool.shape.head_dim
         base = self.published[0] if self.published else 0
         sizes = base + kv * c * d
         offsets = sizes + kv * c
         ordered = offsets + kv * (c + 1)
         heads = np.arange(kv)
-        fields = dict(token=token, head=heads, clusters=c, centroids=base + heads * c * d, sizes=sizes + heads * c,
-                      offsets=offsets + heads * (c + 1), sorted=ordered + heads * n, clustered=n, sinks=self.sinks,
-                      pending=self.pending_from, budget=self._recall_budget(), held=lay.held)  # fmt: skip
-        for i, name in enumerate(RECALL_FIELDS):
-            rows[:, i] = fields[name]
-        return rows
+        return dict(token=token, head=heads, clusters=c, centroids=base + heads * c * d, sizes=sizes + heads * c,
+                    offsets=offsets + heads * (c + 1), sorted=ordered + heads * n, clustered=n, sinks=self.sinks,
+                    pending=self.pending_from, budget=self._recall_budget(), held=self.layer.held)  # fmt: skip
+
+    def candidates(self) -> int:
+        return self.clusters
 
     def attended(self) -> int:
-        """The most slots a decode row of this layer attends (its recall list's width)."""
         if self.dense_layer:
             return self.layer.held
         return self.sinks + min(self._recall_budget(), self.clustered) + self.layer.held - self.pending_from

@@ -102,10 +102,7 @@ class QuestConfig(MethodConfig):
         "reference": (),
         "cuda": (RECALL_TRACKING,),
         "gpu-pool": (RECALL_TRACKING,),
-    }
-    not_run_because: ClassVar[dict[str, str]] = {
-        "gpu-plugin": "its decode attends the top pages' slots, a list the plugin layers' attention does not read yet "
-        "(on an Intel GPU: gpu-pool)",
+        "gpu-plugin": (RECALL_TRACKING,),
     }
     budget: int | None = None
     page_size: int = 16

@@ -15,7 +15,8 @@ GenAI on the same GPU.
 4. The product path on the GPU: the embedded model through the openvino engine on ``GPU`` (our
    layers in OpenVINO's GPU plugin, the methods' kernels over the same pool between steps:
    :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for every row of step 2 ("plugin ..." rows: the
-   2-bit store and ClusterKV's recall inside the model among them), their greedy tokens against the CPU op's, with TTFT, TPOT and KV bytes
+   2-bit store and ClusterKV's recall inside the model among them), their greedy tokens against
+   the CPU op's, with TTFT, TPOT and KV bytes
    (in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
    :mod:`~ov_kvcrush.gpu.emulation`).
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 #: the methods counted by default, with their options (block-wise KVCrush; MiniKV's 2-bit chunks;
-#: ClusterKV recalling in every layer of the two)
+#: ClusterKV and Quest recalling in every layer of the two)
 METHODS = {
     "full": {},
     "streamingllm": {},
@@ -30,6 +30,7 @@ METHODS = {
     "kvcrush": {"block_size": 16},
     "minikv": {"quant": {"residual_tokens": 16, "prompt_tail": 12}},
     "clusterkv": {"dense_layers": 0},
+    "quest": {"dense_layers": 0},
 }
 BLOCK, MEASURED_STEPS = 16, 3
 #: the prefix of the folder a long-context checkpoint is written in before it is renamed into place

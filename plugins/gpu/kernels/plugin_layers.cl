@@ -30,6 +30,7 @@
 #include "paged_store.h"
 #include "prefill.h"
 #include "clusterkv.h"
+#include "quest.h"
 
 // k, v [kv_heads, T, HEAD_DIM] to each token's slot; the output is each token's slot [kv_heads,
 // T], which the prompt layer takes as an input so that it runs after the store. Global (SG, T,
@@ -133,12 +134,12 @@ __kernel void ovkc_prefill(__global const uchar* pool, __global const int* table
 }
 #endif
 
-// The fields of a row's `recall` (RECALL_FIELDS of them; ov_kvcrush/gpu/plugin_layers.py:
+// The fields of a row's `recall` under ClusterKV (RECALL_WIDTH ints; ov_kvcrush/gpu/plugin_layers.py:
 // RECALL_FIELDS): the step's token whose query recalls (-1: the row attends its slots in order),
 // the KV head, the clusters C, the word offsets in `index` of the centroids [C, HEAD_DIM] (float),
 // sizes [C], offsets [C + 1] and sorted slots [N], the slots clustered N, the sinks, the first
 // pending slot, the budget of recalled slots, and the slots held after the step.
-#define RECALL_FIELDS 12
+#define RECALL_WIDTH 12
 #define R_TOKEN 0
 #define R_HEAD 1
 #define R_CLUSTERS 2
@@ -168,8 +169,8 @@ __kernel void ovkc_recall(__global const uchar* index, __global const int* recal
                           __global const int* step, __global const int* stored, __global uchar* recalled,
                           __global int* out) {
     const int row = get_global_id(1), lane = get_sub_group_local_id();
-    __global const int* r = recall + row * RECALL_FIELDS;
-    for (int i = lane; i < RECALL_FIELDS; i += SG) out[row * RECALL_FIELDS + i] = r[i];
+    __global const int* r = recall + row * RECALL_WIDTH;
+    for (int i = lane; i < RECALL_WIDTH; i += SG) out[row * RECALL_WIDTH + i] = r[i];
     if (r[R_TOKEN] < 0) return;
     const int C = r[R_CLUSTERS], tokens = step[1];
     __global const float* words = (__global const float*)index;
@@ -194,7 +195,62 @@ __kernel void ovkc_recall(__global const uchar* index, __global const int* recal
 }
 #endif
 
-// The prompt layer under ClusterKV: ovkc_prefill's, a decode row over the slots ovkc_recall listed
+// The fields of a row's `recall` under Quest (ov_kvcrush/gpu/plugin_layers.py: PAGE_FIELDS).
+#define P_TOKEN 0
+#define P_HEAD 1
+#define P_PAGES 2
+#define P_KMAX 3
+#define P_KMIN 4
+#define P_FIRST 5
+#define P_WANT 6
+#define P_HELD 7
+#define P_PAGE 8
+
+// Quest's recall of each row whose token is a decode step's (the hosts' steps: page_bounds,
+// page_scores, head_decisions_topk, page_slots): the bounds of the pages from P_FIRST on (the
+// step's token is stored: the newest page's bounds follow it, and a page that filled is final)
+// into `index`, every page but the newest scored by the row's query group's upper bound, the
+// top P_WANT - 1 of them (ties to the earlier page) and the newest kept, and the slots of the
+// kept pages listed in page order into the row's region of `recalled`. The output is `recall`
+// passed on. Global (SG, rows), local (SG, 1): a sub-group (the work-group) per row.
+#ifdef OVKC_LAYER_PAGES
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_pages(__global const uchar* pool, __global const int* tables, __global uchar* index,
+                         __global const int* recall, __global const ACT* q, __global const int* step,
+                         __global const int* stored, __global uchar* recalled, __global int* out) {
+    const int row = get_global_id(1), lane = get_sub_group_local_id();
+    __global const int* r = recall + row * RECALL_WIDTH;
+    for (int i = lane; i < RECALL_WIDTH; i += SG) out[row * RECALL_WIDTH + i] = r[i];
+    if (r[P_TOKEN] < 0) return;
+    const int page = r[P_PAGE], pages = r[P_PAGES], held = r[P_HELD], tokens = step[1];
+    __global float* kmax = (__global float*)index + r[P_KMAX];
+    __global float* kmin = (__global float*)index + r[P_KMIN];
+    __global const int* table = tables + row * step[0];
+    for (int p = r[P_FIRST]; p < pages; ++p)
+        for (int d = lane; d < HEAD_DIM; d += SG) page_bound(pool, table, page, p, held, d, kmax, kmin);
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    __global int* region = recall_region(recalled, step, row);
+    __global int* map = region + 1;
+    __global float* scores = (__global float*)(map + step[5]);
+    __global int* kept = (__global int*)(scores + step[6]);
+    __global const ACT* qg = q + ((long)r[P_HEAD] * GROUP * tokens + r[P_TOKEN]) * HEAD_DIM;
+    for (int p = lane; p < pages - 1; p += SG)
+        scores[p] = page_score(qg, (long)tokens * HEAD_DIM, GROUP, kmax + (long)p * HEAD_DIM, kmin + (long)p * HEAD_DIM);
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int p = lane; p < pages - 1; p += SG) kept[p] = cluster_rank(scores, pages - 1, p) < r[P_WANT] - 1;
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    int at = 0;
+    for (int p = 0; p < pages; ++p) {
+        if (p < pages - 1 && !kept[p]) continue;
+        const int size = min(held, (p + 1) * page) - p * page;
+        for (int s = lane; s < size; s += SG) map[at + s] = p * page + s;
+        at += size;
+    }
+    if (lane == 0) region[0] = at;
+}
+#endif
+
+// The prompt layer under ClusterKV and Quest: ovkc_prefill's, a decode row over the slots ovkc_recall listed
 // for it (every one it sees), the other rows over their slots in order. Global, local: ovkc_prefill's.
 #ifdef OVKC_LAYER_RPREFILL
 __attribute__((intel_reqd_sub_group_size(SG)))
@@ -206,7 +262,7 @@ __kernel void ovkc_recall_prefill(__global const uchar* pool, __global const int
     const int t = min(r, rows - 1);
     const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
     __global const int* recall = (__global const int*)stored;  // ovkc_recall's output: the rows' recall
-    const bool mapped = recall[row * RECALL_FIELDS + R_TOKEN] >= 0;
+    const bool mapped = recall[row * RECALL_WIDTH + R_TOKEN] >= 0;
     __global const int* region = recall_region(recalled, step, row);
     const int n = mapped ? region[0] : lengths[row];
     const int visible = mapped ? n : first[row] + tokens[2 * t + 1] + 1;

@@ -6,7 +6,7 @@
 //
 // Compile-time constants (-D): KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM.
 
-#include "paged_block.h"
+#include "quest.h"
 
 // kmax[kv][p][d], kmin[kv][p][d] (heads `cap` pages apart) = the max and min over the slots of
 // page p (p * page .. min(n, (p + 1) * page)) of KV head kv of their key's channel d, for pages
@@ -14,17 +14,8 @@
 __kernel void page_bounds(__global const uchar* pool, __global const int* tables, int table_stride, int page,
                           int first_page, int n, __global float* kmax, __global float* kmin, int cap) {
     const int d = get_global_id(0), p = first_page + get_global_id(1), kv = get_global_id(2);
-    const int end = min(n, (p + 1) * page);
-    float hi = -INFINITY, lo = INFINITY;
-    for (int s = p * page; s < end; ++s) {
-        __global const uchar* block = pool + (ulong)tables[kv * table_stride + s / BLOCK_SIZE] * BLOCK_BYTES;
-        const float k = load_key(block, d, s % BLOCK_SIZE);
-        hi = fmax(hi, k);
-        lo = fmin(lo, k);
-    }
-    const long at = ((long)kv * cap + p) * HEAD_DIM + d;
-    kmax[at] = hi;
-    kmin[at] = lo;
+    const long head = (long)kv * cap * HEAD_DIM;
+    page_bound(pool, tables + kv * table_stride, page, p, n, d, kmax + head, kmin + head);
 }
 
 // bound[kv][p] = the sum over the query heads g of KV head kv's group of the sum over channels d
@@ -34,16 +25,8 @@ __kernel void page_scores(__global const float* q, int group, __global const flo
                           __global const float* kmin, int cap, int pages, __global float* bound) {
     const int p = get_global_id(0), kv = get_global_id(1);
     if (p >= pages) return;
-    __global const float* hi = kmax + ((long)kv * cap + p) * HEAD_DIM;
-    __global const float* lo = kmin + ((long)kv * cap + p) * HEAD_DIM;
-    float total = 0.0f;
-    for (int g = 0; g < group; ++g) {
-        __global const float* qh = q + (long)(kv * group + g) * HEAD_DIM;
-        float s = 0.0f;
-        for (int d = 0; d < HEAD_DIM; ++d) s += fmax(qh[d] * hi[d], qh[d] * lo[d]);
-        total += s;
-    }
-    bound[(long)kv * pages + p] = total;
+    const long at = ((long)kv * cap + p) * HEAD_DIM;
+    bound[(long)kv * pages + p] = page_score(q + (long)kv * group * HEAD_DIM, HEAD_DIM, group, kmax + at, kmin + at);
 }
 
 // slots[kv][..] = the tokens of KV head kv's recalled pages, ascending: those its decisions
