@@ -205,7 +205,9 @@ def batched_step(attributes: plugin_layers.LayerAttributes, held: list[list[int]
         "first": first,
         "lengths": first + np.array(new_counts, np.int32),
     }
-    feeds |= {"tokens": plugin_layers.token_tensor(counts), "step": plugin_layers.step_tensor(heads.tables.shape[1], t)}
+    split = int(all(c == 1 for c in counts))  # decode rows alone: a sub-group a row, the slots split
+    step = plugin_layers.step_tensor(heads.tables.shape[1], t, decode_split=split)
+    feeds |= {"tokens": plugin_layers.token_tensor(counts), "step": step}
     return {"pool": heads.pool, "feeds": feeds, "keys": keys, "values": values}
 
 
@@ -235,12 +237,14 @@ def _run_batched_in_worker(folder: str, attributes, kv_heads: int, steps: list[d
 def test_the_plugin_runs_a_step_of_several_sequences_each_over_its_own_slots(emulation_worker, tmp_path):
     """Continuous batching's step: a prompt chunk beside decode tokens of sequences of other
     lengths, in one launch (tokens side by side; a row of the cache's tensors per sequence and
-    KV head): each token's rows attend exactly its own sequence's slots up to itself."""
+    KV head): each token's rows attend exactly its own sequence's slots up to itself; a step of
+    decode tokens alone gives each row a sub-group, its slots split across the lanes and merged."""
     shape = PoolShape("f16", BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS)
     attributes = plugin_layers.LayerAttributes(shape, 16, HEAD_DIM**-0.5)
     rng = np.random.default_rng(9)
     plans = [([[0, 0], [29, 29], [45, 45], [3, 3]], [37, 1, 1, 1]),  # a new prompt beside three decoders
-             ([[61, 61], [16, 16]], [1, 1]),  # a decode step of two
+             ([[61, 61], [16, 16]], [1, 1]),  # a decode step of two (a sub-group a row)
+             ([[300, 300], [5, 5], [130, 130]], [1, 1, 1]),  # of three, past several tiles of the split
              ([[7, 7], [0, 0], [33, 33]], [1, 20, 1])]  # fmt: skip
     steps = [batched_step(attributes, held, counts, rng) for held, counts in plans]
     got = emulation_worker.submit(_run_batched_in_worker, str(tmp_path), attributes, KV_HEADS, steps).result(600)

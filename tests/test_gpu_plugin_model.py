@@ -294,7 +294,7 @@ def test_device_gpu_names_the_methods_it_runs():
     require(_compression("h2o", 24, {}).method_config(), "gpu-plugin")
     runs = ", ".join(methods_on("gpu-plugin"))
     with pytest.raises(ConfigError, match=f"method='chelsea'.*{runs} .*device GPU"):
-        require(CompressionConfig(method="chelsea", budget=64).method_config(), "gpu-plugin")
+        require(CompressionConfig(method="chelsea", budget=256).method_config(), "gpu-plugin")
     require(CompressionConfig(method="quest", budget=64).method_config(), "gpu-plugin")  # its pages inside the model
     require(_compression(*CLUSTERKV).method_config(), "gpu-plugin")  # recall inside the model
     with pytest.raises(ConfigError, match=r"options.quant=.*device GPU"):

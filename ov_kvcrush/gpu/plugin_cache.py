@@ -311,7 +311,8 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)
     logit_stride = int(slots.max()) if scored_decode else 0
     inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]),
-                                                   logit_stride, map_width, candidates)  # fmt: skip
+                                                   logit_stride, map_width, candidates,
+                                                   int(all(t == 1 for t in counts)))  # fmt: skip
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride, map_width,
                       candidates)  # fmt: skip
     _count_step(pool, step)

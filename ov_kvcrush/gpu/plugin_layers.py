@@ -14,7 +14,9 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 * :class:`OvkcRows`: the step's query rows the methods score, written into our buffer (an input,
   written in place: a model output would come back to it through the host);
 * :class:`OvkcPrefill`: a step's query rows over the slots each sees (a prompt's chunk row by
-  row; a decode token all its sequence holds), several sequences side by side (``tokens``: each
+  row, the sub-group's lanes rows side by side; a decode token all its sequence holds, and in a
+  step of decode tokens alone a sub-group a row, the slots split across its lanes, then merged),
+  several sequences side by side (``tokens``: each
   token's sequence and index in it; the cache's tensors a row per sequence and KV head); where
   asked, each row's logits and log-sum-exp into our buffer (``logits``, written in place), from
   which the scoring methods take a decode step's probabilities;
@@ -118,7 +120,7 @@ KERNELS = {
         "ovkc_prefill",
         "OVKC_LAYER_PREFILL",
         ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits"),
-        "((F+{sg}-1)/{sg})*{sg},B",
+        "F*{sg},B",
         "{sg},1",
     ),
     "OvkcFlush": LayerKernel(
@@ -169,12 +171,14 @@ KERNELS = {
         "ovkc_recall_prefill",
         "OVKC_LAYER_RPREFILL",
         ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits", "recalled"),
-        "((F+{sg}-1)/{sg})*{sg},B",
+        "F*{sg},B",
         "{sg},1",
     ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
-STEP_FIELDS = ("table_width", "rows", "qtable_width", "score_rows", "logit_stride", "map_width", "candidates")
+STEP_FIELDS = (
+    "table_width", "rows", "qtable_width", "score_rows", "logit_stride", "map_width", "candidates", "decode_split",
+)  # fmt: skip
 #: the ints of a row's ``recall`` (``plugin_layers.cl``'s RECALL_WIDTH); the first is always the
 #: step's token whose query recalls (-1: none, the row attends its slots in order)
 RECALL_WIDTH = 12
@@ -201,13 +205,16 @@ def step_tensor(
     logit_stride: int = 0,
     map_width: int = 0,
     candidates: int = 0,
+    decode_split: int = 0,
 ) -> np.ndarray:
     """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
     2-bit block tables' width, the query rows :class:`OvkcRows` writes, the row stride of the
     logits the prompt layers write (0: none; :func:`logits_bytes`), and under a recall (ClusterKV,
     Quest) the longest slot list a row attends and the most clusters or pages a row ranks
-    (:func:`recalled_bytes`)."""
-    fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, candidates)
+    (:func:`recalled_bytes`); ``decode_split``: every token is a decode row (each its own
+    sequence's one), which the prompt layers then attend a sub-group a row, the slots split across
+    its lanes."""
+    fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, candidates, decode_split)
     return np.array(fields, np.int32)
 
 

@@ -129,6 +129,60 @@ inline void attend_quant_slots(row_state* st, bool live, __global const uchar* q
 }
 #endif
 
+// A decode row over its first n slots (through `slot_map` where given), split across the
+// sub-group's lanes (the whole sub-group is the row's: every lane's state holds the same query):
+// lane i takes slots j0 + c * SG + i of every SG * CHUNK from j0, CHUNK at a time into its own
+// online softmax, so that the lanes read adjacent slots together; row_finish_split merges them.
+// Each slot's logit into `slot_logits` where given.
+inline void attend_slots_split(row_state* st, __global const uchar* pool, __global const int* table, int n,
+                               __global float* slot_logits, __global const int* slot_map) {
+    const int lane = get_sub_group_local_id();
+    for (int j0 = 0; j0 < n; j0 += SG * CHUNK) {
+        __global const uchar* block[CHUNK];
+        int slot[CHUNK];
+        bool masked[CHUNK];
+        for (int c = 0; c < CHUNK; ++c) {
+            const int i = j0 + c * SG + lane;
+            const int k = clamp(i, 0, max(n - 1, 0));
+            const int j = slot_map ? slot_map[k] : k;
+            block[c] = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
+            slot[c] = j % BLOCK_SIZE;
+            masked[c] = i >= n;
+        }
+        float s[CHUNK], p[CHUNK], alpha;
+        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            const float qd = st->q[d];
+            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
+        }
+        if (slot_logits)
+            for (int c = 0; c < CHUNK; ++c)
+                if (!masked[c]) slot_logits[j0 + c * SG + lane] = s[c];
+        if (!tile_softmax(st, s, masked, p, &alpha)) continue;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            float a = st->acc[d] * alpha;
+            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
+            st->acc[d] = a;
+        }
+    }
+}
+
+// The output of a row attend_slots_split spread over the sub-group: the lanes' softmax states
+// merged (each scaled by exp(its max - the row's max)), written by lane d % SG for dim d; its
+// log-sum-exp, where `lse` is given.
+inline void row_finish_split(const row_state* st, int h, int r, int rows, __global ACT* out, __global float* lse) {
+    const int lane = get_sub_group_local_id();
+    const float m = sub_group_reduce_max(st->m);
+    const float w = st->m == -INFINITY ? 0.0f : exp(st->m - m);
+    const float l = sub_group_reduce_add(st->l * w);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        const float a = sub_group_reduce_add(st->acc[d] * w);
+        if (lane == d % SG) ACT_STORE(a * inv, ((long)h * rows + r) * HEAD_DIM + d, out);
+    }
+    if (lse && lane == 0) lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
+}
+
 // The row's output (and its log-sum-exp, where `lse` is given).
 inline void row_finish(const row_state* st, bool live, int h, int r, int rows, __global ACT* out,
                        __global float* lse) {
