@@ -7,18 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ov_kvcrush.gpu.kvcrush_cache import DeviceKVCrushLayerCache
 from ov_kvcrush.gpu.layer_cache import (
     DeviceFullLayerCache,
     DeviceH2OLayerCache,
     DeviceKnormLayerCache,
-    DeviceKVCrushLayerCache,
     DeviceSnapKVLayerCache,
-    DeviceStreamingLLMLayerCache,
 )
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, DeviceQuantKVCrushLayerCache
 from ov_kvcrush.gpu.quest_cache import DeviceQuestLayerCache
 from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache, DeviceRecallLayerCache
+from ov_kvcrush.gpu.streaming_cache import DeviceStreamingLLMLayerCache
 from ov_kvcrush.methods import LayerCache, MethodConfig, require
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig, StreamingLLMConfig

@@ -15,9 +15,10 @@ model runs on the host here) and the block tables when they change; a selection'
 the kept slots' positions stay on the device (KVCrush's kept tokens come back, once, at the
 prompt). :attr:`DevicePool.crossings` counts it.
 
-Here: the full cache, StreamingLLM, H2O, SnapKV, Knorm (uniform budgets, single tokens) and KVCrush
-(token by token or in blocks) over the full-precision store; the 2-bit store's are in
-:mod:`ov_kvcrush.gpu.quant_cache`, ClusterKV's in :mod:`ov_kvcrush.gpu.recall_cache`, and
+Here: the full cache, H2O, SnapKV and Knorm (uniform budgets, single tokens) over the
+full-precision store; StreamingLLM's are in :mod:`ov_kvcrush.gpu.streaming_cache`, KVCrush's in
+:mod:`ov_kvcrush.gpu.kvcrush_cache`, the 2-bit store's in :mod:`ov_kvcrush.gpu.quant_cache`,
+ClusterKV's in :mod:`ov_kvcrush.gpu.recall_cache`, Quest's in :mod:`ov_kvcrush.gpu.quest_cache`, and
 :mod:`ov_kvcrush.gpu.device_layers` says which configs the path serves.
 """
 
@@ -30,15 +31,12 @@ import numpy as np
 import torch
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_device
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
-from ov_kvcrush.gpu.snapkv import kept_tokens, launch_keep
+from ov_kvcrush.gpu.snapkv import launch_keep
 from ov_kvcrush.methods import LayerCache
-from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig, StreamingLLMConfig
+from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig
 from ov_kvcrush.methods.knorm import KnormConfig
-from ov_kvcrush.methods.kvcrush import KVCrushConfig
-from ov_kvcrush.methods.selection import plan_spans
 
 
 def host_array(x: torch.Tensor) -> np.ndarray:
@@ -420,55 +418,6 @@ class DeviceKnormLayerCache(DeviceH2OLayerCache):
         self.layer.key_norms(first, self.layer.held - first, self.scores, self.stride)
 
 
-class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
-    """StreamingLLM over the device pool: the sinks and the last ``budget - sinks`` tokens, no
-    scores. A decode step past the budget drops the window's oldest slot in place (the slots
-    after it moved down: ``drop_slot``); a longer overflow (a prompt) lists the kept slots on the
-    device (``kept_slots`` with no middle tokens) and gathers them, so only new tables cross."""
-
-    def __init__(self, config: StreamingLLMConfig, pool: DevicePool, kv_heads: int, q_heads: int, budget: int) -> None:
-        super().__init__(pool, kv_heads, q_heads)
-        self.budget = budget
-        self.sinks = config.sink_tokens
-        self.recent = budget - config.sink_tokens  # as the reference's make_layer
-        #: the slot a decode step drops in every head (the window's oldest), on the device once
-        self._oldest = pool.upload("dropped slots", np.full(kv_heads, self.sinks, np.int32))
-
-    def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        out = super().prefill(queries, keys, values)
-        self._evict()
-        return out
-
-    def _decode_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        out = super()._decode_step(queries, keys, values)
-        self._evict()
-        return out
-
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
-        if not self._prompt_continues():  # a chunked prompt is evicted after its last chunk
-            self._evict()
-
-    def _evict(self) -> None:
-        lay = self.layer
-        n, kv = lay.held, lay.kv_heads
-        if n <= self.budget:
-            return
-        if n == self.budget + 1 and self.recent > 0:  # one slot a head: the window's oldest, in place
-            lay.drop_one(self._oldest, host_dropped=np.full(kv, self.sinks))
-            self._bump("evicted", float(kv))
-            return
-        mid = n - self.sinks - self.recent
-        kept = np.stack(kept_tokens(np.zeros((kv, mid), np.uint8), n, self.sinks, self.recent))
-        dev = lay.pool.dev
-        kept_b = dev.empty(4 * kept.size)
-        i32 = np.int32
-        # no middle token is kept: no decisions are read (kept_b stands in for them)
-        dev.run(dev.kernel("snapkv.cl", "kept_slots", {}), (kv,), None, kept_b, i32(0), i32(self.sinks),
-                i32(self.recent), i32(n), kept_b, i32(kept.shape[1]))  # fmt: skip
-        lay.keep(KeptSlots(kept_b, kept.shape[1], kept.shape[1], kept))
-        self._bump("evicted", float((n - kept.shape[1]) * kv))
-
-
 class DeviceSnapKVLayerCache(DeviceH2OLayerCache):
     """SnapKV over the device pool: the prompt scored by its last ``window`` rows, pooled along
     tokens per query head; the rest is H2O's."""
@@ -479,68 +428,3 @@ class DeviceSnapKVLayerCache(DeviceH2OLayerCache):
         if self.config.scoring_mode() != "snapkv":  # as SnapKVConfig.prompt_scores falls back
             return super().prompt_scoring(tokens)
         return min(self.config.window, tokens), self.config.pool_width, self.config.pool
-
-
-class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
-    """KVCrush over the device pool: SnapKV's scores, and KVCrush's selection over them on the
-    device (``kvcrush.cl``: the important tokens, the heads' signatures, the anchors' distances,
-    the buckets and their representatives), token by token or over whole blocks (``block_size``:
-    the blocks' summed scores, the reference's plan of sink, recent and partial blocks); once per
-    layer (``scope="layer"``: every KV head keeps the same tokens) or once per KV head over its
-    query group's scores (``scope="head"``: the layer's fixed anchors cut to the group's bits)."""
-
-    config: KVCrushConfig
-
-    def _choice(self, budget: int, sinks: int, recent: int, representatives: int, heads: slice) -> KVCrushChoice:
-        cfg = self.config
-        bits = cfg.anchor_bits(self.layer.q_heads)
-        width = heads.stop - heads.start
-        anchors = np.array([[c == "1" for c in b[heads]] if b != "mean" else [False] * width for b in bits])
-        return KVCrushChoice(budget, sinks, recent, representatives, anchors, tuple(b == "mean" for b in bits),
-                             cfg.signature, cfg.multi_anchor, cfg.representative)  # fmt: skip
-
-    def _drops_lowest(self) -> bool:
-        return False  # KVCrush's selection: buckets and representatives, not the lowest score
-
-    def _select(self, n: int, width: int) -> KeptSlots:
-        lay = self.layer
-        dev, kv = lay.pool.dev, lay.kv_heads
-        group = lay.q_heads // kv
-        per_head = self.config.scope == "head"
-        rows = [slice(g * group, (g + 1) * group) for g in range(kv)] if per_head else [slice(0, lay.q_heads)]
-        masks = dev.empty(max(n, 1) * len(rows))  # [rows, n]: 1 for a kept token
-        keeps = []
-        for r, heads in enumerate(rows):
-            keep, mask = self._select_rows(n, heads)
-            dev.copy_bytes(mask, masks, n, r * n)
-            keeps.append(keep)
-        k = len(keeps[0])
-        kept_b = dev.empty(4 * max(k, 1) * len(rows))  # a list per row; one row: every KV head reads it
-        i32 = np.int32
-        dev.run(self._kernel("kept_slots"), (len(rows),), None, masks, i32(n), i32(0), i32(0), i32(n), kept_b, i32(k))
-        kept = np.stack(keeps if per_head else keeps * kv).astype(np.int32)
-        return KeptSlots(kept_b, k if per_head else 0, k, kept)
-
-    def _select_rows(self, n: int, heads: slice) -> tuple[np.ndarray, Any]:
-        """KVCrush over the scores of query heads ``heads``: the kept tokens (ascending) and their
-        device mask ``[n]``."""
-        lay, cfg = self.layer, self.config
-        dev, h = lay.pool.dev, heads.stop - heads.start
-        reps = cfg.n_representatives
-        if cfg.block_size is None:
-            scores = dev.copy_rows(self.scores, self.stride, h, n, heads.start)  # [h, n] packed, on the device
-            choice = self._choice(self.budget, cfg.sink_tokens, cfg.recent_tokens, reps, heads)
-            sel = select_on_device(dev, lay.pool, scores, h, n, choice, details=False)
-            return sel.keep, sel.keep_mask
-        block = cfg.block_size
-        plan = plan_spans(torch.zeros(1, 1, n), self.budget, cfg.sink_tokens, cfg.recent_tokens, block,
-                          reserved=reps // block, what="sink, recent and representative blocks")  # fmt: skip
-        whole = plan.full * block  # the whole blocks' scores, packed
-        sums = launch_block_sums(dev, dev.copy_rows(self.scores, self.stride, h, whole, heads.start), h, whole, block)
-        choice = self._choice(plan.budget, plan.sink, plan.recent, reps // block, heads)
-        blocks = select_on_device(dev, lay.pool, sums, h, plan.full, choice, details=False)
-        mask = dev.empty(max(n, 1))
-        i32 = np.int32
-        dev.run(self._kernel("block_mask", "kvcrush.cl"), (n,), None, blocks.keep_mask, i32(block), i32(whole),
-                i32(n), mask)  # fmt: skip
-        return plan.tokens(torch.from_numpy(blocks.keep).long()).numpy(), mask
