@@ -5,6 +5,7 @@ bounded by the budget, not the context."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from ov_kvcrush.gpu.layout import PoolShape
@@ -32,6 +33,11 @@ def test_the_full_caches_step_reads_every_held_slot_and_a_budget_method_what_it_
         at_8k = gpu_roofline.kv_step_bytes(method, model, 8192, 1024)
         assert at_8k == gpu_roofline.kv_step_bytes(method, model, 65536, 1024)  # the budget bounds it
         assert 0 < at_8k < gpu_roofline.kv_step_bytes("full", model, 8192, 1024)
+    deep = dataclasses.replace(model, layers=32)
+    for method in gpu_roofline.RECALL_METHODS:  # every token kept: what they rank grows with the context, slowly
+        at_8k, at_64k = (gpu_roofline.kv_step_bytes(method, deep, n, 1024) for n in (8192, 65536))
+        assert at_8k < at_64k < gpu_roofline.kv_step_bytes("full", deep, 65536, 1024) / 4
+        assert at_8k > 2 * 2 * 8192 * slot  # its 2 dense layers read every slot
     rows = gpu_roofline.estimate([model], 1024, {"m": [8192]})
     for row in rows:
         for gpu, bandwidth in gpu_roofline.GPUS:

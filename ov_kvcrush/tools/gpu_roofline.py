@@ -26,6 +26,18 @@ path does today (``ov_kvcrush/gpu/layer_cache.py``, ``quant_cache.py``), not wha
 * MiniKV: the 2-bit chunks (``QuantShape.block_bytes`` a chunk) and the full-precision tail
   (the pinned prompt tail and the residual, at most a chunk), and its scores; no eviction (its
   selection is frozen).
+
+The recall methods keep every token and read a part of it a step, so their step grows with the
+context (slowly: what they rank is a cluster's or a page's, not a token's), and their first
+``dense_layers`` layers (2, their default) read every slot as the full cache does:
+
+* ClusterKV (``gpu/recall_cache.py``, the model's recall layer): every centroid (f32) and the
+  clusters' sizes and offsets, the recalled slots' ids, the sinks, the recalled slots and the
+  pending ones (half of ``cluster_every`` on average), the list written and read back; the
+  k-means every ``cluster_every`` steps is left out (a few hundred keys once per 320 steps);
+* Quest (``gpu/quest_cache.py``, the model's pages layer): every page's key bounds (two f32
+  vectors), the newest page's keys again for its bounds, the slots of the kept pages, the list
+  written and read back.
 """
 
 from __future__ import annotations
@@ -41,6 +53,8 @@ from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 GPUS = (("Arc B580", 456.0), ("Core Ultra iGPU", 120.0))
 #: the methods estimated beside the full cache (budget-bound), in the table's order
 METHODS = ("streamingllm", "snapkv", "knorm", "kvcrush", "minikv")
+#: the recall methods estimated after them (every token kept, a part of it read a step)
+RECALL_METHODS = ("clusterkv", "quest")
 #: float reads and writes of a slot's score per query head a step for the scoring methods: the
 #: logits written and read back, the sums read and written, read to find the lowest, half of
 #: them moved (read, write)
@@ -113,9 +127,34 @@ def kv_step_bytes(method: str, model: ModelShape, held: int, budget: int, kv_pre
         quantized = max(kept - PINNED, 0) // QUANT_CHUNK * QUANT_CHUNK
         two_bit = quantized // QUANT_CHUNK * q.block_bytes
         per_head = two_bit + (kept - quantized) * slot + 3 * kept * score
+    elif method in RECALL_METHODS:
+        return _recall_step_bytes(method, model, held, budget, slot)
     else:
-        raise ValueError(f"method {method!r}: one of full, {', '.join(METHODS)}")
+        raise ValueError(f"method {method!r}: one of full, {', '.join(METHODS + RECALL_METHODS)}")
     return model.layers * model.kv_heads * per_head
+
+
+def _recall_step_bytes(method: str, model: ModelShape, held: int, budget: int, slot: int) -> int:
+    """:func:`kv_step_bytes` of ClusterKV or Quest at their defaults (the module's docstring)."""
+    from ov_kvcrush.methods.clusterkv import ClusterKVConfig
+    from ov_kvcrush.methods.quest import QuestConfig
+
+    d = model.head_dim
+    if method == "clusterkv":
+        cfg = ClusterKVConfig(budget=budget)
+        clusters = cfg.prompt_clusters(max(held - cfg.sink_tokens, 0))
+        attended = min(held, budget + cfg.cluster_every // 2)
+        index = clusters * (4 * d + 2 * 4) + budget * 4  # centroids, sizes and offsets, recalled ids
+        per_head = index + attended * slot + 2 * 4 * attended
+        dense = cfg.dense_layers
+    else:
+        quest = QuestConfig(budget=budget)
+        pages = -(-held // quest.page_size)
+        attended = min(held, budget)
+        per_head = pages * 2 * 4 * d + quest.page_size * slot // 2 + attended * slot + 2 * 4 * attended
+        dense = quest.dense_layers
+    dense = min(dense, model.layers)
+    return model.kv_heads * (dense * held * slot + (model.layers - dense) * per_head)
 
 
 @dataclass(frozen=True)
@@ -136,7 +175,7 @@ def estimate(models: list[ModelShape], budget: int, contexts: dict[str, list[int
     rows = []
     for model in models:
         for context in contexts[model.name]:
-            for method in ("full", *METHODS):
+            for method in ("full", *METHODS, *RECALL_METHODS):
                 kv = kv_step_bytes(method, model, context, budget)
                 total = model.weight_bytes + kv
                 ms = {gpu: 1e3 * total / (bandwidth * 1e9) for gpu, bandwidth in GPUS}
