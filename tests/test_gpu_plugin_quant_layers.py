@@ -71,8 +71,11 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
         "first": np.full(KV_HEADS, held, np.int32),
         "lengths": np.full(KV_HEADS, held + rows, np.int32),
         "tokens": plugin_layers.token_tensor([rows]),
-        # each row's logits asked for (a decode step's, for the methods' scores: every slot)
-        "step": plugin_layers.step_tensor(heads.tables.shape[1], rows, ids.shape[1], 0, (old + new) * r + held + rows),
+        # each row's logits asked for (a decode step's, for the methods' scores: every slot); a
+        # decode row alone is a sub-group's, its slots split across the lanes
+        "step": plugin_layers.step_tensor(
+            heads.tables.shape[1], rows, ids.shape[1], 0, (old + new) * r + held + rows, decode_split=int(rows == 1)
+        ),
         "qtables": ids,
         "qlengths": np.full(KV_HEADS, (old + new) * r, np.int32),
         "flush": np.tile(np.array([pinned, case.flushed], np.int32), (KV_HEADS, 1)),
@@ -155,7 +158,8 @@ def _expected(case: QuantCase) -> tuple[np.ndarray, list[list[np.ndarray]]]:
 def test_the_plugin_flushes_a_filled_chunk_and_attends_both_pools_as_the_reference(emulation_worker, tmp_path):
     """Three steps: a decode token that fills the residual (the chunk flushed, its own token
     among it, before attending), a chunk of three rows whose first rows see only part of the
-    flushed chunk, and a decode token with nothing to flush."""
+    flushed chunk, and a decode token with nothing to flush (the decode tokens a sub-group each,
+    their slots of both stores split across its lanes)."""
     rng = np.random.default_rng(71)
     cases = [make_case(1, 5, 31, 2, rng), make_case(3, 5, 30, 1, rng), make_case(1, 7, 12, 2, rng)]
     got = emulation_worker.submit(_run_in_worker, str(tmp_path), cases).result(600)

@@ -149,7 +149,7 @@ KERNELS = {
             "flush",
             "logits",
         ),
-        "((F+{sg}-1)/{sg})*{sg},B",
+        "F*{sg},B",
         "{sg},1",
         quant=True,
     ),

@@ -126,7 +126,7 @@ inline void decode_row_split(int h, __global const uchar* pool, __global const i
     const int n = map ? n_mapped : min(lengths[row], first[row] + tokens[2 * r + 1] + 1);
     row_state st;
     row_start(&st, true, h, r, q, rows, SCALE);
-    attend_slots_split(&st, pool, tables + row * step[0], n, row_logits(logits, step, h, r), map);
+    attend_slots_split(&st, pool, tables + row * step[0], n, 0, 0, row_logits(logits, step, h, r), map);
     row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
 }
 
@@ -353,7 +353,8 @@ __kernel void ovkc_flush(__global const uchar* pool, __global const int* tables,
 // The prompt layer over the 2-bit store: each token's rows over its row's 2-bit slots (those of
 // the step's flushed chunk at or before it: the rest are older and all seen), then over its
 // full-precision slots as ovkc_prefill, less the flushed ones, under one softmax. Global, local:
-// ovkc_prefill's.
+// ovkc_prefill's (a step of decode rows alone: a sub-group a row, its slots of both stores split
+// across the lanes).
 #ifdef OVKC_LAYER_QPREFILL
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
@@ -361,7 +362,22 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
                                  __global const int* step, __global const int* stored, __global const uchar* qpool,
                                  __global const int* qtables, __global const int* qlengths,
                                  __global const int* flush, __global uchar* logits, __global ACT* out) {
+    if (step[7]) {  // decode rows alone: a sub-group a row
+        const int r = get_global_id(0) / SG, h = get_global_id(1), rows = step[1];
+        if (r >= rows) return;  // the whole sub-group
+        const int row = tokens[2 * r] * (get_global_size(1) / GROUP) + h / GROUP;
+        const int n = lengths[row], visible = min(n, first[row] + tokens[2 * r + 1] + 1);
+        const int start = flush[2 * row], count = flush[2 * row + 1], nq = qlengths[row];
+        row_state st;
+        row_start(&st, true, h, r, q, rows, SCALE);
+        __global float* lg = row_logits(logits, step, h, r);
+        attend_quant_slots_split(&st, qpool, qtables + row * step[2], nq, lg);
+        attend_slots_split(&st, pool, tables + row * step[0], visible, start, start + count, lg ? lg + nq : 0, 0);
+        row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
+        return;
+    }
     const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
+    if (r >= (rows + SG - 1) / SG * SG) return;  // whole sub-groups past the rows
     const int t = min(r, rows - 1);
     const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
     const int n = lengths[row], visible = first[row] + tokens[2 * t + 1] + 1;

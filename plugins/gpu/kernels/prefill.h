@@ -133,9 +133,12 @@ inline void attend_quant_slots(row_state* st, bool live, __global const uchar* q
 // sub-group's lanes (the whole sub-group is the row's: every lane's state holds the same query):
 // lane i takes slots j0 + c * SG + i of every SG * CHUNK from j0, CHUNK at a time into its own
 // online softmax, so that the lanes read adjacent slots together; row_finish_split merges them.
-// Each slot's logit into `slot_logits` where given.
+// The slots [hole_lo, hole_hi) are left out (over the 2-bit store: the step's flushed chunk, read
+// from there instead). Each slot's logit into `slot_logits` where given (the hole left out: the
+// slots after it move down by its width).
 inline void attend_slots_split(row_state* st, __global const uchar* pool, __global const int* table, int n,
-                               __global float* slot_logits, __global const int* slot_map) {
+                               int hole_lo, int hole_hi, __global float* slot_logits,
+                               __global const int* slot_map) {
     const int lane = get_sub_group_local_id();
     for (int j0 = 0; j0 < n; j0 += SG * CHUNK) {
         __global const uchar* block[CHUNK];
@@ -147,7 +150,7 @@ inline void attend_slots_split(row_state* st, __global const uchar* pool, __glob
             const int j = slot_map ? slot_map[k] : k;
             block[c] = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
             slot[c] = j % BLOCK_SIZE;
-            masked[c] = i >= n;
+            masked[c] = i >= n || (i >= hole_lo && i < hole_hi);
         }
         float s[CHUNK], p[CHUNK], alpha;
         for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
@@ -156,8 +159,10 @@ inline void attend_slots_split(row_state* st, __global const uchar* pool, __glob
             for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
         }
         if (slot_logits)
-            for (int c = 0; c < CHUNK; ++c)
-                if (!masked[c]) slot_logits[j0 + c * SG + lane] = s[c];
+            for (int c = 0; c < CHUNK; ++c) {
+                const int i = j0 + c * SG + lane;
+                if (!masked[c]) slot_logits[i - (i >= hole_hi ? hole_hi - hole_lo : 0)] = s[c];
+            }
         if (!tile_softmax(st, s, masked, p, &alpha)) continue;
         for (int d = 0; d < HEAD_DIM; ++d) {
             float a = st->acc[d] * alpha;
@@ -166,6 +171,42 @@ inline void attend_slots_split(row_state* st, __global const uchar* pool, __glob
         }
     }
 }
+
+#ifdef QUANT_TOKENS
+// attend_slots_split over a KV head's 2-bit slots (qtable: its 2-bit blocks in the store's order),
+// the first nq of them: a decode row's, split across the sub-group's lanes as there.
+inline void attend_quant_slots_split(row_state* st, __global const uchar* qpool, __global const int* qtable, int nq,
+                                     __global float* slot_logits) {
+    const int lane = get_sub_group_local_id();
+    for (int j0 = 0; j0 < nq; j0 += SG * CHUNK) {
+        __global const uchar* block[CHUNK];
+        int slot[CHUNK];
+        bool masked[CHUNK];
+        for (int c = 0; c < CHUNK; ++c) {
+            const int i = j0 + c * SG + lane;
+            const int j = clamp(i, 0, max(nq - 1, 0));
+            block[c] = qpool + (ulong)qtable[j / QUANT_TOKENS] * QBLOCK_BYTES;
+            slot[c] = j % QUANT_TOKENS;
+            masked[c] = i >= nq;
+        }
+        float s[CHUNK], p[CHUNK], alpha;
+        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            const float qd = st->q[d];
+            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, quant_key(block[c], slot[c], d), s[c]);
+        }
+        if (slot_logits)
+            for (int c = 0; c < CHUNK; ++c)
+                if (!masked[c]) slot_logits[j0 + c * SG + lane] = s[c];
+        if (!tile_softmax(st, s, masked, p, &alpha)) continue;
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            float a = st->acc[d] * alpha;
+            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], quant_value(block[c], slot[c], d), a);
+            st->acc[d] = a;
+        }
+    }
+}
+#endif
 
 // The output of a row attend_slots_split spread over the sub-group: the lanes' softmax states
 // merged (each scaled by exp(its max - the row's max)), written by lane d % SG for dim d; its
