@@ -28,18 +28,24 @@ class Runtime:
         name: how declarations name it (``cuda``).
         title: how a user reaches it, for tables and errors.
         engine: the backend that drives it (``torch``, ``openvino``, ``genai``).
+        default_device: whether it is the backend's run on its default device (the CPU; a
+            backend runs a method when one of these runtimes does: CUDA and the Intel GPU are
+            where it runs besides).
     """
 
     name: str
     title: str
     engine: str
+    default_device: bool = True
 
 
 REFERENCE = Runtime("reference", "backend torch, the reference (CPU or CUDA)", "torch")
-CUDA = Runtime("cuda", "backend torch on CUDA, the fast path", "torch")
+CUDA = Runtime("cuda", "backend torch on CUDA, the fast path", "torch", default_device=False)
 CPU_OP = Runtime("cpu-op", "backend openvino, our op (CPU)", "openvino")
-GPU_PLUGIN = Runtime("gpu-plugin", "backend openvino, device GPU (our GPU plugin layers)", "openvino")
-GPU_POOL = Runtime("gpu-pool", "backend torch, paged_device (the Intel GPU pool)", "torch")
+GPU_PLUGIN = Runtime(
+    "gpu-plugin", "backend openvino, device GPU (our GPU plugin layers)", "openvino", default_device=False
+)
+GPU_POOL = Runtime("gpu-pool", "backend torch, paged_device (the Intel GPU pool)", "torch", default_device=False)
 NATIVE = Runtime("genai", "backend genai, native openvino_genai eviction (its own settings, no options)", "genai")
 
 #: every runtime, in the support table's order
@@ -93,8 +99,10 @@ def check_declaration(method: str, declared: Declaration, not_run_because: Mappi
 
 
 def engines_of(declared: Declaration) -> tuple[str, ...]:
-    """The backends that run a method, in :data:`RUNTIMES` order (each once)."""
-    return tuple(dict.fromkeys(r.engine for r in RUNTIMES if r.name in declared))
+    """The backends that run a method on their default device (the CPU), in :data:`RUNTIMES`
+    order (each once): Quest, which the openvino backend runs on an Intel GPU alone, is not one
+    of its methods (the support table says where else each method runs)."""
+    return tuple(dict.fromkeys(r.engine for r in RUNTIMES if r.name in declared and r.default_device))
 
 
 def refusal(config: Any, runtime: str) -> Refusal | None:
