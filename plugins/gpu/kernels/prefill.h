@@ -44,6 +44,27 @@ inline bool tile_softmax(row_state* st, const float* s, const bool* masked, floa
     return true;
 }
 
+// A tile of CHUNK full-precision slots (each its block and slot in it): the query's logits s.
+inline void tile_logits(const row_state* st, __global const uchar** block, const int* slot, float* s) {
+    for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        const float qd = st->q[d];
+        for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
+    }
+}
+
+// The tile's logits s (masked ones left out) into the row: the softmax, then the values.
+inline void tile_values(row_state* st, __global const uchar** block, const int* slot, const float* s,
+                        const bool* masked) {
+    float p[CHUNK], alpha;
+    if (!tile_softmax(st, s, masked, p, &alpha)) return;  // nothing of the row in it yet
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        float a = st->acc[d] * alpha;
+        for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
+        st->acc[d] = a;
+    }
+}
+
 // The row over the full-precision slots of its KV head's block table `table` (n held; n_max the
 // largest n over the sub-group's lanes, the loop's bound: the sub-group's collectives need every
 // lane in it) that it sees: those whose position (`positions`, the head's row) is at most `qpos`,
@@ -73,25 +94,36 @@ inline void attend_slots(row_state* st, bool live, __global const uchar* pool, _
             all_masked = all_masked && masked[c];
         }
         if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half
-        float s[CHUNK], p[CHUNK], alpha;
-        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            const float qd = st->q[d];
-            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
-        }
+        float s[CHUNK];
+        tile_logits(st, block, slot, s);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c)
                 if (!masked[c]) slot_logits[j0 + c - (j0 + c >= hole_hi ? hole_hi - hole_lo : 0)] = s[c];
-        if (!tile_softmax(st, s, masked, p, &alpha)) continue;  // this row: nothing at or before it yet
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            float a = st->acc[d] * alpha;
-            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
-            st->acc[d] = a;
-        }
+        tile_values(st, block, slot, s, masked);
     }
 }
 
 #ifdef QUANT_TOKENS
+// tile_logits and tile_values over 2-bit slots (each its 2-bit block and slot in it).
+inline void tile_quant_logits(const row_state* st, __global const uchar** block, const int* slot, float* s) {
+    for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        const float qd = st->q[d];
+        for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, quant_key(block[c], slot[c], d), s[c]);
+    }
+}
+
+inline void tile_quant_values(row_state* st, __global const uchar** block, const int* slot, const float* s,
+                              const bool* masked) {
+    float p[CHUNK], alpha;
+    if (!tile_softmax(st, s, masked, p, &alpha)) return;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        float a = st->acc[d] * alpha;
+        for (int c = 0; c < CHUNK; ++c) a = fma(p[c], quant_value(block[c], slot[c], d), a);
+        st->acc[d] = a;
+    }
+}
+
 // The row over its KV head's 2-bit slots (qtable: the head's 2-bit blocks in the store's order; nq
 // held, nq_max the sub-group's largest), the first `visible` of them (the step's own flushed
 // tokens after the row's are not); each slot's logit into `slot_logits` where given.
@@ -110,21 +142,12 @@ inline void attend_quant_slots(row_state* st, bool live, __global const uchar* q
             all_masked = all_masked && masked[c];
         }
         if (sub_group_all(all_masked)) continue;
-        float s[CHUNK], p[CHUNK], alpha;
-        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            const float qd = st->q[d];
-            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, quant_key(block[c], slot[c], d), s[c]);
-        }
+        float s[CHUNK];
+        tile_quant_logits(st, block, slot, s);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c)
                 if (!masked[c]) slot_logits[j0 + c] = s[c];
-        if (!tile_softmax(st, s, masked, p, &alpha)) continue;
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            float a = st->acc[d] * alpha;
-            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], quant_value(block[c], slot[c], d), a);
-            st->acc[d] = a;
-        }
+        tile_quant_values(st, block, slot, s, masked);
     }
 }
 #endif
@@ -152,23 +175,14 @@ inline void attend_slots_split(row_state* st, __global const uchar* pool, __glob
             slot[c] = j % BLOCK_SIZE;
             masked[c] = i >= n || (i >= hole_lo && i < hole_hi);
         }
-        float s[CHUNK], p[CHUNK], alpha;
-        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            const float qd = st->q[d];
-            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
-        }
+        float s[CHUNK];
+        tile_logits(st, block, slot, s);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c) {
                 const int i = j0 + c * SG + lane;
                 if (!masked[c]) slot_logits[i - (i >= hole_hi ? hole_hi - hole_lo : 0)] = s[c];
             }
-        if (!tile_softmax(st, s, masked, p, &alpha)) continue;
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            float a = st->acc[d] * alpha;
-            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
-            st->acc[d] = a;
-        }
+        tile_values(st, block, slot, s, masked);
     }
 }
 
@@ -189,21 +203,12 @@ inline void attend_quant_slots_split(row_state* st, __global const uchar* qpool,
             slot[c] = j % QUANT_TOKENS;
             masked[c] = i >= nq;
         }
-        float s[CHUNK], p[CHUNK], alpha;
-        for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            const float qd = st->q[d];
-            for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, quant_key(block[c], slot[c], d), s[c]);
-        }
+        float s[CHUNK];
+        tile_quant_logits(st, block, slot, s);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c)
                 if (!masked[c]) slot_logits[j0 + c * SG + lane] = s[c];
-        if (!tile_softmax(st, s, masked, p, &alpha)) continue;
-        for (int d = 0; d < HEAD_DIM; ++d) {
-            float a = st->acc[d] * alpha;
-            for (int c = 0; c < CHUNK; ++c) a = fma(p[c], quant_value(block[c], slot[c], d), a);
-            st->acc[d] = a;
-        }
+        tile_quant_values(st, block, slot, s, masked);
     }
 }
 #endif
