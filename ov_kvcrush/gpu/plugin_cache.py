@@ -306,13 +306,14 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     if pool.variant.recall:
         tokens = [start if phase == "decode" else None for start, phase in zip(starts, phases, strict=True)]
         inputs["kvc_recall"], map_width, candidates = _recall_inputs(sequences, tokens)
+    decode_rows_alone = all(t == 1 for t in counts)  # the prompt layers then give each row a sub-group
     # a step of decode tokens whose methods score them: the model writes each row's logits
-    scored_decode = all(t == 1 for t in counts) and "prompt" not in phases and any(score_rows)
+    scored_decode = decode_rows_alone and "prompt" not in phases and any(score_rows)
     slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)
     logit_stride = int(slots.max()) if scored_decode else 0
     inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]),
                                                    logit_stride, map_width, candidates,
-                                                   int(all(t == 1 for t in counts)))  # fmt: skip
+                                                   int(decode_rows_alone))  # fmt: skip
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride, map_width,
                       candidates)  # fmt: skip
     _count_step(pool, step)

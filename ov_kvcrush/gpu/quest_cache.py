@@ -105,25 +105,33 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
     #: kmax [kv, cap, D], then kmin
     bounds_run: tuple[int, int] | None = None
 
+    def _pages_of(self, slots: int) -> int:
+        return -(-slots // self.config.page_size)
+
     def _pages_after_step(self) -> int:
-        return -(-self.layer.held // self.config.page_size)
+        """The pages of the slots held (after :meth:`reserve`: the step's among them)."""
+        return self._pages_of(self.layer.held)
+
+    def _bounds_words(self, cap: int) -> int:
+        """The words of a bounds run with room for ``cap`` pages a KV head: kmax, then kmin."""
+        return 2 * self.layer.kv_heads * cap * self.layer.pool.shape.head_dim
 
     def _before_model_step(self) -> None:
         """Room in the arena for the bounds of the pages after the step (the held ones' copied
         over where the run grows)."""
-        pages = -(-(self.layer.held + 1) // self.config.page_size)
+        pages = self._pages_of(self.layer.held + 1)
         first, cap = self.bounds_run or (0, 0)
         if pages <= cap:
             return
         kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
         arena, dev = self.layer.pool.index_arena(), self.layer.pool.dev
         new_cap = max(pages, 2 * cap)
-        start = arena.take(2 * kv * new_cap * d)
+        start = arena.take(self._bounds_words(new_cap))
         if self.bounds_run is not None:
             for half in range(2):  # kmax, then kmin: each head's computed pages
                 dev.copy_rect(arena.buffer, cap * d, arena.buffer, new_cap * d, start + half * kv * new_cap * d, kv,
                               self.pages * d, src_at=first + half * kv * cap * d)  # fmt: skip
-            arena.give(first, 2 * kv * cap * d)
+            arena.give(first, self._bounds_words(cap))
         self.bounds_run = (start, new_cap)
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
@@ -141,8 +149,8 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
 
     def release(self) -> None:
         if self.bounds_run is not None:
-            kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
-            self.layer.pool.index_arena().give(self.bounds_run[0], 2 * kv * self.bounds_run[1] * d)
+            first, cap = self.bounds_run
+            self.layer.pool.index_arena().give(first, self._bounds_words(cap))
             self.bounds_run = None
         super().release()
 
@@ -156,9 +164,8 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
                     kmin=first + (kv + heads) * cap * d, first_page=max(self.pages - 1, 0),
                     want=min(self.config.budget // ps, pages), held=self.layer.held, page=ps)  # fmt: skip
 
-    def attended(self) -> int:
-        if self.dense_layer or self.config.budget is None:
-            return self.layer.held
+    def _listed(self) -> int:
+        assert self.config.budget is not None
         ps, n = self.config.page_size, self.layer.held
         pages = self._pages_after_step()
         return (min(self.config.budget // ps, pages) - 1) * ps + n - (pages - 1) * ps

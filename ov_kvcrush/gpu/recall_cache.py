@@ -121,8 +121,13 @@ class DeviceRecallLayerCache(DeviceFullLayerCache):
         raise NotImplementedError
 
     def attended(self) -> int:
-        """The most slots a decode row of this layer attends after :meth:`reserve` (its list's width)."""
-        return self.layer.held
+        """The most slots a decode row of this layer attends after :meth:`reserve` (its list's
+        width): a dense layer's, every one it holds."""
+        return self.layer.held if self.dense_layer else self._listed()
+
+    def _listed(self) -> int:
+        """The most slots a recalling layer's decode row attends after :meth:`reserve`."""
+        raise NotImplementedError
 
     def candidates(self) -> int:
         """The clusters or pages a decode row of this layer ranks (its scores' width)."""
@@ -218,8 +223,13 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         return 4 * self._index_words()
 
     def _index_words(self) -> int:
-        kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
-        return kv * (self.clusters * d + 2 * self.clusters + 1 + self.clustered) if self.index else 0
+        return sum(self._index_parts()) if self.index else 0
+
+    def _index_parts(self) -> tuple[int, int, int, int]:
+        """The words of the index's parts, in :attr:`index`'s order (and the arena's): the
+        centroids [kv, C, D], sizes [kv, C], offsets [kv, C + 1] and sorted slots [kv, N]."""
+        kv, c, d = self.layer.kv_heads, self.clusters, self.layer.pool.shape.head_dim
+        return kv * c * d, kv * c, kv * (c + 1), kv * self.clustered
 
     # ---- a model that stores and attends itself (our layers in OpenVINO's GPU plugin)
     recall_layer = "OvkcRecall"
@@ -246,22 +256,22 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
     def _recall_fields(self, token: int) -> dict[str, Any]:
         """Where the index lies in the arena (copied there first where it changed), per KV head."""
         self._publish()
-        kv, c, n, d = self.layer.kv_heads, self.clusters, self.clustered, self.layer.pool.shape.head_dim
+        kv = self.layer.kv_heads
         base = self.published[0] if self.published else 0
-        sizes = base + kv * c * d
-        offsets = sizes + kv * c
-        ordered = offsets + kv * (c + 1)
+        parts = self._index_parts()
+        starts = base + np.cumsum((0, *parts[:-1]))  # each part's first word
         heads = np.arange(kv)
-        return dict(token=token, head=heads, clusters=c, centroids=base + heads * c * d, sizes=sizes + heads * c,
-                    offsets=offsets + heads * (c + 1), sorted=ordered + heads * n, clustered=n, sinks=self.sinks,
+        centroids, sizes, offsets, ordered = (
+            start + heads * (words // kv) for start, words in zip(starts, parts, strict=True)
+        )
+        return dict(token=token, head=heads, clusters=self.clusters, centroids=centroids, sizes=sizes,
+                    offsets=offsets, sorted=ordered, clustered=self.clustered, sinks=self.sinks,
                     pending=self.pending_from, budget=self._recall_budget(), held=self.layer.held)  # fmt: skip
 
     def candidates(self) -> int:
         return self.clusters
 
-    def attended(self) -> int:
-        if self.dense_layer:
-            return self.layer.held
+    def _listed(self) -> int:
         return self.sinks + min(self._recall_budget(), self.clustered) + self.layer.held - self.pending_from
 
     def model_step_read(self) -> int:
@@ -284,10 +294,9 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         words = self._index_words()
         arena = self.layer.pool.index_arena()
         first = arena.take(words)
-        kv, c, n, d = self.layer.kv_heads, self.clusters, self.clustered, self.layer.pool.shape.head_dim
         assert self.index is not None
         at = first
-        for part, size in zip(self.index, (kv * c * d, kv * c, kv * (c + 1), kv * n), strict=True):
+        for part, size in zip(self.index, self._index_parts(), strict=True):
             self.layer.pool.dev.copy_bytes(part, arena.buffer, 4 * size, 4 * at)
             at += size
         self.published = (first, words)

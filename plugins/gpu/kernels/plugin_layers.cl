@@ -112,53 +112,6 @@ inline __global float* row_lse(__global uchar* logits, __global const int* step)
     return step[4] ? (__global float*)logits + (long)get_global_size(1) * step[1] * step[4] : 0;
 }
 
-// A step whose every token is a decode row (step[7]): the sub-group r of query head h attends
-// token r's row over the slots its sequence's KV head holds (through its `map` where given: the
-// count it attends is n), the slots split across the lanes (attend_slots_split); each slot's logit
-// and the row's log-sum-exp into `logits` where step[4] asks.
-inline void decode_row_split(int h, __global const uchar* pool, __global const int* tables,
-                             __global const int* lengths, __global const int* first, __global const int* tokens,
-                             __global const ACT* q, __global const int* step, __global uchar* logits,
-                             __global const int* map, int n_mapped, __global ACT* out) {
-    const int r = get_global_id(0) / SG, rows = step[1];
-    if (r >= rows) return;  // the whole sub-group: its work-items are consecutive in dim 0
-    const int row = tokens[2 * r] * (get_global_size(1) / GROUP) + h / GROUP;
-    const int n = map ? n_mapped : min(lengths[row], first[row] + tokens[2 * r + 1] + 1);
-    row_state st;
-    row_start(&st, true, h, r, q, rows, SCALE);
-    attend_slots_split(&st, pool, tables + row * step[0], n, 0, 0, row_logits(logits, step, h, r), map);
-    row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
-}
-
-// out [q_heads, T, HEAD_DIM]: each token's query rows q [q_heads, T, HEAD_DIM] over the slots its
-// sequence's KV head holds that it sees (a prompt's chunk row by row; a decode token sees them
-// all). Global (T * SG, q_heads), local (SG, 1): a step of decode rows alone (step[7]) gives each
-// row a sub-group (decode_row_split); otherwise the first T rounded up to SG work-items take a
-// row each, the sub-group's lanes SG rows side by side.
-#ifdef OVKC_LAYER_PREFILL
-__attribute__((intel_reqd_sub_group_size(SG)))
-__kernel void ovkc_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
-                           __global const int* first, __global const int* tokens, __global const ACT* q,
-                           __global const int* step, __global const int* stored, __global uchar* logits,
-                           __global ACT* out) {
-    if (step[7]) {
-        decode_row_split(get_global_id(1), pool, tables, lengths, first, tokens, q, step, logits, 0, 0, out);
-        return;
-    }
-    const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
-    if (r >= (rows + SG - 1) / SG * SG) return;  // whole sub-groups past the rows
-    const int t = min(r, rows - 1);  // a lane past the last row reads the last (and writes nothing)
-    const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
-    const int n = lengths[row], visible = first[row] + tokens[2 * t + 1] + 1;
-    const bool live = r < rows;
-    row_state st;
-    row_start(&st, live, h, r, q, rows, SCALE);
-    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
-                 row_logits(logits, step, h, t), 0);
-    row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
-}
-#endif
-
 // The fields of a row's `recall` under ClusterKV (RECALL_WIDTH ints; ov_kvcrush/gpu/plugin_layers.py:
 // RECALL_FIELDS): the step's token whose query recalls (-1: the row attends its slots in order),
 // the KV head, the clusters C, the word offsets in `index` of the centroids [C, HEAD_DIM] (float),
@@ -182,6 +135,64 @@ __kernel void ovkc_prefill(__global const uchar* pool, __global const int* table
 inline __global int* recall_region(__global uchar* recalled, __global const int* step, int row) {
     return (__global int*)recalled + (long)row * (1 + step[5] + 2 * step[6]);
 }
+
+// The slots a row of the cache attends under a recall, where its recall listed them for the
+// step's decode token (`recall` may be null: no recall): its region of `recalled`, the count then
+// the list; null where the row attends its slots in order.
+inline __global const int* row_list(__global const int* recall, __global uchar* recalled, __global const int* step,
+                                    int row) {
+    return recall && recall[row * RECALL_WIDTH + R_TOKEN] >= 0 ? recall_region(recalled, step, row) : 0;
+}
+
+// out [q_heads, T, HEAD_DIM]: each token's query rows q [q_heads, T, HEAD_DIM] over the slots its
+// sequence's KV head holds that it sees (a prompt's chunk row by row; a decode token sees them
+// all; under a recall, a decode token whose row has a list sees its list: row_list). Global
+// (T * SG, q_heads), local (SG, 1): a step of decode rows alone (step[7]) gives each row a
+// sub-group, its slots split across the lanes (attend_slots_split); otherwise the first T rounded
+// up to SG work-items take a row each, the sub-group's lanes SG rows side by side. Each slot's
+// logit and each row's log-sum-exp into `logits` where step[4] asks.
+inline void prefill_layer(__global const uchar* pool, __global const int* tables, __global const int* lengths,
+                          __global const int* first, __global const int* tokens, __global const ACT* q,
+                          __global const int* step, __global uchar* logits, __global const int* recall,
+                          __global uchar* recalled, __global ACT* out) {
+    const int h = get_global_id(1), rows = step[1];
+    if (step[7]) {
+        const int r = get_global_id(0) / SG;
+        if (r >= rows) return;  // the whole sub-group: its work-items are consecutive in dim 0
+        const int row = tokens[2 * r] * (get_global_size(1) / GROUP) + h / GROUP;
+        __global const int* list = row_list(recall, recalled, step, row);
+        const int n = list ? list[0] : min(lengths[row], first[row] + tokens[2 * r + 1] + 1);
+        row_state st;
+        row_start(&st, true, h, r, q, rows, SCALE);
+        attend_slots_split(&st, pool, tables + row * step[0], n, 0, 0, row_logits(logits, step, h, r),
+                           list ? list + 1 : 0);
+        row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
+        return;
+    }
+    const int r = get_global_id(0);
+    if (r >= (rows + SG - 1) / SG * SG) return;  // whole sub-groups past the rows
+    const int t = min(r, rows - 1);  // a lane past the last row reads the last (and writes nothing)
+    const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
+    __global const int* list = row_list(recall, recalled, step, row);
+    const int n = list ? list[0] : lengths[row];
+    const int visible = list ? n : first[row] + tokens[2 * t + 1] + 1;
+    const bool live = r < rows;
+    row_state st;
+    row_start(&st, live, h, r, q, rows, SCALE);
+    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
+                 row_logits(logits, step, h, t), list ? list + 1 : 0);
+    row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
+}
+
+#ifdef OVKC_LAYER_PREFILL
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
+                           __global const int* first, __global const int* tokens, __global const ACT* q,
+                           __global const int* step, __global const int* stored, __global uchar* logits,
+                           __global ACT* out) {
+    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, 0, 0, out);
+}
+#endif
 
 // ClusterKV's recall of each row whose token is a decode step's (the reference's decode, in the
 // hosts' steps: centroid_scores, rank_order, recall_slots, attended_slots): the row's query group
@@ -284,30 +295,8 @@ __kernel void ovkc_recall_prefill(__global const uchar* pool, __global const int
                                   __global const int* first, __global const int* tokens, __global const ACT* q,
                                   __global const int* step, __global const int* stored, __global uchar* logits,
                                   __global uchar* recalled, __global ACT* out) {
-    __global const int* recall = (__global const int*)stored;  // ovkc_recall's output: the rows' recall
-    if (step[7]) {  // decode rows alone (ovkc_prefill's): each over its list, where it has one
-        const int h = get_global_id(1), r = min((int)get_global_id(0) / SG, step[1] - 1);
-        const int row = tokens[2 * r] * (get_global_size(1) / GROUP) + h / GROUP;
-        __global const int* region = recall_region(recalled, step, row);
-        const bool listed = recall[row * RECALL_WIDTH + R_TOKEN] >= 0;
-        decode_row_split(h, pool, tables, lengths, first, tokens, q, step, logits, listed ? region + 1 : 0,
-                         listed ? region[0] : 0, out);
-        return;
-    }
-    const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
-    if (r >= (rows + SG - 1) / SG * SG) return;  // whole sub-groups past the rows
-    const int t = min(r, rows - 1);
-    const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
-    const bool mapped = recall[row * RECALL_WIDTH + R_TOKEN] >= 0;
-    __global const int* region = recall_region(recalled, step, row);
-    const int n = mapped ? region[0] : lengths[row];
-    const int visible = mapped ? n : first[row] + tokens[2 * t + 1] + 1;
-    const bool live = r < rows;
-    row_state st;
-    row_start(&st, live, h, r, q, rows, SCALE);
-    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
-                 row_logits(logits, step, h, t), mapped ? region + 1 : 0);
-    row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
+    // `stored` is the recall layer's output: the rows' recall
+    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, stored, recalled, out);
 }
 #endif
 
