@@ -50,6 +50,7 @@ def test_the_family_gives_its_committed_coverage(exports, name):
     if report.runs:  # the thresholds, and transformers' logits through the export
         assert report.ir_vs_transformers < 1e-4
         assert report.full_f32 <= coverage.TOLERANCE["f32"] and report.full_u8 <= coverage.TOLERANCE["u8"]
+        assert report.prompt_u8_vs_f32 == 0.0  # the prompt attends its own tokens exactly: the f32 first token
         assert report.genai_tokens
 
 

@@ -2,9 +2,11 @@
 
 Oracle: every token's keys and values quantized per token in numpy (min and scale over the head
 dimension, codes rounded to 0..255, as OpenVINO's CPU plugin stores its cache), and the reference
-attention over those dequantized vectors. The op's output must match that within float rounding,
-the read-back tokens must be the dequantized ones (also after evictions moved slots, which must
-carry their scales along), and against the f32 cache the output may move only by the quantization.
+attention over those dequantized vectors for what a step reads from the store: a decode token
+reads every token there; a prompt step (or a later chunk) reads the tokens before it there and its
+own tokens exactly, as given (issue 72: native's prefill attends the step's exact keys and
+values). The read-back tokens must be the dequantized ones (also after evictions moved slots,
+which must carry their scales along), and a prompt at u8 must give the f32 store's output.
 """
 
 from __future__ import annotations
@@ -48,10 +50,17 @@ def test_u8_attention_is_the_reference_over_dequantized_tokens(ov_core):
         k = rng.standard_normal((1, HKV, n, D), dtype=np.float32) * 3 + 1
         v = rng.standard_normal((1, HKV, n, D), dtype=np.float32)
         out = feed(req, seq, q, k, v)
+        before = (quantized(np.concatenate(ks, 2)), quantized(np.concatenate(vs, 2))) if ks else None
         ks.append(k)
         vs.append(v)
         kq, vq = quantized(np.concatenate(ks, 2)), quantized(np.concatenate(vs, 2))
-        np.testing.assert_allclose(out, attention(q, kq, vq), rtol=1e-4, atol=1e-5)
+        if n == 1:  # a decode token reads the store, itself included
+            want = attention(q, kq, vq)
+        elif before is None:  # the prompt: its own tokens, exact
+            want = attention(q, k, v)
+        else:  # a later chunk: the tokens before it from the store, its own exact
+            want = attention(q, np.concatenate([before[0], k], 2), np.concatenate([before[1], v], 2))
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
     for g in range(HKV):
         _pos, keys, values, _ = seq.read_head(0, g)
         np.testing.assert_allclose(keys, kq[0, g], rtol=1e-5, atol=1e-6)
@@ -60,17 +69,22 @@ def test_u8_attention_is_the_reference_over_dequantized_tokens(ov_core):
     pool.close()
 
 
-def test_u8_against_f32_moves_the_output_only_by_the_quantization(ov_core):
+def test_a_prompt_at_u8_attends_its_own_tokens_exactly_and_a_decode_token_reads_the_store(ov_core):
+    """A prompt's output at u8 is the f32 store's (its first token cannot change: the held-out
+    Qwen3 of issue 72); the decode token after it moves only by the quantization."""
     rng = np.random.default_rng(1)
-    q = rng.standard_normal((1, HQ, 300, D), dtype=np.float32)
-    k = rng.standard_normal((1, HKV, 300, D), dtype=np.float32)
-    v = rng.standard_normal((1, HKV, 300, D), dtype=np.float32)
-    outs = {}
+    q = rng.standard_normal((1, HQ, 301, D), dtype=np.float32)
+    k = rng.standard_normal((1, HKV, 301, D), dtype=np.float32)
+    v = rng.standard_normal((1, HKV, 301, D), dtype=np.float32)
+    prompt, decode = {}, {}
     for precision in ("f32", "u8"):
         pool = kvcache.KVPool(1, HQ, HKV, D, block_size=BS, precision=precision)
-        outs[precision] = feed(op_model(ov_core, HQ, HKV, D), pool.new_sequence(), q, k, v)
+        req, seq = op_model(ov_core, HQ, HKV, D), pool.new_sequence()
+        prompt[precision] = feed(req, seq, q[:, :, :300], k[:, :, :300], v[:, :, :300])
+        decode[precision] = feed(req, seq, q[:, :, 300:], k[:, :, 300:], v[:, :, 300:])
         pool.close()
-    err = np.linalg.norm(outs["u8"] - outs["f32"]) / np.linalg.norm(outs["f32"])
+    np.testing.assert_array_equal(prompt["u8"], prompt["f32"])
+    err = np.linalg.norm(decode["u8"] - decode["f32"]) / np.linalg.norm(decode["f32"])
     # 8-bit codes over a ~7-sigma range: a relative error of about 1 % per vector
     assert 1e-4 < err < 0.02
 

@@ -35,10 +35,14 @@ def run_steps(req, seqs, steps, hq, hkv, d, rng):
 
 
 def reference(q, k, v, precision, scale=None):
-    """Causal reference attention of the last q tokens over all keys, with per-head scores."""
+    """Causal reference attention of the last q tokens over all keys, with per-head scores, over
+    the keys and values as the op reads them: an f16 store's rounding of every token, except a
+    prompt step's (or a chunk's) own tokens, which it attends exactly as given (issue 72)."""
     if precision == "f16":  # the cache stores keys/values in half precision
-        k = k.astype(np.float16).astype(np.float32)
-        v = v.astype(np.float16).astype(np.float32)
+        stored = k.shape[2] - (q.shape[2] if q.shape[2] > 1 else 0)  # a decode token reads itself stored
+        k, v = k.copy(), v.copy()
+        k[:, :, :stored] = k[:, :, :stored].astype(np.float16).astype(np.float32)
+        v[:, :, :stored] = v[:, :, :stored].astype(np.float16).astype(np.float32)
     return causal_reference(q, k, v, scale)
 
 

@@ -94,6 +94,9 @@ class FamilyReport:
     full_f32: float | None = None
     full_u8: float | None = None
     genai_tokens: bool | None = None
+    #: our u8 store's prompt logits against our f32 store's (relative): a prompt attends its own
+    #: tokens exactly at any store precision, so its first token is the f32 one (issue 72)
+    prompt_u8_vs_f32: float | None = None
     #: variant -> store -> "ok", or what differed
     methods: dict[str, dict[str, str]] = field(default_factory=dict)
     #: store -> greedy tokens compared over every variant (each up to its first near tie), of
@@ -246,12 +249,15 @@ def _full_cache(report: FamilyReport, ir: Path, hf_dir: Path, engines: dict) -> 
     xml = ir / "openvino_model.xml"
     ref, _ = native_steps(xml, prompt, 0, "f32")
     report.ir_vs_transformers = relative_error(ref[-1], transformers_logits(hf_dir, prompt))
+    prompt_logits = {}
     for precision, engine in engines.items():
         engine.set_compression(CompressionConfig())
         got, _ = op_steps(engine, prompt, NEW_TOKENS)
+        prompt_logits[precision] = got[0]
         tokens = [int(x.argmax()) for x in got[:-1]]
         native, _ = native_steps(xml, prompt, len(tokens), precision, feed=tokens)
         setattr(report, f"full_{precision}", relative_error(got, native))
+    report.prompt_u8_vs_f32 = relative_error(prompt_logits["u8"], prompt_logits["f32"])
     genai = GenAIEngine(ir, properties=F32)
     text = engines["f32"].tokenizer.decode(prompt)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)

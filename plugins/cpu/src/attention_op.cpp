@@ -221,6 +221,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                     " kv_heads=", cfg.kv_heads, " head_dim=", cfg.head_dim, ")");
     StepContext ctx(*seq, cfg, decide_step(*seq, cfg, layer, L), qb, ob, Hq, Hkv, D, m_scale);
     const StepMode& mode = ctx.mode;
+    const StepTokensCleared step_tokens_cleared(ctx);
     const auto t_append = StepClock::now();
     append_step(ctx, kd, vd);
     seq->append_ns[mode.phase] += ns_since(t_append);
@@ -236,8 +237,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
         // a recall method (ClusterKV): only the recalled working set (its selection time goes to policy_ns)
         cfg.policy->attend_recalled(*seq, layer, qb, L, mode.past, m_scale, ob);
     else if (!cfg.count_only)  // a byte probe's step attends nothing (the output stays zero)
-        fused_scores = L == 1 && !mode.chunk && !mode.scoring ? attend_decode(ctx)
-                                                                : attend_prompt(ctx, m_compute == "bf16" && has_bf16());
+        fused_scores = mode.prompt_attention ? attend_prompt(ctx, m_compute == "bf16" && has_bf16()) : attend_decode(ctx);
     // a fused score pass (or a recall method's selection) counts as its own, not as attention
     seq->attend_ns[mode.phase] += ns_since(t_attend) - (seq->scores_ns[mode.phase] + seq->policy_ns[mode.phase] - others_before);
 

@@ -51,6 +51,7 @@ StepMode decide_step(Sequence& seq, const PoolConfig& cfg, int layer, int64_t L)
     // a sliding-window layer is not the method's: a scoring step attends its window as a
     // decode step would, scores nothing, and is dropped like on every layer
     m.ranged = m.scoring && !m.window;
+    m.prompt_attention = L > 1 || m.chunk || m.scoring;
     m.phase = m.prefill || m.scoring ? 0 : 1;
     return m;
 }
@@ -80,6 +81,7 @@ void append_step(StepContext& ctx, const float* kd, const float* vd) {
             hc.pos[at(base + i)] = past + i;
             store_token(cfg, ctx.seq.pool(), hc, base + i, kh + i * D, vh + i * D);
         }
+        if (ctx.mode.prompt_attention) hc.step = StepTokens{kh, vh, past, L};
     }
     ctx.seq.seen(ctx.mode.layer) = past + L;
 }

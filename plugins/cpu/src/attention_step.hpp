@@ -40,6 +40,7 @@ struct StepMode {
     bool prefill = false;    // a prompt or a chunk of one
     bool scores = false;     // the step computes per-head scores
     bool ranged = false;     // a scoring step on a global layer: attends sinks, its chunk and itself
+    bool prompt_attention = false;  // attended as a prompt (its own tokens exact), not as a decode token
     int phase = 0;           // 0: prompt (or scoring) time, 1: decode time
 };
 
@@ -64,6 +65,18 @@ struct StepContext {
     std::vector<int64_t> slot_lo, slot_hi, slot_sinks;
 
     HeadCache& head(int64_t g) const { return seq.head(mode.layer, static_cast<int>(g)); }
+};
+
+// Clears the heads' step tokens (HeadCache::step) when the step ends, however it ends: they
+// point into the step's inputs.
+struct StepTokensCleared {
+    explicit StepTokensCleared(const StepContext& c) : ctx(c) {}
+    ~StepTokensCleared() {
+        for (int64_t g = 0; g < ctx.Hkv; ++g) ctx.head(g).step = StepTokens{};
+    }
+    StepTokensCleared(const StepTokensCleared&) = delete;
+    StepTokensCleared& operator=(const StepTokensCleared&) = delete;
+    const StepContext& ctx;
 };
 
 StepMode decide_step(Sequence& seq, const PoolConfig& cfg, int layer, int64_t L);

@@ -126,6 +126,24 @@ void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0
     v = tls.v.data();
 }
 
+void head_block_floats(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t block_index, int j0,
+                       int j1, const float*& kt, const float*& v) {
+    block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], j0, j1, kt, v);
+    const StepTokens& step = hc.step;
+    if (!step.k || cfg.precision == Precision::f32) return;
+    const int bs = cfg.block_size, D = cfg.head_dim;
+    Scratch& tls = scratch();  // where block_floats converted the block: ours to overwrite
+    const int64_t slot0 = block_index * bs;
+    for (int j = j0; j < j1; ++j) {
+        // by position, not slot: the step's token i is at position step.first + i wherever it sits
+        const int64_t i = hc.pos[static_cast<size_t>(slot0 + j)] - step.first;
+        if (i < 0 || i >= step.count) continue;
+        const float* k = step.k + i * D;
+        for (int d = 0; d < D; ++d) tls.k[static_cast<size_t>(d) * bs + j] = k[d];
+        std::copy(step.v + i * D, step.v + (i + 1) * D, tls.v.data() + static_cast<size_t>(j) * D);
+    }
+}
+
 #if OVKC_AVX512
 // S[r][c..) = q[r] . K[:, c..) for R rows and `cols` columns (a multiple of 16).
 template <int R>
@@ -354,7 +372,7 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         if (hc.pos[static_cast<size_t>(w0)] > max_q) break;  // positions ascend: nothing further is causal
         const int ntok = static_cast<int>(std::min<int64_t>(bs, slot_end - slot0)) - j0;
         const float *kt, *v;
-        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], j0, j0 + ntok, kt, v);
+        head_block_floats(cfg, pool, hc, slot0 / bs, j0, j0 + ntok, kt, v);
         const int cols = (ntok + 15) / 16 * 16;
         qk(rows.n, q, kt + j0, D, bs, cols, S);
         if (!hc.bias.empty()) add_bias(hc, rows.n, w0, ntok, bs, S);
@@ -482,7 +500,7 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
     const float* q[kMaxRows];
     scaled_queries(rows, cfg.head_dim, scale, tls.q, q);
     const float *kt, *v;
-    block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], 0, ntok, kt, v);
+    head_block_floats(cfg, pool, hc, block_index, 0, ntok, kt, v);
     const int cols = (ntok + 15) / 16 * 16;
     qk(rows.n, q, kt, cfg.head_dim, bs, cols, S);
     if (!hc.bias.empty()) add_bias(hc, rows.n, slot0, ntok, bs, S);

@@ -146,7 +146,7 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
     for (int64_t slot0 = 0; slot0 < n; slot0 += bs) {
         const int ntok = static_cast<int>(std::min<int64_t>(bs, n - slot0));
         const float *kt, *v;
-        block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], 0, ntok, kt, v);
+        head_block_floats(cfg, pool, hc, slot0 / bs, 0, ntok, kt, v);
 #if OVKC_BF16
         stage_block_bf16(kt, v, bs, D, ntok, slot0, out);
 #else
@@ -171,7 +171,7 @@ void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache&
         for (int64_t slot0 = r.first / bs * bs; slot0 < r.second; slot0 += bs) {
             const int ntok = static_cast<int>(std::min<int64_t>(bs, hc.size() - slot0));
             const float *kt, *v;
-            block_floats(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs)], 0, ntok, kt, v);
+            head_block_floats(cfg, pool, hc, slot0 / bs, 0, ntok, kt, v);
             const int j0 = static_cast<int>(std::max<int64_t>(0, r.first - slot0));
             const int j1 = static_cast<int>(std::min<int64_t>(ntok, r.second - slot0));
             for (int j = j0; j < j1; ++j, ++t) {

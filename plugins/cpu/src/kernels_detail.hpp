@@ -139,6 +139,10 @@ inline Scratch& scratch() {
 // f32, a converted copy in thread-local scratch for f16 (columns [j0, j1) only).
 void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0, int j1, const float*& kt,
                   const float*& v);
+// block_floats of the head's block `block_index`, the step's own tokens (hc.step) exact: a prompt
+// attends what it was given, not the store's rounding of it (every store but f32, which is exact)
+void head_block_floats(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t block_index, int j0,
+                       int j1, const float*& kt, const float*& v);
 // S[r][0..cols) = q[r] . kt[:, 0..cols) for R query rows (keys transposed, row stride bs; cols a
 // multiple of 16), and out[r] += P[r][0..ntok) . v (values [ntok][D]): every block's attention.
 void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S);

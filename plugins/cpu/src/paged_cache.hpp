@@ -144,6 +144,17 @@ struct HeadState {
 };
 
 // One (layer, KV head) of a sequence.
+// A step's own keys and values, as the op was given them ([count][D] each, positions first ..):
+// while a prompt step's attention runs, the head reads these in place of the store's rounded
+// copies (head_block_floats), so a prompt attends its tokens exactly at any store precision, as
+// native's prefill does; decode reads the store. Set by append_step, cleared after the step.
+struct StepTokens {
+    const float* k = nullptr;
+    const float* v = nullptr;
+    int64_t first = 0;
+    int64_t count = 0;
+};
+
 struct HeadCache {
     std::vector<int32_t> blocks;  // block table
     std::vector<int64_t> pos;     // absolute position of each held slot, ascending
@@ -165,6 +176,7 @@ struct HeadCache {
     int64_t pin_count = 0;
     // a method's own per-head state (ClusterKV's cluster index and working set; null otherwise)
     std::shared_ptr<HeadState> state;
+    StepTokens step;  // the step's exact tokens while its prompt attention runs (none otherwise)
     // slots of the full-precision blocks (the residual, when there is a 2-bit store)
     int64_t size() const { return static_cast<int64_t>(pos.size()); }
     bool hole(int64_t slot) const { return holes && bias[static_cast<size_t>(slot)] == kHole; }
