@@ -45,7 +45,8 @@ def main() -> int:
         from ov_kvcrush.op import plugin
 
         plugin.shared_core()
-        isa = plugin.kernel_isa()
+        choice = plugin.bf16_choice_made()
+        isa = f"{plugin.kernel_isa()}; bf16 prompt products: {choice.products}, {choice.why}"
     except Exception as exc:
         problems.append(f"CPU extension: {exc}")
 

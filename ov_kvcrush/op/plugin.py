@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ov_kvcrush.errors import ConfigError, UserError
+from ov_kvcrush.op import bf16_choice
 
 # Imported where used, inside functions: what pulls in openvino, platformdirs, heavy to import, so
 # that importing this module stays light.
@@ -38,6 +39,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _lib_path: Path | None = None
 _core: Any = None
+_bf16: bf16_choice.Bf16Choice | None = None
 
 
 class PluginError(UserError):
@@ -161,6 +163,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_kernel_isa": ([], ctypes.c_char_p),
         "ovkc_bf16_products": ([], i32),
         "ovkc_set_bf16_products": ([i32], i32),
+        "ovkc_measure_bf16_products": ([i32, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)], i32),
         "ovkc_take_step_error": ([i64, ctypes.c_char_p, i64], i64),
         "ovkc_pool_create": ([i32, i32, i32, i32, i32, i32, i64, i32, ctypes.c_char_p, p_i64, i32], i64),
         "ovkc_pool_free": ([i64], i64),
@@ -196,7 +199,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def load() -> ctypes.CDLL:
     """The library opened for its C API (the same handle OpenVINO gets from ``add_extension``)."""
-    global _lib, _lib_path
+    global _lib, _lib_path, _bf16
     with _lock:
         if _lib is None:
             path = library_path()
@@ -207,6 +210,7 @@ def load() -> ctypes.CDLL:
             except OSError as exc:
                 raise PluginError(f"cannot load the CPU extension {path}: {exc}") from None
             _declare(lib)
+            _bf16 = bf16_choice.choose(lib)  # before any prompt: how its bf16 kernel multiplies here
             _lib, _lib_path = lib, path
         return _lib
 
@@ -250,13 +254,21 @@ def kernel_isa() -> str:
 
 
 #: how the bf16 prompt kernel multiplies its bf16 operands (plugins/cpu/src/kernels.hpp)
-BF16_PRODUCTS = ("dot", "widened")
+BF16_PRODUCTS = bf16_choice.BF16_PRODUCTS
 
 
 def bf16_products() -> str:
     """``dot`` (AVX512-BF16 dot products) or ``widened`` (each bf16 widened to f32, multiplied in
-    f32 FMAs): the process's choice, measured once on the CPU unless ``OVKC_BF16_PRODUCTS`` sets it."""
+    f32 FMAs): the process's choice (:func:`bf16_choice`, unless :func:`set_bf16_products` changed it)."""
     return BF16_PRODUCTS[load().ovkc_bf16_products()]
+
+
+def bf16_choice_made() -> bf16_choice.Bf16Choice:
+    """How the library's bf16 products were chosen when it was loaded, and why
+    (:mod:`ov_kvcrush.op.bf16_choice`: ``OVKC_BF16_PRODUCTS``, kept for this CPU, or measured)."""
+    load()
+    assert _bf16 is not None
+    return _bf16
 
 
 def set_bf16_products(products: str) -> str:

@@ -60,6 +60,17 @@ OVKC_API int32_t ovkc_set_bf16_products(int32_t widened) {
     return before;
 }
 
+// The rates of this core's bf16 dot products and f32 FMAs (multiply-adds per second, the best of
+// `rounds` trials: kernels.hpp, measure_bf16_rates) and the choice they make (0 dot products, 1
+// widened; -1 without AVX512-BF16, nothing to choose). Chooses nothing for the process.
+OVKC_API int32_t ovkc_measure_bf16_products(int32_t rounds, double* dot, double* fma) {
+    if (!ovkc::has_bf16()) return -1;
+    const ovkc::Bf16Rates rates = ovkc::measure_bf16_rates(rounds);
+    if (dot) *dot = rates.dot;
+    if (fma) *fma = rates.fma;
+    return ovkc::choose_bf16_products(rates) == ovkc::Bf16Products::widened ? 1 : 0;
+}
+
 // The error the op raised in the last inference that stepped sequence ``handle`` (taken: it is
 // cleared), copied into ``buf`` (at most ``len`` bytes, NUL-terminated); returns its length, 0 for none.
 OVKC_API int64_t ovkc_take_step_error(int64_t handle, char* buf, int64_t len) {

@@ -95,10 +95,21 @@ bool has_bf16();
 // exact in f32), summed in f32 in another order. Some CPUs retire a quarter as many dot products
 // as FMAs (benchmarks/dot_peak.cpp), so widening does more multiply-adds per second there.
 enum class Bf16Products { dot, widened };
-// The process's choice: OVKC_BF16_PRODUCTS (dot or widened) if set, else measured once (a few
-// hundred microseconds of each instruction on this core).
+// The process's choice: OVKC_BF16_PRODUCTS (dot or widened) if set, else what the library's
+// user set (the Python side: a choice measured once per CPU and cached, op/plugin.py), else
+// measured here once (measure_bf16_rates).
 Bf16Products bf16_products();
-void set_bf16_products(Bf16Products products);  // for tests and A/B runs
+void set_bf16_products(Bf16Products products);
+// Multiply-adds per second of this core's bf16 dot products and of its f32 FMAs, each the best
+// of `rounds` interleaved trials of about 0.1 ms: a trial another process preempted or slowed is
+// never the best, so the rates (and the choice) hold on a busy machine. Zeros without AVX512-BF16.
+struct Bf16Rates {
+    double dot = 0.0, fma = 0.0;
+};
+Bf16Rates measure_bf16_rates(int rounds);
+// Widened where the FMAs do at least 1.2x the dot products' multiply-adds (the margin pays for
+// the widening and the extra broadcasts).
+Bf16Products choose_bf16_products(const Bf16Rates& rates);
 void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out);
 // The slots of `ranges` ([begin, end) pairs, ascending, disjoint) staged as one head: `view`
 // gets their positions only (what attend_bf16 / attend_amx read of a head besides the staging).

@@ -37,32 +37,48 @@ double time_instructions(int steps, Op op) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// widened when this core's f32 FMAs do at least 1.2x the multiply-adds per second of its bf16
-// dot products (the margin pays for the widening and the extra broadcasts); the fastest of three
-Bf16Products measure_bf16_products() {
+// the best of `rounds` trials each, dot products and FMAs alternating (a load that comes and goes
+// meets both alike); multiply-adds per second: 32 per dot product, 16 per FMA
+Bf16Rates measure_rates(int rounds) {
     const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
     const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-9f);
-    const auto dots = [&](int steps) {
-        return time_instructions(steps, [&](__m512 acc) { return _mm512_dpbf16_ps(acc, a, b); });
+    constexpr int kSteps = 20000;
+    const auto dots = [&] {
+        return time_instructions(kSteps, [&](__m512 acc) { return _mm512_dpbf16_ps(acc, a, b); });
     };
-    const auto fmas = [&](int steps) {
-        return time_instructions(steps, [&](__m512 acc) { return _mm512_fmadd_ps(acc, x, y); });
+    const auto fmas = [&] {
+        return time_instructions(kSteps, [&](__m512 acc) { return _mm512_fmadd_ps(acc, x, y); });
     };
-    dots(20000);  // untimed: a core may run its first 512-bit instructions at a lower rate
+    dots();  // untimed: a core may run its first 512-bit instructions at a lower rate
     double dot = 1e9, fma = 1e9;
-    for (int rep = 0; rep < 3; ++rep) {
-        dot = std::min(dot, dots(20000));
-        fma = std::min(fma, fmas(20000));
+    for (int rep = 0; rep < std::max(rounds, 1); ++rep) {
+        dot = std::min(dot, dots());
+        fma = std::min(fma, fmas());
     }
-    // multiply-adds per second: 32 per dot product, 16 per FMA
-    return 16.0 / fma >= 1.2 * 32.0 / dot ? Bf16Products::widened : Bf16Products::dot;
+    const double instructions = 16.0 * kSteps;
+    return {32.0 * instructions / dot, 16.0 * instructions / fma};
 }
 }  // namespace
 #endif
 
+Bf16Rates measure_bf16_rates(int rounds) {
+#if OVKC_BF16
+    return measure_rates(rounds);
+#else
+    (void)rounds;
+    return {};
+#endif
+}
+
+Bf16Products choose_bf16_products(const Bf16Rates& rates) {
+    return rates.dot > 0.0 && rates.fma >= 1.2 * rates.dot ? Bf16Products::widened : Bf16Products::dot;
+}
+
 namespace {
 std::atomic<int> g_bf16_products{-1};  // -1: not chosen yet
-}
+// trials of each instruction when the library chooses itself (about 5 ms in all)
+constexpr int kChoiceRounds = 25;
+}  // namespace
 
 Bf16Products bf16_products() {
     int p = g_bf16_products.load(std::memory_order_relaxed);
@@ -73,11 +89,7 @@ Bf16Products bf16_products() {
         else if (env && std::strcmp(env, "widened") == 0)
             p = 1;
         else
-#if OVKC_BF16
-            p = measure_bf16_products() == Bf16Products::widened ? 1 : 0;
-#else
-            p = 0;
-#endif
+            p = choose_bf16_products(measure_bf16_rates(kChoiceRounds)) == Bf16Products::widened ? 1 : 0;
         int unset = -1;  // the first thread to choose wins; the others read its choice
         if (!g_bf16_products.compare_exchange_strong(unset, p)) p = unset;
     }
