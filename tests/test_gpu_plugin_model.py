@@ -9,6 +9,8 @@ the same method, budget, KV precision and block size)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -325,6 +327,11 @@ def _named_devices(model_dir: str) -> dict:
         out["gpu.7"] = str(e)
     pipeline = make_pipeline(ServerConfig(model=model_dir, device="GPU", max_num_seqs=4), CompressionConfig())
     try:
+        pipeline.engine.check_compression(CompressionConfig("quest", 64))  # a request's method: runs on GPU
+        try:
+            pipeline.engine.check_compression(CompressionConfig("chelsea", 256))
+        except ConfigError as e:
+            out["refused"] = str(e)
         settings = GenerationSettings(max_new_tokens=3, ignore_eos=True)
         out["served"] = (
             pipeline.engine.device,
@@ -345,5 +352,6 @@ def test_gpu_n_names_the_plugins_device_and_the_server_serves_on_gpu(emulation_w
     assert got["gpu.0"][0] == "GPU.0" and np.isfinite(got["gpu.0"][1]).all()
     assert "device='GPU.7'" in got["gpu.7"] and "GPU.0" in got["gpu.7"]  # the names the plugin lists
     assert got["served"] == ("GPU", [3, 3])
+    assert re.search(r"method='chelsea' is invalid: .*device GPU", got["refused"])  # what a request is answered
     args = build_parser().parse_args(["serve", "--device", "GPU.1"])
     assert ServerConfig.from_args(args).device == "GPU.1"

@@ -128,12 +128,15 @@ BAD_BODIES = [
     (json.dumps({"messages": QUESTION, "kv_budget": 5}).encode(), "kv_budget", "unknown field"),
     (json.dumps({"messages": QUESTION, "kv_compression": "snapkv"}).encode(), "kv_compression", "an object"),
     (json.dumps({"messages": QUESTION, "kv_compression": {"method": "snapkv", "budget": 10}}).encode(),
-     "kv_compression", r"budget=10 is invalid: allowed an integer in \[80,"),
+     "kv_compression.budget", r"budget=10 is invalid: allowed an integer in \[80,"),
+    (json.dumps({"messages": QUESTION, "kv_compression": {"method": "fastkv", "budget": 512}}).encode(),
+     "kv_compression.method", "method='fastkv' is invalid: allowed one of full, "),
+    # a method the server's device does not run: the engine says where it does
     (json.dumps({"messages": QUESTION, "kv_compression": {"method": "quest", "budget": 512}}).encode(),
-     "kv_compression.method", "allowed full, "),
+     "kv_compression.method", r"method='quest' is invalid: .*our op \(CPU\).*quest runs on:.*device GPU"),
     (json.dumps({"messages": QUESTION, "kv_compression": {"method": "snapkv", "budget": 256,
                                                            "options": {"window": 0}}}).encode(),
-     "kv_compression", "window"),
+     "kv_compression.options.window", "window"),
 ]  # fmt: skip
 
 

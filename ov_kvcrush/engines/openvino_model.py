@@ -267,6 +267,16 @@ class OpenVINOModel:
             block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
         return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size, self.windows)
 
+    def check_compression(self, compression: CompressionConfig) -> None:
+        """Raise :class:`~ov_kvcrush.errors.ConfigError` unless this engine runs ``compression``
+        on its device (our op on the CPU, our layers in the GPU plugin), naming the field: a
+        server's check of a request's method before it makes a pool (no calibration runs)."""
+        method = compression.method_config().model_free()
+        if self.plugin is not None:
+            self.plugin.check_method(method)
+            return
+        method_spec(method, self.shape.layers, self.shape.q_heads, self.default_block_size, self.windows)
+
     def _calibrated(self, method: Any) -> Any:
         """``method`` with what it calibrates on the model (:mod:`~ov_kvcrush.engines.calibration`);
         before the model is compiled, with a calibration over no layers (the op checks the rest)."""

@@ -22,7 +22,7 @@ from ov_kvcrush.engines.base import GenerationResult
 from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.server.metrics import ServerMetrics
-from ov_kvcrush.server.protocol import APIError, GenerationRequest
+from ov_kvcrush.server.protocol import APIError, GenerationRequest, compression_error
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.kept import shared_prefix
 from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
@@ -184,6 +184,11 @@ class PipelineBackend(Backend):
         if compression is None:
             return self.pipeline
         key = compression_key(compression)
+        if key not in self.pipelines:
+            try:  # the server's engine says what it runs on its device (Quest on GPU, not on the CPU)
+                self.pipeline.engine.check_compression(compression)
+            except UserError as e:
+                raise compression_error(e, dict(compression.options)) from e
         with self._making:
             if key not in self.pipelines:
                 if self.make_pipeline is None or len(self.pipelines) >= self.max_methods:

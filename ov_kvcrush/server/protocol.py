@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings, parse_method_budget
-from ov_kvcrush.errors import UserError
+from ov_kvcrush.errors import ConfigError, UserError
 
 # Imported where used, inside functions: what pulls in numpy, torch, heavy to import, so that
 # importing this module stays light.
@@ -72,9 +72,8 @@ COMPRESSION_FIELDS = ("method", "budget", "sink_tokens", "recent_tokens", "optio
 
 def parse_compression(value: Any) -> CompressionConfig | None:
     """The ``kv_compression`` extension field, validated as the CLI validates ``--method``,
-    ``--budget``, ``--sink-tokens``, ``--recent-tokens`` and ``--option``: a method our op runs."""
-    from ov_kvcrush.methods import methods_for
-
+    ``--budget``, ``--sink-tokens``, ``--recent-tokens`` and ``--option``. Whether the server's
+    engine runs it on its device is the engine's to say (:meth:`PipelineBackend.pipeline_for`)."""
     if value is None:
         return None
     allowed = "an object {" + ", ".join(COMPRESSION_FIELDS) + "} with at least a method"
@@ -83,17 +82,27 @@ def parse_compression(value: Any) -> CompressionConfig | None:
     options = value.get("options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "kv_compression.options must be an object of method fields", "kv_compression.options")
-    if value["method"] not in methods_for("openvino"):
-        runs = ", ".join(methods_for("openvino"))
-        raise APIError(400, f"kv_compression.method={value['method']!r} is invalid: allowed {runs}",
-                       "kv_compression.method")  # fmt: skip
     try:
         return parse_method_budget(
             value["method"], value.get("budget"), sink_tokens=value.get("sink_tokens"),
             recent_tokens=value.get("recent_tokens"), options={k: _tuples(v) for k, v in options.items()},
         )  # fmt: skip
     except UserError as e:
-        raise APIError(400, f"kv_compression: {e}", "kv_compression") from e
+        raise compression_error(e, options) from e
+
+
+def compression_error(e: UserError, options: dict[str, Any]) -> APIError:
+    """A 400 for a compression refused with ``e``, its ``param`` the client's field: one of
+    ``kv_compression``'s own (``kv_compression.method``), one of its ``options``
+    (``kv_compression.options.window``), else the object."""
+    field_name = e.field.split(".")[-1] if isinstance(e, ConfigError) else ""
+    if field_name in COMPRESSION_FIELDS:
+        param = f"kv_compression.{field_name}"
+    elif field_name and field_name in options:
+        param = f"kv_compression.options.{field_name}"
+    else:
+        param = "kv_compression"
+    return APIError(400, f"kv_compression: {e}", param)
 
 
 def _tuples(v: Any) -> Any:
