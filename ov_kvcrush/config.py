@@ -262,6 +262,10 @@ def check_native(config: CompressionConfig, block_size: int) -> None:
             )
 
 
+#: native ``openvino_genai``'s sparse prompt attention (``SparseAttentionConfig.mode``, lower case)
+SPARSE_PREFILL = ("xattention", "trishape")
+
+
 def to_native_scheduler_config(
     config: CompressionConfig,
     device: str = "CPU",
@@ -270,6 +274,7 @@ def to_native_scheduler_config(
     num_kv_blocks: int = 0,
     max_num_batched_tokens: int | None = None,
     enable_prefix_caching: bool = False,
+    sparse_prefill: str | None = None,
 ):
     """Build the ``openvino_genai.SchedulerConfig`` that runs ``config`` natively.
 
@@ -278,13 +283,20 @@ def to_native_scheduler_config(
     its share is carved out of the total here: ``max_cache_size = budget - kvcrush budget``.
     ``snapkv`` and ``kvcrush`` score the prompt with the last ``snapkv_window`` queries; ``h2o``
     sets the window to 0, i.e. importance accumulated from generation on, as in H2O. Prefix
-    caching is off by default so that repeated prompts are measured honestly.
+    caching is off by default so that repeated prompts are measured honestly. ``sparse_prefill``:
+    native's sparse prompt attention in that mode, with its own defaults (``None``: dense).
     """
     import openvino_genai as ov_genai
 
     block = native_block_size(device)
     check_native(config, block)
     sc = ov_genai.SchedulerConfig()
+    if sparse_prefill is not None:
+        check_choice("sparse_prefill", sparse_prefill, SPARSE_PREFILL)
+        sc.use_sparse_attention = True
+        sc.sparse_attention_config = ov_genai.SparseAttentionConfig(
+            mode=getattr(ov_genai.SparseAttentionMode, sparse_prefill.upper())
+        )
     if cache_size_gb:
         sc.cache_size = cache_size_gb
     if num_kv_blocks:

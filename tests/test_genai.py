@@ -36,6 +36,24 @@ def test_full_cache_answers_passkey_and_accounts_kv(full_engine, passkey):
     assert r.full_kv_bytes == -(-seq // full_engine.block_size) * full_engine.block_bytes
 
 
+def test_native_sparse_prefill_is_the_scheduler_configs_and_keeps_the_passkey(model_dir, full_engine, passkey):
+    """``sparse_prefill`` is native's ``SchedulerConfig.use_sparse_attention`` in that mode (the
+    bench's rows beside ours, issue 72); on a 1.5k-token passkey XAttention answers as dense does."""
+    import openvino_genai as ov_genai
+
+    from ov_kvcrush.config import to_native_scheduler_config
+    from ov_kvcrush.errors import ConfigError
+
+    sc = to_native_scheduler_config(CompressionConfig(), sparse_prefill="trishape")
+    assert sc.use_sparse_attention and sc.sparse_attention_config.mode == ov_genai.SparseAttentionMode.TRISHAPE
+    assert not to_native_scheduler_config(CompressionConfig()).use_sparse_attention
+    with pytest.raises(ConfigError, match=r"sparse_prefill='block' is invalid: allowed one of xattention, trishape"):
+        GenAIEngine(model_dir, sparse_prefill="block")
+    dense = full_engine.generate(passkey.prompt, SETTINGS)
+    sparse = GenAIEngine(model_dir, sparse_prefill="xattention").generate(passkey.prompt, SETTINGS)
+    assert passkey.answer in dense.text and passkey.answer in sparse.text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["snapkv", "kvcrush"])
 def test_native_eviction_holds_its_budget(model_dir, passkey, method):

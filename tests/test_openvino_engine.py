@@ -205,6 +205,10 @@ def test_pool_limit_from_scheduler_config_is_honoured(model_dir):
     sc.use_cache_eviction = True
     with pytest.raises(UserError, match=r"compression or scheduler_config\.use_cache_eviction"):
         OpenVINOEngine(model_dir, CompressionConfig(method="snapkv", budget=128), scheduler_config=sc)
+    sparse = ov_genai.SchedulerConfig()
+    sparse.use_sparse_attention = True  # native's sparse prefill: refused by name, never ignored
+    with pytest.raises(UserError, match=r"scheduler_config\.use_sparse_attention=True is invalid: allowed False"):
+        OpenVINOEngine(model_dir, scheduler_config=sparse)
 
 
 def test_a_full_pool_is_an_error_on_one_inference_thread_too(model_dir):

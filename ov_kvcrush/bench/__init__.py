@@ -39,10 +39,12 @@ from ov_kvcrush.bench.plan import (
     BenchPlan,
     backend_methods,
     check_config,
+    checked_plan,
     dry_run,
     parse_method,
     plan_configs,
     schedule,
+    with_sparse_prefill,
 )
 from ov_kvcrush.bench.report import RESULT_KEYS, format_markdown, format_table, plot, summarize, validate_doc
 from ov_kvcrush.bench.run import run_bench
@@ -57,6 +59,7 @@ __all__ = [
     "WorkerError",
     "backend_methods",
     "check_config",
+    "checked_plan",
     "dry_run",
     "format_markdown",
     "format_table",
@@ -67,4 +70,5 @@ __all__ = [
     "schedule",
     "summarize",
     "validate_doc",
+    "with_sparse_prefill",
 ]

@@ -4,17 +4,17 @@ anything loads), the run order (interleaved repeats) and the dry run."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.config import STORE_WIDTHS, CompressionConfig, MethodSpec, parse_method_budget
+from ov_kvcrush.config import SPARSE_PREFILL, STORE_WIDTHS, CompressionConfig, MethodSpec, parse_method_budget
 from ov_kvcrush.engines.base import model_context
 from ov_kvcrush.engines.random_model import is_random_model, random_architecture
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.models.export import embedded_gguf_path, resolve_source
 from ov_kvcrush.serving.backends import ALL
-from ov_kvcrush.validation import check_int
+from ov_kvcrush.validation import check_choice, check_int
 
 # Imported where used, inside functions: what pulls in torch, heavy to import, so that importing
 # this module stays light.
@@ -42,6 +42,8 @@ class BenchConfig:
     method: str
     budget: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    #: the engine's own keyword options (native's ``sparse_prefill``), beside the method's
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -57,7 +59,7 @@ class BenchConfig:
             store = next((f"+{name}" for name, w in STORE_WIDTHS.items() if w == widths), "")
             if store:
                 del options["quant"]
-        opts = "".join(f" {k}={v}" for k, v in sorted(options.items()))
+        opts = "".join(f" {k}={v}" for k, v in sorted({**options, **self.engine_options}.items()))
         return f"{self.backend} {self.method}{opts}{store}{tail}"
 
 
@@ -143,6 +145,24 @@ def plan_configs(
     return configs
 
 
+def with_sparse_prefill(configs: list[BenchConfig], modes: Sequence[str]) -> list[BenchConfig]:
+    """``configs`` and, after each native one, its twin in each of native's sparse prefill
+    ``modes`` (``--sparse-prefill``: like compared with like, dense and sparse prompt steps side
+    by side); an unknown mode, or modes without a native configuration, is refused by name."""
+    if not modes:
+        return configs
+    for mode in modes:
+        check_choice("sparse_prefill", mode, SPARSE_PREFILL)
+    if not any(ALL[c.backend].native for c in configs):
+        raise ConfigError("sparse_prefill", ",".join(modes), "none without backend genai (native's own option)")
+    out = []
+    for c in configs:
+        out.append(c)
+        if ALL[c.backend].native:
+            out += [replace(c, engine_options={**c.engine_options, "sparse_prefill": m}) for m in modes]
+    return out
+
+
 def schedule(
     configs: Sequence[BenchConfig], lengths: Sequence[int], repeats: int
 ) -> list[tuple[int, int, BenchConfig]]:
@@ -180,6 +200,8 @@ class BenchPlan:
     device: str = "cpu"
     isolate: bool = True
     batch: int = 1
+    #: native's sparse prefill modes, each beside every genai configuration (none: dense only)
+    sparse_prefill: tuple[str, ...] = ()
 
 
 def device_of(cfg: BenchConfig, plan: BenchPlan) -> str:
@@ -208,7 +230,8 @@ def checked_plan(plan: BenchPlan) -> tuple[list[BenchConfig], list[tuple[int, in
             raise ConfigError(
                 "backends", ",".join(others), f"{', '.join(TORCH_BACKENDS)} (a random-weight model runs on torch)"
             )
-    configs = plan_configs(plan.backends, plan.methods, plan.budgets, anchor=anchor)
+    configs = with_sparse_prefill(plan_configs(plan.backends, plan.methods, plan.budgets, anchor=anchor),
+                                  plan.sparse_prefill)  # fmt: skip
     order = schedule(configs, plan.lengths, plan.repeats)
     check_int("concurrency", plan.batch, 1, MAX_BATCH)
     if plan.batch > 1 and any(not ALL[c.backend].torch_devices for c in configs):

@@ -167,6 +167,7 @@ def timed_runs(
             "method": c.method,
             "budget": c.budget,
             "options": dict(c.options),
+            "engine_options": dict(c.engine_options),
             "length": length,
             "repeat": rep,
             "batch": len(rows),

@@ -17,7 +17,8 @@ from ov_kvcrush.serving.backends import backend_info, make_engine
 def build_engine(cfg: BenchConfig, model: str | Path, device: str) -> Any:
     """The engine a configuration runs, on an already resolved model."""
     # the OpenVINO backends name their device as OpenVINO does
-    return make_engine(cfg.backend, model, compression(cfg), device=backend_info(cfg.backend).device_name(device))
+    return make_engine(cfg.backend, model, compression(cfg), device=backend_info(cfg.backend).device_name(device),
+                       **cfg.engine_options)  # fmt: skip
 
 
 class LocalRunner:

@@ -42,6 +42,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         isolate=not args.no_isolate,
         batch=args.concurrency or 1,
+        sparse_prefill=split_values("--sparse-prefill", args.sparse_prefill, str) if args.sparse_prefill else (),
     )
     if args.dry_run:
         print(dry_run(plan))

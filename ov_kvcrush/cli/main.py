@@ -263,6 +263,11 @@ def _add_bench(sub: Any) -> None:
         "are served by continuous batching over one KV pool, natively and by our op; reports generated "
         "tokens/s, TTFT and TPOT p50/p90, peak RSS, waiting and passkeys",
     )
+    bn.add_argument(
+        "--sparse-prefill",
+        help="native's sparse prompt attention beside each genai configuration: xattention, trishape "
+        "(comma-separated; openvino_genai's SparseAttentionConfig with its defaults)",
+    )
     bn.add_argument("--kv-pool-mib", type=float, help="serving run: the KV pool every backend gets, in MiB")
     bn.add_argument(
         "--max-num-batched-tokens",

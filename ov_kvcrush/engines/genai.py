@@ -96,6 +96,8 @@ class GenAIEngine:
         device: OpenVINO device, ``CPU`` by default.
         pool_tokens: tokens the KV block pool is sized for at first; grown on demand.
         properties: extra OpenVINO compile properties (e.g. ``{"KV_CACHE_PRECISION": "f16"}``).
+        sparse_prefill: native's sparse prompt attention (``xattention`` or ``trishape``, as
+            ``SchedulerConfig.use_sparse_attention`` with its defaults); ``None``: dense.
     """
 
     backend = "genai"
@@ -109,6 +111,7 @@ class GenAIEngine:
         device: str = "CPU",
         pool_tokens: int = DEFAULT_POOL_TOKENS,
         properties: dict | None = None,
+        sparse_prefill: str | None = None,
     ) -> None:
         import openvino_genai as ov_genai
 
@@ -124,8 +127,9 @@ class GenAIEngine:
         self.max_context = model_context(self.model_dir)
         self.block_size = native_block_size(device)
         self.properties = dict(properties or {})
-        # Validates block multiples etc. before any compile work.
-        to_native_scheduler_config(self.compression, device)
+        self.sparse_prefill = sparse_prefill
+        # Validates block multiples, the sparse mode etc. before any compile work.
+        to_native_scheduler_config(self.compression, device, sparse_prefill=sparse_prefill)
         self._pool_blocks = 0
         self._pipe = None
         self._ensure_pool(pool_tokens)
@@ -149,6 +153,7 @@ class GenAIEngine:
             self.device,
             num_kv_blocks=blocks,
             max_num_batched_tokens=max(blocks * self.block_size, 256),
+            sparse_prefill=self.sparse_prefill,
         )
         self._pipe = None
         self._pipe = ov_genai.ContinuousBatchingPipeline(str(self.model_dir), sc, self.device, self.properties)

@@ -211,6 +211,11 @@ class OpenVINOModel:
 
         if not isinstance(sc, ov_genai.SchedulerConfig):
             raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
+        if sc.use_sparse_attention:
+            raise ConfigError(
+                "scheduler_config.use_sparse_attention", True,
+                "False: our op's prompt attention is dense (native's sparse prefill runs on backend genai)",
+            )  # fmt: skip
         if sc.use_cache_eviction and compression is not None:
             raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
         if max_kv_blocks and (sc.num_kv_blocks or sc.cache_size):
