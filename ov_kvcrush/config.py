@@ -176,8 +176,16 @@ class GenerationSettings:
     Attributes:
         max_new_tokens: tokens to generate at most (answers on the embedded model need up to ~20).
         do_sample: sample instead of greedy decoding.
-        temperature, top_p, top_k: sampling parameters (ignored when greedy).
-        seed: sampling seed.
+        temperature, top_p, top_k, min_p: sampling parameters (ignored when greedy; ``min_p``:
+            drop the tokens less likely than ``min_p`` times the likeliest).
+        seed: sampling seed; ``None``: fresh randomness each request (OpenAI's default; the
+            library's is 0, as openvino_genai's ``rng_seed``).
+        repetition_penalty: every token of the prompt and of the answer so far has its logit
+            divided by it where positive, multiplied where negative (1: none; greedy too).
+        frequency_penalty, presence_penalty: OpenAI's: a token's logit less ``frequency_penalty``
+            times its count in the answer so far, less ``presence_penalty`` once it is there
+            (0: none; greedy too).
+        min_new_tokens: end-of-sequence is not chosen before this many tokens.
         apply_chat_template: wrap a string prompt in the model's chat template, as
             ``openvino_genai`` does by default.
         ignore_eos: keep generating past the end-of-sequence token, up to ``max_new_tokens``
@@ -189,9 +197,14 @@ class GenerationSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = 0
     apply_chat_template: bool = True
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 16)
@@ -200,7 +213,13 @@ class GenerationSettings:
         check_float("temperature", self.temperature, 0.0, 100.0, lo_open=True)
         check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         check_int("top_k", self.top_k, 0, 1 << 20)
-        check_int("seed", self.seed, 0, 2**31 - 1)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, 2**31 - 1)
+        check_float("min_p", self.min_p, 0.0, 1.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         for name in ("apply_chat_template", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "true or false")
@@ -476,6 +495,10 @@ _NATIVE_SETTINGS = {
     "rng_seed": "seed",
     "apply_chat_template": "apply_chat_template",
     "ignore_eos": "ignore_eos",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "min_new_tokens": "min_new_tokens",
 }
 
 

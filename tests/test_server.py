@@ -107,17 +107,60 @@ def test_completion_stops_at_a_stop_string_and_never_sends_past_it(client, backe
     assert "".join(c.choices[0].text for c in streamed) == full[: full.index(stop)]
 
 
-def test_sampling_follows_the_seed(client):
-    kw = {"model": "smollm2", "messages": QUESTION, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9}
-    a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
-    b = client.chat.completions.create(seed=7, **kw).choices[0].message.content
-    assert a == b
+def test_sampling_follows_the_seed_and_without_one_samples_afresh(client):
+    """Issue 73's target: without ``seed``, 20 requests at temperature 1 give at least 15 texts;
+    with one, they are all equal."""
+    kw = {"model": "smollm2", "prompt": "My favourite animal is", "max_tokens": 8, "temperature": 1.0}
+    fresh = [client.completions.create(**kw).choices[0].text for _ in range(20)]
+    assert len(set(fresh)) >= 15, fresh
+    seeded = {client.completions.create(seed=7, **kw).choices[0].text for _ in range(5)}
+    assert len(seeded) == 1
+
+
+def test_penalties_and_min_tokens_answer_as_the_pipeline_does_with_them(client, backend):
+    """The sampling fields beside OpenAI's reach the loop's sampler: the server's greedy answer with
+    them is the pipeline's own with the same settings, and differs from the answer without them."""
+    prompt = "List the days of the week: Monday, Tuesday,"
+    fields = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3, "min_tokens": 12}
+    settings = GenerationSettings(max_new_tokens=16, apply_chat_template=False, frequency_penalty=1.5,
+                                  presence_penalty=0.5, repetition_penalty=1.3, min_new_tokens=12)  # fmt: skip
+    want = backend.pipeline.generate([prompt], settings)[0]
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, extra_body=fields)
+    assert r.choices[0].text == want.text and r.usage.completion_tokens >= 12
+    plain = client.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
+    assert plain.choices[0].text != r.choices[0].text
+    sampled = client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=1, seed=3,
+                                        extra_body={"top_k": 5, "min_p": 0.05})  # fmt: skip
+    assert sampled.usage.completion_tokens > 0
+
+
+def test_what_ordinary_clients_send_is_accepted(client, backend):
+    """Default-valued fields, ``role: developer`` (a system message), and a stop string kept in the
+    answer where asked (``include_stop_str_in_output``)."""
+    system = [{"role": "system", "content": "Answer in one word."}, *QUESTION]
+    developer = [{"role": "developer", "content": "Answer in one word."}, *QUESTION]
+    want = in_process(backend, system, 12)
+    r = client.chat.completions.create(
+        model="smollm2", messages=developer, max_tokens=12, temperature=0, logprobs=False, tool_choice="none",
+        parallel_tool_calls=True, user="u1", metadata={"k": "v"}, top_logprobs=0,
+    )  # fmt: skip
+    assert r.choices[0].message.content == want
+    prompt = "Apples, pears, plums, cherries"
+    full = in_process(backend, prompt, 24)
+    assert "," in full
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0, stop=[","],
+                                  extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    assert r.choices[0].text == full[: full.index(",") + 1]
 
 
 BAD_BODIES = [
     (b"{not json", None, "not valid JSON"),
     (json.dumps({"model": "gpt-4", "messages": QUESTION}).encode(), "model", "not served here"),
-    (json.dumps({"messages": QUESTION, "max_tokens": 60000}).encode(), None, "context"),
+    (json.dumps({"messages": QUESTION, "max_tokens": 60000}).encode(), "max_tokens", r"max_tokens \(60000\) exceeds"),
+    (json.dumps({"messages": QUESTION, "max_completion_tokens": 60000}).encode(), "max_completion_tokens", "context"),
+    (json.dumps({"messages": QUESTION, "min_p": 2}).encode(), "min_p", r"\[0.0, 1.0\]"),
+    (json.dumps({"messages": QUESTION, "min_tokens": 20, "max_tokens": 10}).encode(), "min_tokens", r"\[0, 10\]"),
+    (json.dumps({"messages": QUESTION, "tool_choice": "auto"}).encode(), "tool_choice", "not supported"),
     (json.dumps({"messages": QUESTION, "n": 2}).encode(), "n", "not supported"),
     (json.dumps({"messages": QUESTION, "logprobs": True}).encode(), "logprobs", "not supported"),
     (json.dumps({"messages": QUESTION, "tools": [{"type": "function"}]}).encode(), "tools", "not supported"),

@@ -16,6 +16,7 @@ and the broken pipeline is dropped so the next call starts clean.
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,12 +58,18 @@ def native_generation_config(settings: GenerationSettings, eos: int) -> Any:
     gc.apply_chat_template = False
     gc.eos_token_id = eos
     gc.ignore_eos = settings.ignore_eos
+    gc.min_new_tokens = settings.min_new_tokens
+    gc.repetition_penalty = settings.repetition_penalty
+    gc.frequency_penalty = settings.frequency_penalty
+    gc.presence_penalty = settings.presence_penalty
     if settings.do_sample:
         gc.do_sample = True
         gc.temperature = settings.temperature
         gc.top_p = settings.top_p
         gc.top_k = settings.top_k
-        gc.rng_seed = settings.seed
+        gc.min_p = settings.min_p
+        # no seed: a fresh one (native's own default is a fixed 0)
+        gc.rng_seed = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
     return gc
 
 

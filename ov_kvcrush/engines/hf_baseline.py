@@ -33,6 +33,7 @@ from ov_kvcrush.engines.base import (
     step_ms,
     ttft_tpot_ms,
 )
+from ov_kvcrush.engines.sampling import refuse_host_sampler_settings
 from ov_kvcrush.engines.torch_engine import TorchEngine
 from ov_kvcrush.errors import ConfigError
 
@@ -95,6 +96,7 @@ class HFBaselineEngine(TorchEngine):
         self, prompt: Prompt, settings: GenerationSettings | None = None, streamer: Streamer | None = None
     ) -> GenerationResult:
         settings = settings or GenerationSettings()
+        refuse_host_sampler_settings(settings, self.backend)
         result = self._generate_rows([self._prompt_ids(prompt, settings)], settings)[0]
         if streamer is not None:
             streamer(result.text)
@@ -107,6 +109,7 @@ class HFBaselineEngine(TorchEngine):
         prompts of one token count in one ``model.generate`` call (no padding), other lengths in
         calls of their own; ``kv_bytes`` is a row's share."""
         settings = settings or GenerationSettings()
+        refuse_host_sampler_settings(settings, self.backend)
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not prompts:
             raise ConfigError("prompts", prompts, "a non-empty list of prompts")
         ids = [self._prompt_ids(p, settings) for p in prompts]

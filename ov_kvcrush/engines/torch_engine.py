@@ -51,7 +51,7 @@ from ov_kvcrush.engines.cuda_graph import GraphedDecoder
 from ov_kvcrush.engines.fused_ops import fuse_model_ops, fused_forward
 from ov_kvcrush.engines.hf_cache import ATTN_IMPLEMENTATION, CompressedCache, ModelShape
 from ov_kvcrush.engines.random_model import is_random_model
-from ov_kvcrush.engines.sampling import pick_rows
+from ov_kvcrush.engines.sampling import pick_rows, refuse_host_sampler_settings
 from ov_kvcrush.engines.torch_model import load_model
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import HOSTS
@@ -279,6 +279,7 @@ class TorchEngine:
         first (and compresses it: a method's prefill selection, KVzip's scoring pass), and the
         question comes as the next step: a question asked after compression."""
         settings = settings or GenerationSettings()
+        refuse_host_sampler_settings(settings, "torch")
         ids, split = self._prompt_split(prompt, settings, question)
         caches, logits, prefill_s = self._prefill([ids[:split]], [self.method], settings.max_new_tokens)
         logits, more_s = self._finish_prompt(caches[0], ids, split, logits[0])
@@ -300,6 +301,7 @@ class TorchEngine:
         its step, and ``kv_bytes`` a row's share of the batch's cache.
         """
         settings = settings or GenerationSettings()
+        refuse_host_sampler_settings(settings, "torch")
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not prompts:
             raise ConfigError("prompts", prompts, "a non-empty list of prompts")
         if self.method.scoring_pass:
@@ -362,6 +364,7 @@ class TorchEngine:
         ``ttft_ms`` is the shared pass. Evaluations use this to compare many methods per prompt.
         """
         settings = settings or GenerationSettings()
+        refuse_host_sampler_settings(settings, "torch")
         configs = _check_compressions(compressions)
         ids, split = self._prompt_split(prompt, settings, question)
         caches, first, prefill_s = self._prefill(
@@ -436,7 +439,7 @@ class TorchEngine:
         for all rows at a time, until each row meets EOS, the token limit or (one row) the
         streamer's stop; the batch ends when every row has."""
         n = len(rows)
-        gens = [torch.Generator().manual_seed(settings.seed) if settings.do_sample else None for _ in range(n)]
+        gens = [_generator(settings.seed) if settings.do_sample else None for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
         ends = [0] * n  # a finished row's count of stamped steps (0: still running)
         stamps: list[float] = []
@@ -563,3 +566,13 @@ def _check_compressions(compressions: list[CompressionConfig]) -> list[Compressi
 def _clean(counters: dict[str, Any]) -> dict[str, Any]:
     """Counters rounded for JSON (NaN left as is)."""
     return {k: (round(v, 6) if isinstance(v, float) and not math.isnan(v) else v) for k, v in counters.items()}
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    """A row's generator: seeded, or (``None``) from fresh randomness."""
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

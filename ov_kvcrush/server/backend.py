@@ -31,8 +31,9 @@ from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
 class StopText:
     """Text as it streams, held back where it could still be the start of a stop string."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = stops
+        self.include = include  # the stop string itself is sent
         self.text = ""
         self.sent = 0
         self.stopped = False
@@ -42,10 +43,11 @@ class StopText:
         if self.stopped:
             return ""
         self.text += delta
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        found = ((self.text.find(s), len(s)) for s in self.stops)
+        hits = [(i, i + n if self.include else i) for i, n in found if i >= 0]  # (start, where the answer ends)
         if hits:
             self.stopped = True
-            self.text = self.text[: min(hits)]
+            self.text = self.text[: min(hits)[1]]
             end = len(self.text)
         else:
             hold = max((len(s) - 1 for s in self.stops), default=0)
@@ -227,7 +229,7 @@ class PipelineBackend(Backend):
         pipeline = await asyncio.to_thread(self.pipeline_for, req.compression)  # a first one compiles
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        stop = StopText(req.stop)
+        stop = StopText(req.stop, req.include_stop)
         handle: GenerationHandle | None = None
         cache: SequenceCache | None = None
         state = {"cancel": False}
@@ -239,6 +241,11 @@ class PipelineBackend(Backend):
         try:
             try:
                 ids = pipeline.encode(req.prompt, req.settings.apply_chat_template)
+                limit = pipeline.engine.max_context
+                if limit and len(ids) + req.settings.max_new_tokens > limit:  # named as the client named it
+                    raise APIError(400, f"the prompt ({len(ids)} tokens) + {req.max_tokens_param} "
+                                   f"({req.settings.max_new_tokens}) exceeds the model's context of {limit} tokens",
+                                   req.max_tokens_param)  # fmt: skip
                 cache = self._cache_for(pipeline, ids)
                 cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
                 handle = pipeline.submit(ids, req.settings, streamer, cache=cache)

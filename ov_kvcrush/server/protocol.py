@@ -17,23 +17,33 @@ from ov_kvcrush.errors import ConfigError, UserError
 # Imported where used, inside functions: what pulls in numpy, torch, heavy to import, so that
 # importing this module stays light.
 
-#: fields the server refuses when set to anything but their neutral value
-UNSUPPORTED = {
-    "n": 1,
-    "best_of": 1,
-    "logprobs": None,
-    "top_logprobs": None,
-    "echo": False,
-    "suffix": None,
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
-    "function_call": None,
-    "response_format": None,
-    "logit_bias": None,
+#: fields the server refuses when set to anything but their neutral values (null, an empty list
+#: and these: what ordinary clients send by default)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": (),
+    "tools": (),
+    "tool_choice": ("none",),
+    "functions": (),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
 }
-#: fields accepted and without effect here (OpenAI clients send them)
-IGNORED = {"user", "stream_options", "presence_penalty", "frequency_penalty", "metadata", "store", "service_tier"}
+#: fields accepted and without effect on the answer (OpenAI clients send them)
+IGNORED = {"user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
+#: the sampling fields, beside OpenAI's: the name a client sends -> GenerationSettings' field, and its range
+SAMPLING_FIELDS = {
+    "frequency_penalty": ("frequency_penalty", -2.0, 2.0),
+    "presence_penalty": ("presence_penalty", -2.0, 2.0),
+    "repetition_penalty": ("repetition_penalty", 0.01, 10.0),  # vLLM's
+    "min_p": ("min_p", 0.0, 1.0),  # vLLM's
+}
+#: a chat message's roles (``developer``: OpenAI's newer name for ``system``, sent as it)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP_STRINGS = 4
 
 
@@ -64,6 +74,10 @@ class GenerationRequest:
     model: str = ""
     include_usage: bool = False
     compression: CompressionConfig | None = None
+    #: a stop string ends the answer after it (vLLM's ``include_stop_str_in_output``), not before
+    include_stop: bool = False
+    #: the name the client gave the token limit (``max_tokens`` or ``max_completion_tokens``)
+    max_tokens_param: str = "max_tokens"
 
 
 #: the fields of the ``kv_compression`` extension (``ov-kvcrush serve``'s flags of the same names)
@@ -120,7 +134,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict[str, Any], name: str, default: Any, lo: float, hi: float) -> Any:
     value = body.get(name, default)
     if value is None:
         return default
@@ -129,7 +143,7 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+def _integer(body: dict[str, Any], name: str, default: Any, lo: int, hi: int) -> Any:
     value = body.get(name, default)
     if value is None:
         return default
@@ -140,11 +154,13 @@ def _integer(body: dict[str, Any], name: str, default: int, lo: int, hi: int) ->
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name, neutral in UNSUPPORTED.items():
-        if name in body and body[name] not in (neutral, None) and body[name] != []:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
+        value = body.get(name)
+        if value is not None and value != [] and not any(value == n and type(value) is type(n) for n in neutral):
+            raise APIError(400, f"{name}={value!r} is not supported by this server", name)
     known = {
         "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-        "stop", "stream", "ignore_eos", "kv_compression", *UNSUPPORTED, *IGNORED,
+        "stop", "stream", "ignore_eos", "kv_compression", "top_k", "min_tokens", "include_stop_str_in_output",
+        *SAMPLING_FIELDS, *UNSUPPORTED, *IGNORED,
     }  # fmt: skip
     for name in body:
         if name not in known:
@@ -160,11 +176,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if isinstance(content, list):  # content parts: text only
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             content = "".join(p for p in parts if isinstance(p, str)) if len(parts) == len(content) else None
-        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+        if role not in ROLES or not isinstance(content, str):
             raise APIError(
-                400, f"messages[{i}] must have a role (system, user, assistant) and text content", f"messages[{i}]"
+                400, f"messages[{i}] must have a role ({', '.join(ROLES)}) and text content", f"messages[{i}]"
             )
-        out.append({"role": role, "content": content})
+        out.append({"role": ROLES[role], "content": content})
     return out
 
 
@@ -190,7 +206,14 @@ def parse_generation(body: dict[str, Any], chat: bool, max_tokens_default: int) 
     max_tokens = _integer(body, name, max_tokens_default, 1, 1 << 16)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    seed = _integer(body, "seed", 0, 0, 2**31 - 1)
+    seed = _integer(body, "seed", None, 0, 2**31 - 1)  # none: fresh randomness each request
+    top_k = _integer(body, "top_k", 0, -1, 1 << 20)  # vLLM's: -1 or 0 for every token
+    sampling = {ours: _number(body, name, None, lo, hi) for name, (ours, lo, hi) in SAMPLING_FIELDS.items()}
+    min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
+    include_stop = body.get("include_stop_str_in_output", False)
+    if not isinstance(include_stop, bool):
+        raise APIError(400, f"include_stop_str_in_output={include_stop!r} is invalid: allowed true or false",
+                       "include_stop_str_in_output")  # fmt: skip
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream={stream!r} is invalid: allowed true or false", "stream")
@@ -204,9 +227,12 @@ def parse_generation(body: dict[str, Any], chat: bool, max_tokens_default: int) 
             do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else 1.0,
             top_p=top_p if top_p > 0 else 1.0,
+            top_k=max(top_k, 0),
             seed=seed,
             apply_chat_template=chat,
             ignore_eos=ignore_eos,
+            min_new_tokens=min_tokens,
+            **{k: v for k, v in sampling.items() if v is not None},
         )
     except UserError as e:
         raise APIError(400, str(e)) from e
@@ -220,4 +246,6 @@ def parse_generation(body: dict[str, Any], chat: bool, max_tokens_default: int) 
         model=model if isinstance(model, str) else "",
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         compression=parse_compression(body.get("kv_compression")),
+        include_stop=include_stop,
+        max_tokens_param=name,
     )

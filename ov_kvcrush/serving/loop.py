@@ -395,8 +395,10 @@ class GenerationLoop:
     def _emit(self, req: ServedRequest, logits: np.ndarray) -> None:
         """Sample the request's next token (the one place the openvino backend samples), stop at
         EOS, at ``max_new_tokens`` or when the streamer says so."""
-        s = req.settings
-        token = sample_token(logits, s, req.rng)
+        s, slot = req.settings, req.slot
+        early = len(slot.generated) < s.min_new_tokens and not s.ignore_eos  # no end before min_new_tokens
+        token = sample_token(logits, s, req.rng, slot.tokens[: slot.prompt_tokens], slot.generated,
+                             sorted(self.engine.eos_ids) if early else ())  # fmt: skip
         req.stamps.append(time.perf_counter() - req.added)
         stats = req.cache.sequence.stats()  # type: ignore[union-attr]
         req.peak_kv_bytes = max(req.peak_kv_bytes, stats.kv_bytes)
