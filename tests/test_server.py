@@ -38,7 +38,7 @@ QUESTION = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def backend(model_dir):
-    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "96",
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", "knorm", "--budget", "96",
                                       "--max-queue", "4", "--served-model-name", "smollm2"])  # fmt: skip
     return build_backend(ServerConfig.from_args(args))
 
@@ -90,8 +90,14 @@ def test_chat_answers_as_the_pipeline_does_streamed_or_not(client, backend):
     ))  # fmt: skip
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
-    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # OpenAI's form: the finish reason on the last choice, then one chunk of no choices and the usage
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24, temperature=0,
+                                                stream=True))  # fmt: skip
+    assert all(c.usage is None and c.choices for c in plain)  # no usage asked: none sent
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == want
 
 
 def test_completion_stops_at_a_stop_string_and_never_sends_past_it(client, backend):
@@ -222,6 +228,7 @@ def test_past_the_queue_limit_requests_get_429_and_none_is_lost(server, backend)
             assert backend.in_flight == 4
             refused = http.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False})
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            assert refused.headers["retry-after"] == "1"  # when to come back
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
@@ -237,7 +244,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, backend):
         got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
         assert got and pool.stats().blocks_in_use > 0
     assert wait_until(lambda: backend.in_flight == 0 and not backend.pipeline.has_non_finished_requests())
-    assert pool.stats().blocks_in_use == kept.blocks() > 0
+    # Knorm keeps no conversation (it drops tokens): at idle the pool holds nothing
+    assert pool.stats().blocks_in_use == kept.blocks() == 0
     assert not backend.pipeline.has_non_finished_requests()
 
 
@@ -259,6 +267,44 @@ def test_metrics_count_what_was_served(server, client, backend):
     assert sample(after, "ovkc_ttft_seconds_count") >= 1
     assert sample(after, "ovkc_kv_pool_blocks_used") == backend.pipeline.pool.stats().blocks_in_use
     assert np.isclose(sample(after, "ovkc_requests_running"), 0)
+
+
+def test_every_refusal_is_counted_by_status_and_every_request_leaves_one_access_line(backend):
+    """Refusals the app makes itself (a bad body, a missing key, an unknown path, a body too large)
+    count in ``/metrics`` under their status beside the backend's; each generation request, answered
+    or refused, streamed or not, leaves one access-log line with its status (and, answered, its
+    tokens, TTFT and KV bytes)."""
+    from ov_kvcrush.server.metrics import ServerMetrics
+
+    entries: list[dict] = []
+    key = {"authorization": "Bearer k"}
+
+    def errors(status: str) -> float:
+        for family in text_string_to_metric_families(backend.metrics.exposition().decode()):
+            for s in family.samples:
+                if s.name == "ovkc_error_responses_total" and s.labels == {"status": status}:
+                    return s.value
+        return 0.0
+
+    assert isinstance(backend.metrics, ServerMetrics)
+    before = {s: errors(s) for s in ("400", "401", "404", "413")}
+    with ServerThread(make_app(backend, api_key="k", max_body_bytes=2048, access_log=entries.append)) as s:
+        url = f"{s.url}/v1/chat/completions"
+        assert httpx.post(url, json={"messages": QUESTION}).status_code == 401
+        assert httpx.post(url, json={"messages": QUESTION, "temperature": 9}, headers=key).status_code == 400
+        assert httpx.post(url, content=b"x" * 3000, headers=key).status_code == 413
+        assert httpx.get(f"{s.url}/v1/nothing", headers=key).status_code == 404
+        ok = httpx.post(url, json={"messages": QUESTION, "max_tokens": 6, "temperature": 0}, headers=key).json()
+        with httpx.stream("POST", url, json={"messages": QUESTION, "max_tokens": 6, "temperature": 0, "stream": True},
+                          headers=key) as streamed:  # fmt: skip
+            assert streamed.status_code == 200 and "[DONE]" in streamed.read().decode()
+    assert {st: errors(st) - before[st] for st in before} == {"400": 1, "401": 1, "404": 1, "413": 1}
+    assert [e["status"] for e in entries] == [401, 400, 413, 404, 200, 200]  # one line a request
+    assert "temperature=9" in entries[1]["error"]
+    answered = entries[4]
+    assert answered["completion_tokens"] == ok["usage"]["completion_tokens"]
+    assert answered["kv_bytes"] == ok["usage"]["kv_bytes"] and answered["ttft_ms"] > 0
+    assert entries[5]["finish_reason"] in ("stop", "length") and entries[5]["completion_tokens"] > 0
 
 
 def free_port() -> int:
@@ -323,12 +369,12 @@ LONG = [{"role": "user", "content": "The lighthouse keeper wrote about the weath
 
 
 def test_a_request_names_its_own_method_and_gets_its_pipeline(client, backend):
-    """The server runs SnapKV @96; a request asking for the full cache is served by a pipeline of
+    """The server runs Knorm @96; a request asking for the full cache is served by a pipeline of
     its own (made on first use) and holds every token, and answers as that pipeline does."""
     from ov_kvcrush.config import CompressionConfig
 
     default = client.chat.completions.create(model="smollm2", messages=LONG, max_tokens=8, temperature=0)
-    assert default.usage.model_extra["kv_bytes"] < default.usage.model_extra["full_kv_bytes"]  # SnapKV evicted
+    assert default.usage.model_extra["kv_bytes"] < default.usage.model_extra["full_kv_bytes"]  # Knorm evicted
     full = client.chat.completions.create(
         model="smollm2", messages=LONG, max_tokens=8, temperature=0, extra_body={"kv_compression": {"method": "full"}}
     )

@@ -1,4 +1,6 @@
-"""A compressed cache kept across a conversation's turns (issue 50, item 2), through the server.
+"""A conversation's cache kept across its turns (issue 50, item 2), through the server: the full
+cache's, the one a server keeps (issue 73: a compressing method's kept cache answers later turns
+worse than the history sent cold, so a server keeps none for it, last test here).
 
 Oracle: the loop's own two turns over one ``SequenceCache`` in process (what ``ov-kvcrush chat``
 does): the server's second answer must be that answer, continued from as many cached prompt
@@ -37,7 +39,7 @@ def conversation(code: str, repeats: int = 12) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def backend(model_dir):
     args = build_parser().parse_args(
-        ["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "128", "--kv-pool-mib", "16",
+        ["serve", "--model", str(model_dir), "--kv-pool-mib", "16",
          "--served-model-name", "smollm2"]
     )  # fmt: skip
     return build_backend(ServerConfig.from_args(args))
@@ -110,3 +112,30 @@ def test_a_full_store_releases_the_least_recently_used_cache(backend):
     taken.sequence.free()
     kept.clear()
     assert len(kept) == 0 and np.isfinite(pool.stats().kv_bytes)
+
+
+def test_a_compressing_method_keeps_no_cache_and_answers_each_turn_as_cold(model_dir):
+    """SnapKV chooses what to keep by the turn's question (issue 73: a kept cache answered 0 of 10
+    later questions, the same histories sent cold 9 of 10): the server keeps no cache for it, so
+    a later turn prefills its history and answers as a cold request of it does."""
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "128",
+                                      "--served-model-name", "smollm2"])  # fmt: skip
+    backend = build_backend(ServerConfig.from_args(args))
+    try:
+        with ServerThread(make_app(backend)) as s:
+            snap = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+            first = [{"role": "user", "content": conversation("DELTA-4")[0]["content"].replace(
+                "\nWhat is the secret code?", "\nReply with OK.")}]  # fmt: skip
+            a1, _ = ask(snap, first)
+            second = [
+                *first,
+                {"role": "assistant", "content": a1},
+                {"role": "user", "content": "What is the secret code?"},
+            ]
+            a2, u2 = ask(snap, second)
+        assert u2.prompt_tokens_details.cached_tokens == 0 and len(backend.pipeline.kept) == 0
+        cold = backend.pipeline.generate([second], GenerationSettings(max_new_tokens=16))[0].text
+        assert a2 == cold
+    finally:
+        backend.close()
+        backend.pipeline.engine.close()

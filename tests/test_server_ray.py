@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ov_kvcrush[serve]')")
 
-SERVE = ["serve", "--method", "snapkv", "--budget", "96", "--ray", "--replicas", "2", "--cpus-per-replica", "1"]
+SERVE = ["serve", "--ray", "--replicas", "2", "--cpus-per-replica", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_both_replicas_answer_and_a_conversation_stays_on_its_replica(ray_server
     from ov_kvcrush.server.config import ServerConfig
     from ov_kvcrush.server.factory import build_backend
 
-    local = build_backend(ServerConfig(method="snapkv", budget=96, model=str(model_dir)))
+    local = build_backend(ServerConfig(model=str(model_dir)))
     seen: dict[str, list[dict[str, str]]] = {}
     for i in range(16):  # conversations until each replica has one
         first = [{"role": "user", "content": f"My name is Ada{i}. The lighthouse keeper writes letters. " * 8}]

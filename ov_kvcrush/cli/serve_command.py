@@ -10,7 +10,10 @@ SIGTERM and Ctrl-C stop accepting connections, let the requests in flight finish
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import time
 from typing import Any
 
 from ov_kvcrush.validation import check_int
@@ -51,11 +54,20 @@ def add_serve_arguments(sub: Any) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help=f"require this bearer token (or set {API_KEY_ENV})")
     s.add_argument("--threads", type=int, default=None, help="OpenVINO inference threads (default: every core)")
+    s.add_argument(
+        "--quiet", action="store_true",
+        help="no access log (default: one JSON line a request on stderr: status, tokens, TTFT, KV bytes)",
+    )  # fmt: skip
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'ov_kvcrush[serve]')")
     r.add_argument("--ray", action="store_true", help="serve from --replicas Ray Serve replicas, one pool each")
     r.add_argument("--replicas", type=int, default=2, help="replicas (default 2); a conversation stays on one")
     r.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica takes (and its threads)")
     r.add_argument("--ray-address", default=None, help="an existing cluster (e.g. auto); default: a local one")
+
+
+def print_access(entry: dict) -> None:
+    """An access-log line: the request's entry as one JSON object on stderr, with its time."""
+    print(json.dumps({"time": round(time.time(), 3), **entry}), file=sys.stderr, flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -75,7 +87,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ov_kvcrush.server.factory import build_backend  # openvino: not for --help
 
         backend = build_backend(config)
-    app = make_app(backend, api_key=api_key, max_body_bytes=args.max_body_kib * 1024)
+    method = config.compression().method_config()
+    if not method.keeps_later_turns:  # say so once, before the first user finds out
+        print(f"note: no conversation cache is kept for {method.name}: a later turn through it could not find "
+              "what an earlier one left out; each turn prefills its history (only the full cache keeps "
+              "conversations)", file=sys.stderr, flush=True)  # fmt: skip
+    app = make_app(backend, api_key=api_key, max_body_bytes=args.max_body_kib * 1024,
+                   access_log=None if args.quiet else print_access)  # fmt: skip
     http = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)
     try:
         sock = http.bind_socket()  # bound only: uvicorn listens when its server starts

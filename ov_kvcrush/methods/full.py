@@ -20,6 +20,8 @@ class FullConfig(MethodConfig):
     """Keep every token in full precision (no fields: nothing to tune)."""
 
     name: ClassVar[str] = "full"
+    #: every token is held and attended: a kept conversation loses nothing
+    keeps_later_turns: ClassVar[bool] = True
     departure: ClassVar[str] = "no paper: nothing is compressed"
     needs_budget: ClassVar[bool] = False
     runtimes: ClassVar[Declaration] = {

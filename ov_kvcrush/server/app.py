@@ -3,9 +3,12 @@
 web chat page at ``/``.
 
 Every error is an OpenAI-shaped JSON body with its status; a request without the API key (when
-one is set) gets 401, and a body over the size limit is refused before it is parsed (413). The
-requests are parsed in :mod:`~ov_kvcrush.server.protocol`, the responses shaped in
-:mod:`~ov_kvcrush.server.responses`: here they are only routed.
+one is set) gets 401, and a body over the size limit is refused before it is parsed (413); a
+full queue's 429 says when to retry (``Retry-After``). Every error response is counted in
+``/metrics`` by its status, and every generation request leaves one access-log line (a JSON
+object: path, status, tokens, finish, TTFT, KV bytes; or why it was refused) where the app is
+given a log. The requests are parsed in :mod:`~ov_kvcrush.server.protocol`, the responses shaped
+in :mod:`~ov_kvcrush.server.responses`: here they are only routed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +26,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ov_kvcrush.server.backend import Backend
+from ov_kvcrush.server.backend import Answer, Backend
 from ov_kvcrush.server.protocol import APIError, parse_generation, parse_json
-from ov_kvcrush.server.responses import completion_body, error_response, events
+from ov_kvcrush.server.responses import access_entry, completion_body, error_response, events
+
+#: where the access-log lines go (``ov-kvcrush serve`` prints them, one JSON object a line)
+AccessLog = Callable[[dict[str, Any]], None]
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB of JSON: ~250k tokens of text
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
@@ -55,10 +62,16 @@ async def read_body(request: Request, max_body_bytes: int) -> dict[str, Any]:
 class Routes:
     """The app's endpoints over ``backend``."""
 
-    def __init__(self, backend: Backend, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, backend: Backend, api_key: str | None, max_body_bytes: int, log: AccessLog | None) -> None:
         self.backend = backend
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.log = log
+
+    def logged(self, path: str, status: int, answer: Answer | None = None, error: str = "") -> None:
+        """One request's access-log line (none without a log)."""
+        if self.log is not None:
+            self.log(access_entry(path, status, answer, error))
 
     async def models(self, request: Request) -> Response:
         check_key(request, self.api_key)
@@ -80,12 +93,21 @@ class Routes:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         replica = self.backend.replica_for(req)
         headers = {"x-ovkc-replica": replica} if replica else None
+        path = request.url.path
         if req.stream:
             rest = self.backend.generate(req)
             first = await anext(rest)  # errors before the first token still get a status
-            stream = events(rid, chat, model, first, rest)
+
+            def ended(end: Answer | APIError | None) -> None:  # the stream's status was 200, whatever came
+                if isinstance(end, APIError):
+                    self.logged(path, 200, error=f"{end.status}: {end.message}")
+                else:
+                    self.logged(path, 200, end, "" if end is not None else "the client went away")
+
+            stream = events(rid, chat, model, first, rest, req.include_usage, ended)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         answer = await self.backend.complete(req)
+        self.logged(path, 200, answer)
         return JSONResponse(completion_body(rid, chat, model, answer), headers=headers)
 
     async def page(self, request: Request) -> Response:
@@ -100,20 +122,32 @@ class Routes:
         text = await asyncio.to_thread(self.backend.metrics.exposition)
         return Response(text, media_type="text/plain; version=0.0.4")
 
-
-async def on_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return error_response(exc)
-
-
-async def on_http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)  # an unknown path, a wrong method
-    return error_response(APIError(exc.status_code, str(exc.detail)))
+    def refused(self, request: Request, err: APIError) -> Response:
+        """An error response: counted by its status, and logged where the request generates."""
+        self.backend.metrics.error_response(err.status)
+        if request.url.path.startswith("/v1/") and request.url.path != "/v1/models":
+            self.logged(request.url.path, err.status, error=err.message)
+        return error_response(err)
 
 
-def make_app(backend: Backend, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> Starlette:
-    """The server's app over ``backend``: its routes."""
-    r = Routes(backend, api_key, max_body_bytes)
+def make_app(
+    backend: Backend,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+    access_log: AccessLog | None = None,
+) -> Starlette:
+    """The server's app over ``backend``: its routes (``access_log``: where each generation
+    request's line goes; None: nowhere)."""
+    r = Routes(backend, api_key, max_body_bytes, access_log)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return r.refused(request, exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)  # an unknown path, a wrong method
+        return r.refused(request, APIError(exc.status_code, str(exc.detail)))
+
     routes = [
         Route("/", r.page, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),

@@ -274,8 +274,9 @@ class PipelineBackend(Backend):
 
     def _cache_for(self, pipeline: ContinuousBatchingPipeline, ids: list[int]) -> SequenceCache | None:
         """The kept cache this request continues (its conversation's last turn), or a new one to
-        keep; ``None`` when caches are not kept."""
-        if not self.keep_caches:
+        keep; ``None`` when caches are not kept: by the server, or for a method whose kept cache
+        would lose what a later question needs (``MethodConfig.keeps_later_turns``)."""
+        if not self.keep_caches or not pipeline.engine.method.keeps_later_turns:
             return None
         return pipeline.kept.take(ids) or SequenceCache(pipeline.pool.new_sequence())
 

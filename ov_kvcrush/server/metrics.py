@@ -46,6 +46,7 @@ class ServerMetrics:
         self.kv_full = Counter(
             "ovkc_request_kv_bytes_full", "KV bytes the same requests would hold with the full cache", registry=r
         )
+        self.errors = Counter("ovkc_error_responses", "Error responses sent, by HTTP status", ["status"], registry=r)
         self.ttft = Histogram("ovkc_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("ovkc_tpot_seconds", "Time per output token", buckets=LATENCY_BUCKETS, registry=r)
 
@@ -63,6 +64,10 @@ class ServerMetrics:
 
     def refused(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
+
+    def error_response(self, status: int) -> None:
+        """An error response sent (any: a bad body, a missing key, an unknown path, a full queue)."""
+        self.errors.labels(str(status)).inc()
 
     def exposition(self) -> bytes:
         for key, value in self.stats().items():

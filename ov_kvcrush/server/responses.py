@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -15,9 +15,29 @@ from starlette.responses import JSONResponse
 from ov_kvcrush.server.backend import Answer
 from ov_kvcrush.server.protocol import APIError
 
+#: seconds a client is asked to wait before retrying a full queue (429): requests end in seconds
+RETRY_AFTER_S = 1
+
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def access_entry(path: str, status: int, answer: Answer | None = None, error: str = "") -> dict[str, Any]:
+    """One request's access-log line: its path and status, and (answered) its tokens, finish,
+    TTFT and the KV bytes its cache held against the full cache's; (refused) why."""
+    entry: dict[str, Any] = {"path": path, "status": status}
+    if answer is not None:
+        r = answer.result
+        entry |= {
+            "prompt_tokens": r.prompt_tokens, "completion_tokens": r.generated_tokens,
+            "cached_tokens": answer.cached_tokens, "finish_reason": answer.finish_reason,
+            "ttft_ms": round(r.ttft_ms, 1), "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes,
+        }  # fmt: skip
+    if error:
+        entry["error"] = error
+    return entry
 
 
 def usage(answer: Answer) -> dict[str, Any]:
@@ -63,7 +83,8 @@ def chunk(
     extra: dict[str, Any] | None = None,
     role: bool = False,
 ) -> str:
-    """One event of a stream: a piece of text, or the end (``finish``, with ``extra`` fields)."""
+    """One event of a stream: a piece of text, or the end (``finish``), with ``extra`` fields
+    (``usage: null`` where the client asked for the usage at the end)."""
     if chat:
         delta: dict[str, str] = {} if text is None else {"content": text}
         if role:  # the first chat chunk names the assistant's role, as OpenAI's streams start
@@ -71,34 +92,53 @@ def chunk(
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    return _event(rid, chat, model, [choice], extra)
+
+
+def _event(rid: str, chat: bool, model: str, choices: list[dict[str, Any]], extra: dict[str, Any] | None) -> str:
     data = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         **(extra or {}),
     }
     return f"data: {json.dumps(data)}\n\n"
 
 
 async def events(
-    rid: str, chat: bool, model: str, first: str | Answer, rest: AsyncIterator[str | Answer]
+    rid: str,
+    chat: bool,
+    model: str,
+    first: str | Answer,
+    rest: AsyncIterator[str | Answer],
+    include_usage: bool,
+    ended: Callable[[Answer | APIError | None], None],
 ) -> AsyncIterator[str]:
-    """The stream's events: the role (chat), every piece, the end with its usage, ``[DONE]``; an
-    error in flight as an OpenAI error event."""
+    """The stream's events: the role (chat), every piece, the end, then (``include_usage``:
+    ``stream_options.include_usage``) OpenAI's last chunk, no choices and the usage, every
+    chunk before it with ``usage: null``; ``[DONE]``. An error in flight as an OpenAI error event.
+    ``ended``: called once with the answer, the error, or None (the client went away first)."""
+    end: Answer | APIError | None = None
+    extra = {"usage": None} if include_usage else None
     if chat:
-        yield chunk(rid, chat, model, None, None, role=True)
+        yield chunk(rid, chat, model, None, None, extra, role=True)
     try:
         item: str | Answer | None = first
         while item is not None:
             if isinstance(item, Answer):
-                yield chunk(rid, chat, model, None, item.finish_reason, {"usage": usage(item)})
+                end = item
+                yield chunk(rid, chat, model, None, item.finish_reason, extra)
+                if include_usage:
+                    yield _event(rid, chat, model, [], {"usage": usage(item)})
                 break
-            yield chunk(rid, chat, model, item, None)
+            yield chunk(rid, chat, model, item, None, extra)
             item = await anext(rest, None)
     except APIError as e:
+        end = e
         yield f"data: {json.dumps(e.body())}\n\n"
     finally:
+        ended(end)
         await rest.aclose()
     yield "data: [DONE]\n\n"
