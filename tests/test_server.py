@@ -339,6 +339,29 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits(model_dir):
         proc.wait()
 
 
+@pytest.mark.slow
+def test_the_serving_line_comes_once_the_socket_accepts_even_on_a_busy_machine(model_dir):
+    """Issue 73, item 3: a client that connects the moment ``serving ...`` is printed is answered,
+    with two CPU-bound processes at the lowest priority beside the server (the machine on which a
+    whole suite once got "connection refused" here)."""
+    spin = "print('spinning', flush=True)\nwhile True: pass"
+    busy = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]  # fmt: skip
+    port = free_port()
+    cmd = [sys.executable, "-m", "ov_kvcrush", "serve", "--model", str(model_dir), "--port", str(port), "--quiet"]
+    proc = None
+    try:
+        assert all(p.stdout.readline().strip() == "spinning" for p in busy)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout.readline().startswith("serving ")
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)  # at once, no retry
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    finally:
+        for p in [*busy, *([proc] if proc else [])]:
+            p.kill()
+            p.wait()
+
+
 def test_32_concurrent_streams_are_each_answered_or_refused_and_none_is_lost(server, backend):
     """Past the queue limit (4 here) a request gets 429 at once; every other one streams to its
     end; then the pool holds only the kept caches."""

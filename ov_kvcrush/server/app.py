@@ -117,6 +117,11 @@ class Routes:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "in_flight": self.backend.in_flight})
 
+    async def pool(self, request: Request) -> Response:
+        """The pool's state now (the page shows it beside each answer): requests running and
+        waiting, blocks used and free (-1: unbounded), KV bytes held, conversations kept."""
+        return JSONResponse(await asyncio.to_thread(self.backend.stats))  # a Ray backend asks its replicas
+
     async def metrics(self, request: Request) -> Response:
         # in a thread: the gauges may ask other processes (Ray replicas) and wait for them
         text = await asyncio.to_thread(self.backend.metrics.exposition)
@@ -155,5 +160,6 @@ def make_app(
         Route("/v1/completions", r.completions, methods=["POST"]),
         Route("/health", r.health, methods=["GET"]),
         Route("/metrics", r.metrics, methods=["GET"]),
+        Route("/pool", r.pool, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
