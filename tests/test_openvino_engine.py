@@ -369,3 +369,17 @@ def test_request_past_the_context_is_refused(engine):
     with pytest.raises(UserError, match=r"exceeds the model's context of \d+ tokens"):
         engine.generate("Hi.", GenerationSettings(max_new_tokens=engine.max_context))
     assert engine.pool.stats().blocks_in_use == 0  # refused before any step
+
+
+def test_a_compression_is_checked_as_the_pool_would_take_it(engine):
+    """``check_compression`` (a server's check of a request's method) accepts and refuses what
+    making the pool does: block-wise KVCrush takes its own block size (the pool's then), and a
+    method the op does not run is refused naming where it runs."""
+    from ov_kvcrush.errors import ConfigError
+
+    for block in (16, 64):
+        compression = CompressionConfig("kvcrush", 256, options={"block_size": block})
+        engine.check_compression(compression)
+        assert engine.pool_spec(compression)[1] == block
+    with pytest.raises(ConfigError, match=r"method='quest' is invalid: .*quest runs on:.*device GPU"):
+        engine.check_compression(CompressionConfig("quest", 256))

@@ -262,25 +262,25 @@ class OpenVINOModel:
     def pool_spec(self, compression: CompressionConfig) -> tuple[Any, int, str]:
         """``(method config, block size, the op's spec)`` of ``compression``, checked."""
         method = self._calibrated(compression.method_config())
-        block_size = self.default_block_size
-        if self.plugin is not None:  # the layers are compiled for the engine's block size
-            self.plugin.check_method(method)
-            return method, block_size, method.name
-        method_block = getattr(method, "block_size", None)
-        if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
-            _check_block_size("options.block_size", method_block)
-            block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
-        return method, block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size, self.windows)
+        return method, *self._method_spec(method)
 
     def check_compression(self, compression: CompressionConfig) -> None:
         """Raise :class:`~ov_kvcrush.errors.ConfigError` unless this engine runs ``compression``
         on its device (our op on the CPU, our layers in the GPU plugin), naming the field: a
         server's check of a request's method before it makes a pool (no calibration runs)."""
-        method = compression.method_config().model_free()
-        if self.plugin is not None:
+        self._method_spec(compression.method_config().model_free())
+
+    def _method_spec(self, method: Any) -> tuple[int, str]:
+        """``(block size, the op's spec)`` of ``method`` on this engine's device, checked."""
+        block_size = self.default_block_size
+        if self.plugin is not None:  # the layers are compiled for the engine's block size
             self.plugin.check_method(method)
-            return
-        method_spec(method, self.shape.layers, self.shape.q_heads, self.default_block_size, self.windows)
+            return block_size, method.name
+        method_block = getattr(method, "block_size", None)
+        if method_block is not None and block_size == DEFAULT_BLOCK_SIZE:
+            _check_block_size("options.block_size", method_block)
+            block_size = int(method_block)  # block-wise KVCrush evicts whole blocks of the pool
+        return block_size, method_spec(method, self.shape.layers, self.shape.q_heads, block_size, self.windows)
 
     def _calibrated(self, method: Any) -> Any:
         """``method`` with what it calibrates on the model (:mod:`~ov_kvcrush.engines.calibration`);
