@@ -154,12 +154,12 @@ def context_prompt(prompt: Prompt, question: str) -> Prompt:
     return messages
 
 
-def check_context(prompt_tokens: int, new_tokens: int, limit: int | None) -> None:
-    """Refuse a request longer than the model's context (``limit``; ``None``/0: unknown, no check)."""
+def check_context(prompt_tokens: int, new_tokens: int, limit: int | None, name: str = "max_new_tokens") -> None:
+    """Refuse a request longer than the model's context (``limit``; ``None``/0: unknown, no check),
+    naming the token limit as its caller's user gave it (``name``: the server's ``max_tokens``)."""
     if limit and prompt_tokens + new_tokens > limit:
         raise UserError(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the model's "
-            f"context of {limit} tokens"
+            f"prompt ({prompt_tokens} tokens) + {name} ({new_tokens}) exceeds the model's context of {limit} tokens"
         )
 
 

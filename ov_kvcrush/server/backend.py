@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ov_kvcrush.config import CompressionConfig
-from ov_kvcrush.engines.base import GenerationResult
+from ov_kvcrush.engines.base import GenerationResult, check_context
 from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.server.metrics import ServerMetrics
@@ -241,11 +241,11 @@ class PipelineBackend(Backend):
         try:
             try:
                 ids = pipeline.encode(req.prompt, req.settings.apply_chat_template)
-                limit = pipeline.engine.max_context
-                if limit and len(ids) + req.settings.max_new_tokens > limit:  # named as the client named it
-                    raise APIError(400, f"the prompt ({len(ids)} tokens) + {req.max_tokens_param} "
-                                   f"({req.settings.max_new_tokens}) exceeds the model's context of {limit} tokens",
-                                   req.max_tokens_param)  # fmt: skip
+                try:  # the loop checks it too; here it is named as the client named it
+                    check_context(len(ids), req.settings.max_new_tokens, pipeline.engine.max_context,
+                                  req.max_tokens_param)  # fmt: skip
+                except UserError as e:
+                    raise APIError(400, str(e), req.max_tokens_param) from e
                 cache = self._cache_for(pipeline, ids)
                 cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
                 handle = pipeline.submit(ids, req.settings, streamer, cache=cache)
