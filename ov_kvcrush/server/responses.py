@@ -25,16 +25,13 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def access_entry(path: str, status: int, answer: Answer | None = None, error: str = "") -> dict[str, Any]:
-    """One request's access-log line: its path and status, and (answered) its tokens, finish,
-    TTFT and the KV bytes its cache held against the full cache's; (refused) why."""
+    """One request's access-log line: its path and status, and (answered) its :func:`usage`
+    (tokens, KV bytes against the full cache's, TTFT, TPOT) flat, and its finish; (refused) why."""
     entry: dict[str, Any] = {"path": path, "status": status}
     if answer is not None:
-        r = answer.result
-        entry |= {
-            "prompt_tokens": r.prompt_tokens, "completion_tokens": r.generated_tokens,
-            "cached_tokens": answer.cached_tokens, "finish_reason": answer.finish_reason,
-            "ttft_ms": round(r.ttft_ms, 1), "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes,
-        }  # fmt: skip
+        fields = usage(answer)
+        details = fields.pop("prompt_tokens_details")
+        entry |= fields | {"cached_tokens": details["cached_tokens"], "finish_reason": answer.finish_reason}
     if error:
         entry["error"] = error
     return entry
