@@ -27,8 +27,6 @@ from ov_kvcrush.paths import cache_root
 BF16_PRODUCTS = ("dot", "widened")
 #: what selects a way by name, before any measurement
 ENV = "OVKC_BF16_PRODUCTS"
-#: trials of each instruction in a measurement (about 5 ms in all)
-ROUNDS = 25
 #: the cache file's layout; another version is measured again and rewritten
 FORMAT = 1
 
@@ -70,8 +68,9 @@ def cpu_identity() -> str:
     return " / ".join([platform.machine(), *parts])
 
 
-def measure(lib: ctypes.CDLL, rounds: int = ROUNDS) -> Bf16Choice | None:
-    """The library's measurement on this core now (None: no AVX512-BF16, nothing to choose)."""
+def measure(lib: ctypes.CDLL, rounds: int = 0) -> Bf16Choice | None:
+    """The library's measurement on this core now, from ``rounds`` trials of each way (0: the
+    library's own count, what it chooses by itself from); None: no AVX512-BF16, nothing to choose."""
     dot, fma = ctypes.c_double(), ctypes.c_double()
     index = lib.ovkc_measure_bf16_products(rounds, ctypes.byref(dot), ctypes.byref(fma))
     if index < 0:
@@ -126,7 +125,7 @@ def _keep(cpu: str, choice: Bf16Choice) -> None:
             data = {}
     except (OSError, ValueError, AttributeError):
         data = {}
-    entry = {"products": choice.products, "dot_rate": choice.dot_rate, "fma_rate": choice.fma_rate, "rounds": ROUNDS}
+    entry = {"products": choice.products, "dot_rate": choice.dot_rate, "fma_rate": choice.fma_rate}
     data = {"format": FORMAT, "cpus": {**data.get("cpus", {}), cpu: entry}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

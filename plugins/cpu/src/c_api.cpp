@@ -61,11 +61,12 @@ OVKC_API int32_t ovkc_set_bf16_products(int32_t widened) {
 }
 
 // The rates of this core's bf16 dot products and f32 FMAs (multiply-adds per second, the best of
-// `rounds` trials: kernels.hpp, measure_bf16_rates) and the choice they make (0 dot products, 1
-// widened; -1 without AVX512-BF16, nothing to choose). Chooses nothing for the process.
+// `rounds` trials, or of the library's own count where rounds <= 0: kernels.hpp,
+// measure_bf16_rates) and the choice they make (0 dot products, 1 widened; -1 without
+// AVX512-BF16, nothing to choose). Chooses nothing for the process.
 OVKC_API int32_t ovkc_measure_bf16_products(int32_t rounds, double* dot, double* fma) {
     if (!ovkc::has_bf16()) return -1;
-    const ovkc::Bf16Rates rates = ovkc::measure_bf16_rates(rounds);
+    const ovkc::Bf16Rates rates = ovkc::measure_bf16_rates(rounds > 0 ? rounds : ovkc::kBf16ChoiceRounds);
     if (dot) *dot = rates.dot;
     if (fma) *fma = rates.fma;
     return ovkc::choose_bf16_products(rates) == ovkc::Bf16Products::widened ? 1 : 0;

@@ -96,8 +96,8 @@ bool has_bf16();
 // as FMAs (benchmarks/dot_peak.cpp), so widening does more multiply-adds per second there.
 enum class Bf16Products { dot, widened };
 // The process's choice: OVKC_BF16_PRODUCTS (dot or widened) if set, else what the library's
-// user set (the Python side: a choice measured once per CPU and cached, op/plugin.py), else
-// measured here once (measure_bf16_rates).
+// user set (the Python side: a choice measured once per CPU and cached, op/bf16_choice.py), else
+// measured here once (measure_bf16_rates, kBf16ChoiceRounds trials).
 Bf16Products bf16_products();
 void set_bf16_products(Bf16Products products);
 // Multiply-adds per second of this core's bf16 dot products and of its f32 FMAs, each the best
@@ -106,6 +106,8 @@ void set_bf16_products(Bf16Products products);
 struct Bf16Rates {
     double dot = 0.0, fma = 0.0;
 };
+// trials of each instruction a choice is measured from (about 5 ms in all)
+constexpr int kBf16ChoiceRounds = 25;
 Bf16Rates measure_bf16_rates(int rounds);
 // Widened where the FMAs do at least 1.2x the dot products' multiply-adds (the margin pays for
 // the widening and the extra broadcasts).

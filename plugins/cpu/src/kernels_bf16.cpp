@@ -76,8 +76,6 @@ Bf16Products choose_bf16_products(const Bf16Rates& rates) {
 
 namespace {
 std::atomic<int> g_bf16_products{-1};  // -1: not chosen yet
-// trials of each instruction when the library chooses itself (about 5 ms in all)
-constexpr int kChoiceRounds = 25;
 }  // namespace
 
 Bf16Products bf16_products() {
@@ -89,7 +87,7 @@ Bf16Products bf16_products() {
         else if (env && std::strcmp(env, "widened") == 0)
             p = 1;
         else
-            p = choose_bf16_products(measure_bf16_rates(kChoiceRounds)) == Bf16Products::widened ? 1 : 0;
+            p = choose_bf16_products(measure_bf16_rates(kBf16ChoiceRounds)) == Bf16Products::widened ? 1 : 0;
         int unset = -1;  // the first thread to choose wins; the others read its choice
         if (!g_bf16_products.compare_exchange_strong(unset, p)) p = unset;
     }

@@ -143,7 +143,6 @@ struct HeadState {
     virtual void truncated() {}
 };
 
-// One (layer, KV head) of a sequence.
 // A step's own keys and values, as the op was given them ([count][D] each, positions first ..):
 // while a prompt step's attention runs, the head reads these in place of the store's rounded
 // copies (head_block_floats), so a prompt attends its tokens exactly at any store precision, as
@@ -155,6 +154,7 @@ struct StepTokens {
     int64_t count = 0;
 };
 
+// One (layer, KV head) of a sequence.
 struct HeadCache {
     std::vector<int32_t> blocks;  // block table
     std::vector<int64_t> pos;     // absolute position of each held slot, ascending
