@@ -94,11 +94,27 @@ HQ, HKV, D = 9, 3, 64  # the embedded model's attention shape
 
 
 def op_model(
-    core, hq: int, hkv: int, d: int, layer: int = 0, scale: float | None = None, compute: str = "f32", **properties
+    core,
+    hq: int,
+    hkv: int,
+    d: int,
+    layer: int = 0,
+    scale: float | None = None,
+    compute: str = "f32",
+    softcap: float = 0.0,
+    **properties,
 ):
     from ov_kvcrush.op.probe import single_op_model
 
-    return single_op_model(core, hq, hkv, d, layer, scale, compute, properties)
+    return single_op_model(core, hq, hkv, d, layer, scale, compute, properties, softcap=softcap)
+
+
+def reference_layer(cfg, layer: int, layers: int, softcap: float = 0.0):
+    """The reference layer cache of ``cfg`` for ``layer``, soft-capping its logits at ``softcap``
+    (0: none), as an engine sets it from the model."""
+    lc = cfg.make_layer(layer, layers)
+    lc.softcap = softcap or None
+    return lc
 
 
 def causal_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float | None = None):
@@ -125,8 +141,9 @@ def held_positions(seq: kvcache.KVSequence, layer: int) -> list[np.ndarray]:
     return [seq.read_head(layer, g)[0] for g in range(HKV)]
 
 
-def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_size=32):
-    """Feed ``steps`` (token counts; the first is the prompt) to the op and the reference layer cache."""
+def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_size=32, softcap=0.0):
+    """Feed ``steps`` (token counts; the first is the prompt) to the op and the reference layer
+    cache (both soft-capping their logits at ``softcap``, 0: none)."""
     from ov_kvcrush.op import kvcache
 
     lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=sum(steps), head_dim=D)
@@ -134,8 +151,8 @@ def drive(core, cfg, *, layer, steps, seed=0, layers=4, precision="f32", block_s
         layers, HQ, HKV, D, block_size=block_size, precision=precision, method=method_spec(cfg, layers, HQ, block_size)
     )
     seq = pool.new_sequence()
-    req = op_model(core, HQ, HKV, D, layer=layer)
-    lc = cfg.make_layer(layer, layers)
+    req = op_model(core, HQ, HKV, D, layer=layer, softcap=softcap)
+    lc = reference_layer(cfg, layer, layers, softcap)
     a = 0
     for s, n in enumerate(steps):
         q, k, v = lv.queries[:, :, a : a + n], lv.keys[:, :, a : a + n], lv.values[:, :, a : a + n]
@@ -151,16 +168,30 @@ def reference_positions(lc) -> list[np.ndarray]:
     return [np.sort(p[g][p[g] >= 0].numpy()) for g in range(p.shape[0])]
 
 
-def run_both(core, cfg, *, layer=0, layers=1, prompt=192, decode=40, seed=0, block_size=32, precision="f32", keep=None):
-    """Run the op and the reference step by step; yield (step, op positions, ref positions, op out, ref out, seq)."""
+def run_both(
+    core,
+    cfg,
+    *,
+    layer=0,
+    layers=1,
+    prompt=192,
+    decode=40,
+    seed=0,
+    block_size=32,
+    precision="f32",
+    keep=None,
+    softcap=0.0,
+):
+    """Run the op and the reference step by step (both soft-capping at ``softcap``, 0: none);
+    yield (step, op positions, ref positions, op out, ref out, seq)."""
     from ov_kvcrush.op import kvcache
 
     lv = layer_vectors(seed, kv_heads=HKV, q_heads=HQ, tokens=prompt + decode, head_dim=D)
     spec = method_spec(cfg, layers, HQ, block_size)
     pool = kvcache.KVPool(layers, HQ, HKV, D, block_size=block_size, precision=precision, method=spec)
     seq = pool.new_sequence()
-    req = op_model(core, HQ, HKV, D, layer=layer)
-    lc = cfg.make_layer(layer, layers)
+    req = op_model(core, HQ, HKV, D, layer=layer, softcap=softcap)
+    lc = reference_layer(cfg, layer, layers, softcap)
     if keep is not None:
         keep["lc"] = lc
     steps = [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(decode)]
@@ -210,7 +241,9 @@ def assert_near_tie(got, want, op_sc, ref_sc, what):
     )
 
 
-def check_op_keeps_the_reference_tokens(core, cfg, layer: int, case: str = "", layers: int = 4) -> None:
+def check_op_keeps_the_reference_tokens(
+    core, cfg, layer: int, case: str = "", layers: int = 4, softcap: float = 0.0
+) -> None:
     """The op and the reference layer cache of ``cfg`` on the shared test vectors, step by step:
     same tokens kept at every step until a float near-tie splits them (then justified), the same
     attention output while they agree, every head within its budget (a frozen selection keeps
@@ -230,7 +263,7 @@ def check_op_keeps_the_reference_tokens(core, cfg, layer: int, case: str = "", l
     decode_evictions_compared = 0
     lc_holder = {}
     for step, got, want, out, ref, seq, pool in run_both(
-        core, cfg, layer=layer, layers=layers, block_size=bs, keep=lc_holder
+        core, cfg, layer=layer, layers=layers, block_size=bs, keep=lc_holder, softcap=softcap
     ):
         held = seq.head_tokens()[layer]
         if not diverged:

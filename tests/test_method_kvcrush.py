@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.methods import KVCrushConfig
-from ov_kvcrush.methods.attention import attend
+from ov_kvcrush.methods.attention import LogitMap, attend
 from ov_kvcrush.methods.kvcrush import (
     KVCrushSelection,
     bucket_order,
@@ -122,7 +122,7 @@ def test_selection_h2o_scores_the_prompt_by_every_row():
         layer = cfg.make_layer(0, 1)
         layer.prefill(q, k, v)
         kept = layer.store.positions[0, 0]
-        want = every_row.scores if selection == "h2o" else cfg.prompt_scores(q, k, None, 64**-0.5)
+        want = every_row.scores if selection == "h2o" else cfg.prompt_scores(q, k, None, LogitMap(64**-0.5))
         assert torch.allclose(layer.acc[0], want[0][:, kept], atol=1e-5)
 
 

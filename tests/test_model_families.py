@@ -125,13 +125,57 @@ def test_the_tables_are_generated_from_the_committed_results():
 
 
 def test_ov_kvcrush_export_takes_a_family_checkpoint_and_says_if_it_is_refused(exports, capsys):
-    for name in ("qwen3", "gemma2"):
+    for name in ("qwen3", "gpt_oss"):
         hf, ir = exports[name]
         code, out, err = run_main(capsys, "export", "--model", str(hf), "--weight-format", "fp32")
         assert code == 0, err[-2000:]
         assert out.strip().splitlines()[-1] == str(ir)
         refused = "note: backends openvino and torch will refuse it: " in err
-        assert refused == (name == "gemma2"), err[-500:]
+        assert refused == (name == "gpt_oss"), err[-500:]
+
+
+def test_gemma2_soft_capping_is_applied_where_the_export_drops_it(exports, tmp_path):
+    """optimum's Gemma 2 IR has no attention soft-capping (its SDPA takes none), so native runs
+    the model uncapped; our op caps from config.json. The family's own cap (50) barely touches
+    its tiny logits, so here the cap is 0.3: our logits at the prompt and at every decode step
+    are transformers' (eager, capped), native's are not, the torch engine's greedy tokens are
+    transformers', and our GPU plugin layers refuse the model by name."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ov_kvcrush.config import GenerationSettings
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+    hf, ir = exports["gemma2"]
+    for src, dst in ((ir, tmp_path / "ir"), (hf, tmp_path / "hf")):
+        shutil.copytree(src, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": 0.3}))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    prompt = list(tokenizer(coverage.prompt_text(tokenizer), add_special_tokens=False).input_ids)
+    engine = OpenVINOEngine(tmp_path / "ir", kv_precision="f32", properties=coverage.F32)
+    try:
+        got, _ = coverage.op_steps(engine, prompt, 6)
+    finally:
+        engine.close()
+    fed = [int(x.argmax()) for x in got[:-1]]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        want = model.eval()(torch.tensor([prompt + fed])).logits[0, len(prompt) - 1 :].numpy()
+    native, _ = coverage.native_steps(tmp_path / "ir" / "openvino_model.xml", prompt, 6, "f32", feed=fed)
+    ours = coverage.relative_error(got, want)
+    assert ours < 1e-4
+    assert coverage.relative_error(native, want) > 100 * ours  # native drops the cap
+    text = tokenizer.decode(prompt)
+    torch_engine = TorchEngine(tmp_path / "hf")
+    ids = torch_engine.encode(text)
+    mine = torch_engine.generate(text, GenerationSettings(max_new_tokens=6, ignore_eos=True)).token_ids
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert list(mine) == greedy[0, len(ids) :].tolist()
+    with pytest.raises(UserError, match=r"soft-capping \(Gemma 2\) is not in our GPU plugin layers"):
+        OpenVINOEngine(tmp_path / "ir", device="GPU")
 
 
 def test_the_pass_refuses_attention_sinks_naming_the_layer(exports):

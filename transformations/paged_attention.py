@@ -168,7 +168,7 @@ COMPUTE = ("f32", "bf16")
 
 
 def convert_model(
-    model, library: str | Path, *, last_token_logits: bool = True, compute: str = "f32"
+    model, library: str | Path, *, last_token_logits: bool = True, compute: str = "f32", softcap: float = 0.0
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place.
 
@@ -180,6 +180,9 @@ def convert_model(
         compute: ``f32``, or ``bf16`` for prefill dot products in bf16 with fp32 accumulation (what
             OpenVINO's own SDPA does under a bf16 inference precision; the engine picks it from the
             plugin's ``INFERENCE_PRECISION_HINT``). Needs AVX512-BF16; otherwise f32 is used.
+        softcap: the model's attention soft-capping (Gemma 2's ``attn_logit_softcapping``: each
+            scaled logit becomes ``softcap * tanh(s / softcap)``); 0 for none. optimum's export
+            drops it (its SDPA has no such input), so it comes from the model's ``config.json``.
 
     Raises:
         ConversionError: no ScaledDotProductAttention, or a key/value that does not come from
@@ -191,10 +194,12 @@ def convert_model(
 
     if compute not in COMPUTE:
         raise ConversionError(f"compute={compute!r} is invalid: allowed {', '.join(COMPUTE)}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ConversionError(f"softcap={softcap!r} is invalid: allowed 0 (none) or a positive finite cap")
     plans, shape = layer_plans(model)
     seq = ops.parameter([-1], ov.Type.i64, name=SEQUENCE_INPUT)
     seq.output(0).get_tensor().set_names({SEQUENCE_INPUT})
-    _replace_attention(model, plans, seq.output(0), library, compute)
+    _replace_attention(model, plans, seq.output(0), library, {"compute": compute, "softcap": float(softcap)})
     model.add_parameters([seq])
     return finish_conversion(model, plans, shape, last_token_logits)
 
@@ -311,9 +316,9 @@ def _plan_layer(layer: int, sdpa, layers: int) -> LayerPlan:
     return LayerPlan(layer, sdpa, k_concat, v_concat, k_assigns + v_assigns, s, scale)
 
 
-def _replace_attention(model, plans: list[LayerPlan], sequence, library: str | Path, compute: str) -> None:
-    """Each layer's SDPA becomes our op (query, the step's K and V, the sequence handles); its
-    state's Assigns go."""
+def _replace_attention(model, plans: list[LayerPlan], sequence, library: str | Path, attributes: dict) -> None:
+    """Each layer's SDPA becomes our op (query, the step's K and V, the sequence handles) with
+    its layer, its scale and the model's ``attributes`` (compute, softcap); its state's Assigns go."""
     from openvino.utils.node_factory import NodeFactory
 
     factory = NodeFactory()
@@ -321,7 +326,7 @@ def _replace_attention(model, plans: list[LayerPlan], sequence, library: str | P
     for plan in plans:
         sdpa = plan.sdpa
         node = factory.create(
-            "PagedAttention", [*plan.inputs(), sequence], {"layer": plan.layer, "scale": plan.scale, "compute": compute}
+            "PagedAttention", [*plan.inputs(), sequence], {"layer": plan.layer, "scale": plan.scale, **attributes}
         )
         node.set_friendly_name(f"{sdpa.get_friendly_name()}/ov_kvcrush_paged")
         plan.replace_with(model, node.output(0))

@@ -378,8 +378,8 @@ def compressed_attention(
         )
     if attention_mask is not None:
         raise UserError("padded batches are not supported by the compressed cache: generate one sequence at a time")
-    if softcap is not None or getattr(module, "attn_logit_softcapping", None):
-        raise UserError("attention logit soft-capping (Gemma 2) is not supported by the compressed cache")
+    if softcap is not None and layer.method.softcap_refusal:
+        raise UserError(f"attention logit soft-capping (Gemma 2): {layer.method.softcap_refusal}")
     if kwargs.get("s_aux") is not None:
         raise UserError("attention sinks (gpt-oss) are not supported by the compressed cache")
     if dropout:
@@ -394,7 +394,7 @@ def compressed_attention(
             f"layer {idx} uses sliding-window attention ({sliding_window} tokens) on every layer; sequences "
             "longer than the window are not supported by the compressed cache"
         )
-    lc.scale = scaling
+    lc.scale, lc.softcap = scaling, softcap
     phase = "decode" if lc.seen and not cache.scoring else "prefill"
     timed = query.device.type == "cpu"
     attended, t0 = lc.attend_ms, time.perf_counter()
@@ -404,7 +404,7 @@ def compressed_attention(
         out = lc.prefill(query, k, v)
         memo = PromptMemo(query, k, v, out)  # the prompt's attention, reused by the followers
         for follower in layer.followers:  # same prompt, other methods (CompressedCache.share_prefill)
-            follower.method.scale = scaling
+            follower.method.scale, follower.method.softcap = scaling, softcap
             follower.method.prompt_memo = memo
             try:
                 follower.method.prefill(query, k, v)

@@ -8,6 +8,7 @@
 * **Its sliding windows**, as transformers applies them: per layer from ``layer_types`` (Gemma 2
   and 3, Cohere 2); on every layer when there are no layer types and ``sliding_window`` is set
   (Mistral, Mixtral, StarCoder2, Phi-3), unless ``use_sliding_window`` is off (Qwen2's configs).
+* **Its attention soft-capping** (Gemma 2), which optimum's export drops and our attention applies.
 * **The context the compressed cache gives it**: a model whose every layer slides has no global
   layer to hold a method, so the compressed cache runs the method on every layer, which is exact
   only while the sequence fits the window: its context is capped at the window (every engine
@@ -36,17 +37,24 @@ def refusal(cfg: dict) -> str:
     refused = refused_families().get(str(model_type))
     if refused:
         return f"model type {model_type!r} is refused: {refused}"
-    if text.get("attn_logit_softcapping"):
-        return (
-            f"model type {model_type!r} caps its attention logits (soft-capping), which the "
-            "compressed cache's softmax attention does not compute"
-        )
     if model_type not in verified_model_types():
         return (
             f"model type {model_type!r} has not been verified with the compressed cache (its logits "
             "and tokens against the unmodified model's); verified: " + ", ".join(verified_model_types())
         )
     return ""
+
+
+def attention_softcap(cfg: dict) -> float:
+    """The model's attention soft-capping (Gemma 2's ``attn_logit_softcapping``: each scaled logit
+    becomes ``cap * tanh(s / cap)``), 0 for none. optimum's export drops it (its SDPA has no such
+    input), so an engine that runs the model's attention itself reads it from here."""
+    cap = text_config(cfg).get("attn_logit_softcapping")
+    if cap is None:
+        return 0.0
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or cap == float("inf"):
+        raise UserError(f"config.json: attn_logit_softcapping={cap!r} is invalid: allowed null or a positive number")
+    return float(cap)
 
 
 def check_family(cfg: dict, name: str) -> None:

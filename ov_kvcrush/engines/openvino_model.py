@@ -34,7 +34,7 @@ from ov_kvcrush.engines import calibration
 from ov_kvcrush.engines.base import Prompt, model_context
 from ov_kvcrush.engines.genai import encode_prompt
 from ov_kvcrush.engines.gpu_plugin_model import plugin_engine_model
-from ov_kvcrush.engines.model_family import check_family, layer_windows, sliding_context
+from ov_kvcrush.engines.model_family import attention_softcap, check_family, layer_windows, sliding_context
 from ov_kvcrush.engines.scheduler_config import compression_from_scheduler_config, pool_blocks_from_scheduler_config
 from ov_kvcrush.engines.scoring_pass import ScoringPass
 from ov_kvcrush.errors import ConfigError, UserError
@@ -151,6 +151,8 @@ class OpenVINOModel:
         self.hf_config = _read_json(self.model_dir / "config.json")
         self.max_context = model_context(self.model_dir)
         windows = op_windows(self.hf_config, self.model_dir)
+        #: the model's attention soft-capping (Gemma 2; 0: none), which the IR does not carry
+        self.softcap = attention_softcap(self.hf_config)
 
         self.core = plugin.shared_core()
         self.properties = dict(properties or {})
@@ -158,6 +160,11 @@ class OpenVINOModel:
         #: our layers in OpenVINO's GPU plugin (device GPU), else None: the CPU op
         self.plugin: PluginModel | None = None
         if on_gpu:
+            if self.softcap:
+                raise UserError(
+                    f"{self.model_dir.name}: attention logit soft-capping (Gemma 2) is not in our GPU plugin "
+                    "layers yet; device CPU (our op) runs it"
+                )
             self.plugin = plugin_engine_model(
                 self.model_dir, windows, kv_precision, block_size, self.properties, self.device
             )
@@ -169,7 +176,9 @@ class OpenVINOModel:
                 "CPU", "INFERENCE_PRECISION_HINT"
             )
             self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
-            converted = convert_model(self.core.read_model(xml), self.library, compute=self.attention_compute)
+            converted = convert_model(
+                self.core.read_model(xml), self.library, compute=self.attention_compute, softcap=self.softcap
+            )
             self.shape = converted.shape
         if windows and len(windows) != self.shape.layers:
             raise UserError(
@@ -475,8 +484,8 @@ def op_windows(cfg: dict, model_dir: Path) -> list[int]:
     ``sliding_window`` positions in the op and the method runs on the global ones, as in the torch
     engine. A model whose every layer slides (Mistral) is run within its window (its context is
     capped there, :func:`~ov_kvcrush.engines.model_family.sliding_context`), where a window changes
-    nothing: the method runs on every layer, as in the torch engine. A family not verified, or
-    one whose attention the op does not compute (soft-capping), is refused first.
+    nothing: the method runs on every layer, as in the torch engine. A family not verified is
+    refused first.
     """
     check_family(cfg, model_dir.name)
     windows = layer_windows(cfg)

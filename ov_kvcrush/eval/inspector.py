@@ -33,7 +33,7 @@ import torch
 
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.methods.attention import attend
+from ov_kvcrush.methods.attention import LogitMap, attend
 
 # Imported where used, inside functions: what pulls in matplotlib, platformdirs, transformers, heavy
 # to import, so that importing this module stays light.
@@ -210,22 +210,23 @@ def inspect_prompt(
         if getattr(layer, "is_sliding", False):
             continue  # the model's own window: not the method's
         fk, fv, fp = (x[0] for x in full_layer.method.store.dense())
-        q, scale = last_q[i]
+        q, logit = last_q[i]
         hk = fk.shape[0]
         g = q.shape[1] // hk
         for h in range(hk):
             heads.append(
-                _head_report(i, h, layer.method, fk[h].float(), fv[h].float(), fp[h], q[0, h * g : (h + 1) * g], scale)
+                _head_report(i, h, layer.method, fk[h].float(), fv[h].float(), fp[h], q[0, h * g : (h + 1) * g], logit)
             )
     return Inspection(compression.method, compression.budget, dict(compression.options), len(ids), span, heads)
 
 
-def _capture_last_query(method_cache: Any, index: int, into: dict[int, tuple[torch.Tensor, float | None]]) -> None:
-    """Record the prompt's last query of this layer when its prefill runs (the scale is set by then)."""
+def _capture_last_query(method_cache: Any, index: int, into: dict[int, tuple[torch.Tensor, LogitMap]]) -> None:
+    """Record the prompt's last query of this layer when its prefill runs (the scale and cap are
+    set by then)."""
     prefill = method_cache.prefill
 
     def recording(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        into[index] = (queries[:, :, -1:].detach().float().clone(), method_cache.scale)
+        into[index] = (queries[:, :, -1:].detach().float().clone(), LogitMap(method_cache.scale, method_cache.softcap))
         return prefill(queries, keys, values)
 
     method_cache.prefill = recording
@@ -239,7 +240,7 @@ def _head_report(
     full_v: torch.Tensor,
     full_pos: torch.Tensor,
     queries: torch.Tensor,
-    scale: float | None,
+    logit: LogitMap,
 ) -> HeadReport:
     """One KV head: its held positions, errors, and the last query's attention distance (``queries``: its group)."""
     k, v, pos, degrees, nq = _held(cache, head)
@@ -262,9 +263,13 @@ def _head_report(
     rep.value_rel_err = _rel_err(v, full_v[exact])
     # the last query's attention, full against held, per query head of the group, averaged
     q = queries.unsqueeze(0)  # [1, g, 1, d]
-    p_full = attend(q, full_k[None, None], full_v[None, None], scale=scale, return_scores=True).scores
+    p_full = attend(
+        q, full_k[None, None], full_v[None, None], scale=logit.scale, softcap=logit.softcap, return_scores=True
+    ).scores
     bias = degrees.log()[None, None] if degrees is not None else None
-    p_held = attend(q, k[None, None], v[None, None], bias=bias, scale=scale, return_scores=True).scores
+    p_held = attend(
+        q, k[None, None], v[None, None], bias=bias, scale=logit.scale, softcap=logit.softcap, return_scores=True
+    ).scores
     assert p_full is not None and p_held is not None
     on_full = torch.zeros_like(p_full)
     on_full[..., exact] = p_held

@@ -46,6 +46,8 @@ class FastLayerCache(LayerCache):
             generation keeps one store and the graph keeps its addresses).
     """
 
+    softcap_refusal = "the CUDA fast path's kernels (Triton, SDPA) take raw logits; the CPU runs it"
+
     def __init__(self, reserve: int = 0) -> None:
         self._device_counters: dict[str, torch.Tensor] = {}
         super().__init__()

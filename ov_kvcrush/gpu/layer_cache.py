@@ -49,6 +49,8 @@ def host_array(x: torch.Tensor) -> np.ndarray:
 class DeviceFullLayerCache(LayerCache):
     """Every token, attended in place on the device."""
 
+    softcap_refusal = "the Intel GPU kernels take raw logits; device CPU (our op) runs it"
+
     def __init__(self, pool: DevicePool, kv_heads: int, q_heads: int) -> None:
         super().__init__()
         self.layer = PagedLayer(pool, kv_heads, q_heads)

@@ -70,6 +70,16 @@ def check_scores(scores: torch.Tensor, name: str = "scores", dims: int = 3) -> N
 ATTEND_CHUNK_ELEMENTS = 1 << 26
 
 
+@dataclass(frozen=True)
+class LogitMap:
+    """How a model turns ``q·k`` into the logit its softmax takes: times ``scale`` (``None``:
+    ``1/sqrt(head_dim)``), then ``softcap * tanh(s / softcap)`` when ``softcap`` is set (Gemma 2;
+    :func:`cap_logits`). The op's attributes of the same names (``LogitMap`` in its kernels)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+
 def group_heads(per_q_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Sum a ``[batch, q_heads, ...]`` statistic over each KV head's query group -> ``[batch, kv_heads, ...]``."""
     b, hq = per_q_head.shape[:2]
@@ -103,6 +113,7 @@ def attend(
     scale: float | None = None,
     window: int | None = None,
     return_scores: bool = False,
+    softcap: float | None = None,
 ) -> AttentionOutput:
     """Exact softmax attention with GQA, an optional causal mask, additive bias and key mask.
 
@@ -120,6 +131,8 @@ def attend(
         window: sliding-window attention (needs positions): a query sees keys less than
             ``window`` positions behind it, as transformers' ``sliding_window`` does.
         return_scores: also return per-q-head probabilities summed over query tokens.
+        softcap: the model's attention soft-capping (Gemma 2): each scaled logit ``s`` becomes
+            ``softcap * tanh(s / softcap)`` before the bias and the softmax (:func:`cap_logits`).
 
     Computed in float32 whatever the input dtype, so it can serve as the oracle for fp16/bf16 paths.
     Long prompts are processed in query chunks (same result) so the logits never need more than
@@ -148,19 +161,20 @@ def attend(
                 scale=scale,
                 window=window,
                 return_scores=return_scores,
+                softcap=softcap,
             )
             outs.append(part.output)
             if part.scores is not None:
                 total = part.scores if total is None else total + part.scores
         return AttentionOutput(torch.cat(outs, dim=2), total)
     hk = keys.shape[1]
-    if not return_scores:
+    if not return_scores and softcap is None:
         return AttentionOutput(
             _attend_fused(queries, keys, values, q_positions, k_positions, bias, key_mask, scale, window)
         )
     # GQA without copying keys/values: each KV head's g query heads become g*t rows.
     q = (queries.float() * scale).reshape(b, hk, g * t, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, hk, g, t, n)
+    logits = cap_logits(torch.matmul(q, keys.float().transpose(-1, -2)).view(b, hk, g, t, n), softcap)
     if bias is not None:
         logits += bias.float()[:, :, None, None, :]
     allowed = _visibility(q_positions, k_positions, key_mask, window, n)  # smallest broadcast shape
@@ -172,6 +186,14 @@ def attend(
         probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
     out = torch.matmul(probs.view(b, hk, g * t, n), values.float()).view(b, hq, t, d).to(queries.dtype)
     return AttentionOutput(out, probs.sum(dim=3).reshape(b, hq, n) if return_scores else None)
+
+
+def cap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's attention soft-capping of scaled logits, ``softcap * tanh(logits / softcap)``, as
+    transformers' eager attention applies it (``None``: the logits as they are)."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
 
 
 def _visibility(

@@ -342,12 +342,19 @@ class LayerCache(ABC):
     plain numbers so they can go into JSON.
     """
 
+    #: why this cache's kernels cannot soft-cap attention logits (Gemma 2), naming them; "" when
+    #: they do (the reference does: :func:`~ov_kvcrush.methods.attention.cap_logits`)
+    softcap_refusal: ClassVar[str] = ""
+
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
         self.seen = 0  # tokens appended so far (the next token's position)
         #: logit scale of the model's attention (``None``: ``1/sqrt(head_dim)``); engines set it
         #: from the attention module, since some families (Gemma) scale differently.
         self.scale: float | None = None
+        #: the model's attention soft-capping (Gemma 2's ``attn_logit_softcapping``; ``None``:
+        #: none), set beside :attr:`scale`
+        self.softcap: float | None = None
         #: wall time (ms) spent in :meth:`_attend` on CPU tensors: the engine subtracts it from a
         #: step's time to report the method's own work (selection, clustering, merging ...).
         self.attend_ms = 0.0
@@ -396,7 +403,8 @@ class LayerCache(ABC):
         everything else, and a prefill no fast path serves here, the reference :func:`attend`."""
         pos = kw.get("q_positions")
         if (
-            pos is not None
+            self.softcap is None  # the fused kernel takes raw logits
+            and pos is not None
             and pos is kw.get("k_positions")
             and pos.dim() == 1
             and all(kw.get(name) is None for name in ("bias", "key_mask", "window"))
@@ -404,7 +412,7 @@ class LayerCache(ABC):
             fast = causal_prefill(queries, keys, values, self.scale, return_scores=bool(kw.get("return_scores")))
             if fast is not None:
                 return AttentionOutput(*fast)
-        return attend(queries, keys, values, scale=self.scale, **kw)
+        return attend(queries, keys, values, scale=self.scale, softcap=self.softcap, **kw)
 
     @abstractmethod
     def prefill(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

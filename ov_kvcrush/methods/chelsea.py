@@ -505,7 +505,7 @@ class ChelseaLayerCache(LayerCache):
         out = self._attend(queries, keys, values, q_positions=pos, k_positions=pos).output
         scores = None
         if self.config.protected_tokens:  # the window's attention, summed over each KV head's group
-            window = snapkv_scores(queries, keys, PROTECT_WINDOW, PROTECT_POOL_KERNEL, "max", self.scale)
+            window = snapkv_scores(queries, keys, PROTECT_WINDOW, PROTECT_POOL_KERNEL, "max", self.scale, self.softcap)
             scores = self._split(group_heads(window, keys.shape[1]))[0]
         self._append(keys, values, pos, scores)
         return out

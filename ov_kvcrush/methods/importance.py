@@ -66,7 +66,7 @@ from typing import ClassVar
 import torch
 
 from ov_kvcrush.errors import ConfigError
-from ov_kvcrush.methods.attention import group_heads
+from ov_kvcrush.methods.attention import LogitMap, group_heads
 from ov_kvcrush.methods.base import LayerCache, MethodConfig, QuantSettings, check_layer, gather_tokens
 from ov_kvcrush.methods.runtimes import ADAPTIVE_HEAD_BUDGETS, SPANS, TWO_BIT_STORE, Declaration
 from ov_kvcrush.methods.selection import (
@@ -150,7 +150,7 @@ class EvictionConfig(MethodConfig):
         return self.scoring
 
     def prompt_scores(
-        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, scale: float
+        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, logit: LogitMap
     ) -> torch.Tensor:
         """``[b, hq, t]`` scores of a prompt's tokens, the selection's input (per query head):
         H2O's are the attention every query gave them (``attention_scores``); without a rule, zeros."""
@@ -367,12 +367,12 @@ class SnapKVConfig(H2OConfig):
         return DEFAULT_POOL_KERNEL if self.pool_kernel is None else self.pool_kernel
 
     def prompt_scores(
-        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, scale: float
+        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, logit: LogitMap
     ) -> torch.Tensor:
         """SnapKV's: the attention of the last ``window`` queries, pooled over ``pool_width`` tokens."""
         if self.scoring_mode() != "snapkv":
-            return super().prompt_scores(queries, keys, attention_scores, scale)
-        return snapkv_scores(queries, keys, self.window, self.pool_width, self.pool, scale)
+            return super().prompt_scores(queries, keys, attention_scores, logit)
+        return snapkv_scores(queries, keys, self.window, self.pool_width, self.pool, logit.scale, logit.softcap)
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
         fields = super().op_fields(layers, q_heads, block_size)
@@ -472,7 +472,7 @@ class ImportanceLayerCache(StoredLayerCache):
         # Only H2O scores the prompt with every query; SnapKV scores it with its window, and
         # StreamingLLM not at all, so they skip materialising the prompt's attention matrix.
         res = self._attend(queries, keys, values, q_positions=pos, k_positions=pos, return_scores=self.scoring == "h2o")
-        acc = self.config.prompt_scores(queries, keys, res.scores, self.scale)
+        acc = self.config.prompt_scores(queries, keys, res.scores, LogitMap(self.scale, self.softcap))
         hk = keys.shape[1]
         if t > self.budget:
             index = self.select(acc, hk)

@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from ov_kvcrush.methods.attention import LogitMap
 from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig, ImportanceLayerCache
 from ov_kvcrush.methods.runtimes import TWO_BIT_STORE, Declaration
@@ -67,7 +68,7 @@ class KnormConfig(EvictionConfig):
     decode_attention_scores: ClassVar[bool] = False
 
     def prompt_scores(
-        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, scale: float
+        self, queries: torch.Tensor, keys: torch.Tensor, attention_scores: torch.Tensor | None, logit: LogitMap
     ) -> torch.Tensor:
         return key_norm_scores(keys, queries.shape[1])
 

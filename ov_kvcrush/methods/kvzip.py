@@ -70,7 +70,7 @@ from typing import ClassVar
 
 import torch
 
-from ov_kvcrush.methods.attention import check_kv, check_query
+from ov_kvcrush.methods.attention import cap_logits, check_kv, check_query
 from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig
 from ov_kvcrush.methods.runtimes import Declaration
@@ -264,9 +264,11 @@ def max_attention(
     k_positions: torch.Tensor,
     key_mask: torch.Tensor,
     scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[b, hk, n]``: each key's largest attention probability from any query (and any query head
-    of its KV head's group), under the causal full softmax; float32, in query chunks."""
+    of its KV head's group), under the causal full softmax (of logits soft-capped by ``softcap``,
+    :func:`~ov_kvcrush.methods.attention.cap_logits`); float32, in query chunks."""
     g = check_query(queries, keys)
     b, hq, t, d = queries.shape
     hk, n = keys.shape[1], keys.shape[2]
@@ -276,7 +278,7 @@ def max_attention(
     rows = max(1, (1 << 24) // max(1, b * hq * n))
     for s in range(0, t, rows):
         q = (queries[:, :, s : s + rows].float() * scale).reshape(b, hk, -1, d)  # [b, hk, g*r, d]
-        logits = torch.matmul(q, kf).view(b, hk, g, -1, n)
+        logits = cap_logits(torch.matmul(q, kf).view(b, hk, g, -1, n), softcap)
         qp = q_positions[s : s + rows].view(1, 1, 1, -1, 1)
         allowed = (k_positions[:, :, None, None, :] <= qp) & key_mask[:, :, None, None, :]
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
@@ -335,7 +337,7 @@ class KVzipLayerCache(StoredLayerCache):
         seen_ = (hp >= 0) & (inside | (hp < min(self.config.sink_tokens, scored[0])))
         mask = torch.cat([seen_, torch.ones(*keys.shape[:2], t, dtype=torch.bool, device=keys.device)], dim=2)
         out = self._attend(queries, k, v, q_positions=pos, k_positions=p, key_mask=mask).output
-        best = max_attention(queries, k, pos, p, mask, self.scale)[..., : hp.shape[2]]
+        best = max_attention(queries, k, pos, p, mask, self.scale, self.softcap)[..., : hp.shape[2]]
         self.score = torch.where(inside, torch.maximum(self.score, best), self.score)
         return out
 

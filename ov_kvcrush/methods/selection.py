@@ -32,6 +32,7 @@ def snapkv_scores(
     pool_kernel: int = 7,
     pool: str = "max",
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """SnapKV's per-q-head scores ``[b, hq, n]`` of the ``n`` prompt tokens.
 
@@ -49,7 +50,14 @@ def snapkv_scores(
     q_pos = torch.arange(n - w, n, device=keys.device)
     k_pos = torch.arange(n, device=keys.device)
     scores = attend(
-        queries[:, :, t - w :], keys, keys, q_positions=q_pos, k_positions=k_pos, scale=scale, return_scores=True
+        queries[:, :, t - w :],
+        keys,
+        keys,
+        q_positions=q_pos,
+        k_positions=k_pos,
+        scale=scale,
+        softcap=softcap,
+        return_scores=True,
     ).scores
     return pool_scores(scores, pool_kernel, pool)
 

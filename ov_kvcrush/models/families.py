@@ -118,8 +118,6 @@ FAMILIES: tuple[Family, ...] = (
         "gemma2",
         dict(sliding_window=WINDOW, query_pre_attn_scalar=24),
         "Gemma 2: attention soft-capping, local and global layers",
-        refused="its attention logits are soft-capped (tanh(s / 50) * 50 before the softmax), which the "
-        "compressed cache's softmax attention does not compute",
     ),
     Family(
         "gemma3",

@@ -39,10 +39,12 @@ def single_op_model(
     scale: float | None = None,
     compute: str = "f32",
     properties: dict[str, Any] | None = None,
+    softcap: float = 0.0,
 ):
     """An inference request of a model that is only our op for ``layer``: inputs ``q``, ``k``, ``v``
     (``[1, heads, tokens, head_dim]`` float32) and ``kvc_sequence``; ``scale`` ``1/sqrt(head_dim)``
-    by default; ``properties``: the CPU plugin's compile properties."""
+    by default; ``softcap`` the op's logit soft-capping (0: none); ``properties``: the CPU
+    plugin's compile properties."""
     import openvino as ov
     import openvino.opset13 as ops
     from openvino.utils.node_factory import NodeFactory
@@ -56,7 +58,12 @@ def single_op_model(
     node = factory.create(
         "PagedAttention",
         [q.output(0), k.output(0), v.output(0), s.output(0)],
-        {"layer": layer, "scale": scale if scale is not None else 1 / math.sqrt(head_dim), "compute": compute},
+        {
+            "layer": layer,
+            "scale": scale if scale is not None else 1 / math.sqrt(head_dim),
+            "compute": compute,
+            "softcap": softcap,
+        },
     )
     model = ov.Model([node.output(0)], [q, k, v, s])
     return core.compile_model(model, "CPU", properties or {}).create_infer_request()

@@ -38,8 +38,9 @@ void run_hooks(StepContext& ctx, void (*hook)(Sequence&, int, bool, int64_t)) {
 }
 }  // namespace
 
-PagedAttention::PagedAttention(const ov::OutputVector& args, int64_t layer, float scale, std::string compute)
-    : Op(args), m_layer(layer), m_scale(scale), m_compute(std::move(compute)) {
+PagedAttention::PagedAttention(const ov::OutputVector& args, int64_t layer, float scale, std::string compute,
+                               float softcap)
+    : Op(args), m_layer(layer), m_scale(scale), m_compute(std::move(compute)), m_softcap(softcap) {
     constructor_validate_and_infer_types();
 }
 
@@ -56,17 +57,20 @@ void PagedAttention::validate_and_infer_types() {
                           "sequence handles must be i64 (or i32), got ", ht);
     NODE_VALIDATION_CHECK(this, m_layer >= 0, "layer must be >= 0, got ", m_layer);
     NODE_VALIDATION_CHECK(this, m_compute == "f32" || m_compute == "bf16", "compute must be f32 or bf16, got ", m_compute);
+    NODE_VALIDATION_CHECK(this, m_softcap >= 0.0f && std::isfinite(m_softcap),
+                          "softcap must be 0 (none) or a positive finite cap, got ", m_softcap);
     set_output_type(0, get_input_element_type(0), q);
 }
 
 std::shared_ptr<ov::Node> PagedAttention::clone_with_new_inputs(const ov::OutputVector& new_args) const {
-    return std::make_shared<PagedAttention>(new_args, m_layer, m_scale, m_compute);
+    return std::make_shared<PagedAttention>(new_args, m_layer, m_scale, m_compute, m_softcap);
 }
 
 bool PagedAttention::visit_attributes(ov::AttributeVisitor& visitor) {
     visitor.on_attribute("layer", m_layer);
     visitor.on_attribute("scale", m_scale);
     visitor.on_attribute("compute", m_compute);
+    visitor.on_attribute("softcap", m_softcap);
     return true;
 }
 
@@ -219,7 +223,8 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
                     "ov_kvcrush PagedAttention: layer ", layer, " with q_heads=", Hq, " kv_heads=", Hkv,
                     " head_dim=", D, " does not match the KV pool (layers=", cfg.layers, " q_heads=", cfg.q_heads,
                     " kv_heads=", cfg.kv_heads, " head_dim=", cfg.head_dim, ")");
-    StepContext ctx(*seq, cfg, decide_step(*seq, cfg, layer, L), qb, ob, Hq, Hkv, D, m_scale);
+    const LogitMap logit{m_scale, m_softcap};
+    StepContext ctx(*seq, cfg, decide_step(*seq, cfg, layer, L), qb, ob, Hq, Hkv, D, logit);
     const StepMode& mode = ctx.mode;
     const StepTokensCleared step_tokens_cleared(ctx);
     const auto t_append = StepClock::now();
@@ -235,7 +240,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
     const int64_t others_before = seq->scores_ns[mode.phase] + seq->policy_ns[mode.phase];
     if (!mode.scoring && !mode.window && cfg.policy->recalls(*seq, layer, mode.prefill))
         // a recall method (ClusterKV): only the recalled working set (its selection time goes to policy_ns)
-        cfg.policy->attend_recalled(*seq, layer, qb, L, mode.past, m_scale, ob);
+        cfg.policy->attend_recalled(*seq, layer, qb, L, mode.past, logit, ob);
     else if (!cfg.count_only)  // a byte probe's step attends nothing (the output stays zero)
         fused_scores = mode.prompt_attention ? attend_prompt(ctx, m_compute == "bf16" && has_bf16()) : attend_decode(ctx);
     // a fused score pass (or a recall method's selection) counts as its own, not as attention

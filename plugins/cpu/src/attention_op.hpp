@@ -8,7 +8,9 @@
 // Output:  0 attention [B, Hq, L, D] f32.
 // Attributes: layer (which layer's cache of the sequence), scale (logit scale), compute ("f32",
 // or "bf16": prefill dot products in bf16 with fp32 accumulation, as OpenVINO's SDPA does when
-// the model runs with a bf16 inference precision; decode is always f32).
+// the model runs with a bf16 inference precision; decode is always f32), softcap (Gemma 2's
+// attention soft-capping, cap * tanh(s / cap) of each scaled logit; 0: none; AMX tiles take raw
+// logits, so a capped bf16 prompt runs the AVX512-BF16 kernel).
 //
 // Each call appends the step's keys/values to the sequence's cache for this layer, then every
 // query token attends every held token at or before its own position. A prompt may come in
@@ -28,7 +30,8 @@ public:
     OPENVINO_OP("PagedAttention", "ov_kvcrush");
 
     PagedAttention() = default;
-    PagedAttention(const ov::OutputVector& args, int64_t layer, float scale, std::string compute = "f32");
+    PagedAttention(const ov::OutputVector& args, int64_t layer, float scale, std::string compute = "f32",
+                   float softcap = 0.0f);
 
     void validate_and_infer_types() override;
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override;
@@ -48,6 +51,7 @@ private:
     int64_t m_layer = 0;
     float m_scale = 1.0f;
     std::string m_compute = "f32";
+    float m_softcap = 0.0f;
 };
 
 }  // namespace ovkc

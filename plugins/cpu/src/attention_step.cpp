@@ -157,6 +157,7 @@ bool attend_decode(StepContext& ctx) {
             RowSet rows;
             rows.start();
             rows.window = m.window;
+            rows.softcap = ctx.logit.softcap;
             rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, G - tile * kMaxRows));
             const HeadCache& hc = ctx.head(g);
             const int64_t qc = c.qchunks[at(g)];
@@ -172,11 +173,11 @@ bool attend_decode(StepContext& ctx) {
             }
             if (chunk < c.chunks[at(g)]) {
                 if (chunk < qc) {
-                    attend_quant(cfg, ctx.seq.pool(), hc, rows, ctx.scale, chunk * kDecodeChunkBlocks,
+                    attend_quant(cfg, ctx.seq.pool(), hc, rows, ctx.logit.scale, chunk * kDecodeChunkBlocks,
                                  (chunk + 1) * kDecodeChunkBlocks);
                 } else {
                     const int64_t span = kDecodeChunkBlocks * cfg.block_size;
-                    attend_range(cfg, ctx.seq.pool(), hc, rows, ctx.scale, (chunk - qc) * span, (chunk - qc + 1) * span);
+                    attend_range(cfg, ctx.seq.pool(), hc, rows, ctx.logit.scale, (chunk - qc) * span, (chunk - qc + 1) * span);
                 }
             }
             for (int r = 0; r < rows.n; ++r) {
@@ -288,7 +289,7 @@ bool attend_prompt_amx(StepContext& ctx, const PromptHeads& p) {
                 orow[r] = ctx.out + (h * L + i) * D;
                 qpos[r] = m.past + i;
             }
-            attend_amx(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], n, qr, qpos, orow, ctx.scale, mx, l,
+            attend_amx(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], n, qr, qpos, orow, ctx.logit.scale, mx, l,
                        m.window);
             if (m.scores)
                 for (int r = 0; r < n; ++r) ctx.lse[at(h * L + tile * kAmxRows + r)] = mx[r] + std::log(l[r]);
@@ -298,7 +299,7 @@ bool attend_prompt_amx(StepContext& ctx, const PromptHeads& p) {
     const auto t_scores = StepClock::now();
     std::vector<HeadCache*> heads(at(ctx.Hkv));
     for (int64_t g = 0; g < ctx.Hkv; ++g) heads[at(g)] = &ctx.head(g);
-    score_step_amx(ctx.cfg, heads, ctx.q, L, ctx.scale, ctx.lse, p.staged, ctx.slot_sinks, ctx.slot_lo, ctx.slot_hi);
+    score_step_amx(ctx.cfg, heads, ctx.q, L, ctx.logit.scale, ctx.lse, p.staged, ctx.slot_sinks, ctx.slot_lo, ctx.slot_hi);
     ctx.seq.scores_ns[m.phase] += ns_since(t_scores);
     return true;
 }
@@ -341,6 +342,7 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
             RowSet rows;
             rows.start();
             rows.window = m.window;
+            rows.softcap = ctx.logit.softcap;
             rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, L - tile * kMaxRows));
             for (int r = 0; r < rows.n; ++r) {
                 const int64_t i = tile * kMaxRows + r;
@@ -355,15 +357,15 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
                     sums.sums = columns.local().data() + h * width;
                     sums.first_row = static_cast<int>(std::max<int64_t>(0, from - tile * kMaxRows));
                 }
-                attend_bf16(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], rows, ctx.scale,
+                attend_bf16(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], rows, ctx.logit.scale,
                             scored ? &sums : nullptr);
             } else {
                 if (m.ranged && !p.qsinks.empty())
-                    attend_slab(p.qsinks[at(h / G)], INT64_MAX, static_cast<int>(D), rows, ctx.scale, -1);
+                    attend_slab(p.qsinks[at(h / G)], INT64_MAX, static_cast<int>(D), rows, ctx.logit.scale, -1);
                 else if (!hc.qblocks.empty())
-                    attend_quant(ctx.cfg, ctx.seq.pool(), hc, rows, ctx.scale, 0, static_cast<int64_t>(hc.qblocks.size()));
+                    attend_quant(ctx.cfg, ctx.seq.pool(), hc, rows, ctx.logit.scale, 0, static_cast<int64_t>(hc.qblocks.size()));
                 for (const auto& [begin, end] : p.ranges[at(h / G)])
-                    attend_range(ctx.cfg, ctx.seq.pool(), hc, rows, ctx.scale, begin, end);
+                    attend_range(ctx.cfg, ctx.seq.pool(), hc, rows, ctx.logit.scale, begin, end);
                 finish_rows(rows, static_cast<int>(D));
             }
             if (m.scores)
@@ -379,7 +381,8 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
 //     one head; a scoring step (KVzip's reconstruction) attends only the sinks, its chunk and itself
 bool attend_prompt(StepContext& ctx, bool bf16) {
     const PromptHeads p = stage_prompt_heads(ctx, bf16);
-    bool amx = bf16 && amx_head_dim(static_cast<int>(ctx.D)) && has_amx();
+    // the AMX kernels take raw logits: a soft-capped model's prompt takes the AVX512-BF16 rows
+    bool amx = bf16 && ctx.logit.softcap == 0.0f && amx_head_dim(static_cast<int>(ctx.D)) && has_amx();
     for (int64_t g = 0; amx && g < ctx.Hkv; ++g) amx = ctx.head(g).qblocks.empty() && ctx.head(g).bias.empty();
     if (amx) return attend_prompt_amx(ctx, p);
     // a prompt's scores on the bf16 path come out of the attention itself when every head is
@@ -423,6 +426,7 @@ void accumulate_step_scores(StepContext& ctx) {
             if (m.scoring && ((blk + 1) * cfg.block_size <= lo || blk * cfg.block_size >= hi)) continue;
             for (int64_t r0 = 0; r0 < rows_total; r0 += kMaxRows) {
                 RowSet rows;
+                rows.softcap = ctx.logit.softcap;
                 float row_lse[kMaxRows];
                 rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r0));
                 for (int r = 0; r < rows.n; ++r) {
@@ -433,9 +437,9 @@ void accumulate_step_scores(StepContext& ctx) {
                     row_lse[r] = ctx.lse[at(h * L + i)];
                 }
                 if (quant_block)
-                    accumulate_quant_scores(cfg, ctx.seq.pool(), hc, rows, row_lse, ctx.scale, blk);
+                    accumulate_quant_scores(cfg, ctx.seq.pool(), hc, rows, row_lse, ctx.logit.scale, blk);
                 else
-                    accumulate_scores(cfg, ctx.seq.pool(), hc, rows, row_lse, ctx.scale, blk, m.scoring, lo, hi);
+                    accumulate_scores(cfg, ctx.seq.pool(), hc, rows, row_lse, ctx.logit.scale, blk, m.scoring, lo, hi);
             }
         }
     });

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.hpp"
 #include "paged_cache.hpp"
 
 namespace ovkc {
@@ -47,8 +48,8 @@ struct StepMode {
 // What every stage of a step reads and writes: the sequence, its layer, the step's tensors.
 struct StepContext {
     StepContext(Sequence& s, const PoolConfig& c, const StepMode& m, const float* query, float* output, int64_t hq,
-                int64_t hkv, int64_t d, float sc)
-        : seq(s), cfg(c), mode(m), q(query), out(output), Hq(hq), Hkv(hkv), D(d), G(c.group()), scale(sc) {}
+                int64_t hkv, int64_t d, LogitMap lg)
+        : seq(s), cfg(c), mode(m), q(query), out(output), Hq(hq), Hkv(hkv), D(d), G(c.group()), logit(lg) {}
 
     Sequence& seq;
     const PoolConfig& cfg;
@@ -57,7 +58,7 @@ struct StepContext {
     float* out;      // [Hq, L, D]
     int64_t Hq = 0, Hkv = 0, D = 0;
     int G = 1;  // query heads per KV head
-    float scale = 1.0f;
+    LogitMap logit;  // the op's scale and soft-capping
     std::vector<int64_t> held_before;  // per KV head, slots held before the step
     std::vector<float> lse;            // per (query head, row): log-sum-exp, for the score pass
     // a scoring step attends (and scores) its chunk's slots [slot_lo, slot_hi), the sinks

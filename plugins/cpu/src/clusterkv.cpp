@@ -64,7 +64,7 @@ public:
     bool allows_score_output() const override { return false; }
     void before_attention(Sequence& seq, int layer, bool prefill, int64_t L) const override;
     bool recalls(Sequence& seq, int layer, bool prefill) const override;
-    void attend_recalled(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, float scale,
+    void attend_recalled(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, LogitMap logit,
                          float* out) const override;
     void after_attention(Sequence& seq, int layer, bool prefill, int64_t L) const override;
     Counters counters(Sequence& seq) const override;
@@ -81,7 +81,7 @@ private:
                                           const std::vector<int32_t>& chosen, const std::vector<int64_t>& take,
                                           int64_t step) const;
     void attend_segments(Sequence& seq, int layer, const std::vector<std::vector<Seg>>& segs, const float* q, int64_t L,
-                         int64_t past, float scale, float* out) const;
+                         int64_t past, LogitMap logit, float* out) const;
 };
 
 void ClusterKVPolicy::cluster_range(Sequence& seq, int layer, int g, int64_t from, int64_t to, int64_t k, int64_t seen) const {
@@ -335,8 +335,8 @@ std::vector<Seg> ClusterKVPolicy::recall(Sequence& seq, int layer, int g, const 
     return sg;
 }
 
-void ClusterKVPolicy::attend_recalled(Sequence& seq, int layer, const float* q, int64_t L, int64_t past, float scale,
-                                      float* out) const {
+void ClusterKVPolicy::attend_recalled(Sequence& seq, int layer, const float* q, int64_t L, int64_t past,
+                                      LogitMap logit, float* out) const {
     const auto t0 = std::chrono::steady_clock::now();
     const PoolConfig& cfg = seq.pool().config();
     const int Hkv = cfg.kv_heads;
@@ -350,12 +350,12 @@ void ClusterKVPolicy::attend_recalled(Sequence& seq, int layer, const float* q, 
         for (int g = 0; g < Hkv; ++g) select(g);
     seq.policy_ns[1] += static_cast<int64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-    attend_segments(seq, layer, segs, q, L, past, scale, out);
+    attend_segments(seq, layer, segs, q, L, past, logit, out);
 }
 
 // One task per (KV head, tile of its G*L query rows, segment); the partial softmaxes merged.
 void ClusterKVPolicy::attend_segments(Sequence& seq, int layer, const std::vector<std::vector<Seg>>& segs,
-                                      const float* q, int64_t L, int64_t past, float scale, float* out) const {
+                                      const float* q, int64_t L, int64_t past, LogitMap logit, float* out) const {
     const PoolConfig& cfg = seq.pool().config();
     const int G = cfg.group(), D = cfg.head_dim, Hkv = cfg.kv_heads;
     const int64_t rows_per_head = G * L;
@@ -370,6 +370,7 @@ void ClusterKVPolicy::attend_segments(Sequence& seq, int layer, const std::vecto
         const int64_t g = t / (row_tiles * max_segs), tile = (t / max_segs) % row_tiles, sj = t % max_segs;
         RowSet rows;
         rows.start();
+        rows.softcap = logit.softcap;
         rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, rows_per_head - tile * kMaxRows));
         for (int r = 0; r < rows.n; ++r) {
             const int64_t ri = tile * kMaxRows + r, gi = ri / L, i = ri % L;
@@ -382,9 +383,10 @@ void ClusterKVPolicy::attend_segments(Sequence& seq, int layer, const std::vecto
         if (sj < static_cast<int64_t>(sg.size())) {
             const Seg& e = sg[static_cast<size_t>(sj)];
             if (e.slab)
-                attend_slab(*e.slab, e.n, D, rows, scale, e.pos0);
+                attend_slab(*e.slab, e.n, D, rows, logit.scale, e.pos0);
             else if (e.n)
-                attend_range(cfg, seq.pool(), seq.head(layer, static_cast<int>(g)), rows, scale, e.a, e.a + e.n);
+                attend_range(cfg, seq.pool(), seq.head(layer, static_cast<int>(g)), rows, logit.scale, e.a,
+                             e.a + e.n);
         }
         for (int r = 0; r < rows.n; ++r) {
             partial(t, r)[0] = rows.m[r];

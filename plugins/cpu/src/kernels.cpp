@@ -249,6 +249,31 @@ void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* c
 #endif
 }
 
+void row_logits(const RowSet& rows, const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+    qk(rows.n, q, kt, D, bs, cols, S);
+    if (rows.softcap > 0.0f) cap_logits(S, rows.n, cols, bs, rows.softcap);
+}
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both saturations (exp gives 0 below -104 and is
+// clamped at 88), within a few units of f32's last place near 0 once multiplied back by cap.
+void cap_logits(float* S, int R, int cols, int bs, float cap) {
+    const float two_over_cap = 2.0f / cap;
+    for (int r = 0; r < R; ++r) {
+        float* s = S + static_cast<size_t>(r) * bs;
+        int j = 0;
+#if OVKC_AVX512
+        const __m512 k = _mm512_set1_ps(two_over_cap), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f),
+                     c = _mm512_set1_ps(cap);
+        for (; j + 16 <= cols; j += 16) {
+            const __m512 e = exp512(_mm512_mul_ps(_mm512_loadu_ps(s + j), k));
+            const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+            _mm512_storeu_ps(s + j, _mm512_mul_ps(c, t));
+        }
+#endif
+        for (; j < cols; ++j) s[j] = cap * std::tanh(s[j] / cap);
+    }
+}
+
 // s[0..cols) = exp(s - m) in place; returns the sum. Lanes at -inf give 0.
 float exp_sum(float* s, int cols, float m) {
 #if OVKC_AVX512
@@ -374,7 +399,7 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         const float *kt, *v;
         head_block_floats(cfg, pool, hc, slot0 / bs, j0, j0 + ntok, kt, v);
         const int cols = (ntok + 15) / 16 * 16;
-        qk(rows.n, q, kt + j0, D, bs, cols, S);
+        row_logits(rows, q, kt + j0, D, bs, cols, S);
         if (!hc.bias.empty()) add_bias(hc, rows.n, w0, ntok, bs, S);
         mask_logits(hc, rows, w0, ntok, bs, S);
         for (int r = 0; r < rows.n; ++r) {
@@ -428,7 +453,7 @@ void attend_slab(const Slab& slab, int64_t n, int D, RowSet& rows, float scale, 
     n = std::min(n, slab.count);
     for (int64_t j0 = 0; j0 < n; j0 += bs) {
         const int ntok = static_cast<int>(std::min<int64_t>(bs, n - j0));
-        qk(rows.n, q, slab.kt.data() + static_cast<size_t>(j0 / bs) * D * bs, D, bs, bs, S);
+        row_logits(rows, q, slab.kt.data() + static_cast<size_t>(j0 / bs) * D * bs, D, bs, bs, S);
         for (int r = 0; r < rows.n; ++r) {
             float* s = S + r * bs;
             // padding, and (for consecutive positions from pos0) the keys after the row's own
@@ -502,7 +527,7 @@ void accumulate_scores(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, c
     const float *kt, *v;
     head_block_floats(cfg, pool, hc, block_index, 0, ntok, kt, v);
     const int cols = (ntok + 15) / 16 * 16;
-    qk(rows.n, q, kt, cfg.head_dim, bs, cols, S);
+    row_logits(rows, q, kt, cfg.head_dim, bs, cols, S);
     if (!hc.bias.empty()) add_bias(hc, rows.n, slot0, ntok, bs, S);
     mask_logits(hc, rows, slot0, ntok, bs, S);
     for (int r = 0; r < rows.n; ++r) {

@@ -17,12 +17,22 @@ namespace ovkc {
 
 constexpr int kMaxRows = 8;
 
+// How the model turns q.k into the logit its softmax takes: times `scale`, then (Gemma 2)
+// softcap * tanh(s / softcap) when softcap > 0. The op's two attributes of the same names.
+struct LogitMap {
+    float scale = 1.0f;
+    float softcap = 0.0f;
+};
+
 struct RowSet {
     int n = 0;
     const float* q[kMaxRows] = {};  // query rows (head_dim floats, unscaled)
     int64_t qpos[kMaxRows] = {};    // absolute position: keys at a later position are masked
     // a sliding-window layer's span (0: none): keys at or before qpos - window are masked too
     int64_t window = 0;
+    // the model's soft-capping of its attention logits (Gemma 2; 0: none): each scaled logit s
+    // becomes softcap * tanh(s / softcap) before the softmax, as in prompt and decode alike
+    float softcap = 0.0f;
     float* out[kMaxRows] = {};      // accumulator rows (head_dim floats), unnormalised until finish
     float m[kMaxRows] = {};         // running max of the scaled logits
     float l[kMaxRows] = {};         // running sum of exp(logit - m)

@@ -457,6 +457,7 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
             qk_bf16_rows<Bf16Products::widened>(rows.n, queries, D, kg, cols, S, kChunk);
         else
             qk_bf16_rows<Bf16Products::dot>(rows.n, queries, D, kg, cols, S, kChunk);
+        if (rows.softcap > 0.0f) cap_logits(S, rows.n, cols, kChunk, rows.softcap);
         mask_logits(hc, rows, slot0, ntok, kChunk, S);
         for (int r = 0; r < rows.n; ++r) {
             uint32_t* pr = pp + r * kPairs;

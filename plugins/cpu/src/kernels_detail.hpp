@@ -146,6 +146,12 @@ void head_block_floats(const PoolConfig& cfg, const Pool& pool, const HeadCache&
 // S[r][0..cols) = q[r] . kt[:, 0..cols) for R query rows (keys transposed, row stride bs; cols a
 // multiple of 16), and out[r] += P[r][0..ntok) . v (values [ntok][D]): every block's attention.
 void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S);
+// A block's logits as the model computes them: qk of the rows' (scaled) queries, then the rows'
+// soft-capping (RowSet::softcap) when the model has one. Every kernel that attends or scores
+// rows with f32 products takes its logits from here.
+void row_logits(const RowSet& rows, const float* const* q, const float* kt, int D, int bs, int cols, float* S);
+// s = cap * tanh(s / cap) for rows [0, R) of S (row stride bs), their first `cols` logits.
+void cap_logits(float* S, int R, int cols, int bs, float cap);
 void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* const* out);
 // Mask the slots that are not held or are after each row's position (logits already scaled).
 void mask_logits(const HeadCache& hc, const RowSet& rows, int64_t slot0, int ntok, int bs, float* S);

@@ -201,7 +201,7 @@ void quant_logits(const QLayout& L, const Pool& pool, const HeadCache& hc, int64
                   const float* const* q, float* kt, float* v, std::vector<float>& sc, float* S) {
     const int T = L.T;
     dequantize_qblock(L, pool.qblock(hc.qblocks[static_cast<size_t>(qb)]), kt, v, sc);
-    qk(rows.n, q, kt, L.D, T, T, S);
+    row_logits(rows, q, kt, L.D, T, T, S);
     const int64_t* pos = hc.qpos.data() + qb * T;
     for (int r = 0; r < rows.n; ++r)
         if (pos[T - 1] > rows.qpos[r])

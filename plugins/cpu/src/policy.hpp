@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.hpp"
 #include "paged_cache.hpp"
 #include "spec.hpp"
 
@@ -80,7 +81,7 @@ public:
     virtual bool recalls(Sequence& /*seq*/, int /*layer*/, bool /*prefill*/) const { return false; }
     // Attend the step's queries q [Hq][L][D] over the recalled subset into out [Hq][L][D].
     virtual void attend_recalled(Sequence& /*seq*/, int /*layer*/, const float* /*q*/, int64_t /*L*/,
-                                 int64_t /*past*/, float /*scale*/, float* /*out*/) const {}
+                                 int64_t /*past*/, LogitMap /*logit*/, float* /*out*/) const {}
     // L: the step's tokens, the last L slots of every head of the layer.
     virtual void after_attention(Sequence& /*seq*/, int /*layer*/, bool /*prefill*/, int64_t /*L*/) const {}
     // The method's counters for the sequence, summed over its layers and heads.
