@@ -131,6 +131,56 @@ class LLMPipeline:
             self._chat = None
             self._forget_chat_cache()
 
+    def save_chat(self, path: str | Path) -> int:
+        """Write the open conversation to ``path`` (atomically: a crash leaves the previous file or
+        none, never half of one): its messages and, on the openvino backend, the compressed cache
+        that holds it, as the op stores it (``ov_kvcrush/serving/persist.py``). Returns the bytes
+        written."""
+        from ov_kvcrush.serving.persist import FORMAT_VERSION, save_cache  # where used: it loads the op
+
+        with self.requests.turn():
+            if self._chat is None:
+                raise UserError("save_chat needs an open chat (start_chat)")
+            cached = self.engine.capabilities.keeps_chat_cache
+            identity = self._chat_file_identity() if cached else {"format": FORMAT_VERSION, "model": "", "pool": None}
+            cache = self.engine.cache if cached and self.engine.cache.ids else None
+            return save_cache(Path(path), cache, identity, extra={"messages": self._chat.history})
+
+    def load_chat(self, path: str | Path) -> bool:
+        """Continue the conversation :meth:`save_chat` wrote to ``path`` (an open chat is replaced):
+        its messages always, and its cache where the file's model and pool are this pipeline's;
+        otherwise the next turn prefills the conversation (the same answers, later). Returns
+        whether the cache was restored. A file that is not whole (truncated, corrupt, failing its
+        checksum) or of another format version is refused, and nothing changes."""
+        from ov_kvcrush.op.plugin import PluginError
+        from ov_kvcrush.serving.persist import CacheFileError, read_file, restore_into
+
+        try:
+            meta, members = read_file(Path(path))
+        except (CacheFileError, OSError) as e:
+            raise UserError(f"load_chat: {path} is not a conversation this version can continue ({e})") from e
+        messages = meta.get("extra", {}).get("messages")
+        if not isinstance(messages, list):
+            raise UserError(f"load_chat: {path} holds no conversation")
+        with self.requests.turn():
+            self._start_chat("")
+            assert self._chat is not None
+            self._chat.replace(messages)
+            if not self.engine.capabilities.keeps_chat_cache or "ids" not in members:
+                return False
+            try:
+                identity = self._chat_file_identity()
+                self.engine.cache = restore_into(Path(path), meta, members, self.engine.cache.sequence, identity)
+            except (CacheFileError, UserError, PluginError):
+                self.engine.cache.reset()  # the next turn prefills the conversation
+                return False
+            return True
+
+    def _chat_file_identity(self) -> dict[str, Any]:
+        from ov_kvcrush.serving.persist import identity_of
+
+        return identity_of(self.engine.model_dir, self.engine.pool)
+
     @property
     def chat_history(self) -> list[dict] | None:
         """The conversation so far (``None`` outside a chat)."""

@@ -103,7 +103,8 @@ def test_the_page_stops_an_answer_samples_at_its_temperature_and_shows_the_pool(
         pool = backend.stats()  # at idle: what the page fetched after the answer
         assert int(figures.get_attribute("data-pool-blocks-used")) == pool["blocks_used"]
         assert int(figures.get_attribute("data-pool-kept")) == pool["kept"] >= 1  # the full cache keeps it
-        assert "pool: " in figures.text
+        assert int(figures.get_attribute("data-pool-on-disk")) == pool["on_disk"]  # no --cache-dir: 0
+        assert "pool: " in figures.text and "on disk: 0 (0.0 MiB)" in figures.text
         # the temperature reaches the request: one out of range comes back as the server's 400
         browser.execute_script("document.getElementById('temperature').value = 5")
         browser.find_element(By.ID, "question").send_keys("Name a color.")

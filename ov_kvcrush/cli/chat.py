@@ -3,7 +3,9 @@
 Each line you type is a user turn; the answer streams as it is generated. The ``openvino``
 backend (default) keeps the KV cache across turns and feeds only the new tokens. Commands:
 ``/help`` lists them, ``/reset`` starts a new conversation, ``/stats`` prints the cache the
-conversation holds, ``/exit`` (or end of input) quits; ``//text`` sends ``/text``. Ctrl-C stops
+conversation holds, ``/save FILE`` writes the conversation and its cache to a file and ``/load
+FILE`` continues one (after a restart too), ``/exit`` (or end of input) quits; ``//text`` sends
+``/text``. Ctrl-C stops
 an answer and keeps the chat; a turn past the model's context drops the oldest turns first.
 Piped input works too::
 
@@ -78,8 +80,25 @@ COMMANDS = {
     "/help": "this list",
     "/reset": "start a new conversation",
     "/stats": "the cache the conversation holds",
+    "/save": "FILE: write the conversation and its cache to FILE",
+    "/load": "FILE: continue the conversation saved in FILE",
     "/exit": "quit (also /quit, or end of input: Ctrl-D)",
 }
+
+
+def _save_or_load(pipe: LLMPipeline, command: str, path: str) -> str:
+    """``/save FILE`` or ``/load FILE``: what was done, or why not (the chat goes on either way)."""
+    if not path:
+        return f"({command} needs a file: {command} FILE)"
+    try:
+        if command == "/save":
+            return f"(saved the conversation to {path}: {pipe.save_chat(path) / 2**20:.1f} MiB)"
+        restored = pipe.load_chat(path)
+    except (UserError, OSError) as exc:
+        return f"(error: {exc}; the conversation goes on)"
+    turns = sum(m.get("role") == "user" for m in pipe.chat_history or [])
+    how = "its cache restored" if restored else "its next turn prefills it"
+    return f"(continuing the conversation of {path}: {turns} turn(s), {how})"
 
 
 def chat(
@@ -136,6 +155,8 @@ def chat(
                 stdout.write("(new conversation)\n")
             elif command == "/stats":
                 stdout.write(_stats(pipe, last) + "\n")
+            elif command in ("/save", "/load"):
+                stdout.write(_save_or_load(pipe, command, text[len(command) :].strip()) + "\n")
             elif command == "/help":
                 stdout.write("".join(f"  {c:8s} {what}\n" for c, what in COMMANDS.items()))
             else:

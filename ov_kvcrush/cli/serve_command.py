@@ -55,6 +55,12 @@ def add_serve_arguments(sub: Any) -> None:
     s.add_argument("--api-key", default=None, help=f"require this bearer token (or set {API_KEY_ENV})")
     s.add_argument("--threads", type=int, default=None, help="OpenVINO inference threads (default: every core)")
     s.add_argument(
+        "--cache-dir", default=None, help="also keep conversation caches here, to continue them after a restart"
+    )
+    s.add_argument(
+        "--cache-dir-mib", type=float, default=4096.0, help="size budget of --cache-dir, least recently used out"
+    )
+    s.add_argument(
         "--quiet", action="store_true",
         help="no access log (default: one JSON line a request on stderr: status, tokens, TTFT, KV bytes)",
     )  # fmt: skip

@@ -190,6 +190,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_seq_read_degrees": ([i64, i32, i32, i64, p_f32], i64),
         "ovkc_seq_method_counters": ([i64, ctypes.c_char_p, i64], i64),
         "ovkc_policy_names": ([ctypes.c_char_p, i64], i64),
+        "ovkc_snapshot_fields": ([], i64),
+        "ovkc_seq_snapshot_sizes": ([i64, i32, i32, p_i64], i64),
+        "ovkc_seq_snapshot_read": ([i64, i32, i32, p_i64, p_i64, p_u8, p_i64, p_u8, *[p_f32] * 4], i64),
+        "ovkc_seq_snapshot_write": ([i64, i32, i32, p_i64, p_i64, p_u8, p_i64, p_u8, *[p_f32] * 4], i64),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)

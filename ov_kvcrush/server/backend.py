@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -21,10 +22,12 @@ from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.engines.base import GenerationResult, check_context
 from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.server.metrics import ServerMetrics
+from ov_kvcrush.op.plugin import PluginError
+from ov_kvcrush.server.metrics import DISK_EVENT, ServerMetrics
 from ov_kvcrush.server.protocol import APIError, GenerationRequest, compression_error
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.kept import shared_prefix
+from ov_kvcrush.serving.persist import DiskCaches
 from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
 
 
@@ -97,7 +100,8 @@ class Backend(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """The gauges: ``running``, ``waiting``, ``blocks_used``, ``blocks_free`` (-1: unbounded),
-        ``kv_bytes``, ``kept``, ``kept_blocks``."""
+        ``kv_bytes``, ``kept``, ``kept_blocks``, ``on_disk``, ``on_disk_bytes``; and the disk's
+        file events since start (``disk_saved``, ``disk_restored``, ``disk_rejected_<reason>``)."""
 
     def replica_for(self, req: GenerationRequest) -> str | None:
         """Which replica serves ``req`` (``None``: this process)."""
@@ -171,6 +175,7 @@ class PipelineBackend(Backend):
         keep_caches: bool = True,
         make_pipeline: Callable[[CompressionConfig], ContinuousBatchingPipeline] | None = None,
         max_methods: int = 4,
+        disk: Callable[[ContinuousBatchingPipeline], DiskCaches] | None = None,
     ) -> None:
         super().__init__(model_name, max_queue)
         self.pipeline = pipeline  # the server's own method's
@@ -180,6 +185,11 @@ class PipelineBackend(Backend):
         self.max_methods = max_methods
         self.pipelines = {compression_key(pipeline.engine.compression): pipeline}
         self._making = threading.Lock()
+        #: each pipeline's conversation caches on disk (``--cache-dir``), made with it
+        self.make_disk = disk
+        self.disks: dict[int, DiskCaches] = {}
+        if disk is not None and self._kept_by(pipeline):
+            self.disks[id(pipeline)] = disk(pipeline)
 
     def pipeline_for(self, compression: CompressionConfig | None) -> ContinuousBatchingPipeline:
         """The pipeline of ``compression`` (``None``: the server's), made the first time."""
@@ -200,12 +210,30 @@ class PipelineBackend(Backend):
                         f"(--max-methods), all taken: send one of theirs or none",
                         "kv_compression",
                     )
-                self.pipelines[key] = self.make_pipeline(compression)
+                made = self.make_pipeline(compression)
+                if self.make_disk is not None and self._kept_by(made):
+                    self.disks[id(made)] = self.make_disk(made)
+                self.pipelines[key] = made
             return self.pipelines[key]
+
+    def _kept_by(self, pipeline: ContinuousBatchingPipeline) -> bool:
+        """Whether ``pipeline``'s finished requests' caches are kept for the next turn."""
+        return self.keep_caches and pipeline.engine.method.keeps_later_turns
 
     def stats(self) -> dict[str, int]:
         total = dict.fromkeys(
-            ("running", "waiting", "blocks_used", "blocks_free", "kv_bytes", "kept", "kept_blocks"), 0
+            (
+                "running",
+                "waiting",
+                "blocks_used",
+                "blocks_free",
+                "kv_bytes",
+                "kept",
+                "kept_blocks",
+                "on_disk",
+                "on_disk_bytes",
+            ),
+            0,
         )
         for pipeline in list(self.pipelines.values()):
             st = pipeline.pool.stats()
@@ -219,6 +247,11 @@ class PipelineBackend(Backend):
             total["kv_bytes"] += st.kv_bytes
             total["kept"] += len(pipeline.kept)
             total["kept_blocks"] += pipeline.kept.blocks()
+        for disk in list(self.disks.values()):
+            total["on_disk"] += len(disk)
+            total["on_disk_bytes"] += disk.bytes_on_disk()
+            for event, n in disk.counts.items():
+                total[DISK_EVENT + event] = total.get(DISK_EVENT + event, 0) + n
         return total
 
     def close(self) -> None:
@@ -246,14 +279,14 @@ class PipelineBackend(Backend):
                                   req.max_tokens_param)  # fmt: skip
                 except UserError as e:
                     raise APIError(400, str(e), req.max_tokens_param) from e
-                cache = self._cache_for(pipeline, ids)
+                cache = await asyncio.to_thread(self._cache_for, pipeline, ids)
                 cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
                 handle = pipeline.submit(ids, req.settings, streamer, cache=cache)
             except UserError as e:
                 if cache is not None:
                     pipeline.kept.put(cache)
                 raise APIError(400, str(e)) from e
-            done = loop.run_in_executor(None, _wait_and_keep, pipeline, handle, cache)
+            done = loop.run_in_executor(None, _wait_and_keep, pipeline, handle, cache, self.disks.get(id(pipeline)))
             done.add_done_callback(lambda _f: loop.call_soon_threadsafe(pieces.put_nowait, None))
             while (delta := await pieces.get()) is not None:
                 out = stop.add(delta)
@@ -276,22 +309,37 @@ class PipelineBackend(Backend):
         """The kept cache this request continues (its conversation's last turn), or a new one to
         keep; ``None`` when caches are not kept: by the server, or for a method whose kept cache
         would lose what a later question needs (``MethodConfig.keeps_later_turns``)."""
-        if not self.keep_caches or not pipeline.engine.method.keeps_later_turns:
+        if not self._kept_by(pipeline):
             return None
-        return pipeline.kept.take(ids) or SequenceCache(pipeline.pool.new_sequence())
+        disk = self.disks.get(id(pipeline))
+        return (
+            pipeline.kept.take(ids)
+            or (disk.restore(ids, pipeline.pool) if disk is not None else None)
+            or SequenceCache(pipeline.pool.new_sequence())
+        )
 
 
 def _wait_and_keep(
-    pipeline: ContinuousBatchingPipeline, handle: GenerationHandle, cache: SequenceCache | None
+    pipeline: ContinuousBatchingPipeline,
+    handle: GenerationHandle,
+    cache: SequenceCache | None,
+    disk: DiskCaches | None = None,
 ) -> tuple[GenerationStatus, GenerationResult | None, str]:
     """The request's end (a worker thread); then its cache is kept for the next turn (a failed
-    request's, reset by the loop, is freed)."""
+    request's, reset by the loop, is freed), written to ``disk`` first (before another request
+    may take it). A write that fails is counted and logged; the request has its answer."""
     outcome = _wait(handle)
     if cache is not None:
         if outcome[0] is GenerationStatus.FAILED:
             cache.sequence.free()
-        else:
-            pipeline.kept.put(cache)
+            return outcome
+        if disk is not None:
+            try:
+                disk.save(cache)
+            except (OSError, UserError, PluginError) as e:
+                disk.counts["write_failed"] += 1
+                print(f"ov-kvcrush: a conversation cache was not written to disk: {e}", file=sys.stderr)
+        pipeline.kept.put(cache)
     return outcome
 
 

@@ -35,6 +35,9 @@ class ServerConfig:
         served_model_name: the model name clients send (``None``: the model's).
         port: the port served (part of the name a Ray replica's pipeline gets).
         threads: OpenVINO's inference threads (``None``: every core).
+        cache_dir: where kept conversation caches are also written, to survive a restart
+            (``None``: memory only; serving/persist.py).
+        cache_dir_mib: the size budget of ``cache_dir``'s files (least recently used out).
     """
 
     model: str | None = None
@@ -53,6 +56,8 @@ class ServerConfig:
     served_model_name: str | None = None
     port: int = 8000
     threads: int | None = None
+    cache_dir: str | None = None
+    cache_dir_mib: float = 4096.0
 
     def __post_init__(self) -> None:
         check_int("--max-queue", self.max_queue, 1, 1 << 16)
@@ -62,6 +67,7 @@ class ServerConfig:
             check_int("--threads", self.threads, 1, 4096)
         if self.kv_pool_mib is not None:
             check_float("--kv-pool-mib", self.kv_pool_mib, 1.0, float(1 << 24))
+        check_float("--cache-dir-mib", self.cache_dir_mib, 1.0, float(1 << 30))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:

@@ -4,6 +4,10 @@ method a request names the same way."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openvino_genai
@@ -13,6 +17,7 @@ from ov_kvcrush.op.kvcache import block_bytes, pool_blocks
 from ov_kvcrush.server.backend import PipelineBackend
 from ov_kvcrush.server.config import ServerConfig
 from ov_kvcrush.serving.backends import make_engine, resolve_model
+from ov_kvcrush.serving.persist import DiskCaches, identity_of
 from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
 
 
@@ -21,7 +26,24 @@ def build_backend(config: ServerConfig) -> PipelineBackend:
     return PipelineBackend(
         make_pipeline(config, config.compression()), config.served_name(), config.max_queue,
         make_pipeline=lambda c: make_pipeline(config, c), max_methods=config.max_methods,
+        disk=disk_caches(config),
     )  # fmt: skip
+
+
+def disk_caches(config: ServerConfig) -> Callable[[ContinuousBatchingPipeline], DiskCaches] | None:
+    """How a pipeline's conversation caches are kept on disk (``None``: without ``--cache-dir``):
+    one subdirectory per pool configuration, so a file is only ever offered to the pool that can
+    take it, and a file of another model or method is never read."""
+    if config.cache_dir is None:
+        return None
+    budget = int(config.cache_dir_mib * 2**20)
+
+    def make(pipeline: ContinuousBatchingPipeline) -> DiskCaches:
+        identity = identity_of(pipeline.engine.model_dir, pipeline.pool)
+        key = hashlib.sha256(json.dumps(identity["pool"], sort_keys=True).encode()).hexdigest()[:16]
+        return DiskCaches(Path(config.cache_dir) / key, identity, budget)
+
+    return make
 
 
 def make_pipeline(config: ServerConfig, compression: CompressionConfig) -> ContinuousBatchingPipeline:

@@ -23,7 +23,11 @@ GAUGES = (
     ("kv_bytes", "ovkc_kv_bytes_held", "KV bytes the pool holds now"),
     ("kept", "ovkc_kept_caches", "Conversations' caches kept for their next turn"),
     ("kept_blocks", "ovkc_kept_cache_blocks", "Blocks the kept caches hold"),
+    ("on_disk", "ovkc_disk_caches", "Conversations' caches on disk (--cache-dir)"),
+    ("on_disk_bytes", "ovkc_disk_cache_bytes", "Bytes of the caches on disk"),
 )
+#: the stats that count the disk's files by event (``disk_saved``, ``disk_rejected_checksum``, ...)
+DISK_EVENT = "disk_"
 
 
 class ServerMetrics:
@@ -47,6 +51,12 @@ class ServerMetrics:
             "ovkc_request_kv_bytes_full", "KV bytes the same requests would hold with the full cache", registry=r
         )
         self.errors = Counter("ovkc_error_responses", "Error responses sent, by HTTP status", ["status"], registry=r)
+        self.disk_events = Gauge(
+            "ovkc_disk_cache_files",
+            "Conversation cache files since start, by event: saved, restored, evicted, rejected_<reason>",
+            ["event"],
+            registry=r,
+        )
         self.ttft = Histogram("ovkc_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("ovkc_tpot_seconds", "Time per output token", buckets=LATENCY_BUCKETS, registry=r)
 
@@ -71,5 +81,8 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         for key, value in self.stats().items():
-            self.gauges[key].set(value)
+            if key.startswith(DISK_EVENT):
+                self.disk_events.labels(key.removeprefix(DISK_EVENT)).set(value)
+            else:
+                self.gauges[key].set(value)
         return generate_latest(self.registry)

@@ -31,6 +31,14 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def continued_prefix(held: list[int], ids: list[int], min_shared: int, slack: int) -> int:
+    """How many of ``ids`` a request continues from a cache holding ``held`` (0: it is not the
+    next turn): it shares all of them but the last ``slack``, at least ``min_shared``, and has
+    tokens of its own after them."""
+    n = shared_prefix(held, ids)
+    return n if max(min_shared, len(held) - slack) <= n < len(ids) else 0
+
+
 class KeptCaches:
     """At most ``capacity`` kept caches of one pool, least recently used first out.
 
@@ -57,8 +65,7 @@ class KeptCaches:
 
     def continues(self, cache: SequenceCache, ids: list[int]) -> int:
         """How many of ``ids`` a request continues from ``cache`` (0: it is not the next turn)."""
-        n = shared_prefix(cache.ids, ids)
-        return n if max(self.min_shared, len(cache.ids) - self.slack) <= n < len(ids) else 0
+        return continued_prefix(cache.ids, ids, self.min_shared, self.slack)
 
     def take(self, ids: list[int]) -> SequenceCache | None:
         """The kept cache ``ids`` continues furthest, removed from the store: its request owns it

@@ -1,0 +1,122 @@
+"""A conversation's second turn after the server was killed, continued from ``--cache-dir``,
+against the same history sent cold (issue 73's targets: TTFT at most 0.1x a cold prefill's, the
+same answer, files at most 1.2x the cache's ``kv_bytes``).
+
+Each conversation is a needle document (``niah_single``) in turn one ("Reply with OK."). A server
+started as users start it (``ov-kvcrush serve --cache-dir DIR``) answers every turn one, then is
+killed with SIGKILL; a second server on the same directory answers every question turn; a third,
+without a cache directory, answers the same histories cold. Writes a JSON of the answers, their
+TTFTs, the cached prompt tokens and each file's size against its cache's bytes::
+
+    .venv/bin/python benchmarks/disk_restore.py --length 3000 --conversations 5 \\
+        --json docs/results/serving/disk_restore_full.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import openai
+
+from ov_kvcrush.eval import tasks as T
+from ov_kvcrush.models.export import ensure_default_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``ov-kvcrush serve`` in a process of its own, killed with SIGKILL when done."""
+
+    def __init__(self, extra: list[str]) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "ov_kvcrush", "serve", "--port", str(self.port), "--served-model-name", "m",
+               "--quiet", *extra]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if not self.proc.stdout.readline().startswith("serving "):
+            raise SystemExit("the server did not start")
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="-", max_retries=0)
+
+    def ask(self, messages: list[dict], max_tokens: int = 24) -> tuple[str, dict]:
+        r = self.client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0)
+        u = r.usage
+        return r.choices[0].message.content or "", {
+            "prompt_tokens": u.prompt_tokens, "cached_tokens": u.prompt_tokens_details.cached_tokens,
+            "ttft_ms": u.model_extra["ttft_ms"], "kv_bytes": u.model_extra["kv_bytes"],
+        }  # fmt: skip
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--length", type=int, default=3000, help="the document's tokens")
+    p.add_argument("--conversations", type=int, default=5)
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+    from ov_kvcrush.serving.backends import make_engine
+
+    count = make_engine("openvino", ensure_default_model(progress=False), None, "CPU").count_tokens
+    task = T.GENERATION_TASKS["niah_single"]
+    samples = [task(a.length, count, 0, i, a.conversations) for i in range(a.conversations)]
+    cache_dir = Path(tempfile.mkdtemp(prefix="ovkc-disk-"))
+    firsts, seconds = [], []
+    server = Server(["--cache-dir", str(cache_dir)])
+    try:
+        for s in samples:
+            document = s.prompt[: -len(s.question)]
+            turn = [{"role": "user", "content": document + "\n\nRead the text above. Reply with OK."}]
+            answer, usage = server.ask(turn)
+            firsts.append(usage)
+            seconds.append([*turn, {"role": "assistant", "content": answer}, {"role": "user", "content": s.question}])
+    finally:
+        server.kill()  # kill -9: only what is on disk survives
+    files = sorted((f.stat().st_size for f in cache_dir.rglob("*.kvc.npz")), reverse=True)
+    rows = []
+    restarted = Server(["--cache-dir", str(cache_dir)])
+    try:
+        from_disk = [restarted.ask(m) for m in seconds]
+    finally:
+        restarted.kill()
+    cold_server = Server([])
+    try:
+        cold = [cold_server.ask(m) for m in seconds]
+    finally:
+        cold_server.kill()
+    for i, s in enumerate(samples):
+        (d_text, d), (c_text, c) = from_disk[i], cold[i]
+        rows.append({
+            "conversation": i, "answer": s.answers[0], "from_disk": d_text, "cold": c_text, "equal": d_text == c_text,
+            "prompt_tokens": d["prompt_tokens"], "cached_tokens": d["cached_tokens"],
+            "ttft_disk_ms": d["ttft_ms"], "ttft_cold_ms": c["ttft_ms"], "ttft_ratio": d["ttft_ms"] / c["ttft_ms"],
+            "turn1_kv_bytes": firsts[i]["kv_bytes"],
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    kv = sorted((f["kv_bytes"] for f in firsts), reverse=True)
+    summary = {
+        "equal": sum(r["equal"] for r in rows), "of": len(rows),
+        "ttft_ratio_max": max(r["ttft_ratio"] for r in rows),
+        "ttft_ratio_mean": sum(r["ttft_ratio"] for r in rows) / len(rows),
+        "file_bytes": files, "kv_bytes": kv, "files_over_kv_bytes": sum(files) / sum(kv),
+    }  # fmt: skip
+    print(json.dumps(summary))
+    out = {"command": f"benchmarks/disk_restore.py --length {a.length} --conversations {a.conversations}",
+           "summary": summary, "rows": rows}  # fmt: skip
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
