@@ -10,6 +10,7 @@ TTFTs, the cached prompt tokens and each file's size against its cache's bytes::
 
     .venv/bin/python benchmarks/disk_restore.py --length 3000 --conversations 5 \\
         --json docs/results/serving/disk_restore_full.json
+    .venv/bin/python benchmarks/disk_restore.py ... --kv-precision f32 --json ..._full_f32.json
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--length", type=int, default=3000, help="the document's tokens")
     p.add_argument("--conversations", type=int, default=5)
+    p.add_argument("--kv-precision", default="u8", help="the servers' --kv-precision (default u8, as native)")
     p.add_argument("--json", required=True)
     a = p.parse_args()
+    precision = ["--kv-precision", a.kv_precision]
     from ov_kvcrush.serving.backends import make_engine
 
     count = make_engine("openvino", ensure_default_model(progress=False), None, "CPU").count_tokens
@@ -73,7 +76,7 @@ def main() -> None:
     samples = [task(a.length, count, 0, i, a.conversations) for i in range(a.conversations)]
     cache_dir = Path(tempfile.mkdtemp(prefix="ovkc-disk-"))
     firsts, seconds = [], []
-    server = Server(["--cache-dir", str(cache_dir)])
+    server = Server(["--cache-dir", str(cache_dir), *precision])
     try:
         for s in samples:
             document = s.prompt[: -len(s.question)]
@@ -85,12 +88,12 @@ def main() -> None:
         server.kill()  # kill -9: only what is on disk survives
     files = sorted((f.stat().st_size for f in cache_dir.rglob("*.kvc.npz")), reverse=True)
     rows = []
-    restarted = Server(["--cache-dir", str(cache_dir)])
+    restarted = Server(["--cache-dir", str(cache_dir), *precision])
     try:
         from_disk = [restarted.ask(m) for m in seconds]
     finally:
         restarted.kill()
-    cold_server = Server([])
+    cold_server = Server(precision)
     try:
         cold = [cold_server.ask(m) for m in seconds]
     finally:
@@ -107,12 +110,15 @@ def main() -> None:
     kv = sorted((f["kv_bytes"] for f in firsts), reverse=True)
     summary = {
         "equal": sum(r["equal"] for r in rows), "of": len(rows),
+        "disk_correct": sum(r["answer"] in r["from_disk"] for r in rows),
+        "cold_correct": sum(r["answer"] in r["cold"] for r in rows),
         "ttft_ratio_max": max(r["ttft_ratio"] for r in rows),
         "ttft_ratio_mean": sum(r["ttft_ratio"] for r in rows) / len(rows),
         "file_bytes": files, "kv_bytes": kv, "files_over_kv_bytes": sum(files) / sum(kv),
     }  # fmt: skip
     print(json.dumps(summary))
-    out = {"command": f"benchmarks/disk_restore.py --length {a.length} --conversations {a.conversations}",
+    command = f"benchmarks/disk_restore.py --length {a.length} --conversations {a.conversations}"
+    out = {"command": f"{command} --kv-precision {a.kv_precision}",
            "summary": summary, "rows": rows}  # fmt: skip
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
