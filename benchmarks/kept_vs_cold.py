@@ -11,6 +11,7 @@ last turn's TTFT both ways::
     .venv/bin/python benchmarks/kept_vs_cold.py --length 3000 --conversations 10 --budget 256 \\
         --json docs/results/serving/kept_vs_cold_kvzip_256.json
     .venv/bin/python benchmarks/kept_vs_cold.py ... --method snapkv --json ..._snapkv_256.json
+    .venv/bin/python benchmarks/kept_vs_cold.py ... --method full --json docs/results/serving/kept_vs_cold_full.json
 """
 
 from __future__ import annotations
