@@ -43,20 +43,23 @@ CASES = {
     "minikv": ("minikv", dict(budget=96, quant=QuantSettings(residual_tokens=32)), "f32"),
     "chelsea": ("chelsea", dict(budget=96, chunk_size=32, merge_interval=8), "f32"),
     "kvcrush-u8": ("kvcrush", dict(budget=96, sink_tokens=4, recent_tokens=16, representatives=24), "u8"),
+    "sliding-window": ("full", {}, "f16"),  # a local layer's ring of blocks (Gemma 2 and 3)
 }
+WINDOWS = {"sliding-window": [64]}
 
 
 class Layer:
     """One layer of the op over a pool of ``method``, fed the shared test vectors."""
 
-    def __init__(self, core, method: str, fields: dict, precision: str) -> None:
-        self.spec = method_spec(method_config(method, **fields), 1, HQ, 32)
-        self.precision = precision
+    def __init__(self, core, method: str, fields: dict, precision: str, windows: list[int] | None = None) -> None:
+        self.spec = method_spec(method_config(method, **fields), 1, HQ, 32, windows)
+        self.precision, self.windows = precision, windows
         self.req = op_model(core, HQ, HKV, D)
         self.v = layer_vectors(0, kv_heads=HKV, q_heads=HQ, tokens=300, head_dim=D)
 
     def pool(self, **kw) -> kvcache.KVPool:
-        return kvcache.KVPool(1, HQ, HKV, D, precision=kw.get("precision", self.precision), method=self.spec)
+        precision = kw.get("precision", self.precision)
+        return kvcache.KVPool(1, HQ, HKV, D, precision=precision, method=self.spec, windows=self.windows)
 
     def step(self, seq: kvcache.KVSequence, a: int, b: int) -> np.ndarray:
         q, k, v = (x[:, :, a:b].numpy() for x in (self.v.queries, self.v.keys, self.v.values))
@@ -69,7 +72,7 @@ def identity(pool: kvcache.KVPool, model: str = "m") -> dict:
 
 def saved_layer(ov_core, tmp_path, case: str = "full-u8"):
     """A layer whose sequence took a prompt and 30 decode steps, saved to a file."""
-    layer = Layer(ov_core, *CASES[case])
+    layer = Layer(ov_core, *CASES[case], WINDOWS.get(case))
     pool = layer.pool()
     seq = pool.new_sequence()
     layer.step(seq, 0, 200)
