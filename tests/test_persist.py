@@ -190,6 +190,18 @@ def test_a_restart_ignores_unfinished_and_bad_files_and_counts_them(ov_core, tmp
     assert DiskCaches(store.directory, {**ident, "model": "another"}, 1 << 30).counts == {"rejected_model": 1}
 
 
+def test_a_file_another_process_evicted_is_a_miss_not_a_bad_file(ov_core, tmp_path):
+    _layer, pool, seq, _path, _ = saved_layer(ov_core, tmp_path / "one")
+    ident = identity(pool)
+    mine = DiskCaches(tmp_path / "caches", ident, max_bytes=1 << 30)
+    mine.save(SequenceCache(seq, list(range(230)), 0))
+    theirs = DiskCaches(tmp_path / "caches", ident, max_bytes=1 << 30)  # indexes it
+    for path in (tmp_path / "caches").glob("*.kvc.npz"):
+        path.unlink()  # the other process evicted it
+    assert theirs.restore([*range(230), 1], pool) is None and len(theirs) == 0
+    assert not any(k.startswith("rejected_") for k in theirs.counts)
+
+
 WRITER = textwrap.dedent(
     """
     import sys

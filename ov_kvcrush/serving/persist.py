@@ -138,6 +138,8 @@ def _read_members(path: Path, names: tuple[str, ...] | None = None) -> dict[str,
     try:
         with np.load(path, allow_pickle=False) as z:
             return {n: z[n] for n in (names or z.files)}
+    except FileNotFoundError:
+        raise  # gone (evicted by another process on the same directory): not a bad file
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise CacheFileError("corrupt", f"{path.name} cannot be read ({type(e).__name__}: {e})") from e
 
@@ -211,7 +213,9 @@ def load_cache(path: Path, sequence: KVSequence, identity: dict[str, Any]) -> tu
 
 class DiskCaches:
     """One pool's conversation caches in ``directory``, at most ``max_bytes`` of files (least
-    recently used out). Safe to call from several threads."""
+    recently used out). Safe to call from several threads; several processes may share the
+    directory (Ray replicas of one configuration): every write is an atomic rename, and a file
+    another one evicted is a miss, not a bad file."""
 
     def __init__(self, directory: Path, identity: dict[str, Any], max_bytes: int, min_shared: int = 64, slack: int = 4):
         self.directory = Path(directory)
@@ -229,6 +233,8 @@ class DiskCaches:
                 self._index[path] = read_meta(path, identity)[0]
             except CacheFileError as e:
                 self._discard(path, e.reason)
+            except FileNotFoundError:  # removed meanwhile by another process on the directory
+                continue
 
     def _discard(self, path: Path, reason: str) -> None:
         self.counts[f"rejected_{reason}"] += 1
@@ -256,7 +262,12 @@ class DiskCaches:
                 self._index.pop(path, None)
             self._discard(path, e.reason)
             return None
-        except (PluginError, OSError):  # a full pool, or a file evicted meanwhile: a cold prefill
+        except FileNotFoundError:  # evicted meanwhile (another replica on the directory): a cold prefill
+            sequence.free()
+            with self._lock:
+                self._index.pop(path, None)
+            return None
+        except (PluginError, OSError):  # a full pool, or the disk: a cold prefill, the file stays
             sequence.free()
             return None
         with contextlib.suppress(OSError):
