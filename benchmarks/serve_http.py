@@ -4,8 +4,9 @@
    a 70 MiB KV pool, SnapKV @512 and the full cache: the server (the official ``openai`` client,
    16 streams at once over loopback) against the same pipeline's ``generate`` in process, and
    passkeys answered;
-2. the second turn of a ~3k-token conversation: its TTFT continued from the kept cache against
-   the same request with no kept cache (median of 3);
+2. the second turn of a ~3k-token conversation (the full cache, whose conversations the server
+   keeps): its TTFT continued from the kept cache against the same request with no kept cache
+   (median of 3);
 3. RSS of the server's process over 500 short requests after 50 of warm-up.
 
     .venv/bin/python benchmarks/serve_http.py --json docs/results/serving/serve_http_cpu.json
@@ -128,7 +129,8 @@ async def first_token_ms(client: openai.AsyncOpenAI, model: str, messages: list[
 
 
 def second_turn(args: argparse.Namespace) -> dict[str, Any]:
-    backend = make_backend("snapkv", 512, args.pool_mib, args.model)
+    # the full cache: the method whose conversations the server keeps (MethodConfig.keeps_later_turns)
+    backend = make_backend("full", None, args.pool_mib, args.model)
     loop = backend.pipeline
     count = token_counter(loop)
     kept_ms, fresh_ms, answers = [], [], []
