@@ -363,3 +363,13 @@ def test_a_conversation_goes_on_from_disk_after_the_server_is_killed(model_dir, 
     assert loop.run(ids1, settings, cache=cache).text == a1
     assert loop.run(ids2, settings, cache=cache).text == a2
     assert 'ovkc_disk_cache_files{event="restored"} 1.0' in metrics
+
+
+def test_a_directory_that_cannot_hold_files_is_refused_at_start(tmp_path):
+    from ov_kvcrush.errors import UserError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    pool = kvcache.KVPool(1, HQ, HKV, D, precision="f32")
+    with pytest.raises(UserError, match="cannot hold files"):
+        DiskCaches(blocker / "caches", identity(pool), 1 << 20)

@@ -219,7 +219,12 @@ class DiskCaches:
 
     def __init__(self, directory: Path, identity: dict[str, Any], max_bytes: int, min_shared: int = 64, slack: int = 4):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:  # a directory that cannot take files is said at start, not at the first write
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(prefix=TEMP_PREFIX, dir=self.directory):
+                pass
+        except OSError as e:
+            raise UserError(f"cache directory {self.directory} cannot hold files: {e}") from e
         self.identity = identity
         self.max_bytes = max_bytes
         self.min_shared, self.slack = min_shared, slack
