@@ -60,7 +60,8 @@ class SequenceSnapshot:
         return sum(a.nbytes for a in self.arrays().values())
 
 
-#: each part's array: (its count's column, its dtype, elements per count, given the pool's block bytes)
+#: each part's array: (its count's column, its dtype, elements per count, given the pool's block bytes),
+#: in the order the library's read and write take them
 def _parts(block_bytes: int, qblock_bytes: int) -> dict[str, tuple[int, type, int]]:
     col = COUNTS.index
     return {
@@ -75,68 +76,63 @@ def _parts(block_bytes: int, qblock_bytes: int) -> dict[str, tuple[int, type, in
     }
 
 
-def _pointers(parts: dict[str, np.ndarray]) -> list:
-    kinds = {
-        np.dtype(np.int64): ctypes.c_int64,
-        np.dtype(np.uint8): ctypes.c_uint8,
-        np.dtype(np.float32): ctypes.c_float,
-    }
-    return [
-        ptr(parts[name], kinds[parts[name].dtype])
-        for name in ("pos", "blocks", "qpos", "qblocks", "scores", "degree", "bias", "qscores")
-    ]
+_CTYPES = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint8): ctypes.c_uint8, np.dtype(np.float32): ctypes.c_float}
+
+
+def _heads(seq: KVSequence) -> tuple[list[tuple[int, int]], dict[str, tuple[int, type, int]]]:
+    """The sequence's (layer, KV head) pairs in snapshot order, and its pool's parts; refuses a
+    library whose snapshot counts are not :data:`COUNTS`."""
+    pool = seq.pool
+    fields_there = check_result(pool.lib.ovkc_snapshot_fields())
+    if fields_there != len(COUNTS):
+        raise RuntimeError(f"the library's snapshot has {fields_there} counts, this module {len(COUNTS)}")
+    heads = [(layer, g) for layer in range(pool.layers) for g in range(pool.kv_heads)]
+    return heads, _parts(pool.block_bytes, pool.stats().qblock_bytes)
+
+
+def _head_pointers(counts: np.ndarray, arrays: dict[str, np.ndarray], spec: dict[str, tuple[int, type, int]]):
+    """Per head, pointers to its part of each array (``arrays`` in ``spec``'s order), as the
+    library's read and write take them."""
+    offsets = dict.fromkeys(spec, 0)
+    for row in counts:
+        pointers = []
+        for name, (col, dt, per) in spec.items():
+            n = int(row[col]) * per
+            pointers.append(ptr(arrays[name][offsets[name] : offsets[name] + n], _CTYPES[np.dtype(dt)]))
+            offsets[name] += n
+        yield pointers
 
 
 def read_snapshot(seq: KVSequence) -> SequenceSnapshot:
     """Copy ``seq``'s cache (it must not be stepped meanwhile: a finished request's, a chat's
     between turns)."""
-    pool, lib = seq.pool, seq.pool.lib
-    heads = [(layer, g) for layer in range(pool.layers) for g in range(pool.kv_heads)]
+    heads, spec = _heads(seq)
+    lib = seq.pool.lib
     counts = np.zeros((len(heads), len(COUNTS)), dtype=np.int64)
     for i, (layer, g) in enumerate(heads):
         check_result(lib.ovkc_seq_snapshot_sizes(seq.handle, layer, g, ptr(counts[i], ctypes.c_int64)))
-    spec = _parts(pool.block_bytes, pool.stats().qblock_bytes)
     out = {name: np.zeros(int(counts[:, col].sum()) * per, dtype=dt) for name, (col, dt, per) in spec.items()}
-    offsets = dict.fromkeys(spec, 0)
-    for i, (layer, g) in enumerate(heads):
-        views = {}
-        for name, (col, _, per) in spec.items():
-            n = int(counts[i, col]) * per
-            views[name] = out[name][offsets[name] : offsets[name] + n]
-            offsets[name] += n
-        check_result(
-            lib.ovkc_seq_snapshot_read(seq.handle, layer, g, ptr(counts[i], ctypes.c_int64), *_pointers(views))
-        )
+    for i, ((layer, g), pointers) in enumerate(zip(heads, _head_pointers(counts, out, spec), strict=True)):
+        check_result(lib.ovkc_seq_snapshot_read(seq.handle, layer, g, ptr(counts[i], ctypes.c_int64), *pointers))
     return SequenceSnapshot(counts, **out)
 
 
 def write_snapshot(seq: KVSequence, snap: SequenceSnapshot) -> None:
     """Write ``snap`` into ``seq`` (reset first; left reset when the snapshot does not fit its
     pool or the pool is exhausted, the error raised)."""
-    pool, lib = seq.pool, seq.pool.lib
-    heads = [(layer, g) for layer in range(pool.layers) for g in range(pool.kv_heads)]
+    heads, spec = _heads(seq)
+    lib = seq.pool.lib
     counts = np.ascontiguousarray(snap.counts, dtype=np.int64)
     if counts.shape != (len(heads), len(COUNTS)):
         raise ValueError(f"the snapshot holds {counts.shape[0]} heads, the pool {len(heads)}")
-    spec = _parts(pool.block_bytes, pool.stats().qblock_bytes)
-    offsets = dict.fromkeys(spec, 0)
+    arrays = {name: np.ascontiguousarray(getattr(snap, name), dtype=dt) for name, (_, dt, _) in spec.items()}
+    for name, (col, _, per) in spec.items():
+        if arrays[name].size != int(counts[:, col].sum()) * per:
+            raise ValueError(f"the snapshot's {name} hold {arrays[name].size} values, its counts say otherwise")
     seq.reset()
     try:
-        for i, (layer, g) in enumerate(heads):
-            views = {}
-            for name, (col, dt, per) in spec.items():
-                n = int(counts[i, col]) * per
-                whole = np.ascontiguousarray(getattr(snap, name), dtype=dt)
-                if offsets[name] + n > whole.size:
-                    raise ValueError(f"the snapshot's {name} end before head {i}'s part")
-                views[name] = whole[offsets[name] : offsets[name] + n]
-                offsets[name] += n
-            check_result(
-                lib.ovkc_seq_snapshot_write(seq.handle, layer, g, ptr(counts[i], ctypes.c_int64), *_pointers(views))
-            )
-        for name in spec:
-            if offsets[name] != getattr(snap, name).size:
-                raise ValueError(f"the snapshot's {name} hold more than its heads' parts")
+        for i, ((layer, g), pointers) in enumerate(zip(heads, _head_pointers(counts, arrays, spec), strict=True)):
+            check_result(lib.ovkc_seq_snapshot_write(seq.handle, layer, g, ptr(counts[i], ctypes.c_int64), *pointers))
     except Exception:
         seq.reset()
         raise

@@ -183,13 +183,12 @@ class PipelineBackend(Backend):
         self.keep_caches = keep_caches
         self.make_pipeline = make_pipeline
         self.max_methods = max_methods
-        self.pipelines = {compression_key(pipeline.engine.compression): pipeline}
         self._making = threading.Lock()
         #: each pipeline's conversation caches on disk (``--cache-dir``), made with it
         self.make_disk = disk
         self.disks: dict[int, DiskCaches] = {}
-        if disk is not None and self._kept_by(pipeline):
-            self.disks[id(pipeline)] = disk(pipeline)
+        self.pipelines: dict[str, ContinuousBatchingPipeline] = {}
+        self._add(compression_key(pipeline.engine.compression), pipeline)
 
     def pipeline_for(self, compression: CompressionConfig | None) -> ContinuousBatchingPipeline:
         """The pipeline of ``compression`` (``None``: the server's), made the first time."""
@@ -210,11 +209,14 @@ class PipelineBackend(Backend):
                         f"(--max-methods), all taken: send one of theirs or none",
                         "kv_compression",
                     )
-                made = self.make_pipeline(compression)
-                if self.make_disk is not None and self._kept_by(made):
-                    self.disks[id(made)] = self.make_disk(made)
-                self.pipelines[key] = made
+                self._add(key, self.make_pipeline(compression))
             return self.pipelines[key]
+
+    def _add(self, key: str, pipeline: ContinuousBatchingPipeline) -> None:
+        """Serve ``pipeline`` for compression ``key``, with its caches on disk where it keeps them."""
+        if self.make_disk is not None and self._kept_by(pipeline):
+            self.disks[id(pipeline)] = self.make_disk(pipeline)
+        self.pipelines[key] = pipeline
 
     def _kept_by(self, pipeline: ContinuousBatchingPipeline) -> bool:
         """Whether ``pipeline``'s finished requests' caches are kept for the next turn."""

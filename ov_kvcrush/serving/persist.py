@@ -144,19 +144,28 @@ def _read_members(path: Path, names: tuple[str, ...] | None = None) -> dict[str,
         raise CacheFileError("corrupt", f"{path.name} cannot be read ({type(e).__name__}: {e})") from e
 
 
+def _parse_meta(path: Path, meta_bytes: bytes) -> dict:
+    """A file's meta, of this format version."""
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError as e:
+        raise CacheFileError("corrupt", f"{path.name}: its meta is not JSON") from e
+    if meta.get("format") != FORMAT_VERSION:
+        raise CacheFileError("version", f"{path.name} is of format {meta.get('format')}, not {FORMAT_VERSION}")
+    return meta
+
+
 def _check_meta(path: Path, meta: dict, identity: dict[str, Any]) -> None:
-    for key, reason in (("format", "version"), ("model", "model"), ("pool", "config")):
+    """The meta's model and pool are ``identity``'s."""
+    for key, reason in (("model", "model"), ("pool", "config")):
         if meta.get(key) != identity[key]:
             raise CacheFileError(reason, f"{path.name} was written for another {key}")
 
 
 def read_meta(path: Path, identity: dict[str, Any]) -> tuple[list[int], dict]:
-    """A file's ids and meta, its identity checked (the blocks are not read)."""
+    """A file's ids and meta, its version and identity checked (the blocks are not read)."""
     members = _read_members(path, ("meta", "ids"))
-    try:
-        meta = json.loads(members["meta"].tobytes())
-    except ValueError as e:
-        raise CacheFileError("corrupt", f"{path.name}: its meta is not JSON") from e
+    meta = _parse_meta(path, members["meta"].tobytes())
     _check_meta(path, meta, identity)
     return members["ids"].tolist(), meta
 
@@ -170,12 +179,7 @@ def read_file(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
         if name not in members:
             raise CacheFileError("corrupt", f"{path.name} has no {name}")
     meta_bytes = members["meta"].tobytes()
-    try:
-        meta = json.loads(meta_bytes)
-    except ValueError as e:
-        raise CacheFileError("corrupt", f"{path.name}: its meta is not JSON") from e
-    if meta.get("format") != FORMAT_VERSION:
-        raise CacheFileError("version", f"{path.name} is of format {meta.get('format')}, not {FORMAT_VERSION}")
+    meta = _parse_meta(path, meta_bytes)
     checksum = members.pop("checksum").tobytes().decode(errors="replace")
     if _checksum(meta_bytes, members) != checksum:
         raise CacheFileError("checksum", f"{path.name} fails its checksum")
