@@ -285,6 +285,52 @@ def check_native(config: CompressionConfig, block_size: int) -> None:
 SPARSE_PREFILL = ("xattention", "trishape")
 
 
+@dataclass(frozen=True)
+class SparsePrefill:
+    """Our op's sparse prompt attention (XAttention's antidiagonal block estimate; the reference
+    and its departures: :mod:`ov_kvcrush.methods.sparse_prefill`). The fields are
+    ``openvino_genai.SparseAttentionConfig``'s, whose names the errors use."""
+
+    #: queries and keys per block (``xattention_block_size``); a multiple of 16 and of ``stride``
+    block_size: int = 64
+    #: every ``stride``-th row and column enters the estimate (``xattention_stride``)
+    stride: int = 8
+    #: the share of each query block's estimated mass its kept key blocks carry (``xattention_threshold``)
+    threshold: float = 0.8
+    #: the prompt's last rows that attend densely (``num_last_dense_tokens_in_prefill``)
+    last_dense_tokens: int = 100
+
+    def __post_init__(self) -> None:
+        check_int("xattention_block_size", self.block_size, 16, 1024)
+        if self.block_size % 16:
+            raise ConfigError("xattention_block_size", self.block_size, "a multiple of 16 in 16..1024")
+        check_int("xattention_stride", self.stride, 1, 64)
+        if self.block_size % self.stride:
+            raise ConfigError("xattention_stride", self.stride, f"1..64, dividing the block size {self.block_size}")
+        check_float("xattention_threshold", self.threshold, 0.0, 1.0, lo_open=True)
+        check_int("num_last_dense_tokens_in_prefill", self.last_dense_tokens, 0, MAX_TOKENS)
+
+    @classmethod
+    def from_native(cls, sc: Any) -> SparsePrefill | None:
+        """The settings of an ``openvino_genai.SchedulerConfig`` (``None``: its prompt attention
+        is dense). Our op runs the ``XATTENTION`` mode; ``TRISHAPE`` is refused by name."""
+        if not sc.use_sparse_attention:
+            return None
+        sa = sc.sparse_attention_config
+        mode = str(sa.mode).rsplit(".", 1)[-1].lower()
+        if mode != "xattention":
+            raise ConfigError(
+                "scheduler_config.sparse_attention_config.mode", mode.upper(),
+                "XATTENTION (our op's sparse prompt attention; TRISHAPE runs on backend genai)",
+            )  # fmt: skip
+        return cls(
+            block_size=int(sa.xattention_block_size),
+            stride=int(sa.xattention_stride),
+            threshold=round(float(sa.xattention_threshold), 6),  # the decimal the user set, not its f32
+            last_dense_tokens=int(sa.num_last_dense_tokens_in_prefill),
+        )
+
+
 def to_native_scheduler_config(
     config: CompressionConfig,
     device: str = "CPU",

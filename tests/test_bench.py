@@ -58,24 +58,27 @@ def test_plan_runs_each_method_where_it_can_and_anchors_on_native_full():
     assert "openvino chelsea @256" in labels and not any(x.startswith("genai chelsea") for x in labels)
 
 
-def test_native_sparse_prefill_runs_beside_each_native_configuration_and_is_named_in_its_label():
-    """``--sparse-prefill`` (issue 72, item 5): each genai configuration gets a twin per mode, our
-    own are left alone; a bad mode, or modes without a native configuration, is refused by name."""
+def test_sparse_prefill_runs_beside_each_configuration_that_has_it_and_is_named_in_its_label():
+    """``--sparse-prefill`` (issue 72, items 3 and 5): each configuration gets a twin per mode its
+    backend runs (native's two, our op's XAttention); a bad mode, or modes no configuration's
+    backend runs, is refused by name."""
     plan = BenchPlan(backends=("genai", "openvino"), methods=("full", "snapkv"), lengths=(300,),
                      sparse_prefill=("xattention", "trishape"))  # fmt: skip
     cfgs, _ = bench.checked_plan(plan)
     assert [c.label for c in cfgs] == [
         "genai full", "genai full sparse_prefill=xattention", "genai full sparse_prefill=trishape",
-        "openvino full",
+        "openvino full", "openvino full sparse_prefill=xattention",
         "genai snapkv @1024", "genai snapkv sparse_prefill=xattention @1024",
         "genai snapkv sparse_prefill=trishape @1024",
-        "openvino snapkv @1024",
+        "openvino snapkv @1024", "openvino snapkv sparse_prefill=xattention @1024",
     ]  # fmt: skip
     assert cfgs[1].engine_options == {"sparse_prefill": "xattention"} and cfgs[0].engine_options == {}
     with pytest.raises(ConfigError, match=r"sparse_prefill='dense' is invalid: allowed one of xattention, trishape"):
         bench.checked_plan(BenchPlan(lengths=(300,), sparse_prefill=("dense",)))
-    with pytest.raises(ConfigError, match=r"sparse_prefill=.*none without backend genai"):
-        bench.with_sparse_prefill([BenchConfig("openvino", "full")], ("xattention",))
+    with pytest.raises(ConfigError, match=r"sparse_prefill='trishape' is invalid: allowed none without backend genai"):
+        bench.with_sparse_prefill([BenchConfig("openvino", "full")], ("trishape",))
+    with pytest.raises(ConfigError, match=r"sparse_prefill=.*none without backend genai or openvino"):
+        bench.with_sparse_prefill([BenchConfig("torch", "full")], ("xattention",))
 
 
 def test_percentile_and_floor_arithmetic():

@@ -206,8 +206,8 @@ def test_pool_limit_from_scheduler_config_is_honoured(model_dir):
     with pytest.raises(UserError, match=r"compression or scheduler_config\.use_cache_eviction"):
         OpenVINOEngine(model_dir, CompressionConfig(method="snapkv", budget=128), scheduler_config=sc)
     sparse = ov_genai.SchedulerConfig()
-    sparse.use_sparse_attention = True  # native's sparse prefill: refused by name, never ignored
-    with pytest.raises(UserError, match=r"scheduler_config\.use_sparse_attention=True is invalid: allowed False"):
+    sparse.use_sparse_attention = True  # TRISHAPE, native's default mode: refused by name, never ignored
+    with pytest.raises(UserError, match=r"sparse_attention_config\.mode='TRISHAPE' is invalid: allowed XATTENTION"):
         OpenVINOEngine(model_dir, scheduler_config=sparse)
 
 

@@ -146,20 +146,22 @@ def plan_configs(
 
 
 def with_sparse_prefill(configs: list[BenchConfig], modes: Sequence[str]) -> list[BenchConfig]:
-    """``configs`` and, after each native one, its twin in each of native's sparse prefill
-    ``modes`` (``--sparse-prefill``: like compared with like, dense and sparse prompt steps side
-    by side); an unknown mode, or modes without a native configuration, is refused by name."""
+    """``configs`` and, after each, its twin in each of the sparse prefill ``modes`` its backend
+    runs (``--sparse-prefill``: like compared with like, dense and sparse prompt steps side by
+    side: native's, and our op's XAttention); an unknown mode, or modes no configuration's
+    backend runs, is refused by name."""
     if not modes:
         return configs
     for mode in modes:
         check_choice("sparse_prefill", mode, SPARSE_PREFILL)
-    if not any(ALL[c.backend].native for c in configs):
-        raise ConfigError("sparse_prefill", ",".join(modes), "none without backend genai (native's own option)")
+    if not any(m in ALL[c.backend].sparse_prefill for c in configs for m in modes):
+        runs = sorted({b.name for b in ALL.values() if set(modes) & set(b.sparse_prefill)})
+        raise ConfigError("sparse_prefill", ",".join(modes), f"none without backend {' or '.join(runs)}")
     out = []
     for c in configs:
         out.append(c)
-        if ALL[c.backend].native:
-            out += [replace(c, engine_options={**c.engine_options, "sparse_prefill": m}) for m in modes]
+        twins = [m for m in modes if m in ALL[c.backend].sparse_prefill]
+        out += [replace(c, engine_options={**c.engine_options, "sparse_prefill": m}) for m in twins]
     return out
 
 

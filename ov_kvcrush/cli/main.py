@@ -265,8 +265,9 @@ def _add_bench(sub: Any) -> None:
     )
     bn.add_argument(
         "--sparse-prefill",
-        help="native's sparse prompt attention beside each genai configuration: xattention, trishape "
-        "(comma-separated; openvino_genai's SparseAttentionConfig with its defaults)",
+        help="sparse prompt attention beside each configuration whose backend has it: xattention (genai and "
+        "openvino: our op's), trishape (genai) (comma-separated; openvino_genai's SparseAttentionConfig "
+        "with its defaults)",
     )
     bn.add_argument("--kv-pool-mib", type=float, help="serving run: the KV pool every backend gets, in MiB")
     bn.add_argument(

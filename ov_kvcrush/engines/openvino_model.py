@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.config import CompressionConfig, SparsePrefill
 from ov_kvcrush.engines import calibration
 from ov_kvcrush.engines.base import Prompt, model_context
 from ov_kvcrush.engines.genai import encode_prompt
@@ -44,6 +44,7 @@ from ov_kvcrush.op.kvcache import block_bytes as kv_block_bytes
 from ov_kvcrush.op.method_spec import method_spec
 from ov_kvcrush.op.plugin import PluginError
 from ov_kvcrush.transformations import convert_model
+from ov_kvcrush.validation import check_choice
 
 # Imported where used, inside functions: what pulls in openvino_genai, heavy to import, so that
 # importing this module stays light.
@@ -116,9 +117,15 @@ class OpenVINOModel:
             the device's largest allocation: the pool is one buffer, which grows in chunks as
             blocks are asked for, up to the limit).
         scheduler_config: an ``openvino_genai.SchedulerConfig``: its ``num_kv_blocks`` /
-            ``cache_size`` give the pool limit (instead of ``max_kv_blocks``) and, with
+            ``cache_size`` give the pool limit (instead of ``max_kv_blocks``); with
             ``use_cache_eviction``, its cache eviction settings the compression (instead of
-            ``compression``).
+            ``compression``); with ``use_sparse_attention`` in mode ``XATTENTION``, its
+            ``sparse_attention_config`` our op's sparse prompt attention (instead of
+            ``sparse_prefill``).
+        sparse_prefill: ``xattention``: each whole first prompt attends, per block of queries,
+            the key blocks carrying most of its estimated attention
+            (:class:`~ov_kvcrush.config.SparsePrefill`, native's defaults), as the genai
+            engine's option of the same name; ``None``: dense. CPU only.
         properties: OpenVINO compile properties (e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``);
             the plugin's defaults otherwise, as openvino_genai uses.
     """
@@ -133,6 +140,7 @@ class OpenVINOModel:
         max_kv_blocks: int = 0,
         scheduler_config: Any = None,
         properties: dict | None = None,
+        sparse_prefill: str | None = None,
     ) -> None:
         import openvino_genai as ov_genai
 
@@ -188,10 +196,16 @@ class OpenVINOModel:
         #: per layer, a local layer's sliding-window span (0: global; all 0 for most models)
         self.windows = windows or [0] * self.shape.layers
 
+        if sparse_prefill is not None:
+            check_choice("sparse_prefill", sparse_prefill, ("xattention",))
+        #: our op's sparse prompt attention (None: dense)
+        self.sparse_prefill = SparsePrefill() if sparse_prefill is not None else None
         if scheduler_config is not None:
             compression, max_kv_blocks = self._read_scheduler_config(
                 scheduler_config, compression, max_kv_blocks, block_size
             )
+        if self.sparse_prefill is not None and self.plugin is not None:
+            raise ConfigError("sparse_prefill", "xattention", "none on device GPU (our op's, device CPU)")
         #: what the one loop over this model is limited by (``None``: whole prompts, any number of sequences)
         self.scheduler_config = scheduler_config
         self.default_block_size = block_size
@@ -220,11 +234,9 @@ class OpenVINOModel:
 
         if not isinstance(sc, ov_genai.SchedulerConfig):
             raise ConfigError("scheduler_config", sc, "an openvino_genai.SchedulerConfig")
-        if sc.use_sparse_attention:
-            raise ConfigError(
-                "scheduler_config.use_sparse_attention", True,
-                "False: our op's prompt attention is dense (native's sparse prefill runs on backend genai)",
-            )  # fmt: skip
+        if sc.use_sparse_attention and self.sparse_prefill is not None:
+            raise UserError("pass sparse_prefill or scheduler_config.use_sparse_attention, not both")
+        self.sparse_prefill = SparsePrefill.from_native(sc) or self.sparse_prefill
         if sc.use_cache_eviction and compression is not None:
             raise UserError("pass compression or scheduler_config.use_cache_eviction, not both")
         if max_kv_blocks and (sc.num_kv_blocks or sc.cache_size):
@@ -265,6 +277,7 @@ class OpenVINOModel:
         pool = KVPool(
             s.layers, s.q_heads, s.kv_heads, s.head_dim, block_size=block_size, precision=self.kv_precision,
             max_blocks=self.max_kv_blocks, method=spec, windows=self.windows, count_only=count_only,
+            sparse_prefill=self.sparse_prefill,
         )  # fmt: skip
         return method, block_size, pool
 
@@ -407,7 +420,7 @@ class OpenVINOModel:
     def sequence_counters(self, sequence: KVSequence) -> dict[str, Any]:
         """What a result reports of its sequence's cache: blocks, tokens, the method's time and counters."""
         stats = sequence.stats()
-        return {
+        counters: dict[str, Any] = {
             "kv_blocks_held": stats.blocks_held,
             "kv_block_bytes": stats.block_bytes,
             "kv_precision": self.kv_precision,
@@ -422,6 +435,10 @@ class OpenVINOModel:
             "scores_decode_ms": round(stats.scores_decode_ns / 1e6, 3),
             **sequence.method_counters(),
         }
+        if stats.prefill_blocks_dense:  # the sparse prefill's share of a dense prompt's blocks
+            counters["prefill_density"] = round(stats.prefill_density, 4)
+            counters["sparse_estimate_ms"] = round(stats.sparse_estimate_ns / 1e6, 3)
+        return counters
 
     def step_inputs(self, ids: list[list[int]], sequences: list[KVSequence], past: list[int]) -> dict[str, np.ndarray]:
         """One step of several sequences, equal token counts (:func:`step_inputs.step_inputs`)."""

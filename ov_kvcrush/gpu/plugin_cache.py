@@ -206,7 +206,7 @@ class PluginKVSequence:
         kv_bytes = blocks * bb + (qblocks * quant.block_bytes if quant else 0)
         ns = self.policy_ns
         return SequenceStats(blocks, self.seen, held, kv_bytes, qblocks, ns["prompt"], ns["decode"], 0, 0, 0, 0, 0, 0,
-                             bb)  # fmt: skip
+                             0, 0, 0, bb)  # fmt: skip
 
     # ---- a step
     def reserve(self, t: int) -> str:

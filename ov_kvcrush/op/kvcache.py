@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ov_kvcrush.config import SparsePrefill
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.op.plugin import check_result, load
 
@@ -117,7 +118,18 @@ class SequenceStats:
     append_decode_ns: int
     attend_prefill_ns: int
     attend_decode_ns: int
+    #: the sparse prefill (:class:`~ov_kvcrush.config.SparsePrefill`): key blocks its
+    #: prompts attended, the causal blocks dense prompts attend (over layers and query heads), and
+    #: the ns its block estimate took (part of ``attend_prefill_ns``); zeros when off
+    prefill_blocks_attended: int
+    prefill_blocks_dense: int
+    sparse_estimate_ns: int
     block_bytes: int
+
+    @property
+    def prefill_density(self) -> float:
+        """The share of a dense prompt's key blocks the sparse prefill attended (1.0 when off)."""
+        return self.prefill_blocks_attended / self.prefill_blocks_dense if self.prefill_blocks_dense else 1.0
 
 
 @dataclass(frozen=True)
@@ -228,6 +240,7 @@ class KVPool:
         method: str | None = None,
         windows: list[int] | None = None,
         count_only: bool = False,
+        sparse_prefill: SparsePrefill | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError("kv_precision", precision, "one of " + ", ".join(PRECISIONS))
@@ -240,6 +253,12 @@ class KVPool:
         #: per layer, the sliding-window span of a local layer (0: global), as the op keeps it
         self.windows = [int(w) for w in windows] if windows is not None else [0] * layers
         win = np.asarray(self.windows, dtype=np.int64)
+        #: sparse prompt attention (None: dense)
+        self.sparse_prefill = sparse_prefill
+        sp = sparse_prefill
+        sparse = (
+            None if sp is None else (ctypes.c_double * 4)(sp.block_size, sp.stride, sp.threshold, sp.last_dense_tokens)
+        )
         self.handle = check_result(
             self.lib.ovkc_pool_create(
                 layers,
@@ -253,6 +272,7 @@ class KVPool:
                 method.encode(),
                 ptr(win, ctypes.c_int64),
                 int(count_only),
+                sparse,
             )
         )
         #: bytes per block as the library allocates them (read once: it never changes)
@@ -329,7 +349,7 @@ class KVSequence:
         self.handle = 0
 
     def stats(self) -> SequenceStats:
-        buf = (ctypes.c_int64 * 13)()
+        buf = (ctypes.c_int64 * 16)()
         check_result(self.pool.lib.ovkc_seq_stats(self.handle, buf))
         return SequenceStats(*[int(x) for x in buf], self.pool.block_bytes)
 

@@ -165,7 +165,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_set_bf16_products": ([i32], i32),
         "ovkc_measure_bf16_products": ([i32, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)], i32),
         "ovkc_take_step_error": ([i64, ctypes.c_char_p, i64], i64),
-        "ovkc_pool_create": ([i32, i32, i32, i32, i32, i32, i64, i32, ctypes.c_char_p, p_i64, i32], i64),
+        "ovkc_pool_create": (
+            [i32, i32, i32, i32, i32, i32, i64, i32, ctypes.c_char_p, p_i64, i32, ctypes.POINTER(ctypes.c_double)],
+            i64,
+        ),
         "ovkc_pool_free": ([i64], i64),
         "ovkc_pool_stats": ([i64, p_i64], i64),
         "ovkc_seq_create": ([i64], i64),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ov_kvcrush.config import CompressionConfig, to_native_scheduler_config
+from ov_kvcrush.config import SPARSE_PREFILL, CompressionConfig, to_native_scheduler_config
 from ov_kvcrush.engines.random_model import is_random_model, random_architecture
 from ov_kvcrush.errors import ConfigError, UserError, one_line
 from ov_kvcrush.models.export import ensure_default_model, export_model, hf_checkpoint
@@ -63,6 +63,7 @@ class Backend:
         cuda_only: it runs on a CUDA device only (a compiled static cache's CUDA graphs).
         constraints: what a compression must meet beyond its method's own checks on this backend.
         engine_options: keyword arguments its engine is always given.
+        sparse_prefill: the sparse prompt attention modes its engine's ``sparse_prefill`` runs.
     """
 
     name: str
@@ -76,6 +77,7 @@ class Backend:
     cuda_only: bool = False
     constraints: Callable[[CompressionConfig], None] = _no_constraints
     engine_options: Mapping[str, Any] = field(default_factory=dict)
+    sparse_prefill: tuple[str, ...] = ()
 
     def engine_class(self) -> type:
         module, _, name = self.engine.partition(":")
@@ -103,11 +105,11 @@ ALL: dict[str, Backend] = {
     for b in (
         Backend(
             "genai", "ov_kvcrush.engines.genai:GenAIEngine", "genai", exported_ir=True, native=True,
-            constraints=_native_constraints,
+            constraints=_native_constraints, sparse_prefill=SPARSE_PREFILL,
         ),
         Backend(
             "openvino", "ov_kvcrush.serving.openvino_engine:OpenVINOEngine", "openvino", exported_ir=True,
-            constraints=_op_constraints,
+            constraints=_op_constraints, sparse_prefill=("xattention",),
         ),
         Backend(
             "torch", "ov_kvcrush.engines.torch_engine:TorchEngine", "torch", torch_devices=True, random_models=True

@@ -14,6 +14,7 @@
 
 #include "kernels.hpp"
 #include "policy.hpp"
+#include "sparse_prefill.hpp"
 
 namespace ovkc {
 
@@ -218,15 +219,13 @@ int64_t first_scored_row(const StepContext& ctx) {
                    : score_rows_from(ctx.cfg, m.prefill, m.L);
 }
 
-using Ranges = std::vector<std::pair<int64_t, int64_t>>;
-
 // What a prompt step attends per KV head: the whole head, or a scoring step's sinks, chunk and
 // itself (on the bf16 paths those slots are staged as one head: `views` holds their positions;
 // in f32 the slot ranges are attended one after the other). A scoring step over the 2-bit store
 // attends, of its quantized tokens, the sinks only (dequantized once per head: positions ascend,
 // so they come first).
 struct PromptHeads {
-    std::vector<Ranges> ranges;
+    std::vector<SlotRanges> ranges;
     std::vector<Slab> qsinks;
     std::vector<Bf16Head> staged;
     std::vector<HeadCache> views;
@@ -240,8 +239,8 @@ PromptHeads stage_prompt_heads(const StepContext& ctx, bool bf16) {
     for (int64_t g = 0; g < ctx.Hkv; ++g) {
         const size_t gi = at(g);
         const int64_t n = ctx.head(g).size();
-        p.ranges[gi] = ranged ? Ranges{{0, ctx.slot_sinks[gi]}, {ctx.slot_lo[gi], ctx.slot_hi[gi]}, {ctx.held_before[gi], n}}
-                              : Ranges{{0, n}};
+        p.ranges[gi] = ranged ? SlotRanges{{0, ctx.slot_sinks[gi]}, {ctx.slot_lo[gi], ctx.slot_hi[gi]}, {ctx.held_before[gi], n}}
+                              : SlotRanges{{0, n}};
     }
     p.qsinks.resize(ranged && cfg.policy->quant() ? at(ctx.Hkv) : 0);
     for (size_t gi = 0; gi < p.qsinks.size(); ++gi) {
@@ -321,11 +320,23 @@ void add_thread_columns(StepContext& ctx, ThreadColumns& columns, int64_t width)
     ctx.seq.scores_ns[ctx.mode.phase] += ns_since(t_scores);
 }
 
+// The key slots the rows at positions [first, last] of query head h attend under the sparse
+// prefill's mask: their query block's kept key blocks, or nullptr where that block attends every
+// causal one (the dense path, whose bf16 kernel also sums scores) or the rows straddle two blocks.
+const SlotRanges* sparse_keys(const BlockMask& sparse, int64_t h, int64_t first, int64_t last, int64_t n,
+                              SlotRanges& buf) {
+    if (sparse.empty() || first / sparse.block_size != last / sparse.block_size) return nullptr;
+    const int64_t i = first / sparse.block_size;
+    buf = sparse.key_ranges(h, i, n);
+    const bool dense = buf.size() == 1 && buf[0].first == 0 && buf[0].second == std::min(n, (i + 1) * sparse.block_size);
+    return dense ? nullptr : &buf;
+}
+
 // 2b in rows: kMaxRows consecutive queries of one head per task, bf16 over a staged head or f32
 // over the blocks (the 2-bit store's first). The bf16 kernel also sums the probabilities the rows
 // from `from` on give each slot (the step's scores, without a second pass over the keys; from = L:
-// none).
-void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64_t from) {
+// none). Under a sparse prefill's mask a tile attends its query block's kept key blocks only.
+void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64_t from, const BlockMask& sparse) {
     const StepMode& m = ctx.mode;
     const int64_t L = m.L, D = ctx.D, G = ctx.G;
     const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
@@ -350,21 +361,24 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
                 rows.qpos[r] = m.past + i;
                 rows.out[r] = ctx.out + (h * L + i) * D;
             }
+            SlotRanges sparse_buf;
+            const int64_t pos0 = m.past + tile * kMaxRows;
+            const SlotRanges* keys = sparse_keys(sparse, h, pos0, pos0 + rows.n - 1, hc.size(), sparse_buf);
             if (bf16 && hc.qblocks.empty() && hc.bias.empty()) {
                 ColumnSums sums;
-                const bool scored = tile * kMaxRows + rows.n > from;
+                const bool scored = tile * kMaxRows + rows.n > from;  // never under a sparse mask
                 if (scored) {
                     sums.sums = columns.local().data() + h * width;
                     sums.first_row = static_cast<int>(std::max<int64_t>(0, from - tile * kMaxRows));
                 }
                 attend_bf16(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], rows, ctx.logit.scale,
-                            scored ? &sums : nullptr);
+                            scored ? &sums : nullptr, keys);
             } else {
                 if (m.ranged && !p.qsinks.empty())
                     attend_slab(p.qsinks[at(h / G)], INT64_MAX, static_cast<int>(D), rows, ctx.logit.scale, -1);
                 else if (!hc.qblocks.empty())
                     attend_quant(ctx.cfg, ctx.seq.pool(), hc, rows, ctx.logit.scale, 0, static_cast<int64_t>(hc.qblocks.size()));
-                for (const auto& [begin, end] : p.ranges[at(h / G)])
+                for (const auto& [begin, end] : keys ? *keys : p.ranges[at(h / G)])
                     attend_range(ctx.cfg, ctx.seq.pool(), hc, rows, ctx.logit.scale, begin, end);
                 finish_rows(rows, static_cast<int>(D));
             }
@@ -377,20 +391,63 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
 }
 }  // namespace
 
+namespace {
+// The pool's sparse prefill mask for this step (empty: dense). A prompt step (whole, or a chunk
+// of one) of a global layer is sparse while its heads hold every position before it in order
+// (no eviction yet): slots are then positions. The estimate reads the step's exact keys and the
+// earlier ones as stored. Rows from `scored_from` on (the method ranks by their probabilities)
+// and the prompt's last rows attend densely.
+BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from) {
+    const SparsePrefill& sp = ctx.cfg.sparse;
+    const StepMode& m = ctx.mode;
+    const int64_t n = m.past + m.L, D = ctx.D;
+    if (!sp.on() || ctx.cfg.count_only || !m.prefill || m.scoring || m.window || n <= sp.block_size) return {};
+    for (int64_t g = 0; g < ctx.Hkv; ++g) {
+        const HeadCache& hc = ctx.head(g);
+        if (!hc.qblocks.empty() || !hc.bias.empty() || hc.size() != n || hc.pos.front() != 0 || hc.pos.back() != n - 1)
+            return {};
+    }
+    const auto t0 = StepClock::now();
+    std::vector<std::vector<float>> earlier(at(m.past > 0 ? ctx.Hkv : 0));
+    std::vector<const float*> keys(at(ctx.Hkv));
+    for (int64_t g = 0; g < ctx.Hkv; ++g) {
+        const HeadCache& hc = ctx.head(g);
+        keys[at(g)] = hc.step.k;
+        if (m.past == 0) continue;
+        std::vector<float>& k = earlier[at(g)];
+        std::vector<float> v(at(m.past * D));
+        k.resize(at(n * D));
+        load_tokens(ctx.cfg, ctx.seq.pool(), hc, 0, m.past, k.data(), v.data());
+        std::copy(hc.step.k, hc.step.k + m.L * D, k.begin() + m.past * D);
+        keys[at(g)] = k.data();
+    }
+    const int64_t prompt = m.chunk ? m.prompt_end : n;
+    const int64_t first_dense = std::max<int64_t>(0, std::min(m.past + scored_from, prompt - sp.last_dense_tokens));
+    BlockMask mask = prefill_block_mask(sp, ctx.q, keys, ctx.Hq, m.past, m.L, static_cast<int>(D), ctx.logit.scale,
+                                        first_dense);
+    ctx.seq.sparse_blocks[0] += mask.kept();
+    ctx.seq.sparse_blocks[1] += mask.causal();
+    ctx.seq.sparse_ns += ns_since(t0);
+    return mask;
+}
+}  // namespace
+
 // 2b. a prompt (or a chunk of a chat turn, or a scoring step): tiles of consecutive queries of
 //     one head; a scoring step (KVzip's reconstruction) attends only the sinks, its chunk and itself
 bool attend_prompt(StepContext& ctx, bool bf16) {
     const PromptHeads p = stage_prompt_heads(ctx, bf16);
-    // the AMX kernels take raw logits: a soft-capped model's prompt takes the AVX512-BF16 rows
-    bool amx = bf16 && ctx.logit.softcap == 0.0f && amx_head_dim(static_cast<int>(ctx.D)) && has_amx();
+    const int64_t from = ctx.mode.scores && !ctx.mode.ranged ? first_scored_row(ctx) : ctx.mode.L;
+    const BlockMask sparse = sparse_prefill_mask(ctx, from);
+    // the AMX kernels take raw logits and every key: a soft-capped model's prompt, and a sparse
+    // one, take the AVX512-BF16 rows
+    bool amx = bf16 && ctx.logit.softcap == 0.0f && sparse.empty() && amx_head_dim(static_cast<int>(ctx.D)) && has_amx();
     for (int64_t g = 0; amx && g < ctx.Hkv; ++g) amx = ctx.head(g).qblocks.empty() && ctx.head(g).bias.empty();
     if (amx) return attend_prompt_amx(ctx, p);
     // a prompt's scores on the bf16 path come out of the attention itself when every head is
     // attended there (no 2-bit blocks, no merge bias; not a scoring step, which keeps maxima)
-    const int64_t from = ctx.mode.scores && !ctx.mode.ranged ? first_scored_row(ctx) : ctx.mode.L;
     bool fuse = bf16 && from < ctx.mode.L;
     for (int64_t g = 0; fuse && g < ctx.Hkv; ++g) fuse = ctx.head(g).qblocks.empty() && ctx.head(g).bias.empty();
-    attend_prompt_rows(ctx, p, bf16, fuse ? from : ctx.mode.L);
+    attend_prompt_rows(ctx, p, bf16, fuse ? from : ctx.mode.L, sparse);
     return fuse;
 }
 

@@ -65,7 +65,8 @@ OVKC_API int64_t ovkc_take_step_error(int64_t handle, char* buf, int64_t len) {
 
 OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
                                   int32_t block_size, int32_t precision, int64_t max_blocks, int32_t scores,
-                                  const char* method, const int64_t* windows, int32_t count_only) {
+                                  const char* method, const int64_t* windows, int32_t count_only,
+                                  const double* sparse) {
     return guarded([&]() -> int64_t {
         if (precision < 0 || precision > 2)
             throw ovkc::Error("precision=" + std::to_string(precision) + " is invalid: allowed 0 (f32), 1 (f16), 2 (u8)");
@@ -80,6 +81,10 @@ OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_he
         cfg.scores = scores != 0;
         cfg.count_only = count_only != 0;
         if (windows && layers > 0) cfg.windows.assign(windows, windows + layers);
+        // sparse prefill: block size, stride, threshold, last dense tokens (null: dense)
+        if (sparse)
+            cfg.sparse = {static_cast<int64_t>(sparse[0]), static_cast<int64_t>(sparse[1]), sparse[2],
+                          static_cast<int64_t>(sparse[3])};
         cfg.validate();  // the shape first: the policy's fields are checked against it
         cfg.policy = ovkc::make_policy(method ? method : "", {layers, q_heads, kv_heads, head_dim, block_size});
         cfg.validate();
@@ -186,7 +191,9 @@ OVKC_API int64_t ovkc_seq_scoring_pass(int64_t seq, int64_t mode, int64_t lo, in
 // out[0] blocks held, out[1] tokens seen by layer 0, out[2] tokens held summed over all layers
 // and KV heads, out[3] bytes of the blocks held (full precision and 2-bit), out[4] 2-bit blocks,
 // out[5..8] ns in the method's own work (prefill, decode) and in the score pass (prefill, decode),
-// out[9..12] ns in the steps' cache writes (prefill, decode) and in their attention (prefill, decode).
+// out[9..12] ns in the steps' cache writes (prefill, decode) and in their attention (prefill, decode),
+// out[13..15] the sparse prefill's key blocks attended, the causal blocks of dense prompts, and
+// the ns its estimate took.
 OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
     return guarded([&]() -> int64_t {
         auto s = Registry::get().sequence(seq);
@@ -208,6 +215,9 @@ OVKC_API int64_t ovkc_seq_stats(int64_t seq, int64_t* out) {
         out[10] = s->append_ns[1];
         out[11] = s->attend_ns[0];
         out[12] = s->attend_ns[1];
+        out[13] = s->sparse_blocks[0];
+        out[14] = s->sparse_blocks[1];
+        out[15] = s->sparse_ns;
         return 0;
     });
 }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "paged_cache.hpp"
@@ -16,6 +17,9 @@
 namespace ovkc {
 
 constexpr int kMaxRows = 8;
+
+// Slots of a head as ascending, disjoint [begin, end) ranges.
+using SlotRanges = std::vector<std::pair<int64_t, int64_t>>;
 
 // How the model turns q.k into the logit its softmax takes: times `scale`, then (Gemma 2)
 // softcap * tanh(s / softcap) when softcap > 0. The op's two attributes of the same names.
@@ -125,8 +129,8 @@ Bf16Products choose_bf16_products(const Bf16Rates& rates);
 void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf16Head& out);
 // The slots of `ranges` ([begin, end) pairs, ascending, disjoint) staged as one head: `view`
 // gets their positions only (what attend_bf16 / attend_amx read of a head besides the staging).
-void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc,
-                       const std::vector<std::pair<int64_t, int64_t>>& ranges, Bf16Head& out, HeadCache& view);
+void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, const SlotRanges& ranges,
+                       Bf16Head& out, HeadCache& view);
 // A prompt's per-head scores summed inside the attention (H2O's column sums over every query):
 // the final probability each row from `first_row` on gives each slot is added to sums[slot].
 struct ColumnSums {
@@ -136,8 +140,10 @@ struct ColumnSums {
 // Same contract as attend_range over all slots of the head, then finish_rows; with `columns`,
 // also its column sums (the kernel keeps the rows' probabilities of each span of keys and the
 // running max they were taken against, and rescales them once the rows' softmax is complete).
+// With `keys`, only those slots (each range starting at a multiple of 16; a sparse prefill's
+// kept blocks), and no column sums.
 void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale,
-                 ColumnSums* columns = nullptr);
+                 ColumnSums* columns = nullptr, const SlotRanges* keys = nullptr);
 
 // AMX tiles (kernels_amx.cpp): whether this build and this process can use them (the kernel
 // asks the OS for the tile state once), and for which head sizes (a multiple of 32, at most 512).

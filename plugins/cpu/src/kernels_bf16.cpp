@@ -165,8 +165,8 @@ void stage_bf16(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, Bf
     }
 }
 
-void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc,
-                       const std::vector<std::pair<int64_t, int64_t>>& ranges, Bf16Head& out, HeadCache& view) {
+void stage_bf16_ranges(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, const SlotRanges& ranges,
+                       Bf16Head& out, HeadCache& view) {
     const int D = cfg.head_dim, bs = cfg.block_size;
     int64_t n = 0;
     for (const auto& r : ranges) n += std::max<int64_t>(0, r.second - r.first);
@@ -412,7 +412,7 @@ void add_kept_probabilities(const KeptProbabilities& kept, const RowSet& rows, i
 #endif
 
 void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st, RowSet& rows, float scale,
-                 ColumnSums* columns) {
+                 ColumnSums* columns, const SlotRanges* keys) {
 #if OVKC_BF16
     // keys per online-softmax update: eight 16-token key groups. A longer span spreads a row's
     // fixed cost of an update (its maximum, the rescaling of its output, the scalar exp) over
@@ -439,6 +439,7 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
     const Bf16Operands probabilities{pp, widened ? pw : nullptr, kPairs};
     const int64_t first = first_visible_slot(hc, rows) / 16 * 16;
     KeptProbabilities* kept = nullptr;  // the rows' probabilities, for the column sums
+    if (keys && columns) throw Error("attend_bf16: column sums need every key (no slot ranges)");
     if (columns && columns->first_row < rows.n) {
         kept = &kept_probabilities();
         kept->first = first;
@@ -447,35 +448,38 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
         kept->p.resize(static_cast<size_t>(rows.n * kept->width));
         kept->span_max.assign(static_cast<size_t>(rows.n * kept->spans), kNegInf);
     }
-    for (int64_t slot0 = first; slot0 < st.n; slot0 += kChunk) {
-        if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;  // later spans keep span_max -inf
-        const int ntok = static_cast<int>(std::min<int64_t>(kChunk, st.n - slot0));
-        const int cols = (ntok + 15) / 16 * 16;
-        const int cols32 = (ntok + 31) / 32 * 32;  // the probabilities go to bf16 in pairs of 16-lane vectors
-        const uint16_t* kg = st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16;
-        if (widened)
-            qk_bf16_rows<Bf16Products::widened>(rows.n, queries, D, kg, cols, S, kChunk);
-        else
-            qk_bf16_rows<Bf16Products::dot>(rows.n, queries, D, kg, cols, S, kChunk);
-        if (rows.softcap > 0.0f) cap_logits(S, rows.n, cols, kChunk, rows.softcap);
-        mask_logits(hc, rows, slot0, ntok, kChunk, S);
-        for (int r = 0; r < rows.n; ++r) {
-            uint32_t* pr = pp + r * kPairs;
-            const int64_t span = (slot0 - first) / kChunk;
-            float* keep = kept ? kept->p.data() + static_cast<size_t>(r * kept->width + span * kChunk) : nullptr;
-            if (softmax_to_bf16(rows, r, S + r * kChunk, cols, D, pr, keep)) {
-                if (kept) kept->span_max[static_cast<size_t>(r * kept->spans + span)] = rows.m[r];
-            } else {  // nothing causal here: zero probabilities
-                std::fill(pr, pr + cols32 / 2, 0u);
+    const SlotRanges every{{first, st.n}};
+    for (const auto& [begin, end] : keys ? *keys : every) {
+        for (int64_t slot0 = std::max(begin, first); slot0 < std::min(end, st.n); slot0 += kChunk) {
+            if (hc.pos[static_cast<size_t>(slot0)] > max_q) break;  // later spans keep span_max -inf
+            const int ntok = static_cast<int>(std::min<int64_t>(kChunk, std::min(end, st.n) - slot0));
+            const int cols = (ntok + 15) / 16 * 16;
+            const int cols32 = (ntok + 31) / 32 * 32;  // the probabilities go to bf16 in pairs of 16-lane vectors
+            const uint16_t* kg = st.k.data() + static_cast<size_t>(slot0 / 16) * D * 16;
+            if (widened)
+                qk_bf16_rows<Bf16Products::widened>(rows.n, queries, D, kg, cols, S, kChunk);
+            else
+                qk_bf16_rows<Bf16Products::dot>(rows.n, queries, D, kg, cols, S, kChunk);
+            if (rows.softcap > 0.0f) cap_logits(S, rows.n, cols, kChunk, rows.softcap);
+            mask_logits(hc, rows, slot0, ntok, kChunk, S);
+            for (int r = 0; r < rows.n; ++r) {
+                uint32_t* pr = pp + r * kPairs;
+                const int64_t span = (slot0 - first) / kChunk;
+                float* keep = kept ? kept->p.data() + static_cast<size_t>(r * kept->width + span * kChunk) : nullptr;
+                if (softmax_to_bf16(rows, r, S + r * kChunk, cols, D, pr, keep)) {
+                    if (kept) kept->span_max[static_cast<size_t>(r * kept->spans + span)] = rows.m[r];
+                } else {  // nothing causal here: zero probabilities
+                    std::fill(pr, pr + cols32 / 2, 0u);
+                }
             }
-        }
-        const int npairs = (ntok + 1) / 2;
-        const uint16_t* vst = st.v.data() + static_cast<size_t>(slot0 / 2) * D * 2;
-        if (widened) {
-            widen_rows(pp, rows.n, kPairs, cols32, pw);
-            pv_bf16_tile<Bf16Products::widened>(rows.n, probabilities, npairs, vst, D, rows.out);
-        } else {
-            pv_bf16_tile<Bf16Products::dot>(rows.n, probabilities, npairs, vst, D, rows.out);
+            const int npairs = (ntok + 1) / 2;
+            const uint16_t* vst = st.v.data() + static_cast<size_t>(slot0 / 2) * D * 2;
+            if (widened) {
+                widen_rows(pp, rows.n, kPairs, cols32, pw);
+                pv_bf16_tile<Bf16Products::widened>(rows.n, probabilities, npairs, vst, D, rows.out);
+            } else {
+                pv_bf16_tile<Bf16Products::dot>(rows.n, probabilities, npairs, vst, D, rows.out);
+            }
         }
     }
     finish_rows(rows, D);
@@ -487,6 +491,7 @@ void attend_bf16(const PoolConfig& cfg, const HeadCache& hc, const Bf16Head& st,
     (void)rows;
     (void)scale;
     (void)columns;
+    (void)keys;
     throw Error("bf16 attention is not compiled in (no AVX512-BF16 on the build machine)");
 #endif
 }

@@ -29,6 +29,7 @@ void PoolConfig::validate() const {
                     std::to_string(layers) + ") or none");
     for (int64_t w : windows)
         if (w < 0) throw Error(range("windows", w, ">= 0 (0: a global layer)"));
+    sparse.validate();
     if (policy && scores && !policy->allows_score_output())
         throw Error("scores=1 is invalid with method " + policy->name() +
                     ": allowed 0 (its slot scores are its own, or its decode steps attend a recalled subset)");
@@ -196,6 +197,7 @@ void Sequence::reset() {
     std::fill(seen_.begin(), seen_.end(), 0);
     policy_ns[0] = policy_ns[1] = scores_ns[0] = scores_ns[1] = 0;
     append_ns[0] = append_ns[1] = attend_ns[0] = attend_ns[1] = 0;
+    sparse_blocks[0] = sparse_blocks[1] = sparse_ns = 0;
 }
 
 void Sequence::truncate(int64_t tokens) {

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "sparse_prefill.hpp"
+
 
 namespace ovkc {
 
@@ -53,6 +55,9 @@ struct PoolConfig {
     // them as a ring of blocks: whole blocks before the window go back to the pool after each
     // step; the method never runs there (its hooks, scores and budgets are for global layers).
     std::vector<int64_t> windows;
+    // sparse prompt attention (XAttention's block mask; off unless set): a sequence's whole
+    // first prompt attends, per query block, the key blocks carrying most of its estimated mass
+    SparsePrefill sparse;
     // the compression method (set before the pool is made); shared, read-only once created
     std::shared_ptr<const Policy> policy;
 
@@ -231,6 +236,11 @@ public:
     int64_t scores_ns[2] = {0, 0};
     int64_t append_ns[2] = {0, 0};
     int64_t attend_ns[2] = {0, 0};
+    // the sparse prefill (PoolConfig::sparse): key blocks its prompts attended and the causal
+    // blocks dense prompts attend (summed over layers and query heads), and the time its
+    // estimate took (part of the prompt's attention time)
+    int64_t sparse_blocks[2] = {0, 0};
+    int64_t sparse_ns = 0;
 
 private:
     int64_t id_;

@@ -1,0 +1,171 @@
+// The sparse prompt attention's block mask (sparse_prefill.hpp), in the reference's steps:
+// strided keys, strided queries, antidiagonal probabilities summed into block mass, the
+// selection, dense rows from the first scored one.
+#include "sparse_prefill.hpp"
+
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+
+#include "kernels_detail.hpp"
+
+namespace ovkc {
+
+namespace {
+constexpr int kTile = 16;  // strided keys per tile (one vector of logits)
+constexpr int kRows = 8;   // strided query rows per pass
+size_t at(int64_t i) { return static_cast<size_t>(i); }
+
+// A KV head's strided keys, tiled and transposed: [tile][stride * D][16], row b of the strided
+// keys is keys b*stride + s (s = 0 .. stride-1, D each), zeros past the prompt.
+std::vector<float> strided_keys(const float* k, int64_t L, int D, int64_t S) {
+    const int64_t A = (L + S - 1) / S, tiles = (A + kTile - 1) / kTile, SD = S * D;
+    std::vector<float> kt(at(tiles * SD * kTile), 0.0f);
+    for (int64_t b = 0; b < A; ++b)
+        for (int64_t s = 0; s < S && b * S + s < L; ++s) {
+            const float* src = k + (b * S + s) * D;
+            float* dst = kt.data() + at(((b / kTile) * SD + s * D) * kTile + b % kTile);
+            for (int d = 0; d < D; ++d) dst[at(d) * kTile] = src[d];
+        }
+    return kt;
+}
+
+// Up to kRows strided query rows [a0, a0 + n) of one head: row a is the queries at positions
+// a*stride + stride-1-s for s = 0 .. stride-1; the step's [L][D] queries sit at positions
+// [past, past + L), zeros elsewhere (before the step, past the prompt, rows >= n).
+void strided_queries(const float* q, int64_t past, int64_t L, int D, int64_t S, int64_t a0, int n, float* out) {
+    const int64_t SD = S * D;
+    std::fill(out, out + kRows * SD, 0.0f);
+    for (int r = 0; r < n; ++r)
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t t = (a0 + r) * S + S - 1 - s - past;
+            if (t >= 0 && t < L) std::copy(q + t * D, q + (t + 1) * D, out + r * SD + s * D);
+        }
+}
+
+// logits[r][0 .. tiles*16) = strided query row r . strided keys, kRows rows at once
+void strided_logits(const float* qs, const float* kt, int64_t tiles, int64_t SD, float* logits, int64_t stride) {
+    for (int64_t t = 0; t < tiles; ++t) {
+        float acc[kRows][kTile] = {};
+        const float* kb = kt + at(t * SD * kTile);
+        for (int64_t d = 0; d < SD; ++d) {
+            const float* kv = kb + at(d * kTile);
+#pragma GCC unroll 8
+            for (int r = 0; r < kRows; ++r) {
+                const float x = qs[r * SD + d];
+#pragma GCC unroll 16
+                for (int j = 0; j < kTile; ++j) acc[r][j] += x * kv[j];
+            }
+        }
+        for (int r = 0; r < kRows; ++r) std::copy(acc[r], acc[r] + kTile, logits + r * stride + t * kTile);
+    }
+}
+
+// One query block's estimated mass per key block (mass[0 .. i]): each of its strided rows'
+// softmax, over the strided keys at or before it, of the antidiagonal sums times scale / stride.
+// The step's queries are positions [past, past + L); the keys (kt) every position before its end.
+void antidiagonal_mass(const SparsePrefill& cfg, const float* q, const float* kt, int64_t past, int64_t L, int D,
+                       float scale, int64_t i, std::vector<double>& mass) {
+    const int64_t S = cfg.stride, P = cfg.block_size / S, A = (past + L + S - 1) / S, SD = S * D;
+    const int64_t a_begin = std::max(i * P, past / S), a_end = std::min(A, (i + 1) * P);
+    const int64_t tiles = (a_end + kTile - 1) / kTile, cols = tiles * kTile;
+    std::vector<float> qs(at(kRows * SD)), logits(at(kRows * cols));
+    mass.assign(at(i + 1), 0.0);
+    const float s = scale / static_cast<float>(S);
+    for (int64_t a0 = a_begin; a0 < a_end; a0 += kRows) {
+        const int n = static_cast<int>(std::min<int64_t>(kRows, a_end - a0));
+        strided_queries(q, past, L, D, S, a0, n, qs.data());
+        strided_logits(qs.data(), kt, tiles, SD, logits.data(), cols);
+        for (int r = 0; r < n; ++r) {
+            float* row = logits.data() + r * cols;
+            const int64_t a = a0 + r;
+            for (int64_t b = 0; b < cols; ++b) row[b] = b <= a ? row[b] * s : detail::kNegInf;
+            const float m = detail::row_max(row, static_cast<int>(cols));
+            const float sum = detail::exp_sum(row, static_cast<int>(cols), m);
+            for (int64_t b = 0; b <= a; ++b) mass[at(b / P)] += row[b] / sum;
+        }
+    }
+}
+
+// Key block 0 and i itself, then the others of 1 .. i-1 by descending mass (ties: the earlier
+// block) while the kept mass is short of `threshold` of the row's total.
+void select_blocks(const std::vector<double>& mass, int64_t i, double threshold, uint8_t* keep) {
+    const double need = threshold * std::accumulate(mass.begin(), mass.begin() + i + 1, 0.0);
+    keep[0] = keep[i] = 1;
+    double kept = mass[0] + (i > 0 ? mass[at(i)] : 0.0);
+    std::vector<int64_t> order(at(std::max<int64_t>(0, i - 1)));
+    std::iota(order.begin(), order.end(), 1);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return mass[at(x)] > mass[at(y)]; });
+    for (int64_t j : order) {
+        if (kept >= need) break;
+        keep[j] = 1;
+        kept += mass[at(j)];
+    }
+}
+}  // namespace
+
+void SparsePrefill::validate() const {
+    auto fail = [](const char* field, const std::string& value, const char* allowed) {
+        throw Error(std::string(field) + "=" + value + " is invalid: allowed " + allowed);
+    };
+    if (!on()) return;
+    if (block_size < 16 || block_size > 1024 || block_size % 16)
+        fail("xattention_block_size", std::to_string(block_size), "a multiple of 16 in 16..1024");
+    if (stride < 1 || stride > 64 || block_size % stride)
+        fail("xattention_stride", std::to_string(stride), "1..64, dividing the block size");
+    if (!(threshold > 0.0 && threshold <= 1.0)) fail("xattention_threshold", std::to_string(threshold), "in (0, 1]");
+    if (last_dense_tokens < 0) fail("num_last_dense_tokens_in_prefill", std::to_string(last_dense_tokens), ">= 0");
+}
+
+std::vector<std::pair<int64_t, int64_t>> BlockMask::key_ranges(int64_t h, int64_t i, int64_t n) const {
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    const uint8_t* k = row(h, i);
+    for (int64_t j = 0; j <= i; ++j) {
+        if (!k[j]) continue;
+        const int64_t begin = j * block_size, end = std::min(n, (j + 1) * block_size);
+        if (!ranges.empty() && ranges.back().second == begin)
+            ranges.back().second = end;
+        else
+            ranges.emplace_back(begin, end);
+    }
+    return ranges;
+}
+
+int64_t BlockMask::kept() const { return std::accumulate(keep.begin(), keep.end(), int64_t(0)); }
+
+int64_t BlockMask::causal() const {
+    int64_t n = 0;
+    for (int64_t i = first; i < blocks; ++i) n += i + 1;
+    return heads * n;
+}
+
+BlockMask prefill_block_mask(const SparsePrefill& cfg, const float* q, const std::vector<const float*>& keys,
+                             int64_t Hq, int64_t past, int64_t L, int D, float scale, int64_t first_dense) {
+    BlockMask mask;
+    mask.block_size = cfg.block_size;
+    mask.first = past / cfg.block_size;
+    mask.blocks = (past + L + cfg.block_size - 1) / cfg.block_size;
+    mask.heads = Hq;
+    const int64_t nb = mask.blocks, rows = nb - mask.first;
+    mask.keep.assign(at(Hq * rows * nb), 0);
+    const int64_t Hkv = static_cast<int64_t>(keys.size()), G = Hq / Hkv;
+    std::vector<std::vector<float>> kt(at(Hkv));
+    tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) { kt[at(g)] = strided_keys(keys[at(g)], past + L, D, cfg.stride); });
+    const int64_t dense_block = first_dense / cfg.block_size;  // this block and later ones attend densely
+    tbb::parallel_for(int64_t(0), Hq * rows, [&](int64_t t) {
+        const int64_t h = t / rows, i = nb - 1 - t % rows;  // the latest blocks (most keys) first
+        uint8_t* keep = mask.keep.data() + at((h * rows + i - mask.first) * nb);
+        if (i >= dense_block) {
+            std::fill(keep, keep + i + 1, uint8_t(1));
+            return;
+        }
+        std::vector<double> mass;
+        antidiagonal_mass(cfg, q + h * L * D, kt[at(h / G)].data(), past, L, D, scale, i, mass);
+        select_blocks(mass, i, cfg.threshold, keep);
+    });
+    return mask;
+}
+
+}  // namespace ovkc
