@@ -45,21 +45,26 @@ void strided_queries(const float* q, int64_t past, int64_t L, int D, int64_t S, 
         }
 }
 
-// logits[r][0 .. tiles*16) = strided query row r . strided keys, kRows rows at once
+// logits[r][0 .. tiles*16) = strided query row r . strided keys, kRows rows at once (each key
+// vector loaded once for all rows; the rows' sums stay in registers)
 void strided_logits(const float* qs, const float* kt, int64_t tiles, int64_t SD, float* logits, int64_t stride) {
     for (int64_t t = 0; t < tiles; ++t) {
-        float acc[kRows][kTile] = {};
         const float* kb = kt + at(t * SD * kTile);
+#if OVKC_AVX512
+        __m512 acc[kRows];
+        for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t d = 0; d < SD; ++d) {
-            const float* kv = kb + at(d * kTile);
-#pragma GCC unroll 8
-            for (int r = 0; r < kRows; ++r) {
-                const float x = qs[r * SD + d];
-#pragma GCC unroll 16
-                for (int j = 0; j < kTile; ++j) acc[r][j] += x * kv[j];
-            }
+            const __m512 kv = _mm512_loadu_ps(kb + d * kTile);
+            for (int r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * SD + d]), kv, acc[r]);
         }
+        for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(logits + r * stride + t * kTile, acc[r]);
+#else
+        float acc[kRows][kTile] = {};
+        for (int64_t d = 0; d < SD; ++d)
+            for (int r = 0; r < kRows; ++r)
+                for (int j = 0; j < kTile; ++j) acc[r][j] += qs[r * SD + d] * kb[d * kTile + j];
         for (int r = 0; r < kRows; ++r) std::copy(acc[r], acc[r] + kTile, logits + r * stride + t * kTile);
+#endif
     }
 }
 
@@ -81,10 +86,15 @@ void antidiagonal_mass(const SparsePrefill& cfg, const float* q, const float* kt
         for (int r = 0; r < n; ++r) {
             float* row = logits.data() + r * cols;
             const int64_t a = a0 + r;
-            for (int64_t b = 0; b < cols; ++b) row[b] = b <= a ? row[b] * s : detail::kNegInf;
+            for (int64_t b = 0; b <= a; ++b) row[b] *= s;
+            std::fill(row + a + 1, row + cols, detail::kNegInf);
             const float m = detail::row_max(row, static_cast<int>(cols));
-            const float sum = detail::exp_sum(row, static_cast<int>(cols), m);
-            for (int64_t b = 0; b <= a; ++b) mass[at(b / P)] += row[b] / sum;
+            const float inv = 1.0f / detail::exp_sum(row, static_cast<int>(cols), m);
+            for (int64_t j = 0; j * P <= a; ++j) {  // key block j: strided keys [j*P, (j+1)*P), masked ones 0
+                float part = 0.0f;
+                for (int64_t b = j * P; b < (j + 1) * P && b < cols; ++b) part += row[b];
+                mass[at(j)] += static_cast<double>(part * inv);
+            }
         }
     }
 }
