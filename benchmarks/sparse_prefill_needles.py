@@ -3,7 +3,7 @@ guard before sparse prefill may be a default: the sparse answers equal the dense
 
 For each length, ``--needles`` ``niah_single`` prompts (a 7-digit number after a key in essay
 prose) are answered greedily by our op's full cache three ways: a dense prompt, our XAttention
-(``SchedulerConfig.use_sparse_attention``, mode XATTENTION, native's defaults unless set), and,
+(:class:`~ov_kvcrush.config.SparsePrefill`, its defaults unless set), and,
 with ``--native``, openvino.genai's own XAttention on the same prompts. Writes a JSON of every
 answer, whether it equals the dense one and is correct, each TTFT and our prompt density, and a
 PNG of correct answers and TTFT per length::
@@ -17,29 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
-import openvino_genai as ov_genai
-
-from ov_kvcrush.config import GenerationSettings
+from ov_kvcrush.config import GenerationSettings, SparsePrefill
 from ov_kvcrush.engines.genai import GenAIEngine
 from ov_kvcrush.eval import tasks as T
 from ov_kvcrush.models.export import ensure_default_model
 from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
-
-
-def sparse_config(threshold: float, block_size: int, stride: int) -> ov_genai.SchedulerConfig:
-    """What a user sets for native's XAttention, given to our engine."""
-    sc = ov_genai.SchedulerConfig()
-    sc.use_sparse_attention = True
-    sc.sparse_attention_config = ov_genai.SparseAttentionConfig(
-        mode=ov_genai.SparseAttentionMode.XATTENTION,
-        xattention_threshold=threshold,
-        xattention_block_size=block_size,
-        xattention_stride=stride,
-    )
-    sc.max_num_batched_tokens = 1 << 20  # whole prompts, as the dense engine's generate runs them
-    return sc
 
 
 def plot(rows: list[dict], lengths: list[int], path: Path) -> None:
@@ -69,16 +54,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="4096,8000")
     p.add_argument("--needles", type=int, default=6, help="prompts per length")
-    p.add_argument("--threshold", type=float, default=0.8)
+    p.add_argument("--threshold", type=float, default=SparsePrefill.threshold)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--stride", type=int, default=8)
+    p.add_argument("--dense-layers", type=int, default=SparsePrefill.dense_layers)
     p.add_argument("--native", action="store_true", help="also native's XAttention on the same prompts")
     p.add_argument("--json", required=True)
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     model = ensure_default_model()
     dense = OpenVINOEngine(model)
-    sparse = OpenVINOEngine(model, scheduler_config=sparse_config(a.threshold, a.block_size, a.stride))
+    settings_used = SparsePrefill(
+        block_size=a.block_size, stride=a.stride, threshold=a.threshold, dense_layers=a.dense_layers
+    )
+    sparse = OpenVINOEngine(model, sparse_prefill=settings_used)
     engines = {"dense": dense, "sparse": sparse}
     if a.native:
         engines["native_sparse"] = GenAIEngine(model, sparse_prefill="xattention")
@@ -111,8 +100,7 @@ def main() -> None:
     command = "benchmarks/sparse_prefill_needles.py " + " ".join(
         f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(a).items() if v
     )
-    settings_used = {"threshold": a.threshold, "block_size": a.block_size, "stride": a.stride}
-    out = {"command": command, "sparse": settings_used, "summary": summary, "rows": rows}
+    out = {"command": command, "sparse": asdict(settings_used), "summary": summary, "rows": rows}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, lengths, Path(a.json).with_suffix(".png"))

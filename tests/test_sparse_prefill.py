@@ -9,6 +9,7 @@ takes it from an ``openvino_genai.SchedulerConfig``, as native does.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from ov_kvcrush.op import kvcache
 from ov_kvcrush.op.method_spec import method_spec
 
 HQ, HKV, D, T = 6, 2, 64, 512
-SPARSE = SparsePrefill(block_size=32, stride=4, threshold=0.8, last_dense_tokens=32)
+SPARSE = SparsePrefill(block_size=32, stride=4, threshold=0.8, last_dense_tokens=32, dense_layers=0)
 
 
 def test_a_strided_product_is_the_sum_of_its_sub_blocks_antidiagonal():
@@ -117,8 +118,21 @@ def test_a_prompt_in_chunks_is_estimated_over_every_key_before_each_chunks_end(o
     assert seq.stats().prefill_blocks_attended == kept < seq.stats().prefill_blocks_dense
 
 
+def test_the_first_layers_attend_densely(ov_core):
+    """``dense_layers``: the first global layers' prompts are dense, the next one's sparse."""
+    v = layer_vectors(1, kv_heads=HKV, q_heads=HQ, tokens=T, head_dim=D)
+    pool = kvcache.KVPool(2, HQ, HKV, D, block_size=16, precision="f32", sparse_prefill=replace(SPARSE, dense_layers=1))
+    seq = pool.new_sequence()
+    dense, *_ = _prompt(ov_core, "f32", None)
+    outs = [_step(op_model(ov_core, HQ, HKV, D, layer=layer), seq, v.queries, v.keys, v.values) for layer in (0, 1)]
+    np.testing.assert_allclose(outs[0], dense, atol=1e-6, rtol=0)
+    assert np.abs(outs[1] - dense).max() > 0.1 and seq.stats().prefill_blocks_dense == HQ * 16 * 17 // 2
+
+
 def test_threshold_one_attends_every_block_as_dense(ov_core):
-    out, seq, *_ = _prompt(ov_core, "f32", SparsePrefill(block_size=32, stride=4, threshold=1.0, last_dense_tokens=0))
+    out, seq, *_ = _prompt(
+        ov_core, "f32", SparsePrefill(block_size=32, stride=4, threshold=1.0, last_dense_tokens=0, dense_layers=0)
+    )
     dense, *_ = _prompt(ov_core, "f32", None)
     assert seq.stats().prefill_density == 1.0
     np.testing.assert_allclose(out, dense, atol=1e-6, rtol=0)
@@ -128,7 +142,7 @@ def test_later_steps_and_the_scored_rows_are_dense(ov_core):
     """A decode step after a sparse prompt reads the same cache as after a dense one; SnapKV's
     window attends densely, so its scores, and the tokens it keeps, are the dense prompt's."""
     snap = method_config("snapkv", budget=160, sink_tokens=4, recent_tokens=16, window=32)
-    low = SparsePrefill(block_size=32, stride=4, threshold=0.5, last_dense_tokens=0)
+    low = SparsePrefill(block_size=32, stride=4, threshold=0.5, last_dense_tokens=0, dense_layers=0)
     runs = {}
     for name, sparse in (("dense", None), ("sparse", low)):
         _, seq, req, v = _prompt(ov_core, "f32", sparse, method=snap, seed=2, tokens=T + 1)
@@ -147,6 +161,7 @@ def test_bad_settings_are_refused_by_their_native_names():
         (dict(threshold=0.0), "xattention_threshold"),
         (dict(threshold=1.5), "xattention_threshold"),
         (dict(last_dense_tokens=-1), "num_last_dense_tokens_in_prefill"),
+        (dict(dense_layers=-1), "dense_layers"),
     ):
         with pytest.raises(ConfigError, match=rf"^{field}="):
             SparsePrefill(**kwargs)
@@ -167,7 +182,9 @@ def test_the_engine_takes_it_from_a_scheduler_config_and_keeps_the_passkey(model
         mode=ov_genai.SparseAttentionMode.XATTENTION, xattention_threshold=0.9, xattention_block_size=128
     )
     engine = OpenVINOEngine(model_dir, scheduler_config=sc)
-    assert engine.sparse_prefill == SparsePrefill(block_size=128, stride=8, threshold=0.9, last_dense_tokens=100)
+    assert engine.sparse_prefill == SparsePrefill(
+        block_size=128, stride=8, threshold=0.9, last_dense_tokens=100, dense_layers=4
+    )
     passkey = passkey_prompt(1500, lambda t: len(engine.encode(t)), seed=11, depth=0.4)
     settings = GenerationSettings(max_new_tokens=24)
     sparse = engine.generate(passkey.prompt, settings)

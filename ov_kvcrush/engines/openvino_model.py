@@ -122,10 +122,10 @@ class OpenVINOModel:
             ``compression``); with ``use_sparse_attention`` in mode ``XATTENTION``, its
             ``sparse_attention_config`` our op's sparse prompt attention (instead of
             ``sparse_prefill``).
-        sparse_prefill: ``xattention``: each whole first prompt attends, per block of queries,
-            the key blocks carrying most of its estimated attention
-            (:class:`~ov_kvcrush.config.SparsePrefill`, native's defaults), as the genai
-            engine's option of the same name; ``None``: dense. CPU only.
+        sparse_prefill: ``xattention``: each prompt attends, per block of queries, the key
+            blocks carrying most of its estimated attention (:class:`~ov_kvcrush.config.SparsePrefill`
+            with its defaults; or one of those), as the genai engine's option of the same name
+            names it; ``None``: dense. CPU only.
         properties: OpenVINO compile properties (e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``);
             the plugin's defaults otherwise, as openvino_genai uses.
     """
@@ -140,7 +140,7 @@ class OpenVINOModel:
         max_kv_blocks: int = 0,
         scheduler_config: Any = None,
         properties: dict | None = None,
-        sparse_prefill: str | None = None,
+        sparse_prefill: str | SparsePrefill | None = None,
     ) -> None:
         import openvino_genai as ov_genai
 
@@ -196,16 +196,19 @@ class OpenVINOModel:
         #: per layer, a local layer's sliding-window span (0: global; all 0 for most models)
         self.windows = windows or [0] * self.shape.layers
 
-        if sparse_prefill is not None:
+        if isinstance(sparse_prefill, str):
             check_choice("sparse_prefill", sparse_prefill, ("xattention",))
+            sparse_prefill = SparsePrefill()
+        elif sparse_prefill is not None and not isinstance(sparse_prefill, SparsePrefill):
+            raise ConfigError("sparse_prefill", sparse_prefill, "'xattention', a SparsePrefill or None")
         #: our op's sparse prompt attention (None: dense)
-        self.sparse_prefill = SparsePrefill() if sparse_prefill is not None else None
+        self.sparse_prefill = sparse_prefill
         if scheduler_config is not None:
             compression, max_kv_blocks = self._read_scheduler_config(
                 scheduler_config, compression, max_kv_blocks, block_size
             )
         if self.sparse_prefill is not None and self.plugin is not None:
-            raise ConfigError("sparse_prefill", "xattention", "none on device GPU (our op's, device CPU)")
+            raise ConfigError("sparse_prefill", "xattention", "None on device GPU (our op's, device CPU)")
         #: what the one loop over this model is limited by (``None``: whole prompts, any number of sequences)
         self.scheduler_config = scheduler_config
         self.default_block_size = block_size

@@ -256,9 +256,8 @@ class KVPool:
         #: sparse prompt attention (None: dense)
         self.sparse_prefill = sparse_prefill
         sp = sparse_prefill
-        sparse = (
-            None if sp is None else (ctypes.c_double * 4)(sp.block_size, sp.stride, sp.threshold, sp.last_dense_tokens)
-        )
+        fields = () if sp is None else (sp.block_size, sp.stride, sp.threshold, sp.last_dense_tokens, sp.dense_layers)
+        sparse = (ctypes.c_double * 5)(*fields) if fields else None
         self.handle = check_result(
             self.lib.ovkc_pool_create(
                 layers,

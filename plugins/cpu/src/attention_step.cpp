@@ -393,7 +393,7 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
 
 namespace {
 // The pool's sparse prefill mask for this step (empty: dense). A prompt step (whole, or a chunk
-// of one) of a global layer is sparse while its heads hold every position before it in order
+// of one) of a global layer past the first `dense_layers` is sparse while its heads hold every position before it in order
 // (no eviction yet): slots are then positions. The estimate reads the step's exact keys and the
 // earlier ones as stored. Rows from `scored_from` on (the method ranks by their probabilities)
 // and the prompt's last rows attend densely.
@@ -401,7 +401,9 @@ BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from) {
     const SparsePrefill& sp = ctx.cfg.sparse;
     const StepMode& m = ctx.mode;
     const int64_t n = m.past + m.L, D = ctx.D;
-    if (!sp.on() || ctx.cfg.count_only || !m.prefill || m.scoring || m.window || n <= sp.block_size) return {};
+    if (!sp.on() || ctx.cfg.count_only || !m.prefill || m.scoring || m.window || n <= sp.block_size ||
+        ctx.cfg.global_index(m.layer) < sp.dense_layers)
+        return {};
     for (int64_t g = 0; g < ctx.Hkv; ++g) {
         const HeadCache& hc = ctx.head(g);
         if (!hc.qblocks.empty() || !hc.bias.empty() || hc.size() != n || hc.pos.front() != 0 || hc.pos.back() != n - 1)

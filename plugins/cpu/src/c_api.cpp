@@ -81,10 +81,10 @@ OVKC_API int64_t ovkc_pool_create(int32_t layers, int32_t q_heads, int32_t kv_he
         cfg.scores = scores != 0;
         cfg.count_only = count_only != 0;
         if (windows && layers > 0) cfg.windows.assign(windows, windows + layers);
-        // sparse prefill: block size, stride, threshold, last dense tokens (null: dense)
+        // sparse prefill: block size, stride, threshold, last dense tokens, dense layers (null: dense)
         if (sparse)
             cfg.sparse = {static_cast<int64_t>(sparse[0]), static_cast<int64_t>(sparse[1]), sparse[2],
-                          static_cast<int64_t>(sparse[3])};
+                          static_cast<int64_t>(sparse[3]), static_cast<int64_t>(sparse[4])};
         cfg.validate();  // the shape first: the policy's fields are checked against it
         cfg.policy = ovkc::make_policy(method ? method : "", {layers, q_heads, kv_heads, head_dim, block_size});
         cfg.validate();

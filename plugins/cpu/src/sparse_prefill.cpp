@@ -127,6 +127,7 @@ void SparsePrefill::validate() const {
         fail("xattention_stride", std::to_string(stride), "1..64, dividing the block size");
     if (!(threshold > 0.0 && threshold <= 1.0)) fail("xattention_threshold", std::to_string(threshold), "in (0, 1]");
     if (last_dense_tokens < 0) fail("num_last_dense_tokens_in_prefill", std::to_string(last_dense_tokens), ">= 0");
+    if (dense_layers < 0) fail("dense_layers", std::to_string(dense_layers), ">= 0");
 }
 
 std::vector<std::pair<int64_t, int64_t>> BlockMask::key_ranges(int64_t h, int64_t i, int64_t n) const {

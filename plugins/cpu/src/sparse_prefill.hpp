@@ -15,8 +15,9 @@ namespace ovkc {
 struct SparsePrefill {
     int64_t block_size = 0;          // queries and keys per block (a multiple of 16 and of stride)
     int64_t stride = 8;              // every stride-th row and column enters the estimate
-    double threshold = 0.8;          // the share of a query block's estimated mass it attends
+    double threshold = 0.9;          // the share of a query block's estimated mass it attends
     int64_t last_dense_tokens = 100; // the prompt's last rows attend densely
+    int64_t dense_layers = 4;        // the first global layers attend densely
     bool on() const { return block_size > 0; }
     void validate() const;
 };
