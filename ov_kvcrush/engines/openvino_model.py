@@ -168,25 +168,10 @@ class OpenVINOModel:
         #: our layers in OpenVINO's GPU plugin (device GPU), else None: the CPU op
         self.plugin: PluginModel | None = None
         if on_gpu:
-            if self.softcap:
-                raise UserError(
-                    f"{self.model_dir.name}: attention logit soft-capping (Gemma 2) is not in our GPU plugin "
-                    "layers yet; device CPU (our op) runs it"
-                )
-            self.plugin = plugin_engine_model(
-                self.model_dir, windows, kv_precision, block_size, self.properties, self.device
-            )
+            self.plugin = self._plugin_model(windows, kv_precision, block_size)
             self.shape = self.plugin.shape
         else:
-            self.library = plugin.loaded_path()
-            # prefill arithmetic follows the plugin's inference precision, as its own SDPA does
-            hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(
-                "CPU", "INFERENCE_PRECISION_HINT"
-            )
-            self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
-            converted = convert_model(
-                self.core.read_model(xml), self.library, compute=self.attention_compute, softcap=self.softcap
-            )
+            converted = self._converted(xml)
             self.shape = converted.shape
         if windows and len(windows) != self.shape.layers:
             raise UserError(
@@ -196,13 +181,8 @@ class OpenVINOModel:
         #: per layer, a local layer's sliding-window span (0: global; all 0 for most models)
         self.windows = windows or [0] * self.shape.layers
 
-        if isinstance(sparse_prefill, str):
-            check_choice("sparse_prefill", sparse_prefill, ("xattention",))
-            sparse_prefill = SparsePrefill()
-        elif sparse_prefill is not None and not isinstance(sparse_prefill, SparsePrefill):
-            raise ConfigError("sparse_prefill", sparse_prefill, "'xattention', a SparsePrefill or None")
         #: our op's sparse prompt attention (None: dense)
-        self.sparse_prefill = sparse_prefill
+        self.sparse_prefill = _sparse_prefill(sparse_prefill)
         if scheduler_config is not None:
             compression, max_kv_blocks = self._read_scheduler_config(
                 scheduler_config, compression, max_kv_blocks, block_size
@@ -227,6 +207,27 @@ class OpenVINOModel:
         self.scoring = ScoringPass(self)  # the method's scoring pass (KVzip), shared with batching
         self._make_pool(compression)  # a method's calibration (Chelsea's "auto" outliers) runs here
         self.eos_ids = _eos_ids(self.model_dir, self.hf_config, self.tokenizer.get_eos_token_id())
+
+    def _plugin_model(self, windows: list[int] | None, kv_precision: str, block_size: int) -> PluginModel:
+        """Our layers in OpenVINO's GPU plugin for this model (device GPU)."""
+        if self.softcap:
+            raise UserError(
+                f"{self.model_dir.name}: attention logit soft-capping (Gemma 2) is not in our GPU plugin "
+                "layers yet; device CPU (our op) runs it"
+            )
+        return plugin_engine_model(self.model_dir, windows, kv_precision, block_size, self.properties, self.device)
+
+    def _converted(self, xml: Path) -> Any:
+        """The IR with our op in its attention (device CPU); the op's prompt arithmetic follows the
+        plugin's inference precision, as its own SDPA does."""
+        self.library = plugin.loaded_path()
+        hint = self.properties.get("INFERENCE_PRECISION_HINT") or self.core.get_property(
+            "CPU", "INFERENCE_PRECISION_HINT"
+        )
+        self.attention_compute = "bf16" if any(t in str(hint).lower() for t in ("bf16", "bfloat16")) else "f32"
+        return convert_model(
+            self.core.read_model(xml), self.library, compute=self.attention_compute, softcap=self.softcap
+        )
 
     def _read_scheduler_config(
         self, sc: Any, compression: CompressionConfig | None, max_kv_blocks: int, block_size: int
@@ -452,6 +453,16 @@ class OpenVINOModel:
     ) -> dict[str, np.ndarray]:
         """One step of several sequences, any token counts (:func:`step_inputs.ragged_step_inputs`)."""
         return step_inputs.ragged_step_inputs(self.input_names, ids, [s.handle for s in sequences], past)
+
+
+def _sparse_prefill(value: str | SparsePrefill | None) -> SparsePrefill | None:
+    """The engine's ``sparse_prefill`` argument as the pool's settings (``xattention``: the defaults)."""
+    if isinstance(value, str):
+        check_choice("sparse_prefill", value, ("xattention",))
+        return SparsePrefill()
+    if value is not None and not isinstance(value, SparsePrefill):
+        raise ConfigError("sparse_prefill", value, "'xattention', a SparsePrefill or None")
+    return value
 
 
 def _kv_precision(value: Any, properties: dict | None, default: str) -> str:

@@ -391,49 +391,6 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
 }
 }  // namespace
 
-namespace {
-// The pool's sparse prefill mask for this step (empty: dense). A prompt step (whole, or a chunk
-// of one) of a global layer past the first `dense_layers` is sparse while its heads hold every position before it in order
-// (no eviction yet): slots are then positions. The estimate reads the step's exact keys and the
-// earlier ones as stored. Rows from `scored_from` on (the method ranks by their probabilities)
-// and the prompt's last rows attend densely.
-BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from) {
-    const SparsePrefill& sp = ctx.cfg.sparse;
-    const StepMode& m = ctx.mode;
-    const int64_t n = m.past + m.L, D = ctx.D;
-    if (!sp.on() || ctx.cfg.count_only || !m.prefill || m.scoring || m.window || n <= sp.block_size ||
-        ctx.cfg.global_index(m.layer) < sp.dense_layers)
-        return {};
-    for (int64_t g = 0; g < ctx.Hkv; ++g) {
-        const HeadCache& hc = ctx.head(g);
-        if (!hc.qblocks.empty() || !hc.bias.empty() || hc.size() != n || hc.pos.front() != 0 || hc.pos.back() != n - 1)
-            return {};
-    }
-    const auto t0 = StepClock::now();
-    std::vector<std::vector<float>> earlier(at(m.past > 0 ? ctx.Hkv : 0));
-    std::vector<const float*> keys(at(ctx.Hkv));
-    for (int64_t g = 0; g < ctx.Hkv; ++g) {
-        const HeadCache& hc = ctx.head(g);
-        keys[at(g)] = hc.step.k;
-        if (m.past == 0) continue;
-        std::vector<float>& k = earlier[at(g)];
-        std::vector<float> v(at(m.past * D));
-        k.resize(at(n * D));
-        load_tokens(ctx.cfg, ctx.seq.pool(), hc, 0, m.past, k.data(), v.data());
-        std::copy(hc.step.k, hc.step.k + m.L * D, k.begin() + m.past * D);
-        keys[at(g)] = k.data();
-    }
-    const int64_t prompt = m.chunk ? m.prompt_end : n;
-    const int64_t first_dense = std::max<int64_t>(0, std::min(m.past + scored_from, prompt - sp.last_dense_tokens));
-    BlockMask mask = prefill_block_mask(sp, ctx.q, keys, ctx.Hq, m.past, m.L, static_cast<int>(D), ctx.logit.scale,
-                                        first_dense);
-    ctx.seq.sparse_blocks[0] += mask.kept();
-    ctx.seq.sparse_blocks[1] += mask.causal();
-    ctx.seq.sparse_ns += ns_since(t0);
-    return mask;
-}
-}  // namespace
-
 // 2b. a prompt (or a chunk of a chat turn, or a scoring step): tiles of consecutive queries of
 //     one head; a scoring step (KVzip's reconstruction) attends only the sinks, its chunk and itself
 bool attend_prompt(StepContext& ctx, bool bf16) {

@@ -4,6 +4,8 @@
 //                 step, a sliding-window layer's), decided once into a StepMode
 //   append_step ─ the step's keys and values (and zeroed score slots) go into every head
 //   the method's hooks before attention (selection a recall method prepares, ...)
+//   sparse_prefill_mask ─ a prompt step's key blocks per query block, when the pool's sparse
+//                 prefill is on (XAttention's estimate; sparse_prefill.cpp)
 //   attend      ─ attend_recalled (a recall method's working set), attend_decode (a token over
 //                 chunks of blocks, partial softmaxes merged), or attend_prompt (tiles of
 //                 queries: bf16 staging, AMX tiles, f32 rows; a scoring step's ranges)
@@ -24,6 +26,7 @@
 
 #include "kernels.hpp"
 #include "paged_cache.hpp"
+#include "sparse_prefill.hpp"
 
 namespace ovkc {
 
@@ -85,6 +88,9 @@ void append_step(StepContext& ctx, const float* kd, const float* vd);
 void score_slot_ranges(StepContext& ctx);
 // returns whether the attention added the step's probabilities to the scores itself
 bool attend_decode(StepContext& ctx);
+// The pool's sparse prefill mask for a prompt step (empty: dense), rows from `scored_from` on
+// dense (sparse_prefill.cpp); attend_prompt attends by it.
+BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from);
 bool attend_prompt(StepContext& ctx, bool bf16);
 void accumulate_step_scores(StepContext& ctx);
 void drop_scoring_step(StepContext& ctx);

@@ -1,4 +1,5 @@
-// What the kernel files share (kernels.cpp, kernels_bf16.cpp, kernels_quant.cpp): the vector-unit
+// What the kernel files share (kernels.cpp, kernels_bf16.cpp, kernels_quant.cpp, and the sparse
+// prefill's estimate in sparse_prefill.cpp): the vector-unit
 // switches, f16 conversion, thread-local scratch, a block's float view and the online-softmax
 // step. Internal to the kernels; the interface is kernels.hpp.
 #pragma once
