@@ -301,8 +301,8 @@ class SparsePrefill:
     #: the prompt's last rows that attend densely (``num_last_dense_tokens_in_prefill``)
     last_dense_tokens: int = 100
     #: the first (global) layers, which attend densely: ours, native has none. On the embedded
-    #: SmolLM2 at 8k the sparse prompt of layers 2 and 3 alone loses a passkey the dense prompt
-    #: finds, at threshold 0.9 (even with exact block masses); with these four dense it is kept
+    #: SmolLM2 at 8k, at threshold 0.9, a passkey the dense prompt finds is lost with layers 0-1
+    #: dense and kept with layers 0-3 dense (docs/benchmarks.md, "Our sparse prompt attention")
     dense_layers: int = 4
 
     def __post_init__(self) -> None:

@@ -18,10 +18,13 @@ Departures, each for a reason:
 * Blocks are picked, after the first and diagonal ones, in descending estimated mass until what is
   kept reaches ``threshold`` of the row's total (native keeps the block that crosses it too; so
   does this: a block is added while the mass before it is short of the target).
-* Only a whole first prompt is sparse (no earlier tokens, not a chunk): then slots are positions.
+* A prompt is sparse, whole or in chunks, while every head holds every earlier position (slots
+  are then positions): a chat turn over a compressed cache attends densely. A chunk's estimate
+  counts only the strided rows holding its own positions (``prefill_block_mask``'s ``past``).
 * The first ``dense_layers`` layers attend densely (the engine's choice; the functions here are
-  one layer's): on the embedded SmolLM2 at 8k, sparse prompts in layers 2-3 alone lose a passkey
-  the dense prompt finds, even at threshold 0.9 with exact block masses (stride 1).
+  one layer's): on the embedded SmolLM2 at 8k, at threshold 0.9, a passkey the dense prompt finds
+  is lost with layers 0-1 dense and kept with layers 0-3 dense; the early layers' sparse prompts
+  lose it, the late ones' do not.
 * Soft-capped models (Gemma 2) are estimated without the cap (a sum of ``stride`` logits is not a
   logit); their attention itself is capped as always.
 """
