@@ -19,7 +19,7 @@ Departures, each for a reason:
   kept reaches ``threshold`` of the row's total (native keeps the block that crosses it too; so
   does this: a block is added while the mass before it is short of the target).
 * A prompt is sparse, whole or in chunks, while every head holds every earlier position (slots
-  are then positions): a chat turn over a compressed cache attends densely. A chunk's estimate
+  are then positions); a chat turn, like every decode step, attends densely. A chunk's estimate
   counts only the strided rows holding its own positions (``prefill_block_mask``'s ``past``).
 * The first ``dense_layers`` layers attend densely (the engine's choice; the functions here are
   one layer's): on the embedded SmolLM2 at 8k, at threshold 0.9, a passkey the dense prompt finds
