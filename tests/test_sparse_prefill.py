@@ -196,3 +196,32 @@ def test_the_engine_takes_it_from_a_scheduler_config_and_keeps_the_passkey(model
         OpenVINOEngine(model_dir, scheduler_config=sc, sparse_prefill="xattention")
     with pytest.raises(ConfigError, match=r"sparse_prefill='trishape' is invalid: allowed one of xattention"):
         OpenVINOEngine(model_dir, sparse_prefill="trishape")
+
+
+def test_generate_and_serve_take_it_as_a_flag(model_dir, tmp_path, capsys):
+    """``generate --sparse-prefill xattention`` runs our sparse prompt (its density in the JSON's
+    counters); ``serve --sparse-prefill`` gives it to the server's engine; torch refuses the flag."""
+    import json
+
+    from helpers import run_main
+
+    from ov_kvcrush.cli.main import build_parser
+    from ov_kvcrush.server.config import ServerConfig
+    from ov_kvcrush.server.factory import make_pipeline
+
+    prompt, out = tmp_path / "p.txt", tmp_path / "r.json"
+    prompt.write_text("Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 60) + ". Name one.")
+    code, _, err = run_main(
+        capsys, "generate", "--backend", "openvino", "--sparse-prefill", "xattention", "--prompt-file", str(prompt),
+        "--max-new-tokens", "4", "--model", str(model_dir), "--json", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    assert 0.0 < json.loads(out.read_text())["counters"]["prefill_density"] <= 1.0
+    code, _, err = run_main(capsys, "generate", "--backend", "torch", "--sparse-prefill", "xattention",
+                            "--prompt-file", str(prompt))  # fmt: skip
+    assert code == 2 and "--sparse-prefill is for --backend genai, openvino" in err
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--sparse-prefill", "xattention"])
+    config = ServerConfig.from_args(args)
+    pipe = make_pipeline(config, config.compression())
+    assert pipe.engine.sparse_prefill == SparsePrefill()
+    pipe.engine.close()

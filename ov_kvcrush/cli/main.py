@@ -151,6 +151,11 @@ def _add_generate(sub: Any) -> None:
     g.add_argument("--dtype", default="auto", help="backend torch: auto (fp32 on CPU, bf16 on CUDA), float32 ...")
     g.add_argument("--kv-precision", help="backend openvino: KV cache u8 (default, as native), f16 or f32")
     g.add_argument(
+        "--sparse-prefill",
+        help="backends openvino and genai: sparse prompt attention, xattention (ours on openvino, native's on "
+        "genai) or trishape (genai); default dense",
+    )
+    g.add_argument(
         "--paged-device",
         choices=HOSTS,
         help="backend torch: keep the KV cache on an Intel GPU (else Intel's OpenCL CPU runtime) and run it in "
@@ -356,6 +361,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     backend = check_backend(args.backend)
     flags = {"dtype": ("--dtype", args.dtype, "auto"), "paged_device": ("--paged-device", args.paged_device, None)}
     flags["kv_precision"] = ("--kv-precision", args.kv_precision, None)
+    flags["sparse_prefill"] = ("--sparse-prefill", args.sparse_prefill, None)
     extra = engine_options(args.backend, flags)
     if "paged_device" in extra:
         runtime.prepare()  # before anything imports openvino (its TBB hides Intel's OpenCL runtime)

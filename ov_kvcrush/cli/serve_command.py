@@ -40,6 +40,12 @@ def add_serve_arguments(sub: Any) -> None:
     s.add_argument("--kv-pool-mib", type=float, default=None, help="the KV pool's size in MiB (default: unbounded)")
     s.add_argument("--kv-precision", default=None, help="u8 (default on CPU, as native), f16 (default on GPU) or f32")
     s.add_argument(
+        "--sparse-prefill",
+        default=None,
+        help="xattention: prompts attend only the key blocks XAttention's estimate keeps (device CPU; off by "
+        "default: it can lose needles, docs/library.md)",
+    )
+    s.add_argument(
         "--device", default="CPU", help="CPU (our op), or GPU / GPU.N: an Intel GPU through OpenVINO's GPU plugin"
     )
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")

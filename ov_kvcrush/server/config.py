@@ -38,6 +38,7 @@ class ServerConfig:
         cache_dir: where kept conversation caches are also written, to survive a restart
             (``None``: memory only; serving/persist.py).
         cache_dir_mib: the size budget of ``cache_dir``'s files (least recently used out).
+        sparse_prefill: ``xattention``: our op's sparse prompt attention (``None``: dense).
     """
 
     model: str | None = None
@@ -58,6 +59,7 @@ class ServerConfig:
     threads: int | None = None
     cache_dir: str | None = None
     cache_dir_mib: float = 4096.0
+    sparse_prefill: str | None = None
 
     def __post_init__(self) -> None:
         check_int("--max-queue", self.max_queue, 1, 1 << 16)

@@ -53,6 +53,8 @@ def make_pipeline(config: ServerConfig, compression: CompressionConfig) -> Conti
     sc.max_num_batched_tokens = config.max_num_batched_tokens
     sc.dynamic_split_fuse = True
     options: dict[str, Any] = {} if config.kv_precision is None else {"kv_precision": config.kv_precision}
+    if config.sparse_prefill is not None:
+        options["sparse_prefill"] = config.sparse_prefill
     if config.threads is not None and config.device.upper() == "CPU":  # the CPU plugin's threads
         options["properties"] = {"INFERENCE_NUM_THREADS": config.threads}
     model = resolve_model("openvino", config.model)
