@@ -78,13 +78,15 @@ def _prompt(core, compute: str, sparse: SparsePrefill | None, method=None, seed:
 
 @pytest.mark.parametrize("compute", ["f32", "bf16"])
 def test_the_op_attends_the_references_blocks(ov_core, compute):
-    """The op keeps exactly the reference's blocks (a third of them skipped here) and its output
-    is the reference's sparse attention, not the dense one."""
+    """The op keeps exactly the reference's blocks (a third of them skipped here; on the bf16 path
+    estimated from bf16 products, as the reference's ``bf16``) and its output is the reference's
+    sparse attention, not the dense one."""
     out, seq, _, v = _prompt(ov_core, compute, SPARSE)
     q, k, vals = v.queries[0], v.keys[0], v.values[0]
     keep = ref.prefill_block_mask(
-        q, k, block_size=32, stride=4, threshold=0.8, last_dense_tokens=32, scale=1 / math.sqrt(D), first_scored_row=T
-    )
+        q, k, block_size=32, stride=4, threshold=0.8, last_dense_tokens=32, scale=1 / math.sqrt(D),
+        first_scored_row=T, bf16=compute == "bf16",
+    )  # fmt: skip
     st = seq.stats()
     assert st.prefill_blocks_attended == int(keep.sum()) and st.prefill_blocks_dense == HQ * 16 * 17 // 2
     assert 0.5 < st.prefill_density < 0.8 and st.sparse_estimate_ns > 0

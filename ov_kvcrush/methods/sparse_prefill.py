@@ -56,13 +56,19 @@ def strided_keys(keys: torch.Tensor, stride: int) -> torch.Tensor:
     return torch.nn.functional.pad(keys, (0, 0, 0, b * stride - n)).reshape(h, b, stride * d)
 
 
-def antidiagonal_probabilities(queries: torch.Tensor, keys: torch.Tensor, stride: int, scale: float) -> torch.Tensor:
+def antidiagonal_probabilities(
+    queries: torch.Tensor, keys: torch.Tensor, stride: int, scale: float, bf16: bool = False
+) -> torch.Tensor:
     """``[hq, A, A]``: each strided query row's softmax over the strided key rows at or before it,
-    of the antidiagonal sums times ``scale / stride`` (queries ``[hq, t, d]``, keys ``[hk, t, d]``)."""
+    of the antidiagonal sums times ``scale / stride`` (queries ``[hq, t, d]``, keys ``[hk, t, d]``).
+    ``bf16``: the products of bf16 operands (the scaled queries and the keys rounded), summed in
+    float32, as the op's bf16 prompt path estimates."""
     group = queries.shape[0] // keys.shape[0]
-    qs = strided_queries(queries.float(), stride)
+    qs = strided_queries(queries.float(), stride) * (scale / stride)
     ks = strided_keys(keys.float(), stride).repeat_interleave(group, 0)
-    logits = qs @ ks.transpose(1, 2) * (scale / stride)
+    if bf16:
+        qs, ks = qs.bfloat16().float(), ks.bfloat16().float()
+    logits = qs @ ks.transpose(1, 2)
     a = qs.shape[1]
     causal = torch.ones(a, a, dtype=torch.bool).tril()
     return logits.masked_fill(~causal, float("-inf")).softmax(-1)
@@ -121,6 +127,7 @@ def prefill_block_mask(
     first_scored_row: int,
     past: int = 0,
     prompt_tokens: int | None = None,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """The key blocks each query block attends (``[hq, nb, nb]`` bool, by position) in a prompt
     step whose queries (``[hq, t, d]``) sit at positions ``[past, past + t)`` over the keys of
@@ -129,9 +136,11 @@ def prefill_block_mask(
     rows from the step's first scored row (``first_scored_row``, counted in the step) or the
     prompt's last ``last_dense_tokens`` rows on
     (``prompt_tokens``: the whole prompt's, when the step is a chunk of it). The settings are
-    :class:`~ov_kvcrush.config.SparsePrefill`'s; rows of blocks before the step's are unused."""
+    :class:`~ov_kvcrush.config.SparsePrefill`'s; rows of blocks before the step's are unused.
+    ``bf16``: the estimate's products as the op's bf16 path takes them."""
     t = queries.shape[1]
-    probabilities = antidiagonal_probabilities(torch.nn.functional.pad(queries, (0, 0, past, 0)), keys, stride, scale)
+    padded = torch.nn.functional.pad(queries, (0, 0, past, 0))
+    probabilities = antidiagonal_probabilities(padded, keys, stride, scale, bf16)
     probabilities[:, : past // stride] = 0.0  # strided rows wholly before the step are not its
     mass = block_mass(probabilities, block_size, stride)
     prompt = past + t if prompt_tokens is None else prompt_tokens

@@ -396,7 +396,7 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
 bool attend_prompt(StepContext& ctx, bool bf16) {
     const PromptHeads p = stage_prompt_heads(ctx, bf16);
     const int64_t from = ctx.mode.scores && !ctx.mode.ranged ? first_scored_row(ctx) : ctx.mode.L;
-    const BlockMask sparse = sparse_prefill_mask(ctx, from);
+    const BlockMask sparse = sparse_prefill_mask(ctx, from, bf16);
     // the AMX kernels take raw logits and every key: a soft-capped model's prompt, and a sparse
     // one, take the AVX512-BF16 rows
     bool amx = bf16 && ctx.logit.softcap == 0.0f && sparse.empty() && amx_head_dim(static_cast<int>(ctx.D)) && has_amx();

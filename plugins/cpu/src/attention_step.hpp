@@ -89,8 +89,8 @@ void score_slot_ranges(StepContext& ctx);
 // returns whether the attention added the step's probabilities to the scores itself
 bool attend_decode(StepContext& ctx);
 // The pool's sparse prefill mask for a prompt step (empty: dense), rows from `scored_from` on
-// dense (sparse_prefill.cpp); attend_prompt attends by it.
-BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from);
+// dense, estimated in bf16 on the bf16 path (sparse_prefill.cpp); attend_prompt attends by it.
+BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from, bool bf16);
 bool attend_prompt(StepContext& ctx, bool bf16);
 void accumulate_step_scores(StepContext& ctx);
 void drop_scoring_step(StepContext& ctx);

@@ -21,17 +21,37 @@ constexpr int kRows = 8;   // strided query rows per pass
 size_t at(int64_t i) { return static_cast<size_t>(i); }
 
 // A KV head's strided keys, tiled and transposed: [tile][stride * D][16], row b of the strided
-// keys is keys b*stride + s (s = 0 .. stride-1, D each), zeros past the prompt.
-std::vector<float> strided_keys(const float* k, int64_t L, int D, int64_t S) {
+// keys is keys b*stride + s (s = 0 .. stride-1, D each), zeros past the prompt. On the bf16 path
+// (the step's prompt arithmetic) as bf16 pairs instead, [tile][stride * D / 2][16]: two
+// consecutive values of one strided key a word, as the dot products take them.
+struct StridedKeys {
+    std::vector<float> f32;
+    std::vector<uint32_t> bf16;
+};
+
+StridedKeys strided_keys(const float* k, int64_t L, int D, int64_t S, bool bf16) {
     const int64_t A = (L + S - 1) / S, tiles = (A + kTile - 1) / kTile, SD = S * D;
-    std::vector<float> kt(at(tiles * SD * kTile), 0.0f);
+    StridedKeys out;
+    std::vector<float>& kt = out.f32;
+    kt.assign(at(tiles * SD * kTile), 0.0f);
     for (int64_t b = 0; b < A; ++b)
         for (int64_t s = 0; s < S && b * S + s < L; ++s) {
             const float* src = k + (b * S + s) * D;
             float* dst = kt.data() + at(((b / kTile) * SD + s * D) * kTile + b % kTile);
             for (int d = 0; d < D; ++d) dst[at(d) * kTile] = src[d];
         }
-    return kt;
+    if (!bf16) return out;
+    out.bf16.resize(kt.size() / 2);
+    for (int64_t t = 0; t < tiles; ++t)
+        for (int64_t p = 0; p < SD / 2; ++p)
+            for (int j = 0; j < kTile; ++j) {
+                const float* even = kt.data() + at((t * SD + 2 * p) * kTile + j);
+                out.bf16[at((t * SD / 2 + p) * kTile + j)] =
+                    static_cast<uint32_t>(detail::to_bf16(even[0])) | (static_cast<uint32_t>(detail::to_bf16(even[kTile])) << 16);
+            }
+    out.f32.clear();
+    out.f32.shrink_to_fit();
+    return out;
 }
 
 // Up to kRows strided query rows [a0, a0 + n) of one head: row a is the queries at positions
@@ -70,25 +90,58 @@ void strided_logits(const float* qs, const float* kt, int64_t tiles, int64_t SD,
     }
 }
 
+// The same with bf16 operands (pairs, as strided_keys packs them) and f32 sums: AVX512-BF16 dot
+// products, two multiply-adds a lane an instruction.
+void strided_logits_bf16(const uint32_t* qp, const uint32_t* kt, int64_t tiles, int64_t pairs, float* logits,
+                         int64_t stride) {
+#if OVKC_BF16
+    for (int64_t t = 0; t < tiles; ++t) {
+        const uint32_t* kb = kt + at(t * pairs * kTile);
+        __m512 acc[kRows];
+        for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; ++p) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + p * kTile);
+            for (int r = 0; r < kRows; ++r)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p])), kv);
+        }
+        for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(logits + r * stride + t * kTile, acc[r]);
+    }
+#else
+    (void)qp, (void)kt, (void)tiles, (void)pairs, (void)logits, (void)stride;
+    throw Error("bf16 estimate is not compiled in (no AVX512-BF16 on the build machine)");
+#endif
+}
+
 // One query block's estimated mass per key block (mass[0 .. i]): each of its strided rows'
 // softmax, over the strided keys at or before it, of the antidiagonal sums times scale / stride.
 // The step's queries are positions [past, past + L); the keys (kt) every position before its end.
-void antidiagonal_mass(const SparsePrefill& cfg, const float* q, const float* kt, int64_t past, int64_t L, int D,
-                       float scale, int64_t i, std::vector<double>& mass) {
+// On the bf16 path the scaled queries are rounded to bf16 pairs and the keys are (kt.bf16).
+void antidiagonal_mass(const SparsePrefill& cfg, const float* q, const StridedKeys& kt, int64_t past, int64_t L,
+                       int D, float scale, int64_t i, std::vector<double>& mass) {
     const int64_t S = cfg.stride, P = cfg.block_size / S, A = (past + L + S - 1) / S, SD = S * D;
     const int64_t a_begin = std::max(i * P, past / S), a_end = std::min(A, (i + 1) * P);
     const int64_t tiles = (a_end + kTile - 1) / kTile, cols = tiles * kTile;
+    const bool bf16 = !kt.bf16.empty();
     std::vector<float> qs(at(kRows * SD)), logits(at(kRows * cols));
+    std::vector<uint32_t> qp(bf16 ? at(kRows * SD / 2) : 0);
     mass.assign(at(i + 1), 0.0);
     const float s = scale / static_cast<float>(S);
     for (int64_t a0 = a_begin; a0 < a_end; a0 += kRows) {
         const int n = static_cast<int>(std::min<int64_t>(kRows, a_end - a0));
         strided_queries(q, past, L, D, S, a0, n, qs.data());
-        strided_logits(qs.data(), kt, tiles, SD, logits.data(), cols);
+        if (bf16) {
+            for (size_t x = 0; x < qp.size(); ++x)
+                qp[x] = static_cast<uint32_t>(detail::to_bf16(qs[2 * x] * s)) |
+                        (static_cast<uint32_t>(detail::to_bf16(qs[2 * x + 1] * s)) << 16);
+            strided_logits_bf16(qp.data(), kt.bf16.data(), tiles, SD / 2, logits.data(), cols);
+        } else {
+            strided_logits(qs.data(), kt.f32.data(), tiles, SD, logits.data(), cols);
+        }
         for (int r = 0; r < n; ++r) {
             float* row = logits.data() + r * cols;
             const int64_t a = a0 + r;
-            for (int64_t b = 0; b <= a; ++b) row[b] *= s;
+            if (!bf16)
+                for (int64_t b = 0; b <= a; ++b) row[b] *= s;
             std::fill(row + a + 1, row + cols, detail::kNegInf);
             const float m = detail::row_max(row, static_cast<int>(cols));
             const float inv = 1.0f / detail::exp_sum(row, static_cast<int>(cols), m);
@@ -155,7 +208,7 @@ int64_t BlockMask::causal() const {
 }
 
 BlockMask prefill_block_mask(const SparsePrefill& cfg, const float* q, const std::vector<const float*>& keys,
-                             int64_t Hq, int64_t past, int64_t L, int D, float scale, int64_t first_dense) {
+                             int64_t Hq, int64_t past, int64_t L, int D, float scale, int64_t first_dense, bool bf16) {
     BlockMask mask;
     mask.block_size = cfg.block_size;
     mask.first = past / cfg.block_size;
@@ -164,8 +217,8 @@ BlockMask prefill_block_mask(const SparsePrefill& cfg, const float* q, const std
     const int64_t nb = mask.blocks, rows = nb - mask.first;
     mask.keep.assign(at(Hq * rows * nb), 0);
     const int64_t Hkv = static_cast<int64_t>(keys.size()), G = Hq / Hkv;
-    std::vector<std::vector<float>> kt(at(Hkv));
-    tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) { kt[at(g)] = strided_keys(keys[at(g)], past + L, D, cfg.stride); });
+    std::vector<StridedKeys> kt(at(Hkv));
+    tbb::parallel_for(int64_t(0), Hkv, [&](int64_t g) { kt[at(g)] = strided_keys(keys[at(g)], past + L, D, cfg.stride, bf16); });
     const int64_t dense_block = first_dense / cfg.block_size;  // this block and later ones attend densely
     tbb::parallel_for(int64_t(0), Hq * rows, [&](int64_t t) {
         const int64_t h = t / rows, i = nb - 1 - t % rows;  // the latest blocks (most keys) first
@@ -175,7 +228,7 @@ BlockMask prefill_block_mask(const SparsePrefill& cfg, const float* q, const std
             return;
         }
         std::vector<double> mass;
-        antidiagonal_mass(cfg, q + h * L * D, kt[at(h / G)].data(), past, L, D, scale, i, mass);
+        antidiagonal_mass(cfg, q + h * L * D, kt[at(h / G)], past, L, D, scale, i, mass);
         select_blocks(mass, i, cfg.threshold, keep);
     });
     return mask;
@@ -186,7 +239,7 @@ BlockMask prefill_block_mask(const SparsePrefill& cfg, const float* q, const std
 // (no eviction yet): slots are then positions. The estimate reads the step's exact keys and the
 // earlier ones as stored. Rows from `scored_from` on (the method ranks by their probabilities)
 // and the prompt's last rows attend densely.
-BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from) {
+BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from, bool bf16) {
     const SparsePrefill& sp = ctx.cfg.sparse;
     const StepMode& m = ctx.mode;
     const int64_t n = m.past + m.L, D = ctx.D;
@@ -215,7 +268,7 @@ BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from) {
     const int64_t prompt = m.chunk ? m.prompt_end : n;
     const int64_t first_dense = std::max<int64_t>(0, std::min(m.past + scored_from, prompt - sp.last_dense_tokens));
     BlockMask mask = prefill_block_mask(sp, ctx.q, keys, ctx.Hq, m.past, m.L, static_cast<int>(D), ctx.logit.scale,
-                                        first_dense);
+                                        first_dense, bf16 && has_bf16());
     ctx.seq.sparse_blocks[0] += mask.kept();
     ctx.seq.sparse_blocks[1] += mask.causal();
     ctx.seq.sparse_ns += ns_since(t0);

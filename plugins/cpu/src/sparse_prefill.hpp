@@ -42,8 +42,9 @@ struct BlockMask {
 // The mask of a prompt step (a whole prompt, or a chunk of one) whose L tokens sit at positions
 // [past, past + L): q [Hq][L][D] its unscaled queries, keys[g] the [past + L][D] keys of KV head
 // g at every position up to the step's end; `scale` the model's logit scale. Query blocks holding
-// a position at or after `first_dense` attend every causal block.
+// a position at or after `first_dense` attend every causal block. `bf16`: the estimate's products
+// in bf16 (the scaled queries and the keys rounded, f32 sums), as the step's bf16 prompt attends.
 BlockMask prefill_block_mask(const SparsePrefill& cfg, const float* q, const std::vector<const float*>& keys,
-                             int64_t Hq, int64_t past, int64_t L, int D, float scale, int64_t first_dense);
+                             int64_t Hq, int64_t past, int64_t L, int D, float scale, int64_t first_dense, bool bf16);
 
 }  // namespace ovkc
