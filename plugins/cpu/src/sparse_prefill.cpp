@@ -235,10 +235,11 @@ BlockMask prefill_block_mask(const SparsePrefill& cfg, const float* q, const std
 }
 
 // The pool's sparse prefill mask for this step (empty: dense). A prompt step (whole, or a chunk
-// of one) of a global layer past the first `dense_layers` is sparse while its heads hold every position before it in order
-// (no eviction yet): slots are then positions. The estimate reads the step's exact keys and the
-// earlier ones as stored. Rows from `scored_from` on (the method ranks by their probabilities)
-// and the prompt's last rows attend densely.
+// of one) of a global layer past the first `dense_layers` is sparse while its heads hold every
+// position before it in order (no eviction yet): slots are then positions. A chat turn is not a
+// prompt step (the sequence held tokens before it): dense. The estimate reads the step's exact
+// keys and the earlier ones as stored. Rows from `scored_from` on (the method ranks by their
+// probabilities) and the prompt's last rows attend densely.
 BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from, bool bf16) {
     const SparsePrefill& sp = ctx.cfg.sparse;
     const StepMode& m = ctx.mode;
