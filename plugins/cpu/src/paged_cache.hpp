@@ -55,8 +55,9 @@ struct PoolConfig {
     // them as a ring of blocks: whole blocks before the window go back to the pool after each
     // step; the method never runs there (its hooks, scores and budgets are for global layers).
     std::vector<int64_t> windows;
-    // sparse prompt attention (XAttention's block mask; off unless set): a sequence's whole
-    // first prompt attends, per query block, the key blocks carrying most of its estimated mass
+    // sparse prompt attention (XAttention's block mask; off unless set): a sequence's prompt,
+    // whole or in chunks, attends per query block the key blocks carrying most of its estimated
+    // mass (sparse_prefill_mask says when)
     SparsePrefill sparse;
     // the compression method (set before the pool is made); shared, read-only once created
     std::shared_ptr<const Policy> policy;

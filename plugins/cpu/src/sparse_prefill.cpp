@@ -269,7 +269,7 @@ BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from, bool bf16) 
     const int64_t prompt = m.chunk ? m.prompt_end : n;
     const int64_t first_dense = std::max<int64_t>(0, std::min(m.past + scored_from, prompt - sp.last_dense_tokens));
     BlockMask mask = prefill_block_mask(sp, ctx.q, keys, ctx.Hq, m.past, m.L, static_cast<int>(D), ctx.logit.scale,
-                                        first_dense, bf16 && has_bf16());
+                                        first_dense, bf16);
     ctx.seq.sparse_blocks[0] += mask.kept();
     ctx.seq.sparse_blocks[1] += mask.causal();
     ctx.seq.sparse_ns += ns_since(t0);
