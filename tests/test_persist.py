@@ -88,7 +88,7 @@ def test_a_restored_sequence_steps_as_the_saved_one_bit_for_bit(ov_core, tmp_pat
     layer, _, seq, path, size = saved_layer(ov_core, tmp_path, case)
     other = layer.pool()  # another pool of the same configuration (a restarted process's)
     restored, _ = load_cache(path, other.new_sequence(), identity(other))
-    assert restored.ids == list(range(230))
+    assert restored.ids == list(range(230)) and not restored.holds_prompt
     for a, b in [*((t, t + 1) for t in range(230, 250)), (250, 262), (262, 263)]:  # decode, a turn, decode
         np.testing.assert_array_equal(layer.step(restored.sequence, a, b), layer.step(seq, a, b), err_msg=f"{a}")
         assert [p.tolist() for p in held_positions(restored.sequence, 0)] == [
@@ -162,11 +162,16 @@ def test_a_directory_restores_a_conversation_replaces_its_earlier_turn_and_evict
     store.save(first)
     assert store.restore(list(range(100)), pool) is None  # a shorter prompt: not this conversation's next turn
     turn = store.restore([*range(230), 7, 8], pool)  # the next turn
-    assert turn is not None and turn.ids == first.ids
+    assert turn is not None and turn.ids == first.ids and not turn.holds_prompt
+    turn.holds_prompt = True  # a held prompt's file says so (its ids are a prompt's start)
+    store.save(turn)
+    turn.sequence.free()
+    turn = store.restore([*range(230), 7, 8], pool)
+    assert turn is not None and turn.holds_prompt
     layer.step(turn.sequence, 230, 240)
     turn.ids = list(range(240))
     store.save(turn)  # the earlier turn's file goes
-    assert len(store) == 1 and store.counts["saved"] == 2 and store.counts["restored"] == 1
+    assert len(store) == 1 and store.counts["saved"] == 3 and store.counts["restored"] == 2
     for n in (3, 4):  # two more conversations: past the budget, the least recently used goes
         other = pool.new_sequence()
         layer.step(other, 0, 230)
@@ -310,19 +315,21 @@ def test_the_chat_commands_save_and_load_a_conversation(model_dir, tmp_path):
     assert "(error: load_chat: " in out.getvalue() and "the conversation goes on)" in out.getvalue()
 
 
-def _serve(model_dir, port: int, cache_dir) -> subprocess.Popen:
+def _serve(model_dir, port: int, cache_dir, method: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ov_kvcrush", "serve", "--model", str(model_dir), "--port", str(port),
-           "--cache-dir", str(cache_dir), "--served-model-name", "m", "--quiet"]  # fmt: skip
+           "--cache-dir", str(cache_dir), "--served-model-name", "m", "--quiet", *method]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout.readline().startswith("serving "), "the server did not start"
     return proc
 
 
 @pytest.mark.model
-def test_a_conversation_goes_on_from_disk_after_the_server_is_killed(model_dir, tmp_path):
+@pytest.mark.parametrize("method", ["full", "snapkv"])
+def test_a_conversation_goes_on_from_disk_after_the_server_is_killed(model_dir, tmp_path, method):
     """``serve --cache-dir``: turn one, then ``kill -9``; a new server on the same directory
     continues turn two from the file (its prompt tokens cached), with the answer of the server
-    that kept it in memory (the in-process loop's two turns over one cache: the oracle)."""
+    that kept it in memory (the in-process loop's two turns over one cache: the oracle). SnapKV's
+    file is a held prompt (turn one's prompt before its selection, serving/kept.py)."""
     import socket
 
     import openai
@@ -341,24 +348,27 @@ def test_a_conversation_goes_on_from_disk_after_the_server_is_killed(model_dir, 
         r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
         return r.choices[0].message.content, r.usage
 
-    proc = _serve(model_dir, port, tmp_path)
+    flags = ("--method", method, *(("--budget", "128") if method != "full" else ()))
+    proc = _serve(model_dir, port, tmp_path, flags)
     try:
         a1, _ = ask(first)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": "What is the password?"}]
-    proc = _serve(model_dir, port, tmp_path)
+    proc = _serve(model_dir, port, tmp_path, flags)
     try:
         a2, usage = ask(second)
         metrics = openai.OpenAI(base_url=f"http://127.0.0.1:{port}", api_key="-").get("/metrics", cast_to=str)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    loop = build_backend(ServerConfig(model=str(model_dir))).pipeline
+    budget = None if method == "full" else 128
+    loop = build_backend(ServerConfig(model=str(model_dir), method=method, budget=budget)).pipeline
     ids1, ids2 = loop.encode(first, True), loop.encode(second, True)
-    assert usage.prompt_tokens_details.cached_tokens >= len(ids1)  # turn one and its answer, from disk
-    cache = SequenceCache(loop.pool.new_sequence())
+    # from disk: turn one and its answer (the full cache), turn one's prompt but its last tokens (a held prompt)
+    assert usage.prompt_tokens_details.cached_tokens >= len(ids1) - (0 if method == "full" else 128)
+    cache = loop.turn_cache()
     settings = GenerationSettings(max_new_tokens=12)
     assert loop.run(ids1, settings, cache=cache).text == a1
     assert loop.run(ids2, settings, cache=cache).text == a2

@@ -1,6 +1,6 @@
 """A conversation's cache kept across its turns (issue 50, item 2), through the server: the full
-cache's, the one a server keeps (issue 73: a compressing method's kept cache answers later turns
-worse than the history sent cold, so a server keeps none for it, last test here).
+cache's, and a compressing method's held prompt (issue 73: a kept compressed cache answers later
+turns worse than the history sent cold; the held prompt answers as cold, last test here).
 
 Oracle: the loop's own two turns over one ``SequenceCache`` in process (what ``ov-kvcrush chat``
 does): the server's second answer must be that answer, continued from as many cached prompt
@@ -114,28 +114,37 @@ def test_a_full_store_releases_the_least_recently_used_cache(backend):
     assert len(kept) == 0 and np.isfinite(pool.stats().kv_bytes)
 
 
-def test_a_compressing_method_keeps_no_cache_and_answers_each_turn_as_cold(model_dir):
-    """SnapKV chooses what to keep by the turn's question (issue 73: a kept cache answered 0 of 10
-    later questions, the same histories sent cold 9 of 10): the server keeps no cache for it, so
-    a later turn prefills its history and answers as a cold request of it does."""
-    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "128",
+@pytest.mark.parametrize("method", ["snapkv", "kvzip"])
+def test_a_compressing_method_holds_the_prompt_and_answers_the_next_turn_as_cold(model_dir, method):
+    """SnapKV chooses what to keep by the turn's question (issue 73: a kept compressed cache
+    answered 0 of 10 later questions, the same histories sent cold 9 of 10). The server keeps
+    such a conversation as a held prompt (turn one's prompt before the selection): turn two
+    continues from it and selects with its own question in view, answering as its history sent
+    cold does (the oracle: the same request without a cache). KVzip is the README's server."""
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", method, "--budget", "128",
                                       "--served-model-name", "smollm2"])  # fmt: skip
     backend = build_backend(ServerConfig.from_args(args))
+    loop = backend.pipeline
     try:
         with ServerThread(make_app(backend)) as s:
-            snap = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+            client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
             first = [{"role": "user", "content": conversation("DELTA-4")[0]["content"].replace(
                 "\nWhat is the secret code?", "\nReply with OK.")}]  # fmt: skip
-            a1, _ = ask(snap, first)
+            a1, u1 = ask(client, first)
+            assert len(loop.kept) == 1 and loop.kept.blocks() > 0
             second = [
                 *first,
                 {"role": "assistant", "content": a1},
                 {"role": "user", "content": "What is the secret code?"},
             ]
-            a2, u2 = ask(snap, second)
-        assert u2.prompt_tokens_details.cached_tokens == 0 and len(backend.pipeline.kept) == 0
-        cold = backend.pipeline.generate([second], GenerationSettings(max_new_tokens=16))[0].text
-        assert a2 == cold
+            a2, u2 = ask(client, second)
+        ids1 = loop.encode(first, True)
+        # the held prompt: turn one's prompt but its last tokens (whole fast steps of it)
+        assert len(ids1) - 128 <= u2.prompt_tokens_details.cached_tokens < len(ids1)
+        assert u1.prompt_tokens_details.cached_tokens == 0
+        cold = loop.generate([second], GenerationSettings(max_new_tokens=16))[0]
+        assert a2 == cold.text
+        assert cold.kv_bytes < cold.full_kv_bytes  # the answer came from a compressed cache
     finally:
         backend.close()
         backend.pipeline.engine.close()

@@ -119,6 +119,35 @@ def test_prompt_chunks_respect_the_token_budget_and_decode_rows():
     assert plan.prefill is not None and plan.prefill[1] == 31  # 32 tokens per step, one of them a decode
 
 
+def chunks_of(sched: Scheduler, slot: Slot) -> list[int]:
+    """The prompt chunks the scheduler feeds ``slot`` alone, to its prompt's end."""
+    out = []
+    while slot.done < slot.prompt_end:
+        plan = sched.plan()
+        assert plan.prefill is not None and plan.prefill[0] is slot
+        out.append(plan.prefill[1])
+        sched.prefilled(slot, plan.prefill[1])
+    sched.finish(slot)
+    return out
+
+
+def test_a_chunk_ends_where_a_held_prompt_is_copied_and_a_held_start_goes_on_in_chunks():
+    """A held prompt (serving/kept.py): turn one's chunks end at its copy point; turn two, after
+    the held start, is the method's prompt in chunks (as from the start, cut at the next copy
+    point), where after a kept cache the rest comes in one step."""
+    pool = SimulatedPool(10**6)
+    sched = Scheduler(limits(pool.limit, batched=64), pool.free, pool.release)
+    turn = make(sched, 0, 150, 4)
+    turn.hold_at = 100
+    assert chunks_of(sched, turn) == [64, 36, 50]
+    turn = Slot(1, list(range(300)), 4, done=100, held_prompt=True, hold_at=250)
+    sched.add(turn)
+    assert chunks_of(sched, turn) == [64, 64, 22, 50]
+    kept = Slot(2, list(range(300)), 4, done=100)  # a kept cache's next turn: the rest in one step
+    sched.add(kept)
+    assert chunks_of(sched, kept) == [200]
+
+
 def test_without_chunking_a_prompt_comes_whole_and_a_longer_one_is_refused():
     pool = SimulatedPool(10**6)
     sched = Scheduler(limits(pool.limit, batched=64, chunked=False), pool.free, pool.release)

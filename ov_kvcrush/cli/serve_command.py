@@ -99,11 +99,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ov_kvcrush.server.factory import build_backend  # openvino: not for --help
 
         backend = build_backend(config)
-    method = config.compression().method_config()
-    if not method.keeps_later_turns:  # say so once, before the first user finds out
-        print(f"note: no conversation cache is kept for {method.name}: a later turn through it could not find "
-              "what an earlier one left out; each turn prefills its history (only the full cache keeps "
-              "conversations)", file=sys.stderr, flush=True)  # fmt: skip
     app = make_app(backend, api_key=api_key, max_body_bytes=args.max_body_kib * 1024,
                    access_log=None if args.quiet else print_access)  # fmt: skip
     http = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=300)

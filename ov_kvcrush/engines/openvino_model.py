@@ -65,6 +65,11 @@ class SequenceCache:
     sequence: KVSequence
     ids: list[int] = field(default_factory=list)
     scored: int = 0  # of ``ids``, how many the method's scoring pass (KVzip) has scored
+    #: a held prompt (serving/kept.py): a request that takes it leaves it holding the start of its
+    #: prompt as fed before the method's selection, not what the method kept, so the next turn
+    #: continues that prompt and selects with its own question in view, as its history sent cold
+    #: does; and its ``ids`` are a prompt's earlier chunks, continued as the same prompt
+    holds_prompt: bool = False
 
     def reset(self) -> None:
         """Free every block: the sequence holds nothing."""

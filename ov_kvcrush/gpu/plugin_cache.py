@@ -88,6 +88,9 @@ class PluginKVPool:
         self.decode_kv_read = 0
         self.closed = False
 
+    #: its sequences have no snapshot (the CPU op's pool has: :mod:`ov_kvcrush.op.snapshot`)
+    snapshots = False
+
     @property
     def takes_prompt_chunks(self) -> bool:
         """Whether a prompt may come in chunks (:meth:`PluginKVSequence.set_prompt`): not into the

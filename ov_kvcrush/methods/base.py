@@ -199,13 +199,13 @@ class MethodConfig:
     #: (``quant.prompt_tail``): not for a method that re-encodes its store (Chelsea) or indexes
     #: its tokens in flush order (ClusterKV)
     pins_prompt_tail: ClassVar[bool] = True
-    #: whether a conversation's cache kept between turns answers a later turn as the whole history
-    #: prefilled cold does: only the full cache. A cold prefill attends the whole history exactly
-    #: and then selects with the last question in view; a kept cache can only offer the next
-    #: question what an earlier turn left, and the next turn's tokens attend what the method lets
-    #: them (ClusterKV's recall, too). Measured (docs/serving.md): KVzip's kept caches answered 3
-    #: of 10 where cold answered 5, ClusterKV's 4 where cold answered 7; issue 73 saw SnapKV's
-    #: answer 0 where cold answered 9. A server keeps no cache for these: each turn prefills cold.
+    #: whether a conversation's cache, kept between turns as the turn left it, answers a later
+    #: turn as the whole history prefilled cold does: only the full cache. A cold prefill attends
+    #: the whole history exactly and then selects with the last question in view; a compressed
+    #: cache can only offer the next question what an earlier turn left (measured: KVzip's kept
+    #: caches answered 3 of 10 where cold answered 5, ClusterKV's 4 where cold answered 7; issue
+    #: 73 saw SnapKV's answer 0 where cold answered 9). So a server keeps these methods' prompts
+    #: before their selection instead (serving/kept.py: held prompts).
     keeps_later_turns: ClassVar[bool] = False
     #: whether the method scores the cache with a second pass after each prompt (KVzip): the
     #: engine then feeds :meth:`scoring_pass_inputs` through the layers' :meth:`LayerCache.score_step`

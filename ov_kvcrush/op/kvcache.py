@@ -19,6 +19,7 @@ import numpy as np
 from ov_kvcrush.config import SparsePrefill
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.op.plugin import check_result, load
+from ov_kvcrush.validation import check_int
 
 #: KV precisions the op's cache stores, as the C API numbers them: ``u8`` keeps 8-bit codes with a
 #: per-token (per head) minimum and scale for keys and for values, as OpenVINO's CPU plugin does.
@@ -277,8 +278,20 @@ class KVPool:
         #: bytes per block as the library allocates them (read once: it never changes)
         self.block_bytes = self.stats().block_bytes
 
+    #: its sequences' caches can be copied out and written back (:mod:`ov_kvcrush.op.snapshot`)
+    snapshots = True
+
     def new_sequence(self) -> KVSequence:
         return KVSequence(self)
+
+    def held_prompt_tokens(self, tokens: int) -> int:
+        """How many of a ``tokens``-token prompt's first tokens a held prompt keeps: fed as its
+        first chunk (:meth:`KVSequence.set_prompt`), they leave the sequence as the same chunk of
+        any longer prompt would, so a snapshot taken there continues a later turn exactly as that
+        turn's history sent cold (cut there) runs. Past it, the rows a scoring window counts
+        (SnapKV's) or the sparse prefill's dense last rows depend on where the prompt ends. 0: none."""
+        check_int("tokens", tokens, 0, 1 << 40)
+        return check_result(self.lib.ovkc_pool_held_prompt(self.handle, tokens))
 
     def stats(self) -> PoolStats:
         buf = (ctypes.c_int64 * 7)()
@@ -319,10 +332,12 @@ class KVSequence:
         check_result(self.pool.lib.ovkc_seq_truncate(self.handle, tokens))
 
     def set_prompt(self, tokens: int) -> None:
-        """The next steps prefill a prompt of ``tokens`` tokens in chunks (the sequence must be empty).
+        """The next steps prefill a prompt of ``tokens`` tokens in chunks.
 
         Each chunk attends and adds its scores; the method's prompt selection (and the 2-bit flush)
         runs once, on the last chunk, over the whole prompt, as when the prompt comes in one step.
+        The sequence is empty, or holds a held prompt's earlier chunks (a snapshot taken inside a
+        chunked prompt, restored: every token it has seen, unselected; ``tokens`` counts them).
         ``0``: prompts come whole. :meth:`reset` and :meth:`truncate` clear it.
         """
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:

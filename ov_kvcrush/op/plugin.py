@@ -176,6 +176,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ovkc_seq_reset": ([i64], i64),
         "ovkc_seq_truncate": ([i64, i64], i64),
         "ovkc_seq_set_prompt": ([i64, i64], i64),
+        "ovkc_pool_held_prompt": ([i64, i64], i64),
         "ovkc_seq_scoring_pass": ([i64, i64, i64, i64], i64),
         "ovkc_seq_stats": ([i64, p_i64], i64),
         "ovkc_seq_head_tokens": ([i64, i32, p_i64, i64], i64),

@@ -220,7 +220,7 @@ class PipelineBackend(Backend):
 
     def _kept_by(self, pipeline: ContinuousBatchingPipeline) -> bool:
         """Whether ``pipeline``'s finished requests' caches are kept for the next turn."""
-        return self.keep_caches and pipeline.engine.method.keeps_later_turns
+        return self.keep_caches and pipeline.keeps_turns
 
     def stats(self) -> dict[str, int]:
         total = dict.fromkeys(
@@ -309,15 +309,16 @@ class PipelineBackend(Backend):
 
     def _cache_for(self, pipeline: ContinuousBatchingPipeline, ids: list[int]) -> SequenceCache | None:
         """The kept cache this request continues (its conversation's last turn), or a new one to
-        keep; ``None`` when caches are not kept: by the server, or for a method whose kept cache
-        would lose what a later question needs (``MethodConfig.keeps_later_turns``)."""
+        keep (:meth:`~ov_kvcrush.serving.loop.GenerationLoop.turn_cache`: the full cache's
+        sequence, another method's held prompt); ``None`` when the server keeps none, or the pool
+        cannot (a held prompt needs snapshots: not on device GPU)."""
         if not self._kept_by(pipeline):
             return None
         disk = self.disks.get(id(pipeline))
         return (
             pipeline.kept.take(ids)
             or (disk.restore(ids, pipeline.pool) if disk is not None else None)
-            or SequenceCache(pipeline.pool.new_sequence())
+            or pipeline.turn_cache()
         )
 
 

@@ -9,6 +9,18 @@ Unlike native prefix caching, which shares full-precision blocks of identical pr
 requests, a kept cache is one conversation's own *compressed* state: it is taken by one request
 at a time, holds only what the method kept, and continues where that conversation left off.
 
+**What is kept.** The full cache drops nothing, so its sequence is kept as the turn left it.
+A compressing method's cache holds what it chose for *this* turn's question, and the next
+question may need what it dropped (SnapKV chose from turn one's question: issue 73's chats forgot
+the password). So for those a kept cache is a **held prompt**: the start of the turn's prompt
+as fed before the method's selection (its first chunk, up to :meth:`KVPool.held_prompt_tokens`),
+copied when that chunk is done (:func:`hold_prompt`) and put back in place of the compressed
+cache when the request ends (:func:`keep_held`). The next turn continues that prompt in chunks
+and the method selects once at its end with the new question in view: the steps a cold request
+of the same history takes, cut at the same place, so the same cache and answer. It costs the
+held tokens' full-precision blocks between turns, and the prompt's last tokens and the answer are
+prefilled again.
+
 Kept caches are the pool's first reserve: the scheduler reclaims them, least recently used
 first, before it would preempt a running request, so keeping one never fails a request.
 """
@@ -17,10 +29,49 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ov_kvcrush.engines.openvino_model import SequenceCache
 from ov_kvcrush.op.kvcache import KVPool
+from ov_kvcrush.op.plugin import PluginError
+from ov_kvcrush.op.snapshot import SequenceSnapshot, read_snapshot, write_snapshot
+from ov_kvcrush.op.step_inputs import fast_prompt_cut
 from ov_kvcrush.validation import check_int
+
+
+@dataclass
+class HeldPrompt:
+    """A prompt's start as its sequence held it before the method's selection."""
+
+    ids: list[int]
+    snapshot: SequenceSnapshot
+
+
+def hold_point(pool: KVPool, prompt_tokens: int, held: int) -> int:
+    """Where a prompt of ``prompt_tokens`` tokens, continuing ``held`` held ones, is copied for
+    the next turn: the pool's :meth:`~KVPool.held_prompt_tokens`, down to whole fast steps
+    (:func:`fast_prompt_cut`: the first chunk stays a fast one); 0: nowhere past ``held``."""
+    cut = fast_prompt_cut(pool.held_prompt_tokens(prompt_tokens))
+    return cut if cut > held else 0
+
+
+def hold_prompt(cache: SequenceCache, ids: list[int]) -> HeldPrompt:
+    """The held prompt of ``cache``'s sequence, which holds ``ids`` as chunks of a longer prompt."""
+    return HeldPrompt(list(ids), read_snapshot(cache.sequence))
+
+
+def keep_held(cache: SequenceCache, held: HeldPrompt | None) -> None:
+    """Leave ``cache`` holding ``held`` in place of what its request's method kept (nothing when
+    there is none, or the pool has no room for it now)."""
+    if held is None:
+        cache.reset()
+        return
+    try:
+        write_snapshot(cache.sequence, held.snapshot)
+    except PluginError:  # the pool is full: the next turn prefills cold
+        cache.reset()
+        return
+    cache.ids, cache.scored = held.ids, 0
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

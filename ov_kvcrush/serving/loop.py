@@ -55,7 +55,7 @@ from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.op.step_inputs import fast_prompt_cut
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
-from ov_kvcrush.serving.kept import KeptCaches
+from ov_kvcrush.serving.kept import KeptCaches, hold_point, hold_prompt, keep_held
 from ov_kvcrush.serving.request import ServedRequest
 from ov_kvcrush.serving.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -184,6 +184,9 @@ class GenerationLoop:
                 self._check_cache(cache)
             held = cache.keep_prefix(ids) if cache is not None else 0
             slot = Slot(request_id, list(ids), settings.max_new_tokens, done=held, question_at=question_at)
+            if cache is not None and cache.holds_prompt:  # the prompt continues, and is held again
+                slot.held_prompt = held > 0
+                slot.hold_at = hold_point(self.pool, slot.prompt_end, held)
             self.scheduler.add(slot)  # refuses what the pool can never hold
             rng = np.random.default_rng(settings.seed) if settings.do_sample else None
             stream = TextStream(streamer, self._detokenize)
@@ -191,6 +194,17 @@ class GenerationLoop:
             handle = GenerationHandle(request_id)
             self._requests[request_id], self._handles[request_id] = req, handle
             return handle
+
+    @property
+    def keeps_turns(self) -> bool:
+        """Whether a conversation's cache can be kept for its next turn (:meth:`turn_cache`)."""
+        return self.engine.method.keeps_later_turns or self.pool.snapshots
+
+    def turn_cache(self) -> SequenceCache:
+        """A cache for a request whose conversation's next turn continues from it (the server's):
+        the full cache keeps its sequence as the turn leaves it; another method's holds the
+        prompt before its selection (:mod:`ov_kvcrush.serving.kept`), where :attr:`keeps_turns`."""
+        return SequenceCache(self.pool.new_sequence(), holds_prompt=not self.engine.method.keeps_later_turns)
 
     def _check_cache(self, cache: SequenceCache) -> None:
         if not isinstance(cache, SequenceCache) or cache.sequence is None or cache.sequence.pool is not self.pool:
@@ -321,7 +335,7 @@ class GenerationLoop:
             req.cache = SequenceCache(self.pool.new_sequence())
         if req.started is None:
             req.started = time.perf_counter()
-        if slot.done == 0 and n < slot.prompt_end:
+        if slot.done == slot.held_at_start and (slot.held_prompt or (slot.done == 0 and n < slot.prompt_end)):
             req.cache.sequence.set_prompt(slot.prompt_end)  # the method selects once, on the last chunk
         ids = [slot.tokens[slot.done : slot.done + n], *([r.slot.generated[-1]] for r in decode)]
         what = f"a {n}-token prompt chunk after {slot.done} tokens" + (
@@ -334,6 +348,8 @@ class GenerationLoop:
         self.stats["prefill_chunks"] += 1
         self.stats["ragged_steps"] += bool(decode)
         self.scheduler.prefilled(slot, n)
+        if slot.hold_at and slot.done == slot.hold_at:  # the prompt's start, before the selection
+            req.held, slot.hold_at = hold_prompt(req.cache, slot.tokens[: slot.done]), 0
         self._decoded(decode, logits[1:])  # first: the pass below may preempt some of them
         if slot.done == slot.prompt_end and not self._scoring_pass(req):
             return
@@ -431,6 +447,8 @@ class GenerationLoop:
             req.cache.sequence.free()
         elif req.cache is not None and kept_ids is None:
             req.cache.reset()
+        elif req.cache is not None and req.cache.holds_prompt:
+            keep_held(req.cache, req.held)
         elif req.cache is not None:
             req.cache.ids = kept_ids
         req.cache = None

@@ -3,7 +3,8 @@
 **The file** is numpy's ``.npz`` (uncompressed): a zip of plain arrays, read without pickle
 (``allow_pickle=False``), each member CRC-checked by ``zipfile``, readable by any numpy for
 years. It holds the sequence's snapshot (:mod:`ov_kvcrush.op.snapshot`: raw blocks as the op
-stores them, positions, scores), the token ids it holds, a ``meta`` JSON (format version, the
+stores them, positions, scores), the token ids it holds (and whether it is a held prompt:
+:mod:`ov_kvcrush.serving.kept`), a ``meta`` JSON (format version, the
 model's identity, the pool's configuration: precision, block size, shape, windows, the
 method's op spec) and a SHA-256 over the meta and every array. safetensors was the other
 candidate; it holds tensors and a string map just as well, but is one more package where numpy
@@ -47,8 +48,9 @@ from ov_kvcrush.op.plugin import PluginError
 from ov_kvcrush.op.snapshot import SequenceSnapshot, read_snapshot, write_snapshot
 from ov_kvcrush.serving.kept import continued_prefix
 
-#: the files' format; a file of another version is not read
-FORMAT_VERSION = 1
+#: the files' format; a file of another version is not read (2: a cache may be a held prompt,
+#: ``holds_prompt``, whose ids are a prompt's earlier chunks)
+FORMAT_VERSION = 2
 SUFFIX = ".kvc.npz"
 TEMP_PREFIX = ".tmp-"
 
@@ -108,7 +110,12 @@ def save_cache(path: Path, cache: SequenceCache | None, identity: dict[str, Any]
     arrays: dict[str, np.ndarray] = {}
     if cache is not None:
         snap = read_snapshot(cache.sequence)
-        arrays = {**snap.arrays(), "ids": np.asarray(cache.ids, dtype=np.int64), "scored": np.int64(cache.scored)}
+        arrays = {
+            **snap.arrays(),
+            "ids": np.asarray(cache.ids, dtype=np.int64),
+            "scored": np.int64(cache.scored),
+            "holds_prompt": np.bool_(cache.holds_prompt),
+        }
     meta = json.dumps({**identity, "extra": extra or {}}, sort_keys=True).encode()
     arrays["meta"] = np.frombuffer(meta, dtype=np.uint8)
     arrays["checksum"] = np.frombuffer(_checksum(meta, arrays).encode(), dtype=np.uint8)
@@ -193,7 +200,7 @@ def restore_into(
     ``sequence`` (reset first), once its model and pool are ``identity``'s; else
     :class:`CacheFileError` and ``sequence`` is left reset."""
     _check_meta(Path(path), meta, identity)
-    if "ids" not in members:
+    if "ids" not in members or "holds_prompt" not in members:
         raise CacheFileError("corrupt", f"{Path(path).name} holds no cache")
     fields = {n: members[n] for n in SequenceSnapshot.__dataclass_fields__ if n in members}
     try:
@@ -204,7 +211,8 @@ def restore_into(
         if "does not fit this pool" in str(e):
             raise CacheFileError("config", f"{Path(path).name} does not fit the pool ({e})") from e
         raise  # the pool is full: not the file's fault
-    return SequenceCache(sequence, members["ids"].tolist(), int(members["scored"]))
+    held = bool(members["holds_prompt"])
+    return SequenceCache(sequence, members["ids"].tolist(), int(members["scored"]), holds_prompt=held)
 
 
 def load_cache(path: Path, sequence: KVSequence, identity: dict[str, Any]) -> tuple[SequenceCache, dict]:

@@ -17,6 +17,7 @@ import numpy as np
 from ov_kvcrush.config import GenerationSettings
 from ov_kvcrush.engines.base import GenerationResult, TextStream, step_ms, ttft_tpot_ms
 from ov_kvcrush.engines.openvino_model import OpenVINOModel, SequenceCache
+from ov_kvcrush.serving.kept import HeldPrompt
 from ov_kvcrush.serving.scheduler import Slot
 
 
@@ -30,6 +31,7 @@ class ServedRequest:
     rng: np.random.Generator | None
     cache: SequenceCache | None = None  # its sequence and what it holds (made at its first step)
     kept: bool = False  # the cache outlives the request (a chat's): not freed at its end
+    held: HeldPrompt | None = None  # its prompt's start before the selection, for a held prompt's cache
     stamps: list[float] = field(default_factory=list)  # seconds since added, per generated token
     added: float = field(default_factory=time.perf_counter)
     started: float | None = None  # first prompt chunk

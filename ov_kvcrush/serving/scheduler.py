@@ -23,9 +23,10 @@ sequence growing by one block of tokens takes ``rows = layers × kv_heads`` of t
   the rest follows.
 * **One step for what follows a prompt.** A request may continue a sequence that holds the
   start of its tokens (a chat's next turn), or ask a question after a context the method
-  compresses first (``question_at``). The method's prompt, from a sequence's start, is what
-  comes in chunks and is selected once, at its end; a turn after a held start, or the question,
-  is fed in one step, as one chunk of a longer prompt would be.
+  compresses first (``question_at``). The method's prompt, from a sequence's start or after a
+  held prompt's earlier chunks, is what comes in chunks and is selected once, at its end (a chunk
+  ends where the pipeline copies a held prompt: ``hold_at``); a turn after a kept cache, or the
+  question, is fed in one step, as one chunk of a longer prompt would be.
 * **Refusal** happens when a request is added, never later: a prompt that cannot fit the pool
   alone (or, for the full cache, prompt + new tokens), or one longer than
   ``max_num_batched_tokens`` without chunking.
@@ -97,6 +98,12 @@ class Slot:
     question_at: int | None = None
     #: tokens its sequence held when it started (``done`` then): what follows them comes in one step
     held_at_start: int = -1
+    #: what it held at the start is a held prompt's earlier chunks (unselected): the rest is the
+    #: method's prompt, in chunks, as from the start
+    held_prompt: bool = False
+    #: where a chunk ends so that the pipeline copies the prompt's start there (a held prompt for
+    #: the next turn); 0: no copy (any more)
+    hold_at: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
@@ -287,10 +294,12 @@ class Scheduler:
         lim = self.limits
         end = slot.prompt_end if slot.done < slot.prompt_end else len(slot.tokens)
         chunk = end - slot.done
-        if slot.held_at_start == 0 and end == slot.prompt_end:  # the method's prompt, from the start
+        if (slot.held_at_start == 0 or slot.held_prompt) and end == slot.prompt_end:  # the method's prompt
             if lim.chunked:
                 chunk = min(chunk, lim.max_num_batched_tokens - decoding)
-            if slot.done == 0 and chunk == end and lim.first_chunk is not None:  # the whole prompt's first step
+            if slot.done < slot.hold_at:  # a chunk ends where the held prompt is copied
+                chunk = min(chunk, slot.hold_at - slot.done)
+            elif slot.done == 0 and chunk == end and lim.first_chunk is not None:  # the whole prompt's first step
                 chunk = lim.first_chunk(chunk)
         return chunk
 
@@ -325,6 +334,7 @@ class Scheduler:
         slot.tokens = [*slot.prompt, *slot.generated]
         slot.question_at = None  # all of it is the prompt now
         slot.done = slot.held_at_start = 0
+        slot.held_prompt = False
         slot.phase = Phase.WAITING
         slot.preemptions += 1
         self.waiting.appendleft(slot)

@@ -145,18 +145,50 @@ OVKC_API int64_t ovkc_seq_truncate(int64_t seq, int64_t tokens) {
     });
 }
 
-// The next steps prefill a prompt of `tokens` tokens in chunks (Sequence::prompt_end); the
-// sequence must be empty. 0: prompts come whole (the default).
+namespace {
+// Whether every layer the method runs on holds every token it has seen, unselected: no holes, no
+// 2-bit blocks, no method state beside the slots (a prompt's earlier chunks, before its hooks).
+bool holds_every_token(ovkc::Sequence& s) {
+    const ovkc::PoolConfig& cfg = s.pool().config();
+    for (int layer = 0; layer < cfg.layers; ++layer) {
+        if (cfg.window(layer)) continue;  // a sliding-window layer's ring is not the method's
+        for (int g = 0; g < cfg.kv_heads; ++g) {
+            const ovkc::HeadCache& hc = s.head(layer, g);
+            if (hc.size() != s.seen(layer) || hc.holes || !hc.qpos.empty() || hc.state) return false;
+        }
+    }
+    return true;
+}
+}  // namespace
+
+// The next steps prefill a prompt of `tokens` tokens in chunks (Sequence::prompt_end): from an
+// empty sequence, or after the earlier chunks a held prompt restored (serving/kept.py: a
+// snapshot taken inside a chunked prompt; every token it has seen still held, unselected), so the
+// method selects once at the end as over the whole prompt. 0: prompts come whole (the default).
 OVKC_API int64_t ovkc_seq_set_prompt(int64_t seq, int64_t tokens) {
     return guarded([&]() -> int64_t {
         if (tokens < 0) throw ovkc::Error("prompt tokens=" + std::to_string(tokens) + " is invalid: allowed >= 0");
         auto s = Registry::get().sequence(seq);
         std::lock_guard<std::mutex> lock(s->mu);
-        if (tokens && s->seen(0))
-            throw ovkc::Error("a chunked prompt must start an empty sequence (it has seen " + std::to_string(s->seen(0)) +
-                              " tokens)");
+        const int64_t seen = s->seen(0);
+        if (tokens && seen && tokens <= seen)
+            throw ovkc::Error("prompt tokens=" + std::to_string(tokens) + " is invalid: allowed > the " +
+                              std::to_string(seen) + " tokens the sequence holds");
+        if (tokens && seen && !holds_every_token(*s))
+            throw ovkc::Error("a chunked prompt continues only a sequence that holds every token it has seen, "
+                              "unselected (a held prompt's earlier chunks); this one's method has selected (" +
+                              std::to_string(seen) + " tokens seen)");
         s->prompt_end = tokens;
         return 0;
+    });
+}
+
+// How many of a `tokens`-token prompt's first tokens a held prompt may keep for a later, longer
+// prompt (held_prompt_tokens); 0: none.
+OVKC_API int64_t ovkc_pool_held_prompt(int64_t pool, int64_t tokens) {
+    return guarded([&]() -> int64_t {
+        if (tokens < 0) throw ovkc::Error("prompt tokens=" + std::to_string(tokens) + " is invalid: allowed >= 0");
+        return ovkc::held_prompt_tokens(Registry::get().pool(pool)->config(), tokens);
     });
 }
 

@@ -114,6 +114,15 @@ int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L) {
     return cfg.scores ? 0 : cfg.policy->score_rows_from(prefill, L);
 }
 
+int64_t held_prompt_tokens(const PoolConfig& cfg, int64_t n) {
+    int64_t cut = n - 1;
+    constexpr int64_t kLong = int64_t{1} << 40;
+    if (step_scores(cfg, true) && score_rows_from(cfg, true, kLong) > 0)  // a window of scoring rows
+        cut = std::min(cut, score_rows_from(cfg, true, n));               // (0 when it covers all n)
+    if (cfg.sparse.on()) cut = std::min(cut, n - cfg.sparse.last_dense_tokens);
+    return std::max<int64_t>(0, cut);
+}
+
 void run_before_attention(Sequence& seq, int layer, bool prefill, int64_t L) {
     const Policy& p = *seq.pool().config().policy;
     p.before_attention(seq, layer, prefill, L);

@@ -125,6 +125,12 @@ void run_after_attention(Sequence& seq, int layer, bool prefill, int64_t L);
 // Whether this step accumulates scores at all, and from which query row.
 bool step_scores(const PoolConfig& cfg, bool prefill);
 int64_t score_rows_from(const PoolConfig& cfg, bool prefill, int64_t L);
+// How many of an n-token prompt's first tokens, fed as chunks (Sequence::prompt_end), leave the
+// sequence as the same chunks of any longer prompt would: a copy taken there continues a later
+// turn's longer prompt exactly as that prompt sent whole (in chunks cut there) runs. The rows a
+// scoring window counts (SnapKV's last queries) and the sparse prefill's dense last rows depend
+// on where the prompt ends; the last chunk keeps a token at least, for the method's selection.
+int64_t held_prompt_tokens(const PoolConfig& cfg, int64_t n);
 
 // ---- cache edits the methods share --------------------------------------------------------------
 

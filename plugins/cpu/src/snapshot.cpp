@@ -3,7 +3,9 @@
 // positions, its scores, Chelsea's degrees and biases, the pinned tail, and the layer's tokens
 // seen. Written back byte for byte into an empty sequence of a pool configured the same way, the
 // restored cache is the saved one bit for bit: its next step computes what the saved one would
-// have. A head with state beside its slots (ClusterKV's clusters) has no snapshot: refused.
+// have. Inside a chunked prompt it holds the chunks so far, unselected (a held prompt: its
+// restore continues a prompt after ovkc_seq_set_prompt). A head with state beside its slots
+// (ClusterKV's clusters, made at its prompt's end) has no snapshot: refused.
 #include <algorithm>
 #include <cstring>
 #include <mutex>
@@ -25,8 +27,6 @@ enum Field { kSlots, kBlocks, kQSlots, kQBlocks, kScores, kDegree, kBias, kQScor
 
 void check_whole(ovkc::Sequence& s) {
     if (s.scoring) throw Error("the sequence is in a scoring pass: snapshot it once the pass has ended");
-    if (s.prompt_end > 0 && s.seen(0) < s.prompt_end)
-        throw Error("the sequence is inside a chunked prompt: snapshot it once the prompt has been fed");
 }
 
 void sizes_of(ovkc::Sequence& s, int layer, const HeadCache& hc, int64_t* sizes) {
