@@ -391,6 +391,14 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
 }
 }  // namespace
 
+void stage_f32_heads(StepContext& ctx) {
+    const PoolConfig& cfg = ctx.cfg;
+    // (a scoring step attends a few ranges of a long head: converting all of it would cost more)
+    if (cfg.precision == Precision::f32 || ctx.mode.L <= kMaxRows || ctx.mode.ranged) return;
+    ctx.f32_heads.resize(at(ctx.Hkv));
+    tbb::parallel_for(int64_t(0), ctx.Hkv, [&](int64_t g) { stage_f32(cfg, ctx.seq.pool(), ctx.head(g), ctx.f32_heads[at(g)]); });
+}
+
 // 2b. a prompt (or a chunk of a chat turn, or a scoring step): tiles of consecutive queries of
 //     one head; a scoring step (KVzip's reconstruction) attends only the sinks, its chunk and itself
 bool attend_prompt(StepContext& ctx, bool bf16) {

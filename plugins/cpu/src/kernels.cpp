@@ -20,6 +20,9 @@ void half_to_float(const uint16_t* src, float* dst, int64_t n) {
 #if OVKC_AVX512
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif OVKC_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
     for (; i < n; ++i) dst[i] = from_half(src[i]);
 }
@@ -30,6 +33,10 @@ void float_to_half(const float* src, uint16_t* dst, int64_t n) {
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                             _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif OVKC_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
     for (; i < n; ++i) dst[i] = to_half(src[i]);
 }
@@ -68,6 +75,15 @@ void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt
                                  _mm512_fmadd_ps(codes16(base + static_cast<size_t>(d) * bs + j), sc, lo));
         }
     } else
+#elif OVKC_AVX2
+    if ((w1 - j0) % 8 == 0) {
+        for (int j = j0; j < w1; j += 8) {
+            const __m256 lo = _mm256_loadu_ps(kmin + j), sc = _mm256_loadu_ps(kscale + j);
+            for (int d = 0; d < D; ++d)
+                _mm256_storeu_ps(kt + static_cast<size_t>(d) * bs + j,
+                                 _mm256_fmadd_ps(codes8(base + static_cast<size_t>(d) * bs + j), sc, lo));
+        }
+    } else
 #endif
     {
         for (int d = 0; d < D; ++d) {
@@ -83,6 +99,9 @@ void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt
 #if OVKC_AVX512
         const __m512 lov = _mm512_set1_ps(lo), scv = _mm512_set1_ps(sc);
         for (int d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_fmadd_ps(codes16(c + d), scv, lov));
+#elif OVKC_AVX2
+        const __m256 lov = _mm256_set1_ps(lo), scv = _mm256_set1_ps(sc);
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_fmadd_ps(codes8(c + d), scv, lov));
 #else
         for (int d = 0; d < D; ++d) out[d] = lo + static_cast<float>(c[d]) * sc;
 #endif
@@ -128,8 +147,13 @@ void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0
 
 void head_block_floats(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t block_index, int j0,
                        int j1, const float*& kt, const float*& v) {
-    block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], j0, j1, kt, v);
     const StepTokens& step = hc.step;
+    if (block_index < step.staged_blocks) {  // converted once for the step
+        kt = step.staged + static_cast<size_t>(block_index) * 2 * cfg.block_size * cfg.head_dim;
+        v = kt + static_cast<size_t>(cfg.block_size) * cfg.head_dim;
+        return;
+    }
+    block_floats(cfg, pool, hc.blocks[static_cast<size_t>(block_index)], j0, j1, kt, v);
     if (!step.k || cfg.precision == Precision::f32) return;
     const int bs = cfg.block_size, D = cfg.head_dim;
     Scratch& tls = scratch();  // where block_floats converted the block: ours to overwrite
@@ -201,6 +225,52 @@ void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* co
     for (; c + 64 <= D; c += 64) pv_rows<RR, 4>(P, bs, v, ntok, D, c, out);
     for (; c < D; c += 16) pv_rows<RR, 1>(P, bs, v, ntok, D, c, out);
 }
+#elif OVKC_AVX2
+// qk_rows and pv_rows on 8 lanes: at most 4 rows at once (AVX2 has 16 vector registers).
+template <int R>
+void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+    for (int c = 0; c < cols; c += 16) {
+        __m256 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            const __m256 k0 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * bs + c);
+            const __m256 k1 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * bs + c + 8);
+            for (int r = 0; r < R; ++r) {
+                const __m256 qb = _mm256_set1_ps(q[r][d]);
+                acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            _mm256_storeu_ps(S + r * bs + c, acc[r][0]);
+            _mm256_storeu_ps(S + r * bs + c + 8, acc[r][1]);
+        }
+    }
+}
+
+template <int RR, int NV>
+void pv_rows(const float* P, int bs, const float* v, int ntok, int D, int c, float* const* out) {
+    __m256 acc[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_loadu_ps(out[r] + c + 8 * u);
+    for (int j = 0; j < ntok; ++j) {
+        __m256 vv[NV];
+        for (int u = 0; u < NV; ++u) vv[u] = _mm256_loadu_ps(v + static_cast<size_t>(j) * D + c + 8 * u);
+        for (int r = 0; r < RR; ++r) {
+            const __m256 p = _mm256_set1_ps(P[r * bs + j]);
+            for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_fmadd_ps(p, vv[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out[r] + c + 8 * u, acc[r][u]);
+}
+
+template <int RR>
+void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+    int c = 0;
+    for (; c + 16 <= D; c += 16) pv_rows<RR, 2>(P, bs, v, ntok, D, c, out);
+    for (; c < D; c += 8) pv_rows<RR, 1>(P, bs, v, ntok, D, c, out);
+}
 #endif
 
 void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
@@ -214,6 +284,15 @@ void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, 
         case 6: return qk_rows<6>(q, kt, D, bs, cols, S);
         case 7: return qk_rows<7>(q, kt, D, bs, cols, S);
         default: return qk_rows<8>(q, kt, D, bs, cols, S);
+    }
+#elif OVKC_AVX2
+    int r = 0;
+    for (; r + 4 <= R; r += 4) qk_rows<4>(q + r, kt, D, bs, cols, S + r * bs);
+    switch (R - r) {
+        case 1: qk_rows<1>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 2: qk_rows<2>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 3: qk_rows<3>(q + r, kt, D, bs, cols, S + r * bs); break;
+        default: break;
     }
 #else
     for (int r = 0; r < R; ++r) {
@@ -229,7 +308,7 @@ void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, 
 }
 
 void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
-#if OVKC_AVX512
+#if OVKC_AVX512 || OVKC_AVX2
     int r = 0;
     for (; r + 4 <= R; r += 4) pv_group<4>(P + r * bs, bs, v, ntok, D, out + r);
     switch (R - r) {
@@ -269,6 +348,14 @@ void cap_logits(float* S, int R, int cols, int bs, float cap) {
             const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
             _mm512_storeu_ps(s + j, _mm512_mul_ps(c, t));
         }
+#elif OVKC_AVX2
+        const __m256 k = _mm256_set1_ps(two_over_cap), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f),
+                     c = _mm256_set1_ps(cap);
+        for (; j + 8 <= cols; j += 8) {
+            const __m256 e = exp256(_mm256_mul_ps(_mm256_loadu_ps(s + j), k));
+            const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(c, t));
+        }
 #endif
         for (; j < cols; ++j) s[j] = cap * std::tanh(s[j] / cap);
     }
@@ -285,6 +372,15 @@ float exp_sum(float* s, int cols, float m) {
         sum = _mm512_add_ps(sum, e);
     }
     return _mm512_reduce_add_ps(sum);
+#elif OVKC_AVX2
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 mm = _mm256_set1_ps(m);
+    for (int j = 0; j < cols; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mm));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum256(sum);
 #else
     float sum = 0.0f;
     for (int j = 0; j < cols; ++j) {
@@ -331,6 +427,10 @@ float row_max(const float* s, int cols) {
     __m512 m = _mm512_set1_ps(kNegInf);
     for (int j = 0; j < cols; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
     return _mm512_reduce_max_ps(m);
+#elif OVKC_AVX2
+    __m256 m = _mm256_set1_ps(kNegInf);
+    for (int j = 0; j < cols; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    return hmax256(m);
 #else
     float m = kNegInf;
     for (int j = 0; j < cols; ++j) m = std::max(m, s[j]);
@@ -411,6 +511,22 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     }
 }
 
+void stage_f32(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, std::vector<float>& buf) {
+    const int64_t bs = cfg.block_size, D = cfg.head_dim, per_block = 2 * bs * D;
+    const int64_t blocks = static_cast<int64_t>(hc.blocks.size());
+    buf.assign(static_cast<size_t>(blocks * per_block), 0.0f);
+    for (int64_t b = 0; b < blocks && b * bs < hc.size(); ++b) {
+        const int ntok = static_cast<int>(std::min<int64_t>(bs, hc.size() - b * bs));
+        const float *kt, *v;
+        head_block_floats(cfg, pool, hc, b, 0, ntok, kt, v);
+        float* dst = buf.data() + b * per_block;
+        for (int64_t d = 0; d < D; ++d) std::copy(kt + d * bs, kt + d * bs + ntok, dst + d * bs);
+        std::copy(v, v + ntok * D, dst + bs * D);
+    }
+    hc.step.staged = buf.data();
+    hc.step.staged_blocks = blocks;
+}
+
 int64_t first_visible_slot(const HeadCache& hc, const int64_t* qpos, int n, int64_t window) {
     if (window <= 0 || n <= 0) return 0;
     int64_t min_q = qpos[0];
@@ -473,6 +589,10 @@ float dot(const float* a, const float* b, int n) {
     __m512 v = _mm512_setzero_ps();
     for (; d + 16 <= n; d += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), v);
     acc = _mm512_reduce_add_ps(v);
+#elif OVKC_AVX2
+    __m256 v = _mm256_setzero_ps();
+    for (; d + 8 <= n; d += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), v);
+    acc = hsum256(v);
 #endif
     for (; d < n; ++d) acc += a[d] * b[d];
     return acc;

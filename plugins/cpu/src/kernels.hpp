@@ -89,6 +89,11 @@ void load_tokens(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, i
 void store_tokens(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t begin, int64_t end,
                   const float* k, const float* v);
 
+// The head's blocks as f32 blocks (keys [D][bs], values [bs][D] each) in `buf`, the step's own
+// tokens (hc.step) exact, set as the step's staged copy (StepTokens::staged) that the kernels
+// then read in place of converting a block again (a prompt of many query tiles over u8 or f16).
+void stage_f32(const PoolConfig& cfg, const Pool& pool, HeadCache& hc, std::vector<float>& buf);
+
 // Compaction after eviction: move `count` consecutive slots from `from` down to `to` (to < from), block segment by segment.
 void move_slots(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t from, int64_t to, int64_t count);
 
@@ -225,7 +230,7 @@ float dot(const float* a, const float* b, int n);
 // similarities of ClusterKV's k-means and Chelsea's matching.
 void normalize_rows(const float* x, int64_t n, int D, float* out);
 
-// The name of the compiled kernel path ("avx512", "avx512+bf16" or "scalar").
+// The name of the compiled kernel path ("avx512+bf16+amx", "avx512+bf16", "avx512", "avx2" or "scalar").
 const char* kernel_isa();
 
 }  // namespace ovkc

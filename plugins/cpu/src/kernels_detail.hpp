@@ -15,6 +15,15 @@
 #else
 #    define OVKC_AVX512 0
 #endif
+// AVX2 with FMA (and F16C), where AVX-512 is not there: most x86 servers' and clients' vector
+// unit (Intel's without AVX-512, AMD's before Zen 4, and virtual machines that hide AVX-512).
+// The hot kernels have an 8-lane path there; the rest is scalar C++ the compiler vectorises.
+#if !OVKC_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#    include <immintrin.h>
+#    define OVKC_AVX2 1
+#else
+#    define OVKC_AVX2 0
+#endif
 #if OVKC_AVX512 && defined(__AVX512BF16__)
 #    define OVKC_BF16 1
 #else
@@ -31,7 +40,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- half precision -------------------------------------------------------------------------
 inline uint16_t to_half(float f) {
-#if OVKC_AVX512
+#if OVKC_AVX512 || OVKC_AVX2
     return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
 #else
     uint32_t x;
@@ -42,11 +51,12 @@ inline uint16_t to_half(float f) {
     if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
     if (absx < 0x38800000u) {                                                // subnormal half or zero
         if (absx < 0x33000000u) return static_cast<uint16_t>(sign);
+        // x = mant * 2^(e - 150) = (mant >> shift) half subnormal units of 2^-24, rounded to even
         const uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
         const int shift = 126 - static_cast<int>(absx >> 23);
-        uint32_t h = mant >> (shift + 1);
-        const uint32_t rem = mant & ((1u << (shift + 1)) - 1u);
-        const uint32_t half = 1u << shift;
+        uint32_t h = mant >> shift;
+        const uint32_t rem = mant & ((1u << shift) - 1u);
+        const uint32_t half = 1u << (shift - 1);
         if (rem > half || (rem == half && (h & 1u))) ++h;
         return static_cast<uint16_t>(sign | h);
     }
@@ -58,7 +68,7 @@ inline uint16_t to_half(float f) {
 }
 
 inline float from_half(uint16_t h) {
-#if OVKC_AVX512
+#if OVKC_AVX512 || OVKC_AVX2
     return _cvtsh_ss(h);
 #else
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -120,6 +130,53 @@ inline __m512 exp512(__m512 x) {
 }
 #endif
 
+#if OVKC_AVX2
+// exp512's Cephes expf on 8 lanes, the same arithmetic step for step; AVX2 has no scalef, so
+// 2^n is applied in two halves (each a normal power of two down to n = -150), which reaches
+// the denormals with the one rounding scalef does. Lanes below -104 (and -inf) give exactly 0.
+inline __m256 exp256(__m256 x) {
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 r2 = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
+    return _mm256_and_ps(y, live);
+}
+
+inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+inline float hmax256(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+// 8 u8 codes as floats
+inline __m256 codes8(const uint8_t* c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+}
+#endif
+
 void half_to_float(const uint16_t* src, float* dst, int64_t n);
 // u8 store: n values (strided in `codes`) as codes with their min and scale (x = min + code * scale)
 void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& lo, float& scale);
@@ -141,7 +198,8 @@ inline Scratch& scratch() {
 void block_floats(const PoolConfig& cfg, const Pool& pool, int32_t block, int j0, int j1, const float*& kt,
                   const float*& v);
 // block_floats of the head's block `block_index`, the step's own tokens (hc.step) exact: a prompt
-// attends what it was given, not the store's rounding of it (every store but f32, which is exact)
+// attends what it was given, not the store's rounding of it (every store but f32, which is exact);
+// the step's staged copy of the block when there is one (StepTokens::staged)
 void head_block_floats(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, int64_t block_index, int j0,
                        int j1, const float*& kt, const float*& v);
 // S[r][0..cols) = q[r] . kt[:, 0..cols) for R query rows (keys transposed, row stride bs; cols a

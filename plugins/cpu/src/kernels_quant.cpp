@@ -270,7 +270,7 @@ void accumulate_quant_scores(const PoolConfig& cfg, const Pool& pool, HeadCache&
 
 const char* kernel_isa() {
     if (OVKC_BF16) return has_amx() ? "avx512+bf16+amx" : "avx512+bf16";
-    return OVKC_AVX512 ? "avx512" : "scalar";
+    return OVKC_AVX512 ? "avx512" : OVKC_AVX2 ? "avx2" : "scalar";
 }
 
 }  // namespace ovkc

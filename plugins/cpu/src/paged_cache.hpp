@@ -158,6 +158,11 @@ struct StepTokens {
     const float* v = nullptr;
     int64_t first = 0;
     int64_t count = 0;
+    // the head's blocks [0, staged_blocks) converted once for the step (stage_f32_heads): f32
+    // blocks (keys [D][bs], values [bs][D]) with the step's tokens exact, which a prompt's many
+    // query tiles read instead of converting every block again for each tile
+    const float* staged = nullptr;
+    int64_t staged_blocks = 0;
 };
 
 // One (layer, KV head) of a sequence.
