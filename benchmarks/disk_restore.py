@@ -11,6 +11,11 @@ TTFTs, the cached prompt tokens and each file's size against its cache's bytes::
     .venv/bin/python benchmarks/disk_restore.py --length 3000 --conversations 5 \\
         --json docs/results/serving/disk_restore_full.json
     .venv/bin/python benchmarks/disk_restore.py ... --kv-precision f32 --json ..._full_f32.json
+    .venv/bin/python benchmarks/disk_restore.py ... --method snapkv --budget 256 --json ..._snapkv_256.json
+
+A compressing method's file is a held prompt (turn one's prompt before the method's selection,
+ov_kvcrush/serving/kept.py): the files are weighed against the kept caches' bytes, read from
+``GET /pool`` once the first server is idle (what it holds then is its kept caches).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -56,6 +62,10 @@ class Server:
             "ttft_ms": u.model_extra["ttft_ms"], "kv_bytes": u.model_extra["kv_bytes"],
         }  # fmt: skip
 
+    def pool(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/pool") as r:
+            return json.loads(r.read())
+
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
@@ -66,9 +76,12 @@ def main() -> None:
     p.add_argument("--length", type=int, default=3000, help="the document's tokens")
     p.add_argument("--conversations", type=int, default=5)
     p.add_argument("--kv-precision", default="u8", help="the servers' --kv-precision (default u8, as native)")
+    p.add_argument("--method", default="full", help="the servers' --method (default: the full cache)")
+    p.add_argument("--budget", type=int, default=None, help="the servers' --budget, for a method that takes one")
     p.add_argument("--json", required=True)
     a = p.parse_args()
-    precision = ["--kv-precision", a.kv_precision]
+    budget = ["--budget", str(a.budget)] if a.budget else []
+    precision = ["--kv-precision", a.kv_precision, "--method", a.method, *budget]
     from ov_kvcrush.serving.backends import make_engine
 
     count = make_engine("openvino", ensure_default_model(progress=False), None, "CPU").count_tokens
@@ -84,6 +97,7 @@ def main() -> None:
             answer, usage = server.ask(turn)
             firsts.append(usage)
             seconds.append([*turn, {"role": "assistant", "content": answer}, {"role": "user", "content": s.question}])
+        kept = server.pool()
     finally:
         server.kill()  # kill -9: only what is on disk survives
     files = sorted((f.stat().st_size for f in cache_dir.rglob("*.kvc.npz")), reverse=True)
@@ -114,11 +128,13 @@ def main() -> None:
         "cold_correct": sum(r["answer"] in r["cold"] for r in rows),
         "ttft_ratio_max": max(r["ttft_ratio"] for r in rows),
         "ttft_ratio_mean": sum(r["ttft_ratio"] for r in rows) / len(rows),
-        "file_bytes": files, "kv_bytes": kv, "files_over_kv_bytes": sum(files) / sum(kv),
+        "file_bytes": files, "answer_kv_bytes": kv, "kept": kept["kept"], "kept_kv_bytes": kept["kv_bytes"],
+        "files_over_kept_kv_bytes": sum(files) / kept["kv_bytes"],
     }  # fmt: skip
     print(json.dumps(summary))
     command = f"benchmarks/disk_restore.py --length {a.length} --conversations {a.conversations}"
-    out = {"command": f"{command} --kv-precision {a.kv_precision}",
+    method = f" --method {a.method}" + (f" --budget {a.budget}" if a.budget else "")
+    out = {"command": f"{command} --kv-precision {a.kv_precision}{method}",
            "summary": summary, "rows": rows}  # fmt: skip
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -138,13 +138,16 @@ def test_a_compressing_method_holds_the_prompt_and_answers_the_next_turn_as_cold
                 {"role": "user", "content": "What is the secret code?"},
             ]
             a2, u2 = ask(client, second)
-        ids1 = loop.encode(first, True)
+            third = [*second, {"role": "assistant", "content": a2}, {"role": "user", "content": "Once more?"}]
+            a3, u3 = ask(client, third)  # a short turn: what it holds again is the held start it took
+        ids1, ids2 = loop.encode(first, True), loop.encode(second, True)
         # the held prompt: turn one's prompt but its last tokens (whole fast steps of it)
         assert len(ids1) - 128 <= u2.prompt_tokens_details.cached_tokens < len(ids1)
+        assert len(ids2) - 128 <= u3.prompt_tokens_details.cached_tokens < len(ids2)
         assert u1.prompt_tokens_details.cached_tokens == 0
-        cold = loop.generate([second], GenerationSettings(max_new_tokens=16))[0]
-        assert a2 == cold.text
-        assert cold.kv_bytes < cold.full_kv_bytes  # the answer came from a compressed cache
+        colds = [loop.generate([m], GenerationSettings(max_new_tokens=16))[0] for m in (second, third)]
+        assert [a2, a3] == [c.text for c in colds]
+        assert colds[0].kv_bytes < colds[0].full_kv_bytes  # the answer came from a compressed cache
     finally:
         backend.close()
         backend.pipeline.engine.close()

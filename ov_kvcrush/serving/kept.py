@@ -50,9 +50,12 @@ class HeldPrompt:
 def hold_point(pool: KVPool, prompt_tokens: int, held: int) -> int:
     """Where a prompt of ``prompt_tokens`` tokens, continuing ``held`` held ones, is copied for
     the next turn: the pool's :meth:`~KVPool.held_prompt_tokens`, down to whole fast steps
-    (:func:`fast_prompt_cut`: the first chunk stays a fast one); 0: nowhere past ``held``."""
-    cut = fast_prompt_cut(pool.held_prompt_tokens(prompt_tokens))
-    return cut if cut > held else 0
+    (:func:`fast_prompt_cut`: the first chunk stays a fast one) where that stays past ``held``;
+    ``held`` itself when the turn adds too little to move it (its held start is the next turn's
+    too); 0: nowhere (a prompt too short to hold)."""
+    cut = pool.held_prompt_tokens(prompt_tokens)
+    fast = fast_prompt_cut(cut)
+    return fast if fast > held else cut if cut > held else held
 
 
 def hold_prompt(cache: SequenceCache, ids: list[int]) -> HeldPrompt:

@@ -191,6 +191,8 @@ class GenerationLoop:
             rng = np.random.default_rng(settings.seed) if settings.do_sample else None
             stream = TextStream(streamer, self._detokenize)
             req = ServedRequest(slot, settings, stream, rng, cache=cache, kept=cache is not None)
+            if slot.hold_at and slot.hold_at == held:  # its held start is held again, as it is
+                req.held, slot.hold_at = hold_prompt(cache, ids[:held]), 0  # type: ignore[arg-type]
             handle = GenerationHandle(request_id)
             self._requests[request_id], self._handles[request_id] = req, handle
             return handle
