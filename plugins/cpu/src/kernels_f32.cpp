@@ -1,0 +1,254 @@
+// The f32 arithmetic of a block's query rows, on AVX-512, on AVX2 + FMA where the CPU has no
+// AVX-512, or in scalar C++: q.k of up to kMaxRows rows over a block's transposed keys, p.v into
+// the rows' outputs, the softmax's row maxima and exponentials, Gemma 2's soft-capping. Every
+// kernel that attends or scores rows in f32 (kernels.cpp, kernels_quant.cpp) takes them from here.
+#include <algorithm>
+#include <cmath>
+
+#include "kernels_detail.hpp"
+
+namespace ovkc {
+namespace detail {
+
+#if OVKC_AVX512
+// S[r][c..) = q[r] . K[:, c..) for R rows and `cols` columns (a multiple of 16).
+template <int R>
+void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+    int c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        __m512 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            const __m512 k0 = _mm512_loadu_ps(kt + static_cast<size_t>(d) * bs + c);
+            const __m512 k1 = _mm512_loadu_ps(kt + static_cast<size_t>(d) * bs + c + 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512 qb = _mm512_set1_ps(q[r][d]);
+                acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            _mm512_storeu_ps(S + r * bs + c, acc[r][0]);
+            _mm512_storeu_ps(S + r * bs + c + 16, acc[r][1]);
+        }
+    }
+    for (; c < cols; c += 16) {
+        __m512 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            const __m512 k0 = _mm512_loadu_ps(kt + static_cast<size_t>(d) * bs + c);
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, acc[r]);
+        }
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * bs + c, acc[r]);
+    }
+}
+
+// out[r][c..c+16*NV) += sum_j P[r][j] * V[j][c..) for RR rows.
+template <int RR, int NV>
+void pv_rows(const float* P, int bs, const float* v, int ntok, int D, int c, float* const* out) {
+    __m512 acc[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_loadu_ps(out[r] + c + 16 * u);
+    for (int j = 0; j < ntok; ++j) {
+        __m512 vv[NV];
+        for (int u = 0; u < NV; ++u) vv[u] = _mm512_loadu_ps(v + static_cast<size_t>(j) * D + c + 16 * u);
+        for (int r = 0; r < RR; ++r) {
+            const __m512 p = _mm512_set1_ps(P[r * bs + j]);
+            for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_fmadd_ps(p, vv[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) _mm512_storeu_ps(out[r] + c + 16 * u, acc[r][u]);
+}
+
+template <int RR>
+void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+    int c = 0;
+    for (; c + 64 <= D; c += 64) pv_rows<RR, 4>(P, bs, v, ntok, D, c, out);
+    for (; c < D; c += 16) pv_rows<RR, 1>(P, bs, v, ntok, D, c, out);
+}
+#elif OVKC_AVX2
+// qk_rows and pv_rows on 8 lanes: at most 4 rows at once (AVX2 has 16 vector registers).
+template <int R>
+void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+    for (int c = 0; c < cols; c += 16) {
+        __m256 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            const __m256 k0 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * bs + c);
+            const __m256 k1 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * bs + c + 8);
+            for (int r = 0; r < R; ++r) {
+                const __m256 qb = _mm256_set1_ps(q[r][d]);
+                acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            _mm256_storeu_ps(S + r * bs + c, acc[r][0]);
+            _mm256_storeu_ps(S + r * bs + c + 8, acc[r][1]);
+        }
+    }
+}
+
+template <int RR, int NV>
+void pv_rows(const float* P, int bs, const float* v, int ntok, int D, int c, float* const* out) {
+    __m256 acc[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_loadu_ps(out[r] + c + 8 * u);
+    for (int j = 0; j < ntok; ++j) {
+        __m256 vv[NV];
+        for (int u = 0; u < NV; ++u) vv[u] = _mm256_loadu_ps(v + static_cast<size_t>(j) * D + c + 8 * u);
+        for (int r = 0; r < RR; ++r) {
+            const __m256 p = _mm256_set1_ps(P[r * bs + j]);
+            for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_fmadd_ps(p, vv[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out[r] + c + 8 * u, acc[r][u]);
+}
+
+template <int RR>
+void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+    int c = 0;
+    for (; c + 16 <= D; c += 16) pv_rows<RR, 2>(P, bs, v, ntok, D, c, out);
+    for (; c < D; c += 8) pv_rows<RR, 1>(P, bs, v, ntok, D, c, out);
+}
+#endif
+
+void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+#if OVKC_AVX512
+    switch (R) {
+        case 1: return qk_rows<1>(q, kt, D, bs, cols, S);
+        case 2: return qk_rows<2>(q, kt, D, bs, cols, S);
+        case 3: return qk_rows<3>(q, kt, D, bs, cols, S);
+        case 4: return qk_rows<4>(q, kt, D, bs, cols, S);
+        case 5: return qk_rows<5>(q, kt, D, bs, cols, S);
+        case 6: return qk_rows<6>(q, kt, D, bs, cols, S);
+        case 7: return qk_rows<7>(q, kt, D, bs, cols, S);
+        default: return qk_rows<8>(q, kt, D, bs, cols, S);
+    }
+#elif OVKC_AVX2
+    int r = 0;
+    for (; r + 4 <= R; r += 4) qk_rows<4>(q + r, kt, D, bs, cols, S + r * bs);
+    switch (R - r) {
+        case 1: qk_rows<1>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 2: qk_rows<2>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 3: qk_rows<3>(q + r, kt, D, bs, cols, S + r * bs); break;
+        default: break;
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        float* s = S + r * bs;
+        for (int j = 0; j < cols; ++j) s[j] = 0.0f;
+        for (int d = 0; d < D; ++d) {
+            const float qd = q[r][d];
+            const float* krow = kt + static_cast<size_t>(d) * bs;
+            for (int j = 0; j < cols; ++j) s[j] += qd * krow[j];
+        }
+    }
+#endif
+}
+
+void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+#if OVKC_AVX512 || OVKC_AVX2
+    int r = 0;
+    for (; r + 4 <= R; r += 4) pv_group<4>(P + r * bs, bs, v, ntok, D, out + r);
+    switch (R - r) {
+        case 1: pv_group<1>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 2: pv_group<2>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 3: pv_group<3>(P + r * bs, bs, v, ntok, D, out + r); break;
+        default: break;
+    }
+#else
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < ntok; ++j) {
+            const float p = P[r * bs + j];
+            if (p == 0.0f) continue;
+            const float* vr = v + static_cast<size_t>(j) * D;
+            for (int d = 0; d < D; ++d) out[r][d] += p * vr[d];
+        }
+#endif
+}
+
+void row_logits(const RowSet& rows, const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+    qk(rows.n, q, kt, D, bs, cols, S);
+    if (rows.softcap > 0.0f) cap_logits(S, rows.n, cols, bs, rows.softcap);
+}
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both saturations (exp gives 0 below -104 and is
+// clamped at 88), within a few units of f32's last place near 0 once multiplied back by cap.
+void cap_logits(float* S, int R, int cols, int bs, float cap) {
+    const float two_over_cap = 2.0f / cap;
+    for (int r = 0; r < R; ++r) {
+        float* s = S + static_cast<size_t>(r) * bs;
+        int j = 0;
+#if OVKC_AVX512
+        const __m512 k = _mm512_set1_ps(two_over_cap), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f),
+                     c = _mm512_set1_ps(cap);
+        for (; j + 16 <= cols; j += 16) {
+            const __m512 e = exp512(_mm512_mul_ps(_mm512_loadu_ps(s + j), k));
+            const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+            _mm512_storeu_ps(s + j, _mm512_mul_ps(c, t));
+        }
+#elif OVKC_AVX2
+        const __m256 k = _mm256_set1_ps(two_over_cap), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f),
+                     c = _mm256_set1_ps(cap);
+        for (; j + 8 <= cols; j += 8) {
+            const __m256 e = exp256(_mm256_mul_ps(_mm256_loadu_ps(s + j), k));
+            const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(c, t));
+        }
+#endif
+        for (; j < cols; ++j) s[j] = cap * std::tanh(s[j] / cap);
+    }
+}
+
+// s[0..cols) = exp(s - m) in place; returns the sum. Lanes at -inf give 0.
+float exp_sum(float* s, int cols, float m) {
+#if OVKC_AVX512
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mm = _mm512_set1_ps(m);
+    for (int j = 0; j < cols; j += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mm));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+#elif OVKC_AVX2
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 mm = _mm256_set1_ps(m);
+    for (int j = 0; j < cols; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mm));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum256(sum);
+#else
+    float sum = 0.0f;
+    for (int j = 0; j < cols; ++j) {
+        s[j] = s[j] == kNegInf ? 0.0f : std::exp(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+#endif
+}
+
+
+float row_max(const float* s, int cols) {
+#if OVKC_AVX512
+    __m512 m = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < cols; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    return _mm512_reduce_max_ps(m);
+#elif OVKC_AVX2
+    __m256 m = _mm256_set1_ps(kNegInf);
+    for (int j = 0; j < cols; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    return hmax256(m);
+#else
+    float m = kNegInf;
+    for (int j = 0; j < cols; ++j) m = std::max(m, s[j]);
+    return m;
+#endif
+}
+
+}  // namespace detail
+}  // namespace ovkc
