@@ -252,6 +252,7 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
     const auto t_scores = StepClock::now();
     if (mode.scores && !fused_scores) accumulate_step_scores(ctx);
     seq->scores_ns[mode.phase] += ns_since(t_scores);
+    for (int64_t g = 0; g < Hkv; ++g) ctx.head(g).step.staged_blocks = 0;  // the hooks move blocks: read them
     if (mode.scoring) return drop_scoring_step(ctx);
     if (mode.window > 0) return keep_window_ring(ctx);
     run_hooks(ctx, run_after_attention);  // the method's eviction, the 2-bit store's flush
