@@ -25,8 +25,10 @@ NEW = 40
 @pytest.fixture(scope="module", params=["openvino", "genai"])
 def pipe(request, model_dir):
     # backend openvino batches the two requests: at f32 a row's logits do not depend on the batch
-    # (under bf16 the matmul kernels do, see ov_kvcrush.serving.pipeline)
-    options = {"properties": {"INFERENCE_PRECISION_HINT": "f32"}} if request.param == "openvino" else {}
+    # (under bf16 the matmul kernels do, see ov_kvcrush.serving.pipeline); nor, with an f32 store,
+    # on which step a token's keys were read exactly in (at u8 its own step reads them exact)
+    f32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+    options = {"properties": f32} if request.param == "openvino" else {}
     return LLMPipeline(model_dir, "CPU", backend=request.param, **options)
 
 
