@@ -241,11 +241,8 @@ void PagedAttention::attend_sequence(int64_t handle, const float* qb, const floa
     if (!mode.scoring && !mode.window && cfg.policy->recalls(*seq, layer, mode.prefill))
         // a recall method (ClusterKV): only the recalled working set (its selection time goes to policy_ns)
         cfg.policy->attend_recalled(*seq, layer, qb, L, mode.past, logit, ob);
-    else if (!cfg.count_only) {  // a byte probe's step attends nothing (the output stays zero)
-        const bool bf16 = m_compute == "bf16" && has_bf16();
-        if (mode.prompt_attention && !bf16) stage_f32_heads(ctx);  // the bf16 path stages its own
-        fused_scores = mode.prompt_attention ? attend_prompt(ctx, bf16) : attend_decode(ctx);
-    }
+    else if (!cfg.count_only)  // a byte probe's step attends nothing (the output stays zero)
+        fused_scores = mode.prompt_attention ? attend_prompt(ctx, m_compute == "bf16" && has_bf16()) : attend_decode(ctx);
     // a fused score pass (or a recall method's selection) counts as its own, not as attention
     seq->attend_ns[mode.phase] += ns_since(t_attend) - (seq->scores_ns[mode.phase] + seq->policy_ns[mode.phase] - others_before);
 

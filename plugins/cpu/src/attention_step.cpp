@@ -389,8 +389,10 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
     });
     if (from < L) add_thread_columns(ctx, columns, width);
 }
-}  // namespace
 
+// A prompt step of several query tiles over a store that is not f32 (u8, f16) on the f32 path:
+// every head's blocks converted to f32 once (the step's tokens exact), for its tiles and its score
+// pass (the bf16 path stages its own, stage_prompt_heads).
 void stage_f32_heads(StepContext& ctx) {
     const PoolConfig& cfg = ctx.cfg;
     // (a scoring step attends a few ranges of a long head: converting all of it would cost more)
@@ -398,10 +400,12 @@ void stage_f32_heads(StepContext& ctx) {
     ctx.f32_heads.resize(at(ctx.Hkv));
     tbb::parallel_for(int64_t(0), ctx.Hkv, [&](int64_t g) { stage_f32(cfg, ctx.seq.pool(), ctx.head(g), ctx.f32_heads[at(g)]); });
 }
+}  // namespace
 
 // 2b. a prompt (or a chunk of a chat turn, or a scoring step): tiles of consecutive queries of
 //     one head; a scoring step (KVzip's reconstruction) attends only the sinks, its chunk and itself
 bool attend_prompt(StepContext& ctx, bool bf16) {
+    if (!bf16) stage_f32_heads(ctx);
     const PromptHeads p = stage_prompt_heads(ctx, bf16);
     const int64_t from = ctx.mode.scores && !ctx.mode.ranged ? first_scored_row(ctx) : ctx.mode.L;
     const BlockMask sparse = sparse_prefill_mask(ctx, from, bf16);

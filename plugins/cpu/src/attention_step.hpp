@@ -67,7 +67,7 @@ struct StepContext {
     // a scoring step attends (and scores) its chunk's slots [slot_lo, slot_hi), the sinks
     // [0, slot_sinks) and itself
     std::vector<int64_t> slot_lo, slot_hi, slot_sinks;
-    // per KV head, its blocks as f32 for the step (stage_f32_heads; HeadCache::step.staged)
+    // per KV head, its blocks as f32 for the step (attend_prompt's f32 staging; HeadCache::step.staged)
     std::vector<std::vector<float>> f32_heads;
 
     HeadCache& head(int64_t g) const { return seq.head(mode.layer, static_cast<int>(g)); }
@@ -93,9 +93,6 @@ bool attend_decode(StepContext& ctx);
 // The pool's sparse prefill mask for a prompt step (empty: dense), rows from `scored_from` on
 // dense, estimated in bf16 on the bf16 path (sparse_prefill.cpp); attend_prompt attends by it.
 BlockMask sparse_prefill_mask(StepContext& ctx, int64_t scored_from, bool bf16);
-// A prompt step of several query tiles over a store that is not f32 (u8, f16): every head's
-// blocks converted to f32 once (the step's tokens exact), for its tiles and its score pass.
-void stage_f32_heads(StepContext& ctx);
 bool attend_prompt(StepContext& ctx, bool bf16);
 void accumulate_step_scores(StepContext& ctx);
 void drop_scoring_step(StepContext& ctx);
