@@ -21,7 +21,7 @@ from ov_kvcrush.server.app import make_app
 from ov_kvcrush.server.config import ServerConfig
 from ov_kvcrush.server.factory import build_backend
 from ov_kvcrush.server.thread import ServerThread
-from ov_kvcrush.serving.kept import KeptCaches, shared_prefix
+from ov_kvcrush.serving.kept import KeptCaches, hold_point, shared_prefix
 
 pytestmark = pytest.mark.model
 
@@ -148,6 +148,53 @@ def test_a_compressing_method_holds_the_prompt_and_answers_the_next_turn_as_cold
         colds = [loop.generate([m], GenerationSettings(max_new_tokens=16))[0] for m in (second, third)]
         assert [a2, a3] == [c.text for c in colds]
         assert colds[0].kv_bytes < colds[0].full_kv_bytes  # the answer came from a compressed cache
+    finally:
+        backend.close()
+        backend.pipeline.engine.close()
+
+
+def test_a_history_sent_cold_is_cut_where_its_turns_were_held_and_computes_the_kept_cache_bit_for_bit(model_dir):
+    """A turn continued from a held prompt feeds its history in chunks that end at the earlier
+    turn's held point; at the u8 store a token is read exactly in its own step and through its
+    rounding after, so the same history sent cold in other chunks computes other numbers (the
+    first held prompts answered 8 of 10 needles as cold). Cut at the same points
+    (``turn_cuts``), the cold request computes the kept one's cache bit for bit: the held prompt
+    it leaves for the next turn is the same, byte for byte, and so is the answer."""
+    from ov_kvcrush.op.snapshot import read_snapshot
+
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--method", "snapkv", "--budget", "128",
+                                      "--served-model-name", "smollm2"])  # fmt: skip
+    backend = build_backend(ServerConfig.from_args(args))
+    loop = backend.pipeline
+    first = [{"role": "user", "content": conversation("KAPPA-2")[0]["content"].replace(
+        "\nWhat is the secret code?", "\nReply with OK.")}]  # fmt: skip
+    next_turn = FILLER * 6 + "\nWhat is the secret code?"  # long enough to move the held point
+
+    def held_after(client, messages: list[dict]) -> tuple[str, list[int], dict]:
+        """The answer, and the held prompt the request left for the next turn (ids, arrays)."""
+        answer, _ = ask(client, messages)
+        cache = loop.kept.take(loop.encode(messages, True))
+        assert cache is not None and cache.holds_prompt
+        try:
+            return answer, list(cache.ids), read_snapshot(cache.sequence).arrays()
+        finally:
+            cache.sequence.free()
+
+    try:
+        with ServerThread(make_app(backend)) as s:
+            client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+            a1, _ = ask(client, first)
+            second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": next_turn}]
+            ids1, ids2 = loop.encode(first, True), loop.encode(second, True)
+            assert loop.turn_prompts(second, True) == [len(ids1)]
+            kept = held_after(client, second)  # continued from turn one's held prompt
+            assert loop.kept.blocks() == 0
+            cold = held_after(client, second)  # the same history, no kept cache
+        assert hold_point(loop.pool, len(ids1), 0) < len(kept[1]) < len(ids2)  # the held point moved on
+        assert cold[0] == kept[0] and cold[1] == kept[1]
+        assert kept[2].keys() == cold[2].keys()
+        for name, array in kept[2].items():
+            np.testing.assert_array_equal(cold[2][name], array, err_msg=name)
     finally:
         backend.close()
         backend.pipeline.engine.close()

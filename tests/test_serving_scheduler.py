@@ -134,7 +134,8 @@ def chunks_of(sched: Scheduler, slot: Slot) -> list[int]:
 def test_a_chunk_ends_where_a_held_prompt_is_copied_and_a_held_start_goes_on_in_chunks():
     """A held prompt (serving/kept.py): turn one's chunks end at its copy point; turn two, after
     the held start, is the method's prompt in chunks (as from the start, cut at the next copy
-    point), where after a kept cache the rest comes in one step."""
+    point), where after a kept cache the rest comes in one step. Turn two's history sent cold is
+    cut at turn one's copy point too: its chunks after it are the held turn's."""
     pool = SimulatedPool(10**6)
     sched = Scheduler(limits(pool.limit, batched=64), pool.free, pool.release)
     turn = make(sched, 0, 150, 4)
@@ -143,6 +144,9 @@ def test_a_chunk_ends_where_a_held_prompt_is_copied_and_a_held_start_goes_on_in_
     turn = Slot(1, list(range(300)), 4, done=100, held_prompt=True, hold_at=250)
     sched.add(turn)
     assert chunks_of(sched, turn) == [64, 64, 22, 50]
+    cold = Slot(3, list(range(300)), 4, hold_at=250, cuts=(100,))
+    sched.add(cold)
+    assert chunks_of(sched, cold) == [64, 36, 64, 64, 22, 50]
     kept = Slot(2, list(range(300)), 4, done=100)  # a kept cache's next turn: the rest in one step
     sched.add(kept)
     assert chunks_of(sched, kept) == [200]

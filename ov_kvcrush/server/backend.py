@@ -283,7 +283,8 @@ class PipelineBackend(Backend):
                     raise APIError(400, str(e), req.max_tokens_param) from e
                 cache = await asyncio.to_thread(self._cache_for, pipeline, ids)
                 cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
-                handle = pipeline.submit(ids, req.settings, streamer, cache=cache)
+                turns = pipeline.turn_prompts(req.prompt, req.settings.apply_chat_template) if cache is not None else []
+                handle = pipeline.submit(ids, req.settings, streamer, cache=cache, turns=turns)
             except UserError as e:
                 if cache is not None:
                     pipeline.kept.put(cache)

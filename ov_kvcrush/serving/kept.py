@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ov_kvcrush.engines.openvino_model import SequenceCache
@@ -56,6 +57,25 @@ def hold_point(pool: KVPool, prompt_tokens: int, held: int) -> int:
     cut = pool.held_prompt_tokens(prompt_tokens)
     fast = fast_prompt_cut(cut)
     return fast if fast > held else cut if cut > held else held
+
+
+def turn_cuts(pool: KVPool, turn_prompts: Sequence[int], prompt_tokens: int, held: int) -> tuple[tuple[int, ...], int]:
+    """Where a conversation's prompt of ``prompt_tokens`` tokens is cut into chunks, and where it
+    is held: after the held points of its earlier turns (whose prompts had ``turn_prompts``
+    tokens, each continuing the held start of the one before, as :func:`hold_point` chose them
+    when those turns ran), at its own. ``held``: the tokens a kept cache continues.
+
+    A turn continued from a held prompt feeds its history in these chunks: the earlier turns'
+    and its own. So the same history sent cold, cut here too, feeds the same chunks and computes
+    the same cache bit for bit (a u8 store is read exactly in a token's own step, through its
+    rounding after: other cuts compute other numbers), and answers alike."""
+    cuts: list[int] = []
+    start = 0
+    for n in turn_prompts:
+        start = hold_point(pool, n, start)
+        if start and start not in cuts:
+            cuts.append(start)
+    return tuple(c for c in cuts if held < c < prompt_tokens), hold_point(pool, prompt_tokens, max(start, held))
 
 
 def hold_prompt(cache: SequenceCache, ids: list[int]) -> HeldPrompt:

@@ -49,13 +49,13 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.config import GenerationSettings, generation_settings
-from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, check_context
+from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStream, chat_messages, check_context
 from ov_kvcrush.engines.openvino_model import OpenVINOModel, SequenceCache, error_line
 from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.op.step_inputs import fast_prompt_cut
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
-from ov_kvcrush.serving.kept import KeptCaches, hold_point, hold_prompt, keep_held
+from ov_kvcrush.serving.kept import KeptCaches, hold_prompt, keep_held, turn_cuts
 from ov_kvcrush.serving.request import ServedRequest
 from ov_kvcrush.serving.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -154,6 +154,7 @@ class GenerationLoop:
         *,
         cache: SequenceCache | None = None,
         question_at: int | None = None,
+        turns: Sequence[int] = (),
     ) -> GenerationHandle:
         """Queue a request (a prompt string, chat messages, or token ids); step to serve it.
 
@@ -161,7 +162,10 @@ class GenerationLoop:
         request keeps the prefix of its tokens the sequence holds, feeds the rest in one step,
         and leaves the sequence holding what it fed. ``question_at``: the token where a question
         starts: the context before it is the method's prompt (prefilled and compressed first,
-        its scoring pass included), the question is fed after it in one step.
+        its scoring pass included), the question is fed after it in one step. ``turns``: with a
+        cache that holds prompts, the token counts of the conversation's earlier turns' prompts
+        (:meth:`turn_prompts`): its chunks end where those turns held theirs, so that the
+        history sent cold computes what it did continued from its turns' held prompts.
         """
         settings = generation_config or GenerationSettings()
         if not isinstance(settings, GenerationSettings):
@@ -186,7 +190,7 @@ class GenerationLoop:
             slot = Slot(request_id, list(ids), settings.max_new_tokens, done=held, question_at=question_at)
             if cache is not None and cache.holds_prompt:  # the prompt continues, and is held again
                 slot.held_prompt = held > 0
-                slot.hold_at = hold_point(self.pool, slot.prompt_end, held)
+                slot.cuts, slot.hold_at = turn_cuts(self.pool, turns, slot.prompt_end, held)
             self.scheduler.add(slot)  # refuses what the pool can never hold
             rng = np.random.default_rng(settings.seed) if settings.do_sample else None
             stream = TextStream(streamer, self._detokenize)
@@ -227,11 +231,12 @@ class GenerationLoop:
         streamer: Streamer | None = None,
         *,
         cache: SequenceCache | None = None,
+        turns: Sequence[int] = (),
     ) -> GenerationHandle:
         """Queue a request from any thread; a worker thread steps until every request is done.
-        ``cache``: as in :meth:`add_request`."""
+        ``cache``, ``turns``: as in :meth:`add_request`."""
         with self._step_lock:
-            handle = self.add_request(self._new_id(), prompt, generation_config, streamer, cache=cache)
+            handle = self.add_request(self._new_id(), prompt, generation_config, streamer, cache=cache, turns=turns)
         with self._worker_lock:
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="ov_kvcrush-batching", daemon=True)
@@ -474,6 +479,14 @@ class GenerationLoop:
         thread's streaming, under one lock)."""
         with self._tokenizer_lock:
             return self.engine.encode(prompt, apply_chat_template)
+
+    def turn_prompts(self, prompt: Prompt, apply_chat_template: bool) -> list[int]:
+        """The token counts of a chat's earlier turns' prompts: its messages before each assistant
+        reply, encoded as that turn's request was (none for a string)."""
+        if isinstance(prompt, str) or not apply_chat_template:
+            return []
+        messages = chat_messages(prompt, apply_chat_template)
+        return [len(self.encode(messages[:i], True)) for i, m in enumerate(messages) if i and m["role"] == "assistant"]
 
     def _detokenize(self, tokens: list[int]) -> str:
         with self._tokenizer_lock:

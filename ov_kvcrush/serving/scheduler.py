@@ -25,7 +25,9 @@ sequence growing by one block of tokens takes ``rows = layers × kv_heads`` of t
   start of its tokens (a chat's next turn), or ask a question after a context the method
   compresses first (``question_at``). The method's prompt, from a sequence's start or after a
   held prompt's earlier chunks, is what comes in chunks and is selected once, at its end (a chunk
-  ends where the pipeline copies a held prompt: ``hold_at``); a turn after a kept cache, or the
+  ends where the pipeline copies a held prompt, ``hold_at``, and where the conversation's earlier
+  turns held theirs, ``cuts``: a history sent cold feeds the chunks its kept turns fed); a turn
+  after a kept cache, or the
   question, is fed in one step, as one chunk of a longer prompt would be.
 * **Refusal** happens when a request is added, never later: a prompt that cannot fit the pool
   alone (or, for the full cache, prompt + new tokens), or one longer than
@@ -104,6 +106,9 @@ class Slot:
     #: where a chunk ends so that the pipeline copies the prompt's start there (a held prompt for
     #: the next turn); 0: no copy (any more)
     hold_at: int = 0
+    #: where chunks of the method's prompt end too, ascending: the held points of the
+    #: conversation's earlier turns (:func:`~ov_kvcrush.serving.kept.turn_cuts`)
+    cuts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
@@ -124,6 +129,11 @@ class Slot:
     def fed(self) -> list[int]:
         """The token ids its sequence holds, in order."""
         return [*self.prompt, *self.generated][: self.done]
+
+    @property
+    def next_cut(self) -> int:
+        """Where the next chunk must end (a held point ahead: :attr:`cuts`, :attr:`hold_at`); 0: nowhere."""
+        return min((c for c in (*self.cuts, self.hold_at) if c > self.done), default=0)
 
     @property
     def remaining_prompt(self) -> int:
@@ -297,8 +307,8 @@ class Scheduler:
         if (slot.held_at_start == 0 or slot.held_prompt) and end == slot.prompt_end:  # the method's prompt
             if lim.chunked:
                 chunk = min(chunk, lim.max_num_batched_tokens - decoding)
-            if slot.done < slot.hold_at:  # a chunk ends where the held prompt is copied
-                chunk = min(chunk, slot.hold_at - slot.done)
+            if slot.next_cut:  # a chunk ends where a held prompt is (or was) copied
+                chunk = min(chunk, slot.next_cut - slot.done)
             elif slot.done == 0 and chunk == end and lim.first_chunk is not None:  # the whole prompt's first step
                 chunk = lim.first_chunk(chunk)
         return chunk
