@@ -282,11 +282,11 @@ def _chunked(model_dir: str, prompts: list[list[int]], device: str) -> list[tupl
             engine.set_compression(_compression(*case))
             loop = engine.batcher
             handles = _four_then_a_fifth(loop, prompts, settings)
-            tokens = [list(h.result().token_ids) for h in handles]
+            tokens, stats = [list(h.result().token_ids) for h in handles], dict(loop.stats)
             alone = []
             if _over_the_2bit_store(case):
                 alone = [list(loop.run(ids, settings, None).token_ids) for ids in prompts]
-            out.append((tokens, dict(loop.stats), alone))
+            out.append((tokens, stats, alone))
     finally:
         engine.close()
     return out

@@ -88,7 +88,9 @@ def test_quest_on_gpu_gives_the_references_tokens_alone_and_decoding_beside_a_ch
 
     texts = _texts()
     want = _reference(str(tiny_checkpoint("llama3")), texts)
-    got = emulation_worker.submit(_on_gpu, tiny_llama3_ir, texts).result(timeout=900)
+    # over 15 minutes under the emulation on a 2-core CPU without AVX-512 with benchmarks beside
+    # the suite (2026-11-29): the limit only catches a hang
+    got = emulation_worker.submit(_on_gpu, tiny_llama3_ir, texts).result(timeout=1800)
     for i, case in enumerate(CASES):
         assert got["alone"][i] == want[i], case
         assert got["together"][i] == want[i], case
