@@ -283,7 +283,8 @@ class PipelineBackend(Backend):
                     raise APIError(400, str(e), req.max_tokens_param) from e
                 cache = await asyncio.to_thread(self._cache_for, pipeline, ids)
                 cached = min(shared_prefix(cache.ids, ids), len(ids) - 1) if cache is not None else 0
-                turns = pipeline.turn_prompts(req.prompt, req.settings.apply_chat_template) if cache is not None else []
+                holds = cache is not None and cache.holds_prompt  # the full cache's kept turn needs no cuts
+                turns = pipeline.turn_prompts(req.prompt, req.settings.apply_chat_template) if holds else []
                 handle = pipeline.submit(ids, req.settings, streamer, cache=cache, turns=turns)
             except UserError as e:
                 if cache is not None:

@@ -27,8 +27,7 @@ sequence growing by one block of tokens takes ``rows = layers × kv_heads`` of t
   held prompt's earlier chunks, is what comes in chunks and is selected once, at its end (a chunk
   ends where the pipeline copies a held prompt, ``hold_at``, and where the conversation's earlier
   turns held theirs, ``cuts``: a history sent cold feeds the chunks its kept turns fed); a turn
-  after a kept cache, or the
-  question, is fed in one step, as one chunk of a longer prompt would be.
+  after a kept cache, or the question, is fed in one step, as one chunk of a longer prompt would be.
 * **Refusal** happens when a request is added, never later: a prompt that cannot fit the pool
   alone (or, for the full cache, prompt + new tokens), or one longer than
   ``max_num_batched_tokens`` without chunking.
@@ -307,8 +306,9 @@ class Scheduler:
         if (slot.held_at_start == 0 or slot.held_prompt) and end == slot.prompt_end:  # the method's prompt
             if lim.chunked:
                 chunk = min(chunk, lim.max_num_batched_tokens - decoding)
-            if slot.next_cut:  # a chunk ends where a held prompt is (or was) copied
-                chunk = min(chunk, slot.next_cut - slot.done)
+            cut = slot.next_cut
+            if cut:  # a chunk ends where a held prompt is (or was) copied
+                chunk = min(chunk, cut - slot.done)
             elif slot.done == 0 and chunk == end and lim.first_chunk is not None:  # the whole prompt's first step
                 chunk = lim.first_chunk(chunk)
         return chunk
