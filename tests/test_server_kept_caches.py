@@ -190,7 +190,7 @@ def test_a_history_sent_cold_is_cut_where_its_turns_were_held_and_computes_the_k
             kept = held_after(client, second)  # continued from turn one's held prompt
             assert loop.kept.blocks() == 0
             cold = held_after(client, second)  # the same history, no kept cache
-        assert hold_point(loop.pool, len(ids1), 0) < len(kept[1]) < len(ids2)  # the held point moved on
+        assert hold_point(loop.pool, len(ids1), 0, loop.first_step) < len(kept[1]) < len(ids2)  # the hold moved on
         assert cold[0] == kept[0] and cold[1] == kept[1]
         assert kept[2].keys() == cold[2].keys()
         for name, array in kept[2].items():
@@ -198,3 +198,35 @@ def test_a_history_sent_cold_is_cut_where_its_turns_were_held_and_computes_the_k
     finally:
         backend.close()
         backend.pipeline.engine.close()
+
+
+class WindowPool:
+    """A pool's two facts a hold point reads: SnapKV's scoring window of 32 rows, blocks of 32."""
+
+    block_size = 32
+
+    @staticmethod
+    def held_prompt_tokens(tokens: int) -> int:
+        return max(0, tokens - 32)  # the op's rule for a window of 32 (policy.cpp: held_prompt_tokens)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "held", "want"),
+    [
+        (1500, 0, 1408),  # inside the first step: whole fast steps, that step stays one
+        (3075, 0, 3040),  # past it (2048): whole blocks only, not 2944
+        (3150, 3040, 3104),  # a next turn moves it on, to the block its window starts in
+        (3080, 3040, 3040),  # too little to move it: its held start again
+        (20, 0, 0),  # too short to hold
+    ],
+)
+def test_a_prompt_is_held_up_to_the_block_its_scoring_window_starts_in(prompt, held, want):
+    """Brute force: the largest point the rule allows, searched token by token (a point past the
+    held start, at most the pool's held tokens, a whole number of fast steps inside the first
+    step and of blocks past it; the held start when none is)."""
+    cut = WindowPool.held_prompt_tokens(prompt)
+    unit = 128 if held == 0 and cut <= 2048 else 32
+    brute = max((p for p in range(held + 1, cut + 1) if p % unit == 0), default=held)
+    if held == 0 and cut < 128:  # a first step shorter than a fast one is fed whole
+        brute = cut
+    assert hold_point(WindowPool(), prompt, held, first_step=2048) == brute == want

@@ -48,22 +48,28 @@ class HeldPrompt:
     snapshot: SequenceSnapshot
 
 
-def hold_point(pool: KVPool, prompt_tokens: int, held: int) -> int:
+def hold_point(pool: KVPool, prompt_tokens: int, held: int, first_step: int) -> int:
     """Where a prompt of ``prompt_tokens`` tokens, continuing ``held`` held ones, is copied for
-    the next turn: the pool's :meth:`~KVPool.held_prompt_tokens`, down to whole fast steps
-    (:func:`fast_prompt_cut`: the first chunk stays a fast one) where that stays past ``held``;
+    the next turn: the pool's :meth:`~KVPool.held_prompt_tokens`; down to whole fast steps
+    (:func:`fast_prompt_cut`) where the prompt's first step (at most ``first_step`` tokens) ends
+    there, so that step stays a fast one and no step is added; past the first step, down to
+    whole blocks only (a snapshot then holds no block's unused end, so a held prompt is the same
+    bytes however it was reached), so the next turn prefills at most a block of it again;
     ``held`` itself when the turn adds too little to move it (its held start is the next turn's
     too); 0: nowhere (a prompt too short to hold)."""
     cut = pool.held_prompt_tokens(prompt_tokens)
-    fast = fast_prompt_cut(cut)
-    return fast if fast > held else cut if cut > held else held
+    point = fast_prompt_cut(cut) if held == 0 and cut <= first_step else cut - cut % pool.block_size
+    return point if point > held else held
 
 
-def turn_cuts(pool: KVPool, turn_prompts: Sequence[int], prompt_tokens: int, held: int) -> tuple[tuple[int, ...], int]:
+def turn_cuts(
+    pool: KVPool, turn_prompts: Sequence[int], prompt_tokens: int, held: int, first_step: int
+) -> tuple[tuple[int, ...], int]:
     """Where a conversation's prompt of ``prompt_tokens`` tokens is cut into chunks, and where it
     is held: after the held points of its earlier turns (whose prompts had ``turn_prompts``
     tokens, each continuing the held start of the one before, as :func:`hold_point` chose them
-    when those turns ran), at its own. ``held``: the tokens a kept cache continues.
+    when those turns ran, with the same ``first_step``), at its own. ``held``: the tokens a kept
+    cache continues.
 
     A turn continued from a held prompt feeds its history in these chunks: the earlier turns'
     and its own. So the same history sent cold, cut here too, feeds the same chunks and computes
@@ -72,10 +78,11 @@ def turn_cuts(pool: KVPool, turn_prompts: Sequence[int], prompt_tokens: int, hel
     cuts: list[int] = []
     start = 0
     for n in turn_prompts:
-        start = hold_point(pool, n, start)
+        start = hold_point(pool, n, start, first_step)
         if start and start not in cuts:
             cuts.append(start)
-    return tuple(c for c in cuts if held < c < prompt_tokens), hold_point(pool, prompt_tokens, max(start, held))
+    own = hold_point(pool, prompt_tokens, max(start, held), first_step)
+    return tuple(c for c in cuts if held < c < prompt_tokens), own
 
 
 def hold_prompt(cache: SequenceCache, ids: list[int]) -> HeldPrompt:

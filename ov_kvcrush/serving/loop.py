@@ -102,6 +102,8 @@ class GenerationLoop:
         if e.plugin is not None and not e.pool.takes_prompt_chunks:  # the 2-bit store on GPU: prompts whole
             self.max_num_batched_tokens, self.chunked = 1 << 24, False
         self.pool = e.pool
+        #: the most tokens a prompt's first step feeds (a held point within it keeps it fast)
+        self.first_step = self.max_num_batched_tokens if self.chunked else 1 << 40
         self.request = e.new_request()  # the engine's own request stays free for it
         limits = SchedulerLimits(
             max_num_seqs=self.max_num_seqs,
@@ -190,7 +192,7 @@ class GenerationLoop:
             slot = Slot(request_id, list(ids), settings.max_new_tokens, done=held, question_at=question_at)
             if cache is not None and cache.holds_prompt:  # the prompt continues, and is held again
                 slot.held_prompt = held > 0
-                slot.cuts, slot.hold_at = turn_cuts(self.pool, turns, slot.prompt_end, held)
+                slot.cuts, slot.hold_at = turn_cuts(self.pool, turns, slot.prompt_end, held, self.first_step)
             self.scheduler.add(slot)  # refuses what the pool can never hold
             rng = np.random.default_rng(settings.seed) if settings.do_sample else None
             stream = TextStream(streamer, self._detokenize)

@@ -49,8 +49,9 @@ from ov_kvcrush.op.snapshot import SequenceSnapshot, read_snapshot, write_snapsh
 from ov_kvcrush.serving.kept import continued_prefix
 
 #: the files' format; a file of another version is not read (2: a cache may be a held prompt,
-#: ``holds_prompt``, whose ids are a prompt's earlier chunks)
-FORMAT_VERSION = 2
+#: ``holds_prompt``, whose ids are a prompt's earlier chunks; 3: a held prompt past its first
+#: step is held where the next turn's cold request cuts it now, :func:`~ov_kvcrush.serving.kept.hold_point`)
+FORMAT_VERSION = 3
 SUFFIX = ".kvc.npz"
 TEMP_PREFIX = ".tmp-"
 
