@@ -201,3 +201,22 @@ def test_llm_pipeline_batches_a_list_of_prompts(model_dir):
     alone = pipe.engine.generate(PROMPTS[1], GenerationSettings(max_new_tokens=8, ignore_eos=True))
     assert results[1].token_ids == alone.token_ids
     assert max(r.counters["decode_batch_mean"] for r in results) > 1
+
+
+def test_a_warm_up_runs_every_kind_of_step_and_leaves_no_trace(engine, model_dir):
+    """A server warms its pipeline before it listens (``ov-kvcrush serve``): the warm-up feeds a
+    fast prompt chunk, the prompt's rest and a decode step, and leaves the pool, the kept caches,
+    the counts and the next answers as they were. A pool too small for it runs nothing."""
+    engine.set_compression(CompressionConfig(method="snapkv", budget=128))
+    settings = GenerationSettings(max_new_tokens=NEW, ignore_eos=True)
+    cb = ContinuousBatchingPipeline(engine)
+    before = [r.token_ids for r in cb.generate(PROMPTS[:2], settings)]
+    counts = dict(cb.stats)
+    cb.trace = []
+    assert cb.warm_up()
+    assert [tokens for _, tokens, _ in cb.trace] == [128, 32, 1]  # a fast chunk, the rest, a decode step
+    assert cb.stats == counts and cb.pool.stats().blocks_in_use == 0 and len(cb.kept) == 0
+    assert [r.token_ids for r in cb.generate(PROMPTS[:2], settings)] == before
+
+    tight = ContinuousBatchingPipeline(model_dir, scheduler_config(num_kv_blocks=1), properties=F32)
+    assert not tight.warm_up() and not tight.trace and tight.stats == dict.fromkeys(tight.stats, 0)

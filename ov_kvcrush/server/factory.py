@@ -22,9 +22,13 @@ from ov_kvcrush.serving.pipeline import ContinuousBatchingPipeline
 
 
 def build_backend(config: ServerConfig) -> PipelineBackend:
-    """The server's pipeline (its method's) and its backend."""
+    """The server's pipeline (its method's), warmed up (the first request after a start, a
+    returning conversation's from disk, is not the one that pays the runtime's first-use costs),
+    and its backend."""
+    pipeline = make_pipeline(config, config.compression())
+    pipeline.warm_up()
     return PipelineBackend(
-        make_pipeline(config, config.compression()), config.served_name(), config.max_queue,
+        pipeline, config.served_name(), config.max_queue,
         make_pipeline=lambda c: make_pipeline(config, c), max_methods=config.max_methods,
         disk=disk_caches(config),
     )  # fmt: skip

@@ -53,7 +53,7 @@ from ov_kvcrush.engines.base import GenerationResult, Prompt, Streamer, TextStre
 from ov_kvcrush.engines.openvino_model import OpenVINOModel, SequenceCache, error_line
 from ov_kvcrush.engines.sampling import sample_token
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.op.step_inputs import fast_prompt_cut
+from ov_kvcrush.op.step_inputs import FAST_STEP_TOKENS, fast_prompt_cut
 from ov_kvcrush.serving.handle import GenerationHandle, GenerationStatus
 from ov_kvcrush.serving.kept import KeptCaches, hold_prompt, keep_held, turn_cuts
 from ov_kvcrush.serving.request import ServedRequest
@@ -293,6 +293,23 @@ class GenerationLoop:
                     self._fail(req, "interrupted")
             raise
         return handle.result()
+
+    def warm_up(self) -> bool:
+        """One short request through each kind of step a request takes (a fast prompt chunk, the
+        prompt's rest, a decode step), none of it kept or counted in :attr:`stats`: a server's
+        first request after a start (a restart, its conversations continued from disk) would
+        otherwise pay the runtime's first-use costs (kernels built for their shapes, threads,
+        memory first touched), hundreds of ms. False when the pool cannot hold it (nothing run)."""
+        ids = list(range(FAST_STEP_TOKENS + FAST_STEP_TOKENS // 4))  # ids every vocabulary has
+        settings = GenerationSettings(max_new_tokens=2, ignore_eos=True, apply_chat_template=False)
+        counts = dict(self.stats)
+        try:
+            self.generate([ids], settings)
+        except UserError:
+            return False
+        finally:
+            self.stats.update(counts)
+        return True
 
     def has_non_finished_requests(self) -> bool:
         with self._step_lock:
