@@ -101,7 +101,7 @@ def _checksum(meta: bytes, arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256(meta)
     for name in sorted(arrays):
         h.update(name.encode())
-        h.update(np.ascontiguousarray(arrays[name]).tobytes())
+        h.update(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))  # its bytes, not a copy of them
     return h.hexdigest()
 
 
