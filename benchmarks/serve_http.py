@@ -2,8 +2,8 @@
 
 1. throughput: 16 concurrent chat requests of ~1k tokens and 256 new tokens (``ignore_eos``),
    a 70 MiB KV pool, SnapKV @512 and the full cache: the server (the official ``openai`` client,
-   16 streams at once over loopback) against the same pipeline's ``generate`` in process, and
-   passkeys answered;
+   16 streams at once over loopback) against the same pipeline's ``generate`` in process,
+   alternated for ``--rounds`` rounds (the ratio of their sums), and passkeys answered;
 2. the second turn of a ~3k-token conversation (the full cache, whose conversations the server
    keeps): its TTFT continued from the kept cache against the same request with no kept cache
    (median of 3);
@@ -73,11 +73,20 @@ async def stream_all(url: str, model: str, conversations: list[list[dict[str, st
         return text, tokens
 
     t0 = time.perf_counter()
-    done = await asyncio.gather(*(one(m) for m in conversations))
+    async with client:  # closed in this event loop (a round's loop ends with it)
+        done = await asyncio.gather(*(one(m) for m in conversations))
     return [t for t, _ in done], sum(n for _, n in done), time.perf_counter() - t0
 
 
+def ratio(r: dict[str, Any]) -> float:
+    """A round's server throughput over its in-process one."""
+    return r["server_generated"] * r["in_process_s"] / (r["in_process_generated"] * r["server_s"])
+
+
 def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per method, ``--rounds`` rounds, each the in-process ``generate`` then the server on the
+    same pool and requests: time on this machine drifts by several percent between minutes, so
+    the ratio is of the rounds' sums, with each round's beside it."""
     rows = []
     for method, budget in (("snapkv", 512), ("full", None)):
         backend = make_backend(method, budget, args.pool_mib, args.model)
@@ -87,21 +96,28 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         conversations = [[{"role": "user", "content": s.prompt}] for s in samples]
         settings = GenerationSettings(max_new_tokens=args.new_tokens, ignore_eos=True)
         loop.generate([conversations[0]], GenerationSettings(max_new_tokens=4))  # warm-up
-        t0 = time.perf_counter()
-        results = loop.generate(conversations, settings)
-        wall_in = time.perf_counter() - t0
-        tokens_in = sum(r.generated_tokens for r in results)
+        rounds = []
         with ServerThread(make_app(backend)) as server:
-            texts, tokens_http, wall_http = asyncio.run(
-                stream_all(server.url, backend.model_name, conversations, args.new_tokens)
-            )
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                results = loop.generate(conversations, settings)
+                wall_in = time.perf_counter() - t0
+                texts, tokens_http, wall_http = asyncio.run(
+                    stream_all(server.url, backend.model_name, conversations, args.new_tokens)
+                )
+                loop.kept.clear()  # the server kept each conversation: the next round starts as this one
+                rounds.append({"in_process_s": wall_in, "server_s": wall_http,
+                               "in_process_generated": sum(r.generated_tokens for r in results),
+                               "server_generated": tokens_http})  # fmt: skip
         row = {
             "method": method,
             "budget": budget,
-            "in_process_tps": tokens_in / wall_in,
-            "server_tps": tokens_http / wall_http,
-            "in_process_generated": tokens_in,
-            "server_generated": tokens_http,
+            "in_process_tps": sum(r["in_process_generated"] for r in rounds) / sum(r["in_process_s"] for r in rounds),
+            "server_tps": sum(r["server_generated"] for r in rounds) / sum(r["server_s"] for r in rounds),
+            "rounds": rounds,
+            "round_ratios": [ratio(r) for r in rounds],
+            "in_process_generated": rounds[-1]["in_process_generated"],
+            "server_generated": rounds[-1]["server_generated"],
             "passkeys_in_process": sum(bool(s.score(r.text)) for s, r in zip(samples, results, strict=True)),
             "passkeys_server": sum(bool(s.score(t)) for s, t in zip(samples, texts, strict=True)),
             "same_texts": sum(t == r.text for t, r in zip(texts, results, strict=True)),
@@ -110,7 +126,6 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         row["server_vs_in_process"] = row["server_tps"] / row["in_process_tps"]
         print(json.dumps(row), flush=True)
         rows.append(row)
-        loop.kept.clear()
     rows[0]["server_vs_full_server"] = rows[0]["server_tps"] / rows[1]["server_tps"]
     return rows
 
@@ -213,6 +228,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1000)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--pool-mib", type=float, default=70.0)
+    p.add_argument("--rounds", type=int, default=3, help="in-process and server runs alternated, per method")
     p.add_argument("--rss-requests", type=int, default=500)
     args = p.parse_args()
     doc = {**measure.describe_run(), "kind": "serve_http", "args": vars(args)}
