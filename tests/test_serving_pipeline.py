@@ -205,8 +205,9 @@ def test_llm_pipeline_batches_a_list_of_prompts(model_dir):
 
 def test_a_warm_up_runs_every_kind_of_step_and_leaves_no_trace(engine, model_dir):
     """A server warms its pipeline before it listens (``ov-kvcrush serve``): the warm-up feeds a
-    fast prompt chunk, the prompt's rest and a decode step, and leaves the pool, the kept caches,
-    the counts and the next answers as they were. A pool too small for it runs nothing."""
+    fast prompt chunk, the prompt's rest (past the method's budget) and a decode step, and leaves
+    the pool, the kept caches, the counts and the next answers as they were. A pool too small for
+    it runs nothing."""
     engine.set_compression(CompressionConfig(method="snapkv", budget=128))
     settings = GenerationSettings(max_new_tokens=NEW, ignore_eos=True)
     cb = ContinuousBatchingPipeline(engine)
@@ -214,7 +215,8 @@ def test_a_warm_up_runs_every_kind_of_step_and_leaves_no_trace(engine, model_dir
     counts = dict(cb.stats)
     cb.trace = []
     assert cb.warm_up()
-    assert [tokens for _, tokens, _ in cb.trace] == [128, 32, 1]  # a fast chunk, the rest, a decode step
+    # fast chunks, the rest (past the budget of 128: the method selects), a decode step
+    assert [tokens for _, tokens, _ in cb.trace] == [256, 32, 1]
     assert cb.stats == counts and cb.pool.stats().blocks_in_use == 0 and len(cb.kept) == 0
     assert [r.token_ids for r in cb.generate(PROMPTS[:2], settings)] == before
 

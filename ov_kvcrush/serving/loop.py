@@ -296,11 +296,15 @@ class GenerationLoop:
 
     def warm_up(self) -> bool:
         """One short request through each kind of step a request takes (a fast prompt chunk, the
-        prompt's rest, a decode step), none of it kept or counted in :attr:`stats`: a server's
-        first request after a start (a restart, its conversations continued from disk) would
-        otherwise pay the runtime's first-use costs (kernels built for their shapes, threads,
-        memory first touched), hundreds of ms. False when the pool cannot hold it (nothing run)."""
-        ids = list(range(FAST_STEP_TOKENS + FAST_STEP_TOKENS // 4))  # ids every vocabulary has
+        prompt's rest, with the method's selection past its budget, and a decode step), none of it
+        kept or counted in :attr:`stats`: a server's first request after a start (a restart, its
+        conversations continued from disk) would otherwise pay the runtime's first-use costs
+        (kernels built for their shapes, threads, memory first touched), hundreds of ms. False
+        when the pool cannot hold it (nothing run)."""
+        tokens = FAST_STEP_TOKENS + FAST_STEP_TOKENS // 4 + (self.engine.compression.budget or 0)
+        if self.engine.max_context:
+            tokens = min(tokens, self.engine.max_context - 2)
+        ids = [i % 1000 for i in range(tokens)]  # ids every vocabulary has
         settings = GenerationSettings(max_new_tokens=2, ignore_eos=True, apply_chat_template=False)
         counts = dict(self.stats)
         try:
