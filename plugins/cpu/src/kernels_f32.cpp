@@ -68,51 +68,68 @@ void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* co
     for (; c < D; c += 16) pv_rows<RR, 1>(P, bs, v, ntok, D, c, out);
 }
 #elif OVKC_AVX2
-// qk_rows and pv_rows on 8 lanes: at most 4 rows at once (AVX2 has 16 vector registers).
+// On 8 lanes and 16 vector registers, as a GEMM micro-kernel: a tile of R rows by NV vectors of
+// columns keeps its R * NV sums in registers, loading NV vectors of keys (or values) and R
+// broadcasts per step: 6 x 2 (12 sums, 8 loads per 12 FMAs) for up to 6 rows, 2 x 4 for the
+// rest. The unrolling is spelled out: without it GCC keeps the sums in memory.
+#define OVKC_UNROLL _Pragma("GCC unroll 8")
+
+// S[r][c .. c + 8 NV) = q[r] . K[:, c ..) for R rows
+template <int R, int NV>
+inline void qk_tile(const float* const* q, const float* kt, int D, int bs, int c, float* S) {
+    __m256 acc[R][NV];
+    OVKC_UNROLL for (int r = 0; r < R; ++r) OVKC_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        const float* krow = kt + static_cast<size_t>(d) * bs + c;
+        __m256 k[NV];
+        OVKC_UNROLL for (int u = 0; u < NV; ++u) k[u] = _mm256_loadu_ps(krow + 8 * u);
+        OVKC_UNROLL for (int r = 0; r < R; ++r) {
+            const __m256 qb = _mm256_broadcast_ss(q[r] + d);
+            OVKC_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_fmadd_ps(qb, k[u], acc[r][u]);
+        }
+    }
+    OVKC_UNROLL for (int r = 0; r < R; ++r) OVKC_UNROLL for (int u = 0; u < NV; ++u)
+        _mm256_storeu_ps(S + r * bs + c + 8 * u, acc[r][u]);
+}
+
+// out[r][c .. c + 8 NV) += sum_j P[r][j] * V[j][c ..) for R rows
+template <int R, int NV>
+inline void pv_tile(const float* P, int bs, const float* v, int ntok, int D, int c, float* const* out) {
+    __m256 acc[R][NV];
+    OVKC_UNROLL for (int r = 0; r < R; ++r) OVKC_UNROLL for (int u = 0; u < NV; ++u)
+        acc[r][u] = _mm256_loadu_ps(out[r] + c + 8 * u);
+    for (int j = 0; j < ntok; ++j) {
+        const float* vrow = v + static_cast<size_t>(j) * D + c;
+        __m256 vv[NV];
+        OVKC_UNROLL for (int u = 0; u < NV; ++u) vv[u] = _mm256_loadu_ps(vrow + 8 * u);
+        OVKC_UNROLL for (int r = 0; r < R; ++r) {
+            const __m256 p = _mm256_broadcast_ss(P + r * bs + j);
+            OVKC_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_fmadd_ps(p, vv[u], acc[r][u]);
+        }
+    }
+    OVKC_UNROLL for (int r = 0; r < R; ++r) OVKC_UNROLL for (int u = 0; u < NV; ++u)
+        _mm256_storeu_ps(out[r] + c + 8 * u, acc[r][u]);
+}
+
+// R rows (at most 6) over `cols` columns (a multiple of 16): the widest tile that fits
 template <int R>
 void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
-    for (int c = 0; c < cols; c += 16) {
-        __m256 acc[R][2];
-        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int d = 0; d < D; ++d) {
-            const __m256 k0 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * bs + c);
-            const __m256 k1 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * bs + c + 8);
-            for (int r = 0; r < R; ++r) {
-                const __m256 qb = _mm256_set1_ps(q[r][d]);
-                acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < R; ++r) {
-            _mm256_storeu_ps(S + r * bs + c, acc[r][0]);
-            _mm256_storeu_ps(S + r * bs + c + 8, acc[r][1]);
-        }
-    }
-}
-
-template <int RR, int NV>
-void pv_rows(const float* P, int bs, const float* v, int ntok, int D, int c, float* const* out) {
-    __m256 acc[RR][NV];
-    for (int r = 0; r < RR; ++r)
-        for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_loadu_ps(out[r] + c + 8 * u);
-    for (int j = 0; j < ntok; ++j) {
-        __m256 vv[NV];
-        for (int u = 0; u < NV; ++u) vv[u] = _mm256_loadu_ps(v + static_cast<size_t>(j) * D + c + 8 * u);
-        for (int r = 0; r < RR; ++r) {
-            const __m256 p = _mm256_set1_ps(P[r * bs + j]);
-            for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_fmadd_ps(p, vv[u], acc[r][u]);
-        }
-    }
-    for (int r = 0; r < RR; ++r)
-        for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out[r] + c + 8 * u, acc[r][u]);
-}
-
-template <int RR>
-void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+    constexpr int NV = R <= 2 ? 4 : 2;
     int c = 0;
-    for (; c + 16 <= D; c += 16) pv_rows<RR, 2>(P, bs, v, ntok, D, c, out);
-    for (; c < D; c += 8) pv_rows<RR, 1>(P, bs, v, ntok, D, c, out);
+    for (; c + 8 * NV <= cols; c += 8 * NV) qk_tile<R, NV>(q, kt, D, bs, c, S);
+    for (; c < cols; c += 16) qk_tile<R, 2>(q, kt, D, bs, c, S);
 }
+
+// R rows (at most 6) over D channels (a multiple of 8)
+template <int R>
+void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+    constexpr int NV = R <= 2 ? 4 : 2;
+    int c = 0;
+    for (; c + 8 * NV <= D; c += 8 * NV) pv_tile<R, NV>(P, bs, v, ntok, D, c, out);
+    for (; c + 16 <= D; c += 16) pv_tile<R, 2>(P, bs, v, ntok, D, c, out);
+    for (; c < D; c += 8) pv_tile<R, 1>(P, bs, v, ntok, D, c, out);
+}
+#undef OVKC_UNROLL
 #endif
 
 void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
@@ -129,11 +146,13 @@ void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, 
     }
 #elif OVKC_AVX2
     int r = 0;
-    for (; r + 4 <= R; r += 4) qk_rows<4>(q + r, kt, D, bs, cols, S + r * bs);
+    for (; r + 6 <= R; r += 6) qk_rows<6>(q + r, kt, D, bs, cols, S + r * bs);
     switch (R - r) {
         case 1: qk_rows<1>(q + r, kt, D, bs, cols, S + r * bs); break;
         case 2: qk_rows<2>(q + r, kt, D, bs, cols, S + r * bs); break;
         case 3: qk_rows<3>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 4: qk_rows<4>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 5: qk_rows<5>(q + r, kt, D, bs, cols, S + r * bs); break;
         default: break;
     }
 #else
@@ -150,13 +169,24 @@ void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, 
 }
 
 void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
-#if OVKC_AVX512 || OVKC_AVX2
+#if OVKC_AVX512
     int r = 0;
     for (; r + 4 <= R; r += 4) pv_group<4>(P + r * bs, bs, v, ntok, D, out + r);
     switch (R - r) {
         case 1: pv_group<1>(P + r * bs, bs, v, ntok, D, out + r); break;
         case 2: pv_group<2>(P + r * bs, bs, v, ntok, D, out + r); break;
         case 3: pv_group<3>(P + r * bs, bs, v, ntok, D, out + r); break;
+        default: break;
+    }
+#elif OVKC_AVX2
+    int r = 0;
+    for (; r + 6 <= R; r += 6) pv_group<6>(P + r * bs, bs, v, ntok, D, out + r);
+    switch (R - r) {
+        case 1: pv_group<1>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 2: pv_group<2>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 3: pv_group<3>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 4: pv_group<4>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 5: pv_group<5>(P + r * bs, bs, v, ntok, D, out + r); break;
         default: break;
     }
 #else
