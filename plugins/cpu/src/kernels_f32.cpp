@@ -248,7 +248,7 @@ float exp_sum(float* s, int cols, float m) {
     __m256 sum = _mm256_setzero_ps();
     const __m256 mm = _mm256_set1_ps(m);
     for (int j = 0; j < cols; j += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mm));
+        const __m256 e = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mm));
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
     }
