@@ -89,6 +89,44 @@ def test_a_prompt_at_u8_attends_its_own_tokens_exactly_and_a_decode_token_reads_
     assert 1e-4 < err < 0.02
 
 
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "window", "softcap"),
+    [(4, 4, 64, 0, 0.0), (8, 2, 64, 45, 0.0), (14, 2, 80, 0, 20.0), (16, 2, 128, 77, 0.0)],
+)
+def test_a_decode_reads_the_u8_codes_as_their_dequantized_tokens(ov_core, hq, hkv, d, window, softcap):
+    """A decode step reads the u8 blocks in place (on AVX2, the codes are the products' operands,
+    the slots' min and scale applied around them): for every group size (1, 4, 7, 8 rows: every
+    tile shape), head size, a sliding window that starts mid-block and a soft-capped model, the
+    output is the reference over the dequantized tokens."""
+    import torch
+
+    from ov_kvcrush.methods.attention import attend
+
+    rng = np.random.default_rng(3)
+    pool = kvcache.KVPool(1, hq, hkv, d, block_size=BS, precision="u8", windows=[window])
+    seq = pool.new_sequence()
+    req = op_model(ov_core, hq, hkv, d, softcap=softcap)
+    total = 150
+    q = rng.standard_normal((1, hq, total, d), dtype=np.float32) * 2
+    k = rng.standard_normal((1, hkv, total, d), dtype=np.float32) * 3 + 1
+    v = rng.standard_normal((1, hkv, total, d), dtype=np.float32) * 2 - 0.5
+    feed(req, seq, q[:, :, :140], k[:, :, :140], v[:, :, :140])
+    for a in range(140, total):
+        out = feed(req, seq, q[:, :, a : a + 1], k[:, :, a : a + 1], v[:, :, a : a + 1])
+        kq, vq = quantized(k[:, :, : a + 1]), quantized(v[:, :, : a + 1])
+        want = attend(
+            torch.from_numpy(q[:, :, a : a + 1]),
+            torch.from_numpy(kq),
+            torch.from_numpy(vq),
+            q_positions=torch.arange(a, a + 1),
+            k_positions=torch.arange(a + 1),
+            window=window or None,
+            softcap=softcap or None,
+        ).output.numpy()
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"position {a}")
+    pool.close()
+
+
 @pytest.mark.parametrize("method", ["streamingllm", "h2o"])
 def test_evictions_move_u8_slots_with_their_scales(ov_core, method):
     """Decode evictions leave holes, then compaction moves slots (keys, values and scales): the

@@ -109,6 +109,68 @@ void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt
     }
 }
 
+// ---- the u8 store read in place (kCodeKernels) -------------------------------------------------
+// A decode reads every held block once per step: converting each to floats first (dequantize_u8)
+// cost more than the attention over it. The slot's min and scale come out of the products:
+// q.(min + scale * code) = min * sum(q) + scale * (q.code), and each p * (min + scale * code)
+// sums to (sum of p * min) + (p * scale).code.
+
+// Whether block `block_index` of hc is read as codes: the u8 store where no step's tokens must be
+// read exactly (a decode; a prompt attends its own tokens as given) and no staged copy stands in.
+bool reads_codes(const PoolConfig& cfg, const HeadCache& hc, int64_t block_index) {
+    return kCodeKernels && cfg.precision == Precision::u8 && !hc.step.k && block_index >= hc.step.staged_blocks;
+}
+
+// The logits of columns [j0, j0 + cols) of a u8 block (qsum[r]: the sum of row r's scaled query).
+void code_logits(const RowSet& rows, const float* const* q, const float* qsum, const uint8_t* base, int D, int bs,
+                 int j0, int cols, float* S) {
+#if OVKC_AVX2
+    qk_codes(rows.n, q, base + j0, D, bs, cols, S);
+    // the padding's columns read past the block's keys into its own later bytes: masked after
+    const float* kmin = reinterpret_cast<const float*>(base + 2 * static_cast<size_t>(bs) * D) + j0;
+    const float* kscale = kmin + bs;
+    for (int r = 0; r < rows.n; ++r) {
+        float* s = S + r * bs;
+        const __m256 qs = _mm256_set1_ps(qsum[r]);
+        for (int j = 0; j < cols; j += 8)
+            _mm256_storeu_ps(s + j, _mm256_fmadd_ps(_mm256_loadu_ps(kscale + j), _mm256_loadu_ps(s + j),
+                                                    _mm256_mul_ps(_mm256_loadu_ps(kmin + j), qs)));
+    }
+    if (rows.softcap > 0.0f) cap_logits(S, rows.n, cols, bs, rows.softcap);
+#else
+    (void)rows, (void)q, (void)qsum, (void)base, (void)D, (void)bs, (void)j0, (void)cols, (void)S;
+#endif
+}
+
+// out[r] += P[r][0..ntok) . the values of slots [j0, j0 + ntok) of a u8 block (P scaled in place).
+void code_values(int R, float* P, int bs, const uint8_t* base, int D, int j0, int ntok, float* const* out) {
+#if OVKC_AVX2
+    const size_t kv_elems = static_cast<size_t>(bs) * D;
+    const float* vmin = reinterpret_cast<const float*>(base + 2 * kv_elems) + 2 * bs + j0;
+    const float* vscale = vmin + bs;
+    for (int r = 0; r < R; ++r) {
+        float* p = P + r * bs;
+        __m256 sum = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= ntok; j += 8) {
+            const __m256 pj = _mm256_loadu_ps(p + j);
+            sum = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vmin + j), sum);
+            _mm256_storeu_ps(p + j, _mm256_mul_ps(pj, _mm256_loadu_ps(vscale + j)));
+        }
+        float shift = hsum256(sum);
+        for (; j < ntok; ++j) {
+            shift += p[j] * vmin[j];
+            p[j] *= vscale[j];
+        }
+        const __m256 sh = _mm256_set1_ps(shift);
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(out[r] + d, _mm256_add_ps(_mm256_loadu_ps(out[r] + d), sh));
+    }
+    pv_codes(R, P, bs, base + kv_elems + static_cast<size_t>(j0) * D, ntok, D, out);
+#else
+    (void)R, (void)P, (void)bs, (void)base, (void)D, (void)j0, (void)ntok, (void)out;
+#endif
+}
+
 // ---- float views of a block -------------------------------------------------------------------
 // Keys (transposed, [D][bs]) and values ([bs][D]) of a block as floats: the block itself for
 // f32, a converted copy in thread-local scratch for f16 and u8.
@@ -249,6 +311,10 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     float* S = tls.s.data();
     const float* q[kMaxRows];
     scaled_queries(rows, D, scale, tls.q, q);
+    float qsum[kMaxRows] = {};  // each scaled query's sum, for the u8 codes' mins
+    if (kCodeKernels && cfg.precision == Precision::u8)
+        for (int r = 0; r < rows.n; ++r)
+            for (int d = 0; d < D; ++d) qsum[r] += q[r][d];
     slot_end = std::min(slot_end, hc.size());
     slot_begin = std::max(slot_begin, first_visible_slot(hc, rows));
     for (int64_t slot0 = slot_begin / bs * bs; slot0 < slot_end; slot0 += bs) {
@@ -258,10 +324,15 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         const int64_t w0 = slot0 + j0;
         if (hc.pos[static_cast<size_t>(w0)] > max_q) break;  // positions ascend: nothing further is causal
         const int ntok = static_cast<int>(std::min<int64_t>(bs, slot_end - slot0)) - j0;
-        const float *kt, *v;
-        head_block_floats(cfg, pool, hc, slot0 / bs, j0, j0 + ntok, kt, v);
         const int cols = (ntok + 15) / 16 * 16;
-        row_logits(rows, q, kt + j0, D, bs, cols, S);
+        const float *kt = nullptr, *v = nullptr;
+        const uint8_t* codes = reads_codes(cfg, hc, slot0 / bs) ? pool.block(hc.blocks[static_cast<size_t>(slot0 / bs)]) : nullptr;
+        if (codes) {
+            code_logits(rows, q, qsum, codes, D, bs, j0, cols, S);
+        } else {
+            head_block_floats(cfg, pool, hc, slot0 / bs, j0, j0 + ntok, kt, v);
+            row_logits(rows, q, kt + j0, D, bs, cols, S);
+        }
         if (!hc.bias.empty()) add_bias(hc, rows.n, w0, ntok, bs, S);
         mask_logits(hc, rows, w0, ntok, bs, S);
         for (int r = 0; r < rows.n; ++r) {
@@ -269,7 +340,10 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
             if (rows.logits[r]) std::copy(s, s + ntok, rows.logits[r] + w0);
             if (!softmax_step(rows, r, s, cols, D)) std::fill(s, s + cols, 0.0f);  // nothing causal here
         }
-        pv(rows.n, S, bs, v + static_cast<size_t>(j0) * D, ntok, D, rows.out);
+        if (codes)
+            code_values(rows.n, S, bs, codes, D, j0, ntok, rows.out);
+        else
+            pv(rows.n, S, bs, v + static_cast<size_t>(j0) * D, ntok, D, rows.out);
     }
 }
 

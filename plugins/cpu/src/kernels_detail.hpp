@@ -200,6 +200,15 @@ inline __m256 codes8(const uint8_t* c) {
 }
 #endif
 
+#if OVKC_AVX2
+// q.k and p.v (kernels_f32.cpp's) with the u8 store's codes as the keys (transposed, row stride
+// bs) or the values (row stride D): their slots' min and scale are applied by the callers
+void qk_codes(int R, const float* const* q, const uint8_t* kt, int D, int bs, int cols, float* S);
+void pv_codes(int R, const float* P, int bs, const uint8_t* v, int ntok, int D, float* const* out);
+#endif
+// whether attention reads the u8 store's codes in place (AVX2), not a converted copy of the block
+constexpr bool kCodeKernels = OVKC_AVX2;
+
 void half_to_float(const uint16_t* src, float* dst, int64_t n);
 // u8 store: n values (strided in `codes`) as codes with their min and scale (x = min + code * scale)
 void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& lo, float& scale);

@@ -74,15 +74,26 @@ void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* co
 // rest. The unrolling is spelled out: without it GCC keeps the sums in memory.
 #define OVKC_UNROLL _Pragma("GCC unroll 8")
 
+// Where a tile's key or value vectors come from: floats in place, or the u8 store's codes as
+// floats (their slots' min and scale applied around the products, in qk_codes and pv_codes' callers)
+struct FloatRow {
+    const float* p;
+    __m256 operator()(size_t i) const { return _mm256_loadu_ps(p + i); }
+};
+struct CodeRow {
+    const uint8_t* p;
+    __m256 operator()(size_t i) const { return codes8(p + i); }
+};
+
 // S[r][c .. c + 8 NV) = q[r] . K[:, c ..) for R rows
-template <int R, int NV>
-inline void qk_tile(const float* const* q, const float* kt, int D, int bs, int c, float* S) {
+template <int R, int NV, class Keys>
+inline void qk_tile(const float* const* q, Keys kt, int D, int bs, int c, float* S) {
     __m256 acc[R][NV];
     OVKC_UNROLL for (int r = 0; r < R; ++r) OVKC_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_setzero_ps();
     for (int d = 0; d < D; ++d) {
-        const float* krow = kt + static_cast<size_t>(d) * bs + c;
+        const size_t row = static_cast<size_t>(d) * bs + c;
         __m256 k[NV];
-        OVKC_UNROLL for (int u = 0; u < NV; ++u) k[u] = _mm256_loadu_ps(krow + 8 * u);
+        OVKC_UNROLL for (int u = 0; u < NV; ++u) k[u] = kt(row + 8 * u);
         OVKC_UNROLL for (int r = 0; r < R; ++r) {
             const __m256 qb = _mm256_broadcast_ss(q[r] + d);
             OVKC_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_fmadd_ps(qb, k[u], acc[r][u]);
@@ -93,15 +104,15 @@ inline void qk_tile(const float* const* q, const float* kt, int D, int bs, int c
 }
 
 // out[r][c .. c + 8 NV) += sum_j P[r][j] * V[j][c ..) for R rows
-template <int R, int NV>
-inline void pv_tile(const float* P, int bs, const float* v, int ntok, int D, int c, float* const* out) {
+template <int R, int NV, class Values>
+inline void pv_tile(const float* P, int bs, Values v, int ntok, int D, int c, float* const* out) {
     __m256 acc[R][NV];
     OVKC_UNROLL for (int r = 0; r < R; ++r) OVKC_UNROLL for (int u = 0; u < NV; ++u)
         acc[r][u] = _mm256_loadu_ps(out[r] + c + 8 * u);
     for (int j = 0; j < ntok; ++j) {
-        const float* vrow = v + static_cast<size_t>(j) * D + c;
+        const size_t row = static_cast<size_t>(j) * D + c;
         __m256 vv[NV];
-        OVKC_UNROLL for (int u = 0; u < NV; ++u) vv[u] = _mm256_loadu_ps(vrow + 8 * u);
+        OVKC_UNROLL for (int u = 0; u < NV; ++u) vv[u] = v(row + 8 * u);
         OVKC_UNROLL for (int r = 0; r < R; ++r) {
             const __m256 p = _mm256_broadcast_ss(P + r * bs + j);
             OVKC_UNROLL for (int u = 0; u < NV; ++u) acc[r][u] = _mm256_fmadd_ps(p, vv[u], acc[r][u]);
@@ -112,8 +123,8 @@ inline void pv_tile(const float* P, int bs, const float* v, int ntok, int D, int
 }
 
 // R rows (at most 6) over `cols` columns (a multiple of 16): the widest tile that fits
-template <int R>
-void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
+template <int R, class Keys>
+void qk_rows(const float* const* q, Keys kt, int D, int bs, int cols, float* S) {
     constexpr int NV = R <= 2 ? 4 : 2;
     int c = 0;
     for (; c + 8 * NV <= cols; c += 8 * NV) qk_tile<R, NV>(q, kt, D, bs, c, S);
@@ -121,8 +132,8 @@ void qk_rows(const float* const* q, const float* kt, int D, int bs, int cols, fl
 }
 
 // R rows (at most 6) over D channels (a multiple of 8)
-template <int R>
-void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* const* out) {
+template <int R, class Values>
+void pv_group(const float* P, int bs, Values v, int ntok, int D, float* const* out) {
     constexpr int NV = R <= 2 ? 4 : 2;
     int c = 0;
     for (; c + 8 * NV <= D; c += 8 * NV) pv_tile<R, NV>(P, bs, v, ntok, D, c, out);
@@ -130,6 +141,43 @@ void pv_group(const float* P, int bs, const float* v, int ntok, int D, float* co
     for (; c < D; c += 8) pv_tile<R, 1>(P, bs, v, ntok, D, c, out);
 }
 #undef OVKC_UNROLL
+
+// any number of rows: tiles of 6, then the rest
+template <class Keys>
+void qk_any(int R, const float* const* q, Keys kt, int D, int bs, int cols, float* S) {
+    int r = 0;
+    for (; r + 6 <= R; r += 6) qk_rows<6>(q + r, kt, D, bs, cols, S + r * bs);
+    switch (R - r) {
+        case 1: qk_rows<1>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 2: qk_rows<2>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 3: qk_rows<3>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 4: qk_rows<4>(q + r, kt, D, bs, cols, S + r * bs); break;
+        case 5: qk_rows<5>(q + r, kt, D, bs, cols, S + r * bs); break;
+        default: break;
+    }
+}
+
+template <class Values>
+void pv_any(int R, const float* P, int bs, Values v, int ntok, int D, float* const* out) {
+    int r = 0;
+    for (; r + 6 <= R; r += 6) pv_group<6>(P + r * bs, bs, v, ntok, D, out + r);
+    switch (R - r) {
+        case 1: pv_group<1>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 2: pv_group<2>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 3: pv_group<3>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 4: pv_group<4>(P + r * bs, bs, v, ntok, D, out + r); break;
+        case 5: pv_group<5>(P + r * bs, bs, v, ntok, D, out + r); break;
+        default: break;
+    }
+}
+
+void qk_codes(int R, const float* const* q, const uint8_t* kt, int D, int bs, int cols, float* S) {
+    qk_any(R, q, CodeRow{kt}, D, bs, cols, S);
+}
+
+void pv_codes(int R, const float* P, int bs, const uint8_t* v, int ntok, int D, float* const* out) {
+    pv_any(R, P, bs, CodeRow{v}, ntok, D, out);
+}
 #endif
 
 void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, float* S) {
@@ -145,16 +193,7 @@ void qk(int R, const float* const* q, const float* kt, int D, int bs, int cols, 
         default: return qk_rows<8>(q, kt, D, bs, cols, S);
     }
 #elif OVKC_AVX2
-    int r = 0;
-    for (; r + 6 <= R; r += 6) qk_rows<6>(q + r, kt, D, bs, cols, S + r * bs);
-    switch (R - r) {
-        case 1: qk_rows<1>(q + r, kt, D, bs, cols, S + r * bs); break;
-        case 2: qk_rows<2>(q + r, kt, D, bs, cols, S + r * bs); break;
-        case 3: qk_rows<3>(q + r, kt, D, bs, cols, S + r * bs); break;
-        case 4: qk_rows<4>(q + r, kt, D, bs, cols, S + r * bs); break;
-        case 5: qk_rows<5>(q + r, kt, D, bs, cols, S + r * bs); break;
-        default: break;
-    }
+    qk_any(R, q, FloatRow{kt}, D, bs, cols, S);
 #else
     for (int r = 0; r < R; ++r) {
         float* s = S + r * bs;
@@ -179,16 +218,7 @@ void pv(int R, const float* P, int bs, const float* v, int ntok, int D, float* c
         default: break;
     }
 #elif OVKC_AVX2
-    int r = 0;
-    for (; r + 6 <= R; r += 6) pv_group<6>(P + r * bs, bs, v, ntok, D, out + r);
-    switch (R - r) {
-        case 1: pv_group<1>(P + r * bs, bs, v, ntok, D, out + r); break;
-        case 2: pv_group<2>(P + r * bs, bs, v, ntok, D, out + r); break;
-        case 3: pv_group<3>(P + r * bs, bs, v, ntok, D, out + r); break;
-        case 4: pv_group<4>(P + r * bs, bs, v, ntok, D, out + r); break;
-        case 5: pv_group<5>(P + r * bs, bs, v, ntok, D, out + r); break;
-        default: break;
-    }
+    pv_any(R, P, bs, FloatRow{v}, ntok, D, out);
 #else
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < ntok; ++j) {
