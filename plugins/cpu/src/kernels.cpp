@@ -121,13 +121,25 @@ bool reads_codes(const PoolConfig& cfg, const HeadCache& hc, int64_t block_index
     return kCodeKernels && cfg.precision == Precision::u8 && !hc.step.k && block_index >= hc.step.staged_blocks;
 }
 
+// The next block a decode reads (the pool's blocks lie anywhere: no prefetcher's stream leads
+// from one to the next), fetched while this one is attended.
+void prefetch_block(const PoolConfig& cfg, const Pool& pool, int32_t block) {
+    const char* p = reinterpret_cast<const char*>(pool.block(block));
+    const size_t bytes = 2 * static_cast<size_t>(cfg.block_size) * cfg.head_dim * cfg.elem_bytes() + cfg.param_bytes();
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
 // The logits of columns [j0, j0 + cols) of a u8 block (qsum[r]: the sum of row r's scaled query).
 void code_logits(const RowSet& rows, const float* const* q, const float* qsum, const uint8_t* base, int D, int bs,
                  int j0, int cols, float* S) {
 #if OVKC_AVX2
+    // the slots' mins and scales lie after the codes, out of the prefetcher's stream through them:
+    // fetched while the products run (else each block waits on memory for them, twice)
+    const uint8_t* params = base + 2 * static_cast<size_t>(bs) * D;
+    for (size_t b = 0; b < 4 * sizeof(float) * static_cast<size_t>(bs); b += 64) __builtin_prefetch(params + b);
     qk_codes(rows.n, q, base + j0, D, bs, cols, S);
     // the padding's columns read past the block's keys into its own later bytes: masked after
-    const float* kmin = reinterpret_cast<const float*>(base + 2 * static_cast<size_t>(bs) * D) + j0;
+    const float* kmin = reinterpret_cast<const float*>(params) + j0;
     const float* kscale = kmin + bs;
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * bs;
@@ -327,6 +339,7 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
         const int cols = (ntok + 15) / 16 * 16;
         const float *kt = nullptr, *v = nullptr;
         const uint8_t* codes = reads_codes(cfg, hc, slot0 / bs) ? pool.block(hc.blocks[static_cast<size_t>(slot0 / bs)]) : nullptr;
+        if (codes && slot0 + bs < slot_end) prefetch_block(cfg, pool, hc.blocks[static_cast<size_t>(slot0 / bs + 1)]);
         if (codes) {
             code_logits(rows, q, qsum, codes, D, bs, j0, cols, S);
         } else {
