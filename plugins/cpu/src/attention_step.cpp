@@ -332,14 +332,18 @@ const SlotRanges* sparse_keys(const BlockMask& sparse, int64_t h, int64_t first,
     return dense ? nullptr : &buf;
 }
 
-// 2b in rows: kMaxRows consecutive queries of one head per task, bf16 over a staged head or f32
-// over the blocks (the 2-bit store's first). The bf16 kernel also sums the probabilities the rows
-// from `from` on give each slot (the step's scores, without a second pass over the keys; from = L:
-// none). Under a sparse prefill's mask a tile attends its query block's kept key blocks only.
+// 2b in rows: kMaxRows consecutive queries of one head per task (8 under a sparse mask whose
+// blocks 12 does not divide), bf16 over a staged head or f32 over the blocks (the 2-bit store's
+// first). The bf16 kernel also sums the probabilities the rows from `from` on give each slot (the
+// step's scores, without a second pass over the keys; from = L: none). Under a sparse prefill's
+// mask a tile attends its query block's kept key blocks only.
 void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64_t from, const BlockMask& sparse) {
     const StepMode& m = ctx.mode;
     const int64_t L = m.L, D = ctx.D, G = ctx.G;
-    const int64_t tiles = (L + kMaxRows - 1) / kMaxRows;
+    // a tile's rows stay inside one of the sparse mask's query blocks (its block size is a
+    // multiple of 16, so of 8, not always of 12)
+    const int64_t T = sparse.empty() || sparse.block_size % kMaxRows == 0 ? kMaxRows : 8;
+    const int64_t tiles = (L + T - 1) / T;
     int64_t width = 0;  // the widest head, in slots
     for (int64_t g = 0; g < ctx.Hkv; ++g) width = std::max(width, ctx.head(g).size());
     ThreadColumns columns([&] { return std::vector<float>(static_cast<size_t>(ctx.Hq * width), 0.0f); });
@@ -354,22 +358,22 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
             rows.start();
             rows.window = m.window;
             rows.softcap = ctx.logit.softcap;
-            rows.n = static_cast<int>(std::min<int64_t>(kMaxRows, L - tile * kMaxRows));
+            rows.n = static_cast<int>(std::min<int64_t>(T, L - tile * T));
             for (int r = 0; r < rows.n; ++r) {
-                const int64_t i = tile * kMaxRows + r;
+                const int64_t i = tile * T + r;
                 rows.q[r] = ctx.q + (h * L + i) * D;
                 rows.qpos[r] = m.past + i;
                 rows.out[r] = ctx.out + (h * L + i) * D;
             }
             SlotRanges sparse_buf;
-            const int64_t pos0 = m.past + tile * kMaxRows;
+            const int64_t pos0 = m.past + tile * T;
             const SlotRanges* keys = sparse_keys(sparse, h, pos0, pos0 + rows.n - 1, hc.size(), sparse_buf);
             if (bf16 && hc.qblocks.empty() && hc.bias.empty()) {
                 ColumnSums sums;
-                const bool scored = tile * kMaxRows + rows.n > from;  // never under a sparse mask
+                const bool scored = tile * T + rows.n > from;  // never under a sparse mask
                 if (scored) {
                     sums.sums = columns.local().data() + h * width;
-                    sums.first_row = static_cast<int>(std::max<int64_t>(0, from - tile * kMaxRows));
+                    sums.first_row = static_cast<int>(std::max<int64_t>(0, from - tile * T));
                 }
                 attend_bf16(ctx.cfg, staged_head(ctx, p, h / G), p.staged[at(h / G)], rows, ctx.logit.scale,
                             scored ? &sums : nullptr, keys);
@@ -384,7 +388,7 @@ void attend_prompt_rows(StepContext& ctx, const PromptHeads& p, bool bf16, int64
             }
             if (m.scores)
                 for (int r = 0; r < rows.n; ++r)
-                    ctx.lse[at(h * L + tile * kMaxRows + r)] = rows.m[r] + std::log(rows.l[r]);
+                    ctx.lse[at(h * L + tile * T + r)] = rows.m[r] + std::log(rows.l[r]);
         }
     });
     if (from < L) add_thread_columns(ctx, columns, width);

@@ -16,7 +16,13 @@
 
 namespace ovkc {
 
+// Query rows a task attends together: AVX-512's kernels hold 8 rows' sums in registers; AVX2's
+// tiles hold 6, so there a task takes two tiles' worth (every key block read once per 12 rows).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kMaxRows = 12;
+#else
 constexpr int kMaxRows = 8;
+#endif
 
 // Slots of a head as ascending, disjoint [begin, end) ranges.
 using SlotRanges = std::vector<std::pair<int64_t, int64_t>>;
