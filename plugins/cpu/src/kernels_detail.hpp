@@ -1,7 +1,7 @@
-// What the kernel files share (kernels.cpp, kernels_bf16.cpp, kernels_quant.cpp, and the sparse
-// prefill's estimate in sparse_prefill.cpp): the vector-unit
-// switches, f16 conversion, thread-local scratch, a block's float view and the online-softmax
-// step. Internal to the kernels; the interface is kernels.hpp.
+// What the kernel files share (kernels.cpp, kernels_f32.cpp, kernels_u8.cpp, kernels_bf16.cpp,
+// kernels_quant.cpp, and the sparse prefill's estimate in sparse_prefill.cpp): the vector-unit
+// switches, f16 conversion, the u8 store's codes, thread-local scratch, a block's float view and
+// the online-softmax step. Internal to the kernels; the interface is kernels.hpp.
 #pragma once
 
 #include <cstdint>
@@ -214,6 +214,15 @@ void half_to_float(const uint16_t* src, float* dst, int64_t n);
 void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& lo, float& scale);
 // u8 store: columns [j0, j1) of a block's keys (transposed) and values as floats
 void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt, float* v);
+// u8 store read in place (kernels_u8.cpp): whether block `block_index` of hc is read as codes (a
+// decode on AVX2; a prompt attends its own tokens exactly); the logits of its columns [j0, j0 +
+// cols) (qsum[r]: the sum of row r's scaled query); out[r] += P[r][0..ntok) . its values from slot
+// j0 (P scaled in place); and the next block fetched while one is attended
+bool reads_codes(const PoolConfig& cfg, const HeadCache& hc, int64_t block_index);
+void code_logits(const RowSet& rows, const float* const* q, const float* qsum, const uint8_t* base, int D, int bs,
+                 int j0, int cols, float* S);
+void code_values(int R, float* P, int bs, const uint8_t* base, int D, int j0, int ntok, float* const* out);
+void prefetch_block(const PoolConfig& cfg, const Pool& pool, int32_t block);
 void float_to_half(const float* src, uint16_t* dst, int64_t n);
 
 // Per-thread buffers (a converted block, logits, scaled queries).
