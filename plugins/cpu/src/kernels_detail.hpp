@@ -131,16 +131,13 @@ inline __m512 exp512(__m512 x) {
 #endif
 
 #if OVKC_AVX2
-// exp512's Cephes expf on 8 lanes, the same arithmetic step for step; AVX2 has no scalef, so
-// 2^n is applied in two halves (each a normal power of two down to n = -150), which reaches
-// the denormals with the one rounding scalef does. Lanes below -104 (and -inf) give exactly 0.
-inline __m256 exp256(__m256 x) {
-    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+// exp512's Cephes expf on 8 lanes, the same arithmetic step for step, for x already clamped:
+// n = round(x / ln 2) and the polynomial of r = x - n ln 2 (e^x = 2^n times what it returns).
+inline __m256 exp256_reduced(__m256 x, __m256i& n) {
+    const __m256 nf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(-2.12194440e-4f), r);
     __m256 p = _mm256_set1_ps(1.9875691500e-4f);
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
@@ -148,13 +145,25 @@ inline __m256 exp256(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     const __m256 r2 = _mm256_mul_ps(r, r);
-    __m256 y = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
-    return _mm256_and_ps(y, live);
+    n = _mm256_cvtps_epi32(nf);
+    return _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+}
+
+// 2^n as a float, for n in [-126, 127]
+inline __m256 pow2_256(__m256i n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+
+// e^x: AVX2 has no scalef, so 2^n is applied in two halves (each a normal power of two down to
+// n = -150), which reaches the denormals with the one rounding scalef does. Lanes below -104
+// (and -inf) give exactly 0.
+inline __m256 exp256(__m256 x) {
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.0f));
+    __m256i n;
+    const __m256 y = exp256_reduced(x, n);
+    const __m256i n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+    return _mm256_and_ps(_mm256_mul_ps(_mm256_mul_ps(y, pow2_256(n1)), pow2_256(n2)), live);
 }
 
 // exp256 where x <= 0 (a softmax's s - max): lanes below -87 (and -inf) give 0, so every 2^n
@@ -162,22 +171,9 @@ inline __m256 exp256(__m256 x) {
 // denormals (below 2^-126 = 1.2e-38): nothing beside the row's largest term, e^0 = 1.
 inline __m256 exp256_nonpositive(__m256 x) {
     const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 r2 = _mm256_mul_ps(r, r);
-    __m256 y = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_and_ps(y, live);
+    __m256i n;
+    const __m256 y = exp256_reduced(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), n);
+    return _mm256_and_ps(_mm256_mul_ps(y, pow2_256(n)), live);
 }
 
 inline float hsum256(__m256 v) {
