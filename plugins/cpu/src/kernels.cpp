@@ -182,12 +182,15 @@ void attend_range(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, 
     float* S = tls.s.data();
     const float* q[kMaxRows];
     scaled_queries(rows, D, scale, tls.q, q);
-    float qsum[kMaxRows] = {};  // each scaled query's sum, for the u8 codes' mins
-    if (kCodeKernels && cfg.precision == Precision::u8)
-        for (int r = 0; r < rows.n; ++r)
-            for (int d = 0; d < D; ++d) qsum[r] += q[r][d];
     slot_end = std::min(slot_end, hc.size());
     slot_begin = std::max(slot_begin, first_visible_slot(hc, rows));
+    float qsum[kMaxRows] = {};  // each scaled query's sum, for the u8 codes' mins
+    // a step reads every block as codes or none (a staged copy covers every block of its head)
+    if (reads_codes(cfg, hc, slot_begin / bs)) {
+        for (int r = 0; r < rows.n; ++r)
+            for (int d = 0; d < D; ++d) qsum[r] += q[r][d];
+        if (slot_begin < slot_end) prefetch_block(cfg, pool, hc.blocks[static_cast<size_t>(slot_begin / bs)]);
+    }
     for (int64_t slot0 = slot_begin / bs * bs; slot0 < slot_end; slot0 += bs) {
         // the range's part of this block: slots [w0, w0 + ntok), handled as a window starting at
         // its first slot (a recalled cluster may start and end mid-block: no work on the rest)

@@ -206,6 +206,14 @@ void pv_codes(int R, const float* P, int bs, const uint8_t* v, int ntok, int D, 
 constexpr bool kCodeKernels = OVKC_AVX2;
 
 void half_to_float(const uint16_t* src, float* dst, int64_t n);
+// u8 store: a block's slot parameters lie after its codes (keys [D][bs], then values [bs][D]):
+// four rows of bs floats, the keys' mins, the keys' scales, the values' mins, the values' scales
+inline float* u8_params(uint8_t* base, int bs, int D) {
+    return reinterpret_cast<float*>(base + 2 * static_cast<size_t>(bs) * D);
+}
+inline const float* u8_params(const uint8_t* base, int bs, int D) {
+    return reinterpret_cast<const float*>(base + 2 * static_cast<size_t>(bs) * D);
+}
 // u8 store: n values (strided in `codes`) as codes with their min and scale (x = min + code * scale)
 void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& lo, float& scale);
 // u8 store: columns [j0, j1) of a block's keys (transposed) and values as floats
@@ -213,7 +221,7 @@ void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt
 // u8 store read in place (kernels_u8.cpp): whether block `block_index` of hc is read as codes (a
 // decode on AVX2; a prompt attends its own tokens exactly); the logits of its columns [j0, j0 +
 // cols) (qsum[r]: the sum of row r's scaled query); out[r] += P[r][0..ntok) . its values from slot
-// j0 (P scaled in place); and the next block fetched while one is attended
+// j0 (P scaled in place); and a block fetched ahead of its reading
 bool reads_codes(const PoolConfig& cfg, const HeadCache& hc, int64_t block_index);
 void code_logits(const RowSet& rows, const float* const* q, const float* qsum, const uint8_t* base, int D, int bs,
                  int j0, int cols, float* S);

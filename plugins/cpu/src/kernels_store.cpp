@@ -14,7 +14,7 @@ namespace {
 // One token into slot j of a u8 block: codes, then its min and scale for keys and for values.
 void store_u8(uint8_t* base, int bs, int D, int j, const float* k, const float* v) {
     const size_t kv_elems = static_cast<size_t>(bs) * D;
-    auto* p = reinterpret_cast<float*>(base + 2 * kv_elems);
+    float* p = u8_params(base, bs, D);
     quantize_u8(k, D, base + j, bs, p[j], p[bs + j]);
     quantize_u8(v, D, base + kv_elems + static_cast<size_t>(j) * D, 1, p[2 * bs + j], p[3 * bs + j]);
 }
@@ -148,7 +148,7 @@ void load_token(const PoolConfig& cfg, const Pool& pool, const HeadCache& hc, in
         for (int d = 0; d < D; ++d) k[d] = kt[static_cast<size_t>(d) * bs + j];
         std::memcpy(v, kt + kv_elems + static_cast<size_t>(j) * D, sizeof(float) * D);
     } else if (cfg.precision == Precision::u8) {
-        const auto* p = reinterpret_cast<const float*>(base + 2 * kv_elems);
+        const float* p = u8_params(base, bs, D);
         for (int d = 0; d < D; ++d) k[d] = p[j] + static_cast<float>(base[static_cast<size_t>(d) * bs + j]) * p[bs + j];
         const uint8_t* c = base + kv_elems + static_cast<size_t>(j) * D;
         for (int d = 0; d < D; ++d) v[d] = p[2 * bs + j] + static_cast<float>(c[d]) * p[3 * bs + j];

@@ -28,7 +28,7 @@ void quantize_u8(const float* x, int n, uint8_t* codes, int64_t stride, float& l
 
 void dequantize_u8(const uint8_t* base, int bs, int D, int j0, int j1, float* kt, float* v) {
     const size_t kv_elems = static_cast<size_t>(bs) * D;
-    const auto* p = reinterpret_cast<const float*>(base + 2 * kv_elems);
+    const float* p = u8_params(base, bs, D);
     const float *kmin = p, *kscale = p + bs, *vmin = p + 2 * bs, *vscale = p + 3 * bs;
     // the window's columns, padded to whole vectors (the attention reads 16 columns at a time)
     const int w1 = std::min(j0 + (j1 - j0 + 15) / 16 * 16, bs);
@@ -89,8 +89,9 @@ bool reads_codes(const PoolConfig& cfg, const HeadCache& hc, int64_t block_index
     return kCodeKernels && cfg.precision == Precision::u8 && !hc.step.k && block_index >= hc.step.staged_blocks;
 }
 
-// The next block a decode reads (the pool's blocks lie anywhere: no prefetcher's stream leads
-// from one to the next), fetched while this one is attended.
+// A block a decode is about to read, fetched ahead: the pool's blocks lie anywhere (no
+// prefetcher's stream leads from one to the next) and the slots' mins and scales past the codes
+// (else each block waits on memory for them, twice).
 void prefetch_block(const PoolConfig& cfg, const Pool& pool, int32_t block) {
     const char* p = reinterpret_cast<const char*>(pool.block(block));
     const size_t bytes = 2 * static_cast<size_t>(cfg.block_size) * cfg.head_dim * cfg.elem_bytes() + cfg.param_bytes();
@@ -101,13 +102,9 @@ void prefetch_block(const PoolConfig& cfg, const Pool& pool, int32_t block) {
 void code_logits(const RowSet& rows, const float* const* q, const float* qsum, const uint8_t* base, int D, int bs,
                  int j0, int cols, float* S) {
 #if OVKC_AVX2
-    // the slots' mins and scales lie after the codes, out of the prefetcher's stream through them:
-    // fetched while the products run (else each block waits on memory for them, twice)
-    const uint8_t* params = base + 2 * static_cast<size_t>(bs) * D;
-    for (size_t b = 0; b < 4 * sizeof(float) * static_cast<size_t>(bs); b += 64) __builtin_prefetch(params + b);
     qk_codes(rows.n, q, base + j0, D, bs, cols, S);
     // the padding's columns read past the block's keys into its own later bytes: masked after
-    const float* kmin = reinterpret_cast<const float*>(params) + j0;
+    const float* kmin = u8_params(base, bs, D) + j0;
     const float* kscale = kmin + bs;
     for (int r = 0; r < rows.n; ++r) {
         float* s = S + r * bs;
@@ -125,8 +122,7 @@ void code_logits(const RowSet& rows, const float* const* q, const float* qsum, c
 // out[r] += P[r][0..ntok) . the values of slots [j0, j0 + ntok) of a u8 block (P scaled in place).
 void code_values(int R, float* P, int bs, const uint8_t* base, int D, int j0, int ntok, float* const* out) {
 #if OVKC_AVX2
-    const size_t kv_elems = static_cast<size_t>(bs) * D;
-    const float* vmin = reinterpret_cast<const float*>(base + 2 * kv_elems) + 2 * bs + j0;
+    const float* vmin = u8_params(base, bs, D) + 2 * bs + j0;
     const float* vscale = vmin + bs;
     for (int r = 0; r < R; ++r) {
         float* p = P + r * bs;
@@ -145,7 +141,7 @@ void code_values(int R, float* P, int bs, const uint8_t* base, int D, int j0, in
         const __m256 sh = _mm256_set1_ps(shift);
         for (int d = 0; d < D; d += 8) _mm256_storeu_ps(out[r] + d, _mm256_add_ps(_mm256_loadu_ps(out[r] + d), sh));
     }
-    pv_codes(R, P, bs, base + kv_elems + static_cast<size_t>(j0) * D, ntok, D, out);
+    pv_codes(R, P, bs, base + (static_cast<size_t>(bs) + j0) * D, ntok, D, out);
 #else
     (void)R, (void)P, (void)bs, (void)base, (void)D, (void)j0, (void)ntok, (void)out;
 #endif
