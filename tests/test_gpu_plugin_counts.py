@@ -106,3 +106,74 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, ti
             assert 0 < step["to_device"] <= CROSSING_SHARE.get(method, 0.01) * step["kv_read"], (method, step)
         per_layer = {s["ours"] / layers for s in steps}
         assert len(per_layer) == 1 and per_layer.pop() <= PER_LAYER[method], (method, steps)
+
+
+#: four sequences decoding together (issue 71's size is 4 of 8,000 tokens, budget 1024: the tool
+#: ``ov_kvcrush.tools.gpu_step_counts``; here small): their method work is one launch a kernel
+#: over the step's sequences, so a layer's commands are a sequence's (:data:`PER_LAYER`), and a
+#: MiniKV step in which sequences flush a 2-bit chunk stays within them too
+SEQUENCES, BATCH_PROMPT, BATCH_BUDGET, BATCH_STEPS = 4, 160, 48, 17
+
+
+def _batch_counts(model_dir: str, prompts: list[list[int]]) -> list[list[dict]]:
+    """Per case, per decode step of every sequence's one token (``BATCH_STEPS`` of them: every
+    MiniKV sequence flushes a chunk of 16 among them): the decode rows, waits and our commands."""
+    from ov_kvcrush.config import CompressionConfig, GenerationSettings
+    from ov_kvcrush.gpu import emulation
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+    ours = emulation.own_kernels()
+    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
+                            properties={"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    settings = GenerationSettings(max_new_tokens=BATCH_STEPS + 8, ignore_eos=True)
+    out = []
+    try:
+        for method, budget, options in CASES:
+            small = {"sink_tokens": 4, "recent_tokens": 8} if method in SINKS_AND_RECENT else {}
+            budget = budget and BATCH_BUDGET
+            engine.set_compression(CompressionConfig(method=method, budget=budget, options=options, **small))
+            loop = engine.batcher
+            for i, ids in enumerate(prompts):
+                loop.add_request(i, ids, settings)
+            while loop.stats["decode_rows"] < 2 * SEQUENCES:  # each has decoded: the inputs re-laid
+                loop.step()
+            steps = []
+            for _ in range(BATCH_STEPS):
+                rows, before = loop.stats["decode_rows"], emulation.counts()
+                loop.step()
+                c = emulation.counts() - before
+                steps.append({"rows": loop.stats["decode_rows"] - rows, "waits": c.waits,
+                              "ours": c.kernels_named(ours) + c.device_copies,
+                              "flushes": c.kernels.get("step_flushed_scores", 0),
+                              "selections": c.kernels.get("block_mask", 0)})  # fmt: skip
+            while loop.has_non_finished_requests():
+                loop.step()
+            out.append(steps)
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.model
+def test_four_sequences_decoding_together_take_a_sequences_commands_a_layer(emulation_worker, tiny_llama3_ir):
+    """Four sequences decode together: each step waits as the full cache's does, and every
+    method's commands a layer stay within one sequence's (:data:`PER_LAYER`: at most 3 for the
+    full cache and 6 for any method), in every step, MiniKV's flushes among them, except a step
+    in which block-wise KVCrush selects anew (its blocks' signatures, buckets and gather: still
+    each sequence's own kernels, once a block's worth of tokens). Oracle: the single-sequence
+    counts; and before the launches over a step's sequences, a layer took the model's 3 plus
+    each sequence's own (SnapKV: 3 + 4 x 3 = 15)."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(10, 380, BATCH_PROMPT + 9 * i)] for i in range(SEQUENCES)]
+    got = emulation_worker.submit(_batch_counts, tiny_llama3_ir, prompts).result(timeout=1500)
+    layers = 2
+    full_waits = {s["waits"] for s in got[0]}
+    assert len(full_waits) == 1, got[0]
+    for (method, _, _), steps in zip(CASES, got, strict=True):
+        assert all(s["rows"] == SEQUENCES for s in steps), (method, steps)
+        assert all(s["waits"] in full_waits for s in steps), (method, steps)
+        plain = [s for s in steps if not s["selections"]]
+        assert len(plain) == len(steps) or method == "kvcrush", (method, steps)
+        assert max(s["ours"] for s in plain) / layers <= PER_LAYER[method], (method, steps)
+    minikv = got[[c[0] for c in CASES].index("minikv")]
+    assert sum(s["flushes"] for s in minikv) >= layers  # chunks flushed in the steps counted, in the launch

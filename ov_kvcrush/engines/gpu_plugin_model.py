@@ -38,6 +38,7 @@ from ov_kvcrush.gpu.plugin_cache import (
 )
 from ov_kvcrush.gpu.pool import largest_pool
 from ov_kvcrush.gpu.slots import StepLogits
+from ov_kvcrush.gpu.step_work import StepLogitRows, StepTables, launch_step_work
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs
@@ -172,6 +173,9 @@ class PluginModel:
         #: serves: held here alone until that pool is closed, then let go at the start of a step
         #: (:meth:`_let_go_of_closed_pools_requests`)
         self._requests: dict[int, tuple[PluginKVPool, Any]] = {}
+        #: each request's block tables as last bound (a buffer of ours it holds a handle of: kept
+        #: until the request is destroyed)
+        self._bound_tables: dict[int, Any] = {}
         self._request_keys = itertools.count()
 
     def _convert(self, variant: ModelVariant) -> ConvertedModel:
@@ -240,6 +244,7 @@ class PluginModel:
         cycle) goes when Python's cycle collector runs: at any allocation, in any thread."""
         for key in [k for k, (pool, _) in self._requests.items() if pool.closed]:
             del self._requests[key]
+            self._bound_tables.pop(key, None)  # after the request that holds it
 
     def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` for ``key``, grown by doubling: the previous
@@ -292,10 +297,15 @@ class PluginModel:
         step = plan_step(sequences, [len(x) for x in ids])
         model = step_inputs.ragged_step_inputs(self.input_names, ids, list(range(len(ids))), past)
         feeds = {name: x for name, x in model.items() if name in self.input_names} | step.inputs
-        for name, array in feeds.items():
-            request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         pool = sequences[0].pool
         blocks, kv_pool = pool.quant_blocks, pool.device_pool  # bound each step: both buffers grow
+        # the block tables in a buffer of ours: the model's layers and the methods' work read them
+        tables = np.ascontiguousarray(feeds.pop("kvc_tables"))
+        tables_b = self.dev.to_device(tables)  # counted with the step's inputs (plan_step)
+        request.set_tensor("kvc_tables", buffer_tensor(self.context, tables_b, ov.Type.i32, list(tables.shape)))
+        self._bound_tables[handle.key] = tables_b
+        for name, array in feeds.items():
+            request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         pool_bytes = kv_pool.capacity * kv_pool.shape.block_bytes
         request.set_tensor("kvc_pool", buffer_tensor(self.context, kv_pool.buffer, ov.Type.u8, [pool_bytes]))
         if blocks is not None:
@@ -317,11 +327,17 @@ class PluginModel:
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
         self.dev.synced()  # the previous step's method work was queued before the model's: done too
+        works = []
         for i, seq in enumerate(sequences):
             # a decode step that asked for the logits is scored from them: its rows are not read
             rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] and not stride else buffers
             logits_i = [StepLogits(b, stride, len(sequences), i) for b in logit_buffers] if stride else None
-            seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i)
+            works.append(seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i))
+        step_tables = StepTables(tables_b, tables.shape[1], tables.shape[2])
+        for layer, logit_buffer in enumerate(logit_buffers):  # one launch a kernel over the step's sequences
+            layer_logits = StepLogitRows(logit_buffer, stride, len(sequences)) if stride else None
+            launch_step_work(kv_pool, layer, [w[layer] for w in works], step_tables, layer_logits,
+                             s.q_heads // s.kv_heads)  # fmt: skip
         # the methods' work is left queued: the next step's model runs after it on the one queue
         logits = np.array(request.get_output_tensor(0).data[0], np.float32)
         crossed = kv_pool.crossings[step.phase].to_host

@@ -71,6 +71,16 @@ class KernelDevice:
         None where the host does not say."""
         return None
 
+    def view_align(self) -> int | None:
+        """The words a view's offset must be a multiple of (:meth:`view`); None where this host
+        makes no views of a buffer."""
+        return None
+
+    def view(self, buffer: Any, offset: int, nbytes: int) -> Any:
+        """Bytes ``offset .. offset + nbytes`` of ``buffer`` as a buffer of their own (the same
+        memory; ``offset`` a multiple of :meth:`view_align` words)."""
+        raise NotImplementedError
+
     def copy_rect(
         self, src: Any, src_stride: int, dst: Any, dst_stride: int, at: int, rows: int, n: int, first_row: int = 0,
         src_at: int = 0,
@@ -118,6 +128,12 @@ class Device(KernelDevice):
 
     def largest_allocation(self) -> int | None:
         return int(self.device.max_mem_alloc_size)
+
+    def view_align(self) -> int | None:
+        return max(1, int(self.device.mem_base_addr_align) // 32)  # bits to 4-byte words
+
+    def view(self, buffer: Any, offset: int, nbytes: int) -> Any:
+        return buffer.get_sub_region(offset, nbytes)  # a sub-buffer: it keeps its parent alive
 
     def synced(self) -> None:
         """Every command enqueued so far has finished (a blocking read returned, an inference

@@ -31,9 +31,11 @@ import numpy as np
 import torch
 
 from ov_kvcrush.errors import ConfigError
+from ov_kvcrush.gpu.arena import SlotState
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
 from ov_kvcrush.gpu.snapkv import launch_keep
+from ov_kvcrush.gpu.step_work import DROP_LOWEST, StepWork
 from ov_kvcrush.methods import LayerCache
 from ov_kvcrush.methods.importance import EvictionConfig, SnapKVConfig
 from ov_kvcrush.methods.knorm import KnormConfig
@@ -164,6 +166,12 @@ class DeviceFullLayerCache(LayerCache):
         decode row's logits as the model's attention wrote them, where it was asked to): the full
         cache's is none."""
 
+    def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
+        """:meth:`after_model_step`'s work as its sequence's row of a launch over the step's
+        sequences (:mod:`ov_kvcrush.gpu.step_work`), the host's side done here; None where the
+        step's work is not such a row (then :meth:`after_model_step` does it). The full cache's: none."""
+        return None
+
 
 class DeviceH2OLayerCache(DeviceFullLayerCache):
     """H2O over the device pool: every prompt row's probabilities scored, ``budget`` tokens kept
@@ -174,12 +182,19 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         super().__init__(pool, kv_heads, q_heads)
         self.config = config
         self.budget = budget
-        self.scores: Any = None  # device [Hq, stride] float32: each held slot's accumulated score
+        #: device [Hq, stride] float32: each held slot's accumulated score (:attr:`scores`)
+        self.score_state: SlotState | None = None
         self.stride = 0
         #: the prompt's selection is final (MiniKV): decode steps keep every token
         self.frozen = config.selection_frozen()
         #: device [Hq, prompt_end]: a chunked prompt's window sums so far (None: none yet)
         self._chunk_sums: Any = None
+
+    @property
+    def scores(self) -> Any:
+        """The scores' device buffer (None before the prompt's), taken at each use: it lies in
+        the pool's arena, which may have grown since."""
+        return self.score_state.buffer if self.score_state is not None else None
 
     def _metadata_bytes(self) -> int:
         return 4 * self.layer.q_heads * self.stride
@@ -200,9 +215,13 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         """The prompt's scores from its window's per-slot sums (device ``[Hq, t]``, pooled here;
         none without a window), then the prompt's selection."""
         window, width, pool = self.prompt_scoring(t)
-        dev = self.layer.pool.dev
-        scores = self._pooled(window_sums, t, width, pool) if window else dev.zeros(4 * self.layer.q_heads * t)
-        self.scores, self.stride = scores, t
+        p, nbytes = self.layer.pool, 4 * self.layer.q_heads * t
+        scores = p.slot_state(nbytes)
+        if window:
+            self._pooled(window_sums, t, width, pool, scores.buffer)
+        else:
+            p.dev.clear(scores.buffer, nbytes)
+        self.score_state, self.stride = scores, t
         self._new_token_scores(0)
         if t > self.budget:
             self._evict(width=1)
@@ -283,6 +302,29 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
             self._add(lay.prompt_on_device(rows, n, first_row, scale, n)[1], lay.held, before)
         self._decode_scored(before)
 
+    def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
+        """A decode token's :meth:`after_model_step`: its probabilities added from the logits,
+        the new slot's starting score, and past the budget the lowest middle slot dropped; None
+        for any other step (a prompt, several tokens, a selection of many slots)."""
+        lay, cfg = self.layer, self.config
+        n, held = self.score_rows(t), lay.held
+        if self.scores is None or t != 1 or lay.pool.slot_arena is None or (n and logits is None):
+            return None
+        evicts = held > self.budget and not self.frozen
+        if evicts and not self._drops_one_lowest(held):
+            return None
+        work = StepWork(lay, self.score_state, self.stride, held=held)
+        if n:
+            work.add_from, work.scored = held - 1, self._scored()
+        self._new_token_work(work, held - 1)
+        if evicts:
+            work.drop_one(DROP_LOWEST, cfg.sink_tokens, held - cfg.sink_tokens - cfg.recent_tokens)
+            self._bump("evicted", float(lay.kv_heads))
+        return work
+
+    def _new_token_work(self, work: StepWork, first: int) -> None:
+        """:meth:`_new_token_scores` as a part of the step's ``work``: H2O's start at zero."""
+
     def _add_chunk_sums(self, sums: Any) -> Any:
         """A prompt chunk's window sums over the slots held (``sums`` ``[Hq, held]``; None: none
         of its rows is in the window) added to the prompt's so far; those so far (None: none yet).
@@ -312,15 +354,15 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
     def _kernel(self, name: str, source: str = "snapkv.cl") -> Any:
         return self.layer.pool.dev.kernel(source, name, {})
 
-    def _pooled(self, sums: Any, n: int, width: int, pool: str) -> Any:
+    def _pooled(self, sums: Any, n: int, width: int, pool: str, out: Any) -> None:
+        """The window's sums ``[Hq, n]`` pooled along the slots (``width`` 1: as they are) into ``out``."""
         dev = self.layer.pool.dev
         if width == 1:
-            return sums
-        out = dev.empty(4 * self.layer.q_heads * n)
+            dev.copy_bytes(sums, out, 4 * self.layer.q_heads * n, 0)
+            return
         i32 = np.int32
         dev.run(self._kernel("pool_rows"), (n, self.layer.q_heads), None, sums, i32(n), i32(n), i32(width),
                 i32(pool == "avg"), out)  # fmt: skip
-        return out
 
     def _scored(self) -> int:
         """Slots the scores cover (the store's: here the pool's)."""
@@ -339,14 +381,15 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
                                 self.scores, i32(self.stride), i32(before), logits.buffer, i32(logits.stride),
                                 i32(logits.rows), i32(logits.row))  # fmt: skip
 
-    def _gather_scores(self, kept: tuple[Any, int], count: int, stride: int) -> Any:
+    def _gather_scores(self, kept: tuple[Any, int], count: int, stride: int) -> SlotState:
         """The scores of each KV head's slots ``kept`` (device ``[kv, count]`` and its row stride:
         0 when every head keeps the same list) in a new buffer of row stride ``stride``."""
         dev, lay = self.layer.pool.dev, self.layer
-        out = dev.empty(4 * lay.q_heads * max(stride, 1))  # written whole: zero past the kept slots
+        out = lay.pool.slot_state(4 * lay.q_heads * max(stride, 1))  # written whole: zero past the kept slots
         i32 = np.int32
         dev.run(self._kernel("gather_rows"), (max(stride, 1), lay.q_heads), None, self.scores, i32(self.stride),
-                kept[0], i32(kept[1]), i32(count), i32(lay.q_heads // lay.kv_heads), out, i32(stride))  # fmt: skip
+                kept[0], i32(kept[1]), i32(count), i32(lay.q_heads // lay.kv_heads), out.buffer,
+                i32(stride))  # fmt: skip
         return out
 
     def _grow(self, need: int) -> None:
@@ -357,7 +400,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         """The held slots' scores copied into a fresh buffer of row stride ``stride``, zero past them."""
         held = self._scored()
         every = self.layer.pool.upload_slots("held slots", np.arange(held, dtype=np.int32))
-        self.scores = self._gather_scores((every, 0), held, stride)  # one list for every head
+        self.score_state = self._gather_scores((every, 0), held, stride)  # one list for every head
         self.stride = stride
 
     def _evict(self, width: int) -> None:
@@ -365,13 +408,18 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         where one slot a head goes (a decode step past the budget), drop it in place."""
         lay = self.layer
         n = lay.held
-        if n == self.budget + 1 and self._drops_lowest() and n > self.config.sink_tokens + self.config.recent_tokens:
+        if self._drops_one_lowest(n):
             self._drop_lowest(n)
             return
         kept = self._select(n, width)
-        self.scores = self._gather_scores((kept.slots, kept.stride), kept.count, self.stride)
+        self.score_state = self._gather_scores((kept.slots, kept.stride), kept.count, self.stride)
         lay.keep(kept)
         self._bump("evicted", float((n - kept.count) * lay.kv_heads))
+
+    def _drops_one_lowest(self, n: int) -> bool:
+        """Whether an eviction of ``n`` held slots drops the one lowest middle slot a head, in place."""
+        cfg = self.config
+        return n == self.budget + 1 and self._drops_lowest() and n > cfg.sink_tokens + cfg.recent_tokens
 
     def _drops_lowest(self) -> bool:
         """Whether the selection keeps the top summed scores (H2O's rank rule), so that one slot
@@ -418,6 +466,9 @@ class DeviceKnormLayerCache(DeviceH2OLayerCache):
 
     def _new_token_scores(self, first: int) -> None:
         self.layer.key_norms(first, self.layer.held - first, self.scores, self.stride)
+
+    def _new_token_work(self, work: StepWork, first: int) -> None:
+        work.norms_from = first
 
 
 class DeviceSnapKVLayerCache(DeviceH2OLayerCache):

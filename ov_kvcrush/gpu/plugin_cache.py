@@ -36,6 +36,7 @@ from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
 from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits
+from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
@@ -227,16 +228,26 @@ class PluginKVSequence:
             raise UserError(f"the layers of {self.pool.method.name} score different rows: {sorted(rows)}")
         return rows.pop()
 
-    def after_step(self, rows: list[Any], t: int, phase: str, logits: list[StepLogits] | None = None) -> None:
+    def after_step(
+        self, rows: list[Any], t: int, phase: str, logits: list[StepLogits] | None = None
+    ) -> list[StepWork | None]:
         """Each layer's method work after the model's step (``rows``: each layer's device buffer
         of this sequence's last query rows of the step; ``logits``: each layer's of its decode
-        row, where the step asked the model for them), timed as the op times its policies."""
+        row, where the step asked the model for them), timed as the op times its policies: the
+        layers' rows of the launches over the step's sequences (:func:`~ov_kvcrush.gpu.step_work.launch_step_work`),
+        None where a layer did its work here."""
         self.pool.device_pool.phase = phase  # where the work's crossings count
         t0 = time.perf_counter_ns()
+        works: list[StepWork | None] = []
         for i, (cache, buffer) in enumerate(zip(self.caches, rows, strict=True)):
-            cache.after_model_step(buffer, t, logits[i] if logits else None)
+            step_logits = logits[i] if logits else None
+            work = cache.step_work(t, step_logits) if phase == "decode" else None
+            if work is None:
+                cache.after_model_step(buffer, t, step_logits)
             cache.finish_step()
+            works.append(work)
         self.policy_ns[phase] += time.perf_counter_ns() - t0
+        return works
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu import HOSTS
-from ov_kvcrush.gpu.arena import IndexArena
+from ov_kvcrush.gpu.arena import IndexArena, SlotState
 from ov_kvcrush.gpu.attention import DecodeBuffers, QuantHeads, decode_buffers, launch_decode, launch_quant_logits
 from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
@@ -108,6 +108,10 @@ class DevicePool:
         self.phase = "prompt"  # set by the layer caches
         self._quant: dict[QuantShape, QuantBlocks] = {}
         self._arena: IndexArena | None = None
+        align = self.dev.view_align()
+        #: every layer's and sequence's scores and slot positions (:class:`SlotState`), where the
+        #: device makes views: one buffer that a launch over a step's sequences reads
+        self.slot_arena: IndexArena | None = IndexArena(self.dev, align) if align else None
         #: a decode's slot list where it has none (the kernels take a buffer; made once)
         self.no_slots = self.dev.zeros(4)
 
@@ -123,6 +127,10 @@ class DevicePool:
         if self._arena is None:
             self._arena = IndexArena(self.dev)
         return self._arena
+
+    def slot_state(self, nbytes: int) -> SlotState:
+        """A buffer of ``nbytes`` for a layer's per-slot state, in :attr:`slot_arena` where there is one."""
+        return SlotState(self.dev, nbytes, self.slot_arena)
 
     @property
     def blocks_in_use(self) -> int:
@@ -226,7 +234,7 @@ class PagedLayer:
         self.q_heads = q_heads
         self.tables: list[list[int]] = [[] for _ in range(kv_heads)]
         self.held = 0
-        self.slot_positions = SlotPositions(pool.dev, pool.shape, pool, kv_heads)
+        self.slot_positions = SlotPositions(pool.dev, pool.shape, pool, kv_heads, pool.slot_state)
         self._tables_on_device: Any = None
 
     @property
@@ -424,11 +432,22 @@ class PagedLayer:
         p.dev.run(kernel, (p.shape.head_dim + 5 + group, self.kv_heads), None, p.buffer, tables, i32(stride),
                   dropped, i32(self.held), *self.slot_positions.drop_args(), score_buffer, i32(score_stride),
                   i32(group))  # fmt: skip
+        self.forget_one(host_dropped)
+        self.release_empty_blocks()
+
+    def forget_one(self, host_dropped: np.ndarray | None = None) -> None:
+        """The host's side of a drop of one slot a head (:meth:`drop_one`, or a launch over a
+        step's sequences that drops it): a slot fewer, the positions' host copy following where
+        the host knows the slots (``host_dropped``). The blocks it empties stay until
+        :meth:`release_empty_blocks`, after the drop is enqueued: the drop reads the last slot."""
         self.slot_positions.dropped_one(host_dropped)
         self.held -= 1
-        blocks = -(-self.held // p.shape.block_size)
+
+    def release_empty_blocks(self) -> None:
+        """The blocks past the slots held back to the pool."""
+        blocks = -(-self.held // self.pool.shape.block_size)
         for table in self.tables:
-            p.release(table[blocks:])
+            self.pool.release(table[blocks:])
             del table[blocks:]
 
     def truncate(self, tokens: int) -> bool:
@@ -438,15 +457,16 @@ class PagedLayer:
         keep = (self.positions < tokens).sum(axis=1)
         if keep.size and keep.min() != keep.max():
             return False
-        n = int(keep[0]) if keep.size else 0
-        blocks = -(-n // self.pool.shape.block_size)
-        for table in self.tables:
-            self.pool.release(table[blocks:])
-            del table[blocks:]
+        self.keep_first(int(keep[0]) if keep.size else 0)
+        return True
+
+    def keep_first(self, n: int) -> None:
+        """Keep each head's first ``n`` slots (nothing moves: their trailing blocks go back to the
+        pool; a 2-bit flush of the slots after them, or a truncation)."""
+        self.held = n
+        self.release_empty_blocks()
         self._tables_on_device = None
         self.slot_positions.truncate(n)
-        self.held = n
-        return True
 
     def release(self) -> None:
         for table in self.tables:

@@ -33,6 +33,7 @@ from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant import launch_quantize
 from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
+from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.importance import H2OConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
@@ -195,6 +196,29 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         if not self.frozen:
             self._evict_chunks()
 
+    def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
+        """A decode token's work under a frozen selection (MiniKV), as a row of the step's launch:
+        where the model flushed the residual's chunk, the chunks' bookkeeping here and the scores
+        in the store's new order; then the probabilities over both stores added from the logits,
+        the new slot's from zero. None where a chunk may be evicted (a selection not frozen)."""
+        lay = self.layer
+        if self.scores is None or logits is None or not self.frozen or lay.pool.slot_arena is None:
+            return None
+        work = StepWork(lay, self.score_state, self.stride, held=lay.held)
+        scored = self._scored()
+        if self.flushing is None:
+            work.add_from, work.scored = scored - 1, scored
+            return work
+        start, count, ids = self.flushing
+        if start + count != lay.held:  # full-precision slots after the chunk: they move (after_model_step)
+            return None
+        self.flushing = None
+        work.flushed(self.nq, start, count)
+        self._add_chunks(start, start + count, ids)
+        lay.keep_first(start)  # the chunk's full-precision slots were the last
+        work.add_from = work.scored = self._scored()
+        return work
+
     def truncate(self, tokens: int) -> bool:
         """False (nothing dropped) once the prompt is stored and ``tokens`` would drop any: as the
         CPU op's, the 2-bit store does not give tokens back."""
@@ -260,7 +284,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
     def _reorder_scores(self, order: np.ndarray) -> None:
         """The scores in a new order of slots (the same for every head): the store's after a flush."""
         uploaded = self.layer.pool.upload_slots("score order", order)
-        self.scores = self._gather_scores((uploaded, 0), len(order), self.stride)
+        self.score_state = self._gather_scores((uploaded, 0), len(order), self.stride)
 
     def _quant_heads(self) -> QuantHeads | None:
         """The 2-bit blocks as the decode reads them, uploaded when the chunks (or the 2-bit
@@ -310,7 +334,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         slots = (keep[:, :, None] * self.r + np.arange(self.r)).reshape(kv, -1)
         order = np.concatenate([slots, np.broadcast_to(np.arange(nq, nq + lay.held), (kv, lay.held))], axis=1)
         uploaded = lay.pool.upload("score order", np.ascontiguousarray(order, np.int32))
-        self.scores = self._gather_scores((uploaded, order.shape[1]), order.shape[1], self.stride)
+        self.score_state = self._gather_scores((uploaded, order.shape[1]), order.shape[1], self.stride)
         self._heads_on_device = None
         for h in range(kv):
             kept = set(keep[h].tolist())

@@ -6,11 +6,13 @@ so that an eviction chosen there needs nothing back), the slots an eviction keep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ov_kvcrush.gpu.arena import SlotState
 from ov_kvcrush.gpu.device import KernelDevice, Transfers
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.store import store_constants
@@ -52,12 +54,15 @@ class SlotPositions:
 
     FIRST = 64  # slots of the first buffer
 
-    def __init__(self, dev: KernelDevice, shape: PoolShape, transfers: Transfers, kv_heads: int) -> None:
+    def __init__(self, dev: KernelDevice, shape: PoolShape, transfers: Transfers, kv_heads: int,
+                 allocate: Callable[[int], SlotState] | None = None) -> None:  # fmt: skip
         self.dev, self.shape, self.transfers = dev, shape, transfers  # the pool's: where a read back counts
         self.kv_heads = kv_heads
         self.count = 0
         self.capacity = 0
-        self.buffer: Any = None
+        #: where the positions' buffers come from (the pool's arena; else buffers of their own)
+        self._allocate = allocate or (lambda nbytes: SlotState(dev, nbytes))
+        self.state: SlotState | None = None
         #: slots ``first ..`` of every head hold positions ``position ..``, not yet written:
         #: ``(first, position)``, or None
         self.fresh: tuple[int, int] | None = None
@@ -66,17 +71,22 @@ class SlotPositions:
     def _kernel(self, name: str) -> Any:
         return self.dev.kernel("paged_store.cl", name, store_constants(self.shape))
 
+    @property
+    def buffer(self) -> Any:
+        """The positions' device buffer as it is (the fresh range not written): :meth:`device` writes it."""
+        return self.state.buffer if self.state is not None else None
+
     def append(self, first_position: int, t: int) -> None:
         """``t`` new slots after the others, at positions ``first_position ..``."""
         if self.fresh is not None and first_position - self.fresh[1] != self.count - self.fresh[0]:
             self._write_fresh()  # not the same range: the earlier one written first
         if self.count + t > self.capacity:
             capacity = max(self.count + t, 2 * self.capacity, self.FIRST)
-            grown = self.dev.empty(4 * self.kv_heads * capacity)
+            grown = self._allocate(4 * self.kv_heads * capacity)
             written = self.fresh[0] if self.fresh is not None else self.count
             if written:
-                self.dev.copy_rect(self.buffer, self.capacity, grown, capacity, 0, self.kv_heads, written)
-            self.buffer, self.capacity = grown, capacity
+                self.dev.copy_rect(self.buffer, self.capacity, grown.buffer, capacity, 0, self.kv_heads, written)
+            self.state, self.capacity = grown, capacity
         if self.fresh is None and t:
             self.fresh = (self.count, first_position)
         if self._host is not None:
@@ -103,24 +113,30 @@ class SlotPositions:
         """Keep the positions of ``kept``'s slots, in that order (the fresh ones written as they
         are gathered)."""
         dev, i32 = self.dev, np.int32
-        out = dev.empty(4 * self.kv_heads * max(self.capacity, 1))
+        out = self._allocate(4 * self.kv_heads * max(self.capacity, 1))
         first, position = self.fresh if self.fresh is not None else (self.count, 0)
         if kept.count:
             dev.run(self._kernel("gather_positions"), (kept.count, self.kv_heads), None, self.buffer,
                     i32(self.capacity), kept.slots, i32(kept.stride), i32(kept.count), i32(first), i32(position),
-                    out, i32(self.capacity))  # fmt: skip
-        self.buffer, self.fresh = out, None
+                    out.buffer, i32(self.capacity))  # fmt: skip
+        self.state, self.fresh = out, None
         if self._host is not None and kept.host is not None:
             self._host = np.take_along_axis(self._host, kept.host.astype(np.int64), axis=1)
         else:
             self._host = None  # read back when next asked
         self.count = kept.count
 
-    def drop_args(self) -> tuple[Any, ...]:
-        """The positions' arguments of ``drop_slot`` (the buffer, its stride, the fresh range),
-        which writes every position from the dropped slot or the fresh range on."""
+    def drop_fields(self) -> tuple[SlotState | None, int, int, int]:
+        """What ``drop_slot`` reads of the positions (their state, its row stride, the fresh
+        range's first slot and position): it writes every position from the dropped slot or the
+        fresh range on."""
         first, position = self.fresh if self.fresh is not None else (self.count, 0)
-        return self.buffer, np.int32(self.capacity), np.int32(first), np.int32(position)
+        return self.state, self.capacity, first, position
+
+    def drop_args(self) -> tuple[Any, ...]:
+        """:meth:`drop_fields` as ``drop_slot``'s arguments (the buffer for the state)."""
+        _, capacity, first, position = self.drop_fields()
+        return self.buffer, np.int32(capacity), np.int32(first), np.int32(position)
 
     def dropped_one(self, dropped: np.ndarray | None = None) -> None:
         """After ``drop_slot``: one slot fewer a head, every position written; the host's copy

@@ -13,6 +13,7 @@ from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
 from ov_kvcrush.gpu.snapkv import kept_tokens
+from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods.importance import StreamingLLMConfig
 
 
@@ -43,6 +44,17 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         if not self._prompt_continues():  # a chunked prompt is evicted after its last chunk
             self._evict()
+
+    def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
+        """A step that takes the window one slot past the budget: its oldest slot dropped, as a
+        row of the step's launch; None for any other (nothing to drop, or a prompt's eviction)."""
+        lay = self.layer
+        if self._prompt_continues() or lay.held != self.budget + 1 or self.recent <= 0 or lay.pool.slot_arena is None:
+            return None
+        work = StepWork(lay, held=lay.held)
+        work.drop_one(self.sinks, host_dropped=np.full(lay.kv_heads, self.sinks))
+        self._bump("evicted", float(lay.kv_heads))
+        return work
 
     def _evict(self) -> None:
         lay = self.layer

@@ -7,6 +7,7 @@
 // Compile-time constants (-D): SG, KV_PRECISION (0 f32, 1 f16, 2 u8), BLOCK_SIZE, HEAD_DIM.
 
 #include "paged_store.h"
+#include "scores.h"
 
 // Token t of k, v [kv_heads][tokens][HEAD_DIM] to slot first[kv] + t of KV head kv (its block
 // table a row of `tables`). One sub-group per (token, head): global (SG, tokens, kv_heads), local
@@ -78,18 +79,22 @@ __kernel void read_slots(__global const uchar* pool, __global const int* tables,
 // of KV head kv (the key as attention reads it), in the first query head of the head's group, as
 // the reference's key_norm_scores puts it (the group's other rows stay 0, so a group's sum is
 // exactly -||key||). Global (count, kv_heads).
-__kernel void key_norm_scores(__global const uchar* pool, __global const int* tables, int table_stride, int first,
-                              int count, int group, __global float* scores, int stride) {
-    const int i = get_global_id(0), kv = get_global_id(1);
-    if (i >= count) return;
-    const int slot = first + i, j = slot % BLOCK_SIZE;
-    __global const uchar* block = pool + (ulong)tables[kv * table_stride + slot / BLOCK_SIZE] * BLOCK_BYTES;
+inline float key_norm(__global const uchar* pool, __global const int* table, int slot) {
+    __global const uchar* block = pool + (ulong)table[slot / BLOCK_SIZE] * BLOCK_BYTES;
+    const int j = slot % BLOCK_SIZE;
     float s = 0.0f;
     for (int d = 0; d < HEAD_DIM; ++d) {
         const float k = load_key(block, d, j);
         s = fma(k, k, s);
     }
-    scores[(long)kv * group * stride + slot] = -sqrt(s);
+    return -sqrt(s);
+}
+
+__kernel void key_norm_scores(__global const uchar* pool, __global const int* tables, int table_stride, int first,
+                              int count, int group, __global float* scores, int stride) {
+    const int i = get_global_id(0), kv = get_global_id(1);
+    if (i >= count) return;
+    scores[(long)kv * group * stride + first + i] = key_norm(pool, tables + kv * table_stride, first + i);
 }
 
 // Where the slots' positions live (one int per slot, rows `stride` apart per KV head): a step's
@@ -127,14 +132,9 @@ __kernel void gather_positions(__global const int* src, int src_stride, __global
 // fresh_position + (slot - fresh), not yet written (SlotPositions); written from min(dropped,
 // fresh) on. scores [Hq][score_stride], none where score_stride is 0.
 #define MOVE_CHUNK 8
-__kernel void drop_slot(__global uchar* pool, __global const int* tables, int table_stride,
-                        __global const int* dropped, int n, __global int* positions, int pos_stride, int fresh,
-                        int fresh_position, __global float* scores, int score_stride, int group) {
-    const int e = get_global_id(0), kv = get_global_id(1);
-    __global const int* table = tables + kv * table_stride;
-    const int d = dropped[kv];
+inline void drop_element(__global uchar* pool, __global const int* table, int d, int n, __global int* pos, int fresh,
+                         int fresh_position, __global float* scores, int score_stride, int group, int e, int kv) {
     if (e == HEAD_DIM + 4) {  // the position
-        __global int* pos = positions + (long)kv * pos_stride;
         for (int j = min(d, fresh); j < n - 1; ++j) {
             const int src = j + (j >= d);
             pos[j] = slot_position(pos, src, fresh, fresh_position);
@@ -155,4 +155,117 @@ __kernel void drop_slot(__global uchar* pool, __global const int* tables, int ta
         for (int c = 0; c < MOVE_CHUNK && j0 + c + 1 < n; ++c) slot_element(pool, table, j0 + c + 1, e, &kx[c], &vx[c]);
         for (int c = 0; c < MOVE_CHUNK && j0 + c + 1 < n; ++c) set_slot_element(pool, table, j0 + c, e, kx[c], vx[c]);
     }
+}
+
+__kernel void drop_slot(__global uchar* pool, __global const int* tables, int table_stride,
+                        __global const int* dropped, int n, __global int* positions, int pos_stride, int fresh,
+                        int fresh_position, __global float* scores, int score_stride, int group) {
+    const int e = get_global_id(0), kv = get_global_id(1);
+    drop_element(pool, tables + kv * table_stride, dropped[kv], n, positions + (long)kv * pos_stride, fresh,
+                 fresh_position, scores, score_stride, group, e, kv);
+}
+
+// ---- A decode step's method work for every sequence of the step in one launch (the GPU plugin's
+// model: ov_kvcrush/gpu/step_work.py). Each sequence's scores and slot positions lie in one
+// buffer (`arena`, int32 words; the scores float bits), and `work` holds a row of WORK_FIELDS ints
+// per sequence (the fields below, as StepWork packs them); the step's block tables are the model's
+// (`tables`: its layer's rows from `table_first`, a row per (sequence, KV head)). The bodies are the
+// one-sequence kernels' (drop_slot, key_norm_scores; scores.h's add_logit and lowest_middle_slot).
+
+#define W_SCORES 0          // the scores' first word in the arena, rows W_SCORE_STRIDE apart
+#define W_SCORE_STRIDE 1
+#define W_ADD_FROM 2        // the step's probabilities added over W_SCORED slots, new from here (-1: none)
+#define W_SCORED 3
+#define W_LOGIT_ROW 4       // the sequence's row among the step's logits
+#define W_NORMS_FROM 5      // Knorm: the slots from here to W_HELD scored by -||key|| (-1: none)
+#define W_DROP 6            // the slot each head drops: -1 none, -2 the lowest middle one, else that slot
+#define W_SINKS 7
+#define W_MID 8
+#define W_HELD 9            // slots a head holds before the drop
+#define W_POSITIONS 10      // the positions' first word, rows W_POS_STRIDE apart
+#define W_POS_STRIDE 11
+#define W_FRESH 12          // slots from here hold W_FRESH_POSITION + (slot - W_FRESH), not yet written
+#define W_FRESH_POSITION 13
+#define W_FLUSH_FROM 14     // a 2-bit flush: the scores' first full-precision slot before it (-1: none)
+#define W_FLUSH_PINNED 15   // the full-precision slots before the flushed chunk (the pinned prompt tail)
+#define W_FLUSH_COUNT 16    // the chunk's slots, the step's token the last
+#define WORK_FIELDS 20
+#define DROP_NONE (-1)
+#define DROP_LOWEST (-2)
+
+inline __global float* work_scores(__global int* arena, __global const int* w) {
+    return (__global float*)(arena + w[W_SCORES]);
+}
+
+// key_norm_scores of each sequence's new slots. Global (most new slots, kv_heads, sequences).
+__kernel void step_key_norms(__global const uchar* pool, __global const int* tables, int table_first,
+                             int table_stride, int group, __global int* arena, __global const int* work) {
+    const int i = get_global_id(0), kv = get_global_id(1), s = get_global_id(2);
+    __global const int* w = work + s * WORK_FIELDS;
+    const int slot = w[W_NORMS_FROM] + i;
+    if (w[W_NORMS_FROM] < 0 || slot >= w[W_HELD]) return;
+    __global const int* table = tables + (long)(table_first + s * get_global_size(1) + kv) * table_stride;
+    work_scores(arena, w)[(long)kv * group * w[W_SCORE_STRIDE] + slot] = key_norm(pool, table, slot);
+}
+
+// After a 2-bit flush of the full-precision slots after the pinned ones (the model quantized them,
+// the step's token among them): each query head's scores in the store's new order, the chunk's
+// before the pinned slots' (the reference's order after a flush), the step's token from zero (the
+// one-sequence path: zero_slot, then gather_rows of that order). A rotation of the run by three
+// reversals, in place. Global (q_heads, sequences).
+inline void reverse_run(__global float* x, int lo, int hi) {
+    for (--hi; lo < hi; ++lo, --hi) {
+        const float t = x[lo];
+        x[lo] = x[hi];
+        x[hi] = t;
+    }
+}
+
+__kernel void step_flushed_scores(__global int* arena, __global const int* work) {
+    const int h = get_global_id(0), s = get_global_id(1);
+    __global const int* w = work + s * WORK_FIELDS;
+    if (w[W_FLUSH_FROM] < 0) return;
+    __global float* run = work_scores(arena, w) + (long)h * w[W_SCORE_STRIDE] + w[W_FLUSH_FROM];
+    const int pinned = w[W_FLUSH_PINNED], n = pinned + w[W_FLUSH_COUNT];
+    run[n - 1] = 0.0f;
+    reverse_run(run, 0, pinned);
+    reverse_run(run, pinned, n);
+    reverse_run(run, 0, n);
+}
+
+// add_step_logits of each sequence's decode row. Global (most scored slots, q_heads, sequences).
+__kernel void step_add_logits(__global int* arena, __global const int* work, __global const float* logits,
+                              int stride, int rows) {
+    const int j = get_global_id(0), h = get_global_id(1), s = get_global_id(2);
+    __global const int* w = work + s * WORK_FIELDS;
+    if (w[W_ADD_FROM] < 0 || j >= w[W_SCORED]) return;
+    add_logit(work_scores(arena, w), w[W_SCORE_STRIDE], w[W_ADD_FROM], logits, stride, rows, w[W_LOGIT_ROW],
+              get_global_size(1), h, j);
+}
+
+// drop_lowest for each sequence that drops its lowest middle slot, into dropped[s][kv]. One
+// sub-group per (KV head, sequence): global (SG, kv_heads, sequences), local (SG, 1, 1).
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void step_drop_lowest(__global int* arena, __global const int* work, int group, __global int* dropped) {
+    const int g = get_global_id(1), s = get_global_id(2);
+    __global const int* w = work + s * WORK_FIELDS;
+    if (w[W_DROP] != DROP_LOWEST) return;
+    const int slot = lowest_middle_slot(work_scores(arena, w), w[W_SCORE_STRIDE], group, w[W_SINKS], w[W_MID], g);
+    if (get_sub_group_local_id() == 0) dropped[s * get_global_size(1) + g] = slot;
+}
+
+// drop_slot for each sequence that drops one slot a head (its W_DROP, or the lowest
+// step_drop_lowest found). Global (HEAD_DIM + 5 + group, kv_heads, sequences).
+__kernel void step_drop_slot(__global uchar* pool, __global const int* tables, int table_first, int table_stride,
+                             __global int* arena, __global const int* work, __global const int* dropped, int group) {
+    const int e = get_global_id(0), kv = get_global_id(1), s = get_global_id(2);
+    __global const int* w = work + s * WORK_FIELDS;
+    if (w[W_DROP] == DROP_NONE) return;
+    const int kv_heads = get_global_size(1);
+    const int d = w[W_DROP] == DROP_LOWEST ? dropped[s * kv_heads + kv] : w[W_DROP];
+    __global const int* table = tables + (long)(table_first + s * kv_heads + kv) * table_stride;
+    __global int* pos = arena + w[W_POSITIONS] + (long)kv * w[W_POS_STRIDE];
+    __global float* scores = w[W_SCORE_STRIDE] ? work_scores(arena, w) : (__global float*)arena;
+    drop_element(pool, table, d, w[W_HELD], pos, w[W_FRESH], w[W_FRESH_POSITION], scores, w[W_SCORE_STRIDE], group,
+                 e, kv);
 }

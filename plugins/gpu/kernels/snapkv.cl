@@ -3,7 +3,9 @@
 // between, recent) is kvcrush.cl's head_decisions_topk: the same rank rule, ties to the earlier
 // token. H2O and PyramidKV select the same way over unpooled scores (width 1).
 //
-// Compile-time constants (-D): SG (sub-group size; unused here, every source gets it).
+// Compile-time constants (-D): SG (sub-group size).
+
+#include "scores.h"
 
 // One head's scores s pooled over [lo, hi): their max, or with `average` their mean.
 inline float pooled(__global const float* s, int lo, int hi, int average) {
@@ -98,37 +100,22 @@ __kernel void expand_runs(__global const int* runs, int n_runs, __global int* ou
     out[i] = runs[2 * r + 1] + i - runs[2 * r];
 }
 
-// acc[h][j] (+)= exp(logits[h][row][j] - lse[h][row]) for j < held (j >= before: the new slots,
-// starting from 0): a decode step's probabilities added to the scores from the logits and
-// log-sum-exp the model's attention wrote (logits [q_heads][rows][stride], then lse
-// [q_heads][rows]), so the keys are not read again. Global (held, q_heads).
+// add_logit over every held slot of one sequence: a decode step's probabilities added to the
+// scores from the logits and log-sum-exp the model's attention wrote, so the keys are not read
+// again. Global (held, q_heads).
 __kernel void add_step_logits(__global float* acc, int acc_stride, int before, __global const float* logits,
                               int stride, int rows, int row) {
-    const int j = get_global_id(0), h = get_global_id(1);
-    const float lse = logits[(long)get_global_size(1) * rows * stride + h * rows + row];
-    const float old = j < before ? acc[(long)h * acc_stride + j] : 0.0f;
-    acc[(long)h * acc_stride + j] = old + exp(logits[((long)h * rows + row) * stride + j] - lse);
+    add_logit(acc, acc_stride, before, logits, stride, rows, row, get_global_size(1), get_global_id(1),
+              get_global_id(0));
 }
 
 // The middle slot each KV head drops when one goes (an eviction of one slot a head: a decode step
-// past the budget): the lowest of its query group's summed scores (summed as pooled_group_scores
-// sums them at width 1), ties to the later slot (head_decisions_topk keeps the earlier). One
-// sub-group per KV head: global (SG, kv_heads), local (SG, 1).
+// past the budget): lowest_middle_slot. One sub-group per KV head: global (SG, kv_heads), local
+// (SG, 1).
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void drop_lowest(__global const float* scores, int stride, int group, int sinks, int mid,
                           __global int* dropped) {
-    const int g = get_global_id(1), lane = get_sub_group_local_id();
-    float best = INFINITY;
-    int at = -1;
-    for (int i = lane; i < mid; i += SG) {
-        float acc = 0.0f;
-        for (int h = g * group; h < (g + 1) * group; ++h) acc += scores[(long)h * stride + sinks + i];
-        if (acc <= best) {  // a lane's slots ascend: the later of equal scores
-            best = acc;
-            at = i;
-        }
-    }
-    const float low = sub_group_reduce_min(best);
-    const int idx = sub_group_reduce_max(best == low ? at : -1);
-    if (lane == 0) dropped[g] = sinks + idx;
+    const int g = get_global_id(1);
+    const int slot = lowest_middle_slot(scores, stride, group, sinks, mid, g);
+    if (get_sub_group_local_id() == 0) dropped[g] = slot;
 }

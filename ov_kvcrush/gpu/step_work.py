@@ -1,0 +1,156 @@
+"""A decode step's method work for every sequence of the step, one launch per kernel (the GPU
+plugin's model, issue 71: at most 6 commands a layer for any method, however many sequences).
+
+After the model's step each layer cache says what its sequence's decode work is, as a
+:class:`StepWork` (the host's bookkeeping done: the slot counts, the positions' host copy),
+instead of launching it; :func:`launch_step_work` then packs a row of :data:`WORK_FIELDS` ints
+per sequence and launches each kernel once over the layer's sequences (``paged_store.cl``'s
+``step_*``: the one-sequence kernels' bodies, each work-group reading its sequence's row). Each
+sequence's scores and positions lie in the pool's arena (:class:`~ov_kvcrush.gpu.arena.SlotState`,
+their word offsets in the row); the block tables are the step's, as the model read them.
+
+A cache whose step is not such work (a prompt, a selection of many slots, a 2-bit flush) returns
+None and does its work itself, as before (:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ov_kvcrush.gpu.arena import SlotState
+from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
+from ov_kvcrush.gpu.store import store_constants
+
+#: a row's ints (``paged_store.cl``'s ``W_*``: the fields of :meth:`StepWork.row`, in order)
+WORK_FIELDS = 20
+#: :attr:`StepWork.drop`: no slot dropped; the lowest middle slot (H2O's rank rule)
+DROP_NONE, DROP_LOWEST = -1, -2
+
+
+@dataclass
+class StepWork:
+    """One sequence's decode-step method work in one layer: add the step's probabilities to its
+    scores (over ``scored`` slots, the ones from ``add_from`` new), score the slots from
+    ``norms_from`` by their keys' norms (Knorm), drop one slot a head (``drop``: a slot, or
+    :data:`DROP_LOWEST` of the ``mid`` slots after ``sinks``) of the ``held`` ones, and after a
+    2-bit flush put the scores in the store's new order (:meth:`flushed`). ``-1``: not this part."""
+
+    layer: PagedLayer
+    scores: SlotState | None = None
+    score_stride: int = 0
+    add_from: int = -1
+    scored: int = 0
+    norms_from: int = -1
+    drop: int = DROP_NONE
+    sinks: int = 0
+    mid: int = 0
+    held: int = 0
+    positions: SlotState | None = None
+    pos_stride: int = 0
+    fresh: int = 0
+    fresh_position: int = 0
+    flush_from: int = -1
+    flush_pinned: int = 0
+    flush_count: int = 0
+
+    def flushed(self, first: int, pinned: int, count: int) -> None:
+        """The model flushed the ``count`` full-precision slots after the ``pinned`` ones (the
+        step's token the last) into the 2-bit store: their scores, from score ``first`` on, go
+        before the pinned slots' (the store's order), the step's token's from zero."""
+        self.flush_from, self.flush_pinned, self.flush_count = first, pinned, count
+
+    def drop_one(self, drop: int, sinks: int = 0, mid: int = 0, host_dropped: np.ndarray | None = None) -> None:
+        """Drop slot ``drop`` (or :data:`DROP_LOWEST`) of every head in the launch; the layer's
+        host side now (:meth:`PagedLayer.forget_one`; its empty blocks go after the launch)."""
+        lay = self.layer
+        self.drop, self.sinks, self.mid, self.held = drop, sinks, mid, lay.held
+        self.positions, self.pos_stride, self.fresh, self.fresh_position = lay.slot_positions.drop_fields()
+        lay.forget_one(host_dropped)
+
+    def row(self, logit_row: int) -> list[int]:
+        """The ints ``paged_store.cl`` reads (``logit_row``: the sequence's among the step's logits)."""
+        return [
+            _offset(self.scores), self.score_stride, self.add_from, self.scored, logit_row, self.norms_from,
+            self.drop, self.sinks, self.mid, self.held, _offset(self.positions), self.pos_stride, self.fresh,
+            self.fresh_position, self.flush_from, self.flush_pinned, self.flush_count, 0, 0, 0,
+        ]  # fmt: skip
+
+
+def _offset(state: SlotState | None) -> int:
+    if state is None:
+        return 0
+    if state.offset is None:
+        raise AssertionError("a step's work lies in the pool's arena (a cache offers it only there)")
+    return state.offset
+
+
+@dataclass(frozen=True)
+class StepTables:
+    """The step's block tables on the device (the model's ``kvc_tables``, ``[layers, sequences *
+    kv, stride]``) and how many rows a layer has."""
+
+    buffer: Any
+    rows_per_layer: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class StepLogitRows:
+    """A layer's decode rows' logits as the model wrote them (:class:`~ov_kvcrush.gpu.slots.StepLogits`'
+    layout: ``rows`` rows of ``stride``)."""
+
+    buffer: Any
+    stride: int
+    rows: int
+
+
+def launch_step_work(
+    pool: DevicePool, layer: int, works: list[StepWork | None], tables: StepTables, logits: StepLogitRows | None,
+    group: int,
+) -> None:  # fmt: skip
+    """Layer ``layer``'s work of the step's sequences (``works[s]``: sequence ``s``'s, None where
+    it has none here): each kernel launched once, over every sequence, where any needs it; then
+    the blocks a drop emptied go back to the pool."""
+    todo = [w for w in works if w is not None]
+    if not todo:
+        return
+    dev, shape, i32 = pool.dev, pool.shape, np.int32
+    assert pool.slot_arena is not None
+    arena = pool.slot_arena.buffer
+    rows = np.array([w.row(s) if w else _NOTHING for s, w in enumerate(works)], np.int32)
+    work = pool.upload("step work", rows)
+    seqs, kv = len(works), tables.rows_per_layer // len(works)
+    first = layer * tables.rows_per_layer
+    constants = store_constants(shape)
+
+    def kernel(name: str) -> Any:
+        return dev.kernel("paged_store.cl", name, constants)
+
+    if any(w.flush_from >= 0 for w in todo):
+        dev.run(kernel("step_flushed_scores"), (kv * group, seqs), None, arena, work)
+    norms = max((w.held - w.norms_from for w in todo if w.norms_from >= 0), default=0)
+    if norms:
+        dev.run(kernel("step_key_norms"), (norms, kv, seqs), None, pool.buffer, tables.buffer, i32(first),
+                i32(tables.stride), i32(group), arena, work)  # fmt: skip
+    scored = max((w.scored for w in todo if w.add_from >= 0), default=0)
+    if scored:
+        assert logits is not None, "a step's probabilities come from its logits"
+        dev.run(kernel("step_add_logits"), (scored, kv * group, seqs), None, arena, work, logits.buffer,
+                i32(logits.stride), i32(logits.rows))  # fmt: skip
+    if any(w.drop != DROP_NONE for w in todo):
+        dropped = dev.empty(4 * seqs * kv)
+        if any(w.drop == DROP_LOWEST for w in todo):
+            sg = dev.sub_group
+            dev.run(kernel("step_drop_lowest"), (sg, kv, seqs), (sg, 1, 1), arena, work, i32(group), dropped)
+        dev.run(kernel("step_drop_slot"), (shape.head_dim + 5 + group, kv, seqs), None, pool.buffer, tables.buffer,
+                i32(first), i32(tables.stride), arena, work, dropped, i32(group))  # fmt: skip
+    for w in todo:
+        if w.drop != DROP_NONE:
+            w.layer.release_empty_blocks()
+
+
+#: the row of a sequence with no work in the layer
+_NOTHING = [0, 0, -1, 0, 0, -1, DROP_NONE, 0, 0, 0, 0, 0, 0, 0, -1] + [0] * (WORK_FIELDS - 15)
