@@ -9,10 +9,15 @@ bytes the step's attention reads."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pytest
 
 from ov_kvcrush.config import CompressionConfig
+
+if TYPE_CHECKING:
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
 PROMPT_TOKENS, BUDGET, STEPS, BLOCK = 1500, 1024, 3, 16
 #: (method, budget, options); ``None``: the full cache
@@ -54,20 +59,30 @@ PER_LAYER = {
 }
 
 
+def _counting_engine(model_dir: str) -> OpenVINOEngine:
+    """The engine the counts are taken of: ``GPU``, f16 blocks, f32 inference."""
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+    return OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
+                          properties={"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+
+
+def _case(method: str, budget: int | None, options: dict) -> CompressionConfig:
+    small = {"sink_tokens": 4, "recent_tokens": 8} if method in SINKS_AND_RECENT else {}
+    return CompressionConfig(method=method, budget=budget, options=options, **small)
+
+
 def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
     """Per case, per decode step: the layer's counts around the step, and what the step's
     attention read (``kv_read``) and returned (``logits``)."""
     from ov_kvcrush.gpu import emulation
-    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     ours = emulation.own_kernels()
-    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
-                            properties={"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    engine = _counting_engine(model_dir)
     out = []
     try:
         for method, budget, options in CASES:
-            small = {"sink_tokens": 4, "recent_tokens": 8} if method in SINKS_AND_RECENT else {}
-            engine.set_compression(CompressionConfig(method=method, budget=budget, options=options, **small))
+            engine.set_compression(_case(method, budget, options))
             engine.prefill(ids)
             engine.forward([ids[-1]])  # the first decode step: the plugin re-lays its inputs once (6 KB measured)
             steps = []
@@ -118,20 +133,16 @@ SEQUENCES, BATCH_PROMPT, BATCH_BUDGET, BATCH_STEPS = 4, 160, 48, 17
 def _batch_counts(model_dir: str, prompts: list[list[int]]) -> list[list[dict]]:
     """Per case, per decode step of every sequence's one token (``BATCH_STEPS`` of them: every
     MiniKV sequence flushes a chunk of 16 among them): the decode rows, waits and our commands."""
-    from ov_kvcrush.config import CompressionConfig, GenerationSettings
+    from ov_kvcrush.config import GenerationSettings
     from ov_kvcrush.gpu import emulation
-    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
     ours = emulation.own_kernels()
-    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
-                            properties={"INFERENCE_PRECISION_HINT": "f32"})  # fmt: skip
+    engine = _counting_engine(model_dir)
     settings = GenerationSettings(max_new_tokens=BATCH_STEPS + 8, ignore_eos=True)
     out = []
     try:
         for method, budget, options in CASES:
-            small = {"sink_tokens": 4, "recent_tokens": 8} if method in SINKS_AND_RECENT else {}
-            budget = budget and BATCH_BUDGET
-            engine.set_compression(CompressionConfig(method=method, budget=budget, options=options, **small))
+            engine.set_compression(_case(method, budget and BATCH_BUDGET, options))
             loop = engine.batcher
             for i, ids in enumerate(prompts):
                 loop.add_request(i, ids, settings)

@@ -412,7 +412,11 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
             self._drop_lowest(n)
             return
         kept = self._select(n, width)
-        self.score_state = self._gather_scores((kept.slots, kept.stride), kept.count, self.stride)
+        # the kept slots' scores with room for the next decode token, not the prompt's width: a
+        # 32k-token prompt's rows would hold as many bytes as the budget's KV blocks
+        stride = min(self.stride, max(kept.count, self.budget) + 1)
+        self.score_state = self._gather_scores((kept.slots, kept.stride), kept.count, stride)
+        self.stride = stride
         lay.keep(kept)
         self._bump("evicted", float((n - kept.count) * lay.kv_heads))
 
