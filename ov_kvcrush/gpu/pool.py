@@ -443,6 +443,12 @@ class PagedLayer:
         self.slot_positions.dropped_one(host_dropped)
         self.held -= 1
 
+    def forget_run(self, first: int, count: int) -> None:
+        """:meth:`forget_one` of slots ``first .. first + count`` of every head (a 2-bit flush's
+        chunk, with slots after it that a launch moves down)."""
+        self.slot_positions.dropped_run(first, count)
+        self.held -= count
+
     def release_empty_blocks(self) -> None:
         """The blocks past the slots held back to the pool."""
         blocks = -(-self.held // self.pool.shape.block_size)

@@ -210,12 +210,13 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             work.add_from, work.scored = scored - 1, scored
             return work
         start, count, ids = self.flushing
-        if start + count != lay.held:  # full-precision slots after the chunk: they move (after_model_step)
-            return None
         self.flushing = None
         work.flushed(self.nq, start, count)
         self._add_chunks(start, start + count, ids)
-        lay.keep_first(start)  # the chunk's full-precision slots were the last
+        if start + count == lay.held:  # the chunk's full-precision slots were the last: nothing moves
+            lay.keep_first(start)
+        else:  # the slots after them move down (the first flush after a prompt whose tail was longer)
+            work.drop_flushed(start, count)
         work.add_from = work.scored = self._scored()
         return work
 

@@ -151,6 +151,14 @@ class SlotPositions:
         else:
             self._host = None
 
+    def dropped_run(self, first: int, count: int) -> None:
+        """After ``drop_slot``'s body dropped slots ``first .. first + count`` of every head (a 2-bit
+        flush's chunk): the slots after them moved down, every position written."""
+        self.count -= count
+        self.fresh = None
+        if self._host is not None:
+            self._host = np.delete(self._host, np.s_[first : first + count], axis=1)
+
     def truncate(self, count: int) -> None:
         """Keep each head's first ``count`` slots."""
         if self.fresh is not None and count <= self.fresh[0]:

@@ -55,11 +55,15 @@ class StepWork:
     flush_from: int = -1
     flush_pinned: int = 0
     flush_count: int = 0
+    #: the slots dropped from ``drop`` (1, or a flushed chunk's), and whether their scores go too
+    drop_count: int = 1
+    drop_scores: int = 1
 
     def flushed(self, first: int, pinned: int, count: int) -> None:
-        """The model flushed the ``count`` full-precision slots after the ``pinned`` ones (the
-        step's token the last) into the 2-bit store: their scores, from score ``first`` on, go
-        before the pinned slots' (the store's order), the step's token's from zero."""
+        """The model flushed the ``count`` full-precision slots after the ``pinned`` ones into the
+        2-bit store: their scores, from score ``first`` on, go before the pinned slots' (the
+        store's order; those of the slots after them stay), the step's token's (the last held)
+        from zero."""
         self.flush_from, self.flush_pinned, self.flush_count = first, pinned, count
 
     def drop_one(self, drop: int, sinks: int = 0, mid: int = 0, host_dropped: np.ndarray | None = None) -> None:
@@ -70,12 +74,22 @@ class StepWork:
         self.positions, self.pos_stride, self.fresh, self.fresh_position = lay.slot_positions.drop_fields()
         lay.forget_one(host_dropped)
 
+    def drop_flushed(self, first: int, count: int) -> None:
+        """The full-precision slots ``first .. first + count`` of every head (a chunk the model
+        flushed into the 2-bit store) gone, the slots after them moved down, their scores left to
+        :meth:`flushed`'s order; the layer's host side now."""
+        lay = self.layer
+        self.drop, self.drop_count, self.drop_scores, self.held = first, count, 0, lay.held
+        self.positions, self.pos_stride, self.fresh, self.fresh_position = lay.slot_positions.drop_fields()
+        lay.forget_run(first, count)
+
     def row(self, logit_row: int) -> list[int]:
         """The ints ``paged_store.cl`` reads (``logit_row``: the sequence's among the step's logits)."""
         return [
             _offset(self.scores), self.score_stride, self.add_from, self.scored, logit_row, self.norms_from,
             self.drop, self.sinks, self.mid, self.held, _offset(self.positions), self.pos_stride, self.fresh,
-            self.fresh_position, self.flush_from, self.flush_pinned, self.flush_count, 0, 0, 0,
+            self.fresh_position, self.flush_from, self.flush_pinned, self.flush_count, self.drop_count,
+            self.drop_scores, 0,
         ]  # fmt: skip
 
 

@@ -132,11 +132,14 @@ __kernel void gather_positions(__global const int* src, int src_stride, __global
 // fresh_position + (slot - fresh), not yet written (SlotPositions); written from min(dropped,
 // fresh) on. scores [Hq][score_stride], none where score_stride is 0.
 #define MOVE_CHUNK 8
-inline void drop_element(__global uchar* pool, __global const int* table, int d, int n, __global int* pos, int fresh,
-                         int fresh_position, __global float* scores, int score_stride, int group, int e, int kv) {
+// The drop of `count` slots from d (of n) for one element e of a slot: drop_slot's body (count 1),
+// and a 2-bit flush's (the chunk's full-precision slots gone, those after it moved down).
+inline void drop_element(__global uchar* pool, __global const int* table, int d, int count, int n, __global int* pos,
+                         int fresh, int fresh_position, __global float* scores, int score_stride, int group, int e,
+                         int kv) {
     if (e == HEAD_DIM + 4) {  // the position
-        for (int j = min(d, fresh); j < n - 1; ++j) {
-            const int src = j + (j >= d);
+        for (int j = min(d, fresh); j < n - count; ++j) {
+            const int src = j + (j >= d ? count : 0);
             pos[j] = slot_position(pos, src, fresh, fresh_position);
         }
         return;
@@ -144,16 +147,17 @@ inline void drop_element(__global uchar* pool, __global const int* table, int d,
     if (e > HEAD_DIM + 4) {  // a score of the group's query head e - HEAD_DIM - 5
         if (score_stride == 0) return;
         __global float* s = scores + (long)(kv * group + e - HEAD_DIM - 5) * score_stride;
-        for (int j = d; j < n - 1; ++j) s[j] = s[j + 1];
+        for (int j = d; j < n - count; ++j) s[j] = s[j + count];
         return;
     }
 #if KV_PRECISION != 2
     if (e >= HEAD_DIM) return;  // the u8 parameters' rows: none
 #endif
-    for (int j0 = d; j0 < n - 1; j0 += MOVE_CHUNK) {
+    for (int j0 = d; j0 < n - count; j0 += MOVE_CHUNK) {
         uint kx[MOVE_CHUNK], vx[MOVE_CHUNK];
-        for (int c = 0; c < MOVE_CHUNK && j0 + c + 1 < n; ++c) slot_element(pool, table, j0 + c + 1, e, &kx[c], &vx[c]);
-        for (int c = 0; c < MOVE_CHUNK && j0 + c + 1 < n; ++c) set_slot_element(pool, table, j0 + c, e, kx[c], vx[c]);
+        for (int c = 0; c < MOVE_CHUNK && j0 + c + count < n; ++c)
+            slot_element(pool, table, j0 + c + count, e, &kx[c], &vx[c]);
+        for (int c = 0; c < MOVE_CHUNK && j0 + c + count < n; ++c) set_slot_element(pool, table, j0 + c, e, kx[c], vx[c]);
     }
 }
 
@@ -161,7 +165,7 @@ __kernel void drop_slot(__global uchar* pool, __global const int* tables, int ta
                         __global const int* dropped, int n, __global int* positions, int pos_stride, int fresh,
                         int fresh_position, __global float* scores, int score_stride, int group) {
     const int e = get_global_id(0), kv = get_global_id(1);
-    drop_element(pool, tables + kv * table_stride, dropped[kv], n, positions + (long)kv * pos_stride, fresh,
+    drop_element(pool, tables + kv * table_stride, dropped[kv], 1, n, positions + (long)kv * pos_stride, fresh,
                  fresh_position, scores, score_stride, group, e, kv);
 }
 
@@ -188,7 +192,9 @@ __kernel void drop_slot(__global uchar* pool, __global const int* tables, int ta
 #define W_FRESH_POSITION 13
 #define W_FLUSH_FROM 14     // a 2-bit flush: the scores' first full-precision slot before it (-1: none)
 #define W_FLUSH_PINNED 15   // the full-precision slots before the flushed chunk (the pinned prompt tail)
-#define W_FLUSH_COUNT 16    // the chunk's slots, the step's token the last
+#define W_FLUSH_COUNT 16    // the chunk's slots
+#define W_DROP_COUNT 17     // the slots dropped from W_DROP (a drop: 1; a flush: the chunk's)
+#define W_DROP_SCORES 18    // whether the scores move with them (a flush reorders them itself)
 #define WORK_FIELDS 20
 #define DROP_NONE (-1)
 #define DROP_LOWEST (-2)
@@ -209,10 +215,11 @@ __kernel void step_key_norms(__global const uchar* pool, __global const int* tab
 }
 
 // After a 2-bit flush of the full-precision slots after the pinned ones (the model quantized them,
-// the step's token among them): each query head's scores in the store's new order, the chunk's
-// before the pinned slots' (the reference's order after a flush), the step's token from zero (the
-// one-sequence path: zero_slot, then gather_rows of that order). A rotation of the run by three
-// reversals, in place. Global (q_heads, sequences).
+// the step's token among them or after them): each query head's scores in the store's new order,
+// the chunk's before the pinned slots' (the reference's order after a flush; the slots after the
+// chunk stay), the step's token (the last held) from zero (the one-sequence path: zero_slot, then
+// gather_rows of that order). A rotation of the run by three reversals, in place. Global
+// (q_heads, sequences).
 inline void reverse_run(__global float* x, int lo, int hi) {
     for (--hi; lo < hi; ++lo, --hi) {
         const float t = x[lo];
@@ -227,7 +234,7 @@ __kernel void step_flushed_scores(__global int* arena, __global const int* work)
     if (w[W_FLUSH_FROM] < 0) return;
     __global float* run = work_scores(arena, w) + (long)h * w[W_SCORE_STRIDE] + w[W_FLUSH_FROM];
     const int pinned = w[W_FLUSH_PINNED], n = pinned + w[W_FLUSH_COUNT];
-    run[n - 1] = 0.0f;
+    run[w[W_HELD] - 1] = 0.0f;
     reverse_run(run, 0, pinned);
     reverse_run(run, pinned, n);
     reverse_run(run, 0, n);
@@ -254,8 +261,8 @@ __kernel void step_drop_lowest(__global int* arena, __global const int* work, in
     if (get_sub_group_local_id() == 0) dropped[s * get_global_size(1) + g] = slot;
 }
 
-// drop_slot for each sequence that drops one slot a head (its W_DROP, or the lowest
-// step_drop_lowest found). Global (HEAD_DIM + 5 + group, kv_heads, sequences).
+// drop_slot for each sequence that drops slots (W_DROP_COUNT of them a head from its W_DROP, or
+// the lowest that step_drop_lowest found). Global (HEAD_DIM + 5 + group, kv_heads, sequences).
 __kernel void step_drop_slot(__global uchar* pool, __global const int* tables, int table_first, int table_stride,
                              __global int* arena, __global const int* work, __global const int* dropped, int group) {
     const int e = get_global_id(0), kv = get_global_id(1), s = get_global_id(2);
@@ -265,7 +272,8 @@ __kernel void step_drop_slot(__global uchar* pool, __global const int* tables, i
     const int d = w[W_DROP] == DROP_LOWEST ? dropped[s * kv_heads + kv] : w[W_DROP];
     __global const int* table = tables + (long)(table_first + s * kv_heads + kv) * table_stride;
     __global int* pos = arena + w[W_POSITIONS] + (long)kv * w[W_POS_STRIDE];
-    __global float* scores = w[W_SCORE_STRIDE] ? work_scores(arena, w) : (__global float*)arena;
-    drop_element(pool, table, d, w[W_HELD], pos, w[W_FRESH], w[W_FRESH_POSITION], scores, w[W_SCORE_STRIDE], group,
-                 e, kv);
+    const int score_stride = w[W_DROP_SCORES] ? w[W_SCORE_STRIDE] : 0;
+    __global float* scores = score_stride ? work_scores(arena, w) : (__global float*)arena;
+    drop_element(pool, table, d, w[W_DROP_COUNT], w[W_HELD], pos, w[W_FRESH], w[W_FRESH_POSITION], scores,
+                 score_stride, group, e, kv);
 }
