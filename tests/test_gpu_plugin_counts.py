@@ -149,13 +149,14 @@ def _batch_counts(model_dir: str, prompts: list[list[int]]) -> list[list[dict]]:
             while loop.stats["decode_rows"] < 2 * SEQUENCES:  # each has decoded: the inputs re-laid
                 loop.step()
             steps = []
+            quant = engine.pool.quant_blocks  # the 2-bit store's blocks: a flush takes some
             for _ in range(BATCH_STEPS):
-                rows, before = loop.stats["decode_rows"], emulation.counts()
+                rows, before, chunks = loop.stats["decode_rows"], emulation.counts(), quant and quant.in_use
                 loop.step()
                 c = emulation.counts() - before
                 steps.append({"rows": loop.stats["decode_rows"] - rows, "waits": c.waits,
                               "ours": c.kernels_named(ours) + c.device_copies,
-                              "flushes": c.kernels.get("step_flushed_scores", 0),
+                              "flushes": (quant.in_use - chunks) if quant else 0,
                               "selections": c.kernels.get("block_mask", 0)})  # fmt: skip
             while loop.has_non_finished_requests():
                 loop.step()
@@ -187,4 +188,4 @@ def test_four_sequences_decoding_together_take_a_sequences_commands_a_layer(emul
         assert len(plain) == len(steps) or method == "kvcrush", (method, steps)
         assert max(s["ours"] for s in plain) / layers <= PER_LAYER[method], (method, steps)
     minikv = got[[c[0] for c in CASES].index("minikv")]
-    assert sum(s["flushes"] for s in minikv) >= layers  # chunks flushed in the steps counted, in the launch
+    assert sum(s["flushes"] > 0 for s in minikv) >= 2  # steps in which chunks were flushed

@@ -88,7 +88,7 @@ def _launch(pool: Any, seqs: list[Sequence], logits: Any, width: int) -> None:
                 w.drop_flushed(PINNED, FLUSHED)
             else:
                 q.a.keep_first(PINNED)
-            w.add_from = w.scored = QUANTIZED + q.held
+            w.add_from, w.scored = QUANTIZED + q.held - 1, QUANTIZED + q.held
         works.append(w)
     tables = np.zeros((len(seqs) * KV, max(len(t) for q in seqs for t in q.a.tables)), np.int32)
     for s, q in enumerate(seqs):

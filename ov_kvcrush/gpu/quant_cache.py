@@ -217,7 +217,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             lay.keep_first(start)
         else:  # the slots after them move down (the first flush after a prompt whose tail was longer)
             work.drop_flushed(start, count)
-        work.add_from = work.scored = self._scored()
+        work.add_from, work.scored = scored - 1, scored  # in the order before: the step's token the last
         return work
 
     def truncate(self, tokens: int) -> bool:

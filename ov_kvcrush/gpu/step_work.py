@@ -143,8 +143,6 @@ def launch_step_work(
     def kernel(name: str) -> Any:
         return dev.kernel("paged_store.cl", name, constants)
 
-    if any(w.flush_from >= 0 for w in todo):
-        dev.run(kernel("step_flushed_scores"), (kv * group, seqs), None, arena, work)
     norms = max((w.held - w.norms_from for w in todo if w.norms_from >= 0), default=0)
     if norms:
         dev.run(kernel("step_key_norms"), (norms, kv, seqs), None, pool.buffer, tables.buffer, i32(first),
@@ -154,7 +152,7 @@ def launch_step_work(
         assert logits is not None, "a step's probabilities come from its logits"
         dev.run(kernel("step_add_logits"), (scored, kv * group, seqs), None, arena, work, logits.buffer,
                 i32(logits.stride), i32(logits.rows))  # fmt: skip
-    if any(w.drop != DROP_NONE for w in todo):
+    if any(w.drop != DROP_NONE or w.flush_from >= 0 for w in todo):  # a flush's scores: that kernel's too
         dropped = dev.empty(4 * seqs * kv)
         if any(w.drop == DROP_LOWEST for w in todo):
             sg = dev.sub_group

@@ -215,11 +215,11 @@ __kernel void step_key_norms(__global const uchar* pool, __global const int* tab
 }
 
 // After a 2-bit flush of the full-precision slots after the pinned ones (the model quantized them,
-// the step's token among them or after them): each query head's scores in the store's new order,
-// the chunk's before the pinned slots' (the reference's order after a flush; the slots after the
-// chunk stay), the step's token (the last held) from zero (the one-sequence path: zero_slot, then
-// gather_rows of that order). A rotation of the run by three reversals, in place. Global
-// (q_heads, sequences).
+// the step's token among them or after them): query head h's scores in the store's new order, the
+// chunk's before the pinned slots' (the reference's order after a flush; the slots after the chunk
+// stay; the one-sequence path: zero_slot of the step's token, then gather_rows of that order). A
+// rotation of the run by three reversals, in place, after step_add_logits added the step's
+// probabilities in the order before (flushed_column: where each slot's logit lies).
 inline void reverse_run(__global float* x, int lo, int hi) {
     for (--hi; lo < hi; ++lo, --hi) {
         const float t = x[lo];
@@ -228,16 +228,20 @@ inline void reverse_run(__global float* x, int lo, int hi) {
     }
 }
 
-__kernel void step_flushed_scores(__global int* arena, __global const int* work) {
-    const int h = get_global_id(0), s = get_global_id(1);
-    __global const int* w = work + s * WORK_FIELDS;
-    if (w[W_FLUSH_FROM] < 0) return;
+inline void flushed_scores(__global int* arena, __global const int* w, int h) {
     __global float* run = work_scores(arena, w) + (long)h * w[W_SCORE_STRIDE] + w[W_FLUSH_FROM];
     const int pinned = w[W_FLUSH_PINNED], n = pinned + w[W_FLUSH_COUNT];
-    run[w[W_HELD] - 1] = 0.0f;
     reverse_run(run, 0, pinned);
     reverse_run(run, pinned, n);
     reverse_run(run, 0, n);
+}
+
+// The column of score j's logit in a row whose step flushed a chunk: the model attended the store
+// in its order after the flush (flushed_scores'), the scores are still in the order before.
+inline int flushed_column(__global const int* w, int j) {
+    const int k = j - w[W_FLUSH_FROM], pinned = w[W_FLUSH_PINNED], count = w[W_FLUSH_COUNT];
+    if (w[W_FLUSH_FROM] < 0 || k < 0 || k >= pinned + count) return j;
+    return w[W_FLUSH_FROM] + (k < pinned ? count + k : k - pinned);
 }
 
 // add_step_logits of each sequence's decode row. Global (most scored slots, q_heads, sequences).
@@ -247,7 +251,7 @@ __kernel void step_add_logits(__global int* arena, __global const int* work, __g
     __global const int* w = work + s * WORK_FIELDS;
     if (w[W_ADD_FROM] < 0 || j >= w[W_SCORED]) return;
     add_logit(work_scores(arena, w), w[W_SCORE_STRIDE], w[W_ADD_FROM], logits, stride, rows, w[W_LOGIT_ROW],
-              get_global_size(1), h, j);
+              get_global_size(1), h, j, flushed_column(w, j));
 }
 
 // drop_lowest for each sequence that drops its lowest middle slot, into dropped[s][kv]. One
@@ -262,11 +266,13 @@ __kernel void step_drop_lowest(__global int* arena, __global const int* work, in
 }
 
 // drop_slot for each sequence that drops slots (W_DROP_COUNT of them a head from its W_DROP, or
-// the lowest that step_drop_lowest found). Global (HEAD_DIM + 5 + group, kv_heads, sequences).
+// the lowest that step_drop_lowest found), and a flush's scores in the store's order
+// (flushed_scores: by the work-items of the scores, one a query head). Global (HEAD_DIM + 5 + group, kv_heads, sequences).
 __kernel void step_drop_slot(__global uchar* pool, __global const int* tables, int table_first, int table_stride,
                              __global int* arena, __global const int* work, __global const int* dropped, int group) {
     const int e = get_global_id(0), kv = get_global_id(1), s = get_global_id(2);
     __global const int* w = work + s * WORK_FIELDS;
+    if (w[W_FLUSH_FROM] >= 0 && e > HEAD_DIM + 4) flushed_scores(arena, w, kv * group + e - HEAD_DIM - 5);
     if (w[W_DROP] == DROP_NONE) return;
     const int kv_heads = get_global_size(1);
     const int d = w[W_DROP] == DROP_LOWEST ? dropped[s * kv_heads + kv] : w[W_DROP];

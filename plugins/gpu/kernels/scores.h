@@ -4,14 +4,15 @@
 #ifndef OVKC_SCORES_H
 #define OVKC_SCORES_H
 
-// acc[h][j] (+)= exp(logits[h][row][j] - lse[h][row]) (j >= before: a new slot, from 0): a decode
-// step's probability of slot j in query head h (of q_heads) from the logits and log-sum-exp the
-// model's attention wrote (logits [q_heads][rows][stride], then lse [q_heads][rows]).
+// acc[h][j] (+)= exp(logits[h][row][col] - lse[h][row]) (j >= before: a new slot, from 0): a
+// decode step's probability of slot j in query head h (of q_heads) from the logits and
+// log-sum-exp the model's attention wrote (logits [q_heads][rows][stride], then lse
+// [q_heads][rows]); the slot's logit is column col (j, but where the store's order changed since).
 inline void add_logit(__global float* acc, int acc_stride, int before, __global const float* logits, int stride,
-                      int rows, int row, int q_heads, int h, int j) {
+                      int rows, int row, int q_heads, int h, int j, int col) {
     const float lse = logits[(long)q_heads * rows * stride + h * rows + row];
     const float old = j < before ? acc[(long)h * acc_stride + j] : 0.0f;
-    acc[(long)h * acc_stride + j] = old + exp(logits[((long)h * rows + row) * stride + j] - lse);
+    acc[(long)h * acc_stride + j] = old + exp(logits[((long)h * rows + row) * stride + col] - lse);
 }
 
 // The middle slot KV head g drops when one goes: the lowest of its query group's summed scores

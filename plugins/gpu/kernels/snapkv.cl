@@ -105,8 +105,8 @@ __kernel void expand_runs(__global const int* runs, int n_runs, __global int* ou
 // again. Global (held, q_heads).
 __kernel void add_step_logits(__global float* acc, int acc_stride, int before, __global const float* logits,
                               int stride, int rows, int row) {
-    add_logit(acc, acc_stride, before, logits, stride, rows, row, get_global_size(1), get_global_id(1),
-              get_global_id(0));
+    const int j = get_global_id(0);
+    add_logit(acc, acc_stride, before, logits, stride, rows, row, get_global_size(1), get_global_id(1), j, j);
 }
 
 // The middle slot each KV head drops when one goes (an eviction of one slot a head: a decode step
