@@ -35,7 +35,8 @@ CASES = [
 #: our commands (kernels and device copies) per layer in a decode step, at most, as measured
 #: (2026-11-29; issue 71's targets: 3 for the full cache, 6 for any method): the full cache's
 #: store, rows and attention; a scoring method adds the step's probabilities from the logits the
-#: attention layer wrote (1), MiniKV its new token's zero score too; an eviction of one slot a
+#: attention layer wrote (1; MiniKV's model flushes too, and a step that flushes a chunk puts
+#: the scores in the store's order, 1); an eviction of one slot a
 #: head moves the slots after it down in place (1), after finding the lowest for H2O, SnapKV and
 #: Knorm (1; StreamingLLM's is the window's oldest). ClusterKV's recall and Quest's pages are a
 #: layer of the model (1).
@@ -107,7 +108,7 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, ti
     inference (and, where it copies them, for the logits), no wait of ours; nothing crosses to the
     host but the logits; what crosses to the device (the step's ids and cache inputs) is at most
     :data:`CROSSING_SHARE` of the KV bytes its attention reads; and our commands a layer stay
-    within :data:`PER_LAYER`, the same at every step."""
+    within :data:`PER_LAYER` at every step (MiniKV's: 5, and 6 where a chunk is flushed)."""
     rng = np.random.default_rng(11)
     ids = [int(t) for t in rng.integers(10, 380, PROMPT_TOKENS)]
     got = emulation_worker.submit(_decode_counts, tiny_llama3_ir, ids).result(timeout=900)
@@ -119,8 +120,7 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, ti
             assert step["waits"] == got[0][0]["waits"], (method, step)
             assert step["to_host"] <= step["logits"], (method, step)
             assert 0 < step["to_device"] <= CROSSING_SHARE.get(method, 0.01) * step["kv_read"], (method, step)
-        per_layer = {s["ours"] / layers for s in steps}
-        assert len(per_layer) == 1 and per_layer.pop() <= PER_LAYER[method], (method, steps)
+        assert max(s["ours"] for s in steps) / layers <= PER_LAYER[method], (method, steps)
 
 
 #: four sequences decoding together (issue 71's size is 4 of 8,000 tokens, budget 1024: the tool
