@@ -204,10 +204,9 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         lay = self.layer
         if self.scores is None or logits is None or not self.frozen or lay.pool.slot_arena is None:
             return None
-        work = StepWork(lay, self.score_state, self.stride, held=lay.held)
-        scored = self._scored()
+        scored = self._scored()  # in the order before a flush too: the step's token the last
+        work = StepWork(lay, self.score_state, self.stride, add_from=scored - 1, scored=scored, held=lay.held)
         if self.flushing is None:
-            work.add_from, work.scored = scored - 1, scored
             return work
         start, count, ids = self.flushing
         self.flushing = None
@@ -217,7 +216,6 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             lay.keep_first(start)
         else:  # the slots after them move down (the first flush after a prompt whose tail was longer)
             work.drop_flushed(start, count)
-        work.add_from, work.scored = scored - 1, scored  # in the order before: the step's token the last
         return work
 
     def truncate(self, tokens: int) -> bool:
