@@ -29,6 +29,7 @@ from ov_kvcrush.gpu import emulation, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.plugin_cache import (
+    DEVICE_TABLES,
     ModelShape,
     ModelVariant,
     PluginKVPool,
@@ -39,6 +40,7 @@ from ov_kvcrush.gpu.plugin_cache import (
 from ov_kvcrush.gpu.pool import largest_pool
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.gpu.step_work import StepLogitRows, StepTables, launch_step_work
+from ov_kvcrush.gpu.table_mirror import TableMirror
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op import plugin, step_inputs
@@ -173,9 +175,9 @@ class PluginModel:
         #: serves: held here alone until that pool is closed, then let go at the start of a step
         #: (:meth:`_let_go_of_closed_pools_requests`)
         self._requests: dict[int, tuple[PluginKVPool, Any]] = {}
-        #: each request's block tables as last bound (a buffer of ours it holds a handle of: kept
-        #: until the request is destroyed)
-        self._bound_tables: dict[int, Any] = {}
+        #: each request's block tables, kept on the device across its steps (a buffer of ours it
+        #: holds a handle of: kept until the request is destroyed)
+        self._tables: dict[int, TableMirror] = {}
         self._request_keys = itertools.count()
 
     def _convert(self, variant: ModelVariant) -> ConvertedModel:
@@ -244,7 +246,7 @@ class PluginModel:
         cycle) goes when Python's cycle collector runs: at any allocation, in any thread."""
         for key in [k for k, (pool, _) in self._requests.items() if pool.closed]:
             del self._requests[key]
-            self._bound_tables.pop(key, None)  # after the request that holds it
+            self._tables.pop(key, None)  # after the request that holds it
 
     def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` for ``key``, grown by doubling: the previous
@@ -299,11 +301,12 @@ class PluginModel:
         feeds = {name: x for name, x in model.items() if name in self.input_names} | step.inputs
         pool = sequences[0].pool
         blocks, kv_pool = pool.quant_blocks, pool.device_pool  # bound each step: both buffers grow
-        # the block tables in a buffer of ours: the model's layers and the methods' work read them
-        tables = np.ascontiguousarray(feeds.pop("kvc_tables"))
-        tables_b = self.dev.to_device(tables)  # counted with the step's inputs (plan_step)
-        request.set_tensor("kvc_tables", buffer_tensor(self.context, tables_b, ov.Type.i32, list(tables.shape)))
-        self._bound_tables[handle.key] = tables_b
+        # the block tables in a buffer of ours, sent as they change: the model's layers and the
+        # methods' work read them
+        mirror = self._tables.setdefault(handle.key, TableMirror(kv_pool))
+        tables = mirror.update({name: feeds.pop(name) for name in DEVICE_TABLES if name in feeds})
+        for name, buffer in tables.items():
+            request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.i32, list(mirror.places[name].shape)))
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         pool_bytes = kv_pool.capacity * kv_pool.shape.block_bytes
@@ -333,7 +336,8 @@ class PluginModel:
             rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] and not stride else buffers
             logits_i = [StepLogits(b, stride, len(sequences), i) for b in logit_buffers] if stride else None
             works.append(seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i))
-        step_tables = StepTables(tables_b, tables.shape[1], tables.shape[2])
+        _, rows, width = mirror.places["kvc_tables"].shape
+        step_tables = StepTables(tables["kvc_tables"], rows, width)
         for layer, logit_buffer in enumerate(logit_buffers):  # one launch a kernel over the step's sequences
             layer_logits = StepLogitRows(logit_buffer, stride, len(sequences)) if stride else None
             launch_step_work(kv_pool, layer, [w[layer] for w in works], step_tables, layer_logits,

@@ -43,6 +43,12 @@ from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
 from ov_kvcrush.op.plugin import PluginError
 from ov_kvcrush.validation import check_int
 
+#: the block tables' inputs, kept on the device across steps and sent as they change
+#: (:class:`~ov_kvcrush.gpu.table_mirror.TableMirror`): a step's bytes count them as they are sent
+DEVICE_TABLES = ("kvc_tables", "kvc_qtables")
+#: a step's tables' width grows this many blocks at a time (:func:`table_width`)
+TABLE_WIDTH_STEP = 16
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -279,6 +285,13 @@ class PluginStep:
         return "prompt" if "prompt" in self.phases else "decode"
 
 
+def table_width(blocks: int) -> int:
+    """A step's block tables' width for a longest table of ``blocks``: a multiple of
+    :data:`TABLE_WIDTH_STEP`, so that the tables kept on the device keep their shape for many
+    steps (:class:`~ov_kvcrush.gpu.table_mirror.TableMirror` sends them whole when it changes)."""
+    return max(1, -(-blocks // TABLE_WIDTH_STEP)) * TABLE_WIDTH_STEP
+
+
 def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginStep:
     """Reserve ``counts[s]`` slots for sequence ``s`` in every layer and lay out the model's cache
     inputs for the step (:data:`~ov_kvcrush.transformations.plugin_attention.PLUGIN_INPUTS`, the
@@ -298,7 +311,7 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
         index.extend(range(start + t - n, start + t))
         start += t
     lays = [[c.layer for c in seq.caches] for seq in sequences]
-    width = max(len(table) for per_seq in lays for lay in per_seq for table in lay.tables)
+    width = table_width(max(len(table) for per_seq in lays for lay in per_seq for table in lay.tables))
     tables = np.zeros((layers, len(sequences) * kv, width), np.int32)
     lengths = np.zeros((layers, len(sequences) * kv), np.int32)
     for s, per_seq in enumerate(lays):
@@ -343,7 +356,7 @@ def _quant_inputs(sequences: list[PluginKVSequence]) -> dict[str, np.ndarray]:
         assert len(caches) == len(seq.caches), "every layer of a 2-bit store's method keeps one"
         per_seq.append([c.model_inputs() for c in caches])
     layers, kv = len(per_seq[0]), sequences[0].pool.model.kv_heads
-    width = max(1, max(len(t) for layer_inputs in per_seq for tables, _, _ in layer_inputs for t in tables))
+    width = table_width(max(len(t) for layer_inputs in per_seq for tables, _, _ in layer_inputs for t in tables))
     tables = np.zeros((layers, len(sequences) * kv, width), np.int32)
     lengths = np.zeros((layers, len(sequences) * kv), np.int32)
     flush = np.zeros((layers, len(sequences) * kv, 2), np.int32)
@@ -384,7 +397,8 @@ def _count_step(pool: PluginKVPool, step: PluginStep) -> None:
     device_pool = pool.device_pool
     device_pool.phase = step.phase
     crossed = device_pool.crossings[step.phase].to_device
-    crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sum(a.nbytes for a in step.inputs.values())
+    sent = sum(a.nbytes for name, a in step.inputs.items() if name not in DEVICE_TABLES)  # those: as they change
+    crossed["model cache inputs"] = crossed.get("model cache inputs", 0) + sent
     if step.phase == "decode":
         pool.decode_steps += 1
         pool.decode_kv_read += sum(c.model_step_read() for seq in step.sequences for c in seq.caches)

@@ -3,13 +3,15 @@ issue 71's targets at their own size (4 sequences of 8k tokens each, budget 1024
 counts test (``tests/test_gpu_plugin_counts.py``: one sequence of 1,500 tokens) holds small.
 
 ``python -m ov_kvcrush.tools.gpu_step_counts [--sequences 4] [--tokens 8000] [--budget 1024]
-[--methods full,snapkv,...] [--out FILE.json]`` runs the family checks' tiny random-weight
+[--methods full,snapkv,...] [--steps 16] [--out FILE.json]`` runs the family checks' tiny random-weight
 Llama 3 (2 layers, 2 KV heads of 32 dims; the counts are per layer and per byte read, so the
 model's size matters little) through the one loop on ``GPU``, under the emulation layer (which is
 what counts: OpenVINO's GPU plugin on Intel's OpenCL CPU runtime). The sequences' prompts go in
 together; once each has decoded, the next steps of every sequence's one token are counted: the
 host's blocking waits, the bytes each way, our commands (kernels and device copies) a layer,
-and the KV bytes the step's attention reads. Also the pool's blocks: held at most, and allocated.
+besides the one a step that writes the block tables' changes, and the KV bytes the step's
+attention reads; by default over a block's worth of steps (``--steps 16``), in which every
+sequence takes a block. Also the pool's blocks: held at most, and allocated.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ METHODS = {
     "clusterkv": {"dense_layers": 0},
     "quest": {"dense_layers": 0},
 }
-BLOCK, MEASURED_STEPS = 16, 3
+BLOCK, MEASURED_STEPS = 16, 16
 #: the prefix of the folder a long-context checkpoint is written in before it is renamed into place
 STAGING_PREFIX = ".tmp-long-context-"
 
 
 def count_steps(
-    model_dir: str, methods: list[str], sequences: int, tokens: int, budget: int, precision: str
+    model_dir: str, methods: list[str], sequences: int, tokens: int, budget: int, precision: str, measured: int
 ) -> list[dict]:
     """Per method: each counted decode step's counts, and the pool's blocks (run in a process
     where the emulation layer is on)."""
@@ -46,15 +48,17 @@ def count_steps(
 
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
     from ov_kvcrush.gpu import emulation
+    from ov_kvcrush.gpu.table_mirror import TableMirror
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
-    ours = emulation.own_kernels()
+    once_a_step = {TableMirror.KERNEL}  # the tables' changes: one command a step, not a layer
+    ours = emulation.own_kernels() - once_a_step
     engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
                             properties={"INFERENCE_PRECISION_HINT": precision})  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(10, 380, tokens)] for _ in range(sequences)]
     # one prompt enters a step: the first has decoded ``sequences`` tokens when the last starts
-    settings = GenerationSettings(max_new_tokens=2 * sequences + MEASURED_STEPS + 2, ignore_eos=True)
+    settings = GenerationSettings(max_new_tokens=2 * sequences + measured + 2, ignore_eos=True)
     layers = engine.shape.layers
     out = []
     try:
@@ -68,7 +72,7 @@ def count_steps(
             while loop.stats["decode_rows"] < 2 * sequences:  # each has decoded twice: the inputs re-laid
                 loop.step()
             steps, most = [], 0
-            for _ in range(MEASURED_STEPS):
+            for _ in range(measured):
                 rows, read, before = loop.stats["decode_rows"], pool.decode_kv_read, emulation.counts()
                 loop.step()
                 c = emulation.counts() - before
@@ -76,6 +80,7 @@ def count_steps(
                 steps.append({
                     "decode_rows": loop.stats["decode_rows"] - rows, "waits": c.waits, "to_device": c.to_device,
                     "to_host": c.to_host, "ours_per_layer": (c.kernels_named(ours) + c.device_copies) / layers,
+                    "ours_once_a_step": c.kernels_named(once_a_step),
                     "kv_read": pool.decode_kv_read - read,
                 })  # fmt: skip
             while loop.has_non_finished_requests():
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=MEASURED_STEPS, help="decode steps counted a method")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--inference-precision", default="f16", choices=["f16", "f32"])
     parser.add_argument("--out", type=Path)
@@ -129,20 +135,27 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = str(export_models([checkpoint], "fp32")[checkpoint])
     methods = [m for m in args.methods.split(",") if m]
     with emulation.worker() as worker:
-        job = (model_dir, methods, args.sequences, args.tokens, args.budget, args.inference_precision)
+        job = (model_dir, methods, args.sequences, args.tokens, args.budget, args.inference_precision, args.steps)
         rows = worker.submit(count_steps, *job).result()
     print("| method | decode rows a step | waits | bytes to the device (% of KV read) | bytes to the host | "
-          "our commands a layer | blocks allocated / held at most |")  # fmt: skip
+          "our commands a layer (and a step) | blocks allocated / held at most |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         s = max(r["steps"], key=lambda x: x["to_device"] / max(x["kv_read"], 1))  # the worst step
         share = 100 * s["to_device"] / max(s["kv_read"], 1)
         print(f"| {r['method']} | {s['decode_rows']} | {s['waits']} | {s['to_device']:,} ({share:.2f} %) | "
-              f"{s['to_host']:,} | {max(x['ours_per_layer'] for x in r['steps']):g} | "
+              f"{s['to_host']:,} | {max(x['ours_per_layer'] for x in r['steps']):g} "
+              f"(+{max(x['ours_once_a_step'] for x in r['steps'])}) | "
               f"{r['blocks_allocated']} / {r['blocks_held_at_most']} (chunk {r['chunk_blocks']}) |")  # fmt: skip
     if args.out:
         command = "python -m ov_kvcrush.tools.gpu_step_counts " + " ".join(sys.argv[1:] if argv is None else argv)
-        meta = {"command": command.strip(), "sequences": args.sequences, "tokens": args.tokens, "budget": args.budget}
+        meta = {
+            "command": command.strip(),
+            "sequences": args.sequences,
+            "tokens": args.tokens,
+            "budget": args.budget,
+            "steps": args.steps,
+        }
         meta["inference_precision"] = args.inference_precision
         args.out.write_text(json.dumps(meta | {"rows": rows}, indent=1))
 

@@ -100,6 +100,13 @@ __kernel void expand_runs(__global const int* runs, int n_runs, __global int* ou
     out[i] = runs[2 * r + 1] + i - runs[2 * r];
 }
 
+// dst[pairs[2 i]] = pairs[2 i + 1]: the words of a table kept on the device that changed since
+// it was sent (gpu/table_mirror.py), each index once. Global (pairs).
+__kernel void set_elements(__global int* dst, __global const int* pairs) {
+    const int i = get_global_id(0);
+    dst[pairs[2 * i]] = pairs[2 * i + 1];
+}
+
 // add_logit over every held slot of one sequence: a decode step's probabilities added to the
 // scores from the logits and log-sum-exp the model's attention wrote, so the keys are not read
 // again. Global (held, q_heads).
