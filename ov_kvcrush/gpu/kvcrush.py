@@ -3,11 +3,12 @@
 
 Every step runs on the device: the heads' scores summed, the important tokens (sinks, recent, the
 top summed scores), each head's decisions and the packed signatures, the anchors' distances, the
-stable bucketing order, one representative per bucket, and the kept tokens as a mask. What comes
-back to the host is what the cache's block tables need: that mask, a byte a token (the kept slots
-are listed from it on both sides; the other read-backs here are for the tests' step checks), and
-with a ``mean`` anchor its bits. Random anchors are drawn by the caller (the reference's seeded
-generator); a ``mean`` anchor is the evictable tokens' per-bit majority, computed here.
+stable bucketing order, one representative per bucket, and the kept tokens as a mask, from which
+the kept slots are listed on the device; the host knows how many (:func:`kept_count`). Nothing
+comes back to a cache's selection but a ``mean`` anchor's bits (:func:`select_on_device` reads
+the kept tokens back, and for the tests' step checks each step's results). Random anchors are
+drawn by the caller (the reference's seeded generator); a ``mean`` anchor is the evictable
+tokens' per-bit majority, computed here.
 """
 
 from __future__ import annotations
@@ -208,13 +209,36 @@ def representatives(dev: KernelDevice, c: KVCrushChoice, imp: ImportantTokens, o
     return reps_b, buckets
 
 
-def select_on_device(
-    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice, details: bool = True
-) -> KVCrushGPUSelection:
+def kept_count(c: KVCrushChoice, n: int) -> int:
+    """How many of ``n`` tokens a selection keeps: the important ones and a representative a bucket
+    (as many buckets as there are evictable tokens, at most ``representatives``), so the host
+    knows it without the decisions coming back."""
+    important = c.budget - c.representatives
+    return important + min(c.representatives, max(n - important, 0))
+
+
+@dataclass
+class DeviceSelection:
+    """A selection's steps on the device: the kept tokens' mask (uchar ``[n]``, 1 for a kept
+    token) and what the tests' step checks read back."""
+
+    mask: Any
+    important: ImportantTokens
+    signatures: Any
+    words: int
+    anchors: np.ndarray
+    distances: Any
+    order: Any
+    representatives: Any
+    buckets: int
+
+
+def select_mask_on_device(
+    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice
+) -> DeviceSelection:
     """KVCrush over device scores ``sc`` ``[h, n]``: the important tokens, the evictable ones'
-    signatures bucketed by their distances to the anchors, one representative a bucket. What
-    comes back crosses through ``io`` (``details``: also the signatures, order and distances the
-    tests check step by step)."""
+    signatures bucketed by their distances to the anchors, one representative a bucket, the kept
+    tokens' mask; nothing comes back (but a ``mean`` anchor's bits, through ``io``)."""
     imp = important_tokens(dev, sc, h, n, c)
     sig, w = signatures(dev, sc, h, n, c)
     anchors = anchor_signatures(dev, io, c, sig, w, imp, h)
@@ -222,9 +246,18 @@ def select_on_device(
     reps_b, buckets = representatives(dev, c, imp, order_b)
     mask_b = dev.empty(max(n, 1))
     dev.run(_kernel(dev, "kept_mask"), (n,), None, imp.flags, np.int32(n), reps_b, np.int32(buckets), mask_b)
+    return DeviceSelection(mask_b, imp, sig, w, anchors, dist_b, order_b, reps_b, buckets)
+
+
+def select_on_device(
+    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice
+) -> KVCrushGPUSelection:
+    """:func:`select_mask_on_device`, the kept tokens and each step's results read back through
+    ``io`` (the tests' step checks)."""
+    sel = select_mask_on_device(dev, io, sc, h, n, c)
+    imp, mask_b, anchors, buckets = sel.important, sel.mask, sel.anchors, sel.buckets
+    sig, w, dist_b, order_b, reps_b = sel.signatures, sel.words, sel.distances, sel.order, sel.representatives
     keep = np.flatnonzero(io.download("selection decisions", mask_b, np.uint8, (n,))).astype(np.int32)
-    if not details:
-        return KVCrushGPUSelection(keep=keep, keep_mask=mask_b)
     m, a = imp.evictable, anchors.shape[0]
     by_flag = dev.to_host(imp.by_flag, np.int32, (n,))
     return KVCrushGPUSelection(

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_on_device
+from ov_kvcrush.gpu.kvcrush import KVCrushChoice, kept_count, launch_block_sums, select_mask_on_device
 from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.slots import KeptSlots
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
@@ -45,20 +45,19 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         per_head = self.config.scope == "head"
         rows = [slice(g * group, (g + 1) * group) for g in range(kv)] if per_head else [slice(0, lay.q_heads)]
         masks = dev.empty(max(n, 1) * len(rows))  # [rows, n]: 1 for a kept token
-        keeps = []
+        counts = set()
         for r, heads in enumerate(rows):
-            keep, mask = self._select_rows(n, heads)
+            count, mask = self._select_rows(n, heads)
             dev.copy_bytes(mask, masks, n, r * n)
-            keeps.append(keep)
-        k = len(keeps[0])
+            counts.add(count)
+        (k,) = counts  # every row keeps as many (the budget's count)
         kept_b = dev.empty(4 * max(k, 1) * len(rows))  # a list per row; one row: every KV head reads it
         i32 = np.int32
         dev.run(self._kernel("kept_slots"), (len(rows),), None, masks, i32(n), i32(0), i32(0), i32(n), kept_b, i32(k))
-        kept = np.stack(keeps if per_head else keeps * kv).astype(np.int32)
-        return KeptSlots(kept_b, k if per_head else 0, k, kept)
+        return KeptSlots(kept_b, k if per_head else 0, k)  # listed on the device alone: nothing comes back
 
-    def _select_rows(self, n: int, heads: slice) -> tuple[np.ndarray, Any]:
-        """KVCrush over the scores of query heads ``heads``: the kept tokens (ascending) and their
+    def _select_rows(self, n: int, heads: slice) -> tuple[int, Any]:
+        """KVCrush over the scores of query heads ``heads``: how many tokens it keeps, and their
         device mask ``[n]``."""
         lay, cfg = self.layer, self.config
         dev, h = lay.pool.dev, heads.stop - heads.start
@@ -66,17 +65,16 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         if cfg.block_size is None:
             scores = dev.copy_rows(self.scores, self.stride, h, n, heads.start)  # [h, n] packed, on the device
             choice = self._choice(self.budget, cfg.sink_tokens, cfg.recent_tokens, reps, heads)
-            sel = select_on_device(dev, lay.pool, scores, h, n, choice, details=False)
-            return sel.keep, sel.keep_mask
+            return kept_count(choice, n), select_mask_on_device(dev, lay.pool, scores, h, n, choice).mask
         block = cfg.block_size
         plan = plan_spans(torch.zeros(1, 1, n), self.budget, cfg.sink_tokens, cfg.recent_tokens, block,
                           reserved=reps // block, what="sink, recent and representative blocks")  # fmt: skip
         whole = plan.full * block  # the whole blocks' scores, packed
         sums = launch_block_sums(dev, dev.copy_rows(self.scores, self.stride, h, whole, heads.start), h, whole, block)
         choice = self._choice(plan.budget, plan.sink, plan.recent, reps // block, heads)
-        blocks = select_on_device(dev, lay.pool, sums, h, plan.full, choice, details=False)
+        blocks = select_mask_on_device(dev, lay.pool, sums, h, plan.full, choice)
         mask = dev.empty(max(n, 1))
         i32 = np.int32
-        dev.run(self._kernel("block_mask", "kvcrush.cl"), (n,), None, blocks.keep_mask, i32(block), i32(whole),
+        dev.run(self._kernel("block_mask", "kvcrush.cl"), (n,), None, blocks.mask, i32(block), i32(whole),
                 i32(n), mask)  # fmt: skip
-        return plan.tokens(torch.from_numpy(blocks.keep).long()).numpy(), mask
+        return kept_count(choice, plan.full) * block + plan.partial, mask
