@@ -99,12 +99,6 @@ class PluginKVPool:
     snapshots = False
 
     @property
-    def takes_prompt_chunks(self) -> bool:
-        """Whether a prompt may come in chunks (:meth:`PluginKVSequence.set_prompt`): not into the
-        2-bit store, which flushes and selects inside the model's prompt step."""
-        return self.quant_blocks is None
-
-    @property
     def quant(self) -> QuantShape | None:
         """The 2-bit store's block shape; None for the full-precision store."""
         return self.quant_blocks.shape if self.quant_blocks else None
@@ -183,8 +177,6 @@ class PluginKVSequence:
         empty): each layer's method scores and selects once, after the last chunk, over the whole
         prompt, as the CPU op's sequence does. ``0``: prompts come whole."""
         check_int("tokens", tokens, 0)
-        if tokens and not self.pool.takes_prompt_chunks:
-            raise UserError("device GPU takes a prompt into the 2-bit store in one step (it flushes and selects there)")
         if tokens and self.seen:
             raise UserError(f"set_prompt: the sequence holds {self.seen} tokens; a prompt in chunks starts empty")
         for cache in self.caches:

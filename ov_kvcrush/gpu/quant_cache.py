@@ -169,16 +169,19 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         return self._full_precision_read(self.layer.held - flushed) + quantized
 
     def score_rows(self, t: int) -> int:
-        """The prompt's window rows; a decode step's row (its probabilities over both stores)."""
-        return self.prompt_scoring(t)[0] if self.scores is None else t
+        """The prompt's window rows (a chunk's: those of the window it holds); a decode step's
+        row (its probabilities over both stores)."""
+        return super().score_rows(t) if self.scores is None else t
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         """:meth:`prefill`'s or :meth:`_decode_step`'s work after the model's step: the prompt's
-        selection and store; or the new token's score, the flush's bookkeeping (the model
+        selection and store, after its last chunk (its chunks stay in full precision until then,
+        as the CPU op's); or the new token's score, the flush's bookkeeping (the model
         quantized the chunk), the step's probabilities over both stores and the chunks' eviction."""
         if self.scores is None:
             super().after_model_step(rows, t)
-            self._store_prompt()
+            if self.scores is not None:  # the prompt's last chunk (or all of it): selected, now stored
+                self._store_prompt()
             return
         lay = self.layer
         self._zero_new_score()

@@ -99,8 +99,6 @@ class GenerationLoop:
         check_int("scheduler_config.max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         self.chunked = bool(sc.dynamic_split_fuse) if sc is not None else True
         e = self.engine
-        if e.plugin is not None and not e.pool.takes_prompt_chunks:  # the 2-bit store on GPU: prompts whole
-            self.max_num_batched_tokens, self.chunked = 1 << 24, False
         self.pool = e.pool
         #: the most tokens a prompt's first step feeds (a held point within it keeps it fast)
         self.first_step = self.max_num_batched_tokens if self.chunked else 1 << 40
