@@ -15,19 +15,37 @@ None and does its work itself, as before (:meth:`~ov_kvcrush.gpu.layer_cache.Dev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import MISSING, dataclass, fields
+from functools import cache
 from typing import Any
 
 import numpy as np
 
 from ov_kvcrush.gpu.arena import SlotState
+from ov_kvcrush.gpu.device import kernel_dir
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.store import store_constants
 
-#: a row's ints (``paged_store.cl``'s ``W_*``: the fields of :meth:`StepWork.row`, in order)
-WORK_FIELDS = 20
+#: the kernels' source, whose ``#define``s lay out a row (the one copy of that layout)
+SOURCE = "paged_store.cl"
+
+
+@cache
+def row_layout() -> tuple[int, dict[str, int], dict[str, int]]:
+    """A row as ``paged_store.cl`` reads it: its ints (``WORK_FIELDS``), each field's place
+    (``W_<FIELD>``: :class:`StepWork`'s field ``<field>``, and ``logit_row``) and the drops'
+    codes (``DROP_NONE``, ``DROP_LOWEST``)."""
+    text = (kernel_dir() / SOURCE).read_text()
+    defines = {m[1]: int(m[2]) for m in re.finditer(r"^#define (\w+) \(?(-?\d+)\)?", text, re.M)}
+    places = {name[2:].lower(): at for name, at in defines.items() if name.startswith("W_")}
+    return defines["WORK_FIELDS"], places, {k: defines[k] for k in ("DROP_NONE", "DROP_LOWEST")}
+
+
+#: a row's ints
+WORK_FIELDS = row_layout()[0]
 #: :attr:`StepWork.drop`: no slot dropped; the lowest middle slot (H2O's rank rule)
-DROP_NONE, DROP_LOWEST = -1, -2
+DROP_NONE, DROP_LOWEST = row_layout()[2]["DROP_NONE"], row_layout()[2]["DROP_LOWEST"]
 
 
 @dataclass
@@ -85,12 +103,17 @@ class StepWork:
 
     def row(self, logit_row: int) -> list[int]:
         """The ints ``paged_store.cl`` reads (``logit_row``: the sequence's among the step's logits)."""
-        return [
-            _offset(self.scores), self.score_stride, self.add_from, self.scored, logit_row, self.norms_from,
-            self.drop, self.sinks, self.mid, self.held, _offset(self.positions), self.pos_stride, self.fresh,
-            self.fresh_position, self.flush_from, self.flush_pinned, self.flush_count, self.drop_count,
-            self.drop_scores, 0,
-        ]  # fmt: skip
+        return _row(vars(self) | {"scores": _offset(self.scores), "positions": _offset(self.positions),
+                                  "logit_row": logit_row})  # fmt: skip
+
+
+def _row(values: dict[str, Any]) -> list[int]:
+    """``values`` at their places in a row (:func:`row_layout`), the rest 0."""
+    _, places, _ = row_layout()
+    out = [0] * WORK_FIELDS
+    for name, at in places.items():
+        out[at] = int(values[name])
+    return out
 
 
 def _offset(state: SlotState | None) -> int:
@@ -164,5 +187,8 @@ def launch_step_work(
             w.layer.release_empty_blocks()
 
 
-#: the row of a sequence with no work in the layer
-_NOTHING = [0, 0, -1, 0, 0, -1, DROP_NONE, 0, 0, 0, 0, 0, 0, 0, -1] + [0] * (WORK_FIELDS - 15)
+#: the row of a sequence with no work in the layer: every field's default
+_NOTHING = _row(
+    {f.name: f.default for f in fields(StepWork) if f.default is not MISSING}
+    | {"scores": 0, "positions": 0, "logit_row": 0}
+)
