@@ -4,7 +4,7 @@
 Every step runs on the device: the heads' scores summed, the important tokens (sinks, recent, the
 top summed scores), each head's decisions and the packed signatures, the anchors' distances, the
 stable bucketing order, one representative per bucket, and the kept tokens as a mask, from which
-the kept slots are listed on the device; the host knows how many (:func:`kept_count`). Nothing
+the kept slots are listed on the device; the host knows how many (:attr:`DeviceSelection.kept`). Nothing
 comes back to a cache's selection but a ``mean`` anchor's bits (:func:`select_on_device` reads
 the kept tokens back, and for the tests' step checks each step's results). Random anchors are
 drawn by the caller (the reference's seeded generator); a ``mean`` anchor is the evictable
@@ -209,20 +209,14 @@ def representatives(dev: KernelDevice, c: KVCrushChoice, imp: ImportantTokens, o
     return reps_b, buckets
 
 
-def kept_count(c: KVCrushChoice, n: int) -> int:
-    """How many of ``n`` tokens a selection keeps: the important ones and a representative a bucket
-    (as many buckets as there are evictable tokens, at most ``representatives``), so the host
-    knows it without the decisions coming back."""
-    important = c.budget - c.representatives
-    return important + min(c.representatives, max(n - important, 0))
-
-
 @dataclass
 class DeviceSelection:
     """A selection's steps on the device: the kept tokens' mask (uchar ``[n]``, 1 for a kept
-    token) and what the tests' step checks read back."""
+    token), how many it keeps (known on the host: the important tokens and a representative a
+    bucket, so the decisions need not come back), and what the tests' step checks read back."""
 
     mask: Any
+    kept: int
     important: ImportantTokens
     signatures: Any
     words: int
@@ -246,7 +240,8 @@ def select_mask_on_device(
     reps_b, buckets = representatives(dev, c, imp, order_b)
     mask_b = dev.empty(max(n, 1))
     dev.run(_kernel(dev, "kept_mask"), (n,), None, imp.flags, np.int32(n), reps_b, np.int32(buckets), mask_b)
-    return DeviceSelection(mask_b, imp, sig, w, anchors, dist_b, order_b, reps_b, buckets)
+    kept = n - imp.evictable + buckets
+    return DeviceSelection(mask_b, kept, imp, sig, w, anchors, dist_b, order_b, reps_b, buckets)
 
 
 def select_on_device(
@@ -255,21 +250,19 @@ def select_on_device(
     """:func:`select_mask_on_device`, the kept tokens and each step's results read back through
     ``io`` (the tests' step checks)."""
     sel = select_mask_on_device(dev, io, sc, h, n, c)
-    imp, mask_b, anchors, buckets = sel.important, sel.mask, sel.anchors, sel.buckets
-    sig, w, dist_b, order_b, reps_b = sel.signatures, sel.words, sel.distances, sel.order, sel.representatives
-    keep = np.flatnonzero(io.download("selection decisions", mask_b, np.uint8, (n,))).astype(np.int32)
-    m, a = imp.evictable, anchors.shape[0]
-    by_flag = dev.to_host(imp.by_flag, np.int32, (n,))
+    keep = np.flatnonzero(io.download("selection decisions", sel.mask, np.uint8, (n,))).astype(np.int32)
+    m, a = sel.important.evictable, sel.anchors.shape[0]
+    by_flag = dev.to_host(sel.important.by_flag, np.int32, (n,))
     return KVCrushGPUSelection(
         keep=keep,
-        keep_mask=mask_b,
+        keep_mask=sel.mask,
         important=np.sort(by_flag[m:]),
-        representatives=dev.to_host(reps_b, np.int32, (max(buckets, 1),))[:buckets],
+        representatives=dev.to_host(sel.representatives, np.int32, (max(sel.buckets, 1),))[: sel.buckets],
         evictable=by_flag[:m],
-        order=dev.to_host(order_b, np.int32, (max(m, 1),))[:m],
-        distances=dev.to_host(dist_b, np.int32, (max(m, 1), a))[:m],
-        signatures=dev.to_host(sig, np.uint32, (n, w)),
-        anchors=anchors,
+        order=dev.to_host(sel.order, np.int32, (max(m, 1),))[:m],
+        distances=dev.to_host(sel.distances, np.int32, (max(m, 1), a))[:m],
+        signatures=dev.to_host(sel.signatures, np.uint32, (n, sel.words)),
+        anchors=sel.anchors,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ov_kvcrush.gpu.kvcrush import KVCrushChoice, kept_count, launch_block_sums, select_mask_on_device
+from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_mask_on_device
 from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.slots import KeptSlots
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
@@ -65,7 +65,8 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         if cfg.block_size is None:
             scores = dev.copy_rows(self.scores, self.stride, h, n, heads.start)  # [h, n] packed, on the device
             choice = self._choice(self.budget, cfg.sink_tokens, cfg.recent_tokens, reps, heads)
-            return kept_count(choice, n), select_mask_on_device(dev, lay.pool, scores, h, n, choice).mask
+            sel = select_mask_on_device(dev, lay.pool, scores, h, n, choice)
+            return sel.kept, sel.mask
         block = cfg.block_size
         plan = plan_spans(torch.zeros(1, 1, n), self.budget, cfg.sink_tokens, cfg.recent_tokens, block,
                           reserved=reps // block, what="sink, recent and representative blocks")  # fmt: skip
@@ -77,4 +78,4 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         i32 = np.int32
         dev.run(self._kernel("block_mask", "kvcrush.cl"), (n,), None, blocks.mask, i32(block), i32(whole),
                 i32(n), mask)  # fmt: skip
-        return kept_count(choice, plan.full) * block + plan.partial, mask
+        return blocks.kept * block + plan.partial, mask
