@@ -10,7 +10,7 @@ import pytest
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.fastpath import FAST_LAYERS, fast_layer
-from ov_kvcrush.gpu.device_layers import DEVICE_LAYERS
+from ov_kvcrush.gpu.device_layers import DEVICE_LAYERS, PLUGIN_LAYERS
 from ov_kvcrush.methods import REGISTRY, method_config, methods_on, require, support_table
 from ov_kvcrush.methods.runtimes import BY_NAME, RUNTIMES, refusal, runs
 
@@ -33,14 +33,20 @@ def test_each_runtime_registers_exactly_the_methods_that_declare_it():
     those runtimes (the C++ op's table is held in ``test_op_methods``)."""
     assert set(FAST_LAYERS) == set(methods_on("cuda"))
     assert set(DEVICE_LAYERS) == set(methods_on("gpu-pool"))
+    assert set(PLUGIN_LAYERS) == set(methods_on("gpu-plugin"))
 
 
 def test_the_gpu_plugin_runs_over_the_pools_layers():
-    """Each sequence on device GPU is the pool's layer caches: the plugin runs no method or option
-    the pool does not."""
+    """Each sequence on device GPU is the pool's layer caches, but for those only the plugin's
+    model steps drive (KVzip's scoring pass): the plugin runs no option of a method the pool runs
+    that the pool does not."""
     for name in methods_on("gpu-plugin"):
+        if name not in DEVICE_LAYERS:
+            assert PLUGIN_LAYERS[name] is not None and name not in methods_on("gpu-pool"), name
+            continue
         plugin, pool = REGISTRY[name].runtimes["gpu-plugin"], REGISTRY[name].runtimes["gpu-pool"]
         assert set(pool) <= set(plugin), name
+        assert PLUGIN_LAYERS[name] is DEVICE_LAYERS[name], name
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -3,8 +3,9 @@ prompt (or a chat turn) and what continuous batching runs after a request's last
 
 The method says what to feed (:meth:`~ov_kvcrush.methods.MethodConfig.scoring_pass_inputs`:
 a repeat request, the chat template's generation prompt, then a chunk of the context); each step
-is one inference in the op's scoring mode (it attends, scores the chunk's held tokens and drops
-its own), and the op then selects over every layer. Both callers share this module so that a
+is one inference in the sequence's scoring mode (the CPU op's, or the GPU plugin's sequence: it
+attends, scores the chunk's held tokens and drops its own), and the sequence then selects over
+every layer. Both callers share this module so that a
 request served in a batch is compressed exactly as one served alone.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from ov_kvcrush.engines.base import generation_prefix
-from ov_kvcrush.op.kvcache import infer_steps
 
 
 class ScoringPass:
@@ -65,7 +65,7 @@ class ScoringPass:
         try:
             for step in steps:
                 sequence.score_positions(first + step.lo, first + step.hi)
-                infer_steps(request, self.engine.step_inputs([step.ids], [sequence], [past]), [sequence.handle])
+                self.engine.run_step(request, [step.ids], [sequence], [past])
         except RuntimeError:
             sequence.end_scoring_pass(select=False)
             raise

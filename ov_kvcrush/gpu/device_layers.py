@@ -1,13 +1,16 @@
 """The GPU path's device pool's layer caches, by method: what ``TorchEngine(paged_device=...)``
-builds each layer's cache from. Which configs the pool runs is each method's declaration (the
-``gpu-pool`` runtime, :mod:`ov_kvcrush.methods.runtimes`); a method it does not run, or an option
-it refuses, is refused through :func:`~ov_kvcrush.methods.require`."""
+builds each layer's cache from (:data:`DEVICE_LAYERS`), and what the GPU plugin's sequences build
+theirs from (:data:`PLUGIN_LAYERS`: those, and the layers only the plugin's model steps drive).
+Which configs each runs is each method's declaration (the ``gpu-pool`` and ``gpu-plugin``
+runtimes, :mod:`ov_kvcrush.methods.runtimes`); a method it does not run, or an option it
+refuses, is refused through :func:`~ov_kvcrush.methods.require`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ov_kvcrush.gpu.kvcrush_cache import DeviceKVCrushLayerCache
+from ov_kvcrush.gpu.kvzip_cache import DeviceKVzipLayerCache
 from ov_kvcrush.gpu.layer_cache import (
     DeviceFullLayerCache,
     DeviceH2OLayerCache,
@@ -24,8 +27,9 @@ from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.knorm import KnormConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
+from ov_kvcrush.methods.kvzip import KVzipConfig
 from ov_kvcrush.methods.quest import QuestConfig
-from ov_kvcrush.methods.runtimes import GPU_POOL
+from ov_kvcrush.methods.runtimes import GPU_PLUGIN, GPU_POOL
 
 
 def _full(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
@@ -66,6 +70,11 @@ def _quest(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: 
     return DeviceQuestLayerCache(config, pool, kv, hq, dense=layer < config.dense_layers)
 
 
+def _kvzip(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
+    assert isinstance(config, KVzipConfig)
+    return DeviceKVzipLayerCache(config, pool, kv, hq)
+
+
 #: method name -> how its device layer cache is built, for the configs the ``gpu-pool`` runtime runs
 DEVICE_LAYERS: dict[str, Callable[[MethodConfig, int, int, DevicePool, int, int], LayerCache]] = {
     "full": _full,
@@ -78,6 +87,14 @@ DEVICE_LAYERS: dict[str, Callable[[MethodConfig, int, int, DevicePool, int, int]
     "streamingllm": _streamingllm,
     "knorm": _knorm,
     "quest": _quest,
+}
+
+
+#: the same for the ``gpu-plugin`` runtime: the pool's, and KVzip's, whose scoring pass is the
+#: model's steps (the plugin's), not a layer's
+PLUGIN_LAYERS: dict[str, Callable[[MethodConfig, int, int, DevicePool, int, int], LayerCache]] = {
+    **DEVICE_LAYERS,
+    "kvzip": _kvzip,
 }
 
 
@@ -103,3 +120,12 @@ def device_layer(
     runtime runs ``config``)."""
     require(config, GPU_POOL.name)
     return DEVICE_LAYERS[config.name](config, layer, layers, pool, kv_heads, q_heads)
+
+
+def plugin_layer(
+    config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv_heads: int, q_heads: int
+) -> LayerCache:
+    """The layer cache of ``config``'s method for one layer of a GPU plugin's sequence (refused
+    unless the ``gpu-plugin`` runtime runs ``config``)."""
+    require(config, GPU_PLUGIN.name)
+    return PLUGIN_LAYERS[config.name](config, layer, layers, pool, kv_heads, q_heads)

@@ -152,6 +152,15 @@ class DeviceFullLayerCache(LayerCache):
         """How many of a ``t``-token step's last query rows :meth:`after_model_step` reads: none."""
         return 0
 
+    def model_slots(self) -> np.ndarray:
+        """Each KV head's slots as the model's layers see them ``[kv]``: before :meth:`reserve`,
+        where the step's tokens go; after it, the slots its rows attend (the step's own among them)."""
+        return np.full(self.layer.kv_heads, self.layer.held, np.int32)
+
+    def model_tables(self) -> list[list[int]]:
+        """Each KV head's blocks as the model's layers read them in the step :meth:`reserve` made room for."""
+        return self.layer.tables
+
     def truncate(self, tokens: int) -> bool:
         """Forget every token at position ``tokens`` or later, as the CPU op's sequence does (the
         kept slots' state stays); False where the heads would keep different counts."""

@@ -30,6 +30,7 @@ import numpy as np
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import device_layers, plugin_layers
 from ov_kvcrush.gpu.device import Device
+from ov_kvcrush.gpu.kvzip_cache import DeviceKVzipLayerCache
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
@@ -38,6 +39,7 @@ from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods import MethodConfig, require
+from ov_kvcrush.methods.kvzip import select_kept
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
 from ov_kvcrush.op.plugin import PluginError
@@ -138,7 +140,7 @@ class PluginKVSequence:
         m, p = self.pool.model, self.pool
         caches = []
         for layer in range(m.layers):
-            cache = device_layers.device_layer(p.method, layer, m.layers, p.device_pool, m.kv_heads, m.q_heads)
+            cache = device_layers.plugin_layer(p.method, layer, m.layers, p.device_pool, m.kv_heads, m.q_heads)
             assert isinstance(cache, DeviceFullLayerCache)
             cache.scale = m.scales[layer]
             caches.append(cache)
@@ -209,6 +211,34 @@ class PluginKVSequence:
         ns = self.policy_ns
         return SequenceStats(blocks, self.seen, held, kv_bytes, qblocks, ns["prompt"], ns["decode"], 0, 0, 0, 0, 0, 0,
                              0, 0, 0, bb)  # fmt: skip
+
+    # ---- the method's scoring pass (KVzip)
+    def _scoring_caches(self) -> list[DeviceKVzipLayerCache]:
+        caches = [c for c in self.caches if isinstance(c, DeviceKVzipLayerCache)]
+        if len(caches) != len(self.caches):
+            raise UserError(f"method {self.pool.method.name} has no scoring pass")
+        return caches
+
+    def score_positions(self, lo: int, hi: int) -> None:
+        """The next step is a step of the method's scoring pass that repeats the tokens at
+        positions ``[lo, hi)``: the model attends them and the sinks, and they are scored."""
+        for cache in self._scoring_caches():
+            cache.score_positions(lo, hi)
+
+    def end_scoring_pass(self, select: bool = True) -> None:
+        """End the scoring pass: the method's selection over every layer (``select``; one
+        threshold over all layers and heads, or one a layer), or none (a pass that failed: the
+        cache stays as it was)."""
+        caches = self._scoring_caches()
+        for cache in caches:
+            cache.end_scoring_pass(keep_scores=select)
+        if not select:
+            return
+        config = caches[0].config
+        assert config.budget is not None
+        kept = select_kept([c.selection_scores() for c in caches], config.budget, config.allocation)
+        for cache, keep in zip(caches, kept, strict=True):
+            cache.keep_mask(keep[0].numpy())
 
     # ---- a step
     def reserve(self, t: int) -> str:
@@ -294,7 +324,7 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     phases, first_rows, score_rows, index, starts = [], [], [], [], []
     start = 0
     for s, (seq, t) in enumerate(zip(sequences, counts, strict=True)):
-        firsts[:, s * kv : (s + 1) * kv] = np.array([c.layer.held for c in seq.caches], np.int32)[:, None]
+        firsts[:, s * kv : (s + 1) * kv] = np.stack([c.model_slots() for c in seq.caches])
         phases.append(seq.reserve(t))
         starts.append(start)
         n = seq.score_rows(t)
@@ -302,14 +332,14 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
         score_rows.append(n)
         index.extend(range(start + t - n, start + t))
         start += t
-    lays = [[c.layer for c in seq.caches] for seq in sequences]
-    width = table_width(max(len(table) for per_seq in lays for lay in per_seq for table in lay.tables))
+    heads = [[(c.model_tables(), c.model_slots()) for c in seq.caches] for seq in sequences]
+    width = table_width(max(len(table) for per_seq in heads for layer_tables, _ in per_seq for table in layer_tables))
     tables = np.zeros((layers, len(sequences) * kv, width), np.int32)
     lengths = np.zeros((layers, len(sequences) * kv), np.int32)
-    for s, per_seq in enumerate(lays):
-        for i, lay in enumerate(per_seq):
-            lengths[i, s * kv : (s + 1) * kv] = lay.held
-            for h, table in enumerate(lay.tables):
+    for s, per_seq in enumerate(heads):
+        for i, (layer_tables, held) in enumerate(per_seq):
+            lengths[i, s * kv : (s + 1) * kv] = held
+            for h, table in enumerate(layer_tables):
                 tables[i, s * kv + h, : len(table)] = table
     inputs = {
         "kvc_tables": tables,

@@ -222,6 +222,15 @@ class QuantBlocks:
         self.buffer, self.capacity = grown, 2 * old
 
 
+def table_array(tables: list[list[int]]) -> np.ndarray:
+    """Each head's block list as a row of an int32 array, zero past its blocks."""
+    width = max(max(len(t) for t in tables), 1)
+    out = np.zeros((len(tables), width), np.int32)
+    for h, t in enumerate(tables):
+        out[h, : len(t)] = t
+    return out
+
+
 class PagedLayer:
     """One layer's KV heads in a :class:`DevicePool`: each head its own blocks, all holding
     :attr:`held` slots, each slot's position kept for prompt attention's causal mask."""
@@ -243,19 +252,18 @@ class PagedLayer:
         return self.slot_positions.host
 
     # ---- the tables the kernels read
-    def _table_array(self, tables: list[list[int]]) -> np.ndarray:
-        width = max(max(len(t) for t in tables), 1)
-        out = np.zeros((self.kv_heads, width), np.int32)
-        for h, t in enumerate(tables):
-            out[h, : len(t)] = t
-        return out
-
     def device_tables(self) -> tuple[Any, int]:
         """The block tables on the device and their row stride (uploaded when the blocks change)."""
         if self._tables_on_device is None:  # uploaded when the blocks change
-            table = self._table_array(self.tables)
+            table = table_array(self.tables)
             self._tables_on_device = (self.pool.upload("block tables", table), table.shape[1])
         return self._tables_on_device
+
+    def set_tables(self, tables: list[list[int]], on_device: tuple[Any, int] | None = None) -> None:
+        """Each head's blocks are now ``tables`` (``on_device``: their device copy and row stride,
+        where the caller made one): heads that keep different counts (KVzip's) keep their own."""
+        self.tables = tables
+        self._tables_on_device = on_device
 
     def _heads(self, lengths: int, positions: bool = False) -> HeadsOnDevice:
         p = self.pool
@@ -405,7 +413,7 @@ class PagedLayer:
         bs = p.shape.block_size
         new_tables = [p.allocate(-(-n // bs)) for _ in range(kv)]
         old_tables, old_stride = self.device_tables()
-        new_array = self._table_array(new_tables)
+        new_array = table_array(new_tables)
         new_b = p.upload("block tables", new_array)
         launch_gather(p.dev, p.shape, p.buffer, old_tables, old_stride, new_b, new_array.shape[1],
                       kept.slots, kept.stride, p.upload("kept counts", np.full(kv, n, np.int32)), kv,

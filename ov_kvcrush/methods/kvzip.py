@@ -73,7 +73,7 @@ import torch
 from ov_kvcrush.methods.attention import cap_logits, check_kv, check_query
 from ov_kvcrush.methods.base import LayerCache, check_layer
 from ov_kvcrush.methods.importance import EvictionConfig
-from ov_kvcrush.methods.runtimes import Declaration
+from ov_kvcrush.methods.runtimes import TWO_BIT_STORE, Declaration
 from ov_kvcrush.methods.store import QuantStore, StoredLayerCache, make_store
 from ov_kvcrush.validation import check_choice, check_int
 
@@ -124,10 +124,7 @@ class KVzipConfig(EvictionConfig):
     runtimes: ClassVar[Declaration] = {
         "reference": (),
         "cpu-op": (),
-    }
-    not_run_because: ClassVar[dict[str, str]] = {
-        "gpu-plugin": "its scoring pass (the context fed again, every token scored by how it is recalled) does not run "
-        "over the plugin's pool yet",
+        "gpu-plugin": (TWO_BIT_STORE,),
     }
     scoring_pass: ClassVar[bool] = True
     pins_prompt_tail: ClassVar[bool] = False
