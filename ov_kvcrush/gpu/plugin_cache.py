@@ -230,6 +230,7 @@ class PluginKVSequence:
         threshold over all layers and heads, or one a layer), or none (a pass that failed: the
         cache stays as it was)."""
         caches = self._scoring_caches()
+        self.pool.device_pool.phase = "prompt"  # where its crossings count: compressing the prompt
         for cache in caches:
             cache.end_scoring_pass(keep_scores=select)
         if not select:
