@@ -31,6 +31,7 @@ CASES = [
     ("minikv", BUDGET, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}),
     ("clusterkv", BUDGET, {"dense_layers": 0}),  # every layer recalls inside the model
     ("quest", BUDGET, {"dense_layers": 0}),
+    ("kvzip", BUDGET, {}),  # after its scoring pass: its heads keep different counts
 ]
 #: our commands (kernels and device copies) per layer in a decode step, at most, as measured
 #: (2026-11-29; issue 71's targets: 3 for the full cache, 6 for any method): the full cache's
@@ -39,7 +40,8 @@ CASES = [
 #: the scores in the store's order, 1); an eviction of one slot a
 #: head moves the slots after it down in place (1), after finding the lowest for H2O, SnapKV and
 #: Knorm (1; StreamingLLM's is the window's oldest). ClusterKV's recall and Quest's pages are a
-#: layer of the model (1).
+#: layer of the model (1). KVzip's decode step is the full cache's (its scores change in a
+#: scoring pass alone).
 #: the bytes sent to the device a decode step, at most, as a share of the KV bytes its attention
 #: reads (issue 71's target): the block tables are kept on the device and cross as they change
 CROSSING_SHARE = 0.01
@@ -55,6 +57,7 @@ PER_LAYER = {
     "minikv": 6,
     "clusterkv": 4,
     "quest": 4,
+    "kvzip": 3,
 }
 
 
@@ -84,6 +87,8 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
         for method, budget, options in CASES:
             engine.set_compression(_case(method, budget, options))
             engine.prefill(ids)
+            ran = engine.scoring_pass()  # the method's, where it has one (KVzip: held past its budget)
+            assert (ran > 0) == (method == "kvzip"), method
             engine.forward([ids[-1]])  # the first decode step: the plugin re-lays its inputs once (6 KB measured)
             steps = []
             for token in ids[:STEPS]:
