@@ -51,10 +51,13 @@ class ScoringPass:
         return method.scoring_pass_due(held, len(layers), self.engine.shape.kv_heads)
 
     def step_bound(self) -> int:
-        """The most tokens one step of a pass feeds: the room a pass needs in the pool beside the
-        sequence; 0 for a method without a pass."""
+        """The room a pass needs in the pool beside the sequence, per head: what one step feeds at
+        most, and what the pool holds beside it for the step (the GPU plugin's view); 0 for a
+        method without a pass."""
         method = self.engine.method
-        return method.scoring_step_bound(self.encode, self.prefix) if method.scoring_pass else 0
+        if not method.scoring_pass:
+            return 0
+        return self.engine.pool.scoring_room(method.scoring_step_bound(self.encode, self.prefix))
 
     def run(self, request: Any, sequence: Any, context: list[int], first: int) -> None:
         """Score ``context`` (the sequence's tokens from position ``first`` to the last it holds)

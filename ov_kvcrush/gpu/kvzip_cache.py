@@ -171,6 +171,12 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
         self._resize(np.zeros(self.layer.kv_heads, np.int64))
 
     # ---- the scoring pass
+    @staticmethod
+    def view_room(config: KVzipConfig, step: int) -> int:
+        """The most slots a head's view gathers for a scoring step of ``step`` tokens: the chunk
+        it repeats (among the step's tokens) and the sinks."""
+        return step + config.sink_tokens
+
     def score_positions(self, lo: int, hi: int) -> None:
         """The next step is a scoring step that repeats the tokens at positions ``[lo, hi)``: it
         attends them and the sinks (positions before ``min(sink_tokens, lo)``), and scores them."""

@@ -39,7 +39,7 @@ from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods import MethodConfig, require
-from ov_kvcrush.methods.kvzip import select_kept
+from ov_kvcrush.methods.kvzip import KVzipConfig, select_kept
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
 from ov_kvcrush.op.kvcache import PoolStats, SequenceStats
 from ov_kvcrush.op.plugin import PluginError
@@ -109,6 +109,14 @@ class PluginKVPool:
     def variant(self) -> ModelVariant:
         """The model this pool's steps run (a method's recall inside it)."""
         return ModelVariant(self.quant, device_layers.model_recall_layer(self.method))
+
+    def scoring_room(self, step: int) -> int:
+        """Slots per head a scoring step of ``step`` tokens needs beside the sequence: its own and
+        its view's (the chunk it repeats and the sinks, gathered beside them:
+        :meth:`~ov_kvcrush.gpu.kvzip_cache.DeviceKVzipLayerCache.view_room`)."""
+        if not isinstance(self.method, KVzipConfig):
+            return step
+        return step + DeviceKVzipLayerCache.view_room(self.method, step)
 
     def new_sequence(self) -> PluginKVSequence:
         return PluginKVSequence(self, next(self._handles))

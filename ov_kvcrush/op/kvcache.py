@@ -293,6 +293,11 @@ class KVPool:
         check_int("tokens", tokens, 0, 1 << 40)
         return check_result(self.lib.ovkc_pool_held_prompt(self.handle, tokens))
 
+    def scoring_room(self, step: int) -> int:
+        """Slots per head a scoring step (KVzip's) of ``step`` tokens needs beside the sequence:
+        its own (the op attends the held tokens in place)."""
+        return step
+
     def stats(self) -> PoolStats:
         buf = (ctypes.c_int64 * 7)()
         check_result(self.lib.ovkc_pool_stats(self.handle, buf))
