@@ -392,7 +392,8 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
 
     def _gather_scores(self, kept: tuple[Any, int], count: int, stride: int) -> SlotState:
         """The scores of each KV head's slots ``kept`` (device ``[kv, count]`` and its row stride:
-        0 when every head keeps the same list) in a new buffer of row stride ``stride``."""
+        0 when every head keeps the same list; -1: the first ``count`` slots, no list) in a new
+        buffer of row stride ``stride``."""
         dev, lay = self.layer.pool.dev, self.layer
         out = lay.pool.slot_state(4 * lay.q_heads * max(stride, 1))  # written whole: zero past the kept slots
         i32 = np.int32
@@ -408,8 +409,7 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
     def _keep_held_scores(self, stride: int) -> None:
         """The held slots' scores copied into a fresh buffer of row stride ``stride``, zero past them."""
         held = self._scored()
-        every = self.layer.pool.upload_slots("held slots", np.arange(held, dtype=np.int32))
-        self.score_state = self._gather_scores((every, 0), held, stride)  # one list for every head
+        self.score_state = self._gather_scores((self.layer.pool.no_slots, -1), held, stride)  # slots 0 .. held
         self.stride = stride
 
     def _evict(self, width: int) -> None:

@@ -145,9 +145,11 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         if self.scores is not None:
             if t != 1:
                 raise UserError("the 2-bit store on device GPU decodes one token per step after the prompt")
-            if self._scored() + t > self.stride:
-                self._grow(self._scored() + t)
             filled = (self.layer.held + t - self.pinned) // self.r * self.r
+            need = self._scored() + t
+            # a step that flushes has a command more: the scores grow a step early rather than in it
+            if need > self.stride or (not filled and need + t > self.stride):
+                self._grow(need + (0 if filled else t))
             if filled:
                 ids = [self.blocks.take(self.layer.kv_heads) for _ in range(filled // self.r)]
                 self.flushing = (self.pinned, filled, [list(head) for head in zip(*ids, strict=True)])

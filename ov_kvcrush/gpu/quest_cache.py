@@ -127,10 +127,9 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
         arena, dev = self.layer.pool.index_arena(), self.layer.pool.dev
         new_cap = max(pages, 2 * cap)
         start = arena.take(self._bounds_words(new_cap))
-        if self.bounds_run is not None:
-            for half in range(2):  # kmax, then kmin: each head's computed pages
-                dev.copy_rect(arena.buffer, cap * d, arena.buffer, new_cap * d, start + half * kv * new_cap * d, kv,
-                              self.pages * d, src_at=first + half * kv * cap * d)  # fmt: skip
+        if self.bounds_run is not None:  # kmax's rows then kmin's, each head's computed pages: one copy
+            dev.copy_rect(arena.buffer, cap * d, arena.buffer, new_cap * d, start, 2 * kv, self.pages * d,
+                          src_at=first)  # fmt: skip
             arena.give(first, self._bounds_words(cap))
         self.bounds_run = (start, new_cap)
 

@@ -61,12 +61,14 @@ __kernel void add_step_scores(__global float* acc, int acc_stride, int before, i
 
 // dst[h][i] = src[h][kept[h / group][i]] for i < count, and 0 from count to dst_stride (where the
 // next tokens' scores start): the scores of the slots each KV head keeps (its query heads h of
-// the group alike). Global (dst_stride, rows).
+// the group alike); kept_stride < 0: slot i itself (the first count slots copied into rows of
+// another stride, without a list). Global (dst_stride, rows).
 __kernel void gather_rows(__global const float* src, int src_stride, __global const int* kept, int kept_stride,
                           int count, int group, __global float* dst, int dst_stride) {
     const int i = get_global_id(0);
     const int h = get_global_id(1);
-    dst[(long)h * dst_stride + i] = i < count ? src[(long)h * src_stride + kept[(h / group) * kept_stride + i]] : 0.0f;
+    const int slot = i < count ? (kept_stride < 0 ? i : kept[(h / group) * kept_stride + i]) : 0;
+    dst[(long)h * dst_stride + i] = i < count ? src[(long)h * src_stride + slot] : 0.0f;
 }
 
 // kept[kv][0 ..): head kv's sinks, the middle tokens its decisions keep (in order), then its
