@@ -5,6 +5,8 @@
   so one divergence cannot cascade) and return the last position's logits after every step.
 * A one-op model of our ``PagedAttention`` and drivers that feed it and a reference layer cache
   the same vectors (the op-vs-reference parity tests of every method).
+* Teacher-forced logits through the openvino engine on either device (the GPU plugin's checks
+  of f16 against the CPU op's f32).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -450,3 +453,29 @@ def gguf_parsed_once():
         yield
     finally:
         gguf.GGUFReader = original
+
+
+def teacher_forced(
+    model_dir: str, ids: list[int], forced: list[int], device: str, properties: dict, compressions: list,
+    block_size: int, after_prompt: Callable[[Any], None] | None = None,
+) -> list[np.ndarray]:  # fmt: skip
+    """Each of ``compressions``' logits ``[1 + len(forced), vocab]`` through the openvino engine on
+    ``device`` (an f16 KV store, blocks of ``block_size``): after ``ids`` (then
+    ``after_prompt(engine)``, such as a scoring pass) and after each token of ``forced`` fed in
+    turn (the same tokens whatever each device would pick)."""
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f16", block_size=block_size,
+                            properties=properties)  # fmt: skip
+    out = []
+    try:
+        for compression in compressions:
+            engine.set_compression(compression)
+            rows = [engine.prefill(ids)]
+            if after_prompt is not None:
+                after_prompt(engine)
+            rows += [engine.forward([t]) for t in forced]
+            out.append(np.stack(rows))
+    finally:
+        engine.close()
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import teacher_forced
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 
@@ -120,23 +121,15 @@ def test_kvzip_on_gpu_compresses_prompts_in_chunks_beside_decoding_sequences(emu
     assert got[0] == got[1] == cpu[0] == cpu[1]
 
 
-def _teacher_forced(model_dir: str, ids: list[int], forced: list[int], device: str, properties: dict) -> list:
-    """Each case's logits ``[1 + len(forced), vocab]``: after ``ids`` (then its scoring pass), and
-    after each token of ``forced`` fed in turn over the compressed cache; f16 KV store."""
-    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+def _scoring_pass(engine) -> None:
+    assert engine.scoring_pass() > 0  # the prompt is over the budget and its slack
 
-    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f16", block_size=BLOCK, properties=properties)
-    out = []
-    try:
-        for case in CASES:
-            engine.set_compression(_compression(*case))
-            rows = [engine.prefill(ids)]
-            assert engine.scoring_pass() > 0
-            rows += [engine.forward([t]) for t in forced]
-            out.append(np.stack(rows))
-    finally:
-        engine.close()
-    return out
+
+def _teacher_forced(model_dir: str, ids: list[int], forced: list[int], device: str, properties: dict) -> list:
+    """Each case's logits after ``ids`` then its scoring pass, and after each token of ``forced``
+    fed in turn over the compressed cache (:func:`helpers.teacher_forced`)."""
+    compressions = [_compression(*c) for c in CASES]
+    return teacher_forced(model_dir, ids, forced, device, properties, compressions, BLOCK, _scoring_pass)
 
 
 #: the largest logit error allowed of the GPU in f16 (its default) against the CPU op in f32,

@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 import pytest
+from helpers import teacher_forced
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import ConfigError, UserError
@@ -73,21 +74,8 @@ def _generate(model_dir: str, ids: list[int], device: str) -> list[tuple[list[in
 
 
 def _teacher_forced(model_dir: str, ids: list[int], forced: list[int], device: str, properties: dict) -> list:
-    """Each case's logits ``[1 + len(forced), vocab]`` after ``ids`` and after each token of
-    ``forced`` fed in turn (the same tokens whatever each device would pick), f16 KV store."""
-    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
-
-    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f16", block_size=BLOCK, properties=properties)
-    out = []
-    try:
-        for case in CASES:
-            engine.set_compression(_compression(*case))
-            rows = [engine.prefill(ids)]
-            rows += [engine.forward([t]) for t in forced]
-            out.append(np.stack(rows))
-    finally:
-        engine.close()
-    return out
+    """Each case's logits after ``ids`` and after each token of ``forced`` (:func:`helpers.teacher_forced`)."""
+    return teacher_forced(model_dir, ids, forced, device, properties, [_compression(*c) for c in CASES], BLOCK)
 
 
 #: the largest logit error allowed of the GPU in f16 (its default) against the CPU op in f32,
