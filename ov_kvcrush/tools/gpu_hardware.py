@@ -14,9 +14,9 @@ GenAI on the same GPU.
    full cache and with its KVCrush eviction, one prompt, the same budget.
 4. The product path on the GPU: the embedded model through the openvino engine on ``GPU`` (our
    layers in OpenVINO's GPU plugin, the methods' kernels over the same pool between steps:
-   :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for every row of step 2 ("plugin ..." rows: the
-   2-bit store and ClusterKV's recall inside the model among them), their greedy tokens against
-   the CPU op's, with TTFT, TPOT and KV bytes
+   :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for every row of step 2 and KVzip ("plugin ..."
+   rows: the 2-bit store and ClusterKV's recall inside the model among them, KVzip's scoring pass
+   through the model), their greedy tokens against the CPU op's, with TTFT, TPOT and KV bytes
    (in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
    :mod:`~ov_kvcrush.gpu.emulation`).
 
@@ -49,9 +49,10 @@ OURS = [
     ("clusterkv", "clusterkv", {}),
     ("minikv", "minikv", {}),
 ]
-#: the rows of the openvino engine on ``GPU`` (named as in :data:`OURS`, whose CPU op runs are their
-#: oracle): every one, since the plugin's layers run them all (the 2-bit store, ClusterKV's recall)
-PLUGIN_ROWS = OURS
+#: the rows of the openvino engine on ``GPU`` (named as in :data:`OURS`; the CPU op's runs are their
+#: oracle): every one, since the plugin's layers run them all (the 2-bit store, ClusterKV's recall),
+#: and KVzip, whose scoring pass is the plugin's model steps (the torch path's pool does not run it)
+PLUGIN_ROWS = [*OURS, ("kvzip", "kvzip", {})]
 #: native GenAI's rows: its full cache and its KVCrush eviction (its own block-wise form)
 NATIVE = [("native full", "full"), ("native kvcrush", "kvcrush")]
 
@@ -128,6 +129,10 @@ def check(
         res = native.generate(prompt, settings)
         rows.append(Row(name, native_device, res.prompt_tokens, res.ttft_ms, res.tpot_ms, res.kv_bytes, None))
     if info.is_gpu or plugin:
+        for name, method, options in PLUGIN_ROWS:
+            if name not in cpu_tokens:  # the plugin's alone: the CPU op's tokens are its oracle
+                op.set_compression(CompressionConfig(method=method, budget=budget, options=options))
+                cpu_tokens[name] = list(op.generate(prompt, settings).token_ids)
         rows += plugin_rows(op.encode(prompt), cpu_tokens, new_tokens, budget, info.is_gpu)
     return rows
 
