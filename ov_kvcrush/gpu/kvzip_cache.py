@@ -68,13 +68,6 @@ class StepScores:
     view: ScoringView
 
 
-def _padded(rows: list[np.ndarray], width: int, fill: int) -> np.ndarray:
-    out = np.full((len(rows), max(width, 1)), fill, np.int32)
-    for h, row in enumerate(rows):
-        out[h, : len(row)] = row
-    return out
-
-
 class DeviceKVzipLayerCache(DeviceFullLayerCache):
     """One layer of KVzip over the device pool, driven by the plugin's model steps: every token
     held until a scoring pass selects; each head its own count (:attr:`counts`), positions and
@@ -207,7 +200,7 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
         width = max((len(s) for s in slots), default=0)
         if not width:
             return
-        src = p.upload("kept slots", _padded(slots, width, 0))
+        src = p.upload("kept slots", table_array(slots))
         counts = p.upload("kept counts", np.array([len(s) for s in slots], np.int32))
         old, old_stride = lay.device_tables()
         launch_gather(p.dev, p.shape, p.buffer, old, old_stride, tables, stride, src, width, counts, lay.kv_heads)
@@ -227,7 +220,7 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
         positions = [np.concatenate([self.positions[h, s], np.arange(self.seen, self.seen + t)])
                      for h, s in enumerate(view.slots)]  # fmt: skip
         heads = HeadsOnDevice(p.buffer, *view.on_device, p.upload("lengths", counts + t),
-                              p.upload("positions", _padded(positions, stride, -1)), stride)  # fmt: skip
+                              p.upload("positions", table_array(positions, -1)), stride)  # fmt: skip
         scale = self._scale(p.shape.head_dim)
         _, _, largest = launch_prompt(p.dev, p.shape, heads, rows, lay.q_heads, t, self.seen, scale, t, stride,
                                       reduce_max=True)  # fmt: skip

@@ -222,10 +222,11 @@ class QuantBlocks:
         self.buffer, self.capacity = grown, 2 * old
 
 
-def table_array(tables: list[list[int]]) -> np.ndarray:
-    """Each head's block list as a row of an int32 array, zero past its blocks."""
+def table_array(tables: list[Any], fill: int = 0) -> np.ndarray:
+    """Each head's list (its blocks, its slots or their positions) as a row of an int32 array as
+    wide as the longest, ``fill`` past its end."""
     width = max(max(len(t) for t in tables), 1)
-    out = np.zeros((len(tables), width), np.int32)
+    out = np.full((len(tables), width), fill, np.int32)
     for h, t in enumerate(tables):
         out[h, : len(t)] = t
     return out
