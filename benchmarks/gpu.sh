@@ -4,7 +4,8 @@
 # transformers' own cache (hf-sdpa: the TTFT anchor; hf-static-compiled: StaticCache + CUDA graphs,
 # the TPOT to beat), in one run. Speed only: random weights make no quality claim.
 #   bash benchmarks/gpu.sh [main|long|headline|batch|ours|profile|profile-batch|kernels ...]  (default: main)
-# Runs from a checkout without installing (the device image has torch, transformers and Triton):
+# Runs from a checkout without installing (the device image has torch, transformers and Triton;
+# platformdirs goes with it as a wheel on PYTHONPATH: benchmarks/README.md, 'Re-checked'):
 #   OV_KVCRUSH="python3 -m ov_kvcrush" OUT_DIR=$OUT bash benchmarks/gpu.sh main
 # DRY_RUN=1 checks the commands and lists what they would run, loading nothing (a test does).
 # One engine process holds every configuration (--no-isolate): isolated workers would each hold
