@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ov_kvcrush.gpu import plugin_layers
+from ov_kvcrush.gpu import plugin_layers, plugin_step_models
 from ov_kvcrush.gpu.layout import PoolShape, page_heads, stored
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 16
@@ -89,9 +89,9 @@ def run_on_plugin(core: object, folder: Path, scenario: StepScenario) -> list[tu
     steps; each step's outputs."""
     import openvino as ov
 
-    build = plugin_layers.decode_step_model if scenario.kind == "decode" else plugin_layers.prefill_step_model
+    build = plugin_step_models.decode_step_model if scenario.kind == "decode" else plugin_step_models.prefill_step_model
     model = build(scenario.attributes, len(scenario.keys[0]))
-    compiled = plugin_layers.compile_step_model(core, folder, scenario.attributes, model)
+    compiled = plugin_step_models.compile_step_model(core, folder, scenario.attributes, model)
     request = compiled.create_infer_request()
     context = core.get_default_context("GPU")  # type: ignore[attr-defined]
     pool = context.create_tensor(ov.Type.u8, ov.Shape([scenario.pool.size]), {})
@@ -218,8 +218,8 @@ def _run_batched_in_worker(folder: str, attributes, kv_heads: int, steps: list[d
     from ov_kvcrush.op import plugin
 
     core = plugin.shared_core()
-    compiled = plugin_layers.compile_step_model(core, Path(folder), attributes,
-                                                plugin_layers.prefill_step_model(attributes, kv_heads))  # fmt: skip
+    model = plugin_step_models.prefill_step_model(attributes, kv_heads)
+    compiled = plugin_step_models.compile_step_model(core, Path(folder), attributes, model)
     request, context = compiled.create_infer_request(), core.get_default_context("GPU")
     outs = []
     for step in steps:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ov_kvcrush.gpu import plugin_layers
+from ov_kvcrush.gpu import plugin_layers, plugin_step_models
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape, page_heads, stored
 from ov_kvcrush.methods import quant as reference_quant
 
@@ -93,8 +93,8 @@ def _run_in_worker(folder: str, cases: list[QuantCase]) -> list[tuple[np.ndarray
     from ov_kvcrush.op import plugin
 
     core = plugin.shared_core()
-    compiled = plugin_layers.compile_step_model(core, Path(folder), ATTRIBUTES,
-                                                plugin_layers.quant_step_model(ATTRIBUTES, KV_HEADS))  # fmt: skip
+    model = plugin_step_models.quant_step_model(ATTRIBUTES, KV_HEADS)
+    compiled = plugin_step_models.compile_step_model(core, Path(folder), ATTRIBUTES, model)
     request, context = compiled.create_infer_request(), core.get_default_context("GPU")
     results = []
     for case in cases:
