@@ -4,6 +4,7 @@ refusals derived from them, and the support table generated from them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -79,9 +80,24 @@ def test_where_a_method_says_why_a_runtime_does_not_run_it_the_refusal_and_the_t
                 require(method_config(name, budget=256), runtime)
             row = next(line for line in support_table().splitlines() if line.startswith(f"| `{name}` "))
             assert f"no: {why}" in row.split(" | ")[1 + [r.name for r in RUNTIMES].index(runtime)], (name, runtime)
-    assert REGISTRY["chelsea"].not_run_because["gpu-plugin"]  # the issue's methods on device GPU say why
     with pytest.raises(TypeError, match="not_run_because"):  # a reason for a runtime that runs the method
         check_declaration("x", {"reference": (), "cpu-op": ()}, {"cpu-op": "because"})
+
+
+def test_a_runtime_that_does_not_run_a_method_says_why_where_the_method_does():
+    """Every method runs on device GPU now (issue 71); the reason a method may give is still
+    the refusal's and the table's, shown here on a method of the reference alone."""
+    from ov_kvcrush.methods import FullConfig
+    from ov_kvcrush.methods.runtimes import Declaration, support_cell
+
+    class ReferenceOnly(FullConfig):
+        runtimes: ClassVar[Declaration] = {"reference": ()}
+        not_run_because: ClassVar[dict[str, str]] = {"gpu-plugin": "no device kernels for it"}
+
+    with pytest.raises(ConfigError, match=r"\(our GPU plugin layers.*; not full: no device kernels for it\)"):
+        require(ReferenceOnly(), "gpu-plugin")
+    assert support_cell(ReferenceOnly, "gpu-plugin") == "no: no device kernels for it"
+    assert support_cell(ReferenceOnly, "cpu-op") == ""
 
 
 def test_the_cuda_fast_path_takes_the_reference_for_what_it_refuses():

@@ -52,6 +52,17 @@ then attends a decode row over its list (``OvkcRecallPrefill``), from the inputs
 * ``kvc_recalled.<layer>``: our buffer the recall layer writes each row's list into
   (:func:`~ov_kvcrush.gpu.plugin_layers.recalled_bytes`).
 
+Under Chelsea (``merge``) each layer merges the rows a decode step takes to its budget plus the
+merge interval, after the rows and before attending (``OvkcMerge``), then attends every row with
+each slot's ``log(degree)`` added to its logit (``OvkcMergePrefill``), from the inputs
+:data:`MERGE_INPUTS` adds:
+
+* ``kvc_index``: int32 words, every layer's and sequence's degrees and protect scores in one
+  buffer (:class:`~ov_kvcrush.gpu.arena.IndexArena`; the merge layer writes them);
+* ``kvc_merge`` [layers, rows, MERGE_WIDTH]: each row's merge
+  (:data:`~ov_kvcrush.gpu.chelsea.MERGE_FIELDS`; held 0 for a row that does not merge now);
+* ``kvc_scratch.<layer>``: our buffer where the merging rows work (bytes, written in place).
+
 As the CPU pass, the logits come only at the positions ``kvc_logits_at`` names (each sequence's
 last token).
 """
@@ -61,6 +72,7 @@ from __future__ import annotations
 import numpy as np
 from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
 
+from ov_kvcrush.gpu.chelsea import MERGE_WIDTH
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.plugin_layers import KERNELS, RECALL_WIDTH, STEP_FIELDS, LayerAttributes, layer_class
 
@@ -92,6 +104,13 @@ RECALL_INPUTS = {
 }
 #: the name of layer ``i``'s recalled slots input (bytes, written in place under ClusterKV)
 RECALLED_INPUT = "kvc_recalled.{}"
+#: the inputs the pass adds under Chelsea's merge, as :data:`PLUGIN_INPUTS`
+MERGE_INPUTS = {
+    "kvc_index": (np.uint8, (-1,)),
+    "kvc_merge": (np.int32, ("layers", -1, MERGE_WIDTH)),
+}
+#: the name of layer ``i``'s merge scratch input (bytes, written in place under Chelsea)
+SCRATCH_INPUT = "kvc_scratch.{}"
 #: the name of layer ``i``'s query rows input (bytes, written in place)
 ROWS_INPUT = "kvc_rows.{}"
 #: the name of layer ``i``'s logits input (bytes, written in place where ``kvc_step`` asks)
@@ -107,6 +126,7 @@ def convert_model_for_plugin(
     activations: str = "f32",
     quant: QuantShape | None = None,
     recall: str | None = None,
+    merge: bool = False,
     last_token_logits: bool = True,
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
@@ -114,16 +134,17 @@ def convert_model_for_plugin(
     kernels at ``sub_group`` lanes, its layers' queries, keys, values and output in
     ``activations`` (the plugin's inference precision: f32 or f16), over the 2-bit store of
     ``quant``'s blocks where given, with a method's recall where ``recall`` names its layer
-    (``OvkcRecall``: ClusterKV's; ``OvkcPages``: Quest's). Raises :class:`ConversionError` as the
-    CPU pass does."""
+    (``OvkcRecall``: ClusterKV's; ``OvkcPages``: Quest's), with Chelsea's merge where ``merge``.
+    Raises :class:`ConversionError` as the CPU pass does."""
     import openvino.opset13 as ops
 
-    if quant is not None and recall:
-        raise ValueError("the plugin's layers recall over the full-precision store only (quant and recall)")
+    if sum((quant is not None, bool(recall), merge)) > 1:
+        raise ValueError("the plugin's layers take one of the 2-bit store, a recall and a merge (quant, recall, merge)")
     plans, shape = layer_plans(model)
     dims = {"layers": shape.layers}
     params = {}
     inputs = PLUGIN_INPUTS | (QUANT_INPUTS if quant is not None else {}) | (RECALL_INPUTS if recall else {})
+    inputs |= MERGE_INPUTS if merge else {}
     for name, (kind, dim_names) in inputs.items():
         params[name] = ops.parameter([dims.get(d, d) for d in dim_names], kind, name=name)
         params[name].output(0).get_tensor().set_names({name})
@@ -135,7 +156,7 @@ def convert_model_for_plugin(
         attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations, quant)
         attrs, act = attributes.as_dict(), attributes.element_type()
         per_layer = ("tables", "first", "lengths") + (("qtables", "qlengths", "flush") if quant else ())
-        per_layer += ("recall",) if recall else ()
+        per_layer += ("recall",) if recall else ("merge",) if merge else ()
         row = {
             name: ops.gather(params[f"kvc_{name}"], np.array(plan.layer, np.int64), np.array(0, np.int64)).output(0)
             for name in per_layer
@@ -151,6 +172,10 @@ def convert_model_for_plugin(
                     "recall": row["recall"], "q": q, "step": step, "stored": stored, "recalled": recalled}  # fmt: skip
             listed = layer_class(recall)([args[name] for name in KERNELS[recall].inputs], attrs).output(0)
             out = layer_class("OvkcRecallPrefill")([*attend, listed, logits, recalled], attrs).output(0)
+        elif merge:
+            scratch, index = _bytes_input(params, SCRATCH_INPUT.format(plan.layer)), params["kvc_index"].output(0)
+            merged = layer_class("OvkcMerge")([pool, row["tables"], index, row["merge"], scratch, step, stored], attrs)
+            out = layer_class("OvkcMergePrefill")([*attend, merged.output(0), logits, index], attrs).output(0)
         elif quant is None:
             out = layer_class("OvkcPrefill")([*attend, stored, logits], attrs).output(0)
         else:

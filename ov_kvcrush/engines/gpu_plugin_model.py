@@ -49,6 +49,7 @@ from ov_kvcrush.transformations.plugin_attention import (
     LOGITS_INPUT,
     RECALLED_INPUT,
     ROWS_INPUT,
+    SCRATCH_INPUT,
     convert_model_for_plugin,
 )
 
@@ -163,6 +164,7 @@ class PluginModel:
         self.rows_inputs = [ROWS_INPUT.format(i) for i in range(s.layers)]
         self.logits_inputs = [LOGITS_INPUT.format(i) for i in range(s.layers)]
         self.recalled_inputs = [RECALLED_INPUT.format(i) for i in range(s.layers)]
+        self.scratch_inputs = [SCRATCH_INPUT.format(i) for i in range(s.layers)]
         #: a buffer per layer, reused while large enough: "rows" (the step's returned query
         #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
         self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
@@ -190,6 +192,7 @@ class PluginModel:
             activations=self.activations,
             quant=variant.quant,
             recall=variant.recall,
+            merge=variant.merge,
         )
 
     def _shared_device(self, sub_group: int | None) -> Device:
@@ -237,6 +240,24 @@ class PluginModel:
         handle = PluginRequest(next(self._request_keys))
         self._requests[handle.key] = (pool, self.compile(pool.variant).create_infer_request())
         return handle
+
+    def layer_keys(self, ids: list[int], blocks: int) -> list[Any]:
+        """``ids`` prefilled into a full cache of its own (a pool of up to ``blocks`` blocks, closed
+        after), then each layer's keys ``[1, kv_heads, n, d]`` as float32 torch tensors: what a
+        method's calibration measures (:mod:`~ov_kvcrush.engines.calibration`)."""
+        import torch
+
+        from ov_kvcrush.methods import FullConfig
+
+        pool = self.new_pool(FullConfig(), blocks)
+        try:
+            seq = pool.new_sequence()
+            self.run_step(self.new_request(pool), [ids], [seq])
+            dev, kv, d = self.dev, self.shape.kv_heads, self.shape.head_dim
+            keys = [dev.to_host(c.layer.read_keys(0, len(ids)), np.float32, (kv, len(ids), d)) for c in seq.caches]
+            return [torch.from_numpy(k)[None] for k in keys]
+        finally:
+            pool.close()
 
     def _let_go_of_closed_pools_requests(self) -> None:
         """Destroy the requests of closed pools, here, before a step binds anything. The plugin's
@@ -315,12 +336,15 @@ class PluginModel:
             qpool = buffer_tensor(self.context, blocks.buffer, ov.Type.u8, [blocks.capacity * blocks.shape.block_bytes])
             request.set_tensor("kvc_qpool", qpool)
         s, stride = self.shape, step.logit_stride
-        if pool.variant.recall:  # the indexes or bounds (a buffer that grows), and where each row's list goes
+        if pool.variant.recall or pool.variant.merge:  # the indexes, bounds or degrees (a buffer that grows)
             arena = kv_pool.index_arena()
             request.set_tensor("kvc_index", buffer_tensor(self.context, arena.buffer, ov.Type.u8, [4 * arena.capacity]))
+        if pool.variant.recall:  # where each row's list goes
             rows = len(sequences) * s.kv_heads
             nbytes = plugin_layers.recalled_bytes(rows, step.map_width, step.candidates)
             self._bind_layer_buffers(request, "recalled", self.recalled_inputs, nbytes)
+        if pool.variant.merge:  # where the merging rows work
+            self._bind_layer_buffers(request, "scratch", self.scratch_inputs, step.scratch_bytes)
         buffers = self._bind_layer_buffers(
             request, "rows", self.rows_inputs, 4 * s.q_heads * step.returned_rows * s.head_dim
         )

@@ -321,6 +321,10 @@ class OpenVINOModel:
         if getattr(self, "tokenizer", None) is None:
             return method.with_calibration(method.calibrate([]))
         model = calibration.model_id(self.model_dir)
+        plugin = self.plugin
+        if plugin is not None:  # device GPU: the keys of a prompt through our layers in the GPU plugin
+            return calibration.resolve(method, model, self.scoring.encode,
+                                       lambda ids: plugin.layer_keys(ids, self.max_kv_blocks))  # fmt: skip
         return calibration.resolve(method, model, self.scoring.encode, lambda ids: calibration.op_layer_keys(self, ids))
 
     def set_compression(self, compression: CompressionConfig) -> None:

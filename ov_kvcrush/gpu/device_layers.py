@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ov_kvcrush.gpu.chelsea_cache import DeviceChelseaLayerCache
 from ov_kvcrush.gpu.kvcrush_cache import DeviceKVCrushLayerCache
 from ov_kvcrush.gpu.kvzip_cache import DeviceKVzipLayerCache
 from ov_kvcrush.gpu.layer_cache import (
@@ -23,6 +24,7 @@ from ov_kvcrush.gpu.quest_cache import DeviceQuestLayerCache
 from ov_kvcrush.gpu.recall_cache import DeviceClusterKVLayerCache, DeviceRecallLayerCache
 from ov_kvcrush.gpu.streaming_cache import DeviceStreamingLLMLayerCache
 from ov_kvcrush.methods import LayerCache, MethodConfig, require
+from ov_kvcrush.methods.chelsea import ChelseaConfig
 from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 from ov_kvcrush.methods.importance import H2OConfig, SnapKVConfig, StreamingLLMConfig
 from ov_kvcrush.methods.knorm import KnormConfig
@@ -75,6 +77,11 @@ def _kvzip(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: 
     return DeviceKVzipLayerCache(config, pool, kv, hq)
 
 
+def _chelsea(config: MethodConfig, layer: int, layers: int, pool: DevicePool, kv: int, hq: int) -> LayerCache:
+    assert isinstance(config, ChelseaConfig)
+    return DeviceChelseaLayerCache(config, pool, kv, hq, config.layer_outliers(layer), layers)
+
+
 #: method name -> how its device layer cache is built, for the configs the ``gpu-pool`` runtime runs
 DEVICE_LAYERS: dict[str, Callable[[MethodConfig, int, int, DevicePool, int, int], LayerCache]] = {
     "full": _full,
@@ -90,11 +97,12 @@ DEVICE_LAYERS: dict[str, Callable[[MethodConfig, int, int, DevicePool, int, int]
 }
 
 
-#: the same for the ``gpu-plugin`` runtime: the pool's, and KVzip's, whose scoring pass is the
-#: model's steps (the plugin's), not a layer's
+#: the same for the ``gpu-plugin`` runtime: the pool's, KVzip's, whose scoring pass is the
+#: model's steps (the plugin's), and Chelsea's, whose decode merge is a layer of the model
 PLUGIN_LAYERS: dict[str, Callable[[MethodConfig, int, int, DevicePool, int, int], LayerCache]] = {
     **DEVICE_LAYERS,
     "kvzip": _kvzip,
+    "chelsea": _chelsea,
 }
 
 
@@ -111,6 +119,15 @@ def model_recall_layer(config: MethodConfig) -> str | None:
     whose decode attends every slot it holds."""
     kind = RECALLING.get(config.name)
     return kind.recall_layer if kind else None
+
+
+#: the methods whose decode step merges in the GPU plugin's model (its merge layer) before it attends
+MERGING = {"chelsea": DeviceChelseaLayerCache}
+
+
+def model_merges(config: MethodConfig) -> bool:
+    """Whether the GPU plugin's model merges for ``config``'s method (Chelsea's merge layer)."""
+    return config.name in MERGING
 
 
 def device_layer(

@@ -51,6 +51,8 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
         | {"QUANT_TOKENS": 64, "QGROUP": 32, "KEY_BITS": 4, "VALUE_BITS": 4},
     ],
     "quest.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)],
+    "chelsea.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)]
+    + [{"KV_PRECISION": 1, "BLOCK_SIZE": 16, "HEAD_DIM": 128}],
     "quant2.cl": [
         {"BLOCK_SIZE": 32, "HEAD_DIM": 64, "QGROUP": 16, "KEY_BITS": kb, "VALUE_BITS": vb, "GROUP": 3}
         for kb, vb in ((2, 2), (4, 4))

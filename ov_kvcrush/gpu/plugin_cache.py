@@ -29,6 +29,8 @@ import numpy as np
 
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import device_layers, plugin_layers
+from ov_kvcrush.gpu.chelsea import MERGE_FIELDS, merge_scratch_words
+from ov_kvcrush.gpu.chelsea_cache import DeviceChelseaLayerCache
 from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.kvzip_cache import DeviceKVzipLayerCache
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
@@ -66,11 +68,12 @@ class ModelShape:
 @dataclass(frozen=True)
 class ModelVariant:
     """Which of the plugin's layers a pool's model runs: over the 2-bit store of ``quant``'s
-    blocks, or with a method's recall (``recall``: the layer that recalls, ClusterKV's or
-    Quest's); neither: the full-precision store's."""
+    blocks, with a method's recall (``recall``: the layer that recalls, ClusterKV's or Quest's),
+    or with Chelsea's merge (``merge``); none: the full-precision store's."""
 
     quant: QuantShape | None = None
     recall: str | None = None
+    merge: bool = False
 
 
 class PluginKVPool:
@@ -108,7 +111,8 @@ class PluginKVPool:
     @property
     def variant(self) -> ModelVariant:
         """The model this pool's steps run (a method's recall inside it)."""
-        return ModelVariant(self.quant, device_layers.model_recall_layer(self.method))
+        method = self.method
+        return ModelVariant(self.quant, device_layers.model_recall_layer(method), device_layers.model_merges(method))
 
     def scoring_room(self, step: int) -> int:
         """Slots per head a scoring step of ``step`` tokens needs beside the sequence: its own and
@@ -304,6 +308,8 @@ class PluginStep:
     #: under a recall: the longest slot list a decode row attends, and the most clusters or pages a row ranks
     map_width: int = 0
     candidates: int = 0
+    #: under a merge: the bytes the merging rows work in (each layer's ``kvc_scratch``)
+    scratch_bytes: int = 4
 
     @property
     def returned_rows(self) -> int:
@@ -364,6 +370,9 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     if pool.variant.recall:
         tokens = [start if phase == "decode" else None for start, phase in zip(starts, phases, strict=True)]
         inputs["kvc_recall"], map_width, candidates = _recall_inputs(sequences, tokens)
+    scratch_bytes = 4
+    if pool.variant.merge:
+        inputs["kvc_merge"], scratch_bytes = _merge_inputs(sequences)
     decode_rows_alone = all(t == 1 for t in counts)  # the prompt layers then give each row a sub-group
     # a step of decode tokens whose methods score them: the model writes each row's logits
     scored_decode = decode_rows_alone and "prompt" not in phases and any(score_rows)
@@ -373,7 +382,7 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
                                                    logit_stride, map_width, candidates,
                                                    int(decode_rows_alone))  # fmt: skip
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride, map_width,
-                      candidates)  # fmt: skip
+                      candidates, scratch_bytes)  # fmt: skip
     _count_step(pool, step)
     return step
 
@@ -420,6 +429,22 @@ def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) 
     width = max(c.attended() for caches in per_seq for c in caches)
     candidates = max(c.candidates() for caches in per_seq for c in caches)
     return recall, max(width, 1), max(candidates, 1)
+
+
+def _merge_inputs(sequences: list[PluginKVSequence]) -> tuple[np.ndarray, int]:
+    """Chelsea's ``kvc_merge`` of a step (:data:`~ov_kvcrush.transformations.plugin_attention.MERGE_INPUTS`),
+    a row per (sequence, KV head) as :func:`plan_step`'s, each merging row's words placed in the
+    scratch (as many for every row: the most a merging row holds); and the scratch's bytes."""
+    per_seq = []
+    for seq in sequences:
+        caches = [c for c in seq.caches if isinstance(c, DeviceChelseaLayerCache)]
+        assert len(caches) == len(seq.caches), "every layer of a merging method's sequence merges"
+        per_seq.append(np.stack([c.merge_fields() for c in caches]))  # [layers, kv, width]
+    merge = np.ascontiguousarray(np.concatenate(per_seq, axis=1))  # [layers, sequences * kv, width]
+    held = merge[:, :, MERGE_FIELDS.index("held")]
+    words = merge_scratch_words(int(held.max(initial=0)))
+    merge[:, :, MERGE_FIELDS.index("scratch")] = np.arange(merge.shape[1]) * words
+    return merge, 4 * words * merge.shape[1] if held.any() else 4
 
 
 def _count_step(pool: PluginKVPool, step: PluginStep) -> None:

@@ -31,7 +31,11 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
   under Quest, :class:`OvkcPages` computes the bounds of the pages the step changed (into
   ``index``), ranks the pages by the query's upper bound and lists the slots of the top ones;
   :class:`OvkcRecallPrefill` attends a decode row over its list, the other rows as
-  :class:`OvkcPrefill`.
+  :class:`OvkcPrefill`;
+* under Chelsea, :class:`OvkcMerge` merges the rows a decode step takes to the budget plus the
+  merge interval (:mod:`~ov_kvcrush.gpu.chelsea`: in place, their degrees and scores in ``index``),
+  after the store and before :class:`OvkcMergePrefill` attends, which adds each slot's
+  ``log(degree)`` to its logit.
 
 Here are the layers (one-layer models of them, :mod:`~ov_kvcrush.gpu.plugin_step_models`, are
 verified on Intel's OpenCL CPU runtime under
@@ -165,6 +169,20 @@ KERNELS = {
         "OVKC_LAYER_PAGES",
         ("pool", "tables", "index", "recall", "q", "step", "stored", "recalled"),
         "{sg},B",
+        "{sg},1",
+    ),
+    "OvkcMerge": LayerKernel(
+        "ovkc_merge",
+        "OVKC_LAYER_MERGE",
+        ("pool", "tables", "index", "merge", "scratch", "step", "stored"),
+        "{sg},B",
+        "{sg},1",
+    ),
+    "OvkcMergePrefill": LayerKernel(
+        "ovkc_merge_prefill",
+        "OVKC_LAYER_MPREFILL",
+        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits", "index"),
+        "F*{sg},B",
         "{sg},1",
     ),
     "OvkcRecallPrefill": LayerKernel(
@@ -339,6 +357,13 @@ def _layer_classes() -> dict[str, type]:
     class OvkcRecallPrefill(OvkcPrefill):
         pass
 
+    class OvkcMergePrefill(OvkcPrefill):
+        pass
+
+    class OvkcMerge(PluginLayer):
+        def validate_and_infer_types(self) -> None:
+            self.set_output_type(0, ov.Type.i32, self.input_shape("merge"))  # [rows, MERGE_WIDTH]
+
     class OvkcRecall(PluginLayer):
         def validate_and_infer_types(self) -> None:
             self.set_output_type(0, ov.Type.i32, self.input_shape("recall"))  # [rows, RECALL_WIDTH]
@@ -352,7 +377,7 @@ def _layer_classes() -> dict[str, type]:
             self.set_output_type(0, ov.Type.i32, ov.PartialShape([rows, self._attributes["quant_tokens"]]))
 
     classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcRows, OvkcPrefill, OvkcFlush, OvkcQuantPrefill,
-               OvkcRecall, OvkcPages, OvkcRecallPrefill)  # fmt: skip
+               OvkcRecall, OvkcPages, OvkcRecallPrefill, OvkcMerge, OvkcMergePrefill)  # fmt: skip
     return {cls.__name__: cls for cls in classes}
 
 

@@ -336,13 +336,11 @@ class ChelseaConfig(MethodConfig):
     departure: ClassVar[str] = (
         "keeps 3/4 of the budget out of merging, the window's favourites (`preset=paper`: the paper's merge)"
     )
-    #: our op does not run its merges over the 2-bit store (they re-encode it)
+    #: our op and our GPU plugin layers do not run its merges over the 2-bit store (they re-encode it)
     runtimes: ClassVar[Declaration] = {
         "reference": (),
         "cpu-op": (TWO_BIT_STORE,),
-    }
-    not_run_because: ClassVar[dict[str, str]] = {
-        "gpu-plugin": "no device kernels yet for its matching, merges and log(degree) bias"
+        "gpu-plugin": (TWO_BIT_STORE,),
     }
     pins_prompt_tail: ClassVar[bool] = False
     #: the engines calibrate outlier heads on the model unless told otherwise (the paper's
@@ -464,10 +462,13 @@ class ChelseaConfig(MethodConfig):
             return 0, 0, 0
         return round(self.merge_ratio * 10000), round(self.ratio_decay * 10000), self.decay_steps
 
+    def layer_outliers(self, layer_idx: int) -> tuple[int, ...]:
+        """The KV heads of method layer ``layer_idx`` kept whole (its outlier pairs' heads)."""
+        return tuple(sorted(h for (layer, h) in self._pairs() if layer == layer_idx))
+
     def make_layer(self, layer_idx: int, num_layers: int) -> LayerCache:
         check_layer(layer_idx, num_layers)
-        heads = tuple(sorted(h for (layer, h) in self._pairs() if layer == layer_idx))
-        return ChelseaLayerCache(self, outlier_heads=heads, num_layers=num_layers)
+        return ChelseaLayerCache(self, outlier_heads=self.layer_outliers(layer_idx), num_layers=num_layers)
 
     def merged_budget(self, seen: int, heads: int) -> int:
         """What a merged head keeps after ``seen`` tokens, of ``heads`` heads (:func:`merged_budget`)."""

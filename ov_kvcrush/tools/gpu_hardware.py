@@ -14,11 +14,11 @@ GenAI on the same GPU.
    full cache and with its KVCrush eviction, one prompt, the same budget.
 4. The product path on the GPU: the embedded model through the openvino engine on ``GPU`` (our
    layers in OpenVINO's GPU plugin, the methods' kernels over the same pool between steps:
-   :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for every row of step 2 and KVzip ("plugin ..."
-   rows: the 2-bit store and ClusterKV's recall inside the model among them, KVzip's scoring pass
-   through the model), their greedy tokens against the CPU op's, with TTFT, TPOT and KV bytes
-   (in a dry run only with ``--plugin``: the plugin then runs on the CPU runtime under
-   :mod:`~ov_kvcrush.gpu.emulation`).
+   :mod:`~ov_kvcrush.engines.gpu_plugin_model`) for every row of step 2, KVzip and Chelsea
+   ("plugin ..." rows: the 2-bit store and ClusterKV's recall inside the model among them, KVzip's
+   scoring pass through the model, Chelsea's decode merge in it), their greedy tokens against the
+   CPU op's, with TTFT, TPOT and KV bytes (in a dry run only with ``--plugin``: the plugin then
+   runs on the CPU runtime under :mod:`~ov_kvcrush.gpu.emulation`).
 
 The rows of step 2 run the model's layers in torch on the host and copy each step's tensors:
 they say whether every method's kernels run and agree on real hardware. The "plugin" rows are
@@ -51,8 +51,9 @@ OURS = [
 ]
 #: the rows of the openvino engine on ``GPU`` (named as in :data:`OURS`; the CPU op's runs are their
 #: oracle): every one, since the plugin's layers run them all (the 2-bit store, ClusterKV's recall),
-#: and KVzip, whose scoring pass is the plugin's model steps (the torch path's pool does not run it)
-PLUGIN_ROWS = [*OURS, ("kvzip", "kvzip", {})]
+#: and KVzip and Chelsea, whose scoring pass and decode merge are the plugin's model's (the torch
+#: path's pool runs neither)
+PLUGIN_ROWS = [*OURS, ("kvzip", "kvzip", {}), ("chelsea", "chelsea", {})]
 #: native GenAI's rows: its full cache and its KVCrush eviction (its own block-wise form)
 NATIVE = [("native full", "full"), ("native kvcrush", "kvcrush")]
 

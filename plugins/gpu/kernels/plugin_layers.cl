@@ -31,6 +31,7 @@
 #include "prefill.h"
 #include "clusterkv.h"
 #include "quest.h"
+#include "chelsea.h"
 
 // k, v [kv_heads, T, HEAD_DIM] to each token's slot; the output is each token's slot [kv_heads,
 // T], which the prompt layer takes as an input so that it runs after the store. Global (SG, T,
@@ -144,6 +145,13 @@ inline __global const int* row_list(__global const int* recall, __global uchar* 
     return recall && recall[row * RECALL_WIDTH + R_TOKEN] >= 0 ? recall_region(recalled, step, row) : 0;
 }
 
+// A row's degrees under Chelsea (`merge`: the rows' MERGE_WIDTH fields, null without merging), in
+// `index`; null where it has none (every degree 1).
+inline __global const float* row_degrees(__global const int* merge, __global const uchar* index, int row) {
+    const int at = merge ? merge[row * MERGE_WIDTH + M_DEGREES] : -1;
+    return at >= 0 ? (__global const float*)index + at : 0;
+}
+
 // out [q_heads, T, HEAD_DIM]: each token's query rows q [q_heads, T, HEAD_DIM] over the slots its
 // sequence's KV head holds that it sees (a prompt's chunk row by row; a decode token sees them
 // all; under a recall, a decode token whose row has a list sees its list: row_list). Global
@@ -154,7 +162,8 @@ inline __global const int* row_list(__global const int* recall, __global uchar* 
 inline void prefill_layer(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                           __global const int* first, __global const int* tokens, __global const ACT* q,
                           __global const int* step, __global uchar* logits, __global const int* recall,
-                          __global uchar* recalled, __global ACT* out) {
+                          __global uchar* recalled, __global const int* merge, __global const uchar* index,
+                          __global ACT* out) {
     const int h = get_global_id(1), rows = step[1];
     if (step[7]) {
         const int r = get_global_id(0) / SG;
@@ -165,7 +174,7 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
         row_state st;
         row_start(&st, true, h, r, q, rows, SCALE);
         attend_slots_split(&st, pool, tables + row * step[0], n, 0, 0, row_logits(logits, step, h, r),
-                           list ? list + 1 : 0);
+                           list ? list + 1 : 0, row_degrees(merge, index, row));
         row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
         return;
     }
@@ -180,7 +189,7 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
     row_state st;
     row_start(&st, live, h, r, q, rows, SCALE);
     attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
-                 row_logits(logits, step, h, t), list ? list + 1 : 0);
+                 row_logits(logits, step, h, t), list ? list + 1 : 0, row_degrees(merge, index, row));
     row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 
@@ -190,7 +199,7 @@ __kernel void ovkc_prefill(__global const uchar* pool, __global const int* table
                            __global const int* first, __global const int* tokens, __global const ACT* q,
                            __global const int* step, __global const int* stored, __global uchar* logits,
                            __global ACT* out) {
-    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, 0, 0, out);
+    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, 0, 0, 0, 0, out);
 }
 #endif
 
@@ -296,7 +305,42 @@ __kernel void ovkc_recall_prefill(__global const uchar* pool, __global const int
                                   __global const int* step, __global const int* stored, __global uchar* logits,
                                   __global uchar* recalled, __global ACT* out) {
     // `stored` is the recall layer's output: the rows' recall
-    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, stored, recalled, out);
+    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, stored, recalled, 0, 0, out);
+}
+#endif
+
+// Chelsea's merge of each row whose merge says so (M_HELD > 0: a decode step took it to the
+// budget plus the merge interval), after the store and before the prompt layer attends
+// (chelsea.h's merge_row over the row's degrees and scores in `index`, working in its words of
+// `scratch`). The output is `merge` passed on, so that the prompt layer runs after it and finds
+// each row's degrees. Global (SG, rows), local (SG, 1): a sub-group (the work-group) per row.
+#ifdef OVKC_LAYER_MERGE
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_merge(__global uchar* pool, __global const int* tables, __global uchar* index,
+                         __global const int* merge, __global uchar* scratch, __global const int* step,
+                         __global const int* stored, __global int* out) {
+    const int row = get_global_id(1), lane = get_sub_group_local_id();
+    __global const int* mv = merge + row * MERGE_WIDTH;
+    for (int i = lane; i < MERGE_WIDTH; i += SG) out[row * MERGE_WIDTH + i] = mv[i];
+    if (!mv[M_HELD]) return;
+    __global float* words = (__global float*)index;
+    __global float* degrees = mv[M_DEGREES] >= 0 ? words + mv[M_DEGREES] : 0;
+    __global float* scores = mv[M_SCORES] >= 0 ? words + mv[M_SCORES] : 0;
+    merge_row(pool, tables + row * step[0], mv, degrees, scores, 1, 0, degrees, scores,
+              (__global int*)scratch + mv[M_SCRATCH]);
+}
+#endif
+
+// The prompt layer under Chelsea: ovkc_prefill's, each slot's log(degree) added to its logit
+// (`stored` is the merge layer's output: the rows' merge, which says where their degrees are).
+// Global, local: ovkc_prefill's.
+#ifdef OVKC_LAYER_MPREFILL
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_merge_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
+                                 __global const int* first, __global const int* tokens, __global const ACT* q,
+                                 __global const int* step, __global const int* stored, __global uchar* logits,
+                                 __global const uchar* index, __global ACT* out) {
+    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, 0, 0, stored, index, out);
 }
 #endif
 
@@ -361,7 +405,7 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
         row_start(&st, true, h, r, q, rows, SCALE);
         __global float* lg = row_logits(logits, step, h, r);
         attend_quant_slots_split(&st, qpool, qtables + row * step[2], nq, lg);
-        attend_slots_split(&st, pool, tables + row * step[0], visible, start, start + count, lg ? lg + nq : 0, 0);
+        attend_slots_split(&st, pool, tables + row * step[0], visible, start, start + count, lg ? lg + nq : 0, 0, 0);
         row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
         return;
     }
@@ -378,7 +422,7 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
     __global float* lg = row_logits(logits, step, h, t);
     attend_quant_slots(&st, live, qpool, qtables + row * step[2], nq, sub_group_reduce_max(nq), qvisible, lg);
     attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, start,
-                 start + count, lg ? lg + qvisible : 0, 0);
+                 start + count, lg ? lg + qvisible : 0, 0, 0);
     row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 #endif

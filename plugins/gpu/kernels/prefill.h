@@ -53,6 +53,14 @@ inline void tile_logits(const row_state* st, __global const uchar** block, const
     }
 }
 
+// Chelsea's log(degree) added to each slot's logit (the paper's equation 2: a merged slot stands
+// for `degree` tokens), where the row has degrees (`degrees` by held slot; null: none, every
+// degree 1).
+inline void degree_bias(float* s, const int* held, __global const float* degrees) {
+    if (!degrees) return;
+    for (int c = 0; c < CHUNK; ++c) s[c] += log(degrees[held[c]]);
+}
+
 // The tile's logits s (masked ones left out) into the row: the softmax, then the values.
 inline void tile_values(row_state* st, __global const uchar** block, const int* slot, const float* s,
                         const bool* masked) {
@@ -75,13 +83,14 @@ inline void tile_values(row_state* st, __global const uchar** block, const int* 
 // added to it. Where `slot_logits` is given, each slot's logit goes there (the hole left out: the
 // slots after it move down by its width), for the methods' scores. Where `slot_map` is given, the
 // row's j-th slot is slot_map[j] of the table (ClusterKV's sinks, recalled and pending slots), not
-// slot j.
+// slot j. Where `degrees` is given (Chelsea's), each slot's log(degree) is added to its logit.
 inline void attend_slots(row_state* st, bool live, __global const uchar* pool, __global const int* table, int n,
                          int n_max, __global const int* positions, int visible, int qpos, int hole_lo, int hole_hi,
-                         __global float* slot_logits, __global const int* slot_map) {
+                         __global float* slot_logits, __global const int* slot_map, __global const float* degrees) {
     for (int j0 = 0; j0 < n_max; j0 += CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
+        int held[CHUNK];  // the slot's index among the row's (its degree's)
         bool masked[CHUNK];
         bool all_masked = true;
         for (int c = 0; c < CHUNK; ++c) {
@@ -89,6 +98,7 @@ inline void attend_slots(row_state* st, bool live, __global const uchar* pool, _
             const int j = slot_map ? slot_map[i] : i;
             block[c] = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
             slot[c] = j % BLOCK_SIZE;
+            held[c] = j;
             masked[c] = !live || j0 + c >= n || (positions ? positions[j] > qpos : j0 + c >= visible) ||
                         (j0 + c >= hole_lo && j0 + c < hole_hi);
             all_masked = all_masked && masked[c];
@@ -96,6 +106,7 @@ inline void attend_slots(row_state* st, bool live, __global const uchar* pool, _
         if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half
         float s[CHUNK];
         tile_logits(st, block, slot, s);
+        degree_bias(s, held, degrees);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c)
                 if (!masked[c]) slot_logits[j0 + c - (j0 + c >= hole_hi ? hole_hi - hole_lo : 0)] = s[c];
@@ -161,11 +172,11 @@ inline void attend_quant_slots(row_state* st, bool live, __global const uchar* q
 // slots after it move down by its width).
 inline void attend_slots_split(row_state* st, __global const uchar* pool, __global const int* table, int n,
                                int hole_lo, int hole_hi, __global float* slot_logits,
-                               __global const int* slot_map) {
+                               __global const int* slot_map, __global const float* degrees) {
     const int lane = get_sub_group_local_id();
     for (int j0 = 0; j0 < n; j0 += SG * CHUNK) {
         __global const uchar* block[CHUNK];
-        int slot[CHUNK];
+        int slot[CHUNK], held[CHUNK];
         bool masked[CHUNK];
         for (int c = 0; c < CHUNK; ++c) {
             const int i = j0 + c * SG + lane;
@@ -173,10 +184,12 @@ inline void attend_slots_split(row_state* st, __global const uchar* pool, __glob
             const int j = slot_map ? slot_map[k] : k;
             block[c] = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
             slot[c] = j % BLOCK_SIZE;
+            held[c] = j;
             masked[c] = i >= n || (i >= hole_lo && i < hole_hi);
         }
         float s[CHUNK];
         tile_logits(st, block, slot, s);
+        degree_bias(s, held, degrees);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c) {
                 const int i = j0 + c * SG + lane;
@@ -246,7 +259,7 @@ inline void prefill_row(int r, int h, __global const uchar* pool, __global const
     const bool live = r < rows;
     row_state st;
     row_start(&st, live, h, r, q, rows, scale);
-    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0, 0, 0);
+    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0, 0, 0, 0);
     row_finish(&st, live, h, r, rows, out, lse);
 }
 
