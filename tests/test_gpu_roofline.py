@@ -38,6 +38,13 @@ def test_the_full_caches_step_reads_every_held_slot_and_a_budget_method_what_it_
         at_8k, at_64k = (gpu_roofline.kv_step_bytes(method, deep, n, 1024) for n in (8192, 65536))
         assert at_8k < at_64k < gpu_roofline.kv_step_bytes("full", deep, 65536, 1024) / 4
         assert at_8k > 2 * 2 * 8192 * slot  # its 2 dense layers read every slot
+    # Chelsea: its outlier heads keep every token (none of 8 heads at 4 %: the budget bounds it; 2
+    # of 64: they grow with the context, the others fall to their floor)
+    merged = [gpu_roofline.kv_step_bytes("chelsea", model, n, 1024) for n in (8192, 65536)]
+    assert merged[0] == merged[1] < gpu_roofline.kv_step_bytes("streamingllm", model, 8192, 1024)
+    at_8k, at_64k = (gpu_roofline.kv_step_bytes("chelsea", deep, n, 1024) for n in (8192, 65536))
+    assert at_8k < at_64k < gpu_roofline.kv_step_bytes("full", deep, 65536, 1024) / 8
+    assert at_64k > 2 * 65536 * slot  # the two outlier heads read every slot
     rows = gpu_roofline.estimate([model], 1024, {"m": [8192]})
     for row in rows:
         for gpu, bandwidth in gpu_roofline.GPUS:

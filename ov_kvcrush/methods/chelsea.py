@@ -256,8 +256,12 @@ PROTECT_POOL_KERNEL = DEFAULT_POOL_KERNEL
 DEFAULT_PROTECT_SHARE = 0.75
 
 
+#: the share of heads the calibration keeps whole (the paper's 4 %)
+OUTLIER_RATIO = 0.04
+
+
 def calibrate_outlier_heads(
-    layer_keys: list[torch.Tensor], *, chunk_size: int = 256, threshold: float = 0.8, ratio: float = 0.04
+    layer_keys: list[torch.Tensor], *, chunk_size: int = 256, threshold: float = 0.8, ratio: float = OUTLIER_RATIO
 ) -> tuple[tuple[int, int], ...]:
     """Find the heads that merge badly (the paper's offline calibration, Appendix B).
 

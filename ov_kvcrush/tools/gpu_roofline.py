@@ -27,6 +27,13 @@ path does today (``ov_kvcrush/gpu/layer_cache.py``, ``quant_cache.py``), not wha
   (the pinned prompt tail and the residual, at most a chunk), and its scores; no eviction (its
   selection is frozen).
 
+Chelsea (``gpu/chelsea_cache.py``, the model's merge layer) reads its merged heads' slots (the
+budget, and up to the merge interval more: half of it on average) with each slot's degree (f32),
+and every ``merge_interval`` steps merges them (their slots read for the matching and the sums,
+written back and moved: four passes, spread over the interval); its outlier heads (the
+calibration's 4 % of heads) keep every token and count against the budget, so the merged heads
+fall toward their floor as the context grows (``merged_budget``).
+
 The recall methods keep every token and read a part of it a step, so their step grows with the
 context (slowly: what they rank is a cluster's or a page's, not a token's), and their first
 ``dense_layers`` layers (2, their default) read every slot as the full cache does:
@@ -53,6 +60,8 @@ from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 GPUS = (("Arc B580", 456.0), ("Core Ultra iGPU", 120.0))
 #: the methods estimated beside the full cache (budget-bound), in the table's order
 METHODS = ("streamingllm", "snapkv", "knorm", "kvcrush", "minikv")
+#: the methods that merge, after them (their outlier heads keep every token)
+MERGING_METHODS = ("chelsea",)
 #: the recall methods estimated after them (every token kept, a part of it read a step)
 RECALL_METHODS = ("clusterkv", "quest")
 #: float reads and writes of a slot's score per query head a step for the scoring methods: the
@@ -127,11 +136,28 @@ def kv_step_bytes(method: str, model: ModelShape, held: int, budget: int, kv_pre
         quantized = max(kept - PINNED, 0) // QUANT_CHUNK * QUANT_CHUNK
         two_bit = quantized // QUANT_CHUNK * q.block_bytes
         per_head = two_bit + (kept - quantized) * slot + 3 * kept * score
+    elif method in MERGING_METHODS:
+        return _merging_step_bytes(model, held, budget, slot)
     elif method in RECALL_METHODS:
         return _recall_step_bytes(method, model, held, budget, slot)
     else:
-        raise ValueError(f"method {method!r}: one of full, {', '.join(METHODS + RECALL_METHODS)}")
+        raise ValueError(f"method {method!r}: one of full, {', '.join(METHODS + MERGING_METHODS + RECALL_METHODS)}")
     return model.layers * model.kv_heads * per_head
+
+
+def _merging_step_bytes(model: ModelShape, held: int, budget: int, slot: int) -> int:
+    """:func:`kv_step_bytes` of Chelsea at its defaults (the module's docstring)."""
+    from ov_kvcrush.methods.chelsea import OUTLIER_RATIO, ChelseaConfig, merged_budget
+
+    cfg = ChelseaConfig(budget=budget)
+    heads = model.layers * model.kv_heads
+    outliers = int(OUTLIER_RATIO * heads + 0.5)  # as calibrate_outlier_heads rounds
+    target = merged_budget(budget, held, heads, outliers, cfg.sink_tokens + cfg.recent_tokens + 1)
+    g = cfg.merge_interval
+    merges = held >= target + g
+    attended = min(held, target + g // 2) if merges else held
+    merged = attended * (slot + 4) + (4 * (target + g) * slot // g if merges else 0)
+    return outliers * held * slot + (heads - outliers) * merged
 
 
 def _recall_step_bytes(method: str, model: ModelShape, held: int, budget: int, slot: int) -> int:
@@ -175,7 +201,7 @@ def estimate(models: list[ModelShape], budget: int, contexts: dict[str, list[int
     rows = []
     for model in models:
         for context in contexts[model.name]:
-            for method in ("full", *METHODS, *RECALL_METHODS):
+            for method in ("full", *METHODS, *MERGING_METHODS, *RECALL_METHODS):
                 kv = kv_step_bytes(method, model, context, budget)
                 total = model.weight_bytes + kv
                 ms = {gpu: 1e3 * total / (bandwidth * 1e9) for gpu, bandwidth in GPUS}
