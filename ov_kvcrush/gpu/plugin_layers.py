@@ -351,34 +351,26 @@ def _layer_classes() -> dict[str, type]:
             dims = ov.PartialShape([q[0], q[1], self._attributes["head_dim"]])
             self.set_output_type(0, ov.Type.f16 if self._attributes.get("act_half") else ov.Type.f32, dims)
 
-    class OvkcQuantPrefill(OvkcPrefill):
-        pass
-
-    class OvkcRecallPrefill(OvkcPrefill):
-        pass
-
-    class OvkcMergePrefill(OvkcPrefill):
-        pass
-
-    class OvkcMerge(PluginLayer):
-        def validate_and_infer_types(self) -> None:
-            self.set_output_type(0, ov.Type.i32, self.input_shape("merge"))  # [rows, MERGE_WIDTH]
-
     class OvkcRecall(PluginLayer):
-        def validate_and_infer_types(self) -> None:
-            self.set_output_type(0, ov.Type.i32, self.input_shape("recall"))  # [rows, RECALL_WIDTH]
+        rows_input = "recall"  # the rows' input passed on as the output: [rows, RECALL_WIDTH]
 
-    class OvkcPages(OvkcRecall):
-        pass
+        def validate_and_infer_types(self) -> None:
+            self.set_output_type(0, ov.Type.i32, self.input_shape(self.rows_input))
+
+    class OvkcMerge(OvkcRecall):
+        rows_input = "merge"  # [rows, MERGE_WIDTH]
 
     class OvkcFlush(PluginLayer):
         def validate_and_infer_types(self) -> None:
             rows = self.input_shape("flush")[0]  # [rows, 2]
             self.set_output_type(0, ov.Type.i32, ov.PartialShape([rows, self._attributes["quant_tokens"]]))
 
-    classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcRows, OvkcPrefill, OvkcFlush, OvkcQuantPrefill,
-               OvkcRecall, OvkcPages, OvkcRecallPrefill, OvkcMerge, OvkcMergePrefill)  # fmt: skip
-    return {cls.__name__: cls for cls in classes}
+    # the prompt layers over the 2-bit store, a recall's list and a merge's degrees: the prompt layer's
+    # shapes, and the recall layers': the rows passed on
+    alike = {name: type(name, (base,), {}) for base, names in ((OvkcPrefill, ("OvkcQuantPrefill", "OvkcRecallPrefill",
+             "OvkcMergePrefill")), (OvkcRecall, ("OvkcPages",))) for name in names}  # fmt: skip
+    classes = (OvkcStore, OvkcLogits, OvkcSoftmax, OvkcValues, OvkcRows, OvkcPrefill, OvkcFlush, OvkcRecall, OvkcMerge)
+    return {cls.__name__: cls for cls in classes} | alike
 
 
 def layer_class(name: str) -> type:

@@ -446,19 +446,12 @@ class ChelseaConfig(MethodConfig):
         return self.outlier_heads
 
     def op_fields(self, layers: int, q_heads: int, block_size: int) -> dict[str, object]:
-        pairs = self._pairs()
-        return {
-            "sinks": self.sink_tokens,
-            "recent": self.recent_tokens,
-            "chunk": self.chunk_size,
-            "merge_interval": self.merge_interval,
-            "outliers": ",".join(f"{layer},{head}" for layer, head in pairs),
-            "ratio_e4": self.schedule()[0],
-            "decay_e4": self.schedule()[1],
-            "decay_steps": self.schedule()[2],
-            "link_score": self.link_score,
-            "protect": self.protected_tokens,
-        }
+        ratio, decay, steps = self.schedule()
+        return {"sinks": self.sink_tokens, "recent": self.recent_tokens, "chunk": self.chunk_size,
+                "merge_interval": self.merge_interval,
+                "outliers": ",".join(f"{layer},{head}" for layer, head in self._pairs()), "ratio_e4": ratio,
+                "decay_e4": decay, "decay_steps": steps, "link_score": self.link_score,
+                "protect": self.protected_tokens}  # fmt: skip
 
     def schedule(self) -> tuple[int, int, int]:
         """``(ratio_e4, decay_e4, decay_steps)``: the merge-ratio schedule in 1/10000 units (see :func:`pass_cap`)."""
