@@ -479,3 +479,38 @@ def teacher_forced(
     finally:
         engine.close()
     return out
+
+
+def batched_beside_decoding(
+    model_dir: str, prompts: list[list[int]], device: str, compression: Any, block_size: int, new_tokens: int,
+    step_tokens: int,
+) -> tuple[list, list, dict]:  # fmt: skip
+    """The greedy tokens of each prompt through the openvino engine's loop on ``device`` (f32) with
+    a scheduler config of ``step_tokens`` tokens a step: the prompts but the last entered together
+    and stepped until each has decoded a token, then the last beside them, every prompt in chunks;
+    and each prompt's alone and whole; and the loop's stats."""
+    import openvino_genai
+
+    from ov_kvcrush.config import GenerationSettings
+    from ov_kvcrush.serving.loop import GenerationLoop
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+
+    sc = openvino_genai.SchedulerConfig()
+    sc.max_num_batched_tokens, sc.max_num_seqs = step_tokens, 8
+    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=block_size, properties=F32,
+                            scheduler_config=sc)  # fmt: skip
+    settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
+    try:
+        engine.set_compression(compression)
+        loop = engine.batcher
+        handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:-1])]
+        while loop.stats["decode_rows"] < len(handles):
+            loop.step()
+        handles.append(loop.add_request(len(handles), prompts[-1], settings))
+        while loop.has_non_finished_requests():
+            loop.step()
+        together = [list(h.result().token_ids) for h in handles]
+        whole = GenerationLoop(engine, None, whole_prompts=True)
+        return together, [list(whole.run(ids, settings, None).token_ids) for ids in prompts], dict(loop.stats)
+    finally:
+        engine.close()

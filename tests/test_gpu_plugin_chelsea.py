@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import teacher_forced
+from helpers import batched_beside_decoding, teacher_forced
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.gpu.chelsea import MERGE_FIELDS, MERGE_WIDTH, merge_rows, method_fields
@@ -165,40 +165,6 @@ BATCH_PROMPTS = (150, 90, 121, 70, 110)
 STEP_TOKENS = 36
 
 
-def _batched(model_dir: str, prompts: list[list[int]], device: str) -> tuple[list, list]:
-    """The first case's greedy tokens for each prompt through the loop on ``device`` with a
-    scheduler config of :data:`STEP_TOKENS` tokens a step (the first four prompts entered
-    together and stepped until each has decoded a token, then the fifth beside them, each prompt
-    in chunks, merged after its last), and each prompt's alone and whole."""
-    import openvino_genai
-
-    from ov_kvcrush.serving.loop import GenerationLoop
-    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.tools.model_coverage import F32
-
-    sc = openvino_genai.SchedulerConfig()
-    sc.max_num_batched_tokens, sc.max_num_seqs = STEP_TOKENS, 8
-    engine = OpenVINOEngine(
-        model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32, scheduler_config=sc
-    )
-    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    try:
-        engine.set_compression(_compression(*CASES[0]))
-        loop = engine.batcher
-        handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts[:4])]
-        while loop.stats["decode_rows"] < 4:
-            loop.step()
-        handles.append(loop.add_request(4, prompts[4], settings))
-        while loop.has_non_finished_requests():
-            loop.step()
-        assert loop.stats["prefill_chunks"] > len(prompts)
-        together = [list(h.result().token_ids) for h in handles]
-        whole = GenerationLoop(engine, None, whole_prompts=True)
-        return together, [list(whole.run(ids, settings, None).token_ids) for ids in prompts]
-    finally:
-        engine.close()
-
-
 @pytest.mark.model
 def test_chelsea_on_gpu_merges_prompts_in_chunks_beside_decoding_sequences(emulation_worker, tiny_llama3_ir):
     """Each prompt is merged after its last chunk (its window's scores summed over the chunks)
@@ -207,9 +173,11 @@ def test_chelsea_on_gpu_merges_prompts_in_chunks_beside_decoding_sequences(emula
     CPU op, and the two devices' tokens are the same."""
     rng = np.random.default_rng(11)
     prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in BATCH_PROMPTS]
-    cpu = _batched(tiny_llama3_ir, prompts, "CPU")
-    got = emulation_worker.submit(_batched, tiny_llama3_ir, prompts, "GPU").result(timeout=900)
+    args = (_compression(*CASES[0]), BLOCK, NEW_TOKENS, STEP_TOKENS)
+    cpu = batched_beside_decoding(tiny_llama3_ir, prompts, "CPU", *args)
+    got = emulation_worker.submit(batched_beside_decoding, tiny_llama3_ir, prompts, "GPU", *args).result(timeout=900)
     assert got[0] == got[1] == cpu[0] == cpu[1]
+    assert cpu[2]["prefill_chunks"] > len(prompts) and got[2]["prefill_chunks"] > len(prompts)
 
 
 def _layer_keys(model_dir: str, ids: list[int], device: str) -> list[np.ndarray]:

@@ -314,12 +314,13 @@ def test_on_gpu_prompts_go_in_chunks_beside_decoding_sequences_with_the_tokens_o
 
 
 def test_device_gpu_names_the_methods_it_runs():
-    from ov_kvcrush.methods import methods_on, require
+    from ov_kvcrush.methods import REGISTRY, methods_on, require
 
     require(_compression("h2o", 24, {}).method_config(), "gpu-plugin")
-    runs = ", ".join(methods_on("gpu-plugin"))
-    with pytest.raises(ConfigError, match=f"method='chelsea'.*{runs} .*device GPU"):
-        require(CompressionConfig(method="chelsea", budget=256).method_config(), "gpu-plugin")
+    assert set(methods_on("gpu-plugin")) == set(REGISTRY)  # every method (issue 71), some options refused
+    require(CompressionConfig(method="chelsea", budget=256).method_config(), "gpu-plugin")  # its merge in the model
+    with pytest.raises(ConfigError, match=r"options.quant=.*device GPU"):
+        require(_compression("chelsea", 256, {"quant": True}).method_config(), "gpu-plugin")
     require(CompressionConfig(method="quest", budget=64).method_config(), "gpu-plugin")  # its pages inside the model
     require(_compression(*CLUSTERKV).method_config(), "gpu-plugin")  # recall inside the model
     with pytest.raises(ConfigError, match=r"options.quant=.*device GPU"):
@@ -352,7 +353,7 @@ def _named_devices(model_dir: str) -> dict:
     try:
         pipeline.engine.check_compression(CompressionConfig("quest", 64))  # a request's method: runs on GPU
         try:
-            pipeline.engine.check_compression(CompressionConfig("chelsea", 256))
+            pipeline.engine.check_compression(CompressionConfig("chelsea", 256, options={"quant": True}))
         except ConfigError as e:
             out["refused"] = str(e)
         settings = GenerationSettings(max_new_tokens=3, ignore_eos=True)
@@ -375,6 +376,6 @@ def test_gpu_n_names_the_plugins_device_and_the_server_serves_on_gpu(emulation_w
     assert got["gpu.0"][0] == "GPU.0" and np.isfinite(got["gpu.0"][1]).all()
     assert "device='GPU.7'" in got["gpu.7"] and "GPU.0" in got["gpu.7"]  # the names the plugin lists
     assert got["served"] == ("GPU", [3, 3])
-    assert re.search(r"method='chelsea' is invalid: .*device GPU", got["refused"])  # what a request is answered
+    assert re.search(r"options.quant=.* is invalid: .*device GPU", got["refused"])  # what a request is answered
     args = build_parser().parse_args(["serve", "--device", "GPU.1"])
     assert ServerConfig.from_args(args).device == "GPU.1"

@@ -125,7 +125,7 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
             return
         self.layer.pool.phase = "prompt" if self.in_prompt else "decode"
         counts = self.counts + t
-        self._fit(counts)  # the blocks hold the step's tokens before the merge
+        self.layer.fit_heads(counts)  # the blocks hold the step's tokens before the merge
         self.seen += t
         held, target = int(counts[self.merged].max(initial=0)), self._target()
         if self.merged.any() and held >= target + self.config.merge_interval:
@@ -136,21 +136,6 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
     def _target(self) -> int:
         """What a merged head keeps after ``seen`` tokens (outliers count against the budget)."""
         return self.config.merged_budget(self.seen, self.heads)
-
-    def _fit(self, counts: np.ndarray) -> None:
-        """Each head's blocks for ``counts[h]`` slots (allocated, or the ones past them given back)."""
-        lay, bs = self.layer, self.layer.pool.shape.block_size
-        tables = [list(t) for t in lay.tables]
-        for h, table in enumerate(tables):
-            blocks = -(-int(counts[h]) // bs)
-            if blocks > len(table):
-                table.extend(lay.pool.allocate(blocks - len(table)))
-            else:
-                lay.pool.release(table[blocks:])
-                del table[blocks:]
-        if tables != lay.tables:
-            lay.set_tables(tables)
-        lay.held = int(counts.max(initial=0))
 
     def truncate(self, tokens: int) -> bool:
         """As the full cache's while the prompt is held whole; after it, only a truncation that
@@ -180,7 +165,7 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
             return
         if self.merging is not None:
             held, target = self.merging
-            self._fit(self.counts)
+            self.layer.fit_heads(self.counts)
             self._merged(held, target)
             self.merging = None
 
@@ -227,7 +212,7 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
                           scores)  # fmt: skip
         if merges:
             self.counts[self.merged] = target
-            self._fit(self.counts)
+            self.layer.fit_heads(self.counts)
             self._merged(n, target)
 
     def _merged(self, held: int, target: int) -> None:

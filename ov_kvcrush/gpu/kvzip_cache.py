@@ -129,18 +129,9 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
     def _resize(self, counts: np.ndarray) -> None:
         """Each head to hold ``counts[h]`` slots: blocks allocated or given back, the host's
         positions and scores widened (new slots: position -1, score 0) or cut."""
-        lay, bs = self.layer, self.layer.pool.shape.block_size
-        tables = [list(t) for t in lay.tables]
-        for h, table in enumerate(tables):
-            blocks = -(-int(counts[h]) // bs)
-            if blocks > len(table):
-                table.extend(lay.pool.allocate(blocks - len(table)))
-            else:
-                lay.pool.release(table[blocks:])
-                del table[blocks:]
-        if tables != lay.tables:
-            lay.set_tables(tables)
-        width = int(counts.max()) if counts.size else 0
+        lay = self.layer
+        lay.fit_heads(counts)
+        width = lay.held
         keep = min(width, self.positions.shape[1])
         positions = np.full((lay.kv_heads, width), -1, np.int64)
         score = np.zeros((lay.kv_heads, width), np.float32)
@@ -149,7 +140,6 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
             positions[h, counts[h] :] = -1
             score[h, counts[h] :] = 0.0
         self.positions, self.score, self.counts = positions, score, counts.astype(np.int64)
-        lay.held = width
 
     def truncate(self, tokens: int) -> bool:
         """Forget every token at position ``tokens`` or later in each head (its slots ascend in

@@ -260,6 +260,20 @@ class PagedLayer:
             self._tables_on_device = (self.pool.upload("block tables", table), table.shape[1])
         return self._tables_on_device
 
+    def fit_heads(self, counts: np.ndarray) -> None:
+        """Each head's blocks for ``counts[h]`` slots (heads that keep different counts: KVzip's,
+        Chelsea's): blocks allocated, or the ones past them given back; :attr:`held` the most."""
+        bs = self.pool.shape.block_size
+        tables = [list(t) for t in self.tables]
+        for h, table in enumerate(tables):
+            blocks = -(-int(counts[h]) // bs)
+            table.extend(self.pool.allocate(max(0, blocks - len(table))))
+            self.pool.release(table[blocks:])
+            del table[blocks:]
+        if tables != self.tables:
+            self.set_tables(tables)
+        self.held = int(counts.max(initial=0))
+
     def set_tables(self, tables: list[list[int]], on_device: tuple[Any, int] | None = None) -> None:
         """Each head's blocks are now ``tables`` (``on_device``: their device copy and row stride,
         where the caller made one): heads that keep different counts (KVzip's) keep their own."""
