@@ -47,11 +47,19 @@ FLAGS = ("-std=c11", "-O2", "-shared", "-fPIC")
 #: the OpenCL headers the layer needs (intel-sycl-rt ships them under the environment's include/)
 HEADERS = ("CL/cl.h", "CL/cl_icd.h", "CL/cl_layer.h")
 INSTALL_HINT = "pip install intel-sycl-rt (its include/CL headers), and a C compiler"
+#: where the layer keeps the programs it built (unset: it builds every program from source)
+PROGRAM_CACHE_ENV = "OVKC_PROGRAM_CACHE"
 
 
 def source() -> Path:
     """``plugins/gpu/emulation/gpu_identity_layer.c`` of the source tree, or the packaged copy."""
     return kernel_dir().parent / "emulation" / "gpu_identity_layer.c"
+
+
+def sources() -> list[Path]:
+    """The layer's C files: the layer, and its cache of built programs (with its header)."""
+    folder = source().parent
+    return [source(), folder / "program_cache.c", folder / "program_cache.h"]
 
 
 def _include_dir() -> Path:
@@ -76,7 +84,8 @@ def library_path() -> Path:
     """The built layer for this source and compiler (not necessarily built yet)."""
     from ov_kvcrush.paths import cache_root
 
-    key = hashlib.sha256(source().read_bytes() + " ".join((*FLAGS, _compiler_path() or "")).encode())
+    text = b"".join(p.read_bytes() for p in sources())
+    key = hashlib.sha256(text + " ".join((*FLAGS, _compiler_path() or "")).encode())
     return cache_root() / "plugins" / f"gpu-emulation-{key.hexdigest()[:12]}" / "libovkc_gpu_identity_layer.so"
 
 
@@ -89,7 +98,7 @@ def build(force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def compile_to(tmp: Path) -> None:
-        cmd = [compiler, *FLAGS, f"-I{include}", str(source()), "-o", str(tmp)]
+        cmd = [compiler, *FLAGS, f"-I{include}", *(str(p) for p in sources() if p.suffix == ".c"), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise runtime.GPUPathError(f"building the GPU emulation layer failed: {proc.stderr.strip()[-2000:]}")
@@ -121,7 +130,19 @@ def enable() -> Path:
     runtime.prepare()
     layer = build()
     os.environ["OPENCL_LAYERS"] = str(layer)
+    os.environ.setdefault(PROGRAM_CACHE_ENV, str(program_cache()))
     return layer
+
+
+def program_cache() -> Path:
+    """The folder of the layer's built programs (``plugins/gpu/emulation/program_cache.c``): the
+    CPU runtime's binaries of the programs it built, by source, options, device and runtime version;
+    made if missing."""
+    from ov_kvcrush.paths import cache_root
+
+    folder = cache_root() / "plugins" / "gpu-emulation-programs"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def worker() -> ProcessPoolExecutor:

@@ -23,6 +23,9 @@
 //    c. mad with float and half arguments: IGC picks an overload, the CPU runtime's clang calls it
 //       ambiguous: mad(a, b, c) is spelled a * b + c.
 //
+// 4. Programs built once are loaded from their binaries after (program_cache.c): the CPU runtime
+//    compiles each of the plugin's programs with LLVM, tens of seconds a model and again a shape.
+//
 // It also counts, for tests of what a step costs (ov_kvcrush.gpu.emulation.Counts), what a GPU
 // would be asked to do: kernels enqueued (by name), copies and fills on the device (commands a
 // GPU runs as kernels too), blocking host waits (clFinish, clWaitForEvents, and every blocking
@@ -40,6 +43,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "program_cache.h"
 
 #define IP_VERSION_INTEL 0x4250
 #define XE_LP_IP_VERSION (12u << 22)  // architecture 12, release 0, revision 0
@@ -77,7 +82,9 @@ static cl_int CL_API_CALL get_device_info(cl_device_id device, cl_device_info wh
 }
 
 // -- 2. a kernel keeps its program's handle valid ---------------------------------------------------
+// (a program loaded from the program cache stands in for the one built from source: its kernels)
 static cl_kernel CL_API_CALL create_kernel(cl_program program, const char* name, cl_int* err) {
+    program = program_cache_built(program);
     cl_kernel kernel = next->clCreateKernel(program, name, err);
     if (kernel) next->clRetainProgram(program);
     return kernel;
@@ -85,6 +92,7 @@ static cl_kernel CL_API_CALL create_kernel(cl_program program, const char* name,
 
 static cl_int CL_API_CALL create_kernels(cl_program program, cl_uint n, cl_kernel* kernels, cl_uint* made_ret) {
     cl_uint made = 0;
+    program = program_cache_built(program);
     cl_int err = next->clCreateKernelsInProgram(program, n, kernels, &made);
     if (err == CL_SUCCESS && kernels)
         for (cl_uint i = 0; i < made; ++i) next->clRetainProgram(program);
@@ -98,7 +106,7 @@ static cl_int CL_API_CALL release_kernel(cl_kernel kernel) {
     next->clGetKernelInfo(kernel, CL_KERNEL_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
     next->clGetKernelInfo(kernel, CL_KERNEL_PROGRAM, sizeof(program), &program, NULL);
     cl_int err = next->clReleaseKernel(kernel);
-    if (err == CL_SUCCESS && refs == 1 && program) next->clReleaseProgram(program);
+    if (err == CL_SUCCESS && refs == 1 && program) program_cache_release(program);
     return err;
 }
 
@@ -136,6 +144,7 @@ static cl_program CL_API_CALL create_program(cl_context context, cl_uint count, 
     }
     body[at] = '\0';
     cl_program program;
+    const char* text = body;
     if (strstr(body, PLUGIN_SOURCE_MARK) == NULL) {
         program = next->clCreateProgramWithSource(context, count, strings, lengths, err);
     } else {
@@ -143,9 +152,10 @@ static cl_program CL_API_CALL create_program(cl_context context, cl_uint count, 
         if (strstr(body, "KERNEL(reorder_weights_opt)"))
             for (size_t i = 0; i < sizeof(REORDER_FROM) / sizeof(REORDER_FROM[0]); ++i)
                 replace_same_length(body, REORDER_FROM[i], REORDER_TO[i]);
-        const char* text = joined;
+        text = joined;
         program = next->clCreateProgramWithSource(context, 1, &text, NULL, err);
     }
+    program_cache_remember(program, text);
     free(joined);
     return program;
 }
@@ -161,7 +171,7 @@ static pthread_mutex_t names_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void add(int what, uint64_t n) { __atomic_fetch_add(&counts[what], n, __ATOMIC_RELAXED); }
 static void add_wait(cl_bool blocking) {
-    if (blocking) add(WAITS, 1); if (blocking && getenv("OVKC_DBG")) fprintf(stderr, "blocking op\n");
+    if (blocking) add(WAITS, 1);
 }
 
 static void count_kernel(cl_kernel kernel) {
@@ -209,12 +219,12 @@ static cl_int CL_API_CALL enqueue_kernel(cl_command_queue q, cl_kernel kernel, c
 }
 
 static cl_int CL_API_CALL finish(cl_command_queue q) {
-    add(WAITS, 1); if (getenv("OVKC_DBG")) fprintf(stderr, "clFinish\n");
+    add(WAITS, 1);
     return next->clFinish(q);
 }
 
 static cl_int CL_API_CALL wait_for_events(cl_uint n, const cl_event* events) {
-    add(WAITS, 1); if (getenv("OVKC_DBG")) fprintf(stderr, "clWaitForEvents %u\n", n);
+    add(WAITS, 1);
     return next->clWaitForEvents(n, events);
 }
 
@@ -338,6 +348,7 @@ CL_API_ENTRY cl_int CL_API_CALL clInitLayer(cl_uint entries, const struct _cl_ic
     if (entries < own) own = entries;
     if (target == NULL || entries_ret == NULL || layer == NULL) return CL_INVALID_VALUE;
     next = target;
+    program_cache_init(target);
     memcpy(&layer_dispatch, target, own * sizeof(void*));
     layer_dispatch.clGetDeviceIDs = get_device_ids;
     layer_dispatch.clGetDeviceInfo = get_device_info;
@@ -345,6 +356,10 @@ CL_API_ENTRY cl_int CL_API_CALL clInitLayer(cl_uint entries, const struct _cl_ic
     layer_dispatch.clCreateKernelsInProgram = create_kernels;
     layer_dispatch.clReleaseKernel = release_kernel;
     layer_dispatch.clCreateProgramWithSource = create_program;
+    layer_dispatch.clBuildProgram = program_cache_build;
+    layer_dispatch.clGetProgramInfo = program_cache_program_info;
+    layer_dispatch.clGetProgramBuildInfo = program_cache_build_info;
+    layer_dispatch.clReleaseProgram = program_cache_release;
     layer_dispatch.clEnqueueNDRangeKernel = enqueue_kernel;
     layer_dispatch.clFinish = finish;
     layer_dispatch.clWaitForEvents = wait_for_events;
