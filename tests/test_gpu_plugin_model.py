@@ -122,7 +122,7 @@ def test_the_gpu_in_f16_keeps_the_cpu_ops_f32_logits_within_tolerance(emulation_
     ids = [int(t) for t in rng.integers(10, 380, PROMPT_TOKENS)]
     forced = [int(t) for t in rng.integers(10, 380, NEW_TOKENS)]
     want = _teacher_forced(model_dir, ids, forced, "CPU", F32)
-    got = emulation_worker.submit(_teacher_forced, model_dir, ids, forced, "GPU", {}).result(timeout=600)
+    got = emulation_worker.submit(_teacher_forced, model_dir, ids, forced, "GPU", {}).result(timeout=900)
     for case, a, b in zip(CASES, got, want, strict=True):
         errors = np.abs(a - b).max(-1) / np.abs(b).max()
         tolerances = [_f16_tolerance(case, row) for row in range(len(errors))]
@@ -135,7 +135,7 @@ def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emu
     model_dir = tiny_llama3_ir
     ids = [int(t) for t in np.random.default_rng(3).integers(10, 380, PROMPT_TOKENS)]
     want = _generate(model_dir, ids, "CPU")
-    got = emulation_worker.submit(_generate, model_dir, ids, "GPU").result(timeout=600)
+    got = emulation_worker.submit(_generate, model_dir, ids, "GPU").result(timeout=900)
     names = [*CASES, "chat turn 1", "chat turn 2"]
     for case, (tokens, kv_bytes), (want_tokens, want_bytes) in zip(names, got, want, strict=True):
         assert tokens == want_tokens, case
@@ -372,7 +372,7 @@ def test_gpu_n_names_the_plugins_device_and_the_server_serves_on_gpu(emulation_w
     from ov_kvcrush.server.config import ServerConfig
 
     model_dir = tiny_llama3_ir
-    got = emulation_worker.submit(_named_devices, model_dir).result(timeout=600)
+    got = emulation_worker.submit(_named_devices, model_dir).result(timeout=900)
     assert got["gpu.0"][0] == "GPU.0" and np.isfinite(got["gpu.0"][1]).all()
     assert "device='GPU.7'" in got["gpu.7"] and "GPU.0" in got["gpu.7"]  # the names the plugin lists
     assert got["served"] == ("GPU", [3, 3])

@@ -123,8 +123,8 @@ def test_quest_on_gpu_in_f16_keeps_its_f32_logits_within_tolerance(emulation_wor
 
     text = _texts()[0]
     forced = [int(t) for t in np.random.default_rng(5).integers(10, 380, NEW_TOKENS)]
-    f32 = emulation_worker.submit(_teacher_forced, tiny_llama3_ir, text, forced, F32).result(timeout=600)
-    f16 = emulation_worker.submit(_teacher_forced, tiny_llama3_ir, text, forced, {}).result(timeout=600)
+    f32 = emulation_worker.submit(_teacher_forced, tiny_llama3_ir, text, forced, F32).result(timeout=900)
+    f16 = emulation_worker.submit(_teacher_forced, tiny_llama3_ir, text, forced, {}).result(timeout=900)
     for case, a, b in zip(CASES, f16, f32, strict=True):
         error = float(np.abs(a - b).max() / np.abs(b).max())
         assert 0 < error <= F16_TOLERANCE, (case, error)  # 0 would mean f32 ran
