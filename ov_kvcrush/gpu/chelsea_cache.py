@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from ov_kvcrush.gpu.chelsea import MERGE_FIELDS, MERGE_WIDTH, launch_merge_rows, merge_scratch_words, method_fields
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
@@ -101,12 +100,8 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
         prompt = max(self.prompt_end, self.seen)
         return min(t, max(0, self.seen - (prompt - min(PROTECT_WINDOW, prompt))))
 
-    def tokens_held(self) -> torch.Tensor:
-        return torch.from_numpy(self.counts.copy())[None]
-
-    def model_step_read(self) -> int:
-        shape = self.layer.pool.shape
-        return int(self.counts.sum()) * 2 * shape.head_dim * shape.elem_bytes
+    def heads_held(self) -> np.ndarray:
+        return self.counts
 
     def _metadata_bytes(self) -> int:
         return 4 * self._run_words() if self.runs is not None else 0

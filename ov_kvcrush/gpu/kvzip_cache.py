@@ -102,12 +102,8 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
         """A scoring step's every row; none otherwise (a new token's score is 0 until a pass)."""
         return t if self.view is not None else 0
 
-    def tokens_held(self) -> torch.Tensor:
-        return torch.from_numpy(self.counts.copy())[None]
-
-    def model_step_read(self) -> int:
-        shape = self.layer.pool.shape
-        return int(self.counts.sum()) * 2 * shape.head_dim * shape.elem_bytes
+    def heads_held(self) -> np.ndarray:
+        return self.counts
 
     def _metadata_bytes(self) -> int:
         return 4 * int(self.counts.sum())  # a score a slot

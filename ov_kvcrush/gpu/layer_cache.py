@@ -85,8 +85,13 @@ class DeviceFullLayerCache(LayerCache):
         self.layer.pool.phase = "decode"
         return self._step(queries, keys, values, 0)
 
+    def heads_held(self) -> np.ndarray:
+        """Each KV head's held slots ``[kv]`` (int64): the layer's one count, or each head's own
+        where its method keeps them apart (KVzip, Chelsea)."""
+        return np.full(self.layer.kv_heads, self.layer.held, np.int64)
+
     def tokens_held(self) -> torch.Tensor:
-        return torch.full((1, self.layer.kv_heads), self.layer.held)
+        return torch.from_numpy(self.heads_held().copy())[None]
 
     def memory(self) -> dict[str, int]:
         kv = self.layer.kv_bytes()
@@ -104,12 +109,16 @@ class DeviceFullLayerCache(LayerCache):
     def model_step_read(self) -> int:
         """The KV bytes the model's attention reads in this layer for one row of the step
         :meth:`reserve` made room for: every held slot's key and value."""
-        return self._full_precision_read(self.layer.held)
+        return int(self.heads_held().sum()) * self._slot_bytes()
 
     def _full_precision_read(self, slots: int) -> int:
         """The bytes of ``slots`` full-precision slots' keys and values in every KV head."""
+        return slots * self.layer.kv_heads * self._slot_bytes()
+
+    def _slot_bytes(self) -> int:
+        """One full-precision slot's key and value in one KV head."""
         shape = self.layer.pool.shape
-        return slots * self.layer.kv_heads * 2 * shape.head_dim * shape.elem_bytes
+        return 2 * shape.head_dim * shape.elem_bytes
 
     def release(self) -> None:
         """Give the layer's blocks back to the pool."""
