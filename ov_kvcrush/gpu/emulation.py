@@ -130,7 +130,8 @@ def enable() -> Path:
     runtime.prepare()
     layer = build()
     os.environ["OPENCL_LAYERS"] = str(layer)
-    os.environ.setdefault(PROGRAM_CACHE_ENV, str(program_cache()))
+    if PROGRAM_CACHE_ENV not in os.environ:
+        os.environ[PROGRAM_CACHE_ENV] = str(program_cache())
     return layer
 
 

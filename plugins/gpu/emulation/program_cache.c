@@ -34,7 +34,7 @@ static Entry* find(cl_program program) {  // lock held
 }
 
 void program_cache_remember(cl_program program, const char* source) {
-    if (program == NULL || getenv("OVKC_PROGRAM_CACHE") == NULL) return;
+    if (program == NULL || getenv(PROGRAM_CACHE_ENV) == NULL) return;
     Entry* e = calloc(1, sizeof(Entry));
     if (e == NULL || (e->source = strdup(source)) == NULL) {
         free(e);
@@ -130,7 +130,7 @@ static char* make_key(cl_device_id device, const char* options, const char* sour
 static void entry_path(char* path, size_t size, const char* key, size_t len) {
     uint64_t h = 1469598103934665603ull;  // FNV-1a: picks the file; the key stored in it decides
     for (size_t i = 0; i < len; ++i) h = (h ^ (unsigned char)key[i]) * 1099511628211ull;
-    snprintf(path, size, "%s/%016llx.bin", getenv("OVKC_PROGRAM_CACHE"), (unsigned long long)h);
+    snprintf(path, size, "%s/%016llx.bin", getenv(PROGRAM_CACHE_ENV), (unsigned long long)h);
 }
 
 // the binary cached for ``key``, or NULL

@@ -10,6 +10,9 @@
 #include <CL/cl.h>
 #include <CL/cl_icd.h>
 
+// the environment variable naming the cache's folder (ov_kvcrush.gpu.emulation.PROGRAM_CACHE_ENV)
+#define PROGRAM_CACHE_ENV "OVKC_PROGRAM_CACHE"
+
 // the runtime below the layer, and the source a program was made from (its final text, shims in)
 void program_cache_init(const struct _cl_icd_dispatch* next);
 void program_cache_remember(cl_program program, const char* source);
