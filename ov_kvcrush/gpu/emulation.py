@@ -167,8 +167,10 @@ def plugin_device(core: object) -> str:
 @dataclass(frozen=True)
 class Counts:
     """What the process asked of the emulated GPU since it started: kernels enqueued
-    (``kernels``: by name), copies and fills on the device, blocking host waits, and bytes copied
-    each way between host and device (``plugins/gpu/emulation/gpu_identity_layer.c`` says what each
+    (``kernels``: by name), copies and fills on the device, blocking host waits, bytes copied
+    each way between host and device, and programs made from source (``programs``: what a GPU's
+    driver compiles; ``layer_programs``: those of the plugin's custom layers, ours, one for each
+    new shape of a layer's inputs) (``plugins/gpu/emulation/gpu_identity_layer.c`` says what each
     counts); the difference of two is what was asked between them."""
 
     kernels: dict[str, int]
@@ -176,6 +178,8 @@ class Counts:
     to_device: int
     to_host: int
     device_copies: int
+    programs: int
+    layer_programs: int
 
     def kernels_named(self, names: set[str]) -> int:
         """The kernels enqueued whose name is in ``names``."""
@@ -189,6 +193,8 @@ class Counts:
             self.to_device - before.to_device,
             self.to_host - before.to_host,
             self.device_copies - before.device_copies,
+            self.programs - before.programs,
+            self.layer_programs - before.layer_programs,
         )
 
 
@@ -213,13 +219,13 @@ def _layer() -> ctypes.CDLL:
 def counts() -> Counts:
     """The layer's counts now (subtract two to count a stretch of work)."""
     lib = _layer()
-    totals = (ctypes.c_uint64 * 5)()
-    lib.ovkc_counts(totals, 5)
+    totals = (ctypes.c_uint64 * 7)()
+    lib.ovkc_counts(totals, 7)
     kernels, name, runs, i = {}, ctypes.create_string_buffer(256), ctypes.c_uint64(), 0
     while lib.ovkc_kernel_runs(i, name, ctypes.c_size_t(256), ctypes.byref(runs)):
         kernels[name.value.decode()] = int(runs.value)
         i += 1
-    return Counts(kernels, int(totals[1]), int(totals[2]), int(totals[3]), int(totals[4]))
+    return Counts(kernels, *(int(n) for n in totals[1:]))
 
 
 @dataclass(frozen=True)

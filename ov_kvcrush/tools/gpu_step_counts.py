@@ -76,12 +76,12 @@ def count_steps(
                 rows, read, before = loop.stats["decode_rows"], pool.decode_kv_read, emulation.counts()
                 loop.step()
                 c = emulation.counts() - before
-                most = max(most, pool.device_pool.blocks_in_use)
+                most = max(most, pool.stats().blocks_in_use)
                 steps.append({
                     "decode_rows": loop.stats["decode_rows"] - rows, "waits": c.waits, "to_device": c.to_device,
                     "to_host": c.to_host, "ours_per_layer": (c.kernels_named(ours) + c.device_copies) / layers,
                     "ours_once_a_step": c.kernels_named(once_a_step),
-                    "kv_read": pool.decode_kv_read - read,
+                    "kv_read": pool.decode_kv_read - read, "layer_programs": c.layer_programs,
                 })  # fmt: skip
             while loop.has_non_finished_requests():
                 loop.step()

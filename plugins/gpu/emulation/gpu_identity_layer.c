@@ -30,8 +30,10 @@
 // would be asked to do: kernels enqueued (by name), copies and fills on the device (commands a
 // GPU runs as kernels too), blocking host waits (clFinish, clWaitForEvents, and every blocking
 // read, write, map or copy) and the bytes copied between host and device (buffer reads and
-// writes, buffers made from host memory, maps, and USM copies between host and device memory).
-// Counting changes nothing of what the calls do.
+// writes, buffers made from host memory, maps, and USM copies between host and device memory);
+// and the programs made from source (what a GPU's driver compiles), those of the plugin's custom
+// layers (ours: their source opens with the plugin's "Custom Layer Built-ins") apart. Counting
+// changes nothing of what the calls do.
 #define _POSIX_C_SOURCE 200809L  // strdup
 #define CL_TARGET_OPENCL_VERSION 300
 #include <CL/cl.h>
@@ -129,6 +131,8 @@ static void replace_same_length(char* text, const char* from, const char* to) {
     for (char* at = strstr(text, from); at; at = strstr(at + n, from)) memcpy(at, to, n);
 }
 
+static void count_program(const char* source);  // the counts, below
+
 static cl_program CL_API_CALL create_program(cl_context context, cl_uint count, const char** strings,
                                              const size_t* lengths, cl_int* err) {
     size_t total = 0;
@@ -156,12 +160,16 @@ static cl_program CL_API_CALL create_program(cl_context context, cl_uint count, 
         program = next->clCreateProgramWithSource(context, 1, &text, NULL, err);
     }
     program_cache_remember(program, text);
+    count_program(body);
     free(joined);
     return program;
 }
 
 // -- counts of what a GPU would be asked to do -----------------------------------------------------
-enum { KERNELS, WAITS, TO_DEVICE, TO_HOST, DEVICE_COPIES, N_COUNTS };
+enum { KERNELS, WAITS, TO_DEVICE, TO_HOST, DEVICE_COPIES, PROGRAMS, LAYER_PROGRAMS, N_COUNTS };
+// what the plugin's JIT writes first in a custom layer's source (custom_primitive.cpp), before the
+// layer's shapes: a new shape of one of our layers is a new program
+static const char CUSTOM_LAYER_MARK[] = "// Custom Layer Built-ins";
 #define MAX_NAMES 512
 static uint64_t counts[N_COUNTS];
 static char* kernel_names[MAX_NAMES];
@@ -170,6 +178,10 @@ static int n_names;
 static pthread_mutex_t names_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void add(int what, uint64_t n) { __atomic_fetch_add(&counts[what], n, __ATOMIC_RELAXED); }
+static void count_program(const char* source) {
+    add(PROGRAMS, 1);
+    if (strstr(source, CUSTOM_LAYER_MARK)) add(LAYER_PROGRAMS, 1);
+}
 static void add_wait(cl_bool blocking) {
     if (blocking) add(WAITS, 1);
 }
