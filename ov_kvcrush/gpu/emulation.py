@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -219,8 +219,9 @@ def _layer() -> ctypes.CDLL:
 def counts() -> Counts:
     """The layer's counts now (subtract two to count a stretch of work)."""
     lib = _layer()
-    totals = (ctypes.c_uint64 * 7)()
-    lib.ovkc_counts(totals, 7)
+    n = len(fields(Counts))  # the layer's counts in Counts' order (its first: the kernels' total)
+    totals = (ctypes.c_uint64 * n)()
+    lib.ovkc_counts(totals, n)
     kernels, name, runs, i = {}, ctypes.create_string_buffer(256), ctypes.c_uint64(), 0
     while lib.ovkc_kernel_runs(i, name, ctypes.c_size_t(256), ctypes.byref(runs)):
         kernels[name.value.decode()] = int(runs.value)
