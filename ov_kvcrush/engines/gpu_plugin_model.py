@@ -319,6 +319,7 @@ class PluginModel:
         past = [seq.seen for seq in sequences]
         step = plan_step(sequences, [len(x) for x in ids])
         model = step_inputs.ragged_step_inputs(self.input_names, ids, list(range(len(ids))), past)
+        model = step.shown.model_tokens(model)  # the padding's tokens after the step's
         feeds = {name: x for name, x in model.items() if name in self.input_names} | step.inputs
         pool = sequences[0].pool
         blocks, kv_pool = pool.quant_blocks, pool.device_pool  # bound each step: both buffers grow
@@ -340,7 +341,7 @@ class PluginModel:
             arena = kv_pool.index_arena()
             request.set_tensor("kvc_index", buffer_tensor(self.context, arena.buffer, ov.Type.u8, [4 * arena.capacity]))
         if pool.variant.recall:  # where each row's list goes
-            rows = len(sequences) * s.kv_heads
+            rows = step.shown.sequences * s.kv_heads
             nbytes = plugin_layers.recalled_bytes(rows, step.map_width, step.candidates)
             self._bind_layer_buffers(request, "recalled", self.recalled_inputs, nbytes)
         if pool.variant.merge:  # where the merging rows work
@@ -349,7 +350,8 @@ class PluginModel:
             request, "rows", self.rows_inputs, 4 * s.q_heads * step.returned_rows * s.head_dim
         )
         # the layers write a decode step's logits where the step asks (a stride), else nothing
-        nbytes = plugin_layers.logits_bytes(s.q_heads, len(sequences) if stride else 1, stride)
+        tokens = step.shown.tokens  # a query head's rows of logits (the padding's unread)
+        nbytes = plugin_layers.logits_bytes(s.q_heads, tokens if stride else 1, stride)
         logit_buffers = self._bind_layer_buffers(request, "logits", self.logits_inputs, nbytes)
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
@@ -358,12 +360,12 @@ class PluginModel:
         for i, seq in enumerate(sequences):
             # a decode step that asked for the logits is scored from them: its rows are not read
             rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] and not stride else buffers
-            logits_i = [StepLogits(b, stride, len(sequences), i) for b in logit_buffers] if stride else None
+            logits_i = [StepLogits(b, stride, tokens, i) for b in logit_buffers] if stride else None
             works.append(seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i))
         _, rows, width = mirror.places["kvc_tables"].shape
         step_tables = StepTables(tables["kvc_tables"], rows, width)
         for layer, logit_buffer in enumerate(logit_buffers):  # one launch a kernel over the step's sequences
-            layer_logits = StepLogitRows(logit_buffer, stride, len(sequences)) if stride else None
+            layer_logits = StepLogitRows(logit_buffer, stride, tokens) if stride else None
             launch_step_work(kv_pool, layer, [w[layer] for w in works], step_tables, layer_logits,
                              s.q_heads // s.kv_heads)  # fmt: skip
         # the methods' work is left queued: the next step's model runs after it on the one queue

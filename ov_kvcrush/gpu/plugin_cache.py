@@ -39,6 +39,7 @@ from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
 from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits
+from ov_kvcrush.gpu.step_shape import StepPadding, step_size, table_width
 from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.kvzip import KVzipConfig, select_kept
@@ -50,8 +51,8 @@ from ov_kvcrush.validation import check_int
 #: the block tables' inputs, kept on the device across steps and sent as they change
 #: (:class:`~ov_kvcrush.gpu.table_mirror.TableMirror`): a step's bytes count them as they are sent
 DEVICE_TABLES = ("kvc_tables", "kvc_qtables")
-#: a step's tables' width grows this many blocks at a time (:func:`table_width`)
-TABLE_WIDTH_STEP = 16
+#: a row that recalls nothing (token -1: its slots in order), as a prompt's
+NO_RECALL = np.array([-1] + [0] * (plugin_layers.RECALL_WIDTH - 1), np.int32)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class PluginKVPool:
         self.model = model
         self.method = method
         self.device_pool = DevicePool(shape, blocks, dev=dev, grow=True)  # one chunk, more as asked
+        #: the block the steps' padding is stored in and read from (:mod:`~ov_kvcrush.gpu.step_shape`),
+        #: the pool's own: no sequence's
+        self.pad_block = self.device_pool.allocate(1)[0]
         #: the 2-bit store's blocks (MiniKV's, or ``quant`` under a method), in a second buffer
         #: the model reads and writes; None for the full-precision store
         quant = store_shape(method, shape)
@@ -126,9 +130,11 @@ class PluginKVPool:
         return PluginKVSequence(self, next(self._handles))
 
     def stats(self) -> PoolStats:
+        """The blocks the sequences hold (the pad block aside), of the pool's capacity."""
         p = self.device_pool
-        self.peak_blocks = max(self.peak_blocks, p.blocks_in_use)
-        return PoolStats(p.blocks_in_use, p.capacity, self.peak_blocks, self.block_bytes, len(self.sequences))
+        held = p.blocks_in_use - 1
+        self.peak_blocks = max(self.peak_blocks, held)
+        return PoolStats(held, p.capacity, self.peak_blocks, self.block_bytes, len(self.sequences))
 
     def close(self) -> None:
         """Free every sequence (idempotent; the buffer goes with the pool); the model's requests
@@ -294,8 +300,9 @@ class PluginKVSequence:
 @dataclass
 class PluginStep:
     """One model step of several sequences, as :func:`plan_step` laid it out: the model's cache
-    inputs, and per sequence its tokens, its phase and where its score rows sit among the rows the
-    layers return (``first_row``, ``rows``)."""
+    inputs (at the step's shown size, ``shown``: :mod:`~ov_kvcrush.gpu.step_shape`), and per
+    sequence its tokens, its phase and where its score rows sit among the rows the layers return
+    (``first_row``, ``rows``)."""
 
     inputs: dict[str, np.ndarray]
     sequences: list[PluginKVSequence]
@@ -303,6 +310,9 @@ class PluginStep:
     phases: list[str]
     first_rows: list[int]
     score_rows: list[int]
+    shown: StepPadding
+    #: the query rows the layers write (each sequence's score rows; at least one, none read)
+    returned_rows: int = 1
     #: the row stride of the logits the model writes for the methods (0: none asked)
     logit_stride: int = 0
     #: under a recall: the longest slot list a decode row attends, and the most clusters or pages a row ranks
@@ -312,29 +322,20 @@ class PluginStep:
     scratch_bytes: int = 4
 
     @property
-    def returned_rows(self) -> int:
-        return len(self.inputs["kvc_score_rows"])
-
-    @property
     def phase(self) -> str:
         """Where the step's crossings count: a prompt's step where any sequence is in its prompt,
         else a decode step."""
         return "prompt" if "prompt" in self.phases else "decode"
 
 
-def table_width(blocks: int) -> int:
-    """A step's block tables' width for a longest table of ``blocks``: a multiple of
-    :data:`TABLE_WIDTH_STEP`, so that the tables kept on the device keep their shape for many
-    steps (:class:`~ov_kvcrush.gpu.table_mirror.TableMirror` sends them whole when it changes)."""
-    return max(1, -(-blocks // TABLE_WIDTH_STEP)) * TABLE_WIDTH_STEP
-
-
 def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginStep:
     """Reserve ``counts[s]`` slots for sequence ``s`` in every layer and lay out the model's cache
     inputs for the step (:data:`~ov_kvcrush.transformations.plugin_attention.PLUGIN_INPUTS`, the
-    pool aside): a row per (sequence, KV head), the tokens side by side in the sequences' order."""
+    pool aside): a row per (sequence, KV head), the tokens side by side in the sequences' order,
+    then the padding that shows the step at one of a few sizes (:class:`StepPadding`)."""
     pool = sequences[0].pool
     layers, kv = pool.model.layers, pool.model.kv_heads
+    shown = StepPadding.of(counts)
     firsts = np.zeros((layers, len(sequences) * kv), np.int32)
     phases, first_rows, score_rows, index, starts = [], [], [], [], []
     start = 0
@@ -356,33 +357,37 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
             lengths[i, s * kv : (s + 1) * kv] = held
             for h, table in enumerate(layer_tables):
                 tables[i, s * kv + h, : len(table)] = table
+    block_size = pool.device_pool.shape.block_size
+    lengths = shown.rows(lengths, kv, 0)  # the pad sequence's: its tokens' slots in its one block
+    lengths[:, len(sequences) * kv : (len(sequences) + 1) * kv] = shown.pad_slots(block_size)
+    returned = max(len(index), 1)  # at least one row (none read)
     inputs = {
-        "kvc_tables": tables,
-        "kvc_first": firsts,
+        "kvc_tables": shown.rows(tables, kv, pool.pad_block),  # the empty rows' too: no block of another's
+        "kvc_first": shown.rows(firsts, kv, 0),
         "kvc_lengths": lengths,
-        "kvc_tokens": plugin_layers.token_tensor(counts),
-        "kvc_score_rows": np.array(index or [0], np.int64),  # at least one row (none read)
+        "kvc_tokens": shown.token_rows(block_size),
+        "kvc_score_rows": np.array(index + [0] * (step_size(returned) - len(index)), np.int64),  # the rest unread
     }
     qwidth, map_width, candidates = 1, 0, 0
     if pool.quant is not None:
-        inputs |= _quant_inputs(sequences)
+        inputs |= {name: shown.rows(a, kv, 0) for name, a in _quant_inputs(sequences).items()}
         qwidth = inputs["kvc_qtables"].shape[2]
     if pool.variant.recall:
         tokens = [start if phase == "decode" else None for start, phase in zip(starts, phases, strict=True)]
-        inputs["kvc_recall"], map_width, candidates = _recall_inputs(sequences, tokens)
+        recall, map_width, candidates = _recall_inputs(sequences, tokens)
+        inputs["kvc_recall"] = shown.rows(recall, kv, NO_RECALL)
     scratch_bytes = 4
     if pool.variant.merge:
-        inputs["kvc_merge"], scratch_bytes = _merge_inputs(sequences)
+        inputs["kvc_merge"], scratch_bytes = _merge_inputs(sequences, shown)
     decode_rows_alone = all(t == 1 for t in counts)  # the prompt layers then give each row a sub-group
     # a step of decode tokens whose methods score them: the model writes each row's logits
     scored_decode = decode_rows_alone and "prompt" not in phases and any(score_rows)
     slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)
     logit_stride = int(slots.max()) if scored_decode else 0
-    inputs["kvc_step"] = plugin_layers.step_tensor(width, sum(counts), qwidth, len(inputs["kvc_score_rows"]),
-                                                   logit_stride, map_width, candidates,
-                                                   int(decode_rows_alone))  # fmt: skip
-    step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, logit_stride, map_width,
-                      candidates, scratch_bytes)  # fmt: skip
+    inputs["kvc_step"] = plugin_layers.step_tensor(width, shown.tokens, qwidth, returned, logit_stride, map_width,
+                                                   candidates, int(decode_rows_alone))  # fmt: skip
+    step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, shown, returned, logit_stride,
+                      map_width, candidates, scratch_bytes)  # fmt: skip
     _count_step(pool, step)
     return step
 
@@ -431,16 +436,19 @@ def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) 
     return recall, max(width, 1), max(candidates, 1)
 
 
-def _merge_inputs(sequences: list[PluginKVSequence]) -> tuple[np.ndarray, int]:
+def _merge_inputs(sequences: list[PluginKVSequence], shown: StepPadding) -> tuple[np.ndarray, int]:
     """Chelsea's ``kvc_merge`` of a step (:data:`~ov_kvcrush.transformations.plugin_attention.MERGE_INPUTS`),
-    a row per (sequence, KV head) as :func:`plan_step`'s, each merging row's words placed in the
-    scratch (as many for every row: the most a merging row holds); and the scratch's bytes."""
+    a row per (sequence, KV head) as :func:`plan_step`'s (the padding's merge nothing), each
+    merging row's words placed in the scratch (as many for every row: the most a merging row
+    holds); and the scratch's bytes."""
     per_seq = []
     for seq in sequences:
         caches = [c for c in seq.caches if isinstance(c, DeviceChelseaLayerCache)]
         assert len(caches) == len(seq.caches), "every layer of a merging method's sequence merges"
         per_seq.append(np.stack([c.merge_fields() for c in caches]))  # [layers, kv, width]
-    merge = np.ascontiguousarray(np.concatenate(per_seq, axis=1))  # [layers, sequences * kv, width]
+    nothing = np.zeros(len(MERGE_FIELDS), np.int32)
+    nothing[[MERGE_FIELDS.index("degrees"), MERGE_FIELDS.index("scores")]] = -1
+    merge = shown.rows(np.concatenate(per_seq, axis=1), sequences[0].pool.model.kv_heads, nothing)
     held = merge[:, :, MERGE_FIELDS.index("held")]
     words = merge_scratch_words(int(held.max(initial=0)))
     merge[:, :, MERGE_FIELDS.index("scratch")] = np.arange(merge.shape[1]) * words
