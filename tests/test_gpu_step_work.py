@@ -90,11 +90,13 @@ def _launch(pool: Any, seqs: list[Sequence], logits: Any, width: int) -> None:
                 q.a.keep_first(PINNED)
             w.add_from, w.scored = QUANTIZED + q.held - 1, QUANTIZED + q.held
         works.append(w)
-    tables = np.zeros((len(seqs) * KV, max(len(t) for q in seqs for t in q.a.tables)), np.int32)
+    # rows for 3 sequences more than the step's, empty, as a step shown at a padded size has them
+    shown = len(seqs) + 3
+    tables = np.zeros((shown * KV, max(len(t) for q in seqs for t in q.a.tables)), np.int32)
     for s, q in enumerate(seqs):
         for h, t in enumerate(q.a.tables):
             tables[s * KV + h, : len(t)] = t
-    step_tables = StepTables(pool.dev.to_device(tables), len(seqs) * KV, tables.shape[1])
+    step_tables = StepTables(pool.dev.to_device(tables), shown * KV, tables.shape[1], KV)
     launch_step_work(pool, 0, works, step_tables, StepLogitRows(logits, width, len(seqs)), GROUP)
 
 

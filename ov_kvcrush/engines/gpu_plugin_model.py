@@ -363,7 +363,7 @@ class PluginModel:
             logits_i = [StepLogits(b, stride, tokens, i) for b in logit_buffers] if stride else None
             works.append(seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i))
         _, rows, width = mirror.places["kvc_tables"].shape
-        step_tables = StepTables(tables["kvc_tables"], rows, width)
+        step_tables = StepTables(tables["kvc_tables"], rows, width, s.kv_heads)
         for layer, logit_buffer in enumerate(logit_buffers):  # one launch a kernel over the step's sequences
             layer_logits = StepLogitRows(logit_buffer, stride, tokens) if stride else None
             launch_step_work(kv_pool, layer, [w[layer] for w in works], step_tables, layer_logits,

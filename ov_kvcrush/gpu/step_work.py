@@ -127,11 +127,13 @@ def _offset(state: SlotState | None) -> int:
 @dataclass(frozen=True)
 class StepTables:
     """The step's block tables on the device (the model's ``kvc_tables``, ``[layers, sequences *
-    kv, stride]``) and how many rows a layer has."""
+    kv, stride]``), how many rows a layer has and how many KV heads a sequence (a step shown at a
+    padded size has more rows than its sequences': :mod:`~ov_kvcrush.gpu.step_shape`)."""
 
     buffer: Any
     rows_per_layer: int
     stride: int
+    kv_heads: int
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ def launch_step_work(
     arena = pool.slot_arena.buffer
     rows = np.array([w.row(s) if w else _NOTHING for s, w in enumerate(works)], np.int32)
     work = pool.upload("step work", rows)
-    seqs, kv = len(works), tables.rows_per_layer // len(works)
+    seqs, kv = len(works), tables.kv_heads
     first = layer * tables.rows_per_layer
     constants = store_constants(shape)
 
