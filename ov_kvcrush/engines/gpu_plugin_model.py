@@ -93,12 +93,27 @@ def shared_context(core: Any, dev: Device) -> Any:
     )
 
 
+#: the shape our buffers of bytes (the pool, the 2-bit blocks, the index words, each layer's rows,
+#: logits, lists and scratch) are shown to the plugin at, whatever their size: the plugin's JIT
+#: writes every input's dims into our layers' programs, so a buffer that grew compiled every layer
+#: again (:mod:`~ov_kvcrush.gpu.step_shape`); our kernels read no dims, only the block ids and
+#: offsets the host gives (it sizes the buffers, and refuses a table naming a block past the pool)
+BYTES_SHAPE = [1]
+
+
 def buffer_tensor(context: Any, buffer: Any, dtype: Any, shape: list[int]) -> Any:
     """Our OpenCL ``buffer`` as a remote tensor of ``context`` (no copy)."""
     import openvino as ov
 
     params = {"SHARED_MEM_TYPE": "OCL_BUFFER", "MEM_HANDLE": hex(buffer.int_ptr)}
     return context.create_tensor(dtype, ov.Shape(shape), params)
+
+
+def bytes_tensor(context: Any, buffer: Any) -> Any:
+    """Our OpenCL ``buffer`` of bytes as a remote tensor of ``context``, shown at :data:`BYTES_SHAPE`."""
+    import openvino as ov
+
+    return buffer_tensor(context, buffer, ov.Type.u8, BYTES_SHAPE)
 
 
 def inference_precision(core: Any, gpu: str, properties: dict) -> str:
@@ -295,13 +310,10 @@ class PluginModel:
 
     def _bind_layer_buffers(self, request: Any, key: str, names: list[str], nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` (:meth:`_buffers`' for ``key``), each bound
-        whole, as bytes, to its layer's input of ``names`` (the layers write into it in place)."""
-        import openvino as ov
-
+        as bytes to its layer's input of ``names`` (the layers write into it in place)."""
         buffers = self._buffers(key, nbytes)
-        size = self._layer_buffers[key][0]
         for name, buffer in zip(names, buffers, strict=True):
-            request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.u8, [size]))
+            request.set_tensor(name, bytes_tensor(self.context, buffer))
         return buffers
 
     def run_step(self, handle: PluginRequest, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
@@ -331,15 +343,13 @@ class PluginModel:
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.i32, list(mirror.places[name].shape)))
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
-        pool_bytes = kv_pool.capacity * kv_pool.shape.block_bytes
-        request.set_tensor("kvc_pool", buffer_tensor(self.context, kv_pool.buffer, ov.Type.u8, [pool_bytes]))
+        request.set_tensor("kvc_pool", bytes_tensor(self.context, kv_pool.buffer))
         if blocks is not None:
-            qpool = buffer_tensor(self.context, blocks.buffer, ov.Type.u8, [blocks.capacity * blocks.shape.block_bytes])
-            request.set_tensor("kvc_qpool", qpool)
+            request.set_tensor("kvc_qpool", bytes_tensor(self.context, blocks.buffer))
         s, stride = self.shape, step.logit_stride
         if pool.variant.recall or pool.variant.merge:  # the indexes, bounds or degrees (a buffer that grows)
             arena = kv_pool.index_arena()
-            request.set_tensor("kvc_index", buffer_tensor(self.context, arena.buffer, ov.Type.u8, [4 * arena.capacity]))
+            request.set_tensor("kvc_index", bytes_tensor(self.context, arena.buffer))
         if pool.variant.recall:  # where each row's list goes
             rows = step.shown.sequences * s.kv_heads
             nbytes = plugin_layers.recalled_bytes(rows, step.map_width, step.candidates)
