@@ -7,8 +7,8 @@ of sequences or block tables' width had not been seen before: every new prompt l
 remainder or batch size (found in the emulation's program cache, 2026-12-01). On a GPU that is a
 compile in the middle of serving.
 
-A step is shown at the next of a few sizes instead (:func:`step_size`): its tokens and its
-tokens exact up to :data:`EXACT`, then at most one eighth over (eight sizes a doubling: the padding
+A step is shown at the next of a few sizes instead (:func:`step_size`): its tokens exact up to
+:data:`EXACT`, then at most one eighth over (eight sizes a doubling: the padding
 is work the model does), its sequences and its tables' width a power of two (:func:`table_width`;
 their padding is rows no kernel works on). The tokens added are a sequence of their own,
 after the step's (:class:`StepPadding`), whose every block is the pool's pad block (one block the
@@ -31,7 +31,7 @@ MIN_TABLE_WIDTH = 16
 
 
 def step_size(n: int) -> int:
-    """The size a count of ``n`` tokens or sequences is shown at: ``n`` up to :data:`EXACT`, else
+    """The size a step's ``n`` tokens (or its query rows) are shown at: ``n`` up to :data:`EXACT`, else
     the least ``m * 2**k`` at or above it with ``m`` in [8, 16) (at most ``n / 8`` more)."""
     if n <= EXACT:
         return max(n, 1)
