@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ov_kvcrush.gpu.plugin_layers import token_tensor
+
 #: counts up to this are shown as they are (decode steps of a few sequences: no tokens added)
 EXACT = 8
 #: the least width of a step's block tables (blocks)
@@ -77,9 +79,9 @@ class StepPadding:
         """The layers' ``tokens`` input ``[tokens, 2]``: each token's sequence and its index
         among that sequence's tokens; the pad sequence's indices wrap at ``block_size`` (its one
         block: its tokens overwrite each other's slots, which no one reads)."""
-        real = [(s, i) for s, n in enumerate(self.counts) for i in range(n)]
-        pad = [(len(self.counts), i % block_size) for i in range(self.padding)]
-        return np.array(real + pad, np.int32).reshape(-1, 2)
+        rows = token_tensor([*self.counts, self.padding])  # the pad sequence's tokens last
+        rows[sum(self.counts) :, 1] %= block_size
+        return rows
 
     def pad_slots(self, block_size: int) -> int:
         """The slots the pad sequence holds in the step (its tokens' slots, in its one block)."""
