@@ -49,6 +49,9 @@ HEADERS = ("CL/cl.h", "CL/cl_icd.h", "CL/cl_layer.h")
 INSTALL_HINT = "pip install intel-sycl-rt (its include/CL headers), and a C compiler"
 #: where the layer keeps the programs it built (unset: it builds every program from source)
 PROGRAM_CACHE_ENV = "OVKC_PROGRAM_CACHE"
+#: the largest allocation the layer shows, with Intel's relaxed allocation limits (unset: the
+#: runtime's own, no relaxed limits): ``plugins/gpu/emulation/large_buffers.h``
+MAX_ALLOC_ENV = "OVKC_EMULATED_MAX_ALLOC"
 
 
 def source() -> Path:
@@ -57,9 +60,10 @@ def source() -> Path:
 
 
 def sources() -> list[Path]:
-    """The layer's C files: the layer, and its cache of built programs (with its header)."""
+    """The layer's C files: the layer, its cache of built programs and its emulation of Intel's
+    relaxed allocation limits (each with its header)."""
     folder = source().parent
-    return [source(), folder / "program_cache.c", folder / "program_cache.h"]
+    return [source(), *(folder / f"{name}.{ext}" for name in ("program_cache", "large_buffers") for ext in "ch")]
 
 
 def _include_dir() -> Path:
@@ -146,10 +150,19 @@ def program_cache() -> Path:
     return folder
 
 
-def worker() -> ProcessPoolExecutor:
+def worker(max_allocation: int | None = None) -> ProcessPoolExecutor:
     """One fresh process whose first act is :func:`enable`: where this process already made an
-    OpenCL call (a test run), the plugin's ``GPU`` runs there."""
-    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=enable)
+    OpenCL call (a test run), the plugin's ``GPU`` runs there. ``max_allocation``: the device
+    shows that many bytes as its largest allocation, with Intel's relaxed allocation limits
+    (:data:`MAX_ALLOC_ENV`)."""
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(1, mp_context=context, initializer=_enable_in_worker, initargs=(max_allocation,))
+
+
+def _enable_in_worker(max_allocation: int | None) -> None:
+    if max_allocation is not None:
+        os.environ[MAX_ALLOC_ENV] = str(max_allocation)
+    enable()
 
 
 def plugin_device(core: object) -> str:
@@ -170,8 +183,11 @@ class Counts:
     (``kernels``: by name), copies and fills on the device, blocking host waits, bytes copied
     each way between host and device, and programs made from source (``programs``: what a GPU's
     driver compiles; ``layer_programs``: those of the plugin's custom layers, ours, one for each
-    new shape of a layer's inputs) (``plugins/gpu/emulation/gpu_identity_layer.c`` says what each
-    counts); the difference of two is what was asked between them."""
+    new shape of a layer's inputs), and under relaxed allocation limits (:data:`MAX_ALLOC_ENV`)
+    the buffers made past the largest allocation and the faults: such a buffer given to a kernel
+    built without the option that lets its offsets pass 4 GiB
+    (``plugins/gpu/emulation/gpu_identity_layer.c`` says what each counts); the difference of two
+    is what was asked between them."""
 
     kernels: dict[str, int]
     waits: int
@@ -180,6 +196,8 @@ class Counts:
     device_copies: int
     programs: int
     layer_programs: int
+    large_buffers: int
+    large_buffer_faults: int
 
     def kernels_named(self, names: set[str]) -> int:
         """The kernels enqueued whose name is in ``names``."""
@@ -195,6 +213,8 @@ class Counts:
             self.device_copies - before.device_copies,
             self.programs - before.programs,
             self.layer_programs - before.layer_programs,
+            self.large_buffers - before.large_buffers,
+            self.large_buffer_faults - before.large_buffer_faults,
         )
 
 

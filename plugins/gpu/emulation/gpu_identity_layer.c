@@ -26,6 +26,10 @@
 // 4. Programs built once are loaded from their binaries after (program_cache.c): the CPU runtime
 //    compiles each of the plugin's programs with LLVM, tens of seconds a model and again a shape.
 //
+// 5. Where OVKC_EMULATED_MAX_ALLOC names a byte count, Intel's relaxed allocation limits with that
+//    count as the largest allocation (large_buffers.c): what a pool past one allocation asks of an
+//    Intel GPU's driver, held to its contract.
+//
 // It also counts, for tests of what a step costs (ov_kvcrush.gpu.emulation.Counts), what a GPU
 // would be asked to do: kernels enqueued (by name), copies and fills on the device (commands a
 // GPU runs as kernels too), blocking host waits (clFinish, clWaitForEvents, and every blocking
@@ -46,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "large_buffers.h"
 #include "program_cache.h"
 
 #define IP_VERSION_INTEL 0x4250
@@ -76,7 +81,11 @@ static cl_int CL_API_CALL get_device_ids(cl_platform_id platform, cl_device_type
 
 static cl_int CL_API_CALL get_device_info(cl_device_id device, cl_device_info what, size_t size, void* value,
                                           size_t* size_ret) {
-    cl_int err = next->clGetDeviceInfo(device, what, size, value, size_ret);
+    cl_int err = CL_SUCCESS;
+    if (large_buffers_active() && is_emulated(device) &&
+        large_buffers_device_info(device, what, size, value, size_ret, &err))
+        return err;
+    err = next->clGetDeviceInfo(device, what, size, value, size_ret);
     if (err != CL_SUCCESS || value == NULL || !is_emulated(device)) return err;
     if (what == CL_DEVICE_TYPE) *(cl_device_type*)value = CL_DEVICE_TYPE_GPU;
     if (what == IP_VERSION_INTEL) *(cl_uint*)value = XE_LP_IP_VERSION;
@@ -166,7 +175,9 @@ static cl_program CL_API_CALL create_program(cl_context context, cl_uint count, 
 }
 
 // -- counts of what a GPU would be asked to do -----------------------------------------------------
-enum { KERNELS, WAITS, TO_DEVICE, TO_HOST, DEVICE_COPIES, PROGRAMS, LAYER_PROGRAMS, N_COUNTS };
+// (the last two are large_buffers.c's: buffers made past the emulated limit, and faults)
+enum { KERNELS, WAITS, TO_DEVICE, TO_HOST, DEVICE_COPIES, PROGRAMS, LAYER_PROGRAMS, LARGE_BUFFERS, LARGE_FAULTS,
+       N_COUNTS };
 // what the plugin's JIT writes first in a custom layer's source (custom_primitive.cpp), before the
 // layer's shapes: a new shape of one of our layers is a new program
 static const char CUSTOM_LAYER_MARK[] = "// Custom Layer Built-ins";
@@ -204,6 +215,8 @@ static void count_kernel(cl_kernel kernel) {
 // read by ov_kvcrush.gpu.emulation through ctypes (the loader loaded this library; dlopen of the
 // same path gives the same copy)
 int ovkc_counts(uint64_t* out, int n) {
+    counts[LARGE_BUFFERS] = large_buffers_made();
+    counts[LARGE_FAULTS] = large_buffers_faults();
     for (int i = 0; i < n && i < N_COUNTS; ++i) out[i] = __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
     return N_COUNTS;
 }
@@ -307,7 +320,37 @@ static cl_int CL_API_CALL fill_buffer(cl_command_queue q, cl_mem buffer, const v
 
 static cl_mem CL_API_CALL create_buffer(cl_context context, cl_mem_flags flags, size_t size, void* host, cl_int* err) {
     if (flags & CL_MEM_COPY_HOST_PTR) add(TO_DEVICE, size);
-    return next->clCreateBuffer(context, flags, size, host, err);
+    return large_buffers_create(context, flags, size, host, err);
+}
+
+// -- 5. relaxed allocation limits (large_buffers.c) -------------------------------------------------
+static cl_int CL_API_CALL release_buffer(cl_mem buffer) { return large_buffers_release(buffer); }
+
+static cl_int CL_API_CALL build_program(cl_program program, cl_uint n, const cl_device_id* devices,
+                                        const char* options, void(CL_CALLBACK* notify)(cl_program, void*),
+                                        void* user_data) {
+    char* plain = large_buffers_options(program, options);  // the CPU runtime refuses the option
+    cl_int err = program_cache_build(program, n, devices, plain ? plain : options, notify, user_data);
+    large_buffers_built(program, program_cache_built(program));
+    free(plain);
+    return err;
+}
+
+static cl_int CL_API_CALL release_program(cl_program program) {
+    cl_uint refs = 0;
+    next->clGetProgramInfo(program, CL_PROGRAM_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
+    cl_program built = program_cache_built(program);
+    cl_int err = program_cache_release(program);
+    if (err == CL_SUCCESS && refs == 1) {
+        large_buffers_forget_program(program);
+        large_buffers_forget_program(built);
+    }
+    return err;
+}
+
+static cl_int CL_API_CALL set_kernel_arg(cl_kernel kernel, cl_uint index, size_t size, const void* value) {
+    large_buffers_check_arg(kernel, size, value);
+    return next->clSetKernelArg(kernel, index, size, value);
 }
 
 // USM (cl_intel_unified_shared_memory, which the plugin uses where the device has it): its copies
@@ -361,6 +404,7 @@ CL_API_ENTRY cl_int CL_API_CALL clInitLayer(cl_uint entries, const struct _cl_ic
     if (target == NULL || entries_ret == NULL || layer == NULL) return CL_INVALID_VALUE;
     next = target;
     program_cache_init(target);
+    large_buffers_init(target);
     memcpy(&layer_dispatch, target, own * sizeof(void*));
     layer_dispatch.clGetDeviceIDs = get_device_ids;
     layer_dispatch.clGetDeviceInfo = get_device_info;
@@ -368,10 +412,12 @@ CL_API_ENTRY cl_int CL_API_CALL clInitLayer(cl_uint entries, const struct _cl_ic
     layer_dispatch.clCreateKernelsInProgram = create_kernels;
     layer_dispatch.clReleaseKernel = release_kernel;
     layer_dispatch.clCreateProgramWithSource = create_program;
-    layer_dispatch.clBuildProgram = program_cache_build;
+    layer_dispatch.clBuildProgram = build_program;
     layer_dispatch.clGetProgramInfo = program_cache_program_info;
     layer_dispatch.clGetProgramBuildInfo = program_cache_build_info;
-    layer_dispatch.clReleaseProgram = program_cache_release;
+    layer_dispatch.clReleaseProgram = release_program;
+    layer_dispatch.clReleaseMemObject = release_buffer;
+    layer_dispatch.clSetKernelArg = set_kernel_arg;
     layer_dispatch.clEnqueueNDRangeKernel = enqueue_kernel;
     layer_dispatch.clFinish = finish;
     layer_dispatch.clWaitForEvents = wait_for_events;
