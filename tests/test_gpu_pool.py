@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 BLOCK, HEAD_DIM = 16, 32
 
@@ -126,3 +127,65 @@ def test_the_index_arena_hands_out_runs_apart_reuses_freed_ones_and_keeps_them_t
     capacities = [c for c, _ in got["sizes"]]
     assert capacities[0] == 64 and capacities == sorted(capacities) and capacities[-1] > 64  # it grew
     assert got["sizes"][-1][1] == got["in_use"]
+
+
+#: the largest allocation the emulated device shows, with Intel's relaxed allocation limits: past
+#: the plugin's own buffers for these prompts (the tiny model's embedding is 384 KiB), below the
+#: pool five of them fill (f32 blocks of 4 KiB: about 600 KiB)
+EMULATED_MAX_ALLOC = 512 << 10
+TOGETHER = [list(range(10 + i, 190 + i)) for i in range(5)]
+
+
+def _together(model_dir: str, device: str) -> tuple[list[list[int]], int, tuple[int, int] | None]:
+    """Five prompts' greedy tokens (the full cache, f32 blocks), all five in each step; the pool's
+    bytes at the end (on GPU, grown from 8 blocks); and on GPU the emulation's counts of buffers
+    made past the largest allocation and of faults."""
+    from ov_kvcrush.gpu.pool import DevicePool
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    counting = device == "GPU"
+    if counting:
+        from ov_kvcrush.gpu import emulation
+
+        before = emulation.counts()
+        DevicePool.CHUNK_BYTES = 8 * BLOCK * HEAD_DIM * 2 * 4  # this worker serves this test alone
+    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32)
+    try:
+        from ov_kvcrush.config import GenerationSettings
+
+        loop, settings = engine.batcher, GenerationSettings(max_new_tokens=5, ignore_eos=True)
+        handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(TOGETHER)]
+        while loop.has_non_finished_requests():
+            loop.step()
+        tokens = [list(h.result().token_ids) for h in handles]
+        if not counting:
+            return tokens, 0, None
+        pool = engine.pool.device_pool
+        made = emulation.counts() - before
+        return tokens, pool.capacity * pool.shape.block_bytes, (made.large_buffers, made.large_buffer_faults)
+    finally:
+        engine.close()
+
+
+@pytest.mark.model
+def test_a_pool_past_the_devices_largest_allocation_is_one_buffer_under_intels_relaxed_limits(tiny_llama3_ir):
+    """Where the device lists ``cl_intel_relax_allocation_limits``, the pool grows past its largest
+    single allocation (about 4 GiB on Arc cards) as one buffer made with
+    ``CL_MEM_ALLOW_UNRESTRICTED_SIZE_INTEL``, and every kernel given it (the plugin's layers of
+    ours, and our own) is built with ``-cl-intel-greater-than-4GB-buffer-required``. The emulation
+    shows a largest allocation of 512 KiB and holds the process to the driver's contract (a buffer
+    past it without the flag is refused; such a buffer given to a kernel built without the option
+    is a fault: ``plugins/gpu/emulation/large_buffers.h``). Oracles: the CPU op's greedy tokens;
+    the emulation's counts."""
+    from ov_kvcrush.gpu import emulation
+
+    reason = emulation.unavailable()
+    if reason:
+        pytest.skip(reason)
+    want = _together(tiny_llama3_ir, "CPU")[0]
+    with emulation.worker(max_allocation=EMULATED_MAX_ALLOC) as worker:
+        tokens, pool_bytes, (made, faults) = worker.submit(_together, tiny_llama3_ir, "GPU").result(timeout=900)
+    assert pool_bytes > EMULATED_MAX_ALLOC and made >= 1  # it grew past the limit, as one buffer
+    assert faults == 0
+    assert tokens == want

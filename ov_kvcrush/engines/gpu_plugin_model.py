@@ -173,8 +173,9 @@ class PluginModel:
         self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales))
         self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
         attributes = plugin_layers.LayerAttributes(
-            self.pool_shape, self.dev.sub_group, self.converted.scales[0], self.activations
-        )
+            self.pool_shape, self.dev.sub_group, self.converted.scales[0], self.activations,
+            large_buffers=self.dev.large_buffers,
+        )  # fmt: skip
         self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
         self.rows_inputs = [ROWS_INPUT.format(i) for i in range(s.layers)]
         self.logits_inputs = [LOGITS_INPUT.format(i) for i in range(s.layers)]
@@ -240,7 +241,8 @@ class PluginModel:
         require(method, GPU_PLUGIN.name)
 
     def pool_limit(self) -> int:
-        """The most blocks a pool may hold: one buffer, the device's largest allocation."""
+        """The most blocks a pool may hold: one buffer, the device's largest allocation (its memory
+        under Intel's relaxed allocation limits: ``Device.large_buffers``)."""
         return max(1, largest_pool(self.dev, self.pool_shape) or 0)
 
     def new_pool(self, method: MethodConfig, blocks: int) -> PluginKVPool:

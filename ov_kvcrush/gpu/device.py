@@ -33,12 +33,23 @@ def kernel_sources() -> list[Path]:
     return sorted(kernel_dir().glob("*.cl"))
 
 
-def build_options(sub_group: int, constants: dict[str, int]) -> list[str]:
+#: Intel's extension by which one buffer may pass ``CL_DEVICE_MAX_MEM_ALLOC_SIZE`` (about 4 GiB
+#: on Arc cards; Intel's guide "Allocations greater than 4GB"): such a buffer is made with
+#: :data:`UNRESTRICTED_SIZE` (``CL_MEM_ALLOW_UNRESTRICTED_SIZE_INTEL``), and every kernel that
+#: reads it is built with :data:`LARGE_BUFFER_OPTION` (64-bit offsets)
+RELAX_ALLOCATION_LIMITS = "cl_intel_relax_allocation_limits"
+UNRESTRICTED_SIZE = 1 << 23
+LARGE_BUFFER_OPTION = "-cl-intel-greater-than-4GB-buffer-required"
+
+
+def build_options(sub_group: int, constants: dict[str, int], large_buffers: bool = False) -> list[str]:
     """The compile options of a kernel source: its constants, the kernels' folder for the headers
-    they share (``paged_block.h``), and correctly rounded division (a 2-bit code is
-    round((x - zero) / scale), as the reference divides)."""
+    they share (``paged_block.h``), correctly rounded division (a 2-bit code is
+    round((x - zero) / scale), as the reference divides), and on a device whose buffers may pass
+    its largest allocation (``large_buffers``) the option that lets a kernel read them."""
     consts = (f"-D{k}={v}" for k, v in sorted(constants.items()))
-    return [f"-DSG={sub_group}", *consts, f"-I{kernel_dir()}", "-cl-fp32-correctly-rounded-divide-sqrt"]
+    large = [LARGE_BUFFER_OPTION] if large_buffers else []
+    return [f"-DSG={sub_group}", *consts, f"-I{kernel_dir()}", "-cl-fp32-correctly-rounded-divide-sqrt", *large]
 
 
 class KernelDevice:
@@ -49,6 +60,9 @@ class KernelDevice:
 
     sub_group: int
     kernels: dict[tuple[str, str, tuple[tuple[str, int], ...]], Any]
+    #: one buffer may pass the device's largest allocation (:data:`RELAX_ALLOCATION_LIMITS`), so
+    #: every kernel is built with :data:`LARGE_BUFFER_OPTION`
+    large_buffers: bool = False
 
     def build(self, text: str, options: list[str]) -> dict[str, Any]:
         """The kernels of OpenCL C ``text`` built with ``options``, by function name."""
@@ -58,7 +72,8 @@ class KernelDevice:
         """Kernel ``name`` of ``source`` built for ``constants`` (each source built once per set)."""
         key = (source, name, tuple(sorted(constants.items())))
         if key not in self.kernels:
-            built = self.build((kernel_dir() / source).read_text(), build_options(self.sub_group, constants))
+            options = build_options(self.sub_group, constants, self.large_buffers)
+            built = self.build((kernel_dir() / source).read_text(), options)
             for function_name, k in built.items():
                 self.kernels[(source, function_name, key[2])] = k
         return self.kernels[key]
@@ -67,8 +82,8 @@ class KernelDevice:
         raise NotImplementedError
 
     def largest_allocation(self) -> int | None:
-        """The most bytes one buffer may hold on this device (``CL_DEVICE_MAX_MEM_ALLOC_SIZE``);
-        None where the host does not say."""
+        """The most bytes one buffer may hold on this device (``CL_DEVICE_MAX_MEM_ALLOC_SIZE``, or
+        its memory where :attr:`large_buffers`); None where the host does not say."""
         return None
 
     def view_align(self) -> int | None:
@@ -126,8 +141,11 @@ class Device(KernelDevice):
     #: before it.
     in_flight: list[Any] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.large_buffers = RELAX_ALLOCATION_LIMITS in str(self.device.extensions).split()
+
     def largest_allocation(self) -> int | None:
-        return int(self.device.max_mem_alloc_size)
+        return int(self.device.global_mem_size if self.large_buffers else self.device.max_mem_alloc_size)
 
     def view_align(self) -> int | None:
         return max(1, int(self.device.mem_base_addr_align) // 32)  # bits to 4-byte words
@@ -158,7 +176,10 @@ class Device(KernelDevice):
         return buffer
 
     def empty(self, nbytes: int) -> Any:
-        buffer = self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, max(int(nbytes), 4))
+        flags = self.cl.mem_flags.READ_WRITE
+        if self.large_buffers and nbytes > self.device.max_mem_alloc_size:
+            flags |= UNRESTRICTED_SIZE
+        buffer = self.cl.Buffer(self.context, flags, max(int(nbytes), 4))
         self.in_flight.append(buffer)
         return buffer
 

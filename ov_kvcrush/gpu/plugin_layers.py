@@ -53,7 +53,7 @@ from xml.sax.saxutils import quoteattr
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import kernel_dir
+from ov_kvcrush.gpu.device import LARGE_BUFFER_OPTION, kernel_dir
 from ov_kvcrush.gpu.layout import PRECISIONS, PoolShape, QuantShape
 from ov_kvcrush.outputs import write_atomic
 
@@ -264,6 +264,9 @@ class LayerAttributes:
     scale: float
     activations: str = "f32"  # one of ACTIVATIONS
     quant: QuantShape | None = None  # the 2-bit store's blocks, where the model has one
+    #: the pool may pass the device's largest allocation (``Device.large_buffers``): the layers
+    #: are built with the option that lets a kernel read such a buffer
+    large_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATIONS:
@@ -404,6 +407,7 @@ def config_xml(attributes: LayerAttributes, source_name: str) -> str:
     beside it, each define's default the value of ``attributes``."""
     values = attributes.as_dict()
     sg = str(attributes.sub_group)
+    options = " ".join([COMPILER_OPTIONS, *([LARGE_BUFFER_OPTION] if attributes.large_buffers else [])])
     parts = []
     for name, kernel in KERNELS.items():
         defines = "\n".join(
@@ -419,7 +423,7 @@ def config_xml(attributes: LayerAttributes, source_name: str) -> str:
             f'<CustomLayer name="{name}" type="SimpleGPU" version="1">\n'
             f'  <Kernel entry="{kernel.entry}">\n    <Source filename="{source_name}"/>\n{defines}\n  </Kernel>\n'
             "  <Buffers>\n" + "\n".join(tensors) + "\n  </Buffers>\n"
-            f'  <CompilerOptions options="{COMPILER_OPTIONS}"/>\n'
+            f'  <CompilerOptions options="{options}"/>\n'
             f'  <WorkSizes global="{kernel.global_size.format(sg=sg)}" local="{kernel.local_size.format(sg=sg)}" '
             'dim="output"/>\n'
             "</CustomLayer>\n"

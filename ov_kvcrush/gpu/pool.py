@@ -97,7 +97,8 @@ class DevicePool:
         self.limit_reason = "its budget"
         if largest is not None and blocks > largest:
             blocks = largest
-            self.limit_reason = f"the device's largest allocation ({largest * shape.block_bytes >> 20} MiB, one buffer)"
+            where = "memory" if self.dev.large_buffers else "largest allocation"
+            self.limit_reason = f"the device's {where} ({largest * shape.block_bytes >> 20} MiB, one buffer)"
         self.blocks = blocks
         self.chunk = max(1, min(blocks, self.CHUNK_BYTES // shape.block_bytes))
         self.capacity = self.chunk if grow else blocks
