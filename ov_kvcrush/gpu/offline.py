@@ -3,8 +3,9 @@
 Intel's OpenCL CPU runtime accepts code that a GPU compiler refuses (a required sub-group size
 the target lacks, block reads in SIMD32), so every kernel source is also compiled for Xe-LP
 (``tgllp``), Arc / Xe-HPG (``dg2-g10``) and Xe-HPC (``pvc``), at each sub-group size the target
-runs and each set of compile-time constants the host builds it with. ``ocloc`` ships in Debian's
-``intel-opencl-icd``.
+runs and each set of compile-time constants the host builds it with, and once with the option a
+device whose buffers may pass its largest allocation builds them with (``LARGE_BUFFER_OPTION``).
+``ocloc`` ships in Debian's ``intel-opencl-icd``.
 
 ``python -m ov_kvcrush.gpu.offline`` compiles them all and prints one line per build.
 """
@@ -67,6 +68,7 @@ class Build:
     target: str
     sub_group: int
     constants: tuple[tuple[str, int], ...]
+    large_buffers: bool
     ok: bool
     log: str
 
@@ -75,41 +77,46 @@ def ocloc() -> str | None:
     return shutil.which("ocloc")
 
 
-def builds() -> list[tuple[str, str, int, dict[str, int]]]:
-    """Every (source, target, sub-group size, constants) to compile: each source's first set of
-    constants on every target at every sub-group size it runs (what a target refuses depends on
-    the target and the sub-group size), its other sets on :data:`ALSO_ON` (what the constants
-    change is the code's shape, not the target's rules)."""
+def builds() -> list[tuple[str, str, int, dict[str, int], bool]]:
+    """Every (source, target, sub-group size, constants, large buffers) to compile: each source's
+    first set of constants on every target at every sub-group size it runs (what a target refuses
+    depends on the target and the sub-group size), its other sets on :data:`ALSO_ON` (what the
+    constants change is the code's shape, not the target's rules), and its first set there with
+    the large buffers' option (64-bit offsets: a pool past one allocation)."""
     out = []
     for path in sorted(kernel_dir().glob("*.cl")):
         first, *others = VARIANTS.get(path.name, [{}])
         for target, sizes in TARGETS.items():
-            out += [(path.name, target, sg, first) for sg in sizes]
-        out += [(path.name, *ALSO_ON, constants) for constants in others]
+            out += [(path.name, target, sg, first, False) for sg in sizes]
+        out += [(path.name, *ALSO_ON, constants, False) for constants in others]
+        out.append((path.name, *ALSO_ON, first, True))
     return out
 
 
-def compile_one(source: str, target: str, sub_group: int, constants: dict[str, int]) -> Build:
+def compile_one(
+    source: str, target: str, sub_group: int, constants: dict[str, int], large_buffers: bool = False
+) -> Build:
     """One ``ocloc compile``; ``ok`` is a zero exit with no error in its output."""
     tool = ocloc()
     if tool is None:
         raise FileNotFoundError("ocloc is not installed (Debian: apt-get install intel-opencl-icd)")
-    options = " ".join(build_options(sub_group, constants))
+    options = " ".join(build_options(sub_group, constants, large_buffers))
     with tempfile.TemporaryDirectory() as out:
         cmd = [tool, "compile", "-file", str(kernel_dir() / source), "-device", target, "-options", options]
         res = subprocess.run([*cmd, "-out_dir", out, "-q"], capture_output=True, text=True, timeout=300)
     log = (res.stdout + res.stderr).strip()
     ok = res.returncode == 0 and "error" not in log.lower()
-    return Build(source, target, sub_group, tuple(sorted(constants.items())), ok, log)
+    return Build(source, target, sub_group, tuple(sorted(constants.items())), large_buffers, ok, log)
 
 
 def main(argv: list[str] | None = None) -> int:
     del argv
     failed = 0
-    for source, target, sg, constants in builds():
-        b = compile_one(source, target, sg, constants)
+    for source, target, sg, constants, large in builds():
+        b = compile_one(source, target, sg, constants, large)
         failed += not b.ok
-        print(f"{'ok  ' if b.ok else 'FAIL'} {source} {target} SG={sg} {dict(b.constants)}")
+        large_text = " (large buffers)" if large else ""
+        print(f"{'ok  ' if b.ok else 'FAIL'} {source} {target} SG={sg} {dict(b.constants)}{large_text}")
         if not b.ok:
             print("   ", b.log.replace("\n", "\n    "))
     return 1 if failed else 0
