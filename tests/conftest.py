@@ -185,3 +185,15 @@ def tiny_llama3_ir() -> str:
 
     checkpoint = tiny_checkpoint("llama3")
     return str(export_models([checkpoint], "fp32")[checkpoint])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_ir() -> str:
+    """The family checks' tiny random-weight Qwen2.5 (q/k/v biases, one KV head for 8 query heads
+    of 32 dims, 2 layers), exported to OpenVINO IR (fp32, cached per machine): the GPU plugin's
+    second family."""
+    from ov_kvcrush.models.export import export_models
+    from ov_kvcrush.models.families import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint("qwen2")
+    return str(export_models([checkpoint], "fp32")[checkpoint])
