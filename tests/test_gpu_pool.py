@@ -140,6 +140,7 @@ def _together(model_dir: str, device: str) -> tuple[list[list[int]], int, tuple[
     """Five prompts' greedy tokens (the full cache, f32 blocks), all five in each step; the pool's
     bytes at the end (on GPU, grown from 8 blocks); and on GPU the emulation's counts of buffers
     made past the largest allocation and of faults."""
+    from ov_kvcrush.config import GenerationSettings
     from ov_kvcrush.gpu.pool import DevicePool
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
     from ov_kvcrush.tools.model_coverage import F32
@@ -152,8 +153,6 @@ def _together(model_dir: str, device: str) -> tuple[list[list[int]], int, tuple[
         DevicePool.CHUNK_BYTES = 8 * BLOCK * HEAD_DIM * 2 * 4  # this worker serves this test alone
     engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=BLOCK, properties=F32)
     try:
-        from ov_kvcrush.config import GenerationSettings
-
         loop, settings = engine.batcher, GenerationSettings(max_new_tokens=5, ignore_eos=True)
         handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(TOGETHER)]
         while loop.has_non_finished_requests():

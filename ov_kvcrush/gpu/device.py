@@ -42,14 +42,19 @@ UNRESTRICTED_SIZE = 1 << 23
 LARGE_BUFFER_OPTION = "-cl-intel-greater-than-4GB-buffer-required"
 
 
+def compiler_options(large_buffers: bool = False) -> list[str]:
+    """The options every host builds our kernels with (the pyopencl and SYCL hosts, ``ocloc``, the
+    plugin's layers): correctly rounded division (a 2-bit code is round((x - zero) / scale), as the
+    reference divides), and on a device whose buffers may pass its largest allocation
+    (``large_buffers``) the option that lets a kernel read them."""
+    return ["-cl-fp32-correctly-rounded-divide-sqrt", *([LARGE_BUFFER_OPTION] if large_buffers else [])]
+
+
 def build_options(sub_group: int, constants: dict[str, int], large_buffers: bool = False) -> list[str]:
     """The compile options of a kernel source: its constants, the kernels' folder for the headers
-    they share (``paged_block.h``), correctly rounded division (a 2-bit code is
-    round((x - zero) / scale), as the reference divides), and on a device whose buffers may pass
-    its largest allocation (``large_buffers``) the option that lets a kernel read them."""
+    they share (``paged_block.h``), and :func:`compiler_options`."""
     consts = (f"-D{k}={v}" for k, v in sorted(constants.items()))
-    large = [LARGE_BUFFER_OPTION] if large_buffers else []
-    return [f"-DSG={sub_group}", *consts, f"-I{kernel_dir()}", "-cl-fp32-correctly-rounded-divide-sqrt", *large]
+    return [f"-DSG={sub_group}", *consts, f"-I{kernel_dir()}", *compiler_options(large_buffers)]
 
 
 class KernelDevice:
@@ -141,11 +146,15 @@ class Device(KernelDevice):
     #: before it.
     in_flight: list[Any] = field(default_factory=list)
 
+    #: the device's largest single allocation (``CL_DEVICE_MAX_MEM_ALLOC_SIZE``), read once
+    max_alloc: int = field(init=False)
+
     def __post_init__(self) -> None:
         self.large_buffers = RELAX_ALLOCATION_LIMITS in str(self.device.extensions).split()
+        self.max_alloc = int(self.device.max_mem_alloc_size)
 
     def largest_allocation(self) -> int | None:
-        return int(self.device.global_mem_size if self.large_buffers else self.device.max_mem_alloc_size)
+        return int(self.device.global_mem_size) if self.large_buffers else self.max_alloc
 
     def view_align(self) -> int | None:
         return max(1, int(self.device.mem_base_addr_align) // 32)  # bits to 4-byte words
@@ -177,7 +186,7 @@ class Device(KernelDevice):
 
     def empty(self, nbytes: int) -> Any:
         flags = self.cl.mem_flags.READ_WRITE
-        if self.large_buffers and nbytes > self.device.max_mem_alloc_size:
+        if self.large_buffers and nbytes > self.max_alloc:
             flags |= UNRESTRICTED_SIZE
         buffer = self.cl.Buffer(self.context, flags, max(int(nbytes), 4))
         self.in_flight.append(buffer)

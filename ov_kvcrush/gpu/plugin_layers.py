@@ -53,7 +53,7 @@ from xml.sax.saxutils import quoteattr
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import LARGE_BUFFER_OPTION, kernel_dir
+from ov_kvcrush.gpu.device import compiler_options, kernel_dir
 from ov_kvcrush.gpu.layout import PRECISIONS, PoolShape, QuantShape
 from ov_kvcrush.outputs import write_atomic
 
@@ -84,8 +84,6 @@ QUANT_DEFAULTS = {"quant_tokens": 32, "qgroup": 16, "key_bits": 2, "value_bits":
 #: the activation types the store and prompt layers take and return: the plugin's inference
 #: precision (``INFERENCE_PRECISION_HINT``; its default on Intel GPUs is f16)
 ACTIVATIONS = ("f32", "f16")
-#: the kernels' build options (as the other hosts build them: exact division and square root)
-COMPILER_OPTIONS = "-cl-fp32-correctly-rounded-divide-sqrt"
 
 
 @dataclass(frozen=True)
@@ -407,7 +405,7 @@ def config_xml(attributes: LayerAttributes, source_name: str) -> str:
     beside it, each define's default the value of ``attributes``."""
     values = attributes.as_dict()
     sg = str(attributes.sub_group)
-    options = " ".join([COMPILER_OPTIONS, *([LARGE_BUFFER_OPTION] if attributes.large_buffers else [])])
+    options = " ".join(compiler_options(attributes.large_buffers))  # as the other hosts build them
     parts = []
     for name, kernel in KERNELS.items():
         defines = "\n".join(

@@ -215,9 +215,10 @@ static void count_kernel(cl_kernel kernel) {
 // read by ov_kvcrush.gpu.emulation through ctypes (the loader loaded this library; dlopen of the
 // same path gives the same copy)
 int ovkc_counts(uint64_t* out, int n) {
-    counts[LARGE_BUFFERS] = large_buffers_made();
-    counts[LARGE_FAULTS] = large_buffers_faults();
-    for (int i = 0; i < n && i < N_COUNTS; ++i) out[i] = __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
+    for (int i = 0; i < n && i < N_COUNTS; ++i)
+        out[i] = i == LARGE_BUFFERS  ? large_buffers_made()
+                 : i == LARGE_FAULTS ? large_buffers_faults()
+                                     : __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
     return N_COUNTS;
 }
 
