@@ -32,9 +32,11 @@ KVCRUSH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("sub_group", SUB_GROUPS)
+@pytest.mark.parametrize(("sub_group", "one_launch"), [(8, False), (16, False), (16, True)])
 @pytest.mark.parametrize(("signature", "anchors", "multi", "representative"), KVCRUSH_CASES)
-def test_kvcrush_steps_equal_the_reference(gpu_worker, signature, anchors, multi, representative, sub_group):
+def test_kvcrush_steps_equal_the_reference(gpu_worker, signature, anchors, multi, representative, sub_group,
+                                           one_launch):  # fmt: skip
+    """A kernel a step, or every step in one launch (its steps' results read from its scratch)."""
     rng = np.random.default_rng(len(anchors) * 10 + sub_group)
     for h, n, budget, sinks, recent, reps in ((9, 300, 120, 4, 16, 40), (40, 257, 90, 0, 8, 50)):
         scores = scores_with_ties(rng, h, n)
@@ -62,6 +64,7 @@ def test_kvcrush_steps_equal_the_reference(gpu_worker, signature, anchors, multi
             multi_anchor=multi,
             representative=representative,
             sub_group=sub_group,
+            one_launch=one_launch,
         ).result()
         np.testing.assert_array_equal(got.evictable, ref.evictable.numpy())
         np.testing.assert_array_equal(got.important, np.sort(ref.important.numpy()))
@@ -95,3 +98,23 @@ def test_block_wise_kvcrush_keeps_the_references_blocks(gpu_worker, sub_group):
         sub_group=sub_group,
     ).result()
     np.testing.assert_array_equal(plan.tokens(torch.from_numpy(got.keep).long()).numpy(), want.numpy())
+
+
+def test_block_wise_kvcrush_in_one_launch_keeps_the_references_tokens(gpu_worker):
+    """Block-wise in one launch over the tokens' scores: the blocks' sums, the selection over
+    whole blocks, their tokens and the partial block's, listed on the device."""
+    rng = np.random.default_rng(5)
+    block, n = 16, 16 * 70 + 9
+    scores = scores_with_ties(rng, 9, n)
+    for mean in (False, True):
+        plan = plan_spans(torch.from_numpy(scores)[None], 600, 16, 32, block, reserved=6, what="test")
+        anchors = ("random", "mean") if mean else ("random",)
+        want = reference.kvcrush_select_blocks(torch.from_numpy(scores)[None], block, 600, 16, 32, 6 * block,
+                                               anchors=anchors)[0]  # fmt: skip
+        ref = reference.kvcrush_select(plan.scores, plan.budget, plan.sink, plan.recent, 6, anchors=anchors)[0]
+        got = gpu_worker.submit(
+            kvcrush.kvcrush_select, scores, plan.budget, plan.sink, plan.recent, 6, anchor_bits=ref.anchors.numpy(),
+            mean_anchor=tuple(a == "mean" for a in anchors), one_launch=True, block=block,
+        ).result()  # fmt: skip
+        np.testing.assert_array_equal(got.keep, want.numpy())
+        np.testing.assert_array_equal(got.representatives, ref.representatives.numpy())

@@ -76,16 +76,23 @@ def kvcrush_select(
     multi_anchor: str = "tuple",
     representative: str = "max_score",
     sub_group: int | None = None,
+    one_launch: bool = False,
+    block: int = 1,
 ) -> KVCrushGPUSelection:
     """KVCrush over per-query-head scores ``[H, n]`` (one batch row), ``budget < n``.
 
     ``anchor_bits`` ``[A, H]``: the fixed anchors; ``mean_anchor[a]`` replaces anchor ``a`` with
-    the evictable tokens' per-bit majority."""
+    the evictable tokens' per-bit majority. ``one_launch``: every step in one kernel
+    (:func:`launch_select`), its steps' results read from its scratch; else a kernel a step.
+    ``block`` (one launch only): over the whole blocks of that many tokens (their summed scores;
+    the counts in blocks, the tokens past them kept), as the block-wise form selects."""
     check_choice("signature", signature, SIGNATURES)
     check_choice("multi_anchor", multi_anchor, ("tuple", "nearest"))
     check_choice("representative", representative, ("max_score", "first"))
+    check_int("block", block, 1, 1 if not one_launch else scores.shape[1])
     h, n = scores.shape
-    check_int("budget", budget, sink_tokens + recent_tokens + representatives, n - 1)
+    units = n // block
+    check_int("budget", budget, sink_tokens + recent_tokens + representatives, units - 1)
     a = anchor_bits.shape[0]
     nearest = int(multi_anchor == "nearest")
     key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
@@ -94,7 +101,10 @@ def kvcrush_select(
     dev = device(sub_group)
     choice = KVCrushChoice(budget, sink_tokens, recent_tokens, representatives, anchor_bits, mean_anchor, signature,
                            multi_anchor, representative)  # fmt: skip
-    sel = select_on_device(dev, DirectTransfers(dev), dev.to_device(scores.astype(np.float32)), h, n, choice)
+    scores_b = dev.to_device(scores.astype(np.float32))
+    if one_launch:
+        return read_one_launch(dev, launch_select(dev, DirectTransfers(dev), scores_b, n, n, block, units, [choice]))
+    sel = select_on_device(dev, DirectTransfers(dev), scores_b, h, n, choice)
     return replace(sel, keep_mask=None)  # numpy in, numpy out (a device buffer does not pickle)
 
 
@@ -290,3 +300,124 @@ def block_sums(scores: np.ndarray, block: int, sub_group: int | None = None) -> 
     h, n = scores.shape
     out = launch_block_sums(dev, dev.to_device(scores.astype(np.float32)), h, n, block)
     return dev.to_host(out, np.float32, (h, -(-n // block)))
+
+
+#: the most units (tokens, or whole blocks) a selection takes in one launch: ``kvcrush_select``
+#: gives a row one work-group, and its ranks are quadratic in the units; past it (a long prompt's
+#: selection, once) the step kernels spread each step over the device
+ONE_LAUNCH_UNITS = 2048
+#: the lanes of ``kvcrush_select``'s work-group
+SELECT_LANES = 128
+#: each step's results in a row's scratch, in ``kvcrush.cl``'s order (S_SUMS ..): their names
+SCRATCH = ("sums", "combined", "means", "flags", "by_flag", "signatures", "anchors", "distances", "keys", "order",
+           "representatives", "kept")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SelectFields:
+    """What one ``kvcrush_select`` launch is asked (its ``S_*`` fields): ``n`` slots held, taken
+    as ``units`` of ``block`` tokens (the slots past them kept), with the choice's counts in units,
+    over ``heads`` query heads a row."""
+
+    n: int
+    block: int
+    units: int
+    heads: int
+    choice: KVCrushChoice
+
+    @property
+    def evictable(self) -> int:
+        c = self.choice
+        return self.units - (c.budget - c.representatives)
+
+    @property
+    def buckets(self) -> int:
+        return min(self.choice.representatives, self.evictable)
+
+    @property
+    def kept(self) -> int:
+        """The slots a row keeps: its kept units' tokens and the partial block's."""
+        units = self.units - self.evictable + self.buckets
+        return units * self.block + self.n - self.units * self.block
+
+    def sizes(self) -> dict[str, int]:
+        """Each step's result's words in a row's scratch (:data:`SCRATCH`)."""
+        h, u, m, a = self.heads, self.units, self.evictable, self.choice.anchor_bits.shape[0]
+        w = max(1, -(-h // 32))
+        words = (h * u, u, h, u, u, u * w, a * w, m * a, m, m, max(self.buckets, 1), u)
+        return dict(zip(SCRATCH, words, strict=True))
+
+    @property
+    def row_words(self) -> int:
+        return sum(self.sizes().values())
+
+    def offsets(self) -> dict[str, int]:
+        out, at = {}, 0
+        for name, words in self.sizes().items():
+            out[name], at = at, at + words
+        return out
+
+    def array(self) -> np.ndarray:
+        c = self.choice
+        mean = sum(1 << i for i, on in enumerate(c.mean_anchor or ()) if on)
+        head = [self.n, self.block, self.units, c.sink_tokens, c.recent_tokens, c.budget, c.representatives,
+                self.heads, int(c.signature == "topk"), int(c.multi_anchor == "nearest"),
+                int(c.representative == "first"), c.anchor_bits.shape[0], mean, self.row_words]  # fmt: skip
+        return np.array(head + list(self.offsets().values()), np.int32)
+
+
+@dataclass
+class OneLaunchSelection:
+    """A ``kvcrush_select`` launch's kept slots (device ``[rows][fields.kept]``, ascending) and its
+    scratch (each step's results, read back by the tests' step checks)."""
+
+    kept: Any
+    scratch: Any
+    fields: SelectFields
+    rows: int
+
+
+def launch_select(
+    dev: KernelDevice, io: Transfers, scores: Any, stride: int, n: int, block: int, units: int,
+    choices: list[KVCrushChoice],
+) -> OneLaunchSelection:  # fmt: skip
+    """KVCrush's whole selection in one launch for each row of ``choices`` (row ``r``: query heads
+    ``r * heads ..`` of device ``scores`` ``[Hq, stride]``, ``heads`` the width of its anchors):
+    ``n`` slots held, ``units`` of ``block`` tokens (``choices``' counts in units); nothing comes
+    back. The rows differ only in their anchors."""
+    first = choices[0]
+    if any(replace(c, anchor_bits=first.anchor_bits) != first for c in choices):
+        raise ValueError("the rows of one selection differ in more than their anchors")
+    heads = first.anchor_bits.shape[1]
+    fields = SelectFields(n, block, units, heads, first)
+    rows = len(choices)
+    anchors = np.stack([pack_anchor_bits(c.anchor_bits.astype(bool)) for c in choices])
+    scratch = dev.empty(4 * rows * fields.row_words)
+    kept = dev.empty(4 * max(rows * fields.kept, 1))
+    dev.run(_kernel(dev, "kvcrush_select"), (SELECT_LANES, rows), (SELECT_LANES, 1), scores, np.int32(stride),
+            io.upload("selection fields", fields.array()), io.upload("anchors", anchors), scratch, kept,
+            np.int32(fields.kept))  # fmt: skip
+    return OneLaunchSelection(kept, scratch, fields, rows)
+
+
+def read_one_launch(dev: KernelDevice, sel: OneLaunchSelection) -> KVCrushGPUSelection:
+    """Row 0's kept tokens and each step's results, read back from its scratch."""
+    f, offsets, sizes = sel.fields, sel.fields.offsets(), sel.fields.sizes()
+    row = dev.to_host(sel.scratch, np.int32, (sel.rows, f.row_words))[0]
+
+    def part(name: str) -> np.ndarray:
+        return row[offsets[name] : offsets[name] + sizes[name]]
+
+    m, w, a = f.evictable, max(1, -(-f.heads // 32)), f.choice.anchor_bits.shape[0]
+    by_flag = part("by_flag")
+    return KVCrushGPUSelection(
+        keep=dev.to_host(sel.kept, np.int32, (sel.rows, f.kept))[0],
+        keep_mask=None,
+        important=np.sort(by_flag[m:]),
+        representatives=part("representatives")[: f.buckets],
+        evictable=by_flag[:m],
+        order=part("order"),
+        distances=part("distances").reshape(m, a),
+        signatures=part("signatures").view(np.uint32).reshape(f.units, w),
+        anchors=part("anchors").view(np.uint32).reshape(a, w),
+    )

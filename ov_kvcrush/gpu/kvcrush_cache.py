@@ -5,12 +5,19 @@ on the device (:mod:`ov_kvcrush.gpu.kvcrush`), token by token or over whole bloc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ov_kvcrush.gpu.kvcrush import KVCrushChoice, launch_block_sums, select_mask_on_device
+from ov_kvcrush.gpu.kvcrush import (
+    ONE_LAUNCH_UNITS,
+    KVCrushChoice,
+    launch_block_sums,
+    launch_select,
+    select_mask_on_device,
+)
 from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.slots import KeptSlots
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
@@ -38,44 +45,80 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
     def _drops_lowest(self) -> bool:
         return False  # KVCrush's selection: buckets and representatives, not the lowest score
 
-    def _select(self, n: int, width: int) -> KeptSlots:
+    def _units(self, n: int) -> UnitPlan:
+        """What a selection over ``n`` held slots takes: every token, or the whole blocks (the
+        reference's plan of sink, recent and partial blocks, the counts in blocks)."""
+        cfg = self.config
+        reps = cfg.n_representatives
+        if cfg.block_size is None:
+            return UnitPlan(1, n, self.budget, cfg.sink_tokens, cfg.recent_tokens, reps)
+        block = cfg.block_size
+        plan = plan_spans(torch.zeros(1, 1, n), self.budget, cfg.sink_tokens, cfg.recent_tokens, block,
+                          reserved=reps // block, what="sink, recent and representative blocks")  # fmt: skip
+        return UnitPlan(block, plan.full, plan.budget, plan.sink, plan.recent, reps // block)
+
+    def _rows(self) -> list[slice]:
+        """The query heads of each selection: a KV head's group (``scope="head"``), or all."""
         lay = self.layer
-        dev, kv = lay.pool.dev, lay.kv_heads
-        group = lay.q_heads // kv
-        per_head = self.config.scope == "head"
-        rows = [slice(g * group, (g + 1) * group) for g in range(kv)] if per_head else [slice(0, lay.q_heads)]
+        group = lay.q_heads // lay.kv_heads
+        if self.config.scope == "head":
+            return [slice(g * group, (g + 1) * group) for g in range(lay.kv_heads)]
+        return [slice(0, lay.q_heads)]
+
+    def _select(self, n: int, width: int) -> KeptSlots:
+        lay, plan, rows = self.layer, self._units(n), self._rows()
+        per_head = len(rows) > 1
+        if plan.units > ONE_LAUNCH_UNITS:
+            return self._select_by_steps(n, plan, rows)
+        choices = [self._choice(plan.budget, plan.sinks, plan.recent, plan.representatives, heads) for heads in rows]
+        sel = launch_select(lay.pool.dev, lay.pool, self.scores, self.stride, n, plan.block, plan.units, choices)
+        k = sel.fields.kept
+        return KeptSlots(sel.kept, k if per_head else 0, k)  # one row: every KV head reads its list
+
+    def _select_by_steps(self, n: int, plan: UnitPlan, rows: list[slice]) -> KeptSlots:
+        """:meth:`_select` with a kernel a step (a long prompt's units: each step spread over the
+        device), row by row."""
+        dev = self.layer.pool.dev
         masks = dev.empty(max(n, 1) * len(rows))  # [rows, n]: 1 for a kept token
         counts = set()
         for r, heads in enumerate(rows):
-            count, mask = self._select_rows(n, heads)
+            count, mask = self._select_rows(n, plan, heads)
             dev.copy_bytes(mask, masks, n, r * n)
             counts.add(count)
         (k,) = counts  # every row keeps as many (the budget's count)
         kept_b = dev.empty(4 * max(k, 1) * len(rows))  # a list per row; one row: every KV head reads it
         i32 = np.int32
         dev.run(self._kernel("kept_slots"), (len(rows),), None, masks, i32(n), i32(0), i32(0), i32(n), kept_b, i32(k))
-        return KeptSlots(kept_b, k if per_head else 0, k)  # listed on the device alone: nothing comes back
+        return KeptSlots(kept_b, k if len(rows) > 1 else 0, k)
 
-    def _select_rows(self, n: int, heads: slice) -> tuple[int, Any]:
-        """KVCrush over the scores of query heads ``heads``: how many tokens it keeps, and their
-        device mask ``[n]``."""
-        lay, cfg = self.layer, self.config
+    def _select_rows(self, n: int, plan: UnitPlan, heads: slice) -> tuple[int, Any]:
+        """KVCrush over the scores of query heads ``heads``, a kernel a step: how many tokens it
+        keeps, and their device mask ``[n]``."""
+        lay = self.layer
         dev, h = lay.pool.dev, heads.stop - heads.start
-        reps = cfg.n_representatives
-        if cfg.block_size is None:
+        choice = self._choice(plan.budget, plan.sinks, plan.recent, plan.representatives, heads)
+        if plan.block == 1:
             scores = dev.copy_rows(self.scores, self.stride, h, n, heads.start)  # [h, n] packed, on the device
-            choice = self._choice(self.budget, cfg.sink_tokens, cfg.recent_tokens, reps, heads)
             sel = select_mask_on_device(dev, lay.pool, scores, h, n, choice)
             return sel.kept, sel.mask
-        block = cfg.block_size
-        plan = plan_spans(torch.zeros(1, 1, n), self.budget, cfg.sink_tokens, cfg.recent_tokens, block,
-                          reserved=reps // block, what="sink, recent and representative blocks")  # fmt: skip
-        whole = plan.full * block  # the whole blocks' scores, packed
+        block, whole = plan.block, plan.units * plan.block  # the whole blocks' scores, packed
         sums = launch_block_sums(dev, dev.copy_rows(self.scores, self.stride, h, whole, heads.start), h, whole, block)
-        choice = self._choice(plan.budget, plan.sink, plan.recent, reps // block, heads)
-        blocks = select_mask_on_device(dev, lay.pool, sums, h, plan.full, choice)
+        blocks = select_mask_on_device(dev, lay.pool, sums, h, plan.units, choice)
         mask = dev.empty(max(n, 1))
         i32 = np.int32
         dev.run(self._kernel("block_mask", "kvcrush.cl"), (n,), None, blocks.mask, i32(block), i32(whole),
                 i32(n), mask)  # fmt: skip
-        return blocks.kept * block + plan.partial, mask
+        return blocks.kept * block + n - whole, mask
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A selection's units (``block`` tokens each: 1, or the block-wise form's whole blocks) and
+    its counts in units."""
+
+    block: int
+    units: int
+    budget: int
+    sinks: int
+    recent: int
+    representatives: int

@@ -11,6 +11,33 @@
 //
 // Compile-time constants (-D): SG (sub-group size).
 
+// How many of s[0 .. mid) rank above s[i] (greater, or equal and earlier), counted up to `keep`.
+inline int middle_rank(__global const float* s, int mid, int i, int keep) {
+    const float x = s[i];
+    int rank = 0;
+    for (int j = 0; j < mid && rank < keep; ++j) rank += s[j] > x || (s[j] == x && j < i);
+    return rank;
+}
+
+// Of the items before item i, how many have the same value as it (a stable order's offset).
+inline int same_before(__global const int* v, int i) {
+    int c = 0;
+    for (int j = 0; j < i; ++j) c += v[j] == v[i];
+    return c;
+}
+
+inline int bucket_key_of(__global const int* d, int A, int H, int nearest) {
+    if (nearest && A > 1) {
+        int best = 0;
+        for (int a = 1; a < A; ++a)
+            if (d[a] < d[best]) best = a;
+        return best * (H + 1) + d[best];
+    }
+    int key = 0;
+    for (int a = 0; a < A; ++a) key = key * (H + 1) + d[a];
+    return key;
+}
+
 // Would head h keep middle token i on its own: among its `keep` highest scores, ties to the
 // earlier token (the rank of score i is the count of scores above it, or equal and earlier).
 // Global size (mid, H). decisions [H][mid].
@@ -19,11 +46,7 @@ __kernel void head_decisions_topk(__global const float* scores, int n, int lo, i
     const int i = get_global_id(0);
     const int h = get_global_id(1);
     if (i >= mid) return;
-    __global const float* s = scores + (long)h * n + lo;
-    const float x = s[i];
-    int rank = 0;
-    for (int j = 0; j < mid && rank < keep; ++j) rank += s[j] > x || (s[j] == x && j < i);
-    decisions[(long)h * mid + i] = rank < keep;
+    decisions[(long)h * mid + i] = middle_rank(scores + (long)h * n + lo, mid, i, keep) < keep;
 }
 
 // Would head h keep middle token i: its score is at least the head's mean over the middle. One
@@ -75,17 +98,7 @@ __kernel void anchor_distances(__global const uint* signatures, int W, __global 
 __kernel void bucket_keys(__global const int* distances, int m, int A, int H, int nearest, __global int* keys) {
     const int e = get_global_id(0);
     if (e >= m) return;
-    __global const int* d = distances + (long)e * A;
-    int key = 0;
-    if (nearest && A > 1) {
-        int best = 0;
-        for (int a = 1; a < A; ++a)
-            if (d[a] < d[best]) best = a;
-        key = best * (H + 1) + d[best];
-    } else {
-        for (int a = 0; a < A; ++a) key = key * (H + 1) + d[a];
-    }
-    keys[e] = key;
+    keys[e] = bucket_key_of(distances + (long)e * A, A, H, nearest);
 }
 
 // One token per bucket: the m ordered tokens cut into `buckets` contiguous near-equal ranges
@@ -160,4 +173,164 @@ __kernel void block_mask(__global const uchar* blocks, int block, int whole, int
     const int t = get_global_id(0);
     if (t >= n) return;
     mask[t] = t < whole ? blocks[t / block] : (uchar)1;
+}
+
+// ---- The whole selection of a row in one launch (kvcrush_select): every step above, in the same
+// order and with the same arithmetic, taken by the lanes of one work-group, each step's results
+// in the row's scratch (global memory) behind a barrier. A decode step's selection anew (a block's
+// worth of tokens come, or a token past the budget) is then one command a layer, not twenty; the
+// quadratic steps (the top-k ranks, the bucketing order) stay within one work-group, which is
+// why a long prompt's selection takes the step kernels above (gpu/kvcrush.py chooses).
+//
+// `fields` (S_*, packed by gpu/kvcrush.py's SelectFields) says the sizes and where each step's
+// results lie in a row's scratch (word offsets; scores as float bits). Row r (work-group (0, r))
+// reads query heads r * S_HEADS .. of `scores` [Hq][score_stride], its anchors
+// anchors[r][A][W], and lists its kept slots in kept[r][0 .. kept_count), ascending.
+#define S_N 0             // slots held
+#define S_BLOCK 1         // tokens a unit (1: token by token)
+#define S_UNITS 2         // units selected over: the whole blocks (slots past them are kept)
+#define S_SINKS 3         // in units, as the rest
+#define S_RECENT 4
+#define S_BUDGET 5        // units kept: the important ones and a representative a bucket
+#define S_REPS 6          // buckets
+#define S_HEADS 7         // query heads a row
+#define S_TOPK 8          // the signature: 1 top-k, 0 threshold
+#define S_NEAREST 9
+#define S_FIRST 10        // the representative: 1 a bucket's first, 0 its highest score
+#define S_A 11            // anchors
+#define S_MEAN 12         // bit a: anchor a is the evictable units' majority
+#define S_ROW_WORDS 13    // scratch words a row
+#define S_SUMS 14         // [heads][units] the units' scores (floats)
+#define S_COMBINED 15     // [units] summed over heads (floats)
+#define S_MEANS 16        // [heads] the threshold signature's means (floats)
+#define S_FLAGS 17        // [units] 1: important
+#define S_BY_FLAG 18      // [units] evictable, then important, each in position order
+#define S_SIGS 19         // [units][W]
+#define S_ANCHOR_BITS 20  // [A][W]
+#define S_DIST 21         // [m][A]
+#define S_KEYS 22         // [m]
+#define S_ORDER 23        // [m]
+#define S_REPS_AT 24      // [buckets]
+#define S_KEPT 25         // [units] 1: a kept unit
+#define S_FIELDS 26
+
+// Word w of middle unit u's signature: head 32 w + b's decision as bit b (pack_signatures' word).
+inline uint signature_word(__global const float* sums, __global const float* means, int units, int H, int sinks,
+                           int mid, int keep, int topk, int u, int w) {
+    uint word = 0;
+    for (int b = 0; b < 32 && 32 * w + b < H; ++b) {
+        __global const float* s = sums + (32 * w + b) * units + sinks;
+        const bool on = topk ? middle_rank(s, mid, u - sinks, keep) < keep : s[u - sinks] >= means[32 * w + b];
+        word |= (uint)on << b;
+    }
+    return word;
+}
+
+// Word w of a mean anchor: bit b set where at least half the m evictable units' signatures have it
+// (majority_bits' bits, packed).
+inline uint majority_word(__global const uint* sigs, int W, __global const int* evictable, int m, int H, int w) {
+    uint word = 0;
+    for (int b = 0; b < 32 && 32 * w + b < H; ++b) {
+        int ones = 0;
+        for (int e = 0; e < m; ++e) ones += (sigs[evictable[e] * W + w] >> b) & 1u;
+        word |= (uint)(m > 0 && 2 * ones >= m) << b;
+    }
+    return word;
+}
+
+// The kept slots, ascending (block_mask's and kept_slots' work): a kept unit's tokens, then the
+// partial block's, taken by the work-group's lanes.
+inline void list_kept(__global const int* unit_kept, int units, int block, int n, int kept_units, __global int* out,
+                      int lid, int L) {
+    const int whole = units * block;
+    for (int u = lid; u < units; u += L) {
+        if (!unit_kept[u]) continue;
+        int at = 0;
+        for (int j = 0; j < u; ++j) at += unit_kept[j];
+        for (int t = 0; t < block; ++t) out[at * block + t] = u * block + t;
+    }
+    for (int t = whole + lid; t < n; t += L) out[kept_units * block + t - whole] = t;
+}
+
+__kernel void kvcrush_select(__global const float* scores, int score_stride, __global const int* f,
+                             __global const uint* anchors, __global int* scratch, __global int* kept,
+                             int kept_count) {
+    const int r = get_group_id(1), lid = get_local_id(0), L = get_local_size(0);
+    const int n = f[S_N], block = f[S_BLOCK], units = f[S_UNITS], sinks = f[S_SINKS], recent = f[S_RECENT];
+    const int budget = f[S_BUDGET], H = f[S_HEADS], A = f[S_A], W = (H + 31) / 32;
+    const int mid = units - sinks - recent, m = units - (budget - f[S_REPS]);
+    const int buckets = min(f[S_REPS], m);
+    __global int* row = scratch + (long)r * f[S_ROW_WORDS];
+    __global float* sums = (__global float*)(row + f[S_SUMS]);
+    __global float* combined = (__global float*)(row + f[S_COMBINED]);
+    __global float* means = (__global float*)(row + f[S_MEANS]);
+    __global int *flags = row + f[S_FLAGS], *by_flag = row + f[S_BY_FLAG];
+    __global uint* sigs = (__global uint*)(row + f[S_SIGS]);
+    __global uint* bits = (__global uint*)(row + f[S_ANCHOR_BITS]);
+    __global int *dist = row + f[S_DIST], *keys = row + f[S_KEYS], *order = row + f[S_ORDER];
+    __global int *reps = row + f[S_REPS_AT], *unit_kept = row + f[S_KEPT];
+    scores += (long)r * H * score_stride;
+    // the units' scores: a block's sum, token order (block_sums); a token's own score
+    for (int i = lid; i < H * units; i += L) {
+        const int h = i / units, u = i % units;
+        float acc = 0.0f;
+        for (int t = u * block; t < (u + 1) * block; ++t) acc += scores[(long)h * score_stride + t];
+        sums[i] = acc;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int u = lid; u < units; u += L) {  // head_sums
+        float acc = 0.0f;
+        for (int h = 0; h < H; ++h) acc += sums[h * units + u];
+        combined[u] = acc;
+    }
+    for (int h = lid; h < H && !f[S_TOPK]; h += L) {  // the threshold's means over the middle
+        float acc = 0.0f;
+        for (int i = 0; i < mid; ++i) acc += sums[h * units + sinks + i];
+        means[h] = acc / (float)mid;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    const int heavy = budget - f[S_REPS] - sinks - recent;
+    for (int u = lid; u < units; u += L)  // important_flags over the summed scores' top
+        flags[u] = u < sinks || u >= sinks + mid || middle_rank(combined + sinks, mid, u - sinks, heavy) < heavy;
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int u = lid; u < units; u += L) by_flag[(flags[u] ? m : 0) + same_before(flags, u)] = u;
+    const int keep = budget - sinks - recent;  // a head's own decision: its top `keep` of the middle
+    for (int u = lid; u < units; u += L)  // pack_signatures
+        for (int w = 0; w < W; ++w)
+            sigs[u * W + w] = u >= sinks && u < sinks + mid ? signature_word(sums, means, units, H, sinks, mid, keep, f[S_TOPK], u, w) : 0u;
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int i = lid; i < A * W; i += L)  // the anchors: given, or the evictable's majority bits
+        bits[i] = (f[S_MEAN] >> (i / W)) & 1 ? majority_word(sigs, W, by_flag, m, H, i % W) : anchors[(long)r * A * W + i];
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int i = lid; i < m * A; i += L) {  // anchor_distances
+        const int e = i / A, a = i % A;
+        int d = 0;
+        for (int w = 0; w < W; ++w) d += popcount(sigs[by_flag[e] * W + w] ^ bits[a * W + w]);
+        dist[i] = d;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int e = lid; e < m; e += L) keys[e] = bucket_key_of(dist + e * A, A, H, f[S_NEAREST]);
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int e = lid; e < m; e += L) {  // the bucketing order: by key, ties by position
+        int rank = same_before(keys, e);
+        for (int j = 0; j < m; ++j) rank += keys[j] < keys[e];
+        order[rank] = e;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int j = lid; j < buckets; j += L) {  // representatives
+        const int s = (int)((long)j * m / buckets), e = (int)((long)(j + 1) * m / buckets);
+        int best = s;
+        if (!f[S_FIRST])
+            for (int i = s + 1; i < e; ++i)
+                if (combined[by_flag[order[i]]] > combined[by_flag[order[best]]]) best = i;
+        reps[j] = by_flag[order[best]];
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int u = lid; u < units; u += L) {  // kept_mask
+        int on = flags[u];
+        for (int j = 0; j < buckets && !on; ++j) on = reps[j] == u;
+        unit_kept[u] = on;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    list_kept(unit_kept, units, block, n, units - m + buckets, kept + (long)r * kept_count, lid, L);
 }
