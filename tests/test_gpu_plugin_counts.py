@@ -24,7 +24,8 @@ PROMPT_TOKENS, BUDGET, STEPS, BLOCK = 1500, 1024, 3, 16
 CASES = [
     ("full", None, {}),
     ("streamingllm", BUDGET, {}),
-    ("kvcrush", BUDGET, {"block_size": BLOCK}),
+    ("kvcrush", BUDGET, {"block_size": BLOCK}),  # a block's worth of tokens comes at its 4th step: selected anew
+    ("kvcrush", BUDGET, {}),  # token by token: selected anew every step
     ("snapkv", BUDGET, {}),
     ("h2o", BUDGET, {}),
     ("knorm", BUDGET, {}),
@@ -39,9 +40,10 @@ CASES = [
 #: attention layer wrote (1; MiniKV's model flushes too, and a step that flushes a chunk puts
 #: the scores in the store's order, 1); an eviction of one slot a
 #: head moves the slots after it down in place (1), after finding the lowest for H2O, SnapKV and
-#: Knorm (1; StreamingLLM's is the window's oldest). ClusterKV's recall and Quest's pages are a
-#: layer of the model (1). KVzip's decode step is the full cache's (its scores change in a
-#: scoring pass alone).
+#: Knorm (1; StreamingLLM's is the window's oldest). KVCrush's selection anew is one launch
+#: (``kvcrush_select``: every step of it) and the kept slots' one (``keep_slots``: their
+#: elements, positions and scores), 2. ClusterKV's recall and Quest's pages are a layer of the
+#: model (1). KVzip's decode step is the full cache's (its scores change in a scoring pass alone).
 #: the bytes sent to the device a decode step, at most, as a share of the KV bytes its attention
 #: reads (issue 71's target): the block tables are kept on the device and cross as they change
 CROSSING_SHARE = 0.01
@@ -50,7 +52,7 @@ SINKS_AND_RECENT = ("streamingllm", "kvcrush", "snapkv", "h2o", "knorm", "minikv
 PER_LAYER = {
     "full": 3,
     "streamingllm": 4,
-    "kvcrush": 4,
+    "kvcrush": 6,
     "snapkv": 6,
     "h2o": 6,
     "knorm": 6,
@@ -91,7 +93,7 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
             assert (ran > 0) == (method == "kvzip"), method
             engine.forward([ids[-1]])  # the first decode step: the plugin re-lays its inputs once (6 KB measured)
             steps = []
-            for token in ids[:STEPS]:
+            for token in ids[: STEPS + (options.get("block_size") == BLOCK)]:
                 read, before = engine.pool.decode_kv_read, emulation.counts()
                 logits = engine.forward([token])
                 c = emulation.counts() - before
@@ -99,6 +101,7 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
                     "waits": c.waits, "to_device": c.to_device, "to_host": c.to_host,
                     "ours": c.kernels_named(ours) + c.device_copies, "kv_read": engine.pool.decode_kv_read - read,
                     "tables' changes": c.kernels_named({TableMirror.KERNEL}),
+                    "selections": c.kernels_named({"kvcrush_select"}),
                     "logits": np.asarray(logits).nbytes,
                 })  # fmt: skip
             out.append(steps)
@@ -127,3 +130,9 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, ti
             assert 0 < step["to_device"] <= CROSSING_SHARE * step["kv_read"], (method, step)
         assert max(s["ours"] for s in steps) / layers <= PER_LAYER[method], (method, steps)
         assert max(s["tables' changes"] for s in steps) <= 1, (method, steps)  # once a step, not a layer
+    kvcrush = [
+        [s["selections"] for s in steps]
+        for (method, _, _), steps in zip(CASES, got, strict=True)
+        if method == "kvcrush"
+    ]
+    assert kvcrush == [[0] * STEPS + [layers], [layers] * STEPS], kvcrush  # the steps counted include selections anew

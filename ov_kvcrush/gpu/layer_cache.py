@@ -433,9 +433,9 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         # the kept slots' scores with room for the next decode token, not the prompt's width: a
         # 32k-token prompt's rows would hold as many bytes as the budget's KV blocks
         stride = min(self.stride, max(kept.count, self.budget) + 1)
-        self.score_state = self._gather_scores((kept.slots, kept.stride), kept.count, stride)
-        self.stride = stride
-        lay.keep(kept)
+        scores = lay.pool.slot_state(4 * lay.q_heads * max(stride, 1))  # written whole: zero past the kept slots
+        lay.keep(kept, (self.scores, self.stride, scores.buffer, stride))  # the slots and their scores, one launch
+        self.score_state, self.stride = scores, stride
         self._bump("evicted", float((n - kept.count) * lay.kv_heads))
 
     def _drops_one_lowest(self, n: int) -> bool:

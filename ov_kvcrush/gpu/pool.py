@@ -30,7 +30,7 @@ from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.runtime import GPUPathError
 from ov_kvcrush.gpu.slots import KeptSlots, SlotPositions
-from ov_kvcrush.gpu.store import launch_gather, launch_store, store_constants
+from ov_kvcrush.gpu.store import launch_store, store_constants
 from ov_kvcrush.gpu.sycl_host import sycl_device
 
 
@@ -421,24 +421,32 @@ class PagedLayer:
         p.dev.run(kernel, (max(count, 1), self.kv_heads), None, p.buffer, tables, i32(table_stride), i32(first),
                   i32(count), i32(self.q_heads // self.kv_heads), scores, i32(stride))  # fmt: skip
 
-    def keep(self, kept: KeptSlots) -> None:
-        """Keep slots ``kept`` of every head, moved to fresh blocks in that order (their positions
-        with them); the old blocks go back to the pool."""
-        n, kv = kept.count, self.kv_heads
+    def keep(self, kept: KeptSlots, scores: tuple[Any, int, Any, int] | None = None) -> None:
+        """Keep slots ``kept`` of every head, moved to fresh blocks in that order with their
+        positions and (``scores``: the buffer ``[Hq, stride]``, its stride, and a new buffer with
+        its stride) their scores, in one launch; the old blocks go back to the pool."""
+        n, kv, i32 = kept.count, self.kv_heads, np.int32
         p = self.pool
-        bs = p.shape.block_size
-        new_tables = [p.allocate(-(-n // bs)) for _ in range(kv)]
+        new_tables = [p.allocate(-(-n // p.shape.block_size)) for _ in range(kv)]
         old_tables, old_stride = self.device_tables()
         new_array = table_array(new_tables)
         new_b = p.upload("block tables", new_array)
-        launch_gather(p.dev, p.shape, p.buffer, old_tables, old_stride, new_b, new_array.shape[1],
-                      kept.slots, kept.stride, p.upload("kept counts", np.full(kv, n, np.int32)), kv,
-                      width=n)  # fmt: skip
+        positions = self.slot_positions
+        new_positions = positions.new_state()
+        state, pos_stride, fresh, fresh_position = positions.drop_fields()
+        src, src_stride, dst, dst_stride = scores if scores is not None else (p.no_slots, 0, p.no_slots, 0)
+        group = self.q_heads // kv if scores is not None else 0
+        kernel = p.dev.kernel("paged_store.cl", "keep_slots", store_constants(p.shape))
+        p.dev.run(kernel, (p.shape.head_dim + 5 + group, max(n, dst_stride, 1), kv), None, p.buffer, old_tables,
+                  i32(old_stride), new_b, i32(new_array.shape[1]), kept.slots, i32(kept.stride), i32(n),
+                  state.buffer if state is not None else p.no_slots, i32(pos_stride), i32(fresh), i32(fresh_position),
+                  new_positions.buffer, i32(positions.capacity), src, i32(src_stride), dst, i32(dst_stride),
+                  i32(group))  # fmt: skip
         for table in self.tables:
             p.release(table)
         self.tables = new_tables
         self._tables_on_device = (new_b, new_array.shape[1])
-        self.slot_positions.gather(kept)
+        positions.gathered(kept, new_positions)
         self.held = n
 
     def drop_one(

@@ -109,16 +109,13 @@ class SlotPositions:
         self._write_fresh()
         return self.buffer, self.capacity
 
-    def gather(self, kept: KeptSlots) -> None:
-        """Keep the positions of ``kept``'s slots, in that order (the fresh ones written as they
-        are gathered)."""
-        dev, i32 = self.dev, np.int32
-        out = self._allocate(4 * self.kv_heads * max(self.capacity, 1))
-        first, position = self.fresh if self.fresh is not None else (self.count, 0)
-        if kept.count:
-            dev.run(self._kernel("gather_positions"), (kept.count, self.kv_heads), None, self.buffer,
-                    i32(self.capacity), kept.slots, i32(kept.stride), i32(kept.count), i32(first), i32(position),
-                    out.buffer, i32(self.capacity))  # fmt: skip
+    def new_state(self) -> SlotState:
+        """A buffer for the positions an eviction gathers (:meth:`gathered`), of this capacity."""
+        return self._allocate(4 * self.kv_heads * max(self.capacity, 1))
+
+    def gathered(self, kept: KeptSlots, out: SlotState) -> None:
+        """After an eviction's launch wrote the positions of ``kept``'s slots, in that order, to
+        ``out`` (the fresh ones written as they were gathered: :meth:`drop_fields` says where)."""
         self.state, self.fresh = out, None
         if self._host is not None and kept.host is not None:
             self._host = np.take_along_axis(self._host, kept.host.astype(np.int64), axis=1)

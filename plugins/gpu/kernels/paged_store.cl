@@ -48,6 +48,16 @@ inline void set_slot_element(__global uchar* pool, __global const int* table, in
     }
 }
 
+// Element e of slot `slot` of a head's old blocks (`table`) to slot i of its new ones (`new_table`),
+// where the store has that element (u8's parameter rows: e >= HEAD_DIM).
+inline void gather_element(__global const uchar* src_pool, __global const int* table, __global uchar* dst_pool,
+                           __global const int* new_table, int slot, int i, int e) {
+    if (e >= HEAD_DIM && KV_PRECISION != 2) return;
+    uint k, v;
+    slot_element(src_pool, table, slot, e, &k, &v);
+    set_slot_element(dst_pool, new_table, i, e, k, v);
+}
+
 // Slot i of KV head kv's new blocks (new_tables) = its slot src[kv][i] in its old blocks
 // (tables), i < counts[kv]: keys, values and (u8) the slot's min and scale. One work-item per
 // (element, slot, head): global (HEAD_DIM + 4, max count, kv_heads); element HEAD_DIM + p copies
@@ -56,10 +66,9 @@ __kernel void gather_slots(__global const uchar* src_pool, __global const int* t
                            __global uchar* dst_pool, __global const int* new_tables, int new_stride,
                            __global const int* src, int src_stride, __global const int* counts) {
     const int e = get_global_id(0), i = get_global_id(1), kv = get_global_id(2);
-    if (i >= counts[kv] || (e >= HEAD_DIM && KV_PRECISION != 2)) return;
-    uint k, v;
-    slot_element(src_pool, tables + kv * table_stride, src[kv * src_stride + i], e, &k, &v);
-    set_slot_element(dst_pool, new_tables + kv * new_stride, i, e, k, v);
+    if (i >= counts[kv]) return;
+    gather_element(src_pool, tables + kv * table_stride, dst_pool, new_tables + kv * new_stride,
+                   src[kv * src_stride + i], i, e);
 }
 
 // out[kv][i][d] = the key (or, with `values`, the value) of slot first + i of KV head kv, read
@@ -110,16 +119,33 @@ inline int slot_position(__global const int* pos, int j, int fresh, int fresh_po
     return j >= fresh ? fresh_position + j - fresh : pos[j];
 }
 
-// An eviction's gather_slots for the positions: slot i of KV head kv afterwards holds the
-// position of its slot kept[kv][i] before (kept_stride 0: one list for every head); slots from
-// `fresh` on were stored since the positions were last written, at positions fresh_position + (slot
-// - fresh) (a decode step's token: no kernel of its own writes it). Global (count, kv_heads).
-__kernel void gather_positions(__global const int* src, int src_stride, __global const int* kept, int kept_stride,
-                               int count, int fresh, int fresh_position, __global int* dst, int dst_stride) {
-    const int i = get_global_id(0), kv = get_global_id(1);
+// An eviction in one launch: slot i of KV head kv's new blocks (new_tables) = its slot
+// kept[kv][i] (kept_stride 0: one list every head keeps), i < count: its elements
+// (gather_slots'), its position (positions [kv][pos_stride]; slots from `fresh` on were stored
+// since they were last written, at fresh_position + (slot - fresh): a decode step's token) and,
+// where score_width is not 0, its scores
+// in the head's query group (snapkv.cl's gather_rows: the new rows written to score_width, zero
+// past count). Global (HEAD_DIM + 5 + group, max(count, score_width), kv_heads): element
+// HEAD_DIM + 4 is the position, HEAD_DIM + 5 + g the score of query head kv * group + g.
+__kernel void keep_slots(__global uchar* pool, __global const int* tables, int table_stride,
+                         __global const int* new_tables, int new_stride, __global const int* kept, int kept_stride,
+                         int count, __global const int* positions, int pos_stride, int fresh, int fresh_position,
+                         __global int* new_positions, int new_pos_stride, __global const float* scores,
+                         int score_stride, __global float* new_scores, int score_width, int group) {
+    const int e = get_global_id(0), i = get_global_id(1), kv = get_global_id(2);
+    const int slot = i < count ? kept[kv * kept_stride + i] : 0;
+    if (e > HEAD_DIM + 4) {
+        const long h = (long)kv * group + e - HEAD_DIM - 5;
+        if (i < score_width) new_scores[h * score_width + i] = i < count ? scores[h * score_stride + slot] : 0.0f;
+        return;
+    }
     if (i >= count) return;
-    const int slot = kept[kv * kept_stride + i];
-    dst[(long)kv * dst_stride + i] = slot_position(src + (long)kv * src_stride, slot, fresh, fresh_position);
+    if (e == HEAD_DIM + 4) {
+        new_positions[(long)kv * new_pos_stride + i] =
+            slot_position(positions + (long)kv * pos_stride, slot, fresh, fresh_position);
+        return;
+    }
+    gather_element(pool, tables + kv * table_stride, pool, new_tables + kv * new_stride, slot, i, e);
 }
 
 // Each KV head drops its slot dropped[kv] (of n): the slots after it move down one in place, each
