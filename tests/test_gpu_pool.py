@@ -168,7 +168,9 @@ def _together(model_dir: str, device: str) -> tuple[list[list[int]], int, tuple[
 
 
 @pytest.mark.model
-def test_a_pool_past_the_devices_largest_allocation_is_one_buffer_under_intels_relaxed_limits(tiny_llama3_ir):
+def test_a_pool_past_the_devices_largest_allocation_is_one_buffer_under_intels_relaxed_limits(
+    tiny_llama3_ir, tmp_path, monkeypatch
+):
     """Where the device lists ``cl_intel_relax_allocation_limits``, the pool grows past its largest
     single allocation (about 4 GiB on Arc cards) as one buffer made with
     ``CL_MEM_ALLOW_UNRESTRICTED_SIZE_INTEL``, and every kernel given it (the plugin's layers of
@@ -176,15 +178,19 @@ def test_a_pool_past_the_devices_largest_allocation_is_one_buffer_under_intels_r
     shows a largest allocation of 512 KiB and holds the process to the driver's contract (a buffer
     past it without the flag is refused; such a buffer given to a kernel built without the option
     is a fault: ``plugins/gpu/emulation/large_buffers.h``). Oracles: the CPU op's greedy tokens;
-    the emulation's counts."""
+    the emulation's counts. Twice, each in a fresh process: the programs built from source, then
+    loaded from the emulation's program cache (a kernel of a loaded program outlives the program
+    the plugin built it from)."""
     from ov_kvcrush.gpu import emulation
 
     reason = emulation.unavailable()
     if reason:
         pytest.skip(reason)
     want = _together(tiny_llama3_ir, "CPU")[0]
-    with emulation.worker(max_allocation=EMULATED_MAX_ALLOC) as worker:
-        tokens, pool_bytes, (made, faults) = worker.submit(_together, tiny_llama3_ir, "GPU").result(timeout=900)
-    assert pool_bytes > EMULATED_MAX_ALLOC and made >= 1  # it grew past the limit, as one buffer
-    assert faults == 0
-    assert tokens == want
+    monkeypatch.setenv(emulation.PROGRAM_CACHE_ENV, str(tmp_path))
+    for built in ("from source", "from the program cache"):
+        with emulation.worker(max_allocation=EMULATED_MAX_ALLOC) as worker:
+            tokens, pool_bytes, (made, faults) = worker.submit(_together, tiny_llama3_ir, "GPU").result(timeout=900)
+        assert pool_bytes > EMULATED_MAX_ALLOC and made >= 1, built  # it grew past the limit, as one buffer
+        assert faults == 0, built
+        assert tokens == want, built

@@ -111,13 +111,23 @@ static cl_int CL_API_CALL create_kernels(cl_program program, cl_uint n, cl_kerne
     return err;
 }
 
+static cl_uint program_refs(cl_program program) {
+    cl_uint refs = 0;
+    next->clGetProgramInfo(program, CL_PROGRAM_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
+    return refs;
+}
+
+// a kernel's last release lets its program go: a program loaded from the cache may outlive the one
+// built from source (the plugin releases that once it has its kernels) until its kernels go
 static cl_int CL_API_CALL release_kernel(cl_kernel kernel) {
     cl_uint refs = 0;
     cl_program program = NULL;
     next->clGetKernelInfo(kernel, CL_KERNEL_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
     next->clGetKernelInfo(kernel, CL_KERNEL_PROGRAM, sizeof(program), &program, NULL);
     cl_int err = next->clReleaseKernel(kernel);
-    if (err == CL_SUCCESS && refs == 1 && program) program_cache_release(program);
+    if (err != CL_SUCCESS || refs != 1 || program == NULL) return err;
+    const cl_uint program_last = program_refs(program) == 1;
+    if (program_cache_release(program) == CL_SUCCESS && program_last) large_buffers_forget_program(program);
     return err;
 }
 
@@ -337,14 +347,16 @@ static cl_int CL_API_CALL build_program(cl_program program, cl_uint n, const cl_
     return err;
 }
 
+// a handle is forgotten at its last release only: the program loaded from the cache in place of
+// this one stays while its kernels do (their last release forgets it: release_kernel)
 static cl_int CL_API_CALL release_program(cl_program program) {
-    cl_uint refs = 0;
-    next->clGetProgramInfo(program, CL_PROGRAM_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
+    const cl_uint refs = program_refs(program);
     cl_program built = program_cache_built(program);
+    const cl_uint built_last = built != program && program_refs(built) == 1;
     cl_int err = program_cache_release(program);
     if (err == CL_SUCCESS && refs == 1) {
         large_buffers_forget_program(program);
-        large_buffers_forget_program(built);
+        if (built_last) large_buffers_forget_program(built);
     }
     return err;
 }
