@@ -93,7 +93,7 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
             assert (ran > 0) == (method == "kvzip"), method
             engine.forward([ids[-1]])  # the first decode step: the plugin re-lays its inputs once (6 KB measured)
             steps = []
-            for token in ids[: STEPS + (options.get("block_size") == BLOCK)]:
+            for token in ids[: STEPS + 1 if "block_size" in options else STEPS]:
                 read, before = engine.pool.decode_kv_read, emulation.counts()
                 logits = engine.forward([token])
                 c = emulation.counts() - before

@@ -331,6 +331,11 @@ class SelectFields:
         return self.units - (c.budget - c.representatives)
 
     @property
+    def words(self) -> int:
+        """32-bit words a signature: a bit a head."""
+        return max(1, -(-self.heads // 32))
+
+    @property
     def buckets(self) -> int:
         return min(self.choice.representatives, self.evictable)
 
@@ -342,8 +347,7 @@ class SelectFields:
 
     def sizes(self) -> dict[str, int]:
         """Each step's result's words in a row's scratch (:data:`SCRATCH`)."""
-        h, u, m, a = self.heads, self.units, self.evictable, self.choice.anchor_bits.shape[0]
-        w = max(1, -(-h // 32))
+        h, u, m, a, w = self.heads, self.units, self.evictable, self.choice.anchor_bits.shape[0], self.words
         words = (h * u, u, h, u, u, u * w, a * w, m * a, m, m, max(self.buckets, 1), u)
         return dict(zip(SCRATCH, words, strict=True))
 
@@ -408,7 +412,7 @@ def read_one_launch(dev: KernelDevice, sel: OneLaunchSelection) -> KVCrushGPUSel
     def part(name: str) -> np.ndarray:
         return row[offsets[name] : offsets[name] + sizes[name]]
 
-    m, w, a = f.evictable, max(1, -(-f.heads // 32)), f.choice.anchor_bits.shape[0]
+    m, w, a = f.evictable, f.words, f.choice.anchor_bits.shape[0]
     by_flag = part("by_flag")
     return KVCrushGPUSelection(
         keep=dev.to_host(sel.kept, np.int32, (sel.rows, f.kept))[0],

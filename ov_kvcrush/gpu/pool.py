@@ -433,15 +433,13 @@ class PagedLayer:
         new_b = p.upload("block tables", new_array)
         positions = self.slot_positions
         new_positions = positions.new_state()
-        state, pos_stride, fresh, fresh_position = positions.drop_fields()
         src, src_stride, dst, dst_stride = scores if scores is not None else (p.no_slots, 0, p.no_slots, 0)
         group = self.q_heads // kv if scores is not None else 0
         kernel = p.dev.kernel("paged_store.cl", "keep_slots", store_constants(p.shape))
         p.dev.run(kernel, (p.shape.head_dim + 5 + group, max(n, dst_stride, 1), kv), None, p.buffer, old_tables,
                   i32(old_stride), new_b, i32(new_array.shape[1]), kept.slots, i32(kept.stride), i32(n),
-                  state.buffer if state is not None else p.no_slots, i32(pos_stride), i32(fresh), i32(fresh_position),
-                  new_positions.buffer, i32(positions.capacity), src, i32(src_stride), dst, i32(dst_stride),
-                  i32(group))  # fmt: skip
+                  *positions.drop_args(), new_positions.buffer, i32(positions.capacity), src, i32(src_stride), dst,
+                  i32(dst_stride), i32(group))  # fmt: skip
         for table in self.tables:
             p.release(table)
         self.tables = new_tables

@@ -124,14 +124,14 @@ class SlotPositions:
         self.count = kept.count
 
     def drop_fields(self) -> tuple[SlotState | None, int, int, int]:
-        """What ``drop_slot`` reads of the positions (their state, its row stride, the fresh
-        range's first slot and position): it writes every position from the dropped slot or the
-        fresh range on."""
+        """What ``drop_slot`` and ``keep_slots`` read of the positions (their state, its row
+        stride, the fresh range's first slot and position): ``drop_slot`` writes every position
+        from the dropped slot or the fresh range on, ``keep_slots`` every kept slot's."""
         first, position = self.fresh if self.fresh is not None else (self.count, 0)
         return self.state, self.capacity, first, position
 
     def drop_args(self) -> tuple[Any, ...]:
-        """:meth:`drop_fields` as ``drop_slot``'s arguments (the buffer for the state)."""
+        """:meth:`drop_fields` as ``drop_slot``'s and ``keep_slots``' arguments (the buffer for the state)."""
         _, capacity, first, position = self.drop_fields()
         return self.buffer, np.int32(capacity), np.int32(first), np.int32(position)
 

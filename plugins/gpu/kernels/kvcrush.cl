@@ -102,18 +102,23 @@ __kernel void bucket_keys(__global const int* distances, int m, int A, int H, in
 }
 
 // One token per bucket: the m ordered tokens cut into `buckets` contiguous near-equal ranges
-// [j * m / buckets, (j + 1) * m / buckets); a bucket's first token, or (first == 0) its highest
-// `score`, the first on ties. members[i] = evictable[order[i]]. Global size (buckets).
-__kernel void representatives(__global const int* evictable, __global const int* order, int m, int buckets,
-                              __global const float* score, int first, __global int* reps) {
-    const int j = get_global_id(0);
-    if (j >= buckets) return;
+// [j * m / buckets, (j + 1) * m / buckets); bucket j's first token, or (first == 0) its highest
+// `score`, the first on ties. members[i] = evictable[order[i]].
+inline int representative(__global const int* evictable, __global const int* order, int m, int buckets,
+                          __global const float* score, int first, int j) {
     const int s = (int)((long)j * m / buckets), e = (int)((long)(j + 1) * m / buckets);
     int best = s;
     if (!first)
         for (int i = s + 1; i < e; ++i)
             if (score[evictable[order[i]]] > score[evictable[order[best]]]) best = i;
-    reps[j] = evictable[order[best]];
+    return evictable[order[best]];
+}
+
+// representative() of every bucket. Global size (buckets).
+__kernel void representatives(__global const int* evictable, __global const int* order, int m, int buckets,
+                              __global const float* score, int first, __global int* reps) {
+    const int j = get_global_id(0);
+    if (j < buckets) reps[j] = representative(evictable, order, m, buckets, score, first, j);
 }
 
 // Block-wise scores: sums[h][b] = the sum of scores[h][t] over block b's tokens (the last block
@@ -176,7 +181,8 @@ __kernel void block_mask(__global const uchar* blocks, int block, int whole, int
 }
 
 // ---- The whole selection of a row in one launch (kvcrush_select): every step above, in the same
-// order and with the same arithmetic, taken by the lanes of one work-group, each step's results
+// order and with the same arithmetic (but the threshold signature's mean, summed here in token
+// order, there by a sub-group's lanes), taken by the lanes of one work-group, each step's results
 // in the row's scratch (global memory) behind a barrier. A decode step's selection anew (a block's
 // worth of tokens come, or a token past the budget) is then one command a layer, not twenty; the
 // quadratic steps (the top-k ranks, the bucketing order) stay within one work-group, which is
@@ -295,12 +301,16 @@ __kernel void kvcrush_select(__global const float* scores, int score_stride, __g
     barrier(CLK_GLOBAL_MEM_FENCE);
     for (int u = lid; u < units; u += L) by_flag[(flags[u] ? m : 0) + same_before(flags, u)] = u;
     const int keep = budget - sinks - recent;  // a head's own decision: its top `keep` of the middle
-    for (int u = lid; u < units; u += L)  // pack_signatures
+    for (int u = lid; u < units; u += L) {  // pack_signatures (sinks and recent units: 0)
+        const bool middle = u >= sinks && u < sinks + mid;
         for (int w = 0; w < W; ++w)
-            sigs[u * W + w] = u >= sinks && u < sinks + mid ? signature_word(sums, means, units, H, sinks, mid, keep, f[S_TOPK], u, w) : 0u;
+            sigs[u * W + w] = middle ? signature_word(sums, means, units, H, sinks, mid, keep, f[S_TOPK], u, w) : 0u;
+    }
     barrier(CLK_GLOBAL_MEM_FENCE);
-    for (int i = lid; i < A * W; i += L)  // the anchors: given, or the evictable's majority bits
-        bits[i] = (f[S_MEAN] >> (i / W)) & 1 ? majority_word(sigs, W, by_flag, m, H, i % W) : anchors[(long)r * A * W + i];
+    for (int i = lid; i < A * W; i += L) {  // the anchors: given, or the evictable's majority bits
+        const bool mean = (f[S_MEAN] >> (i / W)) & 1;
+        bits[i] = mean ? majority_word(sigs, W, by_flag, m, H, i % W) : anchors[(long)r * A * W + i];
+    }
     barrier(CLK_GLOBAL_MEM_FENCE);
     for (int i = lid; i < m * A; i += L) {  // anchor_distances
         const int e = i / A, a = i % A;
@@ -317,14 +327,8 @@ __kernel void kvcrush_select(__global const float* scores, int score_stride, __g
         order[rank] = e;
     }
     barrier(CLK_GLOBAL_MEM_FENCE);
-    for (int j = lid; j < buckets; j += L) {  // representatives
-        const int s = (int)((long)j * m / buckets), e = (int)((long)(j + 1) * m / buckets);
-        int best = s;
-        if (!f[S_FIRST])
-            for (int i = s + 1; i < e; ++i)
-                if (combined[by_flag[order[i]]] > combined[by_flag[order[best]]]) best = i;
-        reps[j] = by_flag[order[best]];
-    }
+    for (int j = lid; j < buckets; j += L)  // representatives
+        reps[j] = representative(by_flag, order, m, buckets, combined, f[S_FIRST], j);
     barrier(CLK_GLOBAL_MEM_FENCE);
     for (int u = lid; u < units; u += L) {  // kept_mask
         int on = flags[u];

@@ -123,10 +123,10 @@ inline int slot_position(__global const int* pos, int j, int fresh, int fresh_po
 // kept[kv][i] (kept_stride 0: one list every head keeps), i < count: its elements
 // (gather_slots'), its position (positions [kv][pos_stride]; slots from `fresh` on were stored
 // since they were last written, at fresh_position + (slot - fresh): a decode step's token) and,
-// where score_width is not 0, its scores
-// in the head's query group (snapkv.cl's gather_rows: the new rows written to score_width, zero
-// past count). Global (HEAD_DIM + 5 + group, max(count, score_width), kv_heads): element
-// HEAD_DIM + 4 is the position, HEAD_DIM + 5 + g the score of query head kv * group + g.
+// where score_width is not 0, its scores in the head's query group (snapkv.cl's gather_rows: the
+// new rows written to score_width, zero past count). Global (HEAD_DIM + 5 + group,
+// max(count, score_width), kv_heads): element HEAD_DIM + 4 is the position, HEAD_DIM + 5 + g the
+// score of query head kv * group + g.
 __kernel void keep_slots(__global uchar* pool, __global const int* tables, int table_stride,
                          __global const int* new_tables, int new_stride, __global const int* kept, int kept_stride,
                          int count, __global const int* positions, int pos_stride, int fresh, int fresh_position,
