@@ -78,7 +78,7 @@ class IndexArena:
     def _grow(self, words: int) -> None:
         old = self.capacity
         new = max(2 * old, old + words)
-        grown = self.dev.zeros(4 * new)
+        grown = self.dev.empty(4 * new)  # a run's words are what its last owner left: each owner writes its own
         self.dev.copy_bytes(self.buffer, grown, 4 * old, 0)
         self.buffer, self.capacity = grown, new
         self.generation += 1

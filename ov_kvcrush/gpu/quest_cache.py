@@ -11,9 +11,10 @@ slots attended (the same for every head, known on the host).
 
 In OpenVINO's GPU plugin (``device="GPU"``) the model's pages layer (``OvkcPages``) does a decode
 step's work after its store: the bounds of the pages from the last one computed on, into the
-pool's :class:`~ov_kvcrush.gpu.arena.IndexArena` (a run of words per layer, grown by doubling
-before the step where the pages outgrow it), the ranking and the list of slots; the host keeps
-where the bounds lie and how many pages they cover.
+pool's :class:`~ov_kvcrush.gpu.arena.IndexArena` (a run of words per layer, taken twice as large
+before the step where the pages outgrow it, that step computing every page's bounds into it),
+the ranking and the list of slots; the host keeps where the bounds lie and how many pages they
+cover.
 """
 
 from __future__ import annotations
@@ -59,13 +60,10 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
         dev, kv, d = lay.pool.dev, lay.kv_heads, lay.pool.shape.head_dim
         n = lay.held
         pages = -(-n // ps)
-        if pages > self.cap:  # room for more pages: the computed ones copied over
-            cap = max(pages, 2 * self.cap)
-            grown = (dev.empty(4 * kv * cap * d), dev.empty(4 * kv * cap * d))
-            if self.bounds is not None:
-                for old, new in zip(self.bounds, grown, strict=True):
-                    dev.copy_rect(old, self.cap * d, new, cap * d, 0, kv, self.pages * d)
-            self.bounds, self.cap = grown, cap
+        if pages > self.cap:  # room for more pages: every page's bounds computed again there
+            self.cap = max(pages, 2 * self.cap)
+            self.bounds = (dev.empty(4 * kv * self.cap * d), dev.empty(4 * kv * self.cap * d))
+            self.pages = 0
         first = max(self.pages - 1, 0)
         tables, stride = lay.device_tables()
         i32 = np.int32
@@ -117,21 +115,20 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
         return 2 * self.layer.kv_heads * cap * self.layer.pool.shape.head_dim
 
     def _before_model_step(self) -> None:
-        """Room in the arena for the bounds of the pages after the step (the held ones' copied
-        over where the run grows)."""
+        """Room in the arena for the bounds of the pages after the step. Where the run grows, the
+        step's pages layer computes every page's bounds again into the new one (from page 0: its
+        keys read once a doubling of the pages) rather than a copy of the old run: no command of
+        its own."""
         pages = self._pages_of(self.layer.held + 1)
         first, cap = self.bounds_run or (0, 0)
         if pages <= cap:
             return
-        kv, d = self.layer.kv_heads, self.layer.pool.shape.head_dim
-        arena, dev = self.layer.pool.index_arena(), self.layer.pool.dev
-        new_cap = max(pages, 2 * cap)
-        start = arena.take(self._bounds_words(new_cap))
-        if self.bounds_run is not None:  # kmax's rows then kmin's, each head's computed pages: one copy
-            dev.copy_rect(arena.buffer, cap * d, arena.buffer, new_cap * d, start, 2 * kv, self.pages * d,
-                          src_at=first)  # fmt: skip
+        arena = self.layer.pool.index_arena()
+        if self.bounds_run is not None:
             arena.give(first, self._bounds_words(cap))
-        self.bounds_run = (start, new_cap)
+        new_cap = max(pages, 2 * cap)
+        self.bounds_run = (arena.take(self._bounds_words(new_cap)), new_cap)
+        self.pages = 0
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         """After a decode step: its pages' bounds were computed inside the model."""

@@ -81,7 +81,8 @@ class SlotPositions:
         if self.fresh is not None and first_position - self.fresh[1] != self.count - self.fresh[0]:
             self._write_fresh()  # not the same range: the earlier one written first
         if self.count + t > self.capacity:
-            capacity = max(self.count + t, 2 * self.capacity, self.FIRST)
+            # twice the slots: a prompt's first decode steps (and the next doublings') add none
+            capacity = max(2 * (self.count + t), self.FIRST)
             grown = self._allocate(4 * self.kv_heads * capacity)
             written = self.fresh[0] if self.fresh is not None else self.count
             if written:
