@@ -399,21 +399,28 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
                                 self.scores, i32(self.stride), i32(before), logits.buffer, i32(logits.stride),
                                 i32(logits.rows), i32(logits.row))  # fmt: skip
 
-    def _gather_scores(self, kept: tuple[Any, int], count: int, stride: int) -> SlotState:
+    def _gather_scores(self, kept: tuple[Any, int], count: int, stride: int,
+                       source: tuple[SlotState, int] | None = None) -> SlotState:  # fmt: skip
         """The scores of each KV head's slots ``kept`` (device ``[kv, count]`` and its row stride:
         0 when every head keeps the same list; -1: the first ``count`` slots, no list) in a new
-        buffer of row stride ``stride``."""
+        buffer of row stride ``stride``; from ``source`` (scores and their row stride) where
+        given, else the scores."""
         dev, lay = self.layer.pool.dev, self.layer
+        scores, scores_stride = (source[0].buffer, source[1]) if source else (self.scores, self.stride)
         out = lay.pool.slot_state(4 * lay.q_heads * max(stride, 1))  # written whole: zero past the kept slots
         i32 = np.int32
-        dev.run(self._kernel("gather_rows"), (max(stride, 1), lay.q_heads), None, self.scores, i32(self.stride),
+        dev.run(self._kernel("gather_rows"), (max(stride, 1), lay.q_heads), None, scores, i32(scores_stride),
                 kept[0], i32(kept[1]), i32(count), i32(lay.q_heads // lay.kv_heads), out.buffer,
                 i32(stride))  # fmt: skip
         return out
 
+    def _grown_stride(self, need: int) -> int:
+        """The row stride of scores grown for ``need`` slots: twice the old, and past the budget."""
+        return max(need, self.budget + 1, 2 * self.stride)
+
     def _grow(self, need: int) -> None:
         """Room for ``need`` slots' scores (the held ones copied over)."""
-        self._keep_held_scores(max(need, self.budget + 1, 2 * self.stride))
+        self._keep_held_scores(self._grown_stride(need))
 
     def _keep_held_scores(self, stride: int) -> None:
         """The held slots' scores copied into a fresh buffer of row stride ``stride``, zero past them."""

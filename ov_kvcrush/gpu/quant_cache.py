@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ov_kvcrush.errors import UserError
+from ov_kvcrush.gpu.arena import SlotState
 from ov_kvcrush.gpu.attention import QuantHeads
 from ov_kvcrush.gpu.kvcrush import launch_block_sums
 from ov_kvcrush.gpu.kvcrush_cache import DeviceKVCrushLayerCache
@@ -71,6 +72,9 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         #: the flush the model's step makes (a model that stores and attends itself): the first
         #: full-precision slot, the slots, and each KV head's new blocks; None when it makes none
         self.flushing: tuple[int, int, list[list[int]]] | None = None
+        #: the scores before they grew for the model's step (their state, row stride and slots),
+        #: until the step's launch reads them there (:meth:`_grow_in_step`)
+        self._grown_from: tuple[SlotState, int, int] | None = None
 
     @property
     def nq(self) -> int:
@@ -147,8 +151,11 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
                 raise UserError("the 2-bit store on device GPU decodes one token per step after the prompt")
             filled = (self.layer.held + t - self.pinned) // self.r * self.r
             need = self._scored() + t
+            if self._works_in_step_launch():
+                if need > self.stride:
+                    self._grow_in_step(need)
             # a step that flushes has a command more: the scores grow a step early rather than in it
-            if need > self.stride or (not filled and need + t > self.stride):
+            elif need > self.stride or (not filled and need + t > self.stride):
                 self._grow(need + (0 if filled else t))
             if filled:
                 ids = [self.blocks.take(self.layer.kv_heads) for _ in range(filled // self.r)]
@@ -186,6 +193,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
                 self._store_prompt()
             return
         lay = self.layer
+        self._copy_grown()
         self._zero_new_score()
         if self.flushing is not None:
             start, count, ids = self.flushing
@@ -207,10 +215,13 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         in the store's new order; then the probabilities over both stores added from the logits,
         the new slot's from zero. None where a chunk may be evicted (a selection not frozen)."""
         lay = self.layer
-        if self.scores is None or logits is None or not self.frozen or lay.pool.slot_arena is None:
+        if logits is None or not self._works_in_step_launch():
             return None
         scored = self._scored()  # in the order before a flush too: the step's token the last
         work = StepWork(lay, self.score_state, self.stride, add_from=scored - 1, scored=scored, held=lay.held)
+        if self._grown_from is not None:  # the held scores come over in the adding
+            work.grown, work.grown_stride, _ = self._grown_from
+            self._grown_from = None
         if self.flushing is None:
             return work
         start, count, ids = self.flushing
@@ -222,6 +233,29 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         else:  # the slots after them move down (the first flush after a prompt whose tail was longer)
             work.drop_flushed(start, count)
         return work
+
+    def _works_in_step_launch(self) -> bool:
+        """Whether a decode step's work is a row of the step's launch (:meth:`step_work`: a frozen
+        selection's, its scores in the pool's arena), given the model's logits."""
+        return self.scores is not None and self.frozen and self.layer.pool.slot_arena is not None
+
+    def _grow_in_step(self, need: int) -> None:
+        """:meth:`_grow` with no command of its own: the grown rows taken now, the held scores
+        read where they were by the step's launch that adds its probabilities (:meth:`step_work`),
+        or copied over by :meth:`_copy_grown` where the step's work is not that launch's."""
+        lay = self.layer
+        self._grown_from = (self.score_state, self.stride, self._scored())
+        self.stride = self._grown_stride(need)
+        self.score_state = lay.pool.slot_state(4 * lay.q_heads * self.stride)
+
+    def _copy_grown(self) -> None:
+        """The held scores copied into the rows :meth:`_grow_in_step` took, where no launch read them."""
+        if self._grown_from is None:
+            return
+        state, stride, held = self._grown_from
+        self._grown_from = None
+        no_list = (self.layer.pool.no_slots, -1)
+        self.score_state = self._gather_scores(no_list, held, self.stride, source=(state, stride))
 
     def truncate(self, tokens: int) -> bool:
         """False (nothing dropped) once the prompt is stored and ``tokens`` would drop any: as the

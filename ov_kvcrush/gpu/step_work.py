@@ -54,7 +54,9 @@ class StepWork:
     scores (over ``scored`` slots, the ones from ``add_from`` new), score the slots from
     ``norms_from`` by their keys' norms (Knorm), drop one slot a head (``drop``: a slot, or
     :data:`DROP_LOWEST` of the ``mid`` slots after ``sinks``) of the ``held`` ones, and after a
-    2-bit flush put the scores in the store's new order (:meth:`flushed`). ``-1``: not this part."""
+    2-bit flush put the scores in the store's new order (:meth:`flushed`). ``-1``: not this part.
+    Where the scores grew before the step (``grown``: where they were, rows ``grown_stride``
+    apart), the adding reads the held ones there: the copy is that launch's."""
 
     layer: PagedLayer
     scores: SlotState | None = None
@@ -76,6 +78,8 @@ class StepWork:
     #: the slots dropped from ``drop`` (1, or a flushed chunk's), and whether their scores go too
     drop_count: int = 1
     drop_scores: int = 1
+    grown: SlotState | None = None
+    grown_stride: int = 0
 
     def flushed(self, first: int, pinned: int, count: int) -> None:
         """The model flushed the ``count`` full-precision slots after the ``pinned`` ones into the
@@ -103,8 +107,9 @@ class StepWork:
 
     def row(self, logit_row: int) -> list[int]:
         """The ints ``paged_store.cl`` reads (``logit_row``: the sequence's among the step's logits)."""
+        grown = _offset(self.grown) if self.grown is not None else -1
         return _row(vars(self) | {"scores": _offset(self.scores), "positions": _offset(self.positions),
-                                  "logit_row": logit_row})  # fmt: skip
+                                  "grown": grown, "logit_row": logit_row})  # fmt: skip
 
 
 def _row(values: dict[str, Any]) -> list[int]:
@@ -192,5 +197,5 @@ def launch_step_work(
 #: the row of a sequence with no work in the layer: every field's default
 _NOTHING = _row(
     {f.name: f.default for f in fields(StepWork) if f.default is not MISSING}
-    | {"scores": 0, "positions": 0, "logit_row": 0}
+    | {"scores": 0, "positions": 0, "grown": -1, "logit_row": 0}
 )

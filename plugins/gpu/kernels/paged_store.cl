@@ -221,7 +221,9 @@ __kernel void drop_slot(__global uchar* pool, __global const int* tables, int ta
 #define W_FLUSH_COUNT 16    // the chunk's slots
 #define W_DROP_COUNT 17     // the slots dropped from W_DROP (a drop: 1; a flush: the chunk's)
 #define W_DROP_SCORES 18    // whether the scores move with them (a flush reorders them itself)
-#define WORK_FIELDS 20
+#define W_GROWN 19          // the scores grew this step: the held ones' first word before (-1: not)
+#define W_GROWN_STRIDE 20   // and their rows' stride there
+#define WORK_FIELDS 22
 #define DROP_NONE (-1)
 #define DROP_LOWEST (-2)
 
@@ -270,14 +272,18 @@ inline int flushed_column(__global const int* w, int j) {
     return w[W_FLUSH_FROM] + (k < pinned ? count + k : k - pinned);
 }
 
-// add_step_logits of each sequence's decode row. Global (most scored slots, q_heads, sequences).
+// add_step_logits of each sequence's decode row; where its scores grew this step (W_GROWN), the
+// held ones read from where they were: the copy into the grown rows is this launch's, not a
+// command of its own. Global (most scored slots, q_heads, sequences).
 __kernel void step_add_logits(__global int* arena, __global const int* work, __global const float* logits,
                               int stride, int rows) {
     const int j = get_global_id(0), h = get_global_id(1), s = get_global_id(2);
     __global const int* w = work + s * WORK_FIELDS;
     if (w[W_ADD_FROM] < 0 || j >= w[W_SCORED]) return;
-    add_logit(work_scores(arena, w), w[W_SCORE_STRIDE], w[W_ADD_FROM], logits, stride, rows, w[W_LOGIT_ROW],
-              get_global_size(1), h, j, flushed_column(w, j));
+    const int grown = w[W_GROWN] >= 0;
+    __global const float* held = grown ? (__global const float*)(arena + w[W_GROWN]) : work_scores(arena, w);
+    add_logit(held, grown ? w[W_GROWN_STRIDE] : w[W_SCORE_STRIDE], work_scores(arena, w), w[W_SCORE_STRIDE],
+              w[W_ADD_FROM], logits, stride, rows, w[W_LOGIT_ROW], get_global_size(1), h, j, flushed_column(w, j));
 }
 
 // drop_lowest for each sequence that drops its lowest middle slot, into dropped[s][kv]. One

@@ -4,14 +4,16 @@
 #ifndef OVKC_SCORES_H
 #define OVKC_SCORES_H
 
-// acc[h][j] (+)= exp(logits[h][row][col] - lse[h][row]) (j >= before: a new slot, from 0): a
-// decode step's probability of slot j in query head h (of q_heads) from the logits and
-// log-sum-exp the model's attention wrote (logits [q_heads][rows][stride], then lse
-// [q_heads][rows]); the slot's logit is column col (j, but where the store's order changed since).
-inline void add_logit(__global float* acc, int acc_stride, int before, __global const float* logits, int stride,
-                      int rows, int row, int q_heads, int h, int j, int col) {
+// acc[h][j] = held[h][j] + exp(logits[h][row][col] - lse[h][row]) (j >= before: a new slot, from
+// 0): a decode step's probability of slot j in query head h (of q_heads) added to its score so
+// far (`held`: acc itself, or the rows the scores grew out of) from the logits and log-sum-exp
+// the model's attention wrote (logits [q_heads][rows][stride], then lse [q_heads][rows]); the
+// slot's logit is column col (j, but where the store's order changed since).
+inline void add_logit(__global const float* held, int held_stride, __global float* acc, int acc_stride, int before,
+                      __global const float* logits, int stride, int rows, int row, int q_heads, int h, int j,
+                      int col) {
     const float lse = logits[(long)q_heads * rows * stride + h * rows + row];
-    const float old = j < before ? acc[(long)h * acc_stride + j] : 0.0f;
+    const float old = j < before ? held[(long)h * held_stride + j] : 0.0f;
     acc[(long)h * acc_stride + j] = old + exp(logits[((long)h * rows + row) * stride + col] - lse);
 }
 

@@ -115,7 +115,8 @@ __kernel void set_elements(__global int* dst, __global const int* pairs) {
 __kernel void add_step_logits(__global float* acc, int acc_stride, int before, __global const float* logits,
                               int stride, int rows, int row) {
     const int j = get_global_id(0);
-    add_logit(acc, acc_stride, before, logits, stride, rows, row, get_global_size(1), get_global_id(1), j, j);
+    add_logit(acc, acc_stride, acc, acc_stride, before, logits, stride, rows, row, get_global_size(1),
+              get_global_id(1), j, j);
 }
 
 // The middle slot each KV head drops when one goes (an eviction of one slot a head: a decode step
