@@ -83,6 +83,61 @@ def test_a_pool_past_its_budget_is_refused_and_a_budget_past_one_allocation_is_c
     assert capacity < blocks  # a chunk allocated, not the budget
 
 
+def _quant_blocks_in_a_budget(chunk_blocks: int, budget_blocks: int, takes: list[int]) -> dict:
+    """A growing pool of ``budget_blocks`` f16 blocks and its 2-bit blocks (each chunk
+    ``chunk_blocks`` f16 blocks' bytes): 2-bit blocks taken ``takes`` at a time, each filled with
+    its own bytes, until the budget refuses; then full-precision blocks until it refuses. The
+    sizes after each take, whether every 2-bit block kept its bytes, and the refusals."""
+    from ov_kvcrush.gpu.layout import PoolShape, QuantShape
+    from ov_kvcrush.gpu.pool import DevicePool
+    from ov_kvcrush.gpu.runtime import GPUPathError
+
+    shape = PoolShape("f16", BLOCK, HEAD_DIM, 4)
+    chunk, DevicePool.CHUNK_BYTES = DevicePool.CHUNK_BYTES, chunk_blocks * shape.block_bytes
+    try:
+        pool = DevicePool(shape, blocks=budget_blocks, grow=True)
+        blocks = pool.quant_blocks(QuantShape(16, HEAD_DIM, 16, 2, 2, 4))
+    finally:
+        DevicePool.CHUNK_BYTES = chunk
+    qb, rng = blocks.shape.block_bytes, np.random.default_rng(1)
+    held, sizes, out = {}, [], {"budget": budget_blocks * shape.block_bytes, "chunk": blocks.chunk}
+    try:
+        for n in takes:
+            for block in blocks.take(n):
+                held[block] = rng.integers(0, 256, qb, dtype=np.uint8)
+                pool.dev.copy_bytes(pool.dev.to_device(held[block]), blocks.buffer, qb, block * qb)
+            sizes.append((blocks.capacity, blocks.in_use, pool.capacity * shape.block_bytes + blocks.capacity * qb))
+    except GPUPathError as e:
+        out["quant refused"] = str(e)
+    whole = pool.dev.to_host(blocks.buffer, np.uint8, (blocks.capacity * qb,))
+    out["kept"] = all((whole[b * qb : (b + 1) * qb] == data).all() for b, data in held.items())
+    try:
+        while True:
+            pool.allocate(1)
+    except GPUPathError as e:
+        out["fp refused"] = str(e)
+    out["fp_bytes"], out["quant_bytes"] = pool.capacity * shape.block_bytes, blocks.capacity * qb
+    return out | {"sizes": sizes}
+
+
+def test_the_2bit_blocks_grow_by_a_chunk_or_a_tenth_within_the_pools_budget(gpu_worker):
+    """MiniKV's 2-bit blocks (``QuantBlocks``) grow as the pool does, their bytes counted against
+    the pool's budget beside the full-precision blocks' (as the CPU op counts them): at every size
+    within a tenth and a chunk of the blocks held, the blocks' bytes kept through each growth,
+    the whole never past the budget, and a take past it refused naming the budget's options, as
+    is a full-precision block then."""
+    got = gpu_worker.submit(_quant_blocks_in_a_budget, 2, 40, [5, 30, 1, 90, 200, 400, 800, 1600]).result(300)
+    assert got["kept"]
+    peak = 0
+    for capacity, in_use, total in got["sizes"]:
+        peak = max(peak, in_use)
+        assert in_use <= capacity <= 1.1 * peak + got["chunk"] and total <= got["budget"], got["sizes"]
+    assert len({c for c, _, _ in got["sizes"]}) >= 4  # it grew, step by step
+    assert "2-bit blocks" in got["quant refused"] and "--kv-pool-mib" in got["quant refused"]
+    assert "2-bit blocks" in got["fp refused"] and "max_kv_blocks" in got["fp refused"]
+    assert got["fp_bytes"] + got["quant_bytes"] <= got["budget"]
+
+
 def _arena_runs(steps: list[tuple[int, int]]) -> dict:
     """Take a run of ``take`` words and give back the ``give``-th run held (-1: none), per step,
     each run filled with its own words; the arena's capacity and words in use after each step,

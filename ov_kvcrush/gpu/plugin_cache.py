@@ -35,7 +35,8 @@ from ov_kvcrush.gpu.device import Device
 from ov_kvcrush.gpu.kvzip_cache import DeviceKVzipLayerCache
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.pool import DevicePool, QuantBlocks
+from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.gpu.quant_blocks import QuantBlocks
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, store_shape
 from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits

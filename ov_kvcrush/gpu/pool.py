@@ -28,6 +28,7 @@ from ov_kvcrush.gpu.attention import DecodeBuffers, QuantHeads, decode_buffers, 
 from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.prefill import launch_prompt
+from ov_kvcrush.gpu.quant_blocks import QuantBlocks
 from ov_kvcrush.gpu.runtime import GPUPathError
 from ov_kvcrush.gpu.slots import KeptSlots, SlotPositions
 from ov_kvcrush.gpu.store import launch_store, store_constants
@@ -101,6 +102,8 @@ class DevicePool:
             self.limit_reason = f"the device's {where} ({largest * shape.block_bytes >> 20} MiB, one buffer)"
         self.blocks = blocks
         self.chunk = max(1, min(blocks, self.CHUNK_BYTES // shape.block_bytes))
+        #: the buffer grows as blocks are asked for (else it was allocated whole)
+        self.grows = grow
         self.capacity = self.chunk if grow else blocks
         self.buffer = self.dev.empty(self.capacity * shape.block_bytes)
         self._free = list(range(self.capacity - 1, -1, -1))
@@ -117,10 +120,17 @@ class DevicePool:
         self.no_slots = self.dev.zeros(4)
 
     def quant_blocks(self, shape: QuantShape) -> QuantBlocks:
-        """The 2-bit blocks of ``shape`` that this pool's layer caches share (made when first asked)."""
+        """The 2-bit blocks of ``shape`` that this pool's layer caches share (made when first
+        asked): in a growing pool, within its budget beside the full-precision blocks."""
         if shape not in self._quant:
-            self._quant[shape] = QuantBlocks(self.dev, shape)
+            spare = self._spare_bytes if self.grows else lambda: None
+            self._quant[shape] = QuantBlocks(self.dev, shape, self.CHUNK_BYTES, spare, self.limit_reason)
         return self._quant[shape]
+
+    def _spare_bytes(self) -> int:
+        """The bytes the budget leaves beside the blocks allocated, full-precision and 2-bit."""
+        quant = sum(q.allocated_bytes for q in self._quant.values())
+        return (self.blocks - self.capacity) * self.shape.block_bytes - quant
 
     def index_arena(self) -> IndexArena:
         """The words that this pool's ClusterKV layer caches put their index in for the GPU
@@ -143,15 +153,18 @@ class DevicePool:
         return [self._free.pop() for _ in range(n)]
 
     def _grow(self, need: int) -> None:
-        """Room for ``need`` blocks: a chunk more, or a tenth more, at least ``need``, within the budget."""
-        if need > self.blocks:
+        """Room for ``need`` blocks: a chunk more, or a tenth more, at least ``need``, within the
+        budget (the 2-bit blocks' bytes taken from it)."""
+        old, bb = self.capacity, self.shape.block_bytes
+        most = old + max(self._spare_bytes(), 0) // bb
+        if need > most:
+            beside = f", {(self.blocks - most) * bb >> 20} MiB of it 2-bit blocks" if most < self.blocks else ""
             raise GPUPathError(
-                f"the device pool is out of blocks: {need} needed, {self.blocks} at most "
-                f"({self.blocks * self.shape.block_bytes >> 20} MiB: {self.limit_reason}; a larger max_kv_blocks, "
+                f"the device pool is out of blocks: {need} needed, {most} at most "
+                f"({self.blocks * bb >> 20} MiB: {self.limit_reason}{beside}; a larger max_kv_blocks, "
                 "scheduler_config.cache_size or --kv-pool-mib raises a budget)"
             )
-        old, bb = self.capacity, self.shape.block_bytes
-        new = min(self.blocks, max(need, old + max(self.chunk, old // 10)))
+        new = min(most, max(need, old + max(self.chunk, old // 10)))
         grown = self.dev.empty(new * bb)
         self.dev.copy_bytes(self.buffer, grown, old * bb, 0)
         self.buffer, self.capacity = grown, new
@@ -185,42 +198,6 @@ class DevicePool:
         c = self.crossings[self.phase]
         c.to_host[what] = c.to_host.get(what, 0) + out.nbytes
         return out
-
-
-class QuantBlocks:
-    """The 2-bit store's blocks of ``shape`` (MiniKV's chunks) in one device buffer, shared by a
-    pool's layer caches: the GPU plugin's model reads every layer's from one input. It grows by
-    doubling, the held blocks copied over on the device (a frozen selection keeps every generated
-    token, so its chunks keep coming)."""
-
-    FIRST = 16  # blocks in the first buffer
-
-    def __init__(self, dev: KernelDevice, shape: QuantShape) -> None:
-        self.dev = dev
-        self.shape = shape
-        self.capacity = self.FIRST
-        self.buffer = dev.zeros(self.capacity * shape.block_bytes)
-        self._free = list(range(self.capacity - 1, -1, -1))
-
-    @property
-    def in_use(self) -> int:
-        return self.capacity - len(self._free)
-
-    def take(self, n: int) -> list[int]:
-        """``n`` free blocks' ids (the buffer grown first where too few are free)."""
-        while n > len(self._free):
-            self._grow()
-        return [self._free.pop() for _ in range(n)]
-
-    def give(self, ids: list[int]) -> None:
-        self._free.extend(reversed(ids))
-
-    def _grow(self) -> None:
-        bb, old = self.shape.block_bytes, self.capacity
-        grown = self.dev.empty(2 * old * bb)  # a block taken is written whole (a chunk's flush), as one given back
-        self.dev.copy_bytes(self.buffer, grown, old * bb, 0)
-        self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
-        self.buffer, self.capacity = grown, 2 * old
 
 
 def table_array(tables: list[Any], fill: int = 0) -> np.ndarray:
