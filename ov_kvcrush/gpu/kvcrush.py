@@ -304,7 +304,8 @@ def block_sums(scores: np.ndarray, block: int, sub_group: int | None = None) -> 
 
 #: the most units (tokens, or whole blocks) a selection takes in one launch: ``kvcrush_select``
 #: gives a row one work-group, and its ranks are quadratic in the units; past it (a long prompt's
-#: selection, once) the step kernels spread each step over the device
+#: selection, once; token by token at a budget of 2,048 or more, every decode step) the step
+#: kernels spread each step over the device
 ONE_LAUNCH_UNITS = 2048
 #: the lanes of ``kvcrush_select``'s work-group
 SELECT_LANES = 128
