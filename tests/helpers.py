@@ -313,6 +313,16 @@ def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.
     )
 
 
+def python_with_all_cores(script: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``script`` (dedented) in a fresh interpreter given every core the run started with
+    (:func:`with_all_cores`), for what behaves otherwise in a process of one core (a worker's
+    share, ``conftest.pytest_configure``): openvino_genai's rotation crash, and OpenVINO 2026.4's
+    CPU plugin compiling a model with sliding-window layers at its default bf16 on a CPU with AMX
+    (it dies of a division by zero, SIGFPE, the core count being read once per process)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=with_all_cores)  # fmt: skip
+
+
 def with_all_cores() -> None:
     """A child's ``preexec_fn``: the cores the test run started with, not its worker's share
     (``conftest.pytest_configure``), for a child whose behaviour depends on running threads in

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
-from helpers import run_main, signal_after_drops, with_all_cores
+from helpers import python_with_all_cores, run_main, signal_after_drops
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.engines import signal_stack
@@ -68,16 +65,6 @@ def test_native_eviction_holds_its_budget(model_dir, passkey, method):
     assert r.method == method and r.budget == 512 and r.backend == "genai"
 
 
-def _native(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=with_all_cores,
-    )
-
-
 NATIVE_ROTATION = """
 import numpy as np, openvino as ov, openvino_genai as g
 sc = g.SchedulerConfig(); sc.num_kv_blocks = 64; sc.max_num_batched_tokens = 2048
@@ -98,7 +85,7 @@ except RuntimeError as e:
 
 @pytest.mark.slow
 def test_native_rotation_crash_reproduced_and_refused(model_dir):
-    proc = _native(NATIVE_ROTATION.format(mode="SUM", rotation=True, model=str(model_dir)))
+    proc = python_with_all_cores(NATIVE_ROTATION.format(mode="SUM", rotation=True, model=str(model_dir)))
     assert "NATIVE_FAILED" in proc.stdout, proc.stdout + proc.stderr
     cfg = CompressionConfig(method="snapkv", budget=192, sink_tokens=32, recent_tokens=32, apply_rotation=True)
     engine = GenAIEngine(model_dir, cfg)
@@ -110,7 +97,7 @@ def test_native_rotation_crash_reproduced_and_refused(model_dir):
 
 
 def test_native_adaptive_rkv_crash_reproduced_and_refused(model_dir):
-    proc = _native(NATIVE_ROTATION.format(mode="ADAPTIVE_RKV", rotation=False, model=str(model_dir)))
+    proc = python_with_all_cores(NATIVE_ROTATION.format(mode="ADAPTIVE_RKV", rotation=False, model=str(model_dir)))
     assert "NATIVE_FAILED" in proc.stdout and "Token diversity" in proc.stdout
     with pytest.raises(UserError, match="aggregation"):
         CompressionConfig(method="snapkv", budget=256, aggregation="adaptive_rkv")
