@@ -26,6 +26,7 @@ from ov_kvcrush.gpu import HOSTS
 from ov_kvcrush.gpu.arena import IndexArena, SlotState
 from ov_kvcrush.gpu.attention import DecodeBuffers, QuantHeads, decode_buffers, launch_decode, launch_quant_logits
 from ov_kvcrush.gpu.device import HeadsOnDevice, KernelDevice, device
+from ov_kvcrush.gpu.growth import grow_blocks
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.quant_blocks import QuantBlocks
@@ -153,8 +154,8 @@ class DevicePool:
         return [self._free.pop() for _ in range(n)]
 
     def _grow(self, need: int) -> None:
-        """Room for ``need`` blocks: a chunk more, or a tenth more, at least ``need``, within the
-        budget (the 2-bit blocks' bytes taken from it)."""
+        """Room for ``need`` blocks (:func:`~ov_kvcrush.gpu.growth.grow_blocks`), within the budget
+        (the 2-bit blocks' bytes taken from it)."""
         old, bb = self.capacity, self.shape.block_bytes
         most = old + max(self._spare_bytes(), 0) // bb
         if need > most:
@@ -164,11 +165,7 @@ class DevicePool:
                 f"({self.blocks * bb >> 20} MiB: {self.limit_reason}{beside}; a larger max_kv_blocks, "
                 "scheduler_config.cache_size or --kv-pool-mib raises a budget)"
             )
-        new = min(most, max(need, old + max(self.chunk, old // 10)))
-        grown = self.dev.empty(new * bb)
-        self.dev.copy_bytes(self.buffer, grown, old * bb, 0)
-        self.buffer, self.capacity = grown, new
-        self._free = list(range(new - 1, old - 1, -1)) + self._free
+        self.buffer, self.capacity = grow_blocks(self.dev, self.buffer, self._free, old, need, self.chunk, most, bb)
 
     def release(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))

@@ -3,11 +3,11 @@ method): one buffer shared by a pool's layer caches, since the GPU plugin's mode
 layer's from one input.
 
 It grows as the pool's full-precision blocks do (:class:`~ov_kvcrush.gpu.pool.DevicePool`): a
-chunk at first, then a chunk or a tenth more, the held blocks copied over on the device, so it
-holds at most 1.1 times the blocks in use plus a chunk (a frozen selection keeps every generated
-token, so its chunks keep coming). Its bytes count against the pool's budget beside the
-full-precision blocks', as the CPU op counts 2-bit blocks by their bytes (``paged_cache.cpp``),
-and one buffer stays within the device's largest allocation.
+chunk at first, then as :func:`~ov_kvcrush.gpu.growth.grow_blocks` grows a buffer of blocks (a
+frozen selection keeps every generated token, so its chunks keep coming). Its bytes count
+against the pool's budget beside the full-precision blocks', as the CPU op counts 2-bit blocks
+by their bytes (``paged_cache.cpp``), and one buffer stays within the device's largest
+allocation.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ov_kvcrush.gpu.device import KernelDevice
+from ov_kvcrush.gpu.growth import grow_blocks
 from ov_kvcrush.gpu.layout import QuantShape
 from ov_kvcrush.gpu.runtime import GPUPathError
 
@@ -34,8 +35,7 @@ class QuantBlocks:
         #: the most blocks one buffer holds (the device's largest allocation); None: not said
         self.largest = None if largest is None else largest // shape.block_bytes
         self.chunk = max(1, chunk_bytes // shape.block_bytes)
-        self.capacity = 0
-        self.capacity = max(1, min(self.chunk, self._most()))
+        self.capacity = max(1, min(self.chunk, self._most(0)))
         self.buffer = dev.empty(self.capacity * shape.block_bytes)  # a block taken is written whole
         self._free = list(range(self.capacity - 1, -1, -1))
 
@@ -56,18 +56,17 @@ class QuantBlocks:
     def give(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
 
-    def _most(self) -> int:
-        """The most blocks the buffer may hold now: what it holds and what the budget leaves, within
-        one allocation."""
+    def _most(self, held: int) -> int:
+        """The most blocks a buffer holding ``held`` may hold: those and what the budget leaves,
+        within one allocation."""
         spare = self._spare()
-        most = self.capacity + spare // self.shape.block_bytes if spare is not None else None
+        most = held + spare // self.shape.block_bytes if spare is not None else None
         bounds = [b for b in (most, self.largest) if b is not None]
-        return min(bounds) if bounds else self.capacity + self.chunk
+        return min(bounds) if bounds else held + self.chunk
 
     def _grow(self, need: int) -> None:
-        """Room for ``need`` blocks: a chunk more, or a tenth more, at least ``need``, within
-        :meth:`_most`."""
-        most = self._most()
+        """Room for ``need`` blocks (:func:`~ov_kvcrush.gpu.growth.grow_blocks`), within :meth:`_most`."""
+        most = self._most(self.capacity)
         if need > most:
             where = "the device's largest allocation" if most == self.largest else self.budget
             raise GPUPathError(
@@ -75,9 +74,5 @@ class QuantBlocks:
                 f"({most * self.shape.block_bytes >> 20} MiB: {where}, the full-precision blocks' bytes beside them; "
                 "a larger max_kv_blocks, scheduler_config.cache_size or --kv-pool-mib raises a budget)"
             )
-        old, bb = self.capacity, self.shape.block_bytes
-        new = min(most, max(need, old + max(self.chunk, old // 10)))
-        grown = self.dev.empty(new * bb)  # a block taken is written whole (a chunk's flush), as one given back
-        self.dev.copy_bytes(self.buffer, grown, old * bb, 0)
-        self._free = list(range(new - 1, old - 1, -1)) + self._free
-        self.buffer, self.capacity = grown, new
+        self.buffer, self.capacity = grow_blocks(self.dev, self.buffer, self._free, self.capacity, need, self.chunk,
+                                                 most, self.shape.block_bytes)  # fmt: skip
