@@ -23,23 +23,26 @@ def clustered_keys(rng: np.random.Generator, rows: int, n: int, d: int, centers:
 
 
 CASES = [
-    # rows, n, d, k, noise, max_iters: converging; capped before converging (noise only); k > n's
-    # natural clusters, some emptied; Llama's head size
-    (3, 200, 64, 12, 0.5, 10),
-    (3, 300, 64, 20, 10.0, 3),
-    (2, 64, 64, 40, 0.1, 10),
-    (2, 150, 128, 8, 0.5, 10),
+    # rows, n, d, k, noise, max_iters, seed: converging; capped before converging (noise only); k >
+    # n's natural clusters, some emptied; Llama's head size; more than a work-group's vectors
+    (3, 200, 64, 12, 0.5, 10, 0),
+    (3, 300, 64, 20, 10.0, 3, 7),
+    (2, 64, 64, 40, 0.1, 10, 2**32 + 5),
+    (2, 150, 128, 8, 0.5, 10, 1234),
+    (1, 9, 64, 9, 0.5, 10, 3),
 ]
 
 
 @pytest.mark.parametrize("sub_group", SUB_GROUPS)
-@pytest.mark.parametrize(("rows", "n", "d", "k", "noise", "max_iters"), CASES)
-def test_kmeans_and_recall_equal_the_reference(gpu_worker, rows, n, d, k, noise, max_iters, sub_group):
+@pytest.mark.parametrize(("rows", "n", "d", "k", "noise", "max_iters", "seed"), CASES)
+def test_kmeans_and_recall_equal_the_reference(gpu_worker, rows, n, d, k, noise, max_iters, seed, sub_group):
+    """One launch a layer: the picks drawn on the device from the seed (a seed past 2**32 too:
+    its low 32 bits, as the reference's), k-means run per head to its own convergence (the
+    reference's count is the batch's most), the index written in its run of the arena."""
     rng = np.random.default_rng(n + k + sub_group)
     x = clustered_keys(rng, rows, n, d, 5, noise)
-    picks = reference.initial_picks(0, rows, n, k, torch.device("cpu")).numpy()
-    km = reference.kmeans_cosine(torch.from_numpy(x), k, max_iters=max_iters, seed=0)
-    got = gpu_worker.submit(clusterkv.kmeans_cosine, x, picks, max_iters, 16, sub_group).result()
+    km = reference.kmeans_cosine(torch.from_numpy(x), k, max_iters=max_iters, seed=seed)
+    got = gpu_worker.submit(clusterkv.kmeans_cosine, x, k, max_iters, 16, sub_group, seed).result()
     assert got.iterations == km.iterations
     np.testing.assert_array_equal(got.labels, km.labels.numpy())
     np.testing.assert_array_equal(got.sizes, km.sizes.numpy())
@@ -71,9 +74,8 @@ def test_a_decode_step_attends_the_sinks_recalled_and_pending_slots(gpu_worker, 
     n = sinks + clustered + pending
     keys = clustered_keys(rng, kv, n, d, 6, 0.5)
     values = rng.standard_normal((kv, n, d), dtype=np.float32)
-    picks = reference.initial_picks(0, kv, clustered, 10, torch.device("cpu")).numpy()
     clusters = gpu_worker.submit(
-        clusterkv.kmeans_cosine, keys[:, sinks : sinks + clustered], picks, 10, sinks, sub_group
+        clusterkv.kmeans_cosine, keys[:, sinks : sinks + clustered], 10, 10, sinks, sub_group
     ).result()
     q = rng.standard_normal((kv * group, d), dtype=np.float32)
     _order, recalled = gpu_worker.submit(clusterkv.recall, q, clusters, 40, sub_group).result()

@@ -31,6 +31,8 @@ CASES = [
     ("knorm", BUDGET, {}, STEPS),
     ("minikv", BUDGET, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}, STEPS),
     ("clusterkv", BUDGET, {"dense_layers": 0}, STEPS),  # every layer recalls inside the model
+    # the generated tokens clustered every second step: k-means and the index grown between steps
+    ("clusterkv", BUDGET, {"dense_layers": 0, "cluster_every": 2, "new_clusters": 2}, STEPS),
     # every layer's pages inside the model; the 4th step's token opens a 95th page (of 16 tokens),
     # past the bounds' run the first step took: the run taken anew and the arena grown
     ("quest", BUDGET, {"dense_layers": 0}, STEPS + 1),
@@ -45,10 +47,11 @@ CASES = [
 #: Knorm (1; StreamingLLM's is the window's oldest). KVCrush's selection anew is one launch
 #: (``kvcrush_select``: every step of it) and the kept slots' one (``keep_slots``: their
 #: elements, positions and scores), 2. ClusterKV's recall and Quest's pages are a layer of the
-#: model (1); a step in which Quest's pages outgrow their bounds' runs takes them anew (the pages
-#: layer computes every page's bounds into them: no command) and may grow the index arena, one
-#: copy for every layer. KVzip's decode step is the full cache's (its scores change in a scoring
-#: pass alone).
+#: model (1); a step in which ClusterKV clusters the tokens due adds one launch a layer (k-means
+#: and the index grown where it lies: ``cluster_slots``); a step in which Quest's pages outgrow
+#: their bounds' runs takes them anew (the pages layer computes every page's bounds into them: no
+#: command) and may grow the index arena, one copy for every layer. KVzip's decode step is the
+#: full cache's (its scores change in a scoring pass alone).
 #: the bytes sent to the device a decode step, at most, as a share of the KV bytes its attention
 #: reads (issue 71's target): the block tables are kept on the device and cross as they change
 CROSSING_SHARE = 0.01
@@ -62,7 +65,7 @@ PER_LAYER = {
     "h2o": 6,
     "knorm": 6,
     "minikv": 6,
-    "clusterkv": 4,
+    "clusterkv": 5,  # 4, and the clustering's launch in a step that clusters
     "quest": 4.5,  # 4, and the arena's copy in a step that grows it (9 on these 2 layers)
     "kvzip": 3,
 }
@@ -107,6 +110,7 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
                     "ours": c.kernels_named(ours) + c.device_copies, "kv_read": engine.pool.decode_kv_read - read,
                     "tables' changes": c.kernels_named({TableMirror.KERNEL}),
                     "selections": c.kernels_named({"kvcrush_select"}),
+                    "clusterings": c.kernels_named({"cluster_slots"}),
                     "logits": np.asarray(logits).nbytes,
                 })  # fmt: skip
             out.append(steps)
@@ -139,3 +143,9 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, ti
         [s["selections"] for s in steps] for (method, *_), steps in zip(CASES, got, strict=True) if method == "kvcrush"
     ]
     assert kvcrush == [[0] * STEPS + [layers], [layers] * STEPS], kvcrush  # the steps counted include selections anew
+    clusterkv = [
+        [s["clusterings"] for s in steps]
+        for (method, *_), steps in zip(CASES, got, strict=True)
+        if method == "clusterkv"
+    ]
+    assert clusterkv[0] == [0] * STEPS and layers in clusterkv[1], clusterkv  # the steps counted include clusterings

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from ov_kvcrush.gpu.clusterkv import CLUSTER_LANES
 from ov_kvcrush.gpu.device import build_options, kernel_dir
 from ov_kvcrush.gpu.plugin_layers import KERNELS
 
@@ -41,6 +42,8 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
     "prefill.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (1, 2)]
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
     "clusterkv.cl": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4}],
+    "kmeans.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "LANES": CLUSTER_LANES} for p in (0, 1, 2)]
+    + [{"KV_PRECISION": 1, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "LANES": CLUSTER_LANES}],
     # the bodies are the kernels' above (built at each store precision there): one store here, in
     # f32 and in f16 activations (ACT_HALF: the plugin's default inference precision)
     # (the 2-bit store's layers: MiniKV's 2-bit chunks of 32 tokens, then 4-bit chunks of 64)

@@ -3,20 +3,21 @@ attending the sinks, the clusters its query recalls and the tokens not clustered
 
 The steps are the reference's (:class:`~ov_kvcrush.methods.clusterkv.ClusterKVLayerCache`), on
 the device: the prompt's keys past the sinks clustered by cosine k-means from the reference's
-seeded picks (``clusterkv.cl``; the keys read from the pool in place, ``paged_store.cl``'s
-``read_slots``), every ``cluster_every`` generated tokens clustered into ``new_clusters`` more,
-the index (centroids, the slots sorted by cluster) grown on the device; per step the centroids
-ranked by the query, whole clusters recalled up to the budget, and the list of slots attended
-built there. What crosses per decode step beside the model's tensors: the recalled count per KV
-head (and, when tokens are clustered, one int per k-means iteration and the new clusters'
-sizes). The recall cache's hit counters are the reference's alone (they are statistics, and
-would need the chosen clusters on the host).
+seeded picks, every ``cluster_every`` generated tokens clustered into ``new_clusters`` more, each
+clustering one launch a layer (``kmeans.cl``: the keys read from the pool in place, the picks
+drawn there, the clusters added to the index where it lies in the pool's
+:class:`~ov_kvcrush.gpu.arena.IndexArena`); per step the centroids ranked by the query, whole
+clusters recalled up to the budget, and the list of slots attended built there. Nothing of a
+clustering crosses to the host (the k-means iterations are read when the counters are); per
+decode step on the torch path the recalled count per KV head does. The recall cache's hit
+counters are the reference's alone (they are statistics, and would need the chosen clusters on
+the host).
 
 In OpenVINO's GPU plugin (``device="GPU"``) the model stores and attends itself: the prompt is
 attended densely (in chunks or whole) and clustered after its last chunk; before a decode step
-the tokens due are clustered; the index is copied into the pool's
-:class:`~ov_kvcrush.gpu.arena.IndexArena` when it changes, and each decode row's recall
-(:meth:`DeviceClusterKVLayerCache.recall_rows`) tells the model's recall layer where it is.
+the tokens due are clustered; each decode row's recall
+(:meth:`DeviceClusterKVLayerCache.recall_rows`) tells the model's recall layer where the index
+lies in the arena.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import numpy as np
 import torch
 
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.gpu.clusterkv import launch_kmeans, launch_recall
+from ov_kvcrush.gpu.clusterkv import Clustering, IndexRun, launch_clustering, launch_recall
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache, host_array
 from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS, RECALL_WIDTH
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig
-from ov_kvcrush.methods.clusterkv import ClusterKVConfig, initial_picks
+from ov_kvcrush.methods.clusterkv import ClusterKVConfig
 
 
 class DeviceRecallLayerCache(DeviceFullLayerCache):
@@ -135,7 +136,7 @@ class DeviceRecallLayerCache(DeviceFullLayerCache):
 
 
 class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
-    """ClusterKV over the device pool."""
+    """ClusterKV over the device pool, its index in the pool's :class:`~ov_kvcrush.gpu.arena.IndexArena`."""
 
     config: ClusterKVConfig
 
@@ -145,13 +146,31 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         self.pending_from = 0  # slots >= this are generated tokens not clustered yet
         self.clusters = 0  # C: clusters per KV head
         self.clustered = 0  # N: slots clustered per KV head
-        self.sizes = np.zeros((kv_heads, 0), np.int32)
-        # the index on the device: centroids [kv, C, D], sizes [kv, C], offsets [kv, C + 1], sorted slots [kv, N]
-        self.index: tuple[Any, Any, Any, Any] | None = None
-        #: the index's copy in the pool's arena for the plugin's model: (first word, words); None: none
-        self.published: tuple[int, int] | None = None
-        self._index_changed = False  # since it was last copied there
+        #: where the index lies in the arena (None: no clustering yet)
+        self.run: IndexRun | None = None
+        #: each clustering's per-head k-means iterations, on the device until the counters are read
+        self._iterations_unread: list[Any] = []
         self._prompt_clustered = False
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """The method's counters, the k-means iterations read now from the clusterings since the
+        last read (as the reference counts them: the most any head ran, summed over clusterings)."""
+        if self._iterations_unread:
+            kv, pool = self.layer.kv_heads, self.layer.pool
+            heads = (pool.download("k-means iterations", b, np.int32, (kv,)) for b in self._iterations_unread)
+            ran = sum(int(ran.max()) for ran in heads)
+            self._iterations_unread = []
+            self._counters["kmeans_iterations"] = self._counters.get("kmeans_iterations", 0) + ran
+        return self._counters
+
+    @counters.setter
+    def counters(self, value: dict[str, float]) -> None:
+        self._counters = value
+
+    def _bump(self, key: str, amount: float = 1) -> None:
+        """As the base's, without reading the iterations (a step counts, it does not wait)."""
+        self._counters[key] = self._counters.get(key, 0) + amount
 
     def _after_prefill(self) -> None:
         n = self.layer.held
@@ -168,32 +187,40 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
     # ---- the steps
     def _cluster(self, start: int, end: int, k: int) -> None:
         """Cluster slots ``[start, end)`` of every KV head into ``k`` more clusters (the reference's
-        ``cluster_tokens``: seeded by the tokens seen) and grow the index with them."""
+        ``cluster_tokens``: seeded by the tokens seen), added to the index where it lies (one
+        launch; a run with room for them taken first where it has none)."""
         lay, cfg = self.layer, self.config
-        pool, dev, kv, d = lay.pool, lay.pool.dev, lay.kv_heads, lay.pool.shape.head_dim
+        pool = lay.pool
         count = end - start
-        k = min(k, count)
-        picks = initial_picks(cfg.seed + self.seen, kv, count, k, torch.device("cpu")).numpy()
-        made = launch_kmeans(dev, pool, lay.read_keys(start, count), kv, count, d, picks, cfg.max_iters)
-        sizes = pool.download("cluster sizes", made.sizes, np.int32, (kv, k))
-        c0, n0 = self.clusters, self.clustered
-        c1, n1 = c0 + k, n0 + count
-        centroids, slots = dev.empty(4 * kv * c1 * d), dev.empty(4 * kv * n1)
-        append = dev.kernel("clusterkv.cl", "append_rows", {"HEAD_DIM": d, "GROUP": 1})
-        i32 = np.int32
-        if self.index is not None:
-            dev.copy_rect(self.index[0], c0 * d, centroids, c1 * d, 0, kv, c0 * d)
-            dev.run(append, (max(n0, 1), kv), None, self.index[3], i32(n0), i32(n0), i32(0), slots, i32(n1), i32(0))
-        dev.copy_rect(made.centroids, k * d, centroids, c1 * d, c0 * d, kv, k * d)
-        dev.run(append, (count, kv), None, made.order, i32(count), i32(count), i32(start), slots, i32(n1), i32(n0))
-        self.sizes = np.concatenate([self.sizes, sizes], axis=1)
-        offsets = np.concatenate([np.zeros((kv, 1), np.int32), np.cumsum(self.sizes, axis=1, dtype=np.int32)], axis=1)
-        self.index = (centroids, pool.upload("cluster index", self.sizes), pool.upload("cluster index", offsets), slots)
-        self.clusters, self.clustered = c1, n1
+        what = Clustering(start, count, min(k, count), self.clusters, self.clustered)
+        held = self.run
+        run = self._run_for(what.clusters + what.k, what.slots + count, what.k, count)
+        arena = pool.index_arena()
+        tables, stride = lay.device_tables()
+        heads, index, seeding = (
+            (pool.buffer, tables, stride),
+            (arena.buffer, held or run, run),
+            (cfg.seed + self.seen, cfg.max_iters),
+        )
+        _, _, iterations = launch_clustering(pool.dev, pool.shape, heads, what, seeding, index)
+        if held is not None and held != run:
+            arena.give(held.first, held.words)  # the in-order queue moves it before the words are reused
+        self._iterations_unread.append(iterations)
+        self.clusters, self.clustered = what.clusters + what.k, what.slots + count
         self.pending_from = end
-        self._index_changed = True
         self._bump("clusterings")
-        self._bump("kmeans_iterations", made.iterations)
+
+    def _run_for(self, clusters: int, slots: int, k: int, count: int) -> IndexRun:
+        """The run the index lies in once it holds ``clusters`` clusters over ``slots`` slots: the
+        one it is in where that has room, else a new one with room for four more clusterings of
+        ``k`` clusters over ``count`` slots (or a quarter more)."""
+        if self.run is not None and self.run.holds(clusters, slots):
+            return self.run
+        lay = self.layer
+        rooms = (max(clusters + 4 * k, clusters * 5 // 4), max(slots + 4 * count, slots * 5 // 4))
+        words = IndexRun(0, lay.kv_heads, lay.pool.shape.head_dim, *rooms).words
+        self.run = IndexRun(lay.pool.index_arena().take(words), lay.kv_heads, lay.pool.shape.head_dim, *rooms)
+        return self.run
 
     def _attend_recalled(self, q: np.ndarray) -> np.ndarray:
         """The query over the sinks, the recalled slots and the pending ones: the output ``[Hq, D]``."""
@@ -201,11 +228,11 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         pool, dev, kv, d = lay.pool, lay.pool.dev, lay.kv_heads, lay.pool.shape.head_dim
         q_b = pool.upload("queries", np.ascontiguousarray(q, np.float32))
         budget = self._recall_budget()
-        if self.index is None:
+        if self.run is None:
             recalled, counts_b = dev.zeros(4 * kv), dev.zeros(4 * kv)
         else:
-            _, recalled, counts_b = launch_recall(dev, q_b, (kv, d, lay.q_heads // kv), self.index, self.clusters,
-                                                  self.clustered, budget)  # fmt: skip
+            index = (pool.index_arena().buffer, self.run)
+            _, recalled, counts_b = launch_recall(dev, q_b, lay.q_heads // kv, index, self.clusters, budget)
         counts = pool.download("recalled counts", counts_b, np.int32, (kv,))
         held = lay.held
         lengths = self.sinks + counts + (held - self.pending_from)
@@ -223,11 +250,12 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         return 4 * self._index_words()
 
     def _index_words(self) -> int:
-        return sum(self._index_parts()) if self.index else 0
+        return sum(self._index_parts()) if self.run else 0
 
     def _index_parts(self) -> tuple[int, int, int, int]:
-        """The words of the index's parts, in :attr:`index`'s order (and the arena's): the
-        centroids [kv, C, D], sizes [kv, C], offsets [kv, C + 1] and sorted slots [kv, N]."""
+        """The words of the index's parts, in its run's order (:class:`IndexRun`): the
+        centroids [kv, C, D], sizes [kv, C], offsets [kv, C + 1] and sorted slots [kv, N] (the
+        words held: the run's rooms past them are not counted)."""
         kv, c, d = self.layer.kv_heads, self.clusters, self.layer.pool.shape.head_dim
         return kv * c * d, kv * c, kv * (c + 1), kv * self.clustered
 
@@ -250,20 +278,16 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         return tokens >= self.pending_from and super().truncate(tokens)
 
     def release(self) -> None:
-        self._unpublish()
+        if self.run is not None:
+            self.layer.pool.index_arena().give(self.run.first, self.run.words)
+            self.run = None
         super().release()
 
     def _recall_fields(self, token: int) -> dict[str, Any]:
-        """Where the index lies in the arena (copied there first where it changed), per KV head."""
-        self._publish()
-        kv = self.layer.kv_heads
-        base = self.published[0] if self.published else 0
-        parts = self._index_parts()
-        starts = base + np.cumsum((0, *parts[:-1]))  # each part's first word
-        heads = np.arange(kv)
-        centroids, sizes, offsets, ordered = (
-            start + heads * (words // kv) for start, words in zip(starts, parts, strict=True)
-        )
+        """Where the index lies in the arena, per KV head."""
+        heads = np.arange(self.layer.kv_heads)
+        none = np.zeros_like(heads)
+        centroids, sizes, offsets, ordered = self.run.head_starts() if self.run else (none, none, none, none)
         return dict(token=token, head=heads, clusters=self.clusters, centroids=centroids, sizes=sizes,
                     offsets=offsets, sorted=ordered, clustered=self.clustered, sinks=self.sinks,
                     pending=self.pending_from, budget=self._recall_budget(), held=self.layer.held)  # fmt: skip
@@ -283,25 +307,3 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
 
     def _recall_budget(self) -> int:
         return max(int(self.config.budget or 0) - self.sinks, 1)
-
-    def _publish(self) -> None:
-        """The index copied into the pool's arena (the centroids, sizes, offsets and sorted slots
-        one after another), where it is not there yet."""
-        if not self._index_changed:
-            return
-        self._unpublish()
-        self._index_changed = False
-        words = self._index_words()
-        arena = self.layer.pool.index_arena()
-        first = arena.take(words)
-        assert self.index is not None
-        at = first
-        for part, size in zip(self.index, self._index_parts(), strict=True):
-            self.layer.pool.dev.copy_bytes(part, arena.buffer, 4 * size, 4 * at)
-            at += size
-        self.published = (first, words)
-
-    def _unpublish(self) -> None:
-        if self.published is not None:
-            self.layer.pool.index_arena().give(*self.published)
-            self.published = None
