@@ -149,3 +149,24 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, ti
         if method == "clusterkv"
     ]
     assert clusterkv[0] == [0] * STEPS and layers in clusterkv[1], clusterkv  # the steps counted include clusterings
+
+
+@pytest.mark.model
+def test_a_selection_anew_beside_other_sequences_stays_within_the_bound(emulation_worker, tiny_llama3_ir):
+    """Block-wise KVCrush with three sequences decoding together (each entered a step after the
+    last, so that they select anew in different steps): a step in which one selects anew while
+    the others only add their probabilities is still one wait, nothing to the host, and at most
+    :data:`PER_LAYER` commands a layer. The selecting sequence's probabilities are a row of the
+    step's launch, its selection after it (before: its own launch too, 7 a layer)."""
+    from ov_kvcrush.tools.gpu_step_counts import count_steps
+
+    full, crush = emulation_worker.submit(
+        count_steps, tiny_llama3_ir, ["full", "kvcrush"], 3, 160, 96, "f16", 20
+    ).result(timeout=900)
+    steps = crush["steps"]
+    per_layer = [s["ours_per_layer"] for s in steps]
+    assert all(s["decode_rows"] == 3 for s in steps), steps
+    assert sum(p > 4 for p in per_layer) >= 3, per_layer  # each sequence selected anew in a step counted
+    for step in steps:  # as the full cache's step: the plugin's waits, the logits' bytes
+        assert (step["waits"], step["to_host"]) == (full["steps"][0]["waits"], full["steps"][0]["to_host"]), step
+    assert max(per_layer) <= PER_LAYER["kvcrush"], per_layer

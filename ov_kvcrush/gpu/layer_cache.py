@@ -322,23 +322,30 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
 
     def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
         """A decode token's :meth:`after_model_step`: its probabilities added from the logits,
-        the new slot's starting score, and past the budget the lowest middle slot dropped; None
-        for any other step (a prompt, several tokens, a selection of many slots)."""
+        the new slot's starting score, and past the budget the lowest middle slot dropped, or a
+        selection anew (KVCrush's) once the launch has added them (:attr:`StepWork.then`); None
+        for any other step (a prompt, several tokens)."""
         lay, cfg = self.layer, self.config
         n, held = self.score_rows(t), lay.held
         if self.scores is None or t != 1 or lay.pool.slot_arena is None or (n and logits is None):
-            return None
-        evicts = held > self.budget and not self.frozen
-        if evicts and not self._drops_one_lowest(held):
             return None
         work = StepWork(lay, self.score_state, self.stride, held=held)
         if n:
             work.add_from, work.scored = held - 1, self._scored()
         self._new_token_work(work, held - 1)
-        if evicts:
+        if held <= self.budget or self.frozen:
+            return work
+        if self._drops_one_lowest(held):
             work.drop_one(DROP_LOWEST, cfg.sink_tokens, held - cfg.sink_tokens - cfg.recent_tokens)
             self._bump("evicted", float(lay.kv_heads))
+        else:
+            work.then = self._select_anew
         return work
+
+    def _select_anew(self) -> None:
+        """A decode step's selection of many slots (:meth:`_evict`), after the step's launch has
+        added its probabilities and the new slot's starting score."""
+        self._evict(width=1)
 
     def _new_token_work(self, work: StepWork, first: int) -> None:
         """:meth:`_new_token_scores` as a part of the step's ``work``: H2O's start at zero."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,10 +293,22 @@ class PluginKVSequence:
             work = cache.step_work(t, step_logits) if phase == "decode" else None
             if work is None:
                 cache.after_model_step(buffer, t, step_logits)
+            elif work.then is not None:
+                work.then = self._timed(work.then, phase)
             cache.finish_step()
             works.append(work)
         self.policy_ns[phase] += time.perf_counter_ns() - t0
         return works
+
+    def _timed(self, work: Callable[[], None], phase: str) -> Callable[[], None]:
+        """``work`` (a layer's own after the step's launches) timed as :meth:`after_step`'s."""
+
+        def run() -> None:
+            t0 = time.perf_counter_ns()
+            work()
+            self.policy_ns[phase] += time.perf_counter_ns() - t0
+
+        return run
 
 
 @dataclass

@@ -9,13 +9,17 @@ per sequence and launches each kernel once over the layer's sequences (``paged_s
 sequence's scores and positions lie in the pool's arena (:class:`~ov_kvcrush.gpu.arena.SlotState`,
 their word offsets in the row); the block tables are the step's, as the model read them.
 
-A cache whose step is not such work (a prompt, a selection of many slots, a 2-bit flush) returns
-None and does its work itself, as before (:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
+A cache whose step is not such work (a prompt; a 2-bit chunk's eviction under a selection not
+frozen) returns None and does its work itself, as before
+(:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`); a selection of many
+slots (KVCrush's anew) is its sequence's own work after the launches (:attr:`StepWork.then`),
+its probabilities a row of them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any
@@ -56,7 +60,9 @@ class StepWork:
     :data:`DROP_LOWEST` of the ``mid`` slots after ``sinks``) of the ``held`` ones, and after a
     2-bit flush put the scores in the store's new order (:meth:`flushed`). ``-1``: not this part.
     Where the scores grew before the step (``grown``: where they were, rows ``grown_stride``
-    apart), the adding reads the held ones there: the copy is that launch's."""
+    apart), the adding reads the held ones there: the copy is that launch's. ``then``: the
+    sequence's own work after the launches, which reads what they wrote (a selection anew over the
+    scores with the step's probabilities added: KVCrush's)."""
 
     layer: PagedLayer
     scores: SlotState | None = None
@@ -80,6 +86,7 @@ class StepWork:
     drop_scores: int = 1
     grown: SlotState | None = None
     grown_stride: int = 0
+    then: Callable[[], None] | None = None
 
     def flushed(self, first: int, pinned: int, count: int) -> None:
         """The model flushed the ``count`` full-precision slots after the ``pinned`` ones into the
@@ -157,7 +164,8 @@ def launch_step_work(
 ) -> None:  # fmt: skip
     """Layer ``layer``'s work of the step's sequences (``works[s]``: sequence ``s``'s, None where
     it has none here): each kernel launched once, over every sequence, where any needs it; then
-    the blocks a drop emptied go back to the pool."""
+    the blocks a drop emptied go back to the pool, and each sequence's own work after them
+    (:attr:`StepWork.then`)."""
     todo = [w for w in works if w is not None]
     if not todo:
         return
@@ -192,6 +200,8 @@ def launch_step_work(
     for w in todo:
         if w.drop != DROP_NONE:
             w.layer.release_empty_blocks()
+        if w.then is not None:
+            w.then()
 
 
 #: the row of a sequence with no work in the layer: every field's default
