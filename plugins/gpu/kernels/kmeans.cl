@@ -31,11 +31,6 @@ inline ulong splitmix64(ulong z) {
     return z ^ (z >> 31);
 }
 
-// Key element d of slot `slot` of a head's block table.
-inline float slot_key(__global const uchar* pool, __global const int* table, int slot, int d) {
-    return load_key(pool + (ulong)table[slot / BLOCK_SIZE] * BLOCK_BYTES, d, slot % BLOCK_SIZE);
-}
-
 // The held index of head r moved from run `from` to run `to` (its first `clusters` clusters and
 // `slots` sorted slots; nothing where the run is the same).
 inline void move_index(__global int* words, IndexRun from, IndexRun to, int r, int clusters, int slots) {

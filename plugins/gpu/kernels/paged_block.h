@@ -60,4 +60,9 @@ inline float load_value(__global const uchar* block, int j, int d) {
 #endif
 }
 
+// key element d of slot `slot` of a head whose block table is `table`
+inline float slot_key(__global const uchar* pool, __global const int* table, int slot, int d) {
+    return load_key(pool + (ulong)table[slot / BLOCK_SIZE] * BLOCK_BYTES, d, slot % BLOCK_SIZE);
+}
+
 #endif

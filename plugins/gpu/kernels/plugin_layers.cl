@@ -367,7 +367,7 @@ __kernel void ovkc_flush(__global const uchar* pool, __global const int* tables,
                 float group[QGROUP];
                 for (int i = 0; i < QGROUP; ++i) {
                     const int j = base + t + i;
-                    group[i] = load_key(pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES, ch, j % BLOCK_SIZE);
+                    group[i] = slot_key(pool, table, j, ch);
                 }
                 store_key_group(group, blk, t / QGROUP, ch);
             }

@@ -14,7 +14,7 @@ inline void page_bound(__global const uchar* pool, __global const int* table, in
     const int end = min(n, (p + 1) * page);
     float hi = -INFINITY, lo = INFINITY;
     for (int s = p * page; s < end; ++s) {
-        const float k = load_key(pool + (ulong)table[s / BLOCK_SIZE] * BLOCK_BYTES, d, s % BLOCK_SIZE);
+        const float k = slot_key(pool, table, s, d);
         hi = fmax(hi, k);
         lo = fmin(lo, k);
     }
