@@ -8,6 +8,7 @@ sees the first step's token, kept in the pool between inferences."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,3 +261,42 @@ def test_the_plugin_runs_a_step_of_several_sequences_each_over_its_own_slots(emu
                     logits = k @ step["feeds"]["q"][h, starts[s] + i].astype(np.float64) * HEAD_DIM**-0.5
                     p = np.exp(logits - logits.max())
                     np.testing.assert_allclose(out[h, starts[s] + i], (p / p.sum()) @ v, atol=1e-5)
+
+
+def _twice_in_worker(folder: str, attributes, kv_heads: int, step: dict) -> list:
+    """In a fresh emulation worker: ``step`` through the prompt layer's model converted and
+    compiled twice (its nodes named anew), with the programs made from source and the program
+    cache's entries after each."""
+    from ov_kvcrush.gpu import emulation
+
+    cache = Path(os.environ[emulation.PROGRAM_CACHE_ENV])
+    out = []
+    for _ in range(2):
+        before = emulation.counts()
+        got = _run_batched_in_worker(folder, attributes, kv_heads, [step])[0]
+        out.append((got, (emulation.counts() - before).layer_programs, sorted(p.name for p in cache.iterdir())))
+    return out
+
+
+def test_a_layers_program_in_another_node_is_loaded_from_the_program_cache(tmp_path, monkeypatch):
+    """The plugin heads each custom layer's program with its node's name, so the same layer in
+    another model layer (or a model converted again) differed by a comment alone and was compiled
+    anew (``plugins/gpu/emulation/program_cache.c`` leaves that name out of its key): the second
+    model's programs, made from source again, add no entry to the cache and compute the same."""
+    from ov_kvcrush.gpu import emulation
+
+    reason = emulation.unavailable()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setenv(emulation.PROGRAM_CACHE_ENV, str(tmp_path / "cache"))
+    shape = PoolShape("f16", BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS)
+    attributes = plugin_layers.LayerAttributes(shape, 16, HEAD_DIM**-0.5)
+    step = batched_step(attributes, [[29, 29], [3, 3]], [5, 1], np.random.default_rng(4))
+    with emulation.worker() as worker:
+        (first, made, entries), (second, made_again, entries_again) = worker.submit(
+            _twice_in_worker, str(tmp_path), attributes, KV_HEADS, step
+        ).result(600)
+    assert made > 0 and made_again > 0  # each compiled model made its layers' programs
+    assert entries and entries_again == entries
+    np.testing.assert_array_equal(second, first)

@@ -112,15 +112,48 @@ static char* device_text(cl_device_id device, cl_device_info what) {
     return text;
 }
 
-// "ovkc program cache 1", the device's name, the runtime's version, the options, the source
+// The plugin heads a custom layer's program with a comment naming the model's node ("// Layer
+// OvkcStore_1050 using Custom Layer OvkcStore"): the same layer's program in each model layer,
+// and in each model converted again, differed by that name alone, and each was compiled anew
+// (1,751 programs in the plugin's tests, 2026-12-02). A comment changes nothing built: the key
+// holds such a line without the node's name.
+static const char LAYER_LINE[] = "// Layer ", CUSTOM_LAYER[] = " using Custom Layer ";
+
+static void append_source(char* out, size_t* at, const char* source) {
+    for (const char* line = source; *line;) {
+        const char* end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line) + 1 : strlen(line);
+        const char* custom = NULL;
+        if (strncmp(line, LAYER_LINE, sizeof(LAYER_LINE) - 1) == 0) {
+            custom = strstr(line, CUSTOM_LAYER);
+            if (custom && custom >= line + n) custom = NULL;
+        }
+        if (custom) {  // "// Layer" and what follows the node's name
+            memcpy(out + *at, LAYER_LINE, sizeof(LAYER_LINE) - 2);
+            *at += sizeof(LAYER_LINE) - 2;
+            n -= (size_t)(custom - line);
+            line = custom;
+        }
+        memcpy(out + *at, line, n);
+        *at += n;
+        line += n;
+    }
+}
+
+// "ovkc program cache 2", the device's name, the runtime's version, the options, the source
+// (custom layers' node names left out)
 static char* make_key(cl_device_id device, const char* options, const char* source, size_t* len) {
     char *name = device_text(device, CL_DEVICE_NAME), *driver = device_text(device, CL_DRIVER_VERSION);
     char* key = NULL;
     if (name && driver) {
         const char* opts = options ? options : "";
-        *len = strlen(name) + strlen(driver) + strlen(opts) + strlen(source) + 32;
-        key = malloc(*len);
-        if (key) *len = (size_t)snprintf(key, *len, "ovkc program cache 1\n%s\n%s\n%s\n%s", name, driver, opts, source);
+        size_t size = strlen(name) + strlen(driver) + strlen(opts) + strlen(source) + 32;
+        key = malloc(size);
+        if (key) {
+            size_t at = (size_t)snprintf(key, size, "ovkc program cache 2\n%s\n%s\n%s\n", name, driver, opts);
+            append_source(key, &at, source);
+            *len = at;
+        }
     }
     free(name);
     free(driver);
