@@ -25,7 +25,10 @@ def _run(model_dir: str, device: str, prompts: list[list[int]]) -> list[tuple[li
 
     counting = device == "GPU"
     if counting:
+        from ov_kvcrush.engines.gpu_plugin_model import forget_compilations
         from ov_kvcrush.gpu import emulation
+
+        forget_compilations()  # compiled afresh: an earlier test's in this process showed these sizes
     engine = OpenVINOEngine(model_dir, device=device, kv_precision="f32", block_size=16, properties=F32)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     out = []
@@ -61,3 +64,42 @@ def test_a_prompt_of_a_size_already_shown_compiles_no_layer_and_keeps_the_cpu_op
         assert counts[1] == 0, programs
         assert counts[2] > 0, programs  # 170: a size not seen before (the count counts)
         assert counts[3] == 0, programs  # 152: shown as 160, as before
+
+
+def _three_engines(model_dir: str, ids: list[int]) -> list[tuple[list[int], int]]:
+    """``ids``' greedy tokens through three engines of the same model and settings on ``GPU``,
+    one after another (the second while the first is open, the third after the process's
+    compilations were let go), and the programs each made."""
+    from ov_kvcrush.engines.gpu_plugin_model import forget_compilations
+    from ov_kvcrush.gpu import emulation
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    engines, out = [], []
+    try:
+        for i in range(3):
+            if i == 2:
+                forget_compilations()
+            before = emulation.counts()
+            engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f32", block_size=16, properties=F32)
+            engines.append(engine)
+            tokens = list(engine.batcher.run(ids, settings, None).token_ids)
+            out.append((tokens, (emulation.counts() - before).programs))
+    finally:
+        for engine in engines:
+            engine.close()
+    return out
+
+
+@pytest.mark.model
+def test_a_second_engine_of_the_same_model_compiles_nothing(emulation_worker, tiny_llama3_ir):
+    """Engines of one model, device and settings share its compilation (``PluginCompilation``):
+    the second makes no program for a prompt the first ran, and gives its tokens; after
+    ``forget_compilations`` a third compiles again (the count counts)."""
+    ids = [int(t) for t in np.random.default_rng(5).integers(10, 380, 60)]
+    (first, made), (second, made_second), (third, made_third) = emulation_worker.submit(
+        _three_engines, tiny_llama3_ir, ids
+    ).result(timeout=900)
+    assert made > 0 and made_second == 0 and made_third > 0
+    assert first == second == third

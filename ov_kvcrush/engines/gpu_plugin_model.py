@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,46 @@ def inference_precision(core: Any, gpu: str, properties: dict) -> str:
     return aliases[name]
 
 
+@dataclass
+class PluginCompilation:
+    """What every :class:`PluginModel` of one exported model, device and settings in a process
+    shares: the plugin's remote context, the converted model, its compiled models and their
+    inference requests. A compiled model keeps the kernels the plugin built for each step shape
+    it has run (our layers' programs among them), so a second pipeline of the same model (the
+    server's pipeline for another method, an engine made again) starts and steps at once instead
+    of compiling each shape again (under the emulation a first run's 22 steps took 33 s, the
+    same steps again 0.3 s). The requests of a compiled model share its network: the steps of
+    every model sharing it take ``lock``, and a request is destroyed only at a step's start,
+    under it (:meth:`PluginModel._let_go_of_closed_pools_requests`)."""
+
+    context: Any
+    converted: ConvertedModel
+    #: the compiled model per variant: the full-precision store's, one per 2-bit block shape,
+    #: ClusterKV's recall
+    compiled_models: dict[ModelVariant, Any] = field(default_factory=dict)
+    input_names: set[str] = field(default_factory=set)
+    #: every inference request made, by its :class:`PluginRequest`'s key, with the pool it
+    #: serves: held here alone until that pool is closed, then let go at the start of a step
+    requests: dict[int, tuple[PluginKVPool, Any]] = field(default_factory=dict)
+    #: each request's block tables, kept on the device across its steps (a buffer of ours it
+    #: holds a handle of: kept until the request is destroyed)
+    tables: dict[int, TableMirror] = field(default_factory=dict)
+    keys: Iterator[int] = field(default_factory=itertools.count)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+#: the process's compilations, by model, device and settings (:class:`PluginCompilation`)
+_compilations: dict[tuple, PluginCompilation] = {}
+_compilations_lock = threading.Lock()
+
+
+def forget_compilations() -> None:
+    """Let go of the process's compilations: the next :class:`PluginModel` of each model compiles
+    afresh (the models made before keep theirs)."""
+    with _compilations_lock:
+        _compilations.clear()
+
+
 @dataclass(frozen=True)
 class PluginRequest:
     """What :meth:`PluginModel.new_request` hands out: the key of one of the model's inference
@@ -162,13 +204,13 @@ class PluginModel:
         self.gpu = plugin_gpu(self.core, gpu)
         self.device = str(self.core.get_property(self.gpu, "FULL_DEVICE_NAME"))
         self.dev = self._shared_device(sub_group)
-        self.context = shared_context(self.core, self.dev)
         self.properties = dict(properties or {})
         #: the plugin's inference precision, which our layers' activations follow (f16 by default)
         self.activations = inference_precision(self.core, self.gpu, self.properties)
         self.xml = Path(model_dir) / "openvino_model.xml"
         self.kv_precision, self.block_size = kv_precision, block_size
-        self.converted = self._convert(FULL_PRECISION)
+        self.shared = self._compilation()
+        self.context, self.converted = self.shared.context, self.shared.converted
         s = self.converted.shape
         self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales))
         self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
@@ -184,19 +226,22 @@ class PluginModel:
         #: a buffer per layer, reused while large enough: "rows" (the step's returned query
         #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
         self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
-        #: the compiled model per variant: the full-precision store's, one per 2-bit block shape,
-        #: ClusterKV's recall
-        self.compiled_models: dict[ModelVariant, Any] = {}
-        self.input_names: set[str] = set()
+        #: the seconds this model spent compiling (none where an earlier one's compilation served)
         self.compile_seconds = 0.0
-        #: every inference request made, by its :class:`PluginRequest`'s key, with the pool it
-        #: serves: held here alone until that pool is closed, then let go at the start of a step
-        #: (:meth:`_let_go_of_closed_pools_requests`)
-        self._requests: dict[int, tuple[PluginKVPool, Any]] = {}
-        #: each request's block tables, kept on the device across its steps (a buffer of ours it
-        #: holds a handle of: kept until the request is destroyed)
-        self._tables: dict[int, TableMirror] = {}
-        self._request_keys = itertools.count()
+
+    def _compilation(self) -> PluginCompilation:
+        """The process's compilation of this model, device and settings, made if there is none
+        (the exported folder's model file named and dated, so that a model exported again is
+        compiled again)."""
+        stat = self.xml.stat()
+        properties = tuple(sorted((k, str(v)) for k, v in self.properties.items()))
+        key = (str(self.xml.resolve()), stat.st_mtime_ns, stat.st_size, self.gpu, id(self.dev),
+               self.kv_precision, self.block_size, self.activations, properties)  # fmt: skip
+        with _compilations_lock:
+            if key not in _compilations:
+                context = shared_context(self.core, self.dev)
+                _compilations[key] = PluginCompilation(context, self._convert(FULL_PRECISION))
+            return _compilations[key]
 
     def _convert(self, variant: ModelVariant) -> ConvertedModel:
         """The exported model read and converted for ``variant`` (its store, its recall)."""
@@ -226,15 +271,24 @@ class PluginModel:
         """The converted model compiled on the shared context (once per variant: the
         full-precision store's, the 2-bit store of a block shape, ClusterKV's recall; converted
         when first asked for)."""
-        if variant not in self.compiled_models:
-            self.core.set_property("GPU", {"CONFIG_FILE": str(self.config_file)})  # the plugin's, every GPU.N
-            converted = self.converted if variant == FULL_PRECISION else self._convert(variant)
-            t0 = time.perf_counter()
-            self.compiled_models[variant] = self.core.compile_model(converted.model, self.context, self.properties)
-            self.compile_seconds += time.perf_counter() - t0
-            if variant == FULL_PRECISION:
-                self.input_names = {p.get_any_name() for p in self.compiled_models[variant].inputs}
-        return self.compiled_models[variant]
+        shared = self.shared
+        with shared.lock:
+            if variant not in shared.compiled_models:
+                self.core.set_property("GPU", {"CONFIG_FILE": str(self.config_file)})  # the plugin's, every GPU.N
+                converted = self.converted if variant == FULL_PRECISION else self._convert(variant)
+                t0 = time.perf_counter()
+                compiled = self.core.compile_model(converted.model, self.context, self.properties)
+                shared.compiled_models[variant] = compiled
+                self.compile_seconds += time.perf_counter() - t0
+                if variant == FULL_PRECISION:
+                    shared.input_names = {p.get_any_name() for p in compiled.inputs}
+            return shared.compiled_models[variant]
+
+    @property
+    def input_names(self) -> set[str]:
+        """The full-precision model's input names (the step's inputs of every variant; set when it
+        is compiled)."""
+        return self.shared.input_names
 
     def check_method(self, method: MethodConfig) -> None:
         """A ``ConfigError`` unless this path runs ``method``."""
@@ -253,9 +307,11 @@ class PluginModel:
     def new_request(self, pool: PluginKVPool) -> PluginRequest:
         """An inference request of the model for ``pool``'s store (its buffers, which grow, are
         bound at each step), as a key: the model holds the request itself."""
-        self.compile()  # the step's input names are the full-precision model's
-        handle = PluginRequest(next(self._request_keys))
-        self._requests[handle.key] = (pool, self.compile(pool.variant).create_infer_request())
+        shared = self.shared
+        with shared.lock:
+            self.compile()  # the step's input names are the full-precision model's
+            handle = PluginRequest(next(shared.keys))
+            shared.requests[handle.key] = (pool, self.compile(pool.variant).create_infer_request())
         return handle
 
     def layer_keys(self, ids: list[int], blocks: int) -> list[Any]:
@@ -282,9 +338,10 @@ class PluginModel:
         under way changed that step's tokens under the emulation (docs/intel_gpu.md). A request
         that a caller held would be destroyed when the caller goes, and a loop (a reference
         cycle) goes when Python's cycle collector runs: at any allocation, in any thread."""
-        for key in [k for k, (pool, _) in self._requests.items() if pool.closed]:
-            del self._requests[key]
-            self._tables.pop(key, None)  # after the request that holds it
+        requests, tables = self.shared.requests, self.shared.tables
+        for key in [k for k, (pool, _) in requests.items() if pool.closed]:
+            del requests[key]
+            tables.pop(key, None)  # after the request that holds it
 
     def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` for ``key``, grown by doubling: the previous
@@ -323,13 +380,17 @@ class PluginModel:
         tokens side by side) through the request of ``handle``: store and attend them in the
         model, then each method's work over the pool; the next-token logits of each sequence
         ``[sequences, vocab]``. A ``RuntimeError`` from the plugin leaves the sequences to be
-        reset."""
+        reset. The step holds the compilation's lock: its requests share one network."""
+        with self.shared.lock:
+            return self._run_step(handle, ids, sequences)
+
+    def _run_step(self, handle: PluginRequest, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
         import openvino as ov
 
         self._let_go_of_closed_pools_requests()
-        if handle.key not in self._requests:
+        if handle.key not in self.shared.requests:
             raise UserError("this inference request served a pool that is closed: make a new one (new_request)")
-        request = self._requests[handle.key][1]
+        request = self.shared.requests[handle.key][1]
         past = [seq.seen for seq in sequences]
         step = plan_step(sequences, [len(x) for x in ids])
         model = step_inputs.ragged_step_inputs(self.input_names, ids, list(range(len(ids))), past)
@@ -339,7 +400,7 @@ class PluginModel:
         blocks, kv_pool = pool.quant_blocks, pool.device_pool  # bound each step: both buffers grow
         # the block tables in a buffer of ours, sent as they change: the model's layers and the
         # methods' work read them
-        mirror = self._tables.setdefault(handle.key, TableMirror(kv_pool))
+        mirror = self.shared.tables.setdefault(handle.key, TableMirror(kv_pool))
         tables = mirror.update({name: feeds.pop(name) for name in DEVICE_TABLES if name in feeds})
         for name, buffer in tables.items():
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.i32, list(mirror.places[name].shape)))
