@@ -169,14 +169,16 @@ STEP_TOKENS = 36
 def test_chelsea_on_gpu_merges_prompts_in_chunks_beside_decoding_sequences(emulation_worker, tiny_llama3_ir):
     """Each prompt is merged after its last chunk (its window's scores summed over the chunks)
     while the others decode, and the decoding sequences' heads merge in the model's steps, several
-    in one step: every request's tokens equal its prompt's alone and whole, on the GPU and on the
-    CPU op, and the two devices' tokens are the same."""
+    in one step: every request's tokens on the GPU and on the CPU op equal its prompt's alone and
+    whole on the CPU op."""
     rng = np.random.default_rng(11)
     prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in BATCH_PROMPTS]
     args = (_compression(*CASES[0]), BLOCK, NEW_TOKENS, STEP_TOKENS)
     cpu = batched_beside_decoding(tiny_llama3_ir, prompts, "CPU", *args)
-    got = emulation_worker.submit(batched_beside_decoding, tiny_llama3_ir, prompts, "GPU", *args).result(timeout=900)
-    assert got[0] == got[1] == cpu[0] == cpu[1]
+    got = emulation_worker.submit(batched_beside_decoding, tiny_llama3_ir, prompts, "GPU", *args, False).result(
+        timeout=900
+    )
+    assert got[0] == cpu[0] == cpu[1]  # the GPU together, the CPU op together and whole
     assert cpu[2]["prefill_chunks"] > len(prompts) and got[2]["prefill_chunks"] > len(prompts)
 
 
