@@ -141,8 +141,8 @@ class PluginCompilation:
     server's pipeline for another method, an engine made again) starts and steps at once instead
     of compiling each shape again (under the emulation a first run's 22 steps took 33 s, the
     same steps again 0.3 s). The requests of a compiled model share its network: the steps of
-    every model sharing it take ``lock``, and a request is destroyed only at a step's start,
-    under it (:meth:`PluginModel._let_go_of_closed_pools_requests`)."""
+    every model sharing it take ``lock``, and a request is destroyed only under it, at a step's
+    start or when its engine closes between steps (:meth:`PluginModel.let_go_of_closed_pools`)."""
 
     context: Any
     converted: ConvertedModel
@@ -158,6 +158,8 @@ class PluginCompilation:
     tables: dict[int, TableMirror] = field(default_factory=dict)
     keys: Iterator[int] = field(default_factory=itertools.count)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: a step is under way (its thread holds ``lock``)
+    stepping: bool = False
 
 
 #: the process's compilations, by model, device and settings (:class:`PluginCompilation`)
@@ -332,6 +334,19 @@ class PluginModel:
         finally:
             pool.close()
 
+    def let_go_of_closed_pools(self) -> None:
+        """Destroy the requests of closed pools now where no step is under way (a pool's closer
+        calls it: the requests hold the pool's buffers, and a shared compilation's next step may
+        be another engine's, or never come); else the next step does it."""
+        shared = self.shared
+        if not shared.lock.acquire(blocking=False):  # another thread's step: it lets go after
+            return
+        try:
+            if not shared.stepping:  # not from inside a step of this thread (a collector's close)
+                self._let_go_of_closed_pools_requests()
+        finally:
+            shared.lock.release()
+
     def _let_go_of_closed_pools_requests(self) -> None:
         """Destroy the requests of closed pools, here, before a step binds anything. The plugin's
         requests of one compiled model share its network: one destroyed while another's step was
@@ -381,8 +396,13 @@ class PluginModel:
         model, then each method's work over the pool; the next-token logits of each sequence
         ``[sequences, vocab]``. A ``RuntimeError`` from the plugin leaves the sequences to be
         reset. The step holds the compilation's lock: its requests share one network."""
-        with self.shared.lock:
-            return self._run_step(handle, ids, sequences)
+        shared = self.shared
+        with shared.lock:
+            shared.stepping = True
+            try:
+                return self._run_step(handle, ids, sequences)
+            finally:
+                shared.stepping = False
 
     def _run_step(self, handle: PluginRequest, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:
         import openvino as ov

@@ -342,6 +342,8 @@ class OpenVINOModel:
         if getattr(self, "pool", None) is not None:
             self.pool.close()
             self.pool = None  # type: ignore[assignment]
+            if getattr(self, "plugin", None) is not None:  # its requests hold the pool's buffers
+                self.plugin.let_go_of_closed_pools()
 
     def __del__(self) -> None:
         try:
