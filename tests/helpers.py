@@ -523,11 +523,10 @@ def batched_beside_decoding(
         while loop.has_non_finished_requests():
             loop.step()
         together = [list(h.result().token_ids) for h in handles]
-        alone = GenerationLoop(engine, None, whole_prompts=True) if whole else None
-        return (
-            together,
-            [list(alone.run(ids, settings, None).token_ids) for ids in prompts] if alone else [],
-            dict(loop.stats),
-        )
+        alone = []
+        if whole:
+            whole_loop = GenerationLoop(engine, None, whole_prompts=True)
+            alone = [list(whole_loop.run(ids, settings, None).token_ids) for ids in prompts]
+        return together, alone, dict(loop.stats)
     finally:
         engine.close()

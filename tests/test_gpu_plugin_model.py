@@ -247,7 +247,10 @@ CHUNK_CASES = [
 ]
 #: the chunked cases in two tests (over the full-precision store; over the 2-bit store or
 #: recalling), so that the two halves of the longest test run side by side
-CHUNK_GROUPS = {"full-precision": CHUNK_CASES[:7], "2bit-and-recall": CHUNK_CASES[7:]}
+CHUNK_GROUPS = {
+    "full-precision": [c for c in CHUNK_CASES if not _over_the_2bit_store(c) and c is not CLUSTERKV],
+    "2bit-and-recall": [c for c in CHUNK_CASES if _over_the_2bit_store(c) or c is CLUSTERKV],
+}
 #: a step's tokens: a prompt goes in chunks of 32 beside four decoding sequences
 STEP_TOKENS = 36
 

@@ -151,7 +151,7 @@ class PluginCompilation:
     compiled_models: dict[ModelVariant, Any] = field(default_factory=dict)
     input_names: set[str] = field(default_factory=set)
     #: every inference request made, by its :class:`PluginRequest`'s key, with the pool it
-    #: serves: held here alone until that pool is closed, then let go at the start of a step
+    #: serves: held here alone until that pool is closed, then let go under ``lock``
     requests: dict[int, tuple[PluginKVPool, Any]] = field(default_factory=dict)
     #: each request's block tables, kept on the device across its steps (a buffer of ours it
     #: holds a handle of: kept until the request is destroyed)
