@@ -118,3 +118,83 @@ def test_block_wise_kvcrush_in_one_launch_keeps_the_references_tokens(gpu_worker
         ).result()  # fmt: skip
         np.testing.assert_array_equal(got.keep, want.numpy())
         np.testing.assert_array_equal(got.representatives, ref.representatives.numpy())
+
+
+def _step_drops(sequences: list[tuple[np.ndarray, int, int, list]], kv: int) -> np.ndarray:
+    """The step's selections of ``sequences`` (each: scores ``[Hq, n]``, its block, its units and
+    each row's :class:`~ov_kvcrush.gpu.kvcrush.KVCrushChoice`; or None: no selection) in one
+    launch over an arena holding their scores apart: ``dropped[s][kv]``."""
+    from ov_kvcrush.gpu.device import DirectTransfers, device
+
+    dev = device(16)
+    arena, selections, at = [np.zeros(5, np.float32)], [], 5  # the scores start past word 0
+    for item in sequences:
+        if item is None:
+            selections.append(None)
+            continue
+        scores, block, units, choices = item
+        stride = scores.shape[1] + 3  # rows apart by more than their slots
+        rows = np.zeros((scores.shape[0], stride), np.float32)
+        rows[:, : scores.shape[1]] = scores
+        selection = kvcrush.StepSelection.of(scores.shape[1], block, units, choices)
+        assert selection is not None, "one unit dropped in one launch"
+        selections.append((selection, at, stride))
+        arena.append(rows.ravel())
+        at += rows.size
+    dropped = dev.empty(4 * len(sequences) * kv)
+    kvcrush.launch_step_selections(dev, DirectTransfers(dev), dev.to_device(np.concatenate(arena)), selections, kv,
+                                   dropped)  # fmt: skip
+    return dev.to_host(dropped, np.int32, (len(sequences), kv))
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_a_steps_selections_in_one_launch_drop_the_unit_the_reference_does_not_keep(gpu_worker, scope):
+    """A decode step's selections anew of several sequences, each a token past the budget (token
+    by token) or a block's worth (block-wise), in one launch (``step_kvcrush_drop``): each
+    sequence's KV heads drop the first slot of the one unit the reference's selection does not
+    keep (scope ``layer``: every KV head the layer's; ``head``: each its query group's); a
+    sequence without a selection is left alone."""
+    rng = np.random.default_rng(17)
+    q_heads, kv, budget, sinks, recent, reps, block = 8, 2, 96, 4, 8, 32, 16
+    anchors = ("random", "mean")
+    heads = [slice(0, q_heads)] if scope == "layer" else [slice(g * 4, g * 4 + 4) for g in range(kv)]
+    sequences, wants = [], []
+    for case in ((budget + 1, 1), (budget + 1, 1), None, (budget + 9, block), (budget + block, block)):
+        if case is None:
+            sequences.append(None)
+            wants.append(None)
+            continue
+        n, unit = case
+        scores = scores_with_ties(rng, q_heads, n)
+        if unit == 1:
+            counts, units = (budget, sinks, recent, reps), n
+        else:
+            plan = plan_spans(torch.zeros(1, 1, n), budget, sinks, recent, block, reserved=reps // block, what="test")
+            counts, units = (plan.budget, plan.sink, plan.recent, reps // block), plan.full
+        choices, dropped = [], []
+        for rows in heads:
+            t = torch.from_numpy(scores[rows])[None]
+            if unit == 1:
+                ref = reference.kvcrush_select(t, budget, sinks, recent, reps, anchors=anchors)[0]
+                keep = ref.keep.numpy()
+            else:
+                ref = reference.kvcrush_select(reference_blocks(t, block, units), *counts, anchors=anchors)[0]
+                kept = reference.kvcrush_select_blocks(t, block, budget, sinks, recent, reps, anchors=anchors)
+                keep = kept[0].numpy()
+            gone = np.setdiff1d(np.arange(n), keep)
+            assert len(gone) == unit and (np.diff(gone) == 1).all(), gone  # one unit
+            dropped.append(int(gone[0]))
+            bits = ref.anchors.numpy().copy()
+            bits[1] = False  # the mean anchor: computed on the device
+            choices.append(kvcrush.KVCrushChoice(*counts, bits, (False, True)))
+        sequences.append((scores, unit, units, choices))
+        wants.append(dropped * kv if scope == "layer" else dropped)
+    got = gpu_worker.submit(_step_drops, sequences, kv).result()
+    for s, want in enumerate(wants):
+        if want is not None:
+            assert got[s].tolist() == want, (s, got[s], want)
+
+
+def reference_blocks(scores: torch.Tensor, block: int, units: int) -> torch.Tensor:
+    """The whole blocks' summed scores ``[1, H, units]`` (the block-wise form's units)."""
+    return scores[..., : units * block].reshape(*scores.shape[:2], units, block).sum(-1)

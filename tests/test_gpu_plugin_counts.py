@@ -44,13 +44,14 @@ CASES = [
 #: attention layer wrote (1; MiniKV's model flushes too, and a step that flushes a chunk puts
 #: the scores in the store's order, 1); an eviction of one slot a
 #: head moves the slots after it down in place (1), after finding the lowest for H2O, SnapKV and
-#: Knorm (1; StreamingLLM's is the window's oldest). KVCrush's selection anew is one launch
-#: (``kvcrush_select``: every step of it) and the kept slots' one (``keep_slots``: their
-#: elements, positions and scores), 2. ClusterKV's recall and Quest's pages are a layer of the
-#: model (1); a step in which ClusterKV clusters the tokens due adds one launch a layer (k-means
-#: and the index grown where it lies: ``cluster_slots``); a step in which Quest's pages outgrow
-#: their bounds' runs takes them anew (the pages layer computes every page's bounds into them: no
-#: command) and may grow the index arena, one copy for every layer. KVzip's decode step is the
+#: Knorm (1; StreamingLLM's is the window's oldest). KVCrush's selection anew drops one unit (a
+#: token, or a block's worth) of every sequence that selects, in one launch over them
+#: (``step_kvcrush_drop``: every step of it), the drop as above (1). ClusterKV's recall and
+#: Quest's pages are a layer of the model (1); a step in which ClusterKV clusters the tokens due
+#: adds one launch a layer (k-means and the index grown where it lies: ``cluster_slots``); a step
+#: in which Quest's pages outgrow their bounds' runs takes them anew (the pages layer computes
+#: every page's bounds into them: no command) and may grow the index arena, one copy for every
+#: layer. KVzip's decode step is the
 #: full cache's (its scores change in a scoring pass alone).
 #: the bytes sent to the device a decode step, at most, as a share of the KV bytes its attention
 #: reads (issue 71's target): the block tables are kept on the device and cross as they change
@@ -109,7 +110,7 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
                     "waits": c.waits, "to_device": c.to_device, "to_host": c.to_host,
                     "ours": c.kernels_named(ours) + c.device_copies, "kv_read": engine.pool.decode_kv_read - read,
                     "tables' changes": c.kernels_named({TableMirror.KERNEL}),
-                    "selections": c.kernels_named({"kvcrush_select"}),
+                    "selections": c.kernels_named({"kvcrush_select", "step_kvcrush_drop"}),
                     "clusterings": c.kernels_named({"cluster_slots"}),
                     "logits": np.asarray(logits).nbytes,
                 })  # fmt: skip
@@ -151,22 +152,54 @@ def test_a_decode_step_waits_once_and_sends_only_its_inputs(emulation_worker, ti
     assert clusterkv[0] == [0] * STEPS and layers in clusterkv[1], clusterkv  # the steps counted include clusterings
 
 
-@pytest.mark.model
-def test_a_selection_anew_beside_other_sequences_stays_within_the_bound(emulation_worker, tiny_llama3_ir):
-    """Block-wise KVCrush with three sequences decoding together (each entered a step after the
-    last, so that they select anew in different steps): a step in which one selects anew while
-    the others only add their probabilities is still one wait, nothing to the host, and at most
-    :data:`PER_LAYER` commands a layer. The selecting sequence's probabilities are a row of the
-    step's launch, its selection after it (before: its own launch too, 7 a layer)."""
-    from ov_kvcrush.tools.gpu_step_counts import count_steps
+def _alone_on_the_cpu_op(model_dir: str, prompts: list[list[int]], cases: list[CompressionConfig],
+                        new_tokens: int) -> list[list[list[int]]]:  # fmt: skip
+    """Each case's greedy tokens of each prompt alone and whole through the CPU op (f32 blocks)."""
+    from ov_kvcrush.config import GenerationSettings
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
 
-    full, crush = emulation_worker.submit(
-        count_steps, tiny_llama3_ir, ["full", "kvcrush"], 3, 160, 96, "f32", 20
-    ).result(timeout=900)  # f32 inference, as the test above (f16 would compile every layer's programs again)
-    steps = crush["steps"]
-    per_layer = [s["ours_per_layer"] for s in steps]
-    assert all(s["decode_rows"] == 3 for s in steps), steps
-    assert sum(p > 4 for p in per_layer) >= 3, per_layer  # each sequence selected anew in a step counted
-    for step in steps:  # as the full cache's step: the plugin's waits, the logits' bytes
-        assert (step["waits"], step["to_host"]) == (full["steps"][0]["waits"], full["steps"][0]["to_host"]), step
-    assert max(per_layer) <= PER_LAYER["kvcrush"], per_layer
+    engine = OpenVINOEngine(model_dir, device="CPU", kv_precision="f32", block_size=BLOCK, properties=F32)
+    settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
+    try:
+        out = []
+        for case in cases:
+            engine.set_compression(case)
+            out.append([list(engine.batcher.run(ids, settings, None).token_ids) for ids in prompts])
+        return out
+    finally:
+        engine.close()
+
+
+@pytest.mark.model
+def test_selections_anew_beside_other_sequences_stay_within_the_bound(emulation_worker, tiny_llama3_ir):
+    """KVCrush with three sequences decoding together (f32 blocks): block-wise, each entered a
+    step after the last, so that one selects anew while the others only add their probabilities;
+    token by token, every sequence selects anew every step. Every step is one wait, nothing to
+    the host, and at most :data:`PER_LAYER` commands a layer: the step's selections are one
+    launch over its sequences (before: 4 + 2 a selecting sequence, 10 with three). Each
+    sequence's tokens equal the CPU op's for its prompt alone and whole."""
+    from ov_kvcrush.tools.gpu_step_counts import METHODS, count_steps, step_prompts
+
+    sequences, tokens, budget, steps = 3, 160, 96, 20
+    # f32 inference, as the test above (f16 would compile every layer's programs again); f32 blocks
+    rows = emulation_worker.submit(
+        count_steps, tiny_llama3_ir, ["full", "kvcrush", "kvcrush/token"], sequences, tokens, budget, "f32", steps,
+        "f32",
+    ).result(timeout=900)  # fmt: skip
+    full, *crush = rows
+    cases = [CompressionConfig(method="kvcrush", budget=budget, options=METHODS[r["method"]]) for r in crush]
+    cpu = emulation_worker.submit(
+        _alone_on_the_cpu_op, tiny_llama3_ir, step_prompts(sequences, tokens), cases, len(full["tokens"][0])
+    ).result(timeout=900)
+    for row, alone in zip(crush, cpu, strict=True):
+        per_layer = [s["ours_per_layer"] for s in row["steps"]]
+        assert all(s["decode_rows"] == sequences for s in row["steps"]), row["steps"]
+        for step in row["steps"]:  # as the full cache's step: the plugin's waits, no more to the host
+            assert step["waits"] == full["steps"][0]["waits"], step
+            assert step["to_host"] <= full["steps"][0]["to_host"], step
+        assert max(per_layer) <= PER_LAYER["kvcrush"], (row["method"], per_layer)
+        assert row["tokens"] == alone, row["method"]
+    block_wise, token_wise = ([s["ours_per_layer"] for s in r["steps"]] for r in crush)
+    assert sum(p > 4 for p in block_wise) >= 3, block_wise  # each sequence selected anew in a step counted
+    assert min(token_wise) > 4, token_wise  # every step's sequences selected anew

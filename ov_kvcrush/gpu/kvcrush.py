@@ -405,6 +405,54 @@ def launch_select(
     return OneLaunchSelection(kept, scratch, fields, rows)
 
 
+@dataclass(frozen=True)
+class StepSelection:
+    """A decode step's selection anew of one sequence in one layer that drops exactly one unit
+    (token by token: the token past the budget; block-wise: the block's worth come past it):
+    launched with the step's others (:func:`launch_step_selections`), the unit it does not keep
+    dropped in place by the step's drop."""
+
+    fields: SelectFields
+    anchors: np.ndarray  # [rows, A, W]: each row's fixed anchors, packed
+
+    @staticmethod
+    def of(n: int, block: int, units: int, choices: list[KVCrushChoice]) -> StepSelection | None:
+        """The selection of ``choices``' rows over ``n`` held slots, or None where it is not one
+        unit dropped in one launch (:data:`ONE_LAUNCH_UNITS`): then the sequence's own work."""
+        first = choices[0]
+        fields = SelectFields(n, block, units, first.anchor_bits.shape[1], first)
+        if units > ONE_LAUNCH_UNITS or fields.kept != n - block:
+            return None
+        return StepSelection(fields, np.stack([pack_anchor_bits(c.anchor_bits.astype(bool)) for c in choices]))
+
+
+def launch_step_selections(
+    dev: KernelDevice, io: Transfers, arena: Any, selections: list[tuple[StepSelection, int, int] | None],
+    kv_heads: int, dropped: Any,
+) -> None:  # fmt: skip
+    """The step's selections (``selections[s]``: sequence ``s``'s, its scores' first word in
+    the arena and their rows' stride, or None) in one launch (``kvcrush.cl``'s ``step_kvcrush_drop``): each writes the
+    first slot of the unit it drops into ``dropped[s][kv]``. The sequences' rows differ only in
+    their sizes: their anchors are the layer's."""
+    todo = [item[0] for item in selections if item is not None]
+    anchors = todo[0].anchors
+    if any(sel.anchors.shape != anchors.shape or (sel.anchors != anchors).any() for sel in todo):
+        raise ValueError("the step's selections differ in their anchors (one layer's are the same)")
+    width = len(todo[0].fields.array()) + 2  # the fields, the scores' first word and their stride
+    fields = np.zeros((len(selections), width), np.int32)
+    for s, item in enumerate(selections):
+        if item is not None:
+            sel, scores_at, stride = item
+            fields[s] = np.concatenate([sel.fields.array(), [scores_at, stride]])
+    row_words = max(sel.fields.row_words for sel in todo)
+    rows = anchors.shape[0]
+    scratch = dev.empty(4 * len(selections) * rows * row_words)
+    i32 = np.int32
+    dev.run(_kernel(dev, "step_kvcrush_drop"), (SELECT_LANES, rows, len(selections)), (SELECT_LANES, 1, 1), arena,
+            io.upload("selection fields", fields), i32(width), io.upload("anchors", anchors), scratch, i32(row_words),
+            i32(kv_heads), dropped)  # fmt: skip
+
+
 def read_one_launch(dev: KernelDevice, sel: OneLaunchSelection) -> KVCrushGPUSelection:
     """Row 0's kept tokens and each step's results, read back from its scratch."""
     f, offsets, sizes = sel.fields, sel.fields.offsets(), sel.fields.sizes()

@@ -14,12 +14,14 @@ import torch
 from ov_kvcrush.gpu.kvcrush import (
     ONE_LAUNCH_UNITS,
     KVCrushChoice,
+    StepSelection,
     launch_block_sums,
     launch_select,
     select_mask_on_device,
 )
 from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.slots import KeptSlots
+from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
 from ov_kvcrush.methods.selection import plan_spans
 
@@ -65,12 +67,30 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
             return [slice(g * group, (g + 1) * group) for g in range(lay.kv_heads)]
         return [slice(0, lay.q_heads)]
 
+    def _choices(self, plan: UnitPlan) -> list[KVCrushChoice]:
+        """Each row's selection (:meth:`_rows`) in ``plan``'s units."""
+        counts = (plan.budget, plan.sinks, plan.recent, plan.representatives)
+        return [self._choice(*counts, heads) for heads in self._rows()]
+
+    def _select_in_step(self, work: StepWork) -> None:
+        """A decode step's selection anew that drops one unit (a token past the budget, or the
+        block's worth come past it): launched with the step's other sequences' (``work``'s drop),
+        not the sequence's own launches after them."""
+        n = self.layer.held
+        plan = self._units(n)
+        selection = StepSelection.of(n, plan.block, plan.units, self._choices(plan))
+        if selection is None:
+            super()._select_in_step(work)
+            return
+        work.drop_selected(selection)
+        self._bump("evicted", float(plan.block * self.layer.kv_heads))
+
     def _select(self, n: int, width: int) -> KeptSlots:
         lay, plan, rows = self.layer, self._units(n), self._rows()
         per_head = len(rows) > 1
         if plan.units > ONE_LAUNCH_UNITS:
             return self._select_by_steps(n, plan, rows)
-        choices = [self._choice(plan.budget, plan.sinks, plan.recent, plan.representatives, heads) for heads in rows]
+        choices = self._choices(plan)
         sel = launch_select(lay.pool.dev, lay.pool, self.scores, self.stride, n, plan.block, plan.units, choices)
         k = sel.fields.kept
         return KeptSlots(sel.kept, k if per_head else 0, k)  # one row: every KV head reads its list

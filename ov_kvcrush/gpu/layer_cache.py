@@ -339,8 +339,13 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
             work.drop_one(DROP_LOWEST, cfg.sink_tokens, held - cfg.sink_tokens - cfg.recent_tokens)
             self._bump("evicted", float(lay.kv_heads))
         else:
-            work.then = self._select_anew
+            self._select_in_step(work)
         return work
+
+    def _select_in_step(self, work: StepWork) -> None:
+        """A decode step's selection anew of many slots: the sequence's own work after the step's
+        launches (:attr:`StepWork.then`)."""
+        work.then = self._select_anew
 
     def _select_anew(self) -> None:
         """A decode step's selection of many slots (:meth:`_evict`), after the step's launch has

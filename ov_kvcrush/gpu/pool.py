@@ -439,13 +439,14 @@ class PagedLayer:
         self.forget_one(host_dropped)
         self.release_empty_blocks()
 
-    def forget_one(self, host_dropped: np.ndarray | None = None) -> None:
+    def forget_one(self, host_dropped: np.ndarray | None = None, count: int = 1) -> None:
         """The host's side of a drop of one slot a head (:meth:`drop_one`, or a launch over a
-        step's sequences that drops it): a slot fewer, the positions' host copy following where
-        the host knows the slots (``host_dropped``). The blocks it empties stay until
+        step's sequences that drops it; ``count``: a run of that many from a slot the device
+        found, a block-wise selection's unit): slots fewer, the positions' host copy following
+        where the host knows the slot (``host_dropped``). The blocks it empties stay until
         :meth:`release_empty_blocks`, after the drop is enqueued: the drop reads the last slot."""
-        self.slot_positions.dropped_one(host_dropped)
-        self.held -= 1
+        self.slot_positions.dropped_one(host_dropped, count)
+        self.held -= count
 
     def forget_run(self, first: int, count: int) -> None:
         """:meth:`forget_one` of slots ``first .. first + count`` of every head (a 2-bit flush's

@@ -136,11 +136,13 @@ class SlotPositions:
         _, capacity, first, position = self.drop_fields()
         return self.buffer, np.int32(capacity), np.int32(first), np.int32(position)
 
-    def dropped_one(self, dropped: np.ndarray | None = None) -> None:
-        """After ``drop_slot``: one slot fewer a head, every position written; the host's copy
-        follows where the host knows the slot each head dropped (``dropped`` ``[kv]``), else it
-        is stale."""
-        self.count -= 1
+    def dropped_one(self, dropped: np.ndarray | None = None, count: int = 1) -> None:
+        """After ``drop_slot``: one slot fewer a head (``count`` from one the device found), every
+        position written; the host's copy follows where the host knows the slot each head dropped
+        (``dropped`` ``[kv]``), else it is stale."""
+        if dropped is not None and count != 1:
+            raise ValueError("a run dropped from slots the host knows is dropped_run's")
+        self.count -= count
         self.fresh = None
         if self._host is not None and dropped is not None:
             keep = np.ones(self._host.shape, bool)

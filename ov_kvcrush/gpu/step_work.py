@@ -11,9 +11,11 @@ their word offsets in the row); the block tables are the step's, as the model re
 
 A cache whose step is not such work (a prompt; a 2-bit chunk's eviction under a selection not
 frozen) returns None and does its work itself, as before
-(:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`); a selection of many
-slots (KVCrush's anew) is its sequence's own work after the launches (:attr:`StepWork.then`),
-its probabilities a row of them.
+(:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`). KVCrush's
+selection anew drops one unit a decode step (the token past the budget, or a block's worth): the
+step's selections are one launch over its sequences (``kvcrush.cl``'s ``step_kvcrush_drop``),
+after their probabilities are added and before the drop; a selection of more (none in a decode
+step) is its sequence's own work after the launches (:attr:`StepWork.then`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from ov_kvcrush.gpu.arena import SlotState
 from ov_kvcrush.gpu.device import kernel_dir
+from ov_kvcrush.gpu.kvcrush import StepSelection, launch_step_selections
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.store import store_constants
 
@@ -39,17 +42,18 @@ SOURCE = "paged_store.cl"
 def row_layout() -> tuple[int, dict[str, int], dict[str, int]]:
     """A row as ``paged_store.cl`` reads it: its ints (``WORK_FIELDS``), each field's place
     (``W_<FIELD>``: :class:`StepWork`'s field ``<field>``, and ``logit_row``) and the drops'
-    codes (``DROP_NONE``, ``DROP_LOWEST``)."""
+    codes (``DROP_NONE``, ``DROP_LOWEST``, ``DROP_SELECTED``)."""
     text = (kernel_dir() / SOURCE).read_text()
     defines = {m[1]: int(m[2]) for m in re.finditer(r"^#define (\w+) \(?(-?\d+)\)?", text, re.M)}
     places = {name[2:].lower(): at for name, at in defines.items() if name.startswith("W_")}
-    return defines["WORK_FIELDS"], places, {k: defines[k] for k in ("DROP_NONE", "DROP_LOWEST")}
+    return defines["WORK_FIELDS"], places, {k: defines[k] for k in ("DROP_NONE", "DROP_LOWEST", "DROP_SELECTED")}
 
 
 #: a row's ints
 WORK_FIELDS = row_layout()[0]
-#: :attr:`StepWork.drop`: no slot dropped; the lowest middle slot (H2O's rank rule)
-DROP_NONE, DROP_LOWEST = row_layout()[2]["DROP_NONE"], row_layout()[2]["DROP_LOWEST"]
+#: :attr:`StepWork.drop`: no slot dropped; the lowest middle slot (H2O's rank rule); the unit a
+#: selection anew does not keep (KVCrush's: :attr:`StepWork.selection`)
+DROP_NONE, DROP_LOWEST, DROP_SELECTED = (row_layout()[2][k] for k in ("DROP_NONE", "DROP_LOWEST", "DROP_SELECTED"))
 
 
 @dataclass
@@ -62,7 +66,8 @@ class StepWork:
     Where the scores grew before the step (``grown``: where they were, rows ``grown_stride``
     apart), the adding reads the held ones there: the copy is that launch's. ``then``: the
     sequence's own work after the launches, which reads what they wrote (a selection anew over the
-    scores with the step's probabilities added: KVCrush's)."""
+    scores with the step's probabilities added: KVCrush's), where it is not one unit dropped
+    (``selection``: launched with the step's others, :meth:`drop_selected`)."""
 
     layer: PagedLayer
     scores: SlotState | None = None
@@ -87,6 +92,7 @@ class StepWork:
     grown: SlotState | None = None
     grown_stride: int = 0
     then: Callable[[], None] | None = None
+    selection: StepSelection | None = None
 
     def flushed(self, first: int, pinned: int, count: int) -> None:
         """The model flushed the ``count`` full-precision slots after the ``pinned`` ones into the
@@ -102,6 +108,14 @@ class StepWork:
         self.drop, self.sinks, self.mid, self.held = drop, sinks, mid, lay.held
         self.positions, self.pos_stride, self.fresh, self.fresh_position = lay.slot_positions.drop_fields()
         lay.forget_one(host_dropped)
+
+    def drop_selected(self, selection: StepSelection) -> None:
+        """Drop the unit ``selection`` does not keep (its ``block`` slots a head, found on the
+        device after the step's probabilities are added); the layer's host side now."""
+        lay, count = self.layer, selection.fields.block
+        self.selection, self.drop, self.drop_count, self.held = selection, DROP_SELECTED, count, lay.held
+        self.positions, self.pos_stride, self.fresh, self.fresh_position = lay.slot_positions.drop_fields()
+        lay.forget_one(count=count)
 
     def drop_flushed(self, first: int, count: int) -> None:
         """The full-precision slots ``first .. first + count`` of every head (a chunk the model
@@ -195,6 +209,10 @@ def launch_step_work(
         if any(w.drop == DROP_LOWEST for w in todo):
             sg = dev.sub_group
             dev.run(kernel("step_drop_lowest"), (sg, kv, seqs), (sg, 1, 1), arena, work, i32(group), dropped)
+        if any(w.selection is not None for w in todo):
+            selections = [(w.selection, _offset(w.scores), w.score_stride) if w and w.selection else None
+                          for w in works]  # fmt: skip
+            launch_step_selections(dev, pool, arena, selections, kv, dropped)
         dev.run(kernel("step_drop_slot"), (shape.head_dim + 5 + group, kv, seqs), None, pool.buffer, tables.buffer,
                 i32(first), i32(tables.stride), arena, work, dropped, i32(group))  # fmt: skip
     for w in todo:

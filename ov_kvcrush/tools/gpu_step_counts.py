@@ -21,8 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-#: the methods counted by default, with their options (block-wise KVCrush; MiniKV's 2-bit chunks;
-#: ClusterKV and Quest recalling in every layer of the two)
+#: the methods counted by default, with their options (block-wise KVCrush, and token by token:
+#: ``kvcrush/token``, every sequence selecting anew every step past the budget; MiniKV's 2-bit
+#: chunks; ClusterKV and Quest recalling in every layer of the two); a label is the method's name,
+#: then after a ``/`` what tells its options apart
 METHODS = {
     "full": {},
     "streamingllm": {},
@@ -30,6 +32,7 @@ METHODS = {
     "h2o": {},
     "knorm": {},
     "kvcrush": {"block_size": 16},
+    "kvcrush/token": {},
     "minikv": {"quant": {"residual_tokens": 16, "prompt_tail": 12}},
     "clusterkv": {"dense_layers": 0},
     "quest": {"dense_layers": 0},
@@ -39,13 +42,20 @@ BLOCK, MEASURED_STEPS = 16, 16
 STAGING_PREFIX = ".tmp-long-context-"
 
 
-def count_steps(
-    model_dir: str, methods: list[str], sequences: int, tokens: int, budget: int, precision: str, measured: int
-) -> list[dict]:
-    """Per method: each counted decode step's counts, and the pool's blocks (run in a process
-    where the emulation layer is on)."""
+def step_prompts(sequences: int, tokens: int) -> list[list[int]]:
+    """The counted sequences' prompts: ``tokens`` random ids each."""
     import numpy as np
 
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(10, 380, tokens)] for _ in range(sequences)]
+
+
+def count_steps(
+    model_dir: str, methods: list[str], sequences: int, tokens: int, budget: int, precision: str, measured: int,
+    kv_precision: str = "f16",
+) -> list[dict]:  # fmt: skip
+    """Per method (a label of :data:`METHODS`): each counted decode step's counts, the pool's
+    blocks and each sequence's greedy tokens (run in a process where the emulation layer is on)."""
     from ov_kvcrush.config import CompressionConfig, GenerationSettings
     from ov_kvcrush.gpu import emulation
     from ov_kvcrush.gpu.table_mirror import TableMirror
@@ -53,22 +63,21 @@ def count_steps(
 
     once_a_step = {TableMirror.KERNEL}  # the tables' changes: one command a step, not a layer
     ours = emulation.own_kernels() - once_a_step
-    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f16", block_size=BLOCK,
+    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision=kv_precision, block_size=BLOCK,
                             properties={"INFERENCE_PRECISION_HINT": precision})  # fmt: skip
-    rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(10, 380, tokens)] for _ in range(sequences)]
+    prompts = step_prompts(sequences, tokens)
     # one prompt enters a step: the first has decoded ``sequences`` tokens when the last starts
     settings = GenerationSettings(max_new_tokens=2 * sequences + measured + 2, ignore_eos=True)
     layers = engine.shape.layers
     out = []
     try:
-        for method in methods:
+        for label in methods:
+            method = label.split("/")[0]
             full = method == "full"
             engine.set_compression(CompressionConfig(method=method, budget=None if full else budget,
-                                                     options=METHODS.get(method, {})))  # fmt: skip
+                                                     options=METHODS.get(label, {})))  # fmt: skip
             loop, pool = engine.batcher, engine.pool
-            for i, ids in enumerate(prompts):
-                loop.add_request(i, ids, settings)
+            handles = [loop.add_request(i, ids, settings) for i, ids in enumerate(prompts)]
             while loop.stats["decode_rows"] < 2 * sequences:  # each has decoded twice: the inputs re-laid
                 loop.step()
             steps, most = [], 0
@@ -86,8 +95,8 @@ def count_steps(
             while loop.has_non_finished_requests():
                 loop.step()
             p = pool.device_pool
-            out.append({"method": method, "steps": steps, "blocks_held_at_most": most, "blocks_allocated": p.capacity,
-                        "chunk_blocks": p.chunk})  # fmt: skip
+            out.append({"method": label, "steps": steps, "blocks_held_at_most": most, "blocks_allocated": p.capacity,
+                        "chunk_blocks": p.chunk, "tokens": [list(h.result().token_ids) for h in handles]})  # fmt: skip
     finally:
         engine.close()
     return out

@@ -258,15 +258,15 @@ inline void list_kept(__global const int* unit_kept, int units, int block, int n
     for (int t = whole + lid; t < n; t += L) out[kept_units * block + t - whole] = t;
 }
 
-__kernel void kvcrush_select(__global const float* scores, int score_stride, __global const int* f,
-                             __global const uint* anchors, __global int* scratch, __global int* kept,
-                             int kept_count) {
-    const int r = get_group_id(1), lid = get_local_id(0), L = get_local_size(0);
-    const int n = f[S_N], block = f[S_BLOCK], units = f[S_UNITS], sinks = f[S_SINKS], recent = f[S_RECENT];
+// Every step of one row's selection, by the work-group's lanes: its query heads' `scores` (rows
+// score_stride apart) and its anchors (`anchors` [A][W]) in, each step's results in its scratch
+// (`row`), the kept units' flags last (S_KEPT). Every lane of the work-group calls it.
+inline void select_units(__global const float* scores, int score_stride, __global const int* f,
+                         __global const uint* anchors, __global int* row, int lid, int L) {
+    const int block = f[S_BLOCK], units = f[S_UNITS], sinks = f[S_SINKS], recent = f[S_RECENT];
     const int budget = f[S_BUDGET], H = f[S_HEADS], A = f[S_A], W = (H + 31) / 32;
     const int mid = units - sinks - recent, m = units - (budget - f[S_REPS]);
     const int buckets = min(f[S_REPS], m);
-    __global int* row = scratch + (long)r * f[S_ROW_WORDS];
     __global float* sums = (__global float*)(row + f[S_SUMS]);
     __global float* combined = (__global float*)(row + f[S_COMBINED]);
     __global float* means = (__global float*)(row + f[S_MEANS]);
@@ -275,7 +275,6 @@ __kernel void kvcrush_select(__global const float* scores, int score_stride, __g
     __global uint* bits = (__global uint*)(row + f[S_ANCHOR_BITS]);
     __global int *dist = row + f[S_DIST], *keys = row + f[S_KEYS], *order = row + f[S_ORDER];
     __global int *reps = row + f[S_REPS_AT], *unit_kept = row + f[S_KEPT];
-    scores += (long)r * H * score_stride;
     // the units' scores: a block's sum, token order (block_sums); a token's own score
     for (int i = lid; i < H * units; i += L) {
         const int h = i / units, u = i % units;
@@ -309,7 +308,7 @@ __kernel void kvcrush_select(__global const float* scores, int score_stride, __g
     barrier(CLK_GLOBAL_MEM_FENCE);
     for (int i = lid; i < A * W; i += L) {  // the anchors: given, or the evictable's majority bits
         const bool mean = (f[S_MEAN] >> (i / W)) & 1;
-        bits[i] = mean ? majority_word(sigs, W, by_flag, m, H, i % W) : anchors[(long)r * A * W + i];
+        bits[i] = mean ? majority_word(sigs, W, by_flag, m, H, i % W) : anchors[i];
     }
     barrier(CLK_GLOBAL_MEM_FENCE);
     for (int i = lid; i < m * A; i += L) {  // anchor_distances
@@ -336,5 +335,50 @@ __kernel void kvcrush_select(__global const float* scores, int score_stride, __g
         unit_kept[u] = on;
     }
     barrier(CLK_GLOBAL_MEM_FENCE);
-    list_kept(unit_kept, units, block, n, units - m + buckets, kept + (long)r * kept_count, lid, L);
+}
+
+// The number of units a row keeps (select_units' kept units).
+inline int kept_units(__global const int* f) {
+    const int m = f[S_UNITS] - (f[S_BUDGET] - f[S_REPS]);
+    return f[S_UNITS] - m + min(f[S_REPS], m);
+}
+
+__kernel void kvcrush_select(__global const float* scores, int score_stride, __global const int* f,
+                             __global const uint* anchors, __global int* scratch, __global int* kept,
+                             int kept_count) {
+    const int r = get_group_id(1), lid = get_local_id(0), L = get_local_size(0);
+    const int H = f[S_HEADS], A = f[S_A], W = (H + 31) / 32;
+    __global int* row = scratch + (long)r * f[S_ROW_WORDS];
+    select_units(scores + (long)r * H * score_stride, score_stride, f, anchors + (long)r * A * W, row, lid, L);
+    list_kept(row + f[S_KEPT], f[S_UNITS], f[S_BLOCK], f[S_N], kept_units(f), kept + (long)r * kept_count, lid, L);
+}
+
+// A decode step's selections anew of the step's sequences in one launch (ov_kvcrush/gpu/step_work.py),
+// each of which drops exactly one unit (token by token: a token past the budget; block-wise: a
+// block's worth come past it): select_units over sequence s's row r, then the unit it does not
+// keep, as its first slot, into dropped[s][kv] for the KV heads of the row (one row: every head;
+// else row r is KV head r), which step_drop_slot (paged_store.cl) drops with the slots after it
+// moved down. `fields` [sequences][field_stride]: a selection's S_* fields, then the scores' first
+// word in `arena` (rows of query heads S_SCORE_STRIDE apart); S_N 0: no selection. Row r's
+// scratch at scratch[(s * rows + r) * scratch_stride]. Global (lanes, rows, sequences), local
+// (lanes, 1, 1).
+#define S_SCORES_AT S_FIELDS        // the scores' first word in the arena
+#define S_SCORE_STRIDE (S_FIELDS + 1)
+__kernel void step_kvcrush_drop(__global int* arena, __global const int* fields, int field_stride,
+                                __global const uint* anchors, __global int* scratch, int scratch_stride,
+                                int kv_heads, __global int* dropped) {
+    const int r = get_group_id(1), s = get_group_id(2), rows = get_num_groups(1);
+    const int lid = get_local_id(0), L = get_local_size(0);
+    __global const int* f = fields + (long)s * field_stride;
+    if (f[S_N] == 0) return;  // the whole work-group: no barrier skipped by some lanes only
+    const int H = f[S_HEADS], A = f[S_A], W = (H + 31) / 32, stride = f[S_SCORE_STRIDE];
+    __global int* row = scratch + ((long)s * rows + r) * scratch_stride;
+    __global const float* scores = (__global const float*)(arena + f[S_SCORES_AT]) + (long)r * H * stride;
+    select_units(scores, stride, f, anchors + (long)r * A * W, row, lid, L);
+    __global const int* unit_kept = row + f[S_KEPT];
+    for (int u = lid; u < f[S_UNITS]; u += L) {
+        if (unit_kept[u]) continue;
+        for (int kv = rows == 1 ? 0 : r; kv < (rows == 1 ? kv_heads : r + 1); ++kv)
+            dropped[s * kv_heads + kv] = u * f[S_BLOCK];
+    }
 }

@@ -208,7 +208,8 @@ __kernel void drop_slot(__global uchar* pool, __global const int* tables, int ta
 #define W_SCORED 3
 #define W_LOGIT_ROW 4       // the sequence's row among the step's logits
 #define W_NORMS_FROM 5      // Knorm: the slots from here to W_HELD scored by -||key|| (-1: none)
-#define W_DROP 6            // the slot each head drops: -1 none, -2 the lowest middle one, else that slot
+#define W_DROP 6            // the slot each head drops: -1 none, -2 the lowest middle one, -3 a
+                            // selection's (kvcrush.cl's step_kvcrush_drop), else that slot
 #define W_SINKS 7
 #define W_MID 8
 #define W_HELD 9            // slots a head holds before the drop
@@ -226,6 +227,7 @@ __kernel void drop_slot(__global uchar* pool, __global const int* tables, int ta
 #define WORK_FIELDS 22
 #define DROP_NONE (-1)
 #define DROP_LOWEST (-2)
+#define DROP_SELECTED (-3)
 
 inline __global float* work_scores(__global int* arena, __global const int* w) {
     return (__global float*)(arena + w[W_SCORES]);
@@ -298,7 +300,7 @@ __kernel void step_drop_lowest(__global int* arena, __global const int* work, in
 }
 
 // drop_slot for each sequence that drops slots (W_DROP_COUNT of them a head from its W_DROP, or
-// the lowest that step_drop_lowest found), and a flush's scores in the store's order
+// from the slot found before: step_drop_lowest's lowest, step_kvcrush_drop's unit), and a flush's scores in the store's order
 // (flushed_scores: by the work-items of the scores, one a query head). Global (HEAD_DIM + 5 + group, kv_heads, sequences).
 __kernel void step_drop_slot(__global uchar* pool, __global const int* tables, int table_first, int table_stride,
                              __global int* arena, __global const int* work, __global const int* dropped, int group) {
@@ -307,7 +309,7 @@ __kernel void step_drop_slot(__global uchar* pool, __global const int* tables, i
     if (w[W_FLUSH_FROM] >= 0 && e > HEAD_DIM + 4) flushed_scores(arena, w, kv * group + e - HEAD_DIM - 5);
     if (w[W_DROP] == DROP_NONE) return;
     const int kv_heads = get_global_size(1);
-    const int d = w[W_DROP] == DROP_LOWEST ? dropped[s * kv_heads + kv] : w[W_DROP];
+    const int d = w[W_DROP] <= DROP_LOWEST ? dropped[s * kv_heads + kv] : w[W_DROP];  // found on the device
     __global const int* table = tables + (long)(table_first + s * kv_heads + kv) * table_stride;
     __global int* pos = arena + w[W_POSITIONS] + (long)kv * w[W_POS_STRIDE];
     const int score_stride = w[W_DROP_SCORES] ? w[W_SCORE_STRIDE] : 0;
