@@ -93,3 +93,64 @@ def test_a_decode_step_attends_the_sinks_recalled_and_pending_slots(gpu_worker, 
         p /= p.sum()
         np.testing.assert_allclose(out[h], p @ values[h // group, slots], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(probs[h, : len(slots)], p, rtol=1e-5, atol=1e-7)
+
+
+def _step_and_alone(keys: np.ndarray, kv: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Three sequences' keys ``[3 * kv, n, D]`` in one f32 pool (a row per sequence and KV head,
+    as a step's block tables): the first's slots 4.. clustered into 6 clusters; the third's index
+    held (its slots 0..40 in 5 clusters, clustered alone first), then its slots 40.. into 4 more,
+    moved to a larger run; the second none. Once as the step's one launch, once each alone:
+    each run's arena words and the two clusterings' iteration counts ``[2, kv]``."""
+    from ov_kvcrush.gpu.device import DirectTransfers, device
+    from ov_kvcrush.gpu.layout import PoolShape, page_heads
+
+    dev = device(16)
+    n, d = keys.shape[1], keys.shape[2]
+    shape = PoolShape("f32", 16, d)
+    paged = page_heads(shape, list(keys), list(keys), np.random.default_rng(1))
+    pool, tables, stride = dev.to_device(paged.pool), dev.to_device(paged.tables), paged.tables.shape[1]
+    first = clusterkv.IndexRun(0, kv, d, 6, n)
+    held = clusterkv.IndexRun(first.words, kv, d, 5, 40)
+    moved = clusterkv.IndexRun(held.first + held.words, kv, d, 12, n)
+    words = moved.first + moved.words
+
+    def heads(s: int) -> tuple:
+        return pool, dev.to_device(np.ascontiguousarray(paged.tables[s * kv : (s + 1) * kv])), stride
+
+    due = [
+        clusterkv.StepClustering(clusterkv.Clustering(4, n - 4, 6, 0, 0), first, first, (3, 10)),
+        None,
+        clusterkv.StepClustering(clusterkv.Clustering(40, n - 40, 4, 5, 40), held, moved, (2**32 + 11, 10)),
+    ]
+    out = []
+    for together in (True, False):
+        arena = dev.zeros(4 * words)
+        clusterkv.launch_clustering(dev, shape, heads(2), clusterkv.Clustering(0, 40, 5, 0, 0), (9, 10),
+                                    (arena, held, held))  # fmt: skip
+        if together:
+            its = clusterkv.launch_step_clusterings(dev, DirectTransfers(dev), shape, (pool, tables, 0, stride), arena,
+                                                    due)  # fmt: skip
+            iterations = dev.to_host(its, np.int32, (3, kv))[[0, 2]]
+        else:
+            alone = [clusterkv.launch_clustering(dev, shape, heads(s), c.what, c.seeding, (arena, c.held, c.run))[2]
+                     for s, c in enumerate(due) if c is not None]  # fmt: skip
+            iterations = np.stack([dev.to_host(b, np.int32, (kv,)) for b in alone])
+        out.append((dev.to_host(arena, np.int32, (words,)), iterations))
+    return out
+
+
+def test_a_steps_clusterings_in_one_launch_equal_each_sequences_own(gpu_worker):
+    """A decode step's clusterings of several sequences in one launch (``step_cluster_slots``: a
+    row of work a clustering, the keys read through the step's block tables, a sequence between
+    without one) write each index exactly as each sequence's own launch does (checked against the
+    reference above): a new index, and a held one moved to a larger run and grown, with the same
+    iteration counts."""
+    rng = np.random.default_rng(23)
+    kv, n, d = 2, 120, 64
+    keys = clustered_keys(rng, 3 * kv, n, d, 5, 0.5)
+    (together, its_together), (alone, its_alone) = gpu_worker.submit(_step_and_alone, keys, kv).result()
+    np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(its_together, its_alone)
+    first = clusterkv.IndexRun(0, kv, d, 6, n)
+    sizes = together[first.starts[1] : first.starts[1] + kv * 6].reshape(kv, 6)
+    assert (sizes.sum(axis=1) == n - 4).all() and (its_together > 0).all(), sizes  # the launch wrote them

@@ -111,7 +111,7 @@ def _decode_counts(model_dir: str, ids: list[int]) -> list[list[dict]]:
                     "ours": c.kernels_named(ours) + c.device_copies, "kv_read": engine.pool.decode_kv_read - read,
                     "tables' changes": c.kernels_named({TableMirror.KERNEL}),
                     "selections": c.kernels_named({"kvcrush_select", "step_kvcrush_drop"}),
-                    "clusterings": c.kernels_named({"cluster_slots"}),
+                    "clusterings": c.kernels_named({"cluster_slots", "step_cluster_slots"}),
                     "logits": np.asarray(logits).nbytes,
                 })  # fmt: skip
             out.append(steps)
@@ -172,34 +172,42 @@ def _alone_on_the_cpu_op(model_dir: str, prompts: list[list[int]], cases: list[C
 
 
 @pytest.mark.model
-def test_selections_anew_beside_other_sequences_stay_within_the_bound(emulation_worker, tiny_llama3_ir):
-    """KVCrush with three sequences decoding together (f32 blocks): block-wise, each entered a
-    step after the last, so that one selects anew while the others only add their probabilities;
-    token by token, every sequence selects anew every step. Every step is one wait, nothing to
-    the host, and at most :data:`PER_LAYER` commands a layer: the step's selections are one
-    launch over its sequences (before: 4 + 2 a selecting sequence, 10 with three). Each
-    sequence's tokens equal the CPU op's for its prompt alone and whole."""
+def test_method_work_beside_other_sequences_stays_within_the_bound(emulation_worker, tiny_llama3_ir):
+    """Three sequences decoding together (f32 blocks), each entered a step after the last:
+    block-wise KVCrush, in whose counted steps one sequence selects anew while the others only
+    add their probabilities; KVCrush token by token, every sequence selecting anew every step;
+    ClusterKV clustering each sequence's new tokens every second step, the first and third
+    sequences in the same steps. Every step is one wait, nothing more to the host than the full
+    cache's, and at most :data:`PER_LAYER` commands a layer: the step's selections, and its
+    clusterings, are one launch over its sequences (before: 4 + 2 a selecting sequence, 10 with
+    three; 4 + 1 a clustering sequence, 6 with two). Each sequence's tokens equal the CPU op's
+    for its prompt alone and whole."""
     from ov_kvcrush.tools.gpu_step_counts import METHODS, count_steps, step_prompts
 
     sequences, tokens, budget, steps = 3, 160, 96, 20
+    labels = ["full", "kvcrush", "kvcrush/token", "clusterkv/every2"]
     # f32 inference, as the test above (f16 would compile every layer's programs again); f32 blocks
     rows = emulation_worker.submit(
-        count_steps, tiny_llama3_ir, ["full", "kvcrush", "kvcrush/token"], sequences, tokens, budget, "f32", steps,
-        "f32",
-    ).result(timeout=900)  # fmt: skip
-    full, *crush = rows
-    cases = [CompressionConfig(method="kvcrush", budget=budget, options=METHODS[r["method"]]) for r in crush]
+        count_steps, tiny_llama3_ir, labels, sequences, tokens, budget, "f32", steps, "f32"
+    ).result(timeout=900)
+    full, *methods = rows
+    cases = [CompressionConfig(method=r["method"].split("/")[0], budget=budget, options=METHODS[r["method"]])
+             for r in methods]  # fmt: skip  # count_steps' configs
     cpu = emulation_worker.submit(
         _alone_on_the_cpu_op, tiny_llama3_ir, step_prompts(sequences, tokens), cases, len(full["tokens"][0])
     ).result(timeout=900)
-    for row, alone in zip(crush, cpu, strict=True):
-        per_layer = [s["ours_per_layer"] for s in row["steps"]]
+    per_layer = {}
+    for row, alone in zip(methods, cpu, strict=True):
+        label, method = row["method"], row["method"].split("/")[0]
+        per_layer[label] = [s["ours_per_layer"] for s in row["steps"]]
         assert all(s["decode_rows"] == sequences for s in row["steps"]), row["steps"]
         for step in row["steps"]:  # as the full cache's step: the plugin's waits, no more to the host
             assert step["waits"] == full["steps"][0]["waits"], step
             assert step["to_host"] <= full["steps"][0]["to_host"], step
-        assert max(per_layer) <= PER_LAYER["kvcrush"], (row["method"], per_layer)
-        assert row["tokens"] == alone, row["method"]
-    block_wise, token_wise = ([s["ours_per_layer"] for s in r["steps"]] for r in crush)
+        assert max(per_layer[label]) <= PER_LAYER[method], (label, per_layer[label])
+        assert row["tokens"] == alone, label
+    block_wise, token_wise, clustering = (per_layer[label] for label in labels[1:])
     assert sum(p > 4 for p in block_wise) >= 3, block_wise  # each sequence selected anew in a step counted
     assert min(token_wise) > 4, token_wise  # every step's sequences selected anew
+    # every step one sequence clusters, or two (the first and third): one launch
+    assert set(clustering) == {5}, clustering

@@ -41,7 +41,7 @@ from ov_kvcrush.gpu.plugin_cache import (
 )
 from ov_kvcrush.gpu.pool import largest_pool
 from ov_kvcrush.gpu.slots import StepLogits
-from ov_kvcrush.gpu.step_work import StepLogitRows, StepTables, launch_step_work
+from ov_kvcrush.gpu.step_work import StepLogitRows, StepTables, launch_layer_clusterings, launch_step_work
 from ov_kvcrush.gpu.table_mirror import TableMirror
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
@@ -424,12 +424,18 @@ class PluginModel:
         tables = mirror.update({name: feeds.pop(name) for name in DEVICE_TABLES if name in feeds})
         for name, buffer in tables.items():
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.i32, list(mirror.places[name].shape)))
+        s = self.shape
+        _, table_rows, width = mirror.places["kvc_tables"].shape
+        step_tables = StepTables(tables["kvc_tables"], table_rows, width, s.kv_heads)
+        if pool.variant.recall:  # the clusterings due, before the model's recall reads their clusters
+            for layer in range(s.layers):
+                launch_layer_clusterings(kv_pool, layer, [seq.caches[layer] for seq in sequences], step_tables)
         for name, array in feeds.items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         request.set_tensor("kvc_pool", bytes_tensor(self.context, kv_pool.buffer))
         if blocks is not None:
             request.set_tensor("kvc_qpool", bytes_tensor(self.context, blocks.buffer))
-        s, stride = self.shape, step.logit_stride
+        stride = step.logit_stride
         if pool.variant.recall or pool.variant.merge:  # the indexes, bounds or degrees (a buffer that grows)
             arena = kv_pool.index_arena()
             request.set_tensor("kvc_index", bytes_tensor(self.context, arena.buffer))
@@ -455,8 +461,6 @@ class PluginModel:
             rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] and not stride else buffers
             logits_i = [StepLogits(b, stride, tokens, i) for b in logit_buffers] if stride else None
             works.append(seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i))
-        _, rows, width = mirror.places["kvc_tables"].shape
-        step_tables = StepTables(tables["kvc_tables"], rows, width, s.kv_heads)
         for layer, logit_buffer in enumerate(logit_buffers):  # one launch a kernel over the step's sequences
             layer_logits = StepLogitRows(logit_buffer, stride, tokens) if stride else None
             launch_step_work(kv_pool, layer, [w[layer] for w in works], step_tables, layer_logits,

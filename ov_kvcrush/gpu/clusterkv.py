@@ -11,12 +11,14 @@ written on the device and read only when the counters are asked for.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import KernelDevice, device
+from ov_kvcrush.gpu.device import KernelDevice, Transfers, device, kernel_dir
 from ov_kvcrush.gpu.layout import PoolShape, page_heads
 from ov_kvcrush.gpu.store import store_constants
 from ov_kvcrush.validation import check_int
@@ -111,6 +113,63 @@ def launch_clustering(
             i32(k), np.uint32(seed & 0xFFFFFFFF), i32(max_iters), scratch, labels, arena, *held.args(), *run.args(),
             i32(what.clusters), i32(what.slots), iterations)  # fmt: skip
     return labels, scratch, iterations
+
+
+@dataclass(frozen=True)
+class StepClustering:
+    """One sequence's clustering due before a decode step, in one layer: ``what`` added to the
+    index held in run ``held`` and written in run ``run`` (the same where it has room), seeded by
+    ``seeding`` (seed, iteration cap); launched with the step's other sequences'
+    (:func:`launch_step_clusterings`)."""
+
+    what: Clustering
+    held: IndexRun
+    run: IndexRun
+    seeding: tuple[int, int]
+
+    def row(self, scratch_at: int, labels_at: int, sequence: int) -> list[int]:
+        """Its ``kmeans.cl`` ``C_*`` ints, its scratch and labels from those words on (``sequence``:
+        its place among the step's)."""
+        w, (seed, max_iters) = self.what, self.seeding
+        seed_bits = int(np.array(seed & 0xFFFFFFFF, np.uint32).view(np.int32))
+        return [w.first, w.n, w.k, seed_bits, max_iters, w.clusters, w.slots, *map(int, self.held.args()),
+                *map(int, self.run.args()), scratch_at, labels_at, sequence]  # fmt: skip
+
+
+@cache
+def clustering_fields() -> int:
+    """The ints of a sequence's row of ``step_cluster_slots`` (``kmeans.cl``'s ``C_FIELDS``: the
+    one copy of that layout, which :meth:`StepClustering.row` follows)."""
+    found = re.search(r"^#define C_FIELDS (\d+)", (kernel_dir() / "kmeans.cl").read_text(), re.M)
+    if found is None:
+        raise AssertionError("kmeans.cl defines C_FIELDS")
+    return int(found[1])
+
+
+def launch_step_clusterings(
+    dev: KernelDevice, io: Transfers, shape: PoolShape, tables: tuple[Any, Any, int, int], arena: Any,
+    due: list[StepClustering | None],
+) -> Any:  # fmt: skip
+    """Enqueue the clusterings ``due`` (``due[s]``: sequence ``s``'s, None where it has none) in
+    one launch (``kmeans.cl``'s ``step_cluster_slots``, a row of work a clustering): ``tables``
+    is the pool's buffer, the step's block tables, the layer's first row among them (a row per
+    sequence and KV head) and their stride; the index lies in the arena buffer ``arena``.
+    Returns each head's iteration count, ``[sequences, kv]`` on the device."""
+    pool, table_buffer, first_row, table_stride = tables
+    todo = [(s, c) for s, c in enumerate(due) if c is not None]
+    kv, d = todo[0][1].run.kv, shape.head_dim
+    rows = np.zeros((len(todo), clustering_fields()), np.int32)
+    scratch_at = labels_at = 0
+    for i, (s, c) in enumerate(todo):
+        rows[i] = c.row(scratch_at, labels_at, s)
+        scratch_at += kv * (c.what.n + 2 * c.what.k) * d
+        labels_at += kv * c.what.n
+    scratch, labels, iterations = dev.empty(4 * scratch_at), dev.empty(4 * labels_at), dev.empty(4 * len(due) * kv)
+    kernel = dev.kernel("kmeans.cl", "step_cluster_slots", {**store_constants(shape), "LANES": CLUSTER_LANES})
+    i32 = np.int32
+    dev.run(kernel, (CLUSTER_LANES, kv, len(todo)), (CLUSTER_LANES, 1, 1), pool, table_buffer, i32(first_row),
+            i32(table_stride), io.upload("clusterings", rows), scratch, labels, arena, iterations)  # fmt: skip
+    return iterations
 
 
 @dataclass

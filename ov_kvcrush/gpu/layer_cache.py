@@ -32,6 +32,7 @@ import torch
 
 from ov_kvcrush.errors import ConfigError
 from ov_kvcrush.gpu.arena import SlotState
+from ov_kvcrush.gpu.clusterkv import StepClustering
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
 from ov_kvcrush.gpu.snapkv import launch_keep
@@ -188,6 +189,12 @@ class DeviceFullLayerCache(LayerCache):
         """:meth:`after_model_step`'s work as its sequence's row of a launch over the step's
         sequences (:mod:`ov_kvcrush.gpu.step_work`), the host's side done here; None where the
         step's work is not such a row (then :meth:`after_model_step` does it). The full cache's: none."""
+        return None
+
+    def take_step_clustering(self) -> StepClustering | None:
+        """The clustering due before the model's step (:meth:`reserve` planned it), to launch with
+        the step's other sequences' (:func:`~ov_kvcrush.gpu.step_work.launch_layer_clusterings`):
+        ClusterKV's; None: none."""
         return None
 
 

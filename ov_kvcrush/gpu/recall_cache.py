@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.gpu.clusterkv import Clustering, IndexRun, launch_clustering, launch_recall
+from ov_kvcrush.gpu.clusterkv import Clustering, IndexRun, StepClustering, launch_clustering, launch_recall
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache, host_array
 from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS, RECALL_WIDTH
 from ov_kvcrush.gpu.pool import DevicePool
@@ -148,8 +148,11 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         self.clustered = 0  # N: slots clustered per KV head
         #: where the index lies in the arena (None: no clustering yet)
         self.run: IndexRun | None = None
-        #: each clustering's per-head k-means iterations, on the device until the counters are read
-        self._iterations_unread: list[Any] = []
+        #: each clustering's per-head k-means iterations (a buffer and the head 0's int in it), on
+        #: the device until the counters are read
+        self._iterations_unread: list[tuple[Any, int]] = []
+        #: the clustering due before the model's step, launched with the step's other sequences'
+        self._due: StepClustering | None = None
         self._prompt_clustered = False
 
     @property
@@ -158,7 +161,8 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         last read (as the reference counts them: the most any head ran, summed over clusterings)."""
         if self._iterations_unread:
             kv, pool = self.layer.kv_heads, self.layer.pool
-            heads = (pool.download("k-means iterations", b, np.int32, (kv,)) for b in self._iterations_unread)
+            unread = self._iterations_unread
+            heads = (pool.download("k-means iterations", b, np.int32, (at + kv,))[at:] for b, at in unread)
             ran = sum(int(ran.max()) for ran in heads)
             self._iterations_unread = []
             self._counters["kmeans_iterations"] = self._counters.get("kmeans_iterations", 0) + ran
@@ -186,28 +190,37 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
 
     # ---- the steps
     def _cluster(self, start: int, end: int, k: int) -> None:
-        """Cluster slots ``[start, end)`` of every KV head into ``k`` more clusters (the reference's
-        ``cluster_tokens``: seeded by the tokens seen), added to the index where it lies (one
-        launch; a run with room for them taken first where it has none)."""
-        lay, cfg = self.layer, self.config
-        pool = lay.pool
+        """Cluster slots ``[start, end)`` of every KV head into ``k`` more clusters, added to the
+        index where it lies: one launch, now."""
+        lay, pool = self.layer, self.layer.pool
+        due = self._take_clustering(start, end, k)
+        tables, stride = lay.device_tables()
+        index = (pool.index_arena().buffer, due.held, due.run)
+        _, _, iterations = launch_clustering(pool.dev, pool.shape, (pool.buffer, tables, stride), due.what,
+                                             due.seeding, index)  # fmt: skip
+        self.clustering_enqueued(due, (iterations, 0))
+
+    def _take_clustering(self, start: int, end: int, k: int) -> StepClustering:
+        """The clustering of slots ``[start, end)`` of every KV head into ``k`` more clusters (the
+        reference's ``cluster_tokens``: seeded by the tokens seen), the index's counts as they
+        will be once it has run, a run with room for them taken where the held one has none;
+        launched by the caller, who then calls :meth:`clustering_enqueued`."""
+        cfg = self.config
         count = end - start
         what = Clustering(start, count, min(k, count), self.clusters, self.clustered)
         held = self.run
         run = self._run_for(what.clusters + what.k, what.slots + count, what.k, count)
-        arena = pool.index_arena()
-        tables, stride = lay.device_tables()
-        heads, index, seeding = (
-            (pool.buffer, tables, stride),
-            (arena.buffer, held or run, run),
-            (cfg.seed + self.seen, cfg.max_iters),
-        )
-        _, _, iterations = launch_clustering(pool.dev, pool.shape, heads, what, seeding, index)
-        if held is not None and held != run:
-            arena.give(held.first, held.words)  # the in-order queue moves it before the words are reused
-        self._iterations_unread.append(iterations)
         self.clusters, self.clustered = what.clusters + what.k, what.slots + count
         self.pending_from = end
+        return StepClustering(what, held or run, run, (cfg.seed + self.seen, cfg.max_iters))
+
+    def clustering_enqueued(self, due: StepClustering, iterations: tuple[Any, int]) -> None:
+        """After ``due``'s launch is enqueued: the run it moved from back to the arena (the
+        in-order queue moves it before the words are reused), its heads' iteration counts
+        (``iterations``: the buffer and head 0's int in it) read with the counters."""
+        if due.held != due.run:
+            self.layer.pool.index_arena().give(due.held.first, due.held.words)
+        self._iterations_unread.append(iterations)
         self._bump("clusterings")
 
     def _run_for(self, clusters: int, slots: int, k: int, count: int) -> IndexRun:
@@ -264,7 +277,15 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
     recall_fields = RECALL_FIELDS
 
     def _before_model_step(self) -> None:
-        self._before_append()  # the tokens due clustered, as _decode_step does
+        """The tokens due clustered, as :meth:`_decode_step` does, launched with the step's other
+        sequences' (:meth:`take_step_clustering`)."""
+        n = self.layer.held
+        if n - self.pending_from >= self.config.cluster_every:
+            self._due = self._take_clustering(self.pending_from, n, self.config.new_clusters)
+
+    def take_step_clustering(self) -> StepClustering | None:
+        due, self._due = self._due, None
+        return due
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         """After the prompt's last chunk: its clusters (:meth:`prefill`'s)."""

@@ -24,11 +24,12 @@ import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ov_kvcrush.gpu.arena import SlotState
+from ov_kvcrush.gpu.clusterkv import StepClustering, launch_step_clusterings
 from ov_kvcrush.gpu.device import kernel_dir
 from ov_kvcrush.gpu.kvcrush import StepSelection, launch_step_selections
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
@@ -220,6 +221,28 @@ def launch_step_work(
             w.layer.release_empty_blocks()
         if w.then is not None:
             w.then()
+
+
+class ClusteringLayer(Protocol):
+    """A sequence's layer cache as :func:`launch_layer_clusterings` asks it."""
+
+    def take_step_clustering(self) -> StepClustering | None: ...
+
+    def clustering_enqueued(self, due: StepClustering, iterations: tuple[Any, int]) -> None: ...
+
+
+def launch_layer_clusterings(pool: DevicePool, layer: int, caches: list[ClusteringLayer], tables: StepTables) -> None:
+    """Layer ``layer``'s clusterings due before the model's step (``caches[s]``: sequence ``s``'s
+    cache there), one launch over the step's sequences, their keys read through the step's block
+    tables; enqueued before the model's step, whose recall reads the clusters they add."""
+    due = [c.take_step_clustering() for c in caches]
+    if not any(due):
+        return
+    heads = (pool.buffer, tables.buffer, layer * tables.rows_per_layer, tables.stride)
+    iterations = launch_step_clusterings(pool.dev, pool, pool.shape, heads, pool.index_arena().buffer, due)
+    for s, (layer_cache, clustering) in enumerate(zip(caches, due, strict=True)):
+        if clustering is not None:
+            layer_cache.clustering_enqueued(clustering, (iterations, s * tables.kv_heads))
 
 
 #: the row of a sequence with no work in the layer: every field's default

@@ -177,23 +177,17 @@ inline void add_clusters(__global const uchar* pool, __global const int* table, 
 #define RUN_ARGS(p) int p##_c, int p##_s, int p##_o, int p##_t, int p##_cs, int p##_ss, int p##_os, int p##_ts
 #define RUN(p) {{p##_c, p##_s, p##_o, p##_t}, {p##_cs, p##_ss, p##_os, p##_ts}}
 
-// Slots [first, first + n) of each KV head clustered into k clusters added to its index (held:
-// `clusters` clusters over `slots` slots, in run `from`; written in run `to`). scratch: [kv][n +
-// 2k][D] floats, labels [kv][n]; iterations[r] gets the head's iteration count.
-__kernel void cluster_slots(__global const uchar* pool, __global const int* tables, int table_stride, int first,
-                            int n, int k, uint seed, int max_iters, __global float* scratch, __global int* labels,
-                            __global int* index, RUN_ARGS(from), RUN_ARGS(to), int clusters, int slots,
-                            __global int* iterations) {
-    const IndexRun from = RUN(from), to = RUN(to);
-    __local ulong keys[LANES];
-    __local int items[LANES];
-    __local int moved;
-    const int r = get_group_id(1), lane = get_local_id(0);
-    __global const int* table = tables + (long)r * table_stride;
-    __global float* xn = scratch + (long)r * (n + 2 * k) * D;
+// KV head r's slots [first, first + n) (its block table `table`) clustered into k clusters added
+// to its index (held: `clusters` clusters over `slots` slots, in run `from`; written in run `to`):
+// the work-group's lanes; xn [n + 2k][D] floats and labels [n] its scratch; *iterations its
+// iteration count. keys, items and moved: the kernel's local memory.
+inline void cluster_head(__global const uchar* pool, __global const int* table, int first, int n, int k, uint seed,
+                         int max_iters, __global float* xn, __global int* head_labels, __global int* index,
+                         IndexRun from, IndexRun to, int clusters, int slots, int r, __local ulong* keys,
+                         __local int* items, __local int* moved, __global int* iterations) {
+    const int lane = get_local_id(0);
     __global float* directions = xn + (long)n * D;
     __global float* sums = directions + (long)k * D;
-    __global int* head_labels = labels + (long)r * n;
     move_index(index, from, to, r, clusters, slots);
     normalize_keys(pool, table, first, n, xn, head_labels);  // (the moved words are not read below)
     barrier(CLK_GLOBAL_MEM_FENCE);
@@ -201,16 +195,78 @@ __kernel void cluster_slots(__global const uchar* pool, __global const int* tabl
     int it = 0;
     while (it < max_iters) {
         ++it;
-        if (lane == 0) moved = 0;
+        if (lane == 0) *moved = 0;
         barrier(CLK_LOCAL_MEM_FENCE);
-        assign_nearest(xn, n, directions, k, head_labels, &moved);
+        assign_nearest(xn, n, directions, k, head_labels, moved);
         barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-        if (!moved) break;
+        if (!*moved) break;
         move_directions(xn, n, head_labels, k, sums, directions);
     }
     __global float* words = (__global float*)index;
     add_clusters(pool, table, first, n, head_labels, k, words + to.at[0] + (long)r * to.stride[0] + (long)clusters * D,
                  index + to.at[1] + (long)r * to.stride[1] + clusters, index + to.at[2] + (long)r * to.stride[2] + clusters,
                  index + to.at[3] + (long)r * to.stride[3] + slots, slots);
-    if (lane == 0) iterations[r] = it;
+    if (lane == 0) *iterations = it;
+}
+
+// A run's parts' first words and head strides, as scalar arguments (every host passes scalars).
+#define RUN_ARGS(p) int p##_c, int p##_s, int p##_o, int p##_t, int p##_cs, int p##_ss, int p##_os, int p##_ts
+#define RUN(p) {{p##_c, p##_s, p##_o, p##_t}, {p##_cs, p##_ss, p##_os, p##_ts}}
+
+// Slots [first, first + n) of each KV head clustered into k clusters added to its index (held:
+// `clusters` clusters over `slots` slots, in run `from`; written in run `to`). scratch: [kv][n +
+// 2k][D] floats, labels [kv][n]; iterations[r] gets the head's iteration count.
+__kernel void cluster_slots(__global const uchar* pool, __global const int* tables, int table_stride, int first,
+                            int n, int k, uint seed, int max_iters, __global float* scratch, __global int* labels,
+                            __global int* index, RUN_ARGS(from), RUN_ARGS(to), int clusters, int slots,
+                            __global int* iterations) {
+    __local ulong keys[LANES];
+    __local int items[LANES];
+    __local int moved;
+    const int r = get_group_id(1);
+    const IndexRun from = RUN(from), to = RUN(to);
+    cluster_head(pool, tables + (long)r * table_stride, first, n, k, seed, max_iters,
+                 scratch + (long)r * (n + 2 * k) * D, labels + (long)r * n, index, from, to, clusters, slots, r, keys,
+                 items, &moved, iterations + r);
+}
+
+// A decode step's clusterings of the step's sequences in one launch (ov_kvcrush/gpu/clusterkv.py:
+// launch_step_clusterings): each row of `work` (C_* ints), one a clustering sequence, says which
+// sequence, its run of slots, its seed, its index's runs and where its scratch and labels lie;
+// its KV heads' block tables are the step's (`tables`: the layer's rows from table_first, a row
+// per (sequence, KV head)). iterations [sequences][kv]. Global (LANES, kv_heads, clusterings),
+// local (LANES, 1, 1).
+#define C_FIRST 0
+#define C_N 1
+#define C_K 2
+#define C_SEED 3       // the seed's 32 bits
+#define C_MAX_ITERS 4
+#define C_CLUSTERS 5
+#define C_SLOTS 6
+#define C_FROM 7       // 8 ints: the held run's parts' first words, then their head strides
+#define C_TO 15        // 8 ints: the run written
+#define C_SCRATCH 23   // the sequence's scratch (floats) and labels: their first words
+#define C_LABELS 24
+#define C_SEQUENCE 25  // the sequence's place among the step's
+#define C_FIELDS 26
+__kernel void step_cluster_slots(__global const uchar* pool, __global const int* tables, int table_first,
+                                 int table_stride, __global const int* work, __global float* scratch,
+                                 __global int* labels, __global int* index, __global int* iterations) {
+    __local ulong keys[LANES];
+    __local int items[LANES];
+    __local int moved;
+    const int r = get_group_id(1), kv_heads = get_num_groups(1);
+    __global const int* w = work + get_group_id(2) * C_FIELDS;
+    const int n = w[C_N], k = w[C_K], s = w[C_SEQUENCE];
+    IndexRun from, to;
+    for (int p = 0; p < 4; ++p) {
+        from.at[p] = w[C_FROM + p];
+        from.stride[p] = w[C_FROM + 4 + p];
+        to.at[p] = w[C_TO + p];
+        to.stride[p] = w[C_TO + 4 + p];
+    }
+    __global const int* table = tables + (long)(table_first + s * kv_heads + r) * table_stride;
+    cluster_head(pool, table, w[C_FIRST], n, k, (uint)w[C_SEED], w[C_MAX_ITERS],
+                 scratch + w[C_SCRATCH] + (long)r * (n + 2 * k) * D, labels + w[C_LABELS] + (long)r * n, index, from,
+                 to, w[C_CLUSTERS], w[C_SLOTS], r, keys, items, &moved, iterations + s * kv_heads + r);
 }
