@@ -467,15 +467,15 @@ def gguf_parsed_once():
 
 def teacher_forced(
     model_dir: str, ids: list[int], forced: list[int], device: str, properties: dict, compressions: list,
-    block_size: int, after_prompt: Callable[[Any], None] | None = None,
+    block_size: int, after_prompt: Callable[[Any], None] | None = None, kv_precision: str = "f16",
 ) -> list[np.ndarray]:  # fmt: skip
     """Each of ``compressions``' logits ``[1 + len(forced), vocab]`` through the openvino engine on
-    ``device`` (an f16 KV store, blocks of ``block_size``): after ``ids`` (then
+    ``device`` (a ``kv_precision`` KV store, blocks of ``block_size``): after ``ids`` (then
     ``after_prompt(engine)``, such as a scoring pass) and after each token of ``forced`` fed in
     turn (the same tokens whatever each device would pick)."""
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
 
-    engine = OpenVINOEngine(model_dir, device=device, kv_precision="f16", block_size=block_size,
+    engine = OpenVINOEngine(model_dir, device=device, kv_precision=kv_precision, block_size=block_size,
                             properties=properties)  # fmt: skip
     out = []
     try:

@@ -74,7 +74,7 @@ def random_scenario(
             np.concatenate([positions[i], np.arange(start, start + n, dtype=np.int32)]) for i in range(kv_heads)
         ]
         feeds = {"q": q, "k": k, "v": v, "tables": heads.tables, "first": first, "lengths": first + n}
-        feeds["tokens"] = plugin_layers.token_tensor([n])  # one sequence: a row per KV head
+        feeds["tokens"] = plugin_layers.token_tensor([n], [n > 1])  # one sequence: a row per KV head
         scenario.steps.append({**feeds, "step": plugin_layers.step_tensor(heads.tables.shape[1], n)})
         scenario.first_positions.append(start)
         scenario.keys.append(keys)
@@ -145,12 +145,16 @@ def test_the_plugin_runs_our_decode_step_over_a_pool_it_holds(emulation_worker, 
 
 def _causal_reference(shape: PoolShape, q: np.ndarray, first_position: int, keys: list, values: list,
                       positions: list) -> np.ndarray:  # fmt: skip
-    """Each query head's rows (at first_position + r) over its KV head's stored tokens at or before them."""
+    """Each query head's rows (at first_position + r) over its KV head's tokens at or before them:
+    the earlier steps' as stored, a step of several rows its own as given (the CPU op's prompt
+    attention), a step of one row its own as stored (a decode token's)."""
     rows = q.shape[1]
     out = np.zeros(q.shape)
     for h in range(q.shape[0]):
         kv = h // shape.group
         k, v = stored(shape, keys[kv]).astype(np.float64), stored(shape, values[kv]).astype(np.float64)
+        if rows > 1:
+            k[-rows:], v[-rows:] = keys[kv][-rows:], values[kv][-rows:]
         for r in range(rows):
             seen = positions[kv] <= first_position + r
             logits = k[seen] @ q[h, r].astype(np.float64) * HEAD_DIM**-0.5
@@ -163,7 +167,8 @@ def test_the_plugin_runs_our_prompt_steps_over_heads_with_gaps(
     emulation_worker, tmp_path, precision="f16", sub_group=16
 ):
     """Two prompt chunks then a step of one row, over KV heads whose earlier tokens sit at
-    positions with gaps (as after eviction): each row attends exactly the slots at or before it."""
+    positions with gaps (as after eviction), in f16 blocks: each row attends exactly the slots at
+    or before it, a chunk's own tokens as the model gave them, every other as stored."""
     shape = PoolShape(precision, BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS)
     attributes = plugin_layers.LayerAttributes(shape, sub_group, HEAD_DIM**-0.5)
     scenario = random_scenario(attributes, "prefill", TOKENS, (20, 17, 1), np.random.default_rng(8))
@@ -208,7 +213,8 @@ def batched_step(attributes: plugin_layers.LayerAttributes, held: list[list[int]
     }
     split = int(all(c == 1 for c in counts))  # decode rows alone: a sub-group a row, the slots split
     step = plugin_layers.step_tensor(heads.tables.shape[1], t, decode_split=split)
-    feeds |= {"tokens": plugin_layers.token_tensor(counts), "step": step}
+    # several tokens read their own from k and v (equal to the f32 store's: where they are read)
+    feeds |= {"tokens": plugin_layers.token_tensor(counts, [c > 1 for c in counts]), "step": step}
     return {"pool": heads.pool, "feeds": feeds, "keys": keys, "values": values}
 
 
@@ -238,7 +244,8 @@ def _run_batched_in_worker(folder: str, attributes, kv_heads: int, steps: list[d
 def test_the_plugin_runs_a_step_of_several_sequences_each_over_its_own_slots(emulation_worker, tmp_path):
     """Continuous batching's step: a prompt chunk beside decode tokens of sequences of other
     lengths, in one launch (tokens side by side; a row of the cache's tensors per sequence and
-    KV head): each token's rows attend exactly its own sequence's slots up to itself; a step of
+    KV head): each token's rows attend exactly its own sequence's slots up to itself (a chunk's
+    own tokens as the model gave them, not the f16 blocks' rounded copies); a step of
     decode tokens alone gives each row a sub-group, its slots split across the lanes and merged."""
     shape = PoolShape("f16", BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS)
     attributes = plugin_layers.LayerAttributes(shape, 16, HEAD_DIM**-0.5)
@@ -258,6 +265,9 @@ def test_the_plugin_runs_a_step_of_several_sequences_each_over_its_own_slots(emu
                     seen = held[s][h // shape.group] + i + 1
                     k = stored(shape, step["keys"][row][:seen]).astype(np.float64)
                     v = stored(shape, step["values"][row][:seen]).astype(np.float64)
+                    if c > 1:  # a chunk's own tokens as the model gave them, the earlier as stored
+                        own = slice(held[s][h // shape.group], seen)
+                        k[own], v[own] = step["keys"][row][own], step["values"][row][own]
                     logits = k @ step["feeds"]["q"][h, starts[s] + i].astype(np.float64) * HEAD_DIM**-0.5
                     p = np.exp(logits - logits.max())
                     np.testing.assert_allclose(out[h, starts[s] + i], (p / p.sum()) @ v, atol=1e-5)

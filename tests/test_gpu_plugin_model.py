@@ -144,6 +144,36 @@ def test_the_openvino_engine_on_gpu_gives_the_cpu_ops_tokens_for_each_method(emu
     assert want[CASES.index(CLUSTERKV)][0] != want[0][0]  # its recall changes the tokens: ignoring it would fail
 
 
+#: u8 blocks' cases: the full cache, an eviction, the 2-bit store beside them (its chunks flushed
+#: from the u8 blocks' tokens); a prompt both feed in one step (under the CPU op's first chunk)
+U8_CASES = [CASES[0], CASES[2], CASES[4]]
+U8_PROMPT_TOKENS = 100
+#: the largest logit error of the GPU against the CPU op, both in f32 over u8 blocks, relative to
+#: the largest logit: measured 3e-6 on the prompt's row and 1.2e-4 on the decode rows after it
+#: (2026-12-03); with the prompt's own tokens read back from the u8 blocks, 5.4e-3 and 3.4e-3 up
+U8_TOLERANCE = 5e-4
+
+
+@pytest.mark.model
+def test_on_gpu_a_prompt_attends_its_own_tokens_exactly_over_u8_blocks_as_the_cpu_op(emulation_worker, tiny_llama3_ir):
+    """A prompt's rows attend the step's own tokens as the model gave them, not the store's
+    rounded copies (the CPU op's prompt attention, and native's); a decode token reads the
+    store. Over u8 blocks (the roughest store) at f32 inference, teacher-forced: each method's
+    logits on the GPU stay within :data:`U8_TOLERANCE` of the CPU op's, row by row."""
+    from ov_kvcrush.tools.model_coverage import F32
+
+    rng = np.random.default_rng(5)
+    ids = [int(t) for t in rng.integers(10, 380, U8_PROMPT_TOKENS)]
+    forced = [int(t) for t in rng.integers(10, 380, NEW_TOKENS)]
+    compressions = [_compression(*c) for c in U8_CASES]
+    want = teacher_forced(tiny_llama3_ir, ids, forced, "CPU", F32, compressions, BLOCK, kv_precision="u8")
+    got = emulation_worker.submit(teacher_forced, tiny_llama3_ir, ids, forced, "GPU", F32, compressions, BLOCK,
+                                  kv_precision="u8").result(timeout=900)  # fmt: skip
+    for case, a, b in zip(U8_CASES, got, want, strict=True):
+        errors = np.abs(a - b).max(-1) / np.abs(b).max()
+        assert (errors <= U8_TOLERANCE).all(), (case, errors)
+
+
 #: the batch: four prompts decoding together when a fifth arrives (prompt tokens each)
 BATCH_PROMPTS = (150, 90, 121, 70, 110)
 #: the batched cases: the full cache and those whose evictions make and drop device buffers

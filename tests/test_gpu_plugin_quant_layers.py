@@ -70,7 +70,7 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
         "tables": heads.tables,
         "first": np.full(KV_HEADS, held, np.int32),
         "lengths": np.full(KV_HEADS, held + rows, np.int32),
-        "tokens": plugin_layers.token_tensor([rows]),
+        "tokens": plugin_layers.token_tensor([rows], [rows > 1]),  # several: their own from k and v
         # each row's logits asked for (a decode step's, for the methods' scores: every slot); a
         # decode row alone is a sub-group's, its slots split across the lanes
         "step": plugin_layers.step_tensor(
@@ -132,7 +132,8 @@ def _roundtrip(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _expected(case: QuantCase) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     """Each row over the reference's store: the 2-bit chunks (the flushed ones' tokens at or
-    before the row), then the full-precision slots it sees that stayed so; and each row's logits
+    before the row), then the full-precision slots it sees that stayed so (a chunk's own as the
+    model gave them, the earlier as the f16 blocks hold them); and each row's logits
     over those slots in that order (per head, per row)."""
     held, f = case.pinned + case.residual, case.flushed
     out = np.zeros((Q_HEADS, case.rows, HEAD_DIM))
@@ -142,6 +143,8 @@ def _expected(case: QuantCase) -> tuple[np.ndarray, list[list[np.ndarray]]]:
         k, v = stored(SHAPE, case.keys[kv]), stored(SHAPE, case.values[kv])
         ok, ov_ = _roundtrip(case.old_keys[kv], case.old_values[kv]) if case.old else (k[:0], v[:0])
         fk, fv = _roundtrip(k[case.pinned : case.pinned + f], v[case.pinned : case.pinned + f]) if f else (k[:0], v[:0])
+        if case.rows > 1:  # a chunk's own full-precision slots as the model gave them (the flushed: 2-bit)
+            k, v = np.concatenate([k[:held], case.keys[kv][held:]]), np.concatenate([v[:held], case.values[kv][held:]])
         for i in range(case.rows):
             slot = held + i  # the row's own slot
             seen_fp = [j for j in range(slot + 1) if not case.pinned <= j < case.pinned + f]

@@ -37,9 +37,10 @@ def test_the_padding_is_a_sequence_after_the_steps_own_in_its_one_block():
     counts = [3, 1, 150]
     shown = StepPadding.of(counts)
     assert (shown.tokens, shown.sequences, shown.padding) == (160, 4, 6)
-    rows = shown.token_rows(block_size=4)
-    assert np.array_equal(rows[:154], token_tensor(counts))  # the step's tokens as they were
-    assert rows[154:].tolist() == [[3, i % 4] for i in range(6)]  # then the pad sequence's, in one block
+    rows = shown.token_rows(block_size=4, own=[True, False, True])
+    assert np.array_equal(rows[:154], token_tensor(counts, [True, False, True]))  # the step's tokens as they were
+    assert rows[:154, 2].tolist() == [1] * 3 + [0] + [1] * 150  # each token's own flag its sequence's
+    assert rows[154:].tolist() == [[3, i % 4, 0] for i in range(6)]  # then the pad sequence's, in one block, reading it
     assert shown.pad_slots(4) == 4 and shown.pad_slots(16) == 6
     decode = StepPadding.of([1] * 5)  # a few decode rows: shown as they are
     assert (decode.tokens, decode.sequences, decode.padding) == (5, 8, 0)  # its rows: a power of two

@@ -14,8 +14,9 @@ with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_hea
   the plugin's context, written in place by the store layers, kept across inferences;
 * ``kvc_tables`` [layers, rows, width]: each row's block ids; ``kvc_first`` and ``kvc_lengths``
   [layers, rows]: its first new slot and its slot count after the step;
-* ``kvc_tokens`` [T, 2]: each token's sequence and its index among that sequence's tokens
-  (:func:`ov_kvcrush.gpu.plugin_layers.token_tensor`);
+* ``kvc_tokens`` [T, 3]: each token's sequence, its index among that sequence's tokens, and
+  whether its rows attend the step's own tokens exactly (a prompt's; the prompt layers take the
+  model's k and v for them) (:func:`ov_kvcrush.gpu.plugin_layers.token_tensor`);
 * ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`;
 * ``kvc_score_rows`` [R] (int64, at least one): the step's query rows each layer writes
   (``OvkcRows``, after the store) into its input ``kvc_rows.<layer>`` (bytes: our buffer, written
@@ -74,7 +75,7 @@ from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_co
 
 from ov_kvcrush.gpu.chelsea import MERGE_WIDTH
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.plugin_layers import KERNELS, RECALL_WIDTH, STEP_FIELDS, LayerAttributes, layer_class
+from ov_kvcrush.gpu.plugin_layers import KERNELS, RECALL_WIDTH, STEP_FIELDS, TOKEN_FIELDS, LayerAttributes, layer_class
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
 # this module stays light.
@@ -86,7 +87,7 @@ PLUGIN_INPUTS = {
     "kvc_tables": (np.int32, ("layers", -1, -1)),
     "kvc_first": (np.int32, ("layers", -1)),
     "kvc_lengths": (np.int32, ("layers", -1)),
-    "kvc_tokens": (np.int32, (-1, 2)),
+    "kvc_tokens": (np.int32, (-1, TOKEN_FIELDS)),
     "kvc_step": (np.int32, (len(STEP_FIELDS),)),
     "kvc_score_rows": (np.int64, (-1,)),
 }
@@ -165,7 +166,7 @@ def convert_model_for_plugin(
         stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], tokens, k, v, step], attrs).output(0)
         rows_in, logits = (_bytes_input(params, name.format(plan.layer)) for name in (ROWS_INPUT, LOGITS_INPUT))
         stored = layer_class("OvkcRows")([rows_in, q, score_rows, step, stored], attrs).output(0)
-        attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, step]
+        attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, k, v, step]
         if recall:
             recalled = _bytes_input(params, RECALLED_INPUT.format(plan.layer))
             args = {"pool": pool, "tables": row["tables"], "index": params["kvc_index"].output(0),

@@ -90,6 +90,10 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
         """A scoring step counts as the prompt's (it is part of compressing it)."""
         return self.view is not None or super().in_prompt
 
+    def attends_own(self, t: int) -> bool:
+        """A scoring step's tokens attend themselves exactly (the CPU op's scoring pass)."""
+        return self.view is not None or super().attends_own(t)
+
     def model_slots(self) -> np.ndarray:
         if self.view is not None:
             return self.view.gathered + self.view.tokens

@@ -140,6 +140,12 @@ class DeviceFullLayerCache(LayerCache):
         """Whether the next step feeds (more of) the prompt."""
         return not self.seen or self.seen < self.prompt_end
 
+    def attends_own(self, t: int) -> bool:
+        """Whether the next step's ``t`` tokens attend the step's own tokens as the model gave
+        them, not the store's rounded copies (asked before :meth:`reserve`): several tokens, or a
+        chunk of a prompt, as the CPU op's prompt attention; a decode token reads the store."""
+        return t > 1 or self.seen < self.prompt_end
+
     def _prompt_continues(self) -> bool:
         """After a step: whether it was a chunk of the prompt before its last (the method's prompt
         work waits for the last)."""

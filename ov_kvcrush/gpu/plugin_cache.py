@@ -270,6 +270,11 @@ class PluginKVSequence:
             cache.reserve(t)
         return phase
 
+    def attends_own(self, t: int) -> bool:
+        """Whether the next step's ``t`` tokens attend the step's own tokens exactly (asked before
+        :meth:`reserve`; the same in every layer)."""
+        return self.caches[0].attends_own(t)
+
     def score_rows(self, t: int) -> int:
         """The query rows the layers read after a ``t``-token step (the same for every layer)."""
         rows = {c.score_rows(t) for c in self.caches}
@@ -351,10 +356,11 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     layers, kv = pool.model.layers, pool.model.kv_heads
     shown = StepPadding.of(counts)
     firsts = np.zeros((layers, len(sequences) * kv), np.int32)
-    phases, first_rows, score_rows, index, starts = [], [], [], [], []
+    phases, first_rows, score_rows, index, starts, own = [], [], [], [], [], []
     start = 0
     for s, (seq, t) in enumerate(zip(sequences, counts, strict=True)):
         firsts[:, s * kv : (s + 1) * kv] = np.stack([c.model_slots() for c in seq.caches])
+        own.append(seq.attends_own(t))
         phases.append(seq.reserve(t))
         starts.append(start)
         n = seq.score_rows(t)
@@ -379,7 +385,7 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
         "kvc_tables": shown.rows(tables, kv, pool.pad_block),  # the empty rows' too: no block of another's
         "kvc_first": shown.rows(firsts, kv, 0),
         "kvc_lengths": lengths,
-        "kvc_tokens": shown.token_rows(block_size),
+        "kvc_tokens": shown.token_rows(block_size, own),
         "kvc_score_rows": np.array(index + [0] * (step_size(returned) - len(index)), np.int64),  # the rest unread
     }
     qwidth, map_width, candidates = 1, 0, 0
@@ -393,7 +399,8 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     scratch_bytes = 4
     if pool.variant.merge:
         inputs["kvc_merge"], scratch_bytes = _merge_inputs(sequences, shown)
-    decode_rows_alone = all(t == 1 for t in counts)  # the prompt layers then give each row a sub-group
+    # every row a decode token's, reading the store: the prompt layers then give each row a sub-group
+    decode_rows_alone = not any(own)
     # a step of decode tokens whose methods score them: the model writes each row's logits
     scored_decode = decode_rows_alone and "prompt" not in phases and any(score_rows)
     slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)

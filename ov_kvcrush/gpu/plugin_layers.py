@@ -121,7 +121,7 @@ KERNELS = {
     "OvkcPrefill": LayerKernel(
         "ovkc_prefill",
         "OVKC_LAYER_PREFILL",
-        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits"),
+        ("pool", "tables", "lengths", "first", "tokens", "q", "k", "v", "step", "stored", "logits"),
         "F*{sg},B",
         "{sg},1",
     ),
@@ -143,6 +143,8 @@ KERNELS = {
             "first",
             "tokens",
             "q",
+            "k",
+            "v",
             "step",
             "stored",
             "qpool",
@@ -179,14 +181,14 @@ KERNELS = {
     "OvkcMergePrefill": LayerKernel(
         "ovkc_merge_prefill",
         "OVKC_LAYER_MPREFILL",
-        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits", "index"),
+        ("pool", "tables", "lengths", "first", "tokens", "q", "k", "v", "step", "stored", "logits", "index"),
         "F*{sg},B",
         "{sg},1",
     ),
     "OvkcRecallPrefill": LayerKernel(
         "ovkc_recall_prefill",
         "OVKC_LAYER_RPREFILL",
-        ("pool", "tables", "lengths", "first", "tokens", "q", "step", "stored", "logits", "recalled"),
+        ("pool", "tables", "lengths", "first", "tokens", "q", "k", "v", "step", "stored", "logits", "recalled"),
         "F*{sg},B",
         "{sg},1",
     ),
@@ -247,10 +249,18 @@ def logits_bytes(q_heads: int, rows: int, stride: int) -> int:
     return 4 * q_heads * rows * (stride + 1)
 
 
-def token_tensor(counts: list[int]) -> np.ndarray:
-    """The ``tokens`` input [T, 2] of a step feeding ``counts[s]`` tokens to its sequence ``s``:
-    each token's sequence and its index among that sequence's tokens."""
-    return np.array([(s, i) for s, n in enumerate(counts) for i in range(n)], np.int32).reshape(-1, 2)
+#: the ints of a token's row of the ``tokens`` input (``plugin_layers.cl``'s TOKEN_FIELDS)
+TOKEN_FIELDS = 3
+
+
+def token_tensor(counts: list[int], own: list[bool] | None = None) -> np.ndarray:
+    """The ``tokens`` input [T, 3] of a step feeding ``counts[s]`` tokens to its sequence ``s``:
+    each token's sequence, its index among that sequence's tokens, and whether its rows attend the
+    step's own tokens exactly (``own[s]``: a prompt's step, or several tokens; else they read the
+    store, as a decode token's)."""
+    own = own if own is not None else [False] * len(counts)
+    rows = [(s, i, int(own[s])) for s, n in enumerate(counts) for i in range(n)]
+    return np.array(rows, np.int32).reshape(-1, TOKEN_FIELDS)
 
 
 @dataclass(frozen=True)

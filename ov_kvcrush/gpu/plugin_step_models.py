@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ov_kvcrush.gpu.plugin_layers import KERNELS, STEP_FIELDS, LayerAttributes, layer_class, write_config
+from ov_kvcrush.gpu.plugin_layers import KERNELS, STEP_FIELDS, TOKEN_FIELDS, LayerAttributes, layer_class, write_config
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
 # this module stays light.
@@ -34,7 +34,7 @@ def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[i
         "tables": ([-1, -1], np.int32),
         "first": ([-1], np.int32),
         "lengths": ([-1], np.int32),
-        "tokens": ([-1, 2], np.int32),
+        "tokens": ([-1, TOKEN_FIELDS], np.int32),
         "step": ([len(STEP_FIELDS)], np.int32),
         "logits": ([-1], np.uint8),  # written where step's logit_stride is set
     }
@@ -66,7 +66,7 @@ def decode_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
     gives a static custom layer a 4-D output its Result refuses), ``k`` and ``v`` [kv_heads, 1, D]
     (the step's), ``pool`` (uint8 bytes, written in place), ``tables`` [kv_heads, width] (block
     ids), ``first`` [kv_heads] (each head's first new slot), ``lengths`` [kv_heads] (its slots
-    after the step), ``tokens`` (:func:`token_tensor`: ``[[0, 0]]``), ``step``
+    after the step), ``tokens`` (:func:`token_tensor`: ``[[0, 0, 0]]``), ``step``
     (:func:`step_tensor`). Outputs: the attention [q_heads, D] and the probabilities [q_heads,
     width * block_size]."""
     import openvino as ov

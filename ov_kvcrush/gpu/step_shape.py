@@ -75,11 +75,12 @@ class StepPadding:
         """The tokens added (the pad sequence's)."""
         return self.tokens - sum(self.counts)
 
-    def token_rows(self, block_size: int) -> np.ndarray:
-        """The layers' ``tokens`` input ``[tokens, 2]``: each token's sequence and its index
-        among that sequence's tokens; the pad sequence's indices wrap at ``block_size`` (its one
-        block: its tokens overwrite each other's slots, which no one reads)."""
-        rows = token_tensor([*self.counts, self.padding])  # the pad sequence's tokens last
+    def token_rows(self, block_size: int, own: list[bool]) -> np.ndarray:
+        """The layers' ``tokens`` input ``[tokens, 3]`` (:func:`token_tensor`; ``own[s]``: sequence
+        ``s``'s rows attend the step's own tokens exactly); the pad sequence's indices wrap at
+        ``block_size`` (its one block: its tokens overwrite each other's slots, which no one
+        reads), and its rows read the store."""
+        rows = token_tensor([*self.counts, self.padding], [*own, False])  # the pad sequence's tokens last
         rows[sum(self.counts) :, 1] %= block_size
         return rows
 

@@ -8,8 +8,11 @@
 // host.
 //
 // A step of the model is one row of tokens from several sequences side by side (continuous
-// batching: a prompt's chunk beside other sequences' decode tokens): `tokens` [T, 2] gives each
-// token its sequence's index s in the step and its index i among that sequence's tokens; the
+// batching: a prompt's chunk beside other sequences' decode tokens): `tokens` [T, 3] gives each
+// token its sequence's index s in the step, its index i among that sequence's tokens, and whether
+// its rows attend the step's own tokens exactly (1: its sequence's step is a prompt's or several
+// tokens, the CPU op's prompt attention: those slots read from the model's k and v, not the
+// store's rounded copies; 0: a decode token, which reads the store); the
 // cache's tensors have a row per (sequence, KV head), row s * kv_heads + kv: `tables` [rows,
 // step[0]] its block ids, `first` [rows] its first new slot, `lengths` [rows] its slots after the
 // step. Token i of sequence s goes to slot first + i and sees the slots before first + i + 1 (the
@@ -33,6 +36,17 @@
 #include "quest.h"
 #include "chelsea.h"
 
+#define TOKEN_FIELDS 3
+#define TOKEN_SEQ(t) tokens[TOKEN_FIELDS * (t)]
+#define TOKEN_INDEX(t) tokens[TOKEN_FIELDS * (t) + 1]
+#define TOKEN_OWN(t) tokens[TOKEN_FIELDS * (t) + 2]
+
+// The own-token arguments of attend_slots (prefill.h) for token t's rows in KV head kv of its
+// sequence's step, whose first slot is `first_slot`: the step's k and v where it attends them
+// (TOKEN_OWN), else NO_OWN.
+#define OWN_ARGS(t, kv, first_slot) \
+    k, v, TOKEN_OWN(t) ? (first_slot) : INT_MAX, ((long)(kv) * step[1] + (t) - TOKEN_INDEX(t)) * HEAD_DIM
+
 // k, v [kv_heads, T, HEAD_DIM] to each token's slot; the output is each token's slot [kv_heads,
 // T], which the prompt layer takes as an input so that it runs after the store. Global (SG, T,
 // kv_heads), local (SG, 1, 1).
@@ -42,7 +56,7 @@ __kernel void ovkc_store(__global uchar* pool, __global const int* tables, __glo
                          __global const int* tokens, __global const ACT* k, __global const ACT* v,
                          __global const int* step, __global int* slots) {
     const int t = get_global_id(1), kv = get_global_id(2), count = get_global_size(1);
-    const int row = tokens[2 * t] * get_global_size(2) + kv, slot = first[row] + tokens[2 * t + 1];
+    const int row = TOKEN_SEQ(t) * get_global_size(2) + kv, slot = first[row] + TOKEN_INDEX(t);
     store_token(t, kv, count, pool, tables + row * step[0], slot, k, v);
     if (get_sub_group_local_id() == 0) slots[kv * count + t] = slot;
 }
@@ -161,6 +175,7 @@ inline __global const float* row_degrees(__global const int* merge, __global con
 // logit and each row's log-sum-exp into `logits` where step[4] asks.
 inline void prefill_layer(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                           __global const int* first, __global const int* tokens, __global const ACT* q,
+                          __global const ACT* k, __global const ACT* v,
                           __global const int* step, __global uchar* logits, __global const int* recall,
                           __global uchar* recalled, __global const int* merge, __global const uchar* index,
                           __global ACT* out) {
@@ -168,9 +183,9 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
     if (step[7]) {
         const int r = get_global_id(0) / SG;
         if (r >= rows) return;  // the whole sub-group: its work-items are consecutive in dim 0
-        const int row = tokens[2 * r] * (get_global_size(1) / GROUP) + h / GROUP;
+        const int row = TOKEN_SEQ(r) * (get_global_size(1) / GROUP) + h / GROUP;
         __global const int* list = row_list(recall, recalled, step, row);
-        const int n = list ? list[0] : min(lengths[row], first[row] + tokens[2 * r + 1] + 1);
+        const int n = list ? list[0] : min(lengths[row], first[row] + TOKEN_INDEX(r) + 1);
         row_state st;
         row_start(&st, true, h, r, q, rows, SCALE);
         attend_slots_split(&st, pool, tables + row * step[0], n, 0, 0, row_logits(logits, step, h, r),
@@ -181,15 +196,16 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
     const int r = get_global_id(0);
     if (r >= (rows + SG - 1) / SG * SG) return;  // whole sub-groups past the rows
     const int t = min(r, rows - 1);  // a lane past the last row reads the last (and writes nothing)
-    const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
+    const int row = TOKEN_SEQ(t) * (get_global_size(1) / GROUP) + h / GROUP;
     __global const int* list = row_list(recall, recalled, step, row);
     const int n = list ? list[0] : lengths[row];
-    const int visible = list ? n : first[row] + tokens[2 * t + 1] + 1;
+    const int visible = list ? n : first[row] + TOKEN_INDEX(t) + 1;
     const bool live = r < rows;
     row_state st;
     row_start(&st, live, h, r, q, rows, SCALE);
     attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
-                 row_logits(logits, step, h, t), list ? list + 1 : 0, row_degrees(merge, index, row));
+                 row_logits(logits, step, h, t), list ? list + 1 : 0, row_degrees(merge, index, row),
+                 OWN_ARGS(t, h / GROUP, list ? INT_MAX : first[row]));
     row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 
@@ -197,9 +213,9 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                            __global const int* first, __global const int* tokens, __global const ACT* q,
-                           __global const int* step, __global const int* stored, __global uchar* logits,
-                           __global ACT* out) {
-    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, 0, 0, 0, 0, out);
+                           __global const ACT* k, __global const ACT* v, __global const int* step,
+                           __global const int* stored, __global uchar* logits, __global ACT* out) {
+    prefill_layer(pool, tables, lengths, first, tokens, q, k, v, step, logits, 0, 0, 0, 0, out);
 }
 #endif
 
@@ -302,10 +318,11 @@ __kernel void ovkc_pages(__global const uchar* pool, __global const int* tables,
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_recall_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                                   __global const int* first, __global const int* tokens, __global const ACT* q,
-                                  __global const int* step, __global const int* stored, __global uchar* logits,
-                                  __global uchar* recalled, __global ACT* out) {
+                                  __global const ACT* k, __global const ACT* v, __global const int* step,
+                                  __global const int* stored, __global uchar* logits, __global uchar* recalled,
+                                  __global ACT* out) {
     // `stored` is the recall layer's output: the rows' recall
-    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, stored, recalled, 0, 0, out);
+    prefill_layer(pool, tables, lengths, first, tokens, q, k, v, step, logits, stored, recalled, 0, 0, out);
 }
 #endif
 
@@ -338,9 +355,10 @@ __kernel void ovkc_merge(__global uchar* pool, __global const int* tables, __glo
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_merge_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                                  __global const int* first, __global const int* tokens, __global const ACT* q,
-                                 __global const int* step, __global const int* stored, __global uchar* logits,
-                                 __global const uchar* index, __global ACT* out) {
-    prefill_layer(pool, tables, lengths, first, tokens, q, step, logits, 0, 0, stored, index, out);
+                                 __global const ACT* k, __global const ACT* v, __global const int* step,
+                                 __global const int* stored, __global uchar* logits, __global const uchar* index,
+                                 __global ACT* out) {
+    prefill_layer(pool, tables, lengths, first, tokens, q, k, v, step, logits, 0, 0, stored, index, out);
 }
 #endif
 
@@ -392,14 +410,15 @@ __kernel void ovkc_flush(__global const uchar* pool, __global const int* tables,
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                                  __global const int* first, __global const int* tokens, __global const ACT* q,
+                                 __global const ACT* k, __global const ACT* v,
                                  __global const int* step, __global const int* stored, __global const uchar* qpool,
                                  __global const int* qtables, __global const int* qlengths,
                                  __global const int* flush, __global uchar* logits, __global ACT* out) {
     if (step[7]) {  // decode rows alone: a sub-group a row
         const int r = get_global_id(0) / SG, h = get_global_id(1), rows = step[1];
         if (r >= rows) return;  // the whole sub-group
-        const int row = tokens[2 * r] * (get_global_size(1) / GROUP) + h / GROUP;
-        const int n = lengths[row], visible = min(n, first[row] + tokens[2 * r + 1] + 1);
+        const int row = TOKEN_SEQ(r) * (get_global_size(1) / GROUP) + h / GROUP;
+        const int n = lengths[row], visible = min(n, first[row] + TOKEN_INDEX(r) + 1);
         const int start = flush[2 * row], count = flush[2 * row + 1], nq = qlengths[row];
         row_state st;
         row_start(&st, true, h, r, q, rows, SCALE);
@@ -412,8 +431,8 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
     const int r = get_global_id(0), h = get_global_id(1), rows = step[1];
     if (r >= (rows + SG - 1) / SG * SG) return;  // whole sub-groups past the rows
     const int t = min(r, rows - 1);
-    const int row = tokens[2 * t] * (get_global_size(1) / GROUP) + h / GROUP;
-    const int n = lengths[row], visible = first[row] + tokens[2 * t + 1] + 1;
+    const int row = TOKEN_SEQ(t) * (get_global_size(1) / GROUP) + h / GROUP;
+    const int n = lengths[row], visible = first[row] + TOKEN_INDEX(t) + 1;
     const int start = flush[2 * row], count = flush[2 * row + 1], nq = qlengths[row];
     const int qvisible = count ? min(nq, nq - count + max(visible - start, 0)) : nq;
     const bool live = r < rows;
@@ -422,7 +441,7 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
     __global float* lg = row_logits(logits, step, h, t);
     attend_quant_slots(&st, live, qpool, qtables + row * step[2], nq, sub_group_reduce_max(nq), qvisible, lg);
     attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, start,
-                 start + count, lg ? lg + qvisible : 0, 0, 0);
+                 start + count, lg ? lg + qvisible : 0, 0, 0, OWN_ARGS(t, h / GROUP, first[row]));
     row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }
 #endif

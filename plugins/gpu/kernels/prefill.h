@@ -44,12 +44,27 @@ inline bool tile_softmax(row_state* st, const float* s, const bool* masked, floa
     return true;
 }
 
-// A tile of CHUNK full-precision slots (each its block and slot in it): the query's logits s.
-inline void tile_logits(const row_state* st, __global const uchar** block, const int* slot, float* s) {
+// A prompt row's own tokens: the step's keys and values as the model gave them (`own_k`, `own_v`
+// [kv_heads, T, HEAD_DIM], the activations' type), which it reads for its sequence's slots of the
+// step (from `own_first` on; element `own_at` is that slot's first) rather than the store's
+// rounded copies: a prompt attends its own tokens exactly at any store precision, as the CPU op's
+// prompt attention and native's prefill do; a decode row reads the store (NO_OWN). own[c]: the
+// element of tile slot c's key and value there, -1 for the store's.
+#define NO_OWN 0, 0, INT_MAX, 0
+inline void own_elements(int own_first, long own_at, const int* held, long* own) {
+    for (int c = 0; c < CHUNK; ++c)
+        own[c] = held[c] >= own_first ? own_at + (long)(held[c] - own_first) * HEAD_DIM : -1;
+}
+
+// A tile of CHUNK full-precision slots (each its block and slot in it, or its own token: own):
+// the query's logits s.
+inline void tile_logits(const row_state* st, __global const uchar** block, const int* slot,
+                        __global const ACT* own_k, const long* own, float* s) {
     for (int c = 0; c < CHUNK; ++c) s[c] = 0.0f;
     for (int d = 0; d < HEAD_DIM; ++d) {
         const float qd = st->q[d];
-        for (int c = 0; c < CHUNK; ++c) s[c] = fma(qd, load_key(block[c], d, slot[c]), s[c]);
+        for (int c = 0; c < CHUNK; ++c)
+            s[c] = fma(qd, own[c] >= 0 ? ACT_LOAD(own_k, own[c] + d) : load_key(block[c], d, slot[c]), s[c]);
     }
 }
 
@@ -61,14 +76,16 @@ inline void degree_bias(float* s, const int* held, __global const float* degrees
     for (int c = 0; c < CHUNK; ++c) s[c] += log(degrees[held[c]]);
 }
 
-// The tile's logits s (masked ones left out) into the row: the softmax, then the values.
-inline void tile_values(row_state* st, __global const uchar** block, const int* slot, const float* s,
-                        const bool* masked) {
+// The tile's logits s (masked ones left out) into the row: the softmax, then the values (own
+// tokens' from own_v, as tile_logits').
+inline void tile_values(row_state* st, __global const uchar** block, const int* slot, __global const ACT* own_v,
+                        const long* own, const float* s, const bool* masked) {
     float p[CHUNK], alpha;
     if (!tile_softmax(st, s, masked, p, &alpha)) return;  // nothing of the row in it yet
     for (int d = 0; d < HEAD_DIM; ++d) {
         float a = st->acc[d] * alpha;
-        for (int c = 0; c < CHUNK; ++c) a = fma(p[c], load_value(block[c], slot[c], d), a);
+        for (int c = 0; c < CHUNK; ++c)
+            a = fma(p[c], own[c] >= 0 ? ACT_LOAD(own_v, own[c] + d) : load_value(block[c], slot[c], d), a);
         st->acc[d] = a;
     }
 }
@@ -84,9 +101,11 @@ inline void tile_values(row_state* st, __global const uchar** block, const int* 
 // slots after it move down by its width), for the methods' scores. Where `slot_map` is given, the
 // row's j-th slot is slot_map[j] of the table (ClusterKV's sinks, recalled and pending slots), not
 // slot j. Where `degrees` is given (Chelsea's), each slot's log(degree) is added to its logit.
+// own_k .. own_at: the row's own tokens (own_elements; NO_OWN: none).
 inline void attend_slots(row_state* st, bool live, __global const uchar* pool, __global const int* table, int n,
                          int n_max, __global const int* positions, int visible, int qpos, int hole_lo, int hole_hi,
-                         __global float* slot_logits, __global const int* slot_map, __global const float* degrees) {
+                         __global float* slot_logits, __global const int* slot_map, __global const float* degrees,
+                         __global const ACT* own_k, __global const ACT* own_v, int own_first, long own_at) {
     for (int j0 = 0; j0 < n_max; j0 += CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];  // past the last slot: the last (finite values, times a zero probability)
@@ -105,12 +124,14 @@ inline void attend_slots(row_state* st, bool live, __global const uchar* pool, _
         }
         if (sub_group_all(all_masked)) continue;  // after every row of the tile: the causal square's upper half
         float s[CHUNK];
-        tile_logits(st, block, slot, s);
+        long own[CHUNK];
+        own_elements(own_first, own_at, held, own);
+        tile_logits(st, block, slot, own_k, own, s);
         degree_bias(s, held, degrees);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c)
                 if (!masked[c]) slot_logits[j0 + c - (j0 + c >= hole_hi ? hole_hi - hole_lo : 0)] = s[c];
-        tile_values(st, block, slot, s, masked);
+        tile_values(st, block, slot, own_v, own, s, masked);
     }
 }
 
@@ -188,14 +209,16 @@ inline void attend_slots_split(row_state* st, __global const uchar* pool, __glob
             masked[c] = i >= n || (i >= hole_lo && i < hole_hi);
         }
         float s[CHUNK];
-        tile_logits(st, block, slot, s);
+        long own[CHUNK];  // decode rows: the store
+        for (int c = 0; c < CHUNK; ++c) own[c] = -1;
+        tile_logits(st, block, slot, 0, own, s);
         degree_bias(s, held, degrees);
         if (slot_logits)
             for (int c = 0; c < CHUNK; ++c) {
                 const int i = j0 + c * SG + lane;
                 if (!masked[c]) slot_logits[i - (i >= hole_hi ? hole_hi - hole_lo : 0)] = s[c];
             }
-        tile_values(st, block, slot, s, masked);
+        tile_values(st, block, slot, 0, own, s, masked);
     }
 }
 
@@ -259,7 +282,7 @@ inline void prefill_row(int r, int h, __global const uchar* pool, __global const
     const bool live = r < rows;
     row_state st;
     row_start(&st, live, h, r, q, rows, scale);
-    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0, 0, 0, 0);
+    attend_slots(&st, live, pool, table, n, n_max, positions, visible, qpos, 0, 0, 0, 0, 0, NO_OWN);
     row_finish(&st, live, h, r, rows, out, lse);
 }
 
