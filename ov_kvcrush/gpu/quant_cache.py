@@ -210,10 +210,12 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             self._evict_chunks()
 
     def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
-        """A decode token's work under a frozen selection (MiniKV), as a row of the step's launch:
-        where the model flushed the residual's chunk, the chunks' bookkeeping here and the scores
-        in the store's new order; then the probabilities over both stores added from the logits,
-        the new slot's from zero. None where a chunk may be evicted (a selection not frozen)."""
+        """A decode token's work as a row of the step's launch: where the model flushed the
+        residual's chunk, the chunks' bookkeeping here and the scores in the store's new order;
+        then the probabilities over both stores added from the logits, the new slot's from zero.
+        Under a selection not frozen (SnapKV, H2O with ``quant``), the chunks' eviction past the
+        budget follows as this sequence's own work after the launch (:attr:`StepWork.then`): it
+        ranks the chunks by the scores the launch added."""
         lay = self.layer
         if logits is None or not self._works_in_step_launch():
             return None
@@ -222,6 +224,8 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         if self._grown_from is not None:  # the held scores come over in the adding
             work.grown, work.grown_stride, _ = self._grown_from
             self._grown_from = None
+        if not self.frozen and self._chunks_to_drop():
+            work.then = self._evict_chunks
         if self.flushing is None:
             return work
         start, count, ids = self.flushing
@@ -235,9 +239,9 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         return work
 
     def _works_in_step_launch(self) -> bool:
-        """Whether a decode step's work is a row of the step's launch (:meth:`step_work`: a frozen
-        selection's, its scores in the pool's arena), given the model's logits."""
-        return self.scores is not None and self.frozen and self.layer.pool.slot_arena is not None
+        """Whether a decode step's work is a row of the step's launch (:meth:`step_work`: its
+        scores in the pool's arena), given the model's logits."""
+        return self.scores is not None and self.layer.pool.slot_arena is not None
 
     def _grow_in_step(self, need: int) -> None:
         """:meth:`_grow` with no command of its own: the grown rows taken now, the held scores
@@ -347,13 +351,17 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
     def _quant_read(self) -> int:
         return sum(len(c) for c in self.chunks) * self.qshape.block_bytes
 
+    def _chunks_to_drop(self) -> int:
+        """The whole chunks the held tokens (both stores') are over the budget by (0: none)."""
+        return max(0, (self.nq + self.layer.held - self.budget) // self.r)
+
     def _evict_chunks(self) -> None:
         """Drop, per KV head, the lowest-scoring whole chunks while it keeps its budget (the
         reference's ``_evict_quantized_chunks``: sinks' and recent tokens' chunks stay, ties drop
         the older chunk; every head drops as many)."""
         lay, cfg = self.layer, self.config
         nq, kv = self.nq, lay.kv_heads
-        drop = (nq + lay.held - self.budget) // self.r
+        drop = self._chunks_to_drop()
         if drop <= 0 or nq == 0:
             return
         dev = lay.pool.dev

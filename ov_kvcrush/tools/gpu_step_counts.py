@@ -23,9 +23,10 @@ from pathlib import Path
 
 #: the methods counted by default, with their options (block-wise KVCrush, and token by token:
 #: ``kvcrush/token``, every sequence selecting anew every step past the budget; MiniKV's 2-bit
-#: chunks; ClusterKV and Quest recalling in every layer of the two, and ClusterKV clustering the
-#: new tokens every second step, ``clusterkv/every2``); a label is the method's name, then after
-#: a ``/`` what tells its options apart
+#: chunks, and SnapKV's over them, ``snapkv/quant``, which evicts whole chunks; ClusterKV and
+#: Quest recalling in every layer of the two, and ClusterKV clustering the new tokens every
+#: second step, ``clusterkv/every2``); a label is the method's name, then after a ``/`` what
+#: tells its options apart
 METHODS = {
     "full": {},
     "streamingllm": {},
@@ -35,6 +36,7 @@ METHODS = {
     "kvcrush": {"block_size": 16},
     "kvcrush/token": {},
     "minikv": {"quant": {"residual_tokens": 16, "prompt_tail": 12}},
+    "snapkv/quant": {"quant": {"residual_tokens": 16, "prompt_tail": 3}},
     "clusterkv": {"dense_layers": 0},
     "clusterkv/every2": {"dense_layers": 0, "cluster_every": 2, "new_clusters": 2},
     "quest": {"dense_layers": 0},
