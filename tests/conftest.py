@@ -188,6 +188,18 @@ def tiny_llama3_ir() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_ir() -> str:
+    """The family checks' tiny random-weight Gemma 3 (a local layer of a 96-token window, then a
+    global one; q/k norms, a scale other than 1/sqrt(d)), exported to OpenVINO IR (fp32, cached
+    per machine): the GPU plugin's local layers."""
+    from ov_kvcrush.models.export import export_models
+    from ov_kvcrush.models.families import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint("gemma3")
+    return str(export_models([checkpoint], "fp32")[checkpoint])
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_ir() -> str:
     """The family checks' tiny random-weight Qwen2.5 (q/k/v biases, one KV head for 8 query heads
     of 32 dims, 2 layers), exported to OpenVINO IR (fp32, cached per machine): the GPU plugin's

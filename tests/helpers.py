@@ -530,3 +530,19 @@ def batched_beside_decoding(
         return together, alone, dict(loop.stats)
     finally:
         engine.close()
+
+
+def check_gpu_gives_cpu_ops_tokens(
+    worker: Any, model_dir: str, compression: Any, lengths: tuple[int, ...], seed: int, block_size: int,
+    new_tokens: int, step_tokens: int,
+) -> None:  # fmt: skip
+    """Prompts of random ids of ``lengths`` through :func:`batched_beside_decoding` on ``GPU`` in
+    the emulation ``worker`` and on the CPU op: the GPU's tokens together equal the CPU op's
+    together and each prompt's alone and whole, and the prompts went in chunks."""
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in lengths]
+    args = (compression, block_size, new_tokens, step_tokens)
+    cpu = batched_beside_decoding(model_dir, prompts, "CPU", *args)
+    gpu = worker.submit(batched_beside_decoding, model_dir, prompts, "GPU", *args, False).result(timeout=900)
+    assert gpu[0] == cpu[0] == cpu[1]  # the GPU together, the CPU op together and whole
+    assert gpu[2]["prefill_chunks"] > len(prompts)  # the prompts went in chunks

@@ -10,9 +10,8 @@ oracle is the torch reference, ``tests/test_gpu_plugin_quest.py``)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import batched_beside_decoding
+from helpers import check_gpu_gives_cpu_ops_tokens
 
 from ov_kvcrush.config import CompressionConfig
 
@@ -39,12 +38,5 @@ def test_each_method_on_gpu_gives_the_cpu_ops_tokens_on_qwen2_beside_decoding_se
 ):
     budget, window, options = CASES[method]
     compression = CompressionConfig(method=method, budget=budget, options=options, **window)
-    rng = np.random.default_rng(11)
-    prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in PROMPTS]
-    args = (compression, BLOCK, NEW_TOKENS, STEP_TOKENS)
-    cpu = batched_beside_decoding(tiny_qwen2_ir, prompts, "CPU", *args)
-    got = emulation_worker.submit(batched_beside_decoding, tiny_qwen2_ir, prompts, "GPU", *args, False).result(
-        timeout=900
-    )
-    assert got[0] == cpu[0] == cpu[1]  # the GPU together, the CPU op together and whole
-    assert got[2]["prefill_chunks"] > len(prompts)  # the prompts went in chunks
+    check_gpu_gives_cpu_ops_tokens(emulation_worker, tiny_qwen2_ir, compression, PROMPTS, 11, BLOCK, NEW_TOKENS,
+                                   STEP_TOKENS)  # fmt: skip

@@ -129,6 +129,7 @@ def convert_model_for_plugin(
     recall: str | None = None,
     merge: bool = False,
     last_token_logits: bool = True,
+    windows: list[int] | None = None,
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
     GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
@@ -136,7 +137,9 @@ def convert_model_for_plugin(
     ``activations`` (the plugin's inference precision: f32 or f16), over the 2-bit store of
     ``quant``'s blocks where given, with a method's recall where ``recall`` names its layer
     (``OvkcRecall``: ClusterKV's; ``OvkcPages``: Quest's), with Chelsea's merge where ``merge``.
-    Raises :class:`ConversionError` as the CPU pass does."""
+    ``windows[i]``: layer ``i``'s sliding window (0 or none given: global), whose layer attends
+    that many slots up to each row's own and takes none of the method's layers (the method does
+    not run there, as on the CPU op). Raises :class:`ConversionError` as the CPU pass does."""
     import openvino.opset13 as ops
 
     if sum((quant is not None, bool(recall), merge)) > 1:
@@ -154,7 +157,8 @@ def convert_model_for_plugin(
     group = shape.q_heads // shape.kv_heads
     for plan in plans:
         pool_shape = PoolShape(kv_precision, block_size, shape.head_dim, group)
-        attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations, quant)
+        window = windows[plan.layer] if windows else 0
+        attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations, quant, window=window)
         attrs, act = attributes.as_dict(), attributes.element_type()
         per_layer = ("tables", "first", "lengths") + (("qtables", "qlengths", "flush") if quant else ())
         per_layer += ("recall",) if recall else ("merge",) if merge else ()
@@ -167,7 +171,9 @@ def convert_model_for_plugin(
         rows_in, logits = (_bytes_input(params, name.format(plan.layer)) for name in (ROWS_INPUT, LOGITS_INPUT))
         stored = layer_class("OvkcRows")([rows_in, q, score_rows, step, stored], attrs).output(0)
         attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, k, v, step]
-        if recall:
+        if window:  # a local layer: its window, no method
+            out = layer_class("OvkcPrefill")([*attend, stored, logits], attrs).output(0)
+        elif recall:
             recalled = _bytes_input(params, RECALLED_INPUT.format(plan.layer))
             args = {"pool": pool, "tables": row["tables"], "index": params["kvc_index"].output(0),
                     "recall": row["recall"], "q": q, "step": step, "stored": stored, "recalled": recalled}  # fmt: skip

@@ -37,6 +37,7 @@ from ov_kvcrush.gpu.plugin_cache import (
     PluginKVPool,
     PluginKVSequence,
     PluginStep,
+    local_layers_refusal,
     plan_step,
 )
 from ov_kvcrush.gpu.pool import largest_pool
@@ -197,6 +198,7 @@ class PluginModel:
         gpu: str = "GPU",
         sub_group: int | None = None,
         properties: dict | None = None,
+        windows: list[int] | None = None,
     ) -> None:
         from ov_kvcrush.paths import cache_root
 
@@ -211,10 +213,12 @@ class PluginModel:
         self.activations = inference_precision(self.core, self.gpu, self.properties)
         self.xml = Path(model_dir) / "openvino_model.xml"
         self.kv_precision, self.block_size = kv_precision, block_size
+        #: each layer's sliding window (0: a global layer), as the CPU op's (``op_windows``)
+        self.windows = tuple(windows or ())
         self.shared = self._compilation()
         self.context, self.converted = self.shared.context, self.shared.converted
         s = self.converted.shape
-        self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales))
+        self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales), self.windows)
         self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
         attributes = plugin_layers.LayerAttributes(
             self.pool_shape, self.dev.sub_group, self.converted.scales[0], self.activations,
@@ -238,7 +242,7 @@ class PluginModel:
         stat = self.xml.stat()
         properties = tuple(sorted((k, str(v)) for k, v in self.properties.items()))
         key = (str(self.xml.resolve()), stat.st_mtime_ns, stat.st_size, self.gpu, id(self.dev),
-               self.kv_precision, self.block_size, self.activations, properties)  # fmt: skip
+               self.kv_precision, self.block_size, self.activations, properties, self.windows)  # fmt: skip
         with _compilations_lock:
             if key not in _compilations:
                 context = shared_context(self.core, self.dev)
@@ -256,6 +260,7 @@ class PluginModel:
             quant=variant.quant,
             recall=variant.recall,
             merge=variant.merge,
+            windows=list(self.windows),
         )
 
     def _shared_device(self, sub_group: int | None) -> Device:
@@ -293,8 +298,12 @@ class PluginModel:
         return self.shared.input_names
 
     def check_method(self, method: MethodConfig) -> None:
-        """A ``ConfigError`` unless this path runs ``method``."""
+        """A ``ConfigError`` unless this path runs ``method``; a ``UserError`` where it does not
+        beside this model's local layers."""
         require(method, GPU_PLUGIN.name)
+        refusal = local_layers_refusal(self.shape, method, self.pool_shape)
+        if refusal:
+            raise UserError(refusal)
 
     def pool_limit(self) -> int:
         """The most blocks a pool may hold: one buffer, the device's largest allocation (its memory
@@ -475,11 +484,8 @@ class PluginModel:
 def plugin_engine_model(
     model_dir: Path, windows: list[int], kv_precision: str, block_size: int, properties: dict, gpu: str = "GPU"
 ) -> PluginModel:
-    """The openvino engine's model on ``GPU``, checked: global attention layers only (the
+    """The openvino engine's model on ``GPU``, its local layers' windows ``windows`` (the
     inference precision, f16 or f32, is checked by :func:`inference_precision`)."""
-    if any(windows):
-        raise UserError(f"{model_dir.name}: device GPU runs global attention layers only (this model has local ones)")
     compile_properties = {k: v for k, v in properties.items() if k != "KV_CACHE_PRECISION"}  # our pool's, not its
-    return PluginModel(
-        model_dir, kv_precision=kv_precision, block_size=block_size, gpu=gpu, properties=compile_properties
-    )
+    return PluginModel(model_dir, kv_precision=kv_precision, block_size=block_size, gpu=gpu,
+                       properties=compile_properties, windows=windows)  # fmt: skip

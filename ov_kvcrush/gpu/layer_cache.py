@@ -53,6 +53,8 @@ class DeviceFullLayerCache(LayerCache):
     """Every token, attended in place on the device."""
 
     softcap_refusal = "the Intel GPU kernels take raw logits; device CPU (our op) runs it"
+    #: whether the sequence's method runs on this layer (not on a local layer: window_cache.py)
+    method_runs = True
 
     def __init__(self, pool: DevicePool, kv_heads: int, q_heads: int) -> None:
         super().__init__()

@@ -43,6 +43,7 @@ from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.gpu.step_shape import StepPadding, step_size, table_width
 from ov_kvcrush.gpu.step_work import StepWork
+from ov_kvcrush.gpu.window_cache import DeviceWindowLayerCache
 from ov_kvcrush.methods import MethodConfig, require
 from ov_kvcrush.methods.kvzip import KVzipConfig, select_kept
 from ov_kvcrush.methods.runtimes import GPU_PLUGIN
@@ -59,13 +60,15 @@ NO_RECALL = np.array([-1] + [0] * (plugin_layers.RECALL_WIDTH - 1), np.int32)
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the caches are made for: the model's attention layers, their heads and scales."""
+    """What the caches are made for: the model's attention layers, their heads, scales and
+    sliding windows (``windows[i]``: layer ``i``'s; 0 or none given: global)."""
 
     layers: int
     q_heads: int
     kv_heads: int
     head_dim: int
     scales: tuple[float, ...]
+    windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,31 @@ class ModelVariant:
     merge: bool = False
 
 
+def local_layers_refusal(model: ModelShape, method: MethodConfig, shape: PoolShape) -> str | None:
+    """Why ``method`` cannot run over ``model``'s local layers on the plugin, or None (a model
+    without them, or a method whose model is the full-precision store's and that has no scoring
+    pass: a local layer takes none of the method's layers, and those of the 2-bit store, a recall
+    or a merge, and KVzip's pass, would need each layer's)."""
+    if not any(model.windows):
+        return None
+    variant = ModelVariant(store_shape(method, shape), device_layers.model_recall_layer(method),
+                           device_layers.model_merges(method))  # fmt: skip
+    if variant == ModelVariant() and not isinstance(method, KVzipConfig):
+        return None
+    return (f"device GPU runs {method.name} on models with global attention layers only (this model has "
+            "local ones; beside them it runs the methods over the full-precision store without a recall, "
+            "a merge or a scoring pass)")  # fmt: skip
+
+
 class PluginKVPool:
     """``blocks`` blocks of ``shape`` on the device (a :class:`DevicePool`), shared with the
     plugin, and the sequences of ``method`` over them."""
 
     def __init__(self, model: ModelShape, shape: PoolShape, blocks: int, method: MethodConfig, dev: Device) -> None:
         require(method, GPU_PLUGIN.name)
+        refusal = local_layers_refusal(model, method, shape)
+        if refusal:
+            raise UserError(refusal)
         self.model = model
         self.method = method
         self.device_pool = DevicePool(shape, blocks, dev=dev, grow=True)  # one chunk, more as asked
@@ -160,7 +182,11 @@ class PluginKVSequence:
         m, p = self.pool.model, self.pool
         caches = []
         for layer in range(m.layers):
-            cache = device_layers.plugin_layer(p.method, layer, m.layers, p.device_pool, m.kv_heads, m.q_heads)
+            window = m.windows[layer] if m.windows else 0
+            if window:  # a local layer: its window, no method (as on the CPU op)
+                cache: DeviceFullLayerCache = DeviceWindowLayerCache(window, p.device_pool, m.kv_heads, m.q_heads)
+            else:
+                cache = device_layers.plugin_layer(p.method, layer, m.layers, p.device_pool, m.kv_heads, m.q_heads)
             assert isinstance(cache, DeviceFullLayerCache)
             cache.scale = m.scales[layer]
             caches.append(cache)
@@ -276,11 +302,12 @@ class PluginKVSequence:
         return self.caches[0].attends_own(t)
 
     def score_rows(self, t: int) -> int:
-        """The query rows the layers read after a ``t``-token step (the same for every layer)."""
-        rows = {c.score_rows(t) for c in self.caches}
+        """The query rows the layers read after a ``t``-token step (the same for every layer the
+        method runs on; a local layer reads none)."""
+        rows = {c.score_rows(t) for c in self.caches if c.method_runs}
         if len(rows) > 1:
             raise UserError(f"the layers of {self.pool.method.name} score different rows: {sorted(rows)}")
-        return rows.pop()
+        return rows.pop() if rows else 0
 
     def after_step(
         self, rows: list[Any], t: int, phase: str, logits: list[StepLogits] | None = None

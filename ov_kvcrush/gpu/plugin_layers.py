@@ -71,6 +71,7 @@ DEFINES = (
     ("GROUP", "group"),
     ("SCALE", "scale"),
     ("ACT_HALF", "act_half"),
+    ("WINDOW", "window"),
 )
 #: what the 2-bit store's layers carry besides (:class:`~ov_kvcrush.gpu.layout.QuantShape`'s)
 QUANT_DEFINES = (
@@ -275,6 +276,8 @@ class LayerAttributes:
     #: the pool may pass the device's largest allocation (``Device.large_buffers``): the layers
     #: are built with the option that lets a kernel read such a buffer
     large_buffers: bool = False
+    #: a sliding-window layer's span (a row sees that many slots up to its own; 0: a global layer)
+    window: int = 0
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATIONS:
@@ -289,6 +292,7 @@ class LayerAttributes:
             "group": self.shape.group,
             "scale": f"{self.scale:.9g}",  # a string: the plugin prints a float attribute to 6 places
             "act_half": int(self.activations == "f16"),
+            "window": self.window,
         } | self.quant_values()
 
     def quant_values(self) -> dict[str, int]:

@@ -454,6 +454,18 @@ class PagedLayer:
         self.slot_positions.dropped_run(first, count)
         self.held -= count
 
+    def drop_leading_blocks(self, blocks: int) -> None:
+        """Every head's first ``blocks`` blocks back to the pool, their slots forgotten (a sliding
+        window's layer: slots no later row sees); the rest keep their order, ``blocks`` blocks'
+        slots lower."""
+        for table in self.tables:
+            self.pool.release(table[:blocks])
+            del table[:blocks]
+        self._tables_on_device = None
+        count = blocks * self.pool.shape.block_size
+        self.held -= count
+        self.slot_positions.dropped_front(count)
+
     def release_empty_blocks(self) -> None:
         """The blocks past the slots held back to the pool."""
         blocks = -(-self.held // self.pool.shape.block_size)

@@ -159,6 +159,14 @@ class SlotPositions:
         if self._host is not None:
             self._host = np.delete(self._host, np.s_[first : first + count], axis=1)
 
+    def dropped_front(self, count: int) -> None:
+        """Each head's first ``count`` slots forgotten, the rest a slot index ``count`` lower (a
+        sliding window's layer, whose slots hold consecutive positions alike in every head: the
+        rest are a range again, written by the next kernel that reads them)."""
+        rest = self.host[:, count:]
+        self._host, self.count = rest, self.count - count
+        self.fresh = (0, int(rest[0, 0])) if self.count else None
+
     def truncate(self, count: int) -> None:
         """Keep each head's first ``count`` slots."""
         if self.fresh is not None and count <= self.fresh[0]:

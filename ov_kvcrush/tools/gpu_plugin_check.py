@@ -1,10 +1,10 @@
-"""The openvino backend on ``GPU`` beside the CPU op: the embedded model's greedy tokens through
+"""The openvino backend on ``GPU`` beside the CPU op: an embedded model's greedy tokens through
 both for each method, with the times, the KV bytes and the bytes that cross between host and
 device per decode step.
 
 ``python -m ov_kvcrush.tools.gpu_plugin_check [--methods full,snapkv,kvcrush:block_size=32] [--budget 512]
 [--chars 1500] [--new-tokens 8] [--kv-precision f32] [--inference-precision f32] [--allow-cpu]
-[--out FILE]``; ``--allow-cpu``: without an Intel GPU, the plugin on Intel's OpenCL CPU runtime
+[--model gemma3-270m] [--out FILE]``; ``--allow-cpu``: without an Intel GPU, the plugin on Intel's OpenCL CPU runtime
 under the emulation layer (its times say nothing of a GPU).
 """
 
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allow-cpu", action="store_true", help="without an Intel GPU: the plugin on Intel's OpenCL CPU runtime"
     )
+    parser.add_argument(
+        "--model", default=None, help="an embedded model (default smollm2-135m; gemma3-270m), a GGUF or an HF folder"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the runs as JSON")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.allow_cpu:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plugin_check: {reason}", file=sys.stderr)
             return 2
         emulation.enable()  # before any OpenCL call: a real Intel GPU is still listed first
-    from ov_kvcrush.models.export import ensure_default_model
+    from ov_kvcrush.models.export import export_model
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
     from ov_kvcrush.tools.model_coverage import F32
 
@@ -115,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"plugin_check: {e}", file=sys.stderr)
         return 2
-    model_dir = ensure_default_model("fp32", progress=False)
+    try:
+        model_dir = export_model(args.model, weight_format="fp32", progress=False)
+    except UserError as e:
+        print(f"plugin_check: {e}", file=sys.stderr)
+        return 2
     op = OpenVINOEngine(model_dir, kv_precision=args.kv_precision, properties=F32)
     prompt, settings = essay_prompt(args.chars), GenerationSettings(max_new_tokens=args.new_tokens, ignore_eos=True)
     ids = op.encode(prompt)

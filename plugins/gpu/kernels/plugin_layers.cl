@@ -36,6 +36,15 @@
 #include "quest.h"
 #include "chelsea.h"
 
+// A sliding-window layer's span (Gemma's local layers: a row sees the WINDOW slots up to its own;
+// the layer holds no method, its slots consecutive positions); 0: a global layer.
+#ifndef WINDOW
+#define WINDOW 0
+#endif
+// The first slot a row that sees `visible` slots attends: the slots before it are left out as a
+// hole (attend_slots').
+#define WINDOW_START(visible) (WINDOW ? max((visible) - WINDOW, 0) : 0)
+
 #define TOKEN_FIELDS 3
 #define TOKEN_SEQ(t) tokens[TOKEN_FIELDS * (t)]
 #define TOKEN_INDEX(t) tokens[TOKEN_FIELDS * (t) + 1]
@@ -172,7 +181,8 @@ inline __global const float* row_degrees(__global const int* merge, __global con
 // (T * SG, q_heads), local (SG, 1): a step of decode rows alone (step[7]) gives each row a
 // sub-group, its slots split across the lanes (attend_slots_split); otherwise the first T rounded
 // up to SG work-items take a row each, the sub-group's lanes SG rows side by side. Each slot's
-// logit and each row's log-sum-exp into `logits` where step[4] asks.
+// logit and each row's log-sum-exp into `logits` where step[4] asks. In a sliding-window layer
+// (WINDOW) each row sees the last WINDOW of its slots.
 inline void prefill_layer(__global const uchar* pool, __global const int* tables, __global const int* lengths,
                           __global const int* first, __global const int* tokens, __global const ACT* q,
                           __global const ACT* k, __global const ACT* v,
@@ -188,7 +198,7 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
         const int n = list ? list[0] : min(lengths[row], first[row] + TOKEN_INDEX(r) + 1);
         row_state st;
         row_start(&st, true, h, r, q, rows, SCALE);
-        attend_slots_split(&st, pool, tables + row * step[0], n, 0, 0, row_logits(logits, step, h, r),
+        attend_slots_split(&st, pool, tables + row * step[0], n, 0, WINDOW_START(n), row_logits(logits, step, h, r),
                            list ? list + 1 : 0, row_degrees(merge, index, row));
         row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
         return;
@@ -203,8 +213,8 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
     const bool live = r < rows;
     row_state st;
     row_start(&st, live, h, r, q, rows, SCALE);
-    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0, 0,
-                 row_logits(logits, step, h, t), list ? list + 1 : 0, row_degrees(merge, index, row),
+    attend_slots(&st, live, pool, tables + row * step[0], n, sub_group_reduce_max(n), 0, visible, 0, 0,
+                 WINDOW_START(visible), row_logits(logits, step, h, t), list ? list + 1 : 0, row_degrees(merge, index, row),
                  OWN_ARGS(t, h / GROUP, list ? INT_MAX : first[row]));
     row_finish(&st, live, h, r, rows, out, row_lse(logits, step));
 }

@@ -1,0 +1,61 @@
+"""A sliding-window layer on the GPU plugin's path: Gemma 3's (and Gemma 2's) local layers.
+
+The CPU op's rule (``attention_step.cpp``: ``window``): a local layer's row at position ``p``
+attends the positions ``(p - window, p]``, the layer keeps a ring of blocks, and the method never
+runs there (its budget and selection are the global layers'). Here the model's prompt layer is
+compiled with the window (``plugin_layers.cl``'s ``WINDOW``: a row sees the last ``window`` of its
+slots, which hold consecutive positions, since nothing is evicted from the layer), and after each
+step the blocks whose every slot lies before the next rows' windows go back to the pool: the layer
+holds the window, the step's tokens and less than a block more, as the ring does (blocks handed
+back rather than overwritten: the tables stay in slot order, so the kernels need no ring offset).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
+from ov_kvcrush.gpu.pool import DevicePool
+from ov_kvcrush.gpu.slots import StepLogits
+
+
+class DeviceWindowLayerCache(DeviceFullLayerCache):
+    """One local layer over the device pool: every token stored, a row attending the last
+    ``window`` slots up to its own (the model's layer does), the slots no later row sees let go."""
+
+    method_runs = False
+
+    def __init__(self, window: int, pool: DevicePool, kv_heads: int, q_heads: int) -> None:
+        if window < 1:
+            raise ValueError(f"window {window}: a local layer's window is at least 1 token")
+        super().__init__(pool, kv_heads, q_heads)
+        self.window = window
+
+    def first_needed(self) -> int:
+        """The first position the next step's rows see: its first row (at :attr:`seen`) sees
+        ``(seen - window, seen]``, the later rows less of the past."""
+        return max(0, self.seen - self.window + 1)
+
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+        """No method's work; the whole blocks before the next rows' windows back to the pool."""
+        self.forget_passed_blocks()
+
+    def forget_passed_blocks(self) -> None:
+        """Every head's leading blocks whose slots all lie before :meth:`first_needed` given back
+        (the slots after them keep their order, a block's worth of slots lower each)."""
+        lay = self.layer
+        if not lay.held:
+            return
+        passed = self.first_needed() - int(lay.positions[0, 0])  # the slots hold consecutive positions
+        blocks = max(0, passed) // lay.pool.shape.block_size
+        if blocks:
+            lay.drop_leading_blocks(blocks)
+
+    def truncate(self, tokens: int) -> bool:
+        """As the full cache's where the layer still holds what the rows after ``tokens`` see; False
+        (nothing dropped) where those slots were given back (the loop then feeds the conversation
+        again)."""
+        held_from = int(self.layer.positions[0, 0]) if self.layer.held else 0
+        if tokens < self.seen and held_from > max(0, tokens - self.window + 1):
+            return False
+        return super().truncate(tokens)
