@@ -200,6 +200,17 @@ def tiny_gemma3_ir() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_ir() -> str:
+    """The family checks' tiny random-weight Gemma 2 (a local layer of a 96-token window, then a
+    global one; attention soft-capping at 50), exported to OpenVINO IR (fp32, cached per machine)."""
+    from ov_kvcrush.models.export import export_models
+    from ov_kvcrush.models.families import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint("gemma2")
+    return str(export_models([checkpoint], "fp32")[checkpoint])
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_ir() -> str:
     """The family checks' tiny random-weight Qwen2.5 (q/k/v biases, one KV head for 8 query heads
     of 32 dims, 2 layers), exported to OpenVINO IR (fp32, cached per machine): the GPU plugin's

@@ -144,7 +144,7 @@ def test_the_plugin_runs_our_decode_step_over_a_pool_it_holds(emulation_worker, 
 
 
 def _causal_reference(shape: PoolShape, q: np.ndarray, first_position: int, keys: list, values: list,
-                      positions: list) -> np.ndarray:  # fmt: skip
+                      positions: list, softcap: float = 0.0) -> np.ndarray:  # fmt: skip
     """Each query head's rows (at first_position + r) over its KV head's tokens at or before them:
     the earlier steps' as stored, a step of several rows its own as given (the CPU op's prompt
     attention), a step of one row its own as stored (a decode token's)."""
@@ -158,6 +158,8 @@ def _causal_reference(shape: PoolShape, q: np.ndarray, first_position: int, keys
         for r in range(rows):
             seen = positions[kv] <= first_position + r
             logits = k[seen] @ q[h, r].astype(np.float64) * HEAD_DIM**-0.5
+            if softcap:
+                logits = softcap * np.tanh(logits / softcap)
             p = np.exp(logits - logits.max())
             out[h, r] = (p / p.sum()) @ v[seen]
     return out
@@ -178,6 +180,22 @@ def test_the_plugin_runs_our_prompt_steps_over_heads_with_gaps(
     ):
         np.testing.assert_allclose(out, _causal_reference(shape, step["q"], first_position, keys, values, positions),
                                    atol=1e-5)  # fmt: skip
+
+
+def test_the_plugin_soft_caps_a_models_logits_in_its_prompt_and_decode_rows(emulation_worker, tmp_path):
+    """Gemma 2's soft-capping (``cap * tanh(s / cap)`` of each scaled logit, the layers compiled with
+    the pool's cap): a chunk of 20 rows, then one row, each as the capped reference, which a cap of
+    1.5 moves well past the tolerance from the uncapped one (f32 blocks)."""
+    shape = PoolShape("f32", BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS, softcap=1.5)
+    attributes = plugin_layers.LayerAttributes(shape, 16, HEAD_DIM**-0.5)
+    scenario = random_scenario(attributes, "prefill", TOKENS, (20, 1), np.random.default_rng(12))
+    got = emulation_worker.submit(_run_in_worker, str(tmp_path), scenario).result(600)
+    for (out,), step, keys, values, positions, first_position in zip(
+        got, scenario.steps, scenario.keys, scenario.values, scenario.positions, scenario.first_positions, strict=True
+    ):
+        args = (shape, step["q"], first_position, keys, values, positions)
+        np.testing.assert_allclose(out, _causal_reference(*args, softcap=1.5), atol=1e-5)
+        assert np.abs(out - _causal_reference(*args)).max() > 1e-2  # the cap bends these logits
 
 
 def batched_step(attributes: plugin_layers.LayerAttributes, held: list[list[int]], counts: list[int], rng) -> dict:

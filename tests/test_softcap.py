@@ -165,7 +165,8 @@ def test_the_op_refuses_a_cap_that_is_not_positive_and_finite(ov_core):
 
 
 def test_the_gpu_paths_refuse_a_cap_by_name():
-    """The Intel GPU layers and the CUDA fast path take raw logits: each says so, never runs it."""
+    """The torch engine's Intel GPU device pool and the CUDA fast path take raw logits: each says
+    so, never runs it (the openvino backend's device GPU caps: ``test_gpu_plugin_gemma.py``)."""
     from ov_kvcrush.fastpath.dense import FastLayerCache
     from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 

@@ -130,6 +130,7 @@ def convert_model_for_plugin(
     merge: bool = False,
     last_token_logits: bool = True,
     windows: list[int] | None = None,
+    softcap: float = 0.0,
 ) -> ConvertedModel:
     """Convert ``model`` (an ``openvino.Model`` from optimum's stateful export) in place for the
     GPU plugin, its pool in ``kv_precision`` (f32, f16, u8) blocks of ``block_size`` tokens, its
@@ -139,7 +140,8 @@ def convert_model_for_plugin(
     (``OvkcRecall``: ClusterKV's; ``OvkcPages``: Quest's), with Chelsea's merge where ``merge``.
     ``windows[i]``: layer ``i``'s sliding window (0 or none given: global), whose layer attends
     that many slots up to each row's own and takes none of the method's layers (the method does
-    not run there, as on the CPU op). Raises :class:`ConversionError` as the CPU pass does."""
+    not run there, as on the CPU op). ``softcap``: the model's attention soft-capping (Gemma 2's;
+    0: none). Raises :class:`ConversionError` as the CPU pass does."""
     import openvino.opset13 as ops
 
     if sum((quant is not None, bool(recall), merge)) > 1:
@@ -156,7 +158,7 @@ def convert_model_for_plugin(
     score_rows = params["kvc_score_rows"].output(0)
     group = shape.q_heads // shape.kv_heads
     for plan in plans:
-        pool_shape = PoolShape(kv_precision, block_size, shape.head_dim, group)
+        pool_shape = PoolShape(kv_precision, block_size, shape.head_dim, group, softcap)
         window = windows[plan.layer] if windows else 0
         attributes = LayerAttributes(pool_shape, sub_group, plan.scale, activations, quant, window=window)
         attrs, act = attributes.as_dict(), attributes.element_type()

@@ -199,6 +199,7 @@ class PluginModel:
         sub_group: int | None = None,
         properties: dict | None = None,
         windows: list[int] | None = None,
+        softcap: float = 0.0,
     ) -> None:
         from ov_kvcrush.paths import cache_root
 
@@ -215,11 +216,13 @@ class PluginModel:
         self.kv_precision, self.block_size = kv_precision, block_size
         #: each layer's sliding window (0: a global layer), as the CPU op's (``op_windows``)
         self.windows = tuple(windows or ())
+        #: the model's attention soft-capping (Gemma 2's; 0: none), in our layers and kernels
+        self.softcap = softcap
         self.shared = self._compilation()
         self.context, self.converted = self.shared.context, self.shared.converted
         s = self.converted.shape
         self.shape = ModelShape(s.layers, s.q_heads, s.kv_heads, s.head_dim, tuple(self.converted.scales), self.windows)
-        self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads)
+        self.pool_shape = PoolShape(kv_precision, block_size, s.head_dim, s.q_heads // s.kv_heads, softcap)
         attributes = plugin_layers.LayerAttributes(
             self.pool_shape, self.dev.sub_group, self.converted.scales[0], self.activations,
             large_buffers=self.dev.large_buffers,
@@ -241,8 +244,8 @@ class PluginModel:
         compiled again)."""
         stat = self.xml.stat()
         properties = tuple(sorted((k, str(v)) for k, v in self.properties.items()))
-        key = (str(self.xml.resolve()), stat.st_mtime_ns, stat.st_size, self.gpu, id(self.dev),
-               self.kv_precision, self.block_size, self.activations, properties, self.windows)  # fmt: skip
+        key = (str(self.xml.resolve()), stat.st_mtime_ns, stat.st_size, self.gpu, id(self.dev), self.kv_precision,
+               self.block_size, self.activations, properties, self.windows, self.softcap)  # fmt: skip
         with _compilations_lock:
             if key not in _compilations:
                 context = shared_context(self.core, self.dev)
@@ -261,6 +264,7 @@ class PluginModel:
             recall=variant.recall,
             merge=variant.merge,
             windows=list(self.windows),
+            softcap=self.softcap,
         )
 
     def _shared_device(self, sub_group: int | None) -> Device:
@@ -301,7 +305,7 @@ class PluginModel:
         """A ``ConfigError`` unless this path runs ``method``; a ``UserError`` where it does not
         beside this model's local layers."""
         require(method, GPU_PLUGIN.name)
-        refusal = local_layers_refusal(self.shape, method, self.pool_shape)
+        refusal = local_layers_refusal(self.shape, method)
         if refusal:
             raise UserError(refusal)
 
@@ -482,10 +486,12 @@ class PluginModel:
 
 
 def plugin_engine_model(
-    model_dir: Path, windows: list[int], kv_precision: str, block_size: int, properties: dict, gpu: str = "GPU"
-) -> PluginModel:
-    """The openvino engine's model on ``GPU``, its local layers' windows ``windows`` (the
-    inference precision, f16 or f32, is checked by :func:`inference_precision`)."""
+    model_dir: Path, windows: list[int], kv_precision: str, block_size: int, properties: dict, gpu: str = "GPU",
+    softcap: float = 0.0,
+) -> PluginModel:  # fmt: skip
+    """The openvino engine's model on ``GPU``, its local layers' windows ``windows`` and its
+    attention soft-capping ``softcap`` (the inference precision, f16 or f32, is checked by
+    :func:`inference_precision`)."""
     compile_properties = {k: v for k, v in properties.items() if k != "KV_CACHE_PRECISION"}  # our pool's, not its
     return PluginModel(model_dir, kv_precision=kv_precision, block_size=block_size, gpu=gpu,
-                       properties=compile_properties, windows=windows)  # fmt: skip
+                       properties=compile_properties, windows=windows, softcap=softcap)  # fmt: skip

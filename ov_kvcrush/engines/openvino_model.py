@@ -214,13 +214,10 @@ class OpenVINOModel:
         self.eos_ids = _eos_ids(self.model_dir, self.hf_config, self.tokenizer.get_eos_token_id())
 
     def _plugin_model(self, windows: list[int] | None, kv_precision: str, block_size: int) -> PluginModel:
-        """Our layers in OpenVINO's GPU plugin for this model (device GPU)."""
-        if self.softcap:
-            raise UserError(
-                f"{self.model_dir.name}: attention logit soft-capping (Gemma 2) is not in our GPU plugin "
-                "layers yet; device CPU (our op) runs it"
-            )
-        return plugin_engine_model(self.model_dir, windows, kv_precision, block_size, self.properties, self.device)
+        """Our layers in OpenVINO's GPU plugin for this model (device GPU), soft-capping its
+        attention logits where the model does (Gemma 2)."""
+        return plugin_engine_model(self.model_dir, windows, kv_precision, block_size, self.properties, self.device,
+                                   self.softcap)  # fmt: skip
 
     def _converted(self, xml: Path) -> Any:
         """The IR with our op in its attention (device CPU); the op's prompt arithmetic follows the

@@ -50,7 +50,7 @@ def compiler_options(large_buffers: bool = False) -> list[str]:
     return ["-cl-fp32-correctly-rounded-divide-sqrt", *([LARGE_BUFFER_OPTION] if large_buffers else [])]
 
 
-def build_options(sub_group: int, constants: dict[str, int], large_buffers: bool = False) -> list[str]:
+def build_options(sub_group: int, constants: dict[str, int | str], large_buffers: bool = False) -> list[str]:
     """The compile options of a kernel source: its constants, the kernels' folder for the headers
     they share (``paged_block.h``), and :func:`compiler_options`."""
     consts = (f"-D{k}={v}" for k, v in sorted(constants.items()))
@@ -73,7 +73,7 @@ class KernelDevice:
         """The kernels of OpenCL C ``text`` built with ``options``, by function name."""
         raise NotImplementedError
 
-    def kernel(self, source: str, name: str, constants: dict[str, int]) -> Any:
+    def kernel(self, source: str, name: str, constants: dict[str, int | str]) -> Any:
         """Kernel ``name`` of ``source`` built for ``constants`` (each source built once per set)."""
         key = (source, name, tuple(sorted(constants.items())))
         if key not in self.kernels:

@@ -52,7 +52,10 @@ def host_array(x: torch.Tensor) -> np.ndarray:
 class DeviceFullLayerCache(LayerCache):
     """Every token, attended in place on the device."""
 
-    softcap_refusal = "the Intel GPU kernels take raw logits; device CPU (our op) runs it"
+    softcap_refusal = (
+        "the torch engine's Intel GPU device pool (paged_device) takes raw logits; the openvino backend "
+        "runs it on device GPU and CPU"
+    )
     #: whether the sequence's method runs on this layer (not on a local layer: window_cache.py)
     method_runs = True
 

@@ -26,12 +26,17 @@ class PoolShape:
     block_size: int
     head_dim: int
     group: int = 1
+    #: the model's attention soft-capping (Gemma 2's ``cap * tanh(s / cap)`` of each scaled
+    #: logit, in every kernel that attends or scores); 0: none
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, PRECISIONS)
         check_int("block_size", self.block_size, 1, 1 << 12)
         check_int("head_dim", self.head_dim, 8, 1024)
         check_int("group", self.group, 1, 64)
+        if not (self.softcap >= 0.0 and np.isfinite(self.softcap)):
+            raise ValueError(f"softcap {self.softcap!r}: allowed 0 (none) or a positive number")
 
     @property
     def elem_bytes(self) -> int:
@@ -42,13 +47,14 @@ class PoolShape:
         params = 16 * self.block_size if self.precision == "u8" else 0
         return 2 * self.block_size * self.head_dim * self.elem_bytes + params
 
-    def constants(self) -> dict[str, int]:
+    def constants(self) -> dict[str, int | str]:
+        capped: dict[str, int | str] = {"SOFTCAP": f"{float(self.softcap)!r}f"} if self.softcap else {}
         return {
             "KV_PRECISION": PRECISIONS.index(self.precision),
             "BLOCK_SIZE": self.block_size,
             "HEAD_DIM": self.head_dim,
             "GROUP": self.group,
-        }
+        } | capped
 
 
 def quantize_u8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -82,20 +82,21 @@ class ModelVariant:
     merge: bool = False
 
 
-def local_layers_refusal(model: ModelShape, method: MethodConfig, shape: PoolShape) -> str | None:
+def local_layers_refusal(model: ModelShape, method: MethodConfig) -> str | None:
     """Why ``method`` cannot run over ``model``'s local layers on the plugin, or None (a model
-    without them, or a method whose model is the full-precision store's and that has no scoring
-    pass: a local layer takes none of the method's layers, and those of the 2-bit store, a recall
-    or a merge, and KVzip's pass, would need each layer's)."""
+    without them, or a method without a recall, a merge or a scoring pass: a local layer takes
+    none of the method's layers, nor its 2-bit store's, where the recall and merge inputs and
+    KVzip's pass are built for every layer)."""
     if not any(model.windows):
         return None
-    variant = ModelVariant(store_shape(method, shape), device_layers.model_recall_layer(method),
-                           device_layers.model_merges(method))  # fmt: skip
-    if variant == ModelVariant() and not isinstance(method, KVzipConfig):
+    if (
+        not device_layers.model_recall_layer(method)
+        and not device_layers.model_merges(method)
+        and not isinstance(method, KVzipConfig)
+    ):
         return None
     return (f"device GPU runs {method.name} on models with global attention layers only (this model has "
-            "local ones; beside them it runs the methods over the full-precision store without a recall, "
-            "a merge or a scoring pass)")  # fmt: skip
+            "local ones; beside them it runs the methods without a recall, a merge or a scoring pass)")  # fmt: skip
 
 
 class PluginKVPool:
@@ -104,7 +105,7 @@ class PluginKVPool:
 
     def __init__(self, model: ModelShape, shape: PoolShape, blocks: int, method: MethodConfig, dev: Device) -> None:
         require(method, GPU_PLUGIN.name)
-        refusal = local_layers_refusal(model, method, shape)
+        refusal = local_layers_refusal(model, method)
         if refusal:
             raise UserError(refusal)
         self.model = model
@@ -180,13 +181,15 @@ class PluginKVSequence:
 
     def _new_caches(self) -> list[DeviceFullLayerCache]:
         m, p = self.pool.model, self.pool
+        windows = m.windows or (0,) * m.layers
+        global_layers = windows.count(0)
         caches = []
-        for layer in range(m.layers):
-            window = m.windows[layer] if m.windows else 0
+        for layer, window in enumerate(windows):
             if window:  # a local layer: its window, no method (as on the CPU op)
                 cache: DeviceFullLayerCache = DeviceWindowLayerCache(window, p.device_pool, m.kv_heads, m.q_heads)
-            else:
-                cache = device_layers.plugin_layer(p.method, layer, m.layers, p.device_pool, m.kv_heads, m.q_heads)
+            else:  # the method over the global layers alone: its budgets those of the n-th of them (the op's)
+                g = windows[:layer].count(0)
+                cache = device_layers.plugin_layer(p.method, g, global_layers, p.device_pool, m.kv_heads, m.q_heads)
             assert isinstance(cache, DeviceFullLayerCache)
             cache.scale = m.scales[layer]
             caches.append(cache)
@@ -443,12 +446,14 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
 def _quant_inputs(sequences: list[PluginKVSequence]) -> dict[str, np.ndarray]:
     """The 2-bit store's inputs of a step (:data:`~ov_kvcrush.transformations.plugin_attention.QUANT_INPUTS`,
     the pool aside), a row per (sequence, KV head) as :func:`plan_step`'s."""
+    kv = sequences[0].pool.model.kv_heads
     per_seq = []
     for seq in sequences:
-        caches = [c for c in seq.caches if isinstance(c, DeviceQuantEvictionLayerCache)]
-        assert len(caches) == len(seq.caches), "every layer of a 2-bit store's method keeps one"
-        per_seq.append([c.model_inputs() for c in caches])
-    layers, kv = len(per_seq[0]), sequences[0].pool.model.kv_heads
+        quant = [c for c in seq.caches if isinstance(c, DeviceQuantEvictionLayerCache)]
+        assert len(quant) == sum(c.method_runs for c in seq.caches), "every layer of a 2-bit store's method keeps one"
+        # a local layer's: no 2-bit blocks, nothing flushed (its layers read none)
+        per_seq.append([c.model_inputs() if c in quant else ([[]] * kv, 0, (0, 0)) for c in seq.caches])
+    layers = len(per_seq[0])
     width = table_width(max(len(t) for layer_inputs in per_seq for tables, _, _ in layer_inputs for t in tables))
     tables = np.zeros((layers, len(sequences) * kv, width), np.int32)
     lengths = np.zeros((layers, len(sequences) * kv), np.int32)

@@ -72,7 +72,10 @@ DEFINES = (
     ("SCALE", "scale"),
     ("ACT_HALF", "act_half"),
     ("WINDOW", "window"),
+    ("SOFTCAP", "softcap"),
 )
+#: the attributes that are floats (printed as strings: the plugin prints a float to 6 places)
+FLOAT_ATTRIBUTES = ("scale", "softcap")
 #: what the 2-bit store's layers carry besides (:class:`~ov_kvcrush.gpu.layout.QuantShape`'s)
 QUANT_DEFINES = (
     ("QUANT_TOKENS", "quant_tokens"),
@@ -293,6 +296,7 @@ class LayerAttributes:
             "scale": f"{self.scale:.9g}",  # a string: the plugin prints a float attribute to 6 places
             "act_half": int(self.activations == "f16"),
             "window": self.window,
+            "softcap": f"{self.shape.softcap:.9g}",
         } | self.quant_values()
 
     def quant_values(self) -> dict[str, int]:
@@ -423,7 +427,7 @@ def config_xml(attributes: LayerAttributes, source_name: str) -> str:
     parts = []
     for name, kernel in KERNELS.items():
         defines = "\n".join(
-            f'    <Define name="{define}" param="{attr}" type="{"float" if attr == "scale" else "int"}" '
+            f'    <Define name="{define}" param="{attr}" type="{"float" if attr in FLOAT_ATTRIBUTES else "int"}" '
             f"default={quoteattr(str(values[attr]))}/>"
             for define, attr in DEFINES + (QUANT_DEFINES if kernel.quant else ())
         )

@@ -28,7 +28,7 @@ inline void logits_item(int j, int h, __global const uchar* pool, __global const
         const float qd = intel_sub_group_shuffle(qreg[d / SG], d % SG);
         if (live) acc = fma(qd, load_key(block, d, slot % BLOCK_SIZE), acc);
     }
-    if (live) logits[h * logit_stride + first_kv + j] = acc * scale;
+    if (live) logits[h * logit_stride + first_kv + j] = CAP_LOGIT(acc * scale);
 }
 
 

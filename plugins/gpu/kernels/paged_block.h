@@ -22,6 +22,13 @@
 #define PARAM_BYTES (KV_PRECISION == 2 ? 4 * 4 * BLOCK_SIZE : 0)
 #define BLOCK_BYTES ((ulong)(KV_BYTES + PARAM_BYTES))
 
+// Gemma 2's attention soft-capping of each scaled logit, cap * tanh(s / cap), before the softmax
+// and wherever the methods' scores take logits (the CPU op's row_logits); SOFTCAP 0: none.
+#ifndef SOFTCAP
+#define SOFTCAP 0
+#endif
+#define CAP_LOGIT(s) ((float)(SOFTCAP) > 0.0f ? (float)(SOFTCAP) * tanh((s) / (float)(SOFTCAP)) : (s))
+
 // The step's activations (queries, keys and values in, attention out): f32, or f16 where
 // OpenVINO's GPU plugin runs the model in f16 (ACT_HALF 1: its layers' tensors are half, read and
 // written through vload_half / vstore_half_rte, computed in float). The hosts' kernels take f32.

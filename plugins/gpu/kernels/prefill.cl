@@ -52,7 +52,7 @@ __kernel void window_scores(__global const uchar* pool, __global const int* tabl
         __global const float* qr = q + ((long)h * rows + r) * HEAD_DIM;
         float s = 0.0f;
         for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d] * scale, key[d], s);
-        const float p = exp(s - lse[h * rows + r]);
+        const float p = exp(CAP_LOGIT(s) - lse[h * rows + r]);
         total = reduce_max ? fmax(total, p) : total + p;
     }
     __global float* out = scores + h * score_stride + j;

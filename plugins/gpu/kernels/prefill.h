@@ -66,6 +66,7 @@ inline void tile_logits(const row_state* st, __global const uchar** block, const
         for (int c = 0; c < CHUNK; ++c)
             s[c] = fma(qd, own[c] >= 0 ? ACT_LOAD(own_k, own[c] + d) : load_key(block[c], d, slot[c]), s[c]);
     }
+    for (int c = 0; c < CHUNK; ++c) s[c] = CAP_LOGIT(s[c]);
 }
 
 // Chelsea's log(degree) added to each slot's logit (the paper's equation 2: a merged slot stands

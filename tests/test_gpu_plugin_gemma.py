@@ -1,17 +1,24 @@
-"""``device="GPU"`` on a model with local (sliding-window) layers: the tiny random-weight Gemma 3
-of the family checks, a local layer of a 96-token window then a global one. A local layer's row
+"""``device="GPU"`` on Gemma 3 and Gemma 2: local (sliding-window) layers, and Gemma 2's attention
+soft-capping. The tiny random-weight Gemma 3 of the family checks has a local layer of a 96-token
+window then a global one. A local layer's row
 attends the last 96 slots up to its own (the prompt layer compiled with the window), the layer
 gives back the blocks no later row sees, and the method runs on the global layer alone, as the CPU
 op's rule (``attention_step.cpp``'s ``window``). Run by the plugin on Intel's OpenCL CPU runtime
 under the emulation layer; the prompts (past the window) go in chunks beside decoding sequences.
 Oracle: the CPU op's greedy tokens (the openvino engine on CPU, the same method, budget, f32
-blocks), together and each prompt alone and whole."""
+blocks), together and each prompt alone and whole. Gemma 2's tiny model (the same layers) is run
+with its cap lowered to 0.25 in its exported folder's ``config.json`` (where the engines read it; the
+IR does not carry it), so that the cap decides the tokens."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
-from helpers import check_gpu_gives_cpu_ops_tokens
+from helpers import batched_beside_decoding, check_gpu_gives_cpu_ops_tokens
 
 from ov_kvcrush.config import CompressionConfig
 from ov_kvcrush.errors import UserError
@@ -24,6 +31,9 @@ CASES = {
     "full": (None, {}, {}),
     "snapkv": (64, {"sink_tokens": 4, "recent_tokens": 8}, {}),
     "kvcrush": (64, {"sink_tokens": 4, "recent_tokens": 8}, {"block_size": BLOCK}),
+    # MiniKV's 2-bit store on the global layer (its flush and attention there; the local layer reads
+    # none), its pyramid's budget the first of one global layer's (the op's), not the second of two
+    "minikv": (64, {"sink_tokens": 4, "recent_tokens": 8}, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}),
 }
 
 
@@ -72,3 +82,31 @@ def test_on_gpu_a_local_layer_attends_its_window_with_the_cpu_ops_tokens(method,
     compression = CompressionConfig(method=method, budget=budget, options=options, **window)
     check_gpu_gives_cpu_ops_tokens(emulation_worker, tiny_gemma3_ir, compression, PROMPTS, 13, BLOCK, NEW_TOKENS,
                                    STEP_TOKENS)  # fmt: skip
+
+
+def _capped_copy(model_dir: str, folder: Path, cap: float) -> str:
+    """``model_dir`` copied into ``folder`` with its attention soft-capping set to ``cap``."""
+    out = folder / Path(model_dir).name
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["attn_logit_softcapping"] = cap
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.model
+def test_on_gpu_gemma2s_soft_capped_logits_give_the_cpu_ops_tokens(emulation_worker, tiny_gemma2_ir, tmp_path):
+    """SnapKV on Gemma 2 with a cap of 0.25 (the layers' logits, and the prompt's window scores the
+    selection takes, capped): the GPU's tokens are the CPU op's, and not those of the cap of 50."""
+    capped = _capped_copy(tiny_gemma2_ir, tmp_path, 0.25)
+    budget, window, options = CASES["snapkv"]
+    compression = CompressionConfig(method="snapkv", budget=budget, options=options, **window)
+    check_gpu_gives_cpu_ops_tokens(emulation_worker, capped, compression, PROMPTS, 17, BLOCK, NEW_TOKENS,
+                                   STEP_TOKENS)  # fmt: skip
+    rng = np.random.default_rng(17)
+    prompts = [[int(t) for t in rng.integers(10, 380, n)] for n in PROMPTS]
+    args = (compression, BLOCK, NEW_TOKENS, STEP_TOKENS, False)
+    assert (
+        batched_beside_decoding(capped, prompts, "CPU", *args)[0]
+        != batched_beside_decoding(tiny_gemma2_ir, prompts, "CPU", *args)[0]
+    )  # the cap of 0.25 decides the tokens
