@@ -11,14 +11,13 @@ written on the device and read only when the counters are asked for.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import KernelDevice, Transfers, device, kernel_dir
+from ov_kvcrush.gpu.device import KernelDevice, Transfers, device, kernel_define
 from ov_kvcrush.gpu.layout import PoolShape, page_heads
 from ov_kvcrush.gpu.store import store_constants
 from ov_kvcrush.validation import check_int
@@ -140,10 +139,7 @@ class StepClustering:
 def clustering_fields() -> int:
     """The ints of a sequence's row of ``step_cluster_slots`` (``kmeans.cl``'s ``C_FIELDS``: the
     one copy of that layout, which :meth:`StepClustering.row` follows)."""
-    found = re.search(r"^#define C_FIELDS (\d+)", (kernel_dir() / "kmeans.cl").read_text(), re.M)
-    if found is None:
-        raise AssertionError("kmeans.cl defines C_FIELDS")
-    return int(found[1])
+    return kernel_define("kmeans.cl", "C_FIELDS")
 
 
 def launch_step_clusterings(

@@ -9,6 +9,7 @@ the CPU op. Runs in a process where :func:`ov_kvcrush.gpu.runtime.prepare` came 
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 from functools import cache
@@ -27,6 +28,16 @@ def kernel_dir() -> Path:
         if candidate.is_dir():
             return candidate
     raise runtime.GPUPathError(f"the OpenCL kernels (plugins/gpu/kernels) are not found next to {package}")
+
+
+@cache
+def kernel_define(source: str, name: str) -> int:
+    """The integer ``#define name`` of kernel file ``source``: a layout's one copy (a row's fields),
+    which the host that packs the rows reads rather than repeats."""
+    found = re.search(rf"^#define {name} (\d+)$", (kernel_dir() / source).read_text(), re.M)
+    if found is None:
+        raise AssertionError(f"{source} defines {name}")
+    return int(found[1])
 
 
 def kernel_sources() -> list[Path]:

@@ -449,10 +449,10 @@ def _quant_inputs(sequences: list[PluginKVSequence]) -> dict[str, np.ndarray]:
     kv = sequences[0].pool.model.kv_heads
     per_seq = []
     for seq in sequences:
-        quant = [c for c in seq.caches if isinstance(c, DeviceQuantEvictionLayerCache)]
-        assert len(quant) == sum(c.method_runs for c in seq.caches), "every layer of a 2-bit store's method keeps one"
+        methods = [c for c in seq.caches if c.method_runs]
+        assert all(isinstance(c, DeviceQuantEvictionLayerCache) for c in methods), "each method layer keeps one"
         # a local layer's: no 2-bit blocks, nothing flushed (its layers read none)
-        per_seq.append([c.model_inputs() if c in quant else ([[]] * kv, 0, (0, 0)) for c in seq.caches])
+        per_seq.append([c.model_inputs() if c.method_runs else ([[]] * kv, 0, (0, 0)) for c in seq.caches])
     layers = len(per_seq[0])
     width = table_width(max(len(t) for layer_inputs in per_seq for tables, _, _ in layer_inputs for t in tables))
     tables = np.zeros((layers, len(sequences) * kv, width), np.int32)

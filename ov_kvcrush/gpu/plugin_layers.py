@@ -53,7 +53,7 @@ from xml.sax.saxutils import quoteattr
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import compiler_options, kernel_dir
+from ov_kvcrush.gpu.device import compiler_options, kernel_define, kernel_dir
 from ov_kvcrush.gpu.layout import PRECISIONS, PoolShape, QuantShape
 from ov_kvcrush.outputs import write_atomic
 
@@ -253,8 +253,8 @@ def logits_bytes(q_heads: int, rows: int, stride: int) -> int:
     return 4 * q_heads * rows * (stride + 1)
 
 
-#: the ints of a token's row of the ``tokens`` input (``plugin_layers.cl``'s TOKEN_FIELDS)
-TOKEN_FIELDS = 3
+#: the ints of a token's row of the ``tokens`` input (``plugin_layers.cl``'s TOKEN_FIELDS, read there)
+TOKEN_FIELDS = kernel_define(SOURCE, "TOKEN_FIELDS")
 
 
 def token_tensor(counts: list[int], own: list[bool] | None = None) -> np.ndarray:

@@ -31,22 +31,23 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
         super().__init__(pool, kv_heads, q_heads)
         self.window = window
 
-    def first_needed(self) -> int:
-        """The first position the next step's rows see: its first row (at :attr:`seen`) sees
-        ``(seen - window, seen]``, the later rows less of the past."""
-        return max(0, self.seen - self.window + 1)
+    def first_seen(self, position: int) -> int:
+        """The first position the rows from ``position`` on see: the row at ``position`` sees
+        ``(position - window, position]``, the later rows less of the past."""
+        return max(0, position - self.window + 1)
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
         """No method's work; the whole blocks before the next rows' windows back to the pool."""
         self.forget_passed_blocks()
 
     def forget_passed_blocks(self) -> None:
-        """Every head's leading blocks whose slots all lie before :meth:`first_needed` given back
-        (the slots after them keep their order, a block's worth of slots lower each)."""
+        """Every head's leading blocks whose slots all lie before what the next step's rows see
+        (:meth:`first_seen` of :attr:`seen`) given back (the slots after them keep their order, a
+        block's worth of slots lower each)."""
         lay = self.layer
         if not lay.held:
             return
-        passed = self.first_needed() - int(lay.positions[0, 0])  # the slots hold consecutive positions
+        passed = self.first_seen(self.seen) - int(lay.positions[0, 0])  # the slots hold consecutive positions
         blocks = max(0, passed) // lay.pool.shape.block_size
         if blocks:
             lay.drop_leading_blocks(blocks)
@@ -56,6 +57,6 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
         (nothing dropped) where those slots were given back (the loop then feeds the conversation
         again)."""
         held_from = int(self.layer.positions[0, 0]) if self.layer.held else 0
-        if tokens < self.seen and held_from > max(0, tokens - self.window + 1):
+        if tokens < self.seen and held_from > self.first_seen(tokens):
             return False
         return super().truncate(tokens)
