@@ -19,14 +19,16 @@ with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_hea
   model's k and v for them) (:func:`ov_kvcrush.gpu.plugin_layers.token_tensor`);
 * ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`;
 * ``kvc_score_rows`` [R] (int64, at least one): the step's query rows each layer writes
-  (``OvkcRows``, after the store) into its input ``kvc_rows.<layer>`` (bytes: our buffer, written
+  (``OvkcRows``, after the prompt layer) into its input ``kvc_rows.<layer>`` (bytes: our buffer, written
   in place, as f32 [q_heads, R, head_dim] whatever the activations), from which the methods'
   scores are computed (:meth:`ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`).
   An input written in place, not an output: the plugin copies a dynamic output into a buffer of
   ours through the host. Likewise ``kvc_logits.<layer>``: where ``kvc_step`` gives a stride (a
   decode step whose methods score it), each row's logits and log-sum-exp
   (:func:`ov_kvcrush.gpu.plugin_layers.logits_bytes`), the step's probabilities without the keys
-  read again.
+  read again; and where it asks for window sums (a prompt's step, whose methods score its last
+  rows), ``OvkcRows`` sums each slot's probability over each sequence's score rows into it
+  (:class:`ov_kvcrush.gpu.plugin_layers.WindowSums`) from the prompt layer's log-sum-exp.
 
 Over MiniKV's 2-bit store (``quant``: the 2-bit blocks' shape) each layer also quantizes the
 full-precision slots a step fills a chunk with (``OvkcFlush``, after the store) and attends the
@@ -171,7 +173,6 @@ def convert_model_for_plugin(
         q, k, v = (_squeezed(x, act) for x in plan.inputs())  # [heads, tokens, head_dim]
         stored = layer_class("OvkcStore")([pool, row["tables"], row["first"], tokens, k, v, step], attrs).output(0)
         rows_in, logits = (_bytes_input(params, name.format(plan.layer)) for name in (ROWS_INPUT, LOGITS_INPUT))
-        stored = layer_class("OvkcRows")([rows_in, q, score_rows, step, stored], attrs).output(0)
         attend = [pool, row["tables"], row["lengths"], row["first"], tokens, q, k, v, step]
         if window:  # a local layer: its window, no method
             out = layer_class("OvkcPrefill")([*attend, stored, logits], attrs).output(0)
@@ -192,6 +193,9 @@ def convert_model_for_plugin(
             two_bit = [qpool, row["qtables"], row["qlengths"], row["flush"]]
             flushed = layer_class("OvkcFlush")([pool, row["tables"], *two_bit, step, stored], attrs).output(0)
             out = layer_class("OvkcQuantPrefill")([*attend, flushed, *two_bit, logits], attrs).output(0)
+        # the rows the methods score, and their window sums where the step asks (the attention passed on)
+        scored = [pool, row["tables"], row["lengths"], row["first"], tokens, q, k, step, score_rows, out, logits]
+        out = layer_class("OvkcRows")([rows_in, *scored], attrs).output(0)
         back = ops.convert(ops.unsqueeze(out, np.array([0], np.int64)), plan.sdpa.get_output_element_type(0))
         plan.replace_with(model, back.output(0))
     model.add_parameters(list(params.values()))

@@ -19,7 +19,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -371,7 +371,7 @@ class PluginModel:
             del requests[key]
             tables.pop(key, None)  # after the request that holds it
 
-    def _buffers(self, key: str | int, nbytes: int) -> list[Any]:
+    def _buffers(self, key: Hashable, nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` for ``key``, grown by doubling: the previous
         step's are read by its methods' kernels before this step writes them (one in-order
         queue)."""
@@ -393,6 +393,22 @@ class PluginModel:
         total = step.returned_rows * d
         for src, dst in zip(buffers, own, strict=True):
             self.dev.copy_rect(src, total, dst, n * d, 0, hq, n * d, src_at=first * d)
+        return own
+
+    def _sequence_sums(self, step: PluginStep, s: int, buffers: list[Any]) -> list[Any]:
+        """Sequence ``s``'s window sums ``[Hq, slots]`` in each layer, ``slots`` the most its
+        heads hold there: the step's buffers themselves where they lie so (the first sequence, the
+        step's longest), else a copy on the device."""
+        assert step.sums is not None
+        hq, kv, stride = self.shape.q_heads, self.shape.kv_heads, step.sums.stride
+        held = step.inputs["kvc_lengths"][:, s * kv : (s + 1) * kv].max(axis=1)
+        runs = [c.method_runs for c in step.sequences[s].caches]  # a local layer writes no sums
+        if s == 0 and all(n == stride or not r for n, r in zip(held, runs, strict=True)):
+            return buffers
+        own = self._buffers(("sums", s), 4 * hq * int(held.max()))
+        for src, dst, n, r in zip(buffers, own, held, runs, strict=True):
+            if r:
+                self.dev.copy_rect(src, stride, dst, int(n), 0, hq, int(n), first_row=s * hq)
         return own
 
     def _bind_layer_buffers(self, request: Any, key: str, names: list[str], nbytes: int) -> list[Any]:
@@ -464,16 +480,22 @@ class PluginModel:
         # the layers write a decode step's logits where the step asks (a stride), else nothing
         tokens = step.shown.tokens  # a query head's rows of logits (the padding's unread)
         nbytes = plugin_layers.logits_bytes(s.q_heads, tokens if stride else 1, stride)
+        if step.sums is not None:  # or the window sums of the score rows, and the rows' log-sum-exp
+            nbytes = max(nbytes, step.sums.nbytes(tokens))
         logit_buffers = self._bind_layer_buffers(request, "logits", self.logits_inputs, nbytes)
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
         self.dev.synced()  # the previous step's method work was queued before the model's: done too
         works = []
         for i, seq in enumerate(sequences):
-            # a decode step that asked for the logits is scored from them: its rows are not read
-            rows_i = self._sequence_rows(step, i, buffers) if step.score_rows[i] and not stride else buffers
+            # a step scored from the logits or the sums does not read its rows (a decode row over
+            # the 2-bit store does: its probabilities over both stores)
+            reads_rows = step.sums is None or (blocks is not None and step.phases[i] == "decode")
+            reads_rows = reads_rows and bool(step.score_rows[i]) and not stride
+            rows_i = self._sequence_rows(step, i, buffers) if reads_rows else buffers
             logits_i = [StepLogits(b, stride, tokens, i) for b in logit_buffers] if stride else None
-            works.append(seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i))
+            sums_i = self._sequence_sums(step, i, logit_buffers) if step.sums and step.score_rows[i] else None
+            works.append(seq.after_step(rows_i, step.counts[i], step.phases[i], logits_i, sums_i))
         for layer, logit_buffer in enumerate(logit_buffers):  # one launch a kernel over the step's sequences
             layer_logits = StepLogitRows(logit_buffer, stride, tokens) if stride else None
             launch_step_work(kv_pool, layer, [w[layer] for w in works], step_tables, layer_logits,

@@ -149,14 +149,14 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
         self.counts[:] = 0
 
     # ---- after the model's step
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         """After a prompt's step: its window's scores summed (where protect_tokens asks) and,
         after its last, the prompt merged. After a decode step that merged: the blocks past the
         merged heads' budget back to the pool."""
         if self.runs is None:
-            sums = self._window_step(rows, t)
+            window_sums = self._window_step(sums, t)
             if not self._prompt_continues():
-                self._merge_prompt(sums)
+                self._merge_prompt(window_sums)
             return
         if self.merging is not None:
             held, target = self.merging
@@ -164,14 +164,14 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
             self._merged(held, target)
             self.merging = None
 
-    def _window_step(self, rows: Any, t: int) -> Any:
-        """The prompt window's per-slot sums ``[Hq, slots]`` so far, this step's rows added
-        (None: no protect, or none of the window yet)."""
-        n = self.score_rows(t)
-        if not n:
+    def _window_step(self, sums: Any, t: int) -> Any:
+        """The prompt window's per-slot sums ``[Hq, slots]`` so far, this step's (``sums``: the
+        model's over its score rows) added (None: no protect, or none of the window yet)."""
+        if not self.score_rows(t):
             return self._window_sums
+        if sums is None:
+            raise RuntimeError("chelsea: the model's step gave no window sums for its score rows")
         lay = self.layer
-        sums = lay.prompt_on_device(rows, n, self.seen - n, self._scale(lay.pool.shape.head_dim), n)[1]
         if not self.prompt_end:
             return sums
         p, held, i32 = lay.pool, lay.held, np.int32

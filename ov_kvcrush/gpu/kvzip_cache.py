@@ -10,8 +10,9 @@ A step of the pass (:meth:`DeviceKVzipLayerCache.score_positions`, then the mode
 the model, in each head, only what the reference's ``score_step`` attends: the sinks and the
 chunk the step asks to repeat are gathered into blocks of their own (a scoring view), and the
 step's tokens are stored after them there, so the model's own attention is the reference's over
-that subsample. After the step the view's slots are scored on the device from the step's query
-rows (``window_scores``' largest probability a row gives each slot); the view's blocks go back
+that subsample. The model's attention also scores the view's slots (its ``OvkcRows``
+layer: the largest probability a row of the step gives each slot, the rows' log-sum-exp and the
+step's own keys as the model's attention had them); the view's blocks go back
 to the pool and nothing of the step is kept. The sequence's selection, after the pass's last
 step, reads each layer's scores back once (a prompt's pass, not a decode step) and ranks them
 with the reference's :func:`~ov_kvcrush.methods.kvzip.select_kept`; the kept slots are then
@@ -30,10 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ov_kvcrush.gpu.device import HeadsOnDevice
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.pool import DevicePool, table_array
-from ov_kvcrush.gpu.prefill import launch_prompt
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.gpu.store import launch_gather
 from ov_kvcrush.methods.kvzip import KVzipConfig
@@ -73,6 +72,8 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
     held until a scoring pass selects; each head its own count (:attr:`counts`), positions and
     scores on the host (:attr:`positions`, :attr:`score`: ``[kv, longest]``, ``-1`` and 0 past a
     head's count)."""
+
+    sums_by_largest = True
 
     def __init__(self, config: KVzipConfig, pool: DevicePool, kv_heads: int, q_heads: int) -> None:
         super().__init__(pool, kv_heads, q_heads)
@@ -195,25 +196,20 @@ class DeviceKVzipLayerCache(DeviceFullLayerCache):
         old, old_stride = lay.device_tables()
         launch_gather(p.dev, p.shape, p.buffer, old, old_stride, tables, stride, src, width, counts, lay.kv_heads)
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
-        """After a scoring step: the view's slots scored on the device from the step's rows
-        (``rows`` ``[Hq, t, D]``), each the largest probability a row gives it under the step's
-        own softmax; the view's blocks go back to the pool. Any other step: nothing (a new
-        token's score is 0)."""
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
+        """After a scoring step: the view's slots' scores, each the largest probability a row of
+        the step gives it under the step's own softmax, as the model's attention gave them
+        (``sums`` ``[Hq, view slots]``, kept until the pass ends); the view's blocks go back to
+        the pool. Any other step: nothing (a new token's score is 0)."""
         view = self.view
         if view is None:
             return
+        if sums is None:
+            raise RuntimeError("kvzip: the model's scoring step gave no window sums")
         lay, p = self.layer, self.layer.pool
-        assert view.on_device is not None
-        counts = view.gathered
-        stride = int(counts.max()) + t
-        positions = [np.concatenate([self.positions[h, s], np.arange(self.seen, self.seen + t)])
-                     for h, s in enumerate(view.slots)]  # fmt: skip
-        heads = HeadsOnDevice(p.buffer, *view.on_device, p.upload("lengths", counts + t),
-                              p.upload("positions", table_array(positions, -1)), stride)  # fmt: skip
-        scale = self._scale(p.shape.head_dim)
-        _, _, largest = launch_prompt(p.dev, p.shape, heads, rows, lay.q_heads, t, self.seen, scale, t, stride,
-                                      reduce_max=True)  # fmt: skip
+        stride = int(view.gathered.max()) + t
+        largest = p.dev.empty(4 * lay.q_heads * stride)  # the step's buffer is the next step's too
+        p.dev.copy_bytes(sums, largest, 4 * lay.q_heads * stride, 0)
         self._step_scores.append(StepScores(largest, stride, view))
         self._close_view()
 

@@ -58,6 +58,9 @@ class DeviceFullLayerCache(LayerCache):
     )
     #: whether the sequence's method runs on this layer (not on a local layer: window_cache.py)
     method_runs = True
+    #: the model's window sums give each slot its largest probability over the score rows (KVzip's
+    #: reconstruction scores), not their sum (:class:`~ov_kvcrush.gpu.plugin_layers.WindowSums`)
+    sums_by_largest = False
 
     def __init__(self, pool: DevicePool, kv_heads: int, q_heads: int) -> None:
         super().__init__()
@@ -190,11 +193,13 @@ class DeviceFullLayerCache(LayerCache):
         self.seen = min(self.seen, tokens)
         return True
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         """The method's work after a model step stored and attended ``t`` tokens (``rows``: the
         step's last :meth:`score_rows` query rows ``[Hq, rows, D]`` on the device; ``logits``: a
-        decode row's logits as the model's attention wrote them, where it was asked to): the full
-        cache's is none."""
+        decode row's logits as the model's attention wrote them, where it was asked to; ``sums``:
+        each slot's probability summed over those rows ``[Hq, slots]`` on the device, as the
+        model's attention gave them, where it was asked to: :class:`~ov_kvcrush.gpu.plugin_layers.WindowSums`):
+        the full cache's is none."""
 
     def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
         """:meth:`after_model_step`'s work as its sequence's row of a launch over the step's
@@ -310,32 +315,29 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
             return min(t, max(0, self.seen - (prompt - window)))
         return t if self.config.decode_attention_scores else 0
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         """:meth:`prefill`'s or :meth:`_decode_step`'s scores and selection: a decode row's
         probabilities from the logits the model's attention wrote (``logits``), else the step's
-        attention recomputed on the device from its last query rows: the window's sums over the
-        rows, or a decode row's probabilities."""
+        score rows' sums as the model's attention gave them (``sums``: the prompt window's sums, a
+        decode row's probabilities)."""
         lay = self.layer
-        scale = self._scale(lay.pool.shape.head_dim)
         n = self.score_rows(t)
-        first_row = self.seen - n
+        if n and logits is None and sums is None:
+            raise RuntimeError(f"{type(self).__name__}: the model's step gave no logits or sums for its score rows")
         if self.scores is None:
-            sums = lay.prompt_on_device(rows, n, first_row, scale, n)[1] if n else None
+            window_sums = sums if n else None
             if self.prompt_end:
-                sums = self._add_chunk_sums(sums)
+                window_sums = self._add_chunk_sums(window_sums)
                 if self._prompt_continues():
                     return
                 self._chunk_sums = None  # now the prompt's (H2O's scores are its sums)
-            self._prompt_scored(sums, self.seen)
+            self._prompt_scored(window_sums, self.seen)
             return
         before = lay.held - t
         if n == 1 and logits is not None:
             self._add_logits(logits, lay.held - 1)
-        elif n == 1:
-            bufs = lay.decode_on_device(rows, scale, values=False)  # the probabilities: the keys alone
-            self._add(bufs.probs, int(bufs.stride), lay.held - 1)
         elif n:
-            self._add(lay.prompt_on_device(rows, n, first_row, scale, n)[1], lay.held, before)
+            self._add(sums, lay.held, before)
         self._decode_scored(before)
 
     def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:

@@ -313,11 +313,12 @@ class PluginKVSequence:
         return rows.pop() if rows else 0
 
     def after_step(
-        self, rows: list[Any], t: int, phase: str, logits: list[StepLogits] | None = None
+        self, rows: list[Any], t: int, phase: str, logits: list[StepLogits] | None = None, sums: list[Any] | None = None
     ) -> list[StepWork | None]:
         """Each layer's method work after the model's step (``rows``: each layer's device buffer
         of this sequence's last query rows of the step; ``logits``: each layer's of its decode
-        row, where the step asked the model for them), timed as the op times its policies: the
+        row, where the step asked the model for them; ``sums``: each layer's window sums of those
+        rows ``[Hq, slots]``, where it asked for them), timed as the op times its policies: the
         layers' rows of the launches over the step's sequences (:func:`~ov_kvcrush.gpu.step_work.launch_step_work`),
         None where a layer did its work here."""
         self.pool.device_pool.phase = phase  # where the work's crossings count
@@ -327,7 +328,7 @@ class PluginKVSequence:
             step_logits = logits[i] if logits else None
             work = cache.step_work(t, step_logits) if phase == "decode" else None
             if work is None:
-                cache.after_model_step(buffer, t, step_logits)
+                cache.after_model_step(buffer, t, step_logits, sums[i] if sums else None)
             elif work.then is not None:
                 work.then = self._timed(work.then, phase)
             cache.finish_step()
@@ -369,6 +370,8 @@ class PluginStep:
     candidates: int = 0
     #: under a merge: the bytes the merging rows work in (each layer's ``kvc_scratch``)
     scratch_bytes: int = 4
+    #: the window sums the layers write of the sequences' score rows (None: none asked)
+    sums: plugin_layers.WindowSums | None = None
 
     @property
     def phase(self) -> str:
@@ -435,10 +438,15 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     scored_decode = decode_rows_alone and "prompt" not in phases and any(score_rows)
     slots = inputs["kvc_lengths"] + (inputs["kvc_qlengths"] if "kvc_qlengths" in inputs else 0)
     logit_stride = int(slots.max()) if scored_decode else 0
+    # any other step whose methods score rows: their sums over the full-precision slots, in the model
+    sums = None
+    if any(score_rows) and not scored_decode:
+        largest = any(c.sums_by_largest for c in sequences[0].caches if c.method_runs)
+        sums = plugin_layers.WindowSums(len(sequences), pool.model.q_heads, int(inputs["kvc_lengths"].max()), largest)
     inputs["kvc_step"] = plugin_layers.step_tensor(width, shown.tokens, qwidth, returned, logit_stride, map_width,
-                                                   candidates, int(decode_rows_alone))  # fmt: skip
+                                                   candidates, int(decode_rows_alone), sums)  # fmt: skip
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, shown, returned, logit_stride,
-                      map_width, candidates, scratch_bytes)  # fmt: skip
+                      map_width, candidates, scratch_bytes, sums)  # fmt: skip
     _count_step(pool, step)
     return step
 

@@ -11,8 +11,13 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
 * :class:`OvkcLogits`, :class:`OvkcSoftmax`, :class:`OvkcValues`: the three passes of paged decode
   attention over each KV head's block table and token count; the softmax's output is the per-head
   probabilities the importance methods accumulate;
-* :class:`OvkcRows`: the step's query rows the methods score, written into our buffer (an input,
-  written in place: a model output would come back to it through the host);
+* :class:`OvkcRows`: after the prompt layer, the step's query rows the methods score, written
+  into our buffer (an input, written in place: a model output would come back to it through the
+  host), and where the step asks (:class:`WindowSums`) each slot's probability summed over its
+  sequence's score rows (a prompt's window: SnapKV's, H2O's every row; KVzip's largest instead)
+  into ``logits``, from the model's own attention: the rows' log-sum-exp the prompt layer wrote,
+  the step's own keys as the model gave them (no host launch reads the keys again for a
+  prompt's scores);
 * :class:`OvkcPrefill`: a step's query rows over the slots each sees (a prompt's chunk row by
   row, the sub-group's lanes rows side by side; a decode token all its sequence holds, and in a
   step of decode tokens alone a sub-group a row, the slots split across its lanes, then merged),
@@ -120,7 +125,11 @@ KERNELS = {
         "ovkc_values", "OVKC_LAYER_VALUES", ("pool", "tables", "lengths", "probs", "step"), "F,B", "{sg},1"
     ),
     "OvkcRows": LayerKernel(
-        "ovkc_rows", "OVKC_LAYER_ROWS", ("rows", "q", "score_rows", "step", "stored"), "F,B", "1,1"
+        "ovkc_rows",
+        "OVKC_LAYER_ROWS",
+        ("rows", "pool", "tables", "lengths", "first", "tokens", "q", "k", "step", "score_rows", "attended", "logits"),
+        "F*{sg},B",
+        "{sg},1",
     ),
     "OvkcPrefill": LayerKernel(
         "ovkc_prefill",
@@ -200,6 +209,7 @@ KERNELS = {
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
 STEP_FIELDS = (
     "table_width", "rows", "qtable_width", "score_rows", "logit_stride", "map_width", "candidates", "decode_split",
+    "sum_stride", "sum_max", "lse_at",
 )  # fmt: skip
 #: the ints of a row's ``recall`` (``plugin_layers.cl``'s RECALL_WIDTH); the first is always the
 #: step's token whose query recalls (-1: none, the row attends its slots in order)
@@ -228,6 +238,7 @@ def step_tensor(
     map_width: int = 0,
     candidates: int = 0,
     decode_split: int = 0,
+    sums: WindowSums | None = None,
 ) -> np.ndarray:
     """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
     2-bit block tables' width, the query rows :class:`OvkcRows` writes, the row stride of the
@@ -235,9 +246,35 @@ def step_tensor(
     Quest) the longest slot list a row attends and the most clusters or pages a row ranks
     (:func:`recalled_bytes`); ``decode_split``: every token is a decode row (each its own
     sequence's one), which the prompt layers then attend a sub-group a row, the slots split across
-    its lanes."""
-    fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, candidates, decode_split)
+    its lanes; ``sums``: the score rows' window sums :class:`OvkcRows` writes (none: not asked).
+    The rows' log-sum-exp goes after the logits or the sums, where either is asked."""
+    sum_stride, sum_max, lse_at = (sums.stride, int(sums.largest), sums.lse_at) if sums else (0, 0, 0)
+    fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, candidates, decode_split,
+              sum_stride, sum_max, lse_at)  # fmt: skip
     return np.array(fields, np.int32)
+
+
+@dataclass(frozen=True)
+class WindowSums:
+    """What a step asks of :class:`OvkcRows`: for each of its ``sequences`` (shown) and
+    ``q_heads`` query heads, ``stride`` slots' probabilities summed over the sequence's score rows
+    (``largest``: each slot's largest instead, KVzip's), from the model's own attention. In each
+    layer's ``logits`` input: the sums ``[sequences, q_heads, stride]`` float, then each row's
+    log-sum-exp ``[q_heads, rows]`` (the prompt layer's, which the sums take)."""
+
+    sequences: int
+    q_heads: int
+    stride: int
+    largest: bool = False
+
+    @property
+    def lse_at(self) -> int:
+        """Where the rows' log-sum-exp starts in ``logits``, in floats: after the sums."""
+        return self.sequences * self.q_heads * self.stride
+
+    def nbytes(self, rows: int) -> int:
+        """The bytes of ``logits`` for a step of ``rows`` rows."""
+        return 4 * (self.lse_at + self.q_heads * rows)
 
 
 def recalled_bytes(rows: int, map_width: int, candidates: int) -> int:
@@ -339,6 +376,9 @@ def _layer_classes() -> dict[str, type]:
         def input_shape(self, name: str) -> object:
             return self.get_input_partial_shape(KERNELS[type(self).__name__].inputs.index(name))
 
+        def input_type(self, name: str) -> object:
+            return self.get_input_element_type(KERNELS[type(self).__name__].inputs.index(name))
+
     class OvkcStore(PluginLayer):
         def validate_and_infer_types(self) -> None:
             k = self.input_shape("k")  # [kv_heads, tokens, head_dim]
@@ -361,8 +401,8 @@ def _layer_classes() -> dict[str, type]:
             self.set_output_type(0, ov.Type.f32, ov.PartialShape([probs[0], self._attributes["head_dim"]]))
 
     class OvkcRows(PluginLayer):
-        def validate_and_infer_types(self) -> None:
-            self.set_output_type(0, ov.Type.i32, self.input_shape("stored"))
+        def validate_and_infer_types(self) -> None:  # the prompt layer's output passed on
+            self.set_output_type(0, self.input_type("attended"), self.input_shape("attended"))
 
     class OvkcPrefill(PluginLayer):
         def validate_and_infer_types(self) -> None:

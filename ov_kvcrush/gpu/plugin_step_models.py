@@ -48,10 +48,12 @@ def _step_parameters(attributes: LayerAttributes, kv_heads: int, q_shape: list[i
     return {name: ops.parameter(shape, dtype, name=name) for name, (shape, dtype) in shapes.items()}
 
 
-def _chain(attributes: LayerAttributes, params: dict, layers: tuple[str, ...]) -> dict:
+def _chain(attributes: LayerAttributes, params: dict, layers: tuple[str, ...], outputs: dict | None = None) -> dict:
     """Each layer of ``layers`` in turn, its inputs by name from the parameters and the outputs
-    before it (a layer's output is named as the next layers' input: stored, logits, probs)."""
+    before it (a layer's output is named as the next layers' input: stored, logits, probs; or as
+    ``outputs`` names it)."""
     names = {"OvkcStore": "stored", "OvkcFlush": "stored", "OvkcLogits": "logits", "OvkcSoftmax": "probs"}
+    names |= outputs or {}
     values = {name: p.output(0) for name, p in params.items()}
     attrs = attributes.as_dict()
     for name in layers:
@@ -86,6 +88,22 @@ def prefill_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
     params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
     values = _chain(attributes, params, ("OvkcStore", "OvkcPrefill"))
     return ov.Model([values["out"]], list(params.values()), "ovkc_prefill_step")
+
+
+def scored_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
+    """:func:`prefill_step_model` with the rows the methods score after the prompt layer
+    (``OvkcRows``: the score rows into ``rows``, and where ``step`` asks their window sums,
+    :class:`~ov_kvcrush.gpu.plugin_layers.WindowSums`, into ``logits``); inputs as its, and
+    ``score_rows`` [R] (int64: the step's rows scored, each sequence's adjacent) and ``rows``
+    (bytes, written in place); output the attention [q_heads, T, D]."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
+    params["score_rows"] = ops.parameter([-1], np.int64, name="score_rows")
+    params["rows"] = ops.parameter([-1], np.uint8, name="rows")
+    values = _chain(attributes, params, ("OvkcStore", "OvkcPrefill", "OvkcRows"), {"OvkcPrefill": "attended"})
+    return ov.Model([values["out"]], list(params.values()), "ovkc_scored_step")
 
 
 def quant_step_model(attributes: LayerAttributes, kv_heads: int) -> object:

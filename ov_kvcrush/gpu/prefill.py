@@ -1,7 +1,6 @@
 """Prompt attention on the GPU path (``plugins/gpu/kernels/prefill.cl``): a step's query rows over
 every slot of their KV head at or before their position, and the per-slot column sums of the
-last ``window`` rows' probabilities that the methods score by (SnapKV's window; H2O's all rows),
-or their largest (KVzip's reconstruction scores)."""
+last ``window`` rows' probabilities that the methods score by (SnapKV's window; H2O's all rows)."""
 
 from __future__ import annotations
 
@@ -24,11 +23,10 @@ def launch_prompt(
     scale: float,
     window: int,
     slots: int,
-    reduce_max: bool = False,
 ) -> tuple[Any, Any, Any]:
     """Enqueue the attention of device ``q`` ``[hq, rows, D]`` over ``heads``; returns device buffers
     of the output, the rows' log-sum-exp and the window's per-slot sums ``[Hq, slots]`` (zeros
-    when ``window`` is 0; ``reduce_max``: the largest probability of a window's row instead)."""
+    when ``window`` is 0)."""
     sg = dev.sub_group
     i32, f32 = np.int32, np.float32
     kernel = {name: dev.kernel("prefill.cl", name, shape.constants()) for name in ("paged_prefill", "window_scores")}
@@ -38,8 +36,8 @@ def launch_prompt(
     dev.run(kernel["paged_prefill"], (round_up(rows, sg), hq), (sg, 1), *common, out_b, lse_b)
     scores_b = dev.zeros(4 * hq * max(slots, 1))
     if window:
-        dev.run(kernel["window_scores"], (max(slots, 1), hq), None, *common, lse_b, i32(window), i32(reduce_max),
-                scores_b, i32(max(slots, 1)))  # fmt: skip
+        dev.run(kernel["window_scores"], (max(slots, 1), hq), None, *common, lse_b, i32(window), scores_b,
+                i32(max(slots, 1)))  # fmt: skip
     return out_b, lse_b, scores_b
 
 
@@ -54,12 +52,11 @@ def paged_prefill(
     scale: float,
     window: int = 0,
     sub_group: int | None = None,
-    reduce_max: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Attention of ``q`` ``[Hq, rows, D]`` (positions ``qpos0 ..``) over each KV head's slots
     (``lengths[kv]`` of them, at ``positions[kv]``): the output ``[Hq, rows, D]``, each row's
     log-sum-exp ``[Hq, rows]``, and each slot's probability summed over the last ``window`` rows
-    ``[Hq, max slots]`` (zeros when ``window`` is 0; ``reduce_max``: its largest instead)."""
+    ``[Hq, max slots]`` (zeros when ``window`` is 0)."""
     check_tables("tables", tables, lengths, shape.block_size, pool.nbytes, shape.block_bytes)
     dev = device(sub_group)
     hq, rows, d = q.shape
@@ -73,7 +70,7 @@ def paged_prefill(
     )
     slots = max(int(lengths.max()), 1)
     out_b, lse_b, scores_b = launch_prompt(dev, shape, heads, dev.to_device(q.astype(np.float32)), hq, rows, qpos0,
-                                           scale, window, slots, reduce_max)  # fmt: skip
+                                           scale, window, slots)  # fmt: skip
     return (
         dev.to_host(out_b, np.float32, (hq, rows, d)),
         dev.to_host(lse_b, np.float32, (hq, rows)),

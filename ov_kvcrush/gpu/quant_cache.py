@@ -182,13 +182,13 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         row (its probabilities over both stores)."""
         return super().score_rows(t) if self.scores is None else t
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         """:meth:`prefill`'s or :meth:`_decode_step`'s work after the model's step: the prompt's
         selection and store, after its last chunk (its chunks stay in full precision until then,
         as the CPU op's); or the new token's score, the flush's bookkeeping (the model
         quantized the chunk), the step's probabilities over both stores and the chunks' eviction."""
         if self.scores is None:
-            super().after_model_step(rows, t)
+            super().after_model_step(rows, t, sums=sums)
             if self.scores is not None:  # the prompt's last chunk (or all of it): selected, now stored
                 self._store_prompt()
             return
@@ -202,7 +202,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             self._flushed(start, count)
         if logits is not None:  # the probabilities over both stores, from the model's logits
             self._add_logits(logits, self._scored())
-        else:
+        else:  # over both stores: the model's sums are over the full-precision slots alone
             scale = self._scale(lay.pool.shape.head_dim)
             bufs = lay.decode_on_device(rows, scale, self._quant_heads(), self._quant_read(), values=False)
             self._add(bufs.probs, int(bufs.stride), self._scored())

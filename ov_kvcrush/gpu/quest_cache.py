@@ -130,7 +130,7 @@ class DeviceQuestLayerCache(DeviceRecallLayerCache):
         self.bounds_run = (arena.take(self._bounds_words(new_cap)), new_cap)
         self.pages = 0
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         """After a decode step: its pages' bounds were computed inside the model."""
         if not self.in_prompt and not self.dense_layer and self.bounds_run is not None:
             self.pages = self._pages_after_step()

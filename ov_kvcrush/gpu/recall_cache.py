@@ -287,7 +287,7 @@ class DeviceClusterKVLayerCache(DeviceRecallLayerCache):
         due, self._due = self._due, None
         return due
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         """After the prompt's last chunk: its clusters (:meth:`prefill`'s)."""
         if not self._prompt_clustered and not self._prompt_continues():
             self._after_prefill()

@@ -41,7 +41,7 @@ class DeviceStreamingLLMLayerCache(DeviceFullLayerCache):
         self._evict()
         return out
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         if not self._prompt_continues():  # a chunked prompt is evicted after its last chunk
             self._evict()
 

@@ -36,7 +36,7 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
         ``(position - window, position]``, the later rows less of the past."""
         return max(0, position - self.window + 1)
 
-    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None) -> None:
+    def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
         """No method's work; the whole blocks before the next rows' windows back to the pool."""
         self.forget_passed_blocks()
 

@@ -3,7 +3,8 @@
 // then its one output, and nothing else; so the pool and block tables come in as tensors (the
 // pool a remote tensor the store layer writes in place), and the step's numbers in the tensor
 // `step` (int32: the width of the block tables, the step's rows, the width of the 2-bit block
-// tables, the query rows the methods read, the stride of the rows' logits: 0 for none). The bodies are the pyopencl and
+// tables, the query rows the methods read, the stride of the rows' logits: 0 for none, ...:
+// ov_kvcrush/gpu/plugin_layers.py's STEP_FIELDS). The bodies are the pyopencl and
 // SYCL hosts' kernels' own (paged_attention.h, paged_store.h, prefill.h): the same code on every
 // host.
 //
@@ -104,36 +105,24 @@ __kernel void ovkc_values(__global const uchar* pool, __global const int* tables
 }
 #endif
 
-// The query rows the methods score after the step (step[3] of them: `score_rows`, indices among
-// the step's T tokens, int64 in the model and int32 in the plugin, which runs i64 as i32), written as f32 [q_heads, step[3], HEAD_DIM] into `rows`, our buffer (bytes,
-// written in place: a model output the plugin would copy into it through the host). The output is
-// `stored` passed on, so that the prompt layer runs after it. Global (T, kv_heads), local (1, 1):
-// work-item (t, kv) writes row t of kv's query heads.
-#ifdef OVKC_LAYER_ROWS
-__kernel void ovkc_rows(__global uchar* rows, __global const ACT* q, __global const int* score_rows,
-                        __global const int* step, __global const int* stored, __global int* out) {
-    const int t = get_global_id(0), kv = get_global_id(1), tokens = get_global_size(0), n = step[3];
-    out[kv * tokens + t] = stored[kv * tokens + t];
-    if (t >= n) return;
-    __global float* dst = (__global float*)rows;
-    const int from = score_rows[t];
-    for (int h = kv * GROUP; h < (kv + 1) * GROUP; ++h)
-        for (int d = 0; d < HEAD_DIM; ++d)
-            dst[((long)h * n + t) * HEAD_DIM + d] = ACT_LOAD(q, ((long)h * tokens + from) * HEAD_DIM + d);
-}
-#endif
-
 // Where step[4] (a stride) is set, each row's logits over its slots go to `logits` (bytes: our
-// buffer, written in place), float [q_heads][T][step[4]], then each row's log-sum-exp [q_heads][T]:
-// a decode step's probabilities are exp(logit - lse), which the scoring methods add to their
-// scores without reading the keys again. The slots a row sees, in the store's order: over the
-// 2-bit store its 2-bit slots first, then its full-precision ones (the flushed left out).
+// buffer, written in place), float [q_heads][T][step[4]]: a decode step's probabilities are
+// exp(logit - lse), which the scoring methods add to their scores without reading the keys again.
+// The slots a row sees, in the store's order: over the 2-bit store its 2-bit slots first, then its
+// full-precision ones (the flushed left out). Each row's log-sum-exp [q_heads][T] follows them;
+// where step[4] is not set but step[8] is (the window sums' stride: ovkc_window_sums), it goes at
+// float step[10] of `logits`, after the sums.
+#define SUM_STRIDE 8
+#define SUM_MAX 9
+#define LSE_AT 10
+
 inline __global float* row_logits(__global uchar* logits, __global const int* step, int h, int t) {
     return step[4] ? (__global float*)logits + ((long)h * step[1] + t) * step[4] : 0;
 }
 
 inline __global float* row_lse(__global uchar* logits, __global const int* step) {
-    return step[4] ? (__global float*)logits + (long)get_global_size(1) * step[1] * step[4] : 0;
+    if (step[4]) return (__global float*)logits + (long)get_global_size(1) * step[1] * step[4];
+    return step[SUM_STRIDE] ? (__global float*)logits + step[LSE_AT] : 0;
 }
 
 // The fields of a row's `recall` under ClusterKV (RECALL_WIDTH ints; ov_kvcrush/gpu/plugin_layers.py:
@@ -226,6 +215,73 @@ __kernel void ovkc_prefill(__global const uchar* pool, __global const int* table
                            __global const ACT* k, __global const ACT* v, __global const int* step,
                            __global const int* stored, __global uchar* logits, __global ACT* out) {
     prefill_layer(pool, tables, lengths, first, tokens, q, k, v, step, logits, 0, 0, 0, 0, out);
+}
+#endif
+
+// After the prompt layer, what the methods score the step by (the CPU op's scores are its
+// attention's): the query rows `score_rows` names (step[3] indices among the step's T tokens,
+// int64 in the model and int32 in the plugin, which runs i64 as i32, a sequence's adjacent),
+// written as f32 [q_heads, step[3], HEAD_DIM] into `rows`, our buffer (bytes, written in place: a
+// model output the plugin would copy into it through the host); and where step[SUM_STRIDE] asks
+// (0: not), their window sums: for each sequence with score rows and query head h, each slot
+// j < step[SUM_STRIDE]: the probability its score rows give it, summed (step[SUM_MAX]: the
+// largest instead; 0 past the slots a row sees), each row's logit less the log-sum-exp the prompt
+// layer wrote (row_lse). A slot of the step's own is keyed as the row attended it: from `k` where
+// its sequence attends its own tokens exactly (TOKEN_OWN), else from the store; so a prompt's
+// scores are those of its exact attention, and no host launch reads the keys again for them.
+// Into `logits`, float [sequence][q_heads][step[SUM_STRIDE]]. The output is `attended` (the prompt
+// layer's) passed on, so that the model's next layers run after this one. Global (T * SG,
+// q_heads), local (SG, 1): work-item i copies its lane's elements of row i / SG (and of score row
+// i / SG), then sums slots i, i + T * SG, ... A local layer (WINDOW) scores nothing.
+#ifdef OVKC_LAYER_ROWS
+inline float slot_sum(__global const uchar* pool, __global const int* table, int j, __global const ACT* k,
+                      long own_at, __global const ACT* q, __global const int* tokens, __global const int* score_rows,
+                      int a, int b, int first, __global const float* lse, int h, int rows, bool largest) {
+    float key[HEAD_DIM];
+    for (int d = 0; d < HEAD_DIM; ++d) key[d] = own_at >= 0 ? ACT_LOAD(k, own_at + d) : slot_key(pool, table, j, d);
+    float total = 0.0f;
+    for (int i = a; i < b; ++i) {
+        const int t = score_rows[i];
+        if (j > first + TOKEN_INDEX(t)) continue;  // after the row: not seen
+        float s = 0.0f;
+        for (int d = 0; d < HEAD_DIM; ++d)
+            s = fma(ACT_LOAD(q, ((long)h * rows + t) * HEAD_DIM + d) * (float)SCALE, key[d], s);
+        const float p = exp(CAP_LOGIT(s) - lse[h * rows + t]);
+        total = largest ? fmax(total, p) : total + p;
+    }
+    return total;
+}
+
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel void ovkc_rows(__global uchar* rows_out, __global const uchar* pool, __global const int* tables,
+                        __global const int* lengths, __global const int* first, __global const int* tokens,
+                        __global const ACT* q, __global const ACT* k, __global const int* step,
+                        __global const int* score_rows, __global const ACT* attended, __global uchar* logits,
+                        __global ACT* out) {
+    const int i = get_global_id(0), h = get_global_id(1), items = get_global_size(0), rows = step[1];
+    const int q_heads = get_global_size(1), kv = h / GROUP, kv_heads = q_heads / GROUP, t = i / SG, n = step[3];
+    for (int d = get_sub_group_local_id(); d < HEAD_DIM; d += SG) {
+        out[((long)h * rows + t) * HEAD_DIM + d] = attended[((long)h * rows + t) * HEAD_DIM + d];
+        if (t < n)
+            ((__global float*)rows_out)[((long)h * n + t) * HEAD_DIM + d] =
+                ACT_LOAD(q, ((long)h * rows + score_rows[t]) * HEAD_DIM + d);
+    }
+    const int stride = step[SUM_STRIDE];
+    if (!stride || WINDOW) return;
+    __global const float* lse = (__global const float*)logits + step[LSE_AT];
+    __global float* sums = (__global float*)logits;
+    for (int a = 0, b; a < n; a = b) {  // a sequence's score rows: a .. b
+        const int seq = TOKEN_SEQ(score_rows[a]), row = seq * kv_heads + kv;
+        for (b = a + 1; b < n && TOKEN_SEQ(score_rows[b]) == seq; ++b) {}
+        const int held = lengths[row], from = first[row];
+        const long own0 = ((long)kv * rows + score_rows[a] - TOKEN_INDEX(score_rows[a])) * HEAD_DIM;
+        for (int j = i; j < stride; j += items) {
+            const long own_at = TOKEN_OWN(score_rows[a]) && j >= from ? own0 + (long)(j - from) * HEAD_DIM : -1;
+            const float total = j < held ? slot_sum(pool, tables + row * step[0], j, k, own_at, q, tokens, score_rows,
+                                                    a, b, from, lse, h, rows, step[SUM_MAX]) : 0.0f;
+            sums[((long)seq * q_heads + h) * stride + j] = total;
+        }
+    }
 }
 #endif
 

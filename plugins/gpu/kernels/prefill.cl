@@ -2,8 +2,7 @@
 // attend every slot of their KV head whose position is at most their own (the prompt's earlier
 // chunks, then the step's own tokens, stored first by paged_store.cl), with an online softmax
 // over the slots; and the column sums the methods score by: each slot's probability summed over
-// the last `window` rows (SnapKV's window; every row for H2O's sums), or its largest (KVzip's
-// reconstruction scores).
+// the last `window` rows (SnapKV's window; every row for H2O's sums).
 //
 // One work-item per (query row, query head), rows in sub-group-wide tiles: the lanes of a
 // sub-group read the same key element at once (one broadcast load), each against its own row, and
@@ -32,12 +31,11 @@ __kernel void paged_prefill(__global const uchar* pool, __global const int* tabl
 }
 
 // scores[h][j] += the probability of slot j summed over rows [rows - window, rows) (each row's
-// logits less its lse, slots after the row's position left out); with `reduce_max`, scores[h][j]
-// = the largest of it and each row's probability instead. Global (slots, query heads).
+// logits less its lse, slots after the row's position left out). Global (slots, query heads).
 __kernel void window_scores(__global const uchar* pool, __global const int* tables, int table_stride,
                             __global const int* lengths, __global const int* positions, int pos_stride,
                             __global const float* q, int rows, int qpos0, float scale, __global const float* lse,
-                            int window, int reduce_max, __global float* scores, int score_stride) {
+                            int window, __global float* scores, int score_stride) {
     const int j = get_global_id(0), h = get_global_id(1);
     const int kv = h / GROUP;
     if (j >= lengths[kv]) return;
@@ -53,8 +51,7 @@ __kernel void window_scores(__global const uchar* pool, __global const int* tabl
         float s = 0.0f;
         for (int d = 0; d < HEAD_DIM; ++d) s = fma(qr[d] * scale, key[d], s);
         const float p = exp(CAP_LOGIT(s) - lse[h * rows + r]);
-        total = reduce_max ? fmax(total, p) : total + p;
+        total += p;
     }
-    __global float* out = scores + h * score_stride + j;
-    *out = reduce_max ? fmax(*out, total) : *out + total;
+    scores[h * score_stride + j] += total;
 }
