@@ -98,8 +98,11 @@ def run_on_plugin(core: object, folder: Path, scenario: StepScenario) -> list[tu
     pool = context.create_tensor(ov.Type.u8, ov.Shape([scenario.pool.size]), {})
     pool.copy_from(ov.Tensor(scenario.pool))
     request.set_tensor("pool", pool)
-    if scenario.kind != "decode":  # the prompt layer's logits: asked for by none of these steps
+    if scenario.kind != "decode":  # the prompt layer's logits and score rows: asked for by none of these steps
         request.set_tensor("logits", ov.Tensor(np.zeros(4, np.uint8)))
+        rows = plugin_step_models.rows_input(scenario.q_heads, scenario.attributes.shape.head_dim)
+        request.set_tensor("rows", ov.Tensor(rows))
+        request.set_tensor("score_rows", ov.Tensor(plugin_step_models.NO_SCORE_ROWS["score_rows"]))
     results = []
     for feeds in scenario.steps:
         for name, array in feeds.items():
@@ -229,11 +232,13 @@ def batched_step(attributes: plugin_layers.LayerAttributes, held: list[list[int]
         "first": first,
         "lengths": first + np.array(new_counts, np.int32),
     }
-    split = int(all(c == 1 for c in counts))  # decode rows alone: a sub-group a row, the slots split
-    step = plugin_layers.step_tensor(heads.tables.shape[1], t, decode_split=split)
+    split = all(c == 1 for c in counts)  # decode rows alone: a sub-group a partition of a row, merged after
+    parts_at, logits_bytes = plugin_layers.logits_layout(q_heads, t, d, split=split)
+    step = plugin_layers.step_tensor(heads.tables.shape[1], t, decode_split=int(split), parts_at=parts_at)
     # several tokens read their own from k and v (equal to the f32 store's: where they are read)
     feeds |= {"tokens": plugin_layers.token_tensor(counts, [c > 1 for c in counts]), "step": step}
-    return {"pool": heads.pool, "feeds": feeds, "keys": keys, "values": values}
+    feeds |= {"rows": plugin_step_models.rows_input(q_heads, d), **plugin_step_models.NO_SCORE_ROWS}
+    return {"pool": heads.pool, "feeds": feeds, "keys": keys, "values": values, "logits_bytes": logits_bytes}
 
 
 def _run_batched_in_worker(folder: str, attributes, kv_heads: int, steps: list[dict]) -> list:
@@ -251,7 +256,8 @@ def _run_batched_in_worker(folder: str, attributes, kv_heads: int, steps: list[d
         pool = context.create_tensor(ov.Type.u8, ov.Shape([step["pool"].size]), {})
         pool.copy_from(ov.Tensor(step["pool"]))
         request.set_tensor("pool", pool)
-        request.set_tensor("logits", ov.Tensor(np.zeros(4, np.uint8)))  # none asked for
+        # no logits asked for; a step of decode rows alone's partitions
+        request.set_tensor("logits", ov.Tensor(np.zeros(step["logits_bytes"], np.uint8)))
         for name, array in step["feeds"].items():
             request.set_tensor(name, ov.Tensor(np.ascontiguousarray(array)))
         request.infer()
@@ -263,15 +269,18 @@ def test_the_plugin_runs_a_step_of_several_sequences_each_over_its_own_slots(emu
     """Continuous batching's step: a prompt chunk beside decode tokens of sequences of other
     lengths, in one launch (tokens side by side; a row of the cache's tensors per sequence and
     KV head): each token's rows attend exactly its own sequence's slots up to itself (a chunk's
-    own tokens as the model gave them, not the f16 blocks' rounded copies); a step of
-    decode tokens alone gives each row a sub-group, its slots split across the lanes and merged."""
+    own tokens as the model gave them, not the f16 blocks' rounded copies); a step of decode tokens
+    alone gives each partition of a row a sub-group (its slots split across the lanes), and the
+    rows layer merges the partitions: rows of a few slots (some partitions empty) to 2,001 (all
+    eight at work, two tiles each)."""
     shape = PoolShape("f16", BLOCK, HEAD_DIM, Q_HEADS // KV_HEADS)
     attributes = plugin_layers.LayerAttributes(shape, 16, HEAD_DIM**-0.5)
     rng = np.random.default_rng(9)
     plans = [([[0, 0], [29, 29], [45, 45], [3, 3]], [37, 1, 1, 1]),  # a new prompt beside three decoders
-             ([[61, 61], [16, 16]], [1, 1]),  # a decode step of two (a sub-group a row)
+             ([[61, 61], [16, 16]], [1, 1]),  # a decode step of two (a sub-group a partition)
              ([[300, 300], [5, 5], [130, 130]], [1, 1, 1]),  # of three, past several tiles of the split
-             ([[7, 7], [0, 0], [33, 33]], [1, 20, 1])]  # fmt: skip
+             ([[7, 7], [0, 0], [33, 33]], [1, 20, 1]),
+             ([[2000, 2000], [2, 2]], [1, 1])]  # fmt: skip
     steps = [batched_step(attributes, held, counts, rng) for held, counts in plans]
     got = emulation_worker.submit(_run_batched_in_worker, str(tmp_path), attributes, KV_HEADS, steps).result(600)
     for out, step, (held, counts) in zip(got, steps, plans, strict=True):

@@ -43,6 +43,7 @@ class QuantCase:
     old_values: list[np.ndarray]
     keys: list[np.ndarray]  # per head: the full-precision slots after the step (the step's stored)
     values: list[np.ndarray]
+    logits_bytes: int = 0  # the layers' logits input: the logits, and a decode row's partitions
 
     @property
     def flushed(self) -> int:
@@ -63,6 +64,10 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
     case = QuantCase(rows, pinned, residual, old, {}, heads.pool, old_keys, old_values, keys, values)
     new = case.flushed // r
     ids = rng.permutation(QBLOCKS)[: KV_HEADS * (old + new)].reshape(KV_HEADS, old + new).astype(np.int32)
+    # each row's logits asked for (a decode step's, for the methods' scores: every slot); a decode
+    # row alone is split into partitions, a sub-group each, its slots across the lanes
+    stride = (old + new) * r + held + rows
+    parts_at, case.logits_bytes = plugin_layers.logits_layout(Q_HEADS, rows, d, stride, split=rows == 1)
     case.feeds = {
         "q": rng.standard_normal((Q_HEADS, rows, d)).astype(np.float32),
         "k": np.stack([k[held:] for k in keys]),
@@ -71,11 +76,11 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
         "first": np.full(KV_HEADS, held, np.int32),
         "lengths": np.full(KV_HEADS, held + rows, np.int32),
         "tokens": plugin_layers.token_tensor([rows], [rows > 1]),  # several: their own from k and v
-        # each row's logits asked for (a decode step's, for the methods' scores: every slot); a
-        # decode row alone is a sub-group's, its slots split across the lanes
         "step": plugin_layers.step_tensor(
-            heads.tables.shape[1], rows, ids.shape[1], 0, (old + new) * r + held + rows, decode_split=int(rows == 1)
+            heads.tables.shape[1], rows, ids.shape[1], 0, stride, decode_split=int(rows == 1), parts_at=parts_at
         ),
+        "rows": plugin_step_models.rows_input(Q_HEADS, d),
+        **plugin_step_models.NO_SCORE_ROWS,
         "qtables": ids,
         "qlengths": np.full(KV_HEADS, (old + new) * r, np.int32),
         "flush": np.tile(np.array([pinned, case.flushed], np.int32), (KV_HEADS, 1)),
@@ -105,8 +110,7 @@ def _run_in_worker(folder: str, cases: list[QuantCase]) -> list[tuple[np.ndarray
             v = np.concatenate([x.reshape(case.old, r, HEAD_DIM) for x in case.old_values])
             qpool = quant.quantize_blocks(QSHAPE, k, v, case.feeds["qtables"][:, : case.old].reshape(-1), QBLOCKS)
         tensors = {}
-        stride = int(case.feeds["step"][4])
-        logits = np.zeros(plugin_layers.logits_bytes(Q_HEADS, case.rows, stride), np.uint8)
+        logits = np.zeros(case.logits_bytes, np.uint8)
         for name, array in (("pool", case.pool), ("qpool", qpool), ("logits", logits)):
             tensors[name] = context.create_tensor(ov.Type.u8, ov.Shape([array.size]), {})
             tensors[name].copy_from(ov.Tensor(array))
@@ -171,7 +175,7 @@ def test_the_plugin_flushes_a_filled_chunk_and_attends_both_pools_as_the_referen
         np.testing.assert_allclose(out, want, atol=1e-5)
         stride = int(case.feeds["step"][4])
         logits = written[: Q_HEADS * case.rows * stride].reshape(Q_HEADS, case.rows, stride)
-        lse = written[Q_HEADS * case.rows * stride :].reshape(Q_HEADS, case.rows)
+        lse = written[Q_HEADS * case.rows * stride :][: Q_HEADS * case.rows].reshape(Q_HEADS, case.rows)
         for h in range(Q_HEADS):  # the logits the methods' scores take: 2-bit slots, then full-precision
             for i, row in enumerate(want_logits[h]):
                 np.testing.assert_allclose(logits[h, i, : len(row)], row, atol=1e-4)

@@ -66,7 +66,7 @@ def _run_in_worker(folder: str, steps: list[dict]) -> list[tuple[np.ndarray, ...
     from ov_kvcrush.op import plugin
 
     core = plugin.shared_core()
-    model = plugin_step_models.scored_step_model(ATTRIBUTES, KV_HEADS)
+    model = plugin_step_models.prefill_step_model(ATTRIBUTES, KV_HEADS)
     compiled = plugin_step_models.compile_step_model(core, Path(folder), ATTRIBUTES, model)
     request, context = compiled.create_infer_request(), core.get_default_context("GPU")
     results = []

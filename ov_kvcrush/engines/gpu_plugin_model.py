@@ -477,12 +477,10 @@ class PluginModel:
         buffers = self._bind_layer_buffers(
             request, "rows", self.rows_inputs, 4 * s.q_heads * step.returned_rows * s.head_dim
         )
-        # the layers write a decode step's logits where the step asks (a stride), else nothing
+        # the layers write a decode step's logits or a prompt's window sums where the step asks,
+        # and a step of decode rows alone's partitions
         tokens = step.shown.tokens  # a query head's rows of logits (the padding's unread)
-        nbytes = plugin_layers.logits_bytes(s.q_heads, tokens if stride else 1, stride)
-        if step.sums is not None:  # or the window sums of the score rows, and the rows' log-sum-exp
-            nbytes = max(nbytes, step.sums.nbytes(tokens))
-        logit_buffers = self._bind_layer_buffers(request, "logits", self.logits_inputs, nbytes)
+        logit_buffers = self._bind_layer_buffers(request, "logits", self.logits_inputs, step.logit_bytes)
         request.start_async()  # infer() would read every output back, our buffers too
         request.wait()  # the step's one wait: the plugin finishes the shared queue, then copies the logits
         self.dev.synced()  # the previous step's method work was queued before the model's: done too

@@ -372,6 +372,9 @@ class PluginStep:
     scratch_bytes: int = 4
     #: the window sums the layers write of the sequences' score rows (None: none asked)
     sums: plugin_layers.WindowSums | None = None
+    #: the bytes of each layer's ``kvc_logits``: the logits or window sums asked, the rows'
+    #: log-sum-exp, a step of decode rows alone's partitions
+    logit_bytes: int = 4
 
     @property
     def phase(self) -> str:
@@ -432,7 +435,7 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     scratch_bytes = 4
     if pool.variant.merge:
         inputs["kvc_merge"], scratch_bytes = _merge_inputs(sequences, shown)
-    # every row a decode token's, reading the store: the prompt layers then give each row a sub-group
+    # every row a decode token's, reading the store
     decode_rows_alone = not any(own)
     # a step of decode tokens whose methods score them: the model writes each row's logits
     scored_decode = decode_rows_alone and "prompt" not in phases and any(score_rows)
@@ -443,10 +446,15 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     if any(score_rows) and not scored_decode:
         largest = any(c.sums_by_largest for c in sequences[0].caches if c.method_runs)
         sums = plugin_layers.WindowSums(len(sequences), pool.model.q_heads, int(inputs["kvc_lengths"].max()), largest)
+    # decode rows alone (their sums not asked: the rows layer writes the log-sum-exp they take): the
+    # prompt layers give each row's partitions a sub-group each, the rows layer merges them
+    split = decode_rows_alone and sums is None
+    parts_at, logit_bytes = plugin_layers.logits_layout(pool.model.q_heads, shown.tokens, pool.model.head_dim,
+                                                        logit_stride, sums, split)  # fmt: skip
     inputs["kvc_step"] = plugin_layers.step_tensor(width, shown.tokens, qwidth, returned, logit_stride, map_width,
-                                                   candidates, int(decode_rows_alone), sums)  # fmt: skip
+                                                   candidates, int(split), sums, parts_at)  # fmt: skip
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, shown, returned, logit_stride,
-                      map_width, candidates, scratch_bytes, sums)  # fmt: skip
+                      map_width, candidates, scratch_bytes, sums, logit_bytes)  # fmt: skip
     _count_step(pool, step)
     return step
 

@@ -20,7 +20,8 @@ pyopencl and SYCL hosts' kernel (``plugins/gpu/kernels/plugin_layers.cl``):
   prompt's scores);
 * :class:`OvkcPrefill`: a step's query rows over the slots each sees (a prompt's chunk row by
   row, the sub-group's lanes rows side by side; a decode token all its sequence holds, and in a
-  step of decode tokens alone a sub-group a row, the slots split across its lanes, then merged),
+  step of decode tokens alone :data:`DECODE_PARTS` sub-groups a row, each over a partition of its
+  slots split across its lanes, merged by :class:`OvkcRows`),
   several sequences side by side (``tokens``: each
   token's sequence and index in it; the cache's tensors a row per sequence and KV head); where
   asked, each row's logits and log-sum-exp into our buffer (``logits``, written in place), from
@@ -78,6 +79,7 @@ DEFINES = (
     ("ACT_HALF", "act_half"),
     ("WINDOW", "window"),
     ("SOFTCAP", "softcap"),
+    ("PARTS", "parts"),
 )
 #: the attributes that are floats (printed as strings: the plugin prints a float to 6 places)
 FLOAT_ATTRIBUTES = ("scale", "softcap")
@@ -90,6 +92,10 @@ QUANT_DEFINES = (
 )
 #: the quant defines' values in a config whose model has no 2-bit store (no layer uses them)
 QUANT_DEFAULTS = {"quant_tokens": 32, "qgroup": 16, "key_bits": 2, "value_bits": 2}
+#: the partitions a decode row's slots are split into, a sub-group each, in a step of decode rows
+#: alone (the prompt layers' work size: their rows times the sub-group times this), merged after
+#: by the rows layer (native's decode: one long sequence keeps the whole GPU busy)
+DECODE_PARTS = 8
 #: the activation types the store and prompt layers take and return: the plugin's inference
 #: precision (``INFERENCE_PRECISION_HINT``; its default on Intel GPUs is f16)
 ACTIVATIONS = ("f32", "f16")
@@ -99,7 +105,7 @@ ACTIVATIONS = ("f32", "f16")
 class LayerKernel:
     """A layer's kernel: its entry, its inputs in argument order, and its work sizes as the
     plugin's rules over the output's dims (``B``: the first, ``F``: the second; ``{sg}``: the
-    sub-group size)."""
+    sub-group size; ``{parts}``: a decode row's partitions)."""
 
     entry: str
     guard: str  # the -D that keeps this kernel alone in the source (the plugin wants one a program)
@@ -135,7 +141,7 @@ KERNELS = {
         "ovkc_prefill",
         "OVKC_LAYER_PREFILL",
         ("pool", "tables", "lengths", "first", "tokens", "q", "k", "v", "step", "stored", "logits"),
-        "F*{sg},B",
+        "F*{sg}*{parts},B",
         "{sg},1",
     ),
     "OvkcFlush": LayerKernel(
@@ -166,7 +172,7 @@ KERNELS = {
             "flush",
             "logits",
         ),
-        "F*{sg},B",
+        "F*{sg}*{parts},B",
         "{sg},1",
         quant=True,
     ),
@@ -195,21 +201,21 @@ KERNELS = {
         "ovkc_merge_prefill",
         "OVKC_LAYER_MPREFILL",
         ("pool", "tables", "lengths", "first", "tokens", "q", "k", "v", "step", "stored", "logits", "index"),
-        "F*{sg},B",
+        "F*{sg}*{parts},B",
         "{sg},1",
     ),
     "OvkcRecallPrefill": LayerKernel(
         "ovkc_recall_prefill",
         "OVKC_LAYER_RPREFILL",
         ("pool", "tables", "lengths", "first", "tokens", "q", "k", "v", "step", "stored", "logits", "recalled"),
-        "F*{sg},B",
+        "F*{sg}*{parts},B",
         "{sg},1",
     ),
 }
 #: what the int32 tensor ``step`` holds, in order (a layer's kernel takes no scalar argument)
 STEP_FIELDS = (
     "table_width", "rows", "qtable_width", "score_rows", "logit_stride", "map_width", "candidates", "decode_split",
-    "sum_stride", "sum_max", "lse_at",
+    "sum_stride", "sum_max", "lse_at", "parts_at",
 )  # fmt: skip
 #: the ints of a row's ``recall`` (``plugin_layers.cl``'s RECALL_WIDTH); the first is always the
 #: step's token whose query recalls (-1: none, the row attends its slots in order)
@@ -239,18 +245,20 @@ def step_tensor(
     candidates: int = 0,
     decode_split: int = 0,
     sums: WindowSums | None = None,
+    parts_at: int = 0,
 ) -> np.ndarray:
     """The ``step`` input (:data:`STEP_FIELDS`): the block tables' width, the step's tokens, the
     2-bit block tables' width, the query rows :class:`OvkcRows` writes, the row stride of the
     logits the prompt layers write (0: none; :func:`logits_bytes`), and under a recall (ClusterKV,
     Quest) the longest slot list a row attends and the most clusters or pages a row ranks
     (:func:`recalled_bytes`); ``decode_split``: every token is a decode row (each its own
-    sequence's one), which the prompt layers then attend a sub-group a row, the slots split across
-    its lanes; ``sums``: the score rows' window sums :class:`OvkcRows` writes (none: not asked).
-    The rows' log-sum-exp goes after the logits or the sums, where either is asked."""
+    sequence's one), which the prompt layers then attend in partitions, a sub-group each, merged by
+    the rows layer; ``sums``: the score rows' window sums :class:`OvkcRows` writes (none: not asked).
+    The rows' log-sum-exp goes after the logits or the sums, where either is asked; with
+    ``decode_split``, the rows' partitions' states at float ``parts_at`` (:func:`logits_layout`)."""
     sum_stride, sum_max, lse_at = (sums.stride, int(sums.largest), sums.lse_at) if sums else (0, 0, 0)
     fields = (table_width, rows, qtable_width, score_rows, logit_stride, map_width, candidates, decode_split,
-              sum_stride, sum_max, lse_at)  # fmt: skip
+              sum_stride, sum_max, lse_at, parts_at)  # fmt: skip
     return np.array(fields, np.int32)
 
 
@@ -290,6 +298,22 @@ def logits_bytes(q_heads: int, rows: int, stride: int) -> int:
     return 4 * q_heads * rows * (stride + 1)
 
 
+def logits_layout(q_heads: int, rows: int, head_dim: int, logit_stride: int = 0, sums: WindowSums | None = None,
+                  split: bool = False) -> tuple[int, int]:  # fmt: skip
+    """A step's ``logits`` input, each layer's: where its decode rows' partitions' softmax states
+    start (``step_tensor``'s ``parts_at``, in floats; 0 without ``split``), and its bytes: the
+    logits asked (:func:`logits_bytes`) or the window sums (:meth:`WindowSums.nbytes`), then with
+    ``split`` (a step of ``rows`` decode rows alone) the partitions' states (``prefill.h``'s
+    row_part_split: a max, a sum and ``head_dim`` values each, :data:`DECODE_PARTS` a row and
+    query head), which the rows layer merges into each row's attention."""
+    nbytes = logits_bytes(q_heads, rows if logit_stride else 1, logit_stride)
+    if sums is not None:
+        nbytes = max(nbytes, sums.nbytes(rows))
+    if not split:
+        return 0, nbytes
+    return nbytes // 4, nbytes + 4 * q_heads * rows * DECODE_PARTS * (head_dim + 2)
+
+
 #: the ints of a token's row of the ``tokens`` input (``plugin_layers.cl``'s TOKEN_FIELDS, read there)
 TOKEN_FIELDS = kernel_define(SOURCE, "TOKEN_FIELDS")
 
@@ -318,6 +342,8 @@ class LayerAttributes:
     large_buffers: bool = False
     #: a sliding-window layer's span (a row sees that many slots up to its own; 0: a global layer)
     window: int = 0
+    #: the partitions of a decode row (:data:`DECODE_PARTS`)
+    parts: int = DECODE_PARTS
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATIONS:
@@ -334,6 +360,7 @@ class LayerAttributes:
             "act_half": int(self.activations == "f16"),
             "window": self.window,
             "softcap": f"{self.shape.softcap:.9g}",
+            "parts": self.parts,
         } | self.quant_values()
 
     def quant_values(self) -> dict[str, int]:
@@ -462,7 +489,7 @@ def config_xml(attributes: LayerAttributes, source_name: str) -> str:
     """The ``CONFIG_FILE`` text: one ``CustomLayer`` per layer, the kernels in ``source_name``
     beside it, each define's default the value of ``attributes``."""
     values = attributes.as_dict()
-    sg = str(attributes.sub_group)
+    sg, partitions = str(attributes.sub_group), str(attributes.parts)
     options = " ".join(compiler_options(attributes.large_buffers))  # as the other hosts build them
     parts = []
     for name, kernel in KERNELS.items():
@@ -480,7 +507,8 @@ def config_xml(attributes: LayerAttributes, source_name: str) -> str:
             f'  <Kernel entry="{kernel.entry}">\n    <Source filename="{source_name}"/>\n{defines}\n  </Kernel>\n'
             "  <Buffers>\n" + "\n".join(tensors) + "\n  </Buffers>\n"
             f'  <CompilerOptions options="{options}"/>\n'
-            f'  <WorkSizes global="{kernel.global_size.format(sg=sg)}" local="{kernel.local_size.format(sg=sg)}" '
+            f'  <WorkSizes global="{kernel.global_size.format(sg=sg, parts=partitions)}" '
+            f'local="{kernel.local_size.format(sg=sg)}" '
             'dim="output"/>\n'
             "</CustomLayer>\n"
         )

@@ -78,37 +78,44 @@ def decode_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
     return ov.Model([values["out"], values["probs"]], list(params.values()), "ovkc_decode_step")
 
 
-def prefill_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
-    """One layer's step of several sequences (a prompt's chunk beside decode tokens, each
-    sequence's tokens adjacent) as a model of the store and the prompt layer: inputs as
-    :func:`decode_step_model`'s, with ``q`` [q_heads, T, D], ``k``, ``v`` [kv_heads, T, D] and
-    the cache's tensors a row per (sequence, KV head); output the attention [q_heads, T, D]."""
-    import openvino as ov
-
-    params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
-    values = _chain(attributes, params, ("OvkcStore", "OvkcPrefill"))
-    return ov.Model([values["out"]], list(params.values()), "ovkc_prefill_step")
-
-
-def scored_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
-    """:func:`prefill_step_model` with the rows the methods score after the prompt layer
-    (``OvkcRows``: the score rows into ``rows``, and where ``step`` asks their window sums,
-    :class:`~ov_kvcrush.gpu.plugin_layers.WindowSums`, into ``logits``); inputs as its, and
-    ``score_rows`` [R] (int64: the step's rows scored, each sequence's adjacent) and ``rows``
-    (bytes, written in place); output the attention [q_heads, T, D]."""
-    import openvino as ov
+def _scored_parameters(attributes: LayerAttributes, kv_heads: int) -> dict:
+    """A step's parameters with the rows layer's: ``score_rows`` [R] (int64: the step's rows the
+    methods score, each sequence's adjacent) and ``rows`` (bytes, written in place)."""
     from openvino import opset13 as ops
 
     params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
     params["score_rows"] = ops.parameter([-1], np.int64, name="score_rows")
     params["rows"] = ops.parameter([-1], np.uint8, name="rows")
+    return params
+
+
+#: the rows layer's inputs of a step whose rows no method scores (the model's own say one row)
+NO_SCORE_ROWS = {"score_rows": np.zeros(1, np.int64)}
+
+
+def rows_input(q_heads: int, head_dim: int, rows: int = 1) -> np.ndarray:
+    """The bytes of a step's ``rows`` input for ``rows`` score rows (f32 [q_heads, rows, head_dim])."""
+    return np.zeros(4 * q_heads * rows * head_dim, np.uint8)
+
+
+def prefill_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
+    """One layer's step of several sequences (a prompt's chunk beside decode tokens, each
+    sequence's tokens adjacent) as a model of the store, the prompt layer and the rows layer (the
+    score rows into ``rows``, their window sums where ``step`` asks, a step of decode rows alone's
+    partitions merged: the whole model's order): inputs as :func:`decode_step_model`'s, with
+    ``q`` [q_heads, T, D], ``k``, ``v`` [kv_heads, T, D], the cache's tensors a row per
+    (sequence, KV head), ``score_rows`` and ``rows`` (:func:`_scored_parameters`); output the
+    attention [q_heads, T, D]."""
+    import openvino as ov
+
+    params = _scored_parameters(attributes, kv_heads)
     values = _chain(attributes, params, ("OvkcStore", "OvkcPrefill", "OvkcRows"), {"OvkcPrefill": "attended"})
-    return ov.Model([values["out"]], list(params.values()), "ovkc_scored_step")
+    return ov.Model([values["out"]], list(params.values()), "ovkc_prefill_step")
 
 
 def quant_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
     """:func:`prefill_step_model` over the 2-bit store (``attributes.quant``): the store, the
-    flush and the prompt layer over both pools; inputs as :func:`prefill_step_model`'s and
+    flush, the prompt layer over both pools and the rows layer; inputs as :func:`prefill_step_model`'s and
     ``qpool`` (the 2-bit blocks' bytes, written in place), ``qtables`` [rows, width] (each row's
     2-bit blocks after the step), ``qlengths`` [rows] (its 2-bit slots after the step), ``flush``
     [rows, 2] (the full-precision slots the step quantizes: first, count)."""
@@ -116,6 +123,7 @@ def quant_step_model(attributes: LayerAttributes, kv_heads: int) -> object:
 
     if attributes.quant is None:
         raise ValueError("quant_step_model needs attributes.quant (the 2-bit blocks' shape)")
-    params = _step_parameters(attributes, kv_heads, [-1, -1, attributes.shape.head_dim])
-    values = _chain(attributes, params, ("OvkcStore", "OvkcFlush", "OvkcQuantPrefill"))
+    params = _scored_parameters(attributes, kv_heads)
+    values = _chain(attributes, params, ("OvkcStore", "OvkcFlush", "OvkcQuantPrefill", "OvkcRows"),
+                    {"OvkcQuantPrefill": "attended"})  # fmt: skip
     return ov.Model([values["out"]], list(params.values()), "ovkc_quant_step")

@@ -115,9 +115,16 @@ __kernel void ovkc_values(__global const uchar* pool, __global const int* tables
 #define SUM_STRIDE 8
 #define SUM_MAX 9
 #define LSE_AT 10
+#define PARTS_AT 11
 
 inline __global float* row_logits(__global uchar* logits, __global const int* step, int h, int t) {
     return step[4] ? (__global float*)logits + ((long)h * step[1] + t) * step[4] : 0;
+}
+
+// In a step of decode rows alone (step[7]) each row's PARTS partitions' states (row_part_split) go
+// at float step[PARTS_AT] of `logits`, [q_heads][T][PARTS][PART_FLOATS]; the rows layer merges them.
+inline __global float* row_parts(__global uchar* logits, __global const int* step, int h, int r) {
+    return (__global float*)logits + step[PARTS_AT] + ((long)h * step[1] + r) * PARTS * PART_FLOATS;
 }
 
 inline __global float* row_lse(__global uchar* logits, __global const int* step) {
@@ -167,9 +174,10 @@ inline __global const float* row_degrees(__global const int* merge, __global con
 // out [q_heads, T, HEAD_DIM]: each token's query rows q [q_heads, T, HEAD_DIM] over the slots its
 // sequence's KV head holds that it sees (a prompt's chunk row by row; a decode token sees them
 // all; under a recall, a decode token whose row has a list sees its list: row_list). Global
-// (T * SG, q_heads), local (SG, 1): a step of decode rows alone (step[7]) gives each row a
-// sub-group, its slots split across the lanes (attend_slots_split); otherwise the first T rounded
-// up to SG work-items take a row each, the sub-group's lanes SG rows side by side. Each slot's
+// (T * SG * PARTS, q_heads), local (SG, 1): a step of decode rows alone (step[7]) gives each row
+// PARTS sub-groups, each a partition of its slots split across the lanes (attend_slots_split),
+// its state into row_parts for the rows layer to merge; otherwise the first T rounded up to SG
+// work-items take a row each, the sub-group's lanes SG rows side by side. Each slot's
 // logit and each row's log-sum-exp into `logits` where step[4] asks. In a sliding-window layer
 // (WINDOW) each row sees the last WINDOW of its slots.
 inline void prefill_layer(__global const uchar* pool, __global const int* tables, __global const int* lengths,
@@ -180,16 +188,18 @@ inline void prefill_layer(__global const uchar* pool, __global const int* tables
                           __global ACT* out) {
     const int h = get_global_id(1), rows = step[1];
     if (step[7]) {
-        const int r = get_global_id(0) / SG;
+        const int r = get_global_id(0) / SG / PARTS, part = get_global_id(0) / SG % PARTS;
         if (r >= rows) return;  // the whole sub-group: its work-items are consecutive in dim 0
         const int row = TOKEN_SEQ(r) * (get_global_size(1) / GROUP) + h / GROUP;
         __global const int* list = row_list(recall, recalled, step, row);
         const int n = list ? list[0] : min(lengths[row], first[row] + TOKEN_INDEX(r) + 1);
+        int lo, hi;
+        part_range(n, part, &lo, &hi);
         row_state st;
         row_start(&st, true, h, r, q, rows, SCALE);
         attend_slots_split(&st, pool, tables + row * step[0], n, 0, WINDOW_START(n), row_logits(logits, step, h, r),
-                           list ? list + 1 : 0, row_degrees(merge, index, row));
-        row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
+                           list ? list + 1 : 0, row_degrees(merge, index, row), lo, hi);
+        row_part_split(&st, row_parts(logits, step, h, r) + part * PART_FLOATS);
         return;
     }
     const int r = get_global_id(0);
@@ -260,8 +270,10 @@ __kernel void ovkc_rows(__global uchar* rows_out, __global const uchar* pool, __
                         __global ACT* out) {
     const int i = get_global_id(0), h = get_global_id(1), items = get_global_size(0), rows = step[1];
     const int q_heads = get_global_size(1), kv = h / GROUP, kv_heads = q_heads / GROUP, t = i / SG, n = step[3];
+    if (step[7])  // decode rows alone: the row's partitions merged
+        merge_parts(row_parts(logits, step, h, t), h, t, rows, out, row_lse(logits, step));
     for (int d = get_sub_group_local_id(); d < HEAD_DIM; d += SG) {
-        out[((long)h * rows + t) * HEAD_DIM + d] = attended[((long)h * rows + t) * HEAD_DIM + d];
+        if (!step[7]) out[((long)h * rows + t) * HEAD_DIM + d] = attended[((long)h * rows + t) * HEAD_DIM + d];
         if (t < n)
             ((__global float*)rows_out)[((long)h * n + t) * HEAD_DIM + d] =
                 ACT_LOAD(q, ((long)h * rows + score_rows[t]) * HEAD_DIM + d);
@@ -470,8 +482,8 @@ __kernel void ovkc_flush(__global const uchar* pool, __global const int* tables,
 // The prompt layer over the 2-bit store: each token's rows over its row's 2-bit slots (those of
 // the step's flushed chunk at or before it: the rest are older and all seen), then over its
 // full-precision slots as ovkc_prefill, less the flushed ones, under one softmax. Global, local:
-// ovkc_prefill's (a step of decode rows alone: a sub-group a row, its slots of both stores split
-// across the lanes).
+// ovkc_prefill's (a step of decode rows alone: PARTS sub-groups a row, each a partition of its
+// slots of both stores, the 2-bit ones first, split across the lanes; the rows layer merges them).
 #ifdef OVKC_LAYER_QPREFILL
 __attribute__((intel_reqd_sub_group_size(SG)))
 __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int* tables, __global const int* lengths,
@@ -480,18 +492,22 @@ __kernel void ovkc_quant_prefill(__global const uchar* pool, __global const int*
                                  __global const int* step, __global const int* stored, __global const uchar* qpool,
                                  __global const int* qtables, __global const int* qlengths,
                                  __global const int* flush, __global uchar* logits, __global ACT* out) {
-    if (step[7]) {  // decode rows alone: a sub-group a row
-        const int r = get_global_id(0) / SG, h = get_global_id(1), rows = step[1];
+    if (step[7]) {  // decode rows alone: a sub-group a partition of a row
+        const int r = get_global_id(0) / SG / PARTS, part = get_global_id(0) / SG % PARTS;
+        const int h = get_global_id(1), rows = step[1];
         if (r >= rows) return;  // the whole sub-group
         const int row = TOKEN_SEQ(r) * (get_global_size(1) / GROUP) + h / GROUP;
         const int n = lengths[row], visible = min(n, first[row] + TOKEN_INDEX(r) + 1);
         const int start = flush[2 * row], count = flush[2 * row + 1], nq = qlengths[row];
+        int lo, hi;  // of the 2-bit slots, then the full-precision ones
+        part_range(nq + visible, part, &lo, &hi);
         row_state st;
         row_start(&st, true, h, r, q, rows, SCALE);
         __global float* lg = row_logits(logits, step, h, r);
-        attend_quant_slots_split(&st, qpool, qtables + row * step[2], nq, lg);
-        attend_slots_split(&st, pool, tables + row * step[0], visible, start, start + count, lg ? lg + nq : 0, 0, 0);
-        row_finish_split(&st, h, r, rows, out, row_lse(logits, step));
+        attend_quant_slots_split(&st, qpool, qtables + row * step[2], nq, lg, lo, hi);
+        attend_slots_split(&st, pool, tables + row * step[0], visible, start, start + count, lg ? lg + nq : 0, 0, 0,
+                           max(lo - nq, 0), hi - nq);
+        row_part_split(&st, row_parts(logits, step, h, r) + part * PART_FLOATS);
         return;
     }
     const int r = get_global_id(0), h = get_global_id(1), rows = step[1];

@@ -185,18 +185,19 @@ inline void attend_quant_slots(row_state* st, bool live, __global const uchar* q
 }
 #endif
 
-// A decode row over its first n slots (through `slot_map` where given), split across the
-// sub-group's lanes (the whole sub-group is the row's: every lane's state holds the same query):
-// lane i takes slots j0 + c * SG + i of every SG * CHUNK from j0, CHUNK at a time into its own
-// online softmax, so that the lanes read adjacent slots together; row_finish_split merges them.
-// The slots [hole_lo, hole_hi) are left out (over the 2-bit store: the step's flushed chunk, read
-// from there instead). Each slot's logit into `slot_logits` where given (the hole left out: the
-// slots after it move down by its width).
+// A decode row's slots [from, to) of its first n (through `slot_map` where given: one partition
+// of the row, part_range), split across the sub-group's lanes (the whole sub-group is the
+// partition's: every lane's state holds the same query): lane i takes slots j0 + c * SG + i of
+// every SG * CHUNK from j0, CHUNK at a time into its own online softmax, so that the lanes read
+// adjacent slots together; row_part_split merges them. The slots [hole_lo, hole_hi) are left out
+// (over the 2-bit store: the step's flushed chunk, read from there instead). Each slot's logit
+// into `slot_logits` where given (the hole left out: the slots after it move down by its width).
 inline void attend_slots_split(row_state* st, __global const uchar* pool, __global const int* table, int n,
                                int hole_lo, int hole_hi, __global float* slot_logits,
-                               __global const int* slot_map, __global const float* degrees) {
+                               __global const int* slot_map, __global const float* degrees, int from, int to) {
     const int lane = get_sub_group_local_id();
-    for (int j0 = 0; j0 < n; j0 += SG * CHUNK) {
+    n = min(n, to);
+    for (int j0 = from; j0 < n; j0 += SG * CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK], held[CHUNK];
         bool masked[CHUNK];
@@ -225,11 +226,12 @@ inline void attend_slots_split(row_state* st, __global const uchar* pool, __glob
 
 #ifdef QUANT_TOKENS
 // attend_slots_split over a KV head's 2-bit slots (qtable: its 2-bit blocks in the store's order),
-// the first nq of them: a decode row's, split across the sub-group's lanes as there.
+// those in [from, to) of the first nq: a decode row's, split across the sub-group's lanes as there.
 inline void attend_quant_slots_split(row_state* st, __global const uchar* qpool, __global const int* qtable, int nq,
-                                     __global float* slot_logits) {
+                                     __global float* slot_logits, int from, int to) {
     const int lane = get_sub_group_local_id();
-    for (int j0 = 0; j0 < nq; j0 += SG * CHUNK) {
+    nq = min(nq, to);
+    for (int j0 = from; j0 < nq; j0 += SG * CHUNK) {
         __global const uchar* block[CHUNK];
         int slot[CHUNK];
         bool masked[CHUNK];
@@ -250,20 +252,52 @@ inline void attend_quant_slots_split(row_state* st, __global const uchar* qpool,
 }
 #endif
 
-// The output of a row attend_slots_split spread over the sub-group: the lanes' softmax states
-// merged (each scaled by exp(its max - the row's max)), written by lane d % SG for dim d; its
-// log-sum-exp, where `lse` is given.
-inline void row_finish_split(const row_state* st, int h, int r, int rows, __global ACT* out, __global float* lse) {
+// A decode row is split into PARTS partitions of its slots, a sub-group each (native's decode:
+// the whole GPU busy for one long sequence), then merged (merge_parts). Partition `part` of a row
+// of `total` slots: [*lo, *hi), whole tiles of SG * CHUNK slots (those past the row: empty).
+#ifndef PARTS
+#define PARTS 1
+#endif
+#define PART_FLOATS (HEAD_DIM + 2)
+inline void part_range(int total, int part, int* lo, int* hi) {
+    const int tile = SG * CHUNK, size = ((total + PARTS - 1) / PARTS + tile - 1) / tile * tile;
+    *lo = min(part * size, total);
+    *hi = min(*lo + size, total);
+}
+
+// A partition's softmax state, its lanes' merged (each scaled by exp(its max - the partition's
+// max)): the max, the sum, then the unnormalized values [HEAD_DIM], PART_FLOATS floats at `part`.
+inline void row_part_split(const row_state* st, __global float* part) {
     const int lane = get_sub_group_local_id();
     const float m = sub_group_reduce_max(st->m);
     const float w = st->m == -INFINITY ? 0.0f : exp(st->m - m);
     const float l = sub_group_reduce_add(st->l * w);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     for (int d = 0; d < HEAD_DIM; ++d) {
         const float a = sub_group_reduce_add(st->acc[d] * w);
-        if (lane == d % SG) ACT_STORE(a * inv, ((long)h * rows + r) * HEAD_DIM + d, out);
+        if (lane == d % SG) part[2 + d] = a;
     }
-    if (lse && lane == 0) lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
+    if (lane == 0) {
+        part[0] = m;
+        part[1] = l;
+    }
+}
+
+// A row's output from its PARTS partitions' states (`parts`, row_part_split's, in order), written
+// by lane d % SG for dim d; its log-sum-exp, where `lse` is given.
+inline void merge_parts(__global const float* parts, int h, int r, int rows, __global ACT* out, __global float* lse) {
+    float m = -INFINITY;
+    for (int p = 0; p < PARTS; ++p) m = fmax(m, parts[p * PART_FLOATS]);
+    float l = 0.0f;
+    for (int p = 0; p < PARTS; ++p)
+        l += parts[p * PART_FLOATS] == -INFINITY ? 0.0f : parts[p * PART_FLOATS + 1] * exp(parts[p * PART_FLOATS] - m);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = get_sub_group_local_id(); d < HEAD_DIM; d += SG) {
+        float a = 0.0f;
+        for (int p = 0; p < PARTS; ++p)
+            if (parts[p * PART_FLOATS] != -INFINITY) a += parts[p * PART_FLOATS + 2 + d] * exp(parts[p * PART_FLOATS] - m);
+        ACT_STORE(a * inv, ((long)h * rows + r) * HEAD_DIM + d, out);
+    }
+    if (lse && get_sub_group_local_id() == 0) lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
 }
 
 // The row's output (and its log-sum-exp, where `lse` is given).
