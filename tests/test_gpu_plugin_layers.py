@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ov_kvcrush.gpu import plugin_layers, plugin_step_models
+from ov_kvcrush.gpu import layer_inputs, plugin_layers, plugin_step_models
 from ov_kvcrush.gpu.layout import PoolShape, page_heads, stored
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 16
@@ -74,8 +74,8 @@ def random_scenario(
             np.concatenate([positions[i], np.arange(start, start + n, dtype=np.int32)]) for i in range(kv_heads)
         ]
         feeds = {"q": q, "k": k, "v": v, "tables": heads.tables, "first": first, "lengths": first + n}
-        feeds["tokens"] = plugin_layers.token_tensor([n], [n > 1])  # one sequence: a row per KV head
-        scenario.steps.append({**feeds, "step": plugin_layers.step_tensor(heads.tables.shape[1], n)})
+        feeds["tokens"] = layer_inputs.token_tensor([n], [n > 1])  # one sequence: a row per KV head
+        scenario.steps.append({**feeds, "step": layer_inputs.step_tensor(heads.tables.shape[1], n)})
         scenario.first_positions.append(start)
         scenario.keys.append(keys)
         scenario.values.append(values)
@@ -233,10 +233,10 @@ def batched_step(attributes: plugin_layers.LayerAttributes, held: list[list[int]
         "lengths": first + np.array(new_counts, np.int32),
     }
     split = all(c == 1 for c in counts)  # decode rows alone: a sub-group a partition of a row, merged after
-    parts_at, logits_bytes = plugin_layers.logits_layout(q_heads, t, d, split=split)
-    step = plugin_layers.step_tensor(heads.tables.shape[1], t, decode_split=int(split), parts_at=parts_at)
+    parts_at, logits_bytes = layer_inputs.logits_layout(q_heads, t, d, split=split)
+    step = layer_inputs.step_tensor(heads.tables.shape[1], t, decode_split=int(split), parts_at=parts_at)
     # several tokens read their own from k and v (equal to the f32 store's: where they are read)
-    feeds |= {"tokens": plugin_layers.token_tensor(counts, [c > 1 for c in counts]), "step": step}
+    feeds |= {"tokens": layer_inputs.token_tensor(counts, [c > 1 for c in counts]), "step": step}
     feeds |= {"rows": plugin_step_models.rows_input(q_heads, d), **plugin_step_models.NO_SCORE_ROWS}
     return {"pool": heads.pool, "feeds": feeds, "keys": keys, "values": values, "logits_bytes": logits_bytes}
 

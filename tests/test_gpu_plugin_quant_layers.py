@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ov_kvcrush.gpu import plugin_layers, plugin_step_models
+from ov_kvcrush.gpu import layer_inputs, plugin_layers, plugin_step_models
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape, page_heads, stored
 from ov_kvcrush.methods import quant as reference_quant
 
@@ -67,7 +67,7 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
     # each row's logits asked for (a decode step's, for the methods' scores: every slot); a decode
     # row alone is split into partitions, a sub-group each, its slots across the lanes
     stride = (old + new) * r + held + rows
-    parts_at, case.logits_bytes = plugin_layers.logits_layout(Q_HEADS, rows, d, stride, split=rows == 1)
+    parts_at, case.logits_bytes = layer_inputs.logits_layout(Q_HEADS, rows, d, stride, split=rows == 1)
     case.feeds = {
         "q": rng.standard_normal((Q_HEADS, rows, d)).astype(np.float32),
         "k": np.stack([k[held:] for k in keys]),
@@ -75,8 +75,8 @@ def make_case(rows: int, pinned: int, residual: int, old: int, rng) -> QuantCase
         "tables": heads.tables,
         "first": np.full(KV_HEADS, held, np.int32),
         "lengths": np.full(KV_HEADS, held + rows, np.int32),
-        "tokens": plugin_layers.token_tensor([rows], [rows > 1]),  # several: their own from k and v
-        "step": plugin_layers.step_tensor(
+        "tokens": layer_inputs.token_tensor([rows], [rows > 1]),  # several: their own from k and v
+        "step": layer_inputs.step_tensor(
             heads.tables.shape[1], rows, ids.shape[1], 0, stride, decode_split=int(rows == 1), parts_at=parts_at
         ),
         "rows": plugin_step_models.rows_input(Q_HEADS, d),

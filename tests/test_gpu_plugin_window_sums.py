@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ov_kvcrush.gpu import plugin_layers, plugin_step_models
+from ov_kvcrush.gpu import layer_inputs, plugin_layers, plugin_step_models
 from ov_kvcrush.gpu.layout import PoolShape, page_heads, stored
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 16
@@ -48,12 +48,12 @@ def _step(rng: np.random.Generator, largest: bool) -> dict:
     values = [np.concatenate([old_v[row], v[row % KV_HEADS, span]]) for row, span in enumerate(spans)]
     lengths = np.array(held, np.int32) + np.array(adds, np.int32)
     score_rows = [i for s, n in enumerate(SCORED) for i in range(starts[s + 1] - n, starts[s + 1])]
-    sums = plugin_layers.WindowSums(len(COUNTS), Q_HEADS, int(lengths.max()), largest)
+    sums = layer_inputs.WindowSums(len(COUNTS), Q_HEADS, int(lengths.max()), largest)
     own = [c > 1 for c in COUNTS]
     feeds = {
         "q": q, "k": k, "v": v, "tables": heads.tables, "first": np.array(held, np.int32), "lengths": lengths,
-        "tokens": plugin_layers.token_tensor(COUNTS, own), "score_rows": np.array(score_rows, np.int64),
-        "step": plugin_layers.step_tensor(heads.tables.shape[1], t, score_rows=len(score_rows), sums=sums),
+        "tokens": layer_inputs.token_tensor(COUNTS, own), "score_rows": np.array(score_rows, np.int64),
+        "step": layer_inputs.step_tensor(heads.tables.shape[1], t, score_rows=len(score_rows), sums=sums),
     }  # fmt: skip
     return {"pool": heads.pool, "feeds": feeds, "keys": keys, "values": values, "sums": sums, "own": own}
 

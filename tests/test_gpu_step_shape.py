@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ov_kvcrush.gpu.plugin_layers import token_tensor
+from ov_kvcrush.gpu.layer_inputs import token_tensor
 from ov_kvcrush.gpu.step_shape import EXACT, MIN_TABLE_WIDTH, StepPadding, step_size, table_width
 
 

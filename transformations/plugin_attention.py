@@ -16,8 +16,8 @@ with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_hea
   [layers, rows]: its first new slot and its slot count after the step;
 * ``kvc_tokens`` [T, 3]: each token's sequence, its index among that sequence's tokens, and
   whether its rows attend the step's own tokens exactly (a prompt's; the prompt layers take the
-  model's k and v for them) (:func:`ov_kvcrush.gpu.plugin_layers.token_tensor`);
-* ``kvc_step``: :func:`ov_kvcrush.gpu.plugin_layers.step_tensor`;
+  model's k and v for them) (:func:`ov_kvcrush.gpu.layer_inputs.token_tensor`);
+* ``kvc_step``: :func:`ov_kvcrush.gpu.layer_inputs.step_tensor`;
 * ``kvc_score_rows`` [R] (int64, at least one): the step's query rows each layer writes
   (``OvkcRows``, after the prompt layer) into its input ``kvc_rows.<layer>`` (bytes: our buffer, written
   in place, as f32 [q_heads, R, head_dim] whatever the activations), from which the methods'
@@ -25,10 +25,10 @@ with a Gather), with a row per (sequence in the step, KV head), row ``s * kv_hea
   An input written in place, not an output: the plugin copies a dynamic output into a buffer of
   ours through the host. Likewise ``kvc_logits.<layer>``: where ``kvc_step`` gives a stride (a
   decode step whose methods score it), each row's logits and log-sum-exp
-  (:func:`ov_kvcrush.gpu.plugin_layers.logits_bytes`), the step's probabilities without the keys
+  (:func:`ov_kvcrush.gpu.layer_inputs.logits_bytes`), the step's probabilities without the keys
   read again; and where it asks for window sums (a prompt's step, whose methods score its last
   rows), ``OvkcRows`` sums each slot's probability over each sequence's score rows into it
-  (:class:`ov_kvcrush.gpu.plugin_layers.WindowSums`) from the prompt layer's log-sum-exp.
+  (:class:`ov_kvcrush.gpu.layer_inputs.WindowSums`) from the prompt layer's log-sum-exp.
 
 Over MiniKV's 2-bit store (``quant``: the 2-bit blocks' shape) each layer also quantizes the
 full-precision slots a step fills a chunk with (``OvkcFlush``, after the store) and attends the
@@ -50,10 +50,10 @@ then attends a decode row over its list (``OvkcRecallPrefill``), from the inputs
 * ``kvc_index``: int32 words, every layer's and sequence's cluster index or page bounds in one
   buffer (:class:`~ov_kvcrush.gpu.arena.IndexArena`; the pages layer writes its bounds there);
 * ``kvc_recall`` [layers, rows, RECALL_WIDTH]: each row's recall
-  (:data:`~ov_kvcrush.gpu.plugin_layers.RECALL_FIELDS`, ``PAGE_FIELDS``; token -1 for a row
+  (:data:`~ov_kvcrush.gpu.layer_inputs.RECALL_FIELDS`, ``PAGE_FIELDS``; token -1 for a row
   that attends its slots in order: a prompt's, a dense layer's);
 * ``kvc_recalled.<layer>``: our buffer the recall layer writes each row's list into
-  (:func:`~ov_kvcrush.gpu.plugin_layers.recalled_bytes`).
+  (:func:`~ov_kvcrush.gpu.layer_inputs.recalled_bytes`).
 
 Under Chelsea (``merge``) each layer merges the rows a decode step takes to its budget plus the
 merge interval, after the rows and before attending (``OvkcMerge``), then attends every row with
@@ -76,8 +76,9 @@ import numpy as np
 from ov_kvcrush.transformations.paged_attention import ConvertedModel, finish_conversion, layer_plans
 
 from ov_kvcrush.gpu.chelsea import MERGE_WIDTH
+from ov_kvcrush.gpu.layer_inputs import RECALL_WIDTH, STEP_FIELDS, TOKEN_FIELDS
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
-from ov_kvcrush.gpu.plugin_layers import KERNELS, RECALL_WIDTH, STEP_FIELDS, TOKEN_FIELDS, LayerAttributes, layer_class
+from ov_kvcrush.gpu.plugin_layers import KERNELS, LayerAttributes, layer_class
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
 # this module stays light.

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.errors import ConfigError, UserError
-from ov_kvcrush.gpu import emulation, plugin_layers, runtime
+from ov_kvcrush.gpu import emulation, layer_inputs, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape
 from ov_kvcrush.gpu.plugin_cache import (
@@ -470,7 +470,7 @@ class PluginModel:
             request.set_tensor("kvc_index", bytes_tensor(self.context, arena.buffer))
         if pool.variant.recall:  # where each row's list goes
             rows = step.shown.sequences * s.kv_heads
-            nbytes = plugin_layers.recalled_bytes(rows, step.map_width, step.candidates)
+            nbytes = layer_inputs.recalled_bytes(rows, step.map_width, step.candidates)
             self._bind_layer_buffers(request, "recalled", self.recalled_inputs, nbytes)
         if pool.variant.merge:  # where the merging rows work
             self._bind_layer_buffers(request, "scratch", self.scratch_inputs, step.scratch_bytes)

@@ -1,6 +1,6 @@
 """Int32 words in one device buffer, handed out in runs: where the GPU plugin's model finds every
 layer's and sequence's ClusterKV index (one input, ``kvc_index``, however many sequences a step
-feeds; each row's recall names its words, :data:`~ov_kvcrush.gpu.plugin_layers.RECALL_FIELDS`),
+feeds; each row's recall names its words, :data:`~ov_kvcrush.gpu.layer_inputs.RECALL_FIELDS`),
 and where every sequence's scores and slot positions lie (:class:`SlotState`), so that one
 launch does a step's method work for all its sequences, each reading its own offsets.
 

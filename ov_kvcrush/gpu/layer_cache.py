@@ -59,7 +59,7 @@ class DeviceFullLayerCache(LayerCache):
     #: whether the sequence's method runs on this layer (not on a local layer: window_cache.py)
     method_runs = True
     #: the model's window sums give each slot its largest probability over the score rows (KVzip's
-    #: reconstruction scores), not their sum (:class:`~ov_kvcrush.gpu.plugin_layers.WindowSums`)
+    #: reconstruction scores), not their sum (:class:`~ov_kvcrush.gpu.layer_inputs.WindowSums`)
     sums_by_largest = False
 
     def __init__(self, pool: DevicePool, kv_heads: int, q_heads: int) -> None:
@@ -198,7 +198,7 @@ class DeviceFullLayerCache(LayerCache):
         step's last :meth:`score_rows` query rows ``[Hq, rows, D]`` on the device; ``logits``: a
         decode row's logits as the model's attention wrote them, where it was asked to; ``sums``:
         each slot's probability summed over those rows ``[Hq, slots]`` on the device, as the
-        model's attention gave them, where it was asked to: :class:`~ov_kvcrush.gpu.plugin_layers.WindowSums`):
+        model's attention gave them, where it was asked to: :class:`~ov_kvcrush.gpu.layer_inputs.WindowSums`):
         the full cache's is none."""
 
     def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:

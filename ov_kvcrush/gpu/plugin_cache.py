@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.errors import UserError
-from ov_kvcrush.gpu import device_layers, plugin_layers
+from ov_kvcrush.gpu import device_layers, layer_inputs
 from ov_kvcrush.gpu.chelsea import MERGE_FIELDS, merge_scratch_words
 from ov_kvcrush.gpu.chelsea_cache import DeviceChelseaLayerCache
 from ov_kvcrush.gpu.device import Device
@@ -55,7 +55,7 @@ from ov_kvcrush.validation import check_int
 #: (:class:`~ov_kvcrush.gpu.table_mirror.TableMirror`): a step's bytes count them as they are sent
 DEVICE_TABLES = ("kvc_tables", "kvc_qtables")
 #: a row that recalls nothing (token -1: its slots in order), as a prompt's
-NO_RECALL = np.array([-1] + [0] * (plugin_layers.RECALL_WIDTH - 1), np.int32)
+NO_RECALL = np.array([-1] + [0] * (layer_inputs.RECALL_WIDTH - 1), np.int32)
 
 
 @dataclass(frozen=True)
@@ -371,7 +371,7 @@ class PluginStep:
     #: under a merge: the bytes the merging rows work in (each layer's ``kvc_scratch``)
     scratch_bytes: int = 4
     #: the window sums the layers write of the sequences' score rows (None: none asked)
-    sums: plugin_layers.WindowSums | None = None
+    sums: layer_inputs.WindowSums | None = None
     #: the bytes of each layer's ``kvc_logits``: the logits or window sums asked, the rows'
     #: log-sum-exp, a step of decode rows alone's partitions
     logit_bytes: int = 4
@@ -445,13 +445,13 @@ def plan_step(sequences: list[PluginKVSequence], counts: list[int]) -> PluginSte
     sums = None
     if any(score_rows) and not scored_decode:
         largest = any(c.sums_by_largest for c in sequences[0].caches if c.method_runs)
-        sums = plugin_layers.WindowSums(len(sequences), pool.model.q_heads, int(inputs["kvc_lengths"].max()), largest)
+        sums = layer_inputs.WindowSums(len(sequences), pool.model.q_heads, int(inputs["kvc_lengths"].max()), largest)
     # decode rows alone (their sums not asked: the rows layer writes the log-sum-exp they take): the
     # prompt layers give each row's partitions a sub-group each, the rows layer merges them
     split = decode_rows_alone and sums is None
-    parts_at, logit_bytes = plugin_layers.logits_layout(pool.model.q_heads, shown.tokens, pool.model.head_dim,
+    parts_at, logit_bytes = layer_inputs.logits_layout(pool.model.q_heads, shown.tokens, pool.model.head_dim,
                                                         logit_stride, sums, split)  # fmt: skip
-    inputs["kvc_step"] = plugin_layers.step_tensor(width, shown.tokens, qwidth, returned, logit_stride, map_width,
+    inputs["kvc_step"] = layer_inputs.step_tensor(width, shown.tokens, qwidth, returned, logit_stride, map_width,
                                                    candidates, int(split), sums, parts_at)  # fmt: skip
     step = PluginStep(inputs, sequences, list(counts), phases, first_rows, score_rows, shown, returned, logit_stride,
                       map_width, candidates, scratch_bytes, sums, logit_bytes)  # fmt: skip
@@ -470,12 +470,12 @@ def _quant_inputs(sequences: list[PluginKVSequence]) -> dict[str, np.ndarray]:
         # a local layer's: no 2-bit blocks, nothing flushed (its layers read none)
         per_seq.append([c.model_inputs() if c.method_runs else ([[]] * kv, 0, (0, 0)) for c in seq.caches])
     layers = len(per_seq[0])
-    width = table_width(max(len(t) for layer_inputs in per_seq for tables, _, _ in layer_inputs for t in tables))
+    width = table_width(max(len(t) for seq_inputs in per_seq for tables, _, _ in seq_inputs for t in tables))
     tables = np.zeros((layers, len(sequences) * kv, width), np.int32)
     lengths = np.zeros((layers, len(sequences) * kv), np.int32)
     flush = np.zeros((layers, len(sequences) * kv, 2), np.int32)
-    for s, layer_inputs in enumerate(per_seq):
-        for i, (heads, n, flushed) in enumerate(layer_inputs):
+    for s, seq_inputs in enumerate(per_seq):
+        for i, (heads, n, flushed) in enumerate(seq_inputs):
             lengths[i, s * kv : (s + 1) * kv] = n
             flush[i, s * kv : (s + 1) * kv] = flushed
             for h, blocks in enumerate(heads):

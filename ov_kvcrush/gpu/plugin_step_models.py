@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ov_kvcrush.gpu.plugin_layers import KERNELS, STEP_FIELDS, TOKEN_FIELDS, LayerAttributes, layer_class, write_config
+from ov_kvcrush.gpu.layer_inputs import STEP_FIELDS, TOKEN_FIELDS
+from ov_kvcrush.gpu.plugin_layers import KERNELS, LayerAttributes, layer_class, write_config
 
 # Imported where used, inside functions: what pulls in openvino, heavy to import, so that importing
 # this module stays light.

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu.kvcrush import top_mask
-from ov_kvcrush.gpu.plugin_layers import PAGE_FIELDS
+from ov_kvcrush.gpu.layer_inputs import PAGE_FIELDS
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.slots import StepLogits

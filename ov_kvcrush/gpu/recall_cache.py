@@ -30,7 +30,7 @@ import torch
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.clusterkv import Clustering, IndexRun, StepClustering, launch_clustering, launch_recall
 from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache, host_array
-from ov_kvcrush.gpu.plugin_layers import RECALL_FIELDS, RECALL_WIDTH
+from ov_kvcrush.gpu.layer_inputs import RECALL_FIELDS, RECALL_WIDTH
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.methods import MethodConfig

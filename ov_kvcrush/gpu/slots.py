@@ -34,7 +34,7 @@ class KeptSlots:
 @dataclass
 class StepLogits:
     """One sequence's decode row in a layer as the model's attention left it: its logits over the
-    layer's slots and its log-sum-exp (``plugin_layers.logits_bytes``'s layout, in ``buffer``: rows
+    layer's slots and its log-sum-exp (``layer_inputs.logits_bytes``'s layout, in ``buffer``: rows
     of ``stride``, ``rows`` a query head, this sequence's ``row``), from which its probabilities
     are taken without the keys read again."""
 

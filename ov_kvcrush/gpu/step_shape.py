@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ov_kvcrush.gpu.plugin_layers import token_tensor
+from ov_kvcrush.gpu.layer_inputs import token_tensor
 
 #: counts up to this are shown as they are (decode steps of a few sequences: no tokens added)
 EXACT = 8
