@@ -30,18 +30,10 @@ from ov_kvcrush.errors import ConfigError, UserError
 from ov_kvcrush.gpu import emulation, layer_inputs, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape
-from ov_kvcrush.gpu.plugin_cache import (
-    DEVICE_TABLES,
-    ModelShape,
-    ModelVariant,
-    PluginKVPool,
-    PluginKVSequence,
-    PluginStep,
-    local_layers_refusal,
-    plan_step,
-)
+from ov_kvcrush.gpu.plugin_cache import ModelShape, ModelVariant, PluginKVPool, PluginKVSequence, local_layers_refusal
 from ov_kvcrush.gpu.pool import largest_pool
 from ov_kvcrush.gpu.slots import StepLogits
+from ov_kvcrush.gpu.step_plan import DEVICE_TABLES, PluginStep, plan_step
 from ov_kvcrush.gpu.step_work import StepLogitRows, StepTables, launch_layer_clusterings, launch_step_work
 from ov_kvcrush.gpu.table_mirror import TableMirror
 from ov_kvcrush.methods import MethodConfig, require

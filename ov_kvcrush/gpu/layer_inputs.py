@@ -4,7 +4,7 @@ layer takes no scalar argument), each token's row of ``tokens``, the ClusterKV a
 ``recall`` fields, and the layout of the buffers of ours the layers write in place (``recalled``,
 ``logits``: the decode rows' logits, a prompt's window sums, the rows' log-sum-exp, a decode row's
 partitions). ``plugins/gpu/kernels/plugin_layers.cl`` reads them by the same indices and offsets;
-:func:`~ov_kvcrush.gpu.plugin_cache.plan_step` lays a step out with them."""
+:func:`~ov_kvcrush.gpu.step_plan.plan_step` lays a step out with them."""
 
 from __future__ import annotations
 
