@@ -72,7 +72,7 @@ def _run_in_worker(folder: str, steps: list[dict]) -> list[tuple[np.ndarray, ...
     results = []
     for step in steps:
         logits = np.zeros(step["sums"].nbytes(sum(COUNTS)), np.uint8)
-        rows = np.zeros(4 * Q_HEADS * sum(SCORED) * HEAD_DIM, np.uint8)
+        rows = plugin_step_models.rows_input(Q_HEADS, HEAD_DIM, sum(SCORED))
         tensors = {}
         for name, array in (("pool", step["pool"]), ("logits", logits), ("rows", rows)):
             tensors[name] = context.create_tensor(ov.Type.u8, ov.Shape([array.size]), {})

@@ -63,7 +63,6 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
         self.runs: int | None = None
         #: the merge the step under way does: (slots before, after) of the merged heads
         self.merging: tuple[int, int] | None = None
-        self._window_sums: Any = None  # a chunked prompt's window sums so far [Hq, prompt_end]
 
     # ---- what the plugin's step reads
     def model_slots(self) -> np.ndarray:
@@ -168,18 +167,10 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
         """The prompt window's per-slot sums ``[Hq, slots]`` so far, this step's (``sums``: the
         model's over its score rows) added (None: no protect, or none of the window yet)."""
         if not self.score_rows(t):
-            return self._window_sums
+            return self._chunk_sums
         if sums is None:
             raise RuntimeError("chelsea: the model's step gave no window sums for its score rows")
-        lay = self.layer
-        if not self.prompt_end:
-            return sums
-        p, held, i32 = lay.pool, lay.held, np.int32
-        if self._window_sums is None:
-            self._window_sums = p.dev.zeros(4 * lay.q_heads * self.prompt_end)
-        p.dev.run(p.dev.kernel("snapkv.cl", "add_step_scores", {}), (held, lay.q_heads), None, self._window_sums,
-                  i32(self.prompt_end), i32(held), i32(held), sums, i32(held))  # fmt: skip
-        return self._window_sums
+        return self._add_chunk_sums(sums) if self.prompt_end else sums
 
     def _merge_prompt(self, sums: Any) -> None:
         """The prompt held: the merged heads' runs made, and the heads merged to their budget where
@@ -187,7 +178,7 @@ class DeviceChelseaLayerCache(DeviceFullLayerCache):
         launch; their protect scores the window's sums pooled per query head."""
         lay, p = self.layer, self.layer.pool
         n, stride = int(self.counts.max(initial=0)), max(self.prompt_end, lay.held)
-        self._window_sums = None
+        self._chunk_sums = None
         self.runs = p.index_arena().take(self._run_words())
         target = self._target()
         merges = n >= target + self.config.merge_interval

@@ -68,6 +68,9 @@ class DeviceFullLayerCache(LayerCache):
         self._window_scores: Any = None  # device [Hq, held]: the last prompt step's window sums
         #: the tokens of a prompt fed in chunks (:meth:`set_prompt`), while it is; 0: prompts whole
         self.prompt_end = 0
+        #: device [Hq, prompt_end]: a chunked prompt's window sums so far, for the methods that
+        #: score its window (None: none yet)
+        self._chunk_sums: Any = None
 
     def _scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
@@ -164,6 +167,21 @@ class DeviceFullLayerCache(LayerCache):
         if not self._prompt_continues():
             self.prompt_end = 0
 
+    def _add_chunk_sums(self, sums: Any) -> Any:
+        """A prompt chunk's window sums over the slots held (``sums`` ``[Hq, held]``; None: none
+        of its rows is in the window) added to the prompt's so far; those so far (None: none yet).
+        A row's probabilities are over the slots before it alone, so the chunks' sums add up to the
+        whole prompt's."""
+        if sums is None:
+            return self._chunk_sums
+        held, i32 = self.layer.held, np.int32
+        if self._chunk_sums is None:
+            self._chunk_sums = self.layer.pool.dev.zeros(4 * self.layer.q_heads * self.prompt_end)
+        dev = self.layer.pool.dev
+        dev.run(dev.kernel("snapkv.cl", "add_step_scores", {}), (held, self.layer.q_heads), None, self._chunk_sums,
+                i32(self.prompt_end), i32(held), i32(held), sums, i32(held))  # fmt: skip
+        return self._chunk_sums
+
     def reserve(self, t: int) -> None:
         """Room for the next step's ``t`` tokens, which the model's own store layer writes and its
         prompt layer attends (:mod:`ov_kvcrush.gpu.plugin_cache`): what :meth:`prefill` and
@@ -228,8 +246,6 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
         self.stride = 0
         #: the prompt's selection is final (MiniKV): decode steps keep every token
         self.frozen = config.selection_frozen()
-        #: device [Hq, prompt_end]: a chunked prompt's window sums so far (None: none yet)
-        self._chunk_sums: Any = None
 
     @property
     def scores(self) -> Any:
@@ -374,20 +390,6 @@ class DeviceH2OLayerCache(DeviceFullLayerCache):
 
     def _new_token_work(self, work: StepWork, first: int) -> None:
         """:meth:`_new_token_scores` as a part of the step's ``work``: H2O's start at zero."""
-
-    def _add_chunk_sums(self, sums: Any) -> Any:
-        """A prompt chunk's window sums over the slots held (``sums`` ``[Hq, held]``; None: none
-        of its rows is in the window) added to the prompt's so far; those so far (None: none yet).
-        A row's probabilities are over the slots before it alone, so the chunks' sums add up to the
-        whole prompt's."""
-        if sums is None:
-            return self._chunk_sums
-        held, i32 = self.layer.held, np.int32
-        if self._chunk_sums is None:
-            self._chunk_sums = self.layer.pool.dev.zeros(4 * self.layer.q_heads * self.prompt_end)
-        self.layer.pool.dev.run(self._kernel("add_step_scores"), (held, self.layer.q_heads), None, self._chunk_sums,
-                                i32(self.prompt_end), i32(held), i32(held), sums, i32(held))  # fmt: skip
-        return self._chunk_sums
 
     def _decode_token(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         self.layer.append(host_array(keys), host_array(values), self.seen - 1)

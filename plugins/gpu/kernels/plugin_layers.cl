@@ -110,8 +110,8 @@ __kernel void ovkc_values(__global const uchar* pool, __global const int* tables
 // exp(logit - lse), which the scoring methods add to their scores without reading the keys again.
 // The slots a row sees, in the store's order: over the 2-bit store its 2-bit slots first, then its
 // full-precision ones (the flushed left out). Each row's log-sum-exp [q_heads][T] follows them;
-// where step[4] is not set but step[8] is (the window sums' stride: ovkc_window_sums), it goes at
-// float step[10] of `logits`, after the sums.
+// where step[4] is not set but step[SUM_STRIDE] is (the window sums' stride: ovkc_rows), it goes
+// at float step[LSE_AT] of `logits`, after the sums.
 #define SUM_STRIDE 8
 #define SUM_MAX 9
 #define LSE_AT 10
@@ -247,8 +247,9 @@ __kernel void ovkc_prefill(__global const uchar* pool, __global const int* table
 inline float slot_sum(__global const uchar* pool, __global const int* table, int j, __global const ACT* k,
                       long own_at, __global const ACT* q, __global const int* tokens, __global const int* score_rows,
                       int a, int b, int first, __global const float* lse, int h, int rows, bool largest) {
+    __global const uchar* block = pool + (ulong)table[j / BLOCK_SIZE] * BLOCK_BYTES;
     float key[HEAD_DIM];
-    for (int d = 0; d < HEAD_DIM; ++d) key[d] = own_at >= 0 ? ACT_LOAD(k, own_at + d) : slot_key(pool, table, j, d);
+    for (int d = 0; d < HEAD_DIM; ++d) key[d] = own_at >= 0 ? ACT_LOAD(k, own_at + d) : load_key(block, d, j % BLOCK_SIZE);
     float total = 0.0f;
     for (int i = a; i < b; ++i) {
         const int t = score_rows[i];

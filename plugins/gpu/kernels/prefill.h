@@ -287,14 +287,15 @@ inline void row_part_split(const row_state* st, __global float* part) {
 inline void merge_parts(__global const float* parts, int h, int r, int rows, __global ACT* out, __global float* lse) {
     float m = -INFINITY;
     for (int p = 0; p < PARTS; ++p) m = fmax(m, parts[p * PART_FLOATS]);
-    float l = 0.0f;
-    for (int p = 0; p < PARTS; ++p)
-        l += parts[p * PART_FLOATS] == -INFINITY ? 0.0f : parts[p * PART_FLOATS + 1] * exp(parts[p * PART_FLOATS] - m);
+    float w[PARTS], l = 0.0f;  // each partition's weight: exp(its max - the row's); 0 for an empty one
+    for (int p = 0; p < PARTS; ++p) {
+        w[p] = parts[p * PART_FLOATS] == -INFINITY ? 0.0f : exp(parts[p * PART_FLOATS] - m);
+        l += parts[p * PART_FLOATS + 1] * w[p];
+    }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     for (int d = get_sub_group_local_id(); d < HEAD_DIM; d += SG) {
         float a = 0.0f;
-        for (int p = 0; p < PARTS; ++p)
-            if (parts[p * PART_FLOATS] != -INFINITY) a += parts[p * PART_FLOATS + 2 + d] * exp(parts[p * PART_FLOATS] - m);
+        for (int p = 0; p < PARTS; ++p) a += w[p] > 0.0f ? parts[p * PART_FLOATS + 2 + d] * w[p] : 0.0f;
         ACT_STORE(a * inv, ((long)h * rows + r) * HEAD_DIM + d, out);
     }
     if (lse && get_sub_group_local_id() == 0) lse[h * rows + r] = l > 0.0f ? m + log(l) : -INFINITY;
