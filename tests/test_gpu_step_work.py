@@ -2,10 +2,10 @@
 ``paged_store.cl``'s ``step_*``), against the one-sequence kernels it replaces on the GPU plugin's
 path (``add_step_logits``, ``key_norm_scores``, ``drop_lowest``, ``drop_slot``, and after a 2-bit
 flush ``zero_slot`` then ``gather_rows`` in the store's order, as ``quant_cache._flushed`` orders
-it): six sequences of different lengths in one launch, each with its own part of the work, and
-the same sequences again through the one-sequence kernels. Oracle: those kernels' slots,
-positions and scores, read back. Run in
-the ``gpu_worker`` (Intel's OpenCL CPU runtime)."""
+it, where the launch's ``step_quant_store`` puts them): six sequences of different lengths in one
+launch, each with its own part of the work, and the same sequences again through the one-sequence
+kernels. Oracle: those kernels' slots, positions and scores, read back. Run in the ``gpu_worker``
+(Intel's OpenCL CPU runtime)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def _read(pool: Any, lay: Any, scores: Any, stride: int) -> dict:
 
 def _launch(pool: Any, seqs: list[Sequence], logits: Any, width: int) -> None:
     """Every sequence's work in one launch a kernel (``a``)."""
+    from ov_kvcrush.gpu.layout import QuantShape
     from ov_kvcrush.gpu.step_work import DROP_LOWEST, StepLogitRows, StepTables, StepWork, launch_step_work
 
     works = []
@@ -89,6 +90,7 @@ def _launch(pool: Any, seqs: list[Sequence], logits: Any, width: int) -> None:
             else:
                 q.a.keep_first(PINNED)
             w.add_from, w.scored = QUANTIZED + q.held - 1, QUANTIZED + q.held
+            w.quant_store(QUANTIZED + FLUSHED, q.a.held, None, False)  # its scores in the store's order
         works.append(w)
     # rows for 3 sequences more than the step's, empty, as a step shown at a padded size has them
     shown = len(seqs) + 3
@@ -96,7 +98,10 @@ def _launch(pool: Any, seqs: list[Sequence], logits: Any, width: int) -> None:
     for s, q in enumerate(seqs):
         for h, t in enumerate(q.a.tables):
             tables[s * KV + h, : len(t)] = t
-    step_tables = StepTables(pool.dev.to_device(tables), shown * KV, tables.shape[1], KV)
+    # the 2-bit store's tables and blocks (a flush alone moves none)
+    quant = {"quant": pool.dev.to_device(np.zeros((shown * KV, 2), np.int32)), "quant_stride": 2,
+             "quant_blocks": pool.quant_blocks(QuantShape(FLUSHED, HEAD_DIM, 16, 2, 2, GROUP))}  # fmt: skip
+    step_tables = StepTables(pool.dev.to_device(tables), shown * KV, tables.shape[1], KV, **quant)
     launch_step_work(pool, 0, works, step_tables, StepLogitRows(logits, width, len(seqs)), GROUP)
 
 

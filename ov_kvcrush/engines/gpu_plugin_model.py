@@ -447,7 +447,11 @@ class PluginModel:
             request.set_tensor(name, buffer_tensor(self.context, buffer, ov.Type.i32, list(mirror.places[name].shape)))
         s = self.shape
         _, table_rows, width = mirror.places["kvc_tables"].shape
-        step_tables = StepTables(tables["kvc_tables"], table_rows, width, s.kv_heads)
+        quant = {}
+        if "kvc_qtables" in tables:  # the 2-bit store's: its chunks' evictions move their blocks
+            quant = {"quant": tables["kvc_qtables"], "quant_stride": mirror.places["kvc_qtables"].shape[2],
+                     "quant_blocks": blocks}  # fmt: skip
+        step_tables = StepTables(tables["kvc_tables"], table_rows, width, s.kv_heads, **quant)
         if pool.variant.recall:  # the clusterings due, before the model's recall reads their clusters
             for layer in range(s.layers):
                 launch_layer_clusterings(kv_pool, layer, [seq.caches[layer] for seq in sequences], step_tables)

@@ -11,9 +11,9 @@ full-precision pool and packed on the device, one 2-bit block a chunk and KV hea
 stores its token, quantizes a chunk when the residual fills one (before attending, as the
 reference), attends the 2-bit slots then the full-precision ones under one softmax, adds the
 probabilities to the scores (kept in the store's order on the device), and, when a head holds a
-chunk more than its budget, drops the lowest-scoring whole chunks: their summed scores come to the
-host (a float a chunk and KV head), where the reference's rule picks them (sinks and recent
-tokens stay). MiniKV's selection is frozen: its decode steps keep every token (PyramidKV's
+chunk more than its budget, drops the lowest-scoring whole chunks (sinks' and recent tokens'
+stay): the host counts them, the device chooses them and moves the kept ones down, nothing read
+back (:mod:`~ov_kvcrush.gpu.quant_step`). MiniKV's selection is frozen: its decode steps keep every token (PyramidKV's
 budgets, a layer's own).
 """
 
@@ -27,18 +27,24 @@ import torch
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.arena import SlotState
 from ov_kvcrush.gpu.attention import QuantHeads
-from ov_kvcrush.gpu.kvcrush import launch_block_sums
 from ov_kvcrush.gpu.kvcrush_cache import DeviceKVCrushLayerCache
 from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache, host_array
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant import launch_quantize
+from ov_kvcrush.gpu.quant_step import (
+    ChunkEviction,
+    QuantStepBuffers,
+    QuantStepRow,
+    launch_quant_steps,
+    plan_chunk_eviction,
+    positions_after,
+)
 from ov_kvcrush.gpu.slots import KeptSlots, StepLogits
 from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods import MethodConfig
 from ov_kvcrush.methods.importance import H2OConfig
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
-from ov_kvcrush.methods.selection import keep_chunk_indices
 
 
 def store_shape(config: MethodConfig, shape: PoolShape) -> QuantShape | None:
@@ -115,8 +121,7 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         q = host_array(queries)[:, 0]
         out, probs, stride = lay.attend_decode(q, self._scale(q.shape[1]), self._quant_heads(), self._quant_read())
         self._add(probs, stride, self._scored())  # every slot's own score, the new one's zeroed above
-        if not self.frozen:
-            self._evict_chunks()
+        self._evict_chunks()
         return torch.from_numpy(out)[None, :, None].to(queries.dtype)
 
     def _zero_new_score(self) -> None:
@@ -206,16 +211,15 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             scale = self._scale(lay.pool.shape.head_dim)
             bufs = lay.decode_on_device(rows, scale, self._quant_heads(), self._quant_read(), values=False)
             self._add(bufs.probs, int(bufs.stride), self._scored())
-        if not self.frozen:
-            self._evict_chunks()
+        self._evict_chunks()
 
     def step_work(self, t: int, logits: StepLogits | None) -> StepWork | None:
         """A decode token's work as a row of the step's launch: where the model flushed the
         residual's chunk, the chunks' bookkeeping here and the scores in the store's new order;
         then the probabilities over both stores added from the logits, the new slot's from zero.
         Under a selection not frozen (SnapKV, H2O with ``quant``), the chunks' eviction past the
-        budget follows as this sequence's own work after the launch (:attr:`StepWork.then`): it
-        ranks the chunks by the scores the launch added."""
+        budget is a row of the step's 2-bit store launch, after the others (:meth:`StepWork.quant_store`):
+        it ranks the chunks by the scores they left; the host gives the freed blocks back now."""
         lay = self.layer
         if logits is None or not self._works_in_step_launch():
             return None
@@ -224,18 +228,20 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         if self._grown_from is not None:  # the held scores come over in the adding
             work.grown, work.grown_stride, _ = self._grown_from
             self._grown_from = None
-        if not self.frozen and self._chunks_to_drop():
-            work.then = self._evict_chunks
-        if self.flushing is None:
-            return work
-        start, count, ids = self.flushing
-        self.flushing = None
-        work.flushed(self.nq, start, count)
-        self._add_chunks(start, start + count, ids)
-        if start + count == lay.held:  # the chunk's full-precision slots were the last: nothing moves
-            lay.keep_first(start)
-        else:  # the slots after them move down (the first flush after a prompt whose tail was longer)
-            work.drop_flushed(start, count)
+        if self.flushing is not None:
+            start, count, ids = self.flushing
+            self.flushing = None
+            work.flushed(self.nq, start, count)
+            self._add_chunks(start, start + count, ids)
+            if start + count == lay.held:  # the chunk's full-precision slots were the last: nothing moves
+                lay.keep_first(start)
+            else:  # the slots after them move down (the first flush after a prompt whose tail was longer)
+                work.drop_flushed(start, count)
+        eviction = None if self.frozen else self._chunk_eviction()
+        if work.flush_from >= 0 or eviction is not None:  # after the launch's others, over the scores they left
+            work.quant_store(self.nq, lay.held, eviction, self._chunks_ranked_by_layer())
+        if eviction is not None:
+            self._chunks_evicted(eviction)
         return work
 
     def _works_in_step_launch(self) -> bool:
@@ -312,10 +318,10 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
             self.chunks[h].extend(ids)
         self.qpos = np.concatenate([self.qpos, self.layer.positions[:, start:end]], axis=1)
 
-    def _chunk_scores(self, per_head: np.ndarray) -> np.ndarray:
-        """``[kv, chunks]``: what each KV head ranks its chunks by (its own sums; the reference's
-        ``_chunk_scores``)."""
-        return per_head
+    def _chunks_ranked_by_layer(self) -> bool:
+        """Whether every head ranks the chunks by the layer's summed scores, so that every head
+        drops the same ones (the reference's ``_chunk_scores``); here each head by its own."""
+        return False
 
     def _keep_full_precision(self, slots: np.ndarray) -> None:
         """The full-precision part keeps ``slots`` (the same for every head), in that order."""
@@ -355,39 +361,45 @@ class DeviceQuantEvictionLayerCache(DeviceSnapKVLayerCache):
         """The whole chunks the held tokens (both stores') are over the budget by (0: none)."""
         return max(0, (self.nq + self.layer.held - self.budget) // self.r)
 
+    def _chunk_eviction(self) -> ChunkEviction | None:
+        """The chunks each KV head drops past its budget, counted on the host
+        (:func:`~ov_kvcrush.gpu.quant_step.plan_chunk_eviction`); None: none."""
+        if not self.nq:
+            return None
+        lay, cfg = self.layer, self.config
+        newest = int(max(self.qpos.max(), lay.positions.max() if lay.held else -1))
+        return plan_chunk_eviction(self.qpos, self.r, self._chunks_to_drop(), cfg.sink_tokens,
+                                   newest - cfg.recent_tokens)  # fmt: skip
+
     def _evict_chunks(self) -> None:
         """Drop, per KV head, the lowest-scoring whole chunks while it keeps its budget (the
         reference's ``_evict_quantized_chunks``: sinks' and recent tokens' chunks stay, ties drop
-        the older chunk; every head drops as many)."""
-        lay, cfg = self.layer, self.config
-        nq, kv = self.nq, lay.kv_heads
-        drop = self._chunks_to_drop()
-        if drop <= 0 or nq == 0:
+        the older chunk; every head drops as many), this sequence's own launch: chosen and moved
+        on the device (``step_quant_store``), nothing read back."""
+        eviction = None if self.frozen else self._chunk_eviction()
+        if eviction is None:
             return
-        dev = lay.pool.dev
-        grouped = dev.empty(4 * kv * nq)
-        i32 = np.int32
-        dev.run(self._kernel("pooled_group_scores"), (nq, kv), None, self.scores, i32(self.stride), i32(nq),
-                i32(lay.q_heads // kv), i32(1), i32(0), grouped)  # fmt: skip
-        sums = launch_block_sums(dev, grouped, kv, nq, self.r)
-        chunks = nq // self.r
-        score = self._chunk_scores(lay.pool.download("chunk scores", sums, np.float32, (kv, chunks)))
-        newest = int(max(self.qpos.max(), lay.positions.max() if lay.held else -1))
-        keep = keep_chunk_indices(torch.from_numpy(score)[None], torch.from_numpy(self.qpos)[None], drop,
-                                  cfg.sink_tokens, newest - cfg.recent_tokens)[0].numpy()  # fmt: skip
-        if keep.shape[1] == chunks:
-            return
-        slots = (keep[:, :, None] * self.r + np.arange(self.r)).reshape(kv, -1)
-        order = np.concatenate([slots, np.broadcast_to(np.arange(nq, nq + lay.held), (kv, lay.held))], axis=1)
-        uploaded = lay.pool.upload("score order", np.ascontiguousarray(order, np.int32))
-        self.score_state = self._gather_scores((uploaded, order.shape[1]), order.shape[1], self.stride)
+        lay = self.layer
+        heads = self._quant_heads()  # the chunks' blocks as the device holds them, before the drop
+        assert heads is not None
+        row = QuantStepRow(0, self.stride, self.nq, lay.held, None, eviction, 0, heads.table_stride,
+                           self._chunks_ranked_by_layer())  # fmt: skip
+        buffers = QuantStepBuffers(self.score_state.buffer, heads.tables, self.blocks.buffer, self.qshape,
+                                   lay.kv_heads, lay.q_heads // lay.kv_heads)  # fmt: skip
+        launch_quant_steps(lay.pool, buffers, [row])
+        self._chunks_evicted(eviction)
+
+    def _chunks_evicted(self, eviction: ChunkEviction) -> None:
+        """The host's side of an eviction the device makes: each head's last ``drop`` 2-bit blocks
+        given back (the kept chunks were moved into its first ones), the middle's positions
+        unknown."""
+        drop, kv = eviction.drop, self.layer.kv_heads
         self._heads_on_device = None
         for h in range(kv):
-            kept = set(keep[h].tolist())
-            self.blocks.give([b for i, b in enumerate(self.chunks[h]) if i not in kept])
-            self.chunks[h] = [self.chunks[h][i] for i in keep[h]]
-        self.qpos = np.take_along_axis(self.qpos, slots.astype(np.int64), axis=1)
-        self._bump("evicted", float((chunks - keep.shape[1]) * self.r * kv))
+            self.blocks.give(self.chunks[h][-drop:])
+            self.chunks[h] = self.chunks[h][:-drop]
+        self.qpos = positions_after(self.qpos, self.r, eviction)
+        self._bump("evicted", float(drop * self.r * kv))
 
 
 class DeviceQuantKVCrushLayerCache(DeviceQuantEvictionLayerCache, DeviceKVCrushLayerCache):
@@ -397,7 +409,5 @@ class DeviceQuantKVCrushLayerCache(DeviceQuantEvictionLayerCache, DeviceKVCrushL
 
     config: KVCrushConfig
 
-    def _chunk_scores(self, per_head: np.ndarray) -> np.ndarray:
-        if self.config.scope == "layer":
-            return np.broadcast_to(per_head.sum(0, keepdims=True), per_head.shape).copy()
-        return per_head
+    def _chunks_ranked_by_layer(self) -> bool:
+        return self.config.scope == "layer"

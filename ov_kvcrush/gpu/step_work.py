@@ -9,8 +9,10 @@ per sequence and launches each kernel once over the layer's sequences (``paged_s
 sequence's scores and positions lie in the pool's arena (:class:`~ov_kvcrush.gpu.arena.SlotState`,
 their word offsets in the row); the block tables are the step's, as the model read them.
 
-A cache whose step is not such work (a prompt; a 2-bit chunk's eviction under a selection not
-frozen) returns None and does its work itself, as before
+The 2-bit store's work (a flush's scores in the store's order; an eviction of whole chunks under
+a selection not frozen) is the last launch, over the sequences that have it
+(``step_quant_store``: :mod:`~ov_kvcrush.gpu.quant_step`). A cache whose
+step is not such work (a prompt) returns None and does its work itself, as before
 (:meth:`~ov_kvcrush.gpu.layer_cache.DeviceFullLayerCache.after_model_step`). KVCrush's
 selection anew drops one unit a decode step (the token past the budget, or a block's worth): the
 step's selections are one launch over its sequences (``kvcrush.cl``'s ``step_kvcrush_drop``),
@@ -33,6 +35,8 @@ from ov_kvcrush.gpu.clusterkv import StepClustering, launch_step_clusterings
 from ov_kvcrush.gpu.device import kernel_dir
 from ov_kvcrush.gpu.kvcrush import StepSelection, launch_step_selections
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
+from ov_kvcrush.gpu.quant_blocks import QuantBlocks
+from ov_kvcrush.gpu.quant_step import ChunkEviction, QuantStepBuffers, QuantStepRow, launch_quant_steps
 from ov_kvcrush.gpu.store import store_constants
 
 #: the kernels' source, whose ``#define``s lay out a row (the one copy of that layout)
@@ -94,6 +98,11 @@ class StepWork:
     grown_stride: int = 0
     then: Callable[[], None] | None = None
     selection: StepSelection | None = None
+    #: the 2-bit store's work after the launch's other kernels (:meth:`quant_store`): its 2-bit
+    #: and full-precision slots (None: none), the chunks it evicts, whether ranked by the layer
+    quant_slots: tuple[int, int] | None = None
+    chunks: ChunkEviction | None = None
+    chunks_by_layer: bool = False
 
     def flushed(self, first: int, pinned: int, count: int) -> None:
         """The model flushed the ``count`` full-precision slots after the ``pinned`` ones into the
@@ -127,6 +136,14 @@ class StepWork:
         self.positions, self.pos_stride, self.fresh, self.fresh_position = lay.slot_positions.drop_fields()
         lay.forget_run(first, count)
 
+    def quant_store(self, quantized: int, held: int, eviction: ChunkEviction | None, by_layer: bool) -> None:
+        """After the launch's other kernels, the 2-bit store's work over its ``quantized`` 2-bit
+        slots and ``held`` full-precision ones (after the step's flush): the flush's scores into
+        the store's order (where :meth:`flushed` said), then ``eviction``'s whole chunks dropped,
+        chosen on the device by the scores the launch left (``by_layer``: every head by the
+        layer's summed scores); the host's side is the cache's."""
+        self.quant_slots, self.chunks, self.chunks_by_layer = (quantized, held), eviction, by_layer
+
     def row(self, logit_row: int) -> list[int]:
         """The ints ``paged_store.cl`` reads (``logit_row``: the sequence's among the step's logits)."""
         grown = _offset(self.grown) if self.grown is not None else -1
@@ -155,12 +172,20 @@ def _offset(state: SlotState | None) -> int:
 class StepTables:
     """The step's block tables on the device (the model's ``kvc_tables``, ``[layers, sequences *
     kv, stride]``), how many rows a layer has and how many KV heads a sequence (a step shown at a
-    padded size has more rows than its sequences': :mod:`~ov_kvcrush.gpu.step_shape`)."""
+    padded size has more rows than its sequences': :mod:`~ov_kvcrush.gpu.step_shape`); over the
+    2-bit store its tables too (``kvc_qtables``, the same rows, ``quant_stride`` wide) and blocks."""
 
     buffer: Any
     rows_per_layer: int
     stride: int
     kv_heads: int
+    quant: Any = None
+    quant_stride: int = 0
+    quant_blocks: QuantBlocks | None = None
+
+    def quant_row(self, layer: int, sequence: int) -> int:
+        """The first word of ``sequence``'s first KV head's 2-bit table in ``layer``."""
+        return (layer * self.rows_per_layer + sequence * self.kv_heads) * self.quant_stride
 
 
 @dataclass(frozen=True)
@@ -205,7 +230,7 @@ def launch_step_work(
         assert logits is not None, "a step's probabilities come from its logits"
         dev.run(kernel("step_add_logits"), (scored, kv * group, seqs), None, arena, work, logits.buffer,
                 i32(logits.stride), i32(logits.rows))  # fmt: skip
-    if any(w.drop != DROP_NONE or w.flush_from >= 0 for w in todo):  # a flush's scores: that kernel's too
+    if any(w.drop != DROP_NONE for w in todo):
         dropped = dev.empty(4 * seqs * kv)
         if any(w.drop == DROP_LOWEST for w in todo):
             sg = dev.sub_group
@@ -216,11 +241,30 @@ def launch_step_work(
             launch_step_selections(dev, pool, arena, selections, kv, dropped)
         dev.run(kernel("step_drop_slot"), (shape.head_dim + 5 + group, kv, seqs), None, pool.buffer, tables.buffer,
                 i32(first), i32(tables.stride), arena, work, dropped, i32(group))  # fmt: skip
+    if any(w.quant_slots is not None for w in todo):  # a flush's scores, a chunk eviction: after the others
+        _launch_quant_steps(pool, layer, works, tables, arena, group)
     for w in todo:
         if w.drop != DROP_NONE:
             w.layer.release_empty_blocks()
         if w.then is not None:
             w.then()
+
+
+def _launch_quant_steps(
+    pool: DevicePool, layer: int, works: list[StepWork | None], tables: StepTables, arena: Any, group: int
+) -> None:  # fmt: skip
+    """The step's 2-bit store work in ``layer``, one launch over the sequences that have it."""
+    blocks = tables.quant_blocks
+    assert blocks is not None and tables.quant is not None, "a step over the 2-bit store has its tables"
+    rows = []
+    for s, w in enumerate(works):
+        if w is None or w.quant_slots is None:
+            continue
+        flush = (w.flush_from, w.flush_pinned, w.flush_count) if w.flush_from >= 0 else None
+        rows.append(QuantStepRow(_offset(w.scores), w.score_stride, *w.quant_slots, flush, w.chunks,
+                                 tables.quant_row(layer, s), tables.quant_stride, w.chunks_by_layer))  # fmt: skip
+    buffers = QuantStepBuffers(arena, tables.quant, blocks.buffer, blocks.shape, tables.kv_heads, group)
+    launch_quant_steps(pool, buffers, rows)
 
 
 class ClusteringLayer(Protocol):

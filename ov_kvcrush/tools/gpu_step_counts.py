@@ -25,7 +25,8 @@ from pathlib import Path
 #: ``kvcrush/token``, every sequence selecting anew every step past the budget; MiniKV's 2-bit
 #: chunks, and SnapKV's over them, ``snapkv/quant``, which evicts whole chunks; ClusterKV and
 #: Quest recalling in every layer of the two, and ClusterKV clustering the new tokens every
-#: second step, ``clusterkv/every2``); a label is the method's name, then after a ``/`` what
+#: second step, ``clusterkv/every2``; Chelsea, its decode merges a layer of the model); a label
+#: is the method's name, then after a ``/`` what
 #: tells its options apart
 METHODS = {
     "full": {},
@@ -40,6 +41,7 @@ METHODS = {
     "clusterkv": {"dense_layers": 0},
     "clusterkv/every2": {"dense_layers": 0, "cluster_every": 2, "new_clusters": 2},
     "quest": {"dense_layers": 0},
+    "chelsea": {},
 }
 BLOCK, MEASURED_STEPS = 16, 16
 #: the prefix of the folder a long-context checkpoint is written in before it is renamed into place
@@ -95,12 +97,16 @@ def count_steps(
                     "to_host": c.to_host, "ours_per_layer": (c.kernels_named(ours) + c.device_copies) / layers,
                     "ours_once_a_step": c.kernels_named(once_a_step),
                     "kv_read": pool.decode_kv_read - read, "layer_programs": c.layer_programs,
+                    "our_kernels": {k: n for k, n in c.kernels.items() if k in ours | once_a_step},
+                    "device_copies": c.device_copies,
                 })  # fmt: skip
             while loop.has_non_finished_requests():
                 loop.step()
             p = pool.device_pool
             out.append({"method": label, "steps": steps, "blocks_held_at_most": most, "blocks_allocated": p.capacity,
-                        "chunk_blocks": p.chunk, "tokens": [list(h.result().token_ids) for h in handles]})  # fmt: skip
+                        "chunk_blocks": p.chunk, "tokens": [list(h.result().token_ids) for h in handles],
+                        "tokens_held_per_head": [h.result().counters["tokens_held_per_head"]
+                                                 for h in handles]})  # fmt: skip
     finally:
         engine.close()
     return out

@@ -245,7 +245,8 @@ __kernel void step_key_norms(__global const uchar* pool, __global const int* tab
 }
 
 // After a 2-bit flush of the full-precision slots after the pinned ones (the model quantized them,
-// the step's token among them or after them): query head h's scores in the store's new order, the
+// the step's token among them or after them): a query head's scores (`run`: from the first
+// full-precision slot before the flush) in the store's new order, the
 // chunk's before the pinned slots' (the reference's order after a flush; the slots after the chunk
 // stay; the one-sequence path: zero_slot of the step's token, then gather_rows of that order). A
 // rotation of the run by three reversals, in place, after step_add_logits added the step's
@@ -258,12 +259,10 @@ inline void reverse_run(__global float* x, int lo, int hi) {
     }
 }
 
-inline void flushed_scores(__global int* arena, __global const int* w, int h) {
-    __global float* run = work_scores(arena, w) + (long)h * w[W_SCORE_STRIDE] + w[W_FLUSH_FROM];
-    const int pinned = w[W_FLUSH_PINNED], n = pinned + w[W_FLUSH_COUNT];
+inline void flushed_scores(__global float* run, int pinned, int count) {
     reverse_run(run, 0, pinned);
-    reverse_run(run, pinned, n);
-    reverse_run(run, 0, n);
+    reverse_run(run, pinned, pinned + count);
+    reverse_run(run, 0, pinned + count);
 }
 
 // The column of score j's logit in a row whose step flushed a chunk: the model attended the store
@@ -300,13 +299,12 @@ __kernel void step_drop_lowest(__global int* arena, __global const int* work, in
 }
 
 // drop_slot for each sequence that drops slots (W_DROP_COUNT of them a head from its W_DROP, or
-// from the slot found before: step_drop_lowest's lowest, step_kvcrush_drop's unit), and a flush's scores in the store's order
-// (flushed_scores: by the work-items of the scores, one a query head). Global (HEAD_DIM + 5 + group, kv_heads, sequences).
+// from the slot found before: step_drop_lowest's lowest, step_kvcrush_drop's unit); a 2-bit
+// flush's scores are step_quant_store's. Global (HEAD_DIM + 5 + group, kv_heads, sequences).
 __kernel void step_drop_slot(__global uchar* pool, __global const int* tables, int table_first, int table_stride,
                              __global int* arena, __global const int* work, __global const int* dropped, int group) {
     const int e = get_global_id(0), kv = get_global_id(1), s = get_global_id(2);
     __global const int* w = work + s * WORK_FIELDS;
-    if (w[W_FLUSH_FROM] >= 0 && e > HEAD_DIM + 4) flushed_scores(arena, w, kv * group + e - HEAD_DIM - 5);
     if (w[W_DROP] == DROP_NONE) return;
     const int kv_heads = get_global_size(1);
     const int d = w[W_DROP] <= DROP_LOWEST ? dropped[s * kv_heads + kv] : w[W_DROP];  // found on the device
@@ -316,4 +314,148 @@ __kernel void step_drop_slot(__global uchar* pool, __global const int* tables, i
     __global float* scores = score_stride ? work_scores(arena, w) : (__global float*)arena;
     drop_element(pool, table, d, w[W_DROP_COUNT], w[W_HELD], pos, w[W_FRESH], w[W_FRESH_POSITION], scores,
                  score_stride, group, e, kv);
+}
+
+// ---- The 2-bit store's work after the others of a step (ov_kvcrush/gpu/quant_step.py), one
+// work-group a row (a sequence's layer), nothing read back:
+//   1. a flush's scores in the store's order (flushed_scores, a work-item a query head);
+//   2. an eviction of whole chunks under a selection not frozen (SnapKV or H2O with `quant`; the
+//      reference's ImportanceLayerCache._evict_quantized_chunks): each KV head's chunks summed from
+//      its query heads' scores (slot by slot the group's heads first, the reference's group_heads;
+//      then the chunk's slots in order), with layer scope (KVCrush's) ranked by every head's sums
+//      summed, head 0 first; each head drops the row's Q_DROP lowest of its chunks [first, end)
+//      that may go (ties: the older), the host having counted them and the chunks that stay; the
+//      kept chunks moved down in order, their 2-bit blocks' words into the head's first blocks
+//      (its last Q_DROP blocks are then free) and their scores, then the full-precision slots'
+//      scores after them, those left behind zeroed.
+// A row is QUANT_STEP_FIELDS ints, then each KV head's first chunk that may go and the end of
+// those. tables: the heads' 2-bit block ids (a head's row Q_TABLE_STRIDE words on from the last);
+// blocks: the 2-bit blocks, `block_words` words each, of `chunk` tokens; scratch: (2 kv + 1)
+// max_chunks words a row. Global (L, rows), local (L, 1).
+#define QUANT_STEP_FIELDS 11
+#define Q_SCORES 0          // the scores' first word in the arena, rows Q_SCORE_STRIDE apart
+#define Q_SCORE_STRIDE 1
+#define Q_QUANTIZED 2       // the 2-bit slots (the flush's chunk among them)
+#define Q_HELD 3            // the full-precision slots after them
+#define Q_DROP 4            // the chunks each head drops (0: none)
+#define Q_LAYER_SCOPE 5
+#define Q_TABLE 6
+#define Q_TABLE_STRIDE 7
+#define Q_FLUSH_FROM 8      // a flush: the scores' first full-precision slot before it (-1: none)
+#define Q_FLUSH_PINNED 9
+#define Q_FLUSH_COUNT 10
+
+inline float chunk_key(__global const float* sums, __global const float* totals, int layer_scope, int h,
+                       int max_chunks, int c) {
+    return layer_scope ? totals[c] : sums[(long)h * max_chunks + c];
+}
+
+// Each KV head's chunk sums (sums[h][c]) and the layer's (totals[c]), from the scores s.
+inline void chunk_sums(__global const float* s, int stride, int kv, int group, int chunk, int chunks,
+                       int max_chunks, __global float* sums, __global float* totals) {
+    const int lid = get_local_id(0), L = get_local_size(0);
+    for (int i = lid; i < kv * chunks; i += L) {
+        const int h = i / chunks, c = i % chunks;
+        float acc = 0.0f;
+        for (int j = c * chunk; j < (c + 1) * chunk; ++j) {
+            float slot = 0.0f;
+            for (int g = 0; g < group; ++g) slot += s[(long)(h * group + g) * stride + j];
+            acc += slot;
+        }
+        sums[(long)h * max_chunks + c] = acc;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (int c = lid; c < chunks; c += L) {
+        float acc = 0.0f;
+        for (int h = 0; h < kv; ++h) acc += sums[(long)h * max_chunks + c];
+        totals[c] = acc;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+}
+
+// gone[h][c]: whether head h drops chunk c, one of its `drop` lowest among [first, end) (the
+// row's ranges after its fields; ties: the older), by its rank among them.
+inline void mark_dropped(__global const int* w, int kv, int chunks, int max_chunks, __global const float* sums,
+                         __global const float* totals, __global int* gone) {
+    const int lid = get_local_id(0), L = get_local_size(0), layer_scope = w[Q_LAYER_SCOPE];
+    for (int i = lid; i < kv * chunks; i += L) {
+        const int h = i / chunks, c = i % chunks;
+        const int first = w[QUANT_STEP_FIELDS + 2 * h], end = w[QUANT_STEP_FIELDS + 2 * h + 1];
+        int out = 0;
+        if (c >= first && c < end) {
+            const float mine = chunk_key(sums, totals, layer_scope, h, max_chunks, c);
+            int rank = 0;
+            for (int j = first; j < end; ++j) {
+                const float other = chunk_key(sums, totals, layer_scope, h, max_chunks, j);
+                rank += other < mine || (other == mine && j < c);
+            }
+            out = rank < w[Q_DROP];
+        }
+        gone[(long)h * max_chunks + c] = out;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+}
+
+// The kept chunks down in order, each head's: a block's word i, and a chunk's score i, is always
+// this work-item's, so it reads a block's words before it writes over them (no barrier between).
+inline void move_kept_chunks(__global float* s, int stride, int kv, int group, int chunk, int chunks,
+                             int max_chunks, __global const int* table, int table_stride, __global uint* blocks,
+                             int block_words, __global const int* gone) {
+    const int lid = get_local_id(0), L = get_local_size(0);
+    for (int h = 0; h < kv; ++h) {
+        int to = 0;
+        for (int c = 0; c < chunks; ++c) {
+            if (gone[(long)h * max_chunks + c]) continue;
+            if (to != c) {
+                __global const uint* src = blocks + (ulong)table[(long)h * table_stride + c] * block_words;
+                __global uint* dst = blocks + (ulong)table[(long)h * table_stride + to] * block_words;
+                for (int i = lid; i < block_words; i += L) dst[i] = src[i];
+                for (int i = lid; i < group * chunk; i += L) {
+                    __global float* q = s + (long)(h * group + i / chunk) * stride;
+                    q[to * chunk + i % chunk] = q[c * chunk + i % chunk];
+                }
+            }
+            ++to;
+        }
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+}
+
+// The `held` full-precision slots' scores after the nq 2-bit ones down by `by` slots, a round of
+// them at a time, those left behind zeroed.
+inline void move_full_precision_scores(__global float* s, int stride, int heads, int nq, int held, int by) {
+    const int lid = get_local_id(0), L = get_local_size(0);
+    for (int base = 0; base < held; base += by) {
+        const int n = min(by, held - base);
+        for (int i = lid; i < heads * n; i += L) {
+            __global float* q = s + (long)(i / n) * stride;
+            q[nq + base + i % n - by] = q[nq + base + i % n];
+        }
+        barrier(CLK_GLOBAL_MEM_FENCE);
+    }
+    for (int i = lid; i < heads * by; i += L) s[(long)(i / by) * stride + nq + held - by + i % by] = 0.0f;
+}
+
+__kernel void step_quant_store(__global int* arena, __global const int* rows, int kv, int group, int chunk,
+                               int block_words, int max_chunks, __global const int* tables,
+                               __global uint* blocks, __global float* scratch) {
+    const int row = get_group_id(1);
+    __global const int* w = rows + (long)row * (QUANT_STEP_FIELDS + 2 * kv);
+    __global float* s = (__global float*)(arena + w[Q_SCORES]);
+    const int stride = w[Q_SCORE_STRIDE], nq = w[Q_QUANTIZED], drop = w[Q_DROP];
+    // a flush's scores in the store's order
+    if (w[Q_FLUSH_FROM] >= 0)
+        for (int h = get_local_id(0); h < kv * group; h += get_local_size(0))
+            flushed_scores(s + (long)h * stride + w[Q_FLUSH_FROM], w[Q_FLUSH_PINNED], w[Q_FLUSH_COUNT]);
+    if (drop <= 0) return;  // the whole work-group: a row with no eviction
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    const int chunks = nq / chunk;
+    __global float* sums = scratch + (long)row * (2 * kv + 1) * max_chunks;  // [kv][max_chunks]
+    __global float* totals = sums + (long)kv * max_chunks;                   // [max_chunks]
+    __global int* gone = (__global int*)(totals + max_chunks);               // [kv][max_chunks]
+    chunk_sums(s, stride, kv, group, chunk, chunks, max_chunks, sums, totals);
+    mark_dropped(w, kv, chunks, max_chunks, sums, totals, gone);
+    move_kept_chunks(s, stride, kv, group, chunk, chunks, max_chunks, tables + w[Q_TABLE], w[Q_TABLE_STRIDE], blocks,
+                     block_words, gone);
+    move_full_precision_scores(s, stride, kv * group, nq, w[Q_HELD], drop * chunk);
 }
