@@ -10,14 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ov_kvcrush.gpu.chelsea_cache import DeviceChelseaLayerCache
+from ov_kvcrush.gpu.importance_cache import DeviceH2OLayerCache, DeviceKnormLayerCache, DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.kvcrush_cache import DeviceKVCrushLayerCache
 from ov_kvcrush.gpu.kvzip_cache import DeviceKVzipLayerCache
-from ov_kvcrush.gpu.layer_cache import (
-    DeviceFullLayerCache,
-    DeviceH2OLayerCache,
-    DeviceKnormLayerCache,
-    DeviceSnapKVLayerCache,
-)
+from ov_kvcrush.gpu.layer_cache import DeviceFullLayerCache
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache, DeviceQuantKVCrushLayerCache
 from ov_kvcrush.gpu.quest_cache import DeviceQuestLayerCache

@@ -1,5 +1,5 @@
 """KVCrush's layer cache over the GPU path's device pool: SnapKV's scores
-(:class:`~ov_kvcrush.gpu.layer_cache.DeviceSnapKVLayerCache`), and KVCrush's selection over them
+(:class:`~ov_kvcrush.gpu.importance_cache.DeviceSnapKVLayerCache`), and KVCrush's selection over them
 on the device (:mod:`ov_kvcrush.gpu.kvcrush`), token by token or over whole blocks. Split from
 :mod:`ov_kvcrush.gpu.layer_cache`, whose SnapKV cache it extends."""
 
@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ov_kvcrush.gpu.importance_cache import DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.kvcrush import (
     ONE_LAUNCH_UNITS,
     KVCrushChoice,
@@ -19,7 +20,6 @@ from ov_kvcrush.gpu.kvcrush import (
     launch_select,
     select_mask_on_device,
 )
-from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.slots import KeptSlots
 from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods.kvcrush import KVCrushConfig

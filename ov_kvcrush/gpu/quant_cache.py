@@ -27,8 +27,9 @@ import torch
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu.arena import SlotState
 from ov_kvcrush.gpu.attention import QuantHeads
+from ov_kvcrush.gpu.importance_cache import DeviceSnapKVLayerCache
 from ov_kvcrush.gpu.kvcrush_cache import DeviceKVCrushLayerCache
-from ov_kvcrush.gpu.layer_cache import DeviceSnapKVLayerCache, host_array
+from ov_kvcrush.gpu.layer_cache import host_array
 from ov_kvcrush.gpu.layout import PoolShape, QuantShape
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.quant import launch_quantize
