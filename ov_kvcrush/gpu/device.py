@@ -40,6 +40,14 @@ def kernel_define(source: str, name: str) -> int:
     return int(found[1])
 
 
+@cache
+def kernel_defines(source: str) -> dict[str, int]:
+    """Every integer ``#define`` of kernel file ``source`` (a value in parentheses, a comment after
+    it), by name: the rows' layouts that the hosts packing them read rather than repeat."""
+    text = (kernel_dir() / source).read_text()
+    return {m[1]: int(m[2]) for m in re.finditer(r"^#define (\w+) \(?(-?\d+)\)?", text, re.M)}
+
+
 def kernel_sources() -> list[Path]:
     return sorted(kernel_dir().glob("*.cl"))
 

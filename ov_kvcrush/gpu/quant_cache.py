@@ -13,8 +13,8 @@ reference), attends the 2-bit slots then the full-precision ones under one softm
 probabilities to the scores (kept in the store's order on the device), and, when a head holds a
 chunk more than its budget, drops the lowest-scoring whole chunks (sinks' and recent tokens'
 stay): the host counts them, the device chooses them and moves the kept ones down, nothing read
-back (:mod:`~ov_kvcrush.gpu.quant_step`). MiniKV's selection is frozen: its decode steps keep every token (PyramidKV's
-budgets, a layer's own).
+back (:mod:`~ov_kvcrush.gpu.quant_step`). MiniKV's selection is frozen: its decode steps keep
+every token (PyramidKV's budgets, a layer's own).
 """
 
 from __future__ import annotations

@@ -26,14 +26,13 @@ the drop launch's, a command more in a step in which one sequence flushed and an
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import numpy as np
 
-from ov_kvcrush.gpu.device import kernel_define, kernel_dir
+from ov_kvcrush.gpu.device import kernel_defines
 from ov_kvcrush.gpu.layout import QuantShape
 from ov_kvcrush.gpu.pool import DevicePool
 from ov_kvcrush.gpu.store import store_constants
@@ -48,9 +47,8 @@ LOCAL_SIZE = 64
 def row_fields() -> tuple[int, dict[str, int]]:
     """A row as ``paged_store.cl`` reads it: its fixed ints (``QUANT_STEP_FIELDS``) and each one's
     place (``Q_<NAME>``)."""
-    text = (kernel_dir() / "paged_store.cl").read_text()
-    places = {m[1]: int(m[2]) for m in re.finditer(r"^#define Q_(\w+) (\d+)", text, re.M)}
-    return kernel_define("paged_store.cl", "QUANT_STEP_FIELDS"), places
+    defines = kernel_defines("paged_store.cl")
+    return defines["QUANT_STEP_FIELDS"], {name[2:]: at for name, at in defines.items() if name.startswith("Q_")}
 
 
 @dataclass(frozen=True)
@@ -78,11 +76,11 @@ def plan_chunk_eviction(
     stays = known & ((pos < sink_tokens).any(-1) | (pos > last_old).any(-1))
     ranges = np.zeros((kv, 2), np.int32)
     for h in range(kv):
-        first = int(np.argmin(stays[h])) if not stays[h].all() else chunks
-        end = chunks - (int(np.argmin(stays[h, ::-1])) if not stays[h].all() else chunks)
+        may_go = np.flatnonzero(~stays[h])
+        first, end = (int(may_go[0]), int(may_go[-1]) + 1) if may_go.size else (chunks, chunks)
         if stays[h, first:end].any():
             raise AssertionError(f"head {h}'s chunks that stay are not its first and last ones: {stays[h].tolist()}")
-        ranges[h] = first, max(first, end)
+        ranges[h] = first, end
     drop = min(over, int((ranges[:, 1] - ranges[:, 0]).min()))
     return ChunkEviction(drop, ranges) if drop > 0 else None
 

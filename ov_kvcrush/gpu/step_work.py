@@ -22,7 +22,6 @@ step) is its sequence's own work after the launches (:attr:`StepWork.then`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from functools import cache
@@ -32,7 +31,7 @@ import numpy as np
 
 from ov_kvcrush.gpu.arena import SlotState
 from ov_kvcrush.gpu.clusterkv import StepClustering, launch_step_clusterings
-from ov_kvcrush.gpu.device import kernel_dir
+from ov_kvcrush.gpu.device import kernel_defines
 from ov_kvcrush.gpu.kvcrush import StepSelection, launch_step_selections
 from ov_kvcrush.gpu.pool import DevicePool, PagedLayer
 from ov_kvcrush.gpu.quant_blocks import QuantBlocks
@@ -48,8 +47,7 @@ def row_layout() -> tuple[int, dict[str, int], dict[str, int]]:
     """A row as ``paged_store.cl`` reads it: its ints (``WORK_FIELDS``), each field's place
     (``W_<FIELD>``: :class:`StepWork`'s field ``<field>``, and ``logit_row``) and the drops'
     codes (``DROP_NONE``, ``DROP_LOWEST``, ``DROP_SELECTED``)."""
-    text = (kernel_dir() / SOURCE).read_text()
-    defines = {m[1]: int(m[2]) for m in re.finditer(r"^#define (\w+) \(?(-?\d+)\)?", text, re.M)}
+    defines = kernel_defines(SOURCE)
     places = {name[2:].lower(): at for name, at in defines.items() if name.startswith("W_")}
     return defines["WORK_FIELDS"], places, {k: defines[k] for k in ("DROP_NONE", "DROP_LOWEST", "DROP_SELECTED")}
 
