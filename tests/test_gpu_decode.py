@@ -300,29 +300,32 @@ def test_a_host_that_cannot_run_is_named(tmp_path, monkeypatch):
         sycl_host.build(force=True)
 
 
-def sort_twice_through_fresh_devices(cache: str) -> list[dict]:
-    """In the worker, with the cache under ``cache``: the device sort through three fresh
-    :class:`SyclDevice` s on one host (each must build its kernels); after the first, the second
-    finds its binary, and the third finds a corrupted one; each device's order and build counts."""
+def top_twice_through_fresh_devices(cache: str) -> list[dict]:
+    """In the worker, with the cache under ``cache``: each row's top 40 (``kvcrush.cl``'s
+    ``head_decisions_topk``, Quest's pages) through three fresh :class:`SyclDevice` s on one host
+    (each must build its kernels); after the first, the second finds its binary, and the third
+    finds a corrupted one; each device's decisions and build counts, then numpy's."""
     import os
 
-    from ov_kvcrush.gpu.sort import stable_order
+    from ov_kvcrush.gpu.kvcrush import top_mask
     from ov_kvcrush.gpu.sycl_host import SyclDevice, sycl_device
 
     before = os.environ.get("OV_KVCRUSH_CACHE")
     os.environ["OV_KVCRUSH_CACHE"] = cache
     try:
         host = sycl_device(16).host
-        keys = np.random.default_rng(3).integers(0, 40, size=(2, 300)).astype(np.int32)
+        scores = np.random.default_rng(3).integers(0, 40, size=(2, 300)).astype(np.float32)
         runs = []
         for i in range(3):
             if i == 2:
                 for binary in Path(cache).rglob("*.bin"):
                     binary.write_bytes(b"not a binary")
             dev = SyclDevice(host, 16)
-            order = dev.to_host(stable_order(dev, dev.to_device(keys), 300, 40, rows=2), np.int32, (2, 300))
-            runs.append({"order": order, "builds": dict(dev.builds)})
-        runs.append({"order": np.argsort(keys, axis=1, kind="stable"), "builds": {}})
+            top = dev.to_host(top_mask(dev, dev.to_device(scores), 2, 300, 0, 300, 40), np.uint8, (2, 300))
+            runs.append({"top": top, "builds": dict(dev.builds)})
+        want = np.zeros((2, 300), np.uint8)  # the 40 highest, ties to the earlier
+        np.put_along_axis(want, np.argsort(-scores, axis=1, kind="stable")[:, :40], 1, axis=1)
+        runs.append({"top": want, "builds": {}})
         return runs
     finally:
         if before is None:
@@ -334,14 +337,14 @@ def sort_twice_through_fresh_devices(cache: str) -> list[dict]:
 def test_the_sycl_host_reuses_the_kernels_an_earlier_process_built(gpu_worker, tmp_path):
     """A kernel built once is cached as the device's binary (whole, keyed by its source, headers,
     options, device and driver): the next device loads it instead of building the source, a
-    binary the device refuses is built again from source, and every order is numpy's."""
+    binary the device refuses is built again from source, and every result is numpy's."""
     usable_host(gpu_worker, "sycl")
-    first, second, third, want = gpu_worker.submit(sort_twice_through_fresh_devices, str(tmp_path)).result()
+    first, second, third, want = gpu_worker.submit(top_twice_through_fresh_devices, str(tmp_path)).result()
     assert first["builds"] == {"source": 1, "binary": 0}
     assert second["builds"] == {"source": 0, "binary": 1}
     assert third["builds"] == {"source": 1, "binary": 0}
     for run in (first, second, third):
-        assert (run["order"] == want["order"]).all()
+        assert (run["top"] == want["top"]).all()
 
 
 def test_paged_device_is_checked_before_loading(tmp_path):

@@ -1,7 +1,7 @@
-"""KVCrush's selection on the GPU path (issue 49) on Intel's OpenCL CPU runtime, at sub-group
-sizes 8 and 16: every step's integer output (decisions, signatures, anchors, Hamming distances,
-the bucketing order, representatives, the kept tokens) equal to the reference's
-(``methods.kvcrush``), on scores full of ties. The kernels run in the ``gpu_worker`` process
+"""KVCrush's selection on the GPU path (issue 49) on Intel's OpenCL CPU runtime, in one launch:
+every step's integer output (decisions, signatures, anchors, Hamming distances, the bucketing
+order, representatives, the kept tokens) equal to the reference's (``methods.kvcrush``), on
+scores full of ties. The kernels run in the ``gpu_worker`` process
 (conftest); without Intel's runtime the tests skip, naming what is missing.
 """
 
@@ -15,8 +15,6 @@ from ov_kvcrush.gpu import kvcrush
 from ov_kvcrush.methods import kvcrush as reference
 from ov_kvcrush.methods.selection import plan_spans
 
-SUB_GROUPS = (8, 16)
-
 
 def scores_with_ties(rng: np.random.Generator, h: int, n: int) -> np.ndarray:
     """Scores of few distinct values (exact in any summation order): ties everywhere, which the
@@ -29,15 +27,16 @@ KVCRUSH_CASES = [
     ("topk", ("random", "mean"), "tuple", "first"),
     ("threshold", ("random", "zeros", "mean"), "nearest", "max_score"),
     ("threshold", ("alternating",), "tuple", "first"),
+    # eight anchors over 40 heads: a tuple key of 41^8 fits no integer, so the order is sorted an
+    # anchor's distance at a time, as the reference's
+    ("topk", ("random",) * 7 + ("mean",), "tuple", "first"),
 ]
 
 
-@pytest.mark.parametrize(("sub_group", "one_launch"), [(8, False), (16, False), (16, True)])
 @pytest.mark.parametrize(("signature", "anchors", "multi", "representative"), KVCRUSH_CASES)
-def test_kvcrush_steps_equal_the_reference(gpu_worker, signature, anchors, multi, representative, sub_group,
-                                           one_launch):  # fmt: skip
-    """A kernel a step, or every step in one launch (its steps' results read from its scratch)."""
-    rng = np.random.default_rng(len(anchors) * 10 + sub_group)
+def test_kvcrush_steps_equal_the_reference(gpu_worker, signature, anchors, multi, representative):
+    """Every step in one launch, its steps' results read from its scratch."""
+    rng = np.random.default_rng(len(anchors) * 10 + 16)
     for h, n, budget, sinks, recent, reps in ((9, 300, 120, 4, 16, 40), (40, 257, 90, 0, 8, 50)):
         scores = scores_with_ties(rng, h, n)
         ref = reference.kvcrush_select(
@@ -63,8 +62,6 @@ def test_kvcrush_steps_equal_the_reference(gpu_worker, signature, anchors, multi
             signature=signature,
             multi_anchor=multi,
             representative=representative,
-            sub_group=sub_group,
-            one_launch=one_launch,
         ).result()
         np.testing.assert_array_equal(got.evictable, ref.evictable.numpy())
         np.testing.assert_array_equal(got.important, np.sort(ref.important.numpy()))
@@ -76,28 +73,27 @@ def test_kvcrush_steps_equal_the_reference(gpu_worker, signature, anchors, multi
         np.testing.assert_array_equal(got.keep, ref.keep.numpy())
 
 
-@pytest.mark.parametrize("sub_group", SUB_GROUPS)
-def test_block_wise_kvcrush_keeps_the_references_blocks(gpu_worker, sub_group):
-    """Block-wise: the blocks' summed scores, then the same selection over blocks."""
-    rng = np.random.default_rng(3)
-    block, n = 32, 32 * 40 + 5
-    scores = scores_with_ties(rng, 9, n)
-    plan = plan_spans(torch.from_numpy(scores)[None], 512, 32, 64, block, reserved=4, what="test")
-    sums = gpu_worker.submit(kvcrush.block_sums, scores[:, : plan.full * block], block, sub_group).result()
-    np.testing.assert_array_equal(sums, plan.scores[0].numpy())
-    want = reference.kvcrush_select_blocks(torch.from_numpy(scores)[None], block, 512, 32, 64, 4 * block)[0]
-    ref = reference.kvcrush_select(plan.scores, plan.budget, plan.sink, plan.recent, 4)[0]
+@pytest.mark.parametrize(("signature", "anchors", "multi", "representative"), KVCRUSH_CASES[:3])
+def test_a_selection_of_thousands_of_units_in_one_launch_equals_the_reference(gpu_worker, signature, anchors, multi,
+                                                                              representative):  # fmt: skip
+    """Past the 2,048 units a work-group once ranked quadratically (a long prompt token by token):
+    the one launch's sorts (top-k ranks, the stable orders, the kept units listed) give every
+    step's result of the reference, ties included; not a power of two of units, so the sorts pad."""
+    rng = np.random.default_rng(29)
+    h, n, budget, sinks, recent, reps = 9, 4100, 1500, 4, 64, 300
+    scores = scores_with_ties(rng, h, n)
+    ref = reference.kvcrush_select(torch.from_numpy(scores)[None], budget, sinks, recent, reps, signature=signature,
+                                   anchors=anchors, multi_anchor=multi, representative=representative)[0]  # fmt: skip
     got = gpu_worker.submit(
-        kvcrush.kvcrush_select,
-        sums,
-        plan.budget,
-        plan.sink,
-        plan.recent,
-        4,
-        anchor_bits=ref.anchors.numpy(),
-        sub_group=sub_group,
-    ).result()
-    np.testing.assert_array_equal(plan.tokens(torch.from_numpy(got.keep).long()).numpy(), want.numpy())
+        kvcrush.kvcrush_select, scores, budget, sinks, recent, reps, anchor_bits=ref.anchors.numpy(),
+        mean_anchor=tuple(a == "mean" for a in anchors), signature=signature, multi_anchor=multi,
+        representative=representative,
+    ).result()  # fmt: skip
+    np.testing.assert_array_equal(got.important, np.sort(ref.important.numpy()))
+    np.testing.assert_array_equal(got.signatures, reference.pack_signatures(ref.bits).numpy())
+    np.testing.assert_array_equal(got.order, ref.order.numpy())
+    np.testing.assert_array_equal(got.representatives, ref.representatives.numpy())
+    np.testing.assert_array_equal(got.keep, ref.keep.numpy())
 
 
 def test_block_wise_kvcrush_in_one_launch_keeps_the_references_tokens(gpu_worker):
@@ -114,7 +110,7 @@ def test_block_wise_kvcrush_in_one_launch_keeps_the_references_tokens(gpu_worker
         ref = reference.kvcrush_select(plan.scores, plan.budget, plan.sink, plan.recent, 6, anchors=anchors)[0]
         got = gpu_worker.submit(
             kvcrush.kvcrush_select, scores, plan.budget, plan.sink, plan.recent, 6, anchor_bits=ref.anchors.numpy(),
-            mean_anchor=tuple(a == "mean" for a in anchors), one_launch=True, block=block,
+            mean_anchor=tuple(a == "mean" for a in anchors), block=block,
         ).result()  # fmt: skip
         np.testing.assert_array_equal(got.keep, want.numpy())
         np.testing.assert_array_equal(got.representatives, ref.representatives.numpy())
@@ -155,16 +151,18 @@ def test_a_steps_selections_in_one_launch_drop_the_unit_the_reference_does_not_k
     keep (scope ``layer``: every KV head the layer's; ``head``: each its query group's); a
     sequence without a selection is left alone."""
     rng = np.random.default_rng(17)
-    q_heads, kv, budget, sinks, recent, reps, block = 8, 2, 96, 4, 8, 32, 16
+    q_heads, kv, sinks, recent, reps, block = 8, 2, 4, 8, 32, 16
     anchors = ("random", "mean")
     heads = [slice(0, q_heads)] if scope == "layer" else [slice(g * 4, g * 4 + 4) for g in range(kv)]
     sequences, wants = [], []
-    for case in ((budget + 1, 1), (budget + 1, 1), None, (budget + 9, block), (budget + block, block)):
+    # (slots held, unit, budget): the last past the 2,048 units a work-group once ranked quadratically
+    cases = ((97, 1, 96), (97, 1, 96), None, (105, block, 96), (112, block, 96), (2_100, 1, 2_099))
+    for case in cases:
         if case is None:
             sequences.append(None)
             wants.append(None)
             continue
-        n, unit = case
+        n, unit, budget = case
         scores = scores_with_ties(rng, q_heads, n)
         if unit == 1:
             counts, units = (budget, sinks, recent, reps), n

@@ -1,14 +1,15 @@
 """KVCrush's selection on the GPU path (``plugins/gpu/kernels/kvcrush.cl``), step for step as
-:func:`ov_kvcrush.methods.kvcrush.kvcrush_select` takes them.
+:func:`ov_kvcrush.methods.kvcrush.kvcrush_select` takes them, in one launch a selection.
 
-Every step runs on the device: the heads' scores summed, the important tokens (sinks, recent, the
-top summed scores), each head's decisions and the packed signatures, the anchors' distances, the
-stable bucketing order, one representative per bucket, and the kept tokens as a mask, from which
-the kept slots are listed on the device; the host knows how many (:attr:`DeviceSelection.kept`). Nothing
-comes back to a cache's selection but a ``mean`` anchor's bits (:func:`select_on_device` reads
-the kept tokens back, and for the tests' step checks each step's results). Random anchors are
-drawn by the caller (the reference's seeded generator); a ``mean`` anchor is the evictable
-tokens' per-bit majority, computed here.
+Every step runs on the device, in one work-group a row (:func:`launch_select`; a decode step's
+selections anew of all its sequences in one launch, :func:`launch_step_selections`): the heads'
+scores summed (a block's, block-wise), the important tokens (sinks, recent, the top summed
+scores), each head's decisions and the packed signatures, a ``mean`` anchor's majority bits, the
+anchors' distances, the stable bucketing order, one representative per bucket, and the kept slots
+listed; the host knows how many (:attr:`SelectFields.kept`), and nothing comes back (the tests'
+step checks read each step's results from the launch's scratch, :func:`read_one_launch`). The
+steps that order sort (a bitonic network over the row's scratch), so a selection of any size is
+one launch. Random anchors are drawn by the caller (the reference's seeded generator).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from ov_kvcrush.gpu.device import DirectTransfers, KernelDevice, Transfers, device
-from ov_kvcrush.gpu.sort import MAX_KEYS, stable_order
 from ov_kvcrush.validation import check_choice, check_int
 
 SIGNATURES = ("topk", "threshold")
@@ -27,18 +27,17 @@ SIGNATURES = ("topk", "threshold")
 
 @dataclass
 class KVCrushGPUSelection:
-    """What the device decided, in the reference's terms (``KVCrushSelection``); the steps'
-    read-backs (``None`` unless asked for) are for the tests' step checks."""
+    """What the device decided, in the reference's terms (``KVCrushSelection``), each step's
+    result read back from a launch's scratch for the tests' step checks."""
 
     keep: np.ndarray  # ascending kept tokens
-    keep_mask: Any  # device uchar [n]: 1 for a kept token (None once returned to numpy callers)
-    important: np.ndarray | None = None  # ascending
-    representatives: np.ndarray | None = None  # bucket order
-    evictable: np.ndarray | None = None  # position order
-    order: np.ndarray | None = None  # positions into evictable, bucketing order
-    distances: np.ndarray | None = None  # [m, A]
-    signatures: np.ndarray | None = None  # [n, W] packed, 32 heads per word
-    anchors: np.ndarray | None = None  # [A, W] packed
+    important: np.ndarray  # ascending
+    representatives: np.ndarray  # bucket order
+    evictable: np.ndarray  # position order
+    order: np.ndarray  # positions into evictable, bucketing order
+    distances: np.ndarray  # [m, A]
+    signatures: np.ndarray  # [n, W] packed, 32 heads per word
+    anchors: np.ndarray  # [A, W] packed
 
 
 def _kernel(dev: KernelDevice, name: str) -> Any:
@@ -76,36 +75,26 @@ def kvcrush_select(
     multi_anchor: str = "tuple",
     representative: str = "max_score",
     sub_group: int | None = None,
-    one_launch: bool = False,
     block: int = 1,
 ) -> KVCrushGPUSelection:
     """KVCrush over per-query-head scores ``[H, n]`` (one batch row), ``budget < n``.
 
     ``anchor_bits`` ``[A, H]``: the fixed anchors; ``mean_anchor[a]`` replaces anchor ``a`` with
-    the evictable tokens' per-bit majority. ``one_launch``: every step in one kernel
-    (:func:`launch_select`), its steps' results read from its scratch; else a kernel a step.
-    ``block`` (one launch only): over the whole blocks of that many tokens (their summed scores;
-    the counts in blocks, the tokens past them kept), as the block-wise form selects."""
+    the evictable tokens' per-bit majority. ``block``: over the whole blocks of that many tokens
+    (their summed scores; the counts in blocks, the tokens past them kept), as the block-wise form
+    selects. One launch (:func:`launch_select`), each step's result read from its scratch."""
     check_choice("signature", signature, SIGNATURES)
     check_choice("multi_anchor", multi_anchor, ("tuple", "nearest"))
     check_choice("representative", representative, ("max_score", "first"))
-    check_int("block", block, 1, 1 if not one_launch else scores.shape[1])
-    h, n = scores.shape
+    check_int("block", block, 1, scores.shape[1])
+    n = scores.shape[1]
     units = n // block
     check_int("budget", budget, sink_tokens + recent_tokens + representatives, units - 1)
-    a = anchor_bits.shape[0]
-    nearest = int(multi_anchor == "nearest")
-    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
-    if key_range > MAX_KEYS:  # before any device work
-        raise ValueError(f"{a} anchors over {h} heads: {key_range} bucketing keys exceed the device sort's {MAX_KEYS}")
     dev = device(sub_group)
     choice = KVCrushChoice(budget, sink_tokens, recent_tokens, representatives, anchor_bits, mean_anchor, signature,
                            multi_anchor, representative)  # fmt: skip
     scores_b = dev.to_device(scores.astype(np.float32))
-    if one_launch:
-        return read_one_launch(dev, launch_select(dev, DirectTransfers(dev), scores_b, n, n, block, units, [choice]))
-    sel = select_on_device(dev, DirectTransfers(dev), scores_b, h, n, choice)
-    return replace(sel, keep_mask=None)  # numpy in, numpy out (a device buffer does not pickle)
+    return read_one_launch(dev, launch_select(dev, DirectTransfers(dev), scores_b, n, n, block, units, [choice]))
 
 
 @dataclass(frozen=True)
@@ -123,195 +112,11 @@ class KVCrushChoice:
     representative: str = "max_score"
 
 
-@dataclass
-class ImportantTokens:
-    """Step 1's result: the summed scores, each token's flag (important or evictable), and the
-    evictable tokens (the first ``evictable`` entries of ``by_flag``, on the device)."""
-
-    combined: Any
-    flags: Any
-    by_flag: Any
-    evictable: int
-
-
-def important_tokens(dev: KernelDevice, sc: Any, h: int, n: int, c: KVCrushChoice) -> ImportantTokens:
-    """The sinks, the recent tokens and the top summed scores between; the rest is evictable."""
-    i32 = np.int32
-    combined = dev.empty(4 * n)
-    dev.run(_kernel(dev, "head_sums"), (n,), None, sc, i32(h), i32(n), combined)
-    mid = n - c.sink_tokens - c.recent_tokens
-    heavy = c.budget - c.representatives - c.sink_tokens - c.recent_tokens
-    flags = dev.empty(4 * n)
-    top = top_mask(dev, combined, 1, n, c.sink_tokens, mid, heavy)
-    dev.run(_kernel(dev, "important_flags"), (n,), None, top, i32(n), i32(c.sink_tokens), i32(mid), flags)
-    # evictable, then important, each in position order: the stable order by the flag
-    return ImportantTokens(combined, flags, stable_order(dev, flags, n, 2), n - (c.budget - c.representatives))
-
-
-def signatures(dev: KernelDevice, sc: Any, h: int, n: int, c: KVCrushChoice) -> tuple[Any, int]:
-    """Each head's decisions over the middle, packed into ``w`` 32-bit words a token."""
-    mid = n - c.sink_tokens - c.recent_tokens
-    decisions = (
-        top_mask(dev, sc, h, n, c.sink_tokens, mid, c.budget - c.sink_tokens - c.recent_tokens)
-        if c.signature == "topk"
-        else _threshold_mask(dev, sc, h, n, c.sink_tokens, mid)
-    )
-    w = max(1, -(-h // 32))
-    sig = dev.empty(4 * n * w)
-    i32 = np.int32
-    dev.run(_kernel(dev, "pack_signatures"), (n,), None, decisions, i32(h), i32(n), i32(c.sink_tokens), i32(mid), sig)
-    return sig, w
-
-
-def anchor_signatures(
-    dev: KernelDevice, io: Transfers, c: KVCrushChoice, sig: Any, w: int, imp: ImportantTokens, h: int
-) -> np.ndarray:
-    """The anchors' packed bits: the fixed ones, a mean anchor as the evictable tokens' majority bits."""
-    anchors = pack_anchor_bits(c.anchor_bits.astype(bool))
-    if any(c.mean_anchor or ()):
-        majority = dev.empty(h)
-        dev.run(
-            _kernel(dev, "majority_bits"), (h,), None, sig, np.int32(w), imp.by_flag, np.int32(imp.evictable), majority
-        )
-        mean_bits = pack_anchor_bits(io.download("mean anchor", majority, np.uint8, (h,))[None].astype(bool))[0]
-        for i, mean in enumerate(c.mean_anchor or ()):
-            if mean:
-                anchors[i] = mean_bits
-    return anchors
-
-
-def bucket_order(
-    dev: KernelDevice,
-    io: Transfers,
-    c: KVCrushChoice,
-    sig: Any,
-    w: int,
-    imp: ImportantTokens,
-    anchors: np.ndarray,
-    h: int,
-) -> tuple[Any, Any]:
-    """Each evictable token's Hamming distance to every anchor, and the evictable tokens ordered
-    by bucket (the distances as one key): ``(distances, order)`` on the device."""
-    i32, m, a = np.int32, imp.evictable, anchors.shape[0]
-    nearest = int(c.multi_anchor == "nearest")
-    dist_b = dev.empty(4 * max(m, 1) * a)
-    keys = dev.empty(4 * max(m, 1))
-    if m:
-        dev.run(
-            _kernel(dev, "anchor_distances"), (m, a), None, sig, i32(w), imp.by_flag, i32(m),
-            io.upload("anchors", anchors), dist_b,
-        )  # fmt: skip
-        dev.run(_kernel(dev, "bucket_keys"), (m,), None, dist_b, i32(m), i32(a), i32(h), i32(nearest), keys)
-    key_range = a * (h + 1) if nearest and a > 1 else (h + 1) ** a
-    return dist_b, stable_order(dev, keys, m, key_range)
-
-
-def representatives(dev: KernelDevice, c: KVCrushChoice, imp: ImportantTokens, order_b: Any) -> tuple[Any, int]:
-    """One token a bucket, by score or the first: ``(representatives, buckets)`` on the device."""
-    i32, m = np.int32, imp.evictable
-    buckets = min(c.representatives, m)
-    reps_b = dev.empty(4 * max(buckets, 1))
-    if buckets:
-        dev.run(
-            _kernel(dev, "representatives"), (buckets,), None, imp.by_flag, order_b, i32(m), i32(buckets),
-            imp.combined, i32(c.representative == "first"), reps_b,
-        )  # fmt: skip
-    return reps_b, buckets
-
-
-@dataclass
-class DeviceSelection:
-    """A selection's steps on the device: the kept tokens' mask (uchar ``[n]``, 1 for a kept
-    token), how many it keeps (known on the host: the important tokens and a representative a
-    bucket, so the decisions need not come back), and what the tests' step checks read back."""
-
-    mask: Any
-    kept: int
-    important: ImportantTokens
-    signatures: Any
-    words: int
-    anchors: np.ndarray
-    distances: Any
-    order: Any
-    representatives: Any
-    buckets: int
-
-
-def select_mask_on_device(
-    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice
-) -> DeviceSelection:
-    """KVCrush over device scores ``sc`` ``[h, n]``: the important tokens, the evictable ones'
-    signatures bucketed by their distances to the anchors, one representative a bucket, the kept
-    tokens' mask; nothing comes back (but a ``mean`` anchor's bits, through ``io``)."""
-    imp = important_tokens(dev, sc, h, n, c)
-    sig, w = signatures(dev, sc, h, n, c)
-    anchors = anchor_signatures(dev, io, c, sig, w, imp, h)
-    dist_b, order_b = bucket_order(dev, io, c, sig, w, imp, anchors, h)
-    reps_b, buckets = representatives(dev, c, imp, order_b)
-    mask_b = dev.empty(max(n, 1))
-    dev.run(_kernel(dev, "kept_mask"), (n,), None, imp.flags, np.int32(n), reps_b, np.int32(buckets), mask_b)
-    kept = n - imp.evictable + buckets
-    return DeviceSelection(mask_b, kept, imp, sig, w, anchors, dist_b, order_b, reps_b, buckets)
-
-
-def select_on_device(
-    dev: KernelDevice, io: Transfers, sc: Any, h: int, n: int, c: KVCrushChoice
-) -> KVCrushGPUSelection:
-    """:func:`select_mask_on_device`, the kept tokens and each step's results read back through
-    ``io`` (the tests' step checks)."""
-    sel = select_mask_on_device(dev, io, sc, h, n, c)
-    keep = np.flatnonzero(io.download("selection decisions", sel.mask, np.uint8, (n,))).astype(np.int32)
-    m, a = sel.important.evictable, sel.anchors.shape[0]
-    by_flag = dev.to_host(sel.important.by_flag, np.int32, (n,))
-    return KVCrushGPUSelection(
-        keep=keep,
-        keep_mask=sel.mask,
-        important=np.sort(by_flag[m:]),
-        representatives=dev.to_host(sel.representatives, np.int32, (max(sel.buckets, 1),))[: sel.buckets],
-        evictable=by_flag[:m],
-        order=dev.to_host(sel.order, np.int32, (max(m, 1),))[:m],
-        distances=dev.to_host(sel.distances, np.int32, (max(m, 1), a))[:m],
-        signatures=dev.to_host(sel.signatures, np.uint32, (n, sel.words)),
-        anchors=sel.anchors,
-    )
-
-
-def _threshold_mask(dev: KernelDevice, scores: Any, rows: int, n: int, lo: int, mid: int) -> Any:
-    out = dev.empty(max(rows * mid, 1))
-    if mid > 0:
-        kernel = _kernel(dev, "head_decisions_threshold")
-        dev.run(
-            kernel, (dev.sub_group, rows), (dev.sub_group, 1), scores, np.int32(n), np.int32(lo), np.int32(mid), out
-        )
-    return out
-
-
-def launch_block_sums(dev: KernelDevice, scores: Any, h: int, n: int, block: int) -> Any:
-    """Device ``[h, ceil(n / block)]``: per-head sums of device ``scores`` ``[h, n]`` over blocks."""
-    blocks = -(-n // block)
-    out = dev.empty(4 * h * max(blocks, 1))
-    dev.run(_kernel(dev, "block_sums"), (max(blocks, 1), h), None, scores, np.int32(n), np.int32(block), out)
-    return out
-
-
-def block_sums(scores: np.ndarray, block: int, sub_group: int | None = None) -> np.ndarray:
-    """Per-head sums of ``scores`` ``[H, n]`` over blocks of ``block`` tokens (the last may be partial)."""
-    dev = device(sub_group)
-    h, n = scores.shape
-    out = launch_block_sums(dev, dev.to_device(scores.astype(np.float32)), h, n, block)
-    return dev.to_host(out, np.float32, (h, -(-n // block)))
-
-
-#: the most units (tokens, or whole blocks) a selection takes in one launch: ``kvcrush_select``
-#: gives a row one work-group, and its ranks are quadratic in the units; past it (a long prompt's
-#: selection, once; token by token at a budget of 2,048 or more, every decode step) the step
-#: kernels spread each step over the device
-ONE_LAUNCH_UNITS = 2048
 #: the lanes of ``kvcrush_select``'s work-group
 SELECT_LANES = 128
 #: each step's results in a row's scratch, in ``kvcrush.cl``'s order (S_SUMS ..): their names
 SCRATCH = ("sums", "combined", "means", "flags", "by_flag", "signatures", "anchors", "distances", "keys", "order",
-           "representatives", "kept")  # fmt: skip
+           "representatives", "kept", "sort")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -349,18 +154,30 @@ class SelectFields:
     def sizes(self) -> dict[str, int]:
         """Each step's result's words in a row's scratch (:data:`SCRATCH`)."""
         h, u, m, a, w = self.heads, self.units, self.evictable, self.choice.anchor_bits.shape[0], self.words
-        words = (h * u, u, h, u, u, u * w, a * w, m * a, m, m, max(self.buckets, 1), u)
+        sorts = h if self.choice.signature == "topk" else 1  # each head's middle sorted side by side
+        words = (h * u, u, h, u, u, u * w, a * w, m * a, m, m, max(self.buckets, 1), u, 2 * sorts * self.sort_length)
         return dict(zip(SCRATCH, words, strict=True))
 
     @property
+    def sort_length(self) -> int:
+        """The keys a sort of the units takes (``kvcrush.cl``'s ``sort_length``: a power of two)."""
+        return 1 << max(self.units - 1, 0).bit_length()
+
+    @property
     def row_words(self) -> int:
-        return sum(self.sizes().values())
+        return self._layout()[1]
 
     def offsets(self) -> dict[str, int]:
+        return self._layout()[0]
+
+    def _layout(self) -> tuple[dict[str, int], int]:
+        """Each result's first word in a row's scratch, and the row's words: the sort's keys
+        (ulongs) at an even word, and a row of an even count, so that every row's keys are too."""
         out, at = {}, 0
         for name, words in self.sizes().items():
+            at += name == "sort" and at % 2
             out[name], at = at, at + words
-        return out
+        return out, at + at % 2
 
     def array(self) -> np.ndarray:
         c = self.choice
@@ -417,11 +234,11 @@ class StepSelection:
 
     @staticmethod
     def of(n: int, block: int, units: int, choices: list[KVCrushChoice]) -> StepSelection | None:
-        """The selection of ``choices``' rows over ``n`` held slots, or None where it is not one
-        unit dropped in one launch (:data:`ONE_LAUNCH_UNITS`): then the sequence's own work."""
+        """The selection of ``choices``' rows over ``n`` held slots, or None where it does not drop
+        exactly one unit: then the sequence's own work."""
         first = choices[0]
         fields = SelectFields(n, block, units, first.anchor_bits.shape[1], first)
-        if units > ONE_LAUNCH_UNITS or fields.kept != n - block:
+        if fields.kept != n - block:
             return None
         return StepSelection(fields, np.stack([pack_anchor_bits(c.anchor_bits.astype(bool)) for c in choices]))
 
@@ -465,7 +282,6 @@ def read_one_launch(dev: KernelDevice, sel: OneLaunchSelection) -> KVCrushGPUSel
     by_flag = part("by_flag")
     return KVCrushGPUSelection(
         keep=dev.to_host(sel.kept, np.int32, (sel.rows, f.kept))[0],
-        keep_mask=None,
         important=np.sort(by_flag[m:]),
         representatives=part("representatives")[: f.buckets],
         evictable=by_flag[:m],

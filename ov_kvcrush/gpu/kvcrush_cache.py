@@ -6,20 +6,12 @@ on the device (:mod:`ov_kvcrush.gpu.kvcrush`), token by token or over whole bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from ov_kvcrush.gpu.importance_cache import DeviceSnapKVLayerCache
-from ov_kvcrush.gpu.kvcrush import (
-    ONE_LAUNCH_UNITS,
-    KVCrushChoice,
-    StepSelection,
-    launch_block_sums,
-    launch_select,
-    select_mask_on_device,
-)
+from ov_kvcrush.gpu.kvcrush import KVCrushChoice, StepSelection, launch_select
 from ov_kvcrush.gpu.slots import KeptSlots
 from ov_kvcrush.gpu.step_work import StepWork
 from ov_kvcrush.methods.kvcrush import KVCrushConfig
@@ -86,49 +78,13 @@ class DeviceKVCrushLayerCache(DeviceSnapKVLayerCache):
         self._bump("evicted", float(plan.block * self.layer.kv_heads))
 
     def _select(self, n: int, width: int) -> KeptSlots:
+        """The selection of every row in one launch (``kvcrush_select``), at any size: a prompt's
+        and a decode step's alike."""
         lay, plan, rows = self.layer, self._units(n), self._rows()
-        per_head = len(rows) > 1
-        if plan.units > ONE_LAUNCH_UNITS:
-            return self._select_by_steps(n, plan, rows)
-        choices = self._choices(plan)
-        sel = launch_select(lay.pool.dev, lay.pool, self.scores, self.stride, n, plan.block, plan.units, choices)
+        sel = launch_select(lay.pool.dev, lay.pool, self.scores, self.stride, n, plan.block, plan.units,
+                            self._choices(plan))  # fmt: skip
         k = sel.fields.kept
-        return KeptSlots(sel.kept, k if per_head else 0, k)  # one row: every KV head reads its list
-
-    def _select_by_steps(self, n: int, plan: UnitPlan, rows: list[slice]) -> KeptSlots:
-        """:meth:`_select` with a kernel a step (a long prompt's units: each step spread over the
-        device), row by row."""
-        dev = self.layer.pool.dev
-        masks = dev.empty(max(n, 1) * len(rows))  # [rows, n]: 1 for a kept token
-        counts = set()
-        for r, heads in enumerate(rows):
-            count, mask = self._select_rows(n, plan, heads)
-            dev.copy_bytes(mask, masks, n, r * n)
-            counts.add(count)
-        (k,) = counts  # every row keeps as many (the budget's count)
-        kept_b = dev.empty(4 * max(k, 1) * len(rows))  # a list per row; one row: every KV head reads it
-        i32 = np.int32
-        dev.run(self._kernel("kept_slots"), (len(rows),), None, masks, i32(n), i32(0), i32(0), i32(n), kept_b, i32(k))
-        return KeptSlots(kept_b, k if len(rows) > 1 else 0, k)
-
-    def _select_rows(self, n: int, plan: UnitPlan, heads: slice) -> tuple[int, Any]:
-        """KVCrush over the scores of query heads ``heads``, a kernel a step: how many tokens it
-        keeps, and their device mask ``[n]``."""
-        lay = self.layer
-        dev, h = lay.pool.dev, heads.stop - heads.start
-        choice = self._choice(plan.budget, plan.sinks, plan.recent, plan.representatives, heads)
-        if plan.block == 1:
-            scores = dev.copy_rows(self.scores, self.stride, h, n, heads.start)  # [h, n] packed, on the device
-            sel = select_mask_on_device(dev, lay.pool, scores, h, n, choice)
-            return sel.kept, sel.mask
-        block, whole = plan.block, plan.units * plan.block  # the whole blocks' scores, packed
-        sums = launch_block_sums(dev, dev.copy_rows(self.scores, self.stride, h, whole, heads.start), h, whole, block)
-        blocks = select_mask_on_device(dev, lay.pool, sums, h, plan.units, choice)
-        mask = dev.empty(max(n, 1))
-        i32 = np.int32
-        dev.run(self._kernel("block_mask", "kvcrush.cl"), (n,), None, blocks.mask, i32(block), i32(whole),
-                i32(n), mask)  # fmt: skip
-        return blocks.kept * block + n - whole, mask
+        return KeptSlots(sel.kept, k if len(rows) > 1 else 0, k)  # one row: every KV head reads its list
 
 
 @dataclass(frozen=True)

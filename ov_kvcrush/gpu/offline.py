@@ -37,7 +37,6 @@ VARIANTS: dict[str, list[dict[str, int]]] = {
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
     "kvcrush.cl": [{}],
     "snapkv.cl": [{}],
-    "sort.cl": [{"MAX_KEYS": 4096}],
     "paged_store.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64} for p in (0, 1, 2)],
     "prefill.cl": [{"KV_PRECISION": p, "BLOCK_SIZE": 32, "HEAD_DIM": 64, "GROUP": 3} for p in (1, 2)]
     + [{"KV_PRECISION": 2, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "GROUP": 4}],
