@@ -26,7 +26,12 @@ PROMPTS = (150, 90, 121, 70, 110)
 CASES = {
     "kvcrush": (64, {"sink_tokens": 4, "recent_tokens": 8}, {"block_size": BLOCK}),
     "minikv": (64, {"sink_tokens": 4, "recent_tokens": 8}, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}),
-    "clusterkv": (48, {"sink_tokens": 4}, {"tokens_per_cluster": 8, "cluster_every": 3, "new_clusters": 2}),
+    # every layer recalls (the default's first two dense would be the whole tiny model)
+    "clusterkv": (
+        48,
+        {"sink_tokens": 4},
+        {"tokens_per_cluster": 8, "cluster_every": 3, "new_clusters": 2, "dense_layers": 0},
+    ),
     "chelsea": (48, {"sink_tokens": 4, "recent_tokens": 8}, {"chunk_size": 16, "merge_interval": 4}),
 }
 

@@ -1,14 +1,16 @@
 """``device="GPU"`` on Gemma 3 and Gemma 2: local (sliding-window) layers, and Gemma 2's attention
 soft-capping. The tiny random-weight Gemma 3 of the family checks has a local layer of a 96-token
-window then a global one. A local layer's row
-attends the last 96 slots up to its own (the prompt layer compiled with the window), the layer
-gives back the blocks no later row sees, and the method runs on the global layer alone, as the CPU
-op's rule (``attention_step.cpp``'s ``window``). Run by the plugin on Intel's OpenCL CPU runtime
+window then a global one. A local layer's row attends the last 96 slots up to its own (the prompt
+layer compiled with the window), the layer gives back the blocks no later row sees, and the
+method runs on the global layer alone, as the CPU op's rule (``attention_step.cpp``'s
+``window``): a recall (ClusterKV, Quest) and a merge (Chelsea) too, the local layer's rows
+recalling and merging nothing; KVzip is refused. Run by the plugin on Intel's OpenCL CPU runtime
 under the emulation layer; the prompts (past the window) go in chunks beside decoding sequences.
 Oracle: the CPU op's greedy tokens (the openvino engine on CPU, the same method, budget, f32
-blocks), together and each prompt alone and whole. Gemma 2's tiny model (the same layers) is run
-with its cap lowered to 0.25 in its exported folder's ``config.json`` (where the engines read it; the
-IR does not carry it), so that the cap decides the tokens."""
+blocks), together and each prompt alone and whole; for Quest, which the CPU op does not run, the
+torch reference's. Gemma 2's tiny model (the same layers) is run with its cap lowered to 0.25 in
+its exported folder's ``config.json`` (where the engines read it; the IR does not carry it), so
+that the cap decides the tokens."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 from helpers import batched_beside_decoding, check_gpu_gives_cpu_ops_tokens
 
-from ov_kvcrush.config import CompressionConfig
+from ov_kvcrush.config import CompressionConfig, GenerationSettings
 from ov_kvcrush.errors import UserError
 
 BLOCK, NEW_TOKENS, STEP_TOKENS = 16, 5, 36
@@ -34,12 +36,21 @@ CASES = {
     # MiniKV's 2-bit store on the global layer (its flush and attention there; the local layer reads
     # none), its pyramid's budget the first of one global layer's (the op's), not the second of two
     "minikv": (64, {"sink_tokens": 4, "recent_tokens": 8}, {"quant": {"residual_tokens": 16, "prompt_tail": 12}}),
+    # ClusterKV's recall and Chelsea's merge, layers of the global layer alone (the local layer's
+    # recall and merge rows do nothing), their new tokens clustered every 3 steps, merged every 4;
+    # the global layer recalls (no dense layers: its logits are then off the full cache's)
+    "clusterkv": (
+        24,
+        {"sink_tokens": 4},
+        {"tokens_per_cluster": 4, "cluster_every": 3, "new_clusters": 2, "dense_layers": 0},
+    ),
+    "chelsea": (48, {"sink_tokens": 4, "recent_tokens": 8}, {"chunk_size": 16, "merge_interval": 4}),
 }
 
 
 def _held_after(model_dir: str, ids: list[int], forced: list[int]) -> tuple[list[int], int, str]:
     """On GPU, the full cache after ``ids`` and each token of ``forced``: each layer's slots held and
-    the tokens seen; and what ClusterKV's compression over the model is answered with."""
+    the tokens seen; and what KVzip's compression over the model is answered with."""
     from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
     from ov_kvcrush.tools.model_coverage import F32
 
@@ -52,7 +63,7 @@ def _held_after(model_dir: str, ids: list[int], forced: list[int]) -> tuple[list
         (sequence,) = engine.pool.sequences.values()
         held = [c.layer.held for c in sequence.caches]
         try:
-            engine.set_compression(CompressionConfig(method="clusterkv", budget=48, sink_tokens=4))
+            engine.set_compression(CompressionConfig(method="kvzip", budget=48, sink_tokens=4))
             refusal = ""
         except UserError as exc:
             refusal = str(exc)
@@ -62,17 +73,17 @@ def _held_after(model_dir: str, ids: list[int], forced: list[int]) -> tuple[list
 
 
 @pytest.mark.model
-def test_on_gpu_a_local_layer_holds_its_window_and_a_recall_is_refused(emulation_worker, tiny_gemma3_ir):
+def test_on_gpu_a_local_layer_holds_its_window_and_kvzip_is_refused(emulation_worker, tiny_gemma3_ir):
     """After a 210-token prompt and 5 tokens, the local layer holds its window and less than a
-    block more (the rest given back), the global layer every token; ClusterKV, whose recall is a
-    layer of each layer's, is refused by name beside local layers."""
+    block more (the rest given back), the global layer every token; KVzip, whose scoring pass
+    repeats the context through every layer, is refused by name beside local layers."""
     rng = np.random.default_rng(3)
     ids, forced = [int(t) for t in rng.integers(10, 380, 210)], [int(t) for t in rng.integers(10, 380, 5)]
     held, seen, refusal = emulation_worker.submit(_held_after, tiny_gemma3_ir, ids, forced).result(timeout=900)
     window = 96  # the family's (ov_kvcrush.models.families.WINDOW)
     assert seen == 215 and held[1] == seen, held
     assert window - 1 <= held[0] <= window + BLOCK - 2, held  # (seen - window, seen] and the rest of its block
-    assert "clusterkv" in refusal and "local" in refusal, refusal
+    assert "kvzip" in refusal and "local" in refusal, refusal
 
 
 @pytest.mark.model
@@ -110,3 +121,69 @@ def test_on_gpu_gemma2s_soft_capped_logits_give_the_cpu_ops_tokens(emulation_wor
         batched_beside_decoding(capped, prompts, "CPU", *args)[0]
         != batched_beside_decoding(tiny_gemma2_ir, prompts, "CPU", *args)[0]
     )  # the cap of 0.25 decides the tokens
+
+
+#: Quest beside the local layer: pages of 8 on the global layer (none dense), 32 slots a row
+QUEST = CompressionConfig(method="quest", budget=32, options={"page_size": 8, "dense_layers": 0})
+
+
+def _texts() -> list[str]:
+    rng = np.random.default_rng(7)
+    words = ["river", "stone", "amber", "north", "quiet", "lamp", "harvest", "seven", "copper", "field", "window"]
+    return [" ".join(rng.choice(words, n)) for n in (110, 70, 95, 60, 85)]
+
+
+def _reference_tokens(checkpoint: str, texts: list[str]) -> list[list[list[int]]]:
+    """Quest's, then the full cache's, greedy tokens for each text by the torch reference (its
+    local layer a window cache, the method on the global one)."""
+    from ov_kvcrush.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(checkpoint)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    out = []
+    for compression in (QUEST, CompressionConfig(method="full")):
+        engine.set_compression(compression)
+        out.append([list(engine.generate(text, settings).token_ids) for text in texts])
+    return out
+
+
+def _quest_together(model_dir: str, texts: list[str]) -> tuple[list[list[int]], dict]:
+    """On ``GPU``, Quest's greedy tokens of four texts decoding together when the fifth arrives,
+    every text in chunks of at most :data:`STEP_TOKENS` tokens; the loop's counts."""
+    import openvino_genai
+
+    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
+    from ov_kvcrush.tools.model_coverage import F32
+
+    sc = openvino_genai.SchedulerConfig()
+    sc.max_num_batched_tokens, sc.max_num_seqs = STEP_TOKENS, 8
+    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f32", block_size=BLOCK, properties=F32,
+                            scheduler_config=sc)  # fmt: skip
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        engine.set_compression(QUEST)
+        loop = engine.batcher
+        handles = [loop.add_request(i, engine.encode(text), settings) for i, text in enumerate(texts[:4])]
+        while loop.stats["decode_rows"] < 4:
+            loop.step()
+        handles.append(loop.add_request(4, engine.encode(texts[4]), settings))
+        while loop.has_non_finished_requests():
+            loop.step()
+        return [list(h.result().token_ids) for h in handles], dict(loop.stats)
+    finally:
+        engine.close()
+
+
+@pytest.mark.model
+def test_on_gpu_quest_beside_a_local_layer_gives_the_references_tokens(emulation_worker, tiny_gemma3_ir):
+    """Quest's pages layer on the global layer alone (the local layer attends its window): the
+    GPU's tokens, four texts decoding while a fifth goes in chunks, are the torch reference's
+    (the CPU op runs no Quest), which the pages change (the full cache's differ)."""
+    from ov_kvcrush.models.families import tiny_checkpoint
+
+    texts = _texts()
+    quest, full = _reference_tokens(str(tiny_checkpoint("gemma3")), texts)
+    got, stats = emulation_worker.submit(_quest_together, tiny_gemma3_ir, texts).result(timeout=900)
+    assert got == quest
+    assert stats["prefill_chunks"] > len(texts)
+    assert quest != full

@@ -159,8 +159,10 @@ class PluginModel:
         self.config_file = plugin_layers.write_config(cache_root() / "plugins" / "gpu-plugin-layers", attributes)
         self.rows_inputs = [ROWS_INPUT.format(i) for i in range(s.layers)]
         self.logits_inputs = [LOGITS_INPUT.format(i) for i in range(s.layers)]
-        self.recalled_inputs = [RECALLED_INPUT.format(i) for i in range(s.layers)]
-        self.scratch_inputs = [SCRATCH_INPUT.format(i) for i in range(s.layers)]
+        # a recall's lists and a merge's scratch: a global layer's inputs (a local layer runs no method)
+        windows = self.windows or (0,) * s.layers
+        self.recalled_inputs = [None if w else RECALLED_INPUT.format(i) for i, w in enumerate(windows)]
+        self.scratch_inputs = [None if w else SCRATCH_INPUT.format(i) for i, w in enumerate(windows)]
         #: a buffer per layer, reused while large enough: "rows" (the step's returned query
         #: rows), and per place in a step its sequence's rows copied apart: (bytes, buffers)
         self._layer_buffers: dict[str | int, tuple[int, list[Any]]] = {}
@@ -340,12 +342,14 @@ class PluginModel:
                 self.dev.copy_rect(src, stride, dst, int(n), 0, hq, int(n), first_row=s * hq)
         return own
 
-    def _bind_layer_buffers(self, request: Any, key: str, names: list[str], nbytes: int) -> list[Any]:
+    def _bind_layer_buffers(self, request: Any, key: str, names: list[str | None], nbytes: int) -> list[Any]:
         """A buffer per layer of at least ``nbytes`` (:meth:`_buffers`' for ``key``), each bound
-        as bytes to its layer's input of ``names`` (the layers write into it in place)."""
+        as bytes to its layer's input of ``names`` (the layers write into it in place; None: the
+        layer has none)."""
         buffers = self._buffers(key, nbytes)
         for name, buffer in zip(names, buffers, strict=True):
-            request.set_tensor(name, bytes_tensor(self.context, buffer))
+            if name is not None:
+                request.set_tensor(name, bytes_tensor(self.context, buffer))
         return buffers
 
     def run_step(self, handle: PluginRequest, ids: list[list[int]], sequences: list[PluginKVSequence]) -> np.ndarray:

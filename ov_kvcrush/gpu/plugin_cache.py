@@ -75,19 +75,15 @@ class ModelVariant:
 
 def local_layers_refusal(model: ModelShape, method: MethodConfig) -> str | None:
     """Why ``method`` cannot run over ``model``'s local layers on the plugin, or None (a model
-    without them, or a method without a recall, a merge or a scoring pass: a local layer takes
-    none of the method's layers, nor its 2-bit store's, where the recall and merge inputs and
-    KVzip's pass are built for every layer)."""
-    if not any(model.windows):
+    without them, or a method other than KVzip: a local layer attends its window and takes none
+    of the method's layers, a recall's, a merge's or the 2-bit store's, which run on the global
+    layers; KVzip's scoring pass repeats the context through every layer)."""
+    if not any(model.windows) or not isinstance(method, KVzipConfig):
         return None
-    if (
-        not device_layers.model_recall_layer(method)
-        and not device_layers.model_merges(method)
-        and not isinstance(method, KVzipConfig)
-    ):
-        return None
-    return (f"device GPU runs {method.name} on models with global attention layers only (this model has "
-            "local ones; beside them it runs the methods without a recall, a merge or a scoring pass)")  # fmt: skip
+    return (
+        f"device GPU runs {method.name} on models with global attention layers only (this model has local ones, "
+        "through which its scoring pass is not built; beside them any other method runs)"
+    )
 
 
 class PluginKVPool:

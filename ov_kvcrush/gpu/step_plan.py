@@ -18,6 +18,7 @@ from ov_kvcrush.gpu.plugin_cache import PluginKVPool, PluginKVSequence
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache
 from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.step_shape import StepPadding, step_size, table_width
+from ov_kvcrush.gpu.window_cache import DeviceWindowLayerCache
 
 #: the block tables' inputs, kept on the device across steps and sent as they change
 #: (:class:`~ov_kvcrush.gpu.table_mirror.TableMirror`): a step's bytes count them as they are sent
@@ -166,16 +167,19 @@ def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) 
     """A recalling method's ``kvc_recall`` of a step
     (:data:`~ov_kvcrush.transformations.plugin_attention.RECALL_INPUTS`), a row per (sequence, KV
     head) as :func:`plan_step`'s: each sequence's decode token (``tokens[s]``, its index in the
-    step; None in a prompt's step) recalls; and the widest slot list a row
-    attends and the most clusters or pages a row ranks (each at least 1)."""
-    per_seq = []
-    for seq in sequences:
-        caches = [c for c in seq.caches if isinstance(c, DeviceRecallLayerCache)]
-        assert len(caches) == len(seq.caches), "every layer of a recalling method's sequence recalls"
-        per_seq.append(caches)
-    rows = np.stack([np.concatenate([c.recall_rows(t) for c in caches]) for caches, t in zip(per_seq, tokens,
-                                                                                             strict=True)])  # fmt: skip
-    layers = len(per_seq[0])
+    step; None in a prompt's step) recalls on every global layer (a local layer recalls nothing:
+    :data:`NO_RECALL`); and the widest slot list a row attends and the most clusters or pages a
+    row ranks (each at least 1)."""
+    kv = sequences[0].pool.model.kv_heads
+    none = np.tile(NO_RECALL, (kv, 1))
+    per_seq = [[c for c in seq.caches if isinstance(c, DeviceRecallLayerCache)] for seq in sequences]
+    for seq, caches in zip(sequences, per_seq, strict=True):
+        assert len(caches) == _global_layers(seq), "every global layer of a recalling method's sequence recalls"
+    rows = np.stack([
+        np.concatenate([c.recall_rows(t) if isinstance(c, DeviceRecallLayerCache) else none for c in seq.caches])
+        for seq, t in zip(sequences, tokens, strict=True)
+    ])  # fmt: skip
+    layers = len(sequences[0].caches)
     # [sequences, layers * kv, fields] -> [layers, sequences * kv, fields]
     recall = np.ascontiguousarray(rows.reshape(len(sequences), layers, -1, rows.shape[-1]).transpose(1, 0, 2, 3))
     recall = recall.reshape(layers, -1, rows.shape[-1])
@@ -184,19 +188,27 @@ def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) 
     return recall, max(width, 1), max(candidates, 1)
 
 
+def _global_layers(seq: PluginKVSequence) -> int:
+    """How many of ``seq``'s layers are global: its method's (a local layer's cache is its window's)."""
+    return sum(not isinstance(c, DeviceWindowLayerCache) for c in seq.caches)
+
+
 def _merge_inputs(sequences: list[PluginKVSequence], shown: StepPadding) -> tuple[np.ndarray, int]:
     """Chelsea's ``kvc_merge`` of a step (:data:`~ov_kvcrush.transformations.plugin_attention.MERGE_INPUTS`),
     a row per (sequence, KV head) as :func:`plan_step`'s (the padding's merge nothing), each
     merging row's words placed in the scratch (as many for every row: the most a merging row
     holds); and the scratch's bytes."""
-    per_seq = []
-    for seq in sequences:
-        caches = [c for c in seq.caches if isinstance(c, DeviceChelseaLayerCache)]
-        assert len(caches) == len(seq.caches), "every layer of a merging method's sequence merges"
-        per_seq.append(np.stack([c.merge_fields() for c in caches]))  # [layers, kv, width]
+    kv = sequences[0].pool.model.kv_heads
     nothing = np.zeros(len(MERGE_FIELDS), np.int32)
     nothing[[MERGE_FIELDS.index("degrees"), MERGE_FIELDS.index("scores")]] = -1
-    merge = shown.rows(np.concatenate(per_seq, axis=1), sequences[0].pool.model.kv_heads, nothing)
+    per_seq = []
+    for seq in sequences:
+        merging = [c for c in seq.caches if isinstance(c, DeviceChelseaLayerCache)]
+        assert len(merging) == _global_layers(seq), "every global layer of a merging method's sequence merges"
+        fields = [c.merge_fields() if isinstance(c, DeviceChelseaLayerCache) else np.tile(nothing, (kv, 1))
+                  for c in seq.caches]  # fmt: skip
+        per_seq.append(np.stack(fields))  # [layers, kv, width]: a local layer merges nothing
+    merge = shown.rows(np.concatenate(per_seq, axis=1), kv, nothing)
     held = merge[:, :, MERGE_FIELDS.index("held")]
     words = merge_scratch_words(int(held.max(initial=0)))
     merge[:, :, MERGE_FIELDS.index("scratch")] = np.arange(merge.shape[1]) * words
