@@ -129,3 +129,13 @@ def test_quest_on_gpu_in_f16_keeps_its_f32_logits_within_tolerance(emulation_wor
         error = float(np.abs(a - b).max() / np.abs(b).max())
         assert 0 < error <= F16_TOLERANCE, (case, error)  # 0 would mean f32 ran
         assert (a.argmax(-1) == b.argmax(-1)).all(), case
+
+
+def test_the_plugin_check_refuses_quest_naming_its_oracle(capsys):
+    """``gpu_plugin_check`` compares the GPU's tokens with the CPU op's, which runs no Quest: a
+    clear refusal before any model is read, not a traceback after the first run."""
+    from ov_kvcrush.tools.gpu_plugin_check import main
+
+    assert main(["--methods", "full,quest", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "CPU op's tokens are the check's oracle" in err and "method='quest'" in err, err

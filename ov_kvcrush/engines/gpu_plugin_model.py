@@ -37,7 +37,7 @@ from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import layer_inputs, plugin_layers, runtime
 from ov_kvcrush.gpu.device import Device, device
 from ov_kvcrush.gpu.layout import PoolShape
-from ov_kvcrush.gpu.plugin_cache import ModelShape, ModelVariant, PluginKVPool, PluginKVSequence, local_layers_refusal
+from ov_kvcrush.gpu.plugin_cache import ModelShape, ModelVariant, PluginKVPool, PluginKVSequence
 from ov_kvcrush.gpu.pool import largest_pool
 from ov_kvcrush.gpu.slots import StepLogits
 from ov_kvcrush.gpu.step_plan import DEVICE_TABLES, PluginStep, plan_step
@@ -233,12 +233,9 @@ class PluginModel:
         return self.shared.input_names
 
     def check_method(self, method: MethodConfig) -> None:
-        """A ``ConfigError`` unless this path runs ``method``; a ``UserError`` where it does not
-        beside this model's local layers."""
+        """A ``ConfigError`` unless this path runs ``method`` (beside local layers too: the
+        method runs on the global ones)."""
         require(method, GPU_PLUGIN.name)
-        refusal = local_layers_refusal(self.shape, method)
-        if refusal:
-            raise UserError(refusal)
 
     def pool_limit(self) -> int:
         """The most blocks a pool may hold: one buffer, the device's largest allocation (its memory

@@ -73,28 +73,12 @@ class ModelVariant:
     merge: bool = False
 
 
-def local_layers_refusal(model: ModelShape, method: MethodConfig) -> str | None:
-    """Why ``method`` cannot run over ``model``'s local layers on the plugin, or None (a model
-    without them, or a method other than KVzip: a local layer attends its window and takes none
-    of the method's layers, a recall's, a merge's or the 2-bit store's, which run on the global
-    layers; KVzip's scoring pass repeats the context through every layer)."""
-    if not any(model.windows) or not isinstance(method, KVzipConfig):
-        return None
-    return (
-        f"device GPU runs {method.name} on models with global attention layers only (this model has local ones, "
-        "through which its scoring pass is not built; beside them any other method runs)"
-    )
-
-
 class PluginKVPool:
     """``blocks`` blocks of ``shape`` on the device (a :class:`DevicePool`), shared with the
     plugin, and the sequences of ``method`` over them."""
 
     def __init__(self, model: ModelShape, shape: PoolShape, blocks: int, method: MethodConfig, dev: Device) -> None:
         require(method, GPU_PLUGIN.name)
-        refusal = local_layers_refusal(model, method)
-        if refusal:
-            raise UserError(refusal)
         self.model = model
         self.method = method
         self.device_pool = DevicePool(shape, blocks, dev=dev, grow=True)  # one chunk, more as asked
@@ -250,15 +234,20 @@ class PluginKVSequence:
 
     # ---- the method's scoring pass (KVzip)
     def _scoring_caches(self) -> list[DeviceKVzipLayerCache]:
+        """The global layers' caches, the method's, which score (a local layer's attends its
+        window through the pass and keeps nothing of it)."""
         caches = [c for c in self.caches if isinstance(c, DeviceKVzipLayerCache)]
-        if len(caches) != len(self.caches):
+        if not caches or len(caches) != len(self.caches) - len(self._window_caches()):
             raise UserError(f"method {self.pool.method.name} has no scoring pass")
         return caches
+
+    def _window_caches(self) -> list[DeviceWindowLayerCache]:
+        return [c for c in self.caches if isinstance(c, DeviceWindowLayerCache)]
 
     def score_positions(self, lo: int, hi: int) -> None:
         """The next step is a step of the method's scoring pass that repeats the tokens at
         positions ``[lo, hi)``: the model attends them and the sinks, and they are scored."""
-        for cache in self._scoring_caches():
+        for cache in [*self._scoring_caches(), *self._window_caches()]:
             cache.score_positions(lo, hi)
 
     def end_scoring_pass(self, select: bool = True) -> None:
@@ -267,7 +256,7 @@ class PluginKVSequence:
         cache stays as it was)."""
         caches = self._scoring_caches()
         self.pool.device_pool.phase = "prompt"  # where its crossings count: compressing the prompt
-        for cache in caches:
+        for cache in [*caches, *self._window_caches()]:
             cache.end_scoring_pass(keep_scores=select)
         if not select:
             return

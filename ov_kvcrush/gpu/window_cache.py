@@ -8,6 +8,8 @@ slots, which hold consecutive positions, since nothing is evicted from the layer
 step the blocks whose every slot lies before the next rows' windows go back to the pool: the layer
 holds the window, the step's tokens and less than a block more, as the ring does (blocks handed
 back rather than overwritten: the tables stay in slot order, so the kernels need no ring offset).
+In a step of the method's scoring pass (KVzip's, run on the global layers) the layer attends its
+window as a decode step would, scores nothing, and keeps nothing of the step (the CPU op's rule).
 """
 
 from __future__ import annotations
@@ -30,6 +32,35 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
             raise ValueError(f"window {window}: a local layer's window is at least 1 token")
         super().__init__(pool, kv_heads, q_heads)
         self.window = window
+        #: the next step is a step of the method's scoring pass
+        self.scoring = False
+        #: the tokens held before the scoring step being fed (None: no such step)
+        self.before_scoring: int | None = None
+
+    # ---- a step of the method's scoring pass
+    def score_positions(self, lo: int, hi: int) -> None:
+        """The next step is a step of the method's scoring pass (whatever it repeats: the layer
+        attends its window and drops the step after)."""
+        self.scoring = True
+
+    def end_scoring_pass(self, keep_scores: bool = True) -> None:
+        """The pass is over; a step of it the model did not finish dropped too."""
+        self._drop_scoring_step()
+        self.scoring = False
+
+    def attends_own(self, t: int) -> bool:
+        return self.scoring or super().attends_own(t)
+
+    def reserve(self, t: int) -> None:
+        if self.scoring:
+            self.before_scoring = self.seen
+        super().reserve(t)
+
+    def _drop_scoring_step(self) -> None:
+        """The scoring step's tokens forgotten, its blocks given back (the window kept whole)."""
+        if self.before_scoring is not None:
+            super().truncate(self.before_scoring)
+            self.before_scoring = None
 
     def first_seen(self, position: int) -> int:
         """The first position the rows from ``position`` on see: the row at ``position`` sees
@@ -37,7 +68,12 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
         return max(0, position - self.window + 1)
 
     def after_model_step(self, rows: Any, t: int, logits: StepLogits | None = None, sums: Any = None) -> None:
-        """No method's work; the whole blocks before the next rows' windows back to the pool."""
+        """No method's work; the whole blocks before the next rows' windows back to the pool (after
+        a scoring step, its tokens instead)."""
+        if self.before_scoring is not None:
+            self._drop_scoring_step()
+            self.scoring = False
+            return
         self.forget_passed_blocks()
 
     def forget_passed_blocks(self) -> None:

@@ -20,7 +20,7 @@ from ov_kvcrush.config import CompressionConfig, GenerationSettings, MethodSpec
 from ov_kvcrush.errors import UserError
 from ov_kvcrush.gpu import emulation, runtime
 from ov_kvcrush.methods import require
-from ov_kvcrush.methods.runtimes import GPU_PLUGIN
+from ov_kvcrush.methods.runtimes import CPU_OP, GPU_PLUGIN
 from ov_kvcrush.outputs import write_atomic
 from ov_kvcrush.tools.gpu_generate import essay_prompt
 
@@ -75,6 +75,24 @@ def run_greedy(
     return runs
 
 
+def read_compressions(methods: list[str], budget: int) -> list[CompressionConfig]:
+    """Each of ``methods`` (``NAME`` or ``NAME:KEY=VALUE[:...]``) at ``budget`` (the full cache at
+    none), checked before any run: the plugin runs it, and the CPU op, the check's oracle, too."""
+    compressions = []
+    for method in methods:
+        spec = MethodSpec.read(method)
+        name = spec.method
+        compression = CompressionConfig(method=name, budget=None if name == "full" else budget,
+                                        options=spec.method_options())  # fmt: skip
+        require(compression.method_config(), GPU_PLUGIN.name)
+        try:
+            require(compression.method_config(), CPU_OP.name)
+        except UserError as e:
+            raise UserError(f"the CPU op's tokens are the check's oracle, and {e}") from e
+        compressions.append(compression)
+    return compressions
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ov_kvcrush.tools.gpu_plugin_check", description=__doc__.split("\n\n")[0]
@@ -107,14 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     from ov_kvcrush.tools.model_coverage import F32
 
     methods = args.methods.split(",")
-    compressions = []
     try:
-        for method in methods:
-            spec = MethodSpec.read(method)
-            name, options = spec.method, spec.method_options()
-            budget = None if name == "full" else args.budget
-            compressions.append(CompressionConfig(method=name, budget=budget, options=options))
-            require(compressions[-1].method_config(), GPU_PLUGIN.name)  # before any run
+        compressions = read_compressions(methods, args.budget)
     except UserError as e:
         print(f"plugin_check: {e}", file=sys.stderr)
         return 2
