@@ -30,14 +30,13 @@ def kernel_dir() -> Path:
     raise runtime.GPUPathError(f"the OpenCL kernels (plugins/gpu/kernels) are not found next to {package}")
 
 
-@cache
 def kernel_define(source: str, name: str) -> int:
     """The integer ``#define name`` of kernel file ``source``: a layout's one copy (a row's fields),
     which the host that packs the rows reads rather than repeats."""
-    found = re.search(rf"^#define {name} (\d+)$", (kernel_dir() / source).read_text(), re.M)
-    if found is None:
+    defines = kernel_defines(source)
+    if name not in defines:
         raise AssertionError(f"{source} defines {name}")
-    return int(found[1])
+    return defines[name]
 
 
 @cache

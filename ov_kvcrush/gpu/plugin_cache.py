@@ -237,7 +237,7 @@ class PluginKVSequence:
         """The global layers' caches, the method's, which score (a local layer's attends its
         window through the pass and keeps nothing of it)."""
         caches = [c for c in self.caches if isinstance(c, DeviceKVzipLayerCache)]
-        if not caches or len(caches) != len(self.caches) - len(self._window_caches()):
+        if not caches or len(caches) != sum(c.method_runs for c in self.caches):
             raise UserError(f"method {self.pool.method.name} has no scoring pass")
         return caches
 

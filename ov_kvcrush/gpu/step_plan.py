@@ -18,7 +18,6 @@ from ov_kvcrush.gpu.plugin_cache import PluginKVPool, PluginKVSequence
 from ov_kvcrush.gpu.quant_cache import DeviceQuantEvictionLayerCache
 from ov_kvcrush.gpu.recall_cache import DeviceRecallLayerCache
 from ov_kvcrush.gpu.step_shape import StepPadding, step_size, table_width
-from ov_kvcrush.gpu.window_cache import DeviceWindowLayerCache
 
 #: the block tables' inputs, kept on the device across steps and sent as they change
 #: (:class:`~ov_kvcrush.gpu.table_mirror.TableMirror`): a step's bytes count them as they are sent
@@ -189,8 +188,8 @@ def _recall_inputs(sequences: list[PluginKVSequence], tokens: list[int | None]) 
 
 
 def _global_layers(seq: PluginKVSequence) -> int:
-    """How many of ``seq``'s layers are global: its method's (a local layer's cache is its window's)."""
-    return sum(not isinstance(c, DeviceWindowLayerCache) for c in seq.caches)
+    """How many of ``seq``'s layers are global: those its method runs on (not a local layer's)."""
+    return sum(c.method_runs for c in seq.caches)
 
 
 def _merge_inputs(sequences: list[PluginKVSequence], shown: StepPadding) -> tuple[np.ndarray, int]:

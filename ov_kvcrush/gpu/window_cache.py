@@ -45,8 +45,7 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
 
     def end_scoring_pass(self, keep_scores: bool = True) -> None:
         """The pass is over; a step of it the model did not finish dropped too."""
-        self._drop_scoring_step()
-        self.scoring = False
+        self._end_scoring_step()
 
     def attends_own(self, t: int) -> bool:
         return self.scoring or super().attends_own(t)
@@ -56,11 +55,13 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
             self.before_scoring = self.seen
         super().reserve(t)
 
-    def _drop_scoring_step(self) -> None:
-        """The scoring step's tokens forgotten, its blocks given back (the window kept whole)."""
+    def _end_scoring_step(self) -> None:
+        """The scoring step's tokens, where it stored any, forgotten and its blocks given back (the
+        window kept whole); the layer's next step is its own again."""
         if self.before_scoring is not None:
             super().truncate(self.before_scoring)
             self.before_scoring = None
+        self.scoring = False
 
     def first_seen(self, position: int) -> int:
         """The first position the rows from ``position`` on see: the row at ``position`` sees
@@ -71,8 +72,7 @@ class DeviceWindowLayerCache(DeviceFullLayerCache):
         """No method's work; the whole blocks before the next rows' windows back to the pool (after
         a scoring step, its tokens instead)."""
         if self.before_scoring is not None:
-            self._drop_scoring_step()
-            self.scoring = False
+            self._end_scoring_step()
             return
         self.forget_passed_blocks()
 
