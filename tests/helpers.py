@@ -491,6 +491,14 @@ def teacher_forced(
     return out
 
 
+def word_texts(lengths: tuple[int, ...], seed: int = 7) -> list[str]:
+    """Texts of ``lengths`` words drawn from a few (the GPU checks' prompts that a tokenizer reads:
+    a recall method's tests, whose oracle is the torch reference over the text)."""
+    rng = np.random.default_rng(seed)
+    words = ["river", "stone", "amber", "north", "quiet", "lamp", "harvest", "seven", "copper", "field", "window"]
+    return [" ".join(rng.choice(words, n)) for n in lengths]
+
+
 def batched_beside_decoding(
     model_dir: str, prompts: list[list[int]], device: str, compression: Any, block_size: int, new_tokens: int,
     step_tokens: int, whole: bool = True,

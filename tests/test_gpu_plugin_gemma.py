@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import batched_beside_decoding, check_gpu_gives_cpu_ops_tokens
+from helpers import batched_beside_decoding, check_gpu_gives_cpu_ops_tokens, word_texts
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 
@@ -122,15 +122,9 @@ def test_on_gpu_gemma2s_soft_capped_logits_give_the_cpu_ops_tokens(emulation_wor
 QUEST = CompressionConfig(method="quest", budget=32, options={"page_size": 8, "dense_layers": 0})
 
 
-def _texts() -> list[str]:
-    rng = np.random.default_rng(7)
-    words = ["river", "stone", "amber", "north", "quiet", "lamp", "harvest", "seven", "copper", "field", "window"]
-    return [" ".join(rng.choice(words, n)) for n in (110, 70, 95, 60, 85)]
-
-
-def _reference_tokens(checkpoint: str, texts: list[str]) -> list[list[list[int]]]:
-    """Quest's, then the full cache's, greedy tokens for each text by the torch reference (its
-    local layer a window cache, the method on the global one)."""
+def _reference(checkpoint: str, texts: list[str]) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Each text's ids, and Quest's, then the full cache's, greedy tokens for each by the torch
+    reference (its local layer a window cache, the method on the global one)."""
     from ov_kvcrush.engines.torch_engine import TorchEngine
 
     engine = TorchEngine(checkpoint)
@@ -139,34 +133,7 @@ def _reference_tokens(checkpoint: str, texts: list[str]) -> list[list[list[int]]
     for compression in (QUEST, CompressionConfig(method="full")):
         engine.set_compression(compression)
         out.append([list(engine.generate(text, settings).token_ids) for text in texts])
-    return out
-
-
-def _quest_together(model_dir: str, texts: list[str]) -> tuple[list[list[int]], dict]:
-    """On ``GPU``, Quest's greedy tokens of four texts decoding together when the fifth arrives,
-    every text in chunks of at most :data:`STEP_TOKENS` tokens; the loop's counts."""
-    import openvino_genai
-
-    from ov_kvcrush.serving.openvino_engine import OpenVINOEngine
-    from ov_kvcrush.tools.model_coverage import F32
-
-    sc = openvino_genai.SchedulerConfig()
-    sc.max_num_batched_tokens, sc.max_num_seqs = STEP_TOKENS, 8
-    engine = OpenVINOEngine(model_dir, device="GPU", kv_precision="f32", block_size=BLOCK, properties=F32,
-                            scheduler_config=sc)  # fmt: skip
-    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    try:
-        engine.set_compression(QUEST)
-        loop = engine.batcher
-        handles = [loop.add_request(i, engine.encode(text), settings) for i, text in enumerate(texts[:4])]
-        while loop.stats["decode_rows"] < 4:
-            loop.step()
-        handles.append(loop.add_request(4, engine.encode(texts[4]), settings))
-        while loop.has_non_finished_requests():
-            loop.step()
-        return [list(h.result().token_ids) for h in handles], dict(loop.stats)
-    finally:
-        engine.close()
+    return [engine.encode(text) for text in texts], out
 
 
 @pytest.mark.model
@@ -176,9 +143,12 @@ def test_on_gpu_quest_beside_a_local_layer_gives_the_references_tokens(emulation
     (the CPU op runs no Quest), which the pages change (the full cache's differ)."""
     from ov_kvcrush.models.families import tiny_checkpoint
 
-    texts = _texts()
-    quest, full = _reference_tokens(str(tiny_checkpoint("gemma3")), texts)
-    got, stats = emulation_worker.submit(_quest_together, tiny_gemma3_ir, texts).result(timeout=900)
+    texts = word_texts((110, 70, 95, 60, 85))
+    ids, (quest, full) = _reference(str(tiny_checkpoint("gemma3")), texts)
+    args = (QUEST, BLOCK, NEW_TOKENS, STEP_TOKENS, False)
+    got, _, stats = emulation_worker.submit(batched_beside_decoding, tiny_gemma3_ir, ids, "GPU", *args).result(
+        timeout=900
+    )
     assert got == quest
     assert stats["prefill_chunks"] > len(texts)
     assert quest != full

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import word_texts
 
 from ov_kvcrush.config import CompressionConfig, GenerationSettings
 
@@ -25,12 +26,6 @@ F16_TOLERANCE = 1e-2
 
 def _compression(budget: int | None, options: dict) -> CompressionConfig:
     return CompressionConfig(method="quest" if budget else "full", budget=budget, options=options)
-
-
-def _texts() -> list[str]:
-    rng = np.random.default_rng(7)
-    words = ["river", "stone", "amber", "north", "quiet", "lamp", "harvest", "seven", "copper", "field", "window"]
-    return [" ".join(rng.choice(words, n)) for n in PROMPT_WORDS]
 
 
 def _reference(checkpoint: str, texts: list[str]) -> list[list[list[int]]]:
@@ -86,7 +81,7 @@ def test_quest_on_gpu_gives_the_references_tokens_alone_and_decoding_beside_a_ch
 ):
     from ov_kvcrush.models.families import tiny_checkpoint
 
-    texts = _texts()
+    texts = word_texts(PROMPT_WORDS)
     want = _reference(str(tiny_checkpoint("llama3")), texts)
     # over 15 minutes under the emulation on a 2-core CPU without AVX-512 with benchmarks beside
     # the suite (2026-11-29): the limit only catches a hang
@@ -121,7 +116,7 @@ def test_quest_on_gpu_in_f16_keeps_its_f32_logits_within_tolerance(emulation_wor
     teacher-forced: within :data:`F16_TOLERANCE` of the largest logit, the same greedy token."""
     from ov_kvcrush.tools.model_coverage import F32
 
-    text = _texts()[0]
+    text = word_texts(PROMPT_WORDS)[0]
     forced = [int(t) for t in np.random.default_rng(5).integers(10, 380, NEW_TOKENS)]
     f32 = emulation_worker.submit(_teacher_forced, tiny_llama3_ir, text, forced, F32).result(timeout=900)
     f16 = emulation_worker.submit(_teacher_forced, tiny_llama3_ir, text, forced, {}).result(timeout=900)
